@@ -1,0 +1,51 @@
+"""One byte budget per device for full-attention KV, sliding-window KV and recurrent state."""
+
+from hybridkv.memory.errors import (
+    InvalidIds,
+    LayoutError,
+    MemoryPoolError,
+    OutOfMemory,
+    PinnedError,
+)
+from hybridkv.memory.gates import MoveGate
+from hybridkv.memory.layout import (
+    FULL_POOL,
+    MLA_POOL,
+    STATE_POOL,
+    CellLayout,
+    Segment,
+    build_layouts,
+    swa_pool_name,
+)
+from hybridkv.memory.sizing import (
+    MemoryHints,
+    MemoryPlan,
+    format_bytes,
+    parse_bytes,
+    plan_memory,
+)
+from hybridkv.memory.unified import MemoryStats, PoolStats, UnifiedMemory
+
+__all__ = [
+    "FULL_POOL",
+    "MLA_POOL",
+    "STATE_POOL",
+    "CellLayout",
+    "InvalidIds",
+    "LayoutError",
+    "MemoryHints",
+    "MemoryPlan",
+    "MemoryPoolError",
+    "MemoryStats",
+    "MoveGate",
+    "OutOfMemory",
+    "PinnedError",
+    "PoolStats",
+    "Segment",
+    "UnifiedMemory",
+    "build_layouts",
+    "format_bytes",
+    "parse_bytes",
+    "plan_memory",
+    "swa_pool_name",
+]

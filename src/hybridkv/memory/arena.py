@@ -1,0 +1,89 @@
+"""Arena: one byte buffer per device (the whole budget), handed out in slabs.
+
+Layout of the buffer::
+
+    [ sink | slab 0 | slab 1 | ... | slab n-1 | tail ]
+
+- The *sink* holds cell 0 of every sub-pool (the padding page / dummy state slot that
+  kernels may write into); no real cell ever overlaps it.
+- Each *slab* is owned by at most one sub-pool at a time (``owner[j]``, -1 when free). A
+  sub-pool may only use grid cells whose bytes lie entirely inside slabs it owns, so two
+  sub-pools never share a byte, and the split between sub-pools floats slab by slab.
+- ``slab_live[j]`` counts live cells touching slab ``j``; a slab returns to the free list
+  only at zero, so releasing a slab never drops data.
+- The *tail* is what is left after the last whole slab; it is never used.
+
+``device="meta"`` gives an arena without data bytes: every table is real (on the CPU), every
+byte copy is skipped, so capacity planning can replay traffic for any model on a laptop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FREE_SLAB = -1
+
+
+class Arena:
+    def __init__(self, nbytes: int, sink_bytes: int, slab_bytes: int, device: str | torch.device):
+        if slab_bytes <= 0 or sink_bytes < 0:
+            raise ValueError(f"slab_bytes must be > 0 and sink_bytes >= 0 (got {slab_bytes}, {sink_bytes})")
+        if nbytes < sink_bytes + slab_bytes:
+            raise ValueError(
+                f"arena of {nbytes} B cannot hold the sink ({sink_bytes} B) and one slab "
+                f"({slab_bytes} B); raise the memory budget"
+            )
+        self.device = torch.device(device)
+        self.nbytes = nbytes
+        self.sink_bytes = sink_bytes
+        self.slab_bytes = slab_bytes
+        self.num_slabs = (nbytes - sink_bytes) // slab_bytes
+        self.tail_bytes = nbytes - sink_bytes - self.num_slabs * slab_bytes
+        self.owner = np.full(self.num_slabs, FREE_SLAB, dtype=np.int64)
+        self.slab_live = np.zeros(self.num_slabs, dtype=np.int64)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @property
+    def has_data(self) -> bool:
+        return self.device.type != "meta"
+
+    @property
+    def table_device(self) -> torch.device:
+        """Where page tables live: the arena's device, or the CPU for a meta arena."""
+        return torch.device("cpu") if self.device.type == "meta" else self.device
+
+    @property
+    def free_slabs(self) -> int:
+        return int(np.count_nonzero(self.owner == FREE_SLAB))
+
+    def slab_span(self, slab: int) -> tuple[int, int]:
+        start = self.sink_bytes + slab * self.slab_bytes
+        return start, start + self.slab_bytes
+
+    def take_free_slab(self) -> int | None:
+        free = np.flatnonzero(self.owner == FREE_SLAB)
+        return int(free[0]) if free.size else None
+
+    def strided_view(
+        self, dtype: torch.dtype, cells: int, cell_bytes: int, offset: int, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """``cells`` copies of a ``shape`` tensor, one every ``cell_bytes``, from ``offset``."""
+        size = dtype.itemsize
+        if cell_bytes % size or offset % size:
+            raise ValueError(
+                f"view of {dtype} needs cell stride {cell_bytes} and offset {offset} to be "
+                f"multiples of {size}"
+            )
+        typed = self.buffer[: self.nbytes - self.nbytes % size].view(dtype)
+        inner = []
+        step = 1
+        for dim in reversed(shape):
+            inner.append(step)
+            step *= dim
+        strides = (cell_bytes // size, *reversed(inner))
+        return typed.as_strided((cells, *shape), strides, offset // size)
+
+    def cell_grid(self, cells: int, cell_bytes: int) -> torch.Tensor:
+        """The arena as ``cells`` rows of ``cell_bytes`` bytes (uint8), for whole-cell copies."""
+        return self.buffer[: cells * cell_bytes].view(cells, cell_bytes)

@@ -1,0 +1,28 @@
+"""Errors of the memory package. Every one leaves the pools exactly as they were."""
+
+from __future__ import annotations
+
+
+class MemoryPoolError(Exception):
+    """Base class: a memory operation refused; nothing was changed."""
+
+
+class OutOfMemory(MemoryPoolError):
+    """Not enough free cells, free slabs or movable bytes for the request."""
+
+    def __init__(self, message: str, short: dict[str, int] | None = None):
+        super().__init__(message)
+        self.short = short or {}
+        """Cells missing per pool name when the request was refused."""
+
+
+class InvalidIds(MemoryPoolError, ValueError):
+    """Ids that are out of range, never allocated, already freed, duplicated or misaligned."""
+
+
+class PinnedError(MemoryPoolError):
+    """An operation needs to move or free a page that a move gate still pins."""
+
+
+class LayoutError(MemoryPoolError, ValueError):
+    """A budget, geometry or layout that cannot work; the message names what to change."""

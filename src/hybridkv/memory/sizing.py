@@ -1,0 +1,153 @@
+"""Sizing: from (shard, byte budget, hints) to an arena plan, or a clear start-up error.
+
+Invariants:
+- The sink is exactly one largest cell; slabs are a whole multiple of the largest cell, so
+  the pool with the largest cells (usually recurrent state) wastes nothing at slab edges.
+- A plan exists only if one worst-case request fits (the feasibility floor): full-history
+  pools hold ``max_context`` tokens, each sliding-window pool holds its window plus one
+  prefill chunk, the state pool holds one slot; each pool rounded up to whole slabs. An
+  infeasible budget fails here, at start-up, naming the numbers and what to change,
+  instead of livelocking once traffic arrives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from hybridkv.memory.errors import LayoutError
+from hybridkv.memory.layout import CellLayout, build_layouts
+from hybridkv.spec import ShardSpec
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GiB"``, ``"1.5 GB"``, ``"4096"`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 4096")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass(frozen=True)
+class MemoryHints:
+    page_size: int = 16
+    max_context: int | None = None
+    """Longest request to guarantee (default: the model's max context)."""
+    chunk_tokens: int = 8192
+    """Largest prefill chunk: SWA pages of a chunk are live before the window frees them."""
+    slab_bytes: int | None = None
+    target_slabs: int = 512
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shard: ShardSpec
+    budget_bytes: int
+    page_size: int
+    layouts: tuple[CellLayout, ...]
+    sink_bytes: int
+    slab_bytes: int
+    max_context: int
+    chunk_tokens: int
+
+    @property
+    def num_slabs(self) -> int:
+        return (self.budget_bytes - self.sink_bytes) // self.slab_bytes
+
+    def worst_case_cells(self) -> dict[str, int]:
+        """Cells each pool needs for one request at ``max_context`` tokens."""
+        out = {}
+        full_pages = math.ceil(self.max_context / self.page_size)
+        for lay in self.layouts:
+            if lay.is_state:
+                out[lay.name] = 1
+            elif lay.is_window:
+                assert lay.window is not None
+                span = min(self.max_context, lay.window + self.chunk_tokens)
+                out[lay.name] = min(full_pages, math.ceil(span / self.page_size) + 1)
+            else:
+                out[lay.name] = full_pages
+        return out
+
+    def min_cells_per_slab(self, layout: CellLayout) -> int:
+        whole = self.slab_bytes // layout.cell_bytes
+        aligned = self.slab_bytes % layout.cell_bytes == 0 and self.sink_bytes % layout.cell_bytes == 0
+        return whole if aligned else whole - 1
+
+    def worst_case_slabs(self) -> dict[str, int]:
+        cells = self.worst_case_cells()
+        return {
+            lay.name: math.ceil(cells[lay.name] / max(1, self.min_cells_per_slab(lay)))
+            for lay in self.layouts
+        }
+
+
+def plan_memory(shard: ShardSpec, budget_bytes: int, hints: MemoryHints | None = None) -> MemoryPlan:
+    hints = hints or MemoryHints()
+    layouts = tuple(build_layouts(shard, hints.page_size))
+    max_context = hints.max_context or shard.model.max_context
+    if max_context <= 0:
+        raise LayoutError(f"max_context must be positive, got {max_context}")
+    largest = max((lay.cell_bytes for lay in layouts), default=4096)
+    if hints.slab_bytes is not None:
+        slab = hints.slab_bytes
+        if slab < largest or slab % largest:
+            raise LayoutError(
+                f"slab_bytes {slab} must be a positive multiple of the largest cell "
+                f"({largest} B, pool {max(layouts, key=lambda lay: lay.cell_bytes).name})"
+            )
+    else:
+        slab = max(1, budget_bytes // max(1, hints.target_slabs) // largest) * largest
+    plan = MemoryPlan(
+        shard=shard,
+        budget_bytes=budget_bytes,
+        page_size=hints.page_size,
+        layouts=layouts,
+        sink_bytes=largest,
+        slab_bytes=slab,
+        max_context=max_context,
+        chunk_tokens=min(hints.chunk_tokens, max_context),
+    )
+    _check_feasible(plan)
+    return plan
+
+
+def _check_feasible(plan: MemoryPlan) -> None:
+    need = plan.worst_case_slabs()
+    total = sum(need.values())
+    have = max(0, plan.num_slabs)
+    if total <= have:
+        return
+    per_pool = ", ".join(
+        f"{name} {plan.worst_case_cells()[name]} cells = {n} slabs" for name, n in need.items()
+    )
+    need_bytes = plan.sink_bytes + total * plan.slab_bytes
+    raise LayoutError(
+        f"{plan.shard.describe()}: a budget of {format_bytes(plan.budget_bytes)} holds "
+        f"{have} slabs of {format_bytes(plan.slab_bytes)}, but one request of "
+        f"{plan.max_context} tokens needs {total} ({per_pool}). Raise the budget to at least "
+        f"{format_bytes(need_bytes)}, lower max_context, or shard the model further (TP/PP)."
+    )

@@ -1,0 +1,672 @@
+"""UnifiedMemory: one byte budget per device for full KV, sliding-window KV and state.
+
+Everything above this package holds *virtual* ids:
+- token locations ``loc = page * page_size + offset``, where ``page`` is a virtual page id
+  shared by every KV pool (full/MLA and each sliding window bind the same page id; a
+  window pool's entry is a tombstone once that page left the window);
+- virtual state slots, one per request state (or prefix-cache checkpoint).
+
+Invariants (``verify()`` proves them):
+- Conservation: every arena byte is exactly one of sink, live cell, free cell, slab-edge
+  waste, free slab or tail; cells of different pools never overlap.
+- A live page is resident in every full-history pool; in a window pool it is resident or
+  tombstoned. A free page is resident nowhere. The same holds for state slots.
+- Host tables are authoritative and the device tables mirror them. Hot-path calls (alloc,
+  alloc_extend, alloc_decode, free, free_segment, free groups, state alloc/free/fork,
+  translate) never read device memory: no ``.item()``, ``.tolist()``, ``bool(tensor)``,
+  ``torch.unique``, ``nonzero`` or scalar tensor assignment. Capacity lives in host counters.
+- A refused call (bad ids, pinned ids, out of memory) changes nothing.
+- Compaction moves whole cells (all layers' bytes of a page or a state slot) and rebinds
+  ``v2p``/``p2v``; it never moves a pinned id, and it runs only when a pool needs bytes
+  that no hole and no free slab can give (or when asked to, e.g. when idle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.memory.arena import FREE_SLAB, Arena
+from hybridkv.memory.errors import InvalidIds, OutOfMemory, PinnedError
+from hybridkv.memory.gates import GateRegistry, MoveGate
+from hybridkv.memory.layout import CellLayout
+from hybridkv.memory.pool import FREE, LIVE, SubPool, to_index
+from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
+from hybridkv.memory.virtual import VirtualIds
+from hybridkv.spec import ShardSpec
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+IdsLike = np.ndarray | list[int] | torch.Tensor
+
+
+def _host_ids(ids: IdsLike | np.ndarray, what: str) -> np.ndarray:
+    """Accept host ids only: a device tensor here would need a blocking read."""
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type != "cpu":
+            raise TypeError(
+                f"{what}: pass host ids (numpy or CPU); reading a {ids.device} tensor would "
+                "block the host on the device"
+            )
+        ids = ids.numpy()
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise InvalidIds(f"{what}: ids must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    name: str
+    cell_bytes: int
+    page_size: int
+    slabs: int
+    live_cells: int
+    free_cells: int
+    live_bytes: int
+    free_bytes: int
+    edge_waste_bytes: int
+    padding_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    budget_bytes: int
+    sink_bytes: int
+    tail_bytes: int
+    slab_bytes: int
+    free_slabs: int
+    total_slabs: int
+    pools: tuple[PoolStats, ...]
+    live_pages: int
+    live_slots: int
+    bytes_moved: int
+    cells_moved: int
+
+    @property
+    def free_slab_bytes(self) -> int:
+        return self.free_slabs * self.slab_bytes
+
+    @property
+    def waste_bytes(self) -> int:
+        """Bytes that can hold no data now: slab edges, sink, tail (cell padding is separate)."""
+        return sum(p.edge_waste_bytes for p in self.pools) + self.sink_bytes + self.tail_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "sink_bytes": self.sink_bytes,
+            "tail_bytes": self.tail_bytes,
+            "slab_bytes": self.slab_bytes,
+            "free_slabs": self.free_slabs,
+            "total_slabs": self.total_slabs,
+            "live_pages": self.live_pages,
+            "live_slots": self.live_slots,
+            "waste_bytes": self.waste_bytes,
+            "bytes_moved": self.bytes_moved,
+            "cells_moved": self.cells_moved,
+            "pools": {p.name: {k: v for k, v in p.__dict__.items() if k != "name"} for p in self.pools},
+        }
+
+
+class UnifiedMemory:
+    def __init__(self, plan: MemoryPlan, device: str | torch.device = "cpu"):
+        self.plan = plan
+        self.shard = plan.shard
+        self.page_size = plan.page_size
+        self.arena = Arena(plan.budget_bytes, plan.sink_bytes, plan.slab_bytes, device)
+        token_layouts = [lay for lay in plan.layouts if not lay.is_state]
+        page_capacity = max(
+            (self.arena.nbytes // lay.cell_bytes for lay in token_layouts),
+            default=-(-plan.max_context // plan.page_size) * 64,
+        )
+        state_layout = next((lay for lay in plan.layouts if lay.is_state), None)
+        slot_capacity = self.arena.nbytes // state_layout.cell_bytes if state_layout else 2
+        self.pages = VirtualIds("page", page_capacity)
+        self.slots = VirtualIds("state slot", slot_capacity)
+        self.pools: dict[str, SubPool] = {}
+        for index, lay in enumerate(plan.layouts):
+            cap = slot_capacity if lay.is_state else page_capacity
+            self.pools[lay.name] = SubPool(index, lay, self.arena, cap)
+        self.token_pools = [p for p in self.pools.values() if not p.layout.is_state]
+        self.history_pools = [p for p in self.token_pools if not p.layout.is_window]
+        self.window_pools = [p for p in self.token_pools if p.layout.is_window]
+        self.state_pool = next((p for p in self.pools.values() if p.layout.is_state), None)
+        self.gates = GateRegistry(page_capacity, slot_capacity)
+        self._group: list[np.ndarray] | None = None
+        self.cells_moved = 0
+        self.bytes_moved = 0
+        self._layer_pool: dict[int, SubPool] = {
+            lid: pool for pool in self.pools.values() for lid in pool.layout.layer_ids
+        }
+
+    @classmethod
+    def create(
+        cls,
+        shard: ShardSpec,
+        budget: int | str,
+        device: str | torch.device = "cpu",
+        **hints: object,
+    ) -> UnifiedMemory:
+        """Plan and build in one call: ``UnifiedMemory.create(shard, "8GiB", page_size=16)``."""
+        plan = plan_memory(shard, parse_bytes(budget), MemoryHints(**hints))  # type: ignore[arg-type]
+        return cls(plan, device)
+
+    # --- geometry -------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.arena.device
+
+    def layout(self, name: str) -> CellLayout:
+        return self._pool(name).layout
+
+    def pool_of_layer(self, layer_id: int) -> SubPool:
+        try:
+            return self._layer_pool[layer_id]
+        except KeyError:
+            start, end = self.shard.bounds
+            if not self.shard.has_layer(layer_id):
+                raise KeyError(
+                    f"layer {layer_id} is not on this shard ({self.shard.describe()}, layers "
+                    f"[{start}, {end}))"
+                ) from None
+            raise KeyError(f"layer {layer_id} keeps no memory (an MLP-only layer)") from None
+
+    def view(self, layer_id: int, tensor: str) -> torch.Tensor:
+        """Strided view of one layer's tensor over the whole grid.
+
+        KV: ``(cells, page_size, heads, head_dim)`` for ``"k"``/``"v"``; MLA: ``(cells,
+        page_size, 1, kv_lora_rank + rope_dim)`` for ``"latent"``; state: ``(cells, *shape)``
+        for each state tensor name. Index the first dim with ``translate``'s page cells.
+        """
+        return self.pool_of_layer(layer_id).view(layer_id, tensor)
+
+    def geometry(self, layer_id: int) -> dict[str, object]:
+        """This shard's geometry of one layer: kind, heads, dims, dtypes, pool."""
+        pool = self.pool_of_layer(layer_id)
+        segs = [s for s in pool.layout.segments if s.layer_id == layer_id]
+        return {
+            "layer_id": layer_id,
+            "pool": pool.name,
+            "kind": self.shard.local_kind(layer_id),
+            "tensors": {s.tensor: (tuple(s.shape), s.dtype) for s in segs},
+            "page_size": pool.layout.page_size,
+        }
+
+    def _pool(self, name: str) -> SubPool:
+        try:
+            return self.pools[name]
+        except KeyError:
+            raise KeyError(f"no pool {name!r} on this shard; pools: {list(self.pools)}") from None
+
+    # --- capacity -------------------------------------------------------------------------
+
+    def _reserve(self, needs: dict[str, int]) -> None:
+        """Make ``needs[pool]`` FREE cells available in each pool, or raise with no change.
+
+        Holes first, then free slabs, then compaction (moving another pool's live cells out
+        of a sparse slab). Slabs taken here and left unused are handed back on failure.
+        """
+        taken: list[tuple[SubPool, int]] = []
+        for name, need in needs.items():
+            pool = self.pools[name]
+            while pool.free_count < need:
+                slab = self._free_slab_for(pool)
+                if slab is None:
+                    slab = self._reclaim_slab(pool, needs)
+                if slab is None:
+                    for owner, s in reversed(taken):
+                        if self.arena.owner[s] == owner.index and self.arena.slab_live[s] == 0:
+                            owner.release_slab(s)
+                    short = {n: max(0, k - self.pools[n].free_count) for n, k in needs.items()}
+                    raise OutOfMemory(
+                        f"pool {name!r} needs {need} free cells, has {pool.free_count}; no free "
+                        f"slab and no movable slab left ({self._describe_usage()})",
+                        {n: k for n, k in short.items() if k},
+                    )
+                pool.acquire_slab(slab)
+                taken.append((pool, slab))
+
+    def _free_slab_for(self, pool: SubPool) -> int | None:
+        owner = self.arena.owner
+        free = np.flatnonzero(owner == FREE_SLAB)
+        if free.size == 0:
+            return None
+        left = free - 1
+        right = np.minimum(free + 1, owner.size - 1)
+        adjacent = free[((left >= 0) & (owner[np.maximum(left, 0)] == pool.index)) | (owner[right] == pool.index)]
+        if adjacent.size:
+            return int(adjacent[0])
+        # pools take fresh slabs from alternate ends, so their regions meet in the middle
+        return int(free[-1] if pool.index % 2 else free[0])
+
+    def _reclaim_slab(self, for_pool: SubPool, needs: dict[str, int]) -> int | None:
+        """Empty the cheapest movable slab of another pool; returns it (now free) or None."""
+        self.gates.sweep()
+        owner, live = self.arena.owner, self.arena.slab_live
+        candidates = np.flatnonzero((owner != FREE_SLAB) & (owner != for_pool.index))
+        if candidates.size == 0:
+            return None
+        cell_bytes = np.array([p.cell_bytes for p in sorted(self.pools.values(), key=lambda p: p.index)])
+        cost = live[candidates] * cell_bytes[owner[candidates]]
+        for j in candidates[np.argsort(cost, kind="stable")]:
+            j = int(j)
+            pool = self._pool_by_index(owner[j])
+            a, b = pool._touching(j)
+            cells = a + np.flatnonzero(pool.state[a:b] == LIVE)
+            if pool.free_cells_outside(j) - cells.size < needs.get(pool.name, 0):
+                continue
+            pins = self.gates.slot_pins if pool.layout.is_state else self.gates.page_pins
+            if pins[pool.p2v[cells]].any():
+                continue
+            if cells.size:
+                pool.move(cells, dst_avoid_slab=j)
+                self.cells_moved += cells.size
+                self.bytes_moved += cells.size * pool.cell_bytes
+            if owner[j] == pool.index:  # an empty slab taken earlier in this reservation
+                pool.release_slab(j)
+            return j
+        return None
+
+    def _pool_by_index(self, index: int) -> SubPool:
+        return next(p for p in self.pools.values() if p.index == index)
+
+    def _describe_usage(self) -> str:
+        parts = [f"{p.name}: {p.live_count} live/{p.free_count} free cells" for p in self.pools.values()]
+        return "; ".join(parts) + f"; {self.arena.free_slabs} free slabs"
+
+    def available_pages(self) -> int:
+        """Pages allocatable now without compaction (host counters only)."""
+        if not self.token_pools:
+            return self.pages.free_count
+        free_slabs = self.arena.free_slabs
+        return min(
+            self.pages.free_count,
+            *(p.free_count + free_slabs * self.plan.min_cells_per_slab(p.layout) for p in self.token_pools),
+        )
+
+    # --- pages: allocation ----------------------------------------------------------------
+
+    def alloc_pages(self, count: int) -> np.ndarray:
+        """``count`` fresh virtual pages, resident in every KV pool."""
+        if count < 0:
+            raise InvalidIds(f"alloc_pages: count {count} is negative")
+        if count == 0:
+            return _EMPTY.copy()
+        if count > self.pages.free_count:
+            raise OutOfMemory(
+                f"{count} pages asked, {self.pages.free_count} virtual page ids free",
+                {"page": count - self.pages.free_count},
+            )
+        self._reserve({p.name: count for p in self.token_pools})
+        pages = self.pages.take(count)
+        for pool in self.token_pools:
+            pool.bind(pages, pool.take_cells(count))
+        return pages
+
+    def alloc(self, num_tokens: int) -> np.ndarray:
+        """Token locations for ``num_tokens`` tokens on fresh pages."""
+        pages = self.alloc_pages(-(-num_tokens // self.page_size))
+        ps = self.page_size
+        return (pages[:, None] * ps + np.arange(ps)).reshape(-1)[:num_tokens]
+
+    def alloc_extend(
+        self, prefix_lens: IdsLike, seq_lens: IdsLike, last_locs: IdsLike
+    ) -> np.ndarray:
+        """Batched prefill: request ``i`` grows from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens.
+
+        ``last_locs[i]`` is the location of token ``prefix_lens[i] - 1`` (ignored when the
+        prefix is empty); new tokens first fill that token's page, then fresh pages.
+        Returns the new tokens' locations, request after request.
+        """
+        ps = self.page_size
+        prefix = _host_ids(prefix_lens, "alloc_extend prefix_lens")
+        seq = _host_ids(seq_lens, "alloc_extend seq_lens")
+        last = _host_ids(last_locs, "alloc_extend last_locs")
+        if not prefix.size == seq.size == last.size:
+            raise InvalidIds(
+                f"alloc_extend: {prefix.size} prefix_lens, {seq.size} seq_lens, {last.size} "
+                "last_locs; give one of each per request"
+            )
+        if (prefix < 0).any() or (seq < prefix).any():
+            i = int(np.argmax((prefix < 0) | (seq < prefix)))
+            raise InvalidIds(
+                f"alloc_extend: request {i} has prefix_len {prefix[i]} and seq_len {seq[i]}; "
+                "need 0 <= prefix_len <= seq_len"
+            )
+        self._check_tail(last, prefix, "alloc_extend")
+        old_pages = -(-prefix // ps)
+        new_pages_per = -(-seq // ps) - old_pages
+        pages = self.alloc_pages(int(new_pages_per.sum()))
+        counts = seq - prefix
+        req = np.repeat(np.arange(seq.size), counts)
+        starts = np.cumsum(counts) - counts
+        pos = prefix[req] + (np.arange(req.size) - starts[req])
+        page_index = pos // ps - old_pages[req]
+        first_new = np.cumsum(new_pages_per) - new_pages_per
+        page = last[req] // ps  # tokens that continue the request's last page
+        fresh = page_index >= 0
+        page[fresh] = pages[first_new[req[fresh]] + page_index[fresh]]
+        return page * ps + pos % ps
+
+    def alloc_decode(self, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
+        """Batched decode: one token per request; ``seq_lens`` include the new token."""
+        ps = self.page_size
+        seq = _host_ids(seq_lens, "alloc_decode seq_lens")
+        last = _host_ids(last_locs, "alloc_decode last_locs")
+        if seq.size != last.size:
+            raise InvalidIds(f"alloc_decode: {seq.size} seq_lens but {last.size} last_locs")
+        if (seq < 2).any():
+            raise InvalidIds("alloc_decode: every seq_len must be >= 2 (a prompt token and the new one)")
+        self._check_tail(last, seq - 1, "alloc_decode")
+        new_page = (seq - 1) % ps == 0
+        pages = self.alloc_pages(int(np.count_nonzero(new_page)))
+        out = last + 1
+        out[new_page] = pages * ps
+        return out
+
+    def _check_tail(self, last: np.ndarray, lengths: np.ndarray, what: str) -> None:
+        """``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``."""
+        has = lengths > 0
+        if not has.any():
+            return
+        loc, n = last[has], lengths[has]
+        pages = loc // self.page_size
+        bad = (loc < 0) | (pages >= self.pages.capacity)
+        bad |= ~bad & ~self.pages.live[np.where(bad, 0, pages)]
+        bad |= (pages == 0) | (loc % self.page_size != (n - 1) % self.page_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidIds(
+                f"{what}: last location {loc[i]} does not hold token {n[i] - 1} of a live page "
+                f"(page {pages[i]}, offset {loc[i] % self.page_size}, expected offset "
+                f"{(n[i] - 1) % self.page_size})"
+            )
+
+    # --- pages: release -------------------------------------------------------------------
+
+    def free_pages(self, pages: IdsLike) -> None:
+        """Free virtual pages (each once) in every pool, or buffer them inside a free group."""
+        arr = _host_ids(pages, "free_pages")
+        if self._group is not None:
+            self._check_releasable(arr, "free_pages (free group)")
+            self._group.append(arr.copy())
+            return
+        self._release_pages(arr, "free_pages")
+
+    def free(self, locs: IdsLike) -> None:
+        """Free the pages that hold ``locs`` (any tokens of them, in any order)."""
+        arr = _host_ids(locs, "free")
+        self.free_pages(np.unique(arr // self.page_size))
+
+    def free_segment(self, locs: IdsLike, start_pos: int) -> None:
+        """Free one request's row from position ``start_pos``: ``locs`` are its tokens there.
+
+        Frees every page whose first position is ``>= start_pos``, found from one
+        representative per page (``locs[k::page_size]``), never by sorting. The segment
+        must end where the row ends or on a page boundary, else a page still in use would
+        be freed; every token is checked against its expected page offset, so a segment
+        longer than the row (or from another row) is refused.
+        """
+        arr = _host_ids(locs, "free_segment")
+        ps = self.page_size
+        if start_pos < 0:
+            raise InvalidIds(f"free_segment: start_pos {start_pos} is negative")
+        if arr.size == 0:
+            return
+        pos = start_pos + np.arange(arr.size)
+        pages = arr // ps
+        bad = (arr < 0) | (arr % ps != pos % ps)
+        if arr.size > 1:
+            same_page = (pos[1:] // ps) == (pos[:-1] // ps)
+            bad[1:] |= same_page & (pages[1:] != pages[:-1])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidIds(
+                f"free_segment: token {i} (row position {pos[i]}) has location {arr[i]}, not "
+                f"offset {pos[i] % ps} of the page its neighbours use; the segment is longer "
+                "than the row, misaligned, or mixes rows"
+            )
+        head = (-start_pos) % ps
+        self.free_pages(pages[head::ps])
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        """Batch frees: pages freed inside are checked at once and released together at exit.
+
+        If the block raises, nothing buffered is freed. Nested groups join the outer one.
+        """
+        if self._group is not None:
+            yield
+            return
+        self._group = []
+        try:
+            yield
+            pages = np.concatenate(self._group) if self._group else _EMPTY
+        finally:
+            self._group = None
+        self._release_pages(pages, "free group")
+
+    def _check_releasable(self, pages: np.ndarray, what: str) -> None:
+        self.pages.check_live(pages, what)
+        if pages.size and self.gates.page_pins[pages].any():
+            first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
+            raise PinnedError(f"{what}: page {first} is pinned by a move gate (in-flight forward or transfer)")
+
+    def _release_pages(self, pages: np.ndarray, what: str) -> None:
+        self._check_releasable(pages, what)
+        for pool in self.token_pools:
+            resident = pages[pool.resident(pages)]
+            pool.give_cells(pool.unbind(resident))
+        self.pages.give_back(pages)
+
+    def free_window_pages(self, pages: IdsLike, pool: str | None = None) -> None:
+        """Drop pages from sliding-window pools only (they left the window); full KV stays.
+
+        ``pool`` names one window pool; default: every window pool where they are resident.
+        Pages must be live; in a named pool they must be resident.
+        """
+        arr = _host_ids(pages, "free_window_pages")
+        self._check_releasable(arr, "free_window_pages")
+        targets = [self._pool(pool)] if pool else self.window_pools
+        if pool and not targets[0].layout.is_window:
+            raise InvalidIds(f"free_window_pages: pool {pool!r} is not a sliding-window pool")
+        if pool:
+            gone = ~targets[0].resident(arr)
+            if gone.any():
+                raise InvalidIds(
+                    f"free_window_pages: page {arr[np.argmax(gone)]} already left window pool {pool!r}"
+                )
+        for target in targets:
+            resident = arr[target.resident(arr)]
+            target.give_cells(target.unbind(resident))
+
+    def adopt_window_pages(self, src: IdsLike, dst: IdsLike, pool: str) -> None:
+        """Move window residency from pages ``src`` to pages ``dst`` (pairwise), no bytes copied.
+
+        For a prefix cache that keeps ``dst`` (full KV) but lost their window pages, while a
+        request just computed the same tokens into ``src``: ``dst`` takes ``src``'s window
+        cells, ``src`` becomes tombstoned in that pool.
+        """
+        s, d = _host_ids(src, "adopt_window_pages src"), _host_ids(dst, "adopt_window_pages dst")
+        target = self._pool(pool)
+        if not target.layout.is_window or s.size != d.size:
+            raise InvalidIds(
+                f"adopt_window_pages: need a window pool and equal lengths (pool {pool!r}, "
+                f"{s.size} src, {d.size} dst)"
+            )
+        self._check_releasable(s, "adopt_window_pages src")
+        self.pages.check_live(d, "adopt_window_pages dst")
+        if not target.resident(s).all() or target.resident(d).any():
+            raise InvalidIds(
+                "adopt_window_pages: every src page must be resident and every dst page "
+                f"tombstoned in {pool!r}"
+            )
+        target.bind(d, target.unbind(s))
+
+    def resident(self, pages: IdsLike, pool: str) -> np.ndarray:
+        """Host mask: which pages are resident in ``pool`` (tombstones are False)."""
+        return self._pool(pool).resident(_host_ids(pages, "resident"))
+
+    # --- state slots ----------------------------------------------------------------------
+
+    def _state(self, what: str) -> SubPool:
+        if self.state_pool is None:
+            raise InvalidIds(f"{what}: this shard ({self.shard.describe()}) has no recurrent layers")
+        return self.state_pool
+
+    def alloc_state(self, count: int) -> np.ndarray:
+        pool = self._state("alloc_state")
+        if count < 0:
+            raise InvalidIds(f"alloc_state: count {count} is negative")
+        if count > self.slots.free_count:
+            raise OutOfMemory(f"{count} state slots asked, {self.slots.free_count} ids free")
+        self._reserve({pool.name: count})
+        slots = self.slots.take(count)
+        pool.bind(slots, pool.take_cells(count))
+        return slots
+
+    def free_state(self, slots: IdsLike) -> None:
+        pool = self._state("free_state")
+        arr = _host_ids(slots, "free_state")
+        self.slots.check_live(arr, "free_state")
+        if arr.size and self.gates.slot_pins[arr].any():
+            raise PinnedError("free_state: a slot is pinned by a move gate")
+        pool.give_cells(pool.unbind(arr))
+        self.slots.give_back(arr)
+
+    def fork_state(self, slots: IdsLike) -> np.ndarray:
+        """New slots holding copies of ``slots``' states (copy-on-write for prefix hits)."""
+        pool = self._state("fork_state")
+        src = _host_ids(slots, "fork_state")
+        self.slots.check_live(src, "fork_state")
+        with self.pin(slots=src):  # compaction while reserving must not move the sources
+            new = self.alloc_state(src.size)
+        pool.copy_cells(pool.v2p[src], pool.v2p[new])
+        return new
+
+    # --- translation and pins -------------------------------------------------------------
+
+    def translate(self, locs: IdsLike | torch.Tensor, pool: str | None = None) -> torch.Tensor:
+        """Virtual token locations -> physical token slots (``cell * page_size + offset``).
+
+        Host ids are copied to the device asynchronously; device ids stay there. The result
+        is a device tensor; tombstoned pages map to -1 * page_size + offset (< 0).
+        """
+        target = self._token_pool(pool)
+        tdev = target.v2p_dev.device
+        if isinstance(locs, torch.Tensor) and locs.device.type != "cpu":
+            loc_t = locs.to(torch.int64)
+        else:
+            loc_t = to_index(_host_ids(locs, "translate"), tdev)
+        ps = self.page_size
+        return target.v2p_dev[torch.div(loc_t, ps, rounding_mode="floor")] * ps + loc_t % ps
+
+    def page_cells(self, pages: IdsLike | torch.Tensor, pool: str) -> torch.Tensor:
+        """Virtual page ids (or state slots) -> grid cells on the device, for page tables."""
+        target = self._pool(pool)
+        if isinstance(pages, torch.Tensor) and pages.device.type != "cpu":
+            return target.v2p_dev[pages.to(torch.int64)]
+        return target.v2p_dev[to_index(_host_ids(pages, "page_cells"), target.v2p_dev.device)]
+
+    def _token_pool(self, pool: str | None) -> SubPool:
+        if pool is not None:
+            return self._pool(pool)
+        if not self.history_pools:
+            raise KeyError(f"name a pool: this shard has no full-history pool ({list(self.pools)})")
+        return self.history_pools[0]
+
+    def pin(
+        self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: object = None
+    ) -> MoveGate:
+        """Pin ids against moves and frees until ``release()`` (or until ``event`` completes)."""
+        p = _host_ids(pages if pages is not None else _EMPTY, "pin pages")
+        s = _host_ids(slots if slots is not None else _EMPTY, "pin slots")
+        if p.size:
+            self.pages.check_live(np.unique(p), "pin")
+        if s.size:
+            self.slots.check_live(np.unique(s), "pin")
+        return self.gates.open(p, s, event)  # type: ignore[arg-type]
+
+    # --- compaction -----------------------------------------------------------------------
+
+    def compact(self, max_slabs: int | None = None) -> int:
+        """Idle-time defragmentation: empty the sparsest slabs into holes elsewhere.
+
+        Returns the number of slabs handed back to the free list.
+        """
+        self.gates.sweep()
+        freed = 0
+        for pool in self.pools.values():
+            while max_slabs is None or freed < max_slabs:
+                slab = self._sparsest_movable(pool)
+                if slab is None:
+                    break
+                a, b = pool._touching(slab)
+                cells = a + np.flatnonzero(pool.state[a:b] == LIVE)
+                pool.move(cells, dst_avoid_slab=slab)
+                self.cells_moved += cells.size
+                self.bytes_moved += cells.size * pool.cell_bytes
+                freed += 1
+        return freed
+
+    def _sparsest_movable(self, pool: SubPool) -> int | None:
+        """The owned slab with the fewest live cells that can move into holes elsewhere."""
+        slabs = pool.owned_slabs()
+        pins = self.gates.slot_pins if pool.layout.is_state else self.gates.page_pins
+        for j in slabs[np.argsort(self.arena.slab_live[slabs], kind="stable")]:
+            j = int(j)
+            a, b = pool._touching(j)
+            cells = a + np.flatnonzero(pool.state[a:b] == LIVE)
+            if pool.free_cells_outside(j) >= cells.size and not pins[pool.p2v[cells]].any():
+                return j
+        return None
+
+    # --- reports --------------------------------------------------------------------------
+
+    def stats(self) -> MemoryStats:
+        pools = []
+        for pool in self.pools.values():
+            slabs = pool.owned_slabs().size
+            usable = pool.live_count + pool.free_count
+            pools.append(
+                PoolStats(
+                    name=pool.name,
+                    cell_bytes=pool.cell_bytes,
+                    page_size=pool.layout.page_size,
+                    slabs=slabs,
+                    live_cells=pool.live_count,
+                    free_cells=pool.free_count,
+                    live_bytes=pool.live_count * pool.cell_bytes,
+                    free_bytes=pool.free_count * pool.cell_bytes,
+                    edge_waste_bytes=slabs * self.arena.slab_bytes - usable * pool.cell_bytes,
+                    padding_bytes=usable * pool.layout.padding_bytes,
+                )
+            )
+        return MemoryStats(
+            budget_bytes=self.arena.nbytes,
+            sink_bytes=self.arena.sink_bytes,
+            tail_bytes=self.arena.tail_bytes,
+            slab_bytes=self.arena.slab_bytes,
+            free_slabs=self.arena.free_slabs,
+            total_slabs=self.arena.num_slabs,
+            pools=tuple(pools),
+            live_pages=self.pages.live_count,
+            live_slots=self.slots.live_count,
+            bytes_moved=self.bytes_moved,
+            cells_moved=self.cells_moved,
+        )
+
+    def verify(self) -> None:
+        """Prove conservation and table consistency; raises AssertionError naming the fault.
+
+        Reads device tables: a check for tests and debugging, not for the hot path.
+        """
+        from hybridkv.memory.verify import verify_memory
+
+        verify_memory(self)

@@ -1,0 +1,126 @@
+"""The conservation check: every byte accounted for exactly once, every table consistent.
+
+Recomputes everything it checks from first principles (cell states, slab owners, byte
+intervals) instead of trusting the counters it is checking. Reads device tables, so it is a
+test / debug tool, never called on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hybridkv.memory.arena import FREE_SLAB
+from hybridkv.memory.pool import FREE, LIVE, UNUSABLE, SubPool
+from hybridkv.memory.virtual import VirtualIds
+
+if TYPE_CHECKING:
+    from hybridkv.memory.unified import UnifiedMemory
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"memory verify: {msg}")
+
+
+def verify_memory(mem: UnifiedMemory) -> None:
+    arena = mem.arena
+    slab_live = np.zeros(arena.num_slabs, dtype=np.int64)
+    accounted = arena.sink_bytes + arena.tail_bytes + arena.free_slabs * arena.slab_bytes
+    for pool in mem.pools.values():
+        accounted += _verify_pool(mem, pool, slab_live)
+    if accounted != arena.nbytes:
+        _fail(f"bytes accounted {accounted} != arena {arena.nbytes}")
+    if not np.array_equal(slab_live, arena.slab_live):
+        j = int(np.argmax(slab_live != arena.slab_live))
+        _fail(f"slab {j}: live count {arena.slab_live[j]} but {slab_live[j]} live cells touch it")
+    empty_owned = (arena.owner != FREE_SLAB) & (slab_live == 0)
+    if empty_owned.any():
+        _fail(f"slab {int(np.argmax(empty_owned))} is owned but holds no live cell (not released)")
+
+    _verify_namespace(mem.pages, [p for p in mem.history_pools], mem.window_pools, "page")
+    state = [mem.state_pool] if mem.state_pool is not None else []
+    _verify_namespace(mem.slots, state, [], "slot")
+
+    pages, slots = mem.gates.recount()
+    if not (np.array_equal(pages, mem.gates.page_pins) and np.array_equal(slots, mem.gates.slot_pins)):
+        _fail("pin counts differ from the open gates")
+    if (~mem.pages.live[pages > 0]).any() or (~mem.slots.live[slots > 0]).any():
+        _fail("a pinned id is not live")
+
+
+def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:
+    """Check one pool; add its live cells to ``slab_live``; return the bytes of its slabs."""
+    arena, name, cell = mem.arena, pool.name, pool.cell_bytes
+    if pool.v2p[0] != 0 or pool.p2v[0] != 0:
+        _fail(f"{name}: sink entry moved (v2p[0]={pool.v2p[0]}, p2v[0]={pool.p2v[0]})")
+    cells = np.arange(1, pool.grid_cells)
+    state = pool.state[1:]
+    usable = pool._usable(cells)
+    if ((state != UNUSABLE) != usable).any():
+        c = int(cells[np.argmax((state != UNUSABLE) != usable)])
+        _fail(f"{name}: cell {c} state {pool.state[c]} disagrees with slab ownership")
+    live = cells[state == LIVE]
+    free = cells[state == FREE]
+    if live.size != pool.live_count or free.size != pool.free_count:
+        _fail(f"{name}: counters live={pool.live_count} free={pool.free_count}, cells say {live.size}/{free.size}")
+    starts = live * cell
+    if (starts < arena.sink_bytes).any():
+        _fail(f"{name}: a live cell overlaps the sink")
+    mapped = pool.p2v[cells] >= 0
+    if (mapped != (state == LIVE)).any():
+        c = int(cells[np.argmax(mapped != (state == LIVE))])
+        _fail(f"{name}: cell {c} is {'mapped' if mapped[c - 1] else 'unmapped'} but state {pool.state[c]}")
+    if (pool.v2p[pool.p2v[live]] != live).any():
+        _fail(f"{name}: v2p[p2v[c]] != c for a live cell")
+    bound = np.flatnonzero(pool.v2p >= 0)
+    bound = bound[bound > 0]
+    if (pool.p2v[pool.v2p[bound]] != bound).any():
+        _fail(f"{name}: p2v[v2p[v]] != v for a bound id")
+    expected_free = np.bincount(pool.cell_lo[free], minlength=arena.num_slabs)
+    if not np.array_equal(expected_free, pool.free_in_slab):
+        _fail(f"{name}: per-slab free counts drifted")
+    np.add.at(slab_live, pool.cell_lo[live], 1)
+    straddle = pool.cell_hi[live] != pool.cell_lo[live]
+    np.add.at(slab_live, pool.cell_hi[live][straddle], 1)
+    if not np.array_equal(pool.v2p_dev.cpu().numpy(), pool.v2p):
+        _fail(f"{name}: device v2p differs from the host table")
+    if not np.array_equal(pool.p2v_dev.cpu().numpy(), pool.p2v):
+        _fail(f"{name}: device p2v differs from the host table")
+
+    # bytes: every usable cell lies wholly inside slabs this pool owns (recomputed here)
+    slabs = pool.owned_slabs()
+    used = np.concatenate([live, free])
+    s0 = used * cell
+    s1 = s0 + cell
+    sink, size, owner = arena.sink_bytes, arena.slab_bytes, arena.owner
+    lo, hi = (s0 - sink) // size, (s1 - 1 - sink) // size
+    if used.size and ((lo < 0).any() or (hi >= arena.num_slabs).any() or (hi - lo > 1).any()):
+        _fail(f"{name}: a usable cell reaches the sink, the tail, or spans more than two slabs")
+    in_lo = np.minimum(s1, sink + (lo + 1) * size) - s0
+    in_hi = np.where(hi != lo, s1 - (sink + hi * size), 0)
+    covered = np.where(owner[lo] == pool.index, in_lo, 0) + np.where(owner[hi] == pool.index, in_hi, 0)
+    if int(covered.sum()) != used.size * cell:
+        _fail(f"{name}: usable cells cover {int(covered.sum())} B of owned slabs, expected {used.size * cell}")
+    return int(slabs.size) * arena.slab_bytes
+
+
+def _verify_namespace(ids: VirtualIds, required: list[SubPool], optional: list[SubPool], what: str) -> None:
+    live = ids.live.copy()
+    live[0] = False
+    for pool in required:
+        resident = pool.v2p >= 0
+        resident[0] = False
+        if not np.array_equal(resident, live):
+            v = int(np.argmax(resident != live))
+            _fail(f"{what} {v}: live={live[v]} but resident in {pool.name}={resident[v]}")
+    for pool in optional:
+        resident = pool.v2p >= 0
+        resident[0] = False
+        if (resident & ~live).any():
+            _fail(f"{what} {int(np.argmax(resident & ~live))} is resident in {pool.name} but not live")
+    free = ids.free_ids()
+    if free.size != np.unique(free).size:
+        _fail(f"{what}: free list holds an id twice")
+    if not np.array_equal(np.sort(free), np.flatnonzero(~ids.live)):
+        _fail(f"{what}: free list and live flags disagree")

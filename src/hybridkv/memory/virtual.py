@@ -1,0 +1,78 @@
+"""Virtual id namespaces: the ids everything above ``memory`` holds.
+
+Invariants:
+- Ids live in ``[0, capacity)``; id 0 is the sink, always live, never handed out or freed.
+- ``live[i]`` is True exactly for the sink and ids handed out and not yet given back; the
+  free stack holds every other id exactly once.
+- ``take`` hands out the lowest-numbered ids first on a fresh namespace, and refuses (with
+  nothing changed) when fewer than asked are free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridkv.memory.errors import InvalidIds, OutOfMemory
+
+
+class VirtualIds:
+    def __init__(self, name: str, capacity: int):
+        if capacity < 2:
+            raise ValueError(f"{name}: a namespace needs room for the sink and one id")
+        self.name = name
+        self.capacity = capacity
+        self.live = np.zeros(capacity, dtype=bool)
+        self.live[0] = True
+        self._stack = np.arange(capacity - 1, 0, -1, dtype=np.int64)
+        self._free = capacity - 1
+
+    @property
+    def free_count(self) -> int:
+        return self._free
+
+    @property
+    def live_count(self) -> int:
+        return self.capacity - 1 - self._free
+
+    def take(self, count: int) -> np.ndarray:
+        if count > self._free:
+            raise OutOfMemory(
+                f"{self.name}: {count} virtual ids asked, {self._free} free of "
+                f"{self.capacity - 1}",
+                {self.name: count - self._free},
+            )
+        ids = self._stack[self._free - count : self._free][::-1].copy()
+        self._free -= count
+        self.live[ids] = True
+        return ids
+
+    def give_back(self, ids: np.ndarray) -> None:
+        """Return ids already checked with ``check_live`` (unique, live, not the sink)."""
+        self._stack[self._free : self._free + ids.size] = ids[::-1]
+        self._free += ids.size
+        self.live[ids] = False
+
+    def check_live(self, ids: np.ndarray, what: str) -> None:
+        """Raise ``InvalidIds`` unless ``ids`` are distinct, in range, live and not the sink."""
+        if ids.size == 0:
+            return
+        bad_range = (ids <= 0) | (ids >= self.capacity)
+        if bad_range.any():
+            first = int(ids[np.argmax(bad_range)])
+            reason = "the sink id 0" if first == 0 else f"outside 1..{self.capacity - 1}"
+            raise InvalidIds(f"{what}: {self.name} id {first} is {reason}")
+        dead = ~self.live[ids]
+        if dead.any():
+            first = int(ids[np.argmax(dead)])
+            raise InvalidIds(
+                f"{what}: {self.name} id {first} is not allocated (double free, or an id that "
+                "was never handed out)"
+            )
+        if ids.size > 1:
+            ordered = np.sort(ids)
+            dup = ordered[1:] == ordered[:-1]
+            if dup.any():
+                raise InvalidIds(f"{what}: {self.name} id {int(ordered[1:][dup][0])} given twice")
+
+    def free_ids(self) -> np.ndarray:
+        return self._stack[: self._free].copy()

@@ -1,0 +1,103 @@
+"""ModelSpec: the ordered layers of one model, with global layer ids and the KV dtype.
+
+Invariants:
+- Global layer ids are ``0 .. num_layers-1`` in order; every later package names a layer
+  by this id, never by its position inside a pipeline stage or a pool.
+- Derived byte sizes (per token for attention kinds, per request for recurrent state) are
+  computed from the layer kinds and dtypes, for the unsharded model (TP = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.spec.layers import (
+    MLA,
+    FullAttention,
+    KindTag,
+    LayerKind,
+    Linear,
+    SlidingWindow,
+)
+
+
+@dataclass(frozen=True)
+class Layer:
+    layer_id: int
+    kind: LayerKind
+
+    @property
+    def tag(self) -> KindTag:
+        return self.kind.tag
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: tuple[Layer, ...]
+    kv_dtype: torch.dtype = torch.bfloat16
+    max_context: int = 131072
+    source: str = ""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"model {self.name!r} has no layers")
+        ids = [layer.layer_id for layer in self.layers]
+        if ids != list(range(len(ids))):
+            raise ValueError(
+                f"model {self.name!r}: layer ids must be 0..{len(ids) - 1} in order, got "
+                f"{ids[:8]}{'...' if len(ids) > 8 else ''}"
+            )
+        if self.max_context <= 0:
+            raise ValueError(f"model {self.name!r}: max_context must be positive")
+
+    @classmethod
+    def from_kinds(cls, name: str, kinds: Iterable[LayerKind], **kw: object) -> ModelSpec:
+        """Build a spec from the per-layer kinds, numbering layers 0.. in order."""
+        layers = tuple(Layer(i, kind) for i, kind in enumerate(kinds))
+        return cls(name=name, layers=layers, **kw)  # type: ignore[arg-type]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, layer_id: int) -> Layer:
+        if not 0 <= layer_id < len(self.layers):
+            raise KeyError(f"model {self.name!r} has layers 0..{self.num_layers - 1}, not {layer_id}")
+        return self.layers[layer_id]
+
+    def layer_ids(self, tag: KindTag) -> list[int]:
+        return [layer.layer_id for layer in self.layers if layer.tag is tag]
+
+    def tags(self) -> set[KindTag]:
+        return {layer.tag for layer in self.layers}
+
+    def windows(self) -> list[int]:
+        """Distinct sliding windows, ascending."""
+        return sorted(
+            {layer.kind.window for layer in self.layers if isinstance(layer.kind, SlidingWindow)}
+        )
+
+    def kv_bytes_per_token(self, tag: KindTag) -> int:
+        """KV bytes one token costs across all layers of ``tag`` (unsharded)."""
+        elems = sum(
+            layer.kind.elems_per_token()
+            for layer in self.layers
+            if layer.tag is tag and isinstance(layer.kind, FullAttention | SlidingWindow | MLA)
+        )
+        return elems * self.kv_dtype.itemsize
+
+    def state_bytes_per_request(self) -> int:
+        """Recurrent-state bytes one request holds across all linear layers (unsharded)."""
+        return sum(layer.kind.state_bytes for layer in self.layers if isinstance(layer.kind, Linear))
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            counts[layer.tag.value] = counts.get(layer.tag.value, 0) + 1
+        parts = ", ".join(f"{n} {t}" for t, n in counts.items())
+        return f"{self.name}: {self.num_layers} layers ({parts})"

@@ -1,0 +1,252 @@
+"""Model presets: published configs of real models, plus tiny models of every hybrid shape.
+
+Invariants:
+- Real presets are read from ``data/model_presets.json`` (published config facts with their
+  sources; copied from the project's shared research, see ``data/README.md``). Every layer
+  id is assigned exactly one kind, and the per-token KV bytes we derive must equal the
+  bytes the file states; a mismatch is a load error, not a warning.
+- Tiny presets are small enough to run real tensors in tests (float32 unless a test needs
+  mixed dtypes) and cover: dense, MLA, full+SWA, full+two SWA windows+state,
+  full+GatedDeltaNet, MLA+KDA, Mamba2+MLP-only+full, lightning+full.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import torch
+
+from hybridkv.spec.layers import (
+    MLA,
+    FullAttention,
+    LayerKind,
+    Linear,
+    NoCache,
+    SlidingWindow,
+    StateTensor,
+    parse_dtype,
+)
+from hybridkv.spec.model import Layer, ModelSpec
+
+_ATTENTION_KINDS = {"full_attention", "sliding_attention", "mla"}
+_LINEAR_KINDS = {"gated_deltanet", "kda", "mamba1", "mamba2", "lightning"}
+_NO_CACHE_KINDS = {"mlp_only"}
+
+
+class PresetError(ValueError):
+    """A preset file or name that cannot describe a model."""
+
+
+@cache
+def _published_records() -> dict[str, dict[str, Any]]:
+    text = resources.files("hybridkv.spec").joinpath("data/model_presets.json").read_text()
+    return {record["name"]: record for record in json.loads(text)}
+
+
+def spec_from_record(record: dict[str, Any]) -> ModelSpec:
+    """Convert one published preset record into a ``ModelSpec`` (validated)."""
+    name = record.get("name", "<unnamed>")
+    try:
+        dtype = parse_dtype(record["dtype"])
+        layers_info = record["layers"]
+        base = int(layers_info["index_base"])
+        num_layers = int(record["num_layers"])
+        ids_by_kind: dict[str, list[int]] = layers_info["ids_by_kind"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PresetError(f"preset {name!r}: missing or bad field: {exc}") from exc
+
+    kinds: list[LayerKind | None] = [None] * num_layers
+    for kind_name, ids in ids_by_kind.items():
+        kind = _kind_from_record(name, kind_name, record)
+        for raw_id in ids:
+            layer_id = int(raw_id) - base
+            if not 0 <= layer_id < num_layers:
+                raise PresetError(
+                    f"preset {name!r}: {kind_name} layer id {raw_id} outside "
+                    f"{base}..{base + num_layers - 1}"
+                )
+            if kinds[layer_id] is not None:
+                raise PresetError(f"preset {name!r}: layer {raw_id} is given two kinds")
+            kinds[layer_id] = kind
+    missing = [i + base for i, k in enumerate(kinds) if k is None]
+    if missing:
+        raise PresetError(f"preset {name!r}: layers {missing[:10]} have no kind")
+    spec = ModelSpec(
+        name=name,
+        layers=tuple(Layer(i, k) for i, k in enumerate(kinds) if k is not None),
+        kv_dtype=dtype,
+        max_context=int(record.get("max_context") or record.get("max_position_embeddings")),
+        source=record.get("hf_id", ""),
+    )
+    _check_published_bytes(spec, record)
+    return spec
+
+
+def _kind_from_record(name: str, kind_name: str, record: dict[str, Any]) -> LayerKind:
+    def section(key: str) -> dict[str, Any]:
+        value = record.get(key)
+        if not isinstance(value, dict):
+            raise PresetError(f"preset {name!r}: layers of kind {kind_name!r} need a {key!r} section")
+        return value
+
+    if kind_name == "full_attention":
+        s = section("full_attention")
+        return FullAttention(s["num_kv_heads"], s["head_dim"], s["v_head_dim"])
+    if kind_name == "sliding_attention":
+        s = section("swa")
+        return SlidingWindow(s["window"], s["num_kv_heads"], s["head_dim"], s["v_head_dim"])
+    if kind_name == "mla":
+        s = section("mla")
+        return MLA(s["kv_lora_rank"], s["qk_rope_head_dim"], s["num_heads"], s["v_head_dim"])
+    if kind_name in _LINEAR_KINDS:
+        s = section("linear")
+        states = tuple(
+            StateTensor(t["name"], tuple(int(d) for d in t["shape"]), parse_dtype(t["dtype"]), 0)
+            for t in s["state_tensors_per_layer"]
+        )
+        return Linear(kind_name, states)
+    if kind_name in _NO_CACHE_KINDS:
+        return NoCache()
+    raise PresetError(
+        f"preset {name!r}: unknown layer kind {kind_name!r}; known: "
+        f"{sorted(_ATTENTION_KINDS | _LINEAR_KINDS | _NO_CACHE_KINDS)}"
+    )
+
+
+def _check_published_bytes(spec: ModelSpec, record: dict[str, Any]) -> None:
+    """The bytes we derive must match the bytes the preset publishes (bf16 figures)."""
+    if spec.kv_dtype != torch.bfloat16:
+        return
+    for key in ("full_attention", "swa", "mla"):
+        section = record.get(key)
+        if not isinstance(section, dict):
+            continue
+        published = section.get("kv_bytes_per_token_per_layer_bf16")
+        ids = record["layers"]["ids_by_kind"].get(
+            {"full_attention": "full_attention", "swa": "sliding_attention", "mla": "mla"}[key], []
+        )
+        if published is None or not ids:
+            continue
+        kind = spec.layers[ids[0] - record["layers"]["index_base"]].kind
+        derived = kind.elems_per_token() * spec.kv_dtype.itemsize  # type: ignore[union-attr]
+        if derived != published:
+            raise PresetError(
+                f"preset {spec.name!r}: {key} KV bytes per token per layer derived as {derived} "
+                f"but the preset states {published}; fix the head counts or dims"
+            )
+    linear = record.get("linear")
+    if isinstance(linear, dict) and linear.get("state_bytes_per_layer") is not None:
+        kinds = [layer.kind for layer in spec.layers if isinstance(layer.kind, Linear)]
+        if kinds and kinds[0].state_bytes != linear["state_bytes_per_layer"]:
+            raise PresetError(
+                f"preset {spec.name!r}: state bytes per layer derived as {kinds[0].state_bytes} "
+                f"but the preset states {linear['state_bytes_per_layer']}"
+            )
+
+
+# --- tiny presets -------------------------------------------------------------------------
+
+F32 = torch.float32
+
+
+def _gdn(tp_heads: int = 4, dim: int = 8, conv_dtype: torch.dtype = F32) -> Linear:
+    conv_dim = 3 * tp_heads * dim
+    return Linear(
+        "gated_deltanet",
+        (
+            StateTensor("conv_state", (conv_dim, 3), conv_dtype),
+            StateTensor("recurrent_state", (tp_heads, dim, dim), F32),
+        ),
+    )
+
+
+def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
+    full = FullAttention(4, 8, 8)
+    swa8 = SlidingWindow(8, 4, 8, 8)
+    swa24 = SlidingWindow(24, 2, 8, 8)
+    mla = MLA(16, 4, 4, 8)
+    mamba = Linear(
+        "mamba2",
+        (
+            StateTensor("conv_state", (48, 3), F32),
+            StateTensor("ssm_state", (4, 8, 4), F32),
+        ),
+    )
+    kda = Linear(
+        "kda",
+        (StateTensor("conv_state_qkv", (96, 3), F32), StateTensor("recurrent_state", (4, 8, 8), F32)),
+    )
+    lightning = Linear("lightning", (StateTensor("kv_state", (4, 8, 8), F32),))
+    return {
+        "tiny-dense": lambda: ModelSpec.from_kinds("tiny-dense", [full] * 4, kv_dtype=F32, max_context=256),
+        "tiny-mla": lambda: ModelSpec.from_kinds("tiny-mla", [mla] * 4, kv_dtype=F32, max_context=256),
+        "tiny-swa": lambda: ModelSpec.from_kinds(
+            "tiny-swa", [swa8, swa8, swa8, full] * 2, kv_dtype=F32, max_context=256
+        ),
+        "tiny-swa2-state": lambda: ModelSpec.from_kinds(
+            "tiny-swa2-state",
+            [swa8, _gdn(), swa24, full, swa8, _gdn(), swa24, full],
+            kv_dtype=F32,
+            max_context=256,
+        ),
+        "tiny-gdn": lambda: ModelSpec.from_kinds(
+            "tiny-gdn", [_gdn(), _gdn(), _gdn(), full] * 2, kv_dtype=F32, max_context=256
+        ),
+        "tiny-gdn-bf16": lambda: ModelSpec.from_kinds(
+            "tiny-gdn-bf16",
+            [_gdn(conv_dtype=torch.bfloat16)] * 3 + [full],
+            kv_dtype=torch.bfloat16,
+            max_context=256,
+        ),
+        "tiny-kda-mla": lambda: ModelSpec.from_kinds(
+            "tiny-kda-mla", [kda, kda, kda, mla] * 2, kv_dtype=F32, max_context=256
+        ),
+        "tiny-mamba-mlp": lambda: ModelSpec.from_kinds(
+            "tiny-mamba-mlp",
+            [mamba, NoCache(), mamba, full, NoCache(), mamba, NoCache(), full],
+            kv_dtype=F32,
+            max_context=256,
+        ),
+        "tiny-lightning": lambda: ModelSpec.from_kinds(
+            "tiny-lightning", [lightning, lightning, lightning, full] * 2, kv_dtype=F32, max_context=256
+        ),
+    }
+
+
+def real_preset_names() -> list[str]:
+    return list(_published_records())
+
+
+def tiny_preset_names() -> list[str]:
+    return list(_tiny_specs())
+
+
+def preset_names() -> list[str]:
+    return real_preset_names() + tiny_preset_names()
+
+
+@cache
+def get_preset(name: str) -> ModelSpec:
+    """A preset by exact name, or by a unique case-insensitive substring of one."""
+    tiny = _tiny_specs()
+    if name in tiny:
+        return tiny[name]()
+    records = _published_records()
+    if name in records:
+        return spec_from_record(records[name])
+    hits = [n for n in preset_names() if name.lower() in n.lower()]
+    if len(hits) == 1:
+        return get_preset(hits[0])
+    if not hits:
+        raise PresetError(f"no preset named {name!r}; known: {', '.join(preset_names())}")
+    raise PresetError(f"preset name {name!r} is ambiguous: {', '.join(hits)}")
+
+
+def published_record(name: str) -> dict[str, Any]:
+    """The raw published facts of a real preset (sources, notes, derived figures)."""
+    spec = get_preset(name)
+    return _published_records()[spec.name]
