@@ -13,7 +13,8 @@ Layout of the buffer::
   only at zero, so releasing a slab never drops data.
 - The *tail* is what is left after the last whole slab; it is never used.
 
-``device="meta"`` gives an arena without data bytes: every table is real (on the CPU), every
+A caller may pass its own ``buffer`` (e.g. shared memory another process maps, or memory
+registered with a transfer engine). ``device="meta"`` gives an arena without data bytes: every table is real (on the CPU), every
 byte copy is skipped, so capacity planning can replay traffic for any model on a laptop.
 """
 
@@ -26,7 +27,14 @@ FREE_SLAB = -1
 
 
 class Arena:
-    def __init__(self, nbytes: int, sink_bytes: int, slab_bytes: int, device: str | torch.device):
+    def __init__(
+        self,
+        nbytes: int,
+        sink_bytes: int,
+        slab_bytes: int,
+        device: str | torch.device,
+        buffer: torch.Tensor | None = None,
+    ):
         if slab_bytes <= 0 or sink_bytes < 0:
             raise ValueError(f"slab_bytes must be > 0 and sink_bytes >= 0 (got {slab_bytes}, {sink_bytes})")
         if nbytes < sink_bytes + slab_bytes:
@@ -42,7 +50,16 @@ class Arena:
         self.tail_bytes = nbytes - sink_bytes - self.num_slabs * slab_bytes
         self.owner = np.full(self.num_slabs, FREE_SLAB, dtype=np.int64)
         self.slab_live = np.zeros(self.num_slabs, dtype=np.int64)
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if buffer is None:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < nbytes:
+            raise ValueError(
+                f"arena buffer must be a 1-D uint8 tensor of at least {nbytes} B, got "
+                f"{buffer.dtype} shape {tuple(buffer.shape)}"
+            )
+        elif buffer.device != self.device:
+            raise ValueError(f"arena buffer is on {buffer.device}, arena device is {self.device}")
+        self.buffer = buffer[:nbytes]
 
     @property
     def has_data(self) -> bool:

@@ -114,11 +114,16 @@ class MemoryStats:
 
 
 class UnifiedMemory:
-    def __init__(self, plan: MemoryPlan, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        plan: MemoryPlan,
+        device: str | torch.device = "cpu",
+        buffer: torch.Tensor | None = None,
+    ):
         self.plan = plan
         self.shard = plan.shard
         self.page_size = plan.page_size
-        self.arena = Arena(plan.budget_bytes, plan.sink_bytes, plan.slab_bytes, device)
+        self.arena = Arena(plan.budget_bytes, plan.sink_bytes, plan.slab_bytes, device, buffer)
         token_layouts = [lay for lay in plan.layouts if not lay.is_state]
         page_capacity = max(
             (self.arena.nbytes // lay.cell_bytes for lay in token_layouts),
@@ -150,11 +155,15 @@ class UnifiedMemory:
         shard: ShardSpec,
         budget: int | str,
         device: str | torch.device = "cpu",
+        buffer: torch.Tensor | None = None,
         **hints: object,
     ) -> UnifiedMemory:
-        """Plan and build in one call: ``UnifiedMemory.create(shard, "8GiB", page_size=16)``."""
+        """Plan and build in one call: ``UnifiedMemory.create(shard, "8GiB", page_size=16)``.
+
+        ``buffer``: an existing 1-D uint8 tensor to use as the arena (e.g. shared memory).
+        """
         plan = plan_memory(shard, parse_bytes(budget), MemoryHints(**hints))  # type: ignore[arg-type]
-        return cls(plan, device)
+        return cls(plan, device, buffer)
 
     # --- geometry -------------------------------------------------------------------------
 
