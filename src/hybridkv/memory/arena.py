@@ -14,8 +14,9 @@ Layout of the buffer::
 - The *tail* is what is left after the last whole slab; it is never used.
 
 A caller may pass its own ``buffer`` (e.g. shared memory another process maps, or memory
-registered with a transfer engine). ``device="meta"`` gives an arena without data bytes: every table is real (on the CPU), every
-byte copy is skipped, so capacity planning can replay traffic for any model on a laptop.
+registered with a transfer engine). ``device="meta"`` gives an arena without data bytes:
+every table is real (on the CPU), every byte copy is skipped, so capacity planning can
+replay traffic for any model on a laptop.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ class Arena:
         size = dtype.itemsize
         if cell_bytes % size or offset % size:
             raise ValueError(
-                f"view of {dtype} needs cell stride {cell_bytes} and offset {offset} to be "
-                f"multiples of {size}"
+                f"view of {dtype} needs cell stride {cell_bytes} and offset {offset} to be multiples of {size}"
             )
         typed = self.buffer[: self.nbytes - self.nbytes % size].view(dtype)
         inner = []

@@ -42,9 +42,7 @@ class SubPool:
                 "slabs must hold at least one whole cell (raise slab_bytes or lower page_size)"
             )
         if cell > arena.sink_bytes:
-            raise LayoutError(
-                f"pool {layout.name!r}: cell of {cell} B does not fit the {arena.sink_bytes} B sink"
-            )
+            raise LayoutError(f"pool {layout.name!r}: cell of {cell} B does not fit the {arena.sink_bytes} B sink")
         self.index = index
         self.layout = layout
         self.name = layout.name
@@ -61,6 +59,8 @@ class SubPool:
         self.cell_hi = np.where(head, -1, np.where(tail, nslabs, hi))
         # cells whose first byte lies in slab j are [slab_first[j], slab_first[j + 1])
         self.slab_first = np.searchsorted(self.cell_lo, np.arange(nslabs + 1), side="left")
+        whole = (self.cell_lo == self.cell_hi) & (self.cell_lo >= 0) & (self.cell_lo < nslabs)
+        self.whole_cells_in_slab = np.bincount(self.cell_lo[whole], minlength=nslabs)
         self.state = np.zeros(self.grid_cells, dtype=np.int8)
         self.free_in_slab = np.zeros(nslabs, dtype=np.int64)
         self.free_count = 0
@@ -87,14 +87,11 @@ class SubPool:
         owner = self.arena.owner
         lo, hi = self.cell_lo[cells], self.cell_hi[cells]
         ok = (lo >= 0) & (hi < self.arena.num_slabs)
-        lo_c, hi_c = np.clip(lo, 0, self.arena.num_slabs - 1), np.clip(hi, 0, self.arena.num_slabs - 1)
+        lo_c, hi_c = (
+            np.clip(lo, 0, self.arena.num_slabs - 1),
+            np.clip(hi, 0, self.arena.num_slabs - 1),
+        )
         return ok & (owner[lo_c] == self.index) & (owner[hi_c] == self.index)
-
-    def cells_per_slab_min(self) -> int:
-        """Fewest whole cells any single slab holds on this grid (used for sizing)."""
-        counts = np.diff(self.slab_first)
-        inner = counts - (self.cell_hi[self.slab_first[1:] - 1] != np.arange(len(counts)))
-        return int(inner.min()) if inner.size else 0
 
     def acquire_slab(self, slab: int) -> int:
         """Take a free slab; its newly usable cells become FREE. Returns how many."""
@@ -124,14 +121,13 @@ class SubPool:
     def owned_slabs(self) -> np.ndarray:
         return np.flatnonzero(self.arena.owner == self.index)
 
-    def free_cells_outside(self, slab: int) -> int:
-        a, b = self._touching(slab)
-        return self.free_count - int(np.count_nonzero(self.state[a:b] == FREE))
-
     # --- cells -----------------------------------------------------------------------------
 
-    def take_cells(self, count: int, avoid_slab: int | None = None) -> np.ndarray:
-        """Mark ``count`` FREE cells LIVE, fullest slabs first. Caller ensures they exist."""
+    def take_cells(self, count: int, avoid: frozenset[int] = frozenset()) -> np.ndarray:
+        """Mark ``count`` FREE cells LIVE, fullest slabs first, none touching ``avoid`` slabs.
+
+        The caller has checked that enough such cells exist.
+        """
         out: list[np.ndarray] = []
         need = count
         slabs = np.flatnonzero(self.free_in_slab)
@@ -140,12 +136,12 @@ class SubPool:
             if need == 0:
                 break
             slab = int(slab)
-            if slab == avoid_slab:
+            if slab in avoid:
                 continue
             a, b = int(self.slab_first[slab]), int(self.slab_first[slab + 1])
             free = a + np.flatnonzero(self.state[a:b] == FREE)
-            if avoid_slab is not None:
-                free = free[(self.cell_lo[free] != avoid_slab) & (self.cell_hi[free] != avoid_slab)]
+            if avoid:
+                free = free[~np.isin(self.cell_hi[free], list(avoid))]
             got = free[:need]
             out.append(got)
             need -= got.size
@@ -212,9 +208,17 @@ class SubPool:
         dev = grid.device
         grid.index_copy_(0, to_index(dst, dev), grid.index_select(0, to_index(src, dev)))
 
-    def move(self, src: np.ndarray, dst_avoid_slab: int | None) -> np.ndarray:
-        """Move LIVE cells ``src`` to fresh cells (bytes copied, tables rebound)."""
-        dst = self.take_cells(src.size, avoid_slab=dst_avoid_slab)
+    def live_cells_touching(self, slab: int) -> np.ndarray:
+        a, b = self._touching(slab)
+        return a + np.flatnonzero(self.state[a:b] == LIVE)
+
+    def free_cells_touching(self, slab: int) -> int:
+        a, b = self._touching(slab)
+        return int(np.count_nonzero(self.state[a:b] == FREE))
+
+    def move(self, src: np.ndarray, avoid: frozenset[int]) -> np.ndarray:
+        """Move LIVE cells ``src`` to FREE cells outside ``avoid`` (bytes copied, tables rebound)."""
+        dst = self.take_cells(src.size, avoid)
         vids = self.p2v[src]
         self.copy_cells(src, dst)
         self.p2v[src] = -1

@@ -99,10 +99,7 @@ class MemoryPlan:
 
     def worst_case_slabs(self) -> dict[str, int]:
         cells = self.worst_case_cells()
-        return {
-            lay.name: math.ceil(cells[lay.name] / max(1, self.min_cells_per_slab(lay)))
-            for lay in self.layouts
-        }
+        return {lay.name: math.ceil(cells[lay.name] / max(1, self.min_cells_per_slab(lay))) for lay in self.layouts}
 
 
 def plan_memory(shard: ShardSpec, budget_bytes: int, hints: MemoryHints | None = None) -> MemoryPlan:
@@ -141,9 +138,7 @@ def _check_feasible(plan: MemoryPlan) -> None:
     have = max(0, plan.num_slabs)
     if total <= have:
         return
-    per_pool = ", ".join(
-        f"{name} {plan.worst_case_cells()[name]} cells = {n} slabs" for name, n in need.items()
-    )
+    per_pool = ", ".join(f"{name} {plan.worst_case_cells()[name]} cells = {n} slabs" for name, n in need.items())
     need_bytes = plan.sink_bytes + total * plan.slab_bytes
     raise LayoutError(
         f"{plan.shard.describe()}: a budget of {format_bytes(plan.budget_bytes)} holds "

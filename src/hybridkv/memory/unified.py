@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridkv.memory.arena import FREE_SLAB, Arena
+from hybridkv.memory.arena import Arena
 from hybridkv.memory.errors import InvalidIds, OutOfMemory, PinnedError
 from hybridkv.memory.gates import GateRegistry, MoveGate
 from hybridkv.memory.layout import CellLayout
-from hybridkv.memory.pool import FREE, LIVE, SubPool, to_index
+from hybridkv.memory.pool import SubPool, to_index
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
+from hybridkv.memory.slabs import SlabBroker
 from hybridkv.memory.virtual import VirtualIds
 from hybridkv.spec import ShardSpec
 
@@ -142,9 +143,8 @@ class UnifiedMemory:
         self.window_pools = [p for p in self.token_pools if p.layout.is_window]
         self.state_pool = next((p for p in self.pools.values() if p.layout.is_state), None)
         self.gates = GateRegistry(page_capacity, slot_capacity)
+        self.broker = SlabBroker(self.arena, list(self.pools.values()), self.gates)
         self._group: list[np.ndarray] | None = None
-        self.cells_moved = 0
-        self.bytes_moved = 0
         self._layer_pool: dict[int, SubPool] = {
             lid: pool for pool in self.pools.values() for lid in pool.layout.layer_ids
         }
@@ -181,8 +181,7 @@ class UnifiedMemory:
             start, end = self.shard.bounds
             if not self.shard.has_layer(layer_id):
                 raise KeyError(
-                    f"layer {layer_id} is not on this shard ({self.shard.describe()}, layers "
-                    f"[{start}, {end}))"
+                    f"layer {layer_id} is not on this shard ({self.shard.describe()}, layers [{start}, {end}))"
                 ) from None
             raise KeyError(f"layer {layer_id} keeps no memory (an MLP-only layer)") from None
 
@@ -216,78 +215,7 @@ class UnifiedMemory:
     # --- capacity -------------------------------------------------------------------------
 
     def _reserve(self, needs: dict[str, int]) -> None:
-        """Make ``needs[pool]`` FREE cells available in each pool, or raise with no change.
-
-        Holes first, then free slabs, then compaction (moving another pool's live cells out
-        of a sparse slab). Slabs taken here and left unused are handed back on failure.
-        """
-        taken: list[tuple[SubPool, int]] = []
-        for name, need in needs.items():
-            pool = self.pools[name]
-            while pool.free_count < need:
-                slab = self._free_slab_for(pool)
-                if slab is None:
-                    slab = self._reclaim_slab(pool, needs)
-                if slab is None:
-                    for owner, s in reversed(taken):
-                        if self.arena.owner[s] == owner.index and self.arena.slab_live[s] == 0:
-                            owner.release_slab(s)
-                    short = {n: max(0, k - self.pools[n].free_count) for n, k in needs.items()}
-                    raise OutOfMemory(
-                        f"pool {name!r} needs {need} free cells, has {pool.free_count}; no free "
-                        f"slab and no movable slab left ({self._describe_usage()})",
-                        {n: k for n, k in short.items() if k},
-                    )
-                pool.acquire_slab(slab)
-                taken.append((pool, slab))
-
-    def _free_slab_for(self, pool: SubPool) -> int | None:
-        owner = self.arena.owner
-        free = np.flatnonzero(owner == FREE_SLAB)
-        if free.size == 0:
-            return None
-        left = free - 1
-        right = np.minimum(free + 1, owner.size - 1)
-        adjacent = free[((left >= 0) & (owner[np.maximum(left, 0)] == pool.index)) | (owner[right] == pool.index)]
-        if adjacent.size:
-            return int(adjacent[0])
-        # pools take fresh slabs from alternate ends, so their regions meet in the middle
-        return int(free[-1] if pool.index % 2 else free[0])
-
-    def _reclaim_slab(self, for_pool: SubPool, needs: dict[str, int]) -> int | None:
-        """Empty the cheapest movable slab of another pool; returns it (now free) or None."""
-        self.gates.sweep()
-        owner, live = self.arena.owner, self.arena.slab_live
-        candidates = np.flatnonzero((owner != FREE_SLAB) & (owner != for_pool.index))
-        if candidates.size == 0:
-            return None
-        cell_bytes = np.array([p.cell_bytes for p in sorted(self.pools.values(), key=lambda p: p.index)])
-        cost = live[candidates] * cell_bytes[owner[candidates]]
-        for j in candidates[np.argsort(cost, kind="stable")]:
-            j = int(j)
-            pool = self._pool_by_index(owner[j])
-            a, b = pool._touching(j)
-            cells = a + np.flatnonzero(pool.state[a:b] == LIVE)
-            if pool.free_cells_outside(j) - cells.size < needs.get(pool.name, 0):
-                continue
-            pins = self.gates.slot_pins if pool.layout.is_state else self.gates.page_pins
-            if pins[pool.p2v[cells]].any():
-                continue
-            if cells.size:
-                pool.move(cells, dst_avoid_slab=j)
-                self.cells_moved += cells.size
-                self.bytes_moved += cells.size * pool.cell_bytes
-            if owner[j] == pool.index:  # an empty slab taken earlier in this reservation
-                pool.release_slab(j)
-            return j
-        return None
-
-    def _pool_by_index(self, index: int) -> SubPool:
-        return next(p for p in self.pools.values() if p.index == index)
-
-    def _describe_usage(self) -> str:
-        parts = [f"{p.name}: {p.live_count} live/{p.free_count} free cells" for p in self.pools.values()]
-        return "; ".join(parts) + f"; {self.arena.free_slabs} free slabs"
+        self.broker.reserve({self.pools[name]: n for name, n in needs.items()})
 
     def available_pages(self) -> int:
         """Pages allocatable now without compaction (host counters only)."""
@@ -324,9 +252,7 @@ class UnifiedMemory:
         ps = self.page_size
         return (pages[:, None] * ps + np.arange(ps)).reshape(-1)[:num_tokens]
 
-    def alloc_extend(
-        self, prefix_lens: IdsLike, seq_lens: IdsLike, last_locs: IdsLike
-    ) -> np.ndarray:
+    def alloc_extend(self, prefix_lens: IdsLike, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
         """Batched prefill: request ``i`` grows from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens.
 
         ``last_locs[i]`` is the location of token ``prefix_lens[i] - 1`` (ignored when the
@@ -488,9 +414,7 @@ class UnifiedMemory:
         if pool:
             gone = ~targets[0].resident(arr)
             if gone.any():
-                raise InvalidIds(
-                    f"free_window_pages: page {arr[np.argmax(gone)]} already left window pool {pool!r}"
-                )
+                raise InvalidIds(f"free_window_pages: page {arr[np.argmax(gone)]} already left window pool {pool!r}")
         for target in targets:
             resident = arr[target.resident(arr)]
             target.give_cells(target.unbind(resident))
@@ -506,15 +430,13 @@ class UnifiedMemory:
         target = self._pool(pool)
         if not target.layout.is_window or s.size != d.size:
             raise InvalidIds(
-                f"adopt_window_pages: need a window pool and equal lengths (pool {pool!r}, "
-                f"{s.size} src, {d.size} dst)"
+                f"adopt_window_pages: need a window pool and equal lengths (pool {pool!r}, {s.size} src, {d.size} dst)"
             )
         self._check_releasable(s, "adopt_window_pages src")
         self.pages.check_live(d, "adopt_window_pages dst")
         if not target.resident(s).all() or target.resident(d).any():
             raise InvalidIds(
-                "adopt_window_pages: every src page must be resident and every dst page "
-                f"tombstoned in {pool!r}"
+                f"adopt_window_pages: every src page must be resident and every dst page tombstoned in {pool!r}"
             )
         target.bind(d, target.unbind(s))
 
@@ -590,9 +512,7 @@ class UnifiedMemory:
             raise KeyError(f"name a pool: this shard has no full-history pool ({list(self.pools)})")
         return self.history_pools[0]
 
-    def pin(
-        self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: object = None
-    ) -> MoveGate:
+    def pin(self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: object = None) -> MoveGate:
         """Pin ids against moves and frees until ``release()`` (or until ``event`` completes)."""
         p = _host_ids(pages if pages is not None else _EMPTY, "pin pages")
         s = _host_ids(slots if slots is not None else _EMPTY, "pin slots")
@@ -605,36 +525,8 @@ class UnifiedMemory:
     # --- compaction -----------------------------------------------------------------------
 
     def compact(self, max_slabs: int | None = None) -> int:
-        """Idle-time defragmentation: empty the sparsest slabs into holes elsewhere.
-
-        Returns the number of slabs handed back to the free list.
-        """
-        self.gates.sweep()
-        freed = 0
-        for pool in self.pools.values():
-            while max_slabs is None or freed < max_slabs:
-                slab = self._sparsest_movable(pool)
-                if slab is None:
-                    break
-                a, b = pool._touching(slab)
-                cells = a + np.flatnonzero(pool.state[a:b] == LIVE)
-                pool.move(cells, dst_avoid_slab=slab)
-                self.cells_moved += cells.size
-                self.bytes_moved += cells.size * pool.cell_bytes
-                freed += 1
-        return freed
-
-    def _sparsest_movable(self, pool: SubPool) -> int | None:
-        """The owned slab with the fewest live cells that can move into holes elsewhere."""
-        slabs = pool.owned_slabs()
-        pins = self.gates.slot_pins if pool.layout.is_state else self.gates.page_pins
-        for j in slabs[np.argsort(self.arena.slab_live[slabs], kind="stable")]:
-            j = int(j)
-            a, b = pool._touching(j)
-            cells = a + np.flatnonzero(pool.state[a:b] == LIVE)
-            if pool.free_cells_outside(j) >= cells.size and not pins[pool.p2v[cells]].any():
-                return j
-        return None
+        """Idle-time defragmentation; returns how many slabs went back to the free list."""
+        return self.broker.compact(max_slabs)
 
     # --- reports --------------------------------------------------------------------------
 
@@ -667,8 +559,8 @@ class UnifiedMemory:
             pools=tuple(pools),
             live_pages=self.pages.live_count,
             live_slots=self.slots.live_count,
-            bytes_moved=self.bytes_moved,
-            cells_moved=self.cells_moved,
+            bytes_moved=self.broker.bytes_moved,
+            cells_moved=self.broker.cells_moved,
         )
 
     def verify(self) -> None:

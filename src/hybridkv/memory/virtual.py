@@ -37,8 +37,7 @@ class VirtualIds:
     def take(self, count: int) -> np.ndarray:
         if count > self._free:
             raise OutOfMemory(
-                f"{self.name}: {count} virtual ids asked, {self._free} free of "
-                f"{self.capacity - 1}",
+                f"{self.name}: {count} virtual ids asked, {self._free} free of {self.capacity - 1}",
                 {self.name: count - self._free},
             )
         ids = self._stack[self._free - count : self._free][::-1].copy()
@@ -65,8 +64,7 @@ class VirtualIds:
         if dead.any():
             first = int(ids[np.argmax(dead)])
             raise InvalidIds(
-                f"{what}: {self.name} id {first} is not allocated (double free, or an id that "
-                "was never handed out)"
+                f"{what}: {self.name} id {first} is not allocated (double free, or an id that was never handed out)"
             )
         if ids.size > 1:
             ordered = np.sort(ids)

@@ -68,9 +68,7 @@ class StateTensor:
         if not self.shape or any(int(d) <= 0 for d in self.shape):
             raise ValueError(f"state tensor {self.name!r}: shape {self.shape} must be positive")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
-            raise ValueError(
-                f"state tensor {self.name!r}: tp_dim {self.tp_dim} outside shape {self.shape}"
-            )
+            raise ValueError(f"state tensor {self.name!r}: tp_dim {self.tp_dim} outside shape {self.shape}")
 
     @property
     def nbytes(self) -> int:
@@ -156,9 +154,7 @@ class MLA:
     tag = KindTag.MLA
 
     def __post_init__(self) -> None:
-        _check_positive(
-            "MLA", kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
-        )
+        _check_positive("MLA", kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
 
     def elems_per_token(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim

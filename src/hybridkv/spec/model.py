@@ -78,9 +78,7 @@ class ModelSpec:
 
     def windows(self) -> list[int]:
         """Distinct sliding windows, ascending."""
-        return sorted(
-            {layer.kind.window for layer in self.layers if isinstance(layer.kind, SlidingWindow)}
-        )
+        return sorted({layer.kind.window for layer in self.layers if isinstance(layer.kind, SlidingWindow)})
 
     def kv_bytes_per_token(self, tag: KindTag) -> int:
         """KV bytes one token costs across all layers of ``tag`` (unsharded)."""

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from hybridkv.spec.layers import (
@@ -45,18 +46,16 @@ class Parallel:
                     f"pp_starts has {len(starts)} entries but pp_size is {self.pp_size}; "
                     "give one first-layer id per stage"
                 )
-            if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+            if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
                 raise ValueError(
-                    f"pp_starts {starts} must start at 0 and increase strictly (every stage "
-                    "needs at least one layer)"
+                    f"pp_starts {starts} must start at 0 and increase strictly (every stage needs at least one layer)"
                 )
 
     def stage_bounds(self, num_layers: int) -> list[tuple[int, int]]:
         """``[start, end)`` of every stage. Even split gives the first stages the remainder."""
         if self.pp_size > num_layers:
             raise ValueError(
-                f"PP size {self.pp_size} exceeds the model's {num_layers} layers; every stage "
-                "needs at least one layer"
+                f"PP size {self.pp_size} exceeds the model's {num_layers} layers; every stage needs at least one layer"
             )
         if self.pp_starts is not None:
             if self.pp_starts[-1] >= num_layers:
@@ -157,9 +156,7 @@ class ShardSpec:
     def _stage_layer(self, layer_id: int) -> Layer:
         if not self.has_layer(layer_id):
             start, end = self.bounds
-            raise KeyError(
-                f"layer {layer_id} is not on PP stage {self.pp_rank} (layers [{start}, {end}))"
-            )
+            raise KeyError(f"layer {layer_id} is not on PP stage {self.pp_rank} (layers [{start}, {end}))")
         return self.model.layers[layer_id]
 
     def describe(self) -> str:

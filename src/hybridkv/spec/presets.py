@@ -66,8 +66,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
             layer_id = int(raw_id) - base
             if not 0 <= layer_id < num_layers:
                 raise PresetError(
-                    f"preset {name!r}: {kind_name} layer id {raw_id} outside "
-                    f"{base}..{base + num_layers - 1}"
+                    f"preset {name!r}: {kind_name} layer id {raw_id} outside {base}..{base + num_layers - 1}"
                 )
             if kinds[layer_id] is not None:
                 raise PresetError(f"preset {name!r}: layer {raw_id} is given two kinds")
@@ -178,7 +177,10 @@ def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
     )
     kda = Linear(
         "kda",
-        (StateTensor("conv_state_qkv", (96, 3), F32), StateTensor("recurrent_state", (4, 8, 8), F32)),
+        (
+            StateTensor("conv_state_qkv", (96, 3), F32),
+            StateTensor("recurrent_state", (4, 8, 8), F32),
+        ),
     )
     lightning = Linear("lightning", (StateTensor("kv_state", (4, 8, 8), F32),))
     return {
@@ -212,7 +214,10 @@ def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
             max_context=256,
         ),
         "tiny-lightning": lambda: ModelSpec.from_kinds(
-            "tiny-lightning", [lightning, lightning, lightning, full] * 2, kv_dtype=F32, max_context=256
+            "tiny-lightning",
+            [lightning, lightning, lightning, full] * 2,
+            kv_dtype=F32,
+            max_context=256,
         ),
     }
 

@@ -1,0 +1,3 @@
+from hybridkv.cli import app
+
+app()

@@ -1,0 +1,149 @@
+"""SlabBroker: decides which pool owns which slab — the floating split between pools.
+
+A pool short of cells gets them, in this order: holes in its own slabs (nothing to do),
+free slabs (preferring one next to a slab it owns, so edge cells become usable), then
+slabs reclaimed from other pools by compaction: the live cells of a sparse slab move into
+holes of their own pool elsewhere, and the emptied slab changes owner.
+
+Invariants:
+- Decide, then act: a reservation that cannot be met is refused before any byte moves, and
+  the slabs it tentatively took are handed back, so a refused call changes nothing.
+- A reclaim plan never leaves the donor pool short of what the same call needs from it,
+  never moves a pinned id, and never moves cells into a slab it is about to empty.
+- ``cells_moved`` / ``bytes_moved`` count every cell copied.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridkv.memory.arena import FREE_SLAB, Arena
+from hybridkv.memory.errors import OutOfMemory
+from hybridkv.memory.gates import GateRegistry
+from hybridkv.memory.pool import SubPool
+
+
+class SlabBroker:
+    def __init__(self, arena: Arena, pools: list[SubPool], gates: GateRegistry):
+        assert [p.index for p in pools] == list(range(len(pools)))
+        self.arena = arena
+        self.pools = pools
+        self.gates = gates
+        self.cell_bytes = np.array([p.cell_bytes for p in pools], dtype=np.int64)
+        self.cells_moved = 0
+        self.bytes_moved = 0
+
+    def reserve(self, needs: dict[SubPool, int]) -> None:
+        """Make ``needs[pool]`` FREE cells available in every pool, or raise changing nothing."""
+        taken: list[tuple[SubPool, int]] = []
+        for pool, need in needs.items():
+            while pool.free_count < need:
+                slab = self._free_slab_for(pool)
+                if slab is None:
+                    break
+                pool.acquire_slab(slab)
+                taken.append((pool, slab))
+        deficits = {p: n - p.free_count for p, n in needs.items() if p.free_count < n}
+        if not deficits:
+            return
+        plan = self._plan_reclaim(deficits, needs)
+        if plan is None:
+            for pool, slab in reversed(taken):
+                pool.release_slab(slab)
+            short = {p.name: n - p.free_count for p, n in needs.items() if p.free_count < n}
+            usage = "; ".join(f"{p.name}: {p.live_count} live/{p.free_count} free cells" for p in self.pools)
+            raise OutOfMemory(
+                f"short of cells ({', '.join(f'{k} {v}' for k, v in short.items())}): no free "
+                f"slab and no movable slab left ({usage}; {self.arena.free_slabs} free slabs)",
+                short,
+            )
+        avoid: dict[SubPool, frozenset[int]] = {}
+        for slab, donor, _ in plan:
+            avoid[donor] = avoid.get(donor, frozenset()) | {slab}
+        for slab, donor, receiver in plan:
+            self._empty(donor, slab, avoid[donor])
+            receiver.acquire_slab(slab)
+        assert all(p.free_count >= n for p, n in needs.items()), "reclaim plan fell short"
+
+    def _free_slab_for(self, pool: SubPool) -> int | None:
+        owner = self.arena.owner
+        free = np.flatnonzero(owner == FREE_SLAB)
+        if free.size == 0:
+            return None
+        last = owner.size - 1
+        left_mine = (free > 0) & (owner[np.maximum(free - 1, 0)] == pool.index)
+        right_mine = (free < last) & (owner[np.minimum(free + 1, last)] == pool.index)
+        adjacent = free[left_mine | right_mine]
+        if adjacent.size:
+            return int(adjacent[0])
+        # pools start from alternate ends of the arena so their regions meet in the middle
+        return int(free[-1] if pool.index % 2 else free[0])
+
+    def _plan_reclaim(
+        self, deficits: dict[SubPool, int], needs: dict[SubPool, int]
+    ) -> list[tuple[int, SubPool, SubPool]] | None:
+        """Choose slabs to empty (cheapest bytes first) and who receives each, or None."""
+        self.gates.sweep()
+        owner, live = self.arena.owner, self.arena.slab_live
+        candidates = np.flatnonzero((owner != FREE_SLAB) & (live > 0))
+        cost = live[candidates] * self.cell_bytes[owner[candidates]]
+        order = [int(j) for j in candidates[np.argsort(cost, kind="stable")]]
+        spare = {p: p.free_count - needs.get(p, 0) for p in self.pools}
+        plan: list[tuple[int, SubPool, SubPool]] = []
+        used: set[int] = set()
+        for receiver, deficit in deficits.items():
+            for slab in order:
+                if deficit <= 0:
+                    break
+                donor = self.pools[owner[slab]]
+                if slab in used or donor is receiver or receiver.whole_cells_in_slab[slab] == 0:
+                    continue
+                cells = donor.live_cells_touching(slab)
+                lost = cells.size + donor.free_cells_touching(slab)
+                if spare[donor] < lost or self._pinned(donor, cells):
+                    continue
+                spare[donor] -= lost
+                used.add(slab)
+                plan.append((slab, donor, receiver))
+                deficit -= int(receiver.whole_cells_in_slab[slab])
+            if deficit > 0:
+                return None
+        return plan
+
+    def _pinned(self, pool: SubPool, cells: np.ndarray) -> bool:
+        pins = self.gates.slot_pins if pool.layout.is_state else self.gates.page_pins
+        return bool(pins[pool.p2v[cells]].any())
+
+    def _empty(self, pool: SubPool, slab: int, avoid: frozenset[int]) -> None:
+        cells = pool.live_cells_touching(slab)
+        pool.move(cells, avoid)
+        self.cells_moved += cells.size
+        self.bytes_moved += cells.size * pool.cell_bytes
+        assert self.arena.owner[slab] == FREE_SLAB, "an emptied slab was not released"
+
+    def compact(self, max_slabs: int | None = None) -> int:
+        """Idle-time defragmentation: empty the sparsest slabs into holes of the same pool.
+
+        Returns how many slabs went back to the free list. Each step frees one slab, so the
+        loop ends; pinned cells are never moved.
+        """
+        self.gates.sweep()
+        freed = 0
+        for pool in self.pools:
+            while max_slabs is None or freed < max_slabs:
+                slab = self._sparsest_movable(pool)
+                if slab is None:
+                    break
+                self._empty(pool, slab, frozenset({slab}))
+                freed += 1
+        return freed
+
+    def _sparsest_movable(self, pool: SubPool) -> int | None:
+        slabs = pool.owned_slabs()
+        for j in slabs[np.argsort(self.arena.slab_live[slabs], kind="stable")]:
+            j = int(j)
+            cells = pool.live_cells_touching(j)
+            free_elsewhere = pool.free_count - pool.free_cells_touching(j)
+            if free_elsewhere >= cells.size and not self._pinned(pool, cells):
+                return j
+        return None

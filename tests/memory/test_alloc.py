@@ -1,0 +1,150 @@
+"""Token allocation, release and translation against independent expectations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import ShardSpec, get_preset
+
+
+def make(preset: str = "tiny-swa2-state", budget: int = 400_000, page_size: int = 4) -> UnifiedMemory:
+    return UnifiedMemory.create(
+        ShardSpec.whole(get_preset(preset)),
+        budget,
+        page_size=page_size,
+        max_context=64,
+        chunk_tokens=16,
+    )
+
+
+def expected_extend(prefix, seq, last, new_pages, ps):
+    """Reference: walk every new token; reuse the last page until full, then fresh pages."""
+    out, k = [], 0
+    for p, s, last_loc in zip(prefix, seq, last, strict=True):
+        page = last_loc // ps if p > 0 else None
+        for pos in range(p, s):
+            if pos % ps == 0:
+                page = new_pages[k]
+                k += 1
+            out.append(page * ps + pos % ps)
+    assert k == len(new_pages)
+    return out
+
+
+def test_alloc_extend_continues_last_page_then_takes_fresh_pages():
+    mem = make()
+    ps = mem.page_size
+    first = mem.alloc_extend([0, 0, 0], [5, 3, 8], [0, 0, 0])
+    assert len(first) == 16
+    rows = [first[:5], first[5:8], first[8:]]
+    pages_before = set(np.flatnonzero(mem.pages.live)[1:])
+    prefix = np.array([5, 3, 8])
+    seq = np.array([11, 4, 9])
+    last = np.array([rows[0][-1], rows[1][-1], rows[2][-1]])
+    got = mem.alloc_extend(prefix, seq, last)
+    new_pages = sorted(set(np.flatnonzero(mem.pages.live)[1:]) - pages_before)
+    # new pages are handed out in request order, lowest ids first on a fresh namespace
+    assert got.tolist() == expected_extend(prefix, seq, last, new_pages, ps)
+    mem.verify()
+
+
+def test_alloc_decode_opens_a_page_only_at_page_boundaries():
+    mem = make()
+    ps = mem.page_size
+    locs = mem.alloc_extend([0, 0], [4, 6], [0, 0])
+    out = mem.alloc_decode([5, 7], [locs[3], locs[-1]])
+    assert out[0] % ps == 0 and out[0] // ps not in {locs[0] // ps}  # new page for position 4
+    assert out[1] == locs[-1] + 1  # position 6 continues the page of position 5
+    assert mem.pages.live_count == 4
+    mem.verify()
+
+
+def test_every_kv_pool_binds_the_same_virtual_page():
+    mem = make()
+    pages = mem.alloc_pages(3)
+    for pool in mem.token_pools:
+        assert (pool.v2p[pages] > 0).all(), pool.name
+        assert np.array_equal(pool.p2v[pool.v2p[pages]], pages)
+    phys = mem.translate(pages * mem.page_size + 1, "full")
+    assert torch.equal(phys, torch.from_numpy(mem.pools["full"].v2p[pages] * mem.page_size + 1))
+
+
+def test_window_pages_leave_only_the_window_pool():
+    mem = make()
+    pages = mem.alloc_pages(4)
+    mem.free_window_pages(pages[:2], "swa:8")
+    assert not mem.resident(pages[:2], "swa:8").any()
+    assert mem.resident(pages[:2], "swa:24").all() and mem.resident(pages, "full").all()
+    assert (mem.translate(pages[:2] * mem.page_size, "swa:8") < 0).all()  # tombstones
+    mem.verify()
+    mem.free_pages(pages)  # full free also drops whatever window residency is left
+    assert mem.pages.live_count == 0
+    mem.verify()
+
+
+def test_free_segment_frees_pages_starting_in_the_segment():
+    mem = make()
+    ps = mem.page_size
+    row = mem.alloc(10)  # pages of positions [0,4) [4,8) [8,10)
+    mem.free_segment(row[5:], 5)  # page [4,8) starts before 5: kept; page [8,..) freed
+    assert mem.pages.live[row[0] // ps] and mem.pages.live[row[4] // ps]
+    assert not mem.pages.live[row[8] // ps]
+    mem.free_segment(row[:8], 0)
+    assert mem.pages.live_count == 0
+    mem.verify()
+
+
+def test_free_group_releases_everything_at_exit_and_nothing_on_error():
+    mem = make()
+    a, b = mem.alloc(8), mem.alloc(5)
+    with mem.free_group():
+        mem.free_segment(a, 0)
+        mem.free(b)
+        assert mem.pages.live_count == 4  # buffered, not yet released
+    assert mem.pages.live_count == 0
+    c = mem.alloc(4)
+    with pytest.raises(RuntimeError), mem.free_group():
+        mem.free(c)
+        raise RuntimeError("forward failed")
+    assert mem.pages.live_count == 1
+    mem.verify()
+
+
+def test_state_fork_copies_bytes_into_a_new_slot():
+    mem = make("tiny-gdn")
+    slot = mem.alloc_state(1)
+    view = mem.view(0, "recurrent_state")
+    cell = int(mem.state_pool.v2p[slot[0]])
+    view[cell] = torch.arange(view[cell].numel(), dtype=view.dtype).reshape(view[cell].shape)
+    fork = mem.fork_state(slot)
+    assert fork[0] != slot[0]
+    assert torch.equal(view[int(mem.state_pool.v2p[fork[0]])], view[cell])
+    mem.free_state(slot)
+    assert torch.equal(view[int(mem.state_pool.v2p[fork[0]])].flatten()[:3], torch.tensor([0.0, 1.0, 2.0]))
+    mem.verify()
+
+
+def test_views_are_strided_views_of_the_arena_for_a_stage_not_starting_at_layer_zero():
+    from hybridkv.spec import Parallel
+
+    spec = get_preset("tiny-gdn")  # layers: gdn gdn gdn full gdn gdn gdn full
+    shard = ShardSpec(spec, Parallel(pp_size=2), pp_rank=1)
+    mem = UnifiedMemory.create(shard, 200_000, page_size=4, max_context=64)
+    assert shard.bounds == (4, 8)
+    with pytest.raises(KeyError, match="not on this shard"):
+        mem.view(3, "k")
+    k, v = mem.view(7, "k"), mem.view(7, "v")
+    assert k.shape[1:] == (4, 4, 8) and v.shape[1:] == (4, 4, 8)
+    base = mem.arena.buffer.data_ptr()
+    assert base <= k.data_ptr() < base + mem.arena.nbytes
+    assert mem.geometry(7)["pool"] == "full"
+    assert mem.geometry(4)["tensors"]["recurrent_state"][0] == (4, 8, 8)
+    page = mem.alloc_pages(1)
+    cell = int(mem.pools["full"].v2p[page[0]])
+    k[cell].fill_(3.0)
+    seg = mem.layout("full").segment(7, "k")
+    raw = mem.arena.buffer[cell * mem.pools["full"].cell_bytes + seg.offset :][: seg.nbytes]
+    assert torch.equal(raw.view(torch.float32), torch.full((seg.nbytes // 4,), 3.0))

@@ -1,0 +1,116 @@
+"""Bad input: a clear error, and the pools exactly as they were (tables, counters, bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.memory import InvalidIds, LayoutError, OutOfMemory, PinnedError, UnifiedMemory
+from hybridkv.spec import ShardSpec, get_preset
+from tests.memory.snapshots import assert_unchanged, snapshot
+
+
+@pytest.fixture
+def mem() -> UnifiedMemory:
+    m = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-swa2-state")),
+        300_000,
+        page_size=4,
+        max_context=64,
+        chunk_tokens=16,
+    )
+    m.arena.buffer.copy_(torch.randint(0, 255, (m.arena.nbytes,), dtype=torch.uint8))
+    return m
+
+
+def refused(mem: UnifiedMemory, error: type[Exception], match: str, call, *args) -> None:
+    before = snapshot(mem)
+    with pytest.raises(error, match=match):
+        call(*args)
+    assert_unchanged(before, mem)
+    mem.verify()
+
+
+def test_double_free_and_never_allocated(mem):
+    row = mem.alloc(6)
+    pages = np.unique(row // mem.page_size)
+    mem.free_pages(pages[:1])
+    refused(mem, InvalidIds, "not allocated", mem.free_pages, pages)  # first is a double free
+    refused(mem, InvalidIds, "not allocated", mem.free_pages, [pages.max() + 5])
+    refused(mem, InvalidIds, "given twice", mem.free_pages, [pages[1], pages[1]])
+
+
+def test_out_of_range_and_sink_ids(mem):
+    mem.alloc(4)
+    refused(mem, InvalidIds, "outside", mem.free_pages, [10**9])
+    refused(mem, InvalidIds, "outside", mem.free_pages, [-3])
+    refused(mem, InvalidIds, "sink", mem.free_pages, [0])
+    refused(mem, InvalidIds, "integers", mem.free_pages, np.array([1.5]))
+    refused(mem, InvalidIds, "outside", mem.free_state, [10**9])
+
+
+def test_free_segment_longer_than_the_row_or_misaligned(mem):
+    row = mem.alloc(6)
+    other = mem.alloc(3)
+    too_long = np.concatenate([row, other])  # runs past the row into another row's page
+    refused(mem, InvalidIds, "longer than the row", mem.free_segment, too_long, 0)
+    refused(mem, InvalidIds, "offset", mem.free_segment, row[1:], 0)  # wrong start position
+    past_end = np.concatenate([row, np.zeros(4, dtype=np.int64)])  # zero-filled table tail
+    refused(mem, InvalidIds, "segment", mem.free_segment, past_end, 0)
+
+
+def test_bad_extend_and_decode_arguments(mem):
+    row = mem.alloc(5)
+    refused(mem, InvalidIds, "one of each", mem.alloc_extend, [0], [3, 4], [0])
+    refused(mem, InvalidIds, "prefix_len", mem.alloc_extend, [5], [4], [row[-1]])
+    refused(mem, InvalidIds, "expected offset", mem.alloc_extend, [5], [9], [row[-2]])
+    refused(mem, InvalidIds, "live page", mem.alloc_decode, [7], [10**6])
+    refused(mem, InvalidIds, ">= 2", mem.alloc_decode, [1], [row[0]])
+
+
+def test_window_misuse(mem):
+    pages = mem.alloc_pages(2)
+    mem.free_window_pages(pages[:1], "swa:8")
+    refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], "swa:8")
+    refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, "full")
+    refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], "swa:8")
+
+
+def test_pinned_pages_cannot_be_freed(mem):
+    pages = mem.alloc_pages(2)
+    gate = mem.pin(pages=pages[:1])
+    refused(mem, PinnedError, "pinned", mem.free_pages, pages)
+    gate.release()
+    mem.free_pages(pages)
+    mem.verify()
+
+
+def test_out_of_memory_changes_nothing(mem):
+    mem.alloc_pages(10)
+    slots = mem.alloc_state(2)
+    refused(mem, OutOfMemory, "no free slab", mem.alloc_pages, mem.pages.capacity // 2)
+    refused(mem, OutOfMemory, "no free slab", mem.alloc_state, mem.slots.free_count)
+    try:
+        mem.alloc_pages(10**6)
+    except OutOfMemory as exc:
+        assert exc.short  # says what is short, for the cache's eviction
+    mem.free_state(slots)
+    mem.verify()
+
+
+def test_budget_too_small_fails_at_start_naming_what_to_change():
+    shard = ShardSpec.whole(get_preset("Qwen3-Next-80B-A3B-Instruct"))
+    with pytest.raises(LayoutError, match=r"one request of 262144 tokens needs .* Raise the budget"):
+        UnifiedMemory.create(shard, "4GiB", device="meta")
+    mem = UnifiedMemory.create(shard, "4GiB", device="meta", max_context=32768)
+    assert mem.stats().budget_bytes == 4 * 2**30
+
+
+def test_host_ids_only():
+    mem = UnifiedMemory.create(ShardSpec.whole(get_preset("tiny-dense")), 100_000, page_size=4, max_context=32)
+    pages = mem.alloc_pages(1)
+    mem.free_pages(torch.from_numpy(pages))  # CPU tensors are host memory: accepted
+    assert mem.pages.live_count == 0
+    with pytest.raises(TypeError, match="host ids"):
+        mem.free_pages(torch.ones(1, dtype=torch.int64, device="meta"))
