@@ -1,0 +1,62 @@
+"""Prefill->decode transfer of KV and recurrent state (PD disaggregation).
+
+Layout (``BufferSet``) -> pairing by global layer id -> plan of coalesced ``(src, dst,
+length)`` ops -> a transport (shared memory or Mooncake), driven by a control plane
+(bootstrap registry, per-request messages, monotonic status). Fails closed: every size and
+address is checked before a byte moves; any doubt ends the request Failed with a reason.
+"""
+
+from hybridkv.transfer.bootstrap import BootstrapServer
+from hybridkv.transfer.buffers import (
+    BufferEntry,
+    BufferSet,
+    buffer_set_from_layouts,
+    buffer_set_from_memory,
+    expand_layer_ids,
+)
+from hybridkv.transfer.decode import Allocation, DecodeReceiver
+from hybridkv.transfer.errors import (
+    BadLayout,
+    LayoutMismatch,
+    PlanError,
+    ProtocolError,
+    TransferError,
+    TransportError,
+)
+from hybridkv.transfer.pairing import EntryPair, pair_entries
+from hybridkv.transfer.plan import TransferPlan, build_plan, memory_cells
+from hybridkv.transfer.prefill import PrefillSender
+from hybridkv.transfer.shared import SharedBuffer, shared_memory
+from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
+from hybridkv.transfer.transport import TRANSPORTS, Transport, make_transport
+
+__all__ = [
+    "TRANSPORTS",
+    "Allocation",
+    "BadLayout",
+    "BootstrapServer",
+    "BufferEntry",
+    "BufferSet",
+    "DecodeReceiver",
+    "EntryPair",
+    "LayoutMismatch",
+    "Phase",
+    "PlanError",
+    "PrefillSender",
+    "ProtocolError",
+    "RequestStatus",
+    "SharedBuffer",
+    "StatusReport",
+    "TransferError",
+    "TransferPlan",
+    "Transport",
+    "TransportError",
+    "buffer_set_from_layouts",
+    "buffer_set_from_memory",
+    "build_plan",
+    "expand_layer_ids",
+    "make_transport",
+    "memory_cells",
+    "pair_entries",
+    "shared_memory",
+]

@@ -1,0 +1,190 @@
+"""Agent: the control-plane thread and the worker thread behind every transfer rank.
+
+Threads and ownership:
+- The *owner* (the engine's thread) calls the public methods of ``PrefillSender`` and
+  ``DecodeReceiver``; only it touches ``UnifiedMemory`` (alloc, free, pin, release).
+- The *I/O thread* owns every zmq socket and every request record. It receives messages,
+  runs closures the other threads post with ``call_soon``, checks timers (``tick``), and
+  reports finished requests to the owner through ``events``.
+- The *worker thread* runs slow jobs (plans, byte copies, checksums) so heartbeats keep
+  flowing; it reports back with ``call_soon``; messages go out with ``post``.
+
+Invariants:
+- A message that does not decode, or that a handler refuses, is logged and recorded in
+  ``rejected``; no input ever stops the I/O thread (handler exceptions are caught).
+- Sends never block: a peer that does not drain its socket loses messages, which the
+  request timeouts turn into failures.
+- ``close`` stops both threads and closes every socket within its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+
+from hybridkv.transfer.errors import TransferError
+from hybridkv.transfer.messages import Message, Rank, decode, encode
+
+log = logging.getLogger("hybridkv.transfer")
+
+Event = tuple[str, str, object]  # (kind, request id, payload) for the owner
+
+
+class Agent:
+    tick_s = 0.02
+
+    def __init__(self, rank: Rank, host: str) -> None:
+        self.rank = rank
+        self.rejected: deque[str] = deque(maxlen=1000)
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.linger = 0
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._push: dict[str, zmq.Socket] = {}
+        wake = f"inproc://wake-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PULL)
+        self._wake_in.bind(wake)
+        self._wake_out = self._ctx.socket(zmq.PUSH)
+        self._wake_out.linger = 0
+        self._wake_out.connect(wake)
+        self._wake_lock = threading.Lock()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._io = threading.Thread(target=self._run_io, name=f"{rank}-io", daemon=True)
+        self._worker = threading.Thread(target=self._run_jobs, name=f"{rank}-work", daemon=True)
+        self._closed = False
+
+    # --- subclass hooks ---------------------------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        """A socket a subclass registered with ``self._poller`` is readable."""
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        """Timers: deadlines, heartbeats, retries."""
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._io.start()
+        self._worker.start()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread (from any thread)."""
+        self._calls.put(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(zmq.Again):  # Again: a wake is pending
+            if not self._closed:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the worker thread."""
+        self._jobs.put(job)
+
+    def post(self, endpoint: str, msg: Message) -> bool:
+        """Queue ``msg`` to ``endpoint`` without blocking (I/O thread only)."""
+        sock = self._push.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.sndhwm = 10000
+            sock.connect(endpoint)
+            self._push[endpoint] = sock
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("%s: %s is not draining its socket; dropped %s", self.rank, endpoint, type(msg).__name__)
+            return False
+
+    def reject(self, reason: str) -> None:
+        log.warning("%s rejected a message: %s", self.rank, reason)
+        self.rejected.append(reason)
+
+    def _guard(self, what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except TransferError as exc:
+            self.reject(f"{what}: {exc}")
+        except Exception as exc:  # a bug must not kill the I/O thread
+            log.exception("%s: %s failed", self.rank, what)
+            self.reject(f"{what}: internal error {exc!r}")
+
+    def _run_io(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                ready = dict(self._poller.poll(int(self.tick_s * 1000)))
+                if self._pull in ready:
+                    self._drain_messages()
+                if self._wake_in in ready:
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                for sock in ready:
+                    if sock is not self._pull and sock is not self._wake_in:
+                        self._guard("socket", lambda s=sock: self.on_socket(s))
+                while not self._calls.empty():
+                    self._guard("call", self._calls.get())
+                self._guard("tick", lambda: self.tick(time.monotonic()))
+        finally:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Close every socket the I/O thread owns (subclasses add theirs)."""
+        for sock in [self._pull, self._wake_in, *self._push.values()]:
+            sock.close(linger=0)
+
+    def _drain_messages(self) -> None:
+        for _ in range(1000):
+            try:
+                data = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._guard("message", lambda d=data: self.on_message(decode(d)))
+
+    def _run_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # jobs report their own errors; this is a bug
+                log.exception("%s: worker job failed", self.rank)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop both threads and close every socket."""
+        if self._closed:
+            return
+        self._stopping.set()
+        self._wake()
+        with self._wake_lock:
+            self._closed = True
+            self._wake_out.close(linger=0)
+        if self._io.ident is None:  # never started: the sockets are still ours to close
+            self._close_sockets()
+        else:
+            self._io.join(timeout_s)
+            self._jobs.put(None)
+            self._worker.join(timeout_s)
+        if self._io.is_alive() or self._worker.is_alive():
+            log.error("%s: threads did not stop within %.1f s", self.rank, timeout_s)
+            return
+        self._ctx.term()

@@ -1,0 +1,494 @@
+"""DecodeReceiver: a decode rank asks a prefill engine for a request's KV and state.
+
+Protocol (this side): ``request`` allocates and pins the pages and state slot; the I/O
+thread looks the prefill engine up at the bootstrap, checks every pairing (decode-side,
+before anything is sent), says ``Hello`` to each prefill rank once, then sends a
+``TransferRequest`` to *every* prefill rank. Each rank answers ``transferring`` and then
+``success`` (ops, bytes, optional checksum) or ``failed``.
+
+Invariants:
+- Success only when every prefill rank (every PP stage, every TP rank) reported success,
+  each with exactly the bytes the decode-side plan expects, and, when integrity is on,
+  each checksum matches the bytes that landed. Anything else is Failed with a reason.
+- Status messages whose request, nonce or sender do not match are dropped (recorded in
+  ``rejected``); a duplicate success is not counted twice; a late message never changes
+  a finished request.
+- A failed request's pages stay pinned and allocated (quarantined) until every contacted
+  prefill rank has acknowledged that it stopped writing, or ``quarantine_s`` passed: a
+  hung writer that wakes up must not scribble over pages already reused. Then they are
+  freed (on the owner's ``poll``) and memory ``verify()`` holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import zmq
+
+from hybridkv.memory import MoveGate, UnifiedMemory
+from hybridkv.transfer.agent import Agent, log
+from hybridkv.transfer.buffers import buffer_set_from_memory
+from hybridkv.transfer.checksum import crc32_ranges
+from hybridkv.transfer.errors import TransferError
+from hybridkv.transfer.messages import (
+    Abort,
+    Heartbeat,
+    Hello,
+    Lookup,
+    LookupReply,
+    Message,
+    Rank,
+    Register,
+    Status,
+    TransferRequest,
+    decode,
+    encode,
+)
+from hybridkv.transfer.pairing import (
+    EntryPair,
+    check_coverage,
+    check_prefill_group,
+    pair_entries,
+)
+from hybridkv.transfer.plan import TransferPlan, build_plan, memory_cells, num_pages
+from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
+from hybridkv.transfer.transport import Transport
+
+LOOKUP_RETRY_S = 0.1
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What ``request`` reserved on this decode rank."""
+
+    pages: np.ndarray
+    slot: int | None
+
+
+@dataclass
+class _Source:
+    """One registered prefill rank of a looked-up engine."""
+
+    reg: Register
+    pairs: tuple[EntryPair, ...]
+    last_seen: float = 0.0
+
+
+@dataclass
+class _Leg:
+    source: _Source
+    plan: TransferPlan  # destination-only: the bytes this rank must write here
+    state: str = "asked"  # asked -> transferring -> success | failed
+    checksum: int | None = None
+    final: bool = False  # the prefill rank sent its last word (success or failed)
+
+
+@dataclass
+class _Incoming:
+    status: RequestStatus
+    engine: str
+    seq_len: int
+    dst_cells: dict[str, list[int]]
+    checksum: bool
+    nonce: int
+    deadline: float
+    legs: dict[Rank, _Leg] = field(default_factory=dict)
+    quarantine_until: float | None = None
+    verifying: bool = False
+
+
+class DecodeReceiver(Agent):
+    def __init__(
+        self,
+        mem: UnifiedMemory,
+        engine: str,
+        bootstrap: str,
+        transport: Transport,
+        *,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        heartbeat_s: float = 0.5,
+        peer_timeout_s: float = 5.0,
+        quarantine_s: float = 30.0,
+        checksum: bool = False,
+    ) -> None:
+        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host)
+        self.mem = mem
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.quarantine_s = quarantine_s
+        self.checksum = checksum
+        self.buffers = buffer_set_from_memory(mem)
+        self._hello = Hello(self.rank, self.endpoint, transport.name, transport.session, self.buffers)
+        self._engines: dict[str, dict[Rank, _Source]] = {}
+        self._waiting: dict[str, list[_Incoming]] = {}
+        self._lookup_sent: dict[str, float] = {}
+        self._lookup_reason: dict[str, str] = {}
+        self._in: dict[str, _Incoming] = {}
+        self._last_heartbeat = 0.0
+        self._held: dict[str, tuple[Allocation, MoveGate]] = {}  # owner thread only
+        self._reports: dict[str, StatusReport] = {}
+        self._reports_lock = threading.Lock()
+        self._bootstrap = self._ctx.socket(zmq.DEALER)
+        self._bootstrap.linger = 0
+        self._bootstrap.connect(bootstrap)
+        self._poller.register(self._bootstrap, zmq.POLLIN)
+        try:
+            transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
+        except BaseException:
+            self.close()
+            raise
+        self._start()
+
+    # --- owner API -------------------------------------------------------------------
+
+    def request(self, request_id: str, prefill_engine: str, seq_len: int, checksum: bool | None = None) -> Allocation:
+        """Reserve pages (and a state slot) for ``seq_len`` tokens and ask for their KV.
+
+        Raises (nothing reserved) when memory is short or the id is in use. Follow the
+        request with ``poll``/``wait``; on Success the pages belong to the caller.
+        """
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} is already in flight on this decode rank")
+        if seq_len < 1:
+            raise ValueError(f"request {request_id!r}: seq_len must be >= 1, got {seq_len}")
+        pages = self.mem.alloc_pages(num_pages(seq_len, self.mem.page_size))
+        slot = None
+        try:
+            if self.mem.state_pool is not None:
+                slot = int(self.mem.alloc_state(1)[0])
+            gate = self.mem.pin(pages=pages, slots=None if slot is None else [slot])
+        except BaseException:
+            self.mem.free_pages(pages)
+            if slot is not None:
+                self.mem.free_state([slot])
+            raise
+        alloc = Allocation(pages, slot)
+        self._held[request_id] = (alloc, gate)
+        cells = {n: c.tolist() for n, c in memory_cells(self.mem, pages, slot).items()}
+        use_crc = self.checksum if checksum is None else checksum
+        self.call_soon(partial(self._start_request, request_id, prefill_engine, seq_len, cells, use_crc))
+        return alloc
+
+    def poll(self) -> list[StatusReport]:
+        """Requests that finished since the last call. Frees the pages of failed requests
+        once they are out of quarantine; unpins the pages of successful ones."""
+        reports = []
+        while not self.events.empty():
+            kind, request_id, payload = self.events.get()
+            if kind == "done":
+                assert isinstance(payload, StatusReport)
+                reports.append(payload)
+                continue
+            alloc, gate = self._held.pop(request_id)
+            gate.release()
+            if kind == "free":
+                self.mem.free_pages(alloc.pages)
+                if alloc.slot is not None:
+                    self.mem.free_state([alloc.slot])
+        return reports
+
+    def wait(self, request_id: str, timeout_s: float) -> StatusReport:
+        """Poll until ``request_id`` is finished; raises TimeoutError after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            report = self.status(request_id)
+            if report is not None and report.phase.terminal:
+                return report
+            if time.monotonic() > end:
+                raise TimeoutError(f"request {request_id!r} not finished after {timeout_s} s")
+            time.sleep(0.001)
+
+    @property
+    def held(self) -> int:
+        """Requests whose pages this receiver still holds (in flight or quarantined)."""
+        return len(self._held)
+
+    def status(self, request_id: str) -> StatusReport | None:
+        with self._reports_lock:
+            return self._reports.get(request_id)
+
+    def abort(self, request_id: str, reason: str = "aborted by decode") -> None:
+        self.call_soon(partial(self._abort, request_id, reason))
+
+    # --- I/O thread: request start ----------------------------------------------------
+
+    def _start_request(self, rid: str, engine: str, seq_len: int, cells: dict[str, list[int]], checksum: bool) -> None:
+        inc = _Incoming(
+            RequestStatus(rid),
+            engine,
+            seq_len,
+            cells,
+            checksum,
+            secrets.randbits(63),
+            time.monotonic() + self.timeout_s,
+        )
+        self._in[rid] = inc
+        self._publish(inc)
+        if engine in self._engines:
+            self._dispatch(inc)
+        else:
+            self._waiting.setdefault(engine, []).append(inc)
+            self._lookup(engine)
+
+    def _lookup(self, engine: str) -> None:
+        self._lookup_sent[engine] = time.monotonic()
+        with contextlib.suppress(zmq.Again):  # retried from tick
+            self._bootstrap.send(encode(Lookup(engine)), zmq.NOBLOCK)
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        while sock.poll(0):
+            self._guard("bootstrap reply", lambda: self._on_lookup(decode(sock.recv())))
+
+    def _on_lookup(self, reply: Message) -> None:
+        if not isinstance(reply, LookupReply):
+            self.reject(f"bootstrap answered {type(reply).__name__}: {reply}")
+            return
+        self._lookup_reason[reply.engine] = reply.reason
+        waiting = self._waiting.get(reply.engine, [])
+        if not reply.complete or reply.engine in self._engines or not waiting:
+            return  # retried from tick while requests wait, until their deadline
+        del self._waiting[reply.engine]
+        try:
+            sources = self._connect(reply)
+        except TransferError as exc:
+            for inc in waiting:
+                self._fail(inc, str(exc))
+            return
+        self._engines[reply.engine] = sources
+        for inc in waiting:
+            if not inc.status.terminal:
+                self._dispatch(inc)
+
+    def _connect(self, reply: LookupReply) -> dict[Rank, _Source]:
+        """Check every prefill rank against this rank's layout, then say hello."""
+        prefills = [r.buffers for r in reply.ranks]
+        check_prefill_group(prefills)
+        check_coverage(self.buffers, prefills)
+        sources = {}
+        for reg in reply.ranks:
+            if reg.transport != self.transport.name:
+                raise TransferError(
+                    f"transport mismatch: prefill {reg.rank} uses {reg.transport!r}, decode "
+                    f"{self.rank} uses {self.transport.name!r}; start both with the same transport"
+                )
+            sources[reg.rank] = _Source(reg, pair_entries(reg.buffers, self.buffers))
+        now = time.monotonic()
+        for source in sources.values():
+            source.last_seen = now
+            self.post(source.reg.endpoint, self._hello)
+        return sources
+
+    def _dispatch(self, inc: _Incoming) -> None:
+        """Plan this rank's side of every leg, then ask every prefill rank."""
+        now = time.monotonic()
+        sources = self._engines[inc.engine]
+        dst = {name: np.asarray(c, dtype=np.int64) for name, c in inc.dst_cells.items()}
+        try:
+            for rank, source in sources.items():
+                plan = build_plan(source.reg.buffers, self.buffers, source.pairs, inc.seq_len, None, dst)
+                inc.legs[rank] = _Leg(source, plan)
+        except TransferError as exc:
+            inc.legs.clear()
+            self._fail(inc, str(exc))
+            return
+        request = TransferRequest(
+            inc.status.request_id,
+            inc.nonce,
+            self.rank,
+            inc.seq_len,
+            inc.dst_cells,
+            max(0.0, inc.deadline - now),
+            inc.checksum,
+        )
+        for leg in inc.legs.values():
+            leg.source.last_seen = now  # the liveness window starts with the request
+            self.post(leg.source.reg.endpoint, request)
+        inc.status.advance(Phase.WAITING_FOR_INPUT)
+        self._publish(inc)
+
+    # --- I/O thread: progress ---------------------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        if isinstance(msg, Status):
+            self._on_status(msg)
+        elif isinstance(msg, Heartbeat):
+            for sources in self._engines.values():
+                if msg.rank in sources:
+                    sources[msg.rank].last_seen = time.monotonic()
+        else:
+            self.reject(f"a decode rank does not take {type(msg).__name__} messages")
+
+    def _on_status(self, msg: Status) -> None:
+        inc = self._in.get(msg.request_id)
+        leg = inc.legs.get(msg.rank) if inc is not None else None
+        if inc is None or leg is None or msg.nonce != inc.nonce:
+            self.reject(
+                f"status {msg.phase!r} for {msg.request_id!r} from {msg.rank}: unknown request, "
+                "not one of its senders, or wrong nonce (late or forged)"
+            )
+            return
+        leg.source.last_seen = time.monotonic()
+        if leg.final:
+            self.reject(f"duplicate {msg.phase!r} for {msg.request_id!r} from {msg.rank}")
+            return
+        if msg.phase == "transferring":
+            leg.state = "transferring"
+            inc.status.advance(Phase.TRANSFERRING)
+        elif msg.phase == "failed":
+            leg.state, leg.final = "failed", True
+            self._fail(inc, f"prefill {msg.rank}: {msg.reason}")
+        else:
+            leg.final = True
+            if msg.nbytes != leg.plan.nbytes:
+                leg.state = "failed"
+                self._fail(
+                    inc,
+                    f"prefill {msg.rank} reported {msg.nbytes} B written, decode expected "
+                    f"{leg.plan.nbytes} B: layouts disagree",
+                )
+            elif leg.state != "transferring":
+                leg.state = "failed"
+                self._fail(inc, f"prefill {msg.rank} reported success without transferring")
+            else:
+                leg.state, leg.checksum = "success", msg.checksum
+                self._maybe_succeed(inc)
+        self._release_if_quiet(inc)
+        self._publish(inc)
+
+    def _maybe_succeed(self, inc: _Incoming) -> None:
+        if inc.status.terminal or any(g.state != "success" for g in inc.legs.values()):
+            return
+        if not inc.checksum:
+            self._succeed(inc)
+        elif not inc.verifying:
+            inc.verifying = True
+            self.submit(partial(self._verify, inc))
+
+    def _verify(self, inc: _Incoming) -> None:
+        """Worker thread: checksum the bytes that landed, leg by leg."""
+        error = ""
+        for rank, leg in inc.legs.items():
+            got = crc32_ranges(leg.plan.dst, leg.plan.length)
+            if leg.checksum != got:
+                error = (
+                    f"checksum mismatch for prefill {rank}: it sent {leg.checksum}, the "
+                    f"{leg.plan.nbytes} B that landed give {got}"
+                )
+                break
+        self.call_soon(partial(self._verified, inc, error))
+
+    def _verified(self, inc: _Incoming, error: str) -> None:
+        if error:
+            self._fail(inc, error)
+        else:
+            self._succeed(inc)
+
+    def _succeed(self, inc: _Incoming) -> None:
+        if inc.status.advance(Phase.SUCCESS):
+            inc.status.nbytes = sum(g.plan.nbytes for g in inc.legs.values())
+            inc.status.ops = sum(g.plan.num_ops for g in inc.legs.values())
+            rid = inc.status.request_id
+            self._publish(inc)
+            self.events.put(("done", rid, inc.status.report()))
+            self.events.put(("keep", rid, None))
+            del self._in[rid]
+
+    def _fail(self, inc: _Incoming, reason: str) -> None:
+        if not inc.status.fail(reason):
+            return
+        rid = inc.status.request_id
+        log.warning("%s: request %s failed: %s", self.rank, rid, reason)
+        abort = Abort(rid, inc.nonce, self.rank, reason)
+        for leg in inc.legs.values():
+            if not leg.final:
+                self.post(leg.source.reg.endpoint, abort)
+        inc.quarantine_until = time.monotonic() + self.quarantine_s
+        self._publish(inc)
+        self.events.put(("done", rid, inc.status.report()))
+        self._release_if_quiet(inc)
+
+    def _release_if_quiet(self, inc: _Incoming, now: float | None = None) -> None:
+        """Free a failed request's pages once no prefill rank can still write into them."""
+        if inc.quarantine_until is None:
+            return
+        quiet = all(g.final for g in inc.legs.values())
+        expired = (now or time.monotonic()) > inc.quarantine_until
+        if quiet or expired:
+            if not quiet:
+                log.warning(
+                    "%s: freeing %s after %.1f s quarantine without an acknowledgement from every prefill rank",
+                    self.rank,
+                    inc.status.request_id,
+                    self.quarantine_s,
+                )
+            rid = inc.status.request_id
+            inc.quarantine_until = None
+            self._in.pop(rid, None)
+            self.events.put(("free", rid, None))
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        inc = self._in.get(request_id)
+        if inc is not None:
+            self._fail(inc, reason)
+
+    def _publish(self, inc: _Incoming) -> None:
+        with self._reports_lock:
+            self._reports[inc.status.request_id] = inc.status.report()
+
+    def tick(self, now: float) -> None:
+        for engine, waiting in list(self._waiting.items()):
+            waiting[:] = [inc for inc in waiting if not inc.status.terminal]
+            if not waiting:
+                del self._waiting[engine]
+            elif now - self._lookup_sent.get(engine, 0.0) > LOOKUP_RETRY_S:
+                self._lookup(engine)
+        silent: dict[Rank, float] = {}
+        for inc in list(self._in.values()):
+            if inc.status.terminal:
+                self._release_if_quiet(inc, now)
+                continue
+            if now > inc.deadline:
+                pending = [str(r) for r, g in inc.legs.items() if g.state != "success"]
+                if pending:
+                    detail = f"; waiting for prefill {', '.join(pending)}"
+                else:
+                    detail = f"; bootstrap: {self._lookup_reason.get(inc.engine, 'no answer')}"
+                self._fail(
+                    inc,
+                    f"timed out after {self.timeout_s:.1f} s in phase {inc.status.phase.label}" + detail,
+                )
+                continue
+            for rank, leg in inc.legs.items():
+                quiet_for = now - leg.source.last_seen
+                if not leg.final and quiet_for > self.peer_timeout_s:
+                    silent[rank] = quiet_for
+        for rank, quiet_for in silent.items():
+            reason = f"prefill {rank} silent for {quiet_for:.1f} s (heartbeat timeout)"
+            for inc in list(self._in.values()):
+                if rank in inc.legs:
+                    self._fail(inc, reason)
+            self._engines.pop(rank.engine, None)  # look it up afresh: it may have restarted
+        if now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            ranks = {
+                leg.source.reg.endpoint
+                for inc in self._in.values()
+                if not inc.status.terminal
+                for leg in inc.legs.values()
+            }
+            for endpoint in ranks:
+                self.post(endpoint, Heartbeat(self.rank, self.endpoint))
+
+    def _close_sockets(self) -> None:
+        super()._close_sockets()
+        self._bootstrap.close(linger=0)

@@ -1,0 +1,126 @@
+"""Control-plane messages: typed msgspec schemas, msgpack on the wire.
+
+Invariants:
+- Every message is one tagged struct of ``Message``; unknown tags, unknown fields, wrong
+  types and layouts that fail their own checks are rejected by ``decode`` with a
+  ``ProtocolError`` (the caller logs and drops it; a peer never crashes on input).
+- Messages about one request carry the decode-chosen ``nonce``; a message whose nonce,
+  request id or sender does not match what the receiver expects is dropped as forged,
+  late or duplicate, never applied.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from hybridkv.transfer.buffers import BufferSet
+from hybridkv.transfer.errors import ProtocolError
+
+
+class Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One rank of one engine: who sent a message."""
+
+    engine: str
+    pp: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"{self.engine}[pp{self.pp} tp{self.tp}]"
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+class Register(_Msg, tag="register"):
+    """Prefill rank -> bootstrap: where to reach me and what I expose."""
+
+    rank: Rank
+    endpoint: str
+    transport: str
+    session: str
+    buffers: BufferSet
+
+
+class RegisterAck(_Msg, tag="register_ack"):
+    ok: bool
+    reason: str
+
+
+class Lookup(_Msg, tag="lookup"):
+    """Decode rank -> bootstrap: the ranks of a prefill engine."""
+
+    engine: str
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    engine: str
+    ranks: tuple[Register, ...]
+    complete: bool
+    reason: str
+
+
+class Hello(_Msg, tag="hello"):
+    """Decode rank -> prefill rank, once per pair: my layout and how to write to me."""
+
+    rank: Rank
+    endpoint: str
+    transport: str
+    session: str
+    buffers: BufferSet
+
+
+class TransferRequest(_Msg, tag="request"):
+    """Decode rank -> every prefill rank: where request ``request_id`` must land."""
+
+    request_id: str
+    nonce: int
+    rank: Rank
+    seq_len: int
+    dst_cells: dict[str, list[int]]
+    ttl_s: float
+    checksum: bool
+
+
+class Abort(_Msg, tag="abort"):
+    request_id: str
+    nonce: int
+    rank: Rank
+    reason: str
+
+
+class Status(_Msg, tag="status"):
+    """Prefill rank -> decode rank: progress of one request on this prefill rank."""
+
+    request_id: str
+    nonce: int
+    rank: Rank
+    phase: Literal["transferring", "success", "failed"]
+    reason: str = ""
+    ops: int = 0
+    nbytes: int = 0
+    checksum: int | None = None
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    rank: Rank
+    endpoint: str
+
+
+Message = Register | RegisterAck | Lookup | LookupReply | Hello | TransferRequest | Abort | Status | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed message ({len(data)} B): {exc}") from None

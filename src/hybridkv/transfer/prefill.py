@@ -1,0 +1,414 @@
+"""PrefillSender: one prefill rank writes its share of finished requests into decode ranks.
+
+Protocol (this side): register at the bootstrap; every decode rank says ``Hello`` once
+(its layout and transport session: the pairing is checked then) and sends one
+``TransferRequest`` per request (its destination cells). When the owner hands over the
+request's pages with ``send``, each decode rank's *leg* runs on the worker: plan, write in
+chunks, checksum; the decode rank gets ``transferring`` then ``success``/``failed``.
+
+Invariants:
+- The request's pages and slot are pinned (memory move gate) from ``send`` until the owner
+  collects the finished request with ``poll``; the gate is never released while a leg may
+  still read them.
+- Every decode rank of the requesting engine sends a request, even one this rank feeds
+  nothing (it gets a zero-op success): the request succeeds here only when all of them
+  succeeded, and fails on the first failure, abort, timeout or silent peer.
+- A running leg checks its stop flag and its decode-given deadline between chunks, so an
+  aborted or expired request stops writing at the next chunk boundary. Every failure is
+  reported to every decode rank still waiting, with its reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from hybridkv.memory import MoveGate, UnifiedMemory
+from hybridkv.transfer.agent import Agent, log
+from hybridkv.transfer.bootstrap import bootstrap_call
+from hybridkv.transfer.buffers import BufferSet, buffer_set_from_memory
+from hybridkv.transfer.checksum import crc32_ranges
+from hybridkv.transfer.errors import BadLayout, LayoutMismatch, PlanError, TransferError
+from hybridkv.transfer.messages import (
+    Abort,
+    Heartbeat,
+    Hello,
+    Message,
+    Rank,
+    Register,
+    RegisterAck,
+    Status,
+    TransferRequest,
+)
+from hybridkv.transfer.pairing import EntryPair, pair_entries
+from hybridkv.transfer.plan import build_plan, memory_cells, num_pages
+from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
+from hybridkv.transfer.transport import Transport
+
+FINISHED_KEEP_S = 120.0
+
+
+@dataclass
+class _DecodePeer:
+    rank: Rank
+    endpoint: str
+    session: str
+    buffers: BufferSet
+    pairs: tuple[EntryPair, ...]
+    error: str  # non-empty: this decode rank cannot be served
+    last_seen: float
+
+
+@dataclass
+class _Leg:
+    peer: _DecodePeer
+    nonce: int
+    seq_len: int
+    dst_cells: dict[str, np.ndarray]
+    checksum: bool
+    deadline: float
+    state: str = "waiting"  # waiting -> running -> done
+    ok: bool = False
+    stop: str = ""  # set by the I/O thread, read by the worker between chunks
+
+
+@dataclass
+class _Outgoing:
+    status: RequestStatus
+    deadline: float
+    cells: dict[str, np.ndarray] | None = None
+    seq_len: int = 0
+    engine: str = ""
+    expected: int = 0
+    legs: dict[Rank, _Leg] = field(default_factory=dict)
+
+
+class PrefillSender(Agent):
+    def __init__(
+        self,
+        mem: UnifiedMemory,
+        engine: str,
+        bootstrap: str,
+        transport: Transport,
+        *,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        heartbeat_s: float = 0.5,
+        peer_timeout_s: float = 5.0,
+        chunk_bytes: int = 64 << 20,
+    ) -> None:
+        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host)
+        self.mem = mem
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.buffers = buffer_set_from_memory(mem)
+        self._peers: dict[Rank, _DecodePeer] = {}
+        self._out: dict[str, _Outgoing] = {}
+        self._finished: dict[str, float] = {}
+        self._last_heartbeat = 0.0
+        self._gates: dict[str, MoveGate] = {}  # owner thread only
+        self._reports: dict[str, StatusReport] = {}
+        self._reports_lock = threading.Lock()
+        try:
+            transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
+            self._start()
+            reply = bootstrap_call(
+                bootstrap,
+                Register(self.rank, self.endpoint, transport.name, transport.session, self.buffers),
+            )
+        except BaseException:
+            self.close()
+            raise
+        if not (isinstance(reply, RegisterAck) and reply.ok):
+            self.close()
+            raise TransferError(f"bootstrap {bootstrap} refused {self.rank}: {reply}")
+
+    # --- owner API -------------------------------------------------------------------
+
+    def send(self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int) -> None:
+        """Hand over a finished request: its virtual pages (in order) and state slot.
+
+        The pages and slot are pinned until ``poll`` returns the request's final status.
+        """
+        if request_id in self._gates:
+            raise ValueError(f"request {request_id!r} was already sent")
+        pages = np.asarray(pages, dtype=np.int64)
+        need = num_pages(seq_len, self.mem.page_size)
+        if seq_len < 1 or pages.size < need:
+            raise PlanError(
+                f"send {request_id!r}: {pages.size} pages cannot hold {seq_len} tokens "
+                f"({need} pages of {self.mem.page_size})"
+            )
+        if (slot is None) != (self.mem.state_pool is None):
+            raise PlanError(
+                f"send {request_id!r}: this shard {'has' if self.mem.state_pool else 'has no'} "
+                f"recurrent state, so pass {'a' if self.mem.state_pool else 'no'} state slot"
+            )
+        pages = pages[:need]
+        gate = self.mem.pin(pages=pages, slots=None if slot is None else [slot])
+        self._gates[request_id] = gate
+        cells = memory_cells(self.mem, pages, slot)
+        self.call_soon(partial(self._on_input, request_id, cells, seq_len))
+
+    def poll(self) -> list[StatusReport]:
+        """Finished requests since the last call; their pages and slots are unpinned."""
+        reports = []
+        while not self.events.empty():
+            _, request_id, report = self.events.get()
+            gate = self._gates.pop(request_id, None)
+            if gate is not None:
+                gate.release()
+            assert isinstance(report, StatusReport)
+            reports.append(report)
+        return reports
+
+    def status(self, request_id: str) -> StatusReport | None:
+        with self._reports_lock:
+            return self._reports.get(request_id)
+
+    def abort(self, request_id: str, reason: str = "aborted by prefill") -> None:
+        self.call_soon(partial(self._abort, request_id, reason))
+
+    # --- I/O thread ------------------------------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(msg)
+        elif isinstance(msg, TransferRequest):
+            self._on_request(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, Heartbeat):
+            peer = self._peers.get(msg.rank)
+            if peer is not None:
+                peer.last_seen = time.monotonic()
+        else:
+            self.reject(f"a prefill rank does not take {type(msg).__name__} messages")
+
+    def _on_hello(self, msg: Hello) -> None:
+        pairs: tuple[EntryPair, ...] = ()
+        error = ""
+        if (msg.rank.pp, msg.rank.tp) != (msg.buffers.pp_rank, msg.buffers.tp_rank):
+            error = f"hello from {msg.rank} carries the layout of another rank"
+        elif msg.transport != self.transport.name:
+            error = (
+                f"transport mismatch: decode {msg.rank} uses {msg.transport!r}, prefill "
+                f"{self.rank} uses {self.transport.name!r}; start both with the same transport"
+            )
+        else:
+            try:
+                pairs = pair_entries(self.buffers, msg.buffers)
+            except (LayoutMismatch, BadLayout) as exc:
+                error = str(exc)
+        if error:
+            log.warning("%s: cannot serve decode %s: %s", self.rank, msg.rank, error)
+        self._peers[msg.rank] = _DecodePeer(
+            msg.rank, msg.endpoint, msg.session, msg.buffers, pairs, error, time.monotonic()
+        )
+
+    def _new(self, request_id: str) -> _Outgoing:
+        out = _Outgoing(RequestStatus(request_id), time.monotonic() + self.timeout_s)
+        self._out[request_id] = out
+        return out
+
+    def _on_request(self, msg: TransferRequest) -> None:
+        rid = msg.request_id
+        peer = self._peers.get(msg.rank)
+        if peer is None:
+            self.reject(f"request {rid!r} from {msg.rank}, which never said hello")
+            return
+        peer.last_seen = time.monotonic()
+        out = self._out.get(rid)
+        if out is None:
+            if rid in self._finished:
+                self._send_status(peer, rid, msg.nonce, "failed", "request already finished here")
+                self.reject(f"late request {rid!r} from {msg.rank}: already finished")
+                return
+            out = self._new(rid)
+        if msg.rank in out.legs:
+            self.reject(f"duplicate request {rid!r} from {msg.rank}")
+            return
+        if out.engine and out.engine != msg.rank.engine:
+            self._send_status(peer, rid, msg.nonce, "failed", f"bound to decode engine {out.engine!r}")
+            return
+        cells = {name: np.asarray(c, dtype=np.int64) for name, c in msg.dst_cells.items()}
+        deadline = time.monotonic() + max(0.0, msg.ttl_s)
+        leg = _Leg(peer, msg.nonce, msg.seq_len, cells, msg.checksum, deadline)
+        out.legs[msg.rank] = leg
+        out.engine = msg.rank.engine
+        out.expected = peer.buffers.pp_size * peer.buffers.tp_size
+        if out.status.terminal:
+            self._finish_leg(out, leg, f"request already failed here: {out.status.reason}")
+            return
+        if peer.error:
+            self._finish_leg(out, leg, peer.error)
+            return
+        out.status.advance(Phase.WAITING_FOR_INPUT)
+        self._start_legs(out)
+
+    def _on_input(self, request_id: str, cells: dict[str, np.ndarray], seq_len: int) -> None:
+        if request_id in self._finished:
+            status = RequestStatus(request_id)
+            status.fail("the request had already finished (timed out or aborted) before send")
+            self.events.put(("done", request_id, status.report()))
+            return
+        out = self._out.get(request_id) or self._new(request_id)
+        out.cells, out.seq_len = cells, seq_len
+        if out.legs:
+            out.status.advance(Phase.WAITING_FOR_INPUT)
+        self._start_legs(out)
+
+    def _start_legs(self, out: _Outgoing) -> None:
+        if out.cells is not None and not out.status.terminal:
+            for leg in out.legs.values():
+                if leg.state != "waiting":
+                    continue
+                if leg.seq_len != out.seq_len:
+                    self._finish_leg(
+                        out,
+                        leg,
+                        f"seq_len mismatch: prefill {self.rank} has {out.seq_len} tokens, decode "
+                        f"{leg.peer.rank} asked for {leg.seq_len}",
+                    )
+                    continue
+                leg.state = "running"
+                out.status.advance(Phase.TRANSFERRING)
+                self._send_status(leg.peer, out.status.request_id, leg.nonce, "transferring")
+                self.submit(partial(self._run_leg, out, leg))
+        self._publish(out)
+
+    def _run_leg(self, out: _Outgoing, leg: _Leg) -> None:
+        """Worker thread: plan and write one decode rank's share of the request."""
+        assert out.cells is not None
+        try:
+            plan = build_plan(self.buffers, leg.peer.buffers, leg.peer.pairs, out.seq_len, out.cells, leg.dst_cells)
+            for chunk in plan.chunks(self.transport.max_ops_per_write, self.chunk_bytes):
+                if leg.stop:
+                    raise TransferError(f"stopped: {leg.stop}")
+                if time.monotonic() > leg.deadline:
+                    raise TransferError("stopped: the decode's deadline passed mid-transfer")
+                self.transport.write(leg.peer.session, plan.src[chunk], plan.dst[chunk], plan.length[chunk])
+            crc = crc32_ranges(plan.src, plan.length) if leg.checksum else None
+            done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
+        except TransferError as exc:
+            done = partial(self._leg_done, out, leg, str(exc), 0, 0, None)
+        except Exception as exc:  # a bug: fail the leg, never report success
+            log.exception("%s: leg of %s failed", self.rank, out.status.request_id)
+            done = partial(self._leg_done, out, leg, f"internal error: {exc!r}", 0, 0, None)
+        self.call_soon(done)
+
+    def _leg_done(self, out: _Outgoing, leg: _Leg, error: str, ops: int, nbytes: int, crc: int | None) -> None:
+        leg.state = "done"
+        rid = out.status.request_id
+        if error:
+            self._send_status(leg.peer, rid, leg.nonce, "failed", error)
+            self._fail(out, f"to decode {leg.peer.rank}: {error}")
+        else:
+            leg.ok = True
+            out.status.ops += ops
+            out.status.nbytes += nbytes
+            self._send_status(leg.peer, rid, leg.nonce, "success", "", ops, nbytes, crc)
+            if len(out.legs) == out.expected and all(g.ok for g in out.legs.values()):
+                out.status.advance(Phase.SUCCESS)
+        self._finish(out)
+
+    def _finish_leg(self, out: _Outgoing, leg: _Leg, error: str) -> None:
+        """End a leg that never ran, telling its decode rank why."""
+        leg.state = "done"
+        self._send_status(leg.peer, out.status.request_id, leg.nonce, "failed", error)
+        self._fail(out, f"to decode {leg.peer.rank}: {error}")
+        self._finish(out)
+
+    def _fail(self, out: _Outgoing, reason: str) -> None:
+        if not out.status.fail(reason):
+            return
+        for leg in out.legs.values():
+            if leg.state == "running":
+                leg.stop = reason
+            elif leg.state == "waiting":
+                leg.state = "done"
+                self._send_status(leg.peer, out.status.request_id, leg.nonce, "failed", reason)
+        self._finish(out)
+
+    def _finish(self, out: _Outgoing) -> None:
+        """Hand a terminal request back to the owner once no leg can still read its pages."""
+        self._publish(out)
+        rid = out.status.request_id
+        if not out.status.terminal or any(g.state == "running" for g in out.legs.values()):
+            return
+        if self._out.pop(rid, None) is not None:
+            self._finished[rid] = time.monotonic()
+            self.events.put(("done", rid, out.status.report()))
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        out = self._out.get(request_id)
+        if out is not None:
+            self._fail(out, reason)
+
+    def _on_abort(self, msg: Abort) -> None:
+        out = self._out.get(msg.request_id)
+        leg = out.legs.get(msg.rank) if out is not None else None
+        if out is None or leg is None or leg.nonce != msg.nonce:
+            self.reject(f"abort of {msg.request_id!r} from {msg.rank}: unknown, late or forged")
+            return
+        reason = f"aborted by decode {msg.rank}: {msg.reason}"
+        if leg.state == "waiting":
+            self._finish_leg(out, leg, reason)
+        else:
+            self._fail(out, reason)
+
+    def _send_status(
+        self,
+        peer: _DecodePeer,
+        request_id: str,
+        nonce: int,
+        phase: str,
+        reason: str = "",
+        ops: int = 0,
+        nbytes: int = 0,
+        checksum: int | None = None,
+    ) -> None:
+        msg = Status(request_id, nonce, self.rank, phase, reason, ops, nbytes, checksum)  # type: ignore[arg-type]
+        self.post(peer.endpoint, msg)
+
+    def _publish(self, out: _Outgoing) -> None:
+        with self._reports_lock:
+            self._reports[out.status.request_id] = out.status.report()
+
+    def tick(self, now: float) -> None:
+        for out in list(self._out.values()):
+            if not out.status.terminal and now > out.deadline:
+                waiting = (
+                    f"{len(out.legs)} of {out.expected or '?'} decode ranks asked"
+                    if out.cells is not None
+                    else "the KV was never handed over (send)"
+                )
+                self._fail(
+                    out,
+                    f"timed out after {self.timeout_s:.1f} s in phase {out.status.phase.label} ({waiting})",
+                )
+            for leg in list(out.legs.values()):
+                if leg.state == "waiting" and now > leg.deadline:
+                    self._finish_leg(out, leg, "the decode's deadline passed before the KV was ready")
+        active = {leg.peer.rank for out in self._out.values() for leg in out.legs.values() if leg.state != "done"}
+        for rank in active:
+            peer = self._peers[rank]
+            if now - peer.last_seen > self.peer_timeout_s:
+                reason = f"decode {rank} silent for {now - peer.last_seen:.1f} s (heartbeat timeout)"
+                for out in list(self._out.values()):
+                    if rank in out.legs:
+                        self._fail(out, reason)
+        if now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            for rank in active:
+                self.post(self._peers[rank].endpoint, Heartbeat(self.rank, self.endpoint))
+        for rid, at in list(self._finished.items()):
+            if now - at > FINISHED_KEEP_S:
+                del self._finished[rid]

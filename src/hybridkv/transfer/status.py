@@ -1,0 +1,92 @@
+"""Per-request transfer status that only moves forward.
+
+Invariants:
+- ``Bootstrapping < WaitingForInput < Transferring < Success``; ``Failed`` is reachable from
+  every non-terminal phase. A move backwards, or out of ``Success``/``Failed``, is refused
+  (``advance`` returns False) and changes nothing: a late or duplicate message can never
+  revive or downgrade a finished request.
+- ``Success`` is reachable only from ``Transferring``: nothing is reported done that was
+  never seen in flight.
+- A failed request always carries a non-empty reason.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Phase(IntEnum):
+    BOOTSTRAPPING = 0
+    WAITING_FOR_INPUT = 1
+    TRANSFERRING = 2
+    SUCCESS = 3
+    FAILED = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self >= Phase.SUCCESS
+
+    @property
+    def label(self) -> str:
+        return {
+            Phase.BOOTSTRAPPING: "Bootstrapping",
+            Phase.WAITING_FOR_INPUT: "WaitingForInput",
+            Phase.TRANSFERRING: "Transferring",
+            Phase.SUCCESS: "Success",
+            Phase.FAILED: "Failed",
+        }[self]
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """A snapshot of one request's status, safe to hand to another thread."""
+
+    request_id: str
+    phase: Phase
+    reason: str
+    nbytes: int
+    ops: int
+    elapsed_s: float
+
+
+class RequestStatus:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.phase = Phase.BOOTSTRAPPING
+        self.reason = ""
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.nbytes = 0
+        self.ops = 0
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase.terminal
+
+    def advance(self, phase: Phase) -> bool:
+        """Move forward to ``phase`` (not ``Failed``: use ``fail``); False if refused."""
+        if phase is Phase.FAILED:
+            raise ValueError("use fail(reason) to fail a request")
+        if self.terminal or phase <= self.phase:
+            return False
+        if phase is Phase.SUCCESS and self.phase is not Phase.TRANSFERRING:
+            return False
+        self.phase = phase
+        if phase.terminal:
+            self.finished = time.monotonic()
+        return True
+
+    def fail(self, reason: str) -> bool:
+        """Fail with ``reason`` unless already terminal; False if refused."""
+        if self.terminal:
+            return False
+        self.phase = Phase.FAILED
+        self.reason = reason or "failed without a reason (bug)"
+        self.finished = time.monotonic()
+        return True
+
+    def report(self) -> StatusReport:
+        end = self.finished if self.finished is not None else time.monotonic()
+        return StatusReport(self.request_id, self.phase, self.reason, self.nbytes, self.ops, end - self.started)

@@ -1,0 +1,40 @@
+"""The transport interface: move a plan's ``(src, dst, length)`` ops to a peer's memory.
+
+Invariants:
+- A transport writes only into memory the peer registered and only from memory this side
+  registered; an op outside either is refused with ``TransportError`` (the shm transport
+  checks both itself, Mooncake's peer checks the destination).
+- ``write`` returns only when every op landed, or raises ``TransportError``; after an error
+  the destination bytes are undefined and the request must fail.
+- The same plan arrays drive every transport.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+    max_ops_per_write: ClassVar[int]
+    """Ops one ``write`` call should carry at most (the caller splits plans into chunks)."""
+
+    @property
+    @abstractmethod
+    def session(self) -> str:
+        """How a peer addresses this side's registered memory."""
+
+    @abstractmethod
+    def register(self, addr: int, length: int) -> None:
+        """Expose ``[addr, addr + length)`` of this process to transfers."""
+
+    @abstractmethod
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, all or raise."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transport's resources (idempotent)."""

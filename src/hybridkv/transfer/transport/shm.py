@@ -1,0 +1,118 @@
+"""Shared-memory copy transport: one host, the writer maps the peer's ``/dev/shm`` arena.
+
+The receiving side owns a ``SharedBuffer``; its session is ``shm:<path>:<addr>:<nbytes>``
+(the file, and where the buffer sits in the receiver's address space). The writer maps
+the file once and turns each destination address into an offset in its own mapping.
+
+Invariants:
+- Every destination range must lie inside the peer's buffer and every source range inside
+  a region this side registered; otherwise nothing of that write is copied.
+- Large ops are one ``memmove`` each; small ops (TP head slices) are gathered and
+  scattered with vectorized numpy indexing, grouped by length.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+from hybridkv.transfer.errors import TransportError
+from hybridkv.transfer.shared import SharedBuffer
+from hybridkv.transfer.transport.base import Transport
+
+SMALL_OP = 2048  # bytes; smaller ops are copied in vectorized batches
+_BATCH_BYTES = 1 << 24  # index memory bound for one vectorized batch
+
+
+class _Mapping:
+    def __init__(self, session: str) -> None:
+        try:
+            scheme, path, addr, nbytes = session.split(":")
+            if scheme != "shm":
+                raise ValueError(scheme)
+            self.remote, self.nbytes = int(addr, 16), int(nbytes)
+        except ValueError:
+            raise TransportError(f"not a shm session: {session!r}") from None
+        try:
+            with open(path, "r+b") as f:
+                if os.fstat(f.fileno()).st_size != self.nbytes:
+                    raise TransportError(
+                        f"shm peer {path}: file has {os.fstat(f.fileno()).st_size} B, session says {self.nbytes} B"
+                    )
+                self.mm = mmap.mmap(f.fileno(), self.nbytes)
+        except OSError as exc:
+            raise TransportError(f"cannot map shm peer {path}: {exc}") from None
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base = self.array.ctypes.data
+
+    def close(self) -> None:
+        del self.array
+        self.mm.close()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    max_ops_per_write = 1 << 16
+
+    def __init__(self, shared: SharedBuffer | None = None) -> None:
+        """``shared``: this side's buffer that peers may write into (decode side)."""
+        self._shared = shared
+        self._local: list[tuple[int, np.ndarray]] = []
+        self._peers: dict[str, _Mapping] = {}
+
+    @property
+    def session(self) -> str:
+        if self._shared is None:
+            return ""
+        return f"shm:{self._shared.path}:{self._shared.addr:x}:{self._shared.nbytes}"
+
+    def register(self, addr: int, length: int) -> None:
+        array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
+        self._local.append((addr, array))
+
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        if peer not in self._peers:
+            self._peers[peer] = _Mapping(peer)
+        target = self._peers[peer]
+        off = dst - target.remote
+        bad = (off < 0) | (off + length > target.nbytes)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TransportError(
+                f"shm write to {peer}: destination [{dst[i]:#x}, {dst[i] + length[i]:#x}) is outside the peer's buffer"
+            )
+        region = np.full(src.size, -1, dtype=np.int64)
+        for k, (addr, array) in enumerate(self._local):
+            region[(src >= addr) & (src + length <= addr + array.size)] = k
+        if (region < 0).any():
+            i = int(np.argmax(region < 0))
+            raise TransportError(
+                f"shm write: source [{src[i]:#x}, {src[i] + length[i]:#x}) is outside every registered local region"
+            )
+        big = length >= SMALL_OP
+        for s, d, n in zip(src[big].tolist(), off[big].tolist(), length[big].tolist(), strict=True):
+            ctypes.memmove(target.base + d, s, n)
+        for k, (addr, array) in enumerate(self._local):
+            small = ~big & (region == k)
+            if small.any():
+                _scatter(target.array, off[small], array, src[small] - addr, length[small])
+
+    def close(self) -> None:
+        for mapping in self._peers.values():
+            mapping.close()
+        self._peers.clear()
+        self._local.clear()
+
+
+def _scatter(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray, src_off: np.ndarray, length: np.ndarray) -> None:
+    """``dst[dst_off[i]:+length[i]] = src[src_off[i]:+length[i]]`` for small ops, vectorized."""
+    for n in np.unique(length).tolist():
+        same = np.flatnonzero(length == n)
+        step = max(1, _BATCH_BYTES // n)
+        idx = np.arange(n, dtype=np.int64)
+        for i in range(0, same.size, step):
+            pick = same[i : i + step]
+            dst[(dst_off[pick, None] + idx).ravel()] = src[(src_off[pick, None] + idx).ravel()]
