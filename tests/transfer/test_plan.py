@@ -1,0 +1,111 @@
+"""Pairing and plans on real and tiny presets, PP 1/2/4 prefill, TP 1/2/4 on both sides,
+against the independent expectation in ``expect.py``."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.transfer import buffer_set_from_memory, build_plan, memory_cells, pair_entries
+from tests.transfer.expect import expected_atoms, merge_runs
+
+PRE_BASE, DEC_BASE, RANK_STRIDE = 1 << 44, 1 << 40, 1 << 38
+
+
+def meta_memory(name: str, pp: int, tp: int, pp_rank: int, tp_rank: int, page_size: int) -> UnifiedMemory:
+    model = get_preset(name)
+    tiny = name.startswith("tiny")
+    return UnifiedMemory.create(
+        ShardSpec(model, Parallel(tp, pp), pp_rank, tp_rank),
+        "2MiB" if tiny else "4GiB",
+        device="meta",
+        page_size=page_size,
+        max_context=64 if tiny else 256,
+        chunk_tokens=16 if tiny else 64,
+    )
+
+
+def request(mem: UnifiedMemory, pages: int, skip: int, shuffle: int) -> tuple[np.ndarray, int | None]:
+    """Allocate ``pages`` request pages after ``skip`` others, in a scrambled order."""
+    mem.alloc_pages(skip)
+    got = mem.alloc_pages(pages)
+    got = np.random.default_rng(shuffle).permutation(got) if shuffle else got
+    slot = None
+    if mem.state_pool is not None:
+        mem.alloc_state(skip % 3 + 1)
+        slot = int(mem.alloc_state(1)[0])
+    return got, slot
+
+
+def needed_bytes(mem: UnifiedMemory, seq_len: int) -> int:
+    """Bytes a decode rank must receive: every page (window pages for SWA), one slot."""
+    total = 0
+    n = -(-seq_len // mem.page_size)
+    for pool in mem.pools.values():
+        lay = pool.layout
+        if lay.is_state:
+            count = 1
+        elif lay.window:
+            count = n - max(0, seq_len - lay.window) // mem.page_size
+        else:
+            count = n
+        total += count * lay.data_bytes
+    return total
+
+
+def check_layouts(name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_len: int) -> None:
+    n = -(-seq_len // page_size)
+    pre = {}
+    for p in range(pp):
+        for t in range(tp_p):
+            mem = meta_memory(name, pp, tp_p, p, t, page_size)
+            pre[p, t] = (mem, *request(mem, n, skip=p + 2 * t + 1, shuffle=0))
+    for d in range(tp_d):
+        dec = meta_memory(name, 1, tp_d, 0, d, page_size)
+        dec_pages, dec_slot = request(dec, n, skip=d + 3, shuffle=d + 1)
+        dec_bufs = buffer_set_from_memory(dec, DEC_BASE)
+        dst_cells = memory_cells(dec, dec_pages, dec_slot)
+        ranges = []
+        for k, ((p, t), (mem, pages, slot)) in enumerate(sorted(pre.items())):
+            base = PRE_BASE + k * RANK_STRIDE
+            bufs = buffer_set_from_memory(mem, base)
+            pairs = pair_entries(bufs, dec_bufs)
+            plan = build_plan(bufs, dec_bufs, pairs, seq_len, memory_cells(mem, pages, slot), dst_cells)
+            want = merge_runs(*expected_atoms(mem, base, pages, slot, dec, DEC_BASE, dec_pages, dec_slot, seq_len))
+            got = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True))
+            assert got == want, f"prefill pp{p} tp{t} -> decode tp{d}"
+            assert plan.num_ops == len(want)  # one op per contiguous run
+            ranges += list(zip(plan.dst.tolist(), plan.length.tolist(), strict=True))
+        ranges.sort()
+        assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ranges))
+        assert sum(n for _, n in ranges) == needed_bytes(dec, seq_len), f"decode tp{d}"
+
+
+TINY = ["tiny-gdn", "tiny-swa2-state", "tiny-kda-mla", "tiny-dense", "tiny-mamba-mlp"]
+TP_PAIRS = [(1, 1), (1, 4), (2, 1), (2, 4), (4, 2), (4, 4)]
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize(("tp_p", "tp_d"), TP_PAIRS)
+def test_tiny_presets_match_the_independent_expectation(name, pp, tp_p, tp_d):
+    check_layouts(name, pp, tp_p, tp_d, page_size=4, seq_len=27)
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "tp_p", "tp_d"),
+    [
+        ("Qwen3-Next-80B-A3B-Instruct", 4, 1, 2),
+        ("Qwen3-Next-80B-A3B-Instruct", 2, 4, 1),
+        ("DeepSeek-V3", 4, 2, 1),
+        ("gpt-oss-20b", 2, 1, 4),
+        ("gpt-oss-20b", 1, 4, 2),
+        ("Kimi-Linear-48B-A3B-Instruct", 2, 2, 4),
+    ],
+)
+def test_real_presets_match_the_independent_expectation(name, pp, tp_p, tp_d):
+    check_layouts(name, pp, tp_p, tp_d, page_size=16, seq_len=150)
