@@ -1,0 +1,97 @@
+"""Radix tree nodes: one node per run of whole pages shared by the same set of sequences.
+
+Invariants (``check_tree`` proves them):
+- ``key`` holds the node's tokens (int64, a whole number of pages) and ``kb`` the same bytes;
+  ``pages[i]`` is the virtual page id of tokens ``key[i*ps:(i+1)*ps]``; a node is never empty.
+- ``start`` is the position of the node's first token on its path; ``parent.end == start``.
+- A parent keys each child by the bytes of the child's first page.
+- ``swa_res[i]`` counts this node's pages resident in window pool ``i`` (the rest are
+  tombstones); ``state`` is the checkpoint slot at ``end`` (or -1).
+- Lock counts equal what the open ``CacheLock`` handles took (see ``tree.HybridRadixCache``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NO_STATE = -1
+
+
+class Node:
+    __slots__ = (
+        "children",
+        "clock",
+        "dead",
+        "hashes",
+        "hits",
+        "kb",
+        "key",
+        "last_access",
+        "lock",
+        "namespace",
+        "pages",
+        "parent",
+        "priority",
+        "start",
+        "state",
+        "state_lock",
+        "swa_lock",
+        "swa_res",
+        "uid",
+    )
+
+    def __init__(
+        self,
+        uid: int,
+        key: np.ndarray,
+        pages: np.ndarray,
+        start: int,
+        parent: Node | None,
+        namespace: Any,
+        windows: int,
+    ):
+        self.uid = uid
+        self.key = key
+        self.kb = key.tobytes()
+        self.pages = pages
+        self.start = start
+        self.parent = parent
+        self.namespace = namespace
+        self.children: dict[bytes, Node] = {}
+        self.lock = 0
+        self.swa_lock = 0
+        self.state = NO_STATE
+        self.state_lock = 0
+        self.swa_res = [0] * windows
+        self.last_access = 0
+        self.hits = 0
+        self.priority = 0
+        self.clock = 0.0
+        self.hashes: list[int] | None = None
+        self.dead = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.key.size
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def path(self) -> list[Node]:
+        """Nodes from the first below the root down to this one."""
+        out = []
+        node: Node | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(uid={self.uid}, tokens=[{self.start}, {self.end}), pages={self.pages.size}, "
+            f"lock={self.lock}, swa_lock={self.swa_lock}, state={self.state})"
+        )

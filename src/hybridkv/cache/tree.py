@@ -1,0 +1,819 @@
+"""HybridRadixCache: a radix tree over page-aligned token keys whose hits are valid for
+every component of a hybrid model (full KV, sliding-window KV, recurrent state).
+
+A hit of length ``E`` is returned only if full KV covers ``[0, E)``, every window pool holds
+the pages of ``[E - window, E)`` and, when the model has recurrent layers, a state
+checkpoint sits exactly at ``E``. Keys are namespaced by an optional extra key (a tenant's
+cache salt): two namespaces never share a node.
+
+Invariants (``check_tree`` proves them; tests call it after every step):
+- Every cached page id appears in exactly one node, is live in the memory and resident in
+  every full-history pool; ``_owned`` marks exactly these ids (``_owned_slots`` the state
+  checkpoints). A node's SWA residency is read from the memory's host tables, counted in
+  ``swa_res``; a tombstoned page stays in the tree (its full KV is still valid).
+- Lock counts equal what the open ``CacheLock`` handles took: full KV on the whole path,
+  SWA on the nodes covering the window before the lock's end, state on the end node only.
+  Nothing locked is evicted; a split copies counts to both halves, and unlock walks the
+  same token span, so counts stay exact.
+- No root-to-leaf path holds more than ``max_states_per_path`` checkpoints.
+- Ownership: ``insert`` takes the pages and slots it is given; those it does not keep
+  (duplicates of cached ones) it frees before returning. A refused call (``CacheError``)
+  changes neither the tree nor the pools.
+- Everything here runs on host ids (numpy / Python ints); nothing reads device memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
+from typing import TypeVar
+
+import numpy as np
+
+from hybridkv.cache.components import Components
+from hybridkv.cache.errors import CacheError, InsertError, LockError
+from hybridkv.cache.events import CacheEvent, EventKind, EventLog, chain_hashes, root_hash
+from hybridkv.cache.node import NO_STATE, Node
+from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
+from hybridkv.memory import STATE_POOL, InvalidIds, OutOfMemory, UnifiedMemory
+
+_EMPTY = np.empty(0, dtype=np.int64)
+PAGE_NEED = "page"
+"""``evict`` key for "free whole pages" (virtual page ids short, or a cache-size cap)."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    node: Node
+    """The node that ends at ``length`` (the namespace root when ``length == 0``): lock it."""
+    length: int
+    """Tokens valid for every component."""
+    pages: np.ndarray
+    """Page ids of tokens ``[0, length)``."""
+    state: int | None
+    """The checkpoint slot at ``length`` (fork it before writing), or None."""
+    full_length: int
+    """Page-aligned full-KV match, ignoring windows and state."""
+    swa_length: int
+    """Longest hit valid for full KV and every window, ignoring state."""
+    state_length: int
+    """Deepest checkpoint on the full-KV match, ignoring windows."""
+    checkpoint_at: int | None
+    """Where a request computing from ``length`` should checkpoint its state and keep its
+    window (the cached full KV ends there, so the next hit there becomes valid); None when
+    ``full_length == length``."""
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    node: Node
+    """The node ending at the inserted key's end."""
+    prefix_len: int
+    """Tokens of the key that were cached already."""
+    pages: np.ndarray
+    """The cache's page ids for the whole key: the request must use these from now on."""
+    freed_pages: int
+    """Duplicate pages the request computed, now freed."""
+    adopted_pages: int
+    """Window pages rebound from the request's duplicates onto tombstoned cached pages."""
+    freed_states: int
+    """Checkpoint slots not kept (one was cached there already, or the path cap)."""
+
+
+@dataclass(eq=False)
+class CacheLock:
+    """What one ``lock`` took; ``unlock`` gives back exactly that."""
+
+    node: Node
+    swa_span: int
+    """Tokens before ``node.end`` whose nodes hold an SWA lock (whole nodes)."""
+    state_node: Node | None
+    active: bool = True
+
+
+@dataclass
+class CacheCounters:
+    matches: int = 0
+    inserts: int = 0
+    duplicate_pages: int = 0
+    adopted_pages: int = 0
+    evicted_pages: int = 0
+    """Full KV pages freed by eviction (whole leaves)."""
+    tombstoned: dict[str, int] = field(default_factory=dict)
+    """Window pages freed by SWA eviction, per window pool (full KV kept)."""
+    evicted_states: int = 0
+    capped_states: int = 0
+
+
+@dataclass
+class _Release:
+    """Memory frees batched over one eviction: window pages first, then pages, then slots."""
+
+    window: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    pages: list[np.ndarray] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def flush(self, mem: UnifiedMemory) -> None:
+        for pool, parts in self.window.items():
+            mem.free_window_pages(np.concatenate(parts), pool)
+        if self.pages:
+            mem.free_pages(np.concatenate(self.pages))
+        if self.slots:
+            mem.free_state(np.asarray(self.slots, dtype=np.int64))
+
+
+def _tokens(tokens: object, what: str) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise CacheError(f"{what}: tokens must be a 1-D integer array, got shape {arr.shape} {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class HybridRadixCache:
+    def __init__(
+        self,
+        mem: UnifiedMemory,
+        *,
+        policy: str | Policy = "lru",
+        max_states_per_path: int = 8,
+        events: bool = False,
+    ):
+        if max_states_per_path < 1:
+            raise CacheError(f"max_states_per_path must be >= 1, got {max_states_per_path}")
+        self.mem = mem
+        self.comps = Components(mem)
+        self.page_size = mem.page_size
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.bind(self.comps, RecomputeCost(mem.shard))
+        self.max_states_per_path = max_states_per_path
+        self.events = EventLog(events)
+        self.counters = CacheCounters(tombstoned={w.name: 0 for w in self.comps.windows})
+        self._roots: dict[Hashable, Node] = {}
+        self._uids = itertools.count(1)
+        self._tick = 0
+        self._leaves: set[Node] = set()
+        self._swa_nodes: list[set[Node]] = [set() for _ in self.comps.windows]
+        self._state_nodes: set[Node] = set()
+        self._owned = np.zeros(mem.pages.capacity, dtype=bool)
+        self._owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
+        self._locks: set[CacheLock] = set()
+        self.cached_pages = 0
+        self.num_nodes = 0
+        self._first_page_bytes = self.page_size * 8
+
+    # --- queries --------------------------------------------------------------------------
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_pages * self.page_size
+
+    @property
+    def num_states(self) -> int:
+        return len(self._state_nodes)
+
+    def match_prefix(self, tokens: object, extra_key: Hashable = None) -> MatchResult:
+        """Longest prefix of ``tokens`` valid for every component (page-aligned).
+
+        May split the node where the hit ends, so that a lock covers exactly the hit.
+        """
+        toks = _tokens(tokens, "match_prefix")
+        root = self._root(extra_key)
+        nodes, partial, full = self._walk(root, toks)
+        comps, ps = self.comps, self.page_size
+        if comps.full_only:
+            end = swa_len = state_len = full
+        else:
+            resident = self._resident(self._concat(nodes, partial, full))
+            swa_len = comps.longest_window_end(resident, full // ps) * ps if comps.windows else full
+            if comps.state is None:
+                end = state_len = swa_len
+            else:
+                ends = [n.end for n in nodes if n.state >= 0]
+                state_len = ends[-1] if ends else 0
+                end = next((e for e in reversed(ends) if comps.window_ok(resident, e // ps)), 0)
+        node = self._node_at(root, nodes, partial, end)
+        path = node.path()
+        pages = np.concatenate([n.pages for n in path]) if path else _EMPTY
+        self._touch(path, None)
+        self.counters.matches += 1
+        return MatchResult(
+            node=node,
+            length=end,
+            pages=pages,
+            state=node.state if end and node.state >= 0 else None,
+            full_length=full,
+            swa_length=swa_len,
+            state_length=state_len,
+            checkpoint_at=full if full > end else None,
+        )
+
+    # --- insert ---------------------------------------------------------------------------
+
+    def insert(
+        self,
+        tokens: object,
+        pages: object,
+        *,
+        extra_key: Hashable = None,
+        states: Mapping[int, int] | None = None,
+        priority: int = 0,
+    ) -> InsertResult:
+        """Cache ``tokens`` (a whole number of pages) held in ``pages``, one id per page.
+
+        ``states`` maps page-aligned positions (``0 < pos <= len(tokens)``) to checkpoint
+        slots holding the recurrent state after ``pos`` tokens. The cache takes ownership of
+        every page and slot given: duplicates of cached ones are freed here (a duplicate's
+        window pages first rebind onto cached pages whose window was evicted).
+        """
+        ps = self.page_size
+        toks = _tokens(tokens, "insert")
+        req = self._page_ids(pages, "insert pages")
+        if toks.size != req.size * ps:
+            raise InsertError(
+                f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
+                "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
+            )
+        try:
+            self.mem.pages.check_live(req, "insert pages")
+        except InvalidIds as exc:
+            raise InsertError(f"insert: {exc}; pass pages this request allocated and still holds") from exc
+        ckpts = self._check_states(states, toks.size)
+        root = self._find_root(extra_key)
+        nodes, partial, full = self._walk(root, toks) if root is not None else ([], None, 0)
+        fp = full // ps
+        cached = self._concat(nodes, partial, full)
+        dup = req[:fp] != cached
+        foreign = self._owned[req]
+        foreign[:fp] &= dup
+        if foreign.any():
+            i = int(np.argmax(foreign))
+            raise InsertError(
+                f"insert: page {req[i]} (page {i} of the key) already belongs to the cache at "
+                "another position; pass the request's own pages, or the cache's own page there"
+            )
+        dup_idx = np.flatnonzero(dup)
+        dup_pages = req[dup_idx]
+        if dup_pages.size and self.mem.gates.page_pins[dup_pages].any():
+            raise InsertError(
+                "insert: a duplicate page the cache would free is pinned by a move gate; release "
+                "the gate (the forward or transfer using it) before inserting"
+            )
+        slots = [slot for _, slot in ckpts]
+        if slots and self.mem.gates.slot_pins[slots].any():
+            raise InsertError(
+                "insert: a state slot is pinned by a move gate; release it (the copy writing the "
+                "checkpoint) before handing it to the cache"
+            )
+
+        # --- validated: from here on nothing refuses ---
+        if root is None:
+            root = self._root(extra_key)
+        adopted = self._adopt_windows(nodes, partial, cached, dup_idx, dup_pages)
+        if dup_pages.size:
+            self.mem.free_pages(dup_pages)
+        last = self._node_at(root, nodes, partial, full)
+        if full < toks.size:
+            last = self._add_child(last, toks[full:].copy(), req[fp:].copy())
+        freed_states = self._attach_states(last, ckpts)
+        self._touch(last.path(), priority)
+        self.counters.inserts += 1
+        self.counters.duplicate_pages += int(dup_pages.size)
+        self.counters.adopted_pages += adopted
+        return InsertResult(
+            node=last,
+            prefix_len=full,
+            pages=np.concatenate([cached, req[fp:]]),
+            freed_pages=int(dup_pages.size),
+            adopted_pages=adopted,
+            freed_states=freed_states,
+        )
+
+    def _page_ids(self, pages: object, what: str) -> np.ndarray:
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InsertError(f"{what}: need a 1-D integer array of page ids, got shape {arr.shape} {arr.dtype}")
+        return arr.astype(np.int64, copy=False)
+
+    def _check_states(self, states: Mapping[int, int] | None, length: int) -> list[tuple[int, int]]:
+        if not states:
+            return []
+        if self.comps.state is None:
+            raise InsertError(
+                f"insert: states given but this shard ({self.mem.shard.describe()}) has no "
+                "recurrent layers; pass states=None"
+            )
+        ckpts = sorted((int(p), int(s)) for p, s in states.items())
+        for pos, _slot in ckpts:
+            if pos <= 0 or pos > length or pos % self.page_size:
+                raise InsertError(
+                    f"insert: state position {pos} must be a multiple of the page size "
+                    f"{self.page_size} in 1..{length} (the key's length)"
+                )
+        slots = np.asarray([s for _, s in ckpts], dtype=np.int64)
+        try:
+            self.mem.slots.check_live(slots, "insert states")
+        except InvalidIds as exc:
+            raise InsertError(f"insert: {exc}; pass state slots this request allocated") from exc
+        if self._owned_slots[slots].any():
+            raise InsertError(
+                f"insert: state slot {slots[np.argmax(self._owned_slots[slots])]} is already a "
+                "cached checkpoint; fork it (fork_state) before handing a copy back"
+            )
+        return ckpts
+
+    def _adopt_windows(
+        self,
+        nodes: list[Node],
+        partial: Node | None,
+        cached: np.ndarray,
+        dup_idx: np.ndarray,
+        dup_pages: np.ndarray,
+    ) -> int:
+        """Locked-full recovery: cached pages whose window was evicted take the request's.
+
+        Pages pair by position in the request's row (first occurrence), never by sorting.
+        """
+        if not self.comps.windows or not dup_pages.size:
+            return 0
+        seq = [*nodes, partial] if partial is not None else nodes
+        ends = np.cumsum([n.pages.size for n in seq])
+        starts = ends - np.asarray([n.pages.size for n in seq])
+        owner = np.searchsorted(ends, dup_idx, side="right")
+        kept = cached[dup_idx]
+        adopted = 0
+        for w in self.comps.windows:
+            pool = self.mem.pools[w.name]
+            take = ~pool.resident(kept) & pool.resident(dup_pages)
+            if not take.any():
+                continue
+            self.mem.adopt_window_pages(dup_pages[take], kept[take], w.name)
+            adopted += int(np.count_nonzero(take))
+            counts = np.bincount(owner[take], minlength=len(seq))
+            for i in np.flatnonzero(counts):
+                node = seq[i]
+                node.swa_res[w.index] += int(counts[i])
+                self._swa_nodes[w.index].add(node)
+                if self.events.enabled:
+                    local = dup_idx[take][owner[take] == i] - starts[i]
+                    self._emit(EventKind.STORED, w.name, node, local)
+        return adopted
+
+    def _attach_states(self, last: Node, ckpts: list[tuple[int, int]]) -> int:
+        unused: list[int] = []
+        for pos, slot in ckpts:
+            node = last
+            while node.start >= pos:
+                node = node.parent  # type: ignore[assignment]
+            if node.end != pos:
+                node = self._split(node, pos - node.start)
+            if node.state >= 0 or not self._make_room_for_state(node):
+                unused.append(slot)
+                continue
+            node.state = slot
+            self._owned_slots[slot] = True
+            self._state_nodes.add(node)
+            if self.events.enabled:
+                self._emit_state(EventKind.STORED, node)
+        if unused:
+            self.mem.free_state(np.asarray(unused, dtype=np.int64))
+        return len(unused)
+
+    def _make_room_for_state(self, node: Node) -> bool:
+        """Drop checkpoints above ``node`` so its paths stay within the cap; False if locked."""
+        above = [a for a in node.path()[:-1] if a.state >= 0]
+        excess = len(above) + 1 + self._states_below(node) - self.max_states_per_path
+        if excess <= 0:
+            return True
+        pins = self.mem.gates.slot_pins
+        victims = [a for a in above if a.state_lock == 0 and not pins[a.state]]
+        if len(victims) < excess:
+            self.counters.capped_states += 1
+            return False
+        victims.sort(key=lambda a: (len(a.children) > 1, a.last_access))
+        slots = []
+        for victim in victims[:excess]:
+            slots.append(victim.state)
+            self._drop_state(victim)
+        self.mem.free_state(np.asarray(slots, dtype=np.int64))
+        self.counters.capped_states += excess
+        return True
+
+    @staticmethod
+    def _states_below(node: Node) -> int:
+        """Most checkpoints on any path strictly below ``node``."""
+        best = 0
+        stack = [(c, 0) for c in node.children.values()]
+        while stack:
+            n, above = stack.pop()
+            count = above + (n.state >= 0)
+            best = max(best, count)
+            stack.extend((c, count) for c in n.children.values())
+        return best
+
+    # --- locks ----------------------------------------------------------------------------
+
+    def lock(self, node: Node) -> CacheLock:
+        """Protect a hit ending at ``node.end``: full KV on the path, SWA on the window, the
+        state checkpoint at ``node`` (if any). Give it back with ``unlock``."""
+        if node.dead or node.namespace not in self._roots or self._root_of(node) is not self._roots[node.namespace]:
+            raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            n.lock += 1
+            n = n.parent
+        span = 0
+        n = node
+        while self.comps.windows and n.parent is not None and span < self.comps.max_window:
+            n.swa_lock += 1
+            span += n.key.size
+            n = n.parent
+        state_node = None
+        if self.comps.state is not None and node.state >= 0:
+            node.state_lock += 1
+            state_node = node
+        handle = CacheLock(node, span, state_node)
+        self._locks.add(handle)
+        return handle
+
+    def unlock(self, handle: CacheLock) -> None:
+        if not isinstance(handle, CacheLock):
+            raise LockError(f"unlock: expected a CacheLock from lock(), got {type(handle).__name__}")
+        if handle not in self._locks:
+            what = "was already unlocked (double unlock)" if not handle.active else "is not from this cache"
+            raise LockError(f"unlock: this lock on {handle.node} {what}")
+        n: Node | None = handle.node
+        while n is not None and n.parent is not None:
+            n.lock -= 1
+            n = n.parent
+        span = 0
+        n = handle.node
+        while span < handle.swa_span:
+            assert n.parent is not None, "swa span reaches above the root (lock bookkeeping bug)"
+            n.swa_lock -= 1
+            span += n.key.size
+            n = n.parent
+        if handle.state_node is not None:
+            handle.state_node.state_lock -= 1
+        handle.active = False
+        self._locks.discard(handle)
+
+    @property
+    def open_locks(self) -> int:
+        return len(self._locks)
+
+    # --- eviction -------------------------------------------------------------------------
+
+    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+        """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
+
+        Keys: pool names (``"full"``, ``"swa:<w>"``, ``"state"``...) or ``"page"`` (whole
+        pages, e.g. for a cache-size cap). Full-history needs evict whole leaves (freeing
+        their pages in every pool); window needs tombstone SWA residency of inner nodes
+        (a leaf goes whole); state needs drop checkpoints. Returns cells freed per pool
+        (and ``"page"``).
+        """
+        comps = self.comps
+        unknown = [k for k in needs if k != PAGE_NEED and k not in comps.pool_names]
+        if unknown:
+            raise CacheError(
+                f"evict: unknown need {unknown}; name pools of this shard {sorted(comps.pool_names)} or {PAGE_NEED!r}"
+            )
+        bad = {k: v for k, v in needs.items() if int(v) < 0}
+        if bad:
+            raise CacheError(f"evict: needs must be >= 0, got {bad}")
+        freed: dict[str, int] = dict.fromkeys((*comps.pool_names, PAGE_NEED), 0)
+        release = _Release()
+        full_need = max([int(needs.get(n, 0)) for n in (*comps.history, PAGE_NEED)])
+        if full_need:
+            self._evict_leaves(full_need, freed, release)
+        for w in comps.windows:
+            need = int(needs.get(w.name, 0)) - freed[w.name]
+            if need > 0:
+                self._evict_windows(w.index, need, freed, release)
+        if comps.state is not None:
+            need = int(needs.get(comps.state, 0)) - freed[comps.state]
+            if need > 0:
+                self._evict_states(need, freed, release)
+        release.flush(self.mem)
+        return {k: v for k, v in freed.items() if v}
+
+    def _heap(self, nodes: Iterable[Node], component: str, ok: Callable[[Node], bool]) -> list:
+        key = self.policy.key
+        heap = [(key(n, component), n.uid, n) for n in nodes if ok(n)]
+        heapify(heap)
+        return heap
+
+    def _leaf_ok(self, node: Node) -> bool:
+        return (
+            node.lock == 0
+            and node.state_lock == 0
+            and not self.mem.gates.page_pins[node.pages].any()
+            and (node.state < 0 or not self.mem.gates.slot_pins[node.state])
+        )
+
+    def _evict_leaves(self, need: int, freed: dict[str, int], release: _Release) -> None:
+        component = self.comps.history[0] if self.comps.history else PAGE_NEED
+        heap = self._heap(self._leaves, component, self._leaf_ok)
+        while heap and freed[PAGE_NEED] < need:
+            key, _, node = heappop(heap)
+            if node.dead or node.children:
+                continue
+            self.policy.evicted(key)
+            parent = node.parent
+            self._remove_leaf(node, freed, release)
+            if parent is not None and parent.parent is not None and not parent.children and self._leaf_ok(parent):
+                heappush(heap, (self.policy.key(parent, component), parent.uid, parent))
+
+    def _evict_windows(self, index: int, need: int, freed: dict[str, int], release: _Release) -> None:
+        w = self.comps.windows[index]
+        pins = self.mem.gates.page_pins
+
+        def ok(n: Node) -> bool:
+            return n.swa_lock == 0 and not pins[n.pages].any()
+
+        heap = self._heap(self._swa_nodes[index], w.name, ok)
+        pool = self.mem.pools[w.name]
+        while heap and freed[w.name] < need:
+            key, _, node = heappop(heap)
+            if node.dead or node.swa_res[index] == 0:
+                continue
+            self.policy.evicted(key)
+            if not node.children and self._leaf_ok(node):
+                self._remove_leaf(node, freed, release)
+                continue
+            resident = pool.resident(node.pages)
+            release.window.setdefault(w.name, []).append(node.pages[resident])
+            count = int(np.count_nonzero(resident))
+            freed[w.name] += count
+            self.counters.tombstoned[w.name] += count
+            node.swa_res[index] = 0
+            self._swa_nodes[index].discard(node)
+            if self.events.enabled:
+                self._emit(EventKind.REMOVED, w.name, node, np.flatnonzero(resident))
+
+    def _evict_states(self, need: int, freed: dict[str, int], release: _Release) -> None:
+        pins = self.mem.gates.slot_pins
+        state = self.comps.state
+        assert state is not None
+        heap = self._heap(self._state_nodes, state, lambda n: n.state_lock == 0 and not pins[n.state])
+        while heap and freed[state] < need:
+            key, _, node = heappop(heap)
+            if node.dead or node.state < 0:
+                continue
+            self.policy.evicted(key)
+            release.slots.append(node.state)
+            self._drop_state(node)
+            freed[state] += 1
+            self.counters.evicted_states += 1
+
+    # --- allocation through the cache -----------------------------------------------------
+
+    def alloc_pages(self, count: int) -> np.ndarray:
+        """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""
+        return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
+
+    def alloc_state(self, count: int) -> np.ndarray:
+        state = self.comps.state or STATE_POOL
+        return self._with_eviction(lambda: self.mem.alloc_state(count), {state: count})
+
+    def fork_state(self, slots: object) -> np.ndarray:
+        state = self.comps.state or STATE_POOL
+        n = int(np.asarray(slots).size)
+        return self._with_eviction(lambda: self.mem.fork_state(slots), {state: n})  # type: ignore[arg-type]
+
+    def _with_eviction(self, call: Callable[[], T], fallback: dict[str, int]) -> T:
+        while True:
+            try:
+                return call()
+            except OutOfMemory as exc:
+                # virtual-id shortages are named "page" / "state slot" (or come without
+                # ``short``): they need whole pages / checkpoints back
+                short = {
+                    (self.comps.state or STATE_POOL) if k == "state slot" else k: v
+                    for k, v in (exc.short or fallback).items()
+                }
+                if not any(self.evict(short).values()):
+                    raise
+
+    # --- structure ------------------------------------------------------------------------
+
+    def _find_root(self, namespace: Hashable) -> Node | None:
+        try:
+            return self._roots.get(namespace)
+        except TypeError:
+            raise CacheError(f"extra_key must be hashable, got {type(namespace).__name__}") from None
+
+    def _root(self, namespace: Hashable) -> Node:
+        root = self._find_root(namespace)
+        if root is None:
+            root = Node(0, _EMPTY, _EMPTY, 0, None, namespace, len(self.comps.windows))
+            root.hashes = [root_hash(namespace)]
+            self._roots[namespace] = root
+        return root
+
+    @staticmethod
+    def _root_of(node: Node) -> Node:
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    def _walk(self, root: Node, toks: np.ndarray) -> tuple[list[Node], Node | None, int]:
+        """Fully matched nodes, the node matched part-way (or None), matched tokens (aligned)."""
+        ps = self.page_size
+        buf = toks.tobytes()
+        n = toks.size
+        pb = self._first_page_bytes
+        node, pos, nodes = root, 0, []
+        while pos + ps <= n:
+            child = node.children.get(buf[pos * 8 : pos * 8 + pb])
+            if child is None:
+                break
+            if buf.startswith(child.kb, pos * 8):
+                nodes.append(child)
+                pos += child.key.size
+                node = child
+                continue
+            m = min(child.key.size, n - pos)
+            diff = toks[pos : pos + m] != child.key[:m]
+            i = int(np.argmax(diff)) if diff.any() else m
+            return nodes, child, pos + i - i % ps
+        return nodes, None, pos
+
+    def _concat(self, nodes: list[Node], partial: Node | None, full: int) -> np.ndarray:
+        parts = [n.pages for n in nodes]
+        if partial is not None:
+            parts.append(partial.pages[: (full - partial.start) // self.page_size])
+        return np.concatenate(parts) if parts else _EMPTY
+
+    def _resident(self, pages: np.ndarray) -> list[np.ndarray]:
+        return [self.mem.pools[w.name].resident(pages) for w in self.comps.windows]
+
+    def _node_at(self, root: Node, nodes: list[Node], partial: Node | None, end: int) -> Node:
+        """The node ending at ``end`` on the walked path, splitting one if needed."""
+        if end == 0:
+            return root
+        for n in (*nodes, partial):
+            if n is None:
+                break
+            if n.end == end:
+                return n
+            if n.start < end < n.end:
+                return self._split(n, end - n.start)
+        raise AssertionError(f"position {end} is not on the walked path (walk bookkeeping bug)")
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after ``k`` tokens; returns the new upper half (``node`` keeps the end)."""
+        ps, pb = self.page_size, self._first_page_bytes
+        kp = k // ps
+        parent = node.parent
+        assert parent is not None and 0 < k < node.key.size and k % ps == 0
+        upper = Node(
+            next(self._uids), node.key[:k], node.pages[:kp], node.start, parent, node.namespace, len(node.swa_res)
+        )
+        upper.lock, upper.swa_lock = node.lock, node.swa_lock
+        upper.last_access, upper.hits = node.last_access, node.hits
+        upper.priority, upper.clock = node.priority, node.clock
+        if node.hashes is not None:
+            upper.hashes, node.hashes = node.hashes[:kp], node.hashes[kp:]
+        parent.children[node.kb[:pb]] = upper
+        node.key, node.kb, node.pages = node.key[k:], node.kb[k * 8 :], node.pages[kp:]
+        node.start += k
+        node.parent = upper
+        upper.children[node.kb[:pb]] = node
+        for w in self.comps.windows:
+            up = int(np.count_nonzero(self.mem.pools[w.name].resident(upper.pages)))
+            upper.swa_res[w.index] = up
+            node.swa_res[w.index] -= up
+            if up:
+                self._swa_nodes[w.index].add(upper)
+            if not node.swa_res[w.index]:
+                self._swa_nodes[w.index].discard(node)
+        self.num_nodes += 1
+        return upper
+
+    def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray) -> Node:
+        node = Node(next(self._uids), key, pages, parent.end, parent, parent.namespace, len(self.comps.windows))
+        parent.children[node.kb[: self._first_page_bytes]] = node
+        if parent.parent is not None:
+            self._leaves.discard(parent)
+        self._leaves.add(node)
+        self._owned[pages] = True
+        self.cached_pages += pages.size
+        self.num_nodes += 1
+        for w in self.comps.windows:
+            node.swa_res[w.index] = int(np.count_nonzero(self.mem.pools[w.name].resident(pages)))
+            if node.swa_res[w.index]:
+                self._swa_nodes[w.index].add(node)
+        if self.events.enabled:
+            assert parent.hashes is not None
+            node.hashes = chain_hashes(parent.hashes[-1], key, self.page_size)
+            every = np.arange(pages.size)
+            for name in self.comps.history:
+                self._emit(EventKind.STORED, name, node, every, with_tokens=True)
+            for w in self.comps.windows:
+                self._emit(EventKind.STORED, w.name, node, np.flatnonzero(self.mem.pools[w.name].resident(pages)))
+        return node
+
+    def _remove_leaf(self, node: Node, freed: dict[str, int], release: _Release) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children
+        if self.events.enabled:
+            for w in self.comps.windows:
+                if node.swa_res[w.index]:  # not tombstoned earlier in this eviction
+                    resident = self.mem.pools[w.name].resident(node.pages)
+                    self._emit(EventKind.REMOVED, w.name, node, np.flatnonzero(resident))
+            if node.state >= 0:
+                self._emit_state(EventKind.REMOVED, node)
+            for name in self.comps.history:
+                self._emit(EventKind.REMOVED, name, node, np.arange(node.pages.size))
+        del parent.children[node.kb[: self._first_page_bytes]]
+        self._leaves.discard(node)
+        if parent.parent is not None and not parent.children:
+            self._leaves.add(parent)
+        n = node.pages.size
+        for name in self.comps.history:
+            freed[name] += n
+        freed[PAGE_NEED] += n
+        for w in self.comps.windows:
+            freed[w.name] += node.swa_res[w.index]
+            self._swa_nodes[w.index].discard(node)
+        if node.state >= 0:
+            assert self.comps.state is not None
+            freed[self.comps.state] += 1
+            release.slots.append(node.state)
+            self._owned_slots[node.state] = False
+            self._state_nodes.discard(node)
+            node.state = NO_STATE
+        release.pages.append(node.pages)
+        self._owned[node.pages] = False
+        self.cached_pages -= n
+        self.counters.evicted_pages += n
+        self.num_nodes -= 1
+        node.dead = True
+
+    def _drop_state(self, node: Node) -> None:
+        if self.events.enabled:
+            self._emit_state(EventKind.REMOVED, node)
+        self._owned_slots[node.state] = False
+        self._state_nodes.discard(node)
+        node.state = NO_STATE
+
+    def _touch(self, path: list[Node], priority: int | None) -> None:
+        self._tick += 1
+        tick, touched = self._tick, self.policy.touched
+        for n in path:
+            n.last_access = tick
+            n.hits += 1
+            if priority is not None and priority > n.priority:
+                n.priority = priority
+            touched(n)
+
+    # --- events ---------------------------------------------------------------------------
+
+    def _emit(self, kind: EventKind, component: str, node: Node, local: np.ndarray, with_tokens: bool = False) -> None:
+        if not local.size:
+            return
+        assert node.hashes is not None and node.parent is not None and node.parent.hashes is not None
+        hashes = tuple(node.hashes[int(i)] for i in local)
+        parent_hash = tokens = None
+        if with_tokens:
+            parent_hash = node.parent.hashes[-1]
+            tokens = tuple(int(t) for t in node.key)
+        self.events.emit(CacheEvent(kind, component, node.namespace, hashes, parent_hash, tokens))
+
+    def _emit_state(self, kind: EventKind, node: Node) -> None:
+        assert node.hashes is not None and self.comps.state is not None
+        self.events.emit(CacheEvent(kind, self.comps.state, node.namespace, (node.hashes[-1],)))
+
+    # --- reports --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        c = self.counters
+        return {
+            "policy": self.policy.name,
+            "nodes": self.num_nodes,
+            "cached_tokens": self.cached_tokens,
+            "window_resident_pages": {
+                w.name: sum(n.swa_res[w.index] for n in self._swa_nodes[w.index]) for w in self.comps.windows
+            },
+            "states": self.num_states,
+            "open_locks": self.open_locks,
+            "matches": c.matches,
+            "inserts": c.inserts,
+            "duplicate_pages": c.duplicate_pages,
+            "adopted_pages": c.adopted_pages,
+            "evicted_pages": c.evicted_pages,
+            "tombstoned_pages": dict(c.tombstoned),
+            "evicted_states": c.evicted_states,
+            "capped_states": c.capped_states,
+        }
+
+    def check(self) -> None:
+        """Prove the tree's invariants against the memory's host tables (tests, debugging)."""
+        from hybridkv.cache.check import check_tree
+
+        check_tree(self)
