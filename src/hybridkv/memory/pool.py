@@ -3,14 +3,13 @@
 Invariants (checked by ``UnifiedMemory.verify``):
 - Grid cell ``c`` covers arena bytes ``[c * C, (c + 1) * C)``; it is *usable* only while every
   slab it touches is owned by this pool, and it is then FREE or LIVE, otherwise UNUSABLE.
+- The free stack holds exactly the FREE cells, each once; allocation pops from its top, so
+  recently freed cells (and freshly acquired slabs) are reused first.
 - ``v2p[v] = c  <=>  p2v[c] = v`` for every live cell; ``v2p[0] = p2v[0] = 0`` (the sink);
-  every other entry is the tombstone -1. The device tables mirror the host tables exactly;
-  the host tables are authoritative, so no call here ever reads device memory.
-- ``free_in_slab[j]`` counts FREE cells whose first byte is in slab ``j``; ``arena.slab_live``
-  counts LIVE cells touching each slab. A slab whose live count drops to zero is handed
-  back to the arena at once, so the split between pools follows the workload.
-- Device writes use ``index_copy_`` / ``index_fill_`` with index tensors built from host
-  arrays (never a scalar ``t[i] = x``, which is a blocking host->device copy).
+  every other entry is the tombstone -1. Host tables are authoritative; their device
+  mirrors are brought up to date lazily (``MirroredTable``), so no call here reads the device.
+- ``arena.slab_live`` counts LIVE cells touching each slab; a slab whose count drops to zero
+  is handed back to the arena at once, so the split between pools follows the workload.
 """
 
 from __future__ import annotations
@@ -21,16 +20,10 @@ import torch
 from hybridkv.memory.arena import FREE_SLAB, Arena
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.layout import CellLayout
+from hybridkv.memory.mirror import MirroredTable, to_index
+from hybridkv.memory.virtual import distinct
 
 UNUSABLE, FREE, LIVE = 0, 1, 2
-
-
-def to_index(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host int array -> int64 index tensor on ``device``, without a blocking copy."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class SubPool:
@@ -59,20 +52,33 @@ class SubPool:
         self.cell_hi = np.where(head, -1, np.where(tail, nslabs, hi))
         # cells whose first byte lies in slab j are [slab_first[j], slab_first[j + 1])
         self.slab_first = np.searchsorted(self.cell_lo, np.arange(nslabs + 1), side="left")
+        # second slab a cell touches, or the dummy bin ``nslabs`` when it lies in one slab
+        self.cell_next = np.where(self.cell_hi != self.cell_lo, self.cell_hi, nslabs)
         whole = (self.cell_lo == self.cell_hi) & (self.cell_lo >= 0) & (self.cell_lo < nslabs)
         self.whole_cells_in_slab = np.bincount(self.cell_lo[whole], minlength=nslabs)
         self.state = np.zeros(self.grid_cells, dtype=np.int8)
-        self.free_in_slab = np.zeros(nslabs, dtype=np.int64)
+        self._stack = np.empty(self.grid_cells, dtype=np.int64)
         self.free_count = 0
         self.live_count = 0
+        self.last_slab = -1  # most recently acquired slab: the next one is sought beside it
+        self._v2p = MirroredTable(virtual_capacity, arena.table_device)
+        self._p2v = MirroredTable(self.grid_cells, arena.table_device)
+        self._v2p.set(np.zeros(1, dtype=np.int64), 0)
+        self._p2v.set(np.zeros(1, dtype=np.int64), 0)
+        self.v2p = self._v2p.host  # read-only views of the authoritative host tables
+        self.p2v = self._p2v.host
 
-        self.v2p = np.full(virtual_capacity, -1, dtype=np.int64)
-        self.p2v = np.full(self.grid_cells, -1, dtype=np.int64)
-        self.v2p[0] = 0
-        self.p2v[0] = 0
-        tdev = arena.table_device
-        self.v2p_dev = torch.from_numpy(self.v2p.copy()).to(tdev)
-        self.p2v_dev = torch.from_numpy(self.p2v.copy()).to(tdev)
+    @property
+    def v2p_dev(self) -> torch.Tensor:
+        """Device copy of ``v2p`` (pending host updates applied first, asynchronously)."""
+        return self._v2p.device
+
+    @property
+    def p2v_dev(self) -> torch.Tensor:
+        return self._p2v.device
+
+    def flush_tables(self) -> None:
+        self._v2p.flush()
 
     # --- slabs -----------------------------------------------------------------------------
 
@@ -83,116 +89,129 @@ class SubPool:
             a -= 1
         return a, b
 
-    def _usable(self, cells: np.ndarray) -> np.ndarray:
-        owner = self.arena.owner
+    def usable(self, cells: np.ndarray) -> np.ndarray:
+        """Mask: cells whose every byte lies in slabs this pool owns."""
+        owner, last = self.arena.owner, self.arena.num_slabs - 1
         lo, hi = self.cell_lo[cells], self.cell_hi[cells]
-        ok = (lo >= 0) & (hi < self.arena.num_slabs)
-        lo_c, hi_c = (
-            np.clip(lo, 0, self.arena.num_slabs - 1),
-            np.clip(hi, 0, self.arena.num_slabs - 1),
-        )
-        return ok & (owner[lo_c] == self.index) & (owner[hi_c] == self.index)
+        inside = (lo >= 0) & (hi <= last)
+        lo_c, hi_c = np.clip(lo, 0, last), np.clip(hi, 0, last)
+        return inside & (owner[lo_c] == self.index) & (owner[hi_c] == self.index)
 
-    def acquire_slab(self, slab: int) -> int:
-        """Take a free slab; its newly usable cells become FREE. Returns how many."""
-        arena = self.arena
-        assert arena.owner[slab] == FREE_SLAB
-        arena.owner[slab] = self.index
-        a, b = self._touching(slab)
-        cells = np.arange(a, b)
-        cells = cells[(self.state[cells] == UNUSABLE) & self._usable(cells)]
+    def acquire_slab(self, slab: int) -> None:
+        """Take a free slab; the cells it makes usable become FREE (on top of the stack).
+
+        Cells wholly inside the slab always become usable; a cell straddling into a
+        neighbour slab only when this pool owns that neighbour too.
+        """
+        owner = self.arena.owner
+        assert owner[slab] == FREE_SLAB
+        owner[slab] = self.index
+        a, b = int(self.slab_first[slab]), int(self.slab_first[slab + 1])
+        parts = []
+        if b > a and self.cell_hi[b - 1] != slab:  # last cell straddles into slab + 1
+            b -= 1
+            if owner[slab + 1] == self.index and self.state[b] == UNUSABLE:
+                parts.append(np.array([b]))
+        parts.append(np.arange(a, b))
+        straddler = a > 0 and self.cell_hi[a - 1] == slab and self.cell_lo[a - 1] == slab - 1
+        if straddler and owner[slab - 1] == self.index and self.state[a - 1] == UNUSABLE:
+            parts.append(np.array([a - 1]))
+        cells = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self.state[cells] = FREE
-        np.add.at(self.free_in_slab, self.cell_lo[cells], 1)
-        self.free_count += cells.size
-        return int(cells.size)
+        self._push(cells)
+        self.last_slab = slab
 
     def release_slab(self, slab: int) -> None:
         """Hand an owned slab with no live cells back to the arena."""
-        arena = self.arena
-        assert arena.owner[slab] == self.index and arena.slab_live[slab] == 0
+        assert self.arena.owner[slab] == self.index and self.arena.slab_live[slab] == 0
         a, b = self._touching(slab)
         cells = np.arange(a, b)
-        cells = cells[self.state[cells] == FREE]
-        self.state[cells] = UNUSABLE
-        np.subtract.at(self.free_in_slab, self.cell_lo[cells], 1)
-        self.free_count -= cells.size
-        arena.owner[slab] = FREE_SLAB
+        self.state[cells[self.state[cells] == FREE]] = UNUSABLE
+        stack = self._stack[: self.free_count]
+        kept = stack[self.state[stack] == FREE]
+        self._stack[: kept.size] = kept
+        self.free_count = kept.size
+        self.arena.owner[slab] = FREE_SLAB
 
     def owned_slabs(self) -> np.ndarray:
         return np.flatnonzero(self.arena.owner == self.index)
 
+    def live_cells_touching(self, slab: int) -> np.ndarray:
+        a, b = self._touching(slab)
+        return a + np.flatnonzero(self.state[a:b] == LIVE)
+
+    def free_cells_touching(self, slab: int) -> int:
+        a, b = self._touching(slab)
+        return int(np.count_nonzero(self.state[a:b] == FREE))
+
     # --- cells -----------------------------------------------------------------------------
 
-    def take_cells(self, count: int, avoid: frozenset[int] = frozenset()) -> np.ndarray:
-        """Mark ``count`` FREE cells LIVE, fullest slabs first, none touching ``avoid`` slabs.
+    def _push(self, cells: np.ndarray) -> None:
+        self._stack[self.free_count : self.free_count + cells.size] = cells
+        self.free_count += cells.size
 
-        The caller has checked that enough such cells exist.
-        """
-        out: list[np.ndarray] = []
-        need = count
-        slabs = np.flatnonzero(self.free_in_slab)
-        order = slabs[np.argsort(self.free_in_slab[slabs], kind="stable")]
-        for slab in order:
-            if need == 0:
-                break
-            slab = int(slab)
-            if slab in avoid:
-                continue
-            a, b = int(self.slab_first[slab]), int(self.slab_first[slab + 1])
-            free = a + np.flatnonzero(self.state[a:b] == FREE)
-            if avoid:
-                free = free[~np.isin(self.cell_hi[free], list(avoid))]
-            got = free[:need]
-            out.append(got)
-            need -= got.size
-        if need:
-            raise AssertionError(f"pool {self.name}: take_cells short by {need} (caller bug)")
-        cells = np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+    def free_cells(self) -> np.ndarray:
+        return self._stack[: self.free_count].copy()
+
+    def take_cells(self, count: int, avoid: frozenset[int] = frozenset()) -> np.ndarray:
+        """Mark ``count`` FREE cells LIVE, none touching an ``avoid`` slab (caller checked)."""
+        top = self.free_count
+        if not avoid:
+            cells = self._stack[top - count : top].copy()
+            self.free_count = top - count
+        else:
+            stack = self._stack[:top]
+            blocked = np.isin(self.cell_lo[stack], list(avoid)) | np.isin(self.cell_hi[stack], list(avoid))
+            allowed = np.flatnonzero(~blocked)
+            if allowed.size < count:
+                raise AssertionError(f"pool {self.name}: {allowed.size} free cells outside {set(avoid)} < {count}")
+            chosen = np.zeros(top, dtype=bool)
+            chosen[allowed[allowed.size - count :]] = True
+            cells = stack[chosen]
+            kept = stack[~chosen]
+            self._stack[: kept.size] = kept
+            self.free_count = kept.size
         self.state[cells] = LIVE
-        np.subtract.at(self.free_in_slab, self.cell_lo[cells], 1)
         self._add_live(cells, 1)
-        self.free_count -= cells.size
         self.live_count += cells.size
         return cells
 
     def give_cells(self, cells: np.ndarray) -> None:
         """Mark LIVE cells FREE; slabs left without live cells go back to the arena."""
         self.state[cells] = FREE
-        np.add.at(self.free_in_slab, self.cell_lo[cells], 1)
-        self._add_live(cells, -1)
-        self.free_count += cells.size
+        self._push(cells)
+        touched = self._add_live(cells, -1)
         self.live_count -= cells.size
-        touched = np.concatenate([self.cell_lo[cells], self.cell_hi[cells]])
-        for slab in np.unique(touched[self.arena.slab_live[touched] == 0]):
-            if self.arena.owner[slab] == self.index:
-                self.release_slab(int(slab))
-
-    def _add_live(self, cells: np.ndarray, delta: int) -> None:
         live = self.arena.slab_live
-        np.add.at(live, self.cell_lo[cells], delta)
-        lo, hi = self.cell_lo[cells], self.cell_hi[cells]
-        straddle = hi != lo
-        if straddle.any():
-            np.add.at(live, hi[straddle], delta)
+        touched = touched[touched < live.size]
+        empty = touched[live[touched] == 0]
+        if empty.size:
+            for slab in distinct(empty):
+                if self.arena.owner[slab] == self.index:
+                    self.release_slab(int(slab))
+
+    def _add_live(self, cells: np.ndarray, delta: int) -> np.ndarray:
+        """Add ``delta`` to the live count of every slab the cells touch; returns those slabs."""
+        nslabs = self.arena.num_slabs
+        touched = np.concatenate([self.cell_lo[cells], self.cell_next[cells]])
+        counts = np.bincount(touched, minlength=nslabs + 1)[:nslabs]
+        if delta > 0:
+            self.arena.slab_live += counts
+        else:
+            self.arena.slab_live -= counts
+        return touched
 
     # --- tables ----------------------------------------------------------------------------
 
     def bind(self, vids: np.ndarray, cells: np.ndarray) -> None:
-        self.v2p[vids] = cells
-        self.p2v[cells] = vids
-        tdev = self.v2p_dev.device
-        v_t, c_t = to_index(vids, tdev), to_index(cells, tdev)
-        self.v2p_dev.index_copy_(0, v_t, c_t)
-        self.p2v_dev.index_copy_(0, c_t, v_t)
+        self._v2p.set(vids, cells)
+        self._p2v.set(cells, vids)
 
     def unbind(self, vids: np.ndarray) -> np.ndarray:
         """Tombstone ``vids`` (all resident here) and return the cells they held."""
         cells = self.v2p[vids]
-        self.v2p[vids] = -1
-        self.p2v[cells] = -1
-        tdev = self.v2p_dev.device
-        self.v2p_dev.index_fill_(0, to_index(vids, tdev), -1)
-        self.p2v_dev.index_fill_(0, to_index(cells, tdev), -1)
+        self._v2p.set(vids, -1)
+        self._p2v.set(cells, -1)
         return cells
 
     def resident(self, vids: np.ndarray) -> np.ndarray:
@@ -208,21 +227,12 @@ class SubPool:
         dev = grid.device
         grid.index_copy_(0, to_index(dst, dev), grid.index_select(0, to_index(src, dev)))
 
-    def live_cells_touching(self, slab: int) -> np.ndarray:
-        a, b = self._touching(slab)
-        return a + np.flatnonzero(self.state[a:b] == LIVE)
-
-    def free_cells_touching(self, slab: int) -> int:
-        a, b = self._touching(slab)
-        return int(np.count_nonzero(self.state[a:b] == FREE))
-
     def move(self, src: np.ndarray, avoid: frozenset[int]) -> np.ndarray:
         """Move LIVE cells ``src`` to FREE cells outside ``avoid`` (bytes copied, tables rebound)."""
         dst = self.take_cells(src.size, avoid)
         vids = self.p2v[src]
         self.copy_cells(src, dst)
-        self.p2v[src] = -1
-        self.p2v_dev.index_fill_(0, to_index(src, self.p2v_dev.device), -1)
+        self._p2v.set(src, -1)
         self.bind(vids, dst)
         self.give_cells(src)
         return dst

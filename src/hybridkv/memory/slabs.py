@@ -33,8 +33,17 @@ class SlabBroker:
         self.cells_moved = 0
         self.bytes_moved = 0
 
-    def reserve(self, needs: dict[SubPool, int]) -> None:
-        """Make ``needs[pool]`` FREE cells available in every pool, or raise changing nothing."""
+    def take(self, needs: dict[SubPool, int]) -> dict[SubPool, np.ndarray]:
+        """``needs[pool]`` fresh LIVE cells from every pool, or raise changing nothing."""
+        taken = self._reserve(needs)
+        cells = {pool: pool.take_cells(n) for pool, n in needs.items()}
+        for pool, slab in taken:  # a slab whose cells stayed in the stack goes back
+            if self.arena.owner[slab] == pool.index and self.arena.slab_live[slab] == 0:
+                pool.release_slab(slab)
+        return cells
+
+    def _reserve(self, needs: dict[SubPool, int]) -> list[tuple[SubPool, int]]:
+        """Make ``needs[pool]`` FREE cells available; returns the free slabs it acquired."""
         taken: list[tuple[SubPool, int]] = []
         for pool, need in needs.items():
             while pool.free_count < need:
@@ -45,7 +54,7 @@ class SlabBroker:
                 taken.append((pool, slab))
         deficits = {p: n - p.free_count for p, n in needs.items() if p.free_count < n}
         if not deficits:
-            return
+            return taken
         plan = self._plan_reclaim(deficits, needs)
         if plan is None:
             for pool, slab in reversed(taken):
@@ -63,21 +72,21 @@ class SlabBroker:
         for slab, donor, receiver in plan:
             self._empty(donor, slab, avoid[donor])
             receiver.acquire_slab(slab)
+            taken.append((receiver, slab))
         assert all(p.free_count >= n for p, n in needs.items()), "reclaim plan fell short"
+        return taken
 
     def _free_slab_for(self, pool: SubPool) -> int | None:
+        """A free slab beside the pool's last one if possible (so edge cells join), else the
+        first free slab from the pool's end of the arena (pools alternate ends)."""
         owner = self.arena.owner
-        free = np.flatnonzero(owner == FREE_SLAB)
-        if free.size == 0:
-            return None
-        last = owner.size - 1
-        left_mine = (free > 0) & (owner[np.maximum(free - 1, 0)] == pool.index)
-        right_mine = (free < last) & (owner[np.minimum(free + 1, last)] == pool.index)
-        adjacent = free[left_mine | right_mine]
-        if adjacent.size:
-            return int(adjacent[0])
-        # pools start from alternate ends of the arena so their regions meet in the middle
-        return int(free[-1] if pool.index % 2 else free[0])
+        last = pool.last_slab
+        for slab in (last + 1, last - 1):
+            if last >= 0 and 0 <= slab < owner.size and owner[slab] == FREE_SLAB:
+                return slab
+        free = owner == FREE_SLAB
+        slab = owner.size - 1 - int(np.argmax(free[::-1])) if pool.index % 2 else int(np.argmax(free))
+        return slab if free[slab] else None
 
     def _plan_reclaim(
         self, deficits: dict[SubPool, int], needs: dict[SubPool, int]

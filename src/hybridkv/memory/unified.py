@@ -34,10 +34,11 @@ from hybridkv.memory.arena import Arena
 from hybridkv.memory.errors import InvalidIds, OutOfMemory, PinnedError
 from hybridkv.memory.gates import GateRegistry, MoveGate
 from hybridkv.memory.layout import CellLayout
-from hybridkv.memory.pool import SubPool, to_index
+from hybridkv.memory.mirror import to_index
+from hybridkv.memory.pool import SubPool
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
 from hybridkv.memory.slabs import SlabBroker
-from hybridkv.memory.virtual import VirtualIds
+from hybridkv.memory.virtual import VirtualIds, distinct
 from hybridkv.spec import ShardSpec
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -47,6 +48,8 @@ IdsLike = np.ndarray | list[int] | torch.Tensor
 
 def _host_ids(ids: IdsLike | np.ndarray, what: str) -> np.ndarray:
     """Accept host ids only: a device tensor here would need a blocking read."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+        return ids
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise TypeError(
@@ -55,6 +58,8 @@ def _host_ids(ids: IdsLike | np.ndarray, what: str) -> np.ndarray:
             )
         ids = ids.numpy()
     arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
         raise InvalidIds(f"{what}: ids must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False).reshape(-1)
@@ -214,18 +219,26 @@ class UnifiedMemory:
 
     # --- capacity -------------------------------------------------------------------------
 
-    def _reserve(self, needs: dict[str, int]) -> None:
-        self.broker.reserve({self.pools[name]: n for name, n in needs.items()})
-
     def available_pages(self) -> int:
-        """Pages allocatable now without compaction (host counters only)."""
+        """Pages surely allocatable now without compaction (host counters only).
+
+        Every KV pool needs a cell per page and all draw on the same free slabs, so this is
+        the largest ``k`` whose slab needs, summed over pools, fit the free slabs.
+        """
         if not self.token_pools:
             return self.pages.free_count
         free_slabs = self.arena.free_slabs
-        return min(
-            self.pages.free_count,
-            *(p.free_count + free_slabs * self.plan.min_cells_per_slab(p.layout) for p in self.token_pools),
-        )
+        per_slab = [max(1, self.plan.min_cells_per_slab(p.layout)) for p in self.token_pools]
+
+        def fits(k: int) -> bool:
+            need = sum(-(-max(0, k - p.free_count) // n) for p, n in zip(self.token_pools, per_slab, strict=True))
+            return need <= free_slabs
+
+        lo, hi = 0, self.pages.free_count
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     # --- pages: allocation ----------------------------------------------------------------
 
@@ -240,10 +253,10 @@ class UnifiedMemory:
                 f"{count} pages asked, {self.pages.free_count} virtual page ids free",
                 {"page": count - self.pages.free_count},
             )
-        self._reserve({p.name: count for p in self.token_pools})
+        cells = self.broker.take({p: count for p in self.token_pools})
         pages = self.pages.take(count)
-        for pool in self.token_pools:
-            pool.bind(pages, pool.take_cells(count))
+        for pool, taken in cells.items():
+            pool.bind(pages, taken)
         return pages
 
     def alloc(self, num_tokens: int) -> np.ndarray:
@@ -278,6 +291,8 @@ class UnifiedMemory:
         old_pages = -(-prefix // ps)
         new_pages_per = -(-seq // ps) - old_pages
         pages = self.alloc_pages(int(new_pages_per.sum()))
+        if not np.count_nonzero(prefix % ps):
+            return self._fresh_page_tokens(pages, new_pages_per, seq)
         counts = seq - prefix
         req = np.repeat(np.arange(seq.size), counts)
         starts = np.cumsum(counts) - counts
@@ -289,6 +304,18 @@ class UnifiedMemory:
         page[fresh] = pages[first_new[req[fresh]] + page_index[fresh]]
         return page * ps + pos % ps
 
+    def _fresh_page_tokens(self, pages: np.ndarray, pages_per: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Token locations when every request starts on a page boundary (no continuation)."""
+        ps = self.page_size
+        grid = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+        tail = seq % ps
+        ragged = (pages_per > 0) & (tail > 0)
+        if not np.count_nonzero(ragged):
+            return grid
+        valid = np.full(pages.size, ps, dtype=np.int64)
+        valid[(np.cumsum(pages_per) - 1)[ragged]] = tail[ragged]
+        return grid[(np.arange(ps) < valid[:, None]).reshape(-1)]
+
     def alloc_decode(self, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
         """Batched decode: one token per request; ``seq_lens`` include the new token."""
         ps = self.page_size
@@ -296,7 +323,7 @@ class UnifiedMemory:
         last = _host_ids(last_locs, "alloc_decode last_locs")
         if seq.size != last.size:
             raise InvalidIds(f"alloc_decode: {seq.size} seq_lens but {last.size} last_locs")
-        if (seq < 2).any():
+        if seq.size and seq.min() < 2:
             raise InvalidIds("alloc_decode: every seq_len must be >= 2 (a prompt token and the new one)")
         self._check_tail(last, seq - 1, "alloc_decode")
         new_page = (seq - 1) % ps == 0
@@ -308,13 +335,18 @@ class UnifiedMemory:
     def _check_tail(self, last: np.ndarray, lengths: np.ndarray, what: str) -> None:
         """``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``."""
         has = lengths > 0
-        if not has.any():
+        count = np.count_nonzero(has)
+        if not count:
             return
-        loc, n = last[has], lengths[has]
-        pages = loc // self.page_size
-        bad = (loc < 0) | (pages >= self.pages.capacity)
+        loc, n = (last, lengths) if count == has.size else (last[has], lengths[has])
+        ps = self.page_size
+        pages = loc // ps
+        in_range = pages.min() > 0 and pages.max() < self.pages.capacity
+        if in_range and self.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps):
+            return
+        bad = (pages <= 0) | (pages >= self.pages.capacity)
         bad |= ~bad & ~self.pages.live[np.where(bad, 0, pages)]
-        bad |= (pages == 0) | (loc % self.page_size != (n - 1) % self.page_size)
+        bad |= loc % ps != (n - 1) % ps
         if bad.any():
             i = int(np.argmax(bad))
             raise InvalidIds(
@@ -337,7 +369,7 @@ class UnifiedMemory:
     def free(self, locs: IdsLike) -> None:
         """Free the pages that hold ``locs`` (any tokens of them, in any order)."""
         arr = _host_ids(locs, "free")
-        self.free_pages(np.unique(arr // self.page_size))
+        self.free_pages(distinct(arr // self.page_size))
 
     def free_segment(self, locs: IdsLike, start_pos: int) -> None:
         """Free one request's row from position ``start_pos``: ``locs`` are its tokens there.
@@ -354,13 +386,15 @@ class UnifiedMemory:
             raise InvalidIds(f"free_segment: start_pos {start_pos} is negative")
         if arr.size == 0:
             return
+        # loc - pos is page * ps - (first position of the page): a multiple of ps, constant
+        # within a page, so it may only change where a page starts
         pos = start_pos + np.arange(arr.size)
-        pages = arr // ps
-        bad = (arr < 0) | (arr % ps != pos % ps)
-        if arr.size > 1:
-            same_page = (pos[1:] // ps) == (pos[:-1] // ps)
-            bad[1:] |= same_page & (pages[1:] != pages[:-1])
-        if bad.any():
+        shift = arr - pos
+        changes = np.flatnonzero(shift[1:] != shift[:-1]) + 1
+        if np.count_nonzero(shift % ps) or np.count_nonzero(pos[changes] % ps) or arr.min() < 0:
+            pages = arr // ps
+            bad = (arr < 0) | (arr % ps != pos % ps)
+            bad[1:] |= ((pos[1:] // ps) == (pos[:-1] // ps)) & (pages[1:] != pages[:-1])
             i = int(np.argmax(bad))
             raise InvalidIds(
                 f"free_segment: token {i} (row position {pos[i]}) has location {arr[i]}, not "
@@ -368,7 +402,7 @@ class UnifiedMemory:
                 "than the row, misaligned, or mixes rows"
             )
         head = (-start_pos) % ps
-        self.free_pages(pages[head::ps])
+        self.free_pages(arr[head::ps] // ps)
 
     @contextmanager
     def free_group(self) -> Iterator[None]:
@@ -389,15 +423,18 @@ class UnifiedMemory:
 
     def _check_releasable(self, pages: np.ndarray, what: str) -> None:
         self.pages.check_live(pages, what)
-        if pages.size and self.gates.page_pins[pages].any():
+        if pages.size and self.gates.open_gates and self.gates.page_pins[pages].any():
             first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
             raise PinnedError(f"{what}: page {first} is pinned by a move gate (in-flight forward or transfer)")
 
     def _release_pages(self, pages: np.ndarray, what: str) -> None:
         self._check_releasable(pages, what)
-        for pool in self.token_pools:
-            resident = pages[pool.resident(pages)]
-            pool.give_cells(pool.unbind(resident))
+        for pool in self.history_pools:  # a live page is resident in every history pool
+            pool.give_cells(pool.unbind(pages))
+        for pool in self.window_pools:
+            resident = pool.resident(pages)
+            here = pages if resident.all() else pages[resident]
+            pool.give_cells(pool.unbind(here))
         self.pages.give_back(pages)
 
     def free_window_pages(self, pages: IdsLike, pool: str | None = None) -> None:
@@ -457,9 +494,9 @@ class UnifiedMemory:
             raise InvalidIds(f"alloc_state: count {count} is negative")
         if count > self.slots.free_count:
             raise OutOfMemory(f"{count} state slots asked, {self.slots.free_count} ids free")
-        self._reserve({pool.name: count})
+        cells = self.broker.take({pool: count})[pool]
         slots = self.slots.take(count)
-        pool.bind(slots, pool.take_cells(count))
+        pool.bind(slots, cells)
         return slots
 
     def free_state(self, slots: IdsLike) -> None:
@@ -490,20 +527,21 @@ class UnifiedMemory:
         is a device tensor; tombstoned pages map to -1 * page_size + offset (< 0).
         """
         target = self._token_pool(pool)
-        tdev = target.v2p_dev.device
-        if isinstance(locs, torch.Tensor) and locs.device.type != "cpu":
-            loc_t = locs.to(torch.int64)
+        v2p = target.v2p_dev
+        tdev = v2p.device
+        if isinstance(locs, torch.Tensor):
+            loc_t = locs.to(device=tdev, dtype=torch.int64, non_blocking=True)
         else:
             loc_t = to_index(_host_ids(locs, "translate"), tdev)
         ps = self.page_size
-        return target.v2p_dev[torch.div(loc_t, ps, rounding_mode="floor")] * ps + loc_t % ps
+        return v2p[torch.div(loc_t, ps, rounding_mode="floor")] * ps + loc_t % ps
 
     def page_cells(self, pages: IdsLike | torch.Tensor, pool: str) -> torch.Tensor:
         """Virtual page ids (or state slots) -> grid cells on the device, for page tables."""
-        target = self._pool(pool)
-        if isinstance(pages, torch.Tensor) and pages.device.type != "cpu":
-            return target.v2p_dev[pages.to(torch.int64)]
-        return target.v2p_dev[to_index(_host_ids(pages, "page_cells"), target.v2p_dev.device)]
+        v2p = self._pool(pool).v2p_dev
+        if isinstance(pages, torch.Tensor):
+            return v2p[pages.to(device=v2p.device, dtype=torch.int64, non_blocking=True)]
+        return v2p[to_index(_host_ids(pages, "page_cells"), v2p.device)]
 
     def _token_pool(self, pool: str | None) -> SubPool:
         if pool is not None:
@@ -512,14 +550,23 @@ class UnifiedMemory:
             raise KeyError(f"name a pool: this shard has no full-history pool ({list(self.pools)})")
         return self.history_pools[0]
 
+    def flush_tables(self) -> None:
+        """Apply pending page-table updates to the device copies (asynchronous, no host read).
+
+        Call once per step before kernels read ``v2p_dev``; ``translate``/``page_cells`` do it.
+        (``p2v_dev`` is brought up to date when it is read: no kernel needs it every step.)
+        """
+        for pool in self.pools.values():
+            pool.flush_tables()
+
     def pin(self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: object = None) -> MoveGate:
         """Pin ids against moves and frees until ``release()`` (or until ``event`` completes)."""
         p = _host_ids(pages if pages is not None else _EMPTY, "pin pages")
         s = _host_ids(slots if slots is not None else _EMPTY, "pin slots")
         if p.size:
-            self.pages.check_live(np.unique(p), "pin")
+            self.pages.check_live(distinct(p), "pin")
         if s.size:
-            self.slots.check_live(np.unique(s), "pin")
+            self.slots.check_live(distinct(s), "pin")
         return self.gates.open(p, s, event)  # type: ignore[arg-type]
 
     # --- compaction -----------------------------------------------------------------------

@@ -56,7 +56,7 @@ def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> in
         _fail(f"{name}: sink entry moved (v2p[0]={pool.v2p[0]}, p2v[0]={pool.p2v[0]})")
     cells = np.arange(1, pool.grid_cells)
     state = pool.state[1:]
-    usable = pool._usable(cells)
+    usable = pool.usable(cells)
     if ((state != UNUSABLE) != usable).any():
         c = int(cells[np.argmax((state != UNUSABLE) != usable)])
         _fail(f"{name}: cell {c} state {pool.state[c]} disagrees with slab ownership")
@@ -77,9 +77,9 @@ def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> in
     bound = bound[bound > 0]
     if (pool.p2v[pool.v2p[bound]] != bound).any():
         _fail(f"{name}: p2v[v2p[v]] != v for a bound id")
-    expected_free = np.bincount(pool.cell_lo[free], minlength=arena.num_slabs)
-    if not np.array_equal(expected_free, pool.free_in_slab):
-        _fail(f"{name}: per-slab free counts drifted")
+    stack = pool.free_cells()
+    if stack.size != free.size or not np.array_equal(np.sort(stack), free):
+        _fail(f"{name}: the free stack does not hold exactly the FREE cells once each")
     np.add.at(slab_live, pool.cell_lo[live], 1)
     straddle = pool.cell_hi[live] != pool.cell_lo[live]
     np.add.at(slab_live, pool.cell_hi[live][straddle], 1)

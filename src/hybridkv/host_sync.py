@@ -1,8 +1,9 @@
 """Counts every way host code can read device memory through torch.
 
-Used by the no-host-sync tests: wrap a hot-path call in ``HostSyncCounter`` and assert the
-count stays zero. On a CPU machine these reads are cheap, but on a GPU each one blocks the
-host until the device catches up, so the count is what matters, not the time.
+Used by the no-host-sync tests and the benchmarks: wrap hot-path calls in
+``HostSyncCounter`` and assert the count stays zero. On a CPU machine these reads are
+cheap, but on a GPU each one blocks the host until the device catches up, so the count is
+what matters, not the time. ``counting=False`` pauses counting without unpatching.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-_METHODS = (
+_TENSOR_METHODS = (
     "item",
     "tolist",
     "__bool__",
@@ -25,11 +26,13 @@ _METHODS = (
     "cpu",
     "numpy",
 )
+_TORCH_FUNCTIONS = ("unique", "nonzero", "unique_consecutive", "argwhere", "masked_select")
 
 
 class HostSyncCounter:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.counting = True
         self._saved: list[tuple[Any, str, Any]] = []
 
     @property
@@ -38,26 +41,25 @@ class HostSyncCounter:
 
     def _wrap(self, owner: Any, name: str) -> None:
         original = getattr(owner, name)
-        counts = self.counts
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
+            if self.counting:
+                self.counts[name] += 1
             return original(*args, **kwargs)
 
         self._saved.append((owner, name, original))
         setattr(owner, name, counted)
 
     def __enter__(self) -> HostSyncCounter:
-        for name in _METHODS:
+        for name in _TENSOR_METHODS:
             self._wrap(torch.Tensor, name)
-        for name in ("unique", "nonzero", "unique_consecutive", "argwhere", "masked_select"):
+        for name in _TORCH_FUNCTIONS:
             self._wrap(torch, name)
         original_setitem = torch.Tensor.__setitem__
-        counts = self.counts
 
         def setitem(tensor: torch.Tensor, index: Any, value: Any) -> None:
-            if isinstance(value, Number):
-                counts["scalar __setitem__"] += 1
+            if self.counting and isinstance(value, Number):
+                self.counts["scalar __setitem__"] += 1
             return original_setitem(tensor, index, value)
 
         self._saved.append((torch.Tensor, "__setitem__", original_setitem))

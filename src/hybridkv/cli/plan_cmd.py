@@ -1,0 +1,131 @@
+"""``hybridkv plan``: per stage and pool, what fits in a GPU's memory, unified vs static split."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hybridkv.cli.app import app
+from hybridkv.memory import MemoryHints, format_bytes, parse_bytes, plan_memory
+from hybridkv.memory.capacity import cells_per_request, fit_requests, max_tokens
+from hybridkv.spec import Parallel, ShardSpec, get_preset
+
+
+def plan_report(
+    model: str, gpu_memory: str, tp: int = 1, pp: int = 1, page_size: int = 16, contexts: list[int] | None = None
+) -> dict[str, Any]:
+    spec = get_preset(model)
+    parallel = Parallel(tp_size=tp, pp_size=pp)
+    budget = parse_bytes(gpu_memory)
+    contexts = contexts or sorted({4096, 32768, spec.max_context})
+    stages = []
+    for pp_rank in range(pp):
+        shard = ShardSpec(spec, parallel, pp_rank, 0)
+        plan = plan_memory(shard, budget, MemoryHints(page_size=page_size, max_context=min(contexts)))
+        start, end = shard.bounds
+        pools = [
+            {
+                "pool": lay.name,
+                "layers": len(lay.layer_ids),
+                "cell_bytes": lay.cell_bytes,
+                "unit": "request" if lay.is_state else f"page of {lay.page_size} tokens",
+                "bytes_per_token": None if lay.is_state else lay.bytes_per_token,
+                "bytes_per_request": lay.cell_bytes if lay.is_state else None,
+                "window": lay.window,
+                "cells_per_request": {str(c): cells_per_request(lay, c) for c in contexts},
+            }
+            for lay in plan.layouts
+        ]
+        fits = [fit_requests(plan, c) for c in contexts]
+        stages.append(
+            {
+                "pp_rank": pp_rank,
+                "layers": [start, end],
+                "slab_bytes": plan.slab_bytes,
+                "slabs": plan.num_slabs,
+                "pools": pools,
+                "max_tokens_one_request": max_tokens(plan),
+                "requests": [
+                    {
+                        "context": f.context,
+                        "bytes_per_request": f.bytes_per_request,
+                        "unified": f.unified_requests,
+                        "static_sglang_default": f.static_requests,
+                        "unified_over_static": (f.unified_requests / f.static_requests) if f.static_requests else None,
+                        "static_split": f.static_split,
+                    }
+                    for f in fits
+                ],
+            }
+        )
+    return {
+        "model": spec.name,
+        "gpu_memory_bytes": budget,
+        "tp": tp,
+        "pp": pp,
+        "page_size": page_size,
+        "contexts": contexts,
+        "stages": stages,
+    }
+
+
+@app.command()
+def plan(
+    model: str = typer.Option(..., "--model", "-m", help="Preset name (see `hybridkv presets`)."),
+    gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="Bytes for KV + state per GPU."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size."),
+    page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page."),
+    context: list[int] = typer.Option(None, "--context", help="Request lengths to size for (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """How many tokens and concurrent requests fit per stage, unified pool vs a static split."""
+    report = plan_report(model, gpu_memory, tp, pp, page_size, context)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    console = Console()
+    console.print(
+        f"[bold]{report['model']}[/] on {format_bytes(report['gpu_memory_bytes'])} per GPU, "
+        f"TP {tp} PP {pp}, page {page_size} tokens"
+    )
+    for stage in report["stages"]:
+        table = Table(title=f"stage {stage['pp_rank']}: layers [{stage['layers'][0]}, {stage['layers'][1]})")
+        for col in ("pool", "layers", "cell", "per token", "per request", "window"):
+            table.add_column(col)
+        for pool in stage["pools"]:
+            table.add_row(
+                pool["pool"],
+                str(pool["layers"]),
+                format_bytes(pool["cell_bytes"]),
+                format_bytes(pool["bytes_per_token"]) if pool["bytes_per_token"] else "-",
+                format_bytes(pool["bytes_per_request"]) if pool["bytes_per_request"] else "-",
+                str(pool["window"] or "-"),
+            )
+        console.print(table)
+        fit = Table(title=f"concurrent requests (one request max {stage['max_tokens_one_request']:,} tokens)")
+        for col in ("context", "bytes/request", "unified", "static (SGLang defaults)", "unified/static"):
+            fit.add_column(col)
+        for row in stage["requests"]:
+            ratio = row["unified_over_static"]
+            fit.add_row(
+                f"{row['context']:,}",
+                format_bytes(row["bytes_per_request"]),
+                f"{row['unified']:,}",
+                f"{row['static_sglang_default']:,}",
+                f"{ratio:.2f}x" if ratio else "-",
+            )
+        console.print(fit)
+
+
+@app.command()
+def presets() -> None:
+    """List the model presets: real models (published configs) and tiny test models."""
+    from hybridkv.spec import preset_names
+
+    for name in preset_names():
+        typer.echo(get_preset(name).describe())
