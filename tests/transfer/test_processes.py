@@ -1,0 +1,122 @@
+"""Prefill PP stages in separate processes -> decode, over both transports, byte-exact;
+and peers killed or hung mid-transfer."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from hybridkv.transfer import BootstrapServer, Phase
+from tests.transfer.pattern import expected_arena, mismatch
+from tests.transfer.procs import Worker, decode_rank, worker_config
+
+REQUESTS = [["a", 27, 11], ["b", 40, 12], ["c", 5, 13]]
+
+
+@pytest.fixture
+def bootstrap():
+    server = BootstrapServer().start()
+    yield server.address
+    server.close()
+
+
+@pytest.fixture
+def spawn():
+    workers: list[Worker] = []
+
+    def start(cfg: dict) -> Worker:
+        workers.append(Worker(cfg))
+        return workers[-1]
+
+    yield start
+    for worker in workers:
+        worker.close()
+
+
+def free(mem, alloc) -> None:
+    mem.free_pages(alloc.pages)
+    if alloc.slot is not None:
+        mem.free_state(np.array([alloc.slot]))
+
+
+@pytest.mark.parametrize(("transport", "decode_tp"), [("shm", 2), ("mooncake", 1)])
+def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, bootstrap, spawn):
+    workers = [spawn(worker_config(bootstrap, transport, k, REQUESTS)) for k in (0, 1)]
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(decode_rank(bootstrap, transport, tp=decode_tp, tp_rank=r, checksum=True))
+            for r in range(decode_tp)
+        ]
+        # asked before the prefill ranks registered: the lookup waits for both stages
+        allocs = [{rid: dec.request(rid, "pre", n) for rid, n, _ in REQUESTS} for dec, _ in ranks]
+        for (dec, mem), alloc in zip(ranks, allocs, strict=True):
+            for rid in alloc:
+                report = dec.wait(rid, 30)
+                assert report.phase is Phase.SUCCESS, report.reason
+            want = expected_arena(mem, [(alloc[r].pages, alloc[r].slot, n, s) for r, n, s in REQUESTS])
+            assert mismatch(mem, want) == ""
+            assert dec.held == 0 and not dec.rejected
+            for a in alloc.values():
+                free(mem, a)
+            mem.verify()
+    for worker in workers:
+        phases = {worker.expect("report")["report"]["phase"] for _ in REQUESTS}
+        assert phases == {"Success"}
+        assert len(worker.expect("exit")["done"]) == len(REQUESTS)
+
+
+def wait_phase(dec, rid: str, phase: Phase, timeout_s: float = 20.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        dec.poll()
+        report = dec.status(rid)
+        if report is not None and report.phase >= phase:
+            return report
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} never reached {phase.label}: {dec.status(rid)}")
+
+
+def wait_released(dec, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while dec.held and time.monotonic() < end:
+        dec.poll()
+        time.sleep(0.01)
+    assert dec.held == 0
+
+
+def test_prefill_hung_then_killed_mid_transfer(bootstrap, spawn):
+    slow = {"slow_s": 0.2, "chunk_bytes": 512}
+    requests = [["hung", 40, 5], ["killed", 40, 6]]
+    workers = [spawn(worker_config(bootstrap, "shm", k, requests, **slow)) for k in (0, 1)]
+    with decode_rank(bootstrap, "shm", peer_timeout_s=1.0, quarantine_s=60.0) as (dec, mem):
+        # hung (SIGSTOP): fails on heartbeat timeout, pages quarantined until it acknowledges
+        dec.request("hung", "pre", 40)
+        wait_phase(dec, "hung", Phase.TRANSFERRING)
+        workers[1].signal(signal.SIGSTOP)
+        report = wait_phase(dec, "hung", Phase.FAILED, 10)
+        assert "pre[pp1 tp0] silent" in report.reason and "heartbeat timeout" in report.reason
+        time.sleep(0.3)
+        dec.poll()
+        assert dec.held == 1  # the hung writer may still write: not freed yet
+        workers[1].signal(signal.SIGCONT)
+        wait_released(dec, 10)  # its stop acknowledgement frees the pages long before 60 s
+        mem.verify()
+        for worker in workers:
+            assert worker.expect("report")["report"]["phase"] == "Failed"
+
+        # killed (SIGKILL): never acknowledges, freed once the quarantine ends
+        dec.quarantine_s = 1.0
+        dec.request("killed", "pre", 40)
+        wait_phase(dec, "killed", Phase.TRANSFERRING)
+        workers[1].signal(signal.SIGKILL)
+        report = wait_phase(dec, "killed", Phase.FAILED, 10)
+        assert "pre[pp1 tp0] silent" in report.reason
+        wait_released(dec, 5)
+        mem.verify()
+        assert mem.stats().live_pages == 0
+    survivor = workers[0].expect("report")["report"]
+    assert survivor["phase"] == "Failed" and "aborted by decode" in survivor["reason"]
