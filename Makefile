@@ -14,11 +14,11 @@ test: setup lint
 	$(PY) -m pytest
 
 lint: setup
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
 
 bench: setup
-	$(PY) -m hybridkv bench memory --trace data/peer_trace.json.gz
+	bench/run_all.sh
 
 clean:
 	rm -rf .venv out .pytest_cache .hypothesis

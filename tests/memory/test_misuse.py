@@ -114,3 +114,14 @@ def test_host_ids_only():
     assert mem.pages.live_count == 0
     with pytest.raises(TypeError, match="host ids"):
         mem.free_pages(torch.ones(1, dtype=torch.int64, device="meta"))
+
+
+def test_a_double_free_inside_a_free_group_frees_nothing(mem):
+    a, b = mem.alloc(6), mem.alloc(3)
+    before = snapshot(mem)
+    with pytest.raises(InvalidIds, match="given twice"), mem.free_group():
+        mem.free_segment(a, 0)
+        mem.free_segment(b, 0)
+        mem.free(b)  # the same pages again
+    assert_unchanged(before, mem)
+    mem.verify()

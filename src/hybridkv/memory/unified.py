@@ -361,8 +361,7 @@ class UnifiedMemory:
         """Free virtual pages (each once) in every pool, or buffer them inside a free group."""
         arr = _host_ids(pages, "free_pages")
         if self._group is not None:
-            self._check_releasable(arr, "free_pages (free group)")
-            self._group.append(arr.copy())
+            self._group.append(arr.copy())  # checked together at the group's exit
             return
         self._release_pages(arr, "free_pages")
 
@@ -408,7 +407,10 @@ class UnifiedMemory:
     def free_group(self) -> Iterator[None]:
         """Batch frees: pages freed inside are checked at once and released together at exit.
 
-        If the block raises, nothing buffered is freed. Nested groups join the outer one.
+        Inside, ``free``/``free_segment``/``free_pages`` only check each row's shape and buffer
+        one id per page. At exit all buffered ids are checked together (a double free across
+        rows is caught there) and released in one pass; a bad id, or an exception raised in
+        the block, frees nothing. Nested groups join the outer one.
         """
         if self._group is not None:
             yield
