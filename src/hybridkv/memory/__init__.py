@@ -24,7 +24,8 @@ from hybridkv.memory.sizing import (
     parse_bytes,
     plan_memory,
 )
-from hybridkv.memory.unified import MemoryStats, PoolStats, UnifiedMemory
+from hybridkv.memory.stats import MemoryStats, PoolStats
+from hybridkv.memory.unified import UnifiedMemory
 
 __all__ = [
     "FULL_POOL",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from hybridkv.memory.mirror import to_index
 from hybridkv.memory.pool import SubPool
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
 from hybridkv.memory.slabs import SlabBroker
+from hybridkv.memory.stats import MemoryStats, collect_stats
 from hybridkv.memory.virtual import VirtualIds, distinct
 from hybridkv.spec import ShardSpec
 
@@ -63,60 +63,6 @@ def _host_ids(ids: IdsLike | np.ndarray, what: str) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise InvalidIds(f"{what}: ids must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False).reshape(-1)
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    name: str
-    cell_bytes: int
-    page_size: int
-    slabs: int
-    live_cells: int
-    free_cells: int
-    live_bytes: int
-    free_bytes: int
-    edge_waste_bytes: int
-    padding_bytes: int
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    budget_bytes: int
-    sink_bytes: int
-    tail_bytes: int
-    slab_bytes: int
-    free_slabs: int
-    total_slabs: int
-    pools: tuple[PoolStats, ...]
-    live_pages: int
-    live_slots: int
-    bytes_moved: int
-    cells_moved: int
-
-    @property
-    def free_slab_bytes(self) -> int:
-        return self.free_slabs * self.slab_bytes
-
-    @property
-    def waste_bytes(self) -> int:
-        """Bytes that can hold no data now: slab edges, sink, tail (cell padding is separate)."""
-        return sum(p.edge_waste_bytes for p in self.pools) + self.sink_bytes + self.tail_bytes
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "budget_bytes": self.budget_bytes,
-            "sink_bytes": self.sink_bytes,
-            "tail_bytes": self.tail_bytes,
-            "slab_bytes": self.slab_bytes,
-            "free_slabs": self.free_slabs,
-            "total_slabs": self.total_slabs,
-            "live_pages": self.live_pages,
-            "live_slots": self.live_slots,
-            "waste_bytes": self.waste_bytes,
-            "bytes_moved": self.bytes_moved,
-            "cells_moved": self.cells_moved,
-            "pools": {p.name: {k: v for k, v in p.__dict__.items() if k != "name"} for p in self.pools},
-        }
 
 
 class UnifiedMemory:
@@ -580,37 +526,8 @@ class UnifiedMemory:
     # --- reports --------------------------------------------------------------------------
 
     def stats(self) -> MemoryStats:
-        pools = []
-        for pool in self.pools.values():
-            slabs = pool.owned_slabs().size
-            usable = pool.live_count + pool.free_count
-            pools.append(
-                PoolStats(
-                    name=pool.name,
-                    cell_bytes=pool.cell_bytes,
-                    page_size=pool.layout.page_size,
-                    slabs=slabs,
-                    live_cells=pool.live_count,
-                    free_cells=pool.free_count,
-                    live_bytes=pool.live_count * pool.cell_bytes,
-                    free_bytes=pool.free_count * pool.cell_bytes,
-                    edge_waste_bytes=slabs * self.arena.slab_bytes - usable * pool.cell_bytes,
-                    padding_bytes=usable * pool.layout.padding_bytes,
-                )
-            )
-        return MemoryStats(
-            budget_bytes=self.arena.nbytes,
-            sink_bytes=self.arena.sink_bytes,
-            tail_bytes=self.arena.tail_bytes,
-            slab_bytes=self.arena.slab_bytes,
-            free_slabs=self.arena.free_slabs,
-            total_slabs=self.arena.num_slabs,
-            pools=tuple(pools),
-            live_pages=self.pages.live_count,
-            live_slots=self.slots.live_count,
-            bytes_moved=self.broker.bytes_moved,
-            cells_moved=self.broker.cells_moved,
-        )
+        """Bytes per pool (live, free, slab-edge waste, cell padding), sink, tail, moves."""
+        return collect_stats(self)
 
     def verify(self) -> None:
         """Prove conservation and table consistency; raises AssertionError naming the fault.
