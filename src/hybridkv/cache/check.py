@@ -91,6 +91,12 @@ def check_tree(cache: HybridRadixCache) -> None:
     if slots.size and not mem.slots.live[slots].all():
         _fail("a checkpoint slot is not live in the memory")
 
+    heaps = [cache._full, *cache._swa_heaps, cache._state_heap]
+    for heap in heaps:
+        entries = {(uid, key) for key, uid, _ in heap.heap}
+        for n in heap.members:
+            if (n.uid, heap.key(n)) not in entries:
+                _fail(f"{heap.component} candidates: {n} has no entry with its current key (never evictable)")
     _check_locks(cache, nodes)
 
 

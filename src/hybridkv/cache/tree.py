@@ -25,13 +25,13 @@ Invariants (``check_tree`` proves them; tests call it after every step):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
 from typing import TypeVar
 
 import numpy as np
 
+from hybridkv.cache.candidates import Candidates
 from hybridkv.cache.components import Components
 from hybridkv.cache.errors import CacheError, InsertError, LockError
 from hybridkv.cache.events import CacheEvent, EventKind, EventLog, chain_hashes, root_hash
@@ -46,8 +46,10 @@ PAGE_NEED = "page"
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MatchResult:
+    """A hit (read-only by convention: it is built on every match, so it is not frozen)."""
+
     node: Node
     """The node that ends at ``length`` (the namespace root when ``length == 0``): lock it."""
     length: int
@@ -68,7 +70,7 @@ class MatchResult:
     ``full_length == length``."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InsertResult:
     node: Node
     """The node ending at the inserted key's end."""
@@ -149,6 +151,8 @@ class HybridRadixCache:
         self.page_size = mem.page_size
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.policy.bind(self.comps, RecomputeCost(mem.shard))
+        overridden = type(self.policy).touched is not Policy.touched
+        self._touched = self.policy.touched if overridden else None
         self.max_states_per_path = max_states_per_path
         self.events = EventLog(events)
         self.counters = CacheCounters(tombstoned={w.name: 0 for w in self.comps.windows})
@@ -161,6 +165,10 @@ class HybridRadixCache:
         self._owned = np.zeros(mem.pages.capacity, dtype=bool)
         self._owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
         self._locks: set[CacheLock] = set()
+        key = self.policy.key
+        self._full = Candidates(self.comps.history[0] if self.comps.history else PAGE_NEED, key, self._leaves)
+        self._swa_heaps = [Candidates(w.name, key, s) for w, s in zip(self.comps.windows, self._swa_nodes, strict=True)]
+        self._state_heap = Candidates(self.comps.state or STATE_POOL, key, self._state_nodes)
         self.cached_pages = 0
         self.num_nodes = 0
         self._first_page_bytes = self.page_size * 8
@@ -357,6 +365,7 @@ class HybridRadixCache:
                 node = seq[i]
                 node.swa_res[w.index] += int(counts[i])
                 self._swa_nodes[w.index].add(node)
+                self._refresh(node)
                 if self.events.enabled:
                     local = dup_idx[take][owner[take] == i] - starts[i]
                     self._emit(EventKind.STORED, w.name, node, local)
@@ -376,6 +385,7 @@ class HybridRadixCache:
             node.state = slot
             self._owned_slots[slot] = True
             self._state_nodes.add(node)
+            self._refresh(node)
             if self.events.enabled:
                 self._emit_state(EventKind.STORED, node)
         if unused:
@@ -501,12 +511,6 @@ class HybridRadixCache:
         release.flush(self.mem)
         return {k: v for k, v in freed.items() if v}
 
-    def _heap(self, nodes: Iterable[Node], component: str, ok: Callable[[Node], bool]) -> list:
-        key = self.policy.key
-        heap = [(key(n, component), n.uid, n) for n in nodes if ok(n)]
-        heapify(heap)
-        return heap
-
     def _leaf_ok(self, node: Node) -> bool:
         return (
             node.lock == 0
@@ -516,35 +520,38 @@ class HybridRadixCache:
         )
 
     def _evict_leaves(self, need: int, freed: dict[str, int], release: _Release) -> None:
-        component = self.comps.history[0] if self.comps.history else PAGE_NEED
-        heap = self._heap(self._leaves, component, self._leaf_ok)
-        while heap and freed[PAGE_NEED] < need:
-            key, _, node = heappop(heap)
-            if node.dead or node.children:
+        skipped = []
+        while freed[PAGE_NEED] < need:
+            got = self._full.pop()
+            if got is None:
+                break
+            key, node = got
+            if not self._leaf_ok(node):
+                skipped.append(node)
                 continue
             self.policy.evicted(key)
-            parent = node.parent
             self._remove_leaf(node, freed, release)
-            if parent is not None and parent.parent is not None and not parent.children and self._leaf_ok(parent):
-                heappush(heap, (self.policy.key(parent, component), parent.uid, parent))
+        for node in skipped:
+            self._full.push(node)
 
     def _evict_windows(self, index: int, need: int, freed: dict[str, int], release: _Release) -> None:
         w = self.comps.windows[index]
-        pins = self.mem.gates.page_pins
-
-        def ok(n: Node) -> bool:
-            return n.swa_lock == 0 and not pins[n.pages].any()
-
-        heap = self._heap(self._swa_nodes[index], w.name, ok)
+        heap, pins = self._swa_heaps[index], self.mem.gates.page_pins
         pool = self.mem.pools[w.name]
-        while heap and freed[w.name] < need:
-            key, _, node = heappop(heap)
-            if node.dead or node.swa_res[index] == 0:
-                continue
-            self.policy.evicted(key)
+        skipped = []
+        while freed[w.name] < need:
+            got = heap.pop()
+            if got is None:
+                break
+            key, node = got
             if not node.children and self._leaf_ok(node):
+                self.policy.evicted(key)
                 self._remove_leaf(node, freed, release)
                 continue
+            if node.swa_lock or pins[node.pages].any():
+                skipped.append(node)
+                continue
+            self.policy.evicted(key)
             resident = pool.resident(node.pages)
             release.window.setdefault(w.name, []).append(node.pages[resident])
             count = int(np.count_nonzero(resident))
@@ -552,23 +559,32 @@ class HybridRadixCache:
             self.counters.tombstoned[w.name] += count
             node.swa_res[index] = 0
             self._swa_nodes[index].discard(node)
+            self._refresh(node)
             if self.events.enabled:
                 self._emit(EventKind.REMOVED, w.name, node, np.flatnonzero(resident))
+        for node in skipped:
+            heap.push(node)
 
     def _evict_states(self, need: int, freed: dict[str, int], release: _Release) -> None:
-        pins = self.mem.gates.slot_pins
         state = self.comps.state
         assert state is not None
-        heap = self._heap(self._state_nodes, state, lambda n: n.state_lock == 0 and not pins[n.state])
-        while heap and freed[state] < need:
-            key, _, node = heappop(heap)
-            if node.dead or node.state < 0:
+        pins = self.mem.gates.slot_pins
+        skipped = []
+        while freed[state] < need:
+            got = self._state_heap.pop()
+            if got is None:
+                break
+            key, node = got
+            if node.state_lock or pins[node.state]:
+                skipped.append(node)
                 continue
             self.policy.evicted(key)
             release.slots.append(node.state)
             self._drop_state(node)
             freed[state] += 1
             self.counters.evicted_states += 1
+        for node in skipped:
+            self._state_heap.push(node)
 
     # --- allocation through the cache -----------------------------------------------------
 
@@ -623,25 +639,25 @@ class HybridRadixCache:
 
     def _walk(self, root: Node, toks: np.ndarray) -> tuple[list[Node], Node | None, int]:
         """Fully matched nodes, the node matched part-way (or None), matched tokens (aligned)."""
-        ps = self.page_size
         buf = toks.tobytes()
-        n = toks.size
         pb = self._first_page_bytes
-        node, pos, nodes = root, 0, []
-        while pos + ps <= n:
-            child = node.children.get(buf[pos * 8 : pos * 8 + pb])
+        limit = len(buf) - pb  # byte offsets; a page starting past this is partial
+        node, off, nodes = root, 0, []
+        while off <= limit:
+            child = node.children.get(buf[off : off + pb])
             if child is None:
                 break
-            if buf.startswith(child.kb, pos * 8):
+            if buf.startswith(child.kb, off):
                 nodes.append(child)
-                pos += child.key.size
+                off += len(child.kb)
                 node = child
                 continue
-            m = min(child.key.size, n - pos)
+            pos, ps = off // 8, self.page_size
+            m = min(child.key.size, toks.size - pos)
             diff = toks[pos : pos + m] != child.key[:m]
             i = int(np.argmax(diff)) if diff.any() else m
             return nodes, child, pos + i - i % ps
-        return nodes, None, pos
+        return nodes, None, off // 8
 
     def _concat(self, nodes: list[Node], partial: Node | None, full: int) -> np.ndarray:
         parts = [n.pages for n in nodes]
@@ -656,6 +672,8 @@ class HybridRadixCache:
         """The node ending at ``end`` on the walked path, splitting one if needed."""
         if end == 0:
             return root
+        if nodes and nodes[-1].end == end:
+            return nodes[-1]
         for n in (*nodes, partial):
             if n is None:
                 break
@@ -693,6 +711,8 @@ class HybridRadixCache:
             if not node.swa_res[w.index]:
                 self._swa_nodes[w.index].discard(node)
         self.num_nodes += 1
+        self._refresh(upper)
+        self._refresh(node)
         return upper
 
     def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray) -> Node:
@@ -716,6 +736,7 @@ class HybridRadixCache:
                 self._emit(EventKind.STORED, name, node, every, with_tokens=True)
             for w in self.comps.windows:
                 self._emit(EventKind.STORED, w.name, node, np.flatnonzero(self.mem.pools[w.name].resident(pages)))
+        self._refresh(node)
         return node
 
     def _remove_leaf(self, node: Node, freed: dict[str, int], release: _Release) -> None:
@@ -734,6 +755,7 @@ class HybridRadixCache:
         self._leaves.discard(node)
         if parent.parent is not None and not parent.children:
             self._leaves.add(parent)
+            self._refresh(parent)
         n = node.pages.size
         for name in self.comps.history:
             freed[name] += n
@@ -761,16 +783,34 @@ class HybridRadixCache:
         self._owned_slots[node.state] = False
         self._state_nodes.discard(node)
         node.state = NO_STATE
+        self._refresh(node)
+
+    def _refresh(self, node: Node) -> None:
+        """Give every candidate heap ``node`` belongs to an entry with its current key."""
+        if node in self._leaves:
+            self._full.push(node)
+        for i, res in enumerate(node.swa_res):
+            if res:
+                self._swa_heaps[i].push(node)
+        if node.state >= 0:
+            self._state_heap.push(node)
 
     def _touch(self, path: list[Node], priority: int | None) -> None:
         self._tick += 1
-        tick, touched = self._tick, self.policy.touched
+        tick, touched = self._tick, self._touched
         for n in path:
             n.last_access = tick
             n.hits += 1
             if priority is not None and priority > n.priority:
                 n.priority = priority
-            touched(n)
+            if touched is not None:
+                touched(n)
+        if self.comps.full_only:
+            if path:  # only the deepest node can be a leaf, and only leaves are candidates
+                self._refresh(path[-1])
+        else:
+            for n in path:
+                self._refresh(n)
 
     # --- events ---------------------------------------------------------------------------
 

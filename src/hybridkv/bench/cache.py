@@ -1,0 +1,394 @@
+"""``hybridkv bench cache``: the ``radix`` replay protocol of the peer trace through the
+prefix cache, side by side with a simple page-hash prefix cache in the same run.
+
+Protocol (data/README.md), strictly one request at a time: ``match_prefix(input)`` -> lock
+the match -> if the pool is short, evict (what the allocator reports short) -> allocate
+the new tokens -> ``insert(input + output)`` (page-aligned; duplicates freed by the cache)
+-> free the unaligned tail -> unlock. Hit rate = sum of matched tokens / sum of input
+tokens. The page tables are flushed once per request, as an engine does once per step.
+
+Configurations: ``full`` (Llama-3.1-8B, full attention only) and ``full+swa``
+(Gemma-3-27B-IT: full attention + SWA with window 1024), each on a tables-only (``meta``)
+arena sized to hold N tokens in every KV pool at once: N = 300,000, or "unbounded" (every
+token the trace can ever cache: the system prompts plus every request's new tokens).
+The exact-hit-rate check (0.8862) runs the unbounded ``full`` configuration at page size 1.
+
+Baseline: ``PageHashCache``, vLLM-style prefix caching: one dict entry per page keyed by
+the chained hash of its tokens, match walks page by page, LRU over leaf pages; same
+memory, same protocol. Ops/s are reported for both, with the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from hybridkv.cache import HybridRadixCache
+from hybridkv.host_sync import HostSyncCounter
+from hybridkv.memory import MemoryHints, OutOfMemory, UnifiedMemory, build_layouts, plan_memory
+from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.traces import PEER_TRACE, load_peer_trace
+
+CONFIGS = {"full": "Llama-3.1-8B", "full+swa": "Gemma-3-27B-IT"}
+POOL_TOKENS = 300_000
+HIT_RATE_GOAL = 0.8862
+GOALS = {"match_ops_full_ps16": 58_000, "insert_ops_full_swa": 15_000}
+MAX_CONTEXT = 8192
+OPS = ("match", "lock/unlock", "insert", "evict")
+
+
+# --- the trace -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RadixRequest:
+    input: np.ndarray
+    sequence: np.ndarray
+    """Input + output tokens (what is inserted)."""
+
+
+def radix_requests(trace: dict[str, Any]) -> list[RadixRequest]:
+    """Token sequences of the ``radix`` part, in order (turn k extends turn k-1's sequence)."""
+    part = trace["radix"]
+    prompts = part["system_prompts"]
+    seq_of: dict[int, list[int]] = {}
+    out = []
+    for r in part["requests"]:
+        if r["turn"] == 0:
+            tokens = prompts[r["sys_id"]] + r["user_ids"]
+        else:
+            if r["prev_rid"] not in seq_of:
+                raise ValueError(f"radix request {r['rid']}: previous turn {r['prev_rid']} comes later")
+            tokens = seq_of[r["prev_rid"]] + r["user_ids"]
+        seq = tokens + r["output_ids"]
+        seq_of[r["rid"]] = seq
+        out.append(RadixRequest(np.asarray(tokens, dtype=np.int64), np.asarray(seq, dtype=np.int64)))
+    return out
+
+
+def cacheable_tokens(trace: dict[str, Any]) -> int:
+    """Every token the radix part can put in a cache: system prompts + each request's new tokens."""
+    part = trace["radix"]
+    new = sum(len(r["user_ids"]) + len(r["output_ids"]) for r in part["requests"])
+    return sum(len(p) for p in part["system_prompts"]) + new
+
+
+# --- memory sized in tokens ---------------------------------------------------------------
+
+
+def memory_for_tokens(model: str, tokens: int, page_size: int) -> UnifiedMemory:
+    """A tables-only arena holding ``tokens`` tokens in every KV pool at once (plus slab edges)."""
+    shard = ShardSpec.whole(get_preset(model))
+    layouts = build_layouts(shard, page_size)
+    largest = max(lay.cell_bytes for lay in layouts)
+    pages = math.ceil(tokens / page_size) + math.ceil(MAX_CONTEXT / page_size)
+    slab = largest * max(2, min(64, pages // 64))
+    slabs = sum(math.ceil(pages / (slab // lay.cell_bytes - 1)) for lay in layouts)
+    budget = largest + slabs * slab
+    hints = MemoryHints(page_size=page_size, max_context=MAX_CONTEXT, chunk_tokens=MAX_CONTEXT, slab_bytes=slab)
+    return UnifiedMemory(plan_memory(shard, budget, hints), device="meta")
+
+
+# --- the two caches under test ------------------------------------------------------------
+
+
+class BenchCache(Protocol):
+    def match(self, tokens: np.ndarray) -> tuple[int, np.ndarray, object]: ...
+    def lock(self, hit: object) -> object: ...
+    def unlock(self, handle: object) -> None: ...
+    def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None: ...
+    def evict(self, short: dict[str, int]) -> int: ...
+
+
+class HybridBench:
+    def __init__(self, mem: UnifiedMemory):
+        self.cache = HybridRadixCache(mem)
+
+    def match(self, tokens: np.ndarray) -> tuple[int, np.ndarray, object]:
+        m = self.cache.match_prefix(tokens)
+        return m.length, m.pages, m.node
+
+    def lock(self, hit: object) -> object:
+        return self.cache.lock(hit)  # type: ignore[arg-type]
+
+    def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
+        self.cache.insert(tokens, pages)
+
+    def unlock(self, handle: object) -> None:
+        self.cache.unlock(handle)  # type: ignore[arg-type]
+
+    def evict(self, short: dict[str, int]) -> int:
+        return sum(self.cache.evict(short).values())
+
+
+class PageHashCache:
+    """Baseline: a dict of pages keyed by chained hashes, LRU eviction of unreferenced leaves."""
+
+    def __init__(self, mem: UnifiedMemory):
+        self.mem = mem
+        self.ps = mem.page_size
+        # hash -> [page, parent hash, children, refs]
+        self.pages: dict[int, list[Any]] = {}
+        self.leaves: OrderedDict[int, None] = OrderedDict()
+
+    def _hashes(self, tokens: np.ndarray) -> list[int]:
+        buf, step, h, out = tokens.tobytes(), self.ps * 8, 0, []
+        for off in range(0, len(buf) - step + 1, step):
+            h = hash((h, buf[off : off + step]))
+            out.append(h)
+        return out
+
+    def match(self, tokens: np.ndarray) -> tuple[int, np.ndarray, object]:
+        buf, step, h = tokens.tobytes(), self.ps * 8, 0
+        path, pages = [], []
+        for off in range(0, len(buf) - step + 1, step):
+            h = hash((h, buf[off : off + step]))
+            entry = self.pages.get(h)
+            if entry is None:
+                break
+            path.append(h)
+            pages.append(entry[0])
+        if path and path[-1] in self.leaves:
+            self.leaves.move_to_end(path[-1])
+        return len(path) * self.ps, np.asarray(pages, dtype=np.int64), path
+
+    def lock(self, hit: object) -> object:
+        for h in hit:  # type: ignore[attr-defined]
+            self.pages[h][3] += 1
+        return hit
+
+    def unlock(self, handle: object) -> None:
+        for h in handle:  # type: ignore[attr-defined]
+            self.pages[h][3] -= 1
+
+    def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
+        parent, dups = 0, []
+        for i, h in enumerate(self._hashes(tokens)):
+            entry = self.pages.get(h)
+            if entry is None:
+                self.pages[h] = [int(pages[i]), parent, 0, 0]
+                if parent:
+                    self.pages[parent][2] += 1
+                    self.leaves.pop(parent, None)
+                self.leaves[h] = None
+            elif entry[0] != pages[i]:
+                dups.append(int(pages[i]))
+            parent = h
+        if parent in self.leaves:
+            self.leaves.move_to_end(parent)
+        if dups:
+            self.mem.free_pages(np.asarray(dups, dtype=np.int64))
+
+    def evict(self, short: dict[str, int]) -> int:
+        need = max(short.values())
+        freed: list[int] = []
+        skipped = []
+        while len(freed) < need and self.leaves:
+            h, _ = self.leaves.popitem(last=False)
+            page, parent, _, refs = self.pages[h]
+            if refs:
+                skipped.append(h)
+                continue
+            del self.pages[h]
+            freed.append(page)
+            if parent:
+                self.pages[parent][2] -= 1
+                if self.pages[parent][2] == 0:
+                    self.leaves[parent] = None
+        for h in reversed(skipped):
+            self.leaves[h] = None
+            self.leaves.move_to_end(h, last=False)
+        if freed:
+            self.mem.free_pages(np.asarray(freed, dtype=np.int64))
+        return len(freed)
+
+
+# --- the replay ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    matched: int = 0
+    inputs: int = 0
+    evicted: int = 0
+    op_ns: dict[str, list[int]] = field(default_factory=lambda: {op: [] for op in OPS})
+    wall_s: float = 0.0
+    host_syncs: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        ops = {}
+        for op, samples in self.op_ns.items():
+            arr = np.asarray(samples, dtype=np.float64)
+            ops[op] = {
+                "calls": int(arr.size),
+                "ops_per_s": float(arr.size / (arr.sum() / 1e9)) if arr.size else 0.0,
+                "p50_us": float(np.percentile(arr, 50) / 1e3) if arr.size else 0.0,
+                "p99_us": float(np.percentile(arr, 99) / 1e3) if arr.size else 0.0,
+            }
+        return {
+            "hit_rate": self.matched / self.inputs if self.inputs else 0.0,
+            "matched_tokens": self.matched,
+            "input_tokens": self.inputs,
+            "evicted_cells": self.evicted,
+            "wall_s": self.wall_s,
+            "host_syncs": self.host_syncs,
+            "ops": ops,
+        }
+
+
+def replay(requests: list[RadixRequest], mem: UnifiedMemory, cache: BenchCache) -> RunResult:
+    ps = mem.page_size
+    res = RunResult()
+    clock = time.perf_counter_ns
+    t_start = time.perf_counter()
+    with HostSyncCounter() as syncs:
+        for req in requests:
+            t0 = clock()
+            length, cached, hit = cache.match(req.input)
+            t1 = clock()
+            handle = cache.lock(hit)
+            t2 = clock()
+            res.op_ns["match"].append(t1 - t0)
+            res.matched += length
+            res.inputs += req.input.size
+            need = -(-req.sequence.size // ps) - cached.size
+            while True:
+                try:
+                    fresh = mem.alloc_pages(need)
+                    break
+                except OutOfMemory as exc:
+                    t0 = clock()
+                    freed = cache.evict(exc.short)
+                    res.op_ns["evict"].append(clock() - t0)
+                    if not freed:
+                        raise
+                    res.evicted += freed
+            row = np.concatenate([cached, fresh])
+            aligned = req.sequence.size // ps
+            t0 = clock()
+            cache.insert(req.sequence[: aligned * ps], row[:aligned])
+            res.op_ns["insert"].append(clock() - t0)
+            if row.size > aligned:
+                mem.free_pages(row[aligned:])
+            t3 = clock()
+            cache.unlock(handle)
+            res.op_ns["lock/unlock"].append(t2 - t1 + clock() - t3)
+            mem.flush_tables()
+    res.wall_s = time.perf_counter() - t_start
+    res.host_syncs = syncs.total
+    return res
+
+
+def run_one(
+    requests: list[RadixRequest],
+    model: str,
+    pool_tokens: int,
+    page_size: int,
+    impl: Callable[[UnifiedMemory], BenchCache],
+    repeat: int = 1,
+) -> dict[str, Any]:
+    """``repeat`` fresh passes; the one with the least time in cache calls is reported (the
+    machine may be shared: the fastest pass is the least disturbed one). Every pass must
+    give the same hit rate."""
+    best: RunResult | None = None
+    for _ in range(max(1, repeat)):
+        mem = memory_for_tokens(model, pool_tokens, page_size)
+        res = replay(requests, mem, impl(mem))
+        if best is not None and (res.matched, res.evicted) != (best.matched, best.evicted):
+            raise AssertionError(f"{model}: passes disagree ({res.matched} vs {best.matched} tokens hit)")
+        if best is None or sum(map(sum, res.op_ns.values())) < sum(map(sum, best.op_ns.values())):
+            best = res
+    assert best is not None
+    out = best.summary()
+    out["budget_bytes"] = mem.arena.nbytes
+    out["passes"] = max(1, repeat)
+    return out
+
+
+def run(
+    trace_path: str = str(PEER_TRACE), page_size: int = 16, configs: list[str] | None = None, repeat: int = 3
+) -> dict[str, Any]:
+    trace = load_peer_trace(trace_path)
+    requests = radix_requests(trace)
+    unbounded = cacheable_tokens(trace)
+    report: dict[str, Any] = {
+        "trace": trace_path,
+        "requests": len(requests),
+        "page_size": page_size,
+        "unbounded_tokens": unbounded,
+        "runs": [],
+    }
+    for name in configs or list(CONFIGS):
+        if name not in CONFIGS:
+            raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
+        for pool, tokens in (("unbounded", unbounded), (str(POOL_TOKENS), POOL_TOKENS)):
+            for impl_name, impl in (("hybridkv", HybridBench), ("page_hash_baseline", PageHashCache)):
+                row = run_one(requests, CONFIGS[name], tokens, page_size, impl, repeat)
+                row.update(config=name, model=CONFIGS[name], pool=pool, pool_tokens=tokens, impl=impl_name)
+                report["runs"].append(row)
+    exact = run_one(requests, CONFIGS["full"], unbounded, 1, HybridBench)
+    exact_base = run_one(requests, CONFIGS["full"], unbounded, 1, PageHashCache)
+    report["exact_hit_rate"] = {
+        "page_size": 1,
+        "hybridkv": exact["hit_rate"],
+        "page_hash_baseline": exact_base["hit_rate"],
+        "goal": HIT_RATE_GOAL,
+        "met": round(exact["hit_rate"], 4) == HIT_RATE_GOAL and exact["hit_rate"] == exact_base["hit_rate"],
+    }
+    report["ratios"] = _ratios(report["runs"])
+    report["goals"] = _goals(report)
+    return report
+
+
+def _ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    base = {(r["config"], r["pool"]): r for r in runs if r["impl"] == "page_hash_baseline"}
+    for r in runs:
+        if r["impl"] != "hybridkv":
+            continue
+        b = base[(r["config"], r["pool"])]
+        out.append(
+            {
+                "config": r["config"],
+                "pool": r["pool"],
+                **{
+                    op: (r["ops"][op]["ops_per_s"] / b["ops"][op]["ops_per_s"]) if b["ops"][op]["ops_per_s"] else None
+                    for op in OPS
+                },
+            }
+        )
+    return out
+
+
+def _goals(report: dict[str, Any]) -> dict[str, Any]:
+    runs = [r for r in report["runs"] if r["impl"] == "hybridkv"]
+    goals: dict[str, Any] = {}
+    full = [r for r in runs if r["config"] == "full"]
+    if full and report["page_size"] == 16:
+        worst = min(r["ops"]["match"]["ops_per_s"] for r in full)
+        goals["full match ops/s at page size 16"] = {
+            "value": worst,
+            "goal": GOALS["match_ops_full_ps16"],
+            "met": worst >= GOALS["match_ops_full_ps16"],
+        }
+    swa = [r for r in runs if r["config"] == "full+swa"]
+    if swa:
+        worst = min(r["ops"]["insert"]["ops_per_s"] for r in swa)
+        goals["full+swa insert ops/s"] = {
+            "value": worst,
+            "goal": GOALS["insert_ops_full_swa"],
+            "met": worst >= GOALS["insert_ops_full_swa"],
+        }
+    exact = report["exact_hit_rate"]
+    goals["unbounded hit rate at page size 1"] = {
+        "value": exact["hybridkv"],
+        "goal": HIT_RATE_GOAL,
+        "met": exact["met"],
+    }
+    return goals

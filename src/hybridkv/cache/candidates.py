@@ -1,0 +1,52 @@
+"""Eviction candidates of one component: a lazy min-heap ordered by the policy's key.
+
+Members are a set the tree maintains (leaves for full KV, nodes with resident window
+pages for a window pool, nodes with a checkpoint for state). Instead of re-keying entries
+in place, the tree pushes a fresh entry whenever a member's key may have changed (a hit,
+an insert, a split, a residency change); older entries go stale.
+
+Invariants (``check_tree`` proves the first):
+- Every member has at least one entry carrying its current key.
+- ``pop`` returns the member with the smallest current key: entries of non-members and
+  entries whose key is no longer current are dropped on the way.
+- Stale entries never outnumber members by more than ``slack``: the heap is rebuilt from
+  the members when they would, so memory and pops stay proportional to the members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from heapq import heapify, heappop, heappush
+
+from hybridkv.cache.node import Node
+
+
+class Candidates:
+    def __init__(self, component: str, key: Callable[[Node, str], object], members: set[Node], slack: int = 256):
+        self.component = component
+        self._key = key
+        self.members = members
+        self.heap: list[tuple[object, int, Node]] = []
+        self._slack = slack
+
+    def key(self, node: Node) -> object:
+        return self._key(node, self.component)
+
+    def push(self, node: Node) -> None:
+        heappush(self.heap, (self._key(node, self.component), node.uid, node))
+        if len(self.heap) > 2 * len(self.members) + self._slack:
+            self.rebuild()
+
+    def rebuild(self) -> None:
+        component, key = self.component, self._key
+        self.heap = [(key(n, component), n.uid, n) for n in self.members]
+        heapify(self.heap)
+
+    def pop(self) -> tuple[object, Node] | None:
+        """The member with the smallest current key, taken out of the heap (not the set)."""
+        heap, members, key, component = self.heap, self.members, self._key, self.component
+        while heap:
+            k, _, node = heappop(heap)
+            if node in members and k == key(node, component):
+                return k, node
+        return None

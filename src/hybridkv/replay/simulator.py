@@ -1,0 +1,354 @@
+"""Serve a workload through memory + cache, tables only: what hit rate and capacity a model
+gets on real traffic, without computing the model.
+
+One engine step: admit waiting requests in arrival order (match, lock, allocate their new
+prompt tokens in chunks, drop prompt pages that left a sliding window, insert the prompt
+into the cache and relock), then one batched decode of ``decode_chunk`` tokens for every
+running request (one batched page allocation, one batched window free per pool), then
+finish the requests that generated ``output_length`` tokens (insert prompt + output,
+free the unaligned tail, unlock). The clock advances by ``prefill tokens / prefill rate
++ decode_chunk * decode step time``; requests arrive by timestamp (a later turn once its
+previous turn finished). When memory is short the cache evicts what the allocator is short
+of; when nothing is evictable, admission waits, and a decode that cannot grow retracts the
+newest request (it restarts later; its prompt stays cached).
+
+Hybrid rules: a request whose hit stops short of the cached full KV (``checkpoint_at``)
+keeps the window there and takes a state checkpoint there, so the next hit there becomes
+valid; it also checkpoints its state at its prompt's and its sequence's page-aligned ends.
+A hit is capped at ``input_length - 1`` tokens: the engine computes at least one token.
+
+Invariants: every request is served exactly once (a retracted one restarts from its hit);
+after the run, every page and slot still live belongs to the cache (``verify`` checks
+both the memory and the tree when asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybridkv.cache import HybridRadixCache, RequestKV
+from hybridkv.memory import OutOfMemory, UnifiedMemory, parse_bytes
+from hybridkv.replay.workload import ReplayRequest, Workload
+from hybridkv.spec import ShardSpec, get_preset
+
+
+class ReplayError(RuntimeError):
+    """A replay that cannot go on (a request that can never fit); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """The simulated engine's clock and batch limits (no model compute; these set the time)."""
+
+    prefill_tokens_per_s: float = 20_000.0
+    decode_step_s: float = 0.03
+    """One decode step of the whole batch (time per output token)."""
+    decode_chunk: int = 16
+    """Tokens every running request generates per simulated decode batch."""
+    max_running: int = 128
+    max_prefill_tokens: int = 16_384
+    """New prompt tokens admitted per step (at least one request is admitted)."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    model: str
+    gpu_memory: str | int
+    """KV budget of the arena (bytes, or e.g. "40GiB")."""
+    page_size: int = 16
+    policy: str = "lru"
+    cache_tokens: int | None = None
+    """Most tokens the cache may keep (None: bounded by memory only)."""
+    max_states_per_path: int = 8
+    engine: EngineModel = field(default_factory=EngineModel)
+    samples: int = 200
+    """Samples of the pool split over the trace's time span."""
+    verify_every: int = 0
+    """Run ``mem.verify()`` and ``cache.check()`` every N steps (0: only at the end)."""
+
+
+@dataclass
+class _Running:
+    req: ReplayRequest
+    kv: RequestKV
+    slot: int | None
+    generated: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.req.input_length + self.generated
+
+
+@dataclass
+class ReplayResult:
+    """Raw counts of one replay; ``report.build_report`` turns them into figures."""
+
+    config: ReplayConfig
+    workload: str
+    model: str
+    """The preset's full name."""
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    full_hit_tokens: int = 0
+    swa_hit_tokens: int = 0
+    state_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    retractions: int = 0
+    peak_running: int = 0
+    peak_waiting: int = 0
+    peak_live_pages: int = 0
+    steps: int = 0
+    sim_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    cache: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    pools: tuple[str, ...] = ()
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(self, workload: Workload, config: ReplayConfig):
+        if not workload.requests:
+            raise ReplayError(f"workload {workload.name} has no requests")
+        self.workload = workload
+        self.config = config
+        self.engine = config.engine
+        longest = max(r.input_length + r.output_length for r in workload.requests)
+        spec = get_preset(config.model)
+        self.mem = UnifiedMemory.create(
+            ShardSpec.whole(spec),
+            parse_bytes(config.gpu_memory),
+            device="meta",
+            page_size=config.page_size,
+            max_context=max(longest, config.page_size),
+            chunk_tokens=min(8192, longest),
+        )
+        self.cache = HybridRadixCache(self.mem, policy=config.policy, max_states_per_path=config.max_states_per_path)
+        self.ps = config.page_size
+        self.chunk = self.mem.plan.chunk_tokens
+        self.has_state = self.cache.comps.state is not None
+        self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(self.mem.pools))
+        self.clock = 0.0
+        self._admitted: set[int] = set()
+
+    # --- the run --------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+        requests = self.workload.requests
+        arrivals = deque(r for r in requests if r.after is None)
+        blocked: dict[int, list[ReplayRequest]] = {}
+        for r in requests:
+            if r.after is not None:
+                blocked.setdefault(r.after, []).append(r)
+        waiting: deque[ReplayRequest] = deque()
+        ready: list[tuple[float, int, ReplayRequest]] = []  # heap of unblocked follow-up turns
+        running: list[_Running] = []
+        done = 0
+        span = max(r.arrival_s for r in requests) or 1.0
+        next_sample = 0.0
+        started = time.perf_counter()
+        res = self.result
+        while done < len(requests):
+            if not waiting and not running:
+                nxt = [ready[0][0]] if ready else []
+                nxt += [arrivals[0].arrival_s] if arrivals else []
+                if not nxt:
+                    raise ReplayError("requests wait on turns that never finish (trace order bug)")
+                self.clock = max(self.clock, min(nxt))
+            while arrivals and arrivals[0].arrival_s <= self.clock:
+                waiting.append(arrivals.popleft())
+            while ready and ready[0][0] <= self.clock:
+                waiting.append(heapq.heappop(ready)[2])
+            prefilled = self._admit(waiting, running)
+            generated = self._decode(running, waiting) if running else 0
+            self.clock += prefilled / self.engine.prefill_tokens_per_s + generated * self.engine.decode_step_s
+            for r in [r for r in running if r.generated >= r.req.output_length]:
+                running.remove(r)
+                self._finish(r)
+                done += 1
+                for follower in blocked.pop(r.req.rid, []):
+                    heapq.heappush(ready, (max(follower.arrival_s, self.clock), follower.rid, follower))
+                if progress is not None:
+                    progress(done, len(requests))
+            self.mem.flush_tables()
+            res.steps += 1
+            res.peak_running = max(res.peak_running, len(running))
+            res.peak_waiting = max(res.peak_waiting, len(waiting))
+            res.peak_live_pages = max(res.peak_live_pages, self.mem.pages.live_count)
+            if self.clock >= next_sample:
+                res.timeline.append(self._sample(len(running), len(waiting)))
+                next_sample = self.clock + span / max(1, self.config.samples)
+            if self.config.verify_every and res.steps % self.config.verify_every == 0:
+                self.verify()
+        res.timeline.append(self._sample(0, 0))
+        res.sim_seconds = self.clock
+        res.wall_seconds = time.perf_counter() - started
+        res.cache = self.cache.stats()
+        res.memory = self.mem.stats().as_dict()
+        return res
+
+    def verify(self) -> None:
+        self.mem.verify()
+        self.cache.check()
+
+    # --- admission ------------------------------------------------------------------------
+
+    def _admit(self, waiting: deque[ReplayRequest], running: list[_Running]) -> int:
+        prefilled = 0
+        while waiting and len(running) < self.engine.max_running:
+            if prefilled and prefilled >= self.engine.max_prefill_tokens:
+                break
+            got = self._prefill(waiting[0])
+            if got is None:
+                if not running and not prefilled:
+                    req = waiting[0]
+                    raise ReplayError(
+                        f"request {req.rid} ({req.input_length} prompt + {req.output_length} output "
+                        f"tokens) does not fit in {self.config.gpu_memory} of {self.config.model} "
+                        "KV even with an empty cache; raise --gpu-memory"
+                    )
+                break
+            waiting.popleft()
+            running.append(got[0])
+            prefilled += got[1]
+        return prefilled
+
+    def _prefill(self, req: ReplayRequest) -> tuple[_Running, int] | None:
+        """Match, lock, allocate and 'compute' the prompt, insert it; None if memory is short."""
+        ps, cache = self.ps, self.cache
+        match = cache.match_prefix(req.tokens[: req.input_length - 1])
+        kv = RequestKV(cache, match)
+        running = _Running(req, kv, None)
+        prompt_end = req.input_length - req.input_length % ps
+        ckpts: dict[int, int] = {}
+        try:
+            if self.has_state:
+                src = [match.state] if match.state is not None else None
+                running.slot = int((cache.fork_state(src) if src else cache.alloc_state(1))[0])
+                for pos in {match.checkpoint_at, prompt_end} - {None, 0}:
+                    if pos > match.length:  # type: ignore[operator]
+                        ckpts[pos] = int(cache.alloc_state(1)[0])  # type: ignore[index]
+            pos = match.length
+            while pos < req.input_length:
+                nxt = min(req.input_length, pos + self.chunk)
+                kv.extend(nxt, cache.alloc_pages(kv.pages_needed(nxt)))
+                self._release_windows([kv])
+                pos = nxt
+        except OutOfMemory:
+            self._drop(running, ckpts.values())
+            return None
+        n = prompt_end // ps
+        result = cache.insert(req.tokens[:prompt_end], kv.pages[:n], states=ckpts)
+        kv.settle(result)
+        self._cap_cache()
+        computed = req.input_length - match.length
+        res = self.result
+        res.prefill_tokens += computed
+        if req.rid not in self._admitted:  # hits count once: a retracted request hits its own prompt
+            self._admitted.add(req.rid)
+            res.requests += 1
+            res.input_tokens += req.input_length
+            res.hit_tokens += match.length
+            res.full_hit_tokens += match.full_length
+            res.swa_hit_tokens += match.swa_length
+            res.state_hit_tokens += match.state_length
+        return running, computed
+
+    def _drop(self, r: _Running, extra_slots: Any = ()) -> None:
+        """Give back everything a request holds that the cache does not (abort / retract)."""
+        own = r.kv.own_pages()
+        if own.size:
+            self.mem.free_pages(own)
+        slots = [*extra_slots, *([r.slot] if r.slot is not None else [])]
+        if slots:
+            self.mem.free_state(np.asarray(slots, dtype=np.int64))
+        r.kv.unlock()
+
+    # --- decode ---------------------------------------------------------------------------
+
+    def _decode(self, running: list[_Running], waiting: deque[ReplayRequest]) -> int:
+        k = self.engine.decode_chunk
+        while True:
+            steps = [min(k, r.req.output_length - r.generated) for r in running]
+            needs = [r.kv.pages_needed(r.seq_len + s) for r, s in zip(running, steps, strict=True)]
+            try:
+                pages = self.cache.alloc_pages(sum(needs))
+                break
+            except OutOfMemory:
+                if len(running) == 1:
+                    raise ReplayError(
+                        f"request {running[0].req.rid} cannot grow to {running[0].seq_len + steps[0]} "
+                        f"tokens in {self.config.gpu_memory} of {self.config.model} KV; raise --gpu-memory"
+                    ) from None
+                victim = running.pop()
+                self._drop(victim)
+                waiting.appendleft(victim.req)
+                self.result.retractions += 1
+        at = 0
+        for r, s, need in zip(running, steps, needs, strict=True):
+            r.kv.extend(r.seq_len + s, pages[at : at + need])
+            r.generated += s
+            at += need
+        self._release_windows([r.kv for r in running])
+        generated = max(steps, default=0)
+        self.result.decode_tokens += sum(steps)
+        return generated
+
+    def _release_windows(self, rows: list[RequestKV]) -> None:
+        if not self.cache.comps.windows:
+            return
+        per_pool = zip(*(kv.window_release() for kv in rows), strict=True)
+        for w, parts in zip(self.cache.comps.windows, per_pool, strict=True):
+            pages = np.concatenate(parts)
+            if pages.size:
+                self.mem.free_window_pages(pages, w.name)
+
+    # --- finish ---------------------------------------------------------------------------
+
+    def _finish(self, r: _Running) -> None:
+        ps, kv, req = self.ps, r.kv, r.req
+        seq = np.concatenate([req.tokens, req.output])
+        end = seq.size - seq.size % ps
+        states: dict[int, int] = {}
+        if self.has_state and end > kv.cached * ps:
+            with contextlib.suppress(OutOfMemory):  # no room: cache the sequence without it
+                states[end] = int(self.cache.alloc_state(1)[0])
+        result = self.cache.insert(seq[:end], kv.pages[: end // ps], states=states)
+        kv.settle(result)
+        self._drop(r)
+        self._cap_cache()
+
+    def _cap_cache(self) -> None:
+        cap = self.config.cache_tokens
+        if cap is not None and self.cache.cached_tokens > cap:
+            self.cache.evict({"page": math.ceil((self.cache.cached_tokens - cap) / self.ps)})
+
+    # --- samples --------------------------------------------------------------------------
+
+    def _sample(self, running: int, waiting: int) -> dict[str, Any]:
+        stats = self.mem.stats()
+        return {
+            "t": self.clock,
+            "running": running,
+            "waiting": waiting,
+            "cached_tokens": self.cache.cached_tokens,
+            "live_bytes": {p.name: p.live_bytes for p in stats.pools},
+            "free_bytes": sum(p.free_bytes for p in stats.pools) + stats.free_slab_bytes,
+        }
+
+
+def simulate(
+    workload: Workload, config: ReplayConfig, progress: Callable[[int, int], None] | None = None
+) -> ReplayResult:
+    return Simulator(workload, config).run(progress)

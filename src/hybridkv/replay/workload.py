@@ -1,0 +1,118 @@
+"""Workloads a replay serves: requests with arrival times and real token ids.
+
+Two formats (``traces.py`` loads them):
+- the Mooncake JSONL trace: each 512-token hash block expands to ``hash_id * 512 + i`` (cut
+  to ``input_length``); the ``output_length`` generated tokens are fresh ids that no other
+  request shares (``OUTPUT_BASE + rid * 2**24 + i``, above every input id);
+- the ``radix`` part of ``peer_trace.json``: real token ids (system prompt + turns); a
+  later turn's input is the previous turn's input + its ``output_ids`` + the new user
+  turn, so it may only arrive once that previous turn has finished (``after``). Its
+  ``arrival`` field is read as seconds.
+
+Invariants: requests are sorted by arrival (ties keep trace order); ``rid`` is the position
+in that order; every request has at least one input token and ``after`` (when set) names
+an earlier request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.traces import TraceError, load_mooncake_trace, load_peer_trace
+
+OUTPUT_BASE = 1 << 40
+_OUTPUT_STRIDE = 1 << 24
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    rid: int
+    arrival_s: float
+    tokens: np.ndarray
+    """Input token ids (int64)."""
+    output: np.ndarray
+    """The tokens it generates (int64), ``output_length`` of them."""
+    after: int | None = None
+    """A request that must finish before this one arrives (the previous turn)."""
+
+    @property
+    def input_length(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def output_length(self) -> int:
+        return int(self.output.size)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: tuple[ReplayRequest, ...]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(r.input_length for r in self.requests)
+
+
+def detect_format(path: str | Path) -> str:
+    name = Path(path).name.removesuffix(".gz")
+    if name.endswith(".jsonl"):
+        return "mooncake"
+    if name.endswith(".json"):
+        return "radix"
+    raise TraceError(
+        f"{path}: cannot tell the trace format from the name; pass a Mooncake .jsonl(.gz) or a "
+        "peer_trace .json(.gz), or name the format explicitly"
+    )
+
+
+def load_workload(path: str | Path, fmt: str = "auto", limit: int | None = None) -> Workload:
+    """Load ``limit`` requests (default all) of a Mooncake or peer ``radix`` trace."""
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "mooncake":
+        return _mooncake(path, limit)
+    if fmt == "radix":
+        return _radix(path, limit)
+    raise TraceError(f"unknown trace format {fmt!r}; use 'mooncake', 'radix' or 'auto'")
+
+
+def _mooncake(path: str | Path, limit: int | None) -> Workload:
+    rows = load_mooncake_trace(path, limit=limit)
+    order = sorted(range(len(rows)), key=lambda i: rows[i].timestamp_ms)
+    requests = []
+    for rid, i in enumerate(order):
+        row = rows[i]
+        if row.input_length < 1:
+            raise TraceError(f"{path}: request {i} has no input tokens")
+        output = OUTPUT_BASE + rid * _OUTPUT_STRIDE + np.arange(row.output_length, dtype=np.int64)
+        requests.append(ReplayRequest(rid, row.timestamp_ms / 1000.0, row.input_tokens(), output))
+    return Workload(f"mooncake:{Path(path).name}", tuple(requests))
+
+
+def _radix(path: str | Path, limit: int | None) -> Workload:
+    part = load_peer_trace(path)["radix"]
+    prompts = part["system_prompts"]
+    rows = part["requests"][:limit] if limit is not None else part["requests"]
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["arrival"])
+    rid_of = {rows[i]["rid"]: rid for rid, i in enumerate(order)}
+    seq_of: dict[int, np.ndarray] = {}
+    requests = []
+    for rid, i in enumerate(order):
+        row = rows[i]
+        user = np.asarray(row["user_ids"], dtype=np.int64)
+        after = None
+        if row["turn"] == 0:
+            tokens = np.concatenate([np.asarray(prompts[row["sys_id"]], dtype=np.int64), user])
+        else:
+            prev = row["prev_rid"]
+            if prev not in rid_of or rid_of[prev] >= rid:
+                raise TraceError(f"{path}: request {row['rid']} follows {prev}, which is not an earlier request")
+            after = rid_of[prev]
+            tokens = np.concatenate([seq_of[prev], user])
+        output = np.asarray(row["output_ids"], dtype=np.int64)
+        seq_of[row["rid"]] = np.concatenate([tokens, output])
+        requests.append(ReplayRequest(rid, float(row["arrival"]), tokens, output, after))
+    return Workload(f"radix:{Path(path).name}", tuple(requests))
