@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.spec import ModelSpec, Parallel, ShardSpec, get_preset
 from hybridkv.transfer import DecodeReceiver, make_transport, shared_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,11 +51,14 @@ class Worker:
             try:
                 event = self.events.get(timeout=timeout_s)
             except queue.Empty:
-                self.log.seek(0)
-                tail = self.log.read()[-3000:]
-                raise AssertionError(f"worker sent no {key!r} within {timeout_s} s; stderr:\n{tail}") from None
+                raise AssertionError(f"worker sent no {key!r} within {timeout_s} s; {self.describe()}") from None
             if key in event:
                 return event
+
+    def describe(self) -> str:
+        """Exit code and the tail of stderr, for failure messages."""
+        self.log.seek(0)
+        return f"worker exit {self.proc.poll()}, stderr:\n{self.log.read()[-3000:]}"
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
@@ -89,15 +92,23 @@ def worker_config(bootstrap: str, transport: str, pp_rank: int, requests: list, 
 
 @contextlib.contextmanager
 def decode_rank(
-    bootstrap: str, transport: str, tp: int = 1, tp_rank: int = 0, model: str = MODEL, **kw: object
+    bootstrap: str,
+    transport: str,
+    tp: int = 1,
+    tp_rank: int = 0,
+    model: str | ModelSpec = MODEL,
+    page_size: int = MEMORY["page_size"],
+    **kw: object,
 ) -> Iterator[tuple[DecodeReceiver, UnifiedMemory]]:
     """A decode rank in this process; its memory is shared memory for the shm transport."""
-    shard = ShardSpec(get_preset(model), Parallel(tp, 1), 0, tp_rank)
+    spec = get_preset(model) if isinstance(model, str) else model
+    shard = ShardSpec(spec, Parallel(tp, 1), 0, tp_rank)
+    hints = dict(MEMORY, page_size=page_size)
     shared = None
     if transport == "shm":
-        mem, shared = shared_memory(shard, "1MiB", **MEMORY)
+        mem, shared = shared_memory(shard, "1MiB", **hints)
     else:
-        mem = UnifiedMemory.create(shard, "1MiB", **MEMORY)
+        mem = UnifiedMemory.create(shard, "1MiB", **hints)
     mem.arena.buffer.zero_()
     link = make_transport(transport, shared)
     receiver = DecodeReceiver(mem, "dec", bootstrap, link, heartbeat_s=0.2, **kw)

@@ -48,15 +48,19 @@ def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, bo
     workers = [spawn(worker_config(bootstrap, transport, k, REQUESTS)) for k in (0, 1)]
     with contextlib.ExitStack() as stack:
         ranks = [
-            stack.enter_context(decode_rank(bootstrap, transport, tp=decode_tp, tp_rank=r, checksum=True))
+            stack.enter_context(
+                decode_rank(bootstrap, transport, tp=decode_tp, tp_rank=r, checksum=True, timeout_s=120)
+            )
             for r in range(decode_tp)
         ]
         # asked before the prefill ranks registered: the lookup waits for both stages
         allocs = [{rid: dec.request(rid, "pre", n) for rid, n, _ in REQUESTS} for dec, _ in ranks]
+        for worker in workers:
+            worker.expect("ready", 90)  # slow only when the host is loaded: importing torch
         for (dec, mem), alloc in zip(ranks, allocs, strict=True):
             for rid in alloc:
                 report = dec.wait(rid, 30)
-                assert report.phase is Phase.SUCCESS, report.reason
+                assert report.phase is Phase.SUCCESS, (report, [w.describe() for w in workers])
             want = expected_arena(mem, [(alloc[r].pages, alloc[r].slot, n, s) for r, n, s in REQUESTS])
             assert mismatch(mem, want) == ""
             assert dec.held == 0 and not dec.rejected
@@ -92,6 +96,8 @@ def test_prefill_hung_then_killed_mid_transfer(bootstrap, spawn):
     slow = {"slow_s": 0.2, "chunk_bytes": 512}
     requests = [["hung", 40, 5], ["killed", 40, 6]]
     workers = [spawn(worker_config(bootstrap, "shm", k, requests, **slow)) for k in (0, 1)]
+    for worker in workers:
+        worker.expect("ready", 90)
     with decode_rank(bootstrap, "shm", peer_timeout_s=1.0, quarantine_s=60.0) as (dec, mem):
         # hung (SIGSTOP): fails on heartbeat timeout, pages quarantined until it acknowledges
         dec.request("hung", "pre", 40)

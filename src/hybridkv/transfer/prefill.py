@@ -50,6 +50,10 @@ from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
 FINISHED_KEEP_S = 120.0
+WAITING_GRACE_S = 1.0
+"""A leg still waiting for the KV at the decode's deadline is dropped this much later: the
+decode rank fails the request itself at its deadline and says why (its abort arrives
+first); no byte is written after the deadline either way."""
 
 
 @dataclass
@@ -293,7 +297,7 @@ class PrefillSender(Agent):
                 if leg.stop:
                     raise TransferError(f"stopped: {leg.stop}")
                 if time.monotonic() > leg.deadline:
-                    raise TransferError("stopped: the decode's deadline passed mid-transfer")
+                    raise TransferError("stopped: the decode's deadline passed")
                 self.transport.write(leg.peer.session, plan.src[chunk], plan.dst[chunk], plan.length[chunk])
             crc = crc32_ranges(plan.src, plan.length) if leg.checksum else None
             done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
@@ -395,7 +399,7 @@ class PrefillSender(Agent):
                     f"timed out after {self.timeout_s:.1f} s in phase {out.status.phase.label} ({waiting})",
                 )
             for leg in list(out.legs.values()):
-                if leg.state == "waiting" and now > leg.deadline:
+                if leg.state == "waiting" and now > leg.deadline + WAITING_GRACE_S:
                     self._finish_leg(out, leg, "the decode's deadline passed before the KV was ready")
         active = {leg.peer.rank for out in self._out.values() for leg in out.legs.values() if leg.state != "done"}
         for rank in active:
