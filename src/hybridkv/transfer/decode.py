@@ -50,13 +50,8 @@ from hybridkv.transfer.messages import (
     decode,
     encode,
 )
-from hybridkv.transfer.pairing import (
-    EntryPair,
-    check_coverage,
-    check_prefill_group,
-    pair_entries,
-)
-from hybridkv.transfer.plan import TransferPlan, build_plan, memory_cells, num_pages
+from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
+from hybridkv.transfer.plan import Route, TransferPlan, memory_cells, num_pages
 from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
@@ -76,7 +71,7 @@ class _Source:
     """One registered prefill rank of a looked-up engine."""
 
     reg: Register
-    pairs: tuple[EntryPair, ...]
+    route: Route
     last_seen: float = 0.0
 
 
@@ -281,7 +276,8 @@ class DecodeReceiver(Agent):
                     f"transport mismatch: prefill {reg.rank} uses {reg.transport!r}, decode "
                     f"{self.rank} uses {self.transport.name!r}; start both with the same transport"
                 )
-            sources[reg.rank] = _Source(reg, pair_entries(reg.buffers, self.buffers))
+            pairs = pair_entries(reg.buffers, self.buffers)
+            sources[reg.rank] = _Source(reg, Route(reg.buffers, self.buffers, pairs))
         now = time.monotonic()
         for source in sources.values():
             source.last_seen = now
@@ -295,7 +291,7 @@ class DecodeReceiver(Agent):
         dst = {name: np.asarray(c, dtype=np.int64) for name, c in inc.dst_cells.items()}
         try:
             for rank, source in sources.items():
-                plan = build_plan(source.reg.buffers, self.buffers, source.pairs, inc.seq_len, None, dst)
+                plan = source.route.plan(inc.seq_len, None, dst)
                 inc.legs[rank] = _Leg(source, plan)
         except TransferError as exc:
             inc.legs.clear()

@@ -70,13 +70,12 @@ def num_pages(seq_len: int, page_size: int) -> int:
     return -(-seq_len // page_size)
 
 
-def request_positions(entry: BufferEntry, seq_len: int) -> np.ndarray:
+def positions(kind: str, window: int | None, page_size: int, seq_len: int) -> np.ndarray:
     """Positions (page index within the request, or 0 for the state slot) an entry sends."""
-    if entry.kind == "state":
+    if kind == "state":
         return np.zeros(1, dtype=np.int64)
-    n = num_pages(seq_len, entry.page_size)
-    first = max(0, seq_len - entry.window) // entry.page_size if entry.window else 0
-    return np.arange(first, n, dtype=np.int64)
+    first = max(0, seq_len - window) // page_size if window else 0
+    return np.arange(first, num_pages(seq_len, page_size), dtype=np.int64)
 
 
 def memory_cells(mem: UnifiedMemory, pages: np.ndarray, slot: int | None) -> dict[str, np.ndarray]:
@@ -89,28 +88,6 @@ def memory_cells(mem: UnifiedMemory, pages: np.ndarray, slot: int | None) -> dic
         else:
             out[name] = pool.v2p[pages]
     return out
-
-
-def _cells(
-    cells: Mapping[str, np.ndarray], entry: BufferEntry, positions: np.ndarray, role: str, lid: int
-) -> np.ndarray:
-    have = cells.get(entry.pool)
-    need = int(positions[-1]) + 1 if positions.size else 0
-    unit = "state slot" if entry.kind == "state" else "pages"
-    if have is None or len(have) < need:
-        raise PlanError(
-            f"{role} gave {0 if have is None else len(have)} {unit} for pool {entry.pool!r} "
-            f"(layer {lid}), the request needs {need}"
-        )
-    picked = np.asarray(have, dtype=np.int64)[positions]
-    bad = (picked < 1) | (picked >= entry.count)
-    if bad.any():
-        i = int(np.argmax(bad))
-        what = "a tombstone (not resident)" if picked[i] == -1 else f"outside [1, {entry.count})"
-        raise PlanError(
-            f"{role} cell {picked[i]} for position {positions[i]} of pool {entry.pool!r} (layer {lid}) is {what}"
-        )
-    return picked
 
 
 def _item_chunks(a: BufferEntry, b: BufferEntry, start: int, end: int) -> tuple[np.ndarray, ...]:
@@ -126,6 +103,108 @@ def _item_chunks(a: BufferEntry, b: BufferEntry, start: int, end: int) -> tuple[
     return src, dst, np.full(outer, (end - start) * inner, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Entry pairs that share pools, strides and page rule: one broadcast per request."""
+
+    src_pool: str
+    dst_pool: str
+    kind: str
+    window: int | None
+    page_size: int
+    src_stride: int
+    dst_stride: int
+    src_count: int
+    dst_count: int
+    layer: int  # a layer of the group, for messages
+    src_off: np.ndarray  # absolute address of item 0 plus the chunk offset, per chunk
+    dst_off: np.ndarray
+    length: np.ndarray
+
+    def cells(self, cells: Mapping[str, np.ndarray], role: str, where: np.ndarray) -> np.ndarray:
+        pool, count = (self.src_pool, self.src_count) if role == "prefill" else (self.dst_pool, self.dst_count)
+        have = cells.get(pool)
+        need = int(where[-1]) + 1
+        unit = "state slot" if self.kind == "state" else "pages"
+        if have is None or len(have) < need:
+            raise PlanError(
+                f"{role} gave {0 if have is None else len(have)} {unit} for pool {pool!r} "
+                f"(layer {self.layer}), the request needs {need}"
+            )
+        picked = np.asarray(have, dtype=np.int64)[where]
+        bad = (picked < 1) | (picked >= count)
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = "a tombstone (not resident)" if picked[i] == -1 else f"outside [1, {count})"
+            raise PlanError(
+                f"{role} cell {picked[i]} for position {where[i]} of pool {pool!r} (layer {self.layer}) is {what}"
+            )
+        return picked
+
+
+class Route:
+    """Everything about one (prefill rank, decode rank) pairing that no request changes.
+
+    Built once per connection (pairs, TP pieces, chunk offsets grouped by pool); ``plan``
+    then costs a few array operations per pool, whatever the number of layers.
+    """
+
+    def __init__(self, prefill: BufferSet, decode: BufferSet, pairs: Sequence[EntryPair]) -> None:
+        self.prefill, self.decode = prefill, decode
+        parts: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]] = {}
+        for pair in pairs:
+            a, b = prefill.entries[pair.src], decode.entries[pair.dst]
+            where = f"{prefill.describe('prefill')} -> {decode.describe('decode')} layer {pair.layer_id}"
+            total = a.shard_total if a.shard_dim is not None else None
+            pieces = source_pieces(
+                total, prefill.tp_size, a.shard_len, b.shard_start, b.shard_len, decode.tp_rank, where
+            )
+            key = (a.pool, b.pool, b.kind, b.window, b.page_size, a.stride, b.stride, a.count, b.count)
+            for piece in pieces:
+                if piece.src_rank == prefill.tp_rank:
+                    s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
+                    parts.setdefault(key, []).append((a.addr + s_off, b.addr + d_off, ln, pair.layer_id))
+        self.groups = [
+            _Group(
+                *key[:5],
+                *key[5:],
+                layer=chunks[0][3],
+                src_off=np.concatenate([c[0] for c in chunks]),
+                dst_off=np.concatenate([c[1] for c in chunks]),
+                length=np.concatenate([c[2] for c in chunks]),
+            )
+            for key, chunks in parts.items()
+        ]
+
+    def plan(
+        self,
+        seq_len: int,
+        src_cells: Mapping[str, np.ndarray] | None,
+        dst_cells: Mapping[str, np.ndarray],
+    ) -> TransferPlan:
+        """The ops of one request; ``src_cells=None`` gives a destination-only plan."""
+        if seq_len < 1:
+            raise PlanError(f"seq_len must be >= 1, got {seq_len}")
+        src_parts, dst_parts, len_parts = [], [], []
+        for g in self.groups:
+            where = positions(g.kind, g.window, g.page_size, seq_len)
+            if where.size == 0:
+                continue
+            d = g.cells(dst_cells, "decode", where)
+            dst_parts.append((d[:, None] * g.dst_stride + g.dst_off).ravel())
+            len_parts.append(np.broadcast_to(g.length, (where.size, g.length.size)).ravel())
+            if src_cells is not None:
+                s = g.cells(src_cells, "prefill", where)
+                src_parts.append((s[:, None] * g.src_stride + g.src_off).ravel())
+        dst = np.concatenate(dst_parts) if dst_parts else _EMPTY
+        length = np.concatenate(len_parts) if len_parts else _EMPTY
+        src = np.concatenate(src_parts) if src_parts else np.zeros_like(dst)
+        _check_inside(dst, length, self.decode, "decode")
+        if src_cells is not None:
+            _check_inside(src, length, self.prefill, "prefill")
+        return _coalesce(src, dst, length, merge_src=src_cells is not None)
+
+
 def build_plan(
     prefill: BufferSet,
     decode: BufferSet,
@@ -138,58 +217,20 @@ def build_plan(
 
     ``src_cells``/``dst_cells`` map pool names to the request's cells (page position ->
     cell; one cell for the state pool). ``src_cells=None`` gives a destination-only plan.
+    Engines that plan many requests keep a ``Route`` instead.
     """
-    if seq_len < 1:
-        raise PlanError(f"seq_len must be >= 1, got {seq_len}")
-    src_parts, dst_parts, len_parts = [], [], []
-    for pair in pairs:
-        a, b = prefill.entries[pair.src], decode.entries[pair.dst]
-        where = f"{prefill.describe('prefill')} -> {decode.describe('decode')} layer {pair.layer_id}"
-        pieces = source_pieces(
-            a.shard_total if a.shard_dim is not None else None,
-            prefill.tp_size,
-            a.shard_len,
-            b.shard_start,
-            b.shard_len,
-            decode.tp_rank,
-            where,
-        )
-        mine = [p for p in pieces if p.src_rank == prefill.tp_rank]
-        if not mine:
-            continue
-        positions = request_positions(b, seq_len)
-        if positions.size == 0:
-            continue
-        d_cells = _cells(dst_cells, b, positions, "decode", pair.layer_id)
-        s_cells = (
-            _cells(src_cells, a, positions, "prefill", pair.layer_id)
-            if src_cells is not None
-            else np.zeros_like(d_cells)
-        )
-        for piece in mine:
-            s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
-            if src_cells is not None:
-                src_parts.append((a.addr + s_cells[:, None] * a.stride + s_off).ravel())
-            dst_parts.append((b.addr + d_cells[:, None] * b.stride + d_off).ravel())
-            len_parts.append(np.broadcast_to(ln, (positions.size, ln.size)).ravel())
-    dst = np.concatenate(dst_parts) if dst_parts else _EMPTY
-    length = np.concatenate(len_parts) if len_parts else _EMPTY
-    src = np.concatenate(src_parts) if src_cells is not None and src_parts else np.zeros_like(dst)
-    _check_inside(dst, length, decode.regions, decode.describe("decode"))
-    if src_cells is not None:
-        _check_inside(src, length, prefill.regions, prefill.describe("prefill"))
-    return _coalesce(src, dst, length, merge_src=src_cells is not None)
+    return Route(prefill, decode, pairs).plan(seq_len, src_cells, dst_cells)
 
 
-def _check_inside(addr: np.ndarray, length: np.ndarray, regions: Sequence[tuple[int, int]], who: str) -> None:
+def _check_inside(addr: np.ndarray, length: np.ndarray, bufs: BufferSet, role: str) -> None:
     inside = np.zeros(addr.size, dtype=bool)
-    for start, size in regions:
+    for start, size in bufs.regions:
         inside |= (addr >= start) & (addr + length <= start + size)
     if not inside.all():
         i = int(np.argmax(~inside))
         raise PlanError(
             f"range [{addr[i]:#x}, {addr[i] + length[i]:#x}) lies outside every region "
-            f"{who} registered ({[(hex(a), n) for a, n in regions]})"
+            f"{bufs.describe(role)} registered ({[(hex(a), n) for a, n in bufs.regions]})"
         )
 
 

@@ -44,8 +44,8 @@ from hybridkv.transfer.messages import (
     Status,
     TransferRequest,
 )
-from hybridkv.transfer.pairing import EntryPair, pair_entries
-from hybridkv.transfer.plan import build_plan, memory_cells, num_pages
+from hybridkv.transfer.pairing import pair_entries
+from hybridkv.transfer.plan import Route, memory_cells, num_pages
 from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
@@ -62,8 +62,8 @@ class _DecodePeer:
     endpoint: str
     session: str
     buffers: BufferSet
-    pairs: tuple[EntryPair, ...]
-    error: str  # non-empty: this decode rank cannot be served
+    route: Route | None  # None when ``error`` says why this decode rank cannot be served
+    error: str
     last_seen: float
 
 
@@ -197,7 +197,7 @@ class PrefillSender(Agent):
             self.reject(f"a prefill rank does not take {type(msg).__name__} messages")
 
     def _on_hello(self, msg: Hello) -> None:
-        pairs: tuple[EntryPair, ...] = ()
+        route = None
         error = ""
         if (msg.rank.pp, msg.rank.tp) != (msg.buffers.pp_rank, msg.buffers.tp_rank):
             error = f"hello from {msg.rank} carries the layout of another rank"
@@ -208,13 +208,13 @@ class PrefillSender(Agent):
             )
         else:
             try:
-                pairs = pair_entries(self.buffers, msg.buffers)
+                route = Route(self.buffers, msg.buffers, pair_entries(self.buffers, msg.buffers))
             except (LayoutMismatch, BadLayout) as exc:
                 error = str(exc)
         if error:
             log.warning("%s: cannot serve decode %s: %s", self.rank, msg.rank, error)
         self._peers[msg.rank] = _DecodePeer(
-            msg.rank, msg.endpoint, msg.session, msg.buffers, pairs, error, time.monotonic()
+            msg.rank, msg.endpoint, msg.session, msg.buffers, route, error, time.monotonic()
         )
 
     def _new(self, request_id: str) -> _Outgoing:
@@ -290,9 +290,9 @@ class PrefillSender(Agent):
 
     def _run_leg(self, out: _Outgoing, leg: _Leg) -> None:
         """Worker thread: plan and write one decode rank's share of the request."""
-        assert out.cells is not None
+        assert out.cells is not None and leg.peer.route is not None
         try:
-            plan = build_plan(self.buffers, leg.peer.buffers, leg.peer.pairs, out.seq_len, out.cells, leg.dst_cells)
+            plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
             for chunk in plan.chunks(self.transport.max_ops_per_write, self.chunk_bytes):
                 if leg.stop:
                     raise TransferError(f"stopped: {leg.stop}")
