@@ -1,14 +1,16 @@
 """Eviction candidates of one component: a lazy min-heap ordered by the policy's key.
 
 Members are a set the tree maintains (leaves for full KV, nodes with resident window
-pages for a window pool, nodes with a checkpoint for state). Instead of re-keying entries
-in place, the tree pushes a fresh entry whenever a member's key may have changed (a hit,
-an insert, a split, a residency change); older entries go stale.
+pages for a window pool, nodes with a checkpoint for state). Entries are never re-keyed in
+place: an entry's key is a *lower bound* of its node's current key. Hits only raise keys
+(recency, hit counts, the cost policy's clock), so a hit pushes nothing; the tree pushes a
+fresh entry only when a key may drop (a node joins a set, a split, a node gains resident
+bytes or a checkpoint).
 
 Invariants (``check_tree`` proves the first):
-- Every member has at least one entry carrying its current key.
-- ``pop`` returns the member with the smallest current key: entries of non-members and
-  entries whose key is no longer current are dropped on the way.
+- Every member has an entry whose key is at most its current key.
+- ``pop`` returns the member with the smallest current key: an entry of a non-member is
+  dropped; an entry below its node's current key is pushed again with the current key.
 - Stale entries never outnumber members by more than ``slack``: the heap is rebuilt from
   the members when they would, so memory and pops stay proportional to the members.
 """
@@ -46,7 +48,11 @@ class Candidates:
         """The member with the smallest current key, taken out of the heap (not the set)."""
         heap, members, key, component = self.heap, self.members, self._key, self.component
         while heap:
-            k, _, node = heappop(heap)
-            if node in members and k == key(node, component):
+            k, uid, node = heappop(heap)
+            if node not in members:
+                continue
+            current = key(node, component)
+            if current == k:
                 return k, node
+            heappush(heap, (current, uid, node))
         return None

@@ -40,6 +40,9 @@ def check_tree(cache: HybridRadixCache) -> None:
                     _fail(f"{child}: starts at {child.start}, parent ends at {node.end} (or empty)")
                 if child.key.size != child.pages.size * ps:
                     _fail(f"{child}: {child.key.size} tokens but {child.pages.size} pages of {ps}")
+                path = child.path_pages
+                if path.flags.writeable or not np.array_equal(path, np.concatenate([node.path_pages, child.pages])):
+                    _fail(f"{child}: path pages are writable or differ from the pages on its path")
                 count = states_above + (child.state >= 0)
                 if count > cache.max_states_per_path:
                     _fail(f"{child}: {count} checkpoints on its path, cap {cache.max_states_per_path}")
@@ -93,10 +96,13 @@ def check_tree(cache: HybridRadixCache) -> None:
 
     heaps = [cache._full, *cache._swa_heaps, cache._state_heap]
     for heap in heaps:
-        entries = {(uid, key) for key, uid, _ in heap.heap}
+        lowest: dict[int, object] = {}
+        for key, uid, _ in heap.heap:
+            if uid not in lowest or key < lowest[uid]:  # type: ignore[operator]
+                lowest[uid] = key
         for n in heap.members:
-            if (n.uid, heap.key(n)) not in entries:
-                _fail(f"{heap.component} candidates: {n} has no entry with its current key (never evictable)")
+            if n.uid not in lowest or lowest[n.uid] > heap.key(n):  # type: ignore[operator]
+                _fail(f"{heap.component} candidates: {n} has no entry at or below its current key")
     _check_locks(cache, nodes)
 
 

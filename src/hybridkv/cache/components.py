@@ -51,7 +51,7 @@ class Components:
         """Every window pool holds the pages of its window before ``end_pages`` pages."""
         for w, res in zip(self.windows, resident, strict=True):
             lo = self.window_first_page(w.window, end_pages)
-            if not res[lo:end_pages].all():
+            if np.count_nonzero(res[lo:end_pages]) != end_pages - lo:
                 return False
         return True
 
@@ -63,6 +63,8 @@ class Components:
             changed = False
             for w, res in zip(self.windows, resident, strict=True):
                 lo = self.window_first_page(w.window, e)
+                if np.count_nonzero(res[lo:e]) == e - lo:
+                    continue
                 gone = np.flatnonzero(~res[lo:e])
                 if gone.size:
                     e = lo + int(gone[-1])  # the hit must end before the last tombstone

@@ -4,6 +4,9 @@ Invariants (``check_tree`` proves them):
 - ``key`` holds the node's tokens (int64, a whole number of pages) and ``kb`` the same bytes;
   ``pages[i]`` is the virtual page id of tokens ``key[i*ps:(i+1)*ps]``; a node is never empty.
 - ``start`` is the position of the node's first token on its path; ``parent.end == start``.
+- ``path_pages`` is every page id from the root to ``end`` (read-only; an upper half made by a
+  split holds a view of the lower half's array). Page ids on a path never change while the
+  node lives, so a hit slices it instead of concatenating node arrays.
 - A parent keys each child by the bytes of the child's first page.
 - ``swa_res[i]`` counts this node's pages resident in window pool ``i`` (the rest are
   tombstones); ``state`` is the checkpoint slot at ``end`` (or -1).
@@ -33,6 +36,7 @@ class Node:
         "namespace",
         "pages",
         "parent",
+        "path_pages",
         "priority",
         "start",
         "state",
@@ -47,6 +51,7 @@ class Node:
         uid: int,
         key: np.ndarray,
         pages: np.ndarray,
+        path_pages: np.ndarray,
         start: int,
         parent: Node | None,
         namespace: Any,
@@ -56,6 +61,7 @@ class Node:
         self.key = key
         self.kb = key.tobytes()
         self.pages = pages
+        self.path_pages = path_pages
         self.start = start
         self.parent = parent
         self.namespace = namespace

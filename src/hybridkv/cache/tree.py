@@ -40,6 +40,7 @@ from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
 from hybridkv.memory import STATE_POOL, InvalidIds, OutOfMemory, UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
 PAGE_NEED = "page"
 """``evict`` key for "free whole pages" (virtual page ids short, or a cache-size cap)."""
 
@@ -55,7 +56,7 @@ class MatchResult:
     length: int
     """Tokens valid for every component."""
     pages: np.ndarray
-    """Page ids of tokens ``[0, length)``."""
+    """Page ids of tokens ``[0, length)`` (a read-only view of the cache's own array)."""
     state: int | None
     """The checkpoint slot at ``length`` (fork it before writing), or None."""
     full_length: int
@@ -77,7 +78,7 @@ class InsertResult:
     prefix_len: int
     """Tokens of the key that were cached already."""
     pages: np.ndarray
-    """The cache's page ids for the whole key: the request must use these from now on."""
+    """The cache's page ids for the whole key (read-only): the request uses these from now on."""
     freed_pages: int
     """Duplicate pages the request computed, now freed."""
     adopted_pages: int
@@ -162,7 +163,10 @@ class HybridRadixCache:
         self._leaves: set[Node] = set()
         self._swa_nodes: list[set[Node]] = [set() for _ in self.comps.windows]
         self._state_nodes: set[Node] = set()
+        self._window_pools = [mem.pools[w.name] for w in self.comps.windows]
         self._owned = np.zeros(mem.pages.capacity, dtype=bool)
+        self._stamp = np.zeros(mem.pages.capacity, dtype=np.int64)  # scratch for repeat checks
+        self._order = np.arange(mem.pages.capacity, dtype=np.int64)
         self._owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
         self._locks: set[CacheLock] = set()
         key = self.policy.key
@@ -192,10 +196,11 @@ class HybridRadixCache:
         root = self._root(extra_key)
         nodes, partial, full = self._walk(root, toks)
         comps, ps = self.comps, self.page_size
+        walked = self._walked_pages(root, nodes, partial, full)
         if comps.full_only:
             end = swa_len = state_len = full
         else:
-            resident = self._resident(self._concat(nodes, partial, full))
+            resident = [pool.resident(walked) for pool in self._window_pools]
             swa_len = comps.longest_window_end(resident, full // ps) * ps if comps.windows else full
             if comps.state is None:
                 end = state_len = swa_len
@@ -204,14 +209,12 @@ class HybridRadixCache:
                 state_len = ends[-1] if ends else 0
                 end = next((e for e in reversed(ends) if comps.window_ok(resident, e // ps)), 0)
         node = self._node_at(root, nodes, partial, end)
-        path = node.path()
-        pages = np.concatenate([n.pages for n in path]) if path else _EMPTY
-        self._touch(path, None)
+        self._touch(nodes if nodes and node is nodes[-1] else node.path(), None)
         self.counters.matches += 1
         return MatchResult(
             node=node,
             length=end,
-            pages=pages,
+            pages=walked[: end // ps],
             state=node.state if end and node.state >= 0 else None,
             full_length=full,
             swa_length=swa_len,
@@ -245,33 +248,30 @@ class HybridRadixCache:
                 f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
                 "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
             )
-        try:
-            self.mem.pages.check_live(req, "insert pages")
-        except InvalidIds as exc:
-            raise InsertError(f"insert: {exc}; pass pages this request allocated and still holds") from exc
+        self._check_live_pages(req)
         ckpts = self._check_states(states, toks.size)
         root = self._find_root(extra_key)
         nodes, partial, full = self._walk(root, toks) if root is not None else ([], None, 0)
         fp = full // ps
-        cached = self._concat(nodes, partial, full)
+        cached = self._walked_pages(root, nodes, partial, full) if root is not None else _EMPTY
         dup = req[:fp] != cached
         foreign = self._owned[req]
         foreign[:fp] &= dup
-        if foreign.any():
+        if np.count_nonzero(foreign):
             i = int(np.argmax(foreign))
             raise InsertError(
                 f"insert: page {req[i]} (page {i} of the key) already belongs to the cache at "
                 "another position; pass the request's own pages, or the cache's own page there"
             )
-        dup_idx = np.flatnonzero(dup)
+        dup_idx = np.flatnonzero(dup) if np.count_nonzero(dup) else _EMPTY
         dup_pages = req[dup_idx]
-        if dup_pages.size and self.mem.gates.page_pins[dup_pages].any():
+        if dup_pages.size and np.count_nonzero(self.mem.gates.page_pins[dup_pages]):
             raise InsertError(
                 "insert: a duplicate page the cache would free is pinned by a move gate; release "
                 "the gate (the forward or transfer using it) before inserting"
             )
         slots = [slot for _, slot in ckpts]
-        if slots and self.mem.gates.slot_pins[slots].any():
+        if slots and np.count_nonzero(self.mem.gates.slot_pins[slots]):
             raise InsertError(
                 "insert: a state slot is pinned by a move gate; release it (the copy writing the "
                 "checkpoint) before handing it to the cache"
@@ -284,21 +284,46 @@ class HybridRadixCache:
         if dup_pages.size:
             self.mem.free_pages(dup_pages)
         last = self._node_at(root, nodes, partial, full)
+        path = nodes if nodes and last is nodes[-1] else last.path()
         if full < toks.size:
-            last = self._add_child(last, toks[full:].copy(), req[fp:].copy())
+            path_pages = np.concatenate([cached, req[fp:]])
+            last = self._add_child(last, toks[full:].copy(), req[fp:].copy(), path_pages)
+            path = [*path, last]
         freed_states = self._attach_states(last, ckpts)
-        self._touch(last.path(), priority)
+        self._touch(last.path() if ckpts else path, priority)
         self.counters.inserts += 1
         self.counters.duplicate_pages += int(dup_pages.size)
         self.counters.adopted_pages += adopted
         return InsertResult(
             node=last,
             prefix_len=full,
-            pages=np.concatenate([cached, req[fp:]]),
+            pages=last.path_pages,
             freed_pages=int(dup_pages.size),
             adopted_pages=adopted,
             freed_states=freed_states,
         )
+
+    def _check_live_pages(self, req: np.ndarray) -> None:
+        """Every id in range, live and given once (the memory's own check, without its sort:
+        a scratch stamp finds repeats)."""
+        if not req.size:
+            return
+        cap = self._owned.size
+        bad = (req <= 0) | (req >= cap)
+        if np.count_nonzero(bad):
+            page = int(req[np.argmax(bad)])
+            raise InsertError(f"insert: page id {page} is outside 1..{cap - 1} (0 is the padding sink)")
+        live = self.mem.pages.live[req]
+        if np.count_nonzero(live) != req.size:
+            raise InsertError(
+                f"insert: page {int(req[np.argmax(~live)])} is not allocated (freed already, or never "
+                "handed out); pass pages this request allocated and still holds"
+            )
+        order = self._order[: req.size]
+        self._stamp[req] = order
+        repeated = self._stamp[req] != order
+        if np.count_nonzero(repeated):
+            raise InsertError(f"insert: page {int(req[np.argmax(repeated)])} is given twice")
 
     def _page_ids(self, pages: object, what: str) -> np.ndarray:
         arr = np.asarray(pages)
@@ -326,7 +351,7 @@ class HybridRadixCache:
             self.mem.slots.check_live(slots, "insert states")
         except InvalidIds as exc:
             raise InsertError(f"insert: {exc}; pass state slots this request allocated") from exc
-        if self._owned_slots[slots].any():
+        if np.count_nonzero(self._owned_slots[slots]):
             raise InsertError(
                 f"insert: state slot {slots[np.argmax(self._owned_slots[slots])]} is already a "
                 "cached checkpoint; fork it (fork_state) before handing a copy back"
@@ -356,7 +381,7 @@ class HybridRadixCache:
         for w in self.comps.windows:
             pool = self.mem.pools[w.name]
             take = ~pool.resident(kept) & pool.resident(dup_pages)
-            if not take.any():
+            if not np.count_nonzero(take):
                 continue
             self.mem.adopt_window_pages(dup_pages[take], kept[take], w.name)
             adopted += int(np.count_nonzero(take))
@@ -515,7 +540,7 @@ class HybridRadixCache:
         return (
             node.lock == 0
             and node.state_lock == 0
-            and not self.mem.gates.page_pins[node.pages].any()
+            and not np.count_nonzero(self.mem.gates.page_pins[node.pages])
             and (node.state < 0 or not self.mem.gates.slot_pins[node.state])
         )
 
@@ -548,7 +573,7 @@ class HybridRadixCache:
                 self.policy.evicted(key)
                 self._remove_leaf(node, freed, release)
                 continue
-            if node.swa_lock or pins[node.pages].any():
+            if node.swa_lock or np.count_nonzero(pins[node.pages]):
                 skipped.append(node)
                 continue
             self.policy.evicted(key)
@@ -626,7 +651,7 @@ class HybridRadixCache:
     def _root(self, namespace: Hashable) -> Node:
         root = self._find_root(namespace)
         if root is None:
-            root = Node(0, _EMPTY, _EMPTY, 0, None, namespace, len(self.comps.windows))
+            root = Node(0, _EMPTY, _EMPTY, _EMPTY, 0, None, namespace, len(self.comps.windows))
             root.hashes = [root_hash(namespace)]
             self._roots[namespace] = root
         return root
@@ -655,18 +680,14 @@ class HybridRadixCache:
             pos, ps = off // 8, self.page_size
             m = min(child.key.size, toks.size - pos)
             diff = toks[pos : pos + m] != child.key[:m]
-            i = int(np.argmax(diff)) if diff.any() else m
+            i = int(np.argmax(diff)) if np.count_nonzero(diff) else m
             return nodes, child, pos + i - i % ps
         return nodes, None, off // 8
 
-    def _concat(self, nodes: list[Node], partial: Node | None, full: int) -> np.ndarray:
-        parts = [n.pages for n in nodes]
-        if partial is not None:
-            parts.append(partial.pages[: (full - partial.start) // self.page_size])
-        return np.concatenate(parts) if parts else _EMPTY
-
-    def _resident(self, pages: np.ndarray) -> list[np.ndarray]:
-        return [self.mem.pools[w.name].resident(pages) for w in self.comps.windows]
+    def _walked_pages(self, root: Node, nodes: list[Node], partial: Node | None, full: int) -> np.ndarray:
+        """Page ids of the walked ``full`` tokens: a read-only view of the deepest node's path."""
+        deepest = partial if partial is not None else nodes[-1] if nodes else root
+        return deepest.path_pages[: full // self.page_size]
 
     def _node_at(self, root: Node, nodes: list[Node], partial: Node | None, end: int) -> Node:
         """The node ending at ``end`` on the walked path, splitting one if needed."""
@@ -689,8 +710,16 @@ class HybridRadixCache:
         kp = k // ps
         parent = node.parent
         assert parent is not None and 0 < k < node.key.size and k % ps == 0
+        upper_path = node.path_pages[: (node.start + k) // ps]
         upper = Node(
-            next(self._uids), node.key[:k], node.pages[:kp], node.start, parent, node.namespace, len(node.swa_res)
+            next(self._uids),
+            node.key[:k],
+            node.pages[:kp],
+            upper_path,
+            node.start,
+            parent,
+            node.namespace,
+            len(node.swa_res),
         )
         upper.lock, upper.swa_lock = node.lock, node.swa_lock
         upper.last_access, upper.hits = node.last_access, node.hits
@@ -715,8 +744,12 @@ class HybridRadixCache:
         self._refresh(node)
         return upper
 
-    def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray) -> Node:
-        node = Node(next(self._uids), key, pages, parent.end, parent, parent.namespace, len(self.comps.windows))
+    def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray, path_pages: np.ndarray) -> Node:
+        for array in (key, pages, path_pages):
+            array.flags.writeable = False  # the tree's own arrays: hits hand out views
+        node = Node(
+            next(self._uids), key, pages, path_pages, parent.end, parent, parent.namespace, len(self.comps.windows)
+        )
         parent.children[node.kb[: self._first_page_bytes]] = node
         if parent.parent is not None:
             self._leaves.discard(parent)
@@ -786,7 +819,8 @@ class HybridRadixCache:
         self._refresh(node)
 
     def _refresh(self, node: Node) -> None:
-        """Give every candidate heap ``node`` belongs to an entry with its current key."""
+        """Give every candidate heap ``node`` belongs to an entry with its current key (call
+        whenever a key may have dropped; hits only raise keys)."""
         if node in self._leaves:
             self._full.push(node)
         for i, res in enumerate(node.swa_res):
@@ -805,12 +839,6 @@ class HybridRadixCache:
                 n.priority = priority
             if touched is not None:
                 touched(n)
-        if self.comps.full_only:
-            if path:  # only the deepest node can be a leaf, and only leaves are candidates
-                self._refresh(path[-1])
-        else:
-            for n in path:
-                self._refresh(n)
 
     # --- events ---------------------------------------------------------------------------
 

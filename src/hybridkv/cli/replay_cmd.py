@@ -87,7 +87,7 @@ def replay(
 
 
 def _print_replay(out: dict[str, Any]) -> None:
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     first = out["runs"][0]
     console.print(
         f"[bold]{first['model']}[/] on {first['workload']}: {first['requests']:,} requests, "
@@ -146,9 +146,10 @@ def bench_cache(
     if as_json:
         typer.echo(json.dumps(report))
         return
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     table = Table(title=f"bench cache: {report['requests']:,} radix requests, page size {page_size}")
-    for col in ("config", "pool", "cache", "hit rate", "evicted", "op", "ops/s", "p50 us", "p99 us", "x baseline"):
+    cols = ("config", "pool", "cache", "hit rate", "evicted pages", "op", "ops/s", "p50 us", "p99 us")
+    for col in (*cols, "x baseline"):
         table.add_column(col)
     ratios = {(r["config"], r["pool"]): r for r in report["ratios"]}
     for run_ in report["runs"]:
@@ -160,7 +161,7 @@ def bench_cache(
                 run_["pool"] if first else "",
                 run_["impl"] if first else "",
                 f"{run_['hit_rate']:.4f}" if first else "",
-                f"{run_['evicted_cells']:,}" if first else "",
+                f"{run_['evicted_pages']:,}" if first else "",
                 op,
                 f"{s['ops_per_s']:,.0f}",
                 f"{s['p50_us']:.1f}",
