@@ -21,6 +21,7 @@ from hybridkv.transfer import (
     PrefillSender,
     RequestStatus,
     Transport,
+    TransportError,
     buffer_set_from_memory,
     build_plan,
     make_transport,
@@ -413,6 +414,11 @@ def test_failed_mooncake_write_is_a_failed_request(bootstrap, stack):
     assert mismatch(mem, expected_arena(mem, [(alloc.pages, alloc.slot, 20, 8)])) == ""
     mem.free_pages(alloc.pages)
     mem.free_state([alloc.slot])
+    # the peer engine refuses a write outside what decode registered
+    link = senders[0].transport
+    outside = np.array([mem.arena.buffer.data_ptr() + mem.arena.nbytes])
+    with pytest.raises(TransportError, match="answering probes"):
+        link.write(dec.transport.session, np.array([senders[0].mem.arena.buffer.data_ptr()]), outside, np.array([64]))
     dec.transport.close()  # decode's engine goes away: the prefill's writes must fail
     hand_over(senders, "gone", 20, seed=9)
     dec.request("gone", "pre", 20)

@@ -192,16 +192,20 @@ class DecodeReceiver(Agent):
         return reports
 
     def wait(self, request_id: str, timeout_s: float) -> StatusReport:
-        """Poll until ``request_id`` is finished; raises TimeoutError after ``timeout_s``."""
+        """Poll until ``request_id`` is finished; raises TimeoutError after ``timeout_s``.
+
+        On return the request's pages are unpinned (Success) or on their way to be freed
+        (Failed: after quarantine, on a later ``poll``).
+        """
         end = time.monotonic() + timeout_s
         while True:
-            self.poll()
             report = self.status(request_id)
+            self.poll()  # events are queued before a terminal status is published
             if report is not None and report.phase.terminal:
                 return report
             if time.monotonic() > end:
                 raise TimeoutError(f"request {request_id!r} not finished after {timeout_s} s")
-            time.sleep(0.001)
+            time.sleep(0.0005)
 
     @property
     def held(self) -> int:
@@ -394,9 +398,9 @@ class DecodeReceiver(Agent):
             inc.status.nbytes = sum(g.plan.nbytes for g in inc.legs.values())
             inc.status.ops = sum(g.plan.num_ops for g in inc.legs.values())
             rid = inc.status.request_id
-            self._publish(inc)
-            self.events.put(("done", rid, inc.status.report()))
             self.events.put(("keep", rid, None))
+            self.events.put(("done", rid, inc.status.report()))
+            self._publish(inc)
             del self._in[rid]
 
     def _fail(self, inc: _Incoming, reason: str) -> None:
@@ -409,9 +413,9 @@ class DecodeReceiver(Agent):
             if not leg.final:
                 self.post(leg.source.reg.endpoint, abort)
         inc.quarantine_until = time.monotonic() + self.quarantine_s
-        self._publish(inc)
         self.events.put(("done", rid, inc.status.report()))
         self._release_if_quiet(inc)
+        self._publish(inc)
 
     def _release_if_quiet(self, inc: _Incoming, now: float | None = None) -> None:
         """Free a failed request's pages once no prefill rank can still write into them."""

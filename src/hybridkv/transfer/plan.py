@@ -55,6 +55,8 @@ class TransferPlan:
 
         A single op larger than ``max_bytes`` is a chunk of its own.
         """
+        if self.num_ops <= max_ops and self.nbytes <= max_bytes:
+            return [slice(0, self.num_ops)] if self.num_ops else []
         ends = np.cumsum(self.length)
         out, i = [], 0
         while i < self.num_ops:
@@ -132,9 +134,8 @@ class _Group:
                 f"(layer {self.layer}), the request needs {need}"
             )
         picked = np.asarray(have, dtype=np.int64)[where]
-        bad = (picked < 1) | (picked >= count)
-        if bad.any():
-            i = int(np.argmax(bad))
+        if picked.min() < 1 or picked.max() >= count:
+            i = int(np.argmax((picked < 1) | (picked >= count)))
             what = "a tombstone (not resident)" if picked[i] == -1 else f"outside [1, {count})"
             raise PlanError(
                 f"{role} cell {picked[i]} for position {where[i]} of pool {pool!r} (layer {self.layer}) is {what}"
@@ -192,7 +193,7 @@ class Route:
                 continue
             d = g.cells(dst_cells, "decode", where)
             dst_parts.append((d[:, None] * g.dst_stride + g.dst_off).ravel())
-            len_parts.append(np.broadcast_to(g.length, (where.size, g.length.size)).ravel())
+            len_parts.append(np.tile(g.length, where.size))
             if src_cells is not None:
                 s = g.cells(src_cells, "prefill", where)
                 src_parts.append((s[:, None] * g.src_stride + g.src_off).ravel())
@@ -223,6 +224,11 @@ def build_plan(
 
 
 def _check_inside(addr: np.ndarray, length: np.ndarray, bufs: BufferSet, role: str) -> None:
+    if addr.size == 0:
+        return
+    lo, hi = int(addr.min()), int((addr + length).max())
+    if any(start <= lo and hi <= start + size for start, size in bufs.regions):
+        return  # all inside one region: the common case, two reductions
     inside = np.zeros(addr.size, dtype=bool)
     for start, size in bufs.regions:
         inside |= (addr >= start) & (addr + length <= start + size)
@@ -238,8 +244,9 @@ def _coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray, merge_src: b
     pieces = int(dst.size)
     if pieces == 0:
         return TransferPlan(_EMPTY, _EMPTY, _EMPTY, 0)
-    order = np.argsort(dst, kind="stable")
-    src, dst, length = src[order], dst[order], length[order]
+    if pieces > 1 and not (dst[1:] > dst[:-1]).all():
+        order = np.argsort(dst, kind="stable")
+        src, dst, length = src[order], dst[order], length[order]
     end = dst[:-1] + length[:-1]
     overlap = end > dst[1:]
     if overlap.any():

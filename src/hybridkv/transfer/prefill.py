@@ -48,6 +48,7 @@ from hybridkv.transfer.pairing import pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
 from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
+from hybridkv.transfer.transport.base import write_plan
 
 FINISHED_KEEP_S = 120.0
 WAITING_GRACE_S = 1.0
@@ -293,12 +294,7 @@ class PrefillSender(Agent):
         assert out.cells is not None and leg.peer.route is not None
         try:
             plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
-            for chunk in plan.chunks(self.transport.max_ops_per_write, self.chunk_bytes):
-                if leg.stop:
-                    raise TransferError(f"stopped: {leg.stop}")
-                if time.monotonic() > leg.deadline:
-                    raise TransferError("stopped: the decode's deadline passed")
-                self.transport.write(leg.peer.session, plan.src[chunk], plan.dst[chunk], plan.length[chunk])
+            write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, partial(self._should_stop, leg))
             crc = crc32_ranges(plan.src, plan.length) if leg.checksum else None
             done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
         except TransferError as exc:
@@ -307,6 +303,12 @@ class PrefillSender(Agent):
             log.exception("%s: leg of %s failed", self.rank, out.status.request_id)
             done = partial(self._leg_done, out, leg, f"internal error: {exc!r}", 0, 0, None)
         self.call_soon(done)
+
+    @staticmethod
+    def _should_stop(leg: _Leg) -> str:
+        if leg.stop:
+            return leg.stop
+        return "the decode's deadline passed" if time.monotonic() > leg.deadline else ""
 
     def _leg_done(self, out: _Outgoing, leg: _Leg, error: str, ops: int, nbytes: int, crc: int | None) -> None:
         leg.state = "done"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridkv.transfer.shared import SharedBuffer
-from hybridkv.transfer.transport.base import Transport
+from hybridkv.transfer.transport.base import Transport, write_plan
 from hybridkv.transfer.transport.shm import ShmTransport
 
 TRANSPORTS = ("shm", "mooncake")
@@ -20,4 +20,4 @@ def make_transport(name: str, shared: SharedBuffer | None = None, **options: obj
     raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
 
 
-__all__ = ["TRANSPORTS", "ShmTransport", "Transport", "make_transport"]
+__all__ = ["TRANSPORTS", "ShmTransport", "Transport", "make_transport", "write_plan"]

@@ -12,9 +12,13 @@ Invariants:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
+
+from hybridkv.transfer.errors import TransferError
+from hybridkv.transfer.plan import TransferPlan
 
 
 class Transport(ABC):
@@ -38,3 +42,17 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""
+
+
+def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes: int, stop: Callable[[], str]) -> None:
+    """Write ``plan`` in chunks (at most ``max_ops_per_write`` ops, about ``chunk_bytes``).
+
+    ``stop()`` is asked before every chunk; a non-empty answer ends the write with
+    ``TransferError("stopped: <answer>")``, so an abort or a deadline takes effect at the
+    next chunk boundary.
+    """
+    for chunk in plan.chunks(transport.max_ops_per_write, chunk_bytes):
+        reason = stop()
+        if reason:
+            raise TransferError(f"stopped: {reason}")
+        transport.write(peer, plan.src[chunk], plan.dst[chunk], plan.length[chunk])

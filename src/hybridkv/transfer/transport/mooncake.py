@@ -78,6 +78,11 @@ class MooncakeTransport(Transport):
     def session(self) -> str:
         return self._session
 
+    @property
+    def engine(self) -> object:
+        """The underlying ``TransferEngine`` (for raw-engine baselines in benchmarks)."""
+        return self._engine
+
     def register(self, addr: int, length: int) -> None:
         rc = self._engine.register_memory(addr, length)
         if rc != 0:

@@ -74,16 +74,36 @@ class ShmTransport(Transport):
         self._local.append((addr, array))
 
     def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        if src.size == 0:
+            return
         if peer not in self._peers:
             self._peers[peer] = _Mapping(peer)
         target = self._peers[peer]
         off = dst - target.remote
-        bad = (off < 0) | (off + length > target.nbytes)
-        if bad.any():
-            i = int(np.argmax(bad))
+        if off.min() < 0 or (off + length).max() > target.nbytes:
+            i = int(np.argmax((off < 0) | (off + length > target.nbytes)))
             raise TransportError(
                 f"shm write to {peer}: destination [{dst[i]:#x}, {dst[i] + length[i]:#x}) is outside the peer's buffer"
             )
+        region = self._regions(src, length)
+        if length.min() >= SMALL_OP:  # the common case: every op is one memmove
+            for s, d, n in zip(src.tolist(), off.tolist(), length.tolist(), strict=True):
+                ctypes.memmove(target.base + d, s, n)
+            return
+        big = length >= SMALL_OP
+        for s, d, n in zip(src[big].tolist(), off[big].tolist(), length[big].tolist(), strict=True):
+            ctypes.memmove(target.base + d, s, n)
+        for k, (addr, array) in enumerate(self._local):
+            small = ~big & (region == k)
+            if small.any():
+                _scatter(target.array, off[small], array, src[small] - addr, length[small])
+
+    def _regions(self, src: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Index of the registered local region holding each source range."""
+        lo, hi = int(src.min()), int((src + length).max())
+        for k, (addr, array) in enumerate(self._local):
+            if addr <= lo and hi <= addr + array.size:
+                return np.full(src.size, k, dtype=np.int64)  # all in one region: two reductions
         region = np.full(src.size, -1, dtype=np.int64)
         for k, (addr, array) in enumerate(self._local):
             region[(src >= addr) & (src + length <= addr + array.size)] = k
@@ -92,13 +112,7 @@ class ShmTransport(Transport):
             raise TransportError(
                 f"shm write: source [{src[i]:#x}, {src[i] + length[i]:#x}) is outside every registered local region"
             )
-        big = length >= SMALL_OP
-        for s, d, n in zip(src[big].tolist(), off[big].tolist(), length[big].tolist(), strict=True):
-            ctypes.memmove(target.base + d, s, n)
-        for k, (addr, array) in enumerate(self._local):
-            small = ~big & (region == k)
-            if small.any():
-                _scatter(target.array, off[small], array, src[small] - addr, length[small])
+        return region
 
     def close(self) -> None:
         for mapping in self._peers.values():

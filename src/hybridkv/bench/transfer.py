@@ -1,0 +1,207 @@
+"""``hybridkv bench transfer``: transfer GB/s by page size and batch size, side by side with a
+raw baseline moving the same bytes between the same two memories, in the same run.
+
+Setup: one prefill rank and one decode rank in this process, each with its own
+``UnifiedMemory`` (the decode arena in shared memory for shm), a bootstrap, a
+``PrefillSender`` and a ``DecodeReceiver``. The model is 4 full-attention layers, 8 KV
+heads of 128, bf16: 16 KiB per token, so a page of ``t`` tokens is one ``16 t`` KiB cell.
+The request's prefill pages are in random order, so each page is one op.
+
+Measured per (page size, batch), warm, interleaved, median of ``reps``:
+- ``hybridkv``: what a prefill rank does per request: ``Route.plan`` (cells -> coalesced
+  ops, all checks) plus ``write_plan`` through the transport;
+- ``baseline``: the same bytes moved raw, with no plan and no checks. shm: one
+  ``memmove`` per op of the very same ops (the pages' bytes are where they are);
+  mooncake: one ``batch_transfer_sync_write`` of the very same ops on the same engines;
+- ``memcpy_block`` (shm): one contiguous ``memmove`` of as many bytes, the copy's upper
+  bound, for reference;
+- ``end_to_end``: ``DecodeReceiver.request`` to Success through the control plane (alloc,
+  pin, messages, plan, write, status, free), for reference.
+
+Goals (against ``baseline``): shm ``>= 0.8 x`` for pages >= 64 KiB; mooncake ``>= 0.9 x``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import FullAttention, ModelSpec, ShardSpec
+from hybridkv.transfer import (
+    BootstrapServer,
+    DecodeReceiver,
+    Phase,
+    PrefillSender,
+    make_transport,
+    memory_cells,
+    pair_entries,
+    shared_memory,
+)
+from hybridkv.transfer.plan import Route
+from hybridkv.transfer.transport import write_plan
+
+MODEL = ModelSpec.from_kinds(
+    "bench-dense-4x8x128-bf16", [FullAttention(8, 128, 128)] * 4, kv_dtype=torch.bfloat16, max_context=1 << 20
+)
+TOKEN_BYTES = 16 << 10
+GOALS = {"shm": (0.8, 64 << 10), "mooncake": (0.9, 0)}  # (min ratio, from page bytes)
+CHUNK_BYTES = 64 << 20
+_REQUEST_IDS = itertools.count()  # request ids are never reused: a reused id is refused
+
+
+def _timer(fn: Callable[[], object]) -> Callable[[], float]:
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return timed
+
+
+@contextlib.contextmanager
+def _ranks(transport: str, page_tokens: int, max_batch: int) -> Iterator[tuple[PrefillSender, DecodeReceiver]]:
+    """A prefill and a decode rank of ``MODEL`` with room for ``max_batch`` pages each."""
+    shard = ShardSpec.whole(MODEL)
+    page_bytes = TOKEN_BYTES * page_tokens
+    budget = page_bytes * (2 * max_batch + 32)
+    hints = {"page_size": page_tokens, "max_context": page_tokens * max_batch, "chunk_tokens": page_tokens}
+    with contextlib.ExitStack() as stack:
+        boot = BootstrapServer().start()
+        stack.callback(boot.close)
+        pre = UnifiedMemory.create(shard, budget, **hints)
+        shared = None
+        if transport == "shm":
+            dec, shared = shared_memory(shard, budget, **hints)
+            stack.callback(shared.close)
+        else:
+            dec = UnifiedMemory.create(shard, budget, **hints)
+        pre.arena.buffer.fill_(7)  # touch every page once: no first-fault costs in the timings
+        dec.arena.buffer.zero_()
+        pre_link, dec_link = make_transport(transport), make_transport(transport, shared)
+        stack.callback(pre_link.close)
+        stack.callback(dec_link.close)
+        sender = PrefillSender(pre, "bench-prefill", boot.address, pre_link)
+        stack.callback(sender.close)
+        receiver = DecodeReceiver(dec, "bench-decode", boot.address, dec_link)
+        stack.callback(receiver.close)
+        yield sender, receiver
+
+
+def _case(
+    transport: str, sender: PrefillSender, receiver: DecodeReceiver, batch: int, reps: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    pre, dec = sender.mem, receiver.mem
+    page_tokens = pre.page_size
+    seq_len = batch * page_tokens
+    pages = rng.permutation(pre.alloc_pages(batch))
+    dst_pages = dec.alloc_pages(batch)
+    route = Route(sender.buffers, receiver.buffers, pair_entries(sender.buffers, receiver.buffers))
+    src_cells, dst_cells = memory_cells(pre, pages, None), memory_cells(dec, dst_pages, None)
+    peer = receiver.transport.session
+
+    def hybridkv() -> None:
+        plan = route.plan(seq_len, src_cells, dst_cells)
+        write_plan(sender.transport, peer, plan, CHUNK_BYTES, lambda: "")
+
+    plan = route.plan(seq_len, src_cells, dst_cells)
+    nbytes = plan.nbytes
+    ops = (plan.src.tolist(), plan.dst.tolist(), plan.length.tolist())
+    paths: dict[str, Callable[[], object]] = {"hybridkv": hybridkv}
+    if transport == "shm":
+        src0, dst0 = pre.arena.buffer.data_ptr(), dec.arena.buffer.data_ptr()
+
+        def memcpy_ops() -> None:
+            for s, d, n in zip(*ops, strict=True):
+                ctypes.memmove(d, s, n)
+
+        def memcpy_block() -> None:
+            ctypes.memmove(dst0 + dec.arena.sink_bytes, src0 + pre.arena.sink_bytes, nbytes)
+
+        paths |= {"baseline": memcpy_ops, "memcpy_block": memcpy_block}
+    else:
+        engine: Any = sender.transport.engine  # type: ignore[attr-defined]
+
+        def raw_mooncake() -> None:
+            if engine.batch_transfer_sync_write(peer, *ops) != 0:
+                raise RuntimeError("raw mooncake batch write failed")
+
+        paths["baseline"] = raw_mooncake
+
+    def end_to_end() -> None:
+        rid = f"bench-{next(_REQUEST_IDS)}"
+        alloc = receiver.request(rid, "bench-prefill", seq_len)
+        sender.send(rid, pages, None, seq_len)
+        report = receiver.wait(rid, 60)
+        if report.phase is not Phase.SUCCESS:
+            raise RuntimeError(f"bench request failed: {report.reason}")
+        while not sender.poll():
+            time.sleep(0.0002)
+        dec.free_pages(alloc.pages)
+
+    paths["end_to_end"] = end_to_end
+    timers = {name: _timer(fn) for name, fn in paths.items()}
+    for timed in timers.values():  # warm-up: mappings, handshakes, caches
+        timed()
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(reps):
+        for name, timed in timers.items():
+            times[name].append(timed())
+    pre.free_pages(pages)
+    dec.free_pages(dst_pages)
+    gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    page_bytes = TOKEN_BYTES * page_tokens
+    need, from_bytes = GOALS[transport]
+    ratio = gbps["hybridkv"] / gbps["baseline"]
+    return {
+        "page_bytes": page_bytes,
+        "batch": batch,
+        "bytes": nbytes,
+        "ops": plan.num_ops,
+        "hybridkv_gbps": gbps["hybridkv"],
+        "baseline_gbps": gbps["baseline"],
+        "ratio": ratio,
+        "memcpy_block_gbps": gbps.get("memcpy_block"),
+        "ratio_to_block": gbps["hybridkv"] / gbps["memcpy_block"] if "memcpy_block" in gbps else None,
+        "end_to_end_gbps": gbps["end_to_end"],
+        "goal": need if page_bytes >= from_bytes else None,
+        "meets_goal": ratio >= need if page_bytes >= from_bytes else None,
+    }
+
+
+def run(
+    transport: str = "shm",
+    page_tokens: tuple[int, ...] = (1, 4, 16, 64),
+    batches: tuple[int, ...] = (16, 64, 256),
+    reps: int = 7,
+    max_request_bytes: int = 64 << 20,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Every (page size, batch) whose request fits ``max_request_bytes``."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for tokens in page_tokens:
+        fit = [b for b in batches if b * tokens * TOKEN_BYTES <= max_request_bytes]
+        if not fit:
+            continue
+        with _ranks(transport, tokens, max(fit)) as (sender, receiver):
+            rows += [_case(transport, sender, receiver, b, reps, rng) for b in fit]
+    need, from_bytes = GOALS[transport]
+    judged = [r for r in rows if r["meets_goal"] is not None]
+    return {
+        "transport": transport,
+        "baseline": "raw memcpy of the same ops" if transport == "shm" else "raw mooncake batch write of the same ops",
+        "model": MODEL.name,
+        "reps": reps,
+        "goal": f"hybridkv >= {need} x baseline" + (f" for pages >= {from_bytes >> 10} KiB" if from_bytes else ""),
+        "meets_goal": all(r["meets_goal"] for r in judged) if judged else None,
+        "cases": rows,
+    }
