@@ -1,4 +1,4 @@
-"""The shm transport refuses ranges outside the peer's buffer or this side's registered memory."""
+"""Transports copy exactly the ops given and refuse ranges or memory they must not touch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.transfer import SharedBuffer, TransportError, make_transport
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.transfer import (
+    DecodeReceiver,
+    PrefillSender,
+    SharedBuffer,
+    TransferError,
+    TransportError,
+    make_transport,
+)
 
 
 def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
@@ -38,3 +47,13 @@ def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
     writer.close()
     receiver.close()
     peer.close()
+
+
+def test_agents_refuse_memory_their_transport_cannot_touch():
+    meta = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-dense")), "1MiB", device="meta", page_size=4, max_context=64
+    )
+    link = make_transport("shm")
+    for agent in (PrefillSender, DecodeReceiver):
+        with pytest.raises(TransferError, match="moves \\['cpu'\\] memory, this memory is on 'meta'"):
+            agent(meta, "e", "tcp://127.0.0.1:9", link)

@@ -7,7 +7,8 @@ Setup: one prefill rank and one decode rank in this process, each with its own
 heads of 128, bf16: 16 KiB per token, so a page of ``t`` tokens is one ``16 t`` KiB cell.
 The request's prefill pages are in random order, so each page is one op.
 
-Measured per (page size, batch), warm, interleaved, median of ``reps``:
+Measured per (page size, batch), warm, interleaved in a rotating order, median of ``reps``
+(GB/s per path; ratios are the median of per-repetition ratios):
 - ``hybridkv``: what a prefill rank does per request: ``Route.plan`` (cells -> coalesced
   ops, all checks) plus ``write_plan`` through the transport;
 - ``baseline``: the same bytes moved raw, with no plan and no checks. shm: one
@@ -56,6 +57,12 @@ TOKEN_BYTES = 16 << 10
 GOALS = {"shm": (0.8, 64 << 10), "mooncake": (0.9, 0)}  # (min ratio, from page bytes)
 CHUNK_BYTES = 64 << 20
 _REQUEST_IDS = itertools.count()  # request ids are never reused: a reused id is refused
+
+
+def _paired_ratio(times: dict[str, list[float]], baseline: str) -> float:
+    """Median over repetitions of baseline time / hybridkv time, each pair run back to back
+    (robust to load that drifts during the run)."""
+    return statistics.median(b / h for b, h in zip(times[baseline], times["hybridkv"], strict=True))
 
 
 def _timer(fn: Callable[[], object]) -> Callable[[], float]:
@@ -152,15 +159,16 @@ def _case(
     for timed in timers.values():  # warm-up: mappings, handshakes, caches
         timed()
     times: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(reps):
-        for name, timed in timers.items():
-            times[name].append(timed())
+    names = list(timers)
+    for rep in range(reps):  # rotate the order: no path always runs on the caches another left
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            times[name].append(timers[name]())
     pre.free_pages(pages)
     dec.free_pages(dst_pages)
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     page_bytes = TOKEN_BYTES * page_tokens
     need, from_bytes = GOALS[transport]
-    ratio = gbps["hybridkv"] / gbps["baseline"]
+    ratio = _paired_ratio(times, "baseline")
     return {
         "page_bytes": page_bytes,
         "batch": batch,
@@ -170,7 +178,7 @@ def _case(
         "baseline_gbps": gbps["baseline"],
         "ratio": ratio,
         "memcpy_block_gbps": gbps.get("memcpy_block"),
-        "ratio_to_block": gbps["hybridkv"] / gbps["memcpy_block"] if "memcpy_block" in gbps else None,
+        "ratio_to_block": _paired_ratio(times, "memcpy_block") if "memcpy_block" in times else None,
         "end_to_end_gbps": gbps["end_to_end"],
         "goal": need if page_bytes >= from_bytes else None,
         "meets_goal": ratio >= need if page_bytes >= from_bytes else None,

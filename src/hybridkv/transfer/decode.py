@@ -113,6 +113,8 @@ class DecodeReceiver(Agent):
         quarantine_s: float = 30.0,
         checksum: bool = False,
     ) -> None:
+        transport.check_device(mem.device.type)  # before any socket or address exists
+        self.buffers = buffer_set_from_memory(mem)
         super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host)
         self.mem = mem
         self.transport = transport
@@ -121,7 +123,6 @@ class DecodeReceiver(Agent):
         self.peer_timeout_s = peer_timeout_s
         self.quarantine_s = quarantine_s
         self.checksum = checksum
-        self.buffers = buffer_set_from_memory(mem)
         self._hello = Hello(self.rank, self.endpoint, transport.name, transport.session, self.buffers)
         self._engines: dict[str, dict[Rank, _Source]] = {}
         self._waiting: dict[str, list[_Incoming]] = {}

@@ -106,6 +106,8 @@ class PrefillSender(Agent):
         peer_timeout_s: float = 5.0,
         chunk_bytes: int = 64 << 20,
     ) -> None:
+        transport.check_device(mem.device.type)  # before any socket or address exists
+        self.buffers = buffer_set_from_memory(mem)
         super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host)
         self.mem = mem
         self.transport = transport
@@ -113,7 +115,6 @@ class PrefillSender(Agent):
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
         self.chunk_bytes = chunk_bytes
-        self.buffers = buffer_set_from_memory(mem)
         self._peers: dict[Rank, _DecodePeer] = {}
         self._out: dict[str, _Outgoing] = {}
         self._finished: dict[str, float] = {}

@@ -25,6 +25,16 @@ class Transport(ABC):
     name: ClassVar[str]
     max_ops_per_write: ClassVar[int]
     """Ops one ``write`` call should carry at most (the caller splits plans into chunks)."""
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    """Memory kinds the transport can move (both transports here move host memory)."""
+
+    def check_device(self, device: str) -> None:
+        """Refuse memory this transport cannot touch, before any address is used."""
+        if device not in self.devices:
+            raise TransferError(
+                f"the {self.name} transport moves {sorted(self.devices)} memory, this memory is on "
+                f"{device!r}; use a host (cpu) memory or a transport for {device!r}"
+            )
 
     @property
     @abstractmethod
