@@ -96,8 +96,22 @@ def _check_positive(owner: str, **values: int) -> None:
             raise ValueError(f"{owner}: {key} must be positive, got {value}")
 
 
+class _KVHeads:
+    """K and V heads per token (shared by full and sliding-window attention)."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        _check_positive(type(self).__name__, **{k: int(v) for k, v in vars(self).items()})
+
+    def elems_per_token(self) -> int:
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+
 @dataclass(frozen=True)
-class FullAttention:
+class FullAttention(_KVHeads):
     """MHA/GQA: K and V for every token, ``num_kv_heads`` heads (unsharded count)."""
 
     num_kv_heads: int
@@ -105,20 +119,9 @@ class FullAttention:
     v_head_dim: int
     tag = KindTag.FULL
 
-    def __post_init__(self) -> None:
-        _check_positive(
-            "full attention",
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            v_head_dim=self.v_head_dim,
-        )
-
-    def elems_per_token(self) -> int:
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
-
 
 @dataclass(frozen=True)
-class SlidingWindow:
+class SlidingWindow(_KVHeads):
     """Sliding-window attention: like full attention, but only the last ``window`` tokens."""
 
     window: int
@@ -126,18 +129,6 @@ class SlidingWindow:
     head_dim: int
     v_head_dim: int
     tag = KindTag.SWA
-
-    def __post_init__(self) -> None:
-        _check_positive(
-            "sliding window",
-            window=self.window,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            v_head_dim=self.v_head_dim,
-        )
-
-    def elems_per_token(self) -> int:
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
 
 @dataclass(frozen=True)
