@@ -107,3 +107,17 @@ def test_duplicate_checkpoint_is_freed(cache):
     assert result.freed_states == 1 and result.freed_pages == 4
     assert cache.mem.slots.live_count == live and not cache.mem.slots.live[slot]
     cache.check()
+
+
+def test_checkpoint_above_another_keeps_cost_keys_consistent():
+    """With the cost policy a state's key counts the recompute back to the previous checkpoint;
+    a new checkpoint above it lowers that key, so the state must stay evictable in order."""
+    cache = HybridRadixCache(small_memory("tiny-gdn", PS, budget=400_000), policy="cost")
+    toks = np.arange(24)
+    _, deep = put(cache, toks, at=[24])
+    put(cache, toks[:8], at=[8])  # does not touch the node ending at 24
+    cache.check()  # every checkpoint has a heap entry at or below its current key
+    assert cache.evict({"state": 1}) == {"state": 1}
+    # per byte, the checkpoint at 8 saves 8 tokens, the one at 24 the 16 tokens since 8
+    assert cache.match_prefix(toks[:8]).length == 0
+    assert cache.match_prefix(toks).state == deep[24]

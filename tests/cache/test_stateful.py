@@ -247,6 +247,7 @@ def _machine(preset: str, policy: str, cap: int = 8) -> type[CacheMachine]:
 
 TestSwa2State = SETTINGS(_machine("tiny-swa2-state", "lru")).TestCase
 TestSwaCost = SETTINGS(_machine("tiny-swa", "cost")).TestCase
-TestGdnCap = SETTINGS(_machine("tiny-gdn", "lfu", cap=2)).TestCase
+TestGdnCostCap = SETTINGS(_machine("tiny-gdn", "cost", cap=2)).TestCase
+TestSwa2Lfu = SETTINGS(_machine("tiny-swa2-state", "lfu", cap=3)).TestCase
 TestDensePriority = SETTINGS(_machine("tiny-dense", "priority")).TestCase
 TestKdaMla = SETTINGS(_machine("tiny-kda-mla", "lru", cap=3)).TestCase

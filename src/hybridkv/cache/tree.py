@@ -165,8 +165,8 @@ class HybridRadixCache:
         self._state_nodes: set[Node] = set()
         self._window_pools = [mem.pools[w.name] for w in self.comps.windows]
         self._owned = np.zeros(mem.pages.capacity, dtype=bool)
-        self._stamp = np.zeros(mem.pages.capacity, dtype=np.int64)  # scratch for repeat checks
-        self._order = np.arange(mem.pages.capacity, dtype=np.int64)
+        self._stamp = np.zeros(mem.pages.capacity, dtype=np.int32)  # scratch for repeat checks
+        self._order = np.arange(1024, dtype=np.int32)
         self._owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
         self._locks: set[CacheLock] = set()
         key = self.policy.key
@@ -319,6 +319,8 @@ class HybridRadixCache:
                 f"insert: page {int(req[np.argmax(~live)])} is not allocated (freed already, or never "
                 "handed out); pass pages this request allocated and still holds"
             )
+        if req.size > self._order.size:
+            self._order = np.arange(max(req.size, 2 * self._order.size), dtype=np.int32)
         order = self._order[: req.size]
         self._stamp[req] = order
         repeated = self._stamp[req] != order
@@ -411,6 +413,8 @@ class HybridRadixCache:
             self._owned_slots[slot] = True
             self._state_nodes.add(node)
             self._refresh(node)
+            for below in self._nearest_states_below(node):
+                self._refresh(below)  # their previous checkpoint moved closer: a state's key may drop
             if self.events.enabled:
                 self._emit_state(EventKind.STORED, node)
         if unused:
@@ -436,6 +440,18 @@ class HybridRadixCache:
         self.mem.free_state(np.asarray(slots, dtype=np.int64))
         self.counters.capped_states += excess
         return True
+
+    @staticmethod
+    def _nearest_states_below(node: Node) -> list[Node]:
+        """The first checkpoint on every path below ``node``."""
+        out, stack = [], list(node.children.values())
+        while stack:
+            n = stack.pop()
+            if n.state >= 0:
+                out.append(n)
+            else:
+                stack.extend(n.children.values())
+        return out
 
     @staticmethod
     def _states_below(node: Node) -> int:

@@ -45,10 +45,12 @@ def replay(
     gpu_memory: str = typer.Option(..., "--gpu-memory", help="KV budget of one device, e.g. 40GiB."),
     page_size: int = typer.Option(16, "--page-size"),
     policy: str = typer.Option("lru", "--policy", help="lru, lfu, priority, cost; comma list or 'all' to compare."),
-    cache_tokens: str = typer.Option("inf", "--cache-tokens", help="Most tokens the cache keeps, or 'inf'."),
+    cache_tokens: str = typer.Option(
+        "inf", "--cache-tokens", help="Cache size cap in tokens (held once requests unlock), or 'inf'."
+    ),
     limit: int = typer.Option(None, "--limit", help="Replay only the first N requests."),
-    prefill_tps: float = typer.Option(20_000.0, "--prefill-tps", help="Simulated prefill tokens per second."),
-    decode_step_ms: float = typer.Option(30.0, "--decode-step-ms", help="Simulated time of one decode step."),
+    prefill_tps: float = typer.Option(50_000.0, "--prefill-tps", help="Simulated prefill tokens per second."),
+    decode_step_ms: float = typer.Option(25.0, "--decode-step-ms", help="Simulated time of one decode step."),
     max_running: int = typer.Option(128, "--max-running", help="Most requests decoding at once."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: str = typer.Option(None, "--plot", help="Write the pool split over time to this PNG."),

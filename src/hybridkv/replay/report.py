@@ -60,6 +60,7 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
             "wall_s": res.wall_seconds,
             "requests_per_s": res.requests / res.wall_seconds if res.wall_seconds else 0.0,
             "simulated_s": res.sim_seconds,
+            "trace_span_s": res.trace_seconds,
             "simulated_s_per_wall_s": res.sim_seconds / res.wall_seconds if res.wall_seconds else 0.0,
             "steps": res.steps,
         },

@@ -49,14 +49,16 @@ class ReplayError(RuntimeError):
 class EngineModel:
     """The simulated engine's clock and batch limits (no model compute; these set the time)."""
 
-    prefill_tokens_per_s: float = 20_000.0
-    decode_step_s: float = 0.03
+    prefill_tokens_per_s: float = 50_000.0
+    decode_step_s: float = 0.025
     """One decode step of the whole batch (time per output token)."""
     decode_chunk: int = 16
     """Tokens every running request generates per simulated decode batch."""
     max_running: int = 128
     max_prefill_tokens: int = 16_384
     """New prompt tokens admitted per step (at least one request is admitted)."""
+    chunk_tokens: int = 8192
+    """Prefill chunk: window pages that leave the window are freed between chunks."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,15 @@ class ReplayResult:
     peak_live_pages: int = 0
     steps: int = 0
     sim_seconds: float = 0.0
+    trace_seconds: float = 0.0
+    """Span of the arrivals: a simulation much longer than this means the engine fell behind."""
     wall_seconds: float = 0.0
     cache: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)
     pools: tuple[str, ...] = ()
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    hits: dict[int, int] = field(default_factory=dict)
+    """Tokens hit per request id (at its first admission)."""
 
 
 class Simulator:
@@ -132,7 +138,7 @@ class Simulator:
             device="meta",
             page_size=config.page_size,
             max_context=max(longest, config.page_size),
-            chunk_tokens=min(8192, longest),
+            chunk_tokens=min(config.engine.chunk_tokens, longest),
         )
         self.cache = HybridRadixCache(self.mem, policy=config.policy, max_states_per_path=config.max_states_per_path)
         self.ps = config.page_size
@@ -155,7 +161,7 @@ class Simulator:
         ready: list[tuple[float, int, ReplayRequest]] = []  # heap of unblocked follow-up turns
         running: list[_Running] = []
         done = 0
-        span = max(r.arrival_s for r in requests) or 1.0
+        span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
         next_sample = 0.0
         started = time.perf_counter()
         res = self.result
@@ -188,11 +194,12 @@ class Simulator:
             res.peak_live_pages = max(res.peak_live_pages, self.mem.pages.live_count)
             if self.clock >= next_sample:
                 res.timeline.append(self._sample(len(running), len(waiting)))
-                next_sample = self.clock + span / max(1, self.config.samples)
+                next_sample = self.clock + max(span, 1.0) / max(1, self.config.samples)
             if self.config.verify_every and res.steps % self.config.verify_every == 0:
                 self.verify()
         res.timeline.append(self._sample(0, 0))
         res.sim_seconds = self.clock
+        res.trace_seconds = span
         res.wall_seconds = time.perf_counter() - started
         res.cache = self.cache.stats()
         res.memory = self.mem.stats().as_dict()
@@ -263,6 +270,7 @@ class Simulator:
             res.full_hit_tokens += match.full_length
             res.swa_hit_tokens += match.swa_length
             res.state_hit_tokens += match.state_length
+            res.hits[req.rid] = match.length
         return running, computed
 
     def _drop(self, r: _Running, extra_slots: Any = ()) -> None:
