@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from hybridkv.memory import InvalidIds, UnifiedMemory
+from hybridkv.memory import InvalidIds, PinnedError, UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
 from hybridkv.transfer import (
     BootstrapServer,
@@ -43,6 +43,7 @@ from hybridkv.transfer.messages import (
     decode,
     encode,
 )
+from hybridkv.transfer.status import ReportBoard
 from tests.transfer.pattern import expected_arena, fill, mismatch
 from tests.transfer.procs import MEMORY, MODEL, decode_rank
 from tests.transfer.test_layouts import variant
@@ -252,7 +253,9 @@ def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(boots
     wire.send(dec.endpoint, Status("r1", msg.nonce + 1, fake, "success", nbytes=expected_bytes(msg)))
     wire.send(dec.endpoint, Status("r1", msg.nonce, Rank("evil", 1, 0), "success"))
     wait_until(lambda: len(dec.rejected) == rejected + 3)
-    assert dec.status("r1").phase is Phase.WAITING_FOR_INPUT or dec.status("r1").phase is Phase.TRANSFERRING
+    wait_until(lambda: stage0.status("r1").phase is Phase.SUCCESS)  # the real stage is done...
+    time.sleep(0.1)
+    assert dec.status("r1").phase is Phase.TRANSFERRING  # ...but every stage must report
     wire.send(dec.endpoint, Status("r1", msg.nonce, fake, "success", nbytes=expected_bytes(msg)))
     report = dec.wait("r1", 5)
     assert report.phase is Phase.FAILED and "success without transferring" in report.reason
@@ -325,8 +328,10 @@ def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(bootstrap, stack):
     reason = senders[0].status("never").reason  # whichever came first: the abort or the ttl
     assert "aborted by decode" in reason or "decode's deadline passed" in reason
 
-    # prefill hands over a request no decode asks for: it times out there and unpins
+    # prefill hands over a request no decode asks for: pinned until it times out there
     held = hand_over(senders, "orphan", 12, seed=5)
+    with pytest.raises(PinnedError):
+        senders[0].mem.free_pages(held[0][0])
     wait_until(lambda: failed_everywhere(senders, "orphan"))
     assert "timed out after 1.0 s in phase Bootstrapping" in senders[0].status("orphan").reason
     for s, (pages, slot) in zip(senders, held, strict=True):
@@ -336,9 +341,11 @@ def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(bootstrap, stack):
             s.mem.free_state([slot])
         s.mem.verify()
 
-    # decode aborts a request in flight
+    # decode aborts a request in flight; its pages are pinned until then
     dec.timeout_s = 10.0
-    dec.request("cancel", "pre", 20)
+    alloc = dec.request("cancel", "pre", 20)
+    with pytest.raises(PinnedError):
+        dec.mem.free_pages(alloc.pages)
     dec.abort("cancel", "client went away")
     report = dec.wait("cancel", 5)
     assert report.phase is Phase.FAILED and report.reason == "client went away"
@@ -353,6 +360,18 @@ def test_incomplete_prefill_engine_times_out_in_bootstrap(bootstrap, stack):
     assert report.phase is Phase.FAILED
     assert "phase Bootstrapping" in report.reason and "1 of 2 ranks registered" in report.reason
     settle(dec, 1)
+
+
+def test_report_board_keeps_live_requests_and_the_latest_finished():
+    board = ReportBoard(keep=2)
+    live = RequestStatus("live")
+    board.publish(live)
+    for i in range(5):
+        done = RequestStatus(f"done{i}")
+        done.fail("x")
+        board.publish(done)
+    assert board.get("live") is not None and board.get("done0") is None
+    assert [board.get(f"done{i}") is not None for i in range(5)] == [False, False, False, True, True]
 
 
 def test_status_only_moves_forward():

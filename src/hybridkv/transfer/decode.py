@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -52,7 +51,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
 from hybridkv.transfer.plan import Route, TransferPlan, memory_cells, num_pages
-from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
+from hybridkv.transfer.status import Phase, ReportBoard, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
 LOOKUP_RETRY_S = 0.1
@@ -131,8 +130,7 @@ class DecodeReceiver(Agent):
         self._in: dict[str, _Incoming] = {}
         self._last_heartbeat = 0.0
         self._held: dict[str, tuple[Allocation, MoveGate]] = {}  # owner thread only
-        self._reports: dict[str, StatusReport] = {}
-        self._reports_lock = threading.Lock()
+        self._reports = ReportBoard()
         self._bootstrap = self._ctx.socket(zmq.DEALER)
         self._bootstrap.linger = 0
         self._bootstrap.connect(bootstrap)
@@ -214,8 +212,7 @@ class DecodeReceiver(Agent):
         return len(self._held)
 
     def status(self, request_id: str) -> StatusReport | None:
-        with self._reports_lock:
-            return self._reports.get(request_id)
+        return self._reports.get(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by decode") -> None:
         self.call_soon(partial(self._abort, request_id, reason))
@@ -443,8 +440,7 @@ class DecodeReceiver(Agent):
             self._fail(inc, reason)
 
     def _publish(self, inc: _Incoming) -> None:
-        with self._reports_lock:
-            self._reports[inc.status.request_id] = inc.status.report()
+        self._reports.publish(inc.status)
 
     def tick(self, now: float) -> None:
         for engine, waiting in list(self._waiting.items()):

@@ -20,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,7 +45,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
-from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
+from hybridkv.transfer.status import Phase, ReportBoard, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 from hybridkv.transfer.transport.base import write_plan
 
@@ -120,8 +119,7 @@ class PrefillSender(Agent):
         self._finished: dict[str, float] = {}
         self._last_heartbeat = 0.0
         self._gates: dict[str, MoveGate] = {}  # owner thread only
-        self._reports: dict[str, StatusReport] = {}
-        self._reports_lock = threading.Lock()
+        self._reports = ReportBoard()
         try:
             transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
             self._start()
@@ -176,8 +174,7 @@ class PrefillSender(Agent):
         return reports
 
     def status(self, request_id: str) -> StatusReport | None:
-        with self._reports_lock:
-            return self._reports.get(request_id)
+        return self._reports.get(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by prefill") -> None:
         self.call_soon(partial(self._abort, request_id, reason))
@@ -386,8 +383,7 @@ class PrefillSender(Agent):
         self.post(peer.endpoint, msg)
 
     def _publish(self, out: _Outgoing) -> None:
-        with self._reports_lock:
-            self._reports[out.status.request_id] = out.status.report()
+        self._reports.publish(out.status)
 
     def tick(self, now: float) -> None:
         for out in list(self._out.values()):

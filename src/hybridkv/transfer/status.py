@@ -8,11 +8,15 @@ Invariants:
 - ``Success`` is reachable only from ``Transferring``: nothing is reported done that was
   never seen in flight.
 - A failed request always carries a non-empty reason.
+- ``ReportBoard`` keeps the latest report of every live request and of the most recent
+  ``keep`` finished ones (older finished reports are dropped, so a long run stays bounded).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -90,3 +94,29 @@ class RequestStatus:
     def report(self) -> StatusReport:
         end = self.finished if self.finished is not None else time.monotonic()
         return StatusReport(self.request_id, self.phase, self.reason, self.nbytes, self.ops, end - self.started)
+
+
+class ReportBoard:
+    """Thread-safe latest ``StatusReport`` per request: the I/O thread writes, anyone reads."""
+
+    def __init__(self, keep: int = 10000) -> None:
+        self.keep = keep
+        self._reports: OrderedDict[str, StatusReport] = OrderedDict()
+        self._finished = 0
+        self._lock = threading.Lock()
+
+    def publish(self, status: RequestStatus) -> None:
+        report = status.report()
+        with self._lock:
+            old = self._reports.pop(report.request_id, None)
+            self._finished -= old is not None and old.phase.terminal
+            self._reports[report.request_id] = report
+            self._finished += report.phase.terminal
+            while self._finished > self.keep:
+                rid = next(r for r, rep in self._reports.items() if rep.phase.terminal)
+                del self._reports[rid]
+                self._finished -= 1
+
+    def get(self, request_id: str) -> StatusReport | None:
+        with self._lock:
+            return self._reports.get(request_id)
