@@ -78,6 +78,7 @@ class _Source:
 class _Leg:
     source: _Source
     plan: TransferPlan  # destination-only: the bytes this rank must write here
+    since: float  # when the request went out: silence counts from here at the earliest
     state: str = "asked"  # asked -> transferring -> success | failed
     checksum: int | None = None
     final: bool = False  # the prefill rank sent its last word (success or failed)
@@ -167,6 +168,7 @@ class DecodeReceiver(Agent):
             raise
         alloc = Allocation(pages, slot)
         self._held[request_id] = (alloc, gate)
+        self._reports.publish(RequestStatus(request_id))  # no stale report of an earlier use of the id
         cells = {n: c.tolist() for n, c in memory_cells(self.mem, pages, slot).items()}
         use_crc = self.checksum if checksum is None else checksum
         self.call_soon(partial(self._start_request, request_id, prefill_engine, seq_len, cells, use_crc))
@@ -294,7 +296,7 @@ class DecodeReceiver(Agent):
         try:
             for rank, source in sources.items():
                 plan = source.route.plan(inc.seq_len, None, dst)
-                inc.legs[rank] = _Leg(source, plan)
+                inc.legs[rank] = _Leg(source, plan, now)
         except TransferError as exc:
             inc.legs.clear()
             self._fail(inc, str(exc))
@@ -309,7 +311,6 @@ class DecodeReceiver(Agent):
             inc.checksum,
         )
         for leg in inc.legs.values():
-            leg.source.last_seen = now  # the liveness window starts with the request
             self.post(leg.source.reg.endpoint, request)
         inc.status.advance(Phase.WAITING_FOR_INPUT)
         self._publish(inc)
@@ -466,7 +467,7 @@ class DecodeReceiver(Agent):
                 )
                 continue
             for rank, leg in inc.legs.items():
-                quiet_for = now - leg.source.last_seen
+                quiet_for = now - max(leg.source.last_seen, leg.since)
                 if not leg.final and quiet_for > self.peer_timeout_s:
                     silent[rank] = quiet_for
         for rank, quiet_for in silent.items():
