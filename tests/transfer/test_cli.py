@@ -1,0 +1,41 @@
+"""``hybridkv transfer-plan`` and ``hybridkv bench transfer`` run and report consistently."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from hybridkv.cli import app
+
+runner = CliRunner()
+
+
+def test_transfer_plan_covers_every_decode_byte_once():
+    args = ["transfer-plan", "--model", "tiny-swa2-state", "--prefill-pp", "2", "--prefill-tp", "2"]
+    result = runner.invoke(app, [*args, "--decode-tp", "4", "--seq-len", "30", "--page-size", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    per_decode: dict[int, int] = {}
+    for leg in report["legs"]:
+        per_decode[leg["decode_tp"]] = per_decode.get(leg["decode_tp"], 0) + leg["bytes"]
+        assert leg["ops"] <= leg["pieces"]
+    assert sorted(per_decode) == [0, 1, 2, 3]
+    assert len(set(per_decode.values())) == 1  # every decode rank gets the same amount
+
+
+def test_transfer_plan_explains_an_impossible_layout():
+    result = runner.invoke(app, ["transfer-plan", "--model", "tiny-dense", "--decode-tp", "3"])
+    assert result.exit_code == 2
+    assert "cannot be split evenly over TP 3" in result.output
+
+
+def test_bench_transfer_runs_and_reports_ratios():
+    args = ["bench", "transfer", "--json", "--reps", "1", "--page-tokens", "4", "--batch", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    (case,) = report["cases"]
+    assert case["page_bytes"] == 64 << 10 and case["batch"] == 4 and case["bytes"] == 4 * (64 << 10)
+    assert case["hybridkv_gbps"] > 0 and case["baseline_gbps"] > 0 and case["ratio"] > 0
+    assert report["meets_goal"] in (True, False)
