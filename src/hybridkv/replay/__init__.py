@@ -18,8 +18,8 @@ from hybridkv.replay.simulator import (
 from hybridkv.replay.workload import ReplayRequest, Workload, load_workload
 from hybridkv.traces import MOONCAKE_TRACE
 
-DEMO_MODEL = "Gemma-3-27B-IT"
-DEMO_MEMORY = "24GiB"
+DEMO_MODEL = "Qwen3-Next-80B-A3B-Instruct"
+DEMO_MEMORY = "40GiB"
 DEMO_REQUESTS = 300
 
 

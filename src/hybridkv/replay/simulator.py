@@ -147,6 +147,8 @@ class Simulator:
         self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(self.mem.pools))
         self.clock = 0.0
         self._admitted: set[int] = set()
+        self._stalled = False
+        """Admission failed for lack of memory; retried once a request has finished."""
 
     # --- the run --------------------------------------------------------------------------
 
@@ -213,11 +215,14 @@ class Simulator:
 
     def _admit(self, waiting: deque[ReplayRequest], running: list[_Running]) -> int:
         prefilled = 0
-        while waiting and len(running) < self.engine.max_running:
+        if not running:
+            self._stalled = False  # nothing holds memory but the cache: always try
+        while waiting and len(running) < self.engine.max_running and not self._stalled:
             if prefilled and prefilled >= self.engine.max_prefill_tokens:
                 break
             got = self._prefill(waiting[0])
             if got is None:
+                self._stalled = True
                 if not running and not prefilled:
                     req = waiting[0]
                     raise ReplayError(
@@ -303,6 +308,7 @@ class Simulator:
                 self._drop(victim)
                 waiting.appendleft(victim.req)
                 self.result.retractions += 1
+                self._stalled = True  # re-admit it only once something finished
         at = 0
         for r, s, need in zip(running, steps, needs, strict=True):
             r.kv.extend(r.seq_len + s, pages[at : at + need])
@@ -325,6 +331,7 @@ class Simulator:
     # --- finish ---------------------------------------------------------------------------
 
     def _finish(self, r: _Running) -> None:
+        self._stalled = False
         ps, kv, req = self.ps, r.kv, r.req
         seq = np.concatenate([req.tokens, req.output])
         end = seq.size - seq.size % ps
