@@ -19,8 +19,7 @@ import weakref
 
 import torch
 
-from hybridkv.memory import UnifiedMemory, parse_bytes, plan_memory
-from hybridkv.memory.sizing import MemoryHints
+from hybridkv.memory import MemoryHints, UnifiedMemory, parse_bytes, plan_memory
 from hybridkv.spec import ShardSpec
 
 SHM_DIR = "/dev/shm"
