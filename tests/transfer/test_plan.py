@@ -57,7 +57,9 @@ def needed_bytes(mem: UnifiedMemory, seq_len: int) -> int:
     return total
 
 
-def check_layouts(name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_len: int) -> None:
+def check_layouts(
+    name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_len: int, pp_d: int = 1, pp_rank_d: int = 0
+) -> None:
     n = -(-seq_len // page_size)
     pre = {}
     for p in range(pp):
@@ -65,7 +67,7 @@ def check_layouts(name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_
             mem = meta_memory(name, pp, tp_p, p, t, page_size)
             pre[p, t] = (mem, *request(mem, n, skip=p + 2 * t + 1, shuffle=0))
     for d in range(tp_d):
-        dec = meta_memory(name, 1, tp_d, 0, d, page_size)
+        dec = meta_memory(name, pp_d, tp_d, pp_rank_d, d, page_size)
         dec_pages, dec_slot = request(dec, n, skip=d + 3, shuffle=d + 1)
         dec_bufs = buffer_set_from_memory(dec, DEC_BASE)
         dst_cells = memory_cells(dec, dec_pages, dec_slot)
@@ -73,7 +75,7 @@ def check_layouts(name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_
         for k, ((p, t), (mem, pages, slot)) in enumerate(sorted(pre.items())):
             base = PRE_BASE + k * RANK_STRIDE
             bufs = buffer_set_from_memory(mem, base)
-            pairs = pair_entries(bufs, dec_bufs)
+            pairs = pair_entries(bufs, dec_bufs)  # only the layers both stages hold
             plan = build_plan(bufs, dec_bufs, pairs, seq_len, memory_cells(mem, pages, slot), dst_cells)
             want = merge_runs(*expected_atoms(mem, base, pages, slot, dec, DEC_BASE, dec_pages, dec_slot, seq_len))
             got = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True))
@@ -109,3 +111,9 @@ def test_tiny_presets_match_the_independent_expectation(name, pp, tp_p, tp_d):
 )
 def test_real_presets_match_the_independent_expectation(name, pp, tp_p, tp_d):
     check_layouts(name, pp, tp_p, tp_d, page_size=16, seq_len=150)
+
+
+@pytest.mark.parametrize("name", ["tiny-swa2-state", "tiny-kda-mla"])
+@pytest.mark.parametrize(("pp", "pp_rank_d"), [(4, 0), (4, 1), (1, 1), (2, 1)])
+def test_decode_pp_stages_take_only_their_layers(name, pp, pp_rank_d):
+    check_layouts(name, pp, 2, 1, page_size=4, seq_len=27, pp_d=2, pp_rank_d=pp_rank_d)
