@@ -425,6 +425,14 @@ class UnifiedMemory:
             )
         target.bind(d, target.unbind(s))
 
+    def host_cells(self, ids: IdsLike, pool: str) -> np.ndarray:
+        """Grid cells of virtual pages (or state slots) in ``pool``, from the host table.
+
+        A copy; -1 marks a tombstone. For planners (e.g. transfers) that must not touch the
+        device; kernels use ``page_cells``.
+        """
+        return self._pool(pool).v2p[_host_ids(ids, "host_cells")]
+
     def resident(self, pages: IdsLike, pool: str) -> np.ndarray:
         """Host mask: which pages are resident in ``pool`` (tombstones are False)."""
         return self._pool(pool).resident(_host_ids(pages, "resident"))

@@ -1,7 +1,7 @@
 """Transfer plans: a request's pages and slot -> coalesced ``(src, dst, length)`` arrays.
 
 A plan is computed on the host from layouts (``BufferSet``), entry pairs and host cell ids
-(``pool.v2p``); it never reads a device tensor.
+(``UnifiedMemory.host_cells``); it never reads a device tensor.
 
 Invariants:
 - Full-history entries (full, MLA) send every page of the request, sliding-window entries
@@ -82,13 +82,12 @@ def positions(kind: str, window: int | None, page_size: int, seq_len: int) -> np
 
 def memory_cells(mem: UnifiedMemory, pages: np.ndarray, slot: int | None) -> dict[str, np.ndarray]:
     """Host cell ids of a request in every pool of ``mem`` (tombstones stay -1)."""
-    pages = np.asarray(pages, dtype=np.int64)
     out = {}
     for name, pool in mem.pools.items():
         if pool.layout.is_state:
-            out[name] = pool.v2p[[slot]] if slot is not None else _EMPTY
+            out[name] = mem.host_cells([slot], name) if slot is not None else _EMPTY
         else:
-            out[name] = pool.v2p[pages]
+            out[name] = mem.host_cells(pages, name)
     return out
 
 
