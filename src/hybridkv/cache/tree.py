@@ -200,14 +200,28 @@ class HybridRadixCache:
         if comps.full_only:
             end = swa_len = state_len = full
         else:
-            resident = [pool.resident(walked) for pool in self._window_pools]
-            swa_len = comps.longest_window_end(resident, full // ps) * ps if comps.windows else full
+            seq = [*nodes, partial] if partial is not None else nodes
+            resident: list[np.ndarray] = []  # page-level residency, read only when nodes cannot tell
+
+            def holds(e: int) -> bool:
+                known = self._windows_hold(seq, e)
+                if known is not None:
+                    return known
+                if not resident:
+                    resident.extend(pool.resident(walked) for pool in self._window_pools)
+                return comps.window_ok(resident, e // ps)
+
+            swa_len = full
+            if comps.windows and not holds(full):
+                if not resident:
+                    resident.extend(pool.resident(walked) for pool in self._window_pools)
+                swa_len = comps.longest_window_end(resident, full // ps) * ps
             if comps.state is None:
                 end = state_len = swa_len
             else:
                 ends = [n.end for n in nodes if n.state >= 0]
                 state_len = ends[-1] if ends else 0
-                end = next((e for e in reversed(ends) if comps.window_ok(resident, e // ps)), 0)
+                end = next((e for e in reversed(ends) if holds(e)), 0)
         node = self._node_at(root, nodes, partial, end)
         self._touch(nodes if nodes and node is nodes[-1] else node.path(), None)
         self.counters.matches += 1
@@ -700,6 +714,23 @@ class HybridRadixCache:
             return nodes, child, pos + i - i % ps
         return nodes, None, off // 8
 
+    def _windows_hold(self, seq: list[Node], end: int) -> bool | None:
+        """Whether every window before ``end`` is resident, from per-node counts: None when
+        a partly resident node overlaps a window (the pages must tell)."""
+        ps = self.page_size
+        for w in self.comps.windows:
+            first = max(0, end - w.window) // ps * ps  # start of the first page the window needs
+            for n in reversed(seq):
+                if n.start >= end:
+                    continue
+                if n.end <= first:
+                    break
+                resident = n.swa_res[w.index]
+                if resident == n.pages.size:
+                    continue
+                return False if resident == 0 else None
+        return True
+
     def _walked_pages(self, root: Node, nodes: list[Node], partial: Node | None, full: int) -> np.ndarray:
         """Page ids of the walked ``full`` tokens: a read-only view of the deepest node's path."""
         deepest = partial if partial is not None else nodes[-1] if nodes else root
@@ -773,8 +804,8 @@ class HybridRadixCache:
         self._owned[pages] = True
         self.cached_pages += pages.size
         self.num_nodes += 1
-        for w in self.comps.windows:
-            node.swa_res[w.index] = int(np.count_nonzero(self.mem.pools[w.name].resident(pages)))
+        for w, pool in zip(self.comps.windows, self._window_pools, strict=True):
+            node.swa_res[w.index] = int(np.count_nonzero(pool.resident(pages)))
             if node.swa_res[w.index]:
                 self._swa_nodes[w.index].add(node)
         if self.events.enabled:
