@@ -8,11 +8,11 @@ a recurrent-state checkpoint must sit exactly at its end. Built on ``hybridkv.me
 from hybridkv.cache.components import Components, Window
 from hybridkv.cache.errors import CacheError, InsertError, LockError
 from hybridkv.cache.events import CacheEvent, EventKind, EventLog
+from hybridkv.cache.eviction import PAGE_NEED
 from hybridkv.cache.node import Node
 from hybridkv.cache.policies import POLICIES, Policy, RecomputeCost, make_policy
 from hybridkv.cache.request import RequestKV
 from hybridkv.cache.tree import (
-    PAGE_NEED,
     CacheLock,
     HybridRadixCache,
     InsertResult,

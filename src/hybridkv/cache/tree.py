@@ -25,9 +25,8 @@ Invariants (``check_tree`` proves them; tests call it after every step):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
@@ -35,16 +34,13 @@ from hybridkv.cache.candidates import Candidates
 from hybridkv.cache.components import Components
 from hybridkv.cache.errors import CacheError, InsertError, LockError
 from hybridkv.cache.events import CacheEvent, EventKind, EventLog, chain_hashes, root_hash
+from hybridkv.cache.eviction import PAGE_NEED, Eviction, Release
 from hybridkv.cache.node import NO_STATE, Node
 from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
-from hybridkv.memory import STATE_POOL, InvalidIds, OutOfMemory, UnifiedMemory
+from hybridkv.memory import STATE_POOL, InvalidIds, UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
-PAGE_NEED = "page"
-"""``evict`` key for "free whole pages" (virtual page ids short, or a cache-size cap)."""
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -112,23 +108,6 @@ class CacheCounters:
     capped_states: int = 0
 
 
-@dataclass
-class _Release:
-    """Memory frees batched over one eviction: window pages first, then pages, then slots."""
-
-    window: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    pages: list[np.ndarray] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-
-    def flush(self, mem: UnifiedMemory) -> None:
-        for pool, parts in self.window.items():
-            mem.free_window_pages(np.concatenate(parts), pool)
-        if self.pages:
-            mem.free_pages(np.concatenate(self.pages))
-        if self.slots:
-            mem.free_state(np.asarray(self.slots, dtype=np.int64))
-
-
 def _tokens(tokens: object, what: str) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
@@ -136,7 +115,7 @@ def _tokens(tokens: object, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-class HybridRadixCache:
+class HybridRadixCache(Eviction):
     def __init__(
         self,
         mem: UnifiedMemory,
@@ -530,146 +509,6 @@ class HybridRadixCache:
     def open_locks(self) -> int:
         return len(self._locks)
 
-    # --- eviction -------------------------------------------------------------------------
-
-    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
-        """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
-
-        Keys: pool names (``"full"``, ``"swa:<w>"``, ``"state"``...) or ``"page"`` (whole
-        pages, e.g. for a cache-size cap). Full-history needs evict whole leaves (freeing
-        their pages in every pool); window needs tombstone SWA residency of inner nodes
-        (a leaf goes whole); state needs drop checkpoints. Returns cells freed per pool
-        (and ``"page"``).
-        """
-        comps = self.comps
-        unknown = [k for k in needs if k != PAGE_NEED and k not in comps.pool_names]
-        if unknown:
-            raise CacheError(
-                f"evict: unknown need {unknown}; name pools of this shard {sorted(comps.pool_names)} or {PAGE_NEED!r}"
-            )
-        bad = {k: v for k, v in needs.items() if int(v) < 0}
-        if bad:
-            raise CacheError(f"evict: needs must be >= 0, got {bad}")
-        freed: dict[str, int] = dict.fromkeys((*comps.pool_names, PAGE_NEED), 0)
-        release = _Release()
-        full_need = max([int(needs.get(n, 0)) for n in (*comps.history, PAGE_NEED)])
-        if full_need:
-            self._evict_leaves(full_need, freed, release)
-        for w in comps.windows:
-            need = int(needs.get(w.name, 0)) - freed[w.name]
-            if need > 0:
-                self._evict_windows(w.index, need, freed, release)
-        if comps.state is not None:
-            need = int(needs.get(comps.state, 0)) - freed[comps.state]
-            if need > 0:
-                self._evict_states(need, freed, release)
-        release.flush(self.mem)
-        return {k: v for k, v in freed.items() if v}
-
-    def _leaf_ok(self, node: Node) -> bool:
-        return (
-            node.lock == 0
-            and node.state_lock == 0
-            and not np.count_nonzero(self.mem.gates.page_pins[node.pages])
-            and (node.state < 0 or not self.mem.gates.slot_pins[node.state])
-        )
-
-    def _evict_leaves(self, need: int, freed: dict[str, int], release: _Release) -> None:
-        skipped = []
-        while freed[PAGE_NEED] < need:
-            got = self._full.pop()
-            if got is None:
-                break
-            key, node = got
-            if not self._leaf_ok(node):
-                skipped.append(node)
-                continue
-            self.policy.evicted(key)
-            self._remove_leaf(node, freed, release)
-        for node in skipped:
-            self._full.push(node)
-
-    def _evict_windows(self, index: int, need: int, freed: dict[str, int], release: _Release) -> None:
-        w = self.comps.windows[index]
-        heap, pins = self._swa_heaps[index], self.mem.gates.page_pins
-        pool = self.mem.pools[w.name]
-        skipped = []
-        while freed[w.name] < need:
-            got = heap.pop()
-            if got is None:
-                break
-            key, node = got
-            if not node.children and self._leaf_ok(node):
-                self.policy.evicted(key)
-                self._remove_leaf(node, freed, release)
-                continue
-            if node.swa_lock or np.count_nonzero(pins[node.pages]):
-                skipped.append(node)
-                continue
-            self.policy.evicted(key)
-            resident = pool.resident(node.pages)
-            release.window.setdefault(w.name, []).append(node.pages[resident])
-            count = int(np.count_nonzero(resident))
-            freed[w.name] += count
-            self.counters.tombstoned[w.name] += count
-            node.swa_res[index] = 0
-            self._swa_nodes[index].discard(node)
-            self._refresh(node)
-            if self.events.enabled:
-                self._emit(EventKind.REMOVED, w.name, node, np.flatnonzero(resident))
-        for node in skipped:
-            heap.push(node)
-
-    def _evict_states(self, need: int, freed: dict[str, int], release: _Release) -> None:
-        state = self.comps.state
-        assert state is not None
-        pins = self.mem.gates.slot_pins
-        skipped = []
-        while freed[state] < need:
-            got = self._state_heap.pop()
-            if got is None:
-                break
-            key, node = got
-            if node.state_lock or pins[node.state]:
-                skipped.append(node)
-                continue
-            self.policy.evicted(key)
-            release.slots.append(node.state)
-            self._drop_state(node)
-            freed[state] += 1
-            self.counters.evicted_states += 1
-        for node in skipped:
-            self._state_heap.push(node)
-
-    # --- allocation through the cache -----------------------------------------------------
-
-    def alloc_pages(self, count: int) -> np.ndarray:
-        """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""
-        return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
-
-    def alloc_state(self, count: int) -> np.ndarray:
-        state = self.comps.state or STATE_POOL
-        return self._with_eviction(lambda: self.mem.alloc_state(count), {state: count})
-
-    def fork_state(self, slots: object) -> np.ndarray:
-        state = self.comps.state or STATE_POOL
-        n = int(np.asarray(slots).size)
-        return self._with_eviction(lambda: self.mem.fork_state(slots), {state: n})  # type: ignore[arg-type]
-
-    def _with_eviction(self, call: Callable[[], T], fallback: dict[str, int]) -> T:
-        while True:
-            try:
-                return call()
-            except OutOfMemory as exc:
-                # virtual-id shortages are named "page" / "state slot" (or come without
-                # ``short``): they need whole pages / checkpoints back
-                short = {
-                    (self.comps.state or STATE_POOL) if k == "state slot" else k: v
-                    for k, v in (exc.short or fallback).items()
-                }
-                if not any(self.evict(short).values()):
-                    raise
-
     # --- structure ------------------------------------------------------------------------
 
     def _find_root(self, namespace: Hashable) -> Node | None:
@@ -819,7 +658,7 @@ class HybridRadixCache:
         self._refresh(node)
         return node
 
-    def _remove_leaf(self, node: Node, freed: dict[str, int], release: _Release) -> None:
+    def _remove_leaf(self, node: Node, freed: dict[str, int], release: Release) -> None:
         parent = node.parent
         assert parent is not None and not node.children
         if self.events.enabled:
