@@ -20,6 +20,8 @@ Invariants (``check_tree`` proves them; tests call it after every step):
   (duplicates of cached ones) it frees before returning. A refused call (``CacheError``)
   changes neither the tree nor the pools.
 - Everything here runs on host ids (numpy / Python ints); nothing reads device memory.
+
+Eviction (``eviction.py``) and the candidate heaps it pops (``candidates.py``) are mixed in.
 """
 
 from __future__ import annotations

@@ -179,4 +179,5 @@ def bench_cache(
     )
     for name, goal in report["goals"].items():
         mark = "[green]met[/]" if goal["met"] else "[red]not met[/]"
-        console.print(f"goal {name}: {goal['value']:,.4g} vs {goal['goal']:,} -> {mark}")
+        value = f"{goal['value']:.4f}" if goal["value"] < 1 else f"{goal['value']:,.0f}"
+        console.print(f"goal {name}: {value} (goal {goal['goal']:,}) -> {mark}")
