@@ -9,7 +9,8 @@ Invariants (checked by ``UnifiedMemory.verify``):
   every other entry is the tombstone -1. Host tables are authoritative; their device
   mirrors are brought up to date lazily (``MirroredTable``), so no call here reads the device.
 - ``arena.slab_live`` counts LIVE cells touching each slab; a slab whose count drops to zero
-  is handed back to the arena at once, so the split between pools follows the workload.
+  is handed back to the arena at once (except one spare per pool), so the split between
+  pools follows the workload.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class SubPool:
         self.free_count = 0
         self.live_count = 0
         self.last_slab = -1  # most recently acquired slab: the next one is sought beside it
+        self.spare_slab = -1  # one emptied slab the pool keeps (see give_cells)
         self._v2p = MirroredTable(virtual_capacity, arena.table_device)
         self._p2v = MirroredTable(self.grid_cells, arena.table_device)
         self._v2p.set(np.zeros(1, dtype=np.int64), 0)
@@ -177,17 +179,25 @@ class SubPool:
         return cells
 
     def give_cells(self, cells: np.ndarray) -> None:
-        """Mark LIVE cells FREE; slabs left without live cells go back to the arena."""
+        """Mark LIVE cells FREE; slabs left without live cells go back to the arena, but one
+        (the spare) stays with the pool, so a pool that frees and allocates in turn does not
+        hand the same slab back and forth. Other pools can still take the spare (it costs
+        no move) and idle compaction releases it."""
         self.state[cells] = FREE
         self._push(cells)
         touched = self._add_live(cells, -1)
         self.live_count -= cells.size
-        live = self.arena.slab_live
+        live, owner = self.arena.slab_live, self.arena.owner
         touched = touched[touched < live.size]
         empty = touched[live[touched] == 0]
         if empty.size:
             for slab in distinct(empty):
-                if self.arena.owner[slab] == self.index:
+                if owner[slab] != self.index:
+                    continue
+                spare = self.spare_slab
+                if spare < 0 or owner[spare] != self.index or live[spare] > 0:
+                    self.spare_slab = int(slab)
+                elif slab != spare:
                     self.release_slab(int(slab))
 
     def _add_live(self, cells: np.ndarray, delta: int) -> np.ndarray:

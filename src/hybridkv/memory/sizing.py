@@ -117,7 +117,10 @@ def plan_memory(shard: ShardSpec, budget_bytes: int, hints: MemoryHints | None =
                 f"({largest} B, pool {max(layouts, key=lambda lay: lay.cell_bytes).name})"
             )
     else:
-        slab = max(1, budget_bytes // max(1, hints.target_slabs) // largest) * largest
+        # about target_slabs slabs, but at least 8 of the largest cells each while that
+        # still leaves 64 slabs, so the pool with huge cells (state) is not cut too fine
+        target = max(budget_bytes // max(1, hints.target_slabs), min(8 * largest, budget_bytes // 64))
+        slab = max(1, target // largest) * largest
     plan = MemoryPlan(
         shard=shard,
         budget_bytes=budget_bytes,

@@ -94,7 +94,7 @@ class SlabBroker:
         """Choose slabs to empty (cheapest bytes first) and who receives each, or None."""
         self.gates.sweep()
         owner, live = self.arena.owner, self.arena.slab_live
-        candidates = np.flatnonzero((owner != FREE_SLAB) & (live > 0))
+        candidates = np.flatnonzero(owner != FREE_SLAB)  # spare (empty) slabs cost nothing
         cost = live[candidates] * self.cell_bytes[owner[candidates]]
         order = [int(j) for j in candidates[np.argsort(cost, kind="stable")]]
         spare = {p: p.free_count - needs.get(p, 0) for p in self.pools}
@@ -125,10 +125,12 @@ class SlabBroker:
 
     def _empty(self, pool: SubPool, slab: int, avoid: frozenset[int]) -> None:
         cells = pool.live_cells_touching(slab)
-        pool.move(cells, avoid)
-        self.cells_moved += cells.size
-        self.bytes_moved += cells.size * pool.cell_bytes
-        assert self.arena.owner[slab] == FREE_SLAB, "an emptied slab was not released"
+        if cells.size:
+            pool.move(cells, avoid)
+            self.cells_moved += cells.size
+            self.bytes_moved += cells.size * pool.cell_bytes
+        if self.arena.owner[slab] == pool.index:  # it was (or became) the pool's spare
+            pool.release_slab(slab)
 
     def compact(self, max_slabs: int | None = None) -> int:
         """Idle-time defragmentation: empty the sparsest slabs into holes of the same pool.

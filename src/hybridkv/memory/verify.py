@@ -34,9 +34,11 @@ def verify_memory(mem: UnifiedMemory) -> None:
     if not np.array_equal(slab_live, arena.slab_live):
         j = int(np.argmax(slab_live != arena.slab_live))
         _fail(f"slab {j}: live count {arena.slab_live[j]} but {slab_live[j]} live cells touch it")
-    empty_owned = (arena.owner != FREE_SLAB) & (slab_live == 0)
-    if empty_owned.any():
-        _fail(f"slab {int(np.argmax(empty_owned))} is owned but holds no live cell (not released)")
+    empty_owned = np.flatnonzero((arena.owner != FREE_SLAB) & (slab_live == 0))
+    spares = {pool.spare_slab for pool in mem.pools.values()}
+    for slab in empty_owned:
+        if int(slab) not in spares:
+            _fail(f"slab {int(slab)} is owned but holds no live cell and is not its pool's spare")
 
     _verify_namespace(mem.pages, [p for p in mem.history_pools], mem.window_pools, "page")
     state = [mem.state_pool] if mem.state_pool is not None else []
