@@ -94,10 +94,13 @@ class SlabBroker:
         """Choose slabs to empty (cheapest bytes first) and who receives each, or None."""
         self.gates.sweep()
         owner, live = self.arena.owner, self.arena.slab_live
+        spare = {p: p.free_count - needs.get(p, 0) for p in self.pools}
+        room = np.array([spare[p] for p in self.pools], dtype=np.int64)
         candidates = np.flatnonzero(owner != FREE_SLAB)  # spare (empty) slabs cost nothing
+        # a donor must have room elsewhere for a slab's live cells: filter before the loop
+        candidates = candidates[room[owner[candidates]] >= live[candidates]]
         cost = live[candidates] * self.cell_bytes[owner[candidates]]
         order = [int(j) for j in candidates[np.argsort(cost, kind="stable")]]
-        spare = {p: p.free_count - needs.get(p, 0) for p in self.pools}
         plan: list[tuple[int, SubPool, SubPool]] = []
         used: set[int] = set()
         for receiver, deficit in deficits.items():
