@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import app
-from hybridkv.memory import format_bytes, parse_bytes
+
+DEMO_MODELS = ["Qwen3-Next-80B-A3B-Instruct", "Gemma-3-27B-IT", "gpt-oss-120b", "Kimi-Linear-48B-A3B-Instruct"]
 
 
 @app.command()
@@ -18,15 +19,26 @@ def demo(
     out: Path = typer.Option(Path("out/demo"), "--out", help="Where PNGs and the JSON report go."),
     gpu_memory: str = typer.Option("80GiB", "--gpu-memory"),
 ) -> None:
-    """Planner on real models, a simulated allocation run (PNG of the pool split)."""
-    from hybridkv.demo import plan_summary, plot_timeline, split_timeline
+    """Planner on real models; a replay of a real trace through memory + cache (PNG)."""
+    from hybridkv.memory.capacity import plan_report
+    from hybridkv.replay import run_demo_replay
 
     console = Console()
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, object] = {}
 
     console.rule("1. How many requests fit on one GPU: unified pool vs SGLang's default static split")
-    rows = plan_summary(gpu_memory)
+    rows = [
+        {
+            "model": model,
+            "context": fit["context"],
+            "unified": fit["unified"],
+            "static": fit["static_sglang_default"],
+            "ratio": fit["unified_over_static"],
+        }
+        for model in DEMO_MODELS
+        for fit in plan_report(model, gpu_memory, contexts=[8192, 32768])["stages"][0]["requests"]
+    ]
     table = Table()
     for col in ("model", "context", "unified", "static", "unified/static"):
         table.add_column(col)
@@ -35,15 +47,16 @@ def demo(
     console.print(table)
     report["plan"] = rows
 
-    console.rule("2. Serving the Mooncake conversation trace (tables only): the byte split floats")
-    timeline = split_timeline("Qwen3-Next-80B-A3B-Instruct", parse_bytes("40GiB"), requests=300)
-    png = out / "pool_split.png"
-    plot_timeline(timeline, png)
-    peak = {name: format_bytes(max(v)) for name, v in timeline["samples"].items()}
+    console.rule("2. Serving the Mooncake conversation trace: memory + hybrid prefix cache (tables only)")
+    replay = run_demo_replay(out)
+    by_component = replay["hit_rate_by_component"]
     console.print(
-        f"peak bytes per pool: {peak}; {timeline['preempted']} preemptions when the arena filled; plot: {png}"
+        f"{replay['model']} on {replay['gpu_memory']}, {replay['requests']} requests: hit rate "
+        f"{replay['hit_rate']:.4f} (full KV alone would claim {by_component['full_only']:.4f}); "
+        f"peak {replay['peak_running']} running; {replay['memory_at_end']['bytes_moved'] / 2**30:.1f} GiB "
+        f"moved by compaction; pool split over time: {replay['plot']}"
     )
-    report["split_timeline"] = {"model": timeline["model"], "budget": timeline["budget"], "peak": peak, "png": str(png)}
+    report["replay"] = {k: v for k, v in replay.items() if k != "timeline"}
 
     (out / "demo.json").write_text(json.dumps(report, indent=1))
     console.print(f"report: {out / 'demo.json'}")

@@ -3,74 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import app
-from hybridkv.memory import MemoryHints, format_bytes, parse_bytes, plan_memory
-from hybridkv.memory.capacity import cells_per_request, fit_requests, max_tokens
-from hybridkv.spec import Parallel, ShardSpec, get_preset
-
-
-def plan_report(
-    model: str, gpu_memory: str, tp: int = 1, pp: int = 1, page_size: int = 16, contexts: list[int] | None = None
-) -> dict[str, Any]:
-    spec = get_preset(model)
-    parallel = Parallel(tp_size=tp, pp_size=pp)
-    budget = parse_bytes(gpu_memory)
-    contexts = contexts or sorted({4096, 32768, spec.max_context})
-    stages = []
-    for pp_rank in range(pp):
-        shard = ShardSpec(spec, parallel, pp_rank, 0)
-        plan = plan_memory(shard, budget, MemoryHints(page_size=page_size, max_context=min(contexts)))
-        start, end = shard.bounds
-        pools = [
-            {
-                "pool": lay.name,
-                "layers": len(lay.layer_ids),
-                "cell_bytes": lay.cell_bytes,
-                "unit": "request" if lay.is_state else f"page of {lay.page_size} tokens",
-                "bytes_per_token": None if lay.is_state else lay.bytes_per_token,
-                "bytes_per_request": lay.cell_bytes if lay.is_state else None,
-                "window": lay.window,
-                "cells_per_request": {str(c): cells_per_request(lay, c) for c in contexts},
-            }
-            for lay in plan.layouts
-        ]
-        fits = [fit_requests(plan, c) for c in contexts]
-        stages.append(
-            {
-                "pp_rank": pp_rank,
-                "layers": [start, end],
-                "slab_bytes": plan.slab_bytes,
-                "slabs": plan.num_slabs,
-                "pools": pools,
-                "max_tokens_one_request": max_tokens(plan),
-                "requests": [
-                    {
-                        "context": f.context,
-                        "bytes_per_request": f.bytes_per_request,
-                        "unified": f.unified_requests,
-                        "static_sglang_default": f.static_requests,
-                        "unified_over_static": (f.unified_requests / f.static_requests) if f.static_requests else None,
-                        "static_split": f.static_split,
-                    }
-                    for f in fits
-                ],
-            }
-        )
-    return {
-        "model": spec.name,
-        "gpu_memory_bytes": budget,
-        "tp": tp,
-        "pp": pp,
-        "page_size": page_size,
-        "contexts": contexts,
-        "stages": stages,
-    }
+from hybridkv.memory import format_bytes
+from hybridkv.memory.capacity import plan_report
+from hybridkv.spec import get_preset
 
 
 @app.command()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from hybridkv.memory.layout import CellLayout
-from hybridkv.memory.sizing import MemoryPlan
+from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
+from hybridkv.spec import Parallel, ShardSpec, get_preset
 
 SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
@@ -90,3 +92,63 @@ def max_tokens(plan: MemoryPlan) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def plan_report(
+    model: str, gpu_memory: str, tp: int = 1, pp: int = 1, page_size: int = 16, contexts: list[int] | None = None
+) -> dict[str, Any]:
+    """Per PP stage: each pool's geometry and, per context length, how many requests fit
+    with the unified pool and with SGLang's default static split (one JSON-able dict)."""
+    spec = get_preset(model)
+    parallel = Parallel(tp_size=tp, pp_size=pp)
+    budget = parse_bytes(gpu_memory)
+    contexts = contexts or sorted({4096, 32768, spec.max_context})
+    stages = []
+    for pp_rank in range(pp):
+        shard = ShardSpec(spec, parallel, pp_rank, 0)
+        plan = plan_memory(shard, budget, MemoryHints(page_size=page_size, max_context=min(contexts)))
+        start, end = shard.bounds
+        pools = [
+            {
+                "pool": lay.name,
+                "layers": len(lay.layer_ids),
+                "cell_bytes": lay.cell_bytes,
+                "unit": "request" if lay.is_state else f"page of {lay.page_size} tokens",
+                "bytes_per_token": None if lay.is_state else lay.bytes_per_token,
+                "bytes_per_request": lay.cell_bytes if lay.is_state else None,
+                "window": lay.window,
+                "cells_per_request": {str(c): cells_per_request(lay, c) for c in contexts},
+            }
+            for lay in plan.layouts
+        ]
+        fits = [fit_requests(plan, c) for c in contexts]
+        stages.append(
+            {
+                "pp_rank": pp_rank,
+                "layers": [start, end],
+                "slab_bytes": plan.slab_bytes,
+                "slabs": plan.num_slabs,
+                "pools": pools,
+                "max_tokens_one_request": max_tokens(plan),
+                "requests": [
+                    {
+                        "context": f.context,
+                        "bytes_per_request": f.bytes_per_request,
+                        "unified": f.unified_requests,
+                        "static_sglang_default": f.static_requests,
+                        "unified_over_static": (f.unified_requests / f.static_requests) if f.static_requests else None,
+                        "static_split": f.static_split,
+                    }
+                    for f in fits
+                ],
+            }
+        )
+    return {
+        "model": spec.name,
+        "gpu_memory_bytes": budget,
+        "tp": tp,
+        "pp": pp,
+        "page_size": page_size,
+        "contexts": contexts,
+        "stages": stages,
+    }
