@@ -29,6 +29,7 @@ from hybridkv.transfer import (
     shared_memory,
 )
 from hybridkv.transfer.bootstrap import bootstrap_call
+from hybridkv.transfer.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.transfer.messages import (
     Abort,
     Hello,
@@ -43,10 +44,8 @@ from hybridkv.transfer.messages import (
     decode,
     encode,
 )
+from hybridkv.transfer.pattern import expected_arena, fill, mismatch
 from hybridkv.transfer.status import ReportBoard
-from tests.transfer.pattern import expected_arena, fill, mismatch
-from tests.transfer.procs import MEMORY, MODEL, decode_rank
-from tests.transfer.test_layouts import variant
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
 import numpy as np
 import pytest
@@ -12,13 +10,10 @@ import torch
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import (
-    FullAttention,
     KindTag,
-    Linear,
     ModelSpec,
     Parallel,
     ShardSpec,
-    StateTensor,
     get_preset,
 )
 from hybridkv.transfer import (
@@ -33,6 +28,7 @@ from hybridkv.transfer import (
     memory_cells,
     pair_entries,
 )
+from hybridkv.transfer.harness import variant
 from hybridkv.transfer.messages import Hello, Rank, decode, encode
 
 BASE = 1 << 40
@@ -174,24 +170,6 @@ def test_missing_layer_and_entry_count_mismatch_name_both_sides():
     )
     with pytest.raises(LayoutMismatch, match=r"layer 3 has 2 entries on prefill \['k', 'v'\] but 1"):
         pair_entries(pre, dec_k_only)
-
-
-def variant(name: str, **changes) -> ModelSpec:
-    """The preset with the same name but a changed geometry (a misconfigured peer)."""
-    base = get_preset(name)
-    layers = []
-    for layer in base.layers:
-        kind = layer.kind
-        if isinstance(kind, FullAttention) and "head_dim" in changes:
-            kind = FullAttention(kind.num_kv_heads, changes["head_dim"], changes["head_dim"])
-        if isinstance(kind, Linear) and "state_dim" in changes:
-            states = tuple(
-                StateTensor(s.name, (s.shape[0], *[changes["state_dim"]] * (len(s.shape) - 1)), s.dtype, s.tp_dim)
-                for s in kind.states
-            )
-            kind = Linear(kind.variant, states)
-        layers.append(dataclasses.replace(layer, kind=kind))
-    return dataclasses.replace(base, layers=tuple(layers), kv_dtype=changes.get("kv_dtype", base.kv_dtype))
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hybridkv.transfer import BootstrapServer, Phase
-from tests.transfer.pattern import expected_arena, mismatch
-from tests.transfer.procs import Worker, decode_rank, worker_config
+from hybridkv.transfer.harness import StageProcess, decode_rank, stage_config
+from hybridkv.transfer.pattern import expected_arena, mismatch
 
 REQUESTS = [["a", 27, 11], ["b", 40, 12], ["c", 5, 13]]
 
@@ -26,10 +26,10 @@ def bootstrap():
 
 @pytest.fixture
 def spawn():
-    workers: list[Worker] = []
+    workers: list[StageProcess] = []
 
-    def start(cfg: dict) -> Worker:
-        workers.append(Worker(cfg))
+    def start(cfg: dict) -> StageProcess:
+        workers.append(StageProcess(cfg))
         return workers[-1]
 
     yield start
@@ -45,7 +45,7 @@ def free(mem, alloc) -> None:
 
 @pytest.mark.parametrize(("transport", "decode_tp"), [("shm", 2), ("mooncake", 1)])
 def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, bootstrap, spawn):
-    workers = [spawn(worker_config(bootstrap, transport, k, REQUESTS)) for k in (0, 1)]
+    workers = [spawn(stage_config(bootstrap, transport, k, REQUESTS)) for k in (0, 1)]
     with contextlib.ExitStack() as stack:
         ranks = [
             stack.enter_context(
@@ -61,6 +61,8 @@ def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, bo
             for rid in alloc:
                 report = dec.wait(rid, 30)
                 assert report.phase is Phase.SUCCESS, (report, [w.describe() for w in workers])
+                assert [p for p, _ in report.timeline] == list(Phase)[:4]  # every phase, in order
+                assert [t for _, t in report.timeline] == sorted(t for _, t in report.timeline)
             want = expected_arena(mem, [(alloc[r].pages, alloc[r].slot, n, s) for r, n, s in REQUESTS])
             assert mismatch(mem, want) == ""
             assert dec.held == 0 and not dec.rejected
@@ -95,7 +97,7 @@ def wait_released(dec, timeout_s: float) -> None:
 def test_prefill_hung_then_killed_mid_transfer(bootstrap, spawn):
     slow = {"slow_s": 0.2, "chunk_bytes": 512}
     requests = [["hung", 40, 5], ["killed", 40, 6]]
-    workers = [spawn(worker_config(bootstrap, "shm", k, requests, **slow)) for k in (0, 1)]
+    workers = [spawn(stage_config(bootstrap, "shm", k, requests, **slow)) for k in (0, 1)]
     for worker in workers:
         worker.expect("ready", 90)
     with decode_rank(bootstrap, "shm", peer_timeout_s=1.0, quarantine_s=60.0) as (dec, mem):

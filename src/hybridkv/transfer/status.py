@@ -8,6 +8,8 @@ Invariants:
 - ``Success`` is reachable only from ``Transferring``: nothing is reported done that was
   never seen in flight.
 - A failed request always carries a non-empty reason.
+- ``timeline`` records every phase the request entered, in order, with its time since the
+  request started (the first entry is ``Bootstrapping`` at 0).
 - ``ReportBoard`` keeps the latest report of every live request and of the most recent
   ``keep`` finished ones (older finished reports are dropped, so a long run stays bounded).
 """
@@ -53,6 +55,11 @@ class StatusReport:
     nbytes: int
     ops: int
     elapsed_s: float
+    timeline: tuple[tuple[Phase, float], ...] = ()  # (phase entered, seconds since start)
+
+    def phase_at(self, phase: Phase) -> float | None:
+        """Seconds from the start to when the request entered ``phase`` (None if it never did)."""
+        return next((t for p, t in self.timeline if p is phase), None)
 
 
 class RequestStatus:
@@ -64,6 +71,14 @@ class RequestStatus:
         self.finished: float | None = None
         self.nbytes = 0
         self.ops = 0
+        self.timeline: list[tuple[Phase, float]] = [(Phase.BOOTSTRAPPING, 0.0)]
+
+    def _enter(self, phase: Phase) -> None:
+        now = time.monotonic()
+        self.phase = phase
+        self.timeline.append((phase, now - self.started))
+        if phase.terminal:
+            self.finished = now
 
     @property
     def terminal(self) -> bool:
@@ -77,23 +92,22 @@ class RequestStatus:
             return False
         if phase is Phase.SUCCESS and self.phase is not Phase.TRANSFERRING:
             return False
-        self.phase = phase
-        if phase.terminal:
-            self.finished = time.monotonic()
+        self._enter(phase)
         return True
 
     def fail(self, reason: str) -> bool:
         """Fail with ``reason`` unless already terminal; False if refused."""
         if self.terminal:
             return False
-        self.phase = Phase.FAILED
         self.reason = reason or "failed without a reason (bug)"
-        self.finished = time.monotonic()
+        self._enter(Phase.FAILED)
         return True
 
     def report(self) -> StatusReport:
         end = self.finished if self.finished is not None else time.monotonic()
-        return StatusReport(self.request_id, self.phase, self.reason, self.nbytes, self.ops, end - self.started)
+        return StatusReport(
+            self.request_id, self.phase, self.reason, self.nbytes, self.ops, end - self.started, tuple(self.timeline)
+        )
 
 
 class ReportBoard:
