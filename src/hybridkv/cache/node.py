@@ -1,9 +1,11 @@
 """Radix tree nodes: one node per run of whole pages shared by the same set of sequences.
 
 Invariants (``check_tree`` proves them):
-- ``key`` holds the node's tokens (int64, a whole number of pages) and ``kb`` the same bytes;
-  ``pages[i]`` is the virtual page id of tokens ``key[i*ps:(i+1)*ps]``; a node is never empty.
-- ``start`` is the position of the node's first token on its path; ``parent.end == start``.
+- ``kb`` holds the bytes of the node's tokens (int64, a whole number of pages) and ``key`` is a
+  read-only int64 view of them (one copy of the tokens); ``pages[i]`` is the virtual page id
+  of tokens ``key[i*ps:(i+1)*ps]``; a node is never empty.
+- ``start`` is the position of the node's first token on its path, ``end = start + len(key)``
+  (a plain field, kept by ``split``); ``parent.end == start``.
 - ``path_pages`` is every page id from the root to ``end`` (read-only; an upper half made by a
   split holds a view of the lower half's array). Page ids on a path never change while the
   node lives, so a hit slices it instead of concatenating node arrays.
@@ -27,6 +29,7 @@ class Node:
         "children",
         "clock",
         "dead",
+        "end",
         "hashes",
         "hits",
         "kb",
@@ -49,7 +52,7 @@ class Node:
     def __init__(
         self,
         uid: int,
-        key: np.ndarray,
+        kb: bytes,
         pages: np.ndarray,
         path_pages: np.ndarray,
         start: int,
@@ -58,11 +61,12 @@ class Node:
         windows: int,
     ):
         self.uid = uid
-        self.key = key
-        self.kb = key.tobytes()
+        self.kb = kb
+        self.key = np.frombuffer(kb, dtype=np.int64)
         self.pages = pages
         self.path_pages = path_pages
         self.start = start
+        self.end = start + self.key.size
         self.parent = parent
         self.namespace = namespace
         self.children: dict[bytes, Node] = {}
@@ -77,10 +81,6 @@ class Node:
         self.clock = 0.0
         self.hashes: list[int] | None = None
         self.dead = False
-
-    @property
-    def end(self) -> int:
-        return self.start + self.key.size
 
     @property
     def is_root(self) -> bool:

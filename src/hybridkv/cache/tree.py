@@ -43,6 +43,7 @@ from hybridkv.memory import STATE_POOL, InvalidIds, UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(slots=True)
@@ -111,6 +112,8 @@ class CacheCounters:
 
 
 def _tokens(tokens: object, what: str) -> np.ndarray:
+    if type(tokens) is np.ndarray and tokens.dtype is _INT64 and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        return tokens  # the common case, without a copy
     arr = np.asarray(tokens)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise CacheError(f"{what}: tokens must be a 1-D integer array, got shape {arr.shape} {arr.dtype}")
@@ -136,6 +139,7 @@ class HybridRadixCache(Eviction):
         overridden = type(self.policy).touched is not Policy.touched
         self._touched = self.policy.touched if overridden else None
         self.max_states_per_path = max_states_per_path
+        self._full_only = self.comps.full_only
         self.events = EventLog(events)
         self.counters = CacheCounters(tombstoned={w.name: 0 for w in self.comps.windows})
         self._roots: dict[Hashable, Node] = {}
@@ -146,8 +150,6 @@ class HybridRadixCache(Eviction):
         self._state_nodes: set[Node] = set()
         self._window_pools = [mem.pools[w.name] for w in self.comps.windows]
         self._owned = np.zeros(mem.pages.capacity, dtype=bool)
-        self._stamp = np.zeros(mem.pages.capacity, dtype=np.int32)  # scratch for repeat checks
-        self._order = np.arange(1024, dtype=np.int32)
         self._owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
         self._locks: set[CacheLock] = set()
         key = self.policy.key
@@ -174,48 +176,59 @@ class HybridRadixCache(Eviction):
         May split the node where the hit ends, so that a lock covers exactly the hit.
         """
         toks = _tokens(tokens, "match_prefix")
-        root = self._root(extra_key)
+        try:
+            root = self._roots[extra_key]
+        except (KeyError, TypeError):
+            root = self._root(extra_key)  # a new namespace (or a CacheError for an unhashable key)
         nodes, partial, full = self._walk(root, toks)
-        comps, ps = self.comps, self.page_size
-        walked = self._walked_pages(root, nodes, partial, full)
-        if comps.full_only:
+        if self._full_only:
             end = swa_len = state_len = full
         else:
-            seq = [*nodes, partial] if partial is not None else nodes
-            resident: list[np.ndarray] = []  # page-level residency, read only when nodes cannot tell
-
-            def holds(e: int) -> bool:
-                known = self._windows_hold(seq, e)
-                if known is not None:
-                    return known
-                if not resident:
-                    resident.extend(pool.resident(walked) for pool in self._window_pools)
-                return comps.window_ok(resident, e // ps)
-
-            swa_len = full
-            if comps.windows and not holds(full):
-                if not resident:
-                    resident.extend(pool.resident(walked) for pool in self._window_pools)
-                swa_len = comps.longest_window_end(resident, full // ps) * ps
-            if comps.state is None:
-                end = state_len = swa_len
-            else:
-                ends = [n.end for n in nodes if n.state >= 0]
-                state_len = ends[-1] if ends else 0
-                end = next((e for e in reversed(ends) if holds(e)), 0)
-        node = self._node_at(root, nodes, partial, end)
-        self._touch(nodes if nodes and node is nodes[-1] else node.path(), None)
+            end, swa_len, state_len = self._valid_end(root, nodes, partial, full)
+        if nodes and nodes[-1].end == end:
+            node = nodes[-1]
+            self._touch(nodes, None)
+        else:
+            node = self._node_at(root, nodes, partial, end)
+            self._touch(node.path(), None)
         self.counters.matches += 1
         return MatchResult(
-            node=node,
-            length=end,
-            pages=walked[: end // ps],
-            state=node.state if end and node.state >= 0 else None,
-            full_length=full,
-            swa_length=swa_len,
-            state_length=state_len,
-            checkpoint_at=full if full > end else None,
+            node,
+            end,
+            node.path_pages,  # the node ends at the hit's end
+            node.state if end and node.state >= 0 else None,
+            full,
+            swa_len,
+            state_len,
+            full if full > end else None,
         )
+
+    def _valid_end(self, root: Node, nodes: list[Node], partial: Node | None, full: int) -> tuple[int, int, int]:
+        """The hit's end valid for every component, the longest valid for full KV and the
+        windows, and the deepest checkpoint on the full-KV match (``full`` tokens walked)."""
+        comps, ps = self.comps, self.page_size
+        walked = self._walked_pages(root, nodes, partial, full)
+        seq = [*nodes, partial] if partial is not None else nodes
+        resident: list[np.ndarray] = []  # page-level residency, read only when nodes cannot tell
+
+        def holds(e: int) -> bool:
+            known = self._windows_hold(seq, e)
+            if known is not None:
+                return known
+            if not resident:
+                resident.extend(pool.resident(walked) for pool in self._window_pools)
+            return comps.window_ok(resident, e // ps)
+
+        swa_len = full
+        if comps.windows and not holds(full):
+            if not resident:
+                resident.extend(pool.resident(walked) for pool in self._window_pools)
+            swa_len = comps.longest_window_end(resident, full // ps) * ps
+        if comps.state is None:
+            return swa_len, swa_len, swa_len
+        ends = [n.end for n in nodes if n.state >= 0]
+        state_len = ends[-1] if ends else 0
+        return next((e for e in reversed(ends) if holds(e)), 0), swa_len, state_len
 
     # --- insert ---------------------------------------------------------------------------
 
@@ -243,23 +256,13 @@ class HybridRadixCache(Eviction):
                 f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
                 "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
             )
-        self._check_live_pages(req)
         ckpts = self._check_states(states, toks.size)
         root = self._find_root(extra_key)
         nodes, partial, full = self._walk(root, toks) if root is not None else ([], None, 0)
         fp = full // ps
         cached = self._walked_pages(root, nodes, partial, full) if root is not None else _EMPTY
-        dup = req[:fp] != cached
-        foreign = self._owned[req]
-        foreign[:fp] &= dup
-        if np.count_nonzero(foreign):
-            i = int(np.argmax(foreign))
-            raise InsertError(
-                f"insert: page {req[i]} (page {i} of the key) already belongs to the cache at "
-                "another position; pass the request's own pages, or the cache's own page there"
-            )
-        dup_idx = np.flatnonzero(dup) if np.count_nonzero(dup) else _EMPTY
-        dup_pages = req[dup_idx]
+        dup_idx = self._check_pages(req, cached)
+        dup_pages = req[dup_idx] if dup_idx.size else _EMPTY
         if dup_pages.size and np.count_nonzero(self.mem.gates.page_pins[dup_pages]):
             raise InsertError(
                 "insert: a duplicate page the cache would free is pinned by a move gate; release "
@@ -281,48 +284,65 @@ class HybridRadixCache(Eviction):
         last = self._node_at(root, nodes, partial, full)
         path = nodes if nodes and last is nodes[-1] else last.path()
         if full < toks.size:
-            path_pages = np.concatenate([cached, req[fp:]])
-            last = self._add_child(last, toks[full:].copy(), req[fp:].copy(), path_pages)
+            path_pages = np.concatenate([cached, req[fp:]]) if fp else req.copy()
+            last = self._add_child(last, toks[full:].tobytes(), path_pages)
             path = [*path, last]
         freed_states = self._attach_states(last, ckpts)
         self._touch(last.path() if ckpts else path, priority)
+        n_dup = int(dup_pages.size)
         self.counters.inserts += 1
-        self.counters.duplicate_pages += int(dup_pages.size)
+        self.counters.duplicate_pages += n_dup
         self.counters.adopted_pages += adopted
-        return InsertResult(
-            node=last,
-            prefix_len=full,
-            pages=last.path_pages,
-            freed_pages=int(dup_pages.size),
-            adopted_pages=adopted,
-            freed_states=freed_states,
-        )
+        return InsertResult(last, full, last.path_pages, n_dup, adopted, freed_states)
 
-    def _check_live_pages(self, req: np.ndarray) -> None:
-        """Every id in range, live and given once (the memory's own check, without its sort:
-        a scratch stamp finds repeats)."""
-        if not req.size:
-            return
+    def _check_pages(self, req: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        """Refuse ``req`` unless every page that is not the cache's own page at its position
+        (a duplicate of a cached page, or a page past the cached prefix) is in range, live,
+        given once and not cached elsewhere. Returns the positions of the duplicates.
+
+        The cache's own pages at their own positions need no check: they are live and
+        distinct (tree invariants), and a repeat of one elsewhere in ``req`` is cached elsewhere.
+        """
+        fp = cached.size
+        dup_idx = _EMPTY
+        if fp:
+            dup = req[:fp] != cached
+            if np.count_nonzero(dup):
+                dup_idx = np.flatnonzero(dup)
+        where = np.concatenate([dup_idx, np.arange(fp, req.size)]) if dup_idx.size else None
+        given = req[where] if where is not None else req[fp:]
+        if not given.size:
+            return dup_idx
+        ids = given.tolist()  # small: Python's min/max/set beat numpy calls here
         cap = self._owned.size
-        bad = (req <= 0) | (req >= cap)
-        if np.count_nonzero(bad):
-            page = int(req[np.argmax(bad)])
+        if min(ids) <= 0 or max(ids) >= cap:
+            page = next(p for p in ids if p <= 0 or p >= cap)
             raise InsertError(f"insert: page id {page} is outside 1..{cap - 1} (0 is the padding sink)")
-        live = self.mem.pages.live[req]
-        if np.count_nonzero(live) != req.size:
+        live = self.mem.pages.live[given]
+        if np.count_nonzero(live) != given.size:
             raise InsertError(
-                f"insert: page {int(req[np.argmax(~live)])} is not allocated (freed already, or never "
+                f"insert: page {int(given[np.argmax(~live)])} is not allocated (freed already, or never "
                 "handed out); pass pages this request allocated and still holds"
             )
-        if req.size > self._order.size:
-            self._order = np.arange(max(req.size, 2 * self._order.size), dtype=np.int32)
-        order = self._order[: req.size]
-        self._stamp[req] = order
-        repeated = self._stamp[req] != order
-        if np.count_nonzero(repeated):
-            raise InsertError(f"insert: page {int(req[np.argmax(repeated)])} is given twice")
+        if len(set(ids)) != len(ids):
+            seen: set[int] = set()
+            for page in ids:
+                if page in seen:
+                    raise InsertError(f"insert: page {page} is given twice")
+                seen.add(page)
+        owned = self._owned[given]
+        if np.count_nonzero(owned):
+            j = int(np.argmax(owned))
+            i = int(where[j]) if where is not None else fp + j
+            raise InsertError(
+                f"insert: page {given[j]} (page {i} of the key) already belongs to the cache at "
+                "another position; pass the request's own pages, or the cache's own page there"
+            )
+        return dup_idx
 
     def _page_ids(self, pages: object, what: str) -> np.ndarray:
+        if type(pages) is np.ndarray and pages.dtype is _INT64 and pages.ndim == 1:
+            return pages
         arr = np.asarray(pages)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise InsertError(f"{what}: need a 1-D integer array of page ids, got shape {arr.shape} {arr.dtype}")
@@ -475,7 +495,7 @@ class HybridRadixCache(Eviction):
         n = node
         while self.comps.windows and n.parent is not None and span < self.comps.max_window:
             n.swa_lock += 1
-            span += n.key.size
+            span += n.end - n.start
             n = n.parent
         state_node = None
         if self.comps.state is not None and node.state >= 0:
@@ -500,7 +520,7 @@ class HybridRadixCache(Eviction):
         while span < handle.swa_span:
             assert n.parent is not None, "swa span reaches above the root (lock bookkeeping bug)"
             n.swa_lock -= 1
-            span += n.key.size
+            span += n.end - n.start
             n = n.parent
         if handle.state_node is not None:
             handle.state_node.state_lock -= 1
@@ -522,7 +542,7 @@ class HybridRadixCache(Eviction):
     def _root(self, namespace: Hashable) -> Node:
         root = self._find_root(namespace)
         if root is None:
-            root = Node(0, _EMPTY, _EMPTY, _EMPTY, 0, None, namespace, len(self.comps.windows))
+            root = Node(0, b"", _EMPTY, _EMPTY, 0, None, namespace, len(self.comps.windows))
             root.hashes = [root_hash(namespace)]
             self._roots[namespace] = root
         return root
@@ -534,18 +554,22 @@ class HybridRadixCache(Eviction):
         return node
 
     def _walk(self, root: Node, toks: np.ndarray) -> tuple[list[Node], Node | None, int]:
-        """Fully matched nodes, the node matched part-way (or None), matched tokens (aligned)."""
-        buf = toks.tobytes()
-        pb = self._first_page_bytes
-        limit = len(buf) - pb  # byte offsets; a page starting past this is partial
+        """Fully matched nodes, the node matched part-way (or None), matched tokens (aligned).
+
+        Compares node keys with the tokens' own memory (a byte view, no copy of the tokens)."""
+        view = memoryview(toks).cast("B")
+        total, pb = len(view), self._first_page_bytes
+        limit = total - pb  # byte offsets; a page starting past this is partial
         node, off, nodes = root, 0, []
         while off <= limit:
-            child = node.children.get(buf[off : off + pb])
+            child = node.children.get(view[off : off + pb].tobytes())
             if child is None:
                 break
-            if buf.startswith(child.kb, off):
+            kb = child.kb
+            n = len(kb)
+            if off + n <= total and kb.startswith(view[off : off + n]):
                 nodes.append(child)
-                off += len(child.kb)
+                off += n
                 node = child
                 continue
             pos, ps = off // 8, self.page_size
@@ -601,7 +625,7 @@ class HybridRadixCache(Eviction):
         upper_path = node.path_pages[: (node.start + k) // ps]
         upper = Node(
             next(self._uids),
-            node.key[:k],
+            node.kb[: k * 8],
             node.pages[:kp],
             upper_path,
             node.start,
@@ -615,7 +639,8 @@ class HybridRadixCache(Eviction):
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:kp], node.hashes[kp:]
         parent.children[node.kb[:pb]] = upper
-        node.key, node.kb, node.pages = node.key[k:], node.kb[k * 8 :], node.pages[kp:]
+        node.kb, node.pages = node.kb[k * 8 :], node.pages[kp:]
+        node.key = np.frombuffer(node.kb, dtype=np.int64)
         node.start += k
         node.parent = upper
         upper.children[node.kb[:pb]] = node
@@ -632,11 +657,12 @@ class HybridRadixCache(Eviction):
         self._refresh(node)
         return upper
 
-    def _add_child(self, parent: Node, key: np.ndarray, pages: np.ndarray, path_pages: np.ndarray) -> Node:
-        for array in (key, pages, path_pages):
-            array.flags.writeable = False  # the tree's own arrays: hits hand out views
+    def _add_child(self, parent: Node, kb: bytes, path_pages: np.ndarray) -> Node:
+        """A leaf under ``parent`` holding tokens ``kb`` (bytes) on the pages ending ``path_pages``."""
+        path_pages.flags.writeable = False  # the tree's own array: hits hand out views
+        pages = path_pages[parent.path_pages.size :]
         node = Node(
-            next(self._uids), key, pages, path_pages, parent.end, parent, parent.namespace, len(self.comps.windows)
+            next(self._uids), kb, pages, path_pages, parent.end, parent, parent.namespace, len(self.comps.windows)
         )
         parent.children[node.kb[: self._first_page_bytes]] = node
         if parent.parent is not None:
@@ -651,7 +677,7 @@ class HybridRadixCache(Eviction):
                 self._swa_nodes[w.index].add(node)
         if self.events.enabled:
             assert parent.hashes is not None
-            node.hashes = chain_hashes(parent.hashes[-1], key, self.page_size)
+            node.hashes = chain_hashes(parent.hashes[-1], node.key, self.page_size)
             every = np.arange(pages.size)
             for name in self.comps.history:
                 self._emit(EventKind.STORED, name, node, every, with_tokens=True)
