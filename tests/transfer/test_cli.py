@@ -39,3 +39,23 @@ def test_bench_transfer_runs_and_reports_ratios():
     assert case["page_bytes"] == 64 << 10 and case["batch"] == 4 and case["bytes"] == 4 * (64 << 10)
     assert case["hybridkv_gbps"] > 0 and case["baseline_gbps"] > 0 and case["ratio"] > 0
     assert report["meets_goal"] in (True, False)
+
+
+def test_pd_demo_moves_every_byte_and_fails_only_the_faulty_requests():
+    """Two prefill stage processes -> decode TP 2 over shm; both faults; JSON report."""
+    result = runner.invoke(app, ["pd-demo", "--model", "tiny-gdn", "--requests", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["ok"] and all(c["ok"] for c in report["checks"])
+    assert report["prefill"] == {"pp": 2, "tp": 1, "processes": 2} and report["decode"] == {"tp": 2}
+    good = [r for r in report["requests"] if not r["fault"]]
+    assert len(good) == 4  # 2 requests x 2 decode TP ranks
+    for r in good:
+        labels = [label for label, _ in r["timeline_ms"]]
+        assert labels == ["Bootstrapping", "WaitingForInput", "Transferring", "Success"], r
+        assert r["bytes"] > 0 and r["ops"] > 0 and r["gbps"] > 0
+    faulty = {r["fault"]: r for r in report["requests"] if r["fault"]}
+    assert faulty["slot-size"]["phase"] == "Failed" and "state slot size mismatch" in faulty["slot-size"]["reason"]
+    assert faulty["seq-len"]["phase"] == "Failed" and "seq_len mismatch" in faulty["seq-len"]["reason"]
+    assert report["bytes_verified"] == sum(r["bytes"] for r in good)
+    assert {p["phase"] for p in report["prefill_reports"] if "bad" not in p["id"]} == {"Success"}

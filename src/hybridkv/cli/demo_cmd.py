@@ -19,7 +19,7 @@ def demo(
     out: Path = typer.Option(Path("out/demo"), "--out", help="Where PNGs and the JSON report go."),
     gpu_memory: str = typer.Option("80GiB", "--gpu-memory"),
 ) -> None:
-    """Planner on real models; a replay of a real trace through memory + cache (PNG)."""
+    """Planner on real models; a replay of a real trace through memory + cache (PNG); a real PD transfer."""
     from hybridkv.memory.capacity import plan_report
     from hybridkv.replay import run_demo_replay
 
@@ -57,6 +57,15 @@ def demo(
         f"moved by compaction; pool split over time: {replay['plot']}"
     )
     report["replay"] = {k: v for k, v in replay.items() if k != "timeline"}
+
+    console.rule("3. Prefill -> decode transfer: 2 PP stage processes -> decode TP 2 over shm, every byte checked")
+    from hybridkv.cli.pd_demo_cmd import print_pd_report, quiet_transfer_log
+    from hybridkv.transfer.demo import run_pd_demo
+
+    with quiet_transfer_log():
+        pd = run_pd_demo("shm", models=("tiny-swa2-state",), requests=3, decode_tp=2)
+    print_pd_report(Console(width=max(console.width, 150)), pd)  # one line per request
+    report["pd_transfer"] = pd
 
     (out / "demo.json").write_text(json.dumps(report, indent=1))
     console.print(f"report: {out / 'demo.json'}")

@@ -116,7 +116,7 @@ class PrefillSender(Agent):
         self.chunk_bytes = chunk_bytes
         self._peers: dict[Rank, _DecodePeer] = {}
         self._out: dict[str, _Outgoing] = {}
-        self._finished: dict[str, float] = {}
+        self._finished: dict[str, tuple[float, str]] = {}  # request id -> (when, how it ended)
         self._last_heartbeat = 0.0
         self._gates: dict[str, MoveGate] = {}  # owner thread only
         self._reports = ReportBoard()
@@ -231,8 +231,9 @@ class PrefillSender(Agent):
         out = self._out.get(rid)
         if out is None:
             if rid in self._finished:
-                self._send_status(peer, rid, msg.nonce, "failed", "request already finished here")
-                self.reject(f"late request {rid!r} from {msg.rank}: already finished")
+                ended = f"request already finished here ({self._finished[rid][1]})"
+                self._send_status(peer, rid, msg.nonce, "failed", ended)
+                self.reject(f"late request {rid!r} from {msg.rank}: {ended}")
                 return
             out = self._new(rid)
         if msg.rank in out.legs:
@@ -348,7 +349,8 @@ class PrefillSender(Agent):
         if not out.status.terminal or any(g.state == "running" for g in out.legs.values()):
             return
         if self._out.pop(rid, None) is not None:
-            self._finished[rid] = time.monotonic()
+            ended = out.status.reason or out.status.phase.label
+            self._finished[rid] = (time.monotonic(), ended)
             self.events.put(("done", rid, out.status.report()))
 
     def _abort(self, request_id: str, reason: str) -> None:
@@ -412,6 +414,6 @@ class PrefillSender(Agent):
             self._last_heartbeat = now
             for rank in active:
                 self.post(self._peers[rank].endpoint, Heartbeat(self.rank, self.endpoint))
-        for rid, at in list(self._finished.items()):
+        for rid, (at, _) in list(self._finished.items()):
             if now - at > FINISHED_KEEP_S:
                 del self._finished[rid]
