@@ -1,9 +1,9 @@
 """Radix tree nodes: one node per run of whole pages shared by the same set of sequences.
 
 Invariants (``check_tree`` proves them):
-- ``kb`` holds the bytes of the node's tokens (int64, a whole number of pages) and ``key`` is a
-  read-only int64 view of them (one copy of the tokens); ``pages[i]`` is the virtual page id
-  of tokens ``key[i*ps:(i+1)*ps]``; a node is never empty.
+- ``kb`` holds the bytes of the node's tokens (int64, a whole number of pages); ``key`` reads
+  them as a read-only int64 array (made on demand: hot paths compare bytes);
+  ``pages[i]`` is the virtual page id of tokens ``key[i*ps:(i+1)*ps]``; a node is never empty.
 - ``start`` is the position of the node's first token on its path, ``end = start + len(key)``
   (a plain field, kept by ``split``); ``parent.end == start``.
 - ``path_pages`` is every page id from the root to ``end`` (read-only; an upper half made by a
@@ -33,7 +33,6 @@ class Node:
         "hashes",
         "hits",
         "kb",
-        "key",
         "last_access",
         "lock",
         "namespace",
@@ -62,11 +61,10 @@ class Node:
     ):
         self.uid = uid
         self.kb = kb
-        self.key = np.frombuffer(kb, dtype=np.int64)
         self.pages = pages
         self.path_pages = path_pages
         self.start = start
-        self.end = start + self.key.size
+        self.end = start + len(kb) // 8
         self.parent = parent
         self.namespace = namespace
         self.children: dict[bytes, Node] = {}
@@ -81,6 +79,10 @@ class Node:
         self.clock = 0.0
         self.hashes: list[int] | None = None
         self.dead = False
+
+    @property
+    def key(self) -> np.ndarray:
+        return np.frombuffer(self.kb, dtype=np.int64)
 
     @property
     def is_root(self) -> bool:

@@ -284,7 +284,7 @@ class HybridRadixCache(Eviction):
         last = self._node_at(root, nodes, partial, full)
         path = nodes if nodes and last is nodes[-1] else last.path()
         if full < toks.size:
-            path_pages = np.concatenate([cached, req[fp:]]) if fp else req.copy()
+            path_pages = np.concatenate([cached, req[fp:]]) if dup_idx.size else req.copy()  # equal when no dups
             last = self._add_child(last, toks[full:].tobytes(), path_pages)
             path = [*path, last]
         freed_states = self._attach_states(last, ckpts)
@@ -305,10 +305,8 @@ class HybridRadixCache(Eviction):
         """
         fp = cached.size
         dup_idx = _EMPTY
-        if fp:
-            dup = req[:fp] != cached
-            if np.count_nonzero(dup):
-                dup_idx = np.flatnonzero(dup)
+        if fp and not req.tobytes().startswith(cached):  # usually the request passes the cache's own pages
+            dup_idx = np.flatnonzero(req[:fp] != cached)
         where = np.concatenate([dup_idx, np.arange(fp, req.size)]) if dup_idx.size else None
         given = req[where] if where is not None else req[fp:]
         if not given.size:
@@ -573,8 +571,9 @@ class HybridRadixCache(Eviction):
                 node = child
                 continue
             pos, ps = off // 8, self.page_size
-            m = min(child.key.size, toks.size - pos)
-            diff = toks[pos : pos + m] != child.key[:m]
+            key = child.key
+            m = min(key.size, toks.size - pos)
+            diff = toks[pos : pos + m] != key[:m]
             i = int(np.argmax(diff)) if np.count_nonzero(diff) else m
             return nodes, child, pos + i - i % ps
         return nodes, None, off // 8
@@ -621,7 +620,7 @@ class HybridRadixCache(Eviction):
         ps, pb = self.page_size, self._first_page_bytes
         kp = k // ps
         parent = node.parent
-        assert parent is not None and 0 < k < node.key.size and k % ps == 0
+        assert parent is not None and 0 < k < node.end - node.start and k % ps == 0
         upper_path = node.path_pages[: (node.start + k) // ps]
         upper = Node(
             next(self._uids),
@@ -640,7 +639,6 @@ class HybridRadixCache(Eviction):
             upper.hashes, node.hashes = node.hashes[:kp], node.hashes[kp:]
         parent.children[node.kb[:pb]] = upper
         node.kb, node.pages = node.kb[k * 8 :], node.pages[kp:]
-        node.key = np.frombuffer(node.kb, dtype=np.int64)
         node.start += k
         node.parent = upper
         upper.children[node.kb[:pb]] = node
@@ -659,7 +657,7 @@ class HybridRadixCache(Eviction):
 
     def _add_child(self, parent: Node, kb: bytes, path_pages: np.ndarray) -> Node:
         """A leaf under ``parent`` holding tokens ``kb`` (bytes) on the pages ending ``path_pages``."""
-        path_pages.flags.writeable = False  # the tree's own array: hits hand out views
+        path_pages.setflags(write=False)  # the tree's own array: hits hand out views
         pages = path_pages[parent.path_pages.size :]
         node = Node(
             next(self._uids), kb, pages, path_pages, parent.end, parent, parent.namespace, len(self.comps.windows)
@@ -672,7 +670,8 @@ class HybridRadixCache(Eviction):
         self.cached_pages += pages.size
         self.num_nodes += 1
         for w, pool in zip(self.comps.windows, self._window_pools, strict=True):
-            node.swa_res[w.index] = int(np.count_nonzero(pool.resident(pages)))
+            cells = pool.v2p[pages].tolist()
+            node.swa_res[w.index] = len(cells) - cells.count(-1)  # -1: tombstone (a free window page)
             if node.swa_res[w.index]:
                 self._swa_nodes[w.index].add(node)
         if self.events.enabled:
