@@ -45,7 +45,8 @@ class Release:
 
     def flush(self, mem: UnifiedMemory) -> None:
         for pool, parts in self.window.items():
-            mem.free_window_pages(np.concatenate(parts), pool)
+            if parts:
+                mem.free_window_pages(np.concatenate(parts), pool)
         if self.pages:
             mem.free_pages(np.concatenate(self.pages))
         if self.slots:
@@ -90,12 +91,12 @@ class Eviction:
         return {k: v for k, v in freed.items() if v}
 
     def _leaf_ok(self: HybridRadixCache, node: Node) -> bool:
-        return (
-            node.lock == 0
-            and node.state_lock == 0
-            and not np.count_nonzero(self.mem.gates.page_pins[node.pages])
-            and (node.state < 0 or not self.mem.gates.slot_pins[node.state])
-        )
+        gates = self.mem.gates
+        if node.lock or node.state_lock:
+            return False
+        if not gates.open_gates:  # no pins at all
+            return True
+        return not np.count_nonzero(gates.page_pins[node.pages]) and (node.state < 0 or not gates.slot_pins[node.state])
 
     def _evict_leaves(self: HybridRadixCache, need: int, freed: dict[str, int], release: Release) -> None:
         skipped = []
@@ -114,8 +115,9 @@ class Eviction:
 
     def _evict_windows(self: HybridRadixCache, index: int, need: int, freed: dict[str, int], release: Release) -> None:
         w = self.comps.windows[index]
-        heap, pins = self._swa_heaps[index], self.mem.gates.page_pins
+        heap, gates = self._swa_heaps[index], self.mem.gates
         pool = self.mem.pools[w.name]
+        parts = release.window.setdefault(w.name, [])
         skipped = []
         while freed[w.name] < need:
             got = heap.pop()
@@ -126,20 +128,21 @@ class Eviction:
                 self.policy.evicted(key)
                 self._remove_leaf(node, freed, release)
                 continue
-            if node.swa_lock or np.count_nonzero(pins[node.pages]):
+            if node.swa_lock or (gates.open_gates and np.count_nonzero(gates.page_pins[node.pages])):
                 skipped.append(node)
                 continue
             self.policy.evicted(key)
-            resident = pool.resident(node.pages)
-            release.window.setdefault(w.name, []).append(node.pages[resident])
-            count = int(np.count_nonzero(resident))
+            count = node.swa_res[index]
+            whole = count == node.pages.size  # every page resident: no table read needed
+            parts.append(node.pages if whole else node.pages[pool.resident(node.pages)])
             freed[w.name] += count
             self.counters.tombstoned[w.name] += count
             node.swa_res[index] = 0
             self._swa_nodes[index].discard(node)
             self._refresh(node)
             if self.events.enabled:
-                self._emit(EventKind.REMOVED, w.name, node, np.flatnonzero(resident))
+                local = np.arange(count) if whole else np.flatnonzero(pool.resident(node.pages))
+                self._emit(EventKind.REMOVED, w.name, node, local)
         for node in skipped:
             heap.push(node)
 
