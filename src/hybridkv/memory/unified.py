@@ -381,7 +381,7 @@ class UnifiedMemory:
             pool.give_cells(pool.unbind(pages))
         for pool in self.window_pools:
             resident = pool.resident(pages)
-            here = pages if resident.all() else pages[resident]
+            here = pages if np.count_nonzero(resident) == pages.size else pages[resident]
             pool.give_cells(pool.unbind(here))
         self.pages.give_back(pages)
 
@@ -396,13 +396,12 @@ class UnifiedMemory:
         targets = [self._pool(pool)] if pool else self.window_pools
         if pool and not targets[0].layout.is_window:
             raise InvalidIds(f"free_window_pages: pool {pool!r} is not a sliding-window pool")
-        if pool:
-            gone = ~targets[0].resident(arr)
-            if gone.any():
-                raise InvalidIds(f"free_window_pages: page {arr[np.argmax(gone)]} already left window pool {pool!r}")
-        for target in targets:
-            resident = arr[target.resident(arr)]
-            target.give_cells(target.unbind(resident))
+        masks = [target.resident(arr) for target in targets]
+        counts = [np.count_nonzero(mask) for mask in masks]
+        if pool and counts[0] != arr.size:
+            raise InvalidIds(f"free_window_pages: page {arr[np.argmax(~masks[0])]} already left window pool {pool!r}")
+        for target, resident, count in zip(targets, masks, counts, strict=True):
+            target.give_cells(target.unbind(arr if count == arr.size else arr[resident]))
 
     def adopt_window_pages(self, src: IdsLike, dst: IdsLike, pool: str) -> None:
         """Move window residency from pages ``src`` to pages ``dst`` (pairwise), no bytes copied.

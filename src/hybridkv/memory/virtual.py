@@ -72,7 +72,7 @@ class VirtualIds:
             reason = "the sink id 0" if first == 0 else f"outside 1..{self.capacity - 1}"
             raise InvalidIds(f"{what}: {self.name} id {first} is {reason}")
         live = self.live[ids]
-        if not live.all():
+        if np.count_nonzero(live) != ids.size:
             first = int(ids[np.argmax(~live)])
             raise InvalidIds(
                 f"{what}: {self.name} id {first} is not allocated (double free, or an id that was never handed out)"
