@@ -401,8 +401,8 @@ class Lossy(Transport):
     def register(self, addr: int, length: int) -> None:
         self.inner.register(addr, length)
 
-    def write(self, peer, src, dst, length) -> None:
-        self.inner.write(peer, src[:-1], dst[:-1], length[:-1])
+    def write(self, peer, src, dst, length, bounds=None) -> None:
+        self.inner.write(peer, src[:-1], dst[:-1], length[:-1], bounds)
 
     def close(self) -> None:
         self.inner.close()

@@ -81,6 +81,12 @@ def check_layouts(
             got = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True))
             assert got == want, f"prefill pp{p} tp{t} -> decode tp{d}"
             assert plan.num_ops == len(want)  # one op per contiguous run
+            assert plan.nbytes == int(plan.length.sum())
+            b = plan.bounds  # from the cell ids alone, yet they hold every op
+            if plan.num_ops:
+                assert b.src_lo <= plan.src.min() and (plan.src + plan.length).max() <= b.src_hi
+                assert b.dst_lo <= plan.dst.min() and (plan.dst + plan.length).max() <= b.dst_hi
+                assert 0 < b.min_len <= plan.length.min()
             ranges += list(zip(plan.dst.tolist(), plan.length.tolist(), strict=True))
         ranges.sort()
         assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ranges))

@@ -16,6 +16,7 @@ from hybridkv.transfer import (
     TransportError,
     make_transport,
 )
+from hybridkv.transfer.plan import Bounds
 
 
 def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
@@ -41,6 +42,14 @@ def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
         writer.write(receiver.session, base + src_off, peer.addr + dst_off + (1 << 16) - 4096, length)
     with pytest.raises(TransportError, match="outside every registered local region"):
         writer.write(receiver.session, base + src_off + (1 << 16), peer.addr + dst_off, length)
+    honest = Bounds(base, base + (1 << 16), peer.addr, peer.addr + (1 << 16), 1)
+    with pytest.raises(TransportError, match="outside the peer's buffer"):  # the caller's bounds are checked too
+        writer.write(
+            receiver.session, base + src_off, peer.addr + dst_off, length, honest._replace(dst_hi=peer.addr + (1 << 17))
+        )
+    loose = honest._replace(src_lo=base - 1, src_hi=base + (1 << 20))  # not in one region: each op is checked
+    with pytest.raises(TransportError, match="outside every registered local region"):
+        writer.write(receiver.session, base + src_off + (1 << 16), peer.addr + dst_off, length, loose)
     with pytest.raises(TransportError, match="not a shm session"):
         writer.write("tcp://nope", base + src_off, peer.addr + dst_off, length)
     assert np.array_equal(got, before)  # refused writes copy nothing

@@ -16,6 +16,14 @@ Invariants:
   merged, so the number of ops equals the number of contiguous runs. A destination-only
   plan (no source cells: what decode computes to verify checksums) merges on the
   destination alone; its byte order is the same as the full plan's.
+
+Cost (what keeps a small request cheap): a ``Route`` does once per rank pair whatever no
+request changes, including merging the chunks of one item that are contiguous on both
+sides (a packed cell of all of a pool's layers becomes one chunk). A request then costs a
+few array operations per pool: its cell ids are checked with two reductions per side,
+which also bound every op's address (``Bounds``: cell range x stride + the item's chunk
+extremes), so the region check reads the bounds instead of the ops whenever they fall in
+one region, and transports check the bounds instead of reducing the op arrays again.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,20 +44,29 @@ from hybridkv.transfer.slicing import source_pieces
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
+class Bounds(NamedTuple):
+    """What holds for every op: its source lies in ``[src_lo, src_hi)``, its destination in
+    ``[dst_lo, dst_hi)``, and it is at least ``min_len`` bytes long."""
+
+    src_lo: int
+    src_hi: int
+    dst_lo: int
+    dst_hi: int
+    min_len: int
+
+
 @dataclass(frozen=True)
 class TransferPlan:
     src: np.ndarray  # int64 source addresses (prefill); zeros in a destination-only plan
     dst: np.ndarray  # int64 destination addresses (decode), ascending
     length: np.ndarray  # int64 bytes per op
     pieces: int  # elementary pieces before coalescing
+    nbytes: int  # sum of ``length``
+    bounds: Bounds  # derived from the checked cell ids, not from the op arrays
 
     @property
     def num_ops(self) -> int:
         return int(self.dst.size)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
 
     def chunks(self, max_ops: int, max_bytes: int) -> list[slice]:
         """Consecutive op ranges of at most ``max_ops`` ops and about ``max_bytes`` bytes.
@@ -72,12 +90,13 @@ def num_pages(seq_len: int, page_size: int) -> int:
     return -(-seq_len // page_size)
 
 
-def positions(kind: str, window: int | None, page_size: int, seq_len: int) -> np.ndarray:
-    """Positions (page index within the request, or 0 for the state slot) an entry sends."""
+def page_span(kind: str, window: int | None, page_size: int, seq_len: int) -> tuple[int, int]:
+    """Positions ``[first, end)`` an entry sends: page indices within the request, or the
+    state slot (position 0)."""
     if kind == "state":
-        return np.zeros(1, dtype=np.int64)
+        return 0, 1
     first = max(0, seq_len - window) // page_size if window else 0
-    return np.arange(first, num_pages(seq_len, page_size), dtype=np.int64)
+    return first, num_pages(seq_len, page_size)
 
 
 def memory_cells(mem: UnifiedMemory, pages: np.ndarray, slot: int | None) -> dict[str, np.ndarray]:
@@ -104,6 +123,40 @@ def _item_chunks(a: BufferEntry, b: BufferEntry, start: int, end: int) -> tuple[
     return src, dst, np.full(outer, (end - start) * inner, dtype=np.int64)
 
 
+class _Chunks:
+    """The byte ranges one item of a group sends: offsets from address 0 of item 0."""
+
+    def __init__(self, src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray) -> None:
+        self.src_off, self.dst_off, self.length = src_off, dst_off, length
+        # lowest start and highest end of item 0's chunks, per side (item c: add c * stride)
+        self.src_lo, self.src_hi = int(src_off.min()), int((src_off + length).max())
+        self.dst_lo, self.dst_hi = int(dst_off.min()), int((dst_off + length).max())
+        self.min_len = int(length.min())  # merging pieces only makes ops longer
+        self._lengths = length.copy()  # ``length`` repeated, grown on demand; plans get read-only views
+        self._lengths.flags.writeable = False
+
+    def lengths(self, items: int) -> np.ndarray:
+        """``length`` repeated for ``items`` items (a read-only view)."""
+        need = items * self.length.size
+        if self._lengths.size < need:
+            tiled = np.tile(self.length, max(items, 2 * self._lengths.size // self.length.size))
+            tiled.flags.writeable = False
+            self._lengths = tiled
+        return self._lengths[:need]
+
+
+def _merged(src: np.ndarray, dst: np.ndarray, length: np.ndarray, merge_src: bool) -> _Chunks:
+    """Chunks sorted by destination, adjacent ones merged where contiguous (on both sides
+    with ``merge_src``, else on the destination alone)."""
+    order = np.argsort(dst, kind="stable")
+    src, dst, length = src[order], dst[order], length[order]
+    joined = dst[:-1] + length[:-1] == dst[1:]
+    if merge_src:
+        joined &= src[:-1] + length[:-1] == src[1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    return _Chunks(src[starts], dst[starts], np.add.reduceat(length, starts))
+
+
 @dataclass(frozen=True)
 class _Group:
     """Entry pairs that share pools, strides and page rule: one broadcast per request."""
@@ -118,35 +171,48 @@ class _Group:
     src_count: int
     dst_count: int
     layer: int  # a layer of the group, for messages
-    src_off: np.ndarray  # absolute address of item 0 plus the chunk offset, per chunk
-    dst_off: np.ndarray
-    length: np.ndarray
+    full: _Chunks  # merged on both sides: what a full plan sends per item
+    dst_only: _Chunks  # merged on the destination: what a destination-only plan expects
+    pieces: int  # elementary pieces per item, before any merge
+    item_bytes: int  # bytes per item
 
-    def cells(self, cells: Mapping[str, np.ndarray], role: str, where: np.ndarray) -> np.ndarray:
+    def cells(self, cells: Mapping[str, np.ndarray], role: str, first: int, end: int) -> tuple[np.ndarray, int, int]:
+        """The request's cells at positions ``[first, end)`` of this group's pool on one
+        side, and the lowest and highest of them; ``PlanError`` unless all are in ``[1, count)``."""
         pool, count = (self.src_pool, self.src_count) if role == "prefill" else (self.dst_pool, self.dst_count)
         have = cells.get(pool)
-        need = int(where[-1]) + 1
         unit = "state slot" if self.kind == "state" else "pages"
-        if have is None or len(have) < need:
+        if have is None or len(have) < end:
             raise PlanError(
                 f"{role} gave {0 if have is None else len(have)} {unit} for pool {pool!r} "
-                f"(layer {self.layer}), the request needs {need}"
+                f"(layer {self.layer}), the request needs {end}"
             )
-        picked = np.asarray(have, dtype=np.int64)[where]
-        if picked.min() < 1 or picked.max() >= count:
+        picked = np.asarray(have, dtype=np.int64)[first:end]
+        lo, hi = int(np.minimum.reduce(picked)), int(np.maximum.reduce(picked))
+        if lo < 1 or hi >= count:
             i = int(np.argmax((picked < 1) | (picked >= count)))
             what = "a tombstone (not resident)" if picked[i] == -1 else f"outside [1, {count})"
             raise PlanError(
-                f"{role} cell {picked[i]} for position {where[i]} of pool {pool!r} (layer {self.layer}) is {what}"
+                f"{role} cell {picked[i]} for position {first + i} of pool {pool!r} (layer {self.layer}) is {what}"
             )
-        return picked
+        return picked, lo, hi
+
+
+def _addresses(cells: np.ndarray, stride: int, off: np.ndarray, lo: int) -> np.ndarray:
+    """Address of every chunk of every cell, cell-major (``lo``: the lowest offset)."""
+    out = cells * stride
+    if off.size == 1:
+        out += lo
+        return out
+    return (out[:, None] + off).ravel()
 
 
 class Route:
     """Everything about one (prefill rank, decode rank) pairing that no request changes.
 
-    Built once per connection (pairs, TP pieces, chunk offsets grouped by pool); ``plan``
-    then costs a few array operations per pool, whatever the number of layers.
+    Built once per connection (pairs, TP pieces, chunk offsets grouped by pool and merged
+    within an item); ``plan`` then costs a few array operations per pool, whatever the
+    number of layers. ``plan`` may run on several threads.
     """
 
     def __init__(self, prefill: BufferSet, decode: BufferSet, pairs: Sequence[EntryPair]) -> None:
@@ -164,17 +230,22 @@ class Route:
                 if piece.src_rank == prefill.tp_rank:
                     s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
                     parts.setdefault(key, []).append((a.addr + s_off, b.addr + d_off, ln, pair.layer_id))
-        self.groups = [
-            _Group(
-                *key[:5],
-                *key[5:],
-                layer=chunks[0][3],
-                src_off=np.concatenate([c[0] for c in chunks]),
-                dst_off=np.concatenate([c[1] for c in chunks]),
-                length=np.concatenate([c[2] for c in chunks]),
+        self.groups: list[_Group] = []
+        for key, chunks in parts.items():
+            src = np.concatenate([c[0] for c in chunks])
+            dst = np.concatenate([c[1] for c in chunks])
+            length = np.concatenate([c[2] for c in chunks])
+            full = _merged(src, dst, length, merge_src=True)
+            self.groups.append(
+                _Group(
+                    *key,
+                    layer=chunks[0][3],
+                    full=full,
+                    dst_only=_merged(src, dst, length, merge_src=False),
+                    pieces=int(length.size),
+                    item_bytes=int(length.sum()),
+                )
             )
-            for key, chunks in parts.items()
-        ]
 
     def plan(
         self,
@@ -185,24 +256,41 @@ class Route:
         """The ops of one request; ``src_cells=None`` gives a destination-only plan."""
         if seq_len < 1:
             raise PlanError(f"seq_len must be >= 1, got {seq_len}")
+        full = src_cells is not None
         src_parts, dst_parts, len_parts = [], [], []
+        pieces = nbytes = 0
+        s_lo = d_lo = min_len = 1 << 63
+        s_hi = d_hi = 0
         for g in self.groups:
-            where = positions(g.kind, g.window, g.page_size, seq_len)
-            if where.size == 0:
+            first, end = page_span(g.kind, g.window, g.page_size, seq_len)
+            if first >= end:
                 continue
-            d = g.cells(dst_cells, "decode", where)
-            dst_parts.append((d[:, None] * g.dst_stride + g.dst_off).ravel())
-            len_parts.append(np.tile(g.length, where.size))
+            chunks = g.full if full else g.dst_only
+            cells, lo, hi = g.cells(dst_cells, "decode", first, end)
+            dst_parts.append(_addresses(cells, g.dst_stride, chunks.dst_off, chunks.dst_lo))
+            d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
             if src_cells is not None:
-                s = g.cells(src_cells, "prefill", where)
-                src_parts.append((s[:, None] * g.src_stride + g.src_off).ravel())
-        dst = np.concatenate(dst_parts) if dst_parts else _EMPTY
-        length = np.concatenate(len_parts) if len_parts else _EMPTY
-        src = np.concatenate(src_parts) if src_parts else np.zeros_like(dst)
-        _check_inside(dst, length, self.decode, "decode")
-        if src_cells is not None:
-            _check_inside(src, length, self.prefill, "prefill")
-        return _coalesce(src, dst, length, merge_src=src_cells is not None)
+                cells, lo, hi = g.cells(src_cells, "prefill", first, end)
+                src_parts.append(_addresses(cells, g.src_stride, chunks.src_off, chunks.src_lo))
+                s_lo, s_hi = min(s_lo, lo * g.src_stride + chunks.src_lo), max(s_hi, hi * g.src_stride + chunks.src_hi)
+            len_parts.append(chunks.lengths(end - first))
+            min_len = min(min_len, chunks.min_len)
+            pieces += (end - first) * g.pieces
+            nbytes += (end - first) * g.item_bytes
+        if not dst_parts:
+            return TransferPlan(_EMPTY, _EMPTY, _EMPTY, 0, 0, Bounds(0, 0, 0, 0, 0))
+        dst, length = _joined(dst_parts), _joined(len_parts)
+        _check_inside(dst, length, d_lo, d_hi, self.decode, "decode")
+        if full:
+            src = _joined(src_parts)
+            _check_inside(src, length, s_lo, s_hi, self.prefill, "prefill")
+        else:
+            src, s_lo, s_hi = np.zeros_like(dst), 0, 0
+        return _coalesce(src, dst, length, full, pieces, nbytes, Bounds(s_lo, s_hi, d_lo, d_hi, min_len))
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def build_plan(
@@ -222,12 +310,11 @@ def build_plan(
     return Route(prefill, decode, pairs).plan(seq_len, src_cells, dst_cells)
 
 
-def _check_inside(addr: np.ndarray, length: np.ndarray, bufs: BufferSet, role: str) -> None:
-    if addr.size == 0:
-        return
-    lo, hi = int(addr.min()), int((addr + length).max())
+def _check_inside(addr: np.ndarray, length: np.ndarray, lo: int, hi: int, bufs: BufferSet, role: str) -> None:
+    """Every range ``[addr[i], addr[i] + length[i])``, all within ``[lo, hi)``, lies inside
+    one region ``bufs`` registered."""
     if any(start <= lo and hi <= start + size for start, size in bufs.regions):
-        return  # all inside one region: the common case, two reductions
+        return  # all inside one region: the common case, decided by the bounds alone
     inside = np.zeros(addr.size, dtype=bool)
     for start, size in bufs.regions:
         inside |= (addr >= start) & (addr + length <= start + size)
@@ -239,24 +326,36 @@ def _check_inside(addr: np.ndarray, length: np.ndarray, bufs: BufferSet, role: s
         )
 
 
-def _coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray, merge_src: bool) -> TransferPlan:
-    pieces = int(dst.size)
-    if pieces == 0:
-        return TransferPlan(_EMPTY, _EMPTY, _EMPTY, 0)
-    if pieces > 1 and not (dst[1:] > dst[:-1]).all():
-        order = np.argsort(dst, kind="stable")
-        src, dst, length = src[order], dst[order], length[order]
-    end = dst[:-1] + length[:-1]
-    overlap = end > dst[1:]
-    if overlap.any():
-        i = int(np.argmax(overlap))
-        raise PlanError(
-            f"two pieces write the same decode bytes at {dst[i + 1]:#x} (a page or slot given "
-            "twice in the request's destination cells?)"
-        )
-    joined = end == dst[1:]
-    if merge_src:
-        joined &= src[:-1] + length[:-1] == src[1:]
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    total = np.add.reduceat(length, starts)
-    return TransferPlan(src[starts].copy(), dst[starts].copy(), total.astype(np.int64), pieces)
+def _coalesce(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, merge_src: bool, pieces: int, nbytes: int, bounds: Bounds
+) -> TransferPlan:
+    """Sort by destination (unless sorted), refuse overlaps, merge contiguous runs.
+
+    Lengths are positive, so non-negative gaps between consecutive pieces mean "sorted and
+    disjoint": one reduction decides whether a sort is needed at all, and a smallest gap
+    above zero means nothing can merge.
+    """
+    if dst.size > 1:
+        end = dst + length
+        gap = dst[1:] - end[:-1]
+        smallest = np.minimum.reduce(gap)
+        if smallest < 0:  # unsorted, or overlapping
+            order = np.argsort(dst, kind="stable")
+            src, dst, length = src[order], dst[order], length[order]
+            end = dst + length
+            gap = dst[1:] - end[:-1]
+            smallest = np.minimum.reduce(gap)
+            if smallest < 0:
+                i = int(np.argmax(gap < 0))
+                raise PlanError(
+                    f"two pieces write the same decode bytes at {dst[i + 1]:#x} (a page or slot given "
+                    "twice in the request's destination cells?)"
+                )
+        if smallest == 0:
+            joined = gap == 0
+            if merge_src:
+                joined &= src[:-1] + length[:-1] == src[1:]
+            if np.logical_or.reduce(joined):
+                starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+                src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
+    return TransferPlan(src, dst, length, pieces, nbytes, bounds)

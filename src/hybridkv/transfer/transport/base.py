@@ -6,6 +6,8 @@ Invariants:
   checks both itself, Mooncake's peer checks the destination).
 - ``write`` returns only when every op landed, or raises ``TransportError``; after an error
   the destination bytes are undefined and the request must fail.
+- ``bounds``, when given, hold every op (a plan derives them from its checked cell ids);
+  a transport may check them instead of reducing the op arrays, never skip the check.
 - The same plan arrays drive every transport.
 """
 
@@ -18,7 +20,7 @@ from typing import ClassVar
 import numpy as np
 
 from hybridkv.transfer.errors import TransferError
-from hybridkv.transfer.plan import TransferPlan
+from hybridkv.transfer.plan import Bounds, TransferPlan
 
 
 class Transport(ABC):
@@ -46,8 +48,13 @@ class Transport(ABC):
         """Expose ``[addr, addr + length)`` of this process to transfers."""
 
     @abstractmethod
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
-        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, all or raise."""
+    def write(
+        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
+    ) -> None:
+        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, all or raise.
+
+        ``bounds``: address ranges that hold every op, when the caller knows them.
+        """
 
     @abstractmethod
     def close(self) -> None:
@@ -65,4 +72,4 @@ def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes:
         reason = stop()
         if reason:
             raise TransferError(f"stopped: {reason}")
-        transport.write(peer, plan.src[chunk], plan.dst[chunk], plan.length[chunk])
+        transport.write(peer, plan.src[chunk], plan.dst[chunk], plan.length[chunk], plan.bounds)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.transfer.errors import TransportError
+from hybridkv.transfer.plan import Bounds
 from hybridkv.transfer.transport.base import Transport
 
 ENV_DEFAULTS = {
@@ -91,7 +92,10 @@ class MooncakeTransport(Transport):
             )
         self._registered.append(addr)
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    def write(
+        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
+    ) -> None:
+        """The peer's engine checks every destination itself; ``bounds`` are not needed."""
         if src.size > self.max_ops_per_write:
             raise TransportError(
                 f"{src.size} ops in one mooncake write; split plans into chunks of at most "

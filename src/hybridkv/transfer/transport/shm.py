@@ -6,7 +6,9 @@ the file once and turns each destination address into an offset in its own mappi
 
 Invariants:
 - Every destination range must lie inside the peer's buffer and every source range inside
-  a region this side registered; otherwise nothing of that write is copied.
+  a region this side registered; otherwise nothing of that write is copied. The check
+  reads the caller's ``bounds`` when given (a plan's, from its checked cell ids), else
+  reduces the op arrays.
 - Large ops are one ``memmove`` each; small ops (TP head slices) are gathered and
   scattered with vectorized numpy indexing, grouped by length.
 """
@@ -20,6 +22,7 @@ import os
 import numpy as np
 
 from hybridkv.transfer.errors import TransportError
+from hybridkv.transfer.plan import Bounds
 from hybridkv.transfer.shared import SharedBuffer
 from hybridkv.transfer.transport.base import Transport
 
@@ -73,37 +76,56 @@ class ShmTransport(Transport):
         array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
         self._local.append((addr, array))
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    def write(
+        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
+    ) -> None:
         if src.size == 0:
             return
-        if peer not in self._peers:
-            self._peers[peer] = _Mapping(peer)
-        target = self._peers[peer]
-        off = dst - target.remote
-        if off.min() < 0 or (off + length).max() > target.nbytes:
-            i = int(np.argmax((off < 0) | (off + length > target.nbytes)))
-            raise TransportError(
-                f"shm write to {peer}: destination [{dst[i]:#x}, {dst[i] + length[i]:#x}) is outside the peer's buffer"
+        target = self._peers.get(peer) or self._map(peer)
+        if bounds is None:
+            bounds = Bounds(
+                int(np.minimum.reduce(src)),
+                int(np.maximum.reduce(src + length)),
+                int(np.minimum.reduce(dst)),
+                int(np.maximum.reduce(dst + length)),
+                int(np.minimum.reduce(length)),
             )
-        region = self._regions(src, length)
-        if length.min() >= SMALL_OP:  # the common case: every op is one memmove
-            for s, d, n in zip(src.tolist(), off.tolist(), length.tolist(), strict=True):
-                ctypes.memmove(target.base + d, s, n)
+        if bounds.dst_lo < target.remote or bounds.dst_hi > target.remote + target.nbytes:
+            end = dst + length
+            i = int(np.argmax((dst < target.remote) | (end > target.remote + target.nbytes)))
+            raise TransportError(
+                f"shm write to {peer}: destination [{dst[i]:#x}, {end[i]:#x}) is outside the peer's buffer"
+            )
+        region = self._regions(src, length, bounds)
+        local = dst + (target.base - target.remote)  # destination addresses in this process's mapping
+        if bounds.min_len >= SMALL_OP:  # the common case: every op is one memmove
+            for s, d, n in zip(src.tolist(), local.tolist(), length.tolist(), strict=True):
+                ctypes.memmove(d, s, n)
             return
         big = length >= SMALL_OP
-        for s, d, n in zip(src[big].tolist(), off[big].tolist(), length[big].tolist(), strict=True):
-            ctypes.memmove(target.base + d, s, n)
+        for s, d, n in zip(src[big].tolist(), local[big].tolist(), length[big].tolist(), strict=True):
+            ctypes.memmove(d, s, n)
+        off, small = dst - target.remote, ~big
+        if region is None:
+            addr, array = self._local[0]
+            _scatter(target.array, off[small], array, src[small] - addr, length[small])
+            return
         for k, (addr, array) in enumerate(self._local):
-            small = ~big & (region == k)
-            if small.any():
-                _scatter(target.array, off[small], array, src[small] - addr, length[small])
+            pick = small & (region == k)
+            if pick.any():
+                _scatter(target.array, off[pick], array, src[pick] - addr, length[pick])
 
-    def _regions(self, src: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """Index of the registered local region holding each source range."""
-        lo, hi = int(src.min()), int((src + length).max())
-        for k, (addr, array) in enumerate(self._local):
-            if addr <= lo and hi <= addr + array.size:
-                return np.full(src.size, k, dtype=np.int64)  # all in one region: two reductions
+    def _map(self, peer: str) -> _Mapping:
+        self._peers[peer] = _Mapping(peer)
+        return self._peers[peer]
+
+    def _regions(self, src: np.ndarray, length: np.ndarray, bounds: Bounds) -> np.ndarray | None:
+        """Index of the registered local region holding each source range; None when the
+        bounds lie in the first region (the common case)."""
+        if self._local:
+            addr, array = self._local[0]
+            if addr <= bounds.src_lo and bounds.src_hi <= addr + array.size:
+                return None
         region = np.full(src.size, -1, dtype=np.int64)
         for k, (addr, array) in enumerate(self._local):
             region[(src >= addr) & (src + length <= addr + array.size)] = k
