@@ -261,7 +261,8 @@ class HybridRadixCache(Eviction):
         nodes, partial, full = self._walk(root, toks) if root is not None else ([], None, 0)
         fp = full // ps
         cached = self._walked_pages(root, nodes, partial, full) if root is not None else _EMPTY
-        dup_idx = self._check_pages(req, cached)
+        req_bytes = req.tobytes()
+        dup_idx = self._check_pages(req, req_bytes, cached)
         dup_pages = req[dup_idx] if dup_idx.size else _EMPTY
         if dup_pages.size and np.count_nonzero(self.mem.gates.page_pins[dup_pages]):
             raise InsertError(
@@ -284,7 +285,11 @@ class HybridRadixCache(Eviction):
         last = self._node_at(root, nodes, partial, full)
         path = nodes if nodes and last is nodes[-1] else last.path()
         if full < toks.size:
-            path_pages = np.concatenate([cached, req[fp:]]) if dup_idx.size else req.copy()  # equal when no dups
+            if dup_idx.size:
+                path_pages = np.concatenate([cached, req[fp:]])
+                path_pages.setflags(write=False)
+            else:  # the request's pages are the path: a read-only copy of them
+                path_pages = np.frombuffer(req_bytes, dtype=np.int64)
             last = self._add_child(last, toks[full:].tobytes(), path_pages)
             path = [*path, last]
         freed_states = self._attach_states(last, ckpts)
@@ -295,17 +300,18 @@ class HybridRadixCache(Eviction):
         self.counters.adopted_pages += adopted
         return InsertResult(last, full, last.path_pages, n_dup, adopted, freed_states)
 
-    def _check_pages(self, req: np.ndarray, cached: np.ndarray) -> np.ndarray:
-        """Refuse ``req`` unless every page that is not the cache's own page at its position
-        (a duplicate of a cached page, or a page past the cached prefix) is in range, live,
-        given once and not cached elsewhere. Returns the positions of the duplicates.
+    def _check_pages(self, req: np.ndarray, req_bytes: bytes, cached: np.ndarray) -> np.ndarray:
+        """Refuse ``req`` (``req_bytes``: its bytes) unless every page that is not the cache's
+        own page at its position (a duplicate of a cached page, or a page past the cached
+        prefix) is in range, live, given once and not cached elsewhere. Returns the positions
+        of the duplicates.
 
         The cache's own pages at their own positions need no check: they are live and
         distinct (tree invariants), and a repeat of one elsewhere in ``req`` is cached elsewhere.
         """
         fp = cached.size
         dup_idx = _EMPTY
-        if fp and not req.tobytes().startswith(cached):  # usually the request passes the cache's own pages
+        if fp and not req_bytes.startswith(cached):  # usually the request passes the cache's own pages
             dup_idx = np.flatnonzero(req[:fp] != cached)
         where = np.concatenate([dup_idx, np.arange(fp, req.size)]) if dup_idx.size else None
         given = req[where] if where is not None else req[fp:]
@@ -656,8 +662,8 @@ class HybridRadixCache(Eviction):
         return upper
 
     def _add_child(self, parent: Node, kb: bytes, path_pages: np.ndarray) -> Node:
-        """A leaf under ``parent`` holding tokens ``kb`` (bytes) on the pages ending ``path_pages``."""
-        path_pages.setflags(write=False)  # the tree's own array: hits hand out views
+        """A leaf under ``parent`` holding tokens ``kb`` (bytes) on the pages ending ``path_pages``
+        (read-only: the tree's own array, hits hand out views of it)."""
         pages = path_pages[parent.path_pages.size :]
         node = Node(
             next(self._uids), kb, pages, path_pages, parent.end, parent, parent.namespace, len(self.comps.windows)
