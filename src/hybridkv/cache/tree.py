@@ -279,11 +279,16 @@ class HybridRadixCache(Eviction):
         # --- validated: from here on nothing refuses ---
         if root is None:
             root = self._root(extra_key)
-        adopted = self._adopt_windows(nodes, partial, cached, dup_idx, dup_pages)
-        if dup_pages.size:
+        n_dup = int(dup_pages.size)
+        adopted = 0
+        if n_dup:
+            adopted = self._adopt_windows(nodes, partial, cached, dup_idx, dup_pages)
             self.mem.free_pages(dup_pages)
-        last = self._node_at(root, nodes, partial, full)
-        path = nodes if nodes and last is nodes[-1] else last.path()
+        if nodes and nodes[-1].end == full:
+            last, path = nodes[-1], nodes
+        else:
+            last = self._node_at(root, nodes, partial, full)
+            path = last.path()
         if full < toks.size:
             if dup_idx.size:
                 path_pages = np.concatenate([cached, req[fp:]])
@@ -292,9 +297,8 @@ class HybridRadixCache(Eviction):
                 path_pages = np.frombuffer(req_bytes, dtype=np.int64)
             last = self._add_child(last, toks[full:].tobytes(), path_pages)
             path = [*path, last]
-        freed_states = self._attach_states(last, ckpts)
+        freed_states = self._attach_states(last, ckpts) if ckpts else 0
         self._touch(last.path() if ckpts else path, priority)
-        n_dup = int(dup_pages.size)
         self.counters.inserts += 1
         self.counters.duplicate_pages += n_dup
         self.counters.adopted_pages += adopted
@@ -391,7 +395,7 @@ class HybridRadixCache(Eviction):
 
         Pages pair by position in the request's row (first occurrence), never by sorting.
         """
-        if not self.comps.windows or not dup_pages.size:
+        if not self.comps.windows:
             return 0
         seq = [*nodes, partial] if partial is not None else nodes
         ends = np.cumsum([n.pages.size for n in seq])
