@@ -321,7 +321,7 @@ class HybridRadixCache(Eviction):
         given = req[where] if where is not None else req[fp:]
         if not given.size:
             return dup_idx
-        ids = given.tolist()  # small: Python's min/max/set beat numpy calls here
+        ids = given.tolist()  # one conversion serves the range and repeat checks
         cap = self._owned.size
         if min(ids) <= 0 or max(ids) >= cap:
             page = next(p for p in ids if p <= 0 or p >= cap)
