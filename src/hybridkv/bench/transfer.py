@@ -20,6 +20,8 @@ Measured per (page size, batch), warm, interleaved in a rotating order, median o
   pin, messages, plan, write, status, free), for reference.
 
 Goals (against ``baseline``): shm ``>= 0.8 x`` for pages >= 64 KiB; mooncake ``>= 0.9 x``.
+``overhead_us`` (median hybridkv minus median baseline time) is the per-request fixed cost
+of planning and checking, which decides the ratio of small requests.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ def _case(
     page_bytes = TOKEN_BYTES * page_tokens
     need, from_bytes = GOALS[transport]
     ratio = _paired_ratio(times, "baseline")
+    fixed_us = (statistics.median(times["hybridkv"]) - statistics.median(times["baseline"])) * 1e6
     return {
         "page_bytes": page_bytes,
         "batch": batch,
@@ -177,6 +180,7 @@ def _case(
         "hybridkv_gbps": gbps["hybridkv"],
         "baseline_gbps": gbps["baseline"],
         "ratio": ratio,
+        "overhead_us": fixed_us,
         "memcpy_block_gbps": gbps.get("memcpy_block"),
         "ratio_to_block": _paired_ratio(times, "memcpy_block") if "memcpy_block" in times else None,
         "end_to_end_gbps": gbps["end_to_end"],

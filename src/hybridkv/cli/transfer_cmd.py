@@ -42,7 +42,7 @@ def bench_transfer(
         return
     table = Table(title=f"transfer over {transport}: hybridkv vs {report['baseline']} (median of {reps})")
     block = transport == "shm"
-    cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio"]
+    cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio", "overhead µs"]
     cols += ["block memcpy GB/s", "ratio to block"] if block else []
     for col in [*cols, "end-to-end GB/s", "goal"]:
         table.add_column(col, justify="right")
@@ -56,6 +56,7 @@ def bench_transfer(
             f"{r['hybridkv_gbps']:.2f}",
             f"{r['baseline_gbps']:.2f}",
             f"{r['ratio']:.2f}",
+            f"{r['overhead_us']:.0f}",
         ]
         if block:
             row += [f"{r['memcpy_block_gbps']:.2f}", f"{r['ratio_to_block']:.2f}"]

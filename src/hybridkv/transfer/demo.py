@@ -44,6 +44,8 @@ FAULT_REASON = {"slot-size": "state slot size mismatch", "seq-len": "seq_len mis
 PREFILL_PP = 2
 QUARANTINE_S = 3.0  # a failed request's pages wait at most this long for its writers' acknowledgement
 
+DecodeRank = tuple[DecodeReceiver, UnifiedMemory]
+
 
 @dataclass
 class _Request:
@@ -101,12 +103,12 @@ def _settle(dec: DecodeReceiver, mem: UnifiedMemory, timeout_s: float) -> str:
         time.sleep(0.005)
     if dec.held:
         return f"{dec.held} requests still hold pages after {timeout_s} s"
-    mem.verify()
+    try:
+        mem.verify()
+    except Exception as exc:  # a broken invariant is a failed check, reported with the rest
+        return f"verify() failed: {exc}"
     live = mem.stats().live_pages
     return f"{live} pages still live" if live else ""
-
-
-DecodeRank = tuple[DecodeReceiver, UnifiedMemory]
 
 
 def _transfer(

@@ -124,7 +124,8 @@ def _item_chunks(a: BufferEntry, b: BufferEntry, start: int, end: int) -> tuple[
 
 
 class _Chunks:
-    """The byte ranges one item of a group sends: offsets from address 0 of item 0."""
+    """The byte ranges one item of a group sends, as addresses of item 0's chunks (item
+    ``c``: add ``c * stride``)."""
 
     def __init__(self, src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray) -> None:
         self.src_off, self.dst_off, self.length = src_off, dst_off, length
@@ -136,7 +137,8 @@ class _Chunks:
         self._lengths.flags.writeable = False
 
     def lengths(self, items: int) -> np.ndarray:
-        """``length`` repeated for ``items`` items (a read-only view)."""
+        """``length`` repeated for ``items`` items (a read-only view). Safe on several
+        threads: a racing grow only replaces the cache with an equal, longer array."""
         need = items * self.length.size
         if self._lengths.size < need:
             tiled = np.tile(self.length, max(items, 2 * self._lengths.size // self.length.size))
