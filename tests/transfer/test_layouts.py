@@ -28,6 +28,7 @@ from hybridkv.transfer import (
     memory_cells,
     pair_entries,
 )
+from hybridkv.transfer import plan as plan_module
 from hybridkv.transfer.harness import variant
 from hybridkv.transfer.messages import Hello, Rank, decode, encode
 
@@ -197,7 +198,14 @@ def test_geometry_mismatches_are_errors_naming_both_sides(decode_kw, message):
 # --- plans: errors and no host sync ---------------------------------------------------
 
 
-def test_plan_refuses_bad_cells_before_any_byte_moves():
+@pytest.fixture(params=["lists", "arrays"])
+def builder(request, monkeypatch):
+    """Both plan builders: Python lists (small plans) and numpy arrays (large ones)."""
+    monkeypatch.setattr(plan_module, "SMALL_PLAN", 1 << 30 if request.param == "lists" else 0)
+    return request.param
+
+
+def test_plan_refuses_bad_cells_before_any_byte_moves(builder):
     pre_mem, dec_mem = memory("tiny-swa"), memory("tiny-swa")
     pre, dec = buffer_set_from_memory(pre_mem, BASE), buffer_set_from_memory(dec_mem, 2 * BASE)
     pairs = pair_entries(pre, dec)

@@ -10,7 +10,8 @@ import pytest
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
-from hybridkv.transfer import buffer_set_from_memory, build_plan, memory_cells, pair_entries
+from hybridkv.transfer import TransferPlan, buffer_set_from_memory, build_plan, memory_cells, pair_entries
+from hybridkv.transfer import plan as plan_module
 from tests.transfer.expect import expected_atoms, merge_runs
 
 PRE_BASE, DEC_BASE, RANK_STRIDE = 1 << 44, 1 << 40, 1 << 38
@@ -57,6 +58,28 @@ def needed_bytes(mem: UnifiedMemory, seq_len: int) -> int:
     return total
 
 
+def build_both_ways(*args) -> TransferPlan:
+    """The plan from the list builder, checked equal (ops, counts, bounds) to the array
+    builder's, and the destination-only plan's bytes in the same order either way."""
+    plans = {}
+    for small in (1 << 30, 0):
+        old, plan_module.SMALL_PLAN = plan_module.SMALL_PLAN, small
+        try:
+            plans[small] = (build_plan(*args), build_plan(*args[:4], None, args[5]))
+        finally:
+            plan_module.SMALL_PLAN = old
+    (a, a_dst), (b, b_dst) = plans.values()
+    for x, y in ((a, b), (a_dst, b_dst)):
+        assert [x.src.tolist(), x.dst.tolist(), x.length.tolist()] == [
+            y.src.tolist(),
+            y.dst.tolist(),
+            y.length.tolist(),
+        ]
+        assert (x.pieces, x.nbytes, x.bounds) == (y.pieces, y.nbytes, y.bounds)
+    assert a_dst.nbytes == a.nbytes and a_dst.num_ops <= a.num_ops
+    return a
+
+
 def check_layouts(
     name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_len: int, pp_d: int = 1, pp_rank_d: int = 0
 ) -> None:
@@ -76,7 +99,7 @@ def check_layouts(
             base = PRE_BASE + k * RANK_STRIDE
             bufs = buffer_set_from_memory(mem, base)
             pairs = pair_entries(bufs, dec_bufs)  # only the layers both stages hold
-            plan = build_plan(bufs, dec_bufs, pairs, seq_len, memory_cells(mem, pages, slot), dst_cells)
+            plan = build_both_ways(bufs, dec_bufs, pairs, seq_len, memory_cells(mem, pages, slot), dst_cells)
             want = merge_runs(*expected_atoms(mem, base, pages, slot, dec, DEC_BASE, dec_pages, dec_slot, seq_len))
             got = list(zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True))
             assert got == want, f"prefill pp{p} tp{t} -> decode tp{d}"

@@ -10,12 +10,12 @@ from __future__ import annotations
 import ctypes
 import zlib
 
-import numpy as np
+from hybridkv.transfer.plan import Ops, as_ints
 
 
-def crc32_ranges(addr: np.ndarray, length: np.ndarray) -> int:
+def crc32_ranges(addr: Ops, length: Ops) -> int:
     """CRC32 of the bytes ``[addr[i], addr[i] + length[i])`` of this process, in order."""
     crc = 0
-    for a, n in zip(addr.tolist(), length.tolist(), strict=True):
+    for a, n in zip(as_ints(addr), as_ints(length), strict=True):
         crc = zlib.crc32((ctypes.c_char * n).from_address(a), crc)
     return crc

@@ -377,7 +377,8 @@ class DecodeReceiver(Agent):
         """Worker thread: checksum the bytes that landed, leg by leg."""
         error = ""
         for rank, leg in inc.legs.items():
-            got = crc32_ranges(leg.plan.dst, leg.plan.length)
+            _, dst, length = leg.plan.ops()
+            got = crc32_ranges(dst, length)
             if leg.checksum != got:
                 error = (
                     f"checksum mismatch for prefill {rank}: it sent {leg.checksum}, the "

@@ -19,11 +19,13 @@ Invariants:
 
 Cost (what keeps a small request cheap): a ``Route`` does once per rank pair whatever no
 request changes, including merging the chunks of one item that are contiguous on both
-sides (a packed cell of all of a pool's layers becomes one chunk). A request then costs a
-few array operations per pool: its cell ids are checked with two reductions per side,
-which also bound every op's address (``Bounds``: cell range x stride + the item's chunk
-extremes), so the region check reads the bounds instead of the ops whenever they fall in
-one region, and transports check the bounds instead of reducing the op arrays again.
+sides (a packed cell of all of a pool's layers becomes one chunk). A request's cell ids
+are checked once per side, which also bounds every op's address (``Bounds``: cell range x
+stride + the item's chunk extremes), so the region check reads the bounds instead of the
+ops whenever they fall in one region, and transports check the bounds instead of
+reducing the op arrays again. Plans of up to ``SMALL_PLAN`` pieces are built with Python
+lists (numpy's fixed cost per call, paid again and again on caches a copy just flushed,
+dominated them), larger ones with numpy arrays; tests hold both builders to the same ops.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from hybridkv.transfer.pairing import EntryPair
 from hybridkv.transfer.slicing import source_pieces
 
 _EMPTY = np.empty(0, dtype=np.int64)
+SMALL_PLAN = 128
+"""Plans of at most this many pieces (after merging within items) are built with Python
+lists: below it, numpy's fixed cost per call outweighs its speed per element."""
 
 
 class Bounds(NamedTuple):
@@ -55,18 +60,58 @@ class Bounds(NamedTuple):
     min_len: int
 
 
-@dataclass(frozen=True)
+Ops = np.ndarray | list[int]
+
+
+def as_ints(ops: Ops) -> list[int]:
+    """Op addresses or lengths as a list of Python ints (what per-op loops and engines take)."""
+    return ops.tolist() if isinstance(ops, np.ndarray) else ops
+
+
 class TransferPlan:
-    src: np.ndarray  # int64 source addresses (prefill); zeros in a destination-only plan
-    dst: np.ndarray  # int64 destination addresses (decode), ascending
-    length: np.ndarray  # int64 bytes per op
-    pieces: int  # elementary pieces before coalescing
-    nbytes: int  # sum of ``length``
-    bounds: Bounds  # derived from the checked cell ids, not from the op arrays
+    """The ops of one request, sorted by destination, with what was proved about them.
+
+    Ops are held as built: numpy arrays (large plans, built vectorized) or lists of ints
+    (small plans, built without numpy, which is what keeps a small request cheap). ``src``,
+    ``dst`` and ``length`` give arrays, ``ops`` slices in the held form; each form is made
+    from the other at most once.
+    """
+
+    def __init__(self, src: Ops, dst: Ops, length: Ops, pieces: int, nbytes: int, bounds: Bounds) -> None:
+        self._ops = (src, dst, length)
+        self._arrays: tuple[np.ndarray, ...] | None = None
+        self.pieces = pieces  # elementary pieces before coalescing
+        self.nbytes = nbytes  # sum of the lengths
+        self.bounds = bounds  # derived from the checked cell ids, not from the ops
+        self.num_ops = len(dst)
+
+    def _as_arrays(self) -> tuple[np.ndarray, ...]:
+        if self._arrays is None:
+            self._arrays = tuple(np.asarray(x, dtype=np.int64) for x in self._ops)
+        return self._arrays
 
     @property
-    def num_ops(self) -> int:
-        return int(self.dst.size)
+    def src(self) -> np.ndarray:
+        """int64 source addresses (prefill); zeros in a destination-only plan."""
+        return self._as_arrays()[0]
+
+    @property
+    def dst(self) -> np.ndarray:
+        """int64 destination addresses (decode), ascending."""
+        return self._as_arrays()[1]
+
+    @property
+    def length(self) -> np.ndarray:
+        """int64 bytes per op."""
+        return self._as_arrays()[2]
+
+    def ops(self, chunk: slice | None = None) -> tuple[Ops, Ops, Ops]:
+        """(src, dst, length) of the ops in ``chunk`` (all by default), in the form the plan
+        holds; read them, never write them."""
+        if chunk is None or (chunk.start in (0, None) and chunk.stop == self.num_ops):
+            return self._ops
+        src, dst, length = self._ops
+        return src[chunk], dst[chunk], length[chunk]
 
     def chunks(self, max_ops: int, max_bytes: int) -> list[slice]:
         """Consecutive op ranges of at most ``max_ops`` ops and about ``max_bytes`` bytes.
@@ -133,6 +178,7 @@ class _Chunks:
         self.src_lo, self.src_hi = int(src_off.min()), int((src_off + length).max())
         self.dst_lo, self.dst_hi = int(dst_off.min()), int((dst_off + length).max())
         self.min_len = int(length.min())  # merging pieces only makes ops longer
+        self.items = list(zip(src_off.tolist(), dst_off.tolist(), length.tolist(), strict=True))
         self._lengths = length.copy()  # ``length`` repeated, grown on demand; plans get read-only views
         self._lengths.flags.writeable = False
 
@@ -178,25 +224,41 @@ class _Group:
     pieces: int  # elementary pieces per item, before any merge
     item_bytes: int  # bytes per item
 
-    def cells(self, cells: Mapping[str, np.ndarray], role: str, first: int, end: int) -> tuple[np.ndarray, int, int]:
-        """The request's cells at positions ``[first, end)`` of this group's pool on one
-        side, and the lowest and highest of them; ``PlanError`` unless all are in ``[1, count)``."""
+    def _picked(self, cells: Mapping[str, Ops], role: str, first: int, end: int) -> tuple[Ops, str, int]:
+        """The request's cells at positions ``[first, end)`` of this group's pool on one side."""
         pool, count = (self.src_pool, self.src_count) if role == "prefill" else (self.dst_pool, self.dst_count)
         have = cells.get(pool)
-        unit = "state slot" if self.kind == "state" else "pages"
         if have is None or len(have) < end:
+            unit = "state slot" if self.kind == "state" else "pages"
             raise PlanError(
                 f"{role} gave {0 if have is None else len(have)} {unit} for pool {pool!r} "
                 f"(layer {self.layer}), the request needs {end}"
             )
-        picked = np.asarray(have, dtype=np.int64)[first:end]
+        return have[first:end], pool, count
+
+    def _refuse(self, role: str, pool: str, count: int, position: int, cell: int) -> PlanError:
+        what = "a tombstone (not resident)" if cell == -1 else f"outside [1, {count})"
+        return PlanError(f"{role} cell {cell} for position {position} of pool {pool!r} (layer {self.layer}) is {what}")
+
+    def cells(self, cells: Mapping[str, Ops], role: str, first: int, end: int) -> tuple[np.ndarray, int, int]:
+        """The cells at positions ``[first, end)`` on one side as an array, and the lowest and
+        highest of them; ``PlanError`` unless all are in ``[1, count)``."""
+        have, pool, count = self._picked(cells, role, first, end)
+        picked = np.asarray(have, dtype=np.int64)
         lo, hi = int(np.minimum.reduce(picked)), int(np.maximum.reduce(picked))
         if lo < 1 or hi >= count:
             i = int(np.argmax((picked < 1) | (picked >= count)))
-            what = "a tombstone (not resident)" if picked[i] == -1 else f"outside [1, {count})"
-            raise PlanError(
-                f"{role} cell {picked[i]} for position {first + i} of pool {pool!r} (layer {self.layer}) is {what}"
-            )
+            raise self._refuse(role, pool, count, first + i, int(picked[i]))
+        return picked, lo, hi
+
+    def cell_list(self, cells: Mapping[str, Ops], role: str, first: int, end: int) -> tuple[list[int], int, int]:
+        """``cells`` as a list of ints (same checks, same errors)."""
+        have, pool, count = self._picked(cells, role, first, end)
+        picked = [int(c) for c in have] if not isinstance(have, np.ndarray) else have.tolist()
+        lo, hi = min(picked), max(picked)
+        if lo < 1 or hi >= count:
+            i = next(i for i, c in enumerate(picked) if not 1 <= c < count)
+            raise self._refuse(role, pool, count, first + i, picked[i])
         return picked, lo, hi
 
 
@@ -252,22 +314,48 @@ class Route:
     def plan(
         self,
         seq_len: int,
-        src_cells: Mapping[str, np.ndarray] | None,
-        dst_cells: Mapping[str, np.ndarray],
+        src_cells: Mapping[str, Ops] | None,
+        dst_cells: Mapping[str, Ops],
     ) -> TransferPlan:
-        """The ops of one request; ``src_cells=None`` gives a destination-only plan."""
+        """The ops of one request; ``src_cells=None`` gives a destination-only plan.
+
+        Plans of at most ``SMALL_PLAN`` pieces are built with Python lists, larger ones with
+        numpy arrays; both apply the same checks and give the same ops.
+        """
         if seq_len < 1:
             raise PlanError(f"seq_len must be >= 1, got {seq_len}")
         full = src_cells is not None
-        src_parts, dst_parts, len_parts = [], [], []
-        pieces = nbytes = 0
-        s_lo = d_lo = min_len = 1 << 63
-        s_hi = d_hi = 0
+        work: list[tuple[_Group, _Chunks, int, int]] = []
+        size = pieces = nbytes = 0
+        min_len = 1 << 63
         for g in self.groups:
             first, end = page_span(g.kind, g.window, g.page_size, seq_len)
-            if first >= end:
-                continue
-            chunks = g.full if full else g.dst_only
+            if first < end:
+                chunks = g.full if full else g.dst_only
+                work.append((g, chunks, first, end))
+                size += (end - first) * len(chunks.items)
+                pieces += (end - first) * g.pieces
+                nbytes += (end - first) * g.item_bytes
+                min_len = min(min_len, chunks.min_len)
+        if not work:
+            return TransferPlan(_EMPTY, _EMPTY, _EMPTY, 0, 0, Bounds(0, 0, 0, 0, 0))
+        if size <= SMALL_PLAN:
+            return self._list_plan(work, src_cells, dst_cells, pieces, nbytes, min_len)
+        return self._array_plan(work, src_cells, dst_cells, pieces, nbytes, min_len)
+
+    def _array_plan(
+        self,
+        work: list[tuple[_Group, _Chunks, int, int]],
+        src_cells: Mapping[str, Ops] | None,
+        dst_cells: Mapping[str, Ops],
+        pieces: int,
+        nbytes: int,
+        min_len: int,
+    ) -> TransferPlan:
+        src_parts, dst_parts, len_parts = [], [], []
+        s_lo = d_lo = 1 << 63
+        s_hi = d_hi = 0
+        for g, chunks, first, end in work:
             cells, lo, hi = g.cells(dst_cells, "decode", first, end)
             dst_parts.append(_addresses(cells, g.dst_stride, chunks.dst_off, chunks.dst_lo))
             d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
@@ -276,19 +364,63 @@ class Route:
                 src_parts.append(_addresses(cells, g.src_stride, chunks.src_off, chunks.src_lo))
                 s_lo, s_hi = min(s_lo, lo * g.src_stride + chunks.src_lo), max(s_hi, hi * g.src_stride + chunks.src_hi)
             len_parts.append(chunks.lengths(end - first))
-            min_len = min(min_len, chunks.min_len)
-            pieces += (end - first) * g.pieces
-            nbytes += (end - first) * g.item_bytes
-        if not dst_parts:
-            return TransferPlan(_EMPTY, _EMPTY, _EMPTY, 0, 0, Bounds(0, 0, 0, 0, 0))
         dst, length = _joined(dst_parts), _joined(len_parts)
         _check_inside(dst, length, d_lo, d_hi, self.decode, "decode")
-        if full:
+        if src_cells is not None:
             src = _joined(src_parts)
             _check_inside(src, length, s_lo, s_hi, self.prefill, "prefill")
         else:
             src, s_lo, s_hi = np.zeros_like(dst), 0, 0
-        return _coalesce(src, dst, length, full, pieces, nbytes, Bounds(s_lo, s_hi, d_lo, d_hi, min_len))
+        bounds = Bounds(s_lo, s_hi, d_lo, d_hi, min_len)
+        return _coalesce(src, dst, length, src_cells is not None, pieces, nbytes, bounds)
+
+    def _list_plan(
+        self,
+        work: list[tuple[_Group, _Chunks, int, int]],
+        src_cells: Mapping[str, Ops] | None,
+        dst_cells: Mapping[str, Ops],
+        pieces: int,
+        nbytes: int,
+        min_len: int,
+    ) -> TransferPlan:
+        """``_array_plan`` with Python lists: the same checks in the same order, the same ops."""
+        todo: list[tuple[int, int, int]] = []  # (dst, src, length) per piece
+        s_lo = d_lo = 1 << 63
+        s_hi = d_hi = 0
+        for g, chunks, first, end in work:
+            dst, lo, hi = g.cell_list(dst_cells, "decode", first, end)
+            d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
+            ss, ds = g.src_stride, g.dst_stride
+            if src_cells is None:
+                todo += [(d * ds + b, 0, n) for d in dst for _, b, n in chunks.items]
+                continue
+            src, lo, hi = g.cell_list(src_cells, "prefill", first, end)
+            s_lo, s_hi = min(s_lo, lo * ss + chunks.src_lo), max(s_hi, hi * ss + chunks.src_hi)
+            todo += [(d * ds + b, s * ss + a, n) for s, d in zip(src, dst, strict=True) for a, b, n in chunks.items]
+        proven = _one_region(d_lo, d_hi, self.decode) and (src_cells is None or _one_region(s_lo, s_hi, self.prefill))
+        if not proven:  # rare: check each piece, as the array path does
+            d, s, n = (np.array(x, dtype=np.int64) for x in zip(*todo, strict=True))
+            _check_inside(d, n, d_lo, d_hi, self.decode, "decode")
+            if src_cells is not None:
+                _check_inside(s, n, s_lo, s_hi, self.prefill, "prefill")
+        if src_cells is None:
+            s_lo = s_hi = 0
+        todo.sort()
+        out_s: list[int] = []
+        out_d: list[int] = []
+        out_n: list[int] = []
+        end_d = end_s = -1
+        for d, s, n in todo:
+            if d < end_d:
+                raise _overlap(d)
+            if d == end_d and s == end_s:  # contiguous on both sides (sources are all 0 when absent)
+                out_n[-1] += n
+            else:
+                out_s.append(s)
+                out_d.append(d)
+                out_n.append(n)
+            end_d, end_s = d + n, s + n if src_cells is not None else 0
+        return TransferPlan(out_s, out_d, out_n, pieces, nbytes, Bounds(s_lo, s_hi, d_lo, d_hi, min_len))
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -312,11 +444,19 @@ def build_plan(
     return Route(prefill, decode, pairs).plan(seq_len, src_cells, dst_cells)
 
 
+def _one_region(lo: int, hi: int, bufs: BufferSet) -> bool:
+    """``[lo, hi)`` lies inside one region ``bufs`` registered."""
+    for start, size in bufs.regions:  # noqa: SIM110 (a loop, not any(<generator>): this runs per request)
+        if start <= lo and hi <= start + size:
+            return True
+    return False
+
+
 def _check_inside(addr: np.ndarray, length: np.ndarray, lo: int, hi: int, bufs: BufferSet, role: str) -> None:
     """Every range ``[addr[i], addr[i] + length[i])``, all within ``[lo, hi)``, lies inside
     one region ``bufs`` registered."""
-    if any(start <= lo and hi <= start + size for start, size in bufs.regions):
-        return  # all inside one region: the common case, decided by the bounds alone
+    if _one_region(lo, hi, bufs):
+        return  # the common case, decided by the bounds alone
     inside = np.zeros(addr.size, dtype=bool)
     for start, size in bufs.regions:
         inside |= (addr >= start) & (addr + length <= start + size)
@@ -326,6 +466,13 @@ def _check_inside(addr: np.ndarray, length: np.ndarray, lo: int, hi: int, bufs: 
             f"range [{addr[i]:#x}, {addr[i] + length[i]:#x}) lies outside every region "
             f"{bufs.describe(role)} registered ({[(hex(a), n) for a, n in bufs.regions]})"
         )
+
+
+def _overlap(addr: int) -> PlanError:
+    return PlanError(
+        f"two pieces write the same decode bytes at {addr:#x} (a page or slot given twice in the "
+        "request's destination cells?)"
+    )
 
 
 def _coalesce(
@@ -348,11 +495,7 @@ def _coalesce(
             gap = dst[1:] - end[:-1]
             smallest = np.minimum.reduce(gap)
             if smallest < 0:
-                i = int(np.argmax(gap < 0))
-                raise PlanError(
-                    f"two pieces write the same decode bytes at {dst[i + 1]:#x} (a page or slot given "
-                    "twice in the request's destination cells?)"
-                )
+                raise _overlap(int(dst[int(np.argmax(gap < 0)) + 1]))
         if smallest == 0:
             joined = gap == 0
             if merge_src:

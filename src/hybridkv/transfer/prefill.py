@@ -294,7 +294,8 @@ class PrefillSender(Agent):
         try:
             plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
             write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, partial(self._should_stop, leg))
-            crc = crc32_ranges(plan.src, plan.length) if leg.checksum else None
+            src, _, length = plan.ops()
+            crc = crc32_ranges(src, length) if leg.checksum else None
             done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
         except TransferError as exc:
             done = partial(self._leg_done, out, leg, str(exc), 0, 0, None)

@@ -26,7 +26,7 @@ import numpy as np
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
 from hybridkv.transfer.pattern import fill
-from hybridkv.transfer.plan import Bounds
+from hybridkv.transfer.plan import Bounds, Ops
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.transport import Transport, make_transport
 
@@ -46,9 +46,7 @@ class Throttled(Transport):
     def register(self, addr: int, length: int) -> None:
         self.inner.register(addr, length)
 
-    def write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
-    ) -> None:
+    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
         time.sleep(self.delay_s)
         self.inner.write(peer, src, dst, length, bounds)
 

@@ -17,10 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
-import numpy as np
-
 from hybridkv.transfer.errors import TransferError
-from hybridkv.transfer.plan import Bounds, TransferPlan
+from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
 
 
 class Transport(ABC):
@@ -48,10 +46,10 @@ class Transport(ABC):
         """Expose ``[addr, addr + length)`` of this process to transfers."""
 
     @abstractmethod
-    def write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
-    ) -> None:
+    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
         """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, all or raise.
+
+        The ops come as int64 arrays or lists of ints (as the plan holds them).
 
         ``bounds``: address ranges that hold every op, when the caller knows them.
         """
@@ -72,4 +70,4 @@ def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes:
         reason = stop()
         if reason:
             raise TransferError(f"stopped: {reason}")
-        transport.write(peer, plan.src[chunk], plan.dst[chunk], plan.length[chunk], plan.bounds)
+        transport.write(peer, *plan.ops(chunk), plan.bounds)

@@ -21,10 +21,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-
 from hybridkv.transfer.errors import TransportError
-from hybridkv.transfer.plan import Bounds
+from hybridkv.transfer.plan import Bounds, Ops, as_ints
 from hybridkv.transfer.transport.base import Transport
 
 ENV_DEFAULTS = {
@@ -92,16 +90,14 @@ class MooncakeTransport(Transport):
             )
         self._registered.append(addr)
 
-    def write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
-    ) -> None:
+    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
         """The peer's engine checks every destination itself; ``bounds`` are not needed."""
-        if src.size > self.max_ops_per_write:
+        if len(src) > self.max_ops_per_write:
             raise TransportError(
-                f"{src.size} ops in one mooncake write; split plans into chunks of at most "
+                f"{len(src)} ops in one mooncake write; split plans into chunks of at most "
                 f"{self.max_ops_per_write} (more can overflow the peer's queue)"
             )
-        args = (peer, src.tolist(), dst.tolist(), length.tolist())
+        args = (peer, as_ints(src), as_ints(dst), as_ints(length))
         rc = self._engine.batch_transfer_sync_write(*args)
         if rc != 0:
             rc = self._engine.batch_transfer_sync_write(*args)
@@ -109,7 +105,7 @@ class MooncakeTransport(Transport):
             probe = self._engine.send_probe(peer)
             state = "dead" if probe == PROBE_DEAD else f"answering probes (probe rc {probe})"
             raise TransportError(
-                f"mooncake batch write of {src.size} ops ({int(length.sum())} B) to {peer} failed "
+                f"mooncake batch write of {len(src)} ops ({sum(args[3])} B) to {peer} failed "
                 f"with rc {rc} after one retry; the peer is {state}"
             )
 

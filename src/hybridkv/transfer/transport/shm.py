@@ -9,8 +9,8 @@ Invariants:
   a region this side registered; otherwise nothing of that write is copied. The check
   reads the caller's ``bounds`` when given (a plan's, from its checked cell ids), else
   reduces the op arrays.
-- Large ops are one ``memmove`` each; small ops (TP head slices) are gathered and
-  scattered with vectorized numpy indexing, grouped by length.
+- Large ops are one ``memmove`` each, straight from the plan's lists; small ops (TP head
+  slices) are gathered and scattered with vectorized numpy indexing, grouped by length.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from hybridkv.transfer.errors import TransportError
-from hybridkv.transfer.plan import Bounds
+from hybridkv.transfer.plan import Bounds, Ops, as_ints
 from hybridkv.transfer.shared import SharedBuffer
 from hybridkv.transfer.transport.base import Transport
 
@@ -76,35 +76,29 @@ class ShmTransport(Transport):
         array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
         self._local.append((addr, array))
 
-    def write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray, bounds: Bounds | None = None
-    ) -> None:
-        if src.size == 0:
+    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
+        if not len(src):
             return
         target = self._peers.get(peer) or self._map(peer)
         if bounds is None:
-            bounds = Bounds(
-                int(np.minimum.reduce(src)),
-                int(np.maximum.reduce(src + length)),
-                int(np.minimum.reduce(dst)),
-                int(np.maximum.reduce(dst + length)),
-                int(np.minimum.reduce(length)),
-            )
+            bounds = _bounds(np.asarray(src), np.asarray(dst), np.asarray(length))
         if bounds.dst_lo < target.remote or bounds.dst_hi > target.remote + target.nbytes:
+            dst, length = np.asarray(dst), np.asarray(length)
             end = dst + length
             i = int(np.argmax((dst < target.remote) | (end > target.remote + target.nbytes)))
             raise TransportError(
                 f"shm write to {peer}: destination [{dst[i]:#x}, {end[i]:#x}) is outside the peer's buffer"
             )
         region = self._regions(src, length, bounds)
-        local = dst + (target.base - target.remote)  # destination addresses in this process's mapping
+        shift = target.base - target.remote  # peer address -> address in this process's mapping
         if bounds.min_len >= SMALL_OP:  # the common case: every op is one memmove
-            for s, d, n in zip(src.tolist(), local.tolist(), length.tolist(), strict=True):
-                ctypes.memmove(d, s, n)
+            for s, d, n in zip(as_ints(src), as_ints(dst), as_ints(length), strict=True):
+                ctypes.memmove(d + shift, s, n)
             return
+        src, dst, length = np.asarray(src), np.asarray(dst), np.asarray(length)
         big = length >= SMALL_OP
-        for s, d, n in zip(src[big].tolist(), local[big].tolist(), length[big].tolist(), strict=True):
-            ctypes.memmove(d, s, n)
+        for s, d, n in zip(src[big].tolist(), dst[big].tolist(), length[big].tolist(), strict=True):
+            ctypes.memmove(d + shift, s, n)
         off, small = dst - target.remote, ~big
         if region is None:
             addr, array = self._local[0]
@@ -119,13 +113,14 @@ class ShmTransport(Transport):
         self._peers[peer] = _Mapping(peer)
         return self._peers[peer]
 
-    def _regions(self, src: np.ndarray, length: np.ndarray, bounds: Bounds) -> np.ndarray | None:
+    def _regions(self, src: Ops, length: Ops, bounds: Bounds) -> np.ndarray | None:
         """Index of the registered local region holding each source range; None when the
         bounds lie in the first region (the common case)."""
         if self._local:
             addr, array = self._local[0]
             if addr <= bounds.src_lo and bounds.src_hi <= addr + array.size:
                 return None
+        src, length = np.asarray(src), np.asarray(length)
         region = np.full(src.size, -1, dtype=np.int64)
         for k, (addr, array) in enumerate(self._local):
             region[(src >= addr) & (src + length <= addr + array.size)] = k
@@ -141,6 +136,11 @@ class ShmTransport(Transport):
             mapping.close()
         self._peers.clear()
         self._local.clear()
+
+
+def _bounds(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Bounds:
+    end_src, end_dst = src + length, dst + length
+    return Bounds(int(src.min()), int(end_src.max()), int(dst.min()), int(end_dst.max()), int(length.min()))
 
 
 def _scatter(dst: np.ndarray, dst_off: np.ndarray, src: np.ndarray, src_off: np.ndarray, length: np.ndarray) -> None:
