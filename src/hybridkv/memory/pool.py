@@ -22,7 +22,6 @@ from hybridkv.memory.arena import FREE_SLAB, Arena
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.mirror import MirroredTable, to_index
-from hybridkv.memory.virtual import distinct
 
 UNUSABLE, FREE, LIVE = 0, 1, 2
 
@@ -185,23 +184,21 @@ class SubPool:
         no move) and idle compaction releases it."""
         self.state[cells] = FREE
         self._push(cells)
-        touched = self._add_live(cells, -1)
+        touched = np.flatnonzero(self._add_live(cells, -1))  # sorted, each slab once
         self.live_count -= cells.size
         live, owner = self.arena.slab_live, self.arena.owner
-        touched = touched[touched < live.size]
-        empty = touched[live[touched] == 0]
-        if empty.size:
-            for slab in distinct(empty):
-                if owner[slab] != self.index:
-                    continue
-                spare = self.spare_slab
-                if spare < 0 or owner[spare] != self.index or live[spare] > 0:
-                    self.spare_slab = int(slab)
-                elif slab != spare:
-                    self.release_slab(int(slab))
+        for slab in touched[live[touched] == 0]:
+            if owner[slab] != self.index:
+                continue
+            spare = self.spare_slab
+            if spare < 0 or owner[spare] != self.index or live[spare] > 0:
+                self.spare_slab = int(slab)
+            elif slab != spare:
+                self.release_slab(int(slab))
 
     def _add_live(self, cells: np.ndarray, delta: int) -> np.ndarray:
-        """Add ``delta`` to the live count of every slab the cells touch; returns those slabs."""
+        """Add ``delta`` to the live count of every slab the cells touch; returns how many of
+        the cells touch each slab."""
         nslabs = self.arena.num_slabs
         touched = np.concatenate([self.cell_lo[cells], self.cell_next[cells]])
         counts = np.bincount(touched, minlength=nslabs + 1)[:nslabs]
@@ -209,7 +206,7 @@ class SubPool:
             self.arena.slab_live += counts
         else:
             self.arena.slab_live -= counts
-        return touched
+        return counts
 
     # --- tables ----------------------------------------------------------------------------
 

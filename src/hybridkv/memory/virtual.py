@@ -66,9 +66,10 @@ class VirtualIds:
         """Raise ``InvalidIds`` unless ``ids`` are distinct, in range, live and not the sink."""
         if ids.size == 0:
             return
-        lo, hi = ids.min(), ids.max()
+        ordered = np.sort(ids)  # one sort gives the range and the repeats
+        lo, hi = int(ordered[0]), int(ordered[-1])
         if lo <= 0 or hi >= self.capacity:
-            first = int(lo if lo <= 0 else hi)
+            first = lo if lo <= 0 else hi
             reason = "the sink id 0" if first == 0 else f"outside 1..{self.capacity - 1}"
             raise InvalidIds(f"{what}: {self.name} id {first} is {reason}")
         live = self.live[ids]
@@ -78,7 +79,6 @@ class VirtualIds:
                 f"{what}: {self.name} id {first} is not allocated (double free, or an id that was never handed out)"
             )
         if ids.size > 1:
-            ordered = np.sort(ids)
             dup = ordered[1:] == ordered[:-1]
             if np.count_nonzero(dup):
                 raise InvalidIds(f"{what}: {self.name} id {int(ordered[1:][dup][0])} given twice")
