@@ -321,29 +321,29 @@ class HybridRadixCache(Eviction):
         given = req[where] if where is not None else req[fp:]
         if not given.size:
             return dup_idx
-        ids = given.tolist()  # one conversion serves the range and repeat checks
+        ordered = np.sort(given)  # gives the range and the repeats; the table reads go in order
+        lo, hi = int(ordered[0]), int(ordered[-1])
         cap = self._owned.size
-        if min(ids) <= 0 or max(ids) >= cap:
-            page = next(p for p in ids if p <= 0 or p >= cap)
-            raise InsertError(f"insert: page id {page} is outside 1..{cap - 1} (0 is the padding sink)")
-        live = self.mem.pages.live[given]
-        if np.count_nonzero(live) != given.size:
+        if lo <= 0 or hi >= cap:
             raise InsertError(
-                f"insert: page {int(given[np.argmax(~live)])} is not allocated (freed already, or never "
+                f"insert: page id {lo if lo <= 0 else hi} is outside 1..{cap - 1} (0 is the padding sink)"
+            )
+        live = self.mem.pages.live[ordered]
+        if np.count_nonzero(live) != ordered.size:
+            raise InsertError(
+                f"insert: page {int(ordered[np.argmax(~live)])} is not allocated (freed already, or never "
                 "handed out); pass pages this request allocated and still holds"
             )
-        if len(set(ids)) != len(ids):
-            seen: set[int] = set()
-            for page in ids:
-                if page in seen:
-                    raise InsertError(f"insert: page {page} is given twice")
-                seen.add(page)
-        owned = self._owned[given]
+        repeated = ordered[1:] == ordered[:-1]
+        if np.count_nonzero(repeated):
+            raise InsertError(f"insert: page {int(ordered[1:][repeated][0])} is given twice")
+        owned = self._owned[ordered]
         if np.count_nonzero(owned):
-            j = int(np.argmax(owned))
+            page = int(ordered[np.argmax(owned)])
+            j = int(np.flatnonzero(given == page)[0])
             i = int(where[j]) if where is not None else fp + j
             raise InsertError(
-                f"insert: page {given[j]} (page {i} of the key) already belongs to the cache at "
+                f"insert: page {page} (page {i} of the key) already belongs to the cache at "
                 "another position; pass the request's own pages, or the cache's own page there"
             )
         return dup_idx
