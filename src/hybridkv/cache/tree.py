@@ -680,8 +680,7 @@ class HybridRadixCache(Eviction):
         self.cached_pages += pages.size
         self.num_nodes += 1
         for w, pool in zip(self.comps.windows, self._window_pools, strict=True):
-            cells = pool.v2p[pages].tolist()
-            node.swa_res[w.index] = len(cells) - cells.count(-1)  # -1: tombstone (a free window page)
+            node.swa_res[w.index] = int(np.count_nonzero(pool.resident(pages)))
             if node.swa_res[w.index]:
                 self._swa_nodes[w.index].add(node)
         if self.events.enabled:
