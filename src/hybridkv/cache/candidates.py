@@ -4,15 +4,18 @@ Members are a set the tree maintains (leaves for full KV, nodes with resident wi
 pages for a window pool, nodes with a checkpoint for state). Entries are never re-keyed in
 place: an entry's key is a *lower bound* of its node's current key. Hits only raise keys
 (recency, hit counts, the cost policy's clock), so a hit pushes nothing; the tree pushes a
-fresh entry only when a key may drop (a node joins a set, a split, a node gains resident
-bytes or a checkpoint).
+node only when its key may drop (it joins a set, a split, it gains resident bytes or a
+checkpoint). A pushed node waits in ``pending`` and gets its entry, with its key of that
+moment, at the next ``pop``: inserts pay a list append, not a heap push.
 
 Invariants (``check_tree`` proves the first):
-- Every member has an entry whose key is at most its current key.
-- ``pop`` returns the member with the smallest current key: an entry of a non-member is
-  dropped; an entry below its node's current key is pushed again with the current key.
-- Stale entries never outnumber members by more than ``slack``: the heap is rebuilt from
-  the members when they would, so memory and pops stay proportional to the members.
+- Every member is in ``pending`` or has an entry whose key is at most its current key.
+- ``pop`` returns the member with the smallest current key (ties: the lowest uid): an entry
+  of a non-member is dropped; an entry below its node's current key is pushed again with
+  the current key.
+- Stale entries and pending nodes never outnumber members by more than ``slack``: the heap
+  is rebuilt from the members when they would, so memory and pops stay proportional to the
+  members.
 """
 
 from __future__ import annotations
@@ -29,24 +32,32 @@ class Candidates:
         self._key = key
         self.members = members
         self.heap: list[tuple[object, int, Node]] = []
+        self.pending: list[Node] = []
         self._slack = slack
 
     def key(self, node: Node) -> object:
         return self._key(node, self.component)
 
     def push(self, node: Node) -> None:
-        heappush(self.heap, (self._key(node, self.component), node.uid, node))
-        if len(self.heap) > 2 * len(self.members) + self._slack:
+        """``node``'s key may have dropped: it gets an entry with its current key at the next pop."""
+        self.pending.append(node)
+        if len(self.heap) + len(self.pending) > 2 * len(self.members) + self._slack:
             self.rebuild()
 
     def rebuild(self) -> None:
         component, key = self.component, self._key
         self.heap = [(key(n, component), n.uid, n) for n in self.members]
         heapify(self.heap)
+        self.pending = []
 
     def pop(self) -> tuple[object, Node] | None:
         """The member with the smallest current key, taken out of the heap (not the set)."""
         heap, members, key, component = self.heap, self.members, self._key, self.component
+        if self.pending:
+            for node in self.pending:
+                if node in members:
+                    heappush(heap, (key(node, component), node.uid, node))
+            self.pending = []
         while heap:
             k, uid, node = heappop(heap)
             if node not in members:

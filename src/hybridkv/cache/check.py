@@ -100,7 +100,10 @@ def check_tree(cache: HybridRadixCache) -> None:
         for key, uid, _ in heap.heap:
             if uid not in lowest or key < lowest[uid]:  # type: ignore[operator]
                 lowest[uid] = key
+        waiting = {n.uid for n in heap.pending}
         for n in heap.members:
+            if n.uid in waiting:
+                continue
             if n.uid not in lowest or lowest[n.uid] > heap.key(n):  # type: ignore[operator]
                 _fail(f"{heap.component} candidates: {n} has no entry at or below its current key")
     _check_locks(cache, nodes)
