@@ -36,6 +36,7 @@ from hybridkv.transfer.decode import Allocation, DecodeReceiver
 from hybridkv.transfer.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
 from hybridkv.transfer.pattern import expected_arena, mismatch
 from hybridkv.transfer.status import Phase, StatusReport
+from hybridkv.transfer.transport import TRANSPORTS
 
 MODELS = ("tiny-swa2-state", "tiny-gdn")
 FAULTS = ("slot-size", "seq-len")
@@ -154,6 +155,8 @@ def run_pd_demo(
     """Run the demo; the report says per request and decode rank what happened."""
     if not models:
         raise ValueError("pd-demo needs at least one model")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; known: {', '.join(TRANSPORTS)}")
     reqs = _requests(models, requests, faults)
     start = time.monotonic()
     rows: list[dict[str, Any]] = []
