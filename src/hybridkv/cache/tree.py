@@ -564,29 +564,27 @@ class HybridRadixCache(Eviction):
     def _walk(self, root: Node, toks: np.ndarray) -> tuple[list[Node], Node | None, int]:
         """Fully matched nodes, the node matched part-way (or None), matched tokens (aligned).
 
-        Compares node keys with the tokens' own memory (a byte view, no copy of the tokens)."""
-        view = memoryview(toks).cast("B")
-        total, pb = len(view), self._first_page_bytes
-        limit = total - pb  # byte offsets; a page starting past this is partial
-        node, off, nodes = root, 0, []
-        while off <= limit:
-            child = node.children.get(view[off : off + pb].tobytes())
+        Node keys are compared with the tokens' own memory (``bytes.startswith`` reads the
+        slice's buffer): the tokens are never copied whole."""
+        ps, total = self.page_size, toks.size
+        node, pos, nodes = root, 0, []
+        while pos + ps <= total:
+            child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
             kb = child.kb
-            n = len(kb)
-            if off + n <= total and kb.startswith(view[off : off + n]):
+            n = len(kb) // 8
+            if pos + n <= total and kb.startswith(toks[pos : pos + n]):
                 nodes.append(child)
-                off += n
+                pos += n
                 node = child
                 continue
-            pos, ps = off // 8, self.page_size
             key = child.key
-            m = min(key.size, toks.size - pos)
+            m = min(key.size, total - pos)
             diff = toks[pos : pos + m] != key[:m]
             i = int(np.argmax(diff)) if np.count_nonzero(diff) else m
             return nodes, child, pos + i - i % ps
-        return nodes, None, off // 8
+        return nodes, None, pos
 
     def _windows_hold(self, seq: list[Node], end: int) -> bool | None:
         """Whether every window before ``end`` is resident, from per-node counts: None when
