@@ -568,7 +568,7 @@ class HybridRadixCache(Eviction):
         slice's buffer): the tokens are never copied whole."""
         ps, total = self.page_size, toks.size
         node, pos, nodes = root, 0, []
-        while pos + ps <= total:
+        while pos + ps <= total and node.children:
             child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
