@@ -24,7 +24,7 @@ def mem() -> UnifiedMemory:
     return m
 
 
-def refused(mem: UnifiedMemory, error: type[Exception], match: str, call, *args) -> None:
+def assert_refused(mem: UnifiedMemory, error: type[Exception], match: str, call, *args) -> None:
     before = snapshot(mem)
     with pytest.raises(error, match=match):
         call(*args)
@@ -36,51 +36,51 @@ def test_double_free_and_never_allocated(mem):
     row = mem.alloc(6)
     pages = np.unique(row // mem.page_size)
     mem.free_pages(pages[:1])
-    refused(mem, InvalidIds, "not allocated", mem.free_pages, pages)  # first is a double free
-    refused(mem, InvalidIds, "not allocated", mem.free_pages, [pages.max() + 5])
-    refused(mem, InvalidIds, "given twice", mem.free_pages, [pages[1], pages[1]])
+    assert_refused(mem, InvalidIds, "not allocated", mem.free_pages, pages)  # first is a double free
+    assert_refused(mem, InvalidIds, "not allocated", mem.free_pages, [pages.max() + 5])
+    assert_refused(mem, InvalidIds, "given twice", mem.free_pages, [pages[1], pages[1]])
 
 
 def test_out_of_range_and_sink_ids(mem):
     mem.alloc(4)
-    refused(mem, InvalidIds, "outside", mem.free_pages, [10**9])
-    refused(mem, InvalidIds, "outside", mem.free_pages, [-3])
-    refused(mem, InvalidIds, "sink", mem.free_pages, [0])
-    refused(mem, InvalidIds, "integers", mem.free_pages, np.array([1.5]))
-    refused(mem, InvalidIds, "outside", mem.free_state, [10**9])
+    assert_refused(mem, InvalidIds, "outside", mem.free_pages, [10**9])
+    assert_refused(mem, InvalidIds, "outside", mem.free_pages, [-3])
+    assert_refused(mem, InvalidIds, "sink", mem.free_pages, [0])
+    assert_refused(mem, InvalidIds, "integers", mem.free_pages, np.array([1.5]))
+    assert_refused(mem, InvalidIds, "outside", mem.free_state, [10**9])
 
 
 def test_free_segment_longer_than_the_row_or_misaligned(mem):
     row = mem.alloc(6)
     other = mem.alloc(3)
     too_long = np.concatenate([row, other])  # runs past the row into another row's page
-    refused(mem, InvalidIds, "longer than the row", mem.free_segment, too_long, 0)
-    refused(mem, InvalidIds, "offset", mem.free_segment, row[1:], 0)  # wrong start position
+    assert_refused(mem, InvalidIds, "longer than the row", mem.free_segment, too_long, 0)
+    assert_refused(mem, InvalidIds, "offset", mem.free_segment, row[1:], 0)  # wrong start position
     past_end = np.concatenate([row, np.zeros(4, dtype=np.int64)])  # zero-filled table tail
-    refused(mem, InvalidIds, "segment", mem.free_segment, past_end, 0)
+    assert_refused(mem, InvalidIds, "segment", mem.free_segment, past_end, 0)
 
 
 def test_bad_extend_and_decode_arguments(mem):
     row = mem.alloc(5)
-    refused(mem, InvalidIds, "one of each", mem.alloc_extend, [0], [3, 4], [0])
-    refused(mem, InvalidIds, "prefix_len", mem.alloc_extend, [5], [4], [row[-1]])
-    refused(mem, InvalidIds, "expected offset", mem.alloc_extend, [5], [9], [row[-2]])
-    refused(mem, InvalidIds, "live page", mem.alloc_decode, [7], [10**6])
-    refused(mem, InvalidIds, ">= 2", mem.alloc_decode, [1], [row[0]])
+    assert_refused(mem, InvalidIds, "one of each", mem.alloc_extend, [0], [3, 4], [0])
+    assert_refused(mem, InvalidIds, "prefix_len", mem.alloc_extend, [5], [4], [row[-1]])
+    assert_refused(mem, InvalidIds, "expected offset", mem.alloc_extend, [5], [9], [row[-2]])
+    assert_refused(mem, InvalidIds, "live page", mem.alloc_decode, [7], [10**6])
+    assert_refused(mem, InvalidIds, ">= 2", mem.alloc_decode, [1], [row[0]])
 
 
 def test_window_misuse(mem):
     pages = mem.alloc_pages(2)
     mem.free_window_pages(pages[:1], "swa:8")
-    refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], "swa:8")
-    refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, "full")
-    refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], "swa:8")
+    assert_refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], "swa:8")
+    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, "full")
+    assert_refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], "swa:8")
 
 
 def test_pinned_pages_cannot_be_freed(mem):
     pages = mem.alloc_pages(2)
     gate = mem.pin(pages=pages[:1])
-    refused(mem, PinnedError, "pinned", mem.free_pages, pages)
+    assert_refused(mem, PinnedError, "pinned", mem.free_pages, pages)
     gate.release()
     mem.free_pages(pages)
     mem.verify()
@@ -89,8 +89,8 @@ def test_pinned_pages_cannot_be_freed(mem):
 def test_out_of_memory_changes_nothing(mem):
     mem.alloc_pages(10)
     slots = mem.alloc_state(2)
-    refused(mem, OutOfMemory, "no free slab", mem.alloc_pages, mem.pages.capacity // 2)
-    refused(mem, OutOfMemory, "no free slab", mem.alloc_state, mem.slots.free_count)
+    assert_refused(mem, OutOfMemory, "no free slab", mem.alloc_pages, mem.pages.capacity // 2)
+    assert_refused(mem, OutOfMemory, "no free slab", mem.alloc_state, mem.slots.free_count)
     try:
         mem.alloc_pages(10**6)
     except OutOfMemory as exc:
