@@ -100,6 +100,7 @@ def test_pinned_pages_are_never_moved_and_a_blocked_request_changes_nothing():
         mem.free_pages(keep[:1])
     assert mem.compact() == 0  # nothing movable while pinned
     gate.release()
+    assert gate.is_open and not mem.gates.page_pins.any()
     assert mem.compact() > 0  # idle compaction packs the kept pages into fewer slabs
     mem.alloc_state(2)
     mem.verify()

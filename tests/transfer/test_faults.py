@@ -20,7 +20,6 @@ from hybridkv.transfer import (
     PlanError,
     PrefillSender,
     RequestStatus,
-    Transport,
     TransportError,
     buffer_set_from_memory,
     build_plan,
@@ -46,6 +45,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pattern import expected_arena, fill, mismatch
 from hybridkv.transfer.status import ReportBoard
+from hybridkv.transfer.transport.base import Delegating
 
 
 @pytest.fixture
@@ -386,26 +386,11 @@ def test_status_only_moves_forward():
 # --- transports that fail or lie ---------------------------------------------------------
 
 
-class Lossy(Transport):
+class Lossy(Delegating):
     """A transport that reports success but drops the last op of every write."""
 
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
-        self.max_ops_per_write = inner.max_ops_per_write  # type: ignore[misc]
-
-    @property
-    def session(self) -> str:
-        return self.inner.session
-
-    def register(self, addr: int, length: int) -> None:
-        self.inner.register(addr, length)
-
     def write(self, peer, src, dst, length, bounds=None) -> None:
-        self.inner.write(peer, src[:-1], dst[:-1], length[:-1], bounds)
-
-    def close(self) -> None:
-        self.inner.close()
+        super().write(peer, src[:-1], dst[:-1], length[:-1], bounds)
 
 
 def test_checksum_refuses_bytes_a_transport_lost(bootstrap, stack):

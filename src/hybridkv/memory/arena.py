@@ -75,14 +75,6 @@ class Arena:
     def free_slabs(self) -> int:
         return int(np.count_nonzero(self.owner == FREE_SLAB))
 
-    def slab_span(self, slab: int) -> tuple[int, int]:
-        start = self.sink_bytes + slab * self.slab_bytes
-        return start, start + self.slab_bytes
-
-    def take_free_slab(self) -> int | None:
-        free = np.flatnonzero(self.owner == FREE_SLAB)
-        return int(free[0]) if free.size else None
-
     def strided_view(
         self, dtype: torch.dtype, cells: int, cell_bytes: int, offset: int, shape: tuple[int, ...]
     ) -> torch.Tensor:

@@ -29,29 +29,19 @@ from hybridkv.transfer.pattern import fill
 from hybridkv.transfer.plan import Bounds, Ops
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.transport import Transport, make_transport
+from hybridkv.transfer.transport.base import Delegating
 
 
-class Throttled(Transport):
-    """Delegates to a real transport, sleeping before every write."""
+class Throttled(Delegating):
+    """A real transport that sleeps before every write (a slow or hung peer)."""
 
     def __init__(self, inner: Transport, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
-        self.name = inner.name  # type: ignore[misc]
-        self.max_ops_per_write = inner.max_ops_per_write  # type: ignore[misc]
-
-    @property
-    def session(self) -> str:
-        return self.inner.session
-
-    def register(self, addr: int, length: int) -> None:
-        self.inner.register(addr, length)
+        super().__init__(inner)
+        self.delay_s = delay_s
 
     def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
         time.sleep(self.delay_s)
-        self.inner.write(peer, src, dst, length, bounds)
-
-    def close(self) -> None:
-        self.inner.close()
+        super().write(peer, src, dst, length, bounds)
 
 
 def emit(**event: object) -> None:

@@ -59,6 +59,30 @@ class Transport(ABC):
         """Release the transport's resources (idempotent)."""
 
 
+class Delegating(Transport):
+    """A transport that forwards everything to ``inner``; subclasses change one behaviour
+    (e.g. slow or faulty writes for fault tests and demos)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.max_ops_per_write = inner.max_ops_per_write  # type: ignore[misc]
+        self.devices = inner.devices  # type: ignore[misc]
+
+    @property
+    def session(self) -> str:
+        return self.inner.session
+
+    def register(self, addr: int, length: int) -> None:
+        self.inner.register(addr, length)
+
+    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
+        self.inner.write(peer, src, dst, length, bounds)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes: int, stop: Callable[[], str]) -> None:
     """Write ``plan`` in chunks (at most ``max_ops_per_write`` ops, about ``chunk_bytes``).
 
