@@ -321,22 +321,11 @@ class HybridRadixCache(Eviction):
         given = req[where] if where is not None else req[fp:]
         if not given.size:
             return dup_idx
-        ordered = np.sort(given)  # gives the range and the repeats; the table reads go in order
-        lo, hi = int(ordered[0]), int(ordered[-1])
-        cap = self._owned.size
-        if lo <= 0 or hi >= cap:
-            raise InsertError(
-                f"insert: page id {lo if lo <= 0 else hi} is outside 1..{cap - 1} (0 is the padding sink)"
-            )
-        live = self.mem.pages.live[ordered]
-        if np.count_nonzero(live) != ordered.size:
-            raise InsertError(
-                f"insert: page {int(ordered[np.argmax(~live)])} is not allocated (freed already, or never "
-                "handed out); pass pages this request allocated and still holds"
-            )
-        repeated = ordered[1:] == ordered[:-1]
-        if np.count_nonzero(repeated):
-            raise InsertError(f"insert: page {int(ordered[1:][repeated][0])} is given twice")
+        ordered = np.sort(given)  # the table reads below go in order
+        try:
+            self.mem.pages.check_live(ordered, "insert", ordered)
+        except InvalidIds as exc:
+            raise InsertError(f"{exc}; pass pages this request allocated and still holds") from exc
         owned = self._owned[ordered]
         if np.count_nonzero(owned):
             page = int(ordered[np.argmax(owned)])

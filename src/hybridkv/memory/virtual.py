@@ -62,11 +62,15 @@ class VirtualIds:
         self._free += ids.size
         self.live[ids] = False
 
-    def check_live(self, ids: np.ndarray, what: str) -> None:
-        """Raise ``InvalidIds`` unless ``ids`` are distinct, in range, live and not the sink."""
+    def check_live(self, ids: np.ndarray, what: str, ordered: np.ndarray | None = None) -> None:
+        """Raise ``InvalidIds`` unless ``ids`` are distinct, in range, live and not the sink.
+
+        ``ordered``: ``ids`` already sorted, when the caller has them (saves the sort).
+        """
         if ids.size == 0:
             return
-        ordered = np.sort(ids)  # one sort gives the range and the repeats
+        if ordered is None:
+            ordered = np.sort(ids)  # one sort gives the range and the repeats
         lo, hi = int(ordered[0]), int(ordered[-1])
         if lo <= 0 or hi >= self.capacity:
             first = lo if lo <= 0 else hi
