@@ -1,7 +1,7 @@
 """``hybridkv bench cache``: the ``radix`` replay protocol of the peer trace through the
 prefix cache, side by side with a simple page-hash prefix cache in the same run.
 
-Protocol (data/README.md), strictly one request at a time: ``match_prefix(input)`` -> lock
+Protocol (hybridkv/traces/data/README.md), strictly one request at a time: ``match_prefix(input)`` -> lock
 the match -> if the pool is short, evict (what the allocator reports short) -> allocate
 the new tokens -> ``insert(input + output)`` (page-aligned; duplicates freed by the cache)
 -> free the unaligned tail -> unlock. Hit rate = sum of matched tokens / sum of input
@@ -320,7 +320,7 @@ def run_one(
 
 
 def run(
-    trace_path: str = str(PEER_TRACE), page_size: int = 16, configs: list[str] | None = None, repeat: int = 3
+    trace_path: str = PEER_TRACE, page_size: int = 16, configs: list[str] | None = None, repeat: int = 3
 ) -> dict[str, Any]:
     trace = load_peer_trace(trace_path)
     requests = radix_requests(trace)

@@ -1,6 +1,6 @@
 """``hybridkv bench memory``: replay the ``alloc`` part of the peer trace through allocators.
 
-Protocol (data/README.md): a prefill batch is one ``alloc_extend`` (prefix 0) for all its
+Protocol (hybridkv/traces/data/README.md): a prefill batch is one ``alloc_extend`` (prefix 0) for all its
 requests; a decode step one ``alloc_decode`` for every running request in admission order;
 a finish frees each request's row with a segment free from position 0 (hybridkv batches a
 finish event's frees in one free group; the group's release is timed and counted in the
@@ -321,7 +321,7 @@ def run_config(name: str, trace: dict[str, Any], page_size: int) -> dict[str, An
     return results
 
 
-def run(trace_path: str = str(PEER_TRACE), page_size: int = 16, configs: list[str] | None = None) -> dict[str, Any]:
+def run(trace_path: str = PEER_TRACE, page_size: int = 16, configs: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     trace = load_peer_trace(trace_path)
     chosen = configs or list(CONFIGS)

@@ -14,7 +14,9 @@ from hybridkv.traces import PEER_TRACE
 
 @bench_app.command("memory")
 def bench_memory(
-    trace: str = typer.Option(str(PEER_TRACE), "--trace", help="peer_trace.json (plain or .gz)."),
+    trace: str = typer.Option(
+        PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
+    ),
     page_size: int = typer.Option(16, "--page-size"),
     config: list[str] = typer.Option(None, "--config", help="full, full+swa, full+state (repeatable)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

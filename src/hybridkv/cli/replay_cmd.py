@@ -40,7 +40,11 @@ def _policies(text: str) -> list[str]:
 
 @app.command("replay")
 def replay(
-    trace: str = typer.Option(..., "--trace", help="Mooncake .jsonl(.gz) or peer_trace .json(.gz) (radix part)."),
+    trace: str = typer.Option(
+        ...,
+        "--trace",
+        help="Mooncake .jsonl(.gz), peer_trace .json(.gz) (radix part), or built-in mooncake-conversation / peer.",
+    ),
     model: str = typer.Option(..., "--model", help="Model preset name (e.g. Qwen3-Next-80B-A3B-Instruct)."),
     gpu_memory: str = typer.Option(..., "--gpu-memory", help="KV budget of one device, e.g. 40GiB."),
     page_size: int = typer.Option(16, "--page-size"),
@@ -135,7 +139,9 @@ def _print_replay(out: dict[str, Any]) -> None:
 
 @bench_app.command("cache")
 def bench_cache(
-    trace: str = typer.Option(str(PEER_TRACE), "--trace", help="peer_trace.json (plain or .gz)."),
+    trace: str = typer.Option(
+        PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
+    ),
     page_size: int = typer.Option(16, "--page-size"),
     config: list[str] = typer.Option(None, "--config", help="full, full+swa (repeatable)."),
     repeat: int = typer.Option(3, "--repeat", help="Timed passes per run; the fastest is reported."),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.traces import TraceError, load_mooncake_trace, load_peer_trace
+from hybridkv.traces import TraceError, load_mooncake_trace, load_peer_trace, trace_file
 
 OUTPUT_BASE = 1 << 40
 _OUTPUT_STRIDE = 1 << 24
@@ -58,7 +58,7 @@ class Workload:
 
 
 def detect_format(path: str | Path) -> str:
-    name = Path(path).name.removesuffix(".gz")
+    name = trace_file(path).name.removesuffix(".gz")
     if name.endswith(".jsonl"):
         return "mooncake"
     if name.endswith(".json"):
@@ -89,7 +89,7 @@ def _mooncake(path: str | Path, limit: int | None) -> Workload:
             raise TraceError(f"{path}: request {i} has no input tokens")
         output = OUTPUT_BASE + rid * _OUTPUT_STRIDE + np.arange(row.output_length, dtype=np.int64)
         requests.append(ReplayRequest(rid, row.timestamp_ms / 1000.0, row.input_tokens(), output))
-    return Workload(f"mooncake:{Path(path).name}", tuple(requests))
+    return Workload(f"mooncake:{trace_file(path).name}", tuple(requests))
 
 
 def _radix(path: str | Path, limit: int | None) -> Workload:
@@ -115,4 +115,4 @@ def _radix(path: str | Path, limit: int | None) -> Workload:
         output = np.asarray(row["output_ids"], dtype=np.int64)
         seq_of[row["rid"]] = np.concatenate([tokens, output])
         requests.append(ReplayRequest(rid, float(row["arrival"]), tokens, output, after))
-    return Workload(f"radix:{Path(path).name}", tuple(requests))
+    return Workload(f"radix:{trace_file(path).name}", tuple(requests))

@@ -1,12 +1,14 @@
-"""Real request traces shipped with the project (``data/``), and their loaders.
+"""Real request traces shipped inside the package (``hybridkv/traces/data/``), and their loaders.
 
 - ``peer_trace.json.gz``: deterministic allocator / prefix-cache replay trace with exact
-  call protocols (``alloc`` and ``radix`` parts); see ``data/README.md``.
+  call protocols (``alloc`` and ``radix`` parts); see ``traces/data/README.md``.
 - ``mooncake_conversation_trace.jsonl.gz``: the conversation workload of the public
   Mooncake FAST'25 trace (Kimi production service, Apache-2.0): arrival time, input and
   output lengths, and prefix-block hashes of 512 tokens.
 
-Loaders accept plain or gzip files (by the ``.gz`` suffix) and validate the fields they use.
+Loaders accept a built-in trace name (``TRACES``: read with ``importlib.resources``, so they
+work from an installed wheel as well as from a checkout) or a path to a plain or gzip file (by
+the ``.gz`` suffix), and validate the fields they use.
 """
 
 from __future__ import annotations
@@ -14,32 +16,53 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
-PEER_TRACE = DATA_DIR / "peer_trace.json.gz"
-MOONCAKE_TRACE = DATA_DIR / "mooncake_conversation_trace.jsonl.gz"
+_DATA = resources.files("hybridkv.traces").joinpath("data")
+PEER_TRACE = "peer"
+MOONCAKE_TRACE = "mooncake-conversation"
+TRACES: dict[str, Traversable] = {
+    PEER_TRACE: _DATA.joinpath("peer_trace.json.gz"),
+    MOONCAKE_TRACE: _DATA.joinpath("mooncake_conversation_trace.jsonl.gz"),
+}
 MOONCAKE_BLOCK_TOKENS = 512
+
+TraceSource = str | Path
 
 
 class TraceError(ValueError):
     """A trace file that is missing or does not have the fields a replay needs."""
 
 
-def _open_text(path: str | Path) -> str:
-    path = Path(path)
-    if not path.exists():
-        raise TraceError(f"trace file {path} does not exist")
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt") as f:
-            return f.read()
-    return path.read_text()
+def trace_file(source: TraceSource) -> Traversable:
+    """A built-in trace name (see ``TRACES``) or a path -> the file to read; missing raises."""
+    if isinstance(source, str) and source in TRACES:
+        return TRACES[source]
+    path = Path(source)
+    if not path.is_file():
+        raise TraceError(
+            f"trace {str(source)!r} is neither a built-in trace ({', '.join(TRACES)}) nor an existing file"
+        )
+    return path
 
 
-def load_peer_trace(path: str | Path = PEER_TRACE) -> dict[str, Any]:
+def _open_text(source: TraceSource) -> str:
+    file = trace_file(source)
+    try:
+        raw = file.read_bytes()
+        if file.name.endswith(".gz"):
+            raw = gzip.decompress(raw)
+        return raw.decode()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise TraceError(f"trace {str(source)!r} cannot be read: {exc}") from exc
+
+
+def load_peer_trace(path: TraceSource = PEER_TRACE) -> dict[str, Any]:
     data = json.loads(_open_text(path))
     for part, keys in (
         ("alloc", ("requests", "events", "peak_live_pages")),
@@ -64,7 +87,7 @@ class MooncakeRequest:
         return tokens[: self.input_length]
 
 
-def load_mooncake_trace(path: str | Path = MOONCAKE_TRACE, limit: int | None = None) -> list[MooncakeRequest]:
+def load_mooncake_trace(path: TraceSource = MOONCAKE_TRACE, limit: int | None = None) -> list[MooncakeRequest]:
     out = []
     for lineno, line in enumerate(_open_text(path).splitlines(), 1):
         if not line.strip():
