@@ -1,3 +1,5 @@
-from hybridkv.cli import app
+import sys
 
-app()
+from hybridkv.cli import main
+
+sys.exit(main())

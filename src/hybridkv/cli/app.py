@@ -1,8 +1,22 @@
-"""The ``hybridkv`` command: typer apps that command modules register on."""
+"""The ``hybridkv`` command: typer apps that command modules register on, and its one error path.
+
+Invariants (``main``):
+- A user error — a bad option (click's usage errors), or an input the library refuses with one
+  of its own errors (``ValueError`` family, ``OSError``, memory / transfer / replay refusals) —
+  prints exactly one line ``error: ...`` on stderr and exits 2. No traceback, unless
+  ``--debug`` is given (anywhere on the command line), which re-raises.
+- Anything else is a bug: one line naming the exception type, exit 1 (``--debug`` shows it).
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
 import typer
+
+from hybridkv.memory.errors import MemoryPoolError
+from hybridkv.transfer.errors import TransferError
 
 app = typer.Typer(
     help="hybridkv: memory, prefix cache and PD transfer for hybrid LLMs.",
@@ -11,3 +25,44 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks, side by side with a baseline in the same run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, MemoryPoolError, TransferError, OverflowError)
+DEBUG_FLAG = "--debug"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split()) or "(no message)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (the console script exits with it)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in args
+    args = [a for a in args if a != DEBUG_FLAG]
+    try:
+        result = app(args=args, prog_name="hybridkv", standalone_mode=False)
+    except typer.Exit as done:
+        return done.exit_code
+    except typer.TyperException as exc:  # click's usage errors (typer vendors click)
+        if debug:
+            raise
+        message = exc.format_message()
+        if message:  # an empty one: the command printed its help (called with no arguments)
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            print(f"error: {_one_line(message)}{hint}", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"error: internal error {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug)", file=sys.stderr)
+        return 1
+    return result if isinstance(result, int) else 0
