@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        print(f"error: internal error {type(exc).__name__}: {_one_line(str(exc))} (rerun with --debug)", file=sys.stderr)
+        name = type(exc).__name__
+        print(f"error: internal error {name}: {_one_line(str(exc))} (rerun with --debug)", file=sys.stderr)
         return 1
     return result if isinstance(result, int) else 0
