@@ -13,13 +13,39 @@ from hybridkv.cli import main
 BAD_INPUTS = [
     (["plan", "--model", "no-such-model", "--gpu-memory", "80GiB"], "no preset named"),
     (["plan", "--model", "Llama-3.1-8B", "--gpu-memory", "abc"], "cannot read 'abc'"),
-    (["plan", "--model", "Llama-3.1-8B", "--tp", "0"], "TP and PP sizes"),
+    (["plan", "--model", "Llama-3.1-8B", "--tp", "0"], "--tp"),
+    (["plan", "--model", "Llama-3.1-8B", "--gpu-memory", "0"], "more than 0 B"),
+    (["plan", "--model", "Llama-3.1-8B", "--gpu-memory", "-1GiB"], "cannot read"),
+    (["plan", "--model", "Llama-3.1-8B", "--context", "0"], "--context"),
     (["plan", "--model", "Llama-3.1-8B", "--page-size", "x"], "--page-size"),
     (["plan", "--bogus"], "No such option"),
     (["no-such-command"], "No such command"),
     (["replay", "--trace", "/nonexistent.jsonl", "--model", "Llama-3.1-8B", "--gpu-memory", "40GiB"], "neither"),
     (["replay", "--trace", "README.md", "--model", "Llama-3.1-8B", "--gpu-memory", "40GiB"], "trace format"),
 ]
+REPLAY = ["replay", "--trace", "mooncake-conversation", "--model", "Llama-3.1-8B", "--gpu-memory", "40GiB"]
+BAD_INPUTS += [
+    ([*REPLAY, "--max-running", "0"], "--max-running"),
+    ([*REPLAY, "--max-running", "-1"], "--max-running"),
+    ([*REPLAY, "--decode-step-ms", "nan"], "--decode-step-ms"),
+    ([*REPLAY, "--prefill-tps", "-5"], "--prefill-tps"),
+    ([*REPLAY, "--limit", "0"], "--limit"),
+    ([*REPLAY, "--page-size", "0"], "--page-size"),
+    ([*REPLAY[:-1], "100000TiB"], "at most"),
+]
+
+GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
+BAD_TRACES = {
+    "empty.jsonl": ("", "no requests"),
+    "binary.jsonl": ("\x00\xff garbage", "bad request record"),
+    "schema.jsonl": ('{"ts": 1}', "bad request record"),
+    "nan.jsonl": ('{"timestamp": NaN, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "bad request"),
+    "fraction.jsonl": ('{"timestamp": 0, "input_length": 5.5, "output_length": 1, "hash_ids": [1]}', "bad request"),
+    "negative.jsonl": ('{"timestamp": 0, "input_length": 5, "output_length": -1, "hash_ids": [1]}', "bad request"),
+    "zero.jsonl": ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}', "bad request"),
+    "huge.jsonl": ('{"timestamp": 0, "input_length": 5, "output_length": 1000000000000, "hash_ids": [1]}', "bad"),
+    "blocks.jsonl": ('{"timestamp": 0, "input_length": 900, "output_length": 1, "hash_ids": [1]}', "exceeds"),
+}
 
 
 @pytest.mark.parametrize(("args", "says"), BAD_INPUTS, ids=[" ".join(a)[:60] for a, _ in BAD_INPUTS])
@@ -30,6 +56,27 @@ def test_bad_input_is_one_error_line_and_exit_2(args, says, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert says in lines[0]
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("name", sorted(BAD_TRACES))
+def test_bad_trace_is_one_error_line_and_exit_2(name, tmp_path, capsys):
+    text, says = BAD_TRACES[name]
+    path = tmp_path / name
+    path.write_text(GOOD_ROW + "\n" + text + "\n" if name != "empty.jsonl" else "")
+    assert main(["replay", "--trace", str(path), "--model", "Llama-3.1-8B", "--gpu-memory", "40GiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_truncated_gzip_trace_is_one_error_line(tmp_path, capsys):
+    import gzip
+
+    data = gzip.compress(((GOOD_ROW + "\n") * 200).encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    assert main(["replay", "--trace", str(path), "--model", "Llama-3.1-8B", "--gpu-memory", "40GiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be read" in err[0], err
 
 
 def test_debug_flag_shows_the_exception():

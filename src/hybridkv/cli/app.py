@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import typer
 
 from hybridkv.memory.errors import MemoryPoolError
+from hybridkv.replay.simulator import ReplayError
 from hybridkv.transfer.errors import TransferError
 
 app = typer.Typer(
@@ -26,7 +27,14 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks, side by side with a baseline in the same run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, MemoryPoolError, TransferError, OverflowError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    OSError,
+    OverflowError,
+    MemoryPoolError,
+    ReplayError,
+    TransferError,
+)
 DEBUG_FLAG = "--debug"
 
 

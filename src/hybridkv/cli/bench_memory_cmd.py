@@ -17,7 +17,7 @@ def bench_memory(
     trace: str = typer.Option(
         PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
     ),
-    page_size: int = typer.Option(16, "--page-size"),
+    page_size: int = typer.Option(16, "--page-size", min=1),
     config: list[str] = typer.Option(None, "--config", help="full, full+swa, full+state (repeatable)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import app
+from hybridkv.cli.params import byte_size
 from hybridkv.memory import format_bytes
 from hybridkv.memory.capacity import plan_report
 from hybridkv.spec import get_preset
@@ -17,11 +18,11 @@ from hybridkv.spec import get_preset
 @app.command()
 def plan(
     model: str = typer.Option(..., "--model", "-m", help="Preset name (see `hybridkv presets`)."),
-    gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="Bytes for KV + state per GPU."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size."),
-    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size."),
-    page_size: int = typer.Option(16, "--page-size", help="Tokens per KV page."),
-    context: list[int] = typer.Option(None, "--context", help="Request lengths to size for (repeatable)."),
+    gpu_memory: str = typer.Option("80GiB", "--gpu-memory", callback=byte_size, help="Bytes for KV + state per GPU."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size."),
+    pp: int = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size."),
+    page_size: int = typer.Option(16, "--page-size", min=1, help="Tokens per KV page."),
+    context: list[int] = typer.Option(None, "--context", min=1, help="Request lengths to size for (repeatable)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """How many tokens and concurrent requests fit per stage, unified pool vs a static split."""

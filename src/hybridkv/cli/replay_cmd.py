@@ -15,6 +15,7 @@ from rich.table import Table
 
 from hybridkv.cache import POLICIES
 from hybridkv.cli.app import app, bench_app
+from hybridkv.cli.params import byte_size, positive_finite
 from hybridkv.traces import PEER_TRACE
 
 
@@ -46,16 +47,22 @@ def replay(
         help="Mooncake .jsonl(.gz), peer_trace .json(.gz) (radix part), or built-in mooncake-conversation / peer.",
     ),
     model: str = typer.Option(..., "--model", help="Model preset name (e.g. Qwen3-Next-80B-A3B-Instruct)."),
-    gpu_memory: str = typer.Option(..., "--gpu-memory", help="KV budget of one device, e.g. 40GiB."),
-    page_size: int = typer.Option(16, "--page-size"),
+    gpu_memory: str = typer.Option(
+        ..., "--gpu-memory", callback=byte_size, help="KV budget of one device, e.g. 40GiB."
+    ),
+    page_size: int = typer.Option(16, "--page-size", min=1),
     policy: str = typer.Option("lru", "--policy", help="lru, lfu, priority, cost; comma list or 'all' to compare."),
     cache_tokens: str = typer.Option(
         "inf", "--cache-tokens", help="Cache size cap in tokens (held once requests unlock), or 'inf'."
     ),
-    limit: int = typer.Option(None, "--limit", help="Replay only the first N requests."),
-    prefill_tps: float = typer.Option(50_000.0, "--prefill-tps", help="Simulated prefill tokens per second."),
-    decode_step_ms: float = typer.Option(25.0, "--decode-step-ms", help="Simulated time of one decode step."),
-    max_running: int = typer.Option(128, "--max-running", help="Most requests decoding at once."),
+    limit: int = typer.Option(None, "--limit", min=1, help="Replay only the first N requests."),
+    prefill_tps: float = typer.Option(
+        50_000.0, "--prefill-tps", callback=positive_finite, help="Simulated prefill tokens per second."
+    ),
+    decode_step_ms: float = typer.Option(
+        25.0, "--decode-step-ms", callback=positive_finite, help="Simulated time of one decode step."
+    ),
+    max_running: int = typer.Option(128, "--max-running", min=1, help="Most requests decoding at once."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: str = typer.Option(None, "--plot", help="Write the pool split over time to this PNG."),
 ) -> None:
@@ -142,9 +149,9 @@ def bench_cache(
     trace: str = typer.Option(
         PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
     ),
-    page_size: int = typer.Option(16, "--page-size"),
+    page_size: int = typer.Option(16, "--page-size", min=1),
     config: list[str] = typer.Option(None, "--config", help="full, full+swa (repeatable)."),
-    repeat: int = typer.Option(3, "--repeat", help="Timed passes per run; the fastest is reported."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Timed passes per run; the fastest is reported."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Match / insert / evict ops/s and p50/p99 of the prefix cache vs a page-hash baseline."""

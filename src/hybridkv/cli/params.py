@@ -1,0 +1,36 @@
+"""Option types shared by the commands: validated at the edge, before any work starts.
+
+Invariants: every callback returns a value the library accepts or raises ``typer.BadParameter``
+naming the option, the value and the accepted range (the CLI's error path prints it as one
+``error:`` line, exit 2). Integer ranges use typer's own ``min=``/``max=``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import typer
+
+from hybridkv.memory import format_bytes, parse_bytes
+
+MAX_DEVICE_BYTES = 2**50  # 1 PiB: far above any device, low enough that page tables fit in host memory
+
+
+def byte_size(value: str | None) -> str | None:
+    """A byte budget such as ``80GiB``: positive and at most ``MAX_DEVICE_BYTES``."""
+    if value is None:
+        return None
+    try:
+        size = parse_bytes(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if not 0 < size <= MAX_DEVICE_BYTES:
+        raise typer.BadParameter(f"{value!r} must be more than 0 B and at most {format_bytes(MAX_DEVICE_BYTES)}")
+    return value
+
+
+def positive_finite(value: float | None) -> float | None:
+    """A rate or a duration: a finite number above 0 (``nan`` and ``inf`` are refused)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} must be a finite number above 0")
+    return value
