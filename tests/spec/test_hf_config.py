@@ -264,7 +264,8 @@ def _gemma_text() -> dict[str, Any]:
     [
         ({**_qwen(), "model_type": "bert"}, r"'model_type' is 'bert'.*supported: .*qwen3_next"),
         ({k: v for k, v in _qwen().items() if k != "model_type"}, r"'model_type' is None"),
-        ({**_gpt(), "layer_types": _gpt()["layer_types"][:-1]}, r"'num_hidden_layers' is 24 but .* 23 layers"),
+        ({**_gpt(), "layer_types": _gpt()["layer_types"][:-1]}, r"'layer_types' gives 23 layers but .* is 24"),
+        ({**_gpt(), "layer_types": []}, r"'layer_types' lists no layers"),
         ({k: v for k, v in _gpt().items() if k != "sliding_window"}, r"'sliding_window' is missing"),
         ({**_gpt(), "sliding_window": 0}, r"'sliding_window' must be positive, got 0"),
         (
@@ -281,6 +282,7 @@ def _gemma_text() -> dict[str, Any]:
         ({**_qwen(), "head_dim": "256"}, r"'head_dim' must be an integer"),
         ({**_qwen(), "torch_dtype": "float128"}, r"'torch_dtype' is 'float128'.*unknown dtype"),
         ({**_qwen(), "max_position_embeddings": -1}, r"'max_position_embeddings' must be positive"),
+        ({**_qwen(), "max_position_embeddings": None}, r"'max_position_embeddings' is missing"),
         ({"model_type": "gemma3", "torch_dtype": "bfloat16"}, r"'text_config' is missing"),
         (
             {"model_type": "gemma3", "text_config": {**_gemma_text(), "sliding_window_pattern": None}},
@@ -292,7 +294,7 @@ def _gemma_text() -> dict[str, Any]:
         ),
         (
             {**_nemotron_h(published_record("NVIDIA-Nemotron-Nano-9B-v2")), "num_hidden_layers": 55},
-            r"'num_hidden_layers' is 55 but the layer types list 56",
+            r"'hybrid_override_pattern' gives 56 layers but 'num_hidden_layers' is 55",
         ),
     ],
 )

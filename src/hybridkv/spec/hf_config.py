@@ -84,7 +84,7 @@ class _Fields:
             raise self.error(key, "is missing", f"add it to the config (the {self.where} needs it)")
         return value
 
-    def int(self, key: str, default: Any = _MISSING) -> int:
+    def positive(self, key: str, default: Any = _MISSING) -> int:
         value = self.raw(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(key, f"must be an integer, got {value!r}", "write a whole number")
@@ -92,7 +92,7 @@ class _Fields:
             raise self.error(key, f"must be positive, got {value}", "set it to the model's real size")
         return value
 
-    def list(self, key: str) -> list[Any]:
+    def entries(self, key: str) -> list[Any]:
         value = self.raw(key)
         if not isinstance(value, list | tuple):
             raise self.error(key, f"must be a list, got {type(value).__name__}", "write a JSON list")
@@ -100,14 +100,14 @@ class _Fields:
 
     def divides(self, key: str, num_key: str) -> tuple[int, int]:
         """``(data[num_key], data[key])`` where ``data[key]`` divides ``data[num_key]``."""
-        num, den = self.int(num_key), self.int(key)
+        num, den = self.positive(num_key), self.positive(key)
         if num % den:
             raise self.error(key, f"({den}) does not divide {num_key!r} ({num})", f"choose a divisor of {num}")
         return num, den
 
     def head_dim(self) -> int:
         if self.has("head_dim") or not self.head_dim_from_hidden:
-            return self.int("head_dim")
+            return self.positive("head_dim")
         hidden, heads = self.divides("num_attention_heads", "hidden_size")
         return hidden // heads
 
@@ -132,21 +132,26 @@ def _full(f: _Fields, dt: _Dtypes) -> LayerKind:
 
 def _sliding(f: _Fields, dt: _Dtypes) -> LayerKind:
     head_dim = f.head_dim()
-    return SlidingWindow(f.int("sliding_window"), f.kv_heads(), head_dim, head_dim)
+    return SlidingWindow(f.positive("sliding_window"), f.kv_heads(), head_dim, head_dim)
 
 
 def _mla(f: _Fields, dt: _Dtypes) -> LayerKind:
-    return MLA(f.int("kv_lora_rank"), f.int("qk_rope_head_dim"), f.int("num_attention_heads"), f.int("v_head_dim"))
+    return MLA(
+        f.positive("kv_lora_rank"),
+        f.positive("qk_rope_head_dim"),
+        f.positive("num_attention_heads"),
+        f.positive("v_head_dim"),
+    )
 
 
 def _gated_deltanet(f: _Fields, dt: _Dtypes) -> LayerKind:
     v_heads, k_heads = f.divides("linear_num_key_heads", "linear_num_value_heads")
-    k_dim, v_dim = f.int("linear_key_head_dim"), f.int("linear_value_head_dim")
+    k_dim, v_dim = f.positive("linear_key_head_dim"), f.positive("linear_value_head_dim")
     channels = 2 * k_heads * k_dim + v_heads * v_dim  # conv over cat[q, k, v]
     return Linear(
         "gated_deltanet",
         (
-            _conv("conv_state", channels, f.int("linear_conv_kernel_dim"), f, "linear_conv_kernel_dim", dt),
+            _conv("conv_state", channels, f.positive("linear_conv_kernel_dim"), f, "linear_conv_kernel_dim", dt),
             StateTensor("recurrent_state", (v_heads, k_dim, v_dim), dt.state, tp_dim=0),
         ),
     )
@@ -157,11 +162,11 @@ def _kda(f: _Fields, dt: _Dtypes) -> LayerKind:
     nested = f.data.get("linear_attn_config") or {}
     sub = _Fields(nested, f"{f.where} linear_attn_config", False) if nested else None
     if sub is not None:
-        heads, dim = sub.int("num_heads"), sub.int("head_dim")
-        kernel, kernel_key = sub.int("short_conv_kernel_size"), "linear_attn_config.short_conv_kernel_size"
+        heads, dim = sub.positive("num_heads"), sub.positive("head_dim")
+        kernel, kernel_key = sub.positive("short_conv_kernel_size"), "linear_attn_config.short_conv_kernel_size"
     else:
-        heads, dim = f.int("linear_num_heads"), f.int("linear_head_dim")
-        kernel, kernel_key = f.int("linear_conv_kernel_dim"), "linear_conv_kernel_dim"
+        heads, dim = f.positive("linear_num_heads"), f.positive("linear_head_dim")
+        kernel, kernel_key = f.positive("linear_conv_kernel_dim"), "linear_conv_kernel_dim"
     return Linear(
         "kda",
         (
@@ -173,30 +178,30 @@ def _kda(f: _Fields, dt: _Dtypes) -> LayerKind:
 
 def _mamba2(f: _Fields, dt: _Dtypes) -> LayerKind:
     heads, groups = f.divides("n_groups", "mamba_num_heads")
-    head_dim, d_state = f.int("mamba_head_dim"), f.int("ssm_state_size")
+    head_dim, d_state = f.positive("mamba_head_dim"), f.positive("ssm_state_size")
     channels = heads * head_dim + 2 * groups * d_state  # conv over cat[x, B, C]
     return Linear(
         "mamba2",
         (
-            _conv("conv_state", channels, f.int("conv_kernel"), f, "conv_kernel", dt),
+            _conv("conv_state", channels, f.positive("conv_kernel"), f, "conv_kernel", dt),
             StateTensor("ssm_state", (heads, head_dim, d_state), dt.state, tp_dim=0),
         ),
     )
 
 
 def _mamba1(f: _Fields, dt: _Dtypes) -> LayerKind:
-    d_inner = f.int("mamba_expand") * f.int("hidden_size")
+    d_inner = f.positive("mamba_expand") * f.positive("hidden_size")
     return Linear(
         "mamba1",
         (
-            _conv("conv_state", d_inner, f.int("mamba_d_conv"), f, "mamba_d_conv", dt),
-            StateTensor("ssm_state", (d_inner, f.int("mamba_d_state")), dt.state, tp_dim=0),
+            _conv("conv_state", d_inner, f.positive("mamba_d_conv"), f, "mamba_d_conv", dt),
+            StateTensor("ssm_state", (d_inner, f.positive("mamba_d_state")), dt.state, tp_dim=0),
         ),
     )
 
 
 def _lightning(f: _Fields, dt: _Dtypes) -> LayerKind:
-    heads, head_dim = f.int("num_attention_heads"), f.head_dim()
+    heads, head_dim = f.positive("num_attention_heads"), f.head_dim()
     return Linear("lightning", (StateTensor("kv_state", (heads, head_dim, head_dim), dt.state, tp_dim=0),))
 
 
@@ -207,12 +212,25 @@ def _no_cache(f: _Fields, dt: _Dtypes) -> LayerKind:
 # --- layer-type readers: one per config convention --------------------------------------------------------------------
 
 
+def _counted(f: _Fields, key: str, types: list[str]) -> list[str]:
+    """``types`` (read from ``key``), checked against ``num_hidden_layers`` where the config states it."""
+    if not types:
+        raise f.error(key, "lists no layers", "give one entry per layer")
+    if f.has("num_hidden_layers") and len(types) != f.positive("num_hidden_layers"):
+        raise f.error(
+            key,
+            f"gives {len(types)} layers but 'num_hidden_layers' is {f.positive('num_hidden_layers')}",
+            "make them agree (one entry per layer)",
+        )
+    return types
+
+
 def _listed(key: str, *aliases: str) -> Callable[[_Fields], list[str]]:
     """The per-layer type names stored as a list under ``key`` (or one of ``aliases``)."""
 
     def read(f: _Fields) -> list[str]:
         name = next((k for k in (key, *aliases) if f.has(k)), key)
-        return [str(t) for t in f.list(name)]
+        return _counted(f, name, [str(t) for t in f.entries(name)])
 
     return read
 
@@ -223,19 +241,19 @@ def _listed_or(key: str, fallback: Callable[[_Fields], list[str]], *aliases: str
 
 
 def _every(kind: str) -> Callable[[_Fields], list[str]]:
-    return lambda f: [kind] * f.int("num_hidden_layers")
+    return lambda f: [kind] * f.positive("num_hidden_layers")
 
 
 def _interval(key: str, hit: str, other: str) -> Callable[[_Fields], list[str]]:
     """Layer ``i`` is ``hit`` iff ``(i + 1) % config[key] == 0`` (Qwen3-Next, Gemma 3)."""
-    return lambda f: [hit if (i + 1) % f.int(key) == 0 else other for i in range(f.int("num_hidden_layers"))]
+    return lambda f: [hit if (i + 1) % f.positive(key) == 0 else other for i in range(f.positive("num_hidden_layers"))]
 
 
 def _jamba_types(f: _Fields) -> list[str]:
-    period, offset = f.int("attn_layer_period"), f.raw("attn_layer_offset")
+    period, offset = f.positive("attn_layer_period"), f.raw("attn_layer_offset")
     if not isinstance(offset, int) or not 0 <= offset < period:
         raise f.error("attn_layer_offset", f"is {offset!r}", f"use 0 <= offset < attn_layer_period ({period})")
-    return ["attention" if i % period == offset else "mamba" for i in range(f.int("num_hidden_layers"))]
+    return ["attention" if i % period == offset else "mamba" for i in range(f.positive("num_hidden_layers"))]
 
 
 _NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -248,16 +266,16 @@ def _nemotron_pattern(f: _Fields) -> list[str]:
         raise f.error(
             "hybrid_override_pattern", f"has unknown symbols {unknown}", f"use only {list(_NEMOTRON_PATTERN)}"
         )
-    return [_NEMOTRON_PATTERN[c] for c in str(pattern)]
+    return _counted(f, "hybrid_override_pattern", [_NEMOTRON_PATTERN[c] for c in str(pattern)])
 
 
 def _kimi_layers(f: _Fields) -> list[str]:
     """``linear_attn_config.full_attn_layers`` / ``kda_layers``: 1-based ids covering every layer once."""
-    n = f.int("num_hidden_layers")
+    n = f.positive("num_hidden_layers")
     nested = _Fields(f.raw("linear_attn_config"), f"{f.where} linear_attn_config", False)
     types: list[str | None] = [None] * n
     for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
-        for layer in nested.list(key):
+        for layer in nested.entries(key):
             if not isinstance(layer, int) or not 1 <= layer <= n:
                 raise nested.error(key, f"holds {layer!r}", f"layer ids are 1-based, 1..{n} (num_hidden_layers)")
             if types[layer - 1] is not None:
@@ -274,11 +292,11 @@ def _kimi_layers(f: _Fields) -> list[str]:
 def _minimax_types(f: _Fields) -> list[str]:
     """MiniMax-M1's ``attn_type_list``: 0 lightning (linear), 1 softmax attention."""
     names = {0: "linear_attention", 1: "full_attention"}
-    values = f.list("attn_type_list")
+    values = f.entries("attn_type_list")
     bad = sorted({repr(v) for v in values if v not in names})
     if bad:
         raise f.error("attn_type_list", f"holds {bad}", "use 0 (lightning) or 1 (softmax attention)")
-    return [names[v] for v in values]
+    return _counted(f, "attn_type_list", [names[v] for v in values])
 
 
 # --- the table --------------------------------------------------------------------------------------------------------
@@ -292,7 +310,6 @@ class _Arch:
     kinds: Mapping[str, KindBuilder]
     head_dim_from_hidden: bool = False
     text_model_type: str | None = None  # multimodal wrapper: read ``text_config`` as this type
-    counts_layers: bool = True  # ``num_hidden_layers`` must equal the number of layer types
 
 
 _GDN_HYBRID = _Arch(
@@ -323,7 +340,6 @@ _ARCHITECTURES: dict[str, _Arch] = {
             "mlp": _no_cache,
             "moe": _no_cache,
         },
-        counts_layers=False,
     ),
     "kimi_linear": _Arch(
         _listed_or("layer_types", _kimi_layers),
@@ -384,21 +400,13 @@ def from_hf_config(
     dtypes = _dtypes(f, kv_dtype, state_dtype)
 
     types = arch.layer_types(f)
-    if not types:
-        raise f.error("layer_types", "is empty", "list one type per layer")
-    if arch.counts_layers or f.has("num_hidden_layers"):
-        n = f.int("num_hidden_layers")
-        if len(types) != n:
-            raise f.error(
-                "num_hidden_layers",
-                f"is {n} but the layer types list {len(types)} layers",
-                "make num_hidden_layers equal the number of layer types",
-            )
     unknown = sorted(set(types) - set(arch.kinds))
     if unknown:
         raise f.error("layer_types", f"holds unknown types {unknown}", f"use only {sorted(arch.kinds)}")
     built = {t: arch.kinds[t](f, dtypes) for t in sorted(set(types))}
-    max_context = f.int("max_position_embeddings") if f.has("max_position_embeddings") else f.int("model_max_length")
+    kimi = f.has("model_max_length") and not f.has("max_position_embeddings")  # Kimi's config names it so
+    context_key = "model_max_length" if kimi else "max_position_embeddings"
+    max_context = f.positive(context_key)
     return ModelSpec.from_kinds(
         name or data.get("_name_or_path") or (Path(source).parent.name if source else "") or str(model_type),
         [built[t] for t in types],
