@@ -549,3 +549,20 @@ def test_saved_tiny_config_reads_back_to_the_same_spec(tmp_path: Path, tiny: tup
     model.config.save_pretrained(tmp_path)
     assert from_hf_config(tmp_path / "config.json", name="x").layers == from_hf_config(model.config).layers
     assert from_hf_config(model.config.to_dict()) == from_hf_config(model.config)
+
+
+def test_multimodal_config_objects_read_their_text_config():
+    gemma = transformers.Gemma3Config(
+        text_config={**_COMMON, **_TINY["gemma3_text"]}, vision_config={"hidden_size": 32, "num_hidden_layers": 1}
+    )
+    gemma.dtype = "bfloat16"  # on the wrapper only: the text model inherits it
+    spec = from_hf_config(gemma, name="tiny-gemma3")
+    assert [layer.tag for layer in spec.layers] == [KindTag.SWA, KindTag.FULL] * 2
+    assert spec.kv_dtype == torch.bfloat16 and spec.windows() == [8]
+
+    qwen = transformers.AutoConfig.for_model(
+        "qwen3_5_moe", text_config={**_COMMON, **_TINY["qwen3_5_text"], "dtype": "float32"}
+    )
+    spec = from_hf_config(qwen)
+    assert spec.name == "qwen3_5_moe_text" and spec.kv_dtype == torch.float32
+    assert [layer.tag for layer in spec.layers] == [KindTag.LINEAR] * 3 + [KindTag.FULL]

@@ -48,8 +48,6 @@ from hybridkv.spec.layers import (
 )
 from hybridkv.spec.model import ModelSpec
 
-_MISSING = object()
-
 
 class HFConfigError(ValueError):
     """A Hugging Face config that cannot describe a model: unknown architecture, missing or bad field."""
@@ -76,16 +74,14 @@ class _Fields:
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
 
-    def raw(self, key: str, default: Any = _MISSING) -> Any:
+    def raw(self, key: str) -> Any:
         value = self.data.get(key)
         if value is None:
-            if default is not _MISSING:
-                return default
-            raise self.error(key, "is missing", f"add it to the config (the {self.where} needs it)")
+            raise self.error(key, "is missing", "add it to the config")
         return value
 
-    def positive(self, key: str, default: Any = _MISSING) -> int:
-        value = self.raw(key, default)
+    def positive(self, key: str) -> int:
+        value = self.raw(key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(key, f"must be an integer, got {value!r}", "write a whole number")
         if value <= 0:
@@ -309,7 +305,6 @@ class _Arch:
     layer_types: Callable[[_Fields], list[str]]
     kinds: Mapping[str, KindBuilder]
     head_dim_from_hidden: bool = False
-    text_model_type: str | None = None  # multimodal wrapper: read ``text_config`` as this type
 
 
 _GDN_HYBRID = _Arch(
@@ -325,10 +320,7 @@ _ARCHITECTURES: dict[str, _Arch] = {
     "qwen3_next": _GDN_HYBRID,
     "qwen3_5_text": _GDN_HYBRID,
     "qwen3_5_moe_text": _GDN_HYBRID,
-    "qwen3_5": _Arch(_GDN_HYBRID.layer_types, {}, text_model_type="qwen3_5_text"),
-    "qwen3_5_moe": _Arch(_GDN_HYBRID.layer_types, {}, text_model_type="qwen3_5_moe_text"),
     "gemma3_text": _GEMMA3,
-    "gemma3": _Arch(_GEMMA3.layer_types, {}, text_model_type="gemma3_text"),
     "gpt_oss": _Arch(_listed("layer_types"), {"full_attention": _full, "sliding_attention": _sliding}),
     "nemotron_h": _Arch(
         _listed_or("layers_block_type", _nemotron_pattern, "layer_types"),
@@ -356,9 +348,8 @@ _ARCHITECTURES: dict[str, _Arch] = {
 }
 _ARCHITECTURES["minimax_m1"] = _ARCHITECTURES["minimax"]
 
-
-def supported_model_types() -> list[str]:
-    return sorted(_ARCHITECTURES)
+_WRAPPERS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+"""Multimodal configs whose ``text_config`` holds the language model, with its ``model_type``."""
 
 
 # --- entry point ------------------------------------------------------------------------------------------------------
@@ -378,24 +369,22 @@ def from_hf_config(
     ``kv_dtype`` / ``state_dtype`` override the KV and recurrent-matrix dtypes (see the module docstring).
     """
     data, where, source = _load(config)
+    name = name or data.get("_name_or_path") or (Path(source).parent.name if source else "") or None
+    source = source or str(data.get("_name_or_path") or "")
     model_type = data.get("model_type")
+    if model_type in _WRAPPERS:
+        text = data.get("text_config")
+        if not isinstance(text, Mapping):
+            raise HFConfigError(f"{where}: field 'text_config' is missing; a {model_type} config nests its model there")
+        inherited = {k: data[k] for k in ("dtype", "torch_dtype") if data.get(k) is not None}
+        where, model_type = f"{where} text_config", text.get("model_type") or _WRAPPERS[model_type]
+        data = {**inherited, **{k: v for k, v in text.items() if v is not None}, "model_type": model_type}
     arch = _ARCHITECTURES.get(str(model_type))
     if arch is None:
         raise HFConfigError(
             f"{where}: field 'model_type' is {model_type!r}, which hybridkv cannot read; "
-            f"supported: {', '.join(supported_model_types())}"
+            f"supported: {', '.join(sorted([*_ARCHITECTURES, *_WRAPPERS]))}"
         )
-    outer_dtype = _Fields(data, where, False).raw("dtype", data.get("torch_dtype"))
-    if arch.text_model_type is not None:
-        text = data.get("text_config")
-        if not isinstance(text, Mapping):
-            raise HFConfigError(
-                f"{where}: field 'text_config' is missing; a {model_type} config nests its text model there"
-            )
-        where = f"{where} text_config"
-        data = {"dtype": outer_dtype, **{k: v for k, v in text.items() if v is not None}}
-        model_type = data.setdefault("model_type", arch.text_model_type)
-        arch = _ARCHITECTURES.get(str(model_type), _ARCHITECTURES[arch.text_model_type])
     f = _Fields(data, f"{model_type} config ({where})", arch.head_dim_from_hidden)
     dtypes = _dtypes(f, kv_dtype, state_dtype)
 
@@ -408,11 +397,7 @@ def from_hf_config(
     context_key = "model_max_length" if kimi else "max_position_embeddings"
     max_context = f.positive(context_key)
     return ModelSpec.from_kinds(
-        name or data.get("_name_or_path") or (Path(source).parent.name if source else "") or str(model_type),
-        [built[t] for t in types],
-        kv_dtype=dtypes.kv,
-        max_context=max_context,
-        source=source or str(data.get("_name_or_path") or ""),
+        name or str(model_type), [built[t] for t in types], kv_dtype=dtypes.kv, max_context=max_context, source=source
     )
 
 
