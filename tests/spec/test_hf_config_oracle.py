@@ -106,7 +106,6 @@ _TINY_MORE: dict[str, dict[str, Any]] = {  # preset families beyond the five of 
         "mamba_d_conv": 4,
         "mamba_expand": 2,
         "mamba_dt_rank": 8,
-        "use_mamba_kernels": False,
     },
     "minimax": {"num_hidden_layers": 4, "num_local_experts": 2, "num_experts_per_tok": 1, "block_size": 8},
     "qwen3_5_text": {
@@ -131,11 +130,11 @@ _PROMPT_LEN = 13  # above every tiny window (8) so sliding layers are cut
 
 
 @functools.cache
-def _tiny(model_type: str) -> tuple[Any, Any]:
+def _tiny(model_type: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """A tiny random model of ``model_type`` and its cache after a 13-token prompt (batch 2)."""
     config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **_TINY[model_type]})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     ids = torch.randint(3, _COMMON["vocab_size"], (2, _PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
@@ -200,6 +199,23 @@ def test_spec_matches_the_cache_transformers_builds(model_type: str):
         assert spec.kv_bytes_per_token(tag) == kv_bytes[tag]
     assert spec.state_bytes_per_request() == state_bytes
     assert {layer.tag for layer in spec.layers} == _TAGS[model_type]
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "kimi_linear", "minimax", "nemotron_h", "qwen3_5_text", "qwen3_next"])
+def test_a_bf16_model_keeps_conv_windows_in_bf16_and_recurrent_state_in_fp32(model_type: str):
+    model, cache = _tiny(model_type, torch.bfloat16)
+    spec = from_hf_config(model.config)
+    assert spec.kv_dtype == torch.bfloat16
+    for layer in spec.layers:
+        if not isinstance(layer.kind, Linear):
+            continue
+        held = _held(cache, layer.layer_id)
+        *conv, recurrent = layer.kind.states
+        assert [c.dtype for c in conv] == [held["conv_states"].dtype for _ in conv] == [torch.bfloat16 for _ in conv]
+        if model_type == "minimax":  # MiniMax-M1's reference code keeps float32; transformers' port the model dtype
+            assert (held["recurrent_states"].dtype, recurrent.dtype) == (torch.bfloat16, torch.float32)
+        else:
+            assert held["recurrent_states"].dtype == recurrent.dtype == torch.float32
 
 
 @pytest.mark.parametrize("model_type", ["jamba", "kimi_linear", "nemotron_h", "qwen3_5_text", "qwen3_next"])

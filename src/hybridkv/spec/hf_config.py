@@ -12,7 +12,8 @@ Invariants and conventions (checked against transformers 5.23.0's modeling code 
 - Dtypes: KV is the model dtype unless ``kv_dtype`` is given. Conv windows are activations, so they
   keep the model dtype. Recurrent matrices (GatedDeltaNet/KDA/lightning state, Mamba SSM state) are
   ``float32`` unless the config names ``mamba_ssm_dtype`` / ``mamba_ssm_cache_dtype`` or ``state_dtype``
-  is given (transformers' delta-rule kernels compute the state in float32; vLLM/SGLang default to it).
+  is given. transformers keeps exactly these dtypes for a bf16 model (bf16 conv, fp32 state), except its
+  MiniMax port, which keeps lightning state in the model dtype where MiniMax-M1's reference code uses fp32.
 - Conv windows are ``(channels, kernel - 1)``: the inputs a layer needs from before the next token.
   transformers' cache keeps ``kernel`` columns, but the oldest one is never read again.
 - Recurrent matrices follow transformers' layout: GatedDeltaNet/KDA ``(v_heads, k_head_dim,
