@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -12,12 +13,15 @@ from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size
 from hybridkv.memory import format_bytes
 from hybridkv.memory.capacity import plan_report
-from hybridkv.spec import get_preset
+from hybridkv.spec import ModelSpec, from_hf_config, get_preset
 
 
 @app.command()
 def plan(
-    model: str = typer.Option(..., "--model", "-m", help="Preset name (see `hybridkv presets`)."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Preset name (see `hybridkv presets`)."),
+    hf_config: Path | None = typer.Option(
+        None, "--hf-config", help="A Hugging Face config.json (or its folder) instead of a preset."
+    ),
     gpu_memory: str = typer.Option("80GiB", "--gpu-memory", callback=byte_size, help="Bytes for KV + state per GPU."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size."),
     pp: int = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size."),
@@ -26,7 +30,10 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """How many tokens and concurrent requests fit per stage, unified pool vs a static split."""
-    report = plan_report(model, gpu_memory, tp, pp, page_size, context)
+    if (model is None) == (hf_config is None):
+        raise typer.BadParameter("give exactly one of --model (a preset) and --hf-config (a config.json)")
+    spec: str | ModelSpec = from_hf_config(hf_config) if hf_config is not None else str(model)
+    report = plan_report(spec, gpu_memory, tp, pp, page_size, context)
     if as_json:
         typer.echo(json.dumps(report))
         return

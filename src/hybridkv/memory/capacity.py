@@ -18,7 +18,7 @@ from typing import Any
 
 from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
-from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.spec import ModelSpec, Parallel, ShardSpec, get_preset
 
 SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
@@ -95,11 +95,17 @@ def max_tokens(plan: MemoryPlan) -> int:
 
 
 def plan_report(
-    model: str, gpu_memory: str, tp: int = 1, pp: int = 1, page_size: int = 16, contexts: list[int] | None = None
+    model: str | ModelSpec,
+    gpu_memory: str,
+    tp: int = 1,
+    pp: int = 1,
+    page_size: int = 16,
+    contexts: list[int] | None = None,
 ) -> dict[str, Any]:
     """Per PP stage: each pool's geometry and, per context length, how many requests fit
-    with the unified pool and with SGLang's default static split (one JSON-able dict)."""
-    spec = get_preset(model)
+    with the unified pool and with SGLang's default static split (one JSON-able dict).
+    ``model`` is a preset name or a spec."""
+    spec = model if isinstance(model, ModelSpec) else get_preset(model)
     parallel = Parallel(tp_size=tp, pp_size=pp)
     budget = parse_bytes(gpu_memory)
     contexts = contexts or sorted({4096, 32768, spec.max_context})

@@ -1,5 +1,6 @@
 """Engine-neutral description of a model's layers, dtypes and parallel layout."""
 
+from hybridkv.spec.hf_config import HFConfigError, from_hf_config
 from hybridkv.spec.layers import (
     MLA,
     FullAttention,
@@ -26,6 +27,7 @@ from hybridkv.spec.presets import (
 __all__ = [
     "MLA",
     "FullAttention",
+    "HFConfigError",
     "KindTag",
     "Layer",
     "LayerKind",
@@ -38,6 +40,7 @@ __all__ = [
     "SlidingWindow",
     "StateTensor",
     "dtype_name",
+    "from_hf_config",
     "get_preset",
     "parse_dtype",
     "preset_names",
