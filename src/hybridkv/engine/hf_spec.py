@@ -125,7 +125,9 @@ def spec_from_hf_config(config: Any, dtype: torch.dtype = torch.float32, name: s
     try:
         kinds_of = _ARCHITECTURES[model_type]
     except KeyError:
-        raise HFSpecError(f"model_type {model_type!r} is not served by the engine; known: {sorted(_ARCHITECTURES)}")
+        raise HFSpecError(
+            f"model_type {model_type!r} is not served by the engine; known: {sorted(_ARCHITECTURES)}"
+        ) from None
     kinds = kinds_of(config, dtype)
     if len(kinds) != config.num_hidden_layers:
         raise HFSpecError(f"{model_type}: {len(kinds)} layer types but num_hidden_layers={config.num_hidden_layers}")
