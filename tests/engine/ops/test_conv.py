@@ -10,7 +10,7 @@ from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, pad
 
 from .chunking import assert_close, spans
 
-# fp32, inputs ~N(0,1), kernel 4: a handful of products per output; measured max diff 0 (same conv1d calls).
+# fp32, inputs ~N(0,1), kernel 4: a handful of products per output; measured max diff 6e-8.
 ATOL = 1e-6
 CHANNELS, KERNEL = 12, 4
 
