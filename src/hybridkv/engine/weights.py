@@ -4,6 +4,8 @@ Invariants:
 - Every parameter of the engine's model is loaded exactly once; a missing weight, an HF
   name the model cannot place, or a wrong shape raises ``WeightError`` naming every
   offender (the model is left untouched then).
+- Checkpoint layouts that differ from ``state_dict`` (per-expert MoE weights) are merged by
+  the model's ``merge_checkpoint`` first.
 - Safetensors files are read with ``safetensors`` itself; ``transformers`` only parses
   ``config.json`` (it fills the architecture's defaults).
 """
@@ -16,12 +18,8 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.base import CausalLM, WeightError
 from hybridkv.engine.registry import model_class, text_config
-
-
-class WeightError(ValueError):
-    """Weights that do not fit the model: missing, unexpected or wrongly shaped."""
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -29,7 +27,8 @@ def _listing(names: list[str], limit: int = 8) -> str:
 
 
 def load_weights(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy HF-named ``tensors`` into ``model`` after checking names and shapes."""
+    """Copy HF-named ``tensors`` (``state_dict`` or checkpoint layout) into ``model`` after checking them."""
+    tensors = model.merge_checkpoint(tensors)
     params = dict(model.named_parameters())
     placed: dict[str, torch.Tensor] = {}
     unexpected, doubled, shapes = [], [], []

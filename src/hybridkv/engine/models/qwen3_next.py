@@ -8,6 +8,7 @@ sparse MoE block except on ``mlp_only_layers`` / off the ``decoder_sparse_step``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from hybridkv.engine.layers.gdn import GatedDeltaNet
 from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope
-from hybridkv.engine.models.base import Block, CausalLM
+from hybridkv.engine.models.base import Block, CausalLM, stack_experts
 from hybridkv.engine.step import StepContext
 from hybridkv.memory import UnifiedMemory
 
@@ -85,3 +86,6 @@ class Qwen3Next(CausalLM):
         self.layers.extend(Qwen3NextBlock(config, i) for i in range(config.num_hidden_layers))
         self.layer_rope = ["default"] * config.num_hidden_layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+
+    def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return stack_experts(tensors)
