@@ -67,9 +67,9 @@ def test_checkpoint_per_expert_weights_are_fused_and_a_missing_expert_is_named(t
 
 
 def test_directory_without_weights_or_config(tmp_path: Path) -> None:
-    with pytest.raises(WeightError, match="no \\*.safetensors"):
+    with pytest.raises(WeightError, match=r"no \*\.safetensors"):
         read_safetensors(tmp_path)
-    with pytest.raises(WeightError, match="no config.json"):
+    with pytest.raises(WeightError, match=r"no config\.json"):
         from_directory(tmp_path)
 
 

@@ -32,7 +32,7 @@ _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\
 
 
 def stack_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint per-expert MLPs -> fused ``experts.gate_up_proj`` ``(E, 2I, H)`` and ``experts.down_proj`` ``(E, H, I)``.
+    """Checkpoint per-expert MLPs -> fused ``experts.gate_up_proj`` ``(E, 2I, H)``, ``experts.down_proj`` ``(E, H, I)``.
 
     Published checkpoints (and ``save_pretrained``) store ``<p>.experts.<e>.{gate,up,down}_proj.weight``;
     ``transformers`` fuses them at load, as this does. Every expert 0..E-1 needs all three.
