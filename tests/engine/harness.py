@@ -31,11 +31,11 @@ def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
 
 @cache
 def hf_reference(name: str, ids: tuple[int, ...], max_new: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of ``generate`` and the logits at the last prompt position and after each new token."""
+    """Greedy tokens of ``generate`` (stopping at EOS) and the logits after the prompt and each new token."""
     model = hf_model(name)
     inp = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(inp, max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)
+        out = model.generate(inp, max_new_tokens=max_new, do_sample=False)
         full = model(out).logits[0]
     tokens = out[0, len(ids) :].tolist()
     return tokens, full[len(ids) - 1 :]
