@@ -13,6 +13,8 @@ from hybridkv.engine.models.base import CausalLM
 _MODELS: dict[str, str] = {
     "gemma3_text": "hybridkv.engine.models.gemma3:Gemma3",
     "gpt_oss": "hybridkv.engine.models.gpt_oss:GptOss",
+    "kimi_linear": "hybridkv.engine.models.kimi_linear:KimiLinear",
+    "nemotron_h": "hybridkv.engine.models.nemotron_h:NemotronH",
     "qwen3_next": "hybridkv.engine.models.qwen3_next:Qwen3Next",
 }
 
