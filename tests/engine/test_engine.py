@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.engine.engine import Engine
+from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import LayoutError
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 
@@ -82,3 +83,15 @@ def test_generation_stops_at_eos() -> None:
     assert "eos" in reasons  # prompt 11 of this seed list ends on EOS (id 1) within 8 tokens
     for out in outs:
         assert (out.finish_reason == "eos") == (out.output_ids[-1:] == [1])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_only_host_read_is_the_sampled_tokens(name: str) -> None:
+    """Memory calls, id translation and every layer's forward read nothing back from the device;
+    choosing the next tokens reads them once per step (one ``tolist``)."""
+    engine = _engine(name, 150_000, 4)
+    with HostSyncCounter() as counter:
+        engine.generate(PROMPTS, 8)
+    assert engine.stats["retractions"] > 0
+    assert set(counter.counts) == {"tolist"}
+    assert counter.counts["tolist"] <= engine.stats["steps"]

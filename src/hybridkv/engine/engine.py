@@ -65,10 +65,13 @@ class Engine:
             config = read_config(config)
         if weights is None:
             raise ValueError("give weights: a state_dict, a transformers model or a safetensors directory")
+        tensors: Mapping[str, torch.Tensor]
         if isinstance(weights, str | Path):
-            weights = read_safetensors(weights)
+            tensors = read_safetensors(weights)
         elif hasattr(weights, "state_dict"):
-            weights = weights.state_dict()
+            tensors = weights.state_dict()
+        else:
+            tensors = weights
         self.config = text_config(config)
         self.spec = spec or spec_from_hf_config(self.config, dtype)
         self.max_context = max_context or self.spec.max_context
@@ -80,7 +83,7 @@ class Engine:
             max_context=self.max_context,
             chunk_tokens=chunk_size,
         )
-        self.runner = ModelRunner(build_model(self.config, weights, dtype, device), self.mem)
+        self.runner = ModelRunner(build_model(self.config, tensors, dtype, device), self.mem)
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens or max(chunk_size, 4 * chunk_size)

@@ -119,7 +119,7 @@ _ARCHITECTURES: dict[str, Callable[[Any, torch.dtype], list[LayerKind]]] = {
 
 def spec_from_hf_config(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
     """The spec of a ``transformers`` config object, with K/V (and conv windows) in ``dtype``."""
-    model_type = getattr(config, "model_type", None)
+    model_type = str(getattr(config, "model_type", None))
     if model_type == "gemma3":
         config, model_type = config.text_config, config.text_config.model_type
     try:

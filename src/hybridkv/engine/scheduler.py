@@ -119,7 +119,7 @@ class Scheduler:
                 [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
                 prefix,
                 [r.mem.token_locs for r in reqs],
-                [r.mem.slot for r in reqs] if has_state else None,
+                [r.mem.slot or 0 for r in reqs] if has_state else None,
                 [r.mem.fresh for r in reqs] if has_state else None,
             )
             return Step(reqs, spans, batch)

@@ -108,7 +108,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
             visible=dev(visible[:, None]),
         )
     state_cells = fresh = None
-    if batch.state_slots is not None and mem.state_pool is not None:
+    if batch.state_slots is not None and batch.fresh_state is not None and mem.state_pool is not None:
         state_cells = mem.page_cells(batch.state_slots, mem.state_pool.name)
         fresh = dev(batch.fresh_state)
     return StepContext(

@@ -84,6 +84,7 @@ class CausalLM(nn.Module):
         self.layer_rope: list[str] = []
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm: nn.Module = nn.Identity()  # set by each model
 
     def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Checkpoint layout -> ``state_dict`` layout (e.g. fuse per-expert weights); identity by default."""
