@@ -15,6 +15,7 @@ from hybridkv.memory import LayoutError
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 
 MODELS = ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next"]
+ALL_MODELS = [*MODELS, "tiny-nemotron-h", "tiny-kimi-linear"]
 PROMPTS = [prompt(200 + i, 3 + 4 * i) for i in range(18)]
 
 
@@ -24,7 +25,7 @@ def _engine(name: str, budget: int, page_size: int) -> Engine:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_many_requests_under_a_small_budget_retract_and_stay_exact(name: str, page_size: int) -> None:
     engine = _engine(name, 150_000, page_size)
     empty = live_counts(engine.mem)
@@ -85,7 +86,7 @@ def test_generation_stops_at_eos() -> None:
         assert (out.finish_reason == "eos") == (out.output_ids[-1:] == [1])
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_the_only_host_read_is_the_sampled_tokens(name: str) -> None:
     """Memory calls, id translation and every layer's forward read nothing back from the device;
     choosing the next tokens reads them once per step (one ``tolist``)."""

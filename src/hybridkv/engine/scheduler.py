@@ -5,7 +5,7 @@ to ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens
 requests are admitted while the memory's free pages cover their first chunk. Memory for a
 step comes from one ``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` the
 most recently admitted request is retracted: its memory is freed, it returns to the front
-of the queue, and later recomputes its prompt and the tokens it already produced (so its
+of the queue (counted as a retraction when it held memory), and later recomputes its prompt and the tokens it already produced (so its
 output stays exact). A request that cannot fit even alone fails with an error naming the
 budget; the others go on.
 
@@ -127,6 +127,7 @@ class Scheduler:
 
     def _retract_newest(self, exc: OutOfMemory) -> None:
         req = self.running.pop()
+        held = req.mem.length > 0
         self.alloc.free(req.mem)
         req.computed = 0
         if not self.running:
@@ -137,8 +138,9 @@ class Scheduler:
             req.finish_reason = "error"
             self.failed.append(req)
             return
-        req.retractions += 1
-        self.retractions += 1
+        if held:  # a request admitted this step and refused at once held nothing: not a retraction
+            req.retractions += 1
+            self.retractions += 1
         self.waiting.appendleft(req)
 
     def complete(self, step: Step, sample: list[int | None]) -> list[Request]:
