@@ -84,10 +84,6 @@ class ForwardBatch:
             raise BatchError("give state_slots and fresh_state together")
 
     @property
-    def num_requests(self) -> int:
-        return int(self.prefix_lens.size)
-
-    @property
     def seq_lens(self) -> np.ndarray:
         return self.prefix_lens + self.extend_lens
 

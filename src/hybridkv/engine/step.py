@@ -44,17 +44,12 @@ class StepContext:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     query_index: torch.Tensor  # (R, Q) flat index of each padded query (padding repeats the last)
-    query_valid: torch.Tensor  # (R, Q) bool
     flat_from_padded: torch.Tensor  # (T,) index into the (R * Q) padded rows
     extend_lens: torch.Tensor  # (R,)
     last_index: torch.Tensor  # (R,) flat index of each request's last new token
     pools: dict[str, PoolIndex]
     state_cells: torch.Tensor | None  # (R,) state-pool cells
     fresh_state: torch.Tensor | None  # (R,) bool
-
-    @property
-    def num_requests(self) -> int:
-        return int(self.query_index.shape[0])
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat ``(T, ...)`` -> padded ``(R, Q, ...)``; padded rows repeat the last real token."""
@@ -71,7 +66,6 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     r, q = ext.size, int(ext.max())
     starts = np.cumsum(ext) - ext
     cols = np.arange(q)
-    query_valid = cols < ext[:, None]
     query_index = starts[:, None] + np.minimum(cols, ext[:, None] - 1)
     query_pos = pre[:, None] + np.minimum(cols, ext[:, None] - 1)
     req = np.repeat(np.arange(r), ext)
@@ -115,7 +109,6 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         input_ids=dev(batch.input_ids),
         positions=dev(batch.positions),
         query_index=dev(query_index),
-        query_valid=dev(query_valid),
         flat_from_padded=dev(flat_from_padded),
         extend_lens=dev(ext),
         last_index=dev(starts + ext - 1),
