@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,7 +37,7 @@ def _state(batch: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, HEADS, DK, DV, generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(fn, inputs: dict[str, torch.Tensor], state: torch.Tensor | None):  # type: ignore[no-untyped-def]
+def _reference(fn: Callable[..., Any], inputs: dict[str, torch.Tensor], state: torch.Tensor | None) -> Any:
     # The reference's kernel wrapper forwards q, k, v only positionally.
     return fn(
         inputs["q"],
