@@ -20,6 +20,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hybridkv.engine.allocator import RequestAllocator
+from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.hf_spec import spec_from_hf_config
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
 from hybridkv.engine.registry import model_class
@@ -190,3 +192,35 @@ def test_logits_are_not_trivially_small() -> None:
         _, logits = _reference(_model(name, MODELS[name]), tuple(prompt(1, 10)), 2)
         assert float(logits.abs().max()) > 1000 * ATOL
         assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(("name", "state"), [("tiny-nemotron-h", "ssm_state"), ("tiny-kimi-linear", "recurrent_state")])
+def test_state_slots_hold_the_states_transformers_keeps(name: str, state: str) -> None:
+    """After a chunked prefill (chunks of 7), the state pool holds HF's conv window (its last K-1 inputs)
+    and recurrent state after one pass over the same 40 tokens."""
+    model = _model(name, MODELS[name])
+    runner = _runner(model, page_size=4)
+    ids = prompt(3, 40)
+    alloc = RequestAllocator(runner.mem)
+    req = alloc.new()
+    for start in range(0, len(ids), 7):
+        chunk = ids[start : start + 7]
+        prefix = req.length
+        alloc.extend([req], [len(chunk)])
+        runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
+        alloc.mark_computed([req])
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    cell = runner.mem.page_cells([req.slot], runner.mem.state_pool.name)
+    checked = 0
+    for layer_id, hf_layer in enumerate(cache.layers):
+        if not getattr(hf_layer, "is_conv_states_initialized", [False])[0]:
+            continue
+        conv = runner.mem.view(layer_id, "conv_state")[cell][0]
+        torch.testing.assert_close(conv, hf_layer.conv_states[0][0, :, 1:], atol=1e-6, rtol=1e-5)
+        ours = runner.mem.view(layer_id, state)[cell][0]
+        torch.testing.assert_close(ours, hf_layer.recurrent_states[0][0], atol=1e-5, rtol=1e-4)
+        checked += 1
+    assert checked == sum(t == "linear_attention" for t in model.config.layer_types)
+    alloc.free(req)
+    runner.mem.verify()
