@@ -3,7 +3,8 @@
 Per step: project, (q/k norm), RoPE, write the new K/V into this layer's pool view at the
 step's physical slots, gather each request's visible context back from the pool, and
 attend with padded batched tensors: queries ``(R, kv_heads, group, Q, D)`` against keys
-``(R, kv_heads, L, D)``, masked by the step's causal (and window) mask.
+``(R, kv_heads, L, D)``, masked by the step's causal (and window) mask; one-token decodes
+and longer spans attend as two padded groups (``ctx.groups``).
 
 Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
 dropped), output gate (Qwen3-Next: ``q_proj`` yields query and gate per head, the output
@@ -70,16 +71,18 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        index = ctx.pools[mem.pool_of_layer(self.layer_id).name]
+        pool = mem.pool_of_layer(self.layer_id).name
         k_pool, v_pool = mem.view(self.layer_id, "k"), mem.view(self.layer_id, "v")
-        k_pool[index.write_cell, index.write_offset] = k.to(k_pool.dtype)
-        v_pool[index.write_cell, index.write_offset] = v.to(v_pool.dtype)
-        keys = k_pool[index.read_cell, index.read_offset].to(x.dtype)  # (R, L, kv, D)
-        values = v_pool[index.read_cell, index.read_offset].to(x.dtype)
-        values = torch.where(index.key_valid[:, :, None, None], values, 0.0)  # padding reads the sink
-
-        out = self._attend(ctx.pad(q), keys, values, index.visible)
-        out = ctx.unpad(out)  # (T, heads * D)
+        write = ctx.pools[pool]
+        k_pool[write.write_cell, write.write_offset] = k.to(k_pool.dtype)
+        v_pool[write.write_cell, write.write_offset] = v.to(v_pool.dtype)
+        out = q.new_empty(t, self.heads * d)
+        for group in ctx.groups:  # decodes apart from longer spans: no query padded to the longest chunk
+            index = group.pools[pool]
+            keys = k_pool[index.read_cell, index.read_offset].to(x.dtype)  # (R', L, kv, D)
+            values = v_pool[index.read_cell, index.read_offset].to(x.dtype)
+            values = torch.where(index.key_valid[:, :, None, None], values, 0.0)  # padding reads the sink
+            out[group.flat_index] = group.unpad(self._attend(group.pad(q), keys, values, index.visible))
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

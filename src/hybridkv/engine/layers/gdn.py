@@ -7,8 +7,8 @@ the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim
 and ``mem.view(layer_id, "recurrent_state")`` ``(cells, v_heads, k_dim, v_dim)``, indexed by
 the step's state cells; a request with ``fresh_state`` starts from zeros.
 
-A step where every request adds one token uses the one-token decode ops (as ``transformers``
-does for a one-token forward); any longer span runs the chunked ops on the padded batch.
+The step's one-token decodes use the one-token ops (as ``transformers`` does for a one-token
+forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
 """
 
 from __future__ import annotations
@@ -26,28 +26,37 @@ from hybridkv.engine.ops import (
     gated_delta_decode,
     gated_delta_prefill,
 )
-from hybridkv.engine.step import StepContext
+from hybridkv.engine.step import Padded, StepContext
 from hybridkv.memory import UnifiedMemory
 
 
 def read_states(
-    mem: UnifiedMemory, layer_id: int, names: tuple[str, ...], ctx: StepContext
+    mem: UnifiedMemory, layer_id: int, names: tuple[str, ...], ctx: StepContext, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """This step's requests' state tensors (copies), zeros for requests whose state starts fresh."""
+    """State tensors (copies) of the step's requests (or of ``rows`` of them); zeros where a state starts fresh."""
     if ctx.state_cells is None or ctx.fresh_state is None:
         raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots")
+    cells, fresh = ctx.state_cells, ctx.fresh_state
+    if rows is not None:
+        cells, fresh = cells[rows], fresh[rows]
     out = []
     for name in names:
-        state = mem.view(layer_id, name)[ctx.state_cells]
-        fresh = ctx.fresh_state.view(-1, *([1] * (state.dim() - 1)))
-        out.append(torch.where(fresh, torch.zeros((), dtype=state.dtype, device=state.device), state))
+        state = mem.view(layer_id, name)[cells]
+        zero = torch.zeros((), dtype=state.dtype, device=state.device)
+        out.append(torch.where(fresh.view(-1, *([1] * (state.dim() - 1))), zero, state))
     return tuple(out)
 
 
-def write_states(mem: UnifiedMemory, layer_id: int, ctx: StepContext, **states: torch.Tensor) -> None:
+def write_states(
+    mem: UnifiedMemory, layer_id: int, ctx: StepContext, rows: torch.Tensor | None = None, **states: torch.Tensor
+) -> None:
+    """Store new state tensors for the step's requests (or ``rows`` of them) in their slots."""
+    if ctx.state_cells is None:
+        raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots")
+    cells = ctx.state_cells if rows is None else ctx.state_cells[rows]
     for name, value in states.items():
         view = mem.view(layer_id, name)
-        view[ctx.state_cells] = value.to(view.dtype)
+        view[cells] = value.to(view.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -80,38 +89,51 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         mixed, z, b, a = self._split(x)
-        window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx)
-        weight = self.conv1d.weight.squeeze(1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = x.new_empty(x.shape[0], self.v_heads, self.v_dim)
+        for group in ctx.groups:  # one-token decodes apart from longer spans
+            window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx, group.rows)
+            out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, recurrent_state=state)
+        return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
+
+    def _mix(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        state: torch.Tensor,
+        group: Padded,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + gated delta rule for one group: ``(out (T', v_heads, v_dim), new window, new state)``."""
+        weight = self.conv1d.weight.squeeze(1)
         sizes = [self.key_size, self.key_size, self.value_size]
-        if ctx.query_index.shape[1] == 1:  # every request adds one token
-            conv, window = causal_conv1d_decode(mixed, window, weight, None, self.activation)
+        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
+            index = group.flat_index
+            conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
             q, k, v = torch.split(conv, sizes, dim=-1)
-            t = x.shape[0]
+            t = conv.shape[0]
             out, state = gated_delta_decode(
                 q.view(t, self.k_heads, self.k_dim),
                 k.view(t, self.k_heads, self.k_dim),
                 v.view(t, self.v_heads, self.v_dim),
-                g,
-                beta,
+                g[index],
+                beta[index],
                 state,
             )
-        else:
-            lengths = ctx.extend_lens
-            conv, window = causal_conv1d_prefill(ctx.pad(mixed), window, weight, None, self.activation, lengths)
-            q, k, v = torch.split(conv, sizes, dim=-1)
-            r, nq = conv.shape[:2]
-            out, state = gated_delta_prefill(
-                q.reshape(r, nq, self.k_heads, self.k_dim),
-                k.reshape(r, nq, self.k_heads, self.k_dim),
-                v.reshape(r, nq, self.v_heads, self.v_dim),
-                ctx.pad(g),
-                ctx.pad(beta),
-                state,
-                lengths,
-            )
-            out = ctx.unpad(out)
-        write_states(mem, self.layer_id, ctx, conv_state=window, recurrent_state=state)
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(x.shape[0], -1))
+            return out, window, state
+        conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
+        q, k, v = torch.split(conv, sizes, dim=-1)
+        r, nq = conv.shape[:2]
+        out, state = gated_delta_prefill(
+            q.reshape(r, nq, self.k_heads, self.k_dim),
+            k.reshape(r, nq, self.k_heads, self.k_dim),
+            v.reshape(r, nq, self.v_heads, self.v_dim),
+            group.pad(g),
+            group.pad(beta),
+            state,
+            group.lengths,
+        )
+        return group.unpad(out), window, state
