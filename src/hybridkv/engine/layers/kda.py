@@ -7,8 +7,8 @@ the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, 3 * head
 kernel - 1)`` and ``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim,
 head_dim)``, indexed by the step's state cells; a request with ``fresh_state`` starts from zeros.
 
-A step where every request adds one token uses the one-token ops (as transformers does for a
-one-token forward); any longer span runs the chunked ops on the padded batch.
+The step's one-token spans use the one-token ops (as transformers does for a one-token
+forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridkv.engine.layers.gdn import read_states, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
-from hybridkv.engine.step import StepContext
+from hybridkv.engine.step import Padded, StepContext
 from hybridkv.memory import UnifiedMemory
 
 
@@ -77,23 +77,38 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(self.size, h, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
-        t, heads, dim = x.shape[0], self.heads, self.head_dim
+        t = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
-        window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx)
-        weight = self.conv1d.weight.squeeze(1)
-        if ctx.query_index.shape[1] == 1:  # every request adds one token
-            conv, window = causal_conv1d_decode(mixed, window, weight, None, self.activation)
-            q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))
-            out, state = kda_decode(q, k, v, g, beta, state)
-        else:
-            lengths = ctx.extend_lens
-            conv, window = causal_conv1d_prefill(ctx.pad(mixed), window, weight, None, self.activation, lengths)
-            r, nq = conv.shape[:2]
-            q, k, v = (part.reshape(r, nq, heads, dim) for part in torch.split(conv, self.size, dim=-1))
-            out, state = kda_prefill(q, k, v, ctx.pad(g), ctx.pad(beta), state, lengths)
-            out = ctx.unpad(out)
-        write_states(mem, self.layer_id, ctx, conv_state=window, recurrent_state=state)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, heads, dim)
+        out = x.new_empty(t, self.heads, self.head_dim)
+        for group in ctx.groups:  # one-token spans apart from longer ones
+            window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx, group.rows)
+            out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, recurrent_state=state)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
+
+    def _mix(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        state: torch.Tensor,
+        group: Padded,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + KDA for one group: ``(out (T', heads, head_dim), new window, new state)``."""
+        heads, dim, weight = self.heads, self.head_dim, self.conv1d.weight.squeeze(1)
+        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
+            index = group.flat_index
+            conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
+            t = conv.shape[0]
+            q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))
+            out, state = kda_decode(q, k, v, g[index], beta[index], state)
+            return out, window, state
+        conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
+        r, nq = conv.shape[:2]
+        q, k, v = (part.reshape(r, nq, heads, dim) for part in torch.split(conv, self.size, dim=-1))
+        out, state = kda_prefill(q, k, v, group.pad(g), group.pad(beta), state, group.lengths)
+        return group.unpad(out), window, state

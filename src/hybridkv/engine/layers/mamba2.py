@@ -7,9 +7,9 @@ memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, ke
 and ``mem.view(layer_id, "ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed
 by the step's state cells; a request with ``fresh_state`` starts from zeros.
 
-A step where every request adds one token uses the one-token ops (transformers' decode
-path, which does not clamp ``dt`` to ``time_step_min``); any longer span runs the chunked
-ops on the padded batch (its prefill path, which does). The two differ only where
+The step's one-token spans use the one-token ops (transformers' decode path, which does not
+clamp ``dt`` to ``time_step_min``) and its longer spans the chunked ops on their padded batch
+(its prefill path, which does; ``ctx.groups``). The two differ only where
 ``softplus(dt + dt_bias) < time_step_min``, exactly as the reference's own two paths do.
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from hybridkv.engine.layers.gdn import read_states, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
-from hybridkv.engine.step import StepContext
+from hybridkv.engine.step import Padded, StepContext
 from hybridkv.memory import UnifiedMemory
 
 
@@ -65,17 +65,28 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.inner, h, bias=config.use_bias)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
-        t = x.shape[0]
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
-        window, state = read_states(mem, self.layer_id, ("conv_state", "ssm_state"), ctx)
+        y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
+        for group in ctx.groups:  # one-token spans apart from longer ones
+            window, state = read_states(mem, self.layer_id, ("conv_state", "ssm_state"), ctx, group.rows)
+            y[group.flat_index], window, state = self._mix(xbc, dt, window, state, group)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, ssm_state=state)
+        return self.out_proj(self.norm(y, gate).to(x.dtype))
+
+    def _mix(
+        self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Padded
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + SSD scan for one group: ``(y (T', inner) fp32, new window, new state)``."""
         weight, A = self.conv1d.weight.squeeze(1), -torch.exp(self.A_log.float())
         sizes = [self.inner, self.groups * self.state_size, self.groups * self.state_size]
-        if ctx.query_index.shape[1] == 1:  # every request adds one token
-            xbc, window = causal_conv1d_decode(xbc, window, weight, self.conv1d.bias, self.activation)
-            xs, B, C = torch.split(xbc, sizes, dim=-1)
+        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
+            index = group.flat_index
+            conv, window = causal_conv1d_decode(xbc[index], window, weight, self.conv1d.bias, self.activation)
+            xs, B, C = torch.split(conv, sizes, dim=-1)
+            t = conv.shape[0]
             y, state = ssd_decode(
                 xs.view(t, self.heads, self.head_dim),
-                dt,
+                dt[index],
                 A,
                 B.view(t, self.groups, self.state_size),
                 C.view(t, self.groups, self.state_size),
@@ -83,27 +94,23 @@ class Mamba2Mixer(nn.Module):
                 self.dt_bias,
                 state,
             )
-            y = y.reshape(t, self.inner)
-        else:
-            lengths = ctx.extend_lens
-            xbc, window = causal_conv1d_prefill(
-                ctx.pad(xbc), window, weight, self.conv1d.bias, self.activation, lengths
-            )
-            xs, B, C = torch.split(xbc, sizes, dim=-1)
-            r, q = xbc.shape[:2]
-            y, state = ssd_prefill(
-                xs.reshape(r, q, self.heads, self.head_dim),
-                ctx.pad(dt),
-                A,
-                B.reshape(r, q, self.groups, self.state_size),
-                C.reshape(r, q, self.groups, self.state_size),
-                self.D,
-                self.dt_bias,
-                state,
-                self.chunk_size,
-                self.dt_limit,
-                lengths,
-            )
-            y = ctx.unpad(y).reshape(t, self.inner)
-        write_states(mem, self.layer_id, ctx, conv_state=window, ssm_state=state)
-        return self.out_proj(self.norm(y, gate).to(x.dtype))
+            return y.reshape(t, self.inner), window, state
+        conv, window = causal_conv1d_prefill(
+            group.pad(xbc), window, weight, self.conv1d.bias, self.activation, group.lengths
+        )
+        xs, B, C = torch.split(conv, sizes, dim=-1)
+        r, q = conv.shape[:2]
+        y, state = ssd_prefill(
+            xs.reshape(r, q, self.heads, self.head_dim),
+            group.pad(dt),
+            A,
+            B.reshape(r, q, self.groups, self.state_size),
+            C.reshape(r, q, self.groups, self.state_size),
+            self.D,
+            self.dt_bias,
+            state,
+            self.chunk_size,
+            self.dt_limit,
+            group.lengths,
+        )
+        return group.unpad(y).reshape(-1, self.inner), window, state

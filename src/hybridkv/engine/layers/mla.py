@@ -6,7 +6,8 @@ Per token the memory keeps one latent ``[kv_a_layernorm(c_kv) | k_rope]`` of
 new tokens' latents at the step's physical slots, gather each request's context latents
 back, expand them with ``kv_b_proj`` into per-head ``k_nope`` and ``v`` (the same
 arithmetic as the reference's non-absorbed path), append the shared rope key, and attend
-with the step's causal mask.
+with the step's causal mask; one-token spans and longer ones attend as two padded groups
+(``ctx.groups``).
 
 Invariants: K/V exist only as latents in the pool; the rope part is rotated (rotate-half)
 before it is stored, by the model's rope (Kimi-Linear's MLA is NoPE: a zero-width rope
@@ -65,19 +66,26 @@ class PagedMLA(nn.Module):
         c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
 
-        index = ctx.pools[mem.pool_of_layer(self.layer_id).name]
+        pool_name = mem.pool_of_layer(self.layer_id).name
         pool = mem.view(self.layer_id, "latent")
-        pool[index.write_cell, index.write_offset] = latent[:, None].to(pool.dtype)
-        context = pool[index.read_cell, index.read_offset][:, :, 0].to(x.dtype)  # (R, L, rank + rope)
-        context = torch.where(index.key_valid[:, :, None], context, 0.0)  # padding reads the sink
+        write = ctx.pools[pool_name]
+        pool[write.write_cell, write.write_offset] = latent[:, None].to(pool.dtype)
+        out = x.new_empty(x.shape[0], self.heads * self.v_dim)
+        for group in ctx.groups:  # one-token spans apart from longer ones: no query padded to the longest
+            index = group.pools[pool_name]
+            context = pool[index.read_cell, index.read_offset][:, :, 0].to(x.dtype)  # (R', L, rank + rope)
+            context = torch.where(index.key_valid[:, :, None], context, 0.0)  # padding reads the sink
+            out[group.flat_index] = group.unpad(self._attend(group.pad(q), context, index.visible))
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Queries ``(R', Q', heads, qk)`` over context latents ``(R', L, rank + rope)`` -> ``(R', Q', heads * v)``."""
         c_ctx, k_rope_ctx = torch.split(context, [self.rank, self.rope_dim], dim=-1)
         r, length = context.shape[:2]
         kv = self.kv_b_proj(c_ctx).view(r, length, self.heads, self.nope_dim + self.v_dim)
         k_nope, values = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
         keys = torch.cat([k_nope, k_rope_ctx[:, :, None].expand(r, length, self.heads, self.rope_dim)], dim=-1)
-
-        scores = torch.einsum("rqhd,rlhd->rhql", ctx.pad(q), keys) * self.scaling
-        scores = scores.masked_fill(~index.visible, float("-inf"))
+        scores = torch.einsum("rqhd,rlhd->rhql", q, keys) * self.scaling
+        scores = scores.masked_fill(~visible, float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        out = torch.einsum("rhql,rlhd->rqhd", probs, values).reshape(r, -1, self.heads * self.v_dim)
-        return self.o_proj(ctx.unpad(out))
+        return torch.einsum("rhql,rlhd->rqhd", probs, values).reshape(r, -1, self.heads * self.v_dim)
