@@ -56,8 +56,13 @@ class Served:
     logits: list[torch.Tensor]  # last-position logits after the prompt and after each decoded token
 
 
-def serve(runner: ModelRunner, prompts: list[list[int]], chunk: int, max_new: int) -> list[Served]:
-    """Chunked prefill of every prompt, then greedy decode; all requests batched in every step."""
+def serve(
+    runner: ModelRunner, prompts: list[list[int]], chunk: int, max_new: int, compact: bool = False
+) -> list[Served]:
+    """Chunked prefill of every prompt, then greedy decode; all requests batched in every step.
+
+    ``compact``: defragment the memory between steps (cells move; virtual ids stay).
+    """
     alloc = RequestAllocator(runner.mem)
     reqs = [alloc.new() for _ in prompts]
     out = [Served([], []) for _ in prompts]
@@ -85,6 +90,8 @@ def serve(runner: ModelRunner, prompts: list[list[int]], chunk: int, max_new: in
         )
         logits = runner.forward(batch)
         alloc.mark_computed(step_reqs)
+        if compact:
+            runner.mem.compact()
         for row, i in enumerate(active):
             fed[i] += len(new_ids[row]) if fed[i] < len(prompts[i]) else 0
             if fed[i] >= len(prompts[i]):
