@@ -26,7 +26,7 @@ from hybridkv.engine.hf_spec import spec_from_hf_config
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampling import choose_tokens
-from hybridkv.engine.scheduler import Request, Scheduler
+from hybridkv.engine.scheduler import Request, Scheduler, Step
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
 from hybridkv.spec import ModelSpec, ShardSpec
@@ -133,28 +133,26 @@ class Engine:
         while sched.has_work():
             step = sched.next_step()
             if step is not None:
-                logits = self.runner.forward(step.batch)
-                wants = sched.wants_token(step)
-                rows = [i for i, w in enumerate(wants) if w]
-                picked = (
-                    choose_tokens(
-                        logits[rows],
-                        [step.reqs[i].temperature for i in rows],
-                        [step.reqs[i].seed for i in rows],
-                        [len(step.reqs[i].tokens) for i in rows],
-                    )
-                    if rows
-                    else []
-                )
-                sample: list[int | None] = [None] * len(step.reqs)
-                for i, token in zip(rows, picked, strict=True):
-                    sample[i] = token
-                for req in sched.complete(step, sample):
+                for req in sched.complete(step, self._forward(step)):
                     results[req.index] = Output(req.output, req.finish_reason or "length", None, req.retractions)
-                self.stats["steps"] += 1
-                self.stats["forward_tokens"] += int(step.batch.input_ids.size)
             for req in sched.failed:
                 results[req.index] = Output([], "error", req.error, req.retractions)
             sched.failed.clear()
         self.stats["retractions"] += sched.retractions
         return [results[i] for i in range(len(prompts))]
+
+    def _forward(self, step: Step) -> list[int | None]:
+        """Run one step; the chosen token of each request whose span reached its end (None mid-prefill)."""
+        logits = self.runner.forward(step.batch)
+        self.stats["steps"] += 1
+        self.stats["forward_tokens"] += int(step.batch.input_ids.size)
+        rows = [i for i, req in enumerate(step.reqs) if req.computed + step.spans[i] == len(req.tokens)]
+        sample: list[int | None] = [None] * len(step.reqs)
+        if rows:
+            reqs = [step.reqs[i] for i in rows]
+            picked = choose_tokens(
+                logits[rows], [r.temperature for r in reqs], [r.seed for r in reqs], [len(r.tokens) for r in reqs]
+            )
+            for i, token in zip(rows, picked, strict=True):
+                sample[i] = token
+        return sample

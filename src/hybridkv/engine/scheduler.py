@@ -5,9 +5,9 @@ to ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens
 requests are admitted while the memory's free pages cover their first chunk. Memory for a
 step comes from one ``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` the
 most recently admitted request is retracted: its memory is freed, it returns to the front
-of the queue (counted as a retraction when it held memory), and later recomputes its prompt and the tokens it already produced (so its
-output stays exact). A request that cannot fit even alone fails with an error naming the
-budget; the others go on.
+of the queue (counted as a retraction when it held memory), and later recomputes its
+prompt and the tokens it already produced (so its output stays exact). A request that
+cannot fit even alone fails with an error naming the budget; the others go on.
 
 Invariants:
 - A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory;
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
@@ -161,8 +159,3 @@ class Scheduler:
                 finished.append(req)
         self.running = [r for r in self.running if not r.done]
         return finished
-
-    @staticmethod
-    def wants_token(step: Step) -> np.ndarray:
-        """Which rows of the step reach the end of their request's known tokens (sample there)."""
-        return np.array([r.computed + s == len(r.tokens) for r, s in zip(step.reqs, step.spans, strict=True)])
