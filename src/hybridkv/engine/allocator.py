@@ -8,7 +8,8 @@ hand pages to the cache instead of the memory.
 
 Invariants:
 - ``locs[:length]`` are live locations; ``extend`` allocates all requests of a step in one
-  ``alloc_extend`` call and either succeeds for all or changes nothing (OutOfMemory).
+  ``alloc_extend`` call (``alloc_decode`` when every request adds one token to a non-empty
+  row) and either succeeds for all or changes nothing (OutOfMemory).
 - ``release_windows`` drops from a window pool exactly the pages whose every token lies
   before ``length - window + 1`` (no later query can see them); full KV stays.
 - ``free`` returns every page and the state slot; a freed request holds nothing.
@@ -65,7 +66,10 @@ class RequestAllocator:
         need_slot = [r for r in reqs if self.has_state and r.slot is None]
         slots = self.mem.alloc_state(len(need_slot)) if need_slot else _EMPTY
         try:
-            new = self.mem.alloc_extend(prefix, prefix + counts, last)
+            if prefix.all() and (counts == 1).all():  # decodes only
+                new = self.mem.alloc_decode(prefix + 1, last)
+            else:
+                new = self.mem.alloc_extend(prefix, prefix + counts, last)
         except Exception:
             if slots.size:
                 self.mem.free_state(slots)
