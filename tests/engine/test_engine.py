@@ -7,6 +7,8 @@ requests, recomputed later, must still produce the same tokens.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridkv.engine.engine import Engine
@@ -104,3 +106,10 @@ def test_the_only_host_read_is_the_sampled_tokens(name: str) -> None:
     assert engine.stats["retractions"] > 0
     assert set(counter.counts) == {"tolist"}
     assert counter.counts["tolist"] <= engine.stats["steps"]
+
+
+def test_engine_from_a_save_pretrained_directory(tmp_path: Path) -> None:
+    hf_model("tiny-gpt-oss").save_pretrained(tmp_path)
+    engine = Engine(tmp_path, gpu_memory=400_000, page_size=4, chunk_size=5, max_context=96)
+    outs = engine.generate(PROMPTS[:4], 6)
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-gpt-oss", tuple(p), 6)[0] for p in PROMPTS[:4]]
