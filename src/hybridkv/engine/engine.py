@@ -86,7 +86,7 @@ class Engine:
         self.runner = ModelRunner(build_model(self.config, tensors, dtype, device), self.mem)
         self.chunk_size = chunk_size
         self.max_running = max_running
-        self.max_step_tokens = max_step_tokens or max(chunk_size, 4 * chunk_size)
+        self.max_step_tokens = max_step_tokens or 4 * chunk_size
         eos = getattr(self.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.stats = {"steps": 0, "retractions": 0, "forward_tokens": 0}
