@@ -113,3 +113,10 @@ def test_engine_from_a_save_pretrained_directory(tmp_path: Path) -> None:
     engine = Engine(tmp_path, gpu_memory=400_000, page_size=4, chunk_size=5, max_context=96)
     outs = engine.generate(PROMPTS[:4], 6)
     assert [o.output_ids for o in outs] == [hf_reference("tiny-gpt-oss", tuple(p), 6)[0] for p in PROMPTS[:4]]
+
+
+def test_a_spec_alone_is_refused_with_what_to_pass() -> None:
+    hf = hf_model("tiny-gemma3")
+    engine = _engine("tiny-gemma3", 400_000, 4)
+    with pytest.raises(TypeError, match="pass a ModelSpec as spec="):
+        Engine(engine.spec, hf)

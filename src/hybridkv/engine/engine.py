@@ -60,6 +60,11 @@ class Engine:
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
         ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config."""
         config = spec_or_config
+        if isinstance(config, ModelSpec):
+            raise TypeError(
+                "Engine needs the model's transformers config (its layers are built from it); "
+                "pass a ModelSpec as spec=... next to the config"
+            )
         if isinstance(config, str | Path):
             weights = config if weights is None else weights
             config = read_config(config)
