@@ -1,0 +1,109 @@
+"""RequestAllocator: the one object that allocates memory for requests and frees it.
+
+A request's memory is its virtual token locations (one per context token, in order), its
+state slot (models with recurrent layers) and, per sliding-window pool, how many of its
+leading pages already left that window. This is where a prefix cache plugs in: a hit would
+seed ``locs``/``slot`` from cached nodes instead of fresh allocations, and ``free`` would
+hand pages to the cache instead of the memory.
+
+Invariants:
+- ``locs[:length]`` are live locations; ``extend`` allocates all requests of a step in one
+  ``alloc_extend`` call (``alloc_decode`` when every request adds one token to a non-empty
+  row) and either succeeds for all or changes nothing (OutOfMemory).
+- ``release_windows`` drops from a window pool exactly the pages whose every token lies
+  before ``length - window + 1`` (no later query can see them); full KV stays.
+- ``free`` returns every page and the state slot; a freed request holds nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.memory import UnifiedMemory
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class RequestMemory:
+    locs: np.ndarray = field(default_factory=lambda: np.empty(16, dtype=np.int64))
+    length: int = 0
+    slot: int | None = None
+    fresh: bool = True
+    window_pages_left: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def token_locs(self) -> np.ndarray:
+        return self.locs[: self.length]
+
+    def append(self, new: np.ndarray) -> None:
+        end = self.length + new.size
+        if end > self.locs.size:
+            grown = np.empty(max(end, 2 * self.locs.size), dtype=np.int64)
+            grown[: self.length] = self.locs[: self.length]
+            self.locs = grown
+        self.locs[self.length : end] = new
+        self.length = end
+
+
+class RequestAllocator:
+    def __init__(self, mem: UnifiedMemory):
+        self.mem = mem
+        self.windows = {p.name: int(p.layout.window) for p in mem.window_pools if p.layout.window is not None}
+        self.has_state = mem.state_pool is not None
+
+    def new(self) -> RequestMemory:
+        """A request holding nothing yet (its state slot comes with its first ``extend``)."""
+        return RequestMemory(window_pages_left={name: 0 for name in self.windows})
+
+    def extend(self, reqs: list[RequestMemory], counts: list[int] | np.ndarray) -> None:
+        """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        prefix = np.array([r.length for r in reqs], dtype=np.int64)
+        last = np.array([r.locs[r.length - 1] if r.length else 0 for r in reqs], dtype=np.int64)
+        need_slot = [r for r in reqs if self.has_state and r.slot is None]
+        slots = self.mem.alloc_state(len(need_slot)) if need_slot else _EMPTY
+        try:
+            if prefix.all() and (counts == 1).all():  # decodes only
+                new = self.mem.alloc_decode(prefix + 1, last)
+            else:
+                new = self.mem.alloc_extend(prefix, prefix + counts, last)
+        except Exception:
+            if slots.size:
+                self.mem.free_state(slots)
+            raise
+        for req, slot in zip(need_slot, slots, strict=True):
+            req.slot, req.fresh = int(slot), True
+        start = 0
+        for req, n in zip(reqs, counts, strict=True):
+            req.append(new[start : start + n])
+            start += int(n)
+
+    def mark_computed(self, reqs: list[RequestMemory]) -> None:
+        """After a forward: states now hold real data, and tokens may have left windows."""
+        for req in reqs:
+            req.fresh = False
+        self.release_windows(reqs)
+
+    def release_windows(self, reqs: list[RequestMemory]) -> None:
+        ps = self.mem.page_size
+        for name, window in self.windows.items():
+            pages = []
+            for req in reqs:
+                done = req.window_pages_left[name]
+                out = max(0, (req.length - window + 1) // ps)
+                if out > done:
+                    pages.append(req.locs[done * ps : out * ps : ps] // ps)
+                    req.window_pages_left[name] = out
+            if pages:
+                self.mem.free_window_pages(np.concatenate(pages), name)
+
+    def free(self, req: RequestMemory) -> None:
+        if req.length:
+            self.mem.free_segment(req.token_locs, 0)
+        if req.slot is not None:
+            self.mem.free_state([req.slot])
+        req.length, req.slot, req.fresh = 0, None, True
+        req.window_pages_left = {name: 0 for name in self.windows}

@@ -1,0 +1,163 @@
+"""Engine: serve token prompts with a real model over UnifiedMemory (continuous batching).
+
+``Engine(config, weights, gpu_memory=..., page_size=..., chunk_size=...)`` builds the spec
+from the config, sizes the memory, loads the weights, and ``generate`` runs every prompt
+to ``max_new_tokens`` or EOS, greedy by default (seeded sampling with ``temperature > 0``).
+
+Invariants:
+- Bad requests (empty, ids outside the vocabulary, longer than the model's context) fail
+  alone with an error naming the problem; the others run as if they were not there.
+- After ``generate`` returns, the memory holds nothing (every request freed) and
+  ``verify()`` holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridkv.engine.allocator import RequestAllocator
+from hybridkv.engine.hf_spec import spec_from_hf_config
+from hybridkv.engine.registry import text_config
+from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.sampling import choose_tokens
+from hybridkv.engine.scheduler import Request, Scheduler, Step
+from hybridkv.engine.weights import build_model, read_config, read_safetensors
+from hybridkv.memory import UnifiedMemory, parse_bytes
+from hybridkv.spec import ModelSpec, ShardSpec
+
+
+@dataclass(frozen=True)
+class Output:
+    output_ids: list[int]
+    finish_reason: str  # "length", "eos" or "error"
+    error: str | None = None
+    retractions: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        spec_or_config: Any,
+        weights: Mapping[str, torch.Tensor] | Any | str | Path | None = None,
+        *,
+        gpu_memory: int | str = "256MiB",
+        page_size: int = 16,
+        chunk_size: int = 64,
+        max_running: int = 64,
+        max_step_tokens: int | None = None,
+        max_context: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        spec: ModelSpec | None = None,
+    ):
+        """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
+        (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
+        ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config."""
+        config = spec_or_config
+        if isinstance(config, ModelSpec):
+            raise TypeError(
+                "Engine needs the model's transformers config (its layers are built from it); "
+                "pass a ModelSpec as spec=... next to the config"
+            )
+        if isinstance(config, str | Path):
+            weights = config if weights is None else weights
+            config = read_config(config)
+        if weights is None:
+            raise ValueError("give weights: a state_dict, a transformers model or a safetensors directory")
+        tensors: Mapping[str, torch.Tensor]
+        if isinstance(weights, str | Path):
+            tensors = read_safetensors(weights)
+        elif hasattr(weights, "state_dict"):
+            tensors = weights.state_dict()
+        else:
+            tensors = weights
+        self.config = text_config(config)
+        self.spec = spec or spec_from_hf_config(self.config, dtype)
+        self.max_context = max_context or self.spec.max_context
+        self.mem = UnifiedMemory.create(
+            ShardSpec.whole(self.spec),
+            parse_bytes(gpu_memory),
+            device,
+            page_size=page_size,
+            max_context=self.max_context,
+            chunk_tokens=chunk_size,
+        )
+        self.runner = ModelRunner(build_model(self.config, tensors, dtype, device), self.mem)
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        self.max_step_tokens = max_step_tokens or 4 * chunk_size
+        eos = getattr(self.config, "eos_token_id", None)
+        self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.stats = {"steps": 0, "retractions": 0, "forward_tokens": 0}
+
+    def _check(self, prompt: list[int], max_new: int) -> str | None:
+        vocab = self.runner.model.vocab_size
+        if not prompt:
+            return "empty prompt: give at least one token"
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            bad = [t for t in prompt if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
+            return f"token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+        if len(prompt) + max_new > self.max_context:
+            return (
+                f"prompt of {len(prompt)} tokens + {max_new} new exceeds the context of {self.max_context} tokens; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+        return None
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | list[int],
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+    ) -> list[Output]:
+        """Outputs in input order; requests are batched continuously, prefills chunked."""
+        news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        alloc = RequestAllocator(self.mem)
+        sched = Scheduler(alloc, self.chunk_size, self.max_running, self.max_step_tokens)
+        results: dict[int, Output] = {}
+        for i, (prompt, max_new) in enumerate(zip(prompts, news, strict=True)):
+            error = self._check(list(prompt), max_new)
+            if error is not None:
+                results[i] = Output([], "error", f"request {i}: {error}")
+            elif max_new <= 0:
+                results[i] = Output([], "length")
+            else:
+                sched.add(
+                    Request(i, list(prompt), max_new, temperature, seed + i, self.eos if stop_at_eos else frozenset())
+                )
+        while sched.has_work():
+            step = sched.next_step()
+            if step is not None:
+                for req in sched.complete(step, self._forward(step)):
+                    results[req.index] = Output(req.output, req.finish_reason or "length", None, req.retractions)
+            for req in sched.failed:
+                results[req.index] = Output([], "error", req.error, req.retractions)
+            sched.failed.clear()
+        self.stats["retractions"] += sched.retractions
+        return [results[i] for i in range(len(prompts))]
+
+    def _forward(self, step: Step) -> list[int | None]:
+        """Run one step; the chosen token of each request whose span reached its end (None mid-prefill)."""
+        logits = self.runner.forward(step.batch)
+        self.stats["steps"] += 1
+        self.stats["forward_tokens"] += int(step.batch.input_ids.size)
+        rows = [i for i, req in enumerate(step.reqs) if req.computed + step.spans[i] == len(req.tokens)]
+        sample: list[int | None] = [None] * len(step.reqs)
+        if rows:
+            reqs = [step.reqs[i] for i in rows]
+            picked = choose_tokens(
+                logits[rows], [r.temperature for r in reqs], [r.seed for r in reqs], [len(r.tokens) for r in reqs]
+            )
+            for i, token in zip(rows, picked, strict=True):
+                sample[i] = token
+        return sample

@@ -1,0 +1,105 @@
+"""Paged GQA attention over UnifiedMemory: full or sliding-window, with the variants the served models use.
+
+Per step: project, (q/k norm), RoPE, write the new K/V into this layer's pool view at the
+step's physical slots, gather each request's visible context back from the pool, and
+attend with padded batched tensors: queries ``(R, kv_heads, group, Q, D)`` against keys
+``(R, kv_heads, L, D)``, masked by the step's causal (and window) mask; one-token decodes
+and longer spans attend as two padded groups (``ctx.groups``).
+
+Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
+dropped), output gate (Qwen3-Next: ``q_proj`` yields query and gate per head, the output
+is multiplied by ``sigmoid(gate)``), q/k RMS norms, logit soft-capping, query scaling.
+
+Invariants: K/V live only in the memory pool (``mem.view(layer_id, "k"/"v")``); the
+sliding window is the pool's window (a key is visible iff ``q - window < k <= q``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import apply_rope
+from hybridkv.engine.step import StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+class PagedAttention(nn.Module):
+    def __init__(
+        self,
+        layer_id: int,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        scaling: float,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+        output_gate: bool = False,
+        sinks: bool = False,
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        if heads % kv_heads:
+            raise ValueError(f"layer {layer_id}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+        self.layer_id, self.heads, self.kv_heads, self.head_dim = layer_id, heads, kv_heads, head_dim
+        self.scaling, self.softcap, self.output_gate = scaling, softcap, output_gate
+        self.q_proj = nn.Linear(hidden, heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
+        self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, self.heads, 2 * d).chunk(2, dim=-1)
+            gate = gate.reshape(t, -1)
+        q = q.reshape(t, self.heads, d)
+        k = self.k_proj(x).view(t, self.kv_heads, d)
+        v = self.v_proj(x).view(t, self.kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        pool = mem.pool_of_layer(self.layer_id).name
+        k_pool, v_pool = mem.view(self.layer_id, "k"), mem.view(self.layer_id, "v")
+        write = ctx.pools[pool]
+        k_pool[write.write_cell, write.write_offset] = k.to(k_pool.dtype)
+        v_pool[write.write_cell, write.write_offset] = v.to(v_pool.dtype)
+        out = q.new_empty(t, self.heads * d)
+        for group in ctx.groups:  # decodes apart from longer spans: no query padded to the longest chunk
+            index = group.pools[pool]
+            keys = k_pool[index.read_cell, index.read_offset].to(x.dtype)  # (R', L, kv, D)
+            values = v_pool[index.read_cell, index.read_offset].to(x.dtype)
+            values = torch.where(index.key_valid[:, :, None, None], values, 0.0)  # padding reads the sink
+            out[group.flat_index] = group.unpad(self._attend(group.pad(q), keys, values, index.visible))
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        r, nq = q.shape[:2]
+        group = self.heads // self.kv_heads
+        q = q.view(r, nq, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)  # (R, kv, g, Q, D)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (R, kv, L, D)
+        scores = torch.einsum("rkgqd,rkld->rkgql", q, keys) * self.scaling
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.view(1, self.kv_heads, group, 1, 1).expand(r, -1, -1, nq, 1).to(scores.dtype)
+            probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        else:
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        out = torch.einsum("rkgql,rkld->rqkgd", probs.to(values.dtype), values)
+        return out.reshape(r, nq, self.heads * self.head_dim)

@@ -1,0 +1,139 @@
+"""GatedDeltaNet (Qwen3-Next linear attention) over state slots.
+
+Per step: project to q, k, v, z (output gate), b (beta) and a (decay); run the causal conv
+over q|k|v continuing each request's conv window; run the gated delta rule continuing its
+recurrent matrix; gated RMS norm with z; project out. The two state tensors live only in
+the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, kernel - 1)``
+and ``mem.view(layer_id, "recurrent_state")`` ``(cells, v_heads, k_dim, v_dim)``, indexed by
+the step's state cells; a request with ``fresh_state`` starts from zeros.
+
+The step's one-token decodes use the one-token ops (as ``transformers`` does for a one-token
+forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.engine.layers.norms import GatedRMSNorm
+from hybridkv.engine.ops import (
+    causal_conv1d_decode,
+    causal_conv1d_prefill,
+    gated_delta_decode,
+    gated_delta_prefill,
+)
+from hybridkv.engine.step import Padded, StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+def read_states(
+    mem: UnifiedMemory, layer_id: int, names: tuple[str, ...], ctx: StepContext, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """State tensors (copies) of the step's requests (or of ``rows`` of them); zeros where a state starts fresh."""
+    if ctx.state_cells is None or ctx.fresh_state is None:
+        raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots")
+    cells, fresh = ctx.state_cells, ctx.fresh_state
+    if rows is not None:
+        cells, fresh = cells[rows], fresh[rows]
+    out = []
+    for name in names:
+        state = mem.view(layer_id, name)[cells]
+        zero = torch.zeros((), dtype=state.dtype, device=state.device)
+        out.append(torch.where(fresh.view(-1, *([1] * (state.dim() - 1))), zero, state))
+    return tuple(out)
+
+
+def write_states(
+    mem: UnifiedMemory, layer_id: int, ctx: StepContext, rows: torch.Tensor | None = None, **states: torch.Tensor
+) -> None:
+    """Store new state tensors for the step's requests (or ``rows`` of them) in their slots."""
+    if ctx.state_cells is None:
+        raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots")
+    cells = ctx.state_cells if rows is None else ctx.state_cells[rows]
+    for name, value in states.items():
+        view = mem.view(layer_id, name)
+        view[cells] = value.to(view.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        conv_dim = 2 * self.key_size + self.value_size
+        kernel = config.linear_conv_kernel_dim
+        self.activation = config.hidden_act
+        h = config.hidden_size
+        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * self.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_size, h, bias=False)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections grouped per key head (the checkpoint layout) -> q|k|v (flat), z, b, a."""
+        t, per = x.shape[0], self.v_heads // self.k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, 2 * self.k_dim + 2 * per * self.v_dim)
+        q, k, v, z = torch.split(qkvz, [self.k_dim, self.k_dim, per * self.v_dim, per * self.v_dim], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(t, self.k_heads, 2 * per), [per, per], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.v_heads, self.v_dim), b.reshape(t, self.v_heads), a.reshape(t, self.v_heads)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
+        mixed, z, b, a = self._split(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = x.new_empty(x.shape[0], self.v_heads, self.v_dim)
+        for group in ctx.groups:  # one-token decodes apart from longer spans
+            window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx, group.rows)
+            out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, recurrent_state=state)
+        return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
+
+    def _mix(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        state: torch.Tensor,
+        group: Padded,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + gated delta rule for one group: ``(out (T', v_heads, v_dim), new window, new state)``."""
+        weight = self.conv1d.weight.squeeze(1)
+        sizes = [self.key_size, self.key_size, self.value_size]
+        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
+            index = group.flat_index
+            conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
+            q, k, v = torch.split(conv, sizes, dim=-1)
+            t = conv.shape[0]
+            out, state = gated_delta_decode(
+                q.view(t, self.k_heads, self.k_dim),
+                k.view(t, self.k_heads, self.k_dim),
+                v.view(t, self.v_heads, self.v_dim),
+                g[index],
+                beta[index],
+                state,
+            )
+            return out, window, state
+        conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
+        q, k, v = torch.split(conv, sizes, dim=-1)
+        r, nq = conv.shape[:2]
+        out, state = gated_delta_prefill(
+            q.reshape(r, nq, self.k_heads, self.k_dim),
+            k.reshape(r, nq, self.k_heads, self.k_dim),
+            v.reshape(r, nq, self.v_heads, self.v_dim),
+            group.pad(g),
+            group.pad(beta),
+            state,
+            group.lengths,
+        )
+        return group.unpad(out), window, state

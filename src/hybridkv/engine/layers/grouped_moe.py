@@ -1,0 +1,138 @@
+"""Mixture of experts with DeepSeek-V3's group-limited sigmoid router (Kimi-Linear, Nemotron-H).
+
+Router: ``scores = sigmoid(x W)``; experts are chosen by ``scores + e_score_correction_bias``
+among the best ``topk_group`` of ``n_group`` groups (a group ranks by its two best
+scores); the chosen experts weigh in with their *uncorrected* scores, renormalised when
+``norm_topk_prob`` and multiplied by ``routed_scaling_factor``. A shared expert always adds
+its output.
+
+Invariants: routing is computed in fp32 like the reference; experts run densely (every
+expert on every token, weighted by a ``(T, E)`` matrix that is zero off each token's
+top-k), so there is no per-expert Python loop and no host sync; names of parameters equal
+transformers' ``state_dict`` (``gate.weight``, ``gate.e_score_correction_bias``,
+``experts.gate_up_proj`` / ``experts.up_proj``, ``experts.down_proj``, ``shared_experts.*``);
+checkpoints that store one tensor per expert are stacked by ``fuse_expert_weights``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.engine.models.base import WeightError
+
+
+class GroupLimitedRouter(nn.Module):
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int, norm: bool, scale: float
+    ):
+        super().__init__()
+        if num_experts % n_group:
+            raise ValueError(f"router: {num_experts} experts do not split into n_group={n_group} equal groups")
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        # A checkpoint weight (a buffer in transformers): a Parameter so the weight loader places it.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.num_experts, self.top_k, self.n_group, self.topk_group = num_experts, top_k, n_group, topk_group
+        self.norm, self.scale = norm, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense routing weights ``(T, E)`` (fp32), zero outside each token's top-k."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        index = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scale
+        return torch.zeros_like(scores).scatter(1, index, weights)
+
+
+class DenseExperts(nn.Module):
+    """``E`` expert MLPs run on every token: gated (``act(gate) * up``, Kimi) or plain (``act(up)``, Nemotron-H)."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, act: Callable[[torch.Tensor], torch.Tensor], gated: bool
+    ):
+        super().__init__()
+        self.gated, self.act = gated, act
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x (T, H)``, routing ``weights (T, E)`` -> ``(T, H)`` in ``weights``' dtype."""
+        if self.gated:
+            gate, up = torch.einsum("th,eih->tei", x, self.gate_up_proj).chunk(2, dim=-1)
+            inner = self.act(gate) * up
+        else:
+            inner = self.act(torch.einsum("th,eih->tei", x, self.up_proj))
+        out = torch.einsum("tei,ehi->teh", inner, self.down_proj)
+        return torch.einsum("teh,te->th", out.to(weights.dtype), weights)
+
+
+class GroupLimitedMoE(nn.Module):
+    """``shared_experts(x) + fc2(experts(fc1(x), router(x)))`` (``fc1``/``fc2``: optional latent projections)."""
+
+    def __init__(
+        self,
+        router: GroupLimitedRouter,
+        experts: DenseExperts,
+        shared_experts: nn.Module,
+        latent: tuple[nn.Module, nn.Module] | None = None,
+    ):
+        super().__init__()
+        self.gate, self.experts, self.shared_experts = router, experts, shared_experts
+        self.fc1_latent_proj, self.fc2_latent_proj = latent if latent is not None else (nn.Identity(), nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.experts(self.fc1_latent_proj(x), self.gate(x)).to(x.dtype)
+        return self.fc2_latent_proj(routed) + self.shared_experts(x)
+
+
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def fuse_expert_weights(
+    tensors: Mapping[str, torch.Tensor], fused: dict[str, tuple[str, ...]]
+) -> dict[str, torch.Tensor]:
+    """Checkpoint per-expert weights -> the stacked ``experts.<fused>`` tensors ``(E, ...)``.
+
+    ``fused`` maps a stacked name to the per-expert parts concatenated (dim 0) into it, e.g.
+    Kimi ``{"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}``. Names that are not per-expert
+    pass through (a ``state_dict`` is already stacked). Every expert ``0..E-1`` needs every part.
+    """
+    parts = {part for group in fused.values() for part in group}
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        match = _PER_EXPERT.match(name)
+        if match is None or match[3] not in parts:
+            out[name] = tensor
+        else:
+            experts.setdefault(match[1], {}).setdefault(int(match[2]), {})[match[3]] = tensor
+    for prefix, by_index in experts.items():
+        lacking = [
+            f"{prefix}.experts.{e}.{part}.weight"
+            for e in range(max(by_index) + 1)
+            for part in sorted(parts)
+            if part not in by_index.get(e, {})
+        ]
+        if lacking:
+            raise WeightError(f"missing expert weights {', '.join(lacking[:6])}")
+        for stacked, group in fused.items():
+            out[f"{prefix}.experts.{stacked}"] = torch.stack(
+                [torch.cat([by_index[e][part] for part in group]) for e in range(len(by_index))]
+            )
+    return out

@@ -1,0 +1,114 @@
+"""Kimi delta attention layer (Kimi-Linear's linear attention) over state slots.
+
+Per step: q, k, v projections -> causal conv (continuing each request's conv window) ->
+KDA (continuing its recurrent matrix) with a per-channel forget gate ``g`` and a per-head
+``beta``; a sigmoid-gated RMS norm per head; ``o_proj``. The two state tensors live only in
+the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, 3 * heads * head_dim,
+kernel - 1)`` and ``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim,
+head_dim)``, indexed by the step's state cells; a request with ``fresh_state`` starts from zeros.
+
+The step's one-token spans use the one-token ops (as transformers does for a one-token
+forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.engine.layers.gdn import read_states, write_states
+from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
+from hybridkv.engine.step import Padded, StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`` ``(T, heads, head_dim)``, fp32."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))  # the checkpoint's shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
+        # The reference's softplus with an explicit overflow guard (not F.softplus's threshold form).
+        g = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        return -torch.exp(self.A_log.float().view(self.heads, 1)) * g
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """``w * rmsnorm(x) * sigmoid(gate)`` over the last dim, in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (h * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        self.size = self.heads * self.head_dim
+        kernel, h = config.linear_conv_kernel_dim, config.hidden_size
+        self.activation = config.hidden_act
+        self.q_proj = nn.Linear(h, self.size, bias=False)
+        self.k_proj = nn.Linear(h, self.size, bias=False)
+        self.v_proj = nn.Linear(h, self.size, bias=False)
+        conv_dim = 3 * self.size
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
+        self.forget_gate = ForgetGate(h, self.heads, self.head_dim)
+        self.b_proj = nn.Linear(h, self.heads, bias=False)
+        self.g_a_proj = nn.Linear(h, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, self.size, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
+        t = x.shape[0]
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x))
+        out = x.new_empty(t, self.heads, self.head_dim)
+        for group in ctx.groups:  # one-token spans apart from longer ones
+            window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx, group.rows)
+            out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, recurrent_state=state)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
+        return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
+
+    def _mix(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        state: torch.Tensor,
+        group: Padded,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + KDA for one group: ``(out (T', heads, head_dim), new window, new state)``."""
+        heads, dim, weight = self.heads, self.head_dim, self.conv1d.weight.squeeze(1)
+        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
+            index = group.flat_index
+            conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
+            t = conv.shape[0]
+            q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))
+            out, state = kda_decode(q, k, v, g[index], beta[index], state)
+            return out, window, state
+        conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
+        r, nq = conv.shape[:2]
+        q, k, v = (part.reshape(r, nq, heads, dim) for part in torch.split(conv, self.size, dim=-1))
+        out, state = kda_prefill(q, k, v, group.pad(g), group.pad(beta), state, group.lengths)
+        return group.unpad(out), window, state

@@ -1,0 +1,116 @@
+"""Mamba2 mixer (Nemotron-H) over state slots.
+
+Per step: ``in_proj`` -> gate ``z`` | conv input ``x|B|C`` | time step ``dt``; the causal
+conv continues each request's conv window; the SSD scan continues its SSM state; a
+group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The two state tensors live only in the
+memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, kernel - 1)``
+and ``mem.view(layer_id, "ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed
+by the step's state cells; a request with ``fresh_state`` starts from zeros.
+
+The step's one-token spans use the one-token ops (transformers' decode path, which does not
+clamp ``dt`` to ``time_step_min``) and its longer spans the chunked ops on their padded batch
+(its prefill path, which does; ``ctx.groups``). The two differ only where
+``softplus(dt + dt_bias) < time_step_min``, exactly as the reference's own two paths do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.engine.layers.gdn import read_states, write_states
+from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
+from hybridkv.engine.step import Padded, StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """``w * rmsnorm_per_group(x * silu(gate))`` (gate before norm), groups of ``group_size`` channels."""
+
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
+        self.groups, self.state_size = config.n_groups, config.ssm_state_size
+        self.inner = self.heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        self.chunk_size = config.chunk_size
+        self.dt_limit = (float(config.time_step_min), float("inf"))
+        self.activation = config.mamba_hidden_act
+        kernel, h = config.conv_kernel, config.hidden_size
+        self.in_proj = nn.Linear(h, self.inner + self.conv_dim + self.heads, bias=config.use_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=config.use_conv_bias, padding=kernel - 1
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GroupedGatedRMSNorm(self.inner, self.inner // self.groups, config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.inner, h, bias=config.use_bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
+        gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
+        y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
+        for group in ctx.groups:  # one-token spans apart from longer ones
+            window, state = read_states(mem, self.layer_id, ("conv_state", "ssm_state"), ctx, group.rows)
+            y[group.flat_index], window, state = self._mix(xbc, dt, window, state, group)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, ssm_state=state)
+        return self.out_proj(self.norm(y, gate).to(x.dtype))
+
+    def _mix(
+        self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Padded
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv + SSD scan for one group: ``(y (T', inner) fp32, new window, new state)``."""
+        weight, A = self.conv1d.weight.squeeze(1), -torch.exp(self.A_log.float())
+        sizes = [self.inner, self.groups * self.state_size, self.groups * self.state_size]
+        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
+            index = group.flat_index
+            conv, window = causal_conv1d_decode(xbc[index], window, weight, self.conv1d.bias, self.activation)
+            xs, B, C = torch.split(conv, sizes, dim=-1)
+            t = conv.shape[0]
+            y, state = ssd_decode(
+                xs.view(t, self.heads, self.head_dim),
+                dt[index],
+                A,
+                B.view(t, self.groups, self.state_size),
+                C.view(t, self.groups, self.state_size),
+                self.D,
+                self.dt_bias,
+                state,
+            )
+            return y.reshape(t, self.inner), window, state
+        conv, window = causal_conv1d_prefill(
+            group.pad(xbc), window, weight, self.conv1d.bias, self.activation, group.lengths
+        )
+        xs, B, C = torch.split(conv, sizes, dim=-1)
+        r, q = conv.shape[:2]
+        y, state = ssd_prefill(
+            xs.reshape(r, q, self.heads, self.head_dim),
+            group.pad(dt),
+            A,
+            B.reshape(r, q, self.groups, self.state_size),
+            C.reshape(r, q, self.groups, self.state_size),
+            self.D,
+            self.dt_bias,
+            state,
+            self.chunk_size,
+            self.dt_limit,
+            group.lengths,
+        )
+        return group.unpad(y).reshape(-1, self.inner), window, state

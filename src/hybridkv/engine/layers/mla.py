@@ -1,0 +1,91 @@
+"""Multi-head latent attention (MLA) over a paged latent pool (Kimi-Linear; DeepSeek-style).
+
+Per token the memory keeps one latent ``[kv_a_layernorm(c_kv) | k_rope]`` of
+``kv_lora_rank + qk_rope_head_dim`` elements, shared by every head
+(``mem.view(layer_id, "latent")`` ``(cells, page_size, 1, rank + rope)``). Per step: write the
+new tokens' latents at the step's physical slots, gather each request's context latents
+back, expand them with ``kv_b_proj`` into per-head ``k_nope`` and ``v`` (the same
+arithmetic as the reference's non-absorbed path), append the shared rope key, and attend
+with the step's causal mask; one-token spans and longer ones attend as two padded groups
+(``ctx.groups``).
+
+Invariants: K/V exist only as latents in the pool; the rope part is rotated (rotate-half)
+before it is stored, by the model's rope (Kimi-Linear's MLA is NoPE: a zero-width rope
+leaves it unchanged); padded context slots are zeroed before use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import apply_rope
+from hybridkv.engine.step import StepContext
+from hybridkv.memory import UnifiedMemory
+
+# transformers builds MLA's latent norms with the RMS norm's default epsilon, not the config's.
+LATENT_NORM_EPS = 1e-6
+
+
+class PagedMLA(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads = config.num_attention_heads
+        self.rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+        self.nope_dim, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
+        self.qk_dim = self.nope_dim + self.rope_dim
+        self.scaling = self.qk_dim**-0.5
+        h, bias, q_rank = config.hidden_size, config.attention_bias, config.q_lora_rank
+        if q_rank is None:
+            self.q_proj = nn.Linear(h, self.heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, q_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(q_rank, self.heads * self.qk_dim, bias=False)
+        self.low_rank_q = q_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=bias)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
+        return q.view(x.shape[0], self.heads, self.qk_dim)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        q = self._query(x)
+        q_nope, q_rope = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
+
+        pool_name = mem.pool_of_layer(self.layer_id).name
+        pool = mem.view(self.layer_id, "latent")
+        write = ctx.pools[pool_name]
+        pool[write.write_cell, write.write_offset] = latent[:, None].to(pool.dtype)
+        out = x.new_empty(x.shape[0], self.heads * self.v_dim)
+        for group in ctx.groups:  # one-token spans apart from longer ones: no query padded to the longest
+            index = group.pools[pool_name]
+            context = pool[index.read_cell, index.read_offset][:, :, 0].to(x.dtype)  # (R', L, rank + rope)
+            context = torch.where(index.key_valid[:, :, None], context, 0.0)  # padding reads the sink
+            out[group.flat_index] = group.unpad(self._attend(group.pad(q), context, index.visible))
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Queries ``(R', Q', heads, qk)`` over context latents ``(R', L, rank + rope)`` -> ``(R', Q', heads * v)``."""
+        c_ctx, k_rope_ctx = torch.split(context, [self.rank, self.rope_dim], dim=-1)
+        r, length = context.shape[:2]
+        kv = self.kv_b_proj(c_ctx).view(r, length, self.heads, self.nope_dim + self.v_dim)
+        k_nope, values = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
+        keys = torch.cat([k_nope, k_rope_ctx[:, :, None].expand(r, length, self.heads, self.rope_dim)], dim=-1)
+        scores = torch.einsum("rqhd,rlhd->rhql", q, keys) * self.scaling
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.einsum("rhql,rlhd->rqhd", probs, values).reshape(r, -1, self.heads * self.v_dim)

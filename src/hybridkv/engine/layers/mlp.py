@@ -1,0 +1,105 @@
+"""Feed-forward blocks: a gated MLP, and mixture-of-experts with top-k routers.
+
+MoE experts run densely: every expert on every token, combined with routing weights that
+are zero outside each token's top-k. For the small expert counts the engine serves this is
+one batched einsum with no per-expert Python loop and no host sync (no ``nonzero`` to find
+which tokens an expert got); the unrouted products are multiplied by exact zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu2": lambda x: torch.square(F.relu(x)),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported; known: {sorted(ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _dense_weights(top_weights: torch.Tensor, top_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(T, k)`` routing weights of the chosen experts -> ``(T, E)`` with zeros elsewhere."""
+    dense = torch.zeros(top_weights.shape[0], num_experts, dtype=top_weights.dtype, device=top_weights.device)
+    return dense.scatter(1, top_index, top_weights)
+
+
+class SoftmaxTopKMoE(nn.Module):
+    """Qwen3-Next's sparse block: softmax router, top-k (renormalised), plus a sigmoid-gated shared expert.
+
+    Experts: ``gate_up_proj`` ``(E, 2I, H)`` (gate rows first), ``down_proj`` ``(E, H, I)``.
+    """
+
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk: bool, act: str, shared: int
+    ):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shared_expert = GatedMLP(hidden, shared, act)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.top_k, self.norm_topk, self.num_experts = top_k, norm_topk, num_experts
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        weights = _dense_weights(top.to(x.dtype), index, self.num_experts)
+        gate, up = torch.einsum("th,eih->tei", x, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("tei,ehi->teh", self.act(gate) * up, self.down_proj)
+        routed = torch.einsum("teh,te->th", out, weights)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss: biased router, softmax over the top-k logits, clamped SwiGLU experts with biases.
+
+    Experts: ``gate_up_proj`` ``(E, H, 2I)`` with gate/up interleaved on the last dim, ``down_proj`` ``(E, I, H)``.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, alpha: float, limit: float):
+        super().__init__()
+        self.router = nn.Linear(hidden, num_experts, bias=True)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.num_experts, self.alpha, self.limit = top_k, num_experts, alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, index = torch.topk(self.router(x), self.top_k, dim=-1)
+        weights = _dense_weights(F.softmax(top, dim=1, dtype=top.dtype), index, self.num_experts)
+        gate_up = torch.einsum("th,ehi->tei", x, self.gate_up_proj) + self.gate_up_proj_bias
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        out = torch.einsum("tei,eih->teh", glu, self.down_proj) + self.down_proj_bias
+        return torch.einsum("teh,te->th", out, weights)

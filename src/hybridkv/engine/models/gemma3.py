@@ -1,0 +1,71 @@
+"""Gemma 3 (text): full + sliding-window attention, sandwich norms, local/global rope bases.
+
+Block: ``x + post_attn_norm(attn(input_norm(x)))`` then ``x + post_ff_norm(mlp(pre_ff_norm(x)))``;
+norms are ``(1 + w)`` RMS norms, embeddings are scaled by ``sqrt(hidden)``, q/k heads are
+RMS-normed, sliding layers use the ``sliding_attention`` rope, full layers the
+``full_attention`` one; optional attention and final logit soft-capping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridkv.engine.layers.attention import PagedAttention
+from hybridkv.engine.layers.mlp import GatedMLP
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.models.base import Block, CausalLM
+from hybridkv.engine.step import StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+class Gemma3Block(Block):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = PagedAttention(
+            layer_id,
+            h,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            scaling=config.query_pre_attn_scalar**-0.5,
+            bias=config.attention_bias,
+            qk_norm_eps=eps,
+            softcap=config.attn_logit_softcapping,
+        )
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = RMSNorm(h, eps, offset=True)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=True)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, offset=True)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3(CausalLM):
+    def __init__(self, config: Any):
+        super().__init__(config)
+        for layer_type in sorted(set(config.layer_types)):
+            self.ropes[layer_type] = Rope(
+                config.rope_parameters[layer_type], config.head_dim, config.max_position_embeddings
+            )
+        self.layers.extend(Gemma3Block(config, i) for i in range(config.num_hidden_layers))
+        self.layer_rope = list(config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        self.embed_scale = float(config.hidden_size**0.5)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().logits(x)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap

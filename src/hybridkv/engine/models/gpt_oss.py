@@ -1,0 +1,62 @@
+"""gpt-oss: alternating sliding/full GQA attention with biases and attention sinks, top-k MoE.
+
+Block: ``x + attn(norm(x))`` then ``x + moe(norm(x))``; plain ``w * x`` RMS norms; one
+(YaRN) rope for every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridkv.engine.layers.attention import PagedAttention
+from hybridkv.engine.layers.mlp import GptOssMoE
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.models.base import Block, CausalLM
+from hybridkv.engine.step import StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+class GptOssBlock(Block):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = PagedAttention(
+            layer_id,
+            h,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            scaling=config.head_dim**-0.5,
+            bias=config.attention_bias,
+            sinks=True,
+        )
+        self.mlp = GptOssMoE(
+            h,
+            config.intermediate_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            config.swiglu_alpha,
+            config.swiglu_limit,
+        )
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOss(CausalLM):
+    WEIGHT_MAP = ((r"^model\.", ""), (r"\.mlp\.experts\.", ".mlp."))
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.ropes["default"] = Rope(config.rope_parameters, config.head_dim, config.max_position_embeddings)
+        self.layers.extend(GptOssBlock(config, i) for i in range(config.num_hidden_layers))
+        self.layer_rope = ["default"] * config.num_hidden_layers
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,91 @@
+"""Qwen3-Next: GatedDeltaNet layers interleaved with gated full attention, sparse MoE with a shared expert.
+
+Block: ``x + mixer(input_norm(x))`` then ``x + mlp(post_attn_norm(x))``; ``(1 + w)`` RMS
+norms; the mixer is GatedDeltaNet on ``linear_attention`` layers and output-gated GQA
+attention with q/k norms and partial RoPE on ``full_attention`` layers; the MLP is the
+sparse MoE block except on ``mlp_only_layers`` / off the ``decoder_sparse_step`` grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.engine.layers.attention import PagedAttention
+from hybridkv.engine.layers.gdn import GatedDeltaNet
+from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
+from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.models.base import Block, CausalLM, stack_experts
+from hybridkv.engine.step import StepContext
+from hybridkv.memory import UnifiedMemory
+
+
+class Qwen3NextBlock(Block):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.linear = config.layer_types[layer_id] == "linear_attention"
+        self.linear_attn = GatedDeltaNet(config, layer_id) if self.linear else None
+        self.self_attn = (
+            None
+            if self.linear
+            else PagedAttention(
+                layer_id,
+                h,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                config.head_dim,
+                scaling=config.head_dim**-0.5,
+                bias=config.attention_bias,
+                qk_norm_eps=eps,
+                output_gate=True,
+            )
+        )
+        sparse = (
+            layer_id not in (config.mlp_only_layers or [])
+            and config.num_experts > 0
+            and (layer_id + 1) % config.decoder_sparse_step == 0
+        )
+        self.mlp: nn.Module = (
+            SoftmaxTopKMoE(
+                h,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                config.hidden_act,
+                config.shared_expert_intermediate_size,
+            )
+            if sparse
+            else GatedMLP(h, config.intermediate_size, config.hidden_act)
+        )
+        self.input_layernorm = RMSNorm(h, eps, offset=True)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset=True)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            x = x + self.linear_attn(h, ctx, mem)
+        elif self.self_attn is not None:
+            x = x + self.self_attn(h, ctx, mem, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Next(CausalLM):
+    WEIGHT_MAP = ((r"^model\.", ""), (r"\.mlp\.experts\.", ".mlp."), (r"^mtp\.", None))
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.ropes["default"] = Rope(config.rope_parameters, config.head_dim, config.max_position_embeddings)
+        self.layers.extend(Qwen3NextBlock(config, i) for i in range(config.num_hidden_layers))
+        self.layer_rope = ["default"] * config.num_hidden_layers
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+
+    def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return stack_experts(tensors)

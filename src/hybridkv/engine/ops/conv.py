@@ -1,0 +1,86 @@
+"""Depthwise causal conv1d with a carried window (GatedDeltaNet, KDA, Mamba2 input conv).
+
+The carried state of a request is its conv *window*: the last ``kernel - 1`` inputs it has
+seen, channels first, ``[batch, channels, kernel - 1]`` (zeros for a new request). This is
+the state tensor a ``Linear`` layer keeps per request (``conv_state`` in the spec).
+Invariants:
+- prefill of a chunk with window ``w`` == the conv over ``concat(w, chunk)`` with no padding,
+  i.e. transformers' ``causal_conv1d_fn`` over the whole sequence restricted to the chunk;
+- the returned window holds the last ``kernel - 1`` inputs up to each request's length, so
+  prefilling a sequence in chunks of any sizes gives the one-pass outputs and window;
+- decode is the one-token case (transformers' ``causal_conv1d_update``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"causal conv1d: unsupported activation {activation!r}; the models here use 'silu' or None")
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal conv of a batch of chunks that continue the given windows.
+
+    Args:
+        x: new inputs ``[batch, seq, channels]`` (right-padded when ``lengths`` is given).
+        window: each request's previous ``kernel - 1`` inputs ``[batch, channels, kernel - 1]``.
+        weight: depthwise kernel ``[channels, kernel]``.
+        bias: ``[channels]`` or None.
+        activation: ``"silu"`` or None.
+        lengths: ``[batch]`` valid tokens per row (None: all ``seq``).
+
+    Returns:
+        ``(out [batch, seq, channels], new_window [batch, channels, kernel - 1])``; outputs at
+        padded positions are unspecified.
+    """
+    batch, seq, channels = x.shape
+    kernel = weight.shape[-1]
+    if window.shape != (batch, channels, kernel - 1):
+        raise ValueError(
+            f"causal conv1d: window shape {tuple(window.shape)} does not match inputs {tuple(x.shape)} and "
+            f"kernel {kernel}: expected {(batch, channels, kernel - 1)}"
+        )
+    full = torch.cat([window.to(weight.dtype), x.transpose(1, 2).to(weight.dtype)], dim=-1)
+    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=channels)
+    out = _activate(out, activation).transpose(1, 2).to(x.dtype)
+    if lengths is None:
+        new_window = full[:, :, seq:]
+    else:
+        # Row b's last kernel-1 inputs sit at positions lengths[b] .. lengths[b] + kernel - 2 of `full`.
+        index = lengths[:, None] + torch.arange(kernel - 1, device=x.device)[None, :]
+        new_window = torch.gather(full, 2, index[:, None, :].expand(batch, channels, kernel - 1))
+    return out, new_window.to(window.dtype).contiguous()
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per request: ``x [batch, channels]`` -> ``(out [batch, channels], new_window)``."""
+    batch, channels = x.shape
+    kernel = weight.shape[-1]
+    if window.shape != (batch, channels, kernel - 1):
+        raise ValueError(
+            f"causal conv1d decode: window shape {tuple(window.shape)} does not match inputs {tuple(x.shape)} and "
+            f"kernel {kernel}: expected {(batch, channels, kernel - 1)}"
+        )
+    full = torch.cat([window.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)
+    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=channels)[:, :, 0]
+    return _activate(out, activation).to(x.dtype), full[:, :, 1:].to(window.dtype).contiguous()

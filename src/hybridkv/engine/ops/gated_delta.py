@@ -1,0 +1,137 @@
+"""Gated delta rule (Qwen3-Next GatedDeltaNet): chunked prefill and one-step decode.
+
+The recurrent state of a request is ``S [heads_v, dk, dv]`` (fp32). Per token, with
+``q, k`` L2-normalised and ``q`` scaled by ``dk ** -0.5``:
+``S = exp(g) * S;  S += k ⊗ beta * (v - kᵀS);  o = qᵀS``.
+Invariants:
+- the arithmetic mirrors transformers 5.23.0's ``torch_chunk_gated_delta_rule`` (prefill)
+  and ``torch_recurrent_gated_delta_rule`` (decode) operation for operation, so one pass is
+  equal to the reference up to summation order;
+- ``lengths`` right-pads a batch of unequal chunks: padded positions get ``beta = 0`` and
+  ``g = 0``, which leaves the state untouched, so each row's final state is its own;
+- chunks are counted from each call's first token, so splitting a sequence at any boundaries
+  and carrying the state equals one pass within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.ops.varlen import length_mask
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    # transformers' Qwen3-Next l2norm (FLA convention: eps inside the rsqrt).
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _check_state(state: torch.Tensor, batch: int, heads_v: int, dk: int, dv: int, what: str) -> None:
+    if state.shape != (batch, heads_v, dk, dv):
+        raise ValueError(
+            f"{what}: state shape {tuple(state.shape)} does not match the inputs: expected "
+            f"(batch, heads_v, dk, dv) = {(batch, heads_v, dk, dv)}"
+        )
+
+
+def gated_delta_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule over a batch of chunks that continue ``state``.
+
+    Args:
+        q, k: ``[batch, seq, heads_k, dk]``; v: ``[batch, seq, heads_v, dv]`` (``heads_v`` a
+            multiple of ``heads_k``: each q/k head serves consecutive value heads).
+        g: log decay ``[batch, seq, heads_v]`` (<= 0); beta: ``[batch, seq, heads_v]``.
+        state: ``[batch, heads_v, dk, dv]``, the state before the chunk (zeros for a new request).
+        lengths: ``[batch]`` valid tokens per row (None: all ``seq``).
+
+    Returns:
+        ``(out [batch, seq, heads_v, dv] in q's dtype, final state [batch, heads_v, dk, dv] fp32)``.
+    """
+    out_dtype = q.dtype
+    batch, seq, heads_k, dk = k.shape
+    heads_v, dv = v.shape[-2:]
+    _check_state(state, batch, heads_v, dk, dv, "gated delta prefill")
+    if lengths is not None:
+        valid = length_mask(lengths, seq)
+        g = g * valid[..., None]
+        beta = beta * valid[..., None]
+    if heads_k != heads_v:
+        q = q.repeat_interleave(heads_v // heads_k, dim=2)
+        k = k.repeat_interleave(heads_v // heads_k, dim=2)
+    q, k, v, beta, g = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)
+    )
+    q = _l2norm(q)
+    k = _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (
+        x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)
+    )
+    g = g.reshape(g.shape[0], g.shape[1], -1, chunk_size)
+    num_chunks = g.shape[2]
+
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pair_decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(num_chunks):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+
+    out = out.reshape(batch, heads_v, -1, dv)[:, :, :seq]
+    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), s
+
+
+def gated_delta_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request: q, k ``[batch, heads_k, dk]``, v ``[batch, heads_v, dv]``, g, beta
+    ``[batch, heads_v]``, state ``[batch, heads_v, dk, dv]`` -> ``(out [batch, heads_v, dv], new state)``."""
+    out_dtype = q.dtype
+    batch, heads_k, dk = k.shape
+    heads_v, dv = v.shape[-2:]
+    _check_state(state, batch, heads_v, dk, dv, "gated delta decode")
+    if heads_k != heads_v:
+        q = q.repeat_interleave(heads_v // heads_k, dim=1)
+        k = k.repeat_interleave(heads_v // heads_k, dim=1)
+    q, k, v, beta, g = (x.to(torch.float32) for x in (q, k, v, beta, g))
+    q = _l2norm(q)
+    k = _l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+
+    s = state.to(v) * g.exp()[..., None, None]
+    kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (s * q.unsqueeze(-1)).sum(dim=-2)
+    return out.to(out_dtype), s

@@ -1,0 +1,160 @@
+"""Tiny random ``transformers`` models of every architecture the engine serves.
+
+Invariants:
+- One table (``TINY_CONFIGS``): name -> ``model_type`` and config overrides. Every model is
+  fp32, hidden size <= 128, 2-6 layers, with windows of 8-32 tokens so windows matter.
+- ``build_random(name)`` seeds torch's global generator with a fixed seed before building, so
+  the weights are identical in every process (CPU; the same torch build).
+- Special token ids lie inside the vocabulary (Kimi-Linear's defaults do not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SEED = 1234
+VOCAB = 256
+
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-qwen3-next": (
+        "qwen3_next",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            full_attention_interval=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+    "tiny-gemma3": (
+        "gemma3_text",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
+    "tiny-gpt-oss": (
+        "gpt_oss",
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=12,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            eos_token_id=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "tiny-nemotron-h": (
+        "nemotron_h",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            hybrid_override_pattern="M-M*-M",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "tiny-kimi-linear": (
+        "kimi_linear",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            linear_attn_config={
+                "head_dim": 16,
+                "num_heads": 4,
+                "short_conv_kernel_size": 4,
+                "full_attn_layers": [2, 4],
+                "kda_layers": [1, 3],
+            },
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
+
+
+def tiny_names() -> list[str]:
+    return list(TINY_CONFIGS)
+
+
+def build_random(name: str) -> tuple[Any, Any]:
+    """``(hf_model, hf_config)`` of a tiny random model, identical in every process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model_type, overrides = TINY_CONFIGS[name]
+    except KeyError:
+        raise KeyError(f"no tiny random model {name!r}; known: {tiny_names()}") from None
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=512, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return model, config

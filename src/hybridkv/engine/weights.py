@@ -1,0 +1,107 @@
+"""Weights: from a ``transformers`` model's ``state_dict`` or a local ``config.json`` + ``*.safetensors`` dir.
+
+Invariants:
+- Every parameter of the engine's model is loaded exactly once; a missing weight, an HF
+  name the model cannot place, or a wrong shape raises ``WeightError`` naming every
+  offender (the model is left untouched then).
+- Checkpoint layouts that differ from ``state_dict`` (per-expert MoE weights) are merged by
+  the model's ``merge_checkpoint`` first.
+- Safetensors files are read with ``safetensors`` itself; ``transformers`` only parses
+  ``config.json`` (it fills the architecture's defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.engine.models.base import CausalLM, WeightError
+from hybridkv.engine.registry import model_class, text_config
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_weights(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy HF-named ``tensors`` (``state_dict`` or checkpoint layout) into ``model`` after checking them."""
+    tensors = model.merge_checkpoint(tensors)
+    params = dict(model.named_parameters())
+    placed: dict[str, torch.Tensor] = {}
+    unexpected, doubled, shapes = [], [], []
+    misshapen: set[str] = set()
+    for hf_name, tensor in tensors.items():
+        local = model.local_name(hf_name)
+        if local is None:
+            continue
+        if local not in params:
+            unexpected.append(hf_name)
+        elif local in placed:
+            doubled.append(hf_name)
+        elif tuple(tensor.shape) != tuple(params[local].shape):
+            shapes.append(f"{hf_name} {tuple(tensor.shape)} (model {local} wants {tuple(params[local].shape)})")
+            misshapen.add(local)
+        else:
+            placed[local] = tensor
+    missing = sorted(set(params) - set(placed) - misshapen)
+    problems = []
+    if missing:
+        problems.append(f"missing weights for {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights {_listing(unexpected)}")
+    if doubled:
+        problems.append(f"weights given twice under other names: {_listing(doubled)}")
+    if shapes:
+        problems.append(f"wrong shapes: {_listing(shapes)}")
+    if problems:
+        raise WeightError(f"{type(model).__name__}: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, tensor in placed.items():
+            params[name].copy_(tensor)
+
+
+def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``directory/*.safetensors`` (a name in two files is an error)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{directory}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(str(path)).items():
+            if name in tensors:
+                raise WeightError(f"{directory}: weight {name} appears in two files (second: {path.name})")
+            tensors[name] = tensor
+    return tensors
+
+
+def read_config(directory: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise WeightError(f"{directory}: no config.json")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def build_model(
+    config: Any, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> CausalLM:
+    """The engine's model for ``config`` with ``tensors`` (HF names) loaded, in ``dtype`` on ``device``."""
+    config = text_config(config)
+    with torch.device(device):
+        model = model_class(config.model_type)(config)
+    load_weights(model, tensors)
+    return model.to(dtype).eval()
+
+
+def from_hf_model(hf_model: Any, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    return build_model(hf_model.config, hf_model.state_dict(), dtype, device)
+
+
+def from_directory(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> CausalLM:
+    return build_model(read_config(directory), read_safetensors(directory), dtype, device)

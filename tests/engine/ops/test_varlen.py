@@ -1,0 +1,18 @@
+"""Ragged <-> padded layout helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.engine.ops import length_mask, pad_ragged, unpad_ragged
+
+
+def test_pad_then_unpad_is_identity_and_padding_is_zero() -> None:
+    lengths = torch.tensor([3, 0, 1, 4])
+    starts = torch.cumsum(lengths, 0) - lengths
+    flat = torch.arange(1, 9, dtype=torch.float32)[:, None].expand(8, 2).contiguous()
+    padded = pad_ragged(flat, starts, lengths, 4)
+    assert padded.shape == (4, 4, 2)
+    assert padded[:, :, 0].tolist() == [[1, 2, 3, 0], [0, 0, 0, 0], [4, 0, 0, 0], [5, 6, 7, 8]]
+    assert torch.equal(unpad_ragged(padded, lengths, 8), flat)
+    assert length_mask(lengths, 4).sum(dim=1).tolist() == [3, 0, 1, 4]

@@ -1,0 +1,122 @@
+"""Engine: continuous batching, chunked prefill and retraction stay token-exact against transformers.
+
+References are ``generate(do_sample=False)`` (stopping at EOS, as the engine does). Budgets
+are chosen so that 18 requests cannot all fit: retraction must happen and the retracted
+requests, recomputed later, must still produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridkv.engine.engine import Engine
+from hybridkv.host_sync import HostSyncCounter
+from hybridkv.memory import LayoutError
+from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
+
+MODELS = ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next"]
+ALL_MODELS = [*MODELS, "tiny-nemotron-h", "tiny-kimi-linear"]
+PROMPTS = [prompt(200 + i, 3 + 4 * i) for i in range(18)]
+
+
+def _engine(name: str, budget: int, page_size: int) -> Engine:
+    hf = hf_model(name)
+    return Engine(hf.config, hf, gpu_memory=budget, page_size=page_size, chunk_size=7, max_context=96)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_many_requests_under_a_small_budget_retract_and_stay_exact(name: str, page_size: int) -> None:
+    engine = _engine(name, 150_000, page_size)
+    empty = live_counts(engine.mem)
+    outs = engine.generate(PROMPTS, 8)
+    assert engine.stats["retractions"] > 0
+    assert any(o.retractions for o in outs)
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        assert out.error is None
+        assert out.output_ids == hf_reference(name, tuple(ids), 8)[0], f"prompt of {len(ids)} tokens"
+    engine.mem.verify()
+    assert live_counts(engine.mem) == empty
+
+
+def test_compaction_under_retraction_stays_exact() -> None:
+    """Retraction frees memory in the middle of others' rows; the memory compacts to make room."""
+    engine = _engine("tiny-qwen3-next", 150_000, 1)
+    outs = engine.generate(PROMPTS, 8)
+    assert engine.mem.stats().bytes_moved > 0
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-qwen3-next", tuple(p), 8)[0] for p in PROMPTS]
+
+
+def test_a_large_budget_needs_no_retraction() -> None:
+    engine = _engine("tiny-gpt-oss", 2_000_000, 16)
+    outs = engine.generate(PROMPTS, 8)
+    assert engine.stats["retractions"] == 0
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-gpt-oss", tuple(p), 8)[0] for p in PROMPTS]
+
+
+def test_bad_requests_fail_alone_and_the_others_stay_exact() -> None:
+    engine = _engine("tiny-gemma3", 400_000, 4)
+    good = PROMPTS[:3]
+    outs = engine.generate([good[0], [], good[1], [5, 256, 7], [3] * 95, good[2]], 6)
+    assert [o.finish_reason == "error" for o in outs] == [False, True, False, True, True, False]
+    assert "empty prompt" in (outs[1].error or "")
+    assert "outside the vocabulary [0, 256)" in (outs[3].error or "")
+    assert "exceeds the context of 96 tokens" in (outs[4].error or "")
+    for i, ids in zip([0, 2, 5], good, strict=True):
+        assert outs[i].output_ids == hf_reference("tiny-gemma3", tuple(ids), 6)[0]
+
+
+def test_a_budget_below_one_request_is_refused_at_start() -> None:
+    with pytest.raises(LayoutError, match="one request of 96 tokens needs"):
+        _engine("tiny-gemma3", 60_000, 16)
+
+
+def test_seeded_sampling_is_independent_of_batching_and_retraction() -> None:
+    small, large = _engine("tiny-qwen3-next", 150_000, 4), _engine("tiny-qwen3-next", 2_000_000, 4)
+    a = small.generate(PROMPTS, 8, temperature=1.0, seed=7)
+    b = large.generate(PROMPTS, 8, temperature=1.0, seed=7)
+    alone = large.generate(PROMPTS[5:6], 8, temperature=1.0, seed=12)  # request 5 of the batch had seed 7 + 5
+    assert small.stats["retractions"] > 0
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    assert alone[0].output_ids == a[5].output_ids
+    c = large.generate(PROMPTS, 8, temperature=1.0, seed=8)
+    assert [o.output_ids for o in c] != [o.output_ids for o in b]
+    greedy = [hf_reference("tiny-qwen3-next", tuple(p), 8)[0] for p in PROMPTS]
+    assert [o.output_ids for o in b] != greedy
+
+
+def test_generation_stops_at_eos() -> None:
+    engine = _engine("tiny-gemma3", 400_000, 4)
+    outs = engine.generate(PROMPTS, 8)
+    reasons = {o.finish_reason for o in outs}
+    assert "eos" in reasons  # prompt 11 of this seed list ends on EOS (id 1) within 8 tokens
+    for out in outs:
+        assert (out.finish_reason == "eos") == (out.output_ids[-1:] == [1])
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_the_only_host_read_is_the_sampled_tokens(name: str) -> None:
+    """Memory calls, id translation and every layer's forward read nothing back from the device;
+    choosing the next tokens reads them once per step (one ``tolist``)."""
+    engine = _engine(name, 150_000, 4)
+    with HostSyncCounter() as counter:
+        engine.generate(PROMPTS, 8)
+    assert engine.stats["retractions"] > 0
+    assert set(counter.counts) == {"tolist"}
+    assert counter.counts["tolist"] <= engine.stats["steps"]
+
+
+def test_engine_from_a_save_pretrained_directory(tmp_path: Path) -> None:
+    hf_model("tiny-gpt-oss").save_pretrained(tmp_path)
+    engine = Engine(tmp_path, gpu_memory=400_000, page_size=4, chunk_size=5, max_context=96)
+    outs = engine.generate(PROMPTS[:4], 6)
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-gpt-oss", tuple(p), 6)[0] for p in PROMPTS[:4]]
+
+
+def test_a_spec_alone_is_refused_with_what_to_pass() -> None:
+    hf = hf_model("tiny-gemma3")
+    engine = _engine("tiny-gemma3", 400_000, 4)
+    with pytest.raises(TypeError, match="pass a ModelSpec as spec="):
+        Engine(engine.spec, hf)
