@@ -14,6 +14,9 @@ import zmq
 
 from hybridkv.memory import InvalidIds, PinnedError, UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.testing.harness import MEMORY, MODEL, decode_rank, variant
+from hybridkv.testing.pattern import expected_arena, fill, mismatch
+from hybridkv.testing.transports import Delegating
 from hybridkv.transfer import (
     BootstrapServer,
     Phase,
@@ -28,7 +31,6 @@ from hybridkv.transfer import (
     shared_memory,
 )
 from hybridkv.transfer.bootstrap import bootstrap_call
-from hybridkv.transfer.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.transfer.messages import (
     Abort,
     Hello,
@@ -43,9 +45,7 @@ from hybridkv.transfer.messages import (
     decode,
     encode,
 )
-from hybridkv.transfer.pattern import expected_arena, fill, mismatch
 from hybridkv.transfer.status import ReportBoard
-from hybridkv.transfer.transport.base import Delegating
 
 
 @pytest.fixture
@@ -387,10 +387,10 @@ def test_status_only_moves_forward():
 
 
 class Lossy(Delegating):
-    """A transport that reports success but drops the last op of every write."""
+    """A transport that reports success but drops the last op of every submit."""
 
-    def write(self, peer, src, dst, length, bounds=None) -> None:
-        super().write(peer, src[:-1], dst[:-1], length[:-1], bounds)
+    def submit(self, peer, src, dst, length, bounds=None):
+        return super().submit(peer, src[:-1], dst[:-1], length[:-1], bounds)
 
 
 def test_checksum_refuses_bytes_a_transport_lost(bootstrap, stack):

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from hybridkv.testing.harness import StageProcess, decode_rank, stage_config
+from hybridkv.testing.pattern import expected_arena, mismatch
 from hybridkv.transfer import BootstrapServer, Phase
-from hybridkv.transfer.harness import StageProcess, decode_rank, stage_config
-from hybridkv.transfer.pattern import expected_arena, mismatch
 
 REQUESTS = [["a", 27, 11], ["b", 40, 12], ["c", 5, 13]]
 

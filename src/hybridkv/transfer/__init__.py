@@ -28,7 +28,7 @@ from hybridkv.transfer.plan import TransferPlan, build_plan, memory_cells
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.shared import SharedBuffer, shared_memory
 from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
-from hybridkv.transfer.transport import TRANSPORTS, Transport, make_transport
+from hybridkv.transfer.transport import TRANSPORTS, Transport, TransportName, make_transport
 
 __all__ = [
     "TRANSPORTS",
@@ -51,6 +51,7 @@ __all__ = [
     "TransferPlan",
     "Transport",
     "TransportError",
+    "TransportName",
     "buffer_set_from_layouts",
     "buffer_set_from_memory",
     "build_plan",
