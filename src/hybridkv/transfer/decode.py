@@ -33,7 +33,7 @@ import zmq
 from hybridkv.memory import MoveGate, UnifiedMemory
 from hybridkv.transfer.agent import Agent, log
 from hybridkv.transfer.buffers import buffer_set_from_memory
-from hybridkv.transfer.checksum import crc32_ranges
+from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.messages import (
     Abort,
@@ -378,7 +378,7 @@ class DecodeReceiver(Agent):
         error = ""
         for rank, leg in inc.legs.items():
             _, dst, length = leg.plan.ops()
-            got = crc32_ranges(dst, length)
+            got = checksum_addresses(self.mem.arena.buffer, dst, length)
             if leg.checksum != got:
                 error = (
                     f"checksum mismatch for prefill {rank}: it sent {leg.checksum}, the "

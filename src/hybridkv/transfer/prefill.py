@@ -30,7 +30,7 @@ from hybridkv.memory import MoveGate, UnifiedMemory
 from hybridkv.transfer.agent import Agent, log
 from hybridkv.transfer.bootstrap import bootstrap_call
 from hybridkv.transfer.buffers import BufferSet, buffer_set_from_memory
-from hybridkv.transfer.checksum import crc32_ranges
+from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import BadLayout, LayoutMismatch, PlanError, TransferError
 from hybridkv.transfer.messages import (
     Abort,
@@ -295,7 +295,7 @@ class PrefillSender(Agent):
             plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
             write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, partial(self._should_stop, leg))
             src, _, length = plan.ops()
-            crc = crc32_ranges(src, length) if leg.checksum else None
+            crc = checksum_addresses(self.mem.arena.buffer, src, length) if leg.checksum else None
             done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
         except TransferError as exc:
             done = partial(self._leg_done, out, leg, str(exc), 0, 0, None)
