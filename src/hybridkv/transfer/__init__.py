@@ -10,6 +10,7 @@ from hybridkv.transfer.bootstrap import BootstrapServer
 from hybridkv.transfer.buffers import (
     BufferEntry,
     BufferSet,
+    Role,
     buffer_set_from_layouts,
     buffer_set_from_memory,
     expand_layer_ids,
@@ -27,7 +28,7 @@ from hybridkv.transfer.pairing import EntryPair, pair_entries
 from hybridkv.transfer.plan import TransferPlan, build_plan, memory_cells
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.shared import SharedBuffer, shared_memory
-from hybridkv.transfer.status import Phase, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import TRANSPORTS, Transport, TransportName, make_transport
 
 __all__ = [
@@ -40,11 +41,13 @@ __all__ = [
     "DecodeReceiver",
     "EntryPair",
     "LayoutMismatch",
+    "LegStatus",
     "Phase",
     "PlanError",
     "PrefillSender",
     "ProtocolError",
     "RequestStatus",
+    "Role",
     "SharedBuffer",
     "StatusReport",
     "TransferError",

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import Enum
 
 import zmq
 
@@ -34,7 +35,16 @@ from hybridkv.transfer.messages import Message, Rank, decode, encode
 
 log = logging.getLogger("hybridkv.transfer")
 
-Event = tuple[str, str, object]  # (kind, request id, payload) for the owner
+
+class EventKind(Enum):
+    """What the I/O thread tells the owner about a request."""
+
+    DONE = "done"  # finished: the payload is its final StatusReport
+    KEEP = "keep"  # (decode) succeeded: unpin its pages, they are the caller's now
+    FREE = "free"  # (decode) failed and quiet: unpin and free its pages
+
+
+Event = tuple[EventKind, str, object]  # (kind, request id, payload) for the owner
 
 
 class Agent:

@@ -11,12 +11,12 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 from hybridkv.transfer.buffers import BufferSet
 from hybridkv.transfer.errors import ProtocolError
+from hybridkv.transfer.status import LegStatus
+from hybridkv.transfer.transport.base import TransportName
 
 
 class Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -39,7 +39,7 @@ class Register(_Msg, tag="register"):
 
     rank: Rank
     endpoint: str
-    transport: str
+    transport: TransportName
     session: str
     buffers: BufferSet
 
@@ -67,7 +67,7 @@ class Hello(_Msg, tag="hello"):
 
     rank: Rank
     endpoint: str
-    transport: str
+    transport: TransportName
     session: str
     buffers: BufferSet
 
@@ -97,7 +97,7 @@ class Status(_Msg, tag="status"):
     request_id: str
     nonce: int
     rank: Rank
-    phase: Literal["transferring", "success", "failed"]
+    phase: LegStatus  # never ``asked``: a receiver drops such a status
     reason: str = ""
     ops: int = 0
     nbytes: int = 0
