@@ -87,7 +87,11 @@ def _ranks(transport: str, page_tokens: int, max_batch: int) -> Iterator[tuple[P
     shard = ShardSpec.whole(MODEL)
     page_bytes = TOKEN_BYTES * page_tokens
     budget = page_bytes * (2 * max_batch + 32)
-    hints = {"page_size": page_tokens, "max_context": page_tokens * max_batch, "chunk_tokens": page_tokens}
+    hints: dict[str, Any] = {
+        "page_size": page_tokens,
+        "max_context": page_tokens * max_batch,
+        "chunk_tokens": page_tokens,
+    }
     with contextlib.ExitStack() as stack:
         boot = BootstrapServer().start()
         stack.callback(boot.close)
@@ -174,7 +178,7 @@ def _case(
     dec.free_pages(dst_pages)
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     page_bytes = TOKEN_BYTES * page_tokens
-    need, from_bytes = GOALS[transport]
+    need, from_bytes = GOALS[TransportName(transport)]
     ratio = _paired_ratio(times, "baseline")
     fixed_us = (statistics.median(times["hybridkv"]) - statistics.median(times["baseline"])) * 1e6
     return {
@@ -211,7 +215,7 @@ def run(
             continue
         with _ranks(transport, tokens, max(fit)) as (sender, receiver):
             rows += [_case(transport, sender, receiver, b, reps, rng) for b in fit]
-    need, from_bytes = GOALS[transport]
+    need, from_bytes = GOALS[TransportName(transport)]
     judged = [r for r in rows if r["meets_goal"] is not None]
     return {
         "transport": transport,

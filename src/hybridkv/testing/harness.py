@@ -141,7 +141,7 @@ def decode_rank(
     """A decode rank in this process (zeroed memory; shared memory where the transport needs it)."""
     spec = get_preset(model) if isinstance(model, str) else model
     shard = ShardSpec(spec, Parallel(tp, 1), 0, tp_rank)
-    hints = dict(MEMORY, page_size=page_size)
+    hints: dict[str, Any] = dict(MEMORY, page_size=page_size)
     with contextlib.ExitStack() as stack:
         shared = None
         if transport_class(transport).shared_arena:

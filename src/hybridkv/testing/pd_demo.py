@@ -164,7 +164,7 @@ def run_pd_demo(
         boot = BootstrapServer().start()
         stack.callback(boot.close)
 
-        def decode(model: str | ModelSpec, engine: str, tp: int = 1, tp_rank: int = 0, **kw: object) -> DecodeRank:
+        def decode(model: str | ModelSpec, engine: str, tp: int = 1, tp_rank: int = 0, **kw: Any) -> DecodeRank:
             rank = decode_rank(boot.address, transport, tp, tp_rank, model, engine=engine, timeout_s=timeout_s, **kw)
             return stack.enter_context(rank)
 

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
+from functools import partial
 
 import zmq
 
@@ -149,7 +150,7 @@ class Agent:
                         self._wake_in.recv()
                 for sock in ready:
                     if sock is not self._pull and sock is not self._wake_in:
-                        self._guard("socket", lambda s=sock: self.on_socket(s))
+                        self._guard("socket", partial(self.on_socket, sock))
                 while not self._calls.empty():
                     self._guard("call", self._calls.get())
                 self._guard("tick", lambda: self.tick(time.monotonic()))
@@ -167,7 +168,10 @@ class Agent:
                 data = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._guard("message", lambda d=data: self.on_message(decode(d)))
+            self._guard("message", partial(self._on_bytes, data))
+
+    def _on_bytes(self, data: bytes) -> None:
+        self.on_message(decode(data))
 
     def _run_jobs(self) -> None:
         while True:

@@ -399,10 +399,10 @@ class Route:
             todo += [(d * ds + b, s * ss + a, n) for s, d in zip(src, dst, strict=True) for a, b, n in chunks.items]
         proven = _one_region(d_lo, d_hi, self.decode) and (src_cells is None or _one_region(s_lo, s_hi, self.prefill))
         if not proven:  # rare: check each piece, as the array path does
-            d, s, n = (np.array(x, dtype=np.int64) for x in zip(*todo, strict=True))
-            _check_inside(d, n, d_lo, d_hi, self.decode, Role.DECODE)
+            d_arr, s_arr, n_arr = (np.array(x, dtype=np.int64) for x in zip(*todo, strict=True))
+            _check_inside(d_arr, n_arr, d_lo, d_hi, self.decode, Role.DECODE)
             if src_cells is not None:
-                _check_inside(s, n, s_lo, s_hi, self.prefill, Role.PREFILL)
+                _check_inside(s_arr, n_arr, s_lo, s_hi, self.prefill, Role.PREFILL)
         if src_cells is None:
             s_lo = s_hi = 0
         todo.sort()
