@@ -90,3 +90,15 @@ def test_refuses_ranges_outside_the_buffer():
     with pytest.raises(ValueError, match="contiguous 1-D uint8"):
         checksum_ranges(buf.view(10, 10), [0], [4])
     assert checksum_ranges(buf, [], []) == 0 == checksum(buf)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tensors_give_the_host_value():
+    rng = np.random.default_rng(4)
+    host = torch.from_numpy(rng.integers(0, 256, (3 << 20) + 5, dtype=np.uint8))
+    edges = cuts(host.numel(), rng, 500)
+    device = host.cuda()
+    assert checksum(device) == checksum(host)
+    assert checksum_ranges(device, edges[:-1], np.diff(edges)) == checksum(host)
+    view = device[: 3 << 20].view(-1, 4, 256)[:, 1:3]
+    assert checksum(view) == checksum(view.cpu())

@@ -72,10 +72,11 @@ class WriteHandle:
 
     __slots__ = ("_ended", "_status", "ops", "peer")
 
-    def __init__(self, peer: str, ops: int) -> None:
+    def __init__(self, peer: str, ops: int, status: WriteStatus = PENDING) -> None:
+        """``status``: ``DONE`` for a write that completed inside ``submit`` (no event needed)."""
         self.peer, self.ops = peer, ops
-        self._status = PENDING
-        self._ended = threading.Event()
+        self._status = status
+        self._ended = None if status.ended else threading.Event()
 
     @property
     def status(self) -> WriteStatus:
@@ -85,13 +86,14 @@ class WriteHandle:
         """End the handle (transports only); a second end is a bug and raises."""
         if not status.ended or (status.state is WriteState.FAILED and not status.reason):
             raise ValueError(f"a write ends done or failed with a reason, not {status}")
-        if self._ended.is_set():
+        if self._ended is None or self._ended.is_set():
             raise RuntimeError(f"write to {self.peer} ended twice: {self._status}, then {status}")
         self._status = status
         self._ended.set()
 
     def wait(self, timeout_s: float | None) -> WriteStatus:
-        self._ended.wait(timeout_s)
+        if self._ended is not None:
+            self._ended.wait(timeout_s)
         return self._status
 
 

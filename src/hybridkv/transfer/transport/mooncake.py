@@ -116,10 +116,9 @@ class MooncakeTransport(Transport):
         engine = self._engine
         if engine is None:
             raise TransportError(f"the mooncake transport is closed; cannot write to {peer}")
-        handle = WriteHandle(peer, len(src))
         if not len(src):
-            handle.finish(DONE)
-            return handle
+            return WriteHandle(peer, 0, DONE)
+        handle = WriteHandle(peer, len(src))
         args = (peer, as_ints(src), as_ints(dst), as_ints(length))
         self._collector(peer).put((handle, args, engine.batch_transfer_async_write(*args)))
         return handle
