@@ -1,9 +1,14 @@
 """Prefill->decode transfer of KV and recurrent state (PD disaggregation).
 
 Layout (``BufferSet``) -> pairing by global layer id -> plan of coalesced ``(src, dst,
-length)`` ops -> a transport (shared memory or Mooncake), driven by a control plane
-(bootstrap registry, per-request messages, monotonic status). Fails closed: every size and
-address is checked before a byte moves; any doubt ends the request Failed with a reason.
+length)`` ops -> a transport chosen by name from one registry (``TRANSPORTS``: shared
+memory, Mooncake), written asynchronously (``submit`` -> handle, ``poll``/``wait``), driven
+by a control plane (bootstrap registry, per-request messages, forward-only request and leg
+status, optional checksums computed on the memory's own device). Fails closed: every size
+and address is checked before a byte moves; any doubt ends the request Failed with a reason.
+
+Test and demo tooling (byte patterns, multi-process harness, fault-injecting transports)
+lives in ``hybridkv.testing``, which this package never imports.
 """
 
 from hybridkv.transfer.bootstrap import BootstrapServer

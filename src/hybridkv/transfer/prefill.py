@@ -4,7 +4,8 @@ Protocol (this side): register at the bootstrap; every decode rank says ``Hello`
 (its layout and transport session: the pairing is checked then) and sends one
 ``TransferRequest`` per request (its destination cells). When the owner hands over the
 request's pages with ``send``, each decode rank's *leg* runs on the worker: plan, write in
-chunks, checksum; the decode rank gets ``transferring`` then ``success``/``failed``.
+chunks (``write_plan``: submit one, wait for it), checksum; the decode rank gets
+``transferring`` then ``success``/``failed`` (``LegStatus``).
 
 Invariants:
 - The request's pages and slot are pinned (memory move gate) from ``send`` until the owner
@@ -13,9 +14,10 @@ Invariants:
 - Every decode rank of the requesting engine sends a request, even one this rank feeds
   nothing (it gets a zero-op success): the request succeeds here only when all of them
   succeeded, and fails on the first failure, abort, timeout or silent peer.
-- A running leg checks its stop flag and its decode-given deadline between chunks, so an
-  aborted or expired request stops writing at the next chunk boundary. Every failure is
-  reported to every decode rank still waiting, with its reason.
+- A running leg checks its stop flag and its decode-given deadline between chunks and while
+  one is in flight, so an aborted or expired request stops writing at the next chunk
+  boundary; the leg ends only when no submitted chunk can still read its pages. Every
+  failure is reported to every decode rank still waiting, with its reason.
 """
 
 from __future__ import annotations
