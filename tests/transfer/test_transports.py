@@ -19,7 +19,7 @@ from hybridkv.transfer import (
     make_transport,
 )
 from hybridkv.transfer.plan import Bounds
-from hybridkv.transfer.transport import WriteState, WriteStatus, transport_class
+from hybridkv.transfer.transport import Completion, WriteStatus, transport_class
 
 
 def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
@@ -85,16 +85,16 @@ def test_submit_poll_wait_on_both_transports():
             receiver.register(peer.addr, peer.nbytes)
             writer.register(src.data_ptr(), src.numel())
             handle = writer.submit(receiver.session, src.data_ptr() + src_off, peer.addr + dst_off, length)
-            assert writer.poll(handle).state in (WriteState.PENDING, WriteState.DONE)
-            assert writer.wait(handle, 30) == WriteStatus(WriteState.DONE)
+            assert writer.poll(handle).completion in (Completion.PENDING, Completion.DONE)
+            assert writer.wait(handle, 30) == WriteStatus(Completion.DONE)
             assert writer.poll(handle).ended
             got = peer.tensor.numpy()
             for s, d, n in zip(src_off, dst_off, length, strict=True):
                 assert np.array_equal(got[d : d + n], src.numpy()[s : s + n]), name
             with pytest.raises(RuntimeError, match="ended twice"):
-                handle.finish(WriteStatus(WriteState.FAILED, "late"))
+                handle.finish(WriteStatus(Completion.FAILED, "late"))
             empty = writer.submit(receiver.session, [], [], [])
-            assert writer.poll(empty).state is WriteState.DONE
+            assert writer.poll(empty).completion is Completion.DONE
             if name is TransportName.MOONCAKE:  # more ops could overflow the peer's queue
                 ops = [src.data_ptr()] * (writer.max_ops_per_submit + 1)
                 with pytest.raises(TransportError, match="split plans into chunks"):
@@ -115,7 +115,7 @@ def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
         outside = dst.data_ptr() + dst.numel()  # past what the peer registered
         handle = writer.submit(receiver.session, [src.data_ptr()], [outside], [64])
         status = writer.wait(handle, 60)
-        assert status.state is WriteState.FAILED and "answering probes" in status.reason
+        assert status.completion is Completion.FAILED and "answering probes" in status.reason
         assert writer.poll(handle) == status
         assert not dst.any()
     finally:

@@ -13,10 +13,10 @@ from types import MappingProxyType
 
 from hybridkv.transfer.shared import SharedBuffer
 from hybridkv.transfer.transport.base import (
+    Completion,
     Transport,
     TransportName,
     WriteHandle,
-    WriteState,
     WriteStatus,
     write_plan,
 )
@@ -48,12 +48,12 @@ def make_transport(name: str, shared: SharedBuffer | None = None, **options: obj
 
 __all__ = [
     "TRANSPORTS",
+    "Completion",
     "MooncakeTransport",
     "ShmTransport",
     "Transport",
     "TransportName",
     "WriteHandle",
-    "WriteState",
     "WriteStatus",
     "make_transport",
     "transport_class",

@@ -42,7 +42,9 @@ class TransportName(StrEnum):
     MOONCAKE = "mooncake"
 
 
-class WriteState(Enum):
+class Completion(Enum):
+    """How far a submitted write got."""
+
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
@@ -52,16 +54,16 @@ class WriteState(Enum):
 class WriteStatus:
     """Where a submitted write stands; ``reason`` says why it failed (empty otherwise)."""
 
-    state: WriteState
+    completion: Completion
     reason: str = ""
 
     @property
     def ended(self) -> bool:
-        return self.state is not WriteState.PENDING
+        return self.completion is not Completion.PENDING
 
 
-PENDING = WriteStatus(WriteState.PENDING)
-DONE = WriteStatus(WriteState.DONE)
+PENDING = WriteStatus(Completion.PENDING)
+DONE = WriteStatus(Completion.DONE)
 
 
 class WriteHandle:
@@ -84,7 +86,7 @@ class WriteHandle:
 
     def finish(self, status: WriteStatus) -> None:
         """End the handle (transports only); a second end is a bug and raises."""
-        if not status.ended or (status.state is WriteState.FAILED and not status.reason):
+        if not status.ended or (status.completion is Completion.FAILED and not status.reason):
             raise ValueError(f"a write ends done or failed with a reason, not {status}")
         if self._ended is None or self._ended.is_set():
             raise RuntimeError(f"write to {self.peer} ended twice: {self._status}, then {status}")
@@ -149,7 +151,7 @@ class Transport(ABC):
     def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
         """``submit`` and wait for the end; raises ``TransportError`` unless every op landed."""
         status = self.wait(self.submit(peer, src, dst, length, bounds), None)
-        if status.state is not WriteState.DONE:
+        if status.completion is not Completion.DONE:
             raise TransportError(status.reason)
 
     @abstractmethod
@@ -176,7 +178,7 @@ def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes:
         while not status.ended:
             reason = reason or stop()
             status = transport.wait(handle, STOP_CHECK_S)
-        if status.state is WriteState.FAILED:
+        if status.completion is Completion.FAILED:
             raise TransportError(status.reason)
         if reason:
             raise TransferError(f"stopped: {reason}")

@@ -34,7 +34,7 @@ from typing import Any
 
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.plan import Bounds, Ops, as_ints
-from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle, WriteState, WriteStatus
+from hybridkv.transfer.transport.base import DONE, Completion, Transport, TransportName, WriteHandle, WriteStatus
 
 ENV_DEFAULTS = {
     "MC_LOG_LEVEL": "ERROR",
@@ -140,7 +140,7 @@ class MooncakeTransport(Transport):
             try:
                 handle.finish(self._outcome(engine, args, batch))
             except Exception as exc:  # a bug must not leave a handle pending forever
-                handle.finish(WriteStatus(WriteState.FAILED, f"mooncake collector failed: {exc!r}"))
+                handle.finish(WriteStatus(Completion.FAILED, f"mooncake collector failed: {exc!r}"))
 
     @staticmethod
     def _outcome(engine: Any, args: tuple[str, list[int], list[int], list[int]], batch: int) -> WriteStatus:
@@ -155,7 +155,7 @@ class MooncakeTransport(Transport):
         probe = engine.send_probe(peer)
         health = "dead" if probe == PROBE_DEAD else f"answering probes (probe rc {probe})"
         return WriteStatus(
-            WriteState.FAILED,
+            Completion.FAILED,
             f"mooncake batch write of {len(args[1])} ops ({sum(args[3])} B) to {peer} failed "
             f"with rc {rc} after one retry; the peer is {health}",
         )
