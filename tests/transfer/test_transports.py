@@ -118,6 +118,9 @@ def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
         assert status.completion is Completion.FAILED and "answering probes" in status.reason
         assert writer.poll(handle) == status
         assert not dst.any()
+        nobody = writer.submit("127.0.0.1:1", [src.data_ptr()], [outside], [64])  # a submit that cannot start
+        status = writer.wait(nobody, 60)
+        assert status.completion is Completion.FAILED and "127.0.0.1:1" in status.reason
     finally:
         writer.close()
         receiver.close()

@@ -67,10 +67,7 @@ def _table(device: torch.device) -> torch.Tensor:
 
 def checksum(tensor: torch.Tensor) -> int:
     """The checksum of a tensor's bytes in row-major order (any dtype, any strides, any device)."""
-    flat = tensor.contiguous().reshape(-1)
-    if flat.dtype is torch.bool:
-        flat = flat.view(torch.uint8)
-    data = flat.view(torch.uint8)
+    data = tensor.contiguous().reshape(-1).view(torch.uint8)
     return checksum_ranges(data, [0], [data.numel()])
 
 

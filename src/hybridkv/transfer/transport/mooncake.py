@@ -20,8 +20,9 @@ Invariants:
   batch that fails is submitted once more, and a failure that survives the retry ends
   the handle ``FAILED`` with a reason naming the peer and whether it answers a probe. A
   failure is never reported as done.
-- One collector thread per peer ends that peer's handles in submission order; a slow
-  peer never delays another peer's handles. ``close`` stops the collectors.
+- One collector thread per peer (started at the first submit to it, kept for the
+  transport's life) ends that peer's handles in submission order; a slow peer never
+  delays another peer's handles. ``close`` stops the collectors.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ PROBE_DEAD = -102
 CLOSE_WAIT_S = 5.0
 
 _Batch = tuple[WriteHandle, tuple[str, list[int], list[int], list[int]], int]  # handle, args, batch id
+
+
+def _started(batch: int) -> bool:
+    """A batch id is the address of the engine's batch descriptor; a failed submit gives 0
+    (or -1 seen unsigned), which must never reach ``get_batch_transfer_status``."""
+    return 0 < batch < 1 << 63
 
 
 def rdma_present() -> bool:
@@ -144,11 +151,11 @@ class MooncakeTransport(Transport):
 
     @staticmethod
     def _outcome(engine: Any, args: tuple[str, list[int], list[int], list[int]], batch: int) -> WriteStatus:
-        """Wait for one batch (0: its submit failed), retry it once, probe the peer if it failed."""
-        rc = engine.get_batch_transfer_status([batch]) if batch else -1
+        """Wait for one batch, retry it once, probe the peer if it failed."""
+        rc = engine.get_batch_transfer_status([batch]) if _started(batch) else -1
         if rc != 0:
             batch = engine.batch_transfer_async_write(*args)
-            rc = engine.get_batch_transfer_status([batch]) if batch else -1
+            rc = engine.get_batch_transfer_status([batch]) if _started(batch) else -1
         if rc == 0:
             return DONE
         peer = args[0]
