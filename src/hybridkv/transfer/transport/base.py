@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import ClassVar
 
@@ -50,16 +50,16 @@ class Completion(Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteStatus:
     """Where a submitted write stands; ``reason`` says why it failed (empty otherwise)."""
 
     completion: Completion
     reason: str = ""
+    ended: bool = field(init=False, repr=False, compare=False)  # done or failed (a plain read: hot path)
 
-    @property
-    def ended(self) -> bool:
-        return self.completion is not Completion.PENDING
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ended", self.completion is not Completion.PENDING)
 
 
 PENDING = WriteStatus(Completion.PENDING)
@@ -174,7 +174,7 @@ def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes:
         if reason:
             raise TransferError(f"stopped: {reason}")
         handle = transport.submit(peer, *plan.ops(chunk), plan.bounds)
-        status = transport.wait(handle, STOP_CHECK_S)
+        status = transport.poll(handle)
         while not status.ended:
             reason = reason or stop()
             status = transport.wait(handle, STOP_CHECK_S)
