@@ -340,7 +340,7 @@ class DecodeReceiver(Agent):
             )
             return
         leg.source.last_seen = time.monotonic()
-        if leg.status.terminal or msg.phase is LegStatus.ASKED or msg.phase is leg.status:
+        if msg.phase is LegStatus.ASKED or not leg.status.can_enter(msg.phase):
             self.reject(
                 f"{msg.phase.value!r} for {msg.request_id!r} from {msg.rank}: duplicate or out of order "
                 f"(the leg is {leg.status.value!r})"
