@@ -14,8 +14,12 @@ import zmq
 
 from hybridkv.memory import InvalidIds, PinnedError, UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.testing.harness import MEMORY, MODEL, decode_rank, variant
+from hybridkv.testing.pattern import expected_arena, fill, mismatch
+from hybridkv.testing.transports import Delegating
 from hybridkv.transfer import (
     BootstrapServer,
+    LegStatus,
     Phase,
     PlanError,
     PrefillSender,
@@ -28,7 +32,6 @@ from hybridkv.transfer import (
     shared_memory,
 )
 from hybridkv.transfer.bootstrap import bootstrap_call
-from hybridkv.transfer.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.transfer.messages import (
     Abort,
     Hello,
@@ -43,9 +46,7 @@ from hybridkv.transfer.messages import (
     decode,
     encode,
 )
-from hybridkv.transfer.pattern import expected_arena, fill, mismatch
 from hybridkv.transfer.status import ReportBoard
-from hybridkv.transfer.transport.base import Delegating
 
 
 @pytest.fixture
@@ -252,15 +253,19 @@ def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(boots
     wire.send(dec.endpoint, Status("r1", msg.nonce + 1, fake, "success", nbytes=expected_bytes(msg)))
     wire.send(dec.endpoint, Status("r1", msg.nonce, Rank("evil", 1, 0), "success"))
     wait_until(lambda: len(dec.rejected) == rejected + 3)
-    wait_until(lambda: stage0.status("r1").phase is Phase.SUCCESS)  # the real stage is done...
-    time.sleep(0.1)
+    # decode took the real stage's success (a bounded handshake, no sleep)...
+    wait_until(lambda: dec.status("r1").leg("pre[pp0 tp0]") is LegStatus.SUCCESS)
     assert dec.status("r1").phase is Phase.TRANSFERRING  # ...but every stage must report
+    assert dec.status("r1").leg("pre[pp1 tp0]") is LegStatus.ASKED
     wire.send(dec.endpoint, Status("r1", msg.nonce, fake, "success", nbytes=expected_bytes(msg)))
     report = dec.wait("r1", 5)
     assert report.phase is Phase.FAILED and "success without transferring" in report.reason
 
-    # 2: wrong byte count
+    # 2: a status no leg reports, then a wrong byte count
     msg = requested("r2", 20)
+    rejected = len(dec.rejected)
+    wire.send(dec.endpoint, Status("r2", msg.nonce, fake, "asked"))
+    wait_until(lambda: len(dec.rejected) == rejected + 1)
     wire.send(dec.endpoint, Status("r2", msg.nonce, fake, "transferring"))
     wire.send(dec.endpoint, Status("r2", msg.nonce, fake, "success", nbytes=expected_bytes(msg) - 4))
     report = dec.wait("r2", 5)
@@ -373,6 +378,13 @@ def test_report_board_keeps_live_requests_and_the_latest_finished():
     assert [board.get(f"done{i}") is not None for i in range(5)] == [False, False, False, True, True]
 
 
+def test_leg_status_only_moves_forward():
+    asked, moving, done, failed = LegStatus.ASKED, LegStatus.TRANSFERRING, LegStatus.SUCCESS, LegStatus.FAILED
+    assert asked.can_enter(moving) and asked.can_enter(failed) and moving.can_enter(done) and moving.can_enter(failed)
+    assert not moving.can_enter(asked) and not moving.can_enter(moving)
+    assert not done.can_enter(failed) and not failed.can_enter(done) and done.terminal and failed.terminal
+
+
 def test_status_only_moves_forward():
     s = RequestStatus("x")
     assert not s.advance(Phase.SUCCESS)  # never seen in flight
@@ -387,10 +399,10 @@ def test_status_only_moves_forward():
 
 
 class Lossy(Delegating):
-    """A transport that reports success but drops the last op of every write."""
+    """A transport that reports success but drops the last op of every submit."""
 
-    def write(self, peer, src, dst, length, bounds=None) -> None:
-        super().write(peer, src[:-1], dst[:-1], length[:-1], bounds)
+    def submit(self, peer, src, dst, length, bounds=None):
+        return super().submit(peer, src[:-1], dst[:-1], length[:-1], bounds)
 
 
 def test_checksum_refuses_bytes_a_transport_lost(bootstrap, stack):

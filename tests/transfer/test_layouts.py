@@ -16,6 +16,7 @@ from hybridkv.spec import (
     ShardSpec,
     get_preset,
 )
+from hybridkv.testing.harness import variant
 from hybridkv.transfer import (
     BadLayout,
     BufferSet,
@@ -29,7 +30,6 @@ from hybridkv.transfer import (
     pair_entries,
 )
 from hybridkv.transfer import plan as plan_module
-from hybridkv.transfer.harness import variant
 from hybridkv.transfer.messages import Hello, Rank, decode, encode
 
 BASE = 1 << 40

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from hybridkv.testing.harness import StageProcess, decode_rank, stage_config
+from hybridkv.testing.pattern import expected_arena, mismatch
 from hybridkv.transfer import BootstrapServer, Phase
-from hybridkv.transfer.harness import StageProcess, decode_rank, stage_config
-from hybridkv.transfer.pattern import expected_arena, mismatch
 
 REQUESTS = [["a", 27, 11], ["b", 40, 12], ["c", 5, 13]]
 
@@ -86,6 +86,13 @@ def wait_phase(dec, rid: str, phase: Phase, timeout_s: float = 20.0):
     raise AssertionError(f"{rid} never reached {phase.label}: {dec.status(rid)}")
 
 
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
 def wait_released(dec, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while dec.held and time.monotonic() < end:
@@ -107,8 +114,10 @@ def test_prefill_hung_then_killed_mid_transfer(bootstrap, spawn):
         workers[1].signal(signal.SIGSTOP)
         report = wait_phase(dec, "hung", Phase.FAILED, 10)
         assert "pre[pp1 tp0] silent" in report.reason and "heartbeat timeout" in report.reason
-        time.sleep(0.3)
+        # stage 0 acknowledges the abort (its leg ends) while the hung stage 1 cannot
+        wait_until(lambda: dec.status("hung").leg("pre[pp0 tp0]").terminal)
         dec.poll()
+        assert not dec.status("hung").leg("pre[pp1 tp0]").terminal  # asked or transferring when stopped
         assert dec.held == 1  # the hung writer may still write: not freed yet
         workers[1].signal(signal.SIGCONT)
         wait_released(dec, 10)  # its stop acknowledgement frees the pages long before 60 s

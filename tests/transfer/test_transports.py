@@ -9,14 +9,17 @@ import torch
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ShardSpec, get_preset
 from hybridkv.transfer import (
+    TRANSPORTS,
     DecodeReceiver,
     PrefillSender,
     SharedBuffer,
     TransferError,
     TransportError,
+    TransportName,
     make_transport,
 )
 from hybridkv.transfer.plan import Bounds
+from hybridkv.transfer.transport import Completion, WriteStatus, transport_class
 
 
 def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
@@ -66,3 +69,87 @@ def test_agents_refuse_memory_their_transport_cannot_touch():
     for agent in (PrefillSender, DecodeReceiver):
         with pytest.raises(TransferError, match="moves \\['cpu'\\] memory, this memory is on 'meta'"):
             agent(meta, "e", "tcp://127.0.0.1:9", link)
+
+
+def test_submit_poll_wait_on_both_transports():
+    """The asynchronous API: a handle ends once, DONE with every byte landed or FAILED with
+    a reason; poll never blocks; wait returns the status it reached."""
+    src = torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8)
+    src_off = np.array([0, 4096, 9000], dtype=np.int64)
+    dst_off = np.array([100, 20000, 50000], dtype=np.int64)
+    length = np.array([4096, 2048, 37], dtype=np.int64)
+    for name in TRANSPORTS:
+        peer = SharedBuffer(1 << 16)
+        receiver, writer = make_transport(name, peer), make_transport(name)
+        try:
+            receiver.register(peer.addr, peer.nbytes)
+            writer.register(src.data_ptr(), src.numel())
+            handle = writer.submit(receiver.session, src.data_ptr() + src_off, peer.addr + dst_off, length)
+            assert writer.poll(handle).completion in (Completion.PENDING, Completion.DONE)
+            assert writer.wait(handle, 30) == WriteStatus(Completion.DONE)
+            assert writer.poll(handle).ended
+            got = peer.tensor.numpy()
+            for s, d, n in zip(src_off, dst_off, length, strict=True):
+                assert np.array_equal(got[d : d + n], src.numpy()[s : s + n]), name
+            with pytest.raises(RuntimeError, match="ended twice"):
+                handle.finish(WriteStatus(Completion.FAILED, "late"))
+            empty = writer.submit(receiver.session, [], [], [])
+            assert writer.poll(empty).completion is Completion.DONE
+            if name is TransportName.MOONCAKE:  # more ops could overflow the peer's queue
+                ops = [src.data_ptr()] * (writer.max_ops_per_submit + 1)
+                with pytest.raises(TransportError, match="split plans into chunks"):
+                    writer.submit(receiver.session, ops, ops, [1] * len(ops))
+        finally:
+            writer.close()
+            receiver.close()
+            peer.close()
+
+
+def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
+    receiver, writer = make_transport("mooncake"), make_transport("mooncake")
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    src = torch.ones(4096, dtype=torch.uint8)
+    try:
+        receiver.register(dst.data_ptr(), dst.numel())
+        writer.register(src.data_ptr(), src.numel())
+        outside = dst.data_ptr() + dst.numel()  # past what the peer registered
+        handle = writer.submit(receiver.session, [src.data_ptr()], [outside], [64])
+        status = writer.wait(handle, 60)
+        assert status.completion is Completion.FAILED and "answering probes" in status.reason
+        assert writer.poll(handle) == status
+        assert not dst.any()
+        nobody = writer.submit("127.0.0.1:1", [src.data_ptr()], [outside], [64])  # a submit that cannot start
+        status = writer.wait(nobody, 60)
+        assert status.completion is Completion.FAILED and "127.0.0.1:1" in status.reason
+    finally:
+        writer.close()
+        receiver.close()
+
+
+def test_registry_names_every_transport_and_refuses_unknown_ones():
+    assert set(TRANSPORTS) == set(TransportName)
+    for name, cls in TRANSPORTS.items():
+        assert cls.name is name and transport_class(name.value) is cls
+    with pytest.raises(ValueError, match="unknown transport 'nixl'; known: shm, mooncake"):
+        make_transport("nixl")
+    with pytest.raises(TypeError, match="takes no options"):
+        make_transport("shm", host="127.0.0.1")
+
+
+def test_product_transfer_code_never_imports_the_testing_package():
+    import ast
+    import pathlib
+
+    import hybridkv
+
+    root = pathlib.Path(hybridkv.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).parts[0] in ("testing", "cli"):
+            continue  # the CLI's pd-demo runs the testing package's demo
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith("hybridkv.testing")]
+    assert offenders == []

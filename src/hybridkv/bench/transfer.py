@@ -44,19 +44,24 @@ from hybridkv.transfer import (
     DecodeReceiver,
     Phase,
     PrefillSender,
+    TransportName,
     make_transport,
     memory_cells,
     pair_entries,
     shared_memory,
 )
 from hybridkv.transfer.plan import Route
-from hybridkv.transfer.transport import write_plan
+from hybridkv.transfer.transport import transport_class, write_plan
 
 MODEL = ModelSpec.from_kinds(
     "bench-dense-4x8x128-bf16", [FullAttention(8, 128, 128)] * 4, kv_dtype=torch.bfloat16, max_context=1 << 20
 )
 TOKEN_BYTES = 16 << 10
-GOALS = {"shm": (0.8, 64 << 10), "mooncake": (0.9, 0)}  # (min ratio, from page bytes)
+BASELINES = {
+    TransportName.SHM: "raw memcpy of the same ops",
+    TransportName.MOONCAKE: "raw mooncake batch write of the same ops",
+}
+GOALS = {TransportName.SHM: (0.8, 64 << 10), TransportName.MOONCAKE: (0.9, 0)}  # (min ratio, from page bytes)
 CHUNK_BYTES = 64 << 20
 _REQUEST_IDS = itertools.count()  # request ids are never reused: a reused id is refused
 
@@ -82,13 +87,17 @@ def _ranks(transport: str, page_tokens: int, max_batch: int) -> Iterator[tuple[P
     shard = ShardSpec.whole(MODEL)
     page_bytes = TOKEN_BYTES * page_tokens
     budget = page_bytes * (2 * max_batch + 32)
-    hints = {"page_size": page_tokens, "max_context": page_tokens * max_batch, "chunk_tokens": page_tokens}
+    hints: dict[str, Any] = {
+        "page_size": page_tokens,
+        "max_context": page_tokens * max_batch,
+        "chunk_tokens": page_tokens,
+    }
     with contextlib.ExitStack() as stack:
         boot = BootstrapServer().start()
         stack.callback(boot.close)
         pre = UnifiedMemory.create(shard, budget, **hints)
         shared = None
-        if transport == "shm":
+        if transport_class(transport).shared_arena:
             dec, shared = shared_memory(shard, budget, **hints)
             stack.callback(shared.close)
         else:
@@ -125,7 +134,7 @@ def _case(
     nbytes = plan.nbytes
     ops = (plan.src.tolist(), plan.dst.tolist(), plan.length.tolist())
     paths: dict[str, Callable[[], object]] = {"hybridkv": hybridkv}
-    if transport == "shm":
+    if transport == TransportName.SHM:
         src0, dst0 = pre.arena.buffer.data_ptr(), dec.arena.buffer.data_ptr()
 
         def memcpy_ops() -> None:
@@ -169,7 +178,7 @@ def _case(
     dec.free_pages(dst_pages)
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     page_bytes = TOKEN_BYTES * page_tokens
-    need, from_bytes = GOALS[transport]
+    need, from_bytes = GOALS[TransportName(transport)]
     ratio = _paired_ratio(times, "baseline")
     fixed_us = (statistics.median(times["hybridkv"]) - statistics.median(times["baseline"])) * 1e6
     return {
@@ -206,11 +215,11 @@ def run(
             continue
         with _ranks(transport, tokens, max(fit)) as (sender, receiver):
             rows += [_case(transport, sender, receiver, b, reps, rng) for b in fit]
-    need, from_bytes = GOALS[transport]
+    need, from_bytes = GOALS[TransportName(transport)]
     judged = [r for r in rows if r["meets_goal"] is not None]
     return {
         "transport": transport,
-        "baseline": "raw memcpy of the same ops" if transport == "shm" else "raw mooncake batch write of the same ops",
+        "baseline": BASELINES[TransportName(transport)],
         "model": MODEL.name,
         "reps": reps,
         "goal": f"hybridkv >= {need} x baseline" + (f" for pages >= {from_bytes >> 10} KiB" if from_bytes else ""),

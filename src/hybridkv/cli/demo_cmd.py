@@ -60,7 +60,7 @@ def demo(
 
     console.rule("3. Prefill -> decode transfer: 2 PP stage processes -> decode TP 2 over shm, every byte checked")
     from hybridkv.cli.pd_demo_cmd import print_pd_report, quiet_transfer_log
-    from hybridkv.transfer.demo import run_pd_demo
+    from hybridkv.testing.pd_demo import run_pd_demo
 
     with quiet_transfer_log():
         pd = run_pd_demo("shm", models=("tiny-swa2-state",), requests=3, decode_tp=2)

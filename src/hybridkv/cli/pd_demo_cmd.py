@@ -74,7 +74,7 @@ def pd_demo(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Prefill PP stages in separate processes -> decode TP ranks: status, bytes, GB/s, every byte checked."""
-    from hybridkv.transfer.demo import FAULTS, MODELS, run_pd_demo
+    from hybridkv.testing.pd_demo import FAULTS, MODELS, run_pd_demo
 
     faults = FAULTS if not fault else tuple(f for f in fault if f != "none")
     try:

@@ -13,7 +13,7 @@ from rich.table import Table
 from hybridkv.cli.app import app, bench_app
 from hybridkv.memory import LayoutError, MemoryHints, UnifiedMemory, build_layouts, format_bytes, plan_memory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
-from hybridkv.transfer import TransferError, buffer_set_from_memory, memory_cells, pair_entries
+from hybridkv.transfer import TransferError, TransportName, buffer_set_from_memory, memory_cells, pair_entries
 from hybridkv.transfer.plan import Route, num_pages
 
 _FAKE_BASE = 1 << 44  # meta memories have no addresses; each rank gets a made-up base
@@ -41,7 +41,7 @@ def bench_transfer(
         typer.echo(json.dumps(report))
         return
     table = Table(title=f"transfer over {transport}: hybridkv vs {report['baseline']} (median of {reps})")
-    block = transport == "shm"
+    block = TransportName(transport) is TransportName.SHM  # only shm has a block-memcpy bound
     cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio", "overhead µs"]
     cols += ["block memcpy GB/s", "ratio to block"] if block else []
     for col in [*cols, "end-to-end GB/s", "goal"]:

@@ -26,6 +26,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import Enum
+from functools import partial
 
 import zmq
 
@@ -34,7 +36,16 @@ from hybridkv.transfer.messages import Message, Rank, decode, encode
 
 log = logging.getLogger("hybridkv.transfer")
 
-Event = tuple[str, str, object]  # (kind, request id, payload) for the owner
+
+class EventKind(Enum):
+    """What the I/O thread tells the owner about a request."""
+
+    DONE = "done"  # finished: the payload is its final StatusReport
+    KEEP = "keep"  # (decode) succeeded: unpin its pages, they are the caller's now
+    FREE = "free"  # (decode) failed and quiet: unpin and free its pages
+
+
+Event = tuple[EventKind, str, object]  # (kind, request id, payload) for the owner
 
 
 class Agent:
@@ -139,7 +150,7 @@ class Agent:
                         self._wake_in.recv()
                 for sock in ready:
                     if sock is not self._pull and sock is not self._wake_in:
-                        self._guard("socket", lambda s=sock: self.on_socket(s))
+                        self._guard("socket", partial(self.on_socket, sock))
                 while not self._calls.empty():
                     self._guard("call", self._calls.get())
                 self._guard("tick", lambda: self.tick(time.monotonic()))
@@ -157,7 +168,10 @@ class Agent:
                 data = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._guard("message", lambda d=data: self.on_message(decode(d)))
+            self._guard("message", partial(self._on_bytes, data))
+
+    def _on_bytes(self, data: bytes) -> None:
+        self.on_message(decode(data))
 
     def _run_jobs(self) -> None:
         while True:

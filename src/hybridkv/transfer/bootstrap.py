@@ -109,7 +109,7 @@ class BootstrapServer:
 
 def bootstrap_call(address: str, msg: Message, timeout_s: float = 5.0) -> Message:
     """One request/reply exchange with a bootstrap server; ``ProtocolError`` on timeout."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     try:

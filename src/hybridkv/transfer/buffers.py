@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 
 import msgspec
 
@@ -43,6 +44,13 @@ KIND_OF_TAG = {
     KindTag.SWA: "swa",
     KindTag.LINEAR: "state",
 }
+
+
+class Role(StrEnum):
+    """Which side of a transfer a layout, a cell or an address belongs to."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 class BufferEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,7 +140,7 @@ class BufferSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: tuple[tuple[int, int], ...]  # (addr, length) registered with the transport
 
     def __post_init__(self) -> None:
-        who = self.describe("")
+        who = self.describe()
         if not (0 <= self.pp_rank < self.pp_size and 0 <= self.tp_rank < self.tp_size):
             raise BadLayout(f"{who}: ranks outside their sizes")
         if len(self.layer_ids) != len(self.entries):
@@ -151,7 +159,7 @@ class BufferSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"{entry.addr + entry.length:#x}), outside every registered region"
                 )
 
-    def describe(self, role: str) -> str:
+    def describe(self, role: Role | None = None) -> str:
         prefix = f"{role} " if role else ""
         return (
             f"{prefix}{self.model} pp {self.pp_rank}/{self.pp_size} tp "

@@ -31,9 +31,9 @@ import numpy as np
 import zmq
 
 from hybridkv.memory import MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, log
+from hybridkv.transfer.agent import Agent, EventKind, log
 from hybridkv.transfer.buffers import buffer_set_from_memory
-from hybridkv.transfer.checksum import crc32_ranges
+from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.messages import (
     Abort,
@@ -51,7 +51,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
 from hybridkv.transfer.plan import Route, TransferPlan, memory_cells, num_pages
-from hybridkv.transfer.status import Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
 LOOKUP_RETRY_S = 0.1
@@ -79,9 +79,8 @@ class _Leg:
     source: _Source
     plan: TransferPlan  # destination-only: the bytes this rank must write here
     since: float  # when the request went out: silence counts from here at the earliest
-    state: str = "asked"  # asked -> transferring -> success | failed
+    status: LegStatus = LegStatus.ASKED  # terminal once the prefill rank sent its last word
     checksum: int | None = None
-    final: bool = False  # the prefill rank sent its last word (success or failed)
 
 
 @dataclass
@@ -96,6 +95,10 @@ class _Incoming:
     legs: dict[Rank, _Leg] = field(default_factory=dict)
     quarantine_until: float | None = None
     verifying: bool = False
+
+
+def _legs(inc: _Incoming) -> LegReport:
+    return tuple((str(rank), leg.status) for rank, leg in inc.legs.items())
 
 
 class DecodeReceiver(Agent):
@@ -180,13 +183,13 @@ class DecodeReceiver(Agent):
         reports = []
         while not self.events.empty():
             kind, request_id, payload = self.events.get()
-            if kind == "done":
+            if kind is EventKind.DONE:
                 assert isinstance(payload, StatusReport)
                 reports.append(payload)
                 continue
             alloc, gate = self._held.pop(request_id)
             gate.release()
-            if kind == "free":
+            if kind is EventKind.FREE:
                 self.mem.free_pages(alloc.pages)
                 if alloc.slot is not None:
                     self.mem.free_state([alloc.slot])
@@ -332,40 +335,41 @@ class DecodeReceiver(Agent):
         leg = inc.legs.get(msg.rank) if inc is not None else None
         if inc is None or leg is None or msg.nonce != inc.nonce:
             self.reject(
-                f"status {msg.phase!r} for {msg.request_id!r} from {msg.rank}: unknown request, "
+                f"status {msg.phase.value!r} for {msg.request_id!r} from {msg.rank}: unknown request, "
                 "not one of its senders, or wrong nonce (late or forged)"
             )
             return
         leg.source.last_seen = time.monotonic()
-        if leg.final:
-            self.reject(f"duplicate {msg.phase!r} for {msg.request_id!r} from {msg.rank}")
+        if msg.phase is LegStatus.ASKED or not leg.status.can_enter(msg.phase):
+            self.reject(
+                f"{msg.phase.value!r} for {msg.request_id!r} from {msg.rank}: duplicate or out of order "
+                f"(the leg is {leg.status.value!r})"
+            )
             return
-        if msg.phase == "transferring":
-            leg.state = "transferring"
+        if msg.phase is LegStatus.TRANSFERRING:
+            leg.status = LegStatus.TRANSFERRING
             inc.status.advance(Phase.TRANSFERRING)
-        elif msg.phase == "failed":
-            leg.state, leg.final = "failed", True
+        elif msg.phase is LegStatus.FAILED:
+            leg.status = LegStatus.FAILED
             self._fail(inc, f"prefill {msg.rank}: {msg.reason}")
+        elif msg.nbytes != leg.plan.nbytes:
+            leg.status = LegStatus.FAILED
+            self._fail(
+                inc,
+                f"prefill {msg.rank} reported {msg.nbytes} B written, decode expected "
+                f"{leg.plan.nbytes} B: layouts disagree",
+            )
+        elif leg.status is not LegStatus.TRANSFERRING:
+            leg.status = LegStatus.FAILED
+            self._fail(inc, f"prefill {msg.rank} reported success without transferring")
         else:
-            leg.final = True
-            if msg.nbytes != leg.plan.nbytes:
-                leg.state = "failed"
-                self._fail(
-                    inc,
-                    f"prefill {msg.rank} reported {msg.nbytes} B written, decode expected "
-                    f"{leg.plan.nbytes} B: layouts disagree",
-                )
-            elif leg.state != "transferring":
-                leg.state = "failed"
-                self._fail(inc, f"prefill {msg.rank} reported success without transferring")
-            else:
-                leg.state, leg.checksum = "success", msg.checksum
-                self._maybe_succeed(inc)
+            leg.status, leg.checksum = LegStatus.SUCCESS, msg.checksum
+            self._maybe_succeed(inc)
         self._release_if_quiet(inc)
         self._publish(inc)
 
     def _maybe_succeed(self, inc: _Incoming) -> None:
-        if inc.status.terminal or any(g.state != "success" for g in inc.legs.values()):
+        if inc.status.terminal or any(g.status is not LegStatus.SUCCESS for g in inc.legs.values()):
             return
         if not inc.checksum:
             self._succeed(inc)
@@ -378,7 +382,7 @@ class DecodeReceiver(Agent):
         error = ""
         for rank, leg in inc.legs.items():
             _, dst, length = leg.plan.ops()
-            got = crc32_ranges(dst, length)
+            got = checksum_addresses(self.mem.arena.buffer, dst, length)
             if leg.checksum != got:
                 error = (
                     f"checksum mismatch for prefill {rank}: it sent {leg.checksum}, the "
@@ -398,8 +402,8 @@ class DecodeReceiver(Agent):
             inc.status.nbytes = sum(g.plan.nbytes for g in inc.legs.values())
             inc.status.ops = sum(g.plan.num_ops for g in inc.legs.values())
             rid = inc.status.request_id
-            self.events.put(("keep", rid, None))
-            self.events.put(("done", rid, inc.status.report()))
+            self.events.put((EventKind.KEEP, rid, None))
+            self.events.put((EventKind.DONE, rid, inc.status.report(_legs(inc))))
             self._publish(inc)
             del self._in[rid]
 
@@ -410,10 +414,10 @@ class DecodeReceiver(Agent):
         log.warning("%s: request %s failed: %s", self.rank, rid, reason)
         abort = Abort(rid, inc.nonce, self.rank, reason)
         for leg in inc.legs.values():
-            if not leg.final:
+            if not leg.status.terminal:
                 self.post(leg.source.reg.endpoint, abort)
         inc.quarantine_until = time.monotonic() + self.quarantine_s
-        self.events.put(("done", rid, inc.status.report()))
+        self.events.put((EventKind.DONE, rid, inc.status.report(_legs(inc))))
         self._release_if_quiet(inc)
         self._publish(inc)
 
@@ -421,7 +425,7 @@ class DecodeReceiver(Agent):
         """Free a failed request's pages once no prefill rank can still write into them."""
         if inc.quarantine_until is None:
             return
-        quiet = all(g.final for g in inc.legs.values())
+        quiet = all(g.status.terminal for g in inc.legs.values())
         expired = (now or time.monotonic()) > inc.quarantine_until
         if quiet or expired:
             if not quiet:
@@ -434,7 +438,7 @@ class DecodeReceiver(Agent):
             rid = inc.status.request_id
             inc.quarantine_until = None
             self._in.pop(rid, None)
-            self.events.put(("free", rid, None))
+            self.events.put((EventKind.FREE, rid, None))
 
     def _abort(self, request_id: str, reason: str) -> None:
         inc = self._in.get(request_id)
@@ -442,7 +446,7 @@ class DecodeReceiver(Agent):
             self._fail(inc, reason)
 
     def _publish(self, inc: _Incoming) -> None:
-        self._reports.publish(inc.status)
+        self._reports.publish(inc.status, _legs(inc))
 
     def tick(self, now: float) -> None:
         for engine, waiting in list(self._waiting.items()):
@@ -457,7 +461,7 @@ class DecodeReceiver(Agent):
                 self._release_if_quiet(inc, now)
                 continue
             if now > inc.deadline:
-                pending = [str(r) for r, g in inc.legs.items() if g.state != "success"]
+                pending = [str(r) for r, g in inc.legs.items() if g.status is not LegStatus.SUCCESS]
                 if pending:
                     detail = f"; waiting for prefill {', '.join(pending)}"
                 else:
@@ -469,7 +473,7 @@ class DecodeReceiver(Agent):
                 continue
             for rank, leg in inc.legs.items():
                 quiet_for = now - max(leg.source.last_seen, leg.since)
-                if not leg.final and quiet_for > self.peer_timeout_s:
+                if not leg.status.terminal and quiet_for > self.peer_timeout_s:
                     silent[rank] = quiet_for
         for rank, quiet_for in silent.items():
             reason = f"prefill {rank} silent for {quiet_for:.1f} s (heartbeat timeout)"

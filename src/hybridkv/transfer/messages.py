@@ -11,12 +11,12 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 from hybridkv.transfer.buffers import BufferSet
 from hybridkv.transfer.errors import ProtocolError
+from hybridkv.transfer.status import LegStatus
+from hybridkv.transfer.transport.base import TransportName
 
 
 class Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -34,45 +34,45 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     """Prefill rank -> bootstrap: where to reach me and what I expose."""
 
     rank: Rank
     endpoint: str
-    transport: str
+    transport: TransportName
     session: str
     buffers: BufferSet
 
 
-class RegisterAck(_Msg, tag="register_ack"):
+class RegisterAck(_Msg, tag="register_ack", frozen=True):
     ok: bool
     reason: str
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(_Msg, tag="lookup", frozen=True):
     """Decode rank -> bootstrap: the ranks of a prefill engine."""
 
     engine: str
 
 
-class LookupReply(_Msg, tag="lookup_reply"):
+class LookupReply(_Msg, tag="lookup_reply", frozen=True):
     engine: str
     ranks: tuple[Register, ...]
     complete: bool
     reason: str
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     """Decode rank -> prefill rank, once per pair: my layout and how to write to me."""
 
     rank: Rank
     endpoint: str
-    transport: str
+    transport: TransportName
     session: str
     buffers: BufferSet
 
 
-class TransferRequest(_Msg, tag="request"):
+class TransferRequest(_Msg, tag="request", frozen=True):
     """Decode rank -> every prefill rank: where request ``request_id`` must land."""
 
     request_id: str
@@ -84,27 +84,27 @@ class TransferRequest(_Msg, tag="request"):
     checksum: bool
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     request_id: str
     nonce: int
     rank: Rank
     reason: str
 
 
-class Status(_Msg, tag="status"):
+class Status(_Msg, tag="status", frozen=True):
     """Prefill rank -> decode rank: progress of one request on this prefill rank."""
 
     request_id: str
     nonce: int
     rank: Rank
-    phase: Literal["transferring", "success", "failed"]
+    phase: LegStatus  # never ``asked``: a receiver drops such a status
     reason: str = ""
     ops: int = 0
     nbytes: int = 0
     checksum: int | None = None
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     rank: Rank
     endpoint: str
 

@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridkv.transfer.buffers import BufferEntry, BufferSet
+from hybridkv.transfer.buffers import BufferEntry, BufferSet, Role
 from hybridkv.transfer.errors import BadLayout, LayoutMismatch
 from hybridkv.transfer.slicing import slice_start
 
@@ -33,7 +33,7 @@ class EntryPair:
 
 def pair_entries(prefill: BufferSet, decode: BufferSet, *, positional: bool = False) -> tuple[EntryPair, ...]:
     """Pair every entry of the layers both ranks hold; raise ``LayoutMismatch`` on any doubt."""
-    sides = f"{prefill.describe('prefill')} -> {decode.describe('decode')}"
+    sides = f"{prefill.describe(Role.PREFILL)} -> {decode.describe(Role.DECODE)}"
     if prefill.model != decode.model:
         raise LayoutMismatch(
             f"{sides}: prefill serves model {prefill.model!r}, decode {decode.model!r}; "
@@ -46,7 +46,7 @@ def pair_entries(prefill: BufferSet, decode: BufferSet, *, positional: bool = Fa
 
 
 def _pair_positional(prefill: BufferSet, decode: BufferSet) -> tuple[EntryPair, ...]:
-    sides = f"{prefill.describe('prefill')} -> {decode.describe('decode')}"
+    sides = f"{prefill.describe(Role.PREFILL)} -> {decode.describe(Role.DECODE)}"
     if prefill.pp_size != 1:
         raise LayoutMismatch(
             f"{sides}: positional pairing is only safe when prefill has one PP stage, prefill "
@@ -75,7 +75,7 @@ def _occurrences(bufs: BufferSet, lo: int, hi: int) -> dict[int, list[int]]:
 
 
 def _pair_by_id(prefill: BufferSet, decode: BufferSet) -> tuple[EntryPair, ...]:
-    sides = f"{prefill.describe('prefill')} -> {decode.describe('decode')}"
+    sides = f"{prefill.describe(Role.PREFILL)} -> {decode.describe(Role.DECODE)}"
     lo = max(prefill.layer_range[0], decode.layer_range[0])
     hi = min(prefill.layer_range[1], decode.layer_range[1])
     src = _occurrences(prefill, lo, hi)
@@ -111,8 +111,8 @@ def check_pair(prefill: BufferSet, decode: BufferSet, pair: EntryPair) -> None:
 
     def fail(what: str, hint: str) -> LayoutMismatch:
         return LayoutMismatch(
-            f"{what} mismatch: {prefill.describe('prefill')} has {a.describe(lid)}, "
-            f"{decode.describe('decode')} has {b.describe(lid)}; {hint}"
+            f"{what} mismatch: {prefill.describe(Role.PREFILL)} has {a.describe(lid)}, "
+            f"{decode.describe(Role.DECODE)} has {b.describe(lid)}; {hint}"
         )
 
     if a.kind != b.kind or a.tensor != b.tensor:
@@ -129,11 +129,11 @@ def check_pair(prefill: BufferSet, decode: BufferSet, pair: EntryPair) -> None:
     same = [i for i in range(len(a.shape)) if i != a.shard_dim]
     if [a.shape[i] for i in same] != [b.shape[i] for i in same]:
         raise fail(size, "the tensors differ outside their TP dimension (different model config)")
-    for bufs, entry, role in ((prefill, a, "prefill"), (decode, b, "decode")):
+    for bufs, entry, role in ((prefill, a, Role.PREFILL), (decode, b, Role.DECODE)):
         _check_slice(bufs, entry, lid, role)
 
 
-def _check_slice(bufs: BufferSet, entry: BufferEntry, lid: int, role: str) -> None:
+def _check_slice(bufs: BufferSet, entry: BufferEntry, lid: int, role: Role) -> None:
     if entry.shard_dim is None:
         return
     where = f"{bufs.describe(role)} {entry.describe(lid)}"
@@ -153,7 +153,7 @@ def check_prefill_group(prefills: Sequence[BufferSet]) -> None:
     ranks = {(b.pp_rank, b.tp_rank) for b in prefills}
     want = {(p, t) for p in range(first.pp_size) for t in range(first.tp_size)}
     odd = [
-        b.describe("prefill")
+        b.describe(Role.PREFILL)
         for b in prefills
         if (b.model, b.pp_size, b.tp_size) != (first.model, first.pp_size, first.tp_size)
     ]
@@ -176,6 +176,6 @@ def check_coverage(decode: BufferSet, prefills: Sequence[BufferSet]) -> None:
         holders = [pp for pp, (s, e) in stages if s <= lid < e]
         if len(holders) != 1:
             raise LayoutMismatch(
-                f"{decode.describe('decode')}: layer {lid} lies in {len(holders)} prefill "
+                f"{decode.describe(Role.DECODE)}: layer {lid} lies in {len(holders)} prefill "
                 f"stages (stages: {sorted(stages)}); prefill must cover every layer once"
             )

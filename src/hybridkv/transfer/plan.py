@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.transfer.buffers import BufferEntry, BufferSet
+from hybridkv.transfer.buffers import BufferEntry, BufferSet, Role
 from hybridkv.transfer.errors import PlanError
 from hybridkv.transfer.pairing import EntryPair
 from hybridkv.transfer.slicing import source_pieces
@@ -224,9 +224,9 @@ class _Group:
     pieces: int  # elementary pieces per item, before any merge
     item_bytes: int  # bytes per item
 
-    def _picked(self, cells: Mapping[str, Ops], role: str, first: int, end: int) -> tuple[Ops, str, int]:
+    def _picked(self, cells: Mapping[str, Ops], role: Role, first: int, end: int) -> tuple[Ops, str, int]:
         """The request's cells at positions ``[first, end)`` of this group's pool on one side."""
-        pool, count = (self.src_pool, self.src_count) if role == "prefill" else (self.dst_pool, self.dst_count)
+        pool, count = (self.src_pool, self.src_count) if role is Role.PREFILL else (self.dst_pool, self.dst_count)
         have = cells.get(pool)
         if have is None or len(have) < end:
             unit = "state slot" if self.kind == "state" else "pages"
@@ -236,11 +236,11 @@ class _Group:
             )
         return have[first:end], pool, count
 
-    def _refuse(self, role: str, pool: str, count: int, position: int, cell: int) -> PlanError:
+    def _refuse(self, role: Role, pool: str, count: int, position: int, cell: int) -> PlanError:
         what = "a tombstone (not resident)" if cell == -1 else f"outside [1, {count})"
         return PlanError(f"{role} cell {cell} for position {position} of pool {pool!r} (layer {self.layer}) is {what}")
 
-    def cells(self, cells: Mapping[str, Ops], role: str, first: int, end: int) -> tuple[np.ndarray, int, int]:
+    def cells(self, cells: Mapping[str, Ops], role: Role, first: int, end: int) -> tuple[np.ndarray, int, int]:
         """The cells at positions ``[first, end)`` on one side as an array, and the lowest and
         highest of them; ``PlanError`` unless all are in ``[1, count)``."""
         have, pool, count = self._picked(cells, role, first, end)
@@ -251,7 +251,7 @@ class _Group:
             raise self._refuse(role, pool, count, first + i, int(picked[i]))
         return picked, lo, hi
 
-    def cell_list(self, cells: Mapping[str, Ops], role: str, first: int, end: int) -> tuple[list[int], int, int]:
+    def cell_list(self, cells: Mapping[str, Ops], role: Role, first: int, end: int) -> tuple[list[int], int, int]:
         """``cells`` as a list of ints (same checks, same errors)."""
         have, pool, count = self._picked(cells, role, first, end)
         picked = [int(c) for c in have] if not isinstance(have, np.ndarray) else have.tolist()
@@ -284,7 +284,7 @@ class Route:
         parts: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]] = {}
         for pair in pairs:
             a, b = prefill.entries[pair.src], decode.entries[pair.dst]
-            where = f"{prefill.describe('prefill')} -> {decode.describe('decode')} layer {pair.layer_id}"
+            where = f"{prefill.describe(Role.PREFILL)} -> {decode.describe(Role.DECODE)} layer {pair.layer_id}"
             total = a.shard_total if a.shard_dim is not None else None
             pieces = source_pieces(
                 total, prefill.tp_size, a.shard_len, b.shard_start, b.shard_len, decode.tp_rank, where
@@ -356,19 +356,19 @@ class Route:
         s_lo = d_lo = 1 << 63
         s_hi = d_hi = 0
         for g, chunks, first, end in work:
-            cells, lo, hi = g.cells(dst_cells, "decode", first, end)
+            cells, lo, hi = g.cells(dst_cells, Role.DECODE, first, end)
             dst_parts.append(_addresses(cells, g.dst_stride, chunks.dst_off, chunks.dst_lo))
             d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
             if src_cells is not None:
-                cells, lo, hi = g.cells(src_cells, "prefill", first, end)
+                cells, lo, hi = g.cells(src_cells, Role.PREFILL, first, end)
                 src_parts.append(_addresses(cells, g.src_stride, chunks.src_off, chunks.src_lo))
                 s_lo, s_hi = min(s_lo, lo * g.src_stride + chunks.src_lo), max(s_hi, hi * g.src_stride + chunks.src_hi)
             len_parts.append(chunks.lengths(end - first))
         dst, length = _joined(dst_parts), _joined(len_parts)
-        _check_inside(dst, length, d_lo, d_hi, self.decode, "decode")
+        _check_inside(dst, length, d_lo, d_hi, self.decode, Role.DECODE)
         if src_cells is not None:
             src = _joined(src_parts)
-            _check_inside(src, length, s_lo, s_hi, self.prefill, "prefill")
+            _check_inside(src, length, s_lo, s_hi, self.prefill, Role.PREFILL)
         else:
             src, s_lo, s_hi = np.zeros_like(dst), 0, 0
         bounds = Bounds(s_lo, s_hi, d_lo, d_hi, min_len)
@@ -388,21 +388,21 @@ class Route:
         s_lo = d_lo = 1 << 63
         s_hi = d_hi = 0
         for g, chunks, first, end in work:
-            dst, lo, hi = g.cell_list(dst_cells, "decode", first, end)
+            dst, lo, hi = g.cell_list(dst_cells, Role.DECODE, first, end)
             d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
             ss, ds = g.src_stride, g.dst_stride
             if src_cells is None:
                 todo += [(d * ds + b, 0, n) for d in dst for _, b, n in chunks.items]
                 continue
-            src, lo, hi = g.cell_list(src_cells, "prefill", first, end)
+            src, lo, hi = g.cell_list(src_cells, Role.PREFILL, first, end)
             s_lo, s_hi = min(s_lo, lo * ss + chunks.src_lo), max(s_hi, hi * ss + chunks.src_hi)
             todo += [(d * ds + b, s * ss + a, n) for s, d in zip(src, dst, strict=True) for a, b, n in chunks.items]
         proven = _one_region(d_lo, d_hi, self.decode) and (src_cells is None or _one_region(s_lo, s_hi, self.prefill))
         if not proven:  # rare: check each piece, as the array path does
-            d, s, n = (np.array(x, dtype=np.int64) for x in zip(*todo, strict=True))
-            _check_inside(d, n, d_lo, d_hi, self.decode, "decode")
+            d_arr, s_arr, n_arr = (np.array(x, dtype=np.int64) for x in zip(*todo, strict=True))
+            _check_inside(d_arr, n_arr, d_lo, d_hi, self.decode, Role.DECODE)
             if src_cells is not None:
-                _check_inside(s, n, s_lo, s_hi, self.prefill, "prefill")
+                _check_inside(s_arr, n_arr, s_lo, s_hi, self.prefill, Role.PREFILL)
         if src_cells is None:
             s_lo = s_hi = 0
         todo.sort()
@@ -452,7 +452,7 @@ def _one_region(lo: int, hi: int, bufs: BufferSet) -> bool:
     return False
 
 
-def _check_inside(addr: np.ndarray, length: np.ndarray, lo: int, hi: int, bufs: BufferSet, role: str) -> None:
+def _check_inside(addr: np.ndarray, length: np.ndarray, lo: int, hi: int, bufs: BufferSet, role: Role) -> None:
     """Every range ``[addr[i], addr[i] + length[i])``, all within ``[lo, hi)``, lies inside
     one region ``bufs`` registered."""
     if _one_region(lo, hi, bufs):

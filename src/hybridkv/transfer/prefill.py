@@ -4,7 +4,8 @@ Protocol (this side): register at the bootstrap; every decode rank says ``Hello`
 (its layout and transport session: the pairing is checked then) and sends one
 ``TransferRequest`` per request (its destination cells). When the owner hands over the
 request's pages with ``send``, each decode rank's *leg* runs on the worker: plan, write in
-chunks, checksum; the decode rank gets ``transferring`` then ``success``/``failed``.
+chunks (``write_plan``: submit one, wait for it), checksum; the decode rank gets
+``transferring`` then ``success``/``failed`` (``LegStatus``).
 
 Invariants:
 - The request's pages and slot are pinned (memory move gate) from ``send`` until the owner
@@ -13,9 +14,10 @@ Invariants:
 - Every decode rank of the requesting engine sends a request, even one this rank feeds
   nothing (it gets a zero-op success): the request succeeds here only when all of them
   succeeded, and fails on the first failure, abort, timeout or silent peer.
-- A running leg checks its stop flag and its decode-given deadline between chunks, so an
-  aborted or expired request stops writing at the next chunk boundary. Every failure is
-  reported to every decode rank still waiting, with its reason.
+- A running leg checks its stop flag and its decode-given deadline between chunks and while
+  one is in flight, so an aborted or expired request stops writing at the next chunk
+  boundary; the leg ends only when no submitted chunk can still read its pages. Every
+  failure is reported to every decode rank still waiting, with its reason.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from functools import partial
 import numpy as np
 
 from hybridkv.memory import MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, log
+from hybridkv.transfer.agent import Agent, EventKind, log
 from hybridkv.transfer.bootstrap import bootstrap_call
 from hybridkv.transfer.buffers import BufferSet, buffer_set_from_memory
-from hybridkv.transfer.checksum import crc32_ranges
+from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import BadLayout, LayoutMismatch, PlanError, TransferError
 from hybridkv.transfer.messages import (
     Abort,
@@ -45,7 +47,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
-from hybridkv.transfer.status import Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 from hybridkv.transfer.transport.base import write_plan
 
@@ -75,9 +77,13 @@ class _Leg:
     dst_cells: dict[str, np.ndarray]
     checksum: bool
     deadline: float
-    state: str = "waiting"  # waiting -> running -> done
-    ok: bool = False
-    stop: str = ""  # set by the I/O thread, read by the worker between chunks
+    status: LegStatus = LegStatus.ASKED  # I/O thread only; TRANSFERRING while the worker runs it
+    stop_reason: str = ""  # set by the I/O thread, read by the worker between chunks
+
+    def enter(self, status: LegStatus) -> None:
+        if not self.status.can_enter(status):
+            raise RuntimeError(f"leg to {self.peer.rank}: {self.status} -> {status} moves backwards (bug)")
+        self.status = status
 
 
 @dataclass
@@ -89,6 +95,10 @@ class _Outgoing:
     engine: str = ""
     expected: int = 0
     legs: dict[Rank, _Leg] = field(default_factory=dict)
+
+
+def _legs(out: _Outgoing) -> LegReport:
+    return tuple((str(rank), leg.status) for rank, leg in out.legs.items())
 
 
 class PrefillSender(Agent):
@@ -232,7 +242,7 @@ class PrefillSender(Agent):
         if out is None:
             if rid in self._finished:
                 ended = f"request already finished here ({self._finished[rid][1]})"
-                self._send_status(peer, rid, msg.nonce, "failed", ended)
+                self._send_status(peer, rid, msg.nonce, LegStatus.FAILED, ended)
                 self.reject(f"late request {rid!r} from {msg.rank}: {ended}")
                 return
             out = self._new(rid)
@@ -240,7 +250,7 @@ class PrefillSender(Agent):
             self.reject(f"duplicate request {rid!r} from {msg.rank}")
             return
         if out.engine and out.engine != msg.rank.engine:
-            self._send_status(peer, rid, msg.nonce, "failed", f"bound to decode engine {out.engine!r}")
+            self._send_status(peer, rid, msg.nonce, LegStatus.FAILED, f"bound to decode engine {out.engine!r}")
             return
         cells = {name: np.asarray(c, dtype=np.int64) for name, c in msg.dst_cells.items()}
         deadline = time.monotonic() + max(0.0, msg.ttl_s)
@@ -261,7 +271,7 @@ class PrefillSender(Agent):
         if request_id in self._finished:
             status = RequestStatus(request_id)
             status.fail("the request had already finished (timed out or aborted) before send")
-            self.events.put(("done", request_id, status.report()))
+            self.events.put((EventKind.DONE, request_id, status.report()))
             return
         out = self._out.get(request_id) or self._new(request_id)
         out.cells, out.seq_len = cells, seq_len
@@ -272,7 +282,7 @@ class PrefillSender(Agent):
     def _start_legs(self, out: _Outgoing) -> None:
         if out.cells is not None and not out.status.terminal:
             for leg in out.legs.values():
-                if leg.state != "waiting":
+                if leg.status is not LegStatus.ASKED:
                     continue
                 if leg.seq_len != out.seq_len:
                     self._finish_leg(
@@ -282,9 +292,9 @@ class PrefillSender(Agent):
                         f"{leg.peer.rank} asked for {leg.seq_len}",
                     )
                     continue
-                leg.state = "running"
+                leg.enter(LegStatus.TRANSFERRING)
                 out.status.advance(Phase.TRANSFERRING)
-                self._send_status(leg.peer, out.status.request_id, leg.nonce, "transferring")
+                self._send_status(leg.peer, out.status.request_id, leg.nonce, LegStatus.TRANSFERRING)
                 self.submit(partial(self._run_leg, out, leg))
         self._publish(out)
 
@@ -295,7 +305,7 @@ class PrefillSender(Agent):
             plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
             write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, partial(self._should_stop, leg))
             src, _, length = plan.ops()
-            crc = crc32_ranges(src, length) if leg.checksum else None
+            crc = checksum_addresses(self.mem.arena.buffer, src, length) if leg.checksum else None
             done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
         except TransferError as exc:
             done = partial(self._leg_done, out, leg, str(exc), 0, 0, None)
@@ -306,29 +316,29 @@ class PrefillSender(Agent):
 
     @staticmethod
     def _should_stop(leg: _Leg) -> str:
-        if leg.stop:
-            return leg.stop
+        if leg.stop_reason:
+            return leg.stop_reason
         return "the decode's deadline passed" if time.monotonic() > leg.deadline else ""
 
     def _leg_done(self, out: _Outgoing, leg: _Leg, error: str, ops: int, nbytes: int, crc: int | None) -> None:
-        leg.state = "done"
         rid = out.status.request_id
         if error:
-            self._send_status(leg.peer, rid, leg.nonce, "failed", error)
+            leg.enter(LegStatus.FAILED)
+            self._send_status(leg.peer, rid, leg.nonce, LegStatus.FAILED, error)
             self._fail(out, f"to decode {leg.peer.rank}: {error}")
         else:
-            leg.ok = True
+            leg.enter(LegStatus.SUCCESS)
             out.status.ops += ops
             out.status.nbytes += nbytes
-            self._send_status(leg.peer, rid, leg.nonce, "success", "", ops, nbytes, crc)
-            if len(out.legs) == out.expected and all(g.ok for g in out.legs.values()):
+            self._send_status(leg.peer, rid, leg.nonce, LegStatus.SUCCESS, "", ops, nbytes, crc)
+            if len(out.legs) == out.expected and all(g.status is LegStatus.SUCCESS for g in out.legs.values()):
                 out.status.advance(Phase.SUCCESS)
         self._finish(out)
 
     def _finish_leg(self, out: _Outgoing, leg: _Leg, error: str) -> None:
         """End a leg that never ran, telling its decode rank why."""
-        leg.state = "done"
-        self._send_status(leg.peer, out.status.request_id, leg.nonce, "failed", error)
+        leg.enter(LegStatus.FAILED)
+        self._send_status(leg.peer, out.status.request_id, leg.nonce, LegStatus.FAILED, error)
         self._fail(out, f"to decode {leg.peer.rank}: {error}")
         self._finish(out)
 
@@ -336,23 +346,23 @@ class PrefillSender(Agent):
         if not out.status.fail(reason):
             return
         for leg in out.legs.values():
-            if leg.state == "running":
-                leg.stop = reason
-            elif leg.state == "waiting":
-                leg.state = "done"
-                self._send_status(leg.peer, out.status.request_id, leg.nonce, "failed", reason)
+            if leg.status is LegStatus.TRANSFERRING:
+                leg.stop_reason = reason
+            elif leg.status is LegStatus.ASKED:
+                leg.enter(LegStatus.FAILED)
+                self._send_status(leg.peer, out.status.request_id, leg.nonce, LegStatus.FAILED, reason)
         self._finish(out)
 
     def _finish(self, out: _Outgoing) -> None:
         """Hand a terminal request back to the owner once no leg can still read its pages."""
         self._publish(out)
         rid = out.status.request_id
-        if not out.status.terminal or any(g.state == "running" for g in out.legs.values()):
+        if not out.status.terminal or any(g.status is LegStatus.TRANSFERRING for g in out.legs.values()):
             return
         if self._out.pop(rid, None) is not None:
             ended = out.status.reason or out.status.phase.label
             self._finished[rid] = (time.monotonic(), ended)
-            self.events.put(("done", rid, out.status.report()))
+            self.events.put((EventKind.DONE, rid, out.status.report(_legs(out))))
 
     def _abort(self, request_id: str, reason: str) -> None:
         out = self._out.get(request_id)
@@ -366,7 +376,7 @@ class PrefillSender(Agent):
             self.reject(f"abort of {msg.request_id!r} from {msg.rank}: unknown, late or forged")
             return
         reason = f"aborted by decode {msg.rank}: {msg.reason}"
-        if leg.state == "waiting":
+        if leg.status is LegStatus.ASKED:
             self._finish_leg(out, leg, reason)
         else:
             self._fail(out, reason)
@@ -376,17 +386,16 @@ class PrefillSender(Agent):
         peer: _DecodePeer,
         request_id: str,
         nonce: int,
-        phase: str,
+        status: LegStatus,
         reason: str = "",
         ops: int = 0,
         nbytes: int = 0,
         checksum: int | None = None,
     ) -> None:
-        msg = Status(request_id, nonce, self.rank, phase, reason, ops, nbytes, checksum)  # type: ignore[arg-type]
-        self.post(peer.endpoint, msg)
+        self.post(peer.endpoint, Status(request_id, nonce, self.rank, status, reason, ops, nbytes, checksum))
 
     def _publish(self, out: _Outgoing) -> None:
-        self._reports.publish(out.status)
+        self._reports.publish(out.status, _legs(out))
 
     def tick(self, now: float) -> None:
         for out in list(self._out.values()):
@@ -401,9 +410,9 @@ class PrefillSender(Agent):
                     f"timed out after {self.timeout_s:.1f} s in phase {out.status.phase.label} ({waiting})",
                 )
             for leg in list(out.legs.values()):
-                if leg.state == "waiting" and now > leg.deadline + WAITING_GRACE_S:
+                if leg.status is LegStatus.ASKED and now > leg.deadline + WAITING_GRACE_S:
                     self._finish_leg(out, leg, "the decode's deadline passed before the KV was ready")
-        active = {leg.peer.rank for out in self._out.values() for leg in out.legs.values() if leg.state != "done"}
+        active = {leg.peer.rank for out in self._out.values() for leg in out.legs.values() if not leg.status.terminal}
         for rank in active:
             peer = self._peers[rank]
             if now - peer.last_seen > self.peer_timeout_s:

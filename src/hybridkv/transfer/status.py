@@ -1,4 +1,7 @@
-"""Per-request transfer status that only moves forward.
+"""Per-request transfer status and per-leg status, both of which only move forward.
+
+A *leg* is one (prefill rank, decode rank) part of a request. ``LegStatus`` is what a
+prefill rank reports on the wire and what either side records per leg.
 
 Invariants:
 - ``Bootstrapping < WaitingForInput < Transferring < Success``; ``Failed`` is reachable from
@@ -10,6 +13,8 @@ Invariants:
 - A failed request always carries a non-empty reason.
 - ``timeline`` records every phase the request entered, in order, with its time since the
   request started (the first entry is ``Bootstrapping`` at 0).
+- A leg goes ``Asked < Transferring < Success``, or to ``Failed`` from any non-terminal
+  status (``LegStatus.can_enter``); nothing leaves ``Success`` or ``Failed``.
 - ``ReportBoard`` keeps the latest report of every live request and of the most recent
   ``keep`` finished ones (older finished reports are dropped, so a long run stays bounded).
 """
@@ -20,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 
 class Phase(IntEnum):
@@ -45,6 +50,28 @@ class Phase(IntEnum):
         }[self]
 
 
+class LegStatus(StrEnum):
+    """One leg of a request (values as on the wire)."""
+
+    ASKED = "asked"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (LegStatus.SUCCESS, LegStatus.FAILED)
+
+    def can_enter(self, status: LegStatus) -> bool:
+        """Whether a leg at this status may move to ``status`` (forward only)."""
+        return not self.terminal and _LEG_ORDER[status] > _LEG_ORDER[self]
+
+
+_LEG_ORDER = {LegStatus.ASKED: 0, LegStatus.TRANSFERRING: 1, LegStatus.SUCCESS: 2, LegStatus.FAILED: 2}
+
+LegReport = tuple[tuple[str, LegStatus], ...]  # (peer rank, its leg's status), per leg
+
+
 @dataclass(frozen=True)
 class StatusReport:
     """A snapshot of one request's status, safe to hand to another thread."""
@@ -56,6 +83,11 @@ class StatusReport:
     ops: int
     elapsed_s: float
     timeline: tuple[tuple[Phase, float], ...] = ()  # (phase entered, seconds since start)
+    legs: LegReport = ()
+
+    def leg(self, rank: str) -> LegStatus | None:
+        """The status of the leg with peer ``rank`` (None if there is none)."""
+        return next((s for r, s in self.legs if r == rank), None)
 
     def phase_at(self, phase: Phase) -> float | None:
         """Seconds from the start to when the request entered ``phase`` (None if it never did)."""
@@ -103,10 +135,11 @@ class RequestStatus:
         self._enter(Phase.FAILED)
         return True
 
-    def report(self) -> StatusReport:
+    def report(self, legs: LegReport = ()) -> StatusReport:
         end = self.finished if self.finished is not None else time.monotonic()
+        elapsed = end - self.started
         return StatusReport(
-            self.request_id, self.phase, self.reason, self.nbytes, self.ops, end - self.started, tuple(self.timeline)
+            self.request_id, self.phase, self.reason, self.nbytes, self.ops, elapsed, tuple(self.timeline), legs
         )
 
 
@@ -119,8 +152,8 @@ class ReportBoard:
         self._finished = 0
         self._lock = threading.Lock()
 
-    def publish(self, status: RequestStatus) -> None:
-        report = status.report()
+    def publish(self, status: RequestStatus, legs: LegReport = ()) -> None:
+        report = status.report(legs)
         with self._lock:
             old = self._reports.pop(report.request_id, None)
             self._finished -= old is not None and old.phase.terminal

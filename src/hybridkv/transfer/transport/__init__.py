@@ -1,23 +1,61 @@
-"""Transports that execute transfer plans: shared-memory copy and the Mooncake engine."""
+"""Transports that execute transfer plans, by name: the one place a transport is added.
+
+``TRANSPORTS`` maps each ``TransportName`` to its class. To add one (NIXL, CUDA IPC): write
+a ``Transport`` subclass (``submit`` that starts a write and returns a ``WriteHandle`` it
+ends once; ``register``, ``session``, ``close``; ``devices`` it can move), add its name to
+``TransportName`` and its class here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from hybridkv.transfer.shared import SharedBuffer
-from hybridkv.transfer.transport.base import Transport, write_plan
+from hybridkv.transfer.transport.base import (
+    Completion,
+    Transport,
+    TransportName,
+    WriteHandle,
+    WriteStatus,
+    write_plan,
+)
+from hybridkv.transfer.transport.mooncake import MooncakeTransport
 from hybridkv.transfer.transport.shm import ShmTransport
 
-TRANSPORTS = ("shm", "mooncake")
+TRANSPORTS: Mapping[TransportName, type[Transport]] = MappingProxyType(
+    {
+        TransportName.SHM: ShmTransport,
+        TransportName.MOONCAKE: MooncakeTransport,
+    }
+)
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The transport class called ``name``; ``ValueError`` naming the known ones otherwise."""
+    try:
+        return TRANSPORTS[TransportName(name)]
+    except ValueError:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}") from None
 
 
 def make_transport(name: str, shared: SharedBuffer | None = None, **options: object) -> Transport:
-    """A transport by name; ``shared`` is the shm buffer peers write into (shm only)."""
-    if name == "shm":
-        return ShmTransport(shared)
-    if name == "mooncake":
-        from hybridkv.transfer.transport.mooncake import MooncakeTransport
-
-        return MooncakeTransport(**options)  # type: ignore[arg-type]
-    raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
+    """A transport by name; ``shared`` is the buffer peers write into (transports with a
+    ``shared_arena`` only: shm); ``options`` go to the transport (Mooncake: ``host``,
+    ``protocol``, ``progress_timeout_s``)."""
+    return transport_class(name).create(shared, **options)
 
 
-__all__ = ["TRANSPORTS", "ShmTransport", "Transport", "make_transport", "write_plan"]
+__all__ = [
+    "TRANSPORTS",
+    "Completion",
+    "MooncakeTransport",
+    "ShmTransport",
+    "Transport",
+    "TransportName",
+    "WriteHandle",
+    "WriteStatus",
+    "make_transport",
+    "transport_class",
+    "write_plan",
+]

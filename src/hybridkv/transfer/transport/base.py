@@ -1,11 +1,18 @@
-"""The transport interface: move a plan's ``(src, dst, length)`` ops to a peer's memory.
+"""The transport interface: move a plan's ``(src, dst, length)`` ops to a peer's memory,
+asynchronously: ``submit`` ops, then ``poll`` or ``wait`` on the returned handle.
 
 Invariants:
 - A transport writes only into memory the peer registered and only from memory this side
-  registered; an op outside either is refused with ``TransportError`` (the shm transport
-  checks both itself, Mooncake's peer checks the destination).
-- ``write`` returns only when every op landed, or raises ``TransportError``; after an error
-  the destination bytes are undefined and the request must fail.
+  registered; an op outside either is refused with ``TransportError`` at ``submit`` and
+  nothing of that submit moves (the shm transport checks both itself, Mooncake's peer
+  checks the destination, which then fails the handle).
+- A handle ends exactly once, ``DONE`` (every op landed) or ``FAILED`` with a non-empty
+  reason; a failure is never reported as done. After ``FAILED`` the destination bytes are
+  undefined and the request must fail. While a handle is ``PENDING`` its source bytes may
+  still be read: a caller must not reuse them before the handle ended.
+- ``poll`` never blocks; ``wait`` blocks at most its timeout and returns the status then
+  (``PENDING`` if it has not ended). A transport may complete a handle inside ``submit``
+  (shm copies synchronously) or later (Mooncake): the API is the same.
 - ``bounds``, when given, hold every op (a plan derives them from its checked cell ids);
   a transport may check them instead of reducing the op arrays, never skip the check.
 - The same plan arrays drive every transport.
@@ -13,20 +20,99 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from typing import ClassVar
 
-from hybridkv.transfer.errors import TransferError
+from hybridkv.transfer.errors import TransferError, TransportError
 from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
+from hybridkv.transfer.shared import SharedBuffer
+
+STOP_CHECK_S = 0.05
+"""How often ``write_plan`` asks its ``stop`` callback while a submitted chunk is in flight."""
+
+
+class TransportName(StrEnum):
+    """The transports ``hybridkv.transfer.transport.TRANSPORTS`` knows, as named on the wire."""
+
+    SHM = "shm"
+    MOONCAKE = "mooncake"
+
+
+class Completion(Enum):
+    """How far a submitted write got."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteStatus:
+    """Where a submitted write stands; ``reason`` says why it failed (empty otherwise)."""
+
+    completion: Completion
+    reason: str = ""
+    ended: bool = field(init=False, repr=False, compare=False)  # done or failed (a plain read: hot path)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ended", self.completion is not Completion.PENDING)
+
+
+PENDING = WriteStatus(Completion.PENDING)
+DONE = WriteStatus(Completion.DONE)
+
+
+class WriteHandle:
+    """One submitted write of ``ops`` ops to ``peer``.
+
+    Its transport ends it once with ``finish``; anyone may read ``status`` (thread-safe).
+    """
+
+    __slots__ = ("_ended", "_status", "ops", "peer")
+
+    def __init__(self, peer: str, ops: int, status: WriteStatus = PENDING) -> None:
+        """``status``: ``DONE`` for a write that completed inside ``submit`` (no event needed)."""
+        self.peer, self.ops = peer, ops
+        self._status = status
+        self._ended = None if status.ended else threading.Event()
+
+    @property
+    def status(self) -> WriteStatus:
+        return self._status
+
+    def finish(self, status: WriteStatus) -> None:
+        """End the handle (transports only); a second end is a bug and raises."""
+        if not status.ended or (status.completion is Completion.FAILED and not status.reason):
+            raise ValueError(f"a write ends done or failed with a reason, not {status}")
+        if self._ended is None or self._ended.is_set():
+            raise RuntimeError(f"write to {self.peer} ended twice: {self._status}, then {status}")
+        self._status = status
+        self._ended.set()
+
+    def wait(self, timeout_s: float | None) -> WriteStatus:
+        if self._ended is not None:
+            self._ended.wait(timeout_s)
+        return self._status
 
 
 class Transport(ABC):
-    name: ClassVar[str]
-    max_ops_per_write: ClassVar[int]
-    """Ops one ``write`` call should carry at most (the caller splits plans into chunks)."""
+    name: ClassVar[TransportName]
+    max_ops_per_submit: ClassVar[int]
+    """Ops one ``submit`` should carry at most (``write_plan`` splits plans into chunks)."""
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     """Memory kinds the transport can move (both transports here move host memory)."""
+    shared_arena: ClassVar[bool] = False
+    """The receiving side's arena must be a ``SharedBuffer`` peers map (shm)."""
+
+    @classmethod
+    def create(cls, shared: SharedBuffer | None = None, **options: object) -> Transport:
+        """A transport of this class; ``shared``: the buffer peers write into (used only
+        where ``shared_arena``)."""
+        return cls(**options)
 
     def check_device(self, device: str) -> None:
         """Refuse memory this transport cannot touch, before any address is used."""
@@ -46,52 +132,53 @@ class Transport(ABC):
         """Expose ``[addr, addr + length)`` of this process to transfers."""
 
     @abstractmethod
-    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
-        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``, all or raise.
+    def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
+        """Start copying ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``.
 
-        The ops come as int64 arrays or lists of ints (as the plan holds them).
-
-        ``bounds``: address ranges that hold every op, when the caller knows them.
+        The ops come as int64 arrays or lists of ints (as the plan holds them), at most
+        ``max_ops_per_submit`` of them. ``bounds``: address ranges that hold every op, when
+        the caller knows them. Raises ``TransportError`` (nothing moved) for ops it refuses.
         """
+
+    def poll(self, handle: WriteHandle) -> WriteStatus:
+        """Where ``handle`` stands now, without blocking."""
+        return handle.status
+
+    def wait(self, handle: WriteHandle, timeout_s: float | None) -> WriteStatus:
+        """Block until ``handle`` ended or ``timeout_s`` passed (None: no limit)."""
+        return handle.wait(timeout_s)
+
+    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
+        """``submit`` and wait for the end; raises ``TransportError`` unless every op landed."""
+        status = self.wait(self.submit(peer, src, dst, length, bounds), None)
+        if status.completion is not Completion.DONE:
+            raise TransportError(status.reason)
 
     @abstractmethod
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""
 
 
-class Delegating(Transport):
-    """A transport that forwards everything to ``inner``; subclasses change one behaviour
-    (e.g. slow or faulty writes for fault tests and demos)."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
-        self.max_ops_per_write = inner.max_ops_per_write  # type: ignore[misc]
-        self.devices = inner.devices  # type: ignore[misc]
-
-    @property
-    def session(self) -> str:
-        return self.inner.session
-
-    def register(self, addr: int, length: int) -> None:
-        self.inner.register(addr, length)
-
-    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
-        self.inner.write(peer, src, dst, length, bounds)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes: int, stop: Callable[[], str]) -> None:
-    """Write ``plan`` in chunks (at most ``max_ops_per_write`` ops, about ``chunk_bytes``).
+    """Write ``plan`` in chunks (at most ``max_ops_per_submit`` ops, about ``chunk_bytes``),
+    one chunk in flight at a time; returns when every op landed.
 
-    ``stop()`` is asked before every chunk; a non-empty answer ends the write with
-    ``TransferError("stopped: <answer>")``, so an abort or a deadline takes effect at the
-    next chunk boundary.
+    ``stop()`` is asked before every chunk and every ``STOP_CHECK_S`` while one is in
+    flight; a non-empty answer ends the write with ``TransferError("stopped: <answer>")``
+    once nothing is in flight any more (a submitted chunk cannot be recalled), so an abort
+    or a deadline takes effect at the next chunk boundary. A failed chunk raises
+    ``TransportError`` with the transport's reason.
     """
-    for chunk in plan.chunks(transport.max_ops_per_write, chunk_bytes):
+    for chunk in plan.chunks(transport.max_ops_per_submit, chunk_bytes):
         reason = stop()
         if reason:
             raise TransferError(f"stopped: {reason}")
-        transport.write(peer, *plan.ops(chunk), plan.bounds)
+        handle = transport.submit(peer, *plan.ops(chunk), plan.bounds)
+        status = transport.poll(handle)
+        while not status.ended:
+            reason = reason or stop()
+            status = transport.wait(handle, STOP_CHECK_S)
+        if status.completion is Completion.FAILED:
+            raise TransportError(status.reason)
+        if reason:
+            raise TransferError(f"stopped: {reason}")

@@ -3,33 +3,54 @@
 Uses ``mooncake.engine.TransferEngine`` in P2P-handshake mode (no metadata server); the
 session is ``host:rpc_port``. Facts this module relies on (probed on the wheel
 ``mooncake-transfer-engine-non-cuda`` 0.3.13):
-- sync batch writes return 0 (all ops landed) or -1 (any failure); the peer refuses
-  destinations outside what it registered;
+- a batch ends 0 (all ops landed) or -1 (any failure) in ``get_batch_transfer_status``,
+  which blocks until then (``transfer_check_status`` reads only a batch's first op); the
+  peer refuses destinations outside what it registered;
 - more than ~2,000 ops in flight to one peer overflows its TCP queue, after which that
   path stays broken; ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` raises the limit and must be
   in the environment before ``initialize``, ``MC_LOG_LEVEL`` before the import;
 - a -1 right after a refused op is sometimes spurious: retry once, then probe the peer.
 
+Writes are asynchronous: ``submit`` starts a batch (``batch_transfer_async_write``) and
+hands it to the peer's collector thread, which waits for it
+(``get_batch_transfer_status``, with the GIL released) and ends the handle.
+
 Invariants:
-- A write call carries at most ``max_ops_per_write`` ops (well under the queue limit);
-  any -1 that survives the retry raises ``TransportError`` naming the peer and whether it
-  answers a probe. A failure is never reported as success.
+- A submit carries at most ``max_ops_per_submit`` ops (well under the queue limit); a
+  batch that fails is submitted once more, and a failure that survives the retry ends
+  the handle ``FAILED`` with a reason naming the peer and whether it answers a probe. A
+  failure is never reported as done.
+- One collector thread per peer (started at the first submit to it, kept for the
+  transport's life) ends that peer's handles in submission order; a slow peer never
+  delays another peer's handles. ``close`` stops the collectors.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from pathlib import Path
+from typing import Any
 
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.plan import Bounds, Ops, as_ints
-from hybridkv.transfer.transport.base import Transport
+from hybridkv.transfer.transport.base import DONE, Completion, Transport, TransportName, WriteHandle, WriteStatus
 
 ENV_DEFAULTS = {
     "MC_LOG_LEVEL": "ERROR",
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
 }
 PROBE_DEAD = -102
+CLOSE_WAIT_S = 5.0
+
+_Batch = tuple[WriteHandle, tuple[str, list[int], list[int], list[int]], int]  # handle, args, batch id
+
+
+def _started(batch: int) -> bool:
+    """A batch id is the address of the engine's batch descriptor; a failed submit gives 0
+    (or -1 seen unsigned), which must never reach ``get_batch_transfer_status``."""
+    return 0 < batch < 1 << 63
 
 
 def rdma_present() -> bool:
@@ -38,8 +59,8 @@ def rdma_present() -> bool:
 
 
 class MooncakeTransport(Transport):
-    name = "mooncake"
-    max_ops_per_write = 1024
+    name = TransportName.MOONCAKE
+    max_ops_per_submit = 1024
 
     def __init__(
         self,
@@ -72,6 +93,8 @@ class MooncakeTransport(Transport):
             raise TransportError(f"mooncake initialize({host!r}, {protocol!r}) failed with rc {rc}")
         self._session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
+        self._collectors: dict[str, tuple[queue.SimpleQueue[_Batch | None], threading.Thread]] = {}
+        self._lock = threading.Lock()
 
     @property
     def session(self) -> str:
@@ -90,28 +113,69 @@ class MooncakeTransport(Transport):
             )
         self._registered.append(addr)
 
-    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
+    def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
         """The peer's engine checks every destination itself; ``bounds`` are not needed."""
-        if len(src) > self.max_ops_per_write:
+        if len(src) > self.max_ops_per_submit:
             raise TransportError(
-                f"{len(src)} ops in one mooncake write; split plans into chunks of at most "
-                f"{self.max_ops_per_write} (more can overflow the peer's queue)"
+                f"{len(src)} ops in one mooncake submit; split plans into chunks of at most "
+                f"{self.max_ops_per_submit} (more can overflow the peer's queue)"
             )
+        engine = self._engine
+        if engine is None:
+            raise TransportError(f"the mooncake transport is closed; cannot write to {peer}")
+        if not len(src):
+            return WriteHandle(peer, 0, DONE)
+        handle = WriteHandle(peer, len(src))
         args = (peer, as_ints(src), as_ints(dst), as_ints(length))
-        rc = self._engine.batch_transfer_sync_write(*args)
+        self._collector(peer).put((handle, args, engine.batch_transfer_async_write(*args)))
+        return handle
+
+    def _collector(self, peer: str) -> queue.SimpleQueue[_Batch | None]:
+        with self._lock:
+            if peer not in self._collectors:
+                jobs: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+                thread = threading.Thread(target=self._collect, args=(jobs,), name=f"mooncake-{peer}", daemon=True)
+                thread.start()
+                self._collectors[peer] = (jobs, thread)
+            return self._collectors[peer][0]
+
+    def _collect(self, jobs: queue.SimpleQueue[_Batch | None]) -> None:
+        """Collector thread: end each handle of one peer, in submission order."""
+        engine = self._engine
+        while (job := jobs.get()) is not None:
+            handle, args, batch = job
+            try:
+                handle.finish(self._outcome(engine, args, batch))
+            except Exception as exc:  # a bug must not leave a handle pending forever
+                handle.finish(WriteStatus(Completion.FAILED, f"mooncake collector failed: {exc!r}"))
+
+    @staticmethod
+    def _outcome(engine: Any, args: tuple[str, list[int], list[int], list[int]], batch: int) -> WriteStatus:
+        """Wait for one batch, retry it once, probe the peer if it failed."""
+        rc = engine.get_batch_transfer_status([batch]) if _started(batch) else -1
         if rc != 0:
-            rc = self._engine.batch_transfer_sync_write(*args)
-        if rc != 0:
-            probe = self._engine.send_probe(peer)
-            state = "dead" if probe == PROBE_DEAD else f"answering probes (probe rc {probe})"
-            raise TransportError(
-                f"mooncake batch write of {len(src)} ops ({sum(args[3])} B) to {peer} failed "
-                f"with rc {rc} after one retry; the peer is {state}"
-            )
+            batch = engine.batch_transfer_async_write(*args)
+            rc = engine.get_batch_transfer_status([batch]) if _started(batch) else -1
+        if rc == 0:
+            return DONE
+        peer = args[0]
+        probe = engine.send_probe(peer)
+        health = "dead" if probe == PROBE_DEAD else f"answering probes (probe rc {probe})"
+        return WriteStatus(
+            Completion.FAILED,
+            f"mooncake batch write of {len(args[1])} ops ({sum(args[3])} B) to {peer} failed "
+            f"with rc {rc} after one retry; the peer is {health}",
+        )
 
     def close(self) -> None:
         if self._engine is None:
             return
+        with self._lock:
+            collectors, self._collectors = list(self._collectors.values()), {}
+        for jobs, _ in collectors:
+            jobs.put(None)
+        for _, thread in collectors:
+            thread.join(CLOSE_WAIT_S)
         for addr in self._registered:
             self._engine.unregister_memory(addr)
         self._registered.clear()

@@ -5,8 +5,9 @@ The receiving side owns a ``SharedBuffer``; its session is ``shm:<path>:<addr>:<
 the file once and turns each destination address into an offset in its own mapping.
 
 Invariants:
+- ``submit`` copies synchronously: the handle it returns has already ended (done).
 - Every destination range must lie inside the peer's buffer and every source range inside
-  a region this side registered; otherwise nothing of that write is copied. The check
+  a region this side registered; otherwise ``submit`` raises and copies nothing. The check
   reads the caller's ``bounds`` when given (a plan's, from its checked cell ids), else
   reduces the op arrays.
 - Large ops are one ``memmove`` each, straight from the plan's lists; small ops (TP head
@@ -24,7 +25,7 @@ import numpy as np
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.plan import Bounds, Ops, as_ints
 from hybridkv.transfer.shared import SharedBuffer
-from hybridkv.transfer.transport.base import Transport
+from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle
 
 SMALL_OP = 2048  # bytes; smaller ops are copied in vectorized batches
 _BATCH_BYTES = 1 << 24  # index memory bound for one vectorized batch
@@ -57,14 +58,21 @@ class _Mapping:
 
 
 class ShmTransport(Transport):
-    name = "shm"
-    max_ops_per_write = 1 << 16
+    name = TransportName.SHM
+    max_ops_per_submit = 1 << 16
+    shared_arena = True
 
     def __init__(self, shared: SharedBuffer | None = None) -> None:
         """``shared``: this side's buffer that peers may write into (decode side)."""
         self._shared = shared
         self._local: list[tuple[int, np.ndarray]] = []
         self._peers: dict[str, _Mapping] = {}
+
+    @classmethod
+    def create(cls, shared: SharedBuffer | None = None, **options: object) -> ShmTransport:
+        if options:
+            raise TypeError(f"the shm transport takes no options, got {sorted(options)}")
+        return cls(shared)
 
     @property
     def session(self) -> str:
@@ -76,7 +84,11 @@ class ShmTransport(Transport):
         array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
         self._local.append((addr, array))
 
-    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
+    def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
+        self._copy(peer, src, dst, length, bounds)
+        return WriteHandle(peer, len(src), DONE)
+
+    def _copy(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None) -> None:
         if not len(src):
             return
         target = self._peers.get(peer) or self._map(peer)

@@ -1,7 +1,7 @@
 """The prefill->decode demo: real processes, real transports, every byte checked.
 
 Per model, a prefill engine of two pipeline stages, each a separate OS process
-(``harness.StageProcess``), fills its pools with the byte ``pattern`` (layer, tensor, page,
+(``hybridkv.testing.harness.StageProcess``), fills its pools with the byte ``pattern`` (layer, tensor, page,
 offset) for several requests; a decode engine of ``decode_tp`` TP ranks in this process
 asks for them over the control plane (bootstrap, per-request messages, checksums) and the
 transport writes them. Then every byte of every decode arena is compared with the pattern
@@ -31,12 +31,12 @@ import numpy as np
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Linear, ModelSpec, get_preset
+from hybridkv.testing.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
+from hybridkv.testing.pattern import expected_arena, mismatch
 from hybridkv.transfer.bootstrap import BootstrapServer
 from hybridkv.transfer.decode import Allocation, DecodeReceiver
-from hybridkv.transfer.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
-from hybridkv.transfer.pattern import expected_arena, mismatch
 from hybridkv.transfer.status import Phase, StatusReport
-from hybridkv.transfer.transport import TRANSPORTS
+from hybridkv.transfer.transport import transport_class
 
 MODELS = ("tiny-swa2-state", "tiny-gdn")
 FAULTS = ("slot-size", "seq-len")
@@ -155,8 +155,7 @@ def run_pd_demo(
     """Run the demo; the report says per request and decode rank what happened."""
     if not models:
         raise ValueError("pd-demo needs at least one model")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; known: {', '.join(TRANSPORTS)}")
+    transport_class(transport)  # refuses an unknown name before any process starts
     reqs = _requests(models, requests, faults)
     start = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -165,7 +164,7 @@ def run_pd_demo(
         boot = BootstrapServer().start()
         stack.callback(boot.close)
 
-        def decode(model: str | ModelSpec, engine: str, tp: int = 1, tp_rank: int = 0, **kw: object) -> DecodeRank:
+        def decode(model: str | ModelSpec, engine: str, tp: int = 1, tp_rank: int = 0, **kw: Any) -> DecodeRank:
             rank = decode_rank(boot.address, transport, tp, tp_rank, model, engine=engine, timeout_s=timeout_s, **kw)
             return stack.enter_context(rank)
 

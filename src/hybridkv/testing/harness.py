@@ -1,7 +1,7 @@
 """Multi-process transfer harness: prefill ranks in child processes, decode ranks in this one.
 
 Used by ``hybridkv pd-demo`` and the transfer tests. A ``StageProcess`` runs one prefill
-rank (``python -m hybridkv.transfer.stage_worker``) that fills its requests' pages with the
+rank (``python -m hybridkv.testing.stage_worker``) that fills its requests' pages with the
 byte ``pattern`` and hands them to a real ``PrefillSender``; it reports over stdout, one
 JSON line per event. ``decode_rank`` builds a decode rank (memory, transport,
 ``DecodeReceiver``) in this process.
@@ -34,7 +34,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import FullAttention, Linear, ModelSpec, Parallel, ShardSpec, StateTensor, get_preset
 from hybridkv.transfer.decode import DecodeReceiver
 from hybridkv.transfer.shared import shared_memory
-from hybridkv.transfer.transport import make_transport
+from hybridkv.transfer.transport import make_transport, transport_class
 
 MODEL = "tiny-swa2-state"
 MEMORY = {"page_size": 4, "max_context": 64, "chunk_tokens": 16}
@@ -50,7 +50,7 @@ class StageProcess:
         self.cfg = cfg
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the child)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridkv.transfer.stage_worker", json.dumps(cfg)],
+            [sys.executable, "-m", "hybridkv.testing.stage_worker", json.dumps(cfg)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -138,13 +138,13 @@ def decode_rank(
     engine: str = "dec",
     **kw: object,
 ) -> Iterator[tuple[DecodeReceiver, UnifiedMemory]]:
-    """A decode rank in this process (zeroed memory; shared memory for the shm transport)."""
+    """A decode rank in this process (zeroed memory; shared memory where the transport needs it)."""
     spec = get_preset(model) if isinstance(model, str) else model
     shard = ShardSpec(spec, Parallel(tp, 1), 0, tp_rank)
-    hints = dict(MEMORY, page_size=page_size)
+    hints: dict[str, Any] = dict(MEMORY, page_size=page_size)
     with contextlib.ExitStack() as stack:
         shared = None
-        if transport == "shm":
+        if transport_class(transport).shared_arena:
             mem, shared = shared_memory(shard, BUDGET, **hints)
             stack.callback(shared.close)
         else:

@@ -1,6 +1,6 @@
-"""One prefill rank in its own process (started by ``harness.StageProcess``).
+"""One prefill rank in its own process (started by ``hybridkv.testing.harness.StageProcess``).
 
-``python -m hybridkv.transfer.stage_worker '<json config>'`` (see ``harness.stage_config``):
+``python -m hybridkv.testing.stage_worker '<json config>'`` (see ``harness.stage_config``):
 builds the rank's memory, fills each request's pages and state slot with the byte
 ``pattern``, registers a ``PrefillSender`` and hands the requests over. Prints one JSON
 line per event: ``ready``, one ``report`` per finished request, ``exit`` at the end.
@@ -9,7 +9,7 @@ Invariants:
 - The process ends by itself: after every request finished, after ``timeout_s + 10`` s,
   or as soon as its parent process is gone; before ``exit`` it frees what finished and
   checks ``mem.verify()``.
-- ``slow_s`` wraps the real transport and only sleeps before each write (fault injection:
+- ``slow_s`` wraps the real transport and only sleeps before each submit (fault injection:
   a test can stop or kill the rank mid-transfer); it never changes what is written.
 """
 
@@ -25,23 +25,10 @@ import numpy as np
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
-from hybridkv.transfer.pattern import fill
-from hybridkv.transfer.plan import Bounds, Ops
+from hybridkv.testing.pattern import fill
+from hybridkv.testing.transports import Throttled
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.transport import Transport, make_transport
-from hybridkv.transfer.transport.base import Delegating
-
-
-class Throttled(Delegating):
-    """A real transport that sleeps before every write (a slow or hung peer)."""
-
-    def __init__(self, inner: Transport, delay_s: float) -> None:
-        super().__init__(inner)
-        self.delay_s = delay_s
-
-    def write(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> None:
-        time.sleep(self.delay_s)
-        super().write(peer, src, dst, length, bounds)
 
 
 def emit(**event: object) -> None:

@@ -30,6 +30,8 @@ def _local_bytes(mem: UnifiedMemory, lid: int, tensor: int, name: str, position:
     kind = shard.model.layer(lid).kind
     seg = mem.pool_of_layer(lid).layout.segment(lid, name)
     size = seg.dtype.itemsize
+    rows: tuple[int, ...]
+    cut: tuple[slice, ...]
     if isinstance(kind, FullAttention | SlidingWindow):
         lo, hi = shard.kv_head_range(lid)
         rows = (seg.shape[0], kind.num_kv_heads, seg.shape[2] * size)

@@ -1,0 +1,54 @@
+"""Transport wrappers for fault tests and demos: a real transport with one behaviour changed.
+
+Invariant: a wrapper forwards everything it does not change to ``inner`` (so it names,
+registers, addresses and ends handles exactly as the real transport does).
+"""
+
+from __future__ import annotations
+
+import time
+
+from hybridkv.transfer.plan import Bounds, Ops
+from hybridkv.transfer.transport import Transport, WriteHandle, WriteStatus
+
+
+class Delegating(Transport):
+    """A transport that forwards everything to ``inner``; subclasses change one behaviour."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.max_ops_per_submit = inner.max_ops_per_submit  # type: ignore[misc]
+        self.devices = inner.devices  # type: ignore[misc]
+        self.shared_arena = inner.shared_arena  # type: ignore[misc]
+
+    @property
+    def session(self) -> str:
+        return self.inner.session
+
+    def register(self, addr: int, length: int) -> None:
+        self.inner.register(addr, length)
+
+    def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
+        return self.inner.submit(peer, src, dst, length, bounds)
+
+    def poll(self, handle: WriteHandle) -> WriteStatus:
+        return self.inner.poll(handle)
+
+    def wait(self, handle: WriteHandle, timeout_s: float | None) -> WriteStatus:
+        return self.inner.wait(handle, timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Throttled(Delegating):
+    """A real transport that sleeps before every submit (a slow or hung peer)."""
+
+    def __init__(self, inner: Transport, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+
+    def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
+        time.sleep(self.delay_s)
+        return super().submit(peer, src, dst, length, bounds)
