@@ -14,6 +14,9 @@ Faults, one deliberately broken request each, run alongside the good ones:
 - ``seq-len``: decode asks for more tokens than prefill computed; both prefill stages
   refuse the leg and say why.
 
+A fresh random cluster key authenticates every control message of the run; the stage
+processes get it in their environment.
+
 Invariants: ``ok`` is true only when every good request succeeded on every decode rank,
 every faulty one ended Failed with the expected reason, the bytes and memories check out
 and every prefill stage reported and exited. Processes, sockets and shared-memory files
@@ -33,6 +36,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Linear, ModelSpec, get_preset
 from hybridkv.testing.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
 from hybridkv.testing.pattern import expected_arena, mismatch
+from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.bootstrap import BootstrapServer
 from hybridkv.transfer.decode import Allocation, DecodeReceiver
 from hybridkv.transfer.status import Phase, StatusReport
@@ -160,12 +164,15 @@ def run_pd_demo(
     start = time.monotonic()
     rows: list[dict[str, Any]] = []
     checks: dict[str, str] = {}  # what was checked -> '' (passed) or what went wrong
+    key = ClusterKey.generate()
     with contextlib.ExitStack() as stack:
-        boot = BootstrapServer().start()
+        boot = BootstrapServer(key=key).start()
         stack.callback(boot.close)
 
         def decode(model: str | ModelSpec, engine: str, tp: int = 1, tp_rank: int = 0, **kw: Any) -> DecodeRank:
-            rank = decode_rank(boot.address, transport, tp, tp_rank, model, engine=engine, timeout_s=timeout_s, **kw)
+            rank = decode_rank(
+                boot.address, transport, tp, tp_rank, model, engine=engine, key=key, timeout_s=timeout_s, **kw
+            )
             return stack.enter_context(rank)
 
         stages: dict[str, list[StageProcess]] = {}
@@ -177,7 +184,8 @@ def run_pd_demo(
                 stage = StageProcess(
                     stage_config(
                         boot.address, transport, pp_rank, served, model=model, engine=engine, timeout_s=timeout_s
-                    )
+                    ),
+                    key,
                 )
                 stack.callback(stage.close)
                 stages[model].append(stage)

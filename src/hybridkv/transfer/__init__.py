@@ -11,6 +11,7 @@ Test and demo tooling (byte patterns, multi-process harness, fault-injecting tra
 lives in ``hybridkv.testing``, which this package never imports.
 """
 
+from hybridkv.transfer.auth import AuthError, ClusterKey, load_cluster_key
 from hybridkv.transfer.bootstrap import BootstrapServer
 from hybridkv.transfer.buffers import (
     BufferEntry,
@@ -20,7 +21,7 @@ from hybridkv.transfer.buffers import (
     buffer_set_from_memory,
     expand_layer_ids,
 )
-from hybridkv.transfer.decode import Allocation, DecodeReceiver
+from hybridkv.transfer.decode import Allocation, DecodeReceiver, ReceiverStats
 from hybridkv.transfer.errors import (
     BadLayout,
     LayoutMismatch,
@@ -39,10 +40,12 @@ from hybridkv.transfer.transport import TRANSPORTS, Transport, TransportName, ma
 __all__ = [
     "TRANSPORTS",
     "Allocation",
+    "AuthError",
     "BadLayout",
     "BootstrapServer",
     "BufferEntry",
     "BufferSet",
+    "ClusterKey",
     "DecodeReceiver",
     "EntryPair",
     "LayoutMismatch",
@@ -51,6 +54,7 @@ __all__ = [
     "PlanError",
     "PrefillSender",
     "ProtocolError",
+    "ReceiverStats",
     "RequestStatus",
     "Role",
     "SharedBuffer",
@@ -64,6 +68,7 @@ __all__ = [
     "buffer_set_from_memory",
     "build_plan",
     "expand_layer_ids",
+    "load_cluster_key",
     "make_transport",
     "memory_cells",
     "pair_entries",
