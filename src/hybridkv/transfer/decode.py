@@ -368,10 +368,10 @@ class DecodeReceiver(Agent):
             self._on_status(msg, epoch)
         elif isinstance(msg, Heartbeat):
             source = self._engines.get(msg.rank.engine, {}).get(msg.rank)
-            if source is None or source.reg.epoch != epoch:
+            if source is not None and source.reg.epoch != epoch:
                 self.reject(f"heartbeat from {msg.rank} epoch {epoch}: not a registered source of that epoch")
-                return
-            source.last_seen = time.monotonic()
+            elif source is not None:
+                source.last_seen = time.monotonic()
         else:
             self.reject(f"a decode rank does not take {type(msg).__name__} messages")
 

@@ -12,9 +12,9 @@ Invariants:
   is replaced only by a ``Hello`` from a newer epoch of that rank (a restart: the old
   incarnation's requests fail); a different ``Hello`` from the same or an older epoch is
   refused with a log line. Its requests, aborts and heartbeats count only from the epoch
-  that said hello. A ``Hello`` whose endpoint or session the transport refuses
-  (``Transport.check_session``: e.g. a shm path outside hybridkv's own files) makes the
-  rank unservable before anything is opened.
+  that said hello. A ``Hello`` whose endpoint is not ``tcp://host:port`` is refused; one
+  whose session the transport refuses (``Transport.check_session``: e.g. a shm path
+  outside hybridkv's own files) makes the rank unservable before anything is opened.
 - The request's pages and slot are pinned (memory move gate) from ``send`` until the owner
   collects the finished request with ``poll``; the gate is never released while a leg may
   still read them.
@@ -223,6 +223,7 @@ class PrefillSender(Agent):
             peer.last_seen = time.monotonic()
 
     def _on_hello(self, msg: Hello, epoch: int) -> None:
+        check_endpoint(msg.endpoint)  # refused outright: no status is ever sent to such an endpoint
         old = self._peers.get(msg.rank)
         if old is not None:
             same = (old.endpoint, old.session, old.buffers) == (msg.endpoint, msg.session, msg.buffers)
@@ -256,7 +257,6 @@ class PrefillSender(Agent):
         if (msg.rank.pp, msg.rank.tp) != (msg.buffers.pp_rank, msg.buffers.tp_rank):
             return None, f"hello from {msg.rank} carries the layout of another rank"
         try:
-            check_endpoint(msg.endpoint)
             self.transport.check_session(msg.session)
             return Route(self.buffers, msg.buffers, pair_entries(self.buffers, msg.buffers)), ""
         except (LayoutMismatch, BadLayout) as exc:

@@ -41,9 +41,9 @@ def parse_session(session: str) -> tuple[str, int, int]:
         remote, size = int(addr, 16), int(nbytes)
         if scheme != "shm" or remote <= 0 or not 0 < size < 1 << 48:
             raise ValueError(session)
-    except ValueError:
+        shm_path(token)  # refuses a token that is not hybridkv's: a path, '..', anything else
+    except (ValueError, TransportError):
         raise TransportError(f"not a shm session: {session!r} (want shm:<token>:<hex addr>:<bytes>)") from None
-    shm_path(token)  # refuses a token that is not hybridkv's: a path, '..', anything else
     return token, remote, size
 
 
