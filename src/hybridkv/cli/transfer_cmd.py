@@ -103,10 +103,10 @@ def _meta_memory(shard: ShardSpec, page_size: int, seq_len: int) -> UnifiedMemor
 def transfer_plan_report(
     model: str, prefill_pp: int, prefill_tp: int, decode_tp: int, seq_len: int, page_size: int
 ) -> dict[str, Any]:
-    pages = num_pages(seq_len, page_size)
-    if pages > MAX_PLAN_PAGES:
+    need = num_pages(seq_len, page_size)
+    if need > MAX_PLAN_PAGES:
         raise ValueError(
-            f"--seq-len {seq_len} in pages of {page_size} is {pages} pages; transfer-plan inspects at most "
+            f"--seq-len {seq_len} in pages of {page_size} is {need} pages; transfer-plan inspects at most "
             f"{MAX_PLAN_PAGES} pages per request (raise --page-size or lower --seq-len)"
         )
     spec = get_preset(model)
@@ -119,7 +119,7 @@ def transfer_plan_report(
     for d in range(decode_tp):
         dec = _meta_memory(ShardSpec(spec, Parallel(decode_tp, 1), 0, d), page_size, seq_len)
         dec_bufs = buffer_set_from_memory(dec, _FAKE_BASE)
-        pages = dec.alloc_pages(num_pages(seq_len, page_size))
+        pages = dec.alloc_pages(need)
         slot = int(dec.alloc_state(1)[0]) if dec.state_pool is not None else None
         dst = memory_cells(dec, pages, slot)
         for k, ((p, t), mem) in enumerate(sorted(prefill.items())):
