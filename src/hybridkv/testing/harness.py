@@ -35,7 +35,7 @@ from typing import Any
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import FullAttention, Linear, ModelSpec, Parallel, ShardSpec, StateTensor, get_preset
-from hybridkv.transfer.auth import KEY_ENV, ClusterKey
+from hybridkv.transfer.auth import KEY_ENV, KEY_FILE_ENV, ClusterKey
 from hybridkv.transfer.decode import DecodeReceiver
 from hybridkv.transfer.shared import shared_memory
 from hybridkv.transfer.transport import make_transport, transport_class
@@ -55,7 +55,7 @@ class StageProcess:
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the child)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hybridkv.testing.stage_worker", json.dumps(cfg)],
-            env={**os.environ, KEY_ENV: key.hex},
+            env={**{k: v for k, v in os.environ.items() if k != KEY_FILE_ENV}, KEY_ENV: key.hex},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self.log,
