@@ -30,6 +30,9 @@ from hybridkv.transfer.errors import ProtocolError, TransferError
 from hybridkv.transfer.messages import Lookup, LookupReply, Message, Rank, Register, RegisterAck
 
 BOOTSTRAP_RANK = Rank("bootstrap", 0, 0)
+BOOTSTRAP_ADDRESSEE = "bootstrap"
+"""What requests to a bootstrap are addressed to: its name, not its address (clients may
+reach it under another host name than the one it bound)."""
 
 
 def reply_address(env: Envelope) -> str:
@@ -80,7 +83,7 @@ class BootstrapServer:
                 ident, data = frames
                 to = ""  # a refusal of a frame that did not open is addressed to nobody in particular
                 try:
-                    env = self._gate.open(data, self.address)
+                    env = self._gate.open(data, BOOTSTRAP_ADDRESSEE)
                     to = reply_address(env)
                     reply = self.handle(env)
                 except TransferError as exc:
@@ -144,7 +147,7 @@ def bootstrap_call(address: str, msg: Message, seal: Seal, timeout_s: float = 5.
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
-    seq, frame = seal.frame(address, msg)
+    seq, frame = seal.frame(BOOTSTRAP_ADDRESSEE, msg)
     to = reply_prefix(seal) + str(seq)
     try:
         sock.connect(address)

@@ -40,7 +40,7 @@ from hybridkv.memory import MoveGate, UnifiedMemory
 from hybridkv.transfer import liveness
 from hybridkv.transfer.agent import Agent, EventKind, log
 from hybridkv.transfer.auth import AuthError, ClusterKey
-from hybridkv.transfer.bootstrap import BOOTSTRAP_RANK, reply_prefix
+from hybridkv.transfer.bootstrap import BOOTSTRAP_ADDRESSEE, BOOTSTRAP_RANK, reply_prefix
 from hybridkv.transfer.buffers import buffer_set_from_memory
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
@@ -165,7 +165,6 @@ class DecodeReceiver(Agent):
         self._quarantine: dict[str, int] = {}  # request id -> pages, of quarantined requests
         self._stuck: set[str] = set()
         self._stats_lock = threading.Lock()
-        self._bootstrap_address = bootstrap
         self._bootstrap = self._ctx.socket(zmq.DEALER)
         self._bootstrap.linger = 0
         self._bootstrap.connect(bootstrap)
@@ -281,7 +280,7 @@ class DecodeReceiver(Agent):
     def _lookup(self, engine: str) -> None:
         self._lookup_sent[engine] = time.monotonic()
         with contextlib.suppress(zmq.Again):  # retried from tick
-            self._bootstrap.send(self.seal.seal(self._bootstrap_address, Lookup(engine)), zmq.NOBLOCK)
+            self._bootstrap.send(self.seal.seal(BOOTSTRAP_ADDRESSEE, Lookup(engine)), zmq.NOBLOCK)
 
     def on_socket(self, sock: zmq.Socket) -> None:
         while sock.poll(0):
