@@ -47,7 +47,7 @@ FAULTS = ("slot-size", "seq-len")
 SEQ_LENS = (27, 40, 5, 64, 13, 50, 33, 8)
 FAULT_REASON = {"slot-size": "state slot size mismatch", "seq-len": "seq_len mismatch"}
 PREFILL_PP = 2
-QUARANTINE_S = 3.0  # a failed request's pages wait at most this long for its writers' acknowledgement
+QUARANTINE_S = 3.0  # a failed request still waiting for its writers after this long is reported stuck
 
 DecodeRank = tuple[DecodeReceiver, UnifiedMemory]
 
@@ -214,6 +214,8 @@ def run_pd_demo(
                 checks[f"{dec.rank}: every arena byte equals the pattern"] = _check_bytes(reqs, model, r, mem)
         for dec, mem in [rank for ranks in decoders.values() for rank in ranks] + misconfigured:
             checks[f"{dec.rank}: memory verify() and no live page"] = _settle(dec, mem, QUARANTINE_S + 5)
+            refused = dec.stats().auth_failures
+            checks[f"{dec.rank}: every control frame authenticated"] = f"{refused} frames refused" if refused else ""
 
         prefill = []
         for model, procs in stages.items():
