@@ -7,7 +7,7 @@ import time
 import zmq
 
 from hybridkv.transfer.auth import ClusterKey, Gate, Seal
-from hybridkv.transfer.messages import Message, Rank, Register
+from hybridkv.transfer.messages import Message, Process, Rank, Register
 
 
 class Wire:
@@ -54,8 +54,6 @@ class Wire:
     def register(self, rank: Rank, **fields: object) -> Register:
         """A registration of ``rank`` at this wire's endpoint, in its seal's epoch (no process:
         a writer nobody can prove gone)."""
-        from hybridkv.transfer.messages import Process
-
         base: dict[str, object] = {
             "rank": rank,
             "endpoint": self.endpoint,
