@@ -34,6 +34,26 @@ BAD_INPUTS += [
     ([*REPLAY[:-1], "100000TiB"], "at most"),
 ]
 
+# transfer-plan, pd-demo, bench transfer (issue 9 items 15-17): ranges checked before any work
+BAD_INPUTS += [
+    (["transfer-plan", "--model", "tiny-dense", "--decode-tp", "0"], "--decode-tp"),
+    (["transfer-plan", "--model", "tiny-dense", "--prefill-tp", "0"], "--prefill-tp"),
+    (["transfer-plan", "--model", "tiny-dense", "--seq-len", "-5"], "--seq-len"),
+    (["transfer-plan", "--model", "tiny-dense", "--seq-len", "100000000"], "at most 131072 pages"),
+    (["transfer-plan", "--model", "tiny-dense", "--page-size", "0"], "--page-size"),
+    (["transfer-plan", "--model", "tiny-dense", "--prefill-pp", "8"], "exceeds the model's 4 layers"),
+    (["transfer-plan", "--model", "tiny-dense", "--decode-tp", "3"], "cannot be split evenly over TP 3"),
+    (["transfer-plan", "--model", "no-such-model"], "no preset named"),
+    (["pd-demo", "--requests", "0"], "--requests"),
+    (["pd-demo", "--requests", "1000"], "--requests"),
+    (["pd-demo", "--decode-tp", "0"], "--decode-tp"),
+    (["pd-demo", "--transport", "nixl"], "unknown transport 'nixl'; known: shm, mooncake"),
+    (["pd-demo", "--fault", "bogus"], "unknown fault 'bogus'"),
+    (["bench", "transfer", "--reps", "0"], "--reps"),
+    (["bench", "transfer", "--batch", "0"], "--batch"),
+    (["bench", "transfer", "--transport", "nixl"], "unknown transport"),
+]
+
 GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
 BAD_TRACES = {
     "empty.jsonl": ("", "no requests"),

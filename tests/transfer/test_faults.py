@@ -18,7 +18,6 @@ from hybridkv.testing.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.testing.pattern import expected_arena, fill, mismatch
 from hybridkv.testing.transports import Delegating
 from hybridkv.transfer import (
-    BootstrapServer,
     LegStatus,
     Phase,
     PlanError,
@@ -31,29 +30,20 @@ from hybridkv.transfer import (
     pair_entries,
     shared_memory,
 )
+from hybridkv.transfer.auth import Gate
 from hybridkv.transfer.bootstrap import bootstrap_call
 from hybridkv.transfer.messages import (
     Abort,
     Hello,
     Lookup,
     LookupReply,
-    Message,
     Rank,
-    Register,
     RegisterAck,
     Status,
     TransferRequest,
-    decode,
-    encode,
 )
 from hybridkv.transfer.status import ReportBoard
-
-
-@pytest.fixture
-def bootstrap():
-    server = BootstrapServer().start()
-    yield server
-    server.close()
+from tests.transfer.wire import Wire
 
 
 @pytest.fixture
@@ -66,13 +56,13 @@ def stage_memory(pp_rank: int, model: str = MODEL) -> UnifiedMemory:
     return UnifiedMemory.create(ShardSpec(get_preset(model), Parallel(1, 2), pp_rank, 0), "1MiB", **MEMORY)
 
 
-def prefill_ranks(bootstrap, stack, transport="shm", stages=(0, 1), wrap=None, **kw) -> list[PrefillSender]:
+def prefill_ranks(key, bootstrap, stack, transport="shm", stages=(0, 1), wrap=None, **kw) -> list[PrefillSender]:
     senders = []
     for k in stages:
         link = make_transport(transport)
         stack.callback(link.close)
         sender = PrefillSender(
-            stage_memory(k), "pre", bootstrap.address, wrap(link) if wrap else link, heartbeat_s=0.2, **kw
+            stage_memory(k), "pre", bootstrap.address, wrap(link) if wrap else link, heartbeat_s=0.2, key=key, **kw
         )
         stack.callback(sender.close)
         senders.append(sender)
@@ -113,40 +103,9 @@ def wait_until(predicate, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-class Wire:
-    """A scripted peer: messages to ``endpoint`` arrive here; it can send anything."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.linger = 0
-        self.endpoint = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
-        self.push: dict[str, zmq.Socket] = {}
-
-    def send(self, endpoint: str, msg: Message | bytes) -> None:
-        if endpoint not in self.push:
-            self.push[endpoint] = self.ctx.socket(zmq.PUSH)
-            self.push[endpoint].linger = 0
-            self.push[endpoint].connect(endpoint)
-        self.push[endpoint].send(msg if isinstance(msg, bytes) else encode(msg))
-
-    def recv(self, kind: type, timeout_s: float = 5.0) -> Message:
-        end = time.monotonic() + timeout_s
-        while self.pull.poll(max(1, int((end - time.monotonic()) * 1000))):
-            msg = decode(self.pull.recv())
-            if isinstance(msg, kind):
-                return msg
-        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
-
-    def close(self) -> None:
-        for sock in [self.pull, *self.push.values()]:
-            sock.close(linger=0)
-        self.ctx.term()
-
-
 @pytest.fixture
-def wire():
-    w = Wire()
+def wire(key):
+    w = Wire(key)
     yield w
     w.close()
 
@@ -162,10 +121,10 @@ def wire():
         ({"model": variant(MODEL, head_dim=16)}, "item length mismatch"),
     ],
 )
-def test_wrong_layout_fails_before_any_byte_moves(bootstrap, stack, decode_kw, reason):
-    senders = prefill_ranks(bootstrap, stack)
+def test_wrong_layout_fails_before_any_byte_moves(key, bootstrap, stack, decode_kw, reason):
+    senders = prefill_ranks(key, bootstrap, stack)
     hand_over(senders, "r", 20, seed=1)
-    dec, mem = stack.enter_context(decode_rank(bootstrap.address, "shm", **decode_kw))
+    dec, mem = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, **decode_kw))
     dec.request("r", "pre", 20)
     report = dec.wait("r", 10)
     assert report.phase is Phase.FAILED
@@ -175,10 +134,10 @@ def test_wrong_layout_fails_before_any_byte_moves(bootstrap, stack, decode_kw, r
     assert all(s.status("r").phase is Phase.BOOTSTRAPPING for s in senders)  # never asked
 
 
-def test_prefill_checks_layouts_and_indices_itself(bootstrap, stack, wire):
+def test_prefill_checks_layouts_and_indices_itself(key, bootstrap, stack, wire):
     """A decode that skips its own checks (here: a scripted one) still cannot make a prefill
     rank write outside the decode's pools or into mismatched layouts."""
-    (stage1,) = prefill_ranks(bootstrap, stack, stages=(1,))
+    (stage1,) = prefill_ranks(key, bootstrap, stack, stages=(1,))
     dmem, shared = shared_memory(ShardSpec.whole(get_preset(MODEL)), "1MiB", **MEMORY)
     stack.callback(shared.close)
     dmem.arena.buffer.zero_()
@@ -224,15 +183,15 @@ def test_prefill_checks_layouts_and_indices_itself(bootstrap, stack, wire):
 # --- messages ----------------------------------------------------------------------------
 
 
-def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(bootstrap, stack, wire):
+def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(key, bootstrap, stack, wire):
     """Stage 0 is a real prefill rank; stage 1 is scripted and lies in every way it can."""
-    (stage0,) = prefill_ranks(bootstrap, stack, stages=(0,))
+    (stage0,) = prefill_ranks(key, bootstrap, stack, stages=(0,))
     fake_mem = stage_memory(1)
     fake_bufs = buffer_set_from_memory(fake_mem)
     fake = Rank("pre", 1, 0)
-    reply = bootstrap_call(bootstrap.address, Register(fake, wire.endpoint, "shm", "", fake_bufs))
+    reply = bootstrap_call(bootstrap.address, wire.register(fake, buffers=fake_bufs), wire.seal(fake))
     assert isinstance(reply, RegisterAck) and reply.ok
-    dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", checksum=True))
+    dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, checksum=True))
 
     def requested(rid: str, seq_len: int) -> TransferRequest:
         hand_over([stage0], rid, seq_len, seed=4)
@@ -294,33 +253,35 @@ def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(boots
     stage0.mem.verify()
 
 
-def test_bootstrap_refuses_bad_registrations_and_keeps_serving(bootstrap):
+def test_bootstrap_refuses_bad_registrations_and_keeps_serving(key, bootstrap, wire):
     mem = stage_memory(0)
     bufs = buffer_set_from_memory(mem)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(bootstrap.address)
-    sock.send(b"\xc1")
-    assert sock.poll(5000)
-    refusal = decode(sock.recv())
-    assert isinstance(refusal, RegisterAck) and not refusal.ok and "malformed" in refusal.reason
+    for frame, says in [(key.mac(b"\xc1") + b"\xc1", "malformed"), (b"\xc1", "without a valid MAC")]:
+        sock.send(frame)
+        assert sock.poll(5000)
+        refusal = Gate(key).open(sock.recv(), "").body
+        assert isinstance(refusal, RegisterAck) and not refusal.ok and says in refusal.reason
     sock.close()
-    wrong = Register(Rank("pre", 1, 0), "tcp://127.0.0.1:1", "shm", "", bufs)  # stage 0's layout
-    reply = bootstrap_call(bootstrap.address, wrong)
+    pre0, pre1 = Rank("pre", 0, 0), Rank("pre", 1, 0)
+    wrong = wire.register(pre1, endpoint="tcp://127.0.0.1:1", buffers=bufs)  # stage 0's layout
+    reply = bootstrap_call(bootstrap.address, wrong, wire.seal(pre1))
     assert isinstance(reply, RegisterAck) and not reply.ok and "layout of pp 0" in reply.reason
-    good = Register(Rank("pre", 0, 0), "tcp://127.0.0.1:1", "shm", "", bufs)
-    assert bootstrap_call(bootstrap.address, good) == RegisterAck(True, "")
-    reply = bootstrap_call(bootstrap.address, Lookup("pre"))
+    good = wire.register(pre0, endpoint="tcp://127.0.0.1:1", buffers=bufs)
+    assert bootstrap_call(bootstrap.address, good, wire.seal(pre0)) == RegisterAck(True, "")
+    reply = bootstrap_call(bootstrap.address, Lookup("pre"), wire.seal(Rank("dec", 0, 0)))
     assert isinstance(reply, LookupReply) and not reply.complete and "1 of 2 ranks" in reply.reason
-    assert len(bootstrap.rejected) == 2
+    assert len(bootstrap.rejected) == 3 and bootstrap.auth_failures == 1
 
 
 # --- timeouts and aborts -----------------------------------------------------------------
 
 
-def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(bootstrap, stack):
-    senders = prefill_ranks(bootstrap, stack, timeout_s=1.0)
-    dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", timeout_s=0.5))
+def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(key, bootstrap, stack):
+    senders = prefill_ranks(key, bootstrap, stack, timeout_s=1.0)
+    dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, timeout_s=0.5))
     # prefill never hands the KV over: decode times out, each rank acknowledges the abort
     dec.request("never", "pre", 20)
     report = dec.wait("never", 5)
@@ -356,9 +317,9 @@ def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(bootstrap, stack):
     settle(dec, 5)
 
 
-def test_incomplete_prefill_engine_times_out_in_bootstrap(bootstrap, stack):
-    prefill_ranks(bootstrap, stack, stages=(0,))
-    dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", timeout_s=0.5))
+def test_incomplete_prefill_engine_times_out_in_bootstrap(key, bootstrap, stack):
+    prefill_ranks(key, bootstrap, stack, stages=(0,))
+    dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, timeout_s=0.5))
     dec.request("r", "pre", 20)
     report = dec.wait("r", 5)
     assert report.phase is Phase.FAILED
@@ -405,9 +366,9 @@ class Lossy(Delegating):
         return super().submit(peer, src[:-1], dst[:-1], length[:-1], bounds)
 
 
-def test_checksum_refuses_bytes_a_transport_lost(bootstrap, stack):
-    senders = prefill_ranks(bootstrap, stack, wrap=Lossy)
-    dec, mem = stack.enter_context(decode_rank(bootstrap.address, "shm", checksum=True))
+def test_checksum_refuses_bytes_a_transport_lost(key, bootstrap, stack):
+    senders = prefill_ranks(key, bootstrap, stack, wrap=Lossy)
+    dec, mem = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, checksum=True))
     hand_over(senders, "r", 20, seed=6)
     dec.request("r", "pre", 20)
     report = dec.wait("r", 5)
@@ -420,9 +381,9 @@ def test_checksum_refuses_bytes_a_transport_lost(bootstrap, stack):
     assert mismatch(mem, expected_arena(mem, [(alloc.pages, alloc.slot, 20, 7)])) != ""
 
 
-def test_failed_mooncake_write_is_a_failed_request(bootstrap, stack):
-    senders = prefill_ranks(bootstrap, stack, transport="mooncake")
-    dec, mem = stack.enter_context(decode_rank(bootstrap.address, "mooncake"))
+def test_failed_mooncake_write_is_a_failed_request(key, bootstrap, stack):
+    senders = prefill_ranks(key, bootstrap, stack, transport="mooncake")
+    dec, mem = stack.enter_context(decode_rank(bootstrap.address, "mooncake", key=key))
     hand_over(senders, "ok", 20, seed=8)
     alloc = dec.request("ok", "pre", 20)
     assert dec.wait("ok", 10).phase is Phase.SUCCESS

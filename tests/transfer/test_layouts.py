@@ -30,7 +30,8 @@ from hybridkv.transfer import (
     pair_entries,
 )
 from hybridkv.transfer import plan as plan_module
-from hybridkv.transfer.messages import Hello, Rank, decode, encode
+from hybridkv.transfer.auth import MAC_BYTES, ClusterKey, Gate, Seal
+from hybridkv.transfer.messages import Hello, Rank
 
 BASE = 1 << 40
 
@@ -109,15 +110,19 @@ def test_bufferset_rejects_misaligned_ids_foreign_layers_and_unregistered_entrie
 
 
 def test_a_malformed_layout_on_the_wire_is_a_protocol_error():
+    """Even a frame with a valid MAC (a key holder's) is decoded and checked before use."""
     b = bufs("tiny-dense")
+    key = ClusterKey.generate()
     hello = Hello(Rank("d", 0, 0), "tcp://x:1", "shm", "s", b)
-    assert decode(encode(hello)) == hello
-    raw = msgspec.msgpack.decode(encode(hello))
-    raw["buffers"]["layer_ids"] = raw["buffers"]["layer_ids"][:-1]
+    frame = Seal(key, hello.rank).seal("me", hello)
+    assert Gate(key).open(frame, "me").body == hello
+    raw = msgspec.msgpack.decode(frame[MAC_BYTES:])  # [sender, epoch, seq, to, body]
+    raw[4]["buffers"]["layer_ids"] = raw[4]["buffers"]["layer_ids"][:-1]
+    body = msgspec.msgpack.encode(raw)
     with pytest.raises(ProtocolError, match="aligned 1:1"):
-        decode(msgspec.msgpack.encode(raw))
+        Gate(key).open(key.mac(body) + body, "me")
     with pytest.raises(ProtocolError, match="malformed"):
-        decode(b"\x00garbage")
+        Gate(key).open(key.mac(b"\x00garbage") + b"\x00garbage", "me")
 
 
 # --- pairing --------------------------------------------------------------------------

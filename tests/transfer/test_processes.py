@@ -18,18 +18,18 @@ REQUESTS = [["a", 27, 11], ["b", 40, 12], ["c", 5, 13]]
 
 
 @pytest.fixture
-def bootstrap():
-    server = BootstrapServer().start()
+def bootstrap(key):
+    server = BootstrapServer(key=key).start()
     yield server.address
     server.close()
 
 
 @pytest.fixture
-def spawn():
+def spawn(key):
     workers: list[StageProcess] = []
 
     def start(cfg: dict) -> StageProcess:
-        workers.append(StageProcess(cfg))
+        workers.append(StageProcess(cfg, key))
         return workers[-1]
 
     yield start
@@ -44,12 +44,12 @@ def free(mem, alloc) -> None:
 
 
 @pytest.mark.parametrize(("transport", "decode_tp"), [("shm", 2), ("mooncake", 1)])
-def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, bootstrap, spawn):
+def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, key, bootstrap, spawn):
     workers = [spawn(stage_config(bootstrap, transport, k, REQUESTS)) for k in (0, 1)]
     with contextlib.ExitStack() as stack:
         ranks = [
             stack.enter_context(
-                decode_rank(bootstrap, transport, tp=decode_tp, tp_rank=r, checksum=True, timeout_s=120)
+                decode_rank(bootstrap, transport, key=key, tp=decode_tp, tp_rank=r, checksum=True, timeout_s=120)
             )
             for r in range(decode_tp)
         ]
@@ -101,13 +101,13 @@ def wait_released(dec, timeout_s: float) -> None:
     assert dec.held == 0
 
 
-def test_prefill_hung_then_killed_mid_transfer(bootstrap, spawn):
+def test_prefill_hung_then_killed_mid_transfer(key, bootstrap, spawn):
     slow = {"slow_s": 0.2, "chunk_bytes": 512}
     requests = [["hung", 40, 5], ["killed", 40, 6]]
     workers = [spawn(stage_config(bootstrap, "shm", k, requests, **slow)) for k in (0, 1)]
     for worker in workers:
         worker.expect("ready", 90)
-    with decode_rank(bootstrap, "shm", peer_timeout_s=1.0, quarantine_s=60.0) as (dec, mem):
+    with decode_rank(bootstrap, "shm", key=key, peer_timeout_s=1.0, quarantine_s=60.0) as (dec, mem):
         # hung (SIGSTOP): fails on heartbeat timeout, pages quarantined until it acknowledges
         dec.request("hung", "pre", 40)
         wait_phase(dec, "hung", Phase.TRANSFERRING)

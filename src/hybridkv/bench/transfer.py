@@ -41,6 +41,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import FullAttention, ModelSpec, ShardSpec
 from hybridkv.transfer import (
     BootstrapServer,
+    ClusterKey,
     DecodeReceiver,
     Phase,
     PrefillSender,
@@ -93,7 +94,8 @@ def _ranks(transport: str, page_tokens: int, max_batch: int) -> Iterator[tuple[P
         "chunk_tokens": page_tokens,
     }
     with contextlib.ExitStack() as stack:
-        boot = BootstrapServer().start()
+        key = ClusterKey.generate()
+        boot = BootstrapServer(key=key).start()
         stack.callback(boot.close)
         pre = UnifiedMemory.create(shard, budget, **hints)
         shared = None
@@ -107,9 +109,9 @@ def _ranks(transport: str, page_tokens: int, max_batch: int) -> Iterator[tuple[P
         pre_link, dec_link = make_transport(transport), make_transport(transport, shared)
         stack.callback(pre_link.close)
         stack.callback(dec_link.close)
-        sender = PrefillSender(pre, "bench-prefill", boot.address, pre_link)
+        sender = PrefillSender(pre, "bench-prefill", boot.address, pre_link, key=key)
         stack.callback(sender.close)
-        receiver = DecodeReceiver(dec, "bench-decode", boot.address, dec_link)
+        receiver = DecodeReceiver(dec, "bench-decode", boot.address, dec_link, key=key)
         stack.callback(receiver.close)
         yield sender, receiver
 

@@ -1,4 +1,9 @@
-"""``hybridkv bench transfer`` and ``hybridkv transfer-plan``: transfer benchmark and plan inspection."""
+"""``hybridkv bench transfer`` and ``hybridkv transfer-plan``: transfer benchmark and plan inspection.
+
+Options are checked before any work (typer ranges, ``transport_option``); a request too
+large to inspect is refused with its page count (``MAX_PLAN_PAGES``). Errors go to the
+CLI's one error path (``cli.app.main``).
+"""
 
 from __future__ import annotations
 
@@ -13,20 +18,36 @@ from rich.table import Table
 from hybridkv.cli.app import app, bench_app
 from hybridkv.memory import LayoutError, MemoryHints, UnifiedMemory, build_layouts, format_bytes, plan_memory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
-from hybridkv.transfer import TransferError, TransportName, buffer_set_from_memory, memory_cells, pair_entries
+from hybridkv.transfer import TransportName, buffer_set_from_memory, memory_cells, pair_entries
 from hybridkv.transfer.plan import Route, num_pages
+from hybridkv.transfer.transport import transport_class
 
 _FAKE_BASE = 1 << 44  # meta memories have no addresses; each rank gets a made-up base
 _RANK_SPAN = 1 << 40
+MAX_PLAN_PAGES = 1 << 17
+"""Pages of one request that ``transfer-plan`` inspects at most (2M tokens at 16 per page:
+seconds and a few hundred MiB)."""
+MAX_RANKS = 64
+
+
+def transport_option(value: str) -> str:
+    """A transport name the registry knows (``typer.BadParameter`` naming the known ones)."""
+    try:
+        transport_class(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
 
 
 @bench_app.command("transfer")
 def bench_transfer(
-    transport: str = typer.Option("shm", "--transport", help="shm or mooncake."),
+    transport: str = typer.Option("shm", "--transport", help="shm or mooncake.", callback=transport_option),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    reps: int = typer.Option(7, "--reps", help="Timed repetitions per case (median)."),
-    page_tokens: list[int] = typer.Option(None, "--page-tokens", help="Tokens per page (16 KiB each)."),
-    batch: list[int] = typer.Option(None, "--batch", help="Pages per request."),
+    reps: int = typer.Option(7, "--reps", help="Timed repetitions per case (median).", min=1, max=1000),
+    page_tokens: list[int] = typer.Option(
+        None, "--page-tokens", help="Tokens per page (16 KiB each).", min=1, max=1024
+    ),
+    batch: list[int] = typer.Option(None, "--batch", help="Pages per request.", min=1, max=4096),
 ) -> None:
     """GB/s by page size and batch size, side by side with raw memcpy / raw Mooncake."""
     from hybridkv.bench.transfer import run
@@ -82,6 +103,12 @@ def _meta_memory(shard: ShardSpec, page_size: int, seq_len: int) -> UnifiedMemor
 def transfer_plan_report(
     model: str, prefill_pp: int, prefill_tp: int, decode_tp: int, seq_len: int, page_size: int
 ) -> dict[str, Any]:
+    need = num_pages(seq_len, page_size)
+    if need > MAX_PLAN_PAGES:
+        raise ValueError(
+            f"--seq-len {seq_len} in pages of {page_size} is {need} pages; transfer-plan inspects at most "
+            f"{MAX_PLAN_PAGES} pages per request (raise --page-size or lower --seq-len)"
+        )
     spec = get_preset(model)
     prefill = {
         (p, t): _meta_memory(ShardSpec(spec, Parallel(prefill_tp, prefill_pp), p, t), page_size, seq_len)
@@ -92,7 +119,7 @@ def transfer_plan_report(
     for d in range(decode_tp):
         dec = _meta_memory(ShardSpec(spec, Parallel(decode_tp, 1), 0, d), page_size, seq_len)
         dec_bufs = buffer_set_from_memory(dec, _FAKE_BASE)
-        pages = dec.alloc_pages(num_pages(seq_len, page_size))
+        pages = dec.alloc_pages(need)
         slot = int(dec.alloc_state(1)[0]) if dec.state_pool is not None else None
         dst = memory_cells(dec, pages, slot)
         for k, ((p, t), mem) in enumerate(sorted(prefill.items())):
@@ -128,19 +155,15 @@ def transfer_plan_report(
 @app.command("transfer-plan")
 def transfer_plan(
     model: str = typer.Option(..., "--model", help="Preset name (hybridkv presets)."),
-    prefill_pp: int = typer.Option(1, "--prefill-pp"),
-    prefill_tp: int = typer.Option(1, "--prefill-tp"),
-    decode_tp: int = typer.Option(1, "--decode-tp"),
-    seq_len: int = typer.Option(4096, "--seq-len", help="Tokens of the request."),
-    page_size: int = typer.Option(16, "--page-size"),
+    prefill_pp: int = typer.Option(1, "--prefill-pp", min=1, max=MAX_RANKS),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, max=MAX_RANKS),
+    decode_tp: int = typer.Option(1, "--decode-tp", min=1, max=MAX_RANKS),
+    seq_len: int = typer.Option(4096, "--seq-len", help="Tokens of the request.", min=1),
+    page_size: int = typer.Option(16, "--page-size", min=1, max=1 << 16),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """What each prefill rank sends each decode rank for one request: pairs, ops, bytes."""
-    try:
-        report = transfer_plan_report(model, prefill_pp, prefill_tp, decode_tp, seq_len, page_size)
-    except (TransferError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    report = transfer_plan_report(model, prefill_pp, prefill_tp, decode_tp, seq_len, page_size)
     if as_json:
         typer.echo(json.dumps(report))
         return

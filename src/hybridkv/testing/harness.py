@@ -7,6 +7,9 @@ JSON line per event. ``decode_rank`` builds a decode rank (memory, transport,
 ``DecodeReceiver``) in this process.
 
 Invariants:
+- Every rank of one test or demo shares one cluster key: the caller generates it
+  (``ClusterKey.generate``) and passes it; a ``StageProcess`` hands it to its child in the
+  environment (``HYBRIDKV_CLUSTER_KEY``), never on the command line.
 - ``StageProcess.close`` kills and reaps the child (also a stopped one) and closes its pipe
   and log; every wait on a child has a timeout, and a timeout names the child's exit code
   and the tail of its stderr. A child whose parent dies exits on its own (it watches its
@@ -32,6 +35,7 @@ from typing import Any
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import FullAttention, Linear, ModelSpec, Parallel, ShardSpec, StateTensor, get_preset
+from hybridkv.transfer.auth import KEY_ENV, KEY_FILE_ENV, ClusterKey
 from hybridkv.transfer.decode import DecodeReceiver
 from hybridkv.transfer.shared import shared_memory
 from hybridkv.transfer.transport import make_transport, transport_class
@@ -46,11 +50,12 @@ StageRequest = tuple[str, int, int]  # (request id, seq_len, pattern seed)
 class StageProcess:
     """One prefill rank in a child process; ``expect`` reads its JSON events."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], key: ClusterKey) -> None:
         self.cfg = cfg
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the child)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hybridkv.testing.stage_worker", json.dumps(cfg)],
+            env={**{k: v for k, v in os.environ.items() if k != KEY_FILE_ENV}, KEY_ENV: key.hex},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -136,6 +141,8 @@ def decode_rank(
     model: str | ModelSpec = MODEL,
     page_size: int = MEMORY["page_size"],
     engine: str = "dec",
+    *,
+    key: ClusterKey,
     **kw: object,
 ) -> Iterator[tuple[DecodeReceiver, UnifiedMemory]]:
     """A decode rank in this process (zeroed memory; shared memory where the transport needs it)."""
@@ -152,7 +159,7 @@ def decode_rank(
         mem.arena.buffer.zero_()
         link = make_transport(transport, shared)
         stack.callback(link.close)
-        receiver = DecodeReceiver(mem, engine, bootstrap, link, heartbeat_s=0.2, **kw)  # type: ignore[arg-type]
+        receiver = DecodeReceiver(mem, engine, bootstrap, link, heartbeat_s=0.2, key=key, **kw)  # type: ignore[arg-type]
         stack.callback(receiver.close)
         yield receiver, mem
 

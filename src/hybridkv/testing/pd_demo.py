@@ -14,6 +14,9 @@ Faults, one deliberately broken request each, run alongside the good ones:
 - ``seq-len``: decode asks for more tokens than prefill computed; both prefill stages
   refuse the leg and say why.
 
+A fresh random cluster key authenticates every control message of the run; the stage
+processes get it in their environment.
+
 Invariants: ``ok`` is true only when every good request succeeded on every decode rank,
 every faulty one ended Failed with the expected reason, the bytes and memories check out
 and every prefill stage reported and exited. Processes, sockets and shared-memory files
@@ -33,6 +36,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Linear, ModelSpec, get_preset
 from hybridkv.testing.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
 from hybridkv.testing.pattern import expected_arena, mismatch
+from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.bootstrap import BootstrapServer
 from hybridkv.transfer.decode import Allocation, DecodeReceiver
 from hybridkv.transfer.status import Phase, StatusReport
@@ -43,7 +47,7 @@ FAULTS = ("slot-size", "seq-len")
 SEQ_LENS = (27, 40, 5, 64, 13, 50, 33, 8)
 FAULT_REASON = {"slot-size": "state slot size mismatch", "seq-len": "seq_len mismatch"}
 PREFILL_PP = 2
-QUARANTINE_S = 3.0  # a failed request's pages wait at most this long for its writers' acknowledgement
+QUARANTINE_S = 3.0  # a failed request still waiting for its writers after this long is reported stuck
 
 DecodeRank = tuple[DecodeReceiver, UnifiedMemory]
 
@@ -160,12 +164,15 @@ def run_pd_demo(
     start = time.monotonic()
     rows: list[dict[str, Any]] = []
     checks: dict[str, str] = {}  # what was checked -> '' (passed) or what went wrong
+    key = ClusterKey.generate()
     with contextlib.ExitStack() as stack:
-        boot = BootstrapServer().start()
+        boot = BootstrapServer(key=key).start()
         stack.callback(boot.close)
 
         def decode(model: str | ModelSpec, engine: str, tp: int = 1, tp_rank: int = 0, **kw: Any) -> DecodeRank:
-            rank = decode_rank(boot.address, transport, tp, tp_rank, model, engine=engine, timeout_s=timeout_s, **kw)
+            rank = decode_rank(
+                boot.address, transport, tp, tp_rank, model, engine=engine, key=key, timeout_s=timeout_s, **kw
+            )
             return stack.enter_context(rank)
 
         stages: dict[str, list[StageProcess]] = {}
@@ -177,7 +184,8 @@ def run_pd_demo(
                 stage = StageProcess(
                     stage_config(
                         boot.address, transport, pp_rank, served, model=model, engine=engine, timeout_s=timeout_s
-                    )
+                    ),
+                    key,
                 )
                 stack.callback(stage.close)
                 stages[model].append(stage)
@@ -206,6 +214,8 @@ def run_pd_demo(
                 checks[f"{dec.rank}: every arena byte equals the pattern"] = _check_bytes(reqs, model, r, mem)
         for dec, mem in [rank for ranks in decoders.values() for rank in ranks] + misconfigured:
             checks[f"{dec.rank}: memory verify() and no live page"] = _settle(dec, mem, QUARANTINE_S + 5)
+            refused = dec.stats().auth_failures
+            checks[f"{dec.rank}: every control frame authenticated"] = f"{refused} frames refused" if refused else ""
 
         prefill = []
         for model, procs in stages.items():

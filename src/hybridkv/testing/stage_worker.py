@@ -2,7 +2,8 @@
 
 ``python -m hybridkv.testing.stage_worker '<json config>'`` (see ``harness.stage_config``):
 builds the rank's memory, fills each request's pages and state slot with the byte
-``pattern``, registers a ``PrefillSender`` and hands the requests over. Prints one JSON
+``pattern``, registers a ``PrefillSender`` (its cluster key from ``HYBRIDKV_CLUSTER_KEY``,
+which ``StageProcess`` sets) and hands the requests over. Prints one JSON
 line per event: ``ready``, one ``report`` per finished request, ``exit`` at the end.
 
 Invariants:

@@ -26,6 +26,9 @@ class Delegating(Transport):
     def session(self) -> str:
         return self.inner.session
 
+    def check_session(self, session: str) -> None:
+        self.inner.check_session(session)
+
     def register(self, addr: int, length: int) -> None:
         self.inner.register(addr, length)
 

@@ -10,6 +10,10 @@ Threads and ownership:
   flowing; it reports back with ``call_soon``; messages go out with ``post``.
 
 Invariants:
+- Every frame is opened by ``auth.Gate`` before anything reads it: no valid MAC, a
+  replay, another addressee, or a message whose ``rank`` is not the frame's sender is
+  refused (logged, counted in ``auth_failures`` / ``rejected``) and changes no state.
+  Every frame sent is sealed with this agent's rank, epoch and next sequence number.
 - A message that does not decode, or that a handler refuses, is logged and recorded in
   ``rejected``; no input ever stops the I/O thread (handler exceptions are caught).
 - Sends never block: a peer that does not drain its socket loses messages, which the
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -31,10 +36,20 @@ from functools import partial
 
 import zmq
 
-from hybridkv.transfer.errors import TransferError
-from hybridkv.transfer.messages import Message, Rank, decode, encode
+from hybridkv.transfer.auth import AuthError, ClusterKey, Gate, Seal, load_cluster_key
+from hybridkv.transfer.errors import ProtocolError, TransferError
+from hybridkv.transfer.messages import Message, Rank
 
 log = logging.getLogger("hybridkv.transfer")
+
+
+_ENDPOINT = re.compile(r"tcp://[0-9A-Za-z.\-\[\]:]+:[0-9]{1,5}")
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Refuse a peer endpoint that is not ``tcp://host:port`` (no ipc:// files, no options)."""
+    if not _ENDPOINT.fullmatch(endpoint):
+        raise ProtocolError(f"endpoint {endpoint!r} is not tcp://host:port")
 
 
 class EventKind(Enum):
@@ -51,8 +66,12 @@ Event = tuple[EventKind, str, object]  # (kind, request id, payload) for the own
 class Agent:
     tick_s = 0.02
 
-    def __init__(self, rank: Rank, host: str) -> None:
+    def __init__(self, rank: Rank, host: str, key: ClusterKey | None) -> None:
         self.rank = rank
+        key = load_cluster_key() if key is None else key
+        self.seal = Seal(key, rank)
+        self.gate = Gate(key)
+        self.auth_failures = 0
         self.rejected: deque[str] = deque(maxlen=1000)
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._ctx = zmq.Context()
@@ -80,7 +99,12 @@ class Agent:
 
     # --- subclass hooks ---------------------------------------------------------------
 
-    def on_message(self, msg: Message) -> None:
+    @property
+    def epoch(self) -> int:
+        return self.seal.epoch
+
+    def on_message(self, msg: Message, epoch: int) -> None:
+        """``msg`` from ``msg.rank`` (its sender, authenticated) at the sender's ``epoch``."""
         raise NotImplementedError
 
     def on_socket(self, sock: zmq.Socket) -> None:
@@ -120,7 +144,7 @@ class Agent:
             sock.connect(endpoint)
             self._push[endpoint] = sock
         try:
-            sock.send(encode(msg), zmq.NOBLOCK)
+            sock.send(self.seal.seal(endpoint, msg), zmq.NOBLOCK)
             return True
         except zmq.Again:
             log.warning("%s: %s is not draining its socket; dropped %s", self.rank, endpoint, type(msg).__name__)
@@ -133,6 +157,9 @@ class Agent:
     def _guard(self, what: str, fn: Callable[[], None]) -> None:
         try:
             fn()
+        except AuthError as exc:
+            self.auth_failures += 1
+            self.reject(f"{what}: {exc}")
         except TransferError as exc:
             self.reject(f"{what}: {exc}")
         except Exception as exc:  # a bug must not kill the I/O thread
@@ -171,7 +198,11 @@ class Agent:
             self._guard("message", partial(self._on_bytes, data))
 
     def _on_bytes(self, data: bytes) -> None:
-        self.on_message(decode(data))
+        env = self.gate.open(data, self.endpoint)
+        claimed = getattr(env.body, "rank", env.sender)
+        if claimed != env.sender:
+            raise AuthError(f"{type(env.body).__name__} claims to come from {claimed}, its frame from {env.sender}")
+        self.on_message(env.body, env.epoch)
 
     def _run_jobs(self) -> None:
         while True:

@@ -3,9 +3,15 @@
 A ``BootstrapServer`` is one thread with a zmq ROUTER socket; clients use a DEALER socket
 (``bootstrap_call`` for one synchronous exchange, or their own socket in a poll loop).
 
+Every request and reply is an authenticated frame (``hybridkv.transfer.auth``); a reply is
+addressed to the exact request it answers (``reply_address``), so an old reply cannot be
+replayed as the answer to a new request.
+
 Invariants:
-- A registration is keyed by (engine, pp, tp); its rank must match its layout's ranks.
-  Re-registering a rank (a restarted process) replaces the old entry.
+- A registration is keyed by (engine, pp, tp); its rank must match its layout's ranks and
+  the frame's sender, its epoch the frame's epoch. A registered rank is replaced only by a
+  registration with a newer epoch (a restarted process); the same epoch again is accepted
+  only when it says exactly the same; anything else is refused with a log line.
 - A lookup is ``complete`` only when every (pp, tp) of the engine's sizes is registered
   and all ranks agree on model and sizes; otherwise the reply says what is missing.
 - Malformed or unexpected messages get a refusal and are recorded; the server never stops
@@ -19,23 +25,35 @@ import threading
 
 import zmq
 
+from hybridkv.transfer.auth import AuthError, ClusterKey, Envelope, Gate, Seal, load_cluster_key
 from hybridkv.transfer.errors import ProtocolError, TransferError
-from hybridkv.transfer.messages import (
-    Lookup,
-    LookupReply,
-    Message,
-    Rank,
-    Register,
-    RegisterAck,
-    decode,
-    encode,
-)
+from hybridkv.transfer.messages import Lookup, LookupReply, Message, Rank, Register, RegisterAck
+
+BOOTSTRAP_RANK = Rank("bootstrap", 0, 0)
+BOOTSTRAP_ADDRESSEE = "bootstrap"
+"""What requests to a bootstrap are addressed to: its name, not its address (clients may
+reach it under another host name than the one it bound)."""
+
+
+def reply_address(env: Envelope) -> str:
+    """Where the answer to the request in ``env`` is addressed: its sender, epoch and sequence."""
+    return f"{env.sender}@{env.epoch}#{env.seq}"
+
+
+def reply_prefix(seal: Seal) -> str:
+    """What every reply to a request sealed by ``seal`` is addressed to, up to the sequence."""
+    return f"{seal.sender}@{seal.epoch}#"
+
 
 log = logging.getLogger("hybridkv.transfer")
 
 
 class BootstrapServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, key: ClusterKey | None = None) -> None:
+        key = load_cluster_key() if key is None else key
+        self._seal = Seal(key, BOOTSTRAP_RANK)
+        self._gate = Gate(key)
+        self.auth_failures = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -63,12 +81,16 @@ class BootstrapServer:
                     self._refuse(f"{len(frames)} frames (want identity + message)")
                     continue
                 ident, data = frames
+                to = ""  # a refusal of a frame that did not open is addressed to nobody in particular
                 try:
-                    reply = self.handle(decode(data))
+                    env = self._gate.open(data, BOOTSTRAP_ADDRESSEE)
+                    to = reply_address(env)
+                    reply = self.handle(env)
                 except TransferError as exc:
+                    self.auth_failures += isinstance(exc, AuthError)
                     self._refuse(str(exc))
                     reply = RegisterAck(ok=False, reason=str(exc))
-                self._sock.send_multipart([ident, encode(reply)])
+                self._sock.send_multipart([ident, self._seal.seal(to, reply)])
         finally:
             self._sock.close(linger=0)
 
@@ -76,12 +98,24 @@ class BootstrapServer:
         log.warning("bootstrap refused a message: %s", reason)
         self.rejected.append(reason)
 
-    def handle(self, msg: Message) -> Message:
+    def handle(self, env: Envelope) -> Message:
+        msg = env.body
         if isinstance(msg, Register):
             b = msg.buffers
+            if msg.rank != env.sender or msg.epoch != env.epoch:
+                raise AuthError(
+                    f"registration of {msg.rank} (epoch {msg.epoch}) sent by {env.sender} (epoch {env.epoch})"
+                )
             if (msg.rank.pp, msg.rank.tp) != (b.pp_rank, b.tp_rank):
                 raise ProtocolError(f"registration of {msg.rank} carries the layout of pp {b.pp_rank} tp {b.tp_rank}")
-            self._ranks.setdefault(msg.rank.engine, {})[msg.rank] = msg
+            ranks = self._ranks.setdefault(msg.rank.engine, {})
+            old = ranks.get(msg.rank)
+            if old is not None and (msg.epoch < old.epoch or (msg.epoch == old.epoch and msg != old)):
+                raise ProtocolError(
+                    f"{msg.rank} is registered by epoch {old.epoch} at {old.endpoint}; a registration from "
+                    f"epoch {msg.epoch} cannot replace it (a restarted rank registers with a newer epoch)"
+                )
+            ranks[msg.rank] = msg
             return RegisterAck(ok=True, reason="")
         if isinstance(msg, Lookup):
             return self.lookup(msg.engine)
@@ -107,16 +141,26 @@ class BootstrapServer:
         self._ctx.term()
 
 
-def bootstrap_call(address: str, msg: Message, timeout_s: float = 5.0) -> Message:
-    """One request/reply exchange with a bootstrap server; ``ProtocolError`` on timeout."""
+def bootstrap_call(address: str, msg: Message, seal: Seal, timeout_s: float = 5.0) -> Message:
+    """One request/reply exchange with a bootstrap server; ``ProtocolError`` on timeout or
+    an answer that is not the authenticated reply to this request."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    seq, frame = seal.frame(BOOTSTRAP_ADDRESSEE, msg)
+    to = reply_prefix(seal) + str(seq)
     try:
         sock.connect(address)
-        sock.send(encode(msg))
+        sock.send(frame)
         if not sock.poll(int(timeout_s * 1000)):
             raise ProtocolError(f"bootstrap {address} did not answer within {timeout_s:.1f} s")
-        return decode(sock.recv())
+        data = sock.recv()
     finally:
         sock.close(linger=0)
+    try:
+        env = Gate(seal.key).open(data, lambda addressee: addressee in (to, ""))
+    except AuthError as exc:
+        raise AuthError(f"bootstrap {address}: {exc}; do both sides use the same cluster key?") from None
+    if env.sender != BOOTSTRAP_RANK or (not env.to and not isinstance(env.body, RegisterAck)):
+        raise AuthError(f"bootstrap {address} answered as {env.sender} with {type(env.body).__name__}")
+    return env.body

@@ -13,16 +13,22 @@ Invariants:
 - Status messages whose request, nonce or sender do not match are dropped (recorded in
   ``rejected``); a duplicate success is not counted twice; a late message never changes
   a finished request.
+- Statuses and heartbeats of a prefill rank count only from the epoch it registered
+  with (the bootstrap's authenticated lookup): a frame from another incarnation, or a
+  forged one (no valid MAC), never keeps a request alive or moves it.
 - A failed request's pages stay pinned and allocated (quarantined) until every contacted
-  prefill rank has acknowledged that it stopped writing, or ``quarantine_s`` passed: a
-  hung writer that wakes up must not scribble over pages already reused. Then they are
-  freed (on the owner's ``poll``) and memory ``verify()`` holds.
+  prefill rank has acknowledged that it stopped writing, or its process is proven gone
+  (same host: pid + start time in ``/proc``, ``liveness.gone``). Never on a timer alone: a
+  writer stopped (SIGSTOP) for any time may wake up and write. Past ``quarantine_s`` a
+  quarantine is logged once and counted as ``stuck`` in ``stats()``; its pages stay
+  reserved. Released pages are freed (on the owner's ``poll``) and ``verify()`` holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,7 +37,10 @@ import numpy as np
 import zmq
 
 from hybridkv.memory import MoveGate, UnifiedMemory
+from hybridkv.transfer import liveness
 from hybridkv.transfer.agent import Agent, EventKind, log
+from hybridkv.transfer.auth import AuthError, ClusterKey
+from hybridkv.transfer.bootstrap import BOOTSTRAP_ADDRESSEE, BOOTSTRAP_RANK, reply_prefix
 from hybridkv.transfer.buffers import buffer_set_from_memory
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
@@ -46,8 +55,6 @@ from hybridkv.transfer.messages import (
     Register,
     Status,
     TransferRequest,
-    decode,
-    encode,
 )
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
 from hybridkv.transfer.plan import Route, TransferPlan, memory_cells, num_pages
@@ -55,6 +62,20 @@ from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, R
 from hybridkv.transfer.transport import Transport
 
 LOOKUP_RETRY_S = 0.1
+LIVENESS_CHECK_S = 0.1
+"""How often a quarantined request's silent writers are checked for having exited."""
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """What a decode rank holds and what it refused (``DecodeReceiver.stats``)."""
+
+    held: int  # requests whose pages are held (in flight or quarantined)
+    quarantined: int  # failed requests whose pages wait for their writers to stop
+    quarantined_pages: int
+    stuck: int  # quarantined longer than ``quarantine_s``: a writer neither answers nor exited
+    auth_failures: int  # frames refused for their MAC, addressee or sequence (replays)
+    rejected: int  # every refused message, auth failures included
 
 
 @dataclass(frozen=True)
@@ -93,7 +114,9 @@ class _Incoming:
     nonce: int
     deadline: float
     legs: dict[Rank, _Leg] = field(default_factory=dict)
-    quarantine_until: float | None = None
+    quarantine_until: float | None = None  # set when the request fails: from then on, quarantined
+    next_check: float = 0.0  # when to ask again whether silent writers exited
+    stuck: bool = False
     verifying: bool = False
 
 
@@ -115,10 +138,14 @@ class DecodeReceiver(Agent):
         peer_timeout_s: float = 5.0,
         quarantine_s: float = 30.0,
         checksum: bool = False,
+        key: ClusterKey | None = None,
     ) -> None:
+        """``quarantine_s``: how long a failed request may wait for its writers to stop
+        before it is reported stuck (its pages stay reserved); ``key``: the cluster key
+        (default: ``auth.load_cluster_key()``, from the environment)."""
         transport.check_device(mem.device.type)  # before any socket or address exists
         self.buffers = buffer_set_from_memory(mem)
-        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host)
+        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host, key)
         self.mem = mem
         self.transport = transport
         self.timeout_s = timeout_s
@@ -135,6 +162,9 @@ class DecodeReceiver(Agent):
         self._last_heartbeat = 0.0
         self._held: dict[str, tuple[Allocation, MoveGate]] = {}  # owner thread only
         self._reports = ReportBoard()
+        self._quarantine: dict[str, int] = {}  # request id -> pages, of quarantined requests
+        self._stuck: set[str] = set()
+        self._stats_lock = threading.Lock()
         self._bootstrap = self._ctx.socket(zmq.DEALER)
         self._bootstrap.linger = 0
         self._bootstrap.connect(bootstrap)
@@ -216,6 +246,11 @@ class DecodeReceiver(Agent):
         """Requests whose pages this receiver still holds (in flight or quarantined)."""
         return len(self._held)
 
+    def stats(self) -> ReceiverStats:
+        with self._stats_lock:
+            quarantined, pages, stuck = len(self._quarantine), sum(self._quarantine.values()), len(self._stuck)
+        return ReceiverStats(len(self._held), quarantined, pages, stuck, self.auth_failures, len(self.rejected))
+
     def status(self, request_id: str) -> StatusReport | None:
         return self._reports.get(request_id)
 
@@ -245,11 +280,18 @@ class DecodeReceiver(Agent):
     def _lookup(self, engine: str) -> None:
         self._lookup_sent[engine] = time.monotonic()
         with contextlib.suppress(zmq.Again):  # retried from tick
-            self._bootstrap.send(encode(Lookup(engine)), zmq.NOBLOCK)
+            self._bootstrap.send(self.seal.seal(BOOTSTRAP_ADDRESSEE, Lookup(engine)), zmq.NOBLOCK)
 
     def on_socket(self, sock: zmq.Socket) -> None:
         while sock.poll(0):
-            self._guard("bootstrap reply", lambda: self._on_lookup(decode(sock.recv())))
+            self._guard("bootstrap reply", partial(self._on_bootstrap, sock.recv()))
+
+    def _on_bootstrap(self, data: bytes) -> None:
+        prefix = reply_prefix(self.seal)
+        env = self.gate.open(data, lambda to: to.startswith(prefix))
+        if env.sender != BOOTSTRAP_RANK:
+            raise AuthError(f"a bootstrap reply sent by {env.sender}")
+        self._on_lookup(env.body)
 
     def _on_lookup(self, reply: Message) -> None:
         if not isinstance(reply, LookupReply):
@@ -320,19 +362,27 @@ class DecodeReceiver(Agent):
 
     # --- I/O thread: progress ---------------------------------------------------------
 
-    def on_message(self, msg: Message) -> None:
+    def on_message(self, msg: Message, epoch: int) -> None:
         if isinstance(msg, Status):
-            self._on_status(msg)
+            self._on_status(msg, epoch)
         elif isinstance(msg, Heartbeat):
-            for sources in self._engines.values():
-                if msg.rank in sources:
-                    sources[msg.rank].last_seen = time.monotonic()
+            source = self._engines.get(msg.rank.engine, {}).get(msg.rank)
+            if source is not None and source.reg.epoch != epoch:
+                self.reject(f"heartbeat from {msg.rank} epoch {epoch}: not a registered source of that epoch")
+            elif source is not None:
+                source.last_seen = time.monotonic()
         else:
             self.reject(f"a decode rank does not take {type(msg).__name__} messages")
 
-    def _on_status(self, msg: Status) -> None:
+    def _on_status(self, msg: Status, epoch: int) -> None:
         inc = self._in.get(msg.request_id)
         leg = inc.legs.get(msg.rank) if inc is not None else None
+        if leg is not None and leg.source.reg.epoch != epoch:
+            self.reject(
+                f"status for {msg.request_id!r} from {msg.rank} epoch {epoch}; it registered with epoch "
+                f"{leg.source.reg.epoch}"
+            )
+            return
         if inc is None or leg is None or msg.nonce != inc.nonce:
             self.reject(
                 f"status {msg.phase.value!r} for {msg.request_id!r} from {msg.rank}: unknown request, "
@@ -417,28 +467,46 @@ class DecodeReceiver(Agent):
             if not leg.status.terminal:
                 self.post(leg.source.reg.endpoint, abort)
         inc.quarantine_until = time.monotonic() + self.quarantine_s
+        with self._stats_lock:
+            self._quarantine[rid] = num_pages(inc.seq_len, self.mem.page_size)
         self.events.put((EventKind.DONE, rid, inc.status.report(_legs(inc))))
         self._release_if_quiet(inc)
         self._publish(inc)
 
     def _release_if_quiet(self, inc: _Incoming, now: float | None = None) -> None:
-        """Free a failed request's pages once no prefill rank can still write into them."""
+        """Free a failed request's pages once no prefill rank can still write into them:
+        each acknowledged (its leg ended) or its process is proven gone."""
         if inc.quarantine_until is None:
             return
-        quiet = all(g.status.terminal for g in inc.legs.values())
-        expired = (now or time.monotonic()) > inc.quarantine_until
-        if quiet or expired:
-            if not quiet:
-                log.warning(
-                    "%s: freeing %s after %.1f s quarantine without an acknowledgement from every prefill rank",
-                    self.rank,
-                    inc.status.request_id,
-                    self.quarantine_s,
-                )
-            rid = inc.status.request_id
-            inc.quarantine_until = None
-            self._in.pop(rid, None)
-            self.events.put((EventKind.FREE, rid, None))
+        now = time.monotonic() if now is None else now
+        rid = inc.status.request_id
+        silent = [g.source.reg for g in inc.legs.values() if not g.status.terminal]
+        if silent:
+            if now < inc.next_check:
+                return
+            inc.next_check = now + LIVENESS_CHECK_S
+            alive = [reg for reg in silent if not liveness.gone(reg.process)]
+            if alive:
+                if now > inc.quarantine_until and not inc.stuck:
+                    inc.stuck = True
+                    with self._stats_lock:
+                        self._stuck.add(rid)
+                    log.warning(
+                        "%s: %s still quarantined after %.1f s: prefill %s neither acknowledged stop nor "
+                        "exited; its pages stay reserved",
+                        self.rank,
+                        rid,
+                        self.quarantine_s,
+                        ", ".join(str(reg.rank) for reg in alive),
+                    )
+                return
+            log.info("%s: %s: every silent writer exited; releasing its pages", self.rank, rid)
+        inc.quarantine_until = None
+        with self._stats_lock:
+            self._quarantine.pop(rid, None)
+            self._stuck.discard(rid)
+        self._in.pop(rid, None)
+        self.events.put((EventKind.FREE, rid, None))
 
     def _abort(self, request_id: str, reason: str) -> None:
         inc = self._in.get(request_id)

@@ -1,9 +1,12 @@
 """Control-plane messages: typed msgspec schemas, msgpack on the wire.
 
 Invariants:
+- Messages travel inside authenticated frames (``hybridkv.transfer.auth``): every field
+  here is only ever read after the frame's MAC, addressee and sequence were checked, and
+  a message's ``rank`` must be the frame's sender.
 - Every message is one tagged struct of ``Message``; unknown tags, unknown fields, wrong
-  types and layouts that fail their own checks are rejected by ``decode`` with a
-  ``ProtocolError`` (the caller logs and drops it; a peer never crashes on input).
+  types and layouts that fail their own checks are rejected by ``auth.Gate.open``
+  with a ``ProtocolError`` (the caller logs and drops it; a peer never crashes on input).
 - Messages about one request carry the decode-chosen ``nonce``; a message whose nonce,
   request id or sender does not match what the receiver expects is dropped as forged,
   late or duplicate, never applied.
@@ -14,7 +17,6 @@ from __future__ import annotations
 import msgspec
 
 from hybridkv.transfer.buffers import BufferSet
-from hybridkv.transfer.errors import ProtocolError
 from hybridkv.transfer.status import LegStatus
 from hybridkv.transfer.transport.base import TransportName
 
@@ -30,18 +32,38 @@ class Rank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return f"{self.engine}[pp{self.pp} tp{self.tp}]"
 
 
+class Process(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which OS process a rank runs in: lets a peer on the same host tell whether it is gone.
+
+    ``host`` names the kernel boot and the pid namespace (two processes compare pids only
+    when their ``host`` is equal); ``start`` is the process's start time in clock ticks
+    since boot (``/proc/<pid>/stat`` field 22), so a reused pid is not mistaken for it.
+    """
+
+    host: str
+    pid: int
+    start: int
+
+
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
     pass
 
 
 class Register(_Msg, tag="register", frozen=True):
-    """Prefill rank -> bootstrap: where to reach me and what I expose."""
+    """Prefill rank -> bootstrap: where to reach me and what I expose.
+
+    ``epoch`` equals the epoch of the frame that carried it (the bootstrap checks): a
+    registered rank is replaced only by a newer epoch, and heartbeats and statuses of this
+    rank count only from this epoch. ``process``: where the writer runs (quarantine).
+    """
 
     rank: Rank
     endpoint: str
     transport: TransportName
     session: str
     buffers: BufferSet
+    epoch: int
+    process: Process
 
 
 class RegisterAck(_Msg, tag="register_ack", frozen=True):
@@ -110,17 +132,3 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
 
 
 Message = Register | RegisterAck | Lookup | LookupReply | Hello | TransferRequest | Abort | Status | Heartbeat
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-
-
-def encode(msg: Message) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(data: bytes) -> Message:
-    try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed message ({len(data)} B): {exc}") from None

@@ -10,8 +10,9 @@ Invariants:
   prefill rank supplies (``slicing.source_pieces``); every decode byte has one source.
 - Every cell id lies in ``[1, count)`` (0 is the padding sink, -1 a tombstone), every
   source range in what prefill registered and every destination range in what decode
-  registered; no two destination ranges overlap. Any violation raises ``PlanError``
-  before a byte moves.
+  registered; no two destination ranges overlap; the cells name only pools the side's
+  layout has (an unknown pool is refused, never ignored). Any violation raises
+  ``PlanError`` before a byte moves.
 - Ops are sorted by destination and maximal: adjacent pieces contiguous on both sides are
   merged, so the number of ops equals the number of contiguous runs. A destination-only
   plan (no source cells: what decode computes to verify checksums) merges on the
@@ -294,6 +295,8 @@ class Route:
                 if piece.src_rank == prefill.tp_rank:
                     s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
                     parts.setdefault(key, []).append((a.addr + s_off, b.addr + d_off, ln, pair.layer_id))
+        self.pools = {Role.PREFILL: frozenset(e.pool for e in prefill.entries)}
+        self.pools[Role.DECODE] = frozenset(e.pool for e in decode.entries)
         self.groups: list[_Group] = []
         for key, chunks in parts.items():
             src = np.concatenate([c[0] for c in chunks])
@@ -324,6 +327,9 @@ class Route:
         """
         if seq_len < 1:
             raise PlanError(f"seq_len must be >= 1, got {seq_len}")
+        self._check_pools(dst_cells, Role.DECODE)
+        if src_cells is not None:
+            self._check_pools(src_cells, Role.PREFILL)
         full = src_cells is not None
         work: list[tuple[_Group, _Chunks, int, int]] = []
         size = pieces = nbytes = 0
@@ -342,6 +348,16 @@ class Route:
         if size <= SMALL_PLAN:
             return self._list_plan(work, src_cells, dst_cells, pieces, nbytes, min_len)
         return self._array_plan(work, src_cells, dst_cells, pieces, nbytes, min_len)
+
+    def _check_pools(self, cells: Mapping[str, Ops], role: Role) -> None:
+        known = self.pools[role]
+        if not known.issuperset(cells):
+            unknown = sorted(set(cells) - known)
+            bufs = self.prefill if role is Role.PREFILL else self.decode
+            raise PlanError(
+                f"{bufs.describe(role)}: the request's cells name pool(s) {unknown} it does not have; "
+                f"known pools: {sorted(known)}"
+            )
 
     def _array_plan(
         self,

@@ -8,6 +8,13 @@ chunks (``write_plan``: submit one, wait for it), checksum; the decode rank gets
 ``transferring`` then ``success``/``failed`` (``LegStatus``).
 
 Invariants:
+- A decode rank's identity (endpoint, transport session, layout), once it said ``Hello``,
+  is replaced only by a ``Hello`` from a newer epoch of that rank (a restart: the old
+  incarnation's requests fail); a different ``Hello`` from the same or an older epoch is
+  refused with a log line. Its requests, aborts and heartbeats count only from the epoch
+  that said hello. A ``Hello`` whose endpoint is not ``tcp://host:port`` is refused; one
+  whose session the transport refuses (``Transport.check_session``: e.g. a shm path
+  outside hybridkv's own files) makes the rank unservable before anything is opened.
 - The request's pages and slot are pinned (memory move gate) from ``send`` until the owner
   collects the finished request with ``poll``; the gate is never released while a leg may
   still read them.
@@ -29,11 +36,13 @@ from functools import partial
 import numpy as np
 
 from hybridkv.memory import MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, EventKind, log
+from hybridkv.transfer.agent import Agent, EventKind, check_endpoint, log
+from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.bootstrap import bootstrap_call
 from hybridkv.transfer.buffers import BufferSet, buffer_set_from_memory
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import BadLayout, LayoutMismatch, PlanError, TransferError
+from hybridkv.transfer.liveness import this_process
 from hybridkv.transfer.messages import (
     Abort,
     Heartbeat,
@@ -67,6 +76,7 @@ class _DecodePeer:
     route: Route | None  # None when ``error`` says why this decode rank cannot be served
     error: str
     last_seen: float
+    epoch: int  # the epoch that said hello: only its messages count
 
 
 @dataclass
@@ -114,10 +124,12 @@ class PrefillSender(Agent):
         heartbeat_s: float = 0.5,
         peer_timeout_s: float = 5.0,
         chunk_bytes: int = 64 << 20,
+        key: ClusterKey | None = None,
     ) -> None:
+        """``key``: the cluster key (default: ``auth.load_cluster_key()``, from the environment)."""
         transport.check_device(mem.device.type)  # before any socket or address exists
         self.buffers = buffer_set_from_memory(mem)
-        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host)
+        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host, key)
         self.mem = mem
         self.transport = transport
         self.timeout_s = timeout_s
@@ -133,10 +145,10 @@ class PrefillSender(Agent):
         try:
             transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
             self._start()
-            reply = bootstrap_call(
-                bootstrap,
-                Register(self.rank, self.endpoint, transport.name, transport.session, self.buffers),
+            register = Register(
+                self.rank, self.endpoint, transport.name, transport.session, self.buffers, self.epoch, this_process()
             )
+            reply = bootstrap_call(bootstrap, register, self.seal)
         except BaseException:
             self.close()
             raise
@@ -191,52 +203,74 @@ class PrefillSender(Agent):
 
     # --- I/O thread ------------------------------------------------------------------
 
-    def on_message(self, msg: Message) -> None:
+    def on_message(self, msg: Message, epoch: int) -> None:
         if isinstance(msg, Hello):
-            self._on_hello(msg)
-        elif isinstance(msg, TransferRequest):
-            self._on_request(msg)
+            self._on_hello(msg, epoch)
+            return
+        if not isinstance(msg, TransferRequest | Abort | Heartbeat):
+            self.reject(f"a prefill rank does not take {type(msg).__name__} messages")
+            return
+        peer = self._peers.get(msg.rank)
+        if peer is None or peer.epoch != epoch:
+            said = "never said hello" if peer is None else f"said hello from epoch {peer.epoch}"
+            self.reject(f"{type(msg).__name__} from {msg.rank} epoch {epoch}, which {said}")
+            return
+        if isinstance(msg, TransferRequest):
+            self._on_request(peer, msg)
         elif isinstance(msg, Abort):
             self._on_abort(msg)
-        elif isinstance(msg, Heartbeat):
-            peer = self._peers.get(msg.rank)
-            if peer is not None:
-                peer.last_seen = time.monotonic()
         else:
-            self.reject(f"a prefill rank does not take {type(msg).__name__} messages")
+            peer.last_seen = time.monotonic()
 
-    def _on_hello(self, msg: Hello) -> None:
-        route = None
-        error = ""
-        if (msg.rank.pp, msg.rank.tp) != (msg.buffers.pp_rank, msg.buffers.tp_rank):
-            error = f"hello from {msg.rank} carries the layout of another rank"
-        elif msg.transport != self.transport.name:
-            error = (
-                f"transport mismatch: decode {msg.rank} uses {msg.transport!r}, prefill "
-                f"{self.rank} uses {self.transport.name!r}; start both with the same transport"
-            )
-        else:
-            try:
-                route = Route(self.buffers, msg.buffers, pair_entries(self.buffers, msg.buffers))
-            except (LayoutMismatch, BadLayout) as exc:
-                error = str(exc)
+    def _on_hello(self, msg: Hello, epoch: int) -> None:
+        check_endpoint(msg.endpoint)  # refused outright: no status is ever sent to such an endpoint
+        old = self._peers.get(msg.rank)
+        if old is not None:
+            same = (old.endpoint, old.session, old.buffers) == (msg.endpoint, msg.session, msg.buffers)
+            if epoch < old.epoch or (epoch == old.epoch and not same):
+                self.reject(
+                    f"hello from {msg.rank} epoch {epoch} refused: that rank said hello from epoch {old.epoch} "
+                    f"at {old.endpoint}; only a newer epoch (a restarted rank) may replace it"
+                )
+                return
+            if epoch == old.epoch:  # the same hello again (a reconnect): nothing changes
+                old.last_seen = time.monotonic()
+                return
+            restarted = f"decode {msg.rank} restarted (epoch {old.epoch} -> {epoch})"
+            for out in list(self._out.values()):
+                if msg.rank in out.legs:
+                    self._fail(out, restarted)
+        route, error = self._route(msg)
         if error:
             log.warning("%s: cannot serve decode %s: %s", self.rank, msg.rank, error)
         self._peers[msg.rank] = _DecodePeer(
-            msg.rank, msg.endpoint, msg.session, msg.buffers, route, error, time.monotonic()
+            msg.rank, msg.endpoint, msg.session, msg.buffers, route, error, time.monotonic(), epoch
         )
+
+    def _route(self, msg: Hello) -> tuple[Route | None, str]:
+        """How to serve the decode rank of ``msg``, or why it cannot be served."""
+        if msg.transport != self.transport.name:
+            return None, (
+                f"transport mismatch: decode {msg.rank} uses {msg.transport!r}, prefill "
+                f"{self.rank} uses {self.transport.name!r}; start both with the same transport"
+            )
+        if (msg.rank.pp, msg.rank.tp) != (msg.buffers.pp_rank, msg.buffers.tp_rank):
+            return None, f"hello from {msg.rank} carries the layout of another rank"
+        try:
+            self.transport.check_session(msg.session)
+            return Route(self.buffers, msg.buffers, pair_entries(self.buffers, msg.buffers)), ""
+        except (LayoutMismatch, BadLayout) as exc:
+            return None, str(exc)
+        except TransferError as exc:
+            return None, f"hello from {msg.rank} refused: {exc}"
 
     def _new(self, request_id: str) -> _Outgoing:
         out = _Outgoing(RequestStatus(request_id), time.monotonic() + self.timeout_s)
         self._out[request_id] = out
         return out
 
-    def _on_request(self, msg: TransferRequest) -> None:
+    def _on_request(self, peer: _DecodePeer, msg: TransferRequest) -> None:
         rid = msg.request_id
-        peer = self._peers.get(msg.rank)
-        if peer is None:
-            self.reject(f"request {rid!r} from {msg.rank}, which never said hello")
-            return
         peer.last_seen = time.monotonic()
         out = self._out.get(rid)
         if out is None:

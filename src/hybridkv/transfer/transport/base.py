@@ -128,6 +128,11 @@ class Transport(ABC):
         """How a peer addresses this side's registered memory."""
 
     @abstractmethod
+    def check_session(self, session: str) -> None:
+        """Refuse (``TransportError``) a peer session this transport would not write to, before
+        anything is opened or connected (a peer's ``Hello`` names its session)."""
+
+    @abstractmethod
     def register(self, addr: int, length: int) -> None:
         """Expose ``[addr, addr + length)`` of this process to transfers."""
 

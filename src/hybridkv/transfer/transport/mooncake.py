@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ ENV_DEFAULTS = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
 }
 PROBE_DEAD = -102
+_HOST = re.compile(r"[0-9A-Za-z.\-]+|\[[0-9A-Fa-f:.]+\]")
 CLOSE_WAIT_S = 5.0
 
 _Batch = tuple[WriteHandle, tuple[str, list[int], list[int], list[int]], int]  # handle, args, batch id
@@ -99,6 +101,12 @@ class MooncakeTransport(Transport):
     @property
     def session(self) -> str:
         return self._session
+
+    def check_session(self, session: str) -> None:
+        """A Mooncake session is ``host:port`` (what ``session`` gives)."""
+        host, _, port = session.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or not _HOST.fullmatch(host):
+            raise TransportError(f"not a mooncake session: {session!r} (want host:port)")
 
     @property
     def engine(self) -> object:

@@ -1,10 +1,14 @@
 """Shared-memory copy transport: one host, the writer maps the peer's ``/dev/shm`` arena.
 
-The receiving side owns a ``SharedBuffer``; its session is ``shm:<path>:<addr>:<nbytes>``
-(the file, and where the buffer sits in the receiver's address space). The writer maps
-the file once and turns each destination address into an offset in its own mapping.
+The receiving side owns a ``SharedBuffer``; its session is ``shm:<token>:<addr>:<nbytes>``
+(the arena's token, and where the arena sits in the receiver's address space). The writer
+maps the file once and turns each destination address into an offset in its own mapping.
 
 Invariants:
+- A session names a token, never a path: the writer only ever opens
+  ``/dev/shm/hybridkv-<token>``, without following links, and maps it only after its
+  owner, size and header check out (``shared.open_shared``). ``check_session`` refuses
+  any other session before anything is opened.
 - ``submit`` copies synchronously: the handle it returns has already ended (done).
 - Every destination range must lie inside the peer's buffer and every source range inside
   a region this side registered; otherwise ``submit`` raises and copies nothing. The check
@@ -17,39 +21,37 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
 
 import numpy as np
 
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.plan import Bounds, Ops, as_ints
-from hybridkv.transfer.shared import SharedBuffer
+from hybridkv.transfer.shared import SharedBuffer, open_shared, shm_path
 from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle
 
 SMALL_OP = 2048  # bytes; smaller ops are copied in vectorized batches
 _BATCH_BYTES = 1 << 24  # index memory bound for one vectorized batch
 
 
+def parse_session(session: str) -> tuple[str, int, int]:
+    """(token, arena address in the peer, arena bytes) of a shm session; ``TransportError``
+    for anything else (a path, a negative or absurd size)."""
+    try:
+        scheme, token, addr, nbytes = session.split(":")
+        remote, size = int(addr, 16), int(nbytes)
+        if scheme != "shm" or remote <= 0 or not 0 < size < 1 << 48:
+            raise ValueError(session)
+        shm_path(token)  # refuses a token that is not hybridkv's: a path, '..', anything else
+    except (ValueError, TransportError):
+        raise TransportError(f"not a shm session: {session!r} (want shm:<token>:<hex addr>:<bytes>)") from None
+    return token, remote, size
+
+
 class _Mapping:
     def __init__(self, session: str) -> None:
-        try:
-            scheme, path, addr, nbytes = session.split(":")
-            if scheme != "shm":
-                raise ValueError(scheme)
-            self.remote, self.nbytes = int(addr, 16), int(nbytes)
-        except ValueError:
-            raise TransportError(f"not a shm session: {session!r}") from None
-        try:
-            with open(path, "r+b") as f:
-                if os.fstat(f.fileno()).st_size != self.nbytes:
-                    raise TransportError(
-                        f"shm peer {path}: file has {os.fstat(f.fileno()).st_size} B, session says {self.nbytes} B"
-                    )
-                self.mm = mmap.mmap(f.fileno(), self.nbytes)
-        except OSError as exc:
-            raise TransportError(f"cannot map shm peer {path}: {exc}") from None
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        token, self.remote, self.nbytes = parse_session(session)
+        self.mm, offset = open_shared(token, self.nbytes)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.base = self.array.ctypes.data
 
     def close(self) -> None:
@@ -78,7 +80,10 @@ class ShmTransport(Transport):
     def session(self) -> str:
         if self._shared is None:
             return ""
-        return f"shm:{self._shared.path}:{self._shared.addr:x}:{self._shared.nbytes}"
+        return f"shm:{self._shared.token}:{self._shared.addr:x}:{self._shared.nbytes}"
+
+    def check_session(self, session: str) -> None:
+        parse_session(session)
 
     def register(self, addr: int, length: int) -> None:
         array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
