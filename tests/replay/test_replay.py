@@ -110,7 +110,7 @@ def test_under_pressure_every_request_is_served_and_nothing_leaks(model, memory,
     stats = res.cache
     assert stats["evicted_pages"] > 0 and stats["open_locks"] == 0
     assert sim.mem.pages.live_count == sim.cache.cached_pages, "a page outlived its request"
-    assert sim.mem.slots.live_count == sim.cache.num_states, "a state slot outlived its request"
+    assert sim.mem.slots.live_count == sim.cache.num_checkpoints, "a state slot outlived its request"
     sim.verify()
 
 

@@ -1,0 +1,136 @@
+"""KVHandle: everything one request holds in KV memory, in one typed place.
+
+The row is ``pages[0:n]``, one virtual page per ``page_size`` tokens of the sequence. Pages
+``[0, cached)`` belong to the cache (held by ``lock``); later pages are the request's own.
+``state_slot`` is the request's running recurrent state (None without recurrent layers);
+``checkpoints`` maps page-aligned positions to slots holding (or about to hold) the state
+after that many tokens, until an insert hands them to the cache. ``gates`` are the move
+gates pinning the request's ids while a forward or a transfer reads them.
+
+Invariants:
+- ``released[i]``: own pages before this index are released from window pool ``i``, except
+  the pages kept for the checkpoint (``keep[i]``: the window before ``match.checkpoint_at``,
+  so that a later hit there is valid once the request inserts them).
+- A page still in any window of the sequence is never released: the first page window pool
+  ``i`` needs is ``max(0, seq_len - window_i) // page_size``.
+- After a (non-final) insert the row's cached part holds the cache's page ids and the lock
+  is the new one, taken before the old one is given back: the hit is never unprotected.
+- ``status`` only moves forward: RUNNING -> (COMMITTED ->) RELEASED. A COMMITTED handle
+  has made its final insert (its row's cached part may no longer be locked): it may only
+  be released. Every change goes through ``KVManager``; this class holds no memory calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from hybridkv.cache.errors import CacheError
+from hybridkv.cache.locks import CacheLock
+from hybridkv.cache.prefix_cache import MatchResult
+from hybridkv.memory import MoveGate
+
+
+class HandleStatus(Enum):
+    RUNNING = "running"
+    """Holds its lock, its own pages and slots; may grow, insert, checkpoint."""
+    COMMITTED = "committed"
+    """Its final insert is done: only ``release`` is left."""
+    RELEASED = "released"
+    """Holds nothing."""
+
+
+@dataclass(eq=False)
+class KVHandle:
+    namespace: Hashable
+    match: MatchResult
+    """The hit it was admitted with."""
+    lock: CacheLock
+    page_size: int
+    windows: tuple[int, ...]
+    """Window of each window pool, in the cache's rule order."""
+    state_slot: int | None = None
+    checkpoints: dict[int, int] = field(default_factory=dict)
+    gates: list[MoveGate] = field(default_factory=list)
+    status: HandleStatus = HandleStatus.RUNNING
+    seq_len: int = 0
+    n_pages: int = 0
+    cached: int = 0
+    released: list[int] = field(default_factory=list)
+    keep: list[tuple[int, int]] = field(default_factory=list)
+    _row: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
+
+    def __post_init__(self) -> None:
+        ps, match = self.page_size, self.match
+        self._row = match.pages  # read-only: copied on the first change
+        self.n_pages = self.cached = match.pages.size
+        self.seq_len = match.length
+        self.released = [self.cached] * len(self.windows)
+        at = match.checkpoint_at
+        self.keep = [(0, 0) if at is None else (max(0, at - w) // ps, at // ps) for w in self.windows]
+
+    @property
+    def pages(self) -> np.ndarray:
+        return self._row[: self.n_pages]
+
+    def own_pages(self) -> np.ndarray:
+        return self._row[self.cached : self.n_pages]
+
+    def pages_needed(self, new_len: int) -> int:
+        """Fresh pages the row needs to hold ``new_len`` tokens."""
+        return max(0, -(-new_len // self.page_size) - self.n_pages)
+
+    def check_running(self, what: str) -> None:
+        if self.status is not HandleStatus.RUNNING:
+            raise CacheError(f"{what}: the request is {self.status.value}; only a running request can do that")
+
+    def grow(self, new_len: int, pages: np.ndarray) -> None:
+        """Grow the sequence to ``new_len`` tokens with exactly ``pages_needed`` fresh pages."""
+        need = self.pages_needed(new_len)
+        if new_len < self.seq_len or pages.size != need:
+            raise CacheError(
+                f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
+            )
+        end = self.n_pages + need
+        if end > self._row.size or not self._row.flags.writeable:
+            row = np.empty(max(end, 2 * self._row.size, 16), dtype=np.int64)
+            row[: self.n_pages] = self.pages
+            self._row = row
+        self._row[self.n_pages : end] = pages
+        self.n_pages = end
+        self.seq_len = new_len
+
+    def window_release(self) -> list[np.ndarray]:
+        """Own pages that just left each window pool's window (one array per pool); marks
+        them released."""
+        out = []
+        for i, window in enumerate(self.windows):
+            first_needed = max(0, self.seq_len - window) // self.page_size
+            lo = max(self.released[i], self.cached)
+            if first_needed <= lo:
+                out.append(self._row[:0])
+                continue
+            idx = np.arange(lo, first_needed)
+            k0, k1 = self.keep[i]
+            idx = idx[(idx < k0) | (idx >= k1)]
+            out.append(self._row[idx])
+            self.released[i] = first_needed
+        return out
+
+    def settle(self, cache_pages: np.ndarray, lock: CacheLock | None) -> CacheLock | None:
+        """After an insert of the first ``len(cache_pages)`` pages: use the cache's ids; with
+        ``lock``, hold it instead of the old one (returned for the caller to give back)."""
+        n = cache_pages.size
+        if not self._row.flags.writeable:
+            self._row = self._row.copy()
+        self._row[:n] = cache_pages
+        self.cached = n
+        self.released = [max(r, n) for r in self.released]
+        if lock is None:
+            self.status = HandleStatus.COMMITTED
+            return None
+        old, self.lock = self.lock, lock
+        return old
