@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -43,34 +42,51 @@ class HandleStatus(Enum):
     """Holds nothing."""
 
 
-@dataclass(eq=False)
 class KVHandle:
-    namespace: Hashable
-    match: MatchResult
-    """The hit it was admitted with."""
-    lock: CacheLock
-    page_size: int
-    windows: tuple[int, ...]
-    """Window of each window pool, in the cache's rule order."""
-    state_slot: int | None = None
-    checkpoints: dict[int, int] = field(default_factory=dict)
-    gates: list[MoveGate] = field(default_factory=list)
-    status: HandleStatus = HandleStatus.RUNNING
-    seq_len: int = 0
-    n_pages: int = 0
-    cached: int = 0
-    released: list[int] = field(default_factory=list)
-    keep: list[tuple[int, int]] = field(default_factory=list)
-    _row: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
+    __slots__ = (
+        "_row",
+        "cached",
+        "checkpoints",
+        "gates",
+        "keep",
+        "lock",
+        "match",
+        "n_pages",
+        "namespace",
+        "page_size",
+        "released",
+        "seq_len",
+        "state_slot",
+        "status",
+        "windows",
+    )
 
-    def __post_init__(self) -> None:
-        ps, match = self.page_size, self.match
+    def __init__(
+        self, namespace: Hashable, match: MatchResult, lock: CacheLock, page_size: int, windows: tuple[int, ...]
+    ):
+        self.namespace = namespace
+        self.match = match
+        """The hit it was admitted with."""
+        self.lock = lock
+        self.page_size = page_size
+        self.windows = windows
+        """Window of each window pool, in the cache's rule order."""
+        self.state_slot: int | None = None
+        self.checkpoints: dict[int, int] = {}
+        self.gates: list[MoveGate] = []
+        self.status = HandleStatus.RUNNING
         self._row = match.pages  # read-only: copied on the first change
         self.n_pages = self.cached = match.pages.size
         self.seq_len = match.length
-        self.released = [self.cached] * len(self.windows)
+        self.released = [self.cached] * len(windows)
         at = match.checkpoint_at
-        self.keep = [(0, 0) if at is None else (max(0, at - w) // ps, at // ps) for w in self.windows]
+        self.keep = [(0, 0) if at is None else (max(0, at - w) // page_size, at // page_size) for w in windows]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVHandle({self.status.value}, {self.seq_len} tokens, {self.n_pages} pages of which "
+            f"{self.cached} cached, state slot {self.state_slot}, checkpoints {sorted(self.checkpoints)})"
+        )
 
     @property
     def pages(self) -> np.ndarray:
