@@ -114,6 +114,19 @@ def test_under_pressure_every_request_is_served_and_nothing_leaks(model, memory,
     sim.verify()
 
 
+@pytest.mark.parametrize(("model", "absent"), [("tiny-swa", "state"), ("tiny-gdn", "swa")])
+def test_a_rule_the_model_does_not_have_costs_no_hits(model, absent):
+    """Under pressure (windows tombstoned, checkpoints evicted), a component the model does
+    not have must not be charged for the other component's losses."""
+    engine = EngineModel(max_running=8, decode_chunk=4, chunk_tokens=32)
+    report = build_report(Simulator(synthetic(), ReplayConfig(model, 450_000, page_size=4, engine=engine)).run())
+    rate = report["hit_rate_by_component"]
+    present = "swa" if absent == "state" else "state"
+    assert report["validity_cost"][absent] == 0.0 and rate[f"full+{absent}"] == rate["full_only"]
+    assert report["validity_cost"][present] > 0  # the model's own rule did cost hits here
+    assert rate["all"] == rate[f"full+{present}"]
+
+
 def test_retraction_when_decode_cannot_grow():
     workload = synthetic(n=24, seed=3)
     engine = EngineModel(max_running=24, decode_chunk=8, prefill_tokens_per_s=1e9, chunk_tokens=32)

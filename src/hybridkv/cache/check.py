@@ -12,7 +12,7 @@ import numpy as np
 from hybridkv.cache.node import Node
 
 if TYPE_CHECKING:
-    from hybridkv.cache.tree import HybridRadixCache
+    from hybridkv.cache.prefix_cache import HybridRadixCache
 
 
 def _fail(msg: str) -> None:

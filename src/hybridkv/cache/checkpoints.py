@@ -1,5 +1,8 @@
 """Where recurrent-state checkpoints go on insert, under a cap per root-to-leaf path.
 
+``validate`` refuses (``InsertError``, nothing changed) positions that are not page-aligned
+within the key, slots that are not live, and slots that are cached checkpoints already.
+
 A checkpoint given for position ``pos`` sits on the node ending at ``pos`` (split there if
 needed). One already there wins: the new slot is not kept. A path holding more than
 ``max_per_path`` checkpoints drops the least valuable unlocked, unpinned ones above the new
@@ -13,12 +16,15 @@ kept are returned to the caller, who owns them; dropped cached checkpoints are f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
+from hybridkv.cache.errors import InsertError
 from hybridkv.cache.node import Node
 from hybridkv.cache.radix import RadixTree
 from hybridkv.cache.residency import Residency
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import InvalidIds, UnifiedMemory
 
 
 class CheckpointCap:
@@ -27,6 +33,34 @@ class CheckpointCap:
         self.tree = tree
         self.residency = residency
         self.max_per_path = max_per_path
+
+    def validate(self, checkpoints: Mapping[int, int] | None, length: int) -> list[tuple[int, int]]:
+        if not checkpoints:
+            return []
+        if self.residency.rules.checkpoint is None:
+            raise InsertError(
+                f"insert: checkpoints given but this shard ({self.mem.shard.describe()}) has no "
+                "recurrent layers; pass checkpoints=None"
+            )
+        ckpts = sorted((int(p), int(s)) for p, s in checkpoints.items())
+        for pos, _slot in ckpts:
+            if pos <= 0 or pos > length or pos % self.tree.page_size:
+                raise InsertError(
+                    f"insert: checkpoint position {pos} must be a multiple of the page size "
+                    f"{self.tree.page_size} in 1..{length} (the key's length)"
+                )
+        slots = np.asarray([s for _, s in ckpts], dtype=np.int64)
+        try:
+            self.mem.slots.check_live(slots, "insert checkpoints")
+        except InvalidIds as exc:
+            raise InsertError(f"insert: {exc}; pass state slots this request allocated") from exc
+        owned = self.residency.owned_slots[slots]
+        if np.count_nonzero(owned):
+            raise InsertError(
+                f"insert: state slot {slots[np.argmax(owned)]} is already a cached checkpoint; "
+                "fork it (fork_state) before handing a copy back"
+            )
+        return ckpts
 
     def attach(self, last: Node, checkpoints: list[tuple[int, int]]) -> list[int]:
         """Attach ``(position, slot)`` pairs on the path ending at ``last``; returns the slots

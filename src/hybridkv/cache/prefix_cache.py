@@ -7,8 +7,9 @@ checkpoint sits exactly at ``E`` (``rules.py``). Keys are namespaced by an optio
 
 The parts: ``RadixTree`` (structure), ``HitRules`` (validity per component), ``LockTable``,
 ``Residency`` (what is cached per component, candidates, events), ``Evictor``,
-``CheckpointCap``. This class composes them into ``match_prefix`` / ``insert`` / ``lock`` /
-``evict``. It never allocates: ``KVManager`` (``manager.py``) allocates with eviction above it.
+``CheckpointCap`` (placement under the path cap), ``Dedupe`` (duplicates, window recovery).
+This class composes them into ``match_prefix`` / ``insert`` / ``lock`` / ``evict``. It
+never allocates: ``KVManager`` (``manager.py``) allocates with eviction above it.
 
 Invariants (``check_tree`` proves them; tests call it after every step):
 - Every cached page id appears in exactly one node, is live and resident in every
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridkv.cache.checkpoints import CheckpointCap
+from hybridkv.cache.dedupe import Dedupe
 from hybridkv.cache.errors import CacheError, InsertError, LockError
 from hybridkv.cache.events import EventLog, root_hash
 from hybridkv.cache.evictor import Evictor
@@ -37,7 +39,7 @@ from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
 from hybridkv.cache.radix import RadixTree, Walk
 from hybridkv.cache.residency import Residency
 from hybridkv.cache.rules import ComponentKind, HitRules
-from hybridkv.memory import InvalidIds, UnifiedMemory
+from hybridkv.memory import UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -128,6 +130,7 @@ class HybridRadixCache:
         self.locks = LockTable(self.rules.max_window, self.rules.checkpoint is not None)
         self.evictor = Evictor(mem, self.rules, self.residency, self.policy)
         self.checkpoints = CheckpointCap(mem, self.tree, self.residency, max_checkpoints_per_path)
+        self.dedupe = Dedupe(mem, self.rules, self.residency)
         self.counters = self.residency.counters
         self._full_only = self.rules.full_only
         self._tick = 0
@@ -217,14 +220,14 @@ class HybridRadixCache:
                 f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
                 "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
             )
-        ckpts = self._check_checkpoints(checkpoints, toks.size)
+        ckpts = self.checkpoints.validate(checkpoints, toks.size)
         root = self.tree.find_root(extra_key)
         walk = self.tree.walk(root, toks) if root is not None else None
         full = walk.full if walk is not None else 0
         fp = full // ps
         cached = walk.pages if walk is not None else _EMPTY
         req_bytes = req.tobytes()
-        dup_idx = self._check_pages(req, req_bytes, cached)
+        dup_idx = self.dedupe.duplicates(req, req_bytes, cached)
         dup_pages = req[dup_idx] if dup_idx.size else _EMPTY
         gates = self.mem.gates
         if dup_pages.size and np.count_nonzero(gates.page_pins[dup_pages]):
@@ -242,7 +245,7 @@ class HybridRadixCache:
         # --- validated: from here on nothing refuses ---
         if walk is None:
             walk = Walk(self._root(extra_key), [], None, 0, ps)
-        adopted = self._adopt_windows(walk, dup_idx, dup_pages) if dup_pages.size else 0
+        adopted = self.dedupe.adopt_windows(walk, dup_idx, dup_pages) if dup_pages.size else 0
         nodes = walk.nodes
         if nodes and nodes[-1].end == full:
             last, path = nodes[-1], nodes
@@ -264,91 +267,6 @@ class HybridRadixCache:
         self.counters.duplicate_pages += int(dup_pages.size)
         self.counters.adopted_pages += adopted
         return InsertResult(last, full, last.path_pages, dup_pages, adopted, unused)
-
-    def _check_pages(self, req: np.ndarray, req_bytes: bytes, cached: np.ndarray) -> np.ndarray:
-        """Refuse ``req`` (``req_bytes``: its bytes) unless every page that is not the cache's
-        own page at its position (a duplicate of a cached page, or a page past the cached
-        prefix) is in range, live, given once and not cached elsewhere. Returns the positions
-        of the duplicates.
-
-        The cache's own pages at their own positions need no check: they are live and
-        distinct (tree invariants), and a repeat of one elsewhere in ``req`` is cached elsewhere.
-        """
-        fp = cached.size
-        dup_idx = _EMPTY
-        if fp and not req_bytes.startswith(cached):  # type: ignore[arg-type]  # the request usually passes the cache's own pages
-            dup_idx = np.flatnonzero(req[:fp] != cached)
-        where = np.concatenate([dup_idx, np.arange(fp, req.size)]) if dup_idx.size else None
-        given = req[where] if where is not None else req[fp:]
-        if not given.size:
-            return dup_idx
-        ordered = np.sort(given)  # the table reads below go in order
-        try:
-            self.mem.pages.check_live(ordered, "insert", ordered)
-        except InvalidIds as exc:
-            raise InsertError(f"{exc}; pass pages this request allocated and still holds") from exc
-        owned = self.residency.owned[ordered]
-        if np.count_nonzero(owned):
-            page = int(ordered[np.argmax(owned)])
-            j = int(np.flatnonzero(given == page)[0])
-            i = int(where[j]) if where is not None else fp + j
-            raise InsertError(
-                f"insert: page {page} (page {i} of the key) already belongs to the cache at "
-                "another position; pass the request's own pages, or the cache's own page there"
-            )
-        return dup_idx
-
-    def _check_checkpoints(self, checkpoints: Mapping[int, int] | None, length: int) -> list[tuple[int, int]]:
-        if not checkpoints:
-            return []
-        if self.rules.checkpoint is None:
-            raise InsertError(
-                f"insert: checkpoints given but this shard ({self.mem.shard.describe()}) has no "
-                "recurrent layers; pass checkpoints=None"
-            )
-        ckpts = sorted((int(p), int(s)) for p, s in checkpoints.items())
-        for pos, _slot in ckpts:
-            if pos <= 0 or pos > length or pos % self.page_size:
-                raise InsertError(
-                    f"insert: checkpoint position {pos} must be a multiple of the page size "
-                    f"{self.page_size} in 1..{length} (the key's length)"
-                )
-        slots = np.asarray([s for _, s in ckpts], dtype=np.int64)
-        try:
-            self.mem.slots.check_live(slots, "insert checkpoints")
-        except InvalidIds as exc:
-            raise InsertError(f"insert: {exc}; pass state slots this request allocated") from exc
-        owned = self.residency.owned_slots[slots]
-        if np.count_nonzero(owned):
-            raise InsertError(
-                f"insert: state slot {slots[np.argmax(owned)]} is already a cached checkpoint; "
-                "fork it (fork_state) before handing a copy back"
-            )
-        return ckpts
-
-    def _adopt_windows(self, walk: Walk, dup_idx: np.ndarray, dup_pages: np.ndarray) -> int:
-        """Locked-full recovery: cached pages whose window was evicted take the request's.
-
-        Pages pair by position in the request's row (first occurrence), never by sorting.
-        """
-        if not self.rules.windows:
-            return 0
-        seq = walk.seq
-        ends = np.cumsum([n.pages.size for n in seq])
-        starts = ends - np.asarray([n.pages.size for n in seq])
-        owner = np.searchsorted(ends, dup_idx, side="right")
-        kept = walk.pages[dup_idx]
-        adopted = 0
-        for w in self.rules.windows:
-            take = ~w.pool.resident(kept) & w.pool.resident(dup_pages)
-            if not np.count_nonzero(take):
-                continue
-            self.mem.adopt_window_pages(dup_pages[take], kept[take], w.name)
-            adopted += int(np.count_nonzero(take))
-            counts = np.bincount(owner[take], minlength=len(seq))
-            for i in np.flatnonzero(counts):
-                self.residency.adopted(seq[i], w, dup_idx[take][owner[take] == i] - starts[i])
-        return adopted
 
     # --- locks and eviction ---------------------------------------------------------------
 

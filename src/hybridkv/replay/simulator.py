@@ -104,8 +104,8 @@ class ReplayResult:
     input_tokens: int = 0
     hit_tokens: int = 0
     full_hit_tokens: int = 0
-    swa_hit_tokens: int = 0
-    state_hit_tokens: int = 0
+    window_hit_tokens: int = 0
+    checkpoint_hit_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     retractions: int = 0
@@ -275,8 +275,8 @@ class Simulator:
             res.input_tokens += req.input_length
             res.hit_tokens += match.length
             res.full_hit_tokens += match.full_length
-            res.swa_hit_tokens += match.window_length
-            res.state_hit_tokens += match.checkpoint_length
+            res.window_hit_tokens += match.window_length
+            res.checkpoint_hit_tokens += match.checkpoint_length
             res.hits[req.rid] = match.length
         return _Running(req, kv), computed
 
