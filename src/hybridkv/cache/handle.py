@@ -92,6 +92,21 @@ class KVHandle:
     def pages(self) -> np.ndarray:
         return self._row[: self.n_pages]
 
+    @property
+    def state_from_zero(self) -> bool:
+        """The running state slot is fresh (the hit had no checkpoint): zero it before the
+        first forward. Otherwise it holds a copy of the hit's checkpoint."""
+        return self.match.checkpoint is None
+
+    def token_locs(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Virtual token locations (``page * page_size + offset``) of tokens ``[start, end)``
+        (default: the whole sequence), what ``UnifiedMemory.translate`` takes."""
+        stop = self.seq_len if end is None else end
+        if not 0 <= start <= stop <= self.seq_len:
+            raise CacheError(f"token_locs: [{start}, {stop}) is not within the request's {self.seq_len} tokens")
+        pos = np.arange(start, stop, dtype=np.int64)
+        return self._row[pos // self.page_size] * self.page_size + pos % self.page_size
+
     def own_pages(self) -> np.ndarray:
         return self._row[self.cached : self.n_pages]
 
@@ -144,7 +159,8 @@ class KVHandle:
             self._row = self._row.copy()
         self._row[:n] = cache_pages
         self.cached = n
-        self.released = [max(r, n) for r in self.released]
+        if self.released:
+            self.released = [max(r, n) for r in self.released]
         if lock is None:
             self.status = HandleStatus.COMMITTED
             return None

@@ -60,7 +60,10 @@ class KVManager:
 
     def alloc_pages(self, count: int) -> np.ndarray:
         """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""
-        return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
+        try:
+            return self.mem.alloc_pages(count)  # the common case: no eviction, no closure
+        except OutOfMemory:
+            return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
 
     def alloc_state(self, count: int) -> np.ndarray:
         return self._with_eviction(lambda: self.mem.alloc_state(count), self._slot_need(count))
@@ -126,8 +129,12 @@ class KVManager:
 
     def extend(self, handle: KVHandle, new_len: int) -> np.ndarray:
         """Grow ``handle`` to ``new_len`` tokens; returns the fresh pages (maybe none)."""
+        if handle.status is not HandleStatus.RUNNING:
+            handle.check_running("extend")
+        if new_len < handle.seq_len:
+            raise CacheError(f"extend: a request of {handle.seq_len} tokens cannot shrink to {new_len}")
         before = handle.n_pages
-        self.extend_batch([handle], [new_len])
+        handle.grow(new_len, self.alloc_pages(handle.pages_needed(new_len)))
         return handle.pages[before:]
 
     def extend_batch(self, handles: Sequence[KVHandle], new_lens: Sequence[int]) -> None:
@@ -195,8 +202,9 @@ class KVManager:
         pages and its checkpoints up to there; free what the cache did not keep. Not
         ``final``: the handle keeps running on the cache's ids, relocked at the new end.
         ``final``: the handle is COMMITTED (only ``release`` is left)."""
-        handle.check_running("insert")
-        toks = np.asarray(tokens)
+        if handle.status is not HandleStatus.RUNNING:
+            handle.check_running("insert")
+        toks = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
         if toks.ndim != 1 or toks.size > handle.seq_len:
             raise CacheError(
                 f"insert: {toks.size} tokens of shape {toks.shape}, but the request holds KV of "
@@ -210,9 +218,9 @@ class KVManager:
                 "already cached for this request"
             )
         end = n * ps
-        ckpts = {p: s for p, s in handle.checkpoints.items() if p <= end}
-        result = self.cache.insert(toks[:end], handle.pages[:n], extra_key=handle.namespace, checkpoints=ckpts or None)
-        for p in ckpts:
+        ckpts = {p: s for p, s in handle.checkpoints.items() if p <= end} if handle.checkpoints else None
+        result = self.cache.insert(toks[:end], handle.pages[:n], extra_key=handle.namespace, checkpoints=ckpts)
+        for p in ckpts or ():
             del handle.checkpoints[p]
         if result.duplicates.size:
             self.mem.free_pages(result.duplicates)
@@ -235,10 +243,12 @@ class KVManager:
         its state slot and checkpoints, its lock (abort, retract, or the end of ``finish``)."""
         if handle.status is HandleStatus.RELEASED:
             raise CacheError("release: this request was released already")
-        if any(not g.is_open for g in handle.gates):
+        if handle.gates and any(not g.is_open for g in handle.gates):
             raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
         own = handle.own_pages()
-        slots = [*handle.checkpoints.values(), *([handle.state_slot] if handle.state_slot is not None else [])]
+        slots = list(handle.checkpoints.values()) if handle.checkpoints else []
+        if handle.state_slot is not None:
+            slots.append(handle.state_slot)
         gates = self.mem.gates
         if gates.open_gates and (
             np.count_nonzero(gates.page_pins[own]) or (slots and np.count_nonzero(gates.slot_pins[slots]))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,24 +27,30 @@ _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 
 
-@dataclass(slots=True)
 class Walk:
     """How far ``tokens`` follow the tree below ``root``."""
 
-    root: Node
-    nodes: list[Node]
-    """Nodes matched whole, in path order."""
-    partial: Node | None
-    """The node matched part-way (or None)."""
-    full: int
-    """Matched tokens, page-aligned: the longest full-KV match."""
-    page_size: int
-    resident: dict[int, np.ndarray] = field(default_factory=dict)
-    """Window residency masks of the walked pages, read lazily by window rules (by pool index)."""
+    __slots__ = ("_seq", "full", "nodes", "page_size", "partial", "resident", "root")
+
+    def __init__(self, root: Node, nodes: list[Node], partial: Node | None, full: int, page_size: int):
+        self.root = root
+        self.nodes = nodes
+        """Nodes matched whole, in path order."""
+        self.partial = partial
+        """The node matched part-way (or None)."""
+        self.full = full
+        """Matched tokens, page-aligned: the longest full-KV match."""
+        self.page_size = page_size
+        self.resident: dict[int, np.ndarray] | None = None
+        """Window residency masks of the walked pages, read lazily by window rules (by pool index)."""
+        self._seq: list[Node] | None = None
 
     @property
     def seq(self) -> list[Node]:
-        return [*self.nodes, self.partial] if self.partial is not None else self.nodes
+        """``nodes`` and then ``partial`` (if any)."""
+        if self._seq is None:
+            self._seq = [*self.nodes, self.partial] if self.partial is not None else self.nodes
+        return self._seq
 
     @property
     def pages(self) -> np.ndarray:

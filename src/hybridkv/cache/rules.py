@@ -90,9 +90,12 @@ class WindowRule:
     def longest(self, walk: Walk, upto: int) -> int:
         if self._holds_by_nodes(walk.seq, upto):
             return upto
-        res = walk.resident.get(self.index)
+        known = walk.resident
+        if known is None:
+            known = walk.resident = {}
+        res = known.get(self.index)
         if res is None:
-            res = walk.resident[self.index] = self.pool.resident(walk.pages)
+            res = known[self.index] = self.pool.resident(walk.pages)
         e = upto // self.page_size
         while e > 0:
             lo = self.first_page(e)
@@ -133,6 +136,10 @@ class HitRules:
             *self.windows,
             *((self.checkpoint,) if self.checkpoint is not None else ()),
         )
+        self._by_kind = {
+            kind: tuple(r for r in self.extra if r.kind is kind)
+            for kind in (ComponentKind.WINDOW, ComponentKind.CHECKPOINT)
+        }
         self._one_kind = len({r.kind for r in self.extra}) == 1
         self.max_window = max((w.window for w in self.windows), default=0)
         self.pool_names: frozenset[PoolName] = frozenset(mem.pools)
@@ -146,14 +153,16 @@ class HitRules:
         plus that kind's rules alone."""
         full = walk.full
         lengths = {ComponentKind.FULL_KV: full}
-        for kind in (ComponentKind.WINDOW, ComponentKind.CHECKPOINT):
-            rules = [r for r in self.extra if r.kind is kind]
-            lengths[kind] = _fixpoint(rules, walk, full) if rules else full
-        end = min(lengths.values())
+        end = full
+        for kind, rules in self._by_kind.items():
+            e = lengths[kind] = _fixpoint(rules, walk, full) if rules else full
+            end = min(end, e)
         return (end if self._one_kind else _fixpoint(self.extra, walk, end)), lengths
 
 
 def _fixpoint(rules: Sequence[Rule], walk: Walk, end: int) -> int:
+    if len(rules) == 1:
+        return rules[0].longest(walk, end)  # one rule's answer is its own fixpoint
     changed = True
     while changed and end > 0:
         changed = False
