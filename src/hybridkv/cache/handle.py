@@ -44,6 +44,7 @@ class HandleStatus(Enum):
 
 class KVHandle:
     __slots__ = (
+        "_own_row",
         "_row",
         "cached",
         "checkpoints",
@@ -75,7 +76,8 @@ class KVHandle:
         self.checkpoints: dict[int, int] = {}
         self.gates: list[MoveGate] = []
         self.status = HandleStatus.RUNNING
-        self._row = match.pages  # read-only: copied on the first change
+        self._row = match.pages  # the cache's read-only array: copied on the first change
+        self._own_row = False
         self.n_pages = self.cached = match.pages.size
         self.seq_len = match.length
         self.released = [self.cached] * len(windows)
@@ -126,10 +128,10 @@ class KVHandle:
                 f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
             )
         end = self.n_pages + need
-        if end > self._row.size or not self._row.flags.writeable:
+        if end > self._row.size or not self._own_row:
             row = np.empty(max(end, 2 * self._row.size, 16), dtype=np.int64)
             row[: self.n_pages] = self.pages
-            self._row = row
+            self._row, self._own_row = row, True
         self._row[self.n_pages : end] = pages
         self.n_pages = end
         self.seq_len = new_len
@@ -155,8 +157,8 @@ class KVHandle:
         """After an insert of the first ``len(cache_pages)`` pages: use the cache's ids; with
         ``lock``, hold it instead of the old one (returned for the caller to give back)."""
         n = cache_pages.size
-        if not self._row.flags.writeable:
-            self._row = self._row.copy()
+        if not self._own_row:
+            self._row, self._own_row = self._row.copy(), True
         self._row[:n] = cache_pages
         self.cached = n
         if self.released:

@@ -38,7 +38,7 @@ from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
 from hybridkv.cache.radix import RadixTree, Walk
 from hybridkv.cache.residency import Residency
-from hybridkv.cache.rules import ComponentKind, HitRules
+from hybridkv.cache.rules import HitRules
 from hybridkv.memory import UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -172,8 +172,7 @@ class HybridRadixCache:
         if self._full_only:
             end = window_len = checkpoint_len = full
         else:
-            end, lengths = self.rules.valid_end(walk)
-            window_len, checkpoint_len = lengths[ComponentKind.WINDOW], lengths[ComponentKind.CHECKPOINT]
+            end, window_len, checkpoint_len = self.rules.valid_end(walk)
         nodes = walk.nodes
         if nodes and nodes[-1].end == end:
             node = nodes[-1]
@@ -220,7 +219,7 @@ class HybridRadixCache:
                 f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
                 "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
             )
-        ckpts = self.checkpoints.validate(checkpoints, toks.size)
+        ckpts = self.checkpoints.validate(checkpoints, toks.size) if checkpoints else []
         root = self.tree.find_root(extra_key)
         walk = self.tree.walk(root, toks) if root is not None else None
         full = walk.full if walk is not None else 0

@@ -8,7 +8,7 @@
   tokens.
 
 Each rule answers ``longest(walk, upto)``: the largest page-aligned ``E <= upto`` valid for
-it. ``HitRules.valid_end`` iterates every rule to a fixpoint, which is the largest ``E``
+it. ``HitRules.valid_end`` iterates the rules to a fixpoint, which is the largest ``E``
 valid for all of them (each step returns the largest valid value at most the current one,
 so it never steps over a common one). A new component kind is one more rule class here
 and one line in ``HitRules.__init__`` that builds it from the memory's pools.
@@ -136,10 +136,8 @@ class HitRules:
             *self.windows,
             *((self.checkpoint,) if self.checkpoint is not None else ()),
         )
-        self._by_kind = {
-            kind: tuple(r for r in self.extra if r.kind is kind)
-            for kind in (ComponentKind.WINDOW, ComponentKind.CHECKPOINT)
-        }
+        self._windows: tuple[Rule, ...] = self.windows
+        self._checkpoints: tuple[Rule, ...] = (self.checkpoint,) if self.checkpoint is not None else ()
         self._one_kind = len({r.kind for r in self.extra}) == 1
         self.max_window = max((w.window for w in self.windows), default=0)
         self.pool_names: frozenset[PoolName] = frozenset(mem.pools)
@@ -148,16 +146,17 @@ class HitRules:
     def full_only(self) -> bool:
         return not self.extra
 
-    def valid_end(self, walk: Walk) -> tuple[int, dict[ComponentKind, int]]:
-        """The hit's end valid for every rule, and per kind the longest valid for full KV
-        plus that kind's rules alone."""
+    def valid_end(self, walk: Walk) -> tuple[int, int, int]:
+        """The hit's end valid for every rule; the longest valid for full KV and the window
+        rules alone; the longest valid for full KV and the checkpoint rule alone."""
         full = walk.full
-        lengths = {ComponentKind.FULL_KV: full}
-        end = full
-        for kind, rules in self._by_kind.items():
-            e = lengths[kind] = _fixpoint(rules, walk, full) if rules else full
-            end = min(end, e)
-        return (end if self._one_kind else _fixpoint(self.extra, walk, end)), lengths
+        windows, checkpoints = self._windows, self._checkpoints
+        window_len = _fixpoint(windows, walk, full) if windows else full
+        checkpoint_len = _fixpoint(checkpoints, walk, full) if checkpoints else full
+        end = min(window_len, checkpoint_len)
+        if not self._one_kind:
+            end = _fixpoint(self.extra, walk, end)
+        return end, window_len, checkpoint_len
 
 
 def _fixpoint(rules: Sequence[Rule], walk: Walk, end: int) -> int:
