@@ -127,12 +127,17 @@ class KVHandle:
             raise CacheError(
                 f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
             )
-        end = self.n_pages + need
-        if end > self._row.size or not self._own_row:
-            row = np.empty(max(end, 2 * self._row.size, 16), dtype=np.int64)
-            row[: self.n_pages] = self.pages
-            self._row, self._own_row = row, True
-        self._row[self.n_pages : end] = pages
+        n = self.n_pages
+        end = n + need
+        if not self._own_row:  # the first growth: the row becomes the request's own array
+            self._row, self._own_row = np.concatenate([self._row[:n], pages]), True
+        elif end > self._row.size:  # later growth (decode): double the capacity
+            row = np.empty(max(end, 2 * self._row.size), dtype=np.int64)
+            row[:n] = self._row[:n]
+            row[n:end] = pages
+            self._row = row
+        else:
+            self._row[n:end] = pages
         self.n_pages = end
         self.seq_len = new_len
 

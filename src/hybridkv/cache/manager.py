@@ -60,10 +60,7 @@ class KVManager:
 
     def alloc_pages(self, count: int) -> np.ndarray:
         """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""
-        try:
-            return self.mem.alloc_pages(count)  # the common case: no eviction, no closure
-        except OutOfMemory:
-            return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
+        return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
 
     def alloc_state(self, count: int) -> np.ndarray:
         return self._with_eviction(lambda: self.mem.alloc_state(count), self._slot_need(count))
@@ -78,6 +75,7 @@ class KVManager:
         return {self._state_pool: count}
 
     def _with_eviction(self, call: Callable[[], T], fallback: dict[str, int]) -> T:
+        """``call()``; after each refusal, evict what it was short of and call again."""
         while True:
             try:
                 return call()
