@@ -158,18 +158,25 @@ class KVHandle:
             self.released[i] = first_needed
         return out
 
-    def settle(self, cache_pages: np.ndarray, lock: CacheLock | None) -> CacheLock | None:
-        """After an insert of the first ``len(cache_pages)`` pages: use the cache's ids; with
-        ``lock``, hold it instead of the old one (returned for the caller to give back)."""
+    def _take_cache_pages(self, cache_pages: np.ndarray) -> int:
         n = cache_pages.size
         if not self._own_row:
             self._row, self._own_row = self._row.copy(), True
         self._row[:n] = cache_pages
         self.cached = n
+        return n
+
+    def settle(self, cache_pages: np.ndarray, lock: CacheLock) -> CacheLock:
+        """After an insert of the first ``len(cache_pages)`` pages: use the cache's ids and
+        hold ``lock`` (at the new end) instead of the old one, returned for the caller to
+        give back."""
+        n = self._take_cache_pages(cache_pages)
         if self.released:
             self.released = [max(r, n) for r in self.released]
-        if lock is None:
-            self.status = HandleStatus.COMMITTED
-            return None
         old, self.lock = self.lock, lock
         return old
+
+    def commit(self, cache_pages: np.ndarray) -> None:
+        """After the final insert: use the cache's ids; only ``release`` is left."""
+        self._take_cache_pages(cache_pages)
+        self.status = HandleStatus.COMMITTED

@@ -203,16 +203,17 @@ class KVManager:
         if handle.status is not HandleStatus.RUNNING:
             handle.check_running("insert")
         toks = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
-        if toks.ndim != 1 or toks.size > handle.seq_len:
+        size = toks.size
+        if size > handle.seq_len or toks.ndim != 1:
             raise CacheError(
-                f"insert: {toks.size} tokens of shape {toks.shape}, but the request holds KV of "
+                f"insert: {size} tokens of shape {toks.shape}, but the request holds KV of "
                 f"{handle.seq_len} tokens; pass its 1-D sequence so far"
             )
         ps = self.page_size
-        n = toks.size // ps
+        n = size // ps
         if n < handle.cached:
             raise CacheError(
-                f"insert: {toks.size} tokens cover {n} pages, fewer than the {handle.cached} pages "
+                f"insert: {size} tokens cover {n} pages, fewer than the {handle.cached} pages "
                 "already cached for this request"
             )
         end = n * ps
@@ -224,10 +225,10 @@ class KVManager:
             self.mem.free_pages(result.duplicates)
         if result.unused_checkpoints:
             self.mem.free_state(np.asarray(result.unused_checkpoints, dtype=np.int64))
-        new_lock = None if final else self.cache.lock(result.node)
-        old = handle.settle(result.pages, new_lock)
-        if old is not None:
-            self.cache.unlock(old)
+        if final:
+            handle.commit(result.pages)
+        else:  # the new lock first: the hit is never unprotected
+            self.cache.unlock(handle.settle(result.pages, self.cache.lock(result.node)))
         return result
 
     def finish(self, handle: KVHandle, tokens: object) -> InsertResult:
