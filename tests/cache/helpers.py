@@ -31,14 +31,15 @@ def small_memory(preset: str, page_size: int = 4, budget: int | None = None) -> 
 
 
 def oracle_for(cache: HybridRadixCache) -> Oracle:
-    comps = cache.comps
-    return Oracle(cache.page_size, {w.name: w.window for w in comps.windows}, comps.history, comps.state)
+    rules = cache.rules
+    state = rules.checkpoint.name if rules.checkpoint is not None else None
+    return Oracle(cache.page_size, {w.name: w.window for w in rules.windows}, rules.full.pools, state)
 
 
 def nodes_of(cache: HybridRadixCache) -> list[tuple[Hashable, tuple[int, ...], Node]]:
     """Every node with its namespace and the tokens from the root to its end."""
     out = []
-    for ns, root in cache._roots.items():
+    for ns, root in cache.tree.roots.items():
         stack: list[tuple[Node, tuple[int, ...]]] = [(root, ())]
         while stack:
             node, prefix = stack.pop()
@@ -53,16 +54,16 @@ def assert_oracle_matches_tree(cache: HybridRadixCache, oracle: Oracle) -> None:
     """The event-fed oracle holds exactly the tree's pages, window residency and states."""
     ps = cache.page_size
     full: set = set()
-    window: dict[str, set] = {w.name: set() for w in cache.comps.windows}
+    window: dict[str, set] = {w.name: set() for w in cache.rules.windows}
     states: set = set()
     for ns, tokens, node in nodes_of(cache):
         for i in range(node.pages.size):
             key = (ns, tokens[: node.start + (i + 1) * ps])
             full.add(key)
-            for w in cache.comps.windows:
+            for w in cache.rules.windows:
                 if cache.mem.pools[w.name].resident(node.pages[i : i + 1])[0]:
                     window[w.name].add(key)
-        if node.state >= 0:
+        if node.checkpoint >= 0:
             states.add((ns, tokens))
     assert full == oracle.full, "events disagree with the tree's full-KV pages"
     for name in window:
@@ -77,11 +78,11 @@ def tree_snapshot(cache: HybridRadixCache) -> list[object]:
             ns,
             tokens,
             tuple(node.pages.tolist()),
-            node.state,
+            node.checkpoint,
             node.lock,
-            node.swa_lock,
-            node.state_lock,
-            tuple(node.swa_res),
+            node.window_lock,
+            node.checkpoint_lock,
+            tuple(node.window_resident),
             node.last_access,
             node.hits,
         )
@@ -89,11 +90,11 @@ def tree_snapshot(cache: HybridRadixCache) -> list[object]:
     ]
     return [
         sorted(rows, key=repr),
-        cache._owned.copy().tolist(),
-        cache._owned_slots.copy().tolist(),
+        cache.residency.owned.copy().tolist(),
+        cache.residency.owned_slots.copy().tolist(),
         cache.cached_pages,
         cache.num_nodes,
-        len(cache._locks),
+        len(cache.locks.open),
         cache.stats(),
     ]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from hybridkv.cache import CacheEvent, EventKind
+from hybridkv.cache import CacheEvent, ComponentKind, EventKind
 from hybridkv.cache.events import root_hash
 
 Key = tuple[Hashable, tuple[int, ...]]
@@ -55,7 +55,8 @@ class Oracle:
     def apply(self, events: Iterable[CacheEvent]) -> None:
         ps = self.page_size
         for ev in events:
-            if ev.component in self.history:
+            if ev.component_kind is ComponentKind.FULL_KV:
+                assert ev.component in self.history
                 if ev.kind is EventKind.STORED:
                     assert ev.tokens is not None and ev.parent_hash is not None
                     if ev.parent_hash == root_hash(ev.namespace):
@@ -72,7 +73,12 @@ class Oracle:
                         self.full.remove(self._prefix[h])
                 continue
             keys = [self._prefix[h] for h in ev.block_hashes]
-            target = self.states if ev.component == self.state else self.window[ev.component]
+            if ev.component_kind is ComponentKind.CHECKPOINT:
+                assert ev.component == self.state
+                target = self.states
+            else:
+                assert ev.component_kind is ComponentKind.WINDOW
+                target = self.window[ev.component]
             for key in keys:
                 if ev.kind is EventKind.STORED:
                     assert key not in target, f"{ev.component} stored twice"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import CacheError, HybridRadixCache, InsertError, LockError, RequestKV
+from hybridkv.cache import CacheError, HybridRadixCache, InsertError, KVManager, LockError
 from tests.cache.helpers import small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -16,8 +16,8 @@ PS = 4
 def cache() -> HybridRadixCache:
     c = HybridRadixCache(small_memory("tiny-swa2-state", PS))
     toks = np.arange(16)
-    row = c.alloc_pages(4)
-    c.insert(toks, row, states={16: int(c.alloc_state(1)[0])})
+    row = c.mem.alloc_pages(4)
+    c.insert(toks, row, checkpoints={16: int(c.mem.alloc_state(1)[0])})
     return c
 
 
@@ -46,13 +46,13 @@ def test_lock_of_a_node_not_in_the_cache(cache):
     cache.evict({"page": 100})
     assert_refused(cache, LockError, "not in this cache", cache.lock, node)
     other = HybridRadixCache(small_memory("tiny-swa2-state", PS))
-    row = other.alloc_pages(1)
+    row = other.mem.alloc_pages(1)
     foreign = other.insert(np.arange(4), row).node
     assert_refused(cache, LockError, "not in this cache", cache.lock, foreign)
 
 
 def test_insert_of_pages_not_allocated(cache):
-    dead = cache.alloc_pages(2)
+    dead = cache.mem.alloc_pages(2)
     cache.mem.free_pages(dead)
     assert_refused(cache, InsertError, "not allocated", cache.insert, np.arange(100, 108), dead)
     assert_refused(cache, InsertError, "outside", cache.insert, np.arange(100, 104), [10**9])
@@ -60,7 +60,7 @@ def test_insert_of_pages_not_allocated(cache):
 
 
 def test_insert_of_mismatched_lengths(cache):
-    row = cache.alloc_pages(2)
+    row = cache.mem.alloc_pages(2)
     assert_refused(cache, InsertError, "9 tokens but 2 pages", cache.insert, np.arange(100, 109), row)
     assert_refused(cache, InsertError, "7 tokens but 2 pages", cache.insert, np.arange(100, 107), row)
     assert_refused(cache, CacheError, "1-D integer", cache.insert, np.arange(100, 108).reshape(2, 4), row)
@@ -68,7 +68,7 @@ def test_insert_of_mismatched_lengths(cache):
 
 
 def test_insert_of_a_page_twice_or_one_the_cache_holds_elsewhere(cache):
-    row = cache.alloc_pages(2)
+    row = cache.mem.alloc_pages(2)
     assert_refused(cache, InsertError, "given twice", cache.insert, np.arange(100, 108), [row[0], row[0]])
     cached = cache.match_prefix(np.arange(16)).pages
     assert_refused(
@@ -76,29 +76,32 @@ def test_insert_of_a_page_twice_or_one_the_cache_holds_elsewhere(cache):
     )
     # the cache's own page at its own position is fine: that is a hit being re-inserted
     result = cache.insert(np.arange(8), cached[:2])
-    assert result.freed_pages == 0
+    assert result.duplicates.size == 0
 
 
 def test_insert_of_bad_states(cache):
-    row = cache.alloc_pages(2)
-    slot = int(cache.alloc_state(1)[0])
+    row = cache.mem.alloc_pages(2)
+    slot = int(cache.mem.alloc_state(1)[0])
     toks = np.arange(100, 108)
-    assert_refused(cache, InsertError, "multiple of the page size", cache.insert, toks, row, states={6: slot})
-    assert_refused(cache, InsertError, "multiple of the page size", cache.insert, toks, row, states={12: slot})
+    assert_refused(cache, InsertError, "multiple of the page size", cache.insert, toks, row, checkpoints={6: slot})
+    assert_refused(cache, InsertError, "multiple of the page size", cache.insert, toks, row, checkpoints={12: slot})
     cache.mem.free_state([slot])
-    assert_refused(cache, InsertError, "not allocated", cache.insert, toks, row, states={8: slot})
-    cached_slot = cache.match_prefix(np.arange(16)).state
-    assert_refused(cache, InsertError, "already a cached checkpoint", cache.insert, toks, row, states={8: cached_slot})
+    assert_refused(cache, InsertError, "not allocated", cache.insert, toks, row, checkpoints={8: slot})
+    cached_slot = cache.match_prefix(np.arange(16)).checkpoint
+    cached = {8: cached_slot}
+    assert_refused(cache, InsertError, "already a cached checkpoint", cache.insert, toks, row, checkpoints=cached)
     dense = HybridRadixCache(small_memory("tiny-dense", PS))
-    assert_refused(dense, InsertError, "no recurrent layers", dense.insert, toks, dense.alloc_pages(2), states={8: 1})
+    dense_row = dense.mem.alloc_pages(2)
+    assert_refused(dense, InsertError, "no recurrent layers", dense.insert, toks, dense_row, checkpoints={8: 1})
 
 
 def test_insert_with_a_pinned_duplicate(cache):
-    dup = cache.alloc_pages(4)
+    dup = cache.mem.alloc_pages(4)
     gate = cache.mem.pin(pages=dup[:1])
     assert_refused(cache, InsertError, "pinned", cache.insert, np.arange(16), dup)
     gate.release()
-    assert cache.insert(np.arange(16), dup).freed_pages == 4
+    result = cache.insert(np.arange(16), dup)
+    assert np.array_equal(result.duplicates, dup) and cache.mem.pages.live[dup].all()  # the caller frees them
 
 
 def test_bad_tokens_and_keys(cache):
@@ -108,5 +111,30 @@ def test_bad_tokens_and_keys(cache):
 
 
 def test_request_row_refuses_a_wrong_page_count(cache):
-    kv = RequestKV(cache, cache.match_prefix(np.arange(16)))
-    assert_refused(cache, CacheError, "needs 1 fresh pages, got 2", kv.extend, 20, cache.alloc_pages(2))
+    kv = KVManager(cache).admit(cache.match_prefix(np.arange(16)))
+    assert_refused(cache, CacheError, "needs 1 fresh pages, got 2", kv.grow, 20, cache.mem.alloc_pages(2))
+
+
+def test_manager_refuses_misuse_of_a_request(cache):
+    kvm = KVManager(cache)
+    kv = kvm.admit(kvm.match(np.arange(16)))
+    kvm.extend(kv, 22)
+    assert_refused(cache, CacheError, "cannot shrink", kvm.extend, kv, 21)
+    assert_refused(cache, CacheError, "holds KV of 22 tokens", kvm.insert, kv, np.arange(23))
+    assert_refused(cache, CacheError, "fewer than the 4 pages", kvm.insert, kv, np.arange(12))
+    assert_refused(cache, CacheError, "past the cached 16 tokens", kvm.reserve_checkpoint, kv, 16)
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoint, kv, 22)
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoint, kv)  # 22 is not aligned
+    gate = kvm.pin(kv)
+    assert_refused(cache, CacheError, "unpin it first", kvm.release, kv)
+    kvm.unpin(kv)
+    assert gate.is_open
+    kvm.release(kv)
+    assert_refused(cache, CacheError, "released already", kvm.release, kv)
+    assert_refused(cache, CacheError, "released", kvm.extend, kv, 30)
+    dense = KVManager(HybridRadixCache(small_memory("tiny-dense", PS)))
+    plain = dense.admit(dense.match(np.arange(8)))
+    assert plain.state_slot is None
+    dense.extend(plain, 8)
+    assert_refused(dense.cache, CacheError, "no recurrent layers", dense.reserve_checkpoint, plain, 8)
+    assert_refused(dense.cache, CacheError, "no recurrent layers", dense.alloc_state, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import POLICIES, CacheError, HybridRadixCache
+from hybridkv.cache import PAGE_NEED, POLICIES, CacheError, HybridRadixCache, KVManager
 from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import ShardSpec, get_preset
 
@@ -23,8 +23,14 @@ def make(policy: str = "lru", budget: int = 4_000_000, max_context: int = 2048) 
 def put(cache: HybridRadixCache, tokens, priority: int = 0) -> None:
     toks = np.asarray(tokens, dtype=np.int64)
     m = cache.match_prefix(toks)
-    row = np.concatenate([m.pages, cache.alloc_pages(toks.size // PS - m.pages.size)])
+    row = np.concatenate([m.pages, KVManager(cache).alloc_pages(toks.size // PS - m.pages.size)])
     cache.insert(toks, row, priority=priority)
+
+
+def full(cache: HybridRadixCache) -> str:
+    """The full-attention pool's id (as the memory names it)."""
+    (pool,) = cache.rules.full.pools
+    return pool
 
 
 def seq(base: int, n: int = 32) -> np.ndarray:
@@ -46,7 +52,7 @@ def test_lru_evicts_least_recently_used_leaf():
     for b in (1, 2, 3):
         put(cache, seq(b))
     cache.match_prefix(seq(1))
-    assert cache.evict({"full": 2}) == {"full": 2, "page": 2}
+    assert cache.evict({full(cache): 2}) == {full(cache): 2, PAGE_NEED: 2}
     assert survivors(cache, [1, 2, 3]) == [1, 3]
     cache.check()
 
@@ -58,9 +64,9 @@ def test_lfu_evicts_fewest_hits():
     for _ in range(3):
         cache.match_prefix(seq(1))
     cache.match_prefix(seq(3))
-    cache.evict({"full": 2})
+    cache.evict({full(cache): 2})
     assert survivors(cache, [1, 2, 3]) == [1, 3]
-    cache.evict({"full": 2})
+    cache.evict({full(cache): 2})
     assert survivors(cache, [1, 2, 3]) == [1]
 
 
@@ -68,9 +74,9 @@ def test_priority_evicts_lowest_priority_first():
     cache = make("priority")
     for b, prio in ((1, 5), (2, 1), (3, 3)):
         put(cache, seq(b), priority=prio)
-    cache.evict({"full": 2})
+    cache.evict({full(cache): 2})
     assert survivors(cache, [1, 2, 3]) == [1, 3]
-    cache.evict({"full": 2})
+    cache.evict({full(cache): 2})
     assert survivors(cache, [1, 2, 3]) == [1]
 
 
@@ -85,7 +91,7 @@ def test_cost_policy_keeps_expensive_recompute_where_lru_would_not():
         put(cache, deep)
         put(cache, shallow)
         cache.match_prefix(deep[:1024])  # keep the long prefix warm under both policies
-        cache.evict({"full": 1})
+        cache.evict({full(cache): 1})
         results[policy] = (cache.match_prefix(deep).length, cache.match_prefix(shallow).length)
         cache.check()
     assert results["lru"] == (1024, 16)  # LRU drops the older, expensive leaf
@@ -97,10 +103,10 @@ def test_locked_entries_are_never_evicted():
     put(cache, seq(1))
     put(cache, seq(2))
     lock = cache.lock(cache.match_prefix(seq(1)).node)
-    assert cache.evict({"full": 100}) == {"full": 2, "page": 2}
+    assert cache.evict({full(cache): 100}) == {full(cache): 2, PAGE_NEED: 2}
     assert survivors(cache, [1, 2]) == [1]
     cache.unlock(lock)
-    assert cache.evict({"page": 100}) == {"full": 2, "page": 2}
+    assert cache.evict({PAGE_NEED: 100}) == {full(cache): 2, PAGE_NEED: 2}
     assert cache.cached_tokens == 0
     cache.check()
     cache.mem.verify()
@@ -117,12 +123,13 @@ def test_allocation_evicts_what_is_short_and_fails_cleanly_when_all_is_locked():
             break
     filled = cache.cached_pages
     assert filled > 4
-    held = cache.alloc_pages(4)  # needs evictions
+    kvm = KVManager(cache)
+    held = kvm.alloc_pages(4)  # needs evictions
     assert cache.cached_pages < filled and cache.counters.evicted_pages >= 1
     locks = [cache.lock(cache.match_prefix(seq(b)).node) for b in survivors(cache, bases)]
     before = (cache.cached_pages, mem.pages.live_count)
     with pytest.raises(OutOfMemory):
-        cache.alloc_pages(mem.available_pages() + 1)
+        kvm.alloc_pages(mem.available_pages() + 1)
     assert (cache.cached_pages, mem.pages.live_count) == before
     for lock in locks:
         cache.unlock(lock)
@@ -137,5 +144,5 @@ def test_bad_needs_are_refused():
     with pytest.raises(CacheError, match="unknown need \\['swa:8'\\]"):
         cache.evict({"swa:8": 1})
     with pytest.raises(CacheError, match=">= 0"):
-        cache.evict({"full": -1})
+        cache.evict({full(cache): -1})
     assert cache.cached_pages == 2

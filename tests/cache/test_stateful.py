@@ -1,16 +1,16 @@
-"""Stateful tests of cache + memory together, against a brute-force oracle.
+"""Stateful tests of manager + cache + memory together, against a brute-force oracle.
 
-Requests start (match, lock, allocate, maybe drop out-of-window SWA pages, take state
-checkpoints), settle (insert their prompt and relock), finish (insert, free the tail,
-unlock) or abort, while the cache evicts on demand and on its own. After every step:
-``mem.verify()``, ``cache.check()``, and the event-fed oracle equals the tree. Every match
-must equal the event oracle's longest valid hit, never exceed what was ever inserted, and
-equal it while nothing was evicted.
+Requests start through ``KVManager`` (match, admit, extend with eviction, maybe release
+out-of-window pages, reserve or copy state checkpoints), settle (insert their prompt and
+relock), finish (insert, release) or abort (release), while the cache evicts on demand and
+on its own. After every step: ``mem.verify()``, ``cache.check()``, and the event-fed oracle
+equals the tree. Every match must equal the event oracle's longest valid hit, never exceed
+what was ever inserted, and equal it while nothing was evicted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -18,7 +18,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hybridkv.cache import CacheLock, HybridRadixCache, InsertError, LockError, RequestKV
+from hybridkv.cache import (
+    PAGE_NEED,
+    CacheError,
+    CacheLock,
+    HandleStatus,
+    HybridRadixCache,
+    InsertError,
+    KVHandle,
+    KVManager,
+    LockError,
+)
 from hybridkv.memory import OutOfMemory
 from tests.cache.helpers import assert_oracle_matches_tree, oracle_for, small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
@@ -34,9 +44,7 @@ tokens_st = st.tuples(st.sampled_from(STEMS), st.lists(st.integers(0, 3), max_si
 class Running:
     tokens: tuple[int, ...]
     namespace: object
-    kv: RequestKV
-    slot: int | None
-    checkpoints: dict[int, int] = field(default_factory=dict)
+    kv: KVHandle
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -48,18 +56,20 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.mem = small_memory(self.preset, self.page_size)
-        self.cache = HybridRadixCache(self.mem, policy=self.policy, max_states_per_path=self.cap, events=True)
+        self.cache = HybridRadixCache(self.mem, policy=self.policy, max_checkpoints_per_path=self.cap, events=True)
+        self.kvm = KVManager(self.cache)
         self.exact = oracle_for(self.cache)
         self.inserted = oracle_for(self.cache)
         self.running: list[Running] = []
         self.released_locks: list[CacheLock] = []
+        self.released: list[KVHandle] = []
         self.freed_pages: list[int] = []
 
     # --- helpers --------------------------------------------------------------------------
 
     def evicted_anything(self) -> bool:
         c = self.cache.counters
-        return bool(c.evicted_pages or sum(c.tombstoned.values()) or c.evicted_states or c.capped_states)
+        return bool(c.evicted_pages or sum(c.tombstoned.values()) or c.evicted_checkpoints or c.capped_checkpoints)
 
     def check_match(self, tokens: tuple[int, ...], namespace: object, match) -> None:
         self.exact.apply(self.cache.events.drain())
@@ -71,26 +81,24 @@ class CacheMachine(RuleBasedStateMachine):
             assert match.length == ever
         assert match.full_length == self.exact.longest_full(namespace, tokens)
         assert match.pages.size * self.page_size == match.length
-        assert self.cache._owned[match.pages].all()
-        assert (match.state is not None) == (self.cache.comps.state is not None and match.length > 0)
+        assert self.cache.residency.owned[match.pages].all()
+        assert (match.checkpoint is not None) == (self.cache.rules.checkpoint is not None and match.length > 0)
         assert match.checkpoint_at == (match.full_length if match.full_length > match.length else None)
 
     def aligned(self, n: int) -> int:
         return n - n % self.page_size
 
     def drop(self, req: Running) -> None:
-        """Abort: free everything the request owns, unlock."""
-        own = req.kv.own_pages()
-        if own.size:
-            self.mem.free_pages(own)
-            self.freed_pages.extend(own.tolist())
-        slots = [*req.checkpoints.values(), *([req.slot] if req.slot is not None else [])]
-        if slots:
-            self.mem.free_state(slots)
-        self.released_locks.append(req.kv.lock)
-        req.kv.unlock()
-
-    # --- rules ----------------------------------------------------------------------------
+        """Abort: the manager frees everything the request owns and unlocks."""
+        kv = req.kv
+        own = kv.own_pages().tolist()
+        slots = [*kv.checkpoints.values(), *([kv.state_slot] if kv.state_slot is not None else [])]
+        self.released_locks.append(kv.lock)
+        self.kvm.release(kv)
+        assert kv.status is HandleStatus.RELEASED
+        assert not self.mem.pages.live[own].any() and not self.mem.slots.live[slots].any()
+        self.freed_pages.extend(own)
+        self.released.append(kv)
 
     @precondition(lambda self: len(self.running) < 4)
     @rule(
@@ -100,72 +108,77 @@ class CacheMachine(RuleBasedStateMachine):
         ckpt_mask=st.integers(0, 255),
     )
     def start(self, tokens, namespace, release_window, ckpt_mask):
-        match = self.cache.match_prefix(np.asarray(tokens, dtype=np.int64), namespace)
+        match = self.kvm.match(np.asarray(tokens, dtype=np.int64), namespace)
         self.check_match(tokens, namespace, match)
-        kv = RequestKV(self.cache, match)
-        req = Running(tokens, namespace, kv, None)
         try:
-            pages = self.cache.alloc_pages(kv.pages_needed(len(tokens)))
-            kv.extend(len(tokens), pages)
-            if self.cache.comps.state is not None:
-                if match.state is not None:
-                    req.slot = int(self.cache.fork_state([match.state])[0])
-                else:
-                    req.slot = int(self.cache.alloc_state(1)[0])
-                ps = self.page_size
+            kv = self.kvm.admit(match, namespace)
+        except OutOfMemory:
+            assert self.cache.open_locks == len(self.running), "a refused admission kept its lock"
+            return
+        req = Running(tokens, namespace, kv)
+        assert (kv.state_slot is not None) == self.kvm.has_state
+        try:
+            ps = self.page_size
+            if self.kvm.has_state and ckpt_mask & 1 and match.length + ps <= len(tokens):
+                self.kvm.extend(kv, match.length + ps)
+                self.kvm.checkpoint(kv)  # a copy of the running state, now
+            self.kvm.extend(kv, len(tokens))
+            if self.kvm.has_state:
                 positions = range(match.length + ps, self.aligned(len(tokens)) + 1, ps)
                 for bit, pos in enumerate(positions):
-                    if ckpt_mask >> bit & 1:
-                        req.checkpoints[pos] = int(self.cache.alloc_state(1)[0])
+                    if ckpt_mask >> bit & 1 and pos not in kv.checkpoints:
+                        self.kvm.reserve_checkpoint(kv, pos)
         except OutOfMemory:
             self.drop(req)
             return
         if release_window:
-            for w, pages in zip(self.cache.comps.windows, kv.window_release(), strict=True):
-                if pages.size:
-                    self.mem.free_window_pages(pages, w.name)
+            self.kvm.release_windows([kv])
         self.running.append(req)
 
-    def _insert(self, req: Running):
+    def _insert(self, req: Running, final: bool):
         end = self.aligned(len(req.tokens))
         n = end // self.page_size
         row = req.kv.pages[:n].copy()
-        resident = {w.name: self.mem.resident(row, w.name).tolist() for w in self.cache.comps.windows}
-        result = self.cache.insert(
-            np.asarray(req.tokens[:end], dtype=np.int64),
-            row,
-            extra_key=req.namespace,
-            states=req.checkpoints,
-        )
-        self.inserted.record_insert(req.namespace, req.tokens[:end], resident, req.checkpoints)
+        checkpoints = dict(req.kv.checkpoints)
+        resident = {w.name: self.mem.resident(row, w.name).tolist() for w in self.cache.rules.windows}
+        result = self.kvm.insert(req.kv, np.asarray(req.tokens, dtype=np.int64), final=final)
+        self.inserted.record_insert(req.namespace, req.tokens[:end], resident, checkpoints)
         assert result.pages.size == n
-        assert self.cache._owned[result.pages].all()
+        assert self.cache.residency.owned[result.pages].all()
         kept = result.pages == row
-        assert result.freed_pages == int(np.count_nonzero(~kept))
+        assert np.array_equal(np.sort(result.duplicates), np.sort(row[~kept]))
         self.freed_pages.extend(row[~kept].tolist())
-        assert not self.mem.pages.live[row[~kept]].any(), "duplicates must be freed by insert"
-        req.checkpoints = {}
+        assert not self.mem.pages.live[row[~kept]].any(), "duplicates must be freed by the manager's insert"
+        assert not req.kv.checkpoints, "an insert hands every checkpoint up to its end to the cache"
+        unused = np.asarray(result.unused_checkpoints, dtype=np.int64)
+        assert not self.mem.slots.live[unused].any(), "checkpoints not kept must be freed"
+        assert np.array_equal(req.kv.pages[:n], result.pages), "the row must use the cache's ids"
         return result
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def settle(self, data):
         req = self.running[data.draw(st.integers(0, len(self.running) - 1))]
-        self.released_locks.append(req.kv.lock)
-        req.kv.settle(self._insert(req))
+        old = req.kv.lock
+        result = self._insert(req, final=False)
+        assert req.kv.lock is not old and req.kv.lock.node is result.node and not old.active
+        self.released_locks.append(old)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def finish(self, data):
         req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
-        self._insert(req)
-        tail = req.kv.pages[self.aligned(len(req.tokens)) // self.page_size :]
-        if tail.size:
-            self.mem.free_pages(tail)
-        if req.slot is not None:
-            self.mem.free_state([req.slot])
-        self.released_locks.append(req.kv.lock)
-        req.kv.unlock()
+        kv = req.kv
+        self._insert(req, final=True)
+        assert kv.status is HandleStatus.COMMITTED
+        self.refused(CacheError, "committed", self.kvm.extend, kv, len(req.tokens) + 1)
+        tail = kv.own_pages().tolist()
+        slot = kv.state_slot
+        self.released_locks.append(kv.lock)
+        self.kvm.release(kv)
+        assert not self.mem.pages.live[tail].any() and (slot is None or not self.mem.slots.live[slot])
+        self.freed_pages.extend(tail)
+        self.released.append(kv)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -174,12 +187,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(pool=st.integers(0, 9), count=st.integers(1, 12))
     def evict(self, pool, count):
-        names = sorted(self.cache.comps.pool_names | {"page"})
+        names = sorted(self.cache.rules.pool_names | {PAGE_NEED})
         name = names[pool % len(names)]
         before = self.cache.cached_pages
         freed = self.cache.evict({name: count})
         assert all(v > 0 for v in freed.values())
-        assert self.cache.cached_pages == before - freed.get("page", 0)
+        assert self.cache.cached_pages == before - freed.get(PAGE_NEED, 0)
 
     @rule(tokens=tokens_st, namespace=st.sampled_from(NAMESPACES))
     def match_only(self, tokens, namespace):
@@ -198,6 +211,11 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def unlock_twice(self):
         self.refused(LockError, "already unlocked", self.cache.unlock, self.released_locks[-1])
+
+    @precondition(lambda self: self.released)
+    @rule()
+    def release_twice(self):
+        self.refused(CacheError, "released already", self.kvm.release, self.released[-1])
 
     @precondition(lambda self: self.freed_pages)
     @rule(tokens=tokens_st)
@@ -232,8 +250,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.drop(req)
         self.running.clear()
         self.cache.check()
-        self.cache.evict({"page": 10**6})
-        assert self.cache.cached_pages == 0 and self.cache.num_states == 0
+        self.cache.evict({PAGE_NEED: 10**6})
+        assert self.cache.cached_pages == 0 and self.cache.num_checkpoints == 0
         self.mem.verify()
         assert self.mem.pages.live_count == 0 and self.mem.slots.live_count == 0, "a page or slot leaked"
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import HybridRadixCache, RequestKV
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
 from tests.cache.helpers import small_memory
 
 PS = 4
-SWA = "swa:8"  # tiny-swa: window 8 tokens = 2 pages
 
 
 @pytest.fixture
@@ -18,120 +17,128 @@ def cache() -> HybridRadixCache:
     return HybridRadixCache(small_memory("tiny-swa", PS, budget=300_000))
 
 
-def serve(cache: HybridRadixCache, tokens: np.ndarray, release_window: bool) -> RequestKV:
-    """Match, allocate, optionally drop out-of-window SWA pages (as decode would), insert."""
-    kv = RequestKV(cache, cache.match_prefix(tokens))
-    kv.extend(tokens.size, cache.alloc_pages(kv.pages_needed(tokens.size)))
+def swa(cache: HybridRadixCache):
+    """tiny-swa's window pool (window 8 tokens = 2 pages), as the memory names it."""
+    (w,) = cache.rules.windows
+    assert w.window == 8
+    return w.name
+
+
+def serve(cache: HybridRadixCache, tokens: np.ndarray, release_window: bool) -> tuple[KVManager, KVHandle]:
+    """Match, admit, extend, optionally release out-of-window pages (as decode would), insert."""
+    kvm = KVManager(cache)
+    kv = kvm.admit(kvm.match(tokens))
+    kvm.extend(kv, tokens.size)
     if release_window:
-        for pages in kv.window_release():
-            if pages.size:
-                cache.mem.free_window_pages(pages, SWA)
-    n = tokens.size // PS
-    kv.settle(cache.insert(tokens[: n * PS], kv.pages[:n]))
+        kvm.release_windows([kv])
+    kvm.insert(kv, tokens)
     cache.check()
     cache.mem.verify()
-    return kv
+    return kvm, kv
 
 
 def test_hit_needs_the_window_before_its_end(cache):
     toks = np.arange(24)
-    kv = serve(cache, toks, release_window=True)  # pages 0-3 left the window, 4-5 are in it
-    kv.unlock()
-    assert list(cache.mem.resident(kv.pages, SWA)) == [False] * 4 + [True] * 2
+    kvm, kv = serve(cache, toks, release_window=True)  # pages 0-3 left the window, 4-5 are in it
+    pages = kv.pages.copy()
+    kvm.release(kv)
+    assert list(cache.mem.resident(pages, swa(cache))) == [False] * 4 + [True] * 2
     full = cache.match_prefix(toks)
     assert full.length == 24 and full.checkpoint_at is None
     inner = cache.match_prefix(toks[:16])  # window [8, 16) is tombstoned, so is every earlier one
-    assert inner.length == 0 and inner.full_length == 16 and inner.swa_length == 0
+    assert inner.length == 0 and inner.full_length == 16 and inner.window_length == 0
     assert inner.checkpoint_at == 16
 
 
 def test_window_release_follows_the_sequence_and_keeps_the_checkpoint_window(cache):
-    serve(cache, np.arange(8), release_window=False).unlock()
+    kvm, first = serve(cache, np.arange(8), release_window=False)
+    kvm.release(first)
     toks = np.concatenate([np.arange(8), 100 + np.arange(24)])
-    kv = RequestKV(cache, cache.match_prefix(toks[:16]))
+    kv = kvm.admit(kvm.match(toks[:16]))
     assert kv.cached == 2 and kv.keep == [(0, 0)]
-    kv.extend(20, cache.alloc_pages(kv.pages_needed(20)))
-    (gone,) = kv.window_release()  # window of 20 tokens is [12, 20): page 2 left it (the cache's 0-1 stay)
-    assert np.array_equal(gone, kv.pages[2:3])
-    cache.mem.free_window_pages(gone, SWA)
-    kv.extend(32, cache.alloc_pages(kv.pages_needed(32)))
-    (gone,) = kv.window_release()
-    assert np.array_equal(gone, kv.pages[3:6])
-    cache.mem.free_window_pages(gone, SWA)
-    assert kv.window_release()[0].size == 0
-    cache.mem.free_pages(kv.own_pages())
-    kv.unlock()
+    kvm.extend(kv, 20)
+    pool = cache.mem.pools[swa(cache)]
+    assert kvm.release_windows([kv]) == 1  # window of 20 tokens is [12, 20): page 2 left it (the cache's 0-1 stay)
+    assert list(pool.resident(kv.pages)) == [True, True, False, True, True]
+    kvm.extend(kv, 32)
+    assert kvm.release_windows([kv]) == 3
+    assert list(pool.resident(kv.pages)) == [True] * 2 + [False] * 4 + [True] * 2
+    assert kvm.release_windows([kv]) == 0
+    own = kv.own_pages().copy()
+    kvm.release(kv)
+    assert not cache.mem.pages.live[own].any()
     cache.mem.verify()
 
 
 def test_locked_full_recovery_rebinds_window_pages_by_row_position(cache):
     toks = np.arange(24)
-    holder = serve(cache, toks, release_window=True)  # keeps its lock: full KV of [0, 24) is locked
-    miss = cache.match_prefix(toks[:16])
+    kvm, holder = serve(cache, toks, release_window=True)  # keeps its lock: full KV of [0, 24) is locked
+    miss = kvm.match(toks[:16])
     assert miss.length == 0 and miss.checkpoint_at == 16
-    kv = RequestKV(cache, miss)
+    kv = kvm.admit(miss)
     assert kv.keep == [(2, 4)]  # the window before the checkpoint stays resident
-    fresh = cache.alloc_pages(5)[::-1].copy()  # descending ids: sorting would pair them wrongly
-    kv.extend(20, fresh)
-    (gone,) = kv.window_release()
-    cache.mem.free_window_pages(gone, SWA)
-    assert np.array_equal(gone, fresh[:2])  # pages 0-1 left; 2-3 kept for the checkpoint; 4 in window
-    pool = cache.mem.pools[SWA]
+    fresh = kvm.alloc_pages(5)[::-1].copy()  # descending ids: sorting would pair them wrongly
+    kv.grow(20, fresh)
+    pool = cache.mem.pools[swa(cache)]
+    assert kvm.release_windows([kv]) == 2
+    assert not pool.resident(fresh[:2]).any() and pool.resident(fresh[2:]).all()
+    # pages 0-1 left; 2-3 kept for the checkpoint; 4 in window
     cells = pool.v2p[fresh].copy()
-    result = cache.insert(toks[:16], fresh[:4])
+    result = kvm.insert(kv, toks[:16])
     cached = result.pages
-    assert result.prefix_len == 16 and result.freed_pages == 4 and result.adopted_pages == 2
+    assert result.prefix_len == 16 and np.array_equal(result.duplicates, fresh[:4]) and result.adopted_pages == 2
     assert np.array_equal(pool.v2p[cached[2:4]], cells[2:4])  # page i took the cells of page i
     assert not pool.resident(cached[:2]).any()
     assert not cache.mem.pages.live[fresh[:4]].any()
+    assert np.array_equal(kv.pages, np.concatenate([cached, fresh[4:]]))
     cache.check()
     cache.mem.verify()
     assert cache.match_prefix(toks[:16]).length == 16  # the hit there is valid now
-    kv.settle(result)
-    cache.mem.free_pages(kv.own_pages())
-    kv.unlock()
-    holder.unlock()
+    kvm.release(kv)
+    kvm.release(holder)
     cache.check()
 
 
 def test_swa_lock_covers_only_the_window(cache):
     for end in (8, 16, 24):
-        serve(cache, np.arange(end), release_window=False).unlock()
+        kvm, kv = serve(cache, np.arange(end), release_window=False)
+        kvm.release(kv)
     m = cache.match_prefix(np.arange(24))
     lock = cache.lock(m.node)
-    assert [n.swa_lock for n in m.node.path()] == [0, 0, 1] and [n.lock for n in m.node.path()] == [1, 1, 1]
-    freed = cache.evict({SWA: 100})
-    assert freed == {SWA: 4}  # [0, 8) and [8, 16) tombstoned; the locked window stays; no full KV
+    assert [n.window_lock for n in m.node.path()] == [0, 0, 1] and [n.lock for n in m.node.path()] == [1, 1, 1]
+    freed = cache.evict({swa(cache): 100})
+    assert freed == {swa(cache): 4}  # [0, 8) and [8, 16) tombstoned; the locked window stays; no full KV
     assert cache.match_prefix(np.arange(24)).length == 24
     assert cache.match_prefix(np.arange(16)).length == 0
     cache.check()
     cache.mem.verify()
     cache.unlock(lock)
     # now the leaf goes whole; its tombstoned parents hold no window pages, so they stay
-    assert cache.evict({SWA: 100}) == {"full": 2, SWA: 2, "page": 2}
+    assert cache.evict({swa(cache): 100}) == {cache.rules.full.pools[0]: 2, swa(cache): 2, PAGE_NEED: 2}
     assert cache.cached_tokens == 16
     cache.check()
 
 
 def test_two_windows_must_both_hold():
     cache = HybridRadixCache(small_memory("tiny-swa2-state", PS))
+    w8, w24 = (next(w.name for w in cache.rules.windows if w.window == n) for n in (8, 24))
+    kvm = KVManager(cache)
     toks = np.arange(32)
-    kv = RequestKV(cache, cache.match_prefix(toks))
-    kv.extend(32, cache.alloc_pages(8))
-    cache.mem.free_window_pages(kv.pages[2:6], "swa:8")  # window 8 at 32 needs pages 6-7 only
-    cache.mem.free_window_pages(kv.pages[2:3], "swa:24")  # window 24 at 32 needs pages 2-7
-    slot = int(cache.alloc_state(1)[0])
-    kv.settle(cache.insert(toks, kv.pages, states={32: slot}))
-    kv.unlock()
+    kv = kvm.admit(kvm.match(toks))
+    kvm.extend(kv, 32)
+    cache.mem.free_window_pages(kv.pages[2:6], w8)  # window 8 at 32 needs pages 6-7 only
+    cache.mem.free_window_pages(kv.pages[2:3], w24)  # window 24 at 32 needs pages 2-7
+    kvm.reserve_checkpoint(kv, 32)
+    kvm.finish(kv, toks)
     m = cache.match_prefix(toks)
-    assert m.length == 0 and m.state_length == 32 and m.swa_length == 8
+    assert m.length == 0 and m.checkpoint_length == 32 and m.window_length == 8
     cache.check()
     cache.mem.verify()
 
 
 def test_check_catches_window_pages_freed_behind_the_cache(cache):
-    kv = serve(cache, np.arange(16), release_window=False)
-    kv.unlock()
-    cache.mem.free_window_pages(kv.pages[:1], SWA)  # the cache owns these: a caller bug
+    kvm, kv = serve(cache, np.arange(16), release_window=False)
+    kvm.release(kv)
+    cache.mem.free_window_pages(kv.pages[:1], swa(cache))  # the cache owns these: a caller bug
     with pytest.raises(AssertionError, match="resident in swa:8"):
         cache.check()

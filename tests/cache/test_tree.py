@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import HybridRadixCache
+from hybridkv.cache import HybridRadixCache, KVManager
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -21,7 +21,7 @@ def put(cache: HybridRadixCache, tokens, extra_key=None):
     toks = np.asarray(tokens, dtype=np.int64)
     m = cache.match_prefix(toks, extra_key)
     lock = cache.lock(m.node)
-    fresh = cache.alloc_pages(-(-toks.size // PS) - m.pages.size)
+    fresh = cache.mem.alloc_pages(-(-toks.size // PS) - m.pages.size)
     row = np.concatenate([m.pages, fresh])
     n = toks.size // PS
     result = cache.insert(toks[: n * PS], row[:n], extra_key=extra_key)
@@ -64,11 +64,15 @@ def test_match_splits_where_the_hit_ends_so_a_lock_covers_exactly_it(cache):
 
 def test_insert_frees_duplicate_pages_the_request_computed(cache):
     _, a = put(cache, range(12))
-    own = cache.alloc_pages(3)  # a second request computed the same 12 tokens itself
-    result = cache.insert(np.arange(12), own)
-    assert result.prefix_len == 12 and result.freed_pages == 3
-    assert np.array_equal(result.pages, a.pages)
+    kvm = KVManager(cache)
+    kv = kvm.admit(kvm.match([]))  # a second request computed the same 12 tokens itself
+    kvm.extend(kv, 12)
+    own = kv.own_pages().copy()
+    result = kvm.insert(kv, np.arange(12))
+    assert result.prefix_len == 12 and np.array_equal(result.duplicates, own)
+    assert np.array_equal(result.pages, a.pages) and np.array_equal(kv.pages, a.pages)
     assert not cache.mem.pages.live[own].any()
+    kvm.release(kv)
     cache.check()
     cache.mem.verify()
 

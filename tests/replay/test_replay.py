@@ -110,8 +110,21 @@ def test_under_pressure_every_request_is_served_and_nothing_leaks(model, memory,
     stats = res.cache
     assert stats["evicted_pages"] > 0 and stats["open_locks"] == 0
     assert sim.mem.pages.live_count == sim.cache.cached_pages, "a page outlived its request"
-    assert sim.mem.slots.live_count == sim.cache.num_states, "a state slot outlived its request"
+    assert sim.mem.slots.live_count == sim.cache.num_checkpoints, "a state slot outlived its request"
     sim.verify()
+
+
+@pytest.mark.parametrize(("model", "absent"), [("tiny-swa", "state"), ("tiny-gdn", "swa")])
+def test_a_rule_the_model_does_not_have_costs_no_hits(model, absent):
+    """Under pressure (windows tombstoned, checkpoints evicted), a component the model does
+    not have must not be charged for the other component's losses."""
+    engine = EngineModel(max_running=8, decode_chunk=4, chunk_tokens=32)
+    report = build_report(Simulator(synthetic(), ReplayConfig(model, 450_000, page_size=4, engine=engine)).run())
+    rate = report["hit_rate_by_component"]
+    present = "swa" if absent == "state" else "state"
+    assert report["validity_cost"][absent] == 0.0 and rate[f"full+{absent}"] == rate["full_only"]
+    assert report["validity_cost"][present] > 0  # the model's own rule did cost hits here
+    assert rate["all"] == rate[f"full+{present}"]
 
 
 def test_retraction_when_decode_cannot_grow():

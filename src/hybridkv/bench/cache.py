@@ -1,11 +1,14 @@
 """``hybridkv bench cache``: the ``radix`` replay protocol of the peer trace through the
 prefix cache, side by side with a simple page-hash prefix cache in the same run.
 
-Protocol (hybridkv/traces/data/README.md), strictly one request at a time: ``match_prefix(input)`` -> lock
-the match -> if the pool is short, evict (what the allocator reports short) -> allocate
-the new tokens -> ``insert(input + output)`` (page-aligned; duplicates freed by the cache)
--> free the unaligned tail -> unlock. Hit rate = sum of matched tokens / sum of input
-tokens. The page tables are flushed once per request, as an engine does once per step.
+Protocol (hybridkv/traces/data/README.md), strictly one request at a time: ``match(input)``
+-> lock the match (``KVManager.admit``) -> allocate the new tokens, evicting what the
+allocator reports short (``KVManager.extend``) -> ``insert(input + output)`` (page-aligned;
+duplicates freed) -> unlock: free the unaligned tail and give the lock back
+(``KVManager.release``). Hit rate = sum of matched tokens / sum of input tokens. The page
+tables are flushed once per request, as an engine does once per step. Timed ops: ``match``,
+``lock/unlock`` (admit + release, the tail's free included), ``insert`` (with the frees of
+duplicates), ``evict`` (each eviction an allocation needed).
 
 Configurations: ``full`` (Llama-3.1-8B, full attention only) and ``full+swa``
 (Gemma-3-27B-IT: full attention + SWA with window 1024), each on a tables-only (``meta``)
@@ -24,13 +27,13 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from hybridkv.cache import PAGE_NEED, HybridRadixCache
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import MemoryHints, OutOfMemory, UnifiedMemory, build_layouts, plan_memory
 from hybridkv.spec import ShardSpec, get_preset
@@ -100,34 +103,69 @@ def memory_for_tokens(model: str, tokens: int, page_size: int) -> UnifiedMemory:
 
 
 class BenchCache(Protocol):
-    def match(self, tokens: np.ndarray) -> tuple[int, np.ndarray, object]: ...
+    evict_ns: list[int]
+    """Time of each eviction an allocation needed."""
+
+    @property
+    def evicted(self) -> int:
+        """Pages freed whole by eviction."""
+
+    def match(self, tokens: np.ndarray) -> tuple[int, object]: ...
     def lock(self, hit: object) -> object: ...
-    def unlock(self, handle: object) -> None: ...
-    def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None: ...
-    def evict(self, short: dict[str, int]) -> tuple[int, bool]:
-        """Pages freed whole, and whether anything (a page, a window page) was freed."""
+    def alloc(self, handle: object, tokens: int) -> None:
+        """Grow the request to ``tokens`` tokens, evicting as the allocator needs."""
+
+    def insert(self, handle: object, tokens: np.ndarray) -> None: ...
+    def unlock(self, handle: object) -> None:
+        """Free the request's pages the cache did not take (the tail), give its lock back."""
+
+
+class _TimedManager(KVManager):
+    """The manager, with each eviction timed."""
+
+    def __init__(self, cache: HybridRadixCache):
+        super().__init__(cache)
+        self.evict_ns: list[int] = []
+        self.evicted = 0
+
+    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+        t0 = time.perf_counter_ns()
+        freed = super().evict(needs)
+        self.evict_ns.append(time.perf_counter_ns() - t0)
+        self.evicted += freed.get(PAGE_NEED, 0)
+        return freed
 
 
 class HybridBench:
-    def __init__(self, mem: UnifiedMemory):
-        self.cache = HybridRadixCache(mem)
+    """hybridkv: ``KVManager`` over ``HybridRadixCache``, one ``KVHandle`` per request."""
 
-    def match(self, tokens: np.ndarray) -> tuple[int, np.ndarray, object]:
-        m = self.cache.match_prefix(tokens)
-        return m.length, m.pages, m.node
+    def __init__(self, mem: UnifiedMemory):
+        self.kvm = _TimedManager(HybridRadixCache(mem))
+        self.evict_ns = self.kvm.evict_ns
+
+    @property
+    def evicted(self) -> int:
+        return self.kvm.evicted
+
+    def match(self, tokens: np.ndarray) -> tuple[int, object]:
+        m = self.kvm.match(tokens)
+        return m.length, m
 
     def lock(self, hit: object) -> object:
-        return self.cache.lock(hit)  # type: ignore[arg-type]
+        assert isinstance(hit, MatchResult)
+        return self.kvm.admit(hit)
 
-    def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
-        self.cache.insert(tokens, pages)
+    def alloc(self, handle: object, tokens: int) -> None:
+        assert isinstance(handle, KVHandle)
+        self.kvm.extend(handle, tokens)
+
+    def insert(self, handle: object, tokens: np.ndarray) -> None:
+        assert isinstance(handle, KVHandle)
+        self.kvm.insert(handle, tokens, final=True)
 
     def unlock(self, handle: object) -> None:
-        self.cache.unlock(handle)  # type: ignore[arg-type]
-
-    def evict(self, short: dict[str, int]) -> tuple[int, bool]:
-        freed = self.cache.evict(short)
-        return freed.get(PAGE_NEED, 0), bool(freed)
+        assert isinstance(handle, KVHandle)
+        self.kvm.release(handle)
 
 
 class PageHashCache:
@@ -143,8 +181,10 @@ class PageHashCache:
         self.pages: dict[int, list[int]] = {}  # hash -> [page, parent hash, children, refs, last use]
         self.heap: list[tuple[int, int]] = []  # (last use, hash) of leaves, lazily stale
         self.tick = 0
+        self.evict_ns: list[int] = []
+        self.evicted = 0
 
-    def match(self, tokens: np.ndarray) -> tuple[int, np.ndarray, object]:
+    def match(self, tokens: np.ndarray) -> tuple[int, object]:
         buf, step, h = tokens.tobytes(), self.ps * 8, 0
         self.tick += 1
         path, pages = [], []
@@ -158,19 +198,42 @@ class PageHashCache:
             pages.append(entry[0])
         if path and self.pages[path[-1]][2] == 0:
             heapq.heappush(self.heap, (self.tick, path[-1]))
-        return len(path) * self.ps, np.asarray(pages, dtype=np.int64), path
+        return len(path) * self.ps, _PageHashRequest(path, np.asarray(pages, dtype=np.int64))
 
     def lock(self, hit: object) -> object:
-        for h in hit:  # type: ignore[attr-defined]
+        assert isinstance(hit, _PageHashRequest)
+        for h in hit.path:
             self.pages[h][3] += 1
         return hit
 
+    def alloc(self, handle: object, tokens: int) -> None:
+        assert isinstance(handle, _PageHashRequest)
+        need = -(-tokens // self.ps) - handle.row.size
+        while True:
+            try:
+                fresh = self.mem.alloc_pages(need)
+                break
+            except OutOfMemory as exc:
+                t0 = time.perf_counter_ns()
+                pages = self.evict(exc.short)
+                self.evict_ns.append(time.perf_counter_ns() - t0)
+                if not pages:
+                    raise
+                self.evicted += pages
+        handle.row = np.concatenate([handle.row, fresh])
+
     def unlock(self, handle: object) -> None:
-        for h in handle:  # type: ignore[attr-defined]
+        assert isinstance(handle, _PageHashRequest)
+        if handle.row.size > handle.aligned:
+            self.mem.free_pages(handle.row[handle.aligned :])
+        for h in handle.path:
             self.pages[h][3] -= 1
 
-    def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
-        buf, step, h, parent = tokens.tobytes(), self.ps * 8, 0, 0
+    def insert(self, handle: object, tokens: np.ndarray) -> None:
+        assert isinstance(handle, _PageHashRequest)
+        handle.aligned = aligned = tokens.size // self.ps
+        pages = handle.row
+        buf, step, h, parent = tokens[: aligned * self.ps].tobytes(), self.ps * 8, 0, 0
         self.tick += 1
         dups = []
         for i, off in enumerate(range(0, len(buf) - step + 1, step)):
@@ -190,7 +253,8 @@ class PageHashCache:
         if dups:
             self.mem.free_pages(np.asarray(dups, dtype=np.int64))
 
-    def evict(self, short: dict[str, int]) -> tuple[int, bool]:
+    def evict(self, short: dict[str, int]) -> int:
+        """Free at least the largest shortage in whole pages; returns pages freed."""
         need = max(short.values())
         freed: list[int] = []
         skipped = []
@@ -214,7 +278,16 @@ class PageHashCache:
             heapq.heappush(self.heap, item)
         if freed:
             self.mem.free_pages(np.asarray(freed, dtype=np.int64))
-        return len(freed), bool(freed)
+        return len(freed)
+
+
+@dataclass
+class _PageHashRequest:
+    path: list[int]
+    """Hashes of the hit's pages (what its lock holds)."""
+    row: np.ndarray
+    aligned: int = 0
+    """Pages the insert covered (the rest is the request's tail)."""
 
 
 # --- the replay ---------------------------------------------------------------------------
@@ -251,45 +324,31 @@ class RunResult:
 
 
 def replay(requests: list[RadixRequest], mem: UnifiedMemory, cache: BenchCache) -> RunResult:
-    ps = mem.page_size
     res = RunResult()
     clock = time.perf_counter_ns
     t_start = time.perf_counter()
     with HostSyncCounter() as syncs:
         for req in requests:
             t0 = clock()
-            length, cached, hit = cache.match(req.input)
+            length, hit = cache.match(req.input)
             t1 = clock()
             handle = cache.lock(hit)
             t2 = clock()
             res.op_ns["match"].append(t1 - t0)
             res.matched += length
             res.inputs += req.input.size
-            need = -(-req.sequence.size // ps) - cached.size
-            while True:
-                try:
-                    fresh = mem.alloc_pages(need)
-                    break
-                except OutOfMemory as exc:
-                    t0 = clock()
-                    pages, progressed = cache.evict(exc.short)
-                    res.op_ns["evict"].append(clock() - t0)
-                    if not progressed:
-                        raise
-                    res.evicted += pages
-            row = np.concatenate([cached, fresh])
-            aligned = req.sequence.size // ps
+            cache.alloc(handle, req.sequence.size)
             t0 = clock()
-            cache.insert(req.sequence[: aligned * ps], row[:aligned])
+            cache.insert(handle, req.sequence)
             res.op_ns["insert"].append(clock() - t0)
-            if row.size > aligned:
-                mem.free_pages(row[aligned:])
             t3 = clock()
             cache.unlock(handle)
             res.op_ns["lock/unlock"].append(t2 - t1 + clock() - t3)
             mem.flush_tables()
     res.wall_s = time.perf_counter() - t_start
     res.host_syncs = syncs.total
+    res.op_ns["evict"] = list(cache.evict_ns)
+    res.evicted = cache.evicted
     return res
 
 

@@ -1,4 +1,4 @@
-"""Eviction candidates of one component: a lazy min-heap ordered by the policy's key.
+"""Eviction candidates of one component (its hit rule): a lazy min-heap ordered by the policy's key.
 
 Members are a set the tree maintains (leaves for full KV, nodes with resident window
 pages for a window pool, nodes with a checkpoint for state). Entries are never re-keyed in
@@ -24,10 +24,11 @@ from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 
 from hybridkv.cache.node import Node
+from hybridkv.cache.rules import Rule
 
 
 class Candidates:
-    def __init__(self, component: str, key: Callable[[Node, str], object], members: set[Node], slack: int = 256):
+    def __init__(self, component: Rule, key: Callable[[Node, Rule], object], members: set[Node], slack: int = 256):
         self.component = component
         self._key = key
         self.members = members

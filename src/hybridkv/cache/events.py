@@ -1,10 +1,14 @@
-"""Residency events a router can follow: which pages (and states) the cache stores or drops.
+"""Residency events a router can follow: which pages (and checkpoints) the cache stores or drops.
 
-Pages are named by chained block hashes, like other engines' KV events: the hash of page
-``i`` is ``hash((hash of page i-1, its token bytes))``, starting from a per-namespace root
-hash, so two trees (or a tree and a router) that saw the same tokens agree on every name,
-and splitting a node renames nothing. Each event carries one component (a pool name:
-``"full"``, ``"mla"``, ``"swa:<window>"`` or ``"state"``).
+Pages are named by chained block hashes, like other engines' KV events: the name of page
+``i`` is ``blake2b(name of page i-1 || its token bytes)`` (8 bytes, little-endian), starting
+from a per-namespace root name, so two trees (or a tree and a router) that saw the same
+tokens agree on every name, in any process: the hash is not Python's ``hash()``, which is
+salted per process (``PYTHONHASHSEED``). Splitting a node renames nothing. Each event
+carries one component: its pool id (as the memory names it) and its ``ComponentKind``.
+
+Namespaces that events name must be ``None``, ``str``, ``bytes``, ``int`` or tuples of
+those: anything else has no encoding that is the same in every process.
 
 Invariants:
 - Events are emitted only after the change they describe has happened, in order.
@@ -15,11 +19,17 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 import numpy as np
+
+from hybridkv.cache.errors import CacheError
+from hybridkv.cache.rules import ComponentKind, PoolName
+
+_DIGEST = 8
 
 
 class EventKind(StrEnum):
@@ -30,8 +40,9 @@ class EventKind(StrEnum):
 @dataclass(frozen=True)
 class CacheEvent:
     kind: EventKind
-    component: str
-    namespace: Any
+    component: PoolName
+    component_kind: ComponentKind
+    namespace: Hashable
     block_hashes: tuple[int, ...]
     parent_hash: int | None = None
     """For stored full-KV pages: the hash of the page before the first one."""
@@ -39,18 +50,44 @@ class CacheEvent:
     """For stored full-KV pages: their token ids, page after page."""
 
 
-def root_hash(namespace: Any) -> int:
-    return hash(("hybridkv-root", namespace))
+def _encode(value: object) -> bytes:
+    """A process-independent encoding of a namespace (type-tagged, length-prefixed)."""
+    if value is None:
+        return b"n"
+    if isinstance(value, bool):
+        return b"?" + (b"1" if value else b"0")
+    if isinstance(value, int):
+        text = str(value).encode()
+        return b"i" + len(text).to_bytes(4, "little") + text
+    if isinstance(value, str):
+        data = value.encode()
+        return b"s" + len(data).to_bytes(4, "little") + data
+    if isinstance(value, bytes):
+        return b"b" + len(value).to_bytes(4, "little") + value
+    if isinstance(value, tuple):
+        return b"t" + len(value).to_bytes(4, "little") + b"".join(_encode(v) for v in value)
+    raise CacheError(
+        f"extra_key {value!r} ({type(value).__name__}) has no stable name for cache events; "
+        "use None, str, bytes, int or a tuple of those"
+    )
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST).digest(), "little")
+
+
+def root_hash(namespace: Hashable) -> int:
+    return _digest(b"hybridkv-root:" + _encode(namespace))
 
 
 def chain_hashes(parent_hash: int, key: np.ndarray, page_size: int) -> list[int]:
-    """Chained hashes of the pages of ``key`` (a whole number of pages)."""
+    """Chained hashes of the pages of ``key`` (int64 tokens, a whole number of pages)."""
     out = []
     h = parent_hash
-    data = key.tobytes()
-    step = page_size * key.itemsize
+    data = np.ascontiguousarray(key, dtype="<i8").tobytes()
+    step = page_size * 8
     for off in range(0, len(data), step):
-        h = hash((h, data[off : off + step]))
+        h = _digest(h.to_bytes(_DIGEST, "little") + data[off : off + step])
         out.append(h)
     return out
 

@@ -10,22 +10,26 @@ Invariants (``check_tree`` proves them):
   split holds a view of the lower half's array). Page ids on a path never change while the
   node lives, so a hit slices it instead of concatenating node arrays.
 - A parent keys each child by the bytes of the child's first page.
-- ``swa_res[i]`` counts this node's pages resident in window pool ``i`` (the rest are
-  tombstones); ``state`` is the checkpoint slot at ``end`` (or -1).
-- Lock counts equal what the open ``CacheLock`` handles took (see ``tree.HybridRadixCache``).
+- ``window_resident[i]`` counts this node's pages resident in window pool ``i`` (the rest
+  are tombstones); ``checkpoint`` is the slot of the recurrent-state checkpoint taken after
+  ``end`` tokens (or ``NO_CHECKPOINT``).
+- Lock counts (``lock`` for full KV, ``window_lock``, ``checkpoint_lock``) equal what the
+  open ``CacheLock`` handles took (see ``locks.LockTable``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable
 
 import numpy as np
 
-NO_STATE = -1
+NO_CHECKPOINT = -1
 
 
 class Node:
     __slots__ = (
+        "checkpoint",
+        "checkpoint_lock",
         "children",
         "clock",
         "dead",
@@ -41,11 +45,9 @@ class Node:
         "path_pages",
         "priority",
         "start",
-        "state",
-        "state_lock",
-        "swa_lock",
-        "swa_res",
         "uid",
+        "window_lock",
+        "window_resident",
     )
 
     def __init__(
@@ -56,7 +58,7 @@ class Node:
         path_pages: np.ndarray,
         start: int,
         parent: Node | None,
-        namespace: Any,
+        namespace: Hashable,
         windows: int,
     ):
         self.uid = uid
@@ -69,10 +71,10 @@ class Node:
         self.namespace = namespace
         self.children: dict[bytes, Node] = {}
         self.lock = 0
-        self.swa_lock = 0
-        self.state = NO_STATE
-        self.state_lock = 0
-        self.swa_res = [0] * windows
+        self.window_lock = 0
+        self.checkpoint = NO_CHECKPOINT
+        self.checkpoint_lock = 0
+        self.window_resident = [0] * windows
         self.last_access = 0
         self.hits = 0
         self.priority = 0
@@ -88,6 +90,10 @@ class Node:
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint >= 0
+
     def path(self) -> list[Node]:
         """Nodes from the first below the root down to this one."""
         out = []
@@ -101,5 +107,5 @@ class Node:
     def __repr__(self) -> str:
         return (
             f"Node(uid={self.uid}, tokens=[{self.start}, {self.end}), pages={self.pages.size}, "
-            f"lock={self.lock}, swa_lock={self.swa_lock}, state={self.state})"
+            f"lock={self.lock}, window_lock={self.window_lock}, checkpoint={self.checkpoint})"
         )

@@ -1,7 +1,8 @@
 """Eviction policies, chosen by name: which cached value goes first when a pool is short.
 
-Each policy orders candidates of one component (a history pool for full-KV leaves, a window
-pool for SWA residency, ``"state"`` for checkpoints); the smallest key is evicted first.
+Each policy orders candidates of one component, named by its hit rule (``rules.py``: full KV
+for whole leaves, a window pool for window residency, the checkpoint rule for recurrent-state
+checkpoints); the smallest key is evicted first.
 
 - ``lru`` (default): least recently used.
 - ``lfu``: fewest hits, then least recently used.
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hybridkv.cache.rules import ComponentKind, WindowRule
 from hybridkv.spec import MLA, FullAttention, ShardSpec, SlidingWindow
 
 if TYPE_CHECKING:
-    from hybridkv.cache.components import Components
     from hybridkv.cache.node import Node
+    from hybridkv.cache.rules import HitRules, Rule
 
 ATTENTION_TOKENS_PER_UNIT = 4096
 """Attention over this many earlier tokens costs as much as one layer's per-token work."""
@@ -66,8 +68,8 @@ def _capped(x: int, w: int) -> int:
 class Policy:
     name = "base"
 
-    def bind(self, components: Components, cost: RecomputeCost) -> None:
-        """Called once by the tree that uses this policy."""
+    def bind(self, rules: HitRules, cost: RecomputeCost) -> None:
+        """Called once by the cache that uses this policy."""
 
     def touched(self, node: Node) -> None:
         """A hit or an insert used ``node``."""
@@ -75,28 +77,28 @@ class Policy:
     def evicted(self, key: object) -> None:
         """The entry with ``key`` was evicted."""
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Rule) -> object:
         raise NotImplementedError
 
 
 class LRU(Policy):
     name = "lru"
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Rule) -> object:
         return node.last_access
 
 
 class LFU(Policy):
     name = "lfu"
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Rule) -> object:
         return (node.hits, node.last_access)
 
 
 class PriorityPolicy(Policy):
     name = "priority"
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Rule) -> object:
         return (node.priority, node.last_access)
 
 
@@ -105,11 +107,11 @@ class CostAware(Policy):
 
     def __init__(self) -> None:
         self.clock = 0.0
-        self._components: Components | None = None
+        self._rules: HitRules | None = None
         self._cost: RecomputeCost | None = None
 
-    def bind(self, components: Components, cost: RecomputeCost) -> None:
-        self._components, self._cost = components, cost
+    def bind(self, rules: HitRules, cost: RecomputeCost) -> None:
+        self._rules, self._cost = rules, cost
 
     def touched(self, node: Node) -> None:
         node.clock = self.clock
@@ -117,24 +119,25 @@ class CostAware(Policy):
     def evicted(self, key: object) -> None:
         self.clock = max(self.clock, float(key))  # type: ignore[arg-type]
 
-    def key(self, node: Node, component: str) -> float:
-        comps, cost = self._components, self._cost
-        if comps is None or cost is None:
+    def key(self, node: Node, component: Rule) -> float:
+        rules, cost = self._rules, self._cost
+        if rules is None or cost is None:
             raise RuntimeError("cost policy used before a cache bound it (HybridRadixCache does)")
-        if component == comps.state:
+        checkpoint_bytes = rules.checkpoint.cell_bytes if rules.checkpoint is not None else 0
+        if component.kind is ComponentKind.CHECKPOINT:
             prev = node.parent
-            while prev is not None and prev.parent is not None and prev.state < 0:
+            while prev is not None and prev.parent is not None and prev.checkpoint < 0:
                 prev = prev.parent
             start = prev.end if prev is not None and prev.parent is not None else 0
-            saved, nbytes = cost(start, node.end), comps.state_bytes
-        elif component in comps.history:
+            saved, nbytes = cost(start, node.end), checkpoint_bytes
+        elif component.kind is ComponentKind.FULL_KV:
             saved = cost(node.start, node.end)
-            nbytes = node.pages.size * comps.history_page_bytes
-            nbytes += sum(n * w.cell_bytes for n, w in zip(node.swa_res, comps.windows, strict=True))
-            nbytes += comps.state_bytes if node.state >= 0 else 0
+            nbytes = node.pages.size * rules.full.page_bytes
+            nbytes += sum(n * w.cell_bytes for n, w in zip(node.window_resident, rules.windows, strict=True))
+            nbytes += checkpoint_bytes if node.checkpoint >= 0 else 0
         else:
-            w = next(w for w in comps.windows if w.name == component)
-            saved, nbytes = cost(node.start, node.end), node.swa_res[w.index] * w.cell_bytes
+            assert isinstance(component, WindowRule)
+            saved, nbytes = cost(node.start, node.end), node.window_resident[component.index] * component.cell_bytes
         return node.clock + max(1, node.hits) * saved / max(1, nbytes)
 
 

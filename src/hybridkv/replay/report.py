@@ -2,7 +2,9 @@
 
 Per component, a hit is counted at the longest length valid for that set of rules:
 ``full_only`` (page-aligned full-KV match), ``full+swa`` (plus every window resident),
-``full+state`` (plus a checkpoint at the end), ``all`` (every rule: the hit served).
+``full+state`` (plus a recurrent-state checkpoint at the end), ``all`` (every rule: the hit
+served). A model without windows (or without recurrent layers) has ``full+swa`` (or
+``full+state``) equal to ``full_only``: a rule it does not have costs nothing.
 ``validity_cost`` is how much hit rate each rule costs against full-only.
 """
 
@@ -18,8 +20,8 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
     inputs = max(1, res.input_tokens)
     rate = {
         "full_only": res.full_hit_tokens / inputs,
-        "full+swa": res.swa_hit_tokens / inputs,
-        "full+state": res.state_hit_tokens / inputs,
+        "full+swa": res.window_hit_tokens / inputs,
+        "full+state": res.checkpoint_hit_tokens / inputs,
         "all": res.hit_tokens / inputs,
     }
     cache = res.cache

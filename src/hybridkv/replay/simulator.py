@@ -17,6 +17,9 @@ keeps the window there and takes a state checkpoint there, so the next hit there
 valid; it also checkpoints its state at its prompt's and its sequence's page-aligned ends.
 A hit is capped at ``input_length - 1`` tokens: the engine computes at least one token.
 
+Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
+request): allocation with eviction, window release, checkpoints, insert, release.
+
 Invariants: every request is served exactly once (a retracted one restarts from its hit);
 after the run, every page and slot still live belongs to the cache (``verify`` checks
 both the memory and the tree when asked).
@@ -35,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.cache import HybridRadixCache, RequestKV
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
 from hybridkv.memory import OutOfMemory, UnifiedMemory, parse_bytes
 from hybridkv.replay.workload import ReplayRequest, Workload
 from hybridkv.spec import ShardSpec, get_preset
@@ -70,7 +73,7 @@ class ReplayConfig:
     policy: str = "lru"
     cache_tokens: int | None = None
     """Most tokens the cache may keep (None: bounded by memory only)."""
-    max_states_per_path: int = 8
+    max_checkpoints_per_path: int = 8
     engine: EngineModel = field(default_factory=EngineModel)
     samples: int = 200
     """Samples of the pool split over the trace's time span."""
@@ -81,8 +84,7 @@ class ReplayConfig:
 @dataclass
 class _Running:
     req: ReplayRequest
-    kv: RequestKV
-    slot: int | None
+    kv: KVHandle
     generated: int = 0
 
     @property
@@ -102,8 +104,8 @@ class ReplayResult:
     input_tokens: int = 0
     hit_tokens: int = 0
     full_hit_tokens: int = 0
-    swa_hit_tokens: int = 0
-    state_hit_tokens: int = 0
+    window_hit_tokens: int = 0
+    checkpoint_hit_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     retractions: int = 0
@@ -140,10 +142,12 @@ class Simulator:
             max_context=max(longest, config.page_size),
             chunk_tokens=min(config.engine.chunk_tokens, longest),
         )
-        self.cache = HybridRadixCache(self.mem, policy=config.policy, max_states_per_path=config.max_states_per_path)
+        self.cache = HybridRadixCache(
+            self.mem, policy=config.policy, max_checkpoints_per_path=config.max_checkpoints_per_path
+        )
+        self.kvm = KVManager(self.cache)
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
-        self.has_state = self.cache.comps.state is not None
         self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(self.mem.pools))
         self.clock = 0.0
         self._admitted: set[int] = set()
@@ -156,9 +160,9 @@ class Simulator:
         requests = self.workload.requests
         arrivals = deque(r for r in requests if r.after is None)
         blocked: dict[int, list[ReplayRequest]] = {}
-        for r in requests:
-            if r.after is not None:
-                blocked.setdefault(r.after, []).append(r)
+        for request in requests:
+            if request.after is not None:
+                blocked.setdefault(request.after, []).append(request)
         waiting: deque[ReplayRequest] = deque()
         ready: list[tuple[float, int, ReplayRequest]] = []  # heap of unblocked follow-up turns
         running: list[_Running] = []
@@ -237,32 +241,30 @@ class Simulator:
         return prefilled
 
     def _prefill(self, req: ReplayRequest) -> tuple[_Running, int] | None:
-        """Match, lock, allocate and 'compute' the prompt, insert it; None if memory is short."""
-        ps, cache = self.ps, self.cache
-        match = cache.match_prefix(req.tokens[: req.input_length - 1])
-        kv = RequestKV(cache, match)
-        running = _Running(req, kv, None)
-        prompt_end = req.input_length - req.input_length % ps
-        ckpts: dict[int, int] = {}
+        """Match, admit, allocate and 'compute' the prompt, insert it; None if memory is short."""
+        ps, kvm = self.ps, self.kvm
+        match = kvm.match(req.tokens[: req.input_length - 1])
         try:
-            if self.has_state:
-                src = [match.state] if match.state is not None else None
-                running.slot = int((cache.fork_state(src) if src else cache.alloc_state(1))[0])
+            kv = kvm.admit(match)
+        except OutOfMemory:
+            return None
+        prompt_end = req.input_length - req.input_length % ps
+        try:
+            if kvm.has_state:
                 for pos in {match.checkpoint_at, prompt_end} - {None, 0}:
-                    if pos > match.length:  # type: ignore[operator]
-                        ckpts[pos] = int(cache.alloc_state(1)[0])  # type: ignore[index]
+                    assert pos is not None
+                    if pos > match.length:
+                        kvm.reserve_checkpoint(kv, pos)
             pos = match.length
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
-                kv.extend(nxt, cache.alloc_pages(kv.pages_needed(nxt)))
-                self._release_windows([kv])
+                kvm.extend(kv, nxt)
+                kvm.release_windows([kv])
                 pos = nxt
         except OutOfMemory:
-            self._drop(running, ckpts.values())
+            kvm.release(kv)
             return None
-        n = prompt_end // ps
-        result = cache.insert(req.tokens[:prompt_end], kv.pages[:n], states=ckpts)
-        kv.settle(result)
+        kvm.insert(kv, req.tokens)
         self._cap_cache()
         computed = req.input_length - match.length
         res = self.result
@@ -273,20 +275,10 @@ class Simulator:
             res.input_tokens += req.input_length
             res.hit_tokens += match.length
             res.full_hit_tokens += match.full_length
-            res.swa_hit_tokens += match.swa_length
-            res.state_hit_tokens += match.state_length
+            res.window_hit_tokens += match.window_length
+            res.checkpoint_hit_tokens += match.checkpoint_length
             res.hits[req.rid] = match.length
-        return running, computed
-
-    def _drop(self, r: _Running, extra_slots: Any = ()) -> None:
-        """Give back everything a request holds that the cache does not (abort / retract)."""
-        own = r.kv.own_pages()
-        if own.size:
-            self.mem.free_pages(own)
-        slots = [*extra_slots, *([r.slot] if r.slot is not None else [])]
-        if slots:
-            self.mem.free_state(np.asarray(slots, dtype=np.int64))
-        r.kv.unlock()
+        return _Running(req, kv), computed
 
     # --- decode ---------------------------------------------------------------------------
 
@@ -294,9 +286,10 @@ class Simulator:
         k = self.engine.decode_chunk
         while True:
             steps = [min(k, r.req.output_length - r.generated) for r in running]
-            needs = [r.kv.pages_needed(r.seq_len + s) for r, s in zip(running, steps, strict=True)]
             try:
-                pages = self.cache.alloc_pages(sum(needs))
+                self.kvm.extend_batch(
+                    [r.kv for r in running], [r.seq_len + s for r, s in zip(running, steps, strict=True)]
+                )
                 break
             except OutOfMemory:
                 if len(running) == 1:
@@ -305,28 +298,16 @@ class Simulator:
                         f"tokens in {self.config.gpu_memory} of {self.config.model} KV; raise --gpu-memory"
                     ) from None
                 victim = running.pop()
-                self._drop(victim)
+                self.kvm.release(victim.kv)
                 waiting.appendleft(victim.req)
                 self.result.retractions += 1
                 self._stalled = True  # re-admit it only once something finished
-        at = 0
-        for r, s, need in zip(running, steps, needs, strict=True):
-            r.kv.extend(r.seq_len + s, pages[at : at + need])
+        for r, s in zip(running, steps, strict=True):
             r.generated += s
-            at += need
-        self._release_windows([r.kv for r in running])
+        self.kvm.release_windows([r.kv for r in running])
         generated = max(steps, default=0)
         self.result.decode_tokens += sum(steps)
         return generated
-
-    def _release_windows(self, rows: list[RequestKV]) -> None:
-        if not self.cache.comps.windows:
-            return
-        per_pool = zip(*(kv.window_release() for kv in rows), strict=True)
-        for w, parts in zip(self.cache.comps.windows, per_pool, strict=True):
-            pages = np.concatenate(parts)
-            if pages.size:
-                self.mem.free_window_pages(pages, w.name)
 
     # --- finish ---------------------------------------------------------------------------
 
@@ -335,19 +316,16 @@ class Simulator:
         ps, kv, req = self.ps, r.kv, r.req
         seq = np.concatenate([req.tokens, req.output])
         end = seq.size - seq.size % ps
-        states: dict[int, int] = {}
-        if self.has_state and end > kv.cached * ps:
+        if self.kvm.has_state and end > kv.cached * ps:
             with contextlib.suppress(OutOfMemory):  # no room: cache the sequence without it
-                states[end] = int(self.cache.alloc_state(1)[0])
-        result = self.cache.insert(seq[:end], kv.pages[: end // ps], states=states)
-        kv.settle(result)
-        self._drop(r)
+                self.kvm.reserve_checkpoint(kv, end)
+        self.kvm.finish(kv, seq)
         self._cap_cache()
 
     def _cap_cache(self) -> None:
         cap = self.config.cache_tokens
         if cap is not None and self.cache.cached_tokens > cap:
-            self.cache.evict({"page": math.ceil((self.cache.cached_tokens - cap) / self.ps)})
+            self.cache.evict({PAGE_NEED: math.ceil((self.cache.cached_tokens - cap) / self.ps)})
 
     # --- samples --------------------------------------------------------------------------
 

@@ -1,0 +1,124 @@
+"""Where recurrent-state checkpoints go on insert, under a cap per root-to-leaf path.
+
+``validate`` refuses (``InsertError``, nothing changed) positions that are not page-aligned
+within the key, slots that are not live, and slots that are cached checkpoints already.
+
+A checkpoint given for position ``pos`` sits on the node ending at ``pos`` (split there if
+needed). One already there wins: the new slot is not kept. A path holding more than
+``max_per_path`` checkpoints drops the least valuable unlocked, unpinned ones above the new
+one (non-branching nodes first, then least recently used); when those are not enough, the
+new slot is not kept.
+
+Invariant: no root-to-leaf path holds more than ``max_per_path`` checkpoints. Slots not
+kept are returned to the caller, who owns them; dropped cached checkpoints are freed here
+(they were the cache's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from hybridkv.cache.errors import InsertError
+from hybridkv.cache.node import Node
+from hybridkv.cache.radix import RadixTree
+from hybridkv.cache.residency import Residency
+from hybridkv.memory import InvalidIds, UnifiedMemory
+
+
+class CheckpointCap:
+    def __init__(self, mem: UnifiedMemory, tree: RadixTree, residency: Residency, max_per_path: int):
+        self.mem = mem
+        self.tree = tree
+        self.residency = residency
+        self.max_per_path = max_per_path
+
+    def validate(self, checkpoints: Mapping[int, int] | None, length: int) -> list[tuple[int, int]]:
+        if not checkpoints:
+            return []
+        if self.residency.rules.checkpoint is None:
+            raise InsertError(
+                f"insert: checkpoints given but this shard ({self.mem.shard.describe()}) has no "
+                "recurrent layers; pass checkpoints=None"
+            )
+        ckpts = sorted((int(p), int(s)) for p, s in checkpoints.items())
+        for pos, _slot in ckpts:
+            if pos <= 0 or pos > length or pos % self.tree.page_size:
+                raise InsertError(
+                    f"insert: checkpoint position {pos} must be a multiple of the page size "
+                    f"{self.tree.page_size} in 1..{length} (the key's length)"
+                )
+        slots = np.asarray([s for _, s in ckpts], dtype=np.int64)
+        try:
+            self.mem.slots.check_live(slots, "insert checkpoints")
+        except InvalidIds as exc:
+            raise InsertError(f"insert: {exc}; pass state slots this request allocated") from exc
+        owned = self.residency.owned_slots[slots]
+        if np.count_nonzero(owned):
+            raise InsertError(
+                f"insert: state slot {slots[np.argmax(owned)]} is already a cached checkpoint; "
+                "fork it (fork_state) before handing a copy back"
+            )
+        return ckpts
+
+    def attach(self, last: Node, checkpoints: list[tuple[int, int]]) -> list[int]:
+        """Attach ``(position, slot)`` pairs on the path ending at ``last``; returns the slots
+        not kept."""
+        unused: list[int] = []
+        for pos, slot in checkpoints:
+            node = last
+            while node.start >= pos:
+                assert node.parent is not None
+                node = node.parent
+            if node.end != pos:
+                node = self.tree.split(node, pos - node.start)
+            if node.checkpoint >= 0 or not self._make_room(node):
+                unused.append(slot)
+                continue
+            self.residency.attach_checkpoint(node, slot)
+            for below in _nearest_below(node):
+                self.residency.refresh(below)  # their previous checkpoint moved closer: a key may drop
+        return unused
+
+    def _make_room(self, node: Node) -> bool:
+        """Drop checkpoints above ``node`` so its paths stay within the cap; False if locked."""
+        above = [a for a in node.path()[:-1] if a.checkpoint >= 0]
+        excess = len(above) + 1 + _most_below(node) - self.max_per_path
+        if excess <= 0:
+            return True
+        counters = self.residency.counters
+        pins = self.mem.gates.slot_pins
+        victims = [a for a in above if a.checkpoint_lock == 0 and not pins[a.checkpoint]]
+        if len(victims) < excess:
+            counters.capped_checkpoints += 1
+            return False
+        victims.sort(key=lambda a: (len(a.children) > 1, a.last_access))
+        slots = [self.residency.drop_checkpoint(victim) for victim in victims[:excess]]
+        self.mem.free_state(np.asarray(slots, dtype=np.int64))
+        counters.capped_checkpoints += excess
+        return True
+
+
+def _nearest_below(node: Node) -> list[Node]:
+    """The first checkpoint on every path below ``node``."""
+    out, stack = [], list(node.children.values())
+    while stack:
+        n = stack.pop()
+        if n.checkpoint >= 0:
+            out.append(n)
+        else:
+            stack.extend(n.children.values())
+    return out
+
+
+def _most_below(node: Node) -> int:
+    """Most checkpoints on any path strictly below ``node``."""
+    best = 0
+    stack = [(c, 0) for c in node.children.values()]
+    while stack:
+        n, above = stack.pop()
+        count = above + (n.checkpoint >= 0)
+        best = max(best, count)
+        stack.extend((c, count) for c in n.children.values())
+    return best

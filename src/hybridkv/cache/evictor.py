@@ -1,0 +1,129 @@
+"""The evictor: frees what the allocator is short of, per component, in policy order.
+
+A full-history need (or ``PAGE_NEED``) evicts whole unlocked leaves (their pages leave every
+pool, their checkpoint goes too); a window need tombstones the window pages of unlocked
+nodes (a leaf goes whole); a checkpoint need drops unlocked checkpoints. Candidates come
+from the residency's lazy heaps, smallest policy key first.
+
+Invariants:
+- Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
+  its heap.
+- Memory frees are batched per ``evict`` call and flushed once, in an order that is always
+  valid (``Release``). A refused call (unknown or negative need) changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from hybridkv.cache.errors import CacheError
+from hybridkv.cache.node import Node
+from hybridkv.cache.policies import Policy
+from hybridkv.cache.residency import PAGE_NEED, Release, Residency
+from hybridkv.cache.rules import HitRules, WindowRule
+from hybridkv.memory import UnifiedMemory
+
+
+class Evictor:
+    def __init__(self, mem: UnifiedMemory, rules: HitRules, residency: Residency, policy: Policy):
+        self.mem = mem
+        self.rules = rules
+        self.residency = residency
+        self.policy = policy
+
+    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+        """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
+
+        Keys: the memory's pool ids or ``PAGE_NEED`` (whole pages, e.g. for a cache-size
+        cap). Returns cells freed per pool (and whole pages under ``PAGE_NEED``), only those
+        that freed something.
+        """
+        rules = self.rules
+        unknown = [k for k in needs if k != PAGE_NEED and k not in rules.pool_names]
+        if unknown:
+            raise CacheError(
+                f"evict: unknown need {unknown}; name pools of this shard {sorted(rules.pool_names)} or {PAGE_NEED!r}"
+            )
+        bad = {k: v for k, v in needs.items() if int(v) < 0}
+        if bad:
+            raise CacheError(f"evict: needs must be >= 0, got {bad}")
+        freed: dict[str, int] = dict.fromkeys((*rules.pool_names, PAGE_NEED), 0)
+        release = Release()
+        full_need = max([int(needs.get(n, 0)) for n in (*rules.full.pools, PAGE_NEED)])
+        if full_need:
+            self._evict_leaves(full_need, freed, release)
+        for w in rules.windows:
+            need = int(needs.get(w.name, 0)) - freed[w.name]
+            if need > 0:
+                self._evict_windows(w, need, freed, release)
+        if rules.checkpoint is not None:
+            need = int(needs.get(rules.checkpoint.name, 0)) - freed[rules.checkpoint.name]
+            if need > 0:
+                self._evict_checkpoints(need, freed, release)
+        release.flush(self.mem)
+        return {k: v for k, v in freed.items() if v}
+
+    def _leaf_ok(self, node: Node) -> bool:
+        gates = self.mem.gates
+        if node.lock or node.checkpoint_lock:
+            return False
+        if not gates.open_gates:  # no pins at all
+            return True
+        return not np.count_nonzero(gates.page_pins[node.pages]) and (
+            node.checkpoint < 0 or not gates.slot_pins[node.checkpoint]
+        )
+
+    def _evict_leaves(self, need: int, freed: dict[str, int], release: Release) -> None:
+        heap, skipped = self.residency.full_heap, []
+        while freed[PAGE_NEED] < need:
+            got = heap.pop()
+            if got is None:
+                break
+            key, node = got
+            if not self._leaf_ok(node):
+                skipped.append(node)
+                continue
+            self.policy.evicted(key)
+            self.residency.remove_leaf(node, freed, release)
+        for node in skipped:
+            heap.push(node)
+
+    def _evict_windows(self, w: WindowRule, need: int, freed: dict[str, int], release: Release) -> None:
+        heap, gates, skipped = self.residency.window_heaps[w.index], self.mem.gates, []
+        while freed[w.name] < need:
+            got = heap.pop()
+            if got is None:
+                break
+            key, node = got
+            if not node.children and self._leaf_ok(node):
+                self.policy.evicted(key)
+                self.residency.remove_leaf(node, freed, release)
+                continue
+            if node.window_lock or (gates.open_gates and np.count_nonzero(gates.page_pins[node.pages])):
+                skipped.append(node)
+                continue
+            self.policy.evicted(key)
+            freed[w.name] += self.residency.tombstone(node, w, release)
+        for node in skipped:
+            heap.push(node)
+
+    def _evict_checkpoints(self, need: int, freed: dict[str, int], release: Release) -> None:
+        rule, heap = self.rules.checkpoint, self.residency.checkpoint_heap
+        assert rule is not None and heap is not None
+        pins, skipped = self.mem.gates.slot_pins, []
+        while freed[rule.name] < need:
+            got = heap.pop()
+            if got is None:
+                break
+            key, node = got
+            if node.checkpoint_lock or pins[node.checkpoint]:
+                skipped.append(node)
+                continue
+            self.policy.evicted(key)
+            release.slots.append(self.residency.drop_checkpoint(node))
+            freed[rule.name] += 1
+            self.residency.counters.evicted_checkpoints += 1
+        for node in skipped:
+            heap.push(node)

@@ -1,0 +1,182 @@
+"""KVHandle: everything one request holds in KV memory, in one typed place.
+
+The row is ``pages[0:n]``, one virtual page per ``page_size`` tokens of the sequence. Pages
+``[0, cached)`` belong to the cache (held by ``lock``); later pages are the request's own.
+``state_slot`` is the request's running recurrent state (None without recurrent layers);
+``checkpoints`` maps page-aligned positions to slots holding (or about to hold) the state
+after that many tokens, until an insert hands them to the cache. ``gates`` are the move
+gates pinning the request's ids while a forward or a transfer reads them.
+
+Invariants:
+- ``released[i]``: own pages before this index are released from window pool ``i``, except
+  the pages kept for the checkpoint (``keep[i]``: the window before ``match.checkpoint_at``,
+  so that a later hit there is valid once the request inserts them).
+- A page still in any window of the sequence is never released: the first page window pool
+  ``i`` needs is ``max(0, seq_len - window_i) // page_size``.
+- After a (non-final) insert the row's cached part holds the cache's page ids and the lock
+  is the new one, taken before the old one is given back: the hit is never unprotected.
+- ``status`` only moves forward: RUNNING -> (COMMITTED ->) RELEASED. A COMMITTED handle
+  has made its final insert (its row's cached part may no longer be locked): it may only
+  be released. Every change goes through ``KVManager``; this class holds no memory calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from enum import Enum
+
+import numpy as np
+
+from hybridkv.cache.errors import CacheError
+from hybridkv.cache.locks import CacheLock
+from hybridkv.cache.prefix_cache import MatchResult
+from hybridkv.memory import MoveGate
+
+
+class HandleStatus(Enum):
+    RUNNING = "running"
+    """Holds its lock, its own pages and slots; may grow, insert, checkpoint."""
+    COMMITTED = "committed"
+    """Its final insert is done: only ``release`` is left."""
+    RELEASED = "released"
+    """Holds nothing."""
+
+
+class KVHandle:
+    __slots__ = (
+        "_own_row",
+        "_row",
+        "cached",
+        "checkpoints",
+        "gates",
+        "keep",
+        "lock",
+        "match",
+        "n_pages",
+        "namespace",
+        "page_size",
+        "released",
+        "seq_len",
+        "state_slot",
+        "status",
+        "windows",
+    )
+
+    def __init__(
+        self, namespace: Hashable, match: MatchResult, lock: CacheLock, page_size: int, windows: tuple[int, ...]
+    ):
+        self.namespace = namespace
+        self.match = match
+        """The hit it was admitted with."""
+        self.lock = lock
+        self.page_size = page_size
+        self.windows = windows
+        """Window of each window pool, in the cache's rule order."""
+        self.state_slot: int | None = None
+        self.checkpoints: dict[int, int] = {}
+        self.gates: list[MoveGate] = []
+        self.status = HandleStatus.RUNNING
+        self._row = match.pages  # the cache's read-only array: copied on the first change
+        self._own_row = False
+        self.n_pages = self.cached = match.pages.size
+        self.seq_len = match.length
+        self.released = [self.cached] * len(windows)
+        at = match.checkpoint_at
+        self.keep = [(0, 0) if at is None else (max(0, at - w) // page_size, at // page_size) for w in windows]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVHandle({self.status.value}, {self.seq_len} tokens, {self.n_pages} pages of which "
+            f"{self.cached} cached, state slot {self.state_slot}, checkpoints {sorted(self.checkpoints)})"
+        )
+
+    @property
+    def pages(self) -> np.ndarray:
+        return self._row[: self.n_pages]
+
+    @property
+    def state_from_zero(self) -> bool:
+        """The running state slot is fresh (the hit had no checkpoint): zero it before the
+        first forward. Otherwise it holds a copy of the hit's checkpoint."""
+        return self.match.checkpoint is None
+
+    def token_locs(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Virtual token locations (``page * page_size + offset``) of tokens ``[start, end)``
+        (default: the whole sequence), what ``UnifiedMemory.translate`` takes."""
+        stop = self.seq_len if end is None else end
+        if not 0 <= start <= stop <= self.seq_len:
+            raise CacheError(f"token_locs: [{start}, {stop}) is not within the request's {self.seq_len} tokens")
+        pos = np.arange(start, stop, dtype=np.int64)
+        return self._row[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def own_pages(self) -> np.ndarray:
+        return self._row[self.cached : self.n_pages]
+
+    def pages_needed(self, new_len: int) -> int:
+        """Fresh pages the row needs to hold ``new_len`` tokens."""
+        return max(0, -(-new_len // self.page_size) - self.n_pages)
+
+    def check_running(self, what: str) -> None:
+        if self.status is not HandleStatus.RUNNING:
+            raise CacheError(f"{what}: the request is {self.status.value}; only a running request can do that")
+
+    def grow(self, new_len: int, pages: np.ndarray) -> None:
+        """Grow the sequence to ``new_len`` tokens with exactly ``pages_needed`` fresh pages."""
+        need = self.pages_needed(new_len)
+        if new_len < self.seq_len or pages.size != need:
+            raise CacheError(
+                f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
+            )
+        n = self.n_pages
+        end = n + need
+        if not self._own_row:  # the first growth: the row becomes the request's own array
+            self._row, self._own_row = np.concatenate([self._row[:n], pages]), True
+        elif end > self._row.size:  # later growth (decode): double the capacity
+            row = np.empty(max(end, 2 * self._row.size), dtype=np.int64)
+            row[:n] = self._row[:n]
+            row[n:end] = pages
+            self._row = row
+        else:
+            self._row[n:end] = pages
+        self.n_pages = end
+        self.seq_len = new_len
+
+    def window_release(self) -> list[np.ndarray]:
+        """Own pages that just left each window pool's window (one array per pool); marks
+        them released."""
+        out = []
+        for i, window in enumerate(self.windows):
+            first_needed = max(0, self.seq_len - window) // self.page_size
+            lo = max(self.released[i], self.cached)
+            if first_needed <= lo:
+                out.append(self._row[:0])
+                continue
+            idx = np.arange(lo, first_needed)
+            k0, k1 = self.keep[i]
+            idx = idx[(idx < k0) | (idx >= k1)]
+            out.append(self._row[idx])
+            self.released[i] = first_needed
+        return out
+
+    def _take_cache_pages(self, cache_pages: np.ndarray) -> int:
+        n = cache_pages.size
+        if not self._own_row:
+            self._row, self._own_row = self._row.copy(), True
+        self._row[:n] = cache_pages
+        self.cached = n
+        return n
+
+    def settle(self, cache_pages: np.ndarray, lock: CacheLock) -> CacheLock:
+        """After an insert of the first ``len(cache_pages)`` pages: use the cache's ids and
+        hold ``lock`` (at the new end) instead of the old one, returned for the caller to
+        give back."""
+        n = self._take_cache_pages(cache_pages)
+        if self.released:
+            self.released = [max(r, n) for r in self.released]
+        old, self.lock = self.lock, lock
+        return old
+
+    def commit(self, cache_pages: np.ndarray) -> None:
+        """After the final insert: use the cache's ids; only ``release`` is left."""
+        self._take_cache_pages(cache_pages)
+        self.status = HandleStatus.COMMITTED

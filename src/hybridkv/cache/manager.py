@@ -1,0 +1,280 @@
+"""KVManager: a request's KV from admission to release, with allocation that evicts.
+
+Above the prefix cache and the memory: the replay, the cache benchmark and an engine drive
+every request through it. A request's life:
+
+    match = kvm.match(tokens, ns)            # longest hit valid for every component
+    h = kvm.admit(match, ns)                 # lock the hit; fork its checkpoint (or a fresh state slot)
+    kvm.extend(h, n)                         # grow to n tokens (batched: extend_batch)
+    kvm.release_windows([h])                 # free window pages that left each window
+    kvm.checkpoint(h) / reserve_checkpoint(h, at)   # a state checkpoint at a page-aligned length
+    kvm.insert(h, tokens)                    # cache what is computed, keep running (relocked)
+    kvm.finish(h, tokens)  |  kvm.release(h) # cache and release  |  abort / retract
+
+Allocation with eviction (``alloc_pages`` / ``alloc_state`` / ``fork_state``, and every call
+above that allocates): on ``OutOfMemory`` the cache evicts what the allocator says it is
+short of and the call is retried; ``OutOfMemory`` reaches the caller only once nothing
+unlocked and unpinned is left to evict for it. Such a refusal leaves every handle as it
+was (the cache may have evicted).
+
+Invariants:
+- Every page, slot and lock a handle holds is given back exactly once, by ``release``
+  (``finish`` ends with it); duplicates an insert did not keep are freed by that insert.
+- A refused call (``CacheError``) changes no handle, the tree or the pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from hybridkv.cache.errors import CacheError
+from hybridkv.cache.handle import HandleStatus, KVHandle
+from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
+from hybridkv.cache.residency import PAGE_NEED
+from hybridkv.memory import MoveGate, OutOfMemory
+
+T = TypeVar("T")
+
+
+class KVManager:
+    def __init__(self, cache: HybridRadixCache):
+        self.cache = cache
+        self.mem = cache.mem
+        self.page_size = cache.page_size
+        rules = cache.rules
+        self._windows = tuple(w.window for w in rules.windows)
+        self._state_pool = rules.checkpoint.name if rules.checkpoint is not None else None
+
+    @property
+    def has_state(self) -> bool:
+        return self._state_pool is not None
+
+    # --- allocation with eviction ---------------------------------------------------------
+
+    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+        """The cache's eviction (``HybridRadixCache.evict``); the one place allocation calls it."""
+        return self.cache.evict(needs)
+
+    def alloc_pages(self, count: int) -> np.ndarray:
+        """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""
+        return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
+
+    def alloc_state(self, count: int) -> np.ndarray:
+        return self._with_eviction(lambda: self.mem.alloc_state(count), self._slot_need(count))
+
+    def fork_state(self, slots: list[int] | np.ndarray) -> np.ndarray:
+        """New slots holding copies of ``slots``' states (copy-on-write of a checkpoint)."""
+        return self._with_eviction(lambda: self.mem.fork_state(slots), self._slot_need(len(slots)))
+
+    def _slot_need(self, count: int) -> dict[str, int]:
+        if self._state_pool is None:
+            raise CacheError(f"this shard ({self.mem.shard.describe()}) has no recurrent layers: no state slots")
+        return {self._state_pool: count}
+
+    def _with_eviction(self, call: Callable[[], T], fallback: dict[str, int]) -> T:
+        """``call()``; after each refusal, evict what it was short of and call again."""
+        while True:
+            try:
+                return call()
+            except OutOfMemory as exc:
+                if not any(self.evict(self._needs(exc, fallback)).values()):
+                    raise
+
+    def _needs(self, exc: OutOfMemory, fallback: dict[str, int]) -> dict[str, int]:
+        """What to evict for a refused allocation: pools short of cells by pool id; virtual
+        id spaces by the memory's own id-space objects (pages: whole pages; slots: the state
+        pool); ``fallback`` when the allocator did not say."""
+        needs: dict[str, int] = {}
+        for key, count in (exc.short or fallback).items():
+            if key in self.mem.pools or key == PAGE_NEED:
+                needs[key] = count
+            elif key == self.mem.pages.name:
+                needs[PAGE_NEED] = count
+            elif key == self.mem.slots.name and self._state_pool is not None:
+                needs[self._state_pool] = count
+            else:
+                raise CacheError(
+                    f"out of memory short of {key!r}, which is neither a pool of this memory "
+                    f"{sorted(self.mem.pools)} nor its page or slot ids (a memory/cache mismatch)"
+                ) from exc
+        return needs
+
+    # --- a request's life -----------------------------------------------------------------
+
+    def match(self, tokens: object, namespace: Hashable = None) -> MatchResult:
+        return self.cache.match_prefix(tokens, namespace)
+
+    def admit(self, match: MatchResult, namespace: Hashable = None) -> KVHandle:
+        """Lock ``match`` for a new request; with recurrent layers, give it a running state
+        slot: a fork of the hit's checkpoint, or a fresh slot when the hit has none (its state
+        starts from zero). On ``OutOfMemory`` nothing is held."""
+        lock = self.cache.lock(match.node)
+        handle = KVHandle(namespace, match, lock, self.page_size, self._windows)
+        if self._state_pool is not None:
+            try:
+                if match.checkpoint is not None:
+                    handle.state_slot = int(self.fork_state([match.checkpoint])[0])
+                else:
+                    handle.state_slot = int(self.alloc_state(1)[0])
+            except OutOfMemory:
+                self.cache.unlock(lock)
+                handle.status = HandleStatus.RELEASED
+                raise
+        return handle
+
+    def extend(self, handle: KVHandle, new_len: int) -> np.ndarray:
+        """Grow ``handle`` to ``new_len`` tokens; returns the fresh pages (maybe none)."""
+        if handle.status is not HandleStatus.RUNNING:
+            handle.check_running("extend")
+        if new_len < handle.seq_len:
+            raise CacheError(f"extend: a request of {handle.seq_len} tokens cannot shrink to {new_len}")
+        before = handle.n_pages
+        handle.grow(new_len, self.alloc_pages(handle.pages_needed(new_len)))
+        return handle.pages[before:]
+
+    def extend_batch(self, handles: Sequence[KVHandle], new_lens: Sequence[int]) -> None:
+        """Grow every handle to its new length with one allocation (a decode batch)."""
+        needs = []
+        for h, n in zip(handles, new_lens, strict=True):
+            h.check_running("extend")
+            if n < h.seq_len:
+                raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
+            needs.append(h.pages_needed(n))
+        pages = self.alloc_pages(sum(needs))
+        at = 0
+        for h, n, need in zip(handles, new_lens, needs, strict=True):
+            h.grow(n, pages[at : at + need])
+            at += need
+
+    def release_windows(self, handles: Sequence[KVHandle]) -> int:
+        """Free the own pages that left each window pool's window, batched per pool; returns
+        how many pages left a pool."""
+        if not self._windows:
+            return 0
+        per_pool = zip(*(h.window_release() for h in handles), strict=True)
+        freed = 0
+        for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
+            pages = np.concatenate(parts)
+            if pages.size:
+                self.mem.free_window_pages(pages, w.name)
+                freed += int(pages.size)
+        return freed
+
+    def checkpoint(self, handle: KVHandle) -> int:
+        """Copy the running state now (after ``seq_len`` tokens, page-aligned) into a new
+        checkpoint slot; the next insert caches it."""
+        handle.check_running("checkpoint")
+        at = handle.seq_len
+        self._check_checkpoint(handle, at)
+        if handle.state_slot is None:
+            raise CacheError("checkpoint: the request has no running state slot to copy")
+        slot = int(self.fork_state([handle.state_slot])[0])
+        handle.checkpoints[at] = slot
+        return slot
+
+    def reserve_checkpoint(self, handle: KVHandle, at: int) -> int:
+        """A fresh slot for the state after ``at`` tokens (page-aligned): the caller copies the
+        state into it when its computation passes ``at``; the next insert reaching ``at``
+        caches it."""
+        handle.check_running("reserve_checkpoint")
+        self._check_checkpoint(handle, at)
+        slot = int(self.alloc_state(1)[0])
+        handle.checkpoints[at] = slot
+        return slot
+
+    def _check_checkpoint(self, handle: KVHandle, at: int) -> None:
+        if self._state_pool is None:
+            raise CacheError(f"checkpoint: this shard ({self.mem.shard.describe()}) has no recurrent layers")
+        cached = handle.cached * self.page_size
+        if at % self.page_size or at <= cached or at in handle.checkpoints:
+            raise CacheError(
+                f"checkpoint at {at}: must be a multiple of the page size {self.page_size} past the "
+                f"cached {cached} tokens, and not taken already (taken: {sorted(handle.checkpoints)})"
+            )
+
+    def insert(self, handle: KVHandle, tokens: object, *, final: bool = False) -> InsertResult:
+        """Cache the page-aligned part of ``tokens`` (the sequence so far) with the handle's
+        pages and its checkpoints up to there; free what the cache did not keep. Not
+        ``final``: the handle keeps running on the cache's ids, relocked at the new end.
+        ``final``: the handle is COMMITTED (only ``release`` is left)."""
+        if handle.status is not HandleStatus.RUNNING:
+            handle.check_running("insert")
+        toks = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
+        size = toks.size
+        if size > handle.seq_len or toks.ndim != 1:
+            raise CacheError(
+                f"insert: {size} tokens of shape {toks.shape}, but the request holds KV of "
+                f"{handle.seq_len} tokens; pass its 1-D sequence so far"
+            )
+        ps = self.page_size
+        n = size // ps
+        if n < handle.cached:
+            raise CacheError(
+                f"insert: {size} tokens cover {n} pages, fewer than the {handle.cached} pages "
+                "already cached for this request"
+            )
+        end = n * ps
+        ckpts = {p: s for p, s in handle.checkpoints.items() if p <= end} if handle.checkpoints else None
+        result = self.cache.insert(toks[:end], handle.pages[:n], extra_key=handle.namespace, checkpoints=ckpts)
+        for p in ckpts or ():
+            del handle.checkpoints[p]
+        if result.duplicates.size:
+            self.mem.free_pages(result.duplicates)
+        if result.unused_checkpoints:
+            self.mem.free_state(np.asarray(result.unused_checkpoints, dtype=np.int64))
+        if final:
+            handle.commit(result.pages)
+        else:  # the new lock first: the hit is never unprotected
+            self.cache.unlock(handle.settle(result.pages, self.cache.lock(result.node)))
+        return result
+
+    def finish(self, handle: KVHandle, tokens: object) -> InsertResult:
+        """Cache the finished sequence, then release the request."""
+        result = self.insert(handle, tokens, final=True)
+        self.release(handle)
+        return result
+
+    def release(self, handle: KVHandle) -> None:
+        """Give back everything the request holds that the cache does not: its own pages,
+        its state slot and checkpoints, its lock (abort, retract, or the end of ``finish``)."""
+        if handle.status is HandleStatus.RELEASED:
+            raise CacheError("release: this request was released already")
+        if handle.gates and any(not g.is_open for g in handle.gates):
+            raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
+        own = handle.own_pages()
+        slots = list(handle.checkpoints.values()) if handle.checkpoints else []
+        if handle.state_slot is not None:
+            slots.append(handle.state_slot)
+        gates = self.mem.gates
+        if gates.open_gates and (
+            np.count_nonzero(gates.page_pins[own]) or (slots and np.count_nonzero(gates.slot_pins[slots]))
+        ):
+            raise CacheError("release: a page or slot of the request is pinned by another move gate; release it first")
+        if own.size:
+            self.mem.free_pages(own)
+        if slots:
+            self.mem.free_state(np.asarray(slots, dtype=np.int64))
+        self.cache.unlock(handle.lock)
+        handle.checkpoints.clear()
+        handle.state_slot = None
+        handle.gates.clear()
+        handle.status = HandleStatus.RELEASED
+
+    # --- pins -----------------------------------------------------------------------------
+
+    def pin(self, handle: KVHandle, event: object = None) -> MoveGate:
+        """Pin the request's pages and slots while a forward or transfer reads them (until
+        ``unpin``, or until ``event`` completes)."""
+        handle.check_running("pin")
+        slots = [*([handle.state_slot] if handle.state_slot is not None else []), *handle.checkpoints.values()]
+        gate = self.mem.pin(pages=handle.pages, slots=slots, event=event)
+        handle.gates.append(gate)
+        return gate
+
+    def unpin(self, handle: KVHandle) -> None:
+        for gate in handle.gates:
+            gate.release()
+        handle.gates.clear()

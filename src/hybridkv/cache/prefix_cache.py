@@ -1,0 +1,340 @@
+"""HybridRadixCache: prefix hits valid for every component of a hybrid model, over a radix tree.
+
+A hit of length ``E`` is returned only if full KV covers ``[0, E)``, every window pool holds
+the pages of ``[E - window, E)`` and, when the model has recurrent layers, a state
+checkpoint sits exactly at ``E`` (``rules.py``). Keys are namespaced by an optional extra key
+(a tenant's cache salt): two namespaces never share a node.
+
+The parts: ``RadixTree`` (structure), ``HitRules`` (validity per component), ``LockTable``,
+``Residency`` (what is cached per component, candidates, events), ``Evictor``,
+``CheckpointCap`` (placement under the path cap), ``Dedupe`` (duplicates, window recovery).
+This class composes them into ``match_prefix`` / ``insert`` / ``lock`` / ``evict``. It
+never allocates: ``KVManager`` (``manager.py``) allocates with eviction above it.
+
+Invariants (``check_tree`` proves them; tests call it after every step):
+- Every cached page id appears in exactly one node, is live and resident in every
+  full-history pool; lock counts equal what the open locks took; no path holds more than
+  ``max_checkpoints_per_path`` checkpoints.
+- Ownership: ``insert`` keeps the pages and checkpoint slots it caches and hands back the
+  rest in its result (duplicates of cached pages, slots not kept): the caller frees those.
+  A refused call (``CacheError``) changes neither the tree nor the pools.
+- Everything here runs on host ids (numpy / Python ints); nothing reads device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.cache.checkpoints import CheckpointCap
+from hybridkv.cache.dedupe import Dedupe
+from hybridkv.cache.errors import CacheError, InsertError, LockError
+from hybridkv.cache.events import EventLog, root_hash
+from hybridkv.cache.evictor import Evictor
+from hybridkv.cache.locks import CacheLock, LockTable
+from hybridkv.cache.node import Node
+from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
+from hybridkv.cache.radix import RadixTree, Walk
+from hybridkv.cache.residency import Residency
+from hybridkv.cache.rules import HitRules
+from hybridkv.memory import UnifiedMemory
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+_INT64 = np.dtype(np.int64)
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """A hit (read-only by convention: it is built on every match, so it is not frozen)."""
+
+    node: Node
+    """The node that ends at ``length`` (the namespace root when ``length == 0``): lock it."""
+    length: int
+    """Tokens valid for every component."""
+    pages: np.ndarray
+    """Page ids of tokens ``[0, length)`` (a read-only view of the cache's own array)."""
+    checkpoint: int | None
+    """The checkpoint slot at ``length`` (fork it before writing), or None."""
+    full_length: int
+    """Page-aligned full-KV match, ignoring windows and checkpoints."""
+    window_length: int
+    """Longest hit valid for full KV and every window, ignoring checkpoints."""
+    checkpoint_length: int
+    """Deepest checkpoint on the full-KV match, ignoring windows."""
+    checkpoint_at: int | None
+    """Where a request computing from ``length`` should checkpoint its state and keep its
+    window (the cached full KV ends there, so the next hit there becomes valid); None when
+    ``full_length == length``."""
+
+
+@dataclass(slots=True)
+class InsertResult:
+    node: Node
+    """The node ending at the inserted key's end."""
+    prefix_len: int
+    """Tokens of the key that were cached already."""
+    pages: np.ndarray
+    """The cache's page ids for the whole key (read-only): the request uses these from now on."""
+    duplicates: np.ndarray
+    """The caller's pages that duplicate cached ones: not kept, the caller frees them."""
+    adopted_pages: int
+    """Window pages rebound from the caller's duplicates onto tombstoned cached pages."""
+    unused_checkpoints: list[int]
+    """Checkpoint slots not kept (one was cached there already, or the path cap): the
+    caller frees them."""
+
+
+def _tokens(tokens: object, what: str) -> np.ndarray:
+    if type(tokens) is np.ndarray and tokens.dtype is _INT64 and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        return tokens  # the common case, without a copy
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise CacheError(f"{what}: tokens must be a 1-D integer array, got shape {arr.shape} {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _page_ids(pages: object, what: str) -> np.ndarray:
+    if type(pages) is np.ndarray and pages.dtype is _INT64 and pages.ndim == 1:
+        return pages
+    arr = np.asarray(pages)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InsertError(f"{what}: need a 1-D integer array of page ids, got shape {arr.shape} {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+class HybridRadixCache:
+    def __init__(
+        self,
+        mem: UnifiedMemory,
+        *,
+        policy: str | Policy = "lru",
+        max_checkpoints_per_path: int = 8,
+        events: bool = False,
+    ):
+        if max_checkpoints_per_path < 1:
+            raise CacheError(f"max_checkpoints_per_path must be >= 1, got {max_checkpoints_per_path}")
+        self.mem = mem
+        self.page_size = mem.page_size
+        self.rules = HitRules(mem)
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.bind(self.rules, RecomputeCost(mem.shard))
+        overridden = type(self.policy).touched is not Policy.touched
+        self._touched = self.policy.touched if overridden else None
+        self.max_checkpoints_per_path = max_checkpoints_per_path
+        self.events = EventLog(events)
+        self.tree = RadixTree(mem.page_size, len(self.rules.windows), self._after_split)
+        self.residency = Residency(mem, self.tree, self.rules, self.policy, self.events)
+        self.locks = LockTable(self.rules.max_window, self.rules.checkpoint is not None)
+        self.evictor = Evictor(mem, self.rules, self.residency, self.policy)
+        self.checkpoints = CheckpointCap(mem, self.tree, self.residency, max_checkpoints_per_path)
+        self.dedupe = Dedupe(mem, self.rules, self.residency)
+        self.counters = self.residency.counters
+        self._full_only = self.rules.full_only
+        self._tick = 0
+
+    # --- queries --------------------------------------------------------------------------
+
+    @property
+    def cached_pages(self) -> int:
+        return self.residency.cached_pages
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.residency.cached_pages * self.page_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self.residency.checkpoint_nodes)
+
+    @property
+    def open_locks(self) -> int:
+        return len(self.locks.open)
+
+    def match_prefix(self, tokens: object, extra_key: Hashable = None) -> MatchResult:
+        """Longest prefix of ``tokens`` valid for every component (page-aligned).
+
+        May split the node where the hit ends, so that a lock covers exactly the hit.
+        """
+        toks = _tokens(tokens, "match_prefix")
+        try:
+            root = self.tree.roots[extra_key]
+        except (KeyError, TypeError):
+            root = self._root(extra_key)  # a new namespace (or a CacheError for an unhashable key)
+        walk = self.tree.walk(root, toks)
+        full = walk.full
+        if self._full_only:
+            end = window_len = checkpoint_len = full
+        else:
+            end, window_len, checkpoint_len = self.rules.valid_end(walk)
+        nodes = walk.nodes
+        if nodes and nodes[-1].end == end:
+            node = nodes[-1]
+            self._touch(nodes, None)
+        else:
+            node = self.tree.node_at(walk, end)
+            self._touch(node.path(), None)
+        self.counters.matches += 1
+        return MatchResult(
+            node,
+            end,
+            node.path_pages,  # the node ends at the hit's end
+            node.checkpoint if end and node.checkpoint >= 0 else None,
+            full,
+            window_len,
+            checkpoint_len,
+            full if full > end else None,
+        )
+
+    # --- insert ---------------------------------------------------------------------------
+
+    def insert(
+        self,
+        tokens: object,
+        pages: object,
+        *,
+        extra_key: Hashable = None,
+        checkpoints: Mapping[int, int] | None = None,
+        priority: int = 0,
+    ) -> InsertResult:
+        """Cache ``tokens`` (a whole number of pages) held in ``pages``, one id per page.
+
+        ``checkpoints`` maps page-aligned positions (``0 < pos <= len(tokens)``) to slots
+        holding the recurrent state after ``pos`` tokens. The cache keeps the pages and
+        slots it caches; the result names those it does not keep (duplicates of cached
+        pages, whose window pages first rebind onto cached pages that lost theirs, and
+        slots not kept): the caller frees them.
+        """
+        ps = self.page_size
+        toks = _tokens(tokens, "insert")
+        req = _page_ids(pages, "insert pages")
+        if toks.size != req.size * ps:
+            raise InsertError(
+                f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
+                "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
+            )
+        ckpts = self.checkpoints.validate(checkpoints, toks.size) if checkpoints else []
+        root = self.tree.find_root(extra_key)
+        walk = self.tree.walk(root, toks) if root is not None else None
+        full = walk.full if walk is not None else 0
+        fp = full // ps
+        cached = walk.pages if walk is not None else _EMPTY
+        req_bytes = req.tobytes()
+        dup_idx = self.dedupe.duplicates(req, req_bytes, cached)
+        dup_pages = req[dup_idx] if dup_idx.size else _EMPTY
+        gates = self.mem.gates
+        if dup_pages.size and np.count_nonzero(gates.page_pins[dup_pages]):
+            raise InsertError(
+                "insert: a duplicate page the caller must free is pinned by a move gate; release "
+                "the gate (the forward or transfer using it) before inserting"
+            )
+        slots = [slot for _, slot in ckpts]
+        if slots and np.count_nonzero(gates.slot_pins[slots]):
+            raise InsertError(
+                "insert: a checkpoint slot is pinned by a move gate; release it (the copy writing the "
+                "checkpoint) before handing it to the cache"
+            )
+
+        # --- validated: from here on nothing refuses ---
+        if walk is None:
+            walk = Walk(self._root(extra_key), [], None, 0, ps)
+        adopted = self.dedupe.adopt_windows(walk, dup_idx, dup_pages) if dup_pages.size else 0
+        nodes = walk.nodes
+        if nodes and nodes[-1].end == full:
+            last, path = nodes[-1], nodes
+        else:
+            last = self.tree.node_at(walk, full)
+            path = last.path()
+        if full < toks.size:
+            if dup_idx.size:
+                path_pages = np.concatenate([cached, req[fp:]])
+                path_pages.setflags(write=False)
+            else:  # the request's pages are the path: a read-only copy of them
+                path_pages = np.frombuffer(req_bytes, dtype=np.int64)
+            last = self.tree.add_leaf(last, toks[full:].tobytes(), path_pages)
+            self.residency.add_leaf(last)
+            path = [*path, last]
+        unused = self.checkpoints.attach(last, ckpts) if ckpts else []
+        self._touch(last.path() if ckpts else path, priority)
+        self.counters.inserts += 1
+        self.counters.duplicate_pages += int(dup_pages.size)
+        self.counters.adopted_pages += adopted
+        return InsertResult(last, full, last.path_pages, dup_pages, adopted, unused)
+
+    # --- locks and eviction ---------------------------------------------------------------
+
+    def lock(self, node: Node) -> CacheLock:
+        """Protect a hit ending at ``node.end``: full KV on the path, the window before it,
+        the checkpoint at ``node`` (if any). Give it back with ``unlock``."""
+        if not self.tree.contains(node):
+            raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
+        return self.locks.lock(node)
+
+    def unlock(self, handle: CacheLock) -> None:
+        self.locks.unlock(handle)
+
+    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+        """See ``Evictor.evict``: cells freed per pool (and whole pages under ``PAGE_NEED``)."""
+        return self.evictor.evict(needs)
+
+    # --- structure ------------------------------------------------------------------------
+
+    def _root(self, namespace: Hashable) -> Node:
+        root = self.tree.find_root(namespace)
+        if root is None:
+            hashes = [root_hash(namespace)] if self.events.enabled else None  # refuses an unnameable key first
+            root = self.tree.add_root(namespace)
+            root.hashes = hashes
+        return root
+
+    def _after_split(self, upper: Node, lower: Node) -> None:
+        upper.last_access, upper.hits = lower.last_access, lower.hits
+        upper.priority, upper.clock = lower.priority, lower.clock
+        LockTable.split(upper, lower)
+        self.residency.split(upper, lower)
+
+    def _touch(self, path: list[Node], priority: int | None) -> None:
+        self._tick += 1
+        tick, touched = self._tick, self._touched
+        for n in path:
+            n.last_access = tick
+            n.hits += 1
+            if priority is not None and priority > n.priority:
+                n.priority = priority
+            if touched is not None:
+                touched(n)
+
+    # --- reports --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        c, res = self.counters, self.residency
+        return {
+            "policy": self.policy.name,
+            "nodes": self.num_nodes,
+            "cached_tokens": self.cached_tokens,
+            "window_resident_pages": {
+                w.name: sum(n.window_resident[w.index] for n in res.window_nodes[w.index]) for w in self.rules.windows
+            },
+            "states": self.num_checkpoints,
+            "open_locks": self.open_locks,
+            "matches": c.matches,
+            "inserts": c.inserts,
+            "duplicate_pages": c.duplicate_pages,
+            "adopted_pages": c.adopted_pages,
+            "evicted_pages": c.evicted_pages,
+            "tombstoned_pages": dict(c.tombstoned),
+            "evicted_states": c.evicted_checkpoints,
+            "capped_states": c.capped_checkpoints,
+        }
+
+    def check(self) -> None:
+        """Prove the tree's invariants against the memory's host tables (tests, debugging)."""
+        from hybridkv.cache.check import check_tree
+
+        check_tree(self)

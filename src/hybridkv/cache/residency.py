@@ -1,0 +1,246 @@
+"""What the tree holds, per component: cached pages, window residency, checkpoints.
+
+The one place that changes what the cache owns: a new leaf's pages, a leaf removed whole,
+a node's window pages tombstoned or adopted, a checkpoint attached or dropped. Each change
+updates, together, the ownership masks, the per-node window counts and member sets, the
+eviction candidates (``candidates.py``), the counters and the events.
+
+Invariants (``check_tree`` proves them):
+- ``owned`` marks exactly the page ids held by a node, ``owned_slots`` exactly the
+  checkpoint slots; ``cached_pages`` counts the first. Every cached page is live and
+  resident in every full-history pool; a tombstoned window page stays in the tree.
+- ``window_nodes[i]`` is the set of nodes with a page resident in window pool ``i``
+  (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
+- Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
+  it once (window pages, then pages, then slots: an order that is always valid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from hybridkv.cache.candidates import Candidates
+from hybridkv.cache.events import CacheEvent, EventKind, EventLog, chain_hashes
+from hybridkv.cache.node import NO_CHECKPOINT, Node
+from hybridkv.cache.policies import Policy
+from hybridkv.cache.radix import RadixTree
+from hybridkv.cache.rules import ComponentKind, HitRules, PoolName, WindowRule
+from hybridkv.memory import UnifiedMemory
+
+
+class Whole(StrEnum):
+    """An eviction need that is not one pool's cells."""
+
+    PAGES = "page"
+    """Whole pages (virtual page ids short, or a cache-size cap): evicts whole leaves."""
+
+
+PAGE_NEED = Whole.PAGES
+
+
+@dataclass
+class Release:
+    """Memory frees batched over one eviction: window pages first, then pages, then slots."""
+
+    window: dict[PoolName, list[np.ndarray]] = field(default_factory=dict)
+    pages: list[np.ndarray] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def flush(self, mem: UnifiedMemory) -> None:
+        for pool, parts in self.window.items():
+            if parts:
+                mem.free_window_pages(np.concatenate(parts), pool)
+        if self.pages:
+            mem.free_pages(np.concatenate(self.pages))
+        if self.slots:
+            mem.free_state(np.asarray(self.slots, dtype=np.int64))
+
+
+@dataclass
+class CacheCounters:
+    matches: int = 0
+    inserts: int = 0
+    duplicate_pages: int = 0
+    adopted_pages: int = 0
+    evicted_pages: int = 0
+    """Full KV pages freed by eviction (whole leaves)."""
+    tombstoned: dict[PoolName, int] = field(default_factory=dict)
+    """Window pages freed by window eviction, per window pool (full KV kept)."""
+    evicted_checkpoints: int = 0
+    capped_checkpoints: int = 0
+
+
+class Residency:
+    def __init__(self, mem: UnifiedMemory, tree: RadixTree, rules: HitRules, policy: Policy, events: EventLog):
+        self.mem = mem
+        self.tree = tree
+        self.rules = rules
+        self.events = events
+        self.counters = CacheCounters(tombstoned={w.name: 0 for w in rules.windows})
+        self.owned = np.zeros(mem.pages.capacity, dtype=bool)
+        self.owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
+        self.cached_pages = 0
+        self.window_nodes: list[set[Node]] = [set() for _ in rules.windows]
+        self.checkpoint_nodes: set[Node] = set()
+        key = policy.key
+        self.full_heap = Candidates(rules.full, key, tree.leaves)
+        self.window_heaps = [Candidates(w, key, s) for w, s in zip(rules.windows, self.window_nodes, strict=True)]
+        self.checkpoint_heap = (
+            Candidates(rules.checkpoint, key, self.checkpoint_nodes) if rules.checkpoint is not None else None
+        )
+
+    def refresh(self, node: Node) -> None:
+        """Give every candidate heap ``node`` belongs to an entry with its current key (call
+        whenever a key may have dropped; hits only raise keys)."""
+        if node in self.tree.leaves:
+            self.full_heap.push(node)
+        for i, res in enumerate(node.window_resident):
+            if res:
+                self.window_heaps[i].push(node)
+        if node.checkpoint >= 0:
+            assert self.checkpoint_heap is not None
+            self.checkpoint_heap.push(node)
+
+    # --- pages ----------------------------------------------------------------------------
+
+    def add_leaf(self, node: Node) -> None:
+        """A leaf the tree just added: its pages are the cache's now."""
+        pages = node.pages
+        self.owned[pages] = True
+        self.cached_pages += pages.size
+        for w in self.rules.windows:
+            count = node.window_resident[w.index] = w.count(pages)
+            if count:
+                self.window_nodes[w.index].add(node)
+        if self.events.enabled:
+            parent = node.parent
+            assert parent is not None and parent.hashes is not None
+            node.hashes = chain_hashes(parent.hashes[-1], node.key, self.tree.page_size)
+            every = np.arange(pages.size)
+            for name in self.rules.full.pools:
+                self.emit(EventKind.STORED, name, ComponentKind.FULL_KV, node, every, with_tokens=True)
+            for w in self.rules.windows:
+                self.emit(EventKind.STORED, w.name, w.kind, node, np.flatnonzero(w.pool.resident(pages)))
+        self.refresh(node)
+
+    def remove_leaf(self, node: Node, freed: dict[str, int], release: Release) -> None:
+        """Evict a whole leaf: its pages leave every pool, its checkpoint goes too."""
+        if self.events.enabled:
+            for w in self.rules.windows:
+                if node.window_resident[w.index]:  # not tombstoned earlier in this eviction
+                    local = np.flatnonzero(w.pool.resident(node.pages))
+                    self.emit(EventKind.REMOVED, w.name, w.kind, node, local)
+        if node.checkpoint >= 0:
+            assert self.rules.checkpoint is not None
+            freed[self.rules.checkpoint.name] += 1
+            release.slots.append(self._take_checkpoint(node))
+        if self.events.enabled:
+            for name in self.rules.full.pools:
+                self.emit(EventKind.REMOVED, name, ComponentKind.FULL_KV, node, np.arange(node.pages.size))
+        new_leaf = self.tree.remove_leaf(node)
+        if new_leaf is not None:
+            self.refresh(new_leaf)
+        n = node.pages.size
+        for name in self.rules.full.pools:
+            freed[name] += n
+        freed[PAGE_NEED] += n
+        for w in self.rules.windows:
+            freed[w.name] += node.window_resident[w.index]
+            self.window_nodes[w.index].discard(node)
+        release.pages.append(node.pages)
+        self.owned[node.pages] = False
+        self.cached_pages -= n
+        self.counters.evicted_pages += n
+
+    def tombstone(self, node: Node, w: WindowRule, release: Release) -> int:
+        """Evict a node's window pages in pool ``w`` (its full KV stays); returns how many."""
+        count = node.window_resident[w.index]
+        whole = count == node.pages.size  # every page resident: no table read needed
+        release.window.setdefault(w.name, []).append(node.pages if whole else node.pages[w.pool.resident(node.pages)])
+        self.counters.tombstoned[w.name] += count
+        if self.events.enabled:
+            local = np.arange(count) if whole else np.flatnonzero(w.pool.resident(node.pages))
+            self.emit(EventKind.REMOVED, w.name, w.kind, node, local)
+        node.window_resident[w.index] = 0
+        self.window_nodes[w.index].discard(node)
+        self.refresh(node)
+        return count
+
+    def adopted(self, node: Node, w: WindowRule, local: np.ndarray) -> None:
+        """Pages ``local`` of ``node`` became resident in ``w`` again (window adoption)."""
+        node.window_resident[w.index] += int(local.size)
+        self.window_nodes[w.index].add(node)
+        self.refresh(node)
+        if self.events.enabled:
+            self.emit(EventKind.STORED, w.name, w.kind, node, local)
+
+    def split(self, upper: Node, lower: Node) -> None:
+        """Divide window counts and event names between the halves of a split node."""
+        if lower.hashes is not None:
+            kp = upper.pages.size
+            upper.hashes, lower.hashes = lower.hashes[:kp], lower.hashes[kp:]
+        for w in self.rules.windows:
+            up = w.count(upper.pages)
+            upper.window_resident[w.index] = up
+            lower.window_resident[w.index] -= up
+            if up:
+                self.window_nodes[w.index].add(upper)
+            if not lower.window_resident[w.index]:
+                self.window_nodes[w.index].discard(lower)
+        self.refresh(upper)
+        self.refresh(lower)
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def attach_checkpoint(self, node: Node, slot: int) -> None:
+        node.checkpoint = slot
+        self.owned_slots[slot] = True
+        self.checkpoint_nodes.add(node)
+        self.refresh(node)
+        if self.events.enabled:
+            self.emit_checkpoint(EventKind.STORED, node)
+
+    def drop_checkpoint(self, node: Node) -> int:
+        """Take the checkpoint off ``node``; returns its slot (the caller frees it)."""
+        slot = self._take_checkpoint(node)
+        self.refresh(node)
+        return slot
+
+    def _take_checkpoint(self, node: Node) -> int:
+        if self.events.enabled:
+            self.emit_checkpoint(EventKind.REMOVED, node)
+        slot = node.checkpoint
+        self.owned_slots[slot] = False
+        self.checkpoint_nodes.discard(node)
+        node.checkpoint = NO_CHECKPOINT
+        return slot
+
+    # --- events ---------------------------------------------------------------------------
+
+    def emit(
+        self,
+        kind: EventKind,
+        component: PoolName,
+        component_kind: ComponentKind,
+        node: Node,
+        local: np.ndarray,
+        with_tokens: bool = False,
+    ) -> None:
+        if not local.size:
+            return
+        assert node.hashes is not None and node.parent is not None and node.parent.hashes is not None
+        hashes = tuple(node.hashes[int(i)] for i in local)
+        parent_hash = tokens = None
+        if with_tokens:
+            parent_hash = node.parent.hashes[-1]
+            tokens = tuple(int(t) for t in node.key)
+        self.events.emit(CacheEvent(kind, component, component_kind, node.namespace, hashes, parent_hash, tokens))
+
+    def emit_checkpoint(self, kind: EventKind, node: Node) -> None:
+        assert node.hashes is not None and self.rules.checkpoint is not None
+        self.events.emit(
+            CacheEvent(kind, self.rules.checkpoint.name, ComponentKind.CHECKPOINT, node.namespace, (node.hashes[-1],))
+        )

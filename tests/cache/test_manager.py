@@ -1,0 +1,93 @@
+"""KVManager: allocation that evicts only what is needed and refuses only what an empty cache
+could not give; batched growth; token locations; pins that hold a request's ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv.cache import CacheError, HybridRadixCache, KVManager
+from hybridkv.memory import OutOfMemory, PinnedError
+from tests.cache.helpers import small_memory
+
+PS = 4
+
+
+def served(kvm: KVManager, base: int, n: int = 16) -> None:
+    """One request of ``n`` fresh tokens, inserted and released: the cache keeps its pages."""
+    toks = base * 1000 + np.arange(n)
+    kv = kvm.admit(kvm.match(toks))
+    kvm.extend(kv, n)
+    kvm.finish(kv, toks)
+
+
+def test_allocation_evicts_until_it_fits_and_refuses_only_beyond_an_empty_cache():
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-dense", PS)))
+    mem, cache = kvm.mem, kvm.cache
+    bases = 0
+    while mem.available_pages() >= 4:
+        bases += 1
+        served(kvm, bases)
+    assert cache.cached_pages == 4 * bases and bases > 2
+    held = kvm.alloc_pages(6)  # more than is free: evicts least recently used leaves, no more than needed
+    assert 0 < cache.counters.evicted_pages < 4 * bases
+    mem.free_pages(held)
+    with pytest.raises(OutOfMemory):
+        kvm.alloc_pages(mem.pages.capacity)  # even an empty cache could not give it
+    assert cache.cached_pages == 0, "the refusal came only once everything evictable was gone"
+    mem.verify()
+    cache.check()
+    assert mem.pages.live_count == 0
+
+
+def test_a_refused_batch_changes_no_request():
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-swa2-state", PS)))
+    a, b = (kvm.admit(kvm.match(np.arange(k, k + 8))) for k in (0, 100))
+    kvm.extend_batch([a, b], [8, 12])
+    assert (a.n_pages, b.n_pages, a.seq_len, b.seq_len) == (2, 3, 8, 12)
+    before = (a.pages.copy(), b.pages.copy(), kvm.mem.pages.live_count)
+    with pytest.raises(OutOfMemory):
+        kvm.extend_batch([a, b], [8, 10**6])
+    assert np.array_equal(a.pages, before[0]) and np.array_equal(b.pages, before[1])
+    assert (a.seq_len, b.seq_len, kvm.mem.pages.live_count) == (8, 12, before[2])
+    with pytest.raises(CacheError, match="cannot shrink"):
+        kvm.extend_batch([a, b], [12, 4])
+    assert (a.seq_len, a.n_pages) == (8, 2), "a refused batch grew none of its requests"
+    for kv in (a, b):
+        kvm.release(kv)
+    assert kvm.mem.pages.live_count == 0 and kvm.mem.slots.live_count == 0
+
+
+def test_token_locations_follow_the_row():
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-dense", PS)))
+    served(kvm, 1, 8)
+    toks = np.concatenate([1000 + np.arange(8), np.arange(5)])
+    kv = kvm.admit(kvm.match(toks))
+    assert kv.cached == 2 and kv.state_from_zero
+    kvm.extend(kv, 13)
+    locs = kv.token_locs()
+    assert locs.size == 13 and np.array_equal(locs // PS, np.repeat(kv.pages, PS)[:13])
+    assert np.array_equal(locs % PS, np.arange(13) % PS)
+    assert np.array_equal(kv.token_locs(8, 13), locs[8:])
+    with pytest.raises(CacheError, match="within the request's 13 tokens"):
+        kv.token_locs(0, 14)
+    kvm.release(kv)
+
+
+def test_a_pinned_request_keeps_its_ids_until_unpinned():
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-swa2-state", PS)))
+    toks = np.arange(16)
+    kv = kvm.admit(kvm.match(toks))
+    kvm.extend(kv, 16)
+    kvm.insert(kv, toks)  # the cache holds the pages now, this request locks them
+    gate = kvm.pin(kv)
+    assert kvm.mem.gates.page_pins[kv.pages].all() and kvm.mem.gates.slot_pins[kv.state_slot]
+    with pytest.raises(CacheError, match="unpin it first"):
+        kvm.release(kv)
+    with pytest.raises(PinnedError):
+        kvm.mem.free_state([kv.state_slot])
+    kvm.unpin(kv)
+    assert gate.is_open and not kvm.mem.gates.page_pins[kv.pages].any()
+    kvm.release(kv)
+    kvm.cache.check()
+    kvm.mem.verify()
