@@ -22,14 +22,19 @@ import numpy as np
 import torch
 
 from hybridkv.engine.allocator import RequestAllocator
-from hybridkv.engine.hf_spec import spec_from_hf_config
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampling import choose_tokens
 from hybridkv.engine.scheduler import Request, Scheduler, Step
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
-from hybridkv.spec import ModelSpec, ShardSpec
+from hybridkv.spec import ModelSpec, ShardSpec, dtype_name, from_hf_config
+
+
+def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
+    """The spec of a ``transformers`` config served in ``dtype``: K/V and conv windows (activations) in
+    ``dtype``, recurrent matrices as the config says (fp32 by default); see ``hybridkv.spec.from_hf_config``."""
+    return from_hf_config({**text_config(config).to_dict(), "dtype": dtype_name(dtype)}, name=name)
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,11 @@ class Engine:
         else:
             tensors = weights
         self.config = text_config(config)
-        self.spec = spec or spec_from_hf_config(self.config, dtype)
+        if self.config.model_type not in architectures():
+            raise ValueError(
+                f"the engine has no model for model_type {self.config.model_type!r}; it serves {architectures()}"
+            )
+        self.spec = spec or engine_spec(self.config, dtype)
         self.max_context = max_context or self.spec.max_context
         self.mem = UnifiedMemory.create(
             ShardSpec.whole(self.spec),
