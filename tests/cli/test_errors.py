@@ -32,6 +32,9 @@ BAD_INPUTS += [
     ([*REPLAY, "--limit", "0"], "--limit"),
     ([*REPLAY, "--page-size", "0"], "--page-size"),
     ([*REPLAY[:-1], "100000TiB"], "at most"),
+    (["bench", "engine", "--model", "tiny-llama"], "unknown models ['tiny-llama']"),
+    (["bench", "engine", "--requests", "0"], "--requests"),
+    (["bench", "engine", "--block-tokens", "0"], "--block-tokens"),
 ]
 
 GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'

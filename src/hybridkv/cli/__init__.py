@@ -1,6 +1,7 @@
 """Command-line interface. Each ``*_cmd`` module registers its commands on import."""
 
 from hybridkv.cli import (  # noqa: F401
+    bench_engine_cmd,
     bench_memory_cmd,
     demo_cmd,
     generate_cmd,
