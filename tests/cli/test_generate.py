@@ -99,3 +99,18 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path: Path, capsys) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, err)
         assert says in lines[0], (args, lines[0])
         assert "Traceback" not in out + err
+
+
+def test_demo_engine_section_prints_every_request_matching_transformers() -> None:
+    import io
+
+    from rich.console import Console
+
+    from hybridkv.cli.demo_cmd import engine_section
+
+    text = io.StringIO()
+    report = engine_section(Console(file=text, width=200))
+    rows = report["requests"]
+    assert isinstance(rows, list) and len(rows) == 4 and all(r["match"] for r in rows)
+    assert text.getvalue().count("match") == 4 and "MISMATCH" not in text.getvalue()
+    assert "4/4 requests token-exact" in text.getvalue()

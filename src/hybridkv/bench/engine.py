@@ -33,7 +33,7 @@ import torch
 
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.random_models import VOCAB, build_random, tiny_names
+from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers, tiny_names
 from hybridkv.memory import UnifiedMemory
 from hybridkv.traces import MOONCAKE_TRACE, load_mooncake_trace
 
@@ -172,7 +172,7 @@ def run(
         raise ValueError(f"unknown models {unknown}; choose from {tiny_names()}")
     prompts = conversation_prompts(requests, block_tokens)
     lengths = [len(p) for p in prompts]
-    with _quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
+    with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
         rows = [bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size) for m in models]
     return {
         "requests": requests,
@@ -184,15 +184,3 @@ def run(
         "goals": {"speedup": GOAL_SPEEDUP, "hybridkv_share": GOAL_SHARE},
         "models": rows,
     }
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
