@@ -69,7 +69,7 @@ def demo(
     report["pd_transfer"] = pd
 
     console.rule("4. Real computation: a tiny random Qwen3-Next served by the engine, next to transformers' generate")
-    report["engine"] = engine_section(console)
+    report["engine"] = engine_section(Console(width=max(console.width, 120)))  # one line per request
 
     (out / "demo.json").write_text(json.dumps(report, indent=1))
     console.print(f"report: {out / 'demo.json'}")
