@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
-from hybridkv.engine.engine import Engine
+from hybridkv.engine.engine import Engine, Output
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import LayoutError, OutOfMemory
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
@@ -60,7 +60,12 @@ def test_a_large_budget_needs_no_retraction() -> None:
 def test_bad_requests_fail_alone_and_the_others_stay_exact() -> None:
     engine = _engine("tiny-gemma3", 400_000, 4)
     good = PROMPTS[:3]
-    outs = engine.generate([good[0], [], good[1], [5, 256, 7], [3] * 95, good[2]], 6)
+    ended: list[tuple[int, Output]] = []
+    outs = engine.generate(
+        [good[0], [], good[1], [5, 256, 7], [3] * 95, good[2]], 6, on_output=lambda i, o: ended.append((i, o))
+    )
+    assert sorted(i for i, _ in ended) == list(range(6))  # once per request, failed ones included
+    assert all(out is outs[i] for i, out in ended)
     assert [o.finish_reason == "error" for o in outs] == [False, True, False, True, True, False]
     assert "empty prompt" in (outs[1].error or "")
     assert "outside the vocabulary [0, 256)" in (outs[3].error or "")
