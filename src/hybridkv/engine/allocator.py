@@ -2,9 +2,9 @@
 
 A request's memory is its virtual token locations (one per context token, in order), its
 state slot (models with recurrent layers) and, per sliding-window pool, how many of its
-leading pages already left that window. This is where a prefix cache plugs in: a hit would
-seed ``locs``/``slot`` from cached nodes instead of fresh allocations, and ``free`` would
-hand pages to the cache instead of the memory.
+leading pages already left that window. This is where a prefix cache plugs in: a hit at
+``admit`` would seed ``locs``/``slot`` from cached nodes instead of fresh allocations, and
+``free`` would hand pages to the cache instead of the memory.
 
 Invariants:
 - ``locs[:length]`` are live locations; ``extend`` allocates all requests of a step in one
@@ -57,7 +57,7 @@ class RequestAllocator:
         self.has_state = mem.state_pool is not None
 
     def new(self) -> RequestMemory:
-        """A request holding nothing yet (its state slot comes with its first ``extend``)."""
+        """A request holding nothing yet (its state slot comes with ``admit``, else its first ``extend``)."""
         return RequestMemory(window_pages_left={name: 0 for name in self.windows})
 
     def admit(self, req: RequestMemory, pages: int) -> bool:
