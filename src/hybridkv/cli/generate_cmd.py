@@ -74,11 +74,11 @@ def _engine(model: Path | None, random: str | None, gpu_memory: str, page_size: 
 
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
-    if model is not None:
+    if random is None:
         return Engine(model, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
     from hybridkv.engine.random_models import build_random
 
-    hf, config = build_random(random or "")
+    hf, config = build_random(random)
     return Engine(config, hf, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
 
 
