@@ -32,6 +32,9 @@ BAD_INPUTS += [
     ([*REPLAY, "--limit", "0"], "--limit"),
     ([*REPLAY, "--page-size", "0"], "--page-size"),
     ([*REPLAY[:-1], "100000TiB"], "at most"),
+    (["bench", "engine", "--model", "tiny-llama"], "unknown models ['tiny-llama']"),
+    (["bench", "engine", "--requests", "0"], "--requests"),
+    (["bench", "engine", "--block-tokens", "0"], "--block-tokens"),
 ]
 
 # transfer-plan, pd-demo, bench transfer (issue 9 items 15-17): ranges checked before any work

@@ -10,7 +10,7 @@ import torch
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.hf_spec import spec_from_hf_config
+from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.random_models import build_random
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.weights import from_hf_model
@@ -43,7 +43,7 @@ def hf_reference(name: str, ids: tuple[int, ...], max_new: int) -> tuple[list[in
 
 def make_runner(name: str, page_size: int, budget: int = 4_000_000, max_context: int = 256) -> ModelRunner:
     model = hf_model(name)
-    spec = spec_from_hf_config(model.config, torch.float32, name=name)
+    spec = engine_spec(model.config, torch.float32, name=name)
     mem = UnifiedMemory.create(
         ShardSpec.whole(spec), budget, page_size=page_size, max_context=max_context, chunk_tokens=64
     )

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.engine import Engine
+from hybridkv.engine.allocator import RequestAllocator, RequestMemory
+from hybridkv.engine.engine import Engine, Output
 from hybridkv.host_sync import HostSyncCounter
-from hybridkv.memory import LayoutError
+from hybridkv.memory import LayoutError, OutOfMemory
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 
 MODELS = ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next"]
@@ -59,7 +60,12 @@ def test_a_large_budget_needs_no_retraction() -> None:
 def test_bad_requests_fail_alone_and_the_others_stay_exact() -> None:
     engine = _engine("tiny-gemma3", 400_000, 4)
     good = PROMPTS[:3]
-    outs = engine.generate([good[0], [], good[1], [5, 256, 7], [3] * 95, good[2]], 6)
+    ended: list[tuple[int, Output]] = []
+    outs = engine.generate(
+        [good[0], [], good[1], [5, 256, 7], [3] * 95, good[2]], 6, on_output=lambda i, o: ended.append((i, o))
+    )
+    assert sorted(i for i, _ in ended) == list(range(6))  # once per request, failed ones included
+    assert all(out is outs[i] for i, out in ended)
     assert [o.finish_reason == "error" for o in outs] == [False, True, False, True, True, False]
     assert "empty prompt" in (outs[1].error or "")
     assert "outside the vocabulary [0, 256)" in (outs[3].error or "")
@@ -120,3 +126,34 @@ def test_a_spec_alone_is_refused_with_what_to_pass() -> None:
     engine = _engine("tiny-gemma3", 400_000, 4)
     with pytest.raises(TypeError, match="pass a ModelSpec as spec="):
         Engine(engine.spec, hf)
+
+
+def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nemotron-H's state (31 KB a request) binds before its KV pages do: a request is admitted only
+    when its state slot fits, so every step the allocator refuses is a real retraction (the code that
+    looked at free pages alone admitted requests whose slot could not be taken: 31 refusals, 3 retractions)."""
+    refused = []
+    extend = RequestAllocator.extend
+
+    def counting(self: RequestAllocator, reqs: list[RequestMemory], counts: list[int]) -> None:
+        try:
+            extend(self, reqs, counts)
+        except OutOfMemory:
+            refused.append(len(reqs))
+            raise
+
+    monkeypatch.setattr(RequestAllocator, "extend", counting)
+    engine = Engine(
+        hf_model("tiny-nemotron-h").config,
+        hf_model("tiny-nemotron-h"),
+        gpu_memory=250_000,
+        page_size=16,
+        chunk_size=7,
+        max_context=96,
+    )
+    empty = live_counts(engine.mem)
+    outs = engine.generate(PROMPTS, 8)
+    assert engine.stats["retractions"] > 0
+    assert len(refused) == engine.stats["retractions"]
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-nemotron-h", tuple(p), 8)[0] for p in PROMPTS]
+    assert live_counts(engine.mem) == empty

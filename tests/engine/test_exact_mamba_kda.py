@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.hf_spec import spec_from_hf_config
+from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
 from hybridkv.engine.registry import model_class
 from hybridkv.engine.runner import ModelRunner
@@ -100,7 +100,7 @@ def test_many_requests_batched_in_each_forward(name: str, page_size: int) -> Non
 
 
 def _runner(model: Any, page_size: int) -> ModelRunner:
-    spec = spec_from_hf_config(model.config, torch.float32)
+    spec = engine_spec(model.config, torch.float32)
     mem = UnifiedMemory.create(ShardSpec.whole(spec), 4_000_000, page_size=page_size, max_context=256, chunk_tokens=64)
     return ModelRunner(from_hf_model(model), mem)
 
@@ -194,8 +194,11 @@ def test_logits_are_not_trivially_small() -> None:
         assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize(("name", "state"), [("tiny-nemotron-h", "ssm_state"), ("tiny-kimi-linear", "recurrent_state")])
-def test_state_slots_hold_the_states_transformers_keeps(name: str, state: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "conv", "state"),
+    [("tiny-nemotron-h", "conv_state", "ssm_state"), ("tiny-kimi-linear", "conv_state_qkv", "recurrent_state")],
+)
+def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: str, state: str) -> None:
     """After a chunked prefill (chunks of 7), the state pool holds HF's conv window (its last K-1 inputs)
     and recurrent state after one pass over the same 40 tokens."""
     model = _model(name, MODELS[name])
@@ -216,8 +219,8 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, state: str) -
     for layer_id, hf_layer in enumerate(cache.layers):
         if not getattr(hf_layer, "is_conv_states_initialized", [False])[0]:
             continue
-        conv = runner.mem.view(layer_id, "conv_state")[cell][0]
-        torch.testing.assert_close(conv, hf_layer.conv_states[0][0, :, 1:], atol=1e-6, rtol=1e-5)
+        window = runner.mem.view(layer_id, conv)[cell][0]
+        torch.testing.assert_close(window, hf_layer.conv_states[0][0, :, 1:], atol=1e-6, rtol=1e-5)
         ours = runner.mem.view(layer_id, state)[cell][0]
         torch.testing.assert_close(ours, hf_layer.recurrent_states[0][0], atol=1e-5, rtol=1e-4)
         checked += 1

@@ -1,4 +1,5 @@
-"""The engine's spec from HF configs keeps what the layers really keep (checked against transformers' cache)."""
+"""The engine's spec (``hybridkv.spec.from_hf_config`` at the serving dtype) keeps what the layers really keep,
+checked against the cache transformers builds."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.hf_spec import HFSpecError, spec_from_hf_config
+from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import tiny_names
-from hybridkv.spec import MLA, FullAttention, Linear, NoCache, SlidingWindow
+from hybridkv.spec import MLA, FullAttention, Linear, NoCache, SlidingWindow, from_hf_config
 from tests.engine.harness import hf_model, make_runner, prompt
 
 
@@ -20,7 +21,8 @@ def _hf_cache(name: str, length: int = 20):
 
 @pytest.mark.parametrize("name", tiny_names())
 def test_spec_matches_the_cache_transformers_builds(name: str) -> None:
-    spec = spec_from_hf_config(hf_model(name).config)
+    spec = engine_spec(hf_model(name).config)
+    assert spec == from_hf_config(hf_model(name).config)  # the tiny models are fp32: no dtype override
     cache = _hf_cache(name)
     assert spec.num_layers == len(cache.layers)
     for layer, hf_layer in zip(spec.layers, cache.layers, strict=True):
@@ -35,10 +37,10 @@ def test_spec_matches_the_cache_transformers_builds(name: str) -> None:
         elif isinstance(kind, Linear):
             conv = hf_layer.conv_states[0]
             state = hf_layer.recurrent_states[0]
-            ours = {s.name: s.shape for s in kind.states}
+            window, matrix = (s.shape for s in kind.states)
             # transformers keeps `kernel` inputs, the first of which no later token reads
-            assert ours["conv_state"] == (conv.shape[1], conv.shape[2] - 1)
-            assert next(v for k, v in ours.items() if k != "conv_state") == tuple(state.shape[1:])
+            assert window == (conv.shape[1], conv.shape[2] - 1)
+            assert matrix == tuple(state.shape[1:])
         elif isinstance(kind, NoCache):
             assert not getattr(hf_layer, "is_initialized", False) or getattr(hf_layer, "keys", None) is None
 
@@ -67,9 +69,20 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
     alloc.free(req)
 
 
-def test_unknown_architecture_is_named() -> None:
-    class Config:
-        model_type = "llama"
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_served_in_bf16_kv_and_conv_windows_follow_and_recurrent_matrices_stay_fp32(name: str) -> None:
+    spec = engine_spec(hf_model(name).config, torch.bfloat16)
+    assert spec.kv_dtype == torch.bfloat16
+    linear = [layer.kind for layer in spec.layers if isinstance(layer.kind, Linear)]
+    assert linear and all([s.dtype for s in k.states] == [torch.bfloat16, torch.float32] for k in linear)
 
-    with pytest.raises(HFSpecError, match="model_type 'llama' is not served"):
-        spec_from_hf_config(Config())
+
+def test_an_architecture_without_a_model_is_refused_naming_the_served_ones() -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    assert from_hf_config(config).num_layers == 1  # the spec exists; the engine has no llama model
+    with pytest.raises(ValueError, match=r"no model for model_type 'llama'; it serves \['gemma3_text'"):
+        Engine(config, {})

@@ -2,9 +2,9 @@
 
 A request's memory is its virtual token locations (one per context token, in order), its
 state slot (models with recurrent layers) and, per sliding-window pool, how many of its
-leading pages already left that window. This is where a prefix cache plugs in: a hit would
-seed ``locs``/``slot`` from cached nodes instead of fresh allocations, and ``free`` would
-hand pages to the cache instead of the memory.
+leading pages already left that window. This is where a prefix cache plugs in: a hit at
+``admit`` would seed ``locs``/``slot`` from cached nodes instead of fresh allocations, and
+``free`` would hand pages to the cache instead of the memory.
 
 Invariants:
 - ``locs[:length]`` are live locations; ``extend`` allocates all requests of a step in one
@@ -12,6 +12,8 @@ Invariants:
   row) and either succeeds for all or changes nothing (OutOfMemory).
 - ``release_windows`` drops from a window pool exactly the pages whose every token lies
   before ``length - window + 1`` (no later query can see them); full KV stays.
+- ``admit`` takes a waiting request's state slot only when the slot and the pages its first step
+  needs both fit; otherwise nothing changes.
 - ``free`` returns every page and the state slot; a freed request holds nothing.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import OutOfMemory, UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -55,8 +57,25 @@ class RequestAllocator:
         self.has_state = mem.state_pool is not None
 
     def new(self) -> RequestMemory:
-        """A request holding nothing yet (its state slot comes with its first ``extend``)."""
+        """A request holding nothing yet (its state slot comes with ``admit``, else its first ``extend``)."""
         return RequestMemory(window_pages_left={name: 0 for name in self.windows})
+
+    def admit(self, req: RequestMemory, pages: int) -> bool:
+        """Whether ``req`` can start now: its state slot (taken here) and ``pages`` more pages fit.
+
+        Free pages alone are not enough: state slots draw on the same slabs and on their own ids.
+        """
+        if not self.has_state or req.slot is not None:
+            return pages <= self.mem.available_pages()
+        try:
+            slot = self.mem.alloc_state(1)
+        except OutOfMemory:
+            return False
+        if pages > self.mem.available_pages():
+            self.mem.free_state(slot)
+            return False
+        req.slot, req.fresh = int(slot[0]), True
+        return True
 
     def extend(self, reqs: list[RequestMemory], counts: list[int] | np.ndarray) -> None:
         """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike)."""

@@ -13,7 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,14 +22,19 @@ import numpy as np
 import torch
 
 from hybridkv.engine.allocator import RequestAllocator
-from hybridkv.engine.hf_spec import spec_from_hf_config
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampling import choose_tokens
 from hybridkv.engine.scheduler import Request, Scheduler, Step
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
-from hybridkv.spec import ModelSpec, ShardSpec
+from hybridkv.spec import ModelSpec, ShardSpec, dtype_name, from_hf_config
+
+
+def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
+    """The spec of a ``transformers`` config served in ``dtype``: K/V and conv windows (activations) in
+    ``dtype``, recurrent matrices as the config says (fp32 by default); see ``hybridkv.spec.from_hf_config``."""
+    return from_hf_config({**text_config(config).to_dict(), "dtype": dtype_name(dtype)}, name=name)
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,11 @@ class Engine:
         else:
             tensors = weights
         self.config = text_config(config)
-        self.spec = spec or spec_from_hf_config(self.config, dtype)
+        if self.config.model_type not in architectures():
+            raise ValueError(
+                f"the engine has no model for model_type {self.config.model_type!r}; it serves {architectures()}"
+            )
+        self.spec = spec or engine_spec(self.config, dtype)
         self.max_context = max_context or self.spec.max_context
         self.mem = UnifiedMemory.create(
             ShardSpec.whole(self.spec),
@@ -96,7 +105,8 @@ class Engine:
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.stats = {"steps": 0, "retractions": 0, "forward_tokens": 0}
 
-    def _check(self, prompt: list[int], max_new: int) -> str | None:
+    def check(self, prompt: list[int], max_new: int) -> str | None:
+        """Why the engine cannot serve ``prompt`` with ``max_new`` new tokens (None: it can)."""
         vocab = self.runner.model.vocab_size
         if not prompt:
             return "empty prompt: give at least one token"
@@ -119,18 +129,27 @@ class Engine:
         temperature: float = 0.0,
         seed: int = 0,
         stop_at_eos: bool = True,
+        on_output: Callable[[int, Output], None] | None = None,
     ) -> list[Output]:
-        """Outputs in input order; requests are batched continuously, prefills chunked."""
+        """Outputs in input order; requests are batched continuously, prefills chunked.
+
+        ``on_output(index, output)`` is called as each request ends (finished or failed), e.g. for progress."""
         news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         alloc = RequestAllocator(self.mem)
         sched = Scheduler(alloc, self.chunk_size, self.max_running, self.max_step_tokens)
         results: dict[int, Output] = {}
+
+        def end(index: int, out: Output) -> None:
+            results[index] = out
+            if on_output is not None:
+                on_output(index, out)
+
         for i, (prompt, max_new) in enumerate(zip(prompts, news, strict=True)):
-            error = self._check(list(prompt), max_new)
+            error = self.check(list(prompt), max_new)
             if error is not None:
-                results[i] = Output([], "error", f"request {i}: {error}")
+                end(i, Output([], "error", f"request {i}: {error}"))
             elif max_new <= 0:
-                results[i] = Output([], "length")
+                end(i, Output([], "length"))
             else:
                 sched.add(
                     Request(i, list(prompt), max_new, temperature, seed + i, self.eos if stop_at_eos else frozenset())
@@ -139,9 +158,9 @@ class Engine:
             step = sched.next_step()
             if step is not None:
                 for req in sched.complete(step, self._forward(step)):
-                    results[req.index] = Output(req.output, req.finish_reason or "length", None, req.retractions)
+                    end(req.index, Output(req.output, req.finish_reason or "length", None, req.retractions))
             for req in sched.failed:
-                results[req.index] = Output([], "error", req.error, req.retractions)
+                end(req.index, Output([], "error", req.error, req.retractions))
             sched.failed.clear()
         self.stats["retractions"] += sched.retractions
         return [results[i] for i in range(len(prompts))]

@@ -10,6 +10,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,3 +160,17 @@ def build_random(name: str) -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     return model, config
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' notes (e.g. "falling back to the reference PyTorch implementation", which
+    is the computation the engine is compared with) inside the block; its verbosity is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

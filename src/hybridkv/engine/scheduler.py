@@ -2,7 +2,8 @@
 
 Every step runs all running requests together: each feeds its next uncomputed tokens (up
 to ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; waiting
-requests are admitted while the memory's free pages cover their first chunk. Memory for a
+requests are admitted while the memory holds their state slot and pages for their first
+chunk (``RequestAllocator.admit``; the first request of an empty batch always starts). Memory for a
 step comes from one ``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` the
 most recently admitted request is retracted: its memory is freed, it returns to the front
 of the queue (counted as a retraction when it held memory), and later recomputes its
@@ -89,7 +90,7 @@ class Scheduler:
             req = self.waiting[0]
             span = self._span(req, budget)
             need = -(-span // ps) + len(self.running)  # its first chunk, and a page per running decode
-            if self.running and need > self.alloc.mem.available_pages():
+            if not self.alloc.admit(req.mem, need) and self.running:
                 return
             self.running.append(self.waiting.popleft())
             budget -= span

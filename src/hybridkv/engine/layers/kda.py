@@ -3,7 +3,7 @@
 Per step: q, k, v projections -> causal conv (continuing each request's conv window) ->
 KDA (continuing its recurrent matrix) with a per-channel forget gate ``g`` and a per-head
 ``beta``; a sigmoid-gated RMS norm per head; ``o_proj``. The two state tensors live only in
-the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, 3 * heads * head_dim,
+the memory's state pool: ``mem.view(layer_id, "conv_state_qkv")`` ``(cells, 3 * heads * head_dim,
 kernel - 1)`` and ``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim,
 head_dim)``, indexed by the step's state cells; a request with ``fresh_state`` starts from zeros.
 
@@ -83,9 +83,9 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))
         out = x.new_empty(t, self.heads, self.head_dim)
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx, group.rows)
+            window, state = read_states(mem, self.layer_id, ("conv_state_qkv", "recurrent_state"), ctx, group.rows)
             out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
-            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, recurrent_state=state)
+            write_states(mem, self.layer_id, ctx, group.rows, conv_state_qkv=window, recurrent_state=state)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
 

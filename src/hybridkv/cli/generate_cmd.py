@@ -1,0 +1,152 @@
+"""``hybridkv generate``: serve a file of token prompts through the reference engine.
+
+Which errors are whose:
+- Refused before any generation, one ``error:`` line, exit 2 (``main``'s error path): a missing
+  ``--model`` directory or ``--prompts`` file, a model directory without ``config.json`` or
+  ``*.safetensors`` or with weights that do not fit, a line that is not ``{"prompt_ids": [int, ...]}``,
+  and every prompt the engine would refuse (``Engine.check``: empty, ids outside the vocabulary,
+  prompt + ``--max-new-tokens`` beyond the context; the message names the file line), a budget
+  below one request's floor, and bad option values (typer ``min=``, ``cli/params.py``).
+  A file is checked as a whole, so a bad line costs nothing but the model load.
+- Reported per request while the others finish (``error`` in the output, exit 0): what only
+  happens while serving, i.e. a request that does not fit the memory budget even alone.
+
+Output (``--json``): one object; ``requests`` in input order, each ``output_ids``,
+``finish_reason`` (``length``, ``eos`` or ``error``) and ``error`` (null when none); ``totals``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import typer
+
+from hybridkv.cli.app import app
+from hybridkv.cli.params import byte_size
+from hybridkv.engine.random_models import tiny_names
+
+
+class PromptFileError(ValueError):
+    """A prompts file the engine cannot serve as a whole (names the file and line)."""
+
+
+class _PromptLine(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_ids: list[int]
+
+
+_PROMPT_LINE = msgspec.json.Decoder(_PromptLine)
+
+
+def read_prompts(path: Path) -> list[tuple[int, list[int]]]:
+    """``(line number, prompt_ids)`` of every non-blank line of a JSONL file, schema-checked."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PromptFileError(f"cannot read prompts file {str(path)!r}: {exc.strerror or exc}") from None
+    prompts = []
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append((lineno, _PROMPT_LINE.decode(line).prompt_ids))
+        except msgspec.DecodeError as exc:  # ValidationError included
+            raise PromptFileError(
+                f'{path}:{lineno}: not a prompt line ({exc}); write {{"prompt_ids": [token ids]}}'
+            ) from None
+    if not prompts:
+        raise PromptFileError(f'{path}: holds no prompts; write one {{"prompt_ids": [...]}} object per line')
+    return prompts
+
+
+def _random_name(value: str | None) -> str | None:
+    if value is not None and value not in tiny_names():
+        raise typer.BadParameter(f"{value!r} is not a tiny random model; choose one of {', '.join(tiny_names())}")
+    return value
+
+
+def _engine(model: Path | None, random: str | None, gpu_memory: str, page_size: int, chunk_size: int) -> Any:
+    from hybridkv.engine.engine import Engine
+
+    if (model is None) == (random is None):
+        raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
+    if random is None:
+        return Engine(model, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
+    from hybridkv.engine.random_models import build_random
+
+    hf, config = build_random(random)
+    return Engine(config, hf, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
+
+
+@app.command()
+def generate(
+    prompts: Path = typer.Option(
+        ..., "--prompts", exists=True, dir_okay=False, help='JSONL file, one {"prompt_ids": [...]} per line.'
+    ),
+    model: Path = typer.Option(
+        None, "--model", exists=True, file_okay=False, help="Directory with config.json + *.safetensors."
+    ),
+    random: str = typer.Option(
+        None, "--random", callback=_random_name, help=f"A tiny random model: {', '.join(tiny_names())}."
+    ),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (request i draws with seed + i)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
+    lines = read_prompts(prompts)
+    engine = _engine(model, random, gpu_memory, page_size, chunk_size)
+    bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
+    if bad:
+        more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
+        raise PromptFileError(f"{prompts}:{bad[0][0]}: {bad[0][1]}{more}")
+
+    ids = [p for _, p in lines]
+    start = time.perf_counter()
+    if not as_json and sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("generating", total=len(ids))
+            outs = engine.generate(
+                ids,
+                max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+                on_output=lambda i, out: progress.advance(task),
+            )
+    else:
+        outs = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.output_ids) for o in outs)
+    totals = {
+        "requests": len(outs),
+        "errors": sum(o.error is not None for o in outs),
+        "prompt_tokens": sum(len(p) for p in ids),
+        "output_tokens": produced,
+        "seconds": round(seconds, 4),
+        "output_tokens_per_s": round(produced / seconds, 1) if seconds > 0 else None,
+        "steps": engine.stats["steps"],
+        "retractions": engine.stats["retractions"],
+    }
+    if as_json:
+        requests = [{"output_ids": o.output_ids, "finish_reason": o.finish_reason, "error": o.error} for o in outs]
+        typer.echo(json.dumps({"model": engine.spec.name, "requests": requests, "totals": totals}))
+        return
+    for i, out in enumerate(outs):
+        text = out.error if out.error is not None else " ".join(map(str, out.output_ids))
+        typer.echo(f"request {i} ({len(ids[i])} prompt tokens, {out.finish_reason}): {text}")
+    typer.echo(
+        f"{totals['requests']} requests, {produced} tokens in {seconds:.2f} s "
+        f"({totals['output_tokens_per_s']} tokens/s), {totals['steps']} steps, "
+        f"{totals['retractions']} retractions, {totals['errors']} errors"
+    )
