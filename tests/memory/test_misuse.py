@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridkv.memory import InvalidIds, LayoutError, OutOfMemory, PinnedError, UnifiedMemory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, ShardSpec, WindowPool, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
 
@@ -71,10 +71,10 @@ def test_bad_extend_and_decode_arguments(mem):
 
 def test_window_misuse(mem):
     pages = mem.alloc_pages(2)
-    mem.free_window_pages(pages[:1], "swa:8")
-    assert_refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], "swa:8")
-    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, "full")
-    assert_refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], "swa:8")
+    mem.free_window_pages(pages[:1], WindowPool(8))
+    assert_refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], WindowPool(8))
+    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, FULL_POOL)
+    assert_refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], WindowPool(8))
 
 
 def test_pinned_pages_cannot_be_freed(mem):

@@ -121,4 +121,4 @@ def test_bad_configs_get_clear_errors():
     with pytest.raises(ValueError, match="window must be positive"):
         SlidingWindow(0, 1, 8, 8)
     with pytest.raises(ValueError, match="not divisible by TP size 3"):
-        StateTensor("ssm", (4, 8), torch.float32).shard(3)
+        StateTensor("ssm", (4, 8), torch.float32, tp_dim=0).shard(3)
