@@ -125,3 +125,16 @@ def test_a_double_free_inside_a_free_group_frees_nothing(mem):
         mem.free(b)  # the same pages again
     assert_unchanged(before, mem)
     mem.verify()
+
+
+def test_taking_more_cells_than_are_free_is_refused_with_the_package_error(mem):
+    pages = mem.alloc_pages(2)
+    mem.free_pages(pages[:1])  # the full pool keeps the slab, with a free cell in it
+    pool = mem.pools[FULL_POOL]
+    assert pool.free_count > 0
+    assert_refused(mem, OutOfMemory, "reserve cells through the slab broker", pool.take_cells, pool.free_count + 1)
+    owned = frozenset(int(s) for s in pool.owned_slabs())
+    assert_refused(mem, OutOfMemory, "outside slabs", pool.take_cells, 1, owned)
+    with pytest.raises(OutOfMemory) as refused:
+        pool.take_cells(pool.free_count + 2)
+    assert refused.value.short == {FULL_POOL: 2}

@@ -45,6 +45,7 @@ from hybridkv.spec.pools import (
     LatentPool,
     PoolId,
     PoolIdError,
+    Positions,
     RecurrentPool,
     WindowPool,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "Parallel",
     "PoolId",
     "PoolIdError",
+    "Positions",
     "PresetError",
     "RecurrentPool",
     "ShardSpec",
