@@ -151,7 +151,7 @@ def test_each_state_tensor_takes_its_tp_split_from_its_own_record():
     }
 
     del recurrent["tp_split"]
-    with pytest.raises(PresetError, match="needs 'dims' .* and 'tp_split'"):
+    with pytest.raises(PresetError, match=r"needs 'dims' .* and 'tp_split'"):
         spec_from_record(record)
     recurrent["tp_split"] = "channels"
     with pytest.raises(PresetError, match="tp_split 'channels' is not one of its dims"):
