@@ -19,7 +19,9 @@ from typing import Protocol
 import numpy as np
 
 
-class _Event(Protocol):
+class DoneEvent(Protocol):
+    """What a gate may wait on: anything with a non-blocking ``query()`` (``torch.cuda.Event``)."""
+
     def query(self) -> bool: ...
 
 
@@ -34,7 +36,7 @@ class GateStatus(Enum):
 class MoveGate:
     pages: np.ndarray
     slots: np.ndarray
-    event: _Event | None = None
+    event: DoneEvent | None = None
     _registry: GateRegistry | None = field(default=None, repr=False)
 
     @property
@@ -59,7 +61,7 @@ class GateRegistry:
         self.slot_pins = np.zeros(slot_capacity, dtype=np.int64)
         self._pinning: list[MoveGate] = []
 
-    def pin(self, pages: np.ndarray, slots: np.ndarray, event: _Event | None) -> MoveGate:
+    def pin(self, pages: np.ndarray, slots: np.ndarray, event: DoneEvent | None) -> MoveGate:
         gate = MoveGate(pages.copy(), slots.copy(), event, self)
         np.add.at(self.page_pins, gate.pages, 1)
         np.add.at(self.slot_pins, gate.slots, 1)

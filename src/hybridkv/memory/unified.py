@@ -38,7 +38,7 @@ import torch
 
 from hybridkv.memory.arena import Arena
 from hybridkv.memory.errors import InvalidIds, OutOfMemory, PinnedError
-from hybridkv.memory.gates import GateRegistry, MoveGate
+from hybridkv.memory.gates import DoneEvent, GateRegistry, MoveGate
 from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.mirror import to_index
 from hybridkv.memory.pool import SubPool
@@ -560,7 +560,9 @@ class UnifiedMemory:
         for pool in self.pools.values():
             pool.flush_tables()
 
-    def pin(self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: object = None) -> MoveGate:
+    def pin(
+        self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: DoneEvent | None = None
+    ) -> MoveGate:
         """Pin ids against moves and frees until ``release()`` (or until ``event`` completes)."""
         p = _host_ids(pages if pages is not None else _EMPTY, "pin pages")
         s = _host_ids(slots if slots is not None else _EMPTY, "pin slots")
@@ -568,7 +570,7 @@ class UnifiedMemory:
             self.pages.check_live(distinct(p), "pin")
         if s.size:
             self.slots.check_live(distinct(s), "pin")
-        return self.gates.pin(p, s, event)  # type: ignore[arg-type]
+        return self.gates.pin(p, s, event)
 
     # --- compaction -----------------------------------------------------------------------
 

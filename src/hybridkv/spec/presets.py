@@ -56,6 +56,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
         base = int(layers_info["index_base"])
         num_layers = int(record["num_layers"])
         ids_by_kind: dict[str, list[int]] = layers_info["ids_by_kind"]
+        max_context = int(record.get("max_context") or record["max_position_embeddings"])
     except (KeyError, TypeError, ValueError) as exc:
         raise PresetError(f"preset {name!r}: missing or bad field: {exc}") from exc
 
@@ -78,7 +79,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
         name=name,
         layers=tuple(Layer(i, k) for i, k in enumerate(kinds) if k is not None),
         kv_dtype=dtype,
-        max_context=int(record.get("max_context") or record.get("max_position_embeddings")),
+        max_context=max_context,
         source=record.get("hf_id", ""),
     )
     _check_published_bytes(spec, record)
