@@ -79,19 +79,19 @@ C = 8
 PS = 4
 
 
-def model() -> ModelSpec:
-    local = ChunkedLocal(C, 4, 8, 8)
+def model(chunk: int = C) -> ModelSpec:
+    local = ChunkedLocal(chunk, 4, 8, 8)
     layers = [local, FullAttention(2, 8, 8), SlidingWindow(8, 2, 8, 8), local]
     return ModelSpec.from_kinds("tiny-chunked", layers, kv_dtype=torch.float32, max_context=64)
 
 
-def make(budget: int = 300_000) -> UnifiedMemory:
-    return UnifiedMemory.create(ShardSpec.whole(model()), budget, page_size=PS, max_context=64, chunk_tokens=16)
+def make(chunk: int = C) -> UnifiedMemory:
+    return UnifiedMemory.create(ShardSpec.whole(model(chunk)), 300_000, page_size=PS, max_context=64, chunk_tokens=16)
 
 
-def needed_positions(seq_len: int) -> set[int]:
+def needed_positions(seq_len: int, chunk: int = C) -> set[int]:
     """From the attention pattern itself: what the token at ``seq_len`` reads of the past."""
-    return {q for q in range(seq_len) if q // C == seq_len // C}
+    return {q for q in range(seq_len) if q // chunk == seq_len // chunk}
 
 
 def test_the_pool_id_is_typed_and_reads_back_from_its_display_form():
@@ -146,17 +146,17 @@ def test_tp_shards_it_like_any_per_head_attention():
     assert ChunkedLocal(C, 4, 8, 8).recompute_flops_per_token(21) == 2 * 4 * 16 * (21 % C + 1)
 
 
-def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads():
-    mem = make()
+@pytest.mark.parametrize("size", [C, 6])  # chunks aligned to pages, and not
+def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads(size):
+    mem = make(size)
     row = mem.alloc(30)
     pages = row[::PS] // PS
-    chunk, window = ChunkPool(C), WindowPool(8)
-    for seq_len in (5, 16, 21, 24, 30):
+    chunk, window = ChunkPool(size), WindowPool(8)
+    for seq_len in (5, 16, 18, 21, 24, 30):
         mem.free_outside_span(pages, seq_len)
         mem.verify()
-        page_of = {q: q // PS for q in range(30)}
-        keep = {page_of[q] for q in needed_positions(seq_len)}
-        # every page at or after the span start stays, even one the span has not reached yet
+        keep = {q // PS for q in needed_positions(seq_len, size)}
+        # pages from the span start on stay, and the page the next token writes (position seq_len)
         first_kept = min(keep) if keep else seq_len // PS
         expect = np.arange(pages.size) >= first_kept
         assert np.array_equal(mem.resident(pages, chunk), expect), seq_len

@@ -431,7 +431,7 @@ class UnifiedMemory:
         self.pages.check_live(arr, "free_outside_span")
         releases = []
         for pool in self.window_pools:
-            behind = arr[: pool.pool_id.first_needed(seq_len) // ps]
+            behind = arr[: pool.pool_id.page_span(seq_len, ps)[0]]
             releases.append((pool, behind[pool.resident(behind)]))
         for _, pages in releases:  # decide, then act: a pinned page refuses the whole call
             if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():

@@ -117,6 +117,13 @@ class PoolId:
         """Token positions ``[start, end)`` a continuation at ``seq_len`` needs resident."""
         return self.first_needed(seq_len), seq_len
 
+    def page_span(self, seq_len: int, page_size: int) -> tuple[int, int]:
+        """Row pages ``[first, end)`` a token pool keeps for a continuation at ``seq_len``
+        (row page ``k`` holds positions ``[k * page_size, (k + 1) * page_size)``): the pages
+        of the needed tokens, and a partly filled last page, which the next token writes.
+        Pages before ``first`` may leave the pool (and be sent by no transfer)."""
+        return self.first_needed(seq_len) // page_size, -(-seq_len // page_size)
+
     @property
     def keeps_history(self) -> bool:
         """A token pool that keeps every token of a live page (full-history pool)."""
