@@ -31,6 +31,7 @@ def hot_path(mem: UnifiedMemory) -> None:
     mem.page_cells(a[::ps] // ps, FULL_POOL)
     if mem.window_pools:
         mem.free_window_pages(a[:ps:ps] // ps)
+    mem.free_outside_span(a[::ps] // ps, a.size)
     slots = mem.alloc_state(2)
     forked = mem.fork_state(slots[:1])
     mem.free_state(np.concatenate([slots, forked]))
