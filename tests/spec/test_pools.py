@@ -100,3 +100,14 @@ def test_layouts_agree_with_what_each_kind_says(name):
                 for t in kind.cell_tensors(lay.page_size, model.kv_dtype) if kind.pool_id == pool else ():
                     seg = lay.segment(lid, t.name)
                     assert (seg.shape, seg.dtype, seg.tp_dim) == (t.shape, t.dtype, t.tp_dim)
+
+
+def test_recompute_cost_follows_each_pools_history_rule():
+    qwen = get_preset("Qwen3-Next-80B-A3B-Instruct")  # 12 full-attention layers, 36 GatedDeltaNet
+    full = [qwen.recompute_flops_per_token(FULL_POOL, p) for p in (0, 99, 999)]
+    assert full == [12 * 2 * 2 * (256 + 256) * (p + 1) for p in (0, 99, 999)]  # grows with the history
+    state = {qwen.recompute_flops_per_token(RECURRENT_POOL, p) for p in (0, 99, 999)}
+    assert state == {36 * 2 * (8192 * 3 + 32 * 128 * 128)}  # one update of the state, any position
+    gemma = get_preset("Gemma-3-27B-IT")
+    window = [gemma.recompute_flops_per_token(WindowPool(1024), p) for p in (10, 1023, 5000)]
+    assert window[0] < window[1] == window[2]  # capped at the window
