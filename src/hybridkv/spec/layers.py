@@ -158,7 +158,7 @@ class LayerKind(ABC):
 
         Attention kinds count the score and value products against the history their
         rule keeps (a lower bound: projections, which every kind pays alike, are left
-        out); recurrent kinds count one multiply-add per state element.
+        out); recurrent kinds count one multiply-add (2 FLOPs) per state element.
         """
 
     def bytes_per_token(self, kv_dtype: torch.dtype) -> int:
