@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hybridkv.memory.arena import FREE_SLAB
-from hybridkv.memory.pool import FREE, LIVE, UNUSABLE, SubPool
+from hybridkv.memory.pool import FREE, LIVE, UNUSABLE, CellStatus, SubPool
 from hybridkv.memory.virtual import VirtualIds
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> in
     usable = pool.usable(cells)
     if ((status != UNUSABLE) != usable).any():
         c = int(cells[np.argmax((status != UNUSABLE) != usable)])
-        _fail(f"{name}: cell {c} status {pool.status[c]} disagrees with slab ownership")
+        _fail(f"{name}: cell {c} is {CellStatus(pool.status[c]).name} but slab ownership disagrees")
     live = cells[status == LIVE]
     free = cells[status == FREE]
     if live.size != pool.live_count or free.size != pool.free_count:
@@ -71,7 +71,7 @@ def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> in
     mapped = pool.p2v[cells] >= 0
     if (mapped != (status == LIVE)).any():
         c = int(cells[np.argmax(mapped != (status == LIVE))])
-        _fail(f"{name}: cell {c} is {'mapped' if mapped[c - 1] else 'unmapped'} but status {pool.status[c]}")
+        _fail(f"{name}: cell {c} is {'mapped' if mapped[c - 1] else 'unmapped'} but {CellStatus(pool.status[c]).name}")
     if (pool.v2p[pool.p2v[live]] != live).any():
         _fail(f"{name}: v2p[p2v[c]] != c for a live cell")
     bound = np.flatnonzero(pool.v2p >= 0)
