@@ -32,7 +32,12 @@ def small_memory(preset: str, page_size: int = 4, budget: int | None = None) -> 
 
 def oracle_for(cache: HybridRadixCache) -> Oracle:
     comps = cache.comps
-    return Oracle(cache.page_size, {w.name: w.window for w in comps.windows}, comps.history, comps.state)
+    return Oracle(
+        cache.page_size,
+        {str(w.pool_id): w.window for w in comps.windows},
+        tuple(str(p) for p in comps.history),
+        None if comps.state is None else str(comps.state),
+    )
 
 
 def nodes_of(cache: HybridRadixCache) -> list[tuple[Hashable, tuple[int, ...], Node]]:
@@ -53,15 +58,15 @@ def assert_oracle_matches_tree(cache: HybridRadixCache, oracle: Oracle) -> None:
     """The event-fed oracle holds exactly the tree's pages, window residency and states."""
     ps = cache.page_size
     full: set = set()
-    window: dict[str, set] = {w.name: set() for w in cache.comps.windows}
+    window: dict[str, set] = {str(w.pool_id): set() for w in cache.comps.windows}
     states: set = set()
     for ns, tokens, node in nodes_of(cache):
         for i in range(node.pages.size):
             key = (ns, tokens[: node.start + (i + 1) * ps])
             full.add(key)
             for w in cache.comps.windows:
-                if cache.mem.pools[w.name].resident(node.pages[i : i + 1])[0]:
-                    window[w.name].add(key)
+                if cache.mem.pools[w.pool_id].resident(node.pages[i : i + 1])[0]:
+                    window[str(w.pool_id)].add(key)
         if node.state >= 0:
             states.add((ns, tokens))
     assert full == oracle.full, "events disagree with the tree's full-KV pages"

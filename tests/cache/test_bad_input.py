@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import CacheError, HybridRadixCache, InsertError, LockError, RequestKV
+from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, InsertError, LockError, RequestKV
 from tests.cache.helpers import small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -43,7 +43,7 @@ def test_unlock_without_lock(cache):
 
 def test_lock_of_a_node_not_in_the_cache(cache):
     node = cache.match_prefix(np.arange(16)).node
-    cache.evict({"page": 100})
+    cache.evict({PAGE_NEED: 100})
     assert_refused(cache, LockError, "not in this cache", cache.lock, node)
     other = HybridRadixCache(small_memory("tiny-swa2-state", PS))
     row = other.alloc_pages(1)

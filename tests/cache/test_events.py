@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridkv.cache import EventKind, HybridRadixCache
+from hybridkv.cache import PAGE_NEED, EventKind, HybridRadixCache
 from hybridkv.cache.events import chain_hashes, root_hash
+from hybridkv.spec import RECURRENT_POOL, WindowPool
 from tests.cache.helpers import assert_oracle_matches_tree, oracle_for, small_memory
 
 PS = 4
@@ -20,7 +21,7 @@ def test_event_sequence_of_insert_tombstone_and_eviction():
     router = oracle_for(cache)
     toks = np.arange(24)
     row = cache.alloc_pages(6)
-    cache.mem.free_window_pages(row[:2], "swa:8")
+    cache.mem.free_window_pages(row[:2], WindowPool(8))
     cache.insert(toks, row, states={24: int(cache.alloc_state(1)[0])})
     events = cache.events.drain()
     assert kinds(events) == [
@@ -45,7 +46,7 @@ def test_event_sequence_of_insert_tombstone_and_eviction():
     router.apply(events)
     assert_oracle_matches_tree(cache, router)
 
-    cache.evict({"page": 100, "state": 1})
+    cache.evict({PAGE_NEED: 100, RECURRENT_POOL: 1})
     events = cache.events.drain()
     assert {e.kind for e in events} == {EventKind.REMOVED}
     router.apply(events)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import POLICIES, CacheError, HybridRadixCache
+from hybridkv.cache import PAGE_NEED, POLICIES, CacheError, HybridRadixCache
 from hybridkv.memory import OutOfMemory, UnifiedMemory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, ShardSpec, WindowPool, get_preset
 
 PS = 16
 
@@ -46,7 +46,7 @@ def test_lru_evicts_least_recently_used_leaf():
     for b in (1, 2, 3):
         put(cache, seq(b))
     cache.match_prefix(seq(1))
-    assert cache.evict({"full": 2}) == {"full": 2, "page": 2}
+    assert cache.evict({FULL_POOL: 2}) == {FULL_POOL: 2, PAGE_NEED: 2}
     assert survivors(cache, [1, 2, 3]) == [1, 3]
     cache.check()
 
@@ -58,9 +58,9 @@ def test_lfu_evicts_fewest_hits():
     for _ in range(3):
         cache.match_prefix(seq(1))
     cache.match_prefix(seq(3))
-    cache.evict({"full": 2})
+    cache.evict({FULL_POOL: 2})
     assert survivors(cache, [1, 2, 3]) == [1, 3]
-    cache.evict({"full": 2})
+    cache.evict({FULL_POOL: 2})
     assert survivors(cache, [1, 2, 3]) == [1]
 
 
@@ -68,9 +68,9 @@ def test_priority_evicts_lowest_priority_first():
     cache = make("priority")
     for b, prio in ((1, 5), (2, 1), (3, 3)):
         put(cache, seq(b), priority=prio)
-    cache.evict({"full": 2})
+    cache.evict({FULL_POOL: 2})
     assert survivors(cache, [1, 2, 3]) == [1, 3]
-    cache.evict({"full": 2})
+    cache.evict({FULL_POOL: 2})
     assert survivors(cache, [1, 2, 3]) == [1]
 
 
@@ -85,7 +85,7 @@ def test_cost_policy_keeps_expensive_recompute_where_lru_would_not():
         put(cache, deep)
         put(cache, shallow)
         cache.match_prefix(deep[:1024])  # keep the long prefix warm under both policies
-        cache.evict({"full": 1})
+        cache.evict({FULL_POOL: 1})
         results[policy] = (cache.match_prefix(deep).length, cache.match_prefix(shallow).length)
         cache.check()
     assert results["lru"] == (1024, 16)  # LRU drops the older, expensive leaf
@@ -97,10 +97,10 @@ def test_locked_entries_are_never_evicted():
     put(cache, seq(1))
     put(cache, seq(2))
     lock = cache.lock(cache.match_prefix(seq(1)).node)
-    assert cache.evict({"full": 100}) == {"full": 2, "page": 2}
+    assert cache.evict({FULL_POOL: 100}) == {FULL_POOL: 2, PAGE_NEED: 2}
     assert survivors(cache, [1, 2]) == [1]
     cache.unlock(lock)
-    assert cache.evict({"page": 100}) == {"full": 2, "page": 2}
+    assert cache.evict({PAGE_NEED: 100}) == {FULL_POOL: 2, PAGE_NEED: 2}
     assert cache.cached_tokens == 0
     cache.check()
     cache.mem.verify()
@@ -135,7 +135,7 @@ def test_bad_needs_are_refused():
     cache = make()
     put(cache, seq(1))
     with pytest.raises(CacheError, match="unknown need \\['swa:8'\\]"):
-        cache.evict({"swa:8": 1})
+        cache.evict({WindowPool(8): 1})
     with pytest.raises(CacheError, match=">= 0"):
-        cache.evict({"full": -1})
+        cache.evict({FULL_POOL: -1})
     assert cache.cached_pages == 2

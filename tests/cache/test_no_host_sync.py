@@ -7,6 +7,7 @@ import numpy as np
 
 from hybridkv.cache import HybridRadixCache, RequestKV
 from hybridkv.host_sync import HostSyncCounter
+from hybridkv.spec import FULL_POOL, RECURRENT_POOL, WindowPool
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -25,7 +26,7 @@ def test_hot_path_makes_no_host_sync():
             slot = cache.fork_state([match.state]) if match.state is not None else cache.alloc_state(1)
             for w, pages in zip(cache.comps.windows, kv.window_release(), strict=True):
                 if pages.size:
-                    mem.free_window_pages(pages, w.name)
+                    mem.free_window_pages(pages, w.pool_id)
             end = toks.size - toks.size % PS
             ckpt = {end: int(cache.alloc_state(1)[0])} if end > match.length else {}
             kv.settle(cache.insert(toks[:end], kv.pages[: end // PS], extra_key=i % 2, states=ckpt))
@@ -34,7 +35,7 @@ def test_hot_path_makes_no_host_sync():
             mem.free_state(slot)
             kv.unlock()
             if i % 7 == 6:
-                cache.evict({"swa:8": 3, "state": 2, "full": 2})
+                cache.evict({WindowPool(8): 3, RECURRENT_POOL: 2, FULL_POOL: 2})
             mem.flush_tables()
     assert syncs.total == 0, dict(syncs.counts)
     assert cache.counters.inserts == 40 and cache.counters.matches == 40

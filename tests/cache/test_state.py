@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridkv.cache import HybridRadixCache
+from hybridkv.spec import RECURRENT_POOL
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -45,15 +46,15 @@ def test_fork_copies_the_checkpoint_and_leaves_it_untouched(cache):
     toks = np.arange(16)
     _, states = put(cache, toks, at=[16])
     mem = cache.mem
-    layer = mem.state_pool.layout.layer_ids[0]
+    layer = mem.pools[RECURRENT_POOL].layout.layer_ids[0]
     view = mem.view(layer, "recurrent_state")
-    ckpt = mem.page_cells([states[16]], "state")
+    ckpt = mem.page_cells([states[16]], RECURRENT_POOL)
     view[ckpt] = torch.randn_like(view[ckpt])
     before = view[ckpt].clone()
     m = cache.match_prefix(toks)
     lock = cache.lock(m.node)
     (fork,) = cache.fork_state([m.state])
-    mine = mem.page_cells([fork], "state")
+    mine = mem.page_cells([fork], RECURRENT_POOL)
     assert fork != m.state and torch.equal(view[mine], before)
     view[mine] += 1.0  # the request advances its own copy
     assert torch.equal(view[ckpt], before)
@@ -87,11 +88,11 @@ def test_state_lock_protects_only_its_node(cache):
     m = cache.match_prefix(toks[:16])
     lock = cache.lock(m.node)
     assert [n.state_lock for n in m.node.path()] == [0, 1]
-    assert cache.evict({"state": 3}) == {"state": 2}  # 8 and 24 go; 16 is locked
+    assert cache.evict({RECURRENT_POOL: 3}) == {RECURRENT_POOL: 2}  # 8 and 24 go; 16 is locked
     assert m.node.state == states[16]
     assert cache.match_prefix(toks).length == 16
     cache.unlock(lock)
-    assert cache.evict({"state": 3}) == {"state": 1}
+    assert cache.evict({RECURRENT_POOL: 3}) == {RECURRENT_POOL: 1}
     assert cache.match_prefix(toks).length == 0 and cache.cached_tokens == 24  # full KV stays
     cache.check()
     cache.mem.verify()
@@ -117,7 +118,7 @@ def test_checkpoint_above_another_keeps_cost_keys_consistent():
     _, deep = put(cache, toks, at=[24])
     put(cache, toks[:8], at=[8])  # does not touch the node ending at 24
     cache.check()  # every checkpoint has a heap entry at or below its current key
-    assert cache.evict({"state": 1}) == {"state": 1}
+    assert cache.evict({RECURRENT_POOL: 1}) == {RECURRENT_POOL: 1}
     # per byte, the checkpoint at 8 saves 8 tokens, the one at 24 the 16 tokens since 8
     assert cache.match_prefix(toks[:8]).length == 0
     assert cache.match_prefix(toks).state == deep[24]

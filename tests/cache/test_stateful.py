@@ -18,8 +18,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hybridkv.cache import CacheLock, HybridRadixCache, InsertError, LockError, RequestKV
+from hybridkv.cache import PAGE_NEED, CacheLock, HybridRadixCache, InsertError, LockError, RequestKV
 from hybridkv.memory import OutOfMemory
+from hybridkv.spec import PoolId
 from tests.cache.helpers import assert_oracle_matches_tree, oracle_for, small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -123,14 +124,14 @@ class CacheMachine(RuleBasedStateMachine):
         if release_window:
             for w, pages in zip(self.cache.comps.windows, kv.window_release(), strict=True):
                 if pages.size:
-                    self.mem.free_window_pages(pages, w.name)
+                    self.mem.free_window_pages(pages, w.pool_id)
         self.running.append(req)
 
     def _insert(self, req: Running):
         end = self.aligned(len(req.tokens))
         n = end // self.page_size
         row = req.kv.pages[:n].copy()
-        resident = {w.name: self.mem.resident(row, w.name).tolist() for w in self.cache.comps.windows}
+        resident = {str(w.pool_id): self.mem.resident(row, w.pool_id).tolist() for w in self.cache.comps.windows}
         result = self.cache.insert(
             np.asarray(req.tokens[:end], dtype=np.int64),
             row,
@@ -174,12 +175,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(pool=st.integers(0, 9), count=st.integers(1, 12))
     def evict(self, pool, count):
-        names = sorted(self.cache.comps.pool_names | {"page"})
+        names = [*sorted(self.cache.comps.pool_ids, key=PoolId.sort_key), PAGE_NEED]
         name = names[pool % len(names)]
         before = self.cache.cached_pages
         freed = self.cache.evict({name: count})
         assert all(v > 0 for v in freed.values())
-        assert self.cache.cached_pages == before - freed.get("page", 0)
+        assert self.cache.cached_pages == before - freed.get(PAGE_NEED, 0)
 
     @rule(tokens=tokens_st, namespace=st.sampled_from(NAMESPACES))
     def match_only(self, tokens, namespace):
@@ -232,7 +233,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.drop(req)
         self.running.clear()
         self.cache.check()
-        self.cache.evict({"page": 10**6})
+        self.cache.evict({PAGE_NEED: 10**6})
         assert self.cache.cached_pages == 0 and self.cache.num_states == 0
         self.mem.verify()
         assert self.mem.pages.live_count == 0 and self.mem.slots.live_count == 0, "a page or slot leaked"

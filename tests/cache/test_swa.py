@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import HybridRadixCache, RequestKV
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, RequestKV
+from hybridkv.spec import FULL_POOL, WindowPool
 from tests.cache.helpers import small_memory
 
 PS = 4
-SWA = "swa:8"  # tiny-swa: window 8 tokens = 2 pages
+SWA = WindowPool(8)  # tiny-swa: window 8 tokens = 2 pages
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def test_swa_lock_covers_only_the_window(cache):
     cache.mem.verify()
     cache.unlock(lock)
     # now the leaf goes whole; its tombstoned parents hold no window pages, so they stay
-    assert cache.evict({SWA: 100}) == {"full": 2, SWA: 2, "page": 2}
+    assert cache.evict({SWA: 100}) == {FULL_POOL: 2, SWA: 2, PAGE_NEED: 2}
     assert cache.cached_tokens == 16
     cache.check()
 
@@ -118,8 +119,8 @@ def test_two_windows_must_both_hold():
     toks = np.arange(32)
     kv = RequestKV(cache, cache.match_prefix(toks))
     kv.extend(32, cache.alloc_pages(8))
-    cache.mem.free_window_pages(kv.pages[2:6], "swa:8")  # window 8 at 32 needs pages 6-7 only
-    cache.mem.free_window_pages(kv.pages[2:3], "swa:24")  # window 24 at 32 needs pages 2-7
+    cache.mem.free_window_pages(kv.pages[2:6], WindowPool(8))  # window 8 at 32 needs pages 6-7 only
+    cache.mem.free_window_pages(kv.pages[2:3], WindowPool(24))  # window 24 at 32 needs pages 2-7
     slot = int(cache.alloc_state(1)[0])
     kv.settle(cache.insert(toks, kv.pages, states={32: slot}))
     kv.unlock()

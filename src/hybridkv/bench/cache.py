@@ -33,7 +33,7 @@ import numpy as np
 from hybridkv.cache import PAGE_NEED, HybridRadixCache
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import MemoryHints, OutOfMemory, UnifiedMemory, build_layouts, plan_memory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import IdSpace, PoolId, ShardSpec, get_preset
 from hybridkv.traces import PEER_TRACE, load_peer_trace
 
 CONFIGS = {"full": "Llama-3.1-8B", "full+swa": "Gemma-3-27B-IT"}
@@ -104,7 +104,7 @@ class BenchCache(Protocol):
     def lock(self, hit: object) -> object: ...
     def unlock(self, handle: object) -> None: ...
     def insert(self, tokens: np.ndarray, pages: np.ndarray) -> None: ...
-    def evict(self, short: dict[str, int]) -> tuple[int, bool]:
+    def evict(self, short: dict[PoolId | IdSpace, int]) -> tuple[int, bool]:
         """Pages freed whole, and whether anything (a page, a window page) was freed."""
 
 
@@ -125,7 +125,7 @@ class HybridBench:
     def unlock(self, handle: object) -> None:
         self.cache.unlock(handle)  # type: ignore[arg-type]
 
-    def evict(self, short: dict[str, int]) -> tuple[int, bool]:
+    def evict(self, short: dict[PoolId | IdSpace, int]) -> tuple[int, bool]:
         freed = self.cache.evict(short)
         return freed.get(PAGE_NEED, 0), bool(freed)
 
@@ -190,7 +190,7 @@ class PageHashCache:
         if dups:
             self.mem.free_pages(np.asarray(dups, dtype=np.int64))
 
-    def evict(self, short: dict[str, int]) -> tuple[int, bool]:
+    def evict(self, short: dict[PoolId | IdSpace, int]) -> tuple[int, bool]:
         need = max(short.values())
         freed: list[int] = []
         skipped = []

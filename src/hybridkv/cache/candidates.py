@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
+from typing import TYPE_CHECKING
 
 from hybridkv.cache.node import Node
 
+if TYPE_CHECKING:
+    from hybridkv.cache.eviction import Need
+
 
 class Candidates:
-    def __init__(self, component: str, key: Callable[[Node, str], object], members: set[Node], slack: int = 256):
+    def __init__(self, component: Need, key: Callable[[Node, Need], object], members: set[Node], slack: int = 256):
         self.component = component
         self._key = key
         self.members = members

@@ -64,22 +64,22 @@ def check_tree(cache: HybridRadixCache) -> None:
         _fail(f"cached page {int(pages[np.argmax(~mem.pages.live[pages])])} is not live in the memory")
     for pool in mem.history_pools:
         if pages.size and not pool.resident(pages).all():
-            _fail(f"a cached page is not resident in full-history pool {pool.name}")
+            _fail(f"a cached page is not resident in full-history pool {pool.pool_id}")
 
     leaves = {n for n in nodes if not n.children}
     if leaves != cache._leaves:
         _fail(f"leaf set differs: {len(leaves)} leaves, tracked {len(cache._leaves)}")
     for w in comps.windows:
-        pool = mem.pools[w.name]
+        pool = mem.pools[w.pool_id]
         tracked = set()
         for n in nodes:
             count = int(np.count_nonzero(pool.resident(n.pages)))
             if count != n.swa_res[w.index]:
-                _fail(f"{n}: {count} pages resident in {w.name}, counted {n.swa_res[w.index]}")
+                _fail(f"{n}: {count} pages resident in {w.pool_id}, counted {n.swa_res[w.index]}")
             if count:
                 tracked.add(n)
         if tracked != cache._swa_nodes[w.index]:
-            _fail(f"{w.name}: set of nodes with resident window pages differs")
+            _fail(f"{w.pool_id}: set of nodes with resident window pages differs")
 
     with_state = [n for n in nodes if n.state >= 0]
     if set(with_state) != cache._state_nodes:

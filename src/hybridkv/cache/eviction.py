@@ -24,13 +24,17 @@ import numpy as np
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.events import EventKind
 from hybridkv.cache.node import Node
-from hybridkv.memory import STATE_POOL, OutOfMemory, UnifiedMemory
+from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.spec import RECURRENT_POOL, IdSpace, PoolId
 
 if TYPE_CHECKING:
     from hybridkv.cache.tree import HybridRadixCache
 
-PAGE_NEED = "page"
+PAGE_NEED = IdSpace.PAGE
 """``evict`` key for "free whole pages" (virtual page ids short, or a cache-size cap)."""
+
+Need = PoolId | IdSpace
+"""An ``evict`` key: a pool of this shard, or ``PAGE_NEED``."""
 
 T = TypeVar("T")
 
@@ -39,7 +43,7 @@ T = TypeVar("T")
 class Release:
     """Memory frees batched over one eviction: window pages first, then pages, then slots."""
 
-    window: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    window: dict[PoolId, list[np.ndarray]] = field(default_factory=dict)
     pages: list[np.ndarray] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
 
@@ -56,31 +60,34 @@ class Release:
 class Eviction:
     """The eviction half of ``HybridRadixCache`` (mixed into it; uses its tree state)."""
 
-    def evict(self: HybridRadixCache, needs: Mapping[str, int]) -> dict[str, int]:
+    def evict(self: HybridRadixCache, needs: Mapping[Need, int]) -> dict[Need, int]:
         """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
 
-        Keys: pool names (``"full"``, ``"swa:<w>"``, ``"state"``...) or ``"page"`` (whole
-        pages, e.g. for a cache-size cap). Full-history needs evict whole leaves (freeing
+        Keys: pool ids of this shard (``FULL_POOL``, ``WindowPool(w)``, ``RECURRENT_POOL``...)
+        or ``PAGE_NEED`` (whole pages, e.g. for a cache-size cap). Full-history needs evict whole leaves (freeing
         their pages in every pool); window needs tombstone SWA residency of inner nodes
         (a leaf goes whole); state needs drop checkpoints. Returns cells freed per pool
         (and ``"page"``).
         """
         comps = self.comps
-        unknown = [k for k in needs if k != PAGE_NEED and k not in comps.pool_names]
+        unknown = [str(k) for k in needs if k is not PAGE_NEED and k not in comps.pool_ids]
         if unknown:
+            pools = [str(p) for p in sorted(comps.pool_ids, key=PoolId.sort_key)]
             raise CacheError(
-                f"evict: unknown need {unknown}; name pools of this shard {sorted(comps.pool_names)} or {PAGE_NEED!r}"
+                f"evict: unknown need {unknown}; name pool ids of this shard {pools} or PAGE_NEED "
+                "(a pool name string reads back with PoolId.parse)"
             )
-        bad = {k: v for k, v in needs.items() if int(v) < 0}
+        bad = {str(k): v for k, v in needs.items() if int(v) < 0}
         if bad:
             raise CacheError(f"evict: needs must be >= 0, got {bad}")
-        freed: dict[str, int] = dict.fromkeys((*comps.pool_names, PAGE_NEED), 0)
+        freed: dict[Need, int] = dict.fromkeys((*comps.pool_ids, PAGE_NEED), 0)
         release = Release()
-        full_need = max([int(needs.get(n, 0)) for n in (*comps.history, PAGE_NEED)])
+        full_keys: tuple[Need, ...] = (*comps.history, PAGE_NEED)
+        full_need = max([int(needs.get(n, 0)) for n in full_keys])
         if full_need:
             self._evict_leaves(full_need, freed, release)
         for w in comps.windows:
-            need = int(needs.get(w.name, 0)) - freed[w.name]
+            need = int(needs.get(w.pool_id, 0)) - freed[w.pool_id]
             if need > 0:
                 self._evict_windows(w.index, need, freed, release)
         if comps.state is not None:
@@ -94,11 +101,11 @@ class Eviction:
         gates = self.mem.gates
         if node.lock or node.state_lock:
             return False
-        if not gates.open_gates:  # no pins at all
+        if not gates.pinning_gates:  # no pins at all
             return True
         return not np.count_nonzero(gates.page_pins[node.pages]) and (node.state < 0 or not gates.slot_pins[node.state])
 
-    def _evict_leaves(self: HybridRadixCache, need: int, freed: dict[str, int], release: Release) -> None:
+    def _evict_leaves(self: HybridRadixCache, need: int, freed: dict[Need, int], release: Release) -> None:
         skipped = []
         while freed[PAGE_NEED] < need:
             got = self._full.pop()
@@ -113,13 +120,13 @@ class Eviction:
         for node in skipped:
             self._full.push(node)
 
-    def _evict_windows(self: HybridRadixCache, index: int, need: int, freed: dict[str, int], release: Release) -> None:
+    def _evict_windows(self: HybridRadixCache, index: int, need: int, freed: dict[Need, int], release: Release) -> None:
         w = self.comps.windows[index]
         heap, gates = self._swa_heaps[index], self.mem.gates
-        pool = self.mem.pools[w.name]
-        parts = release.window.setdefault(w.name, [])
+        pool = self.mem.pools[w.pool_id]
+        parts = release.window.setdefault(w.pool_id, [])
         skipped = []
-        while freed[w.name] < need:
+        while freed[w.pool_id] < need:
             got = heap.pop()
             if got is None:
                 break
@@ -128,25 +135,25 @@ class Eviction:
                 self.policy.evicted(key)
                 self._remove_leaf(node, freed, release)
                 continue
-            if node.swa_lock or (gates.open_gates and np.count_nonzero(gates.page_pins[node.pages])):
+            if node.swa_lock or (gates.pinning_gates and np.count_nonzero(gates.page_pins[node.pages])):
                 skipped.append(node)
                 continue
             self.policy.evicted(key)
             count = node.swa_res[index]
             whole = count == node.pages.size  # every page resident: no table read needed
             parts.append(node.pages if whole else node.pages[pool.resident(node.pages)])
-            freed[w.name] += count
-            self.counters.tombstoned[w.name] += count
+            freed[w.pool_id] += count
+            self.counters.tombstoned[w.pool_id] += count
             node.swa_res[index] = 0
             self._swa_nodes[index].discard(node)
             self._refresh(node)
             if self.events.enabled:
                 local = np.arange(count) if whole else np.flatnonzero(pool.resident(node.pages))
-                self._emit(EventKind.REMOVED, w.name, node, local)
+                self._emit(EventKind.REMOVED, w.pool_id, node, local)
         for node in skipped:
             heap.push(node)
 
-    def _evict_states(self: HybridRadixCache, need: int, freed: dict[str, int], release: Release) -> None:
+    def _evict_states(self: HybridRadixCache, need: int, freed: dict[Need, int], release: Release) -> None:
         state = self.comps.state
         assert state is not None
         pins = self.mem.gates.slot_pins
@@ -174,23 +181,23 @@ class Eviction:
         return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
 
     def alloc_state(self: HybridRadixCache, count: int) -> np.ndarray:
-        state = self.comps.state or STATE_POOL
+        state = self.comps.state or RECURRENT_POOL
         return self._with_eviction(lambda: self.mem.alloc_state(count), {state: count})
 
     def fork_state(self: HybridRadixCache, slots: object) -> np.ndarray:
-        state = self.comps.state or STATE_POOL
+        state = self.comps.state or RECURRENT_POOL
         n = int(np.asarray(slots).size)
         return self._with_eviction(lambda: self.mem.fork_state(slots), {state: n})  # type: ignore[arg-type]
 
-    def _with_eviction(self: HybridRadixCache, call: Callable[[], T], fallback: dict[str, int]) -> T:
+    def _with_eviction(self: HybridRadixCache, call: Callable[[], T], fallback: dict[Need, int]) -> T:
         while True:
             try:
                 return call()
             except OutOfMemory as exc:
-                # virtual-id shortages are named "page" / "state slot" (or come without
-                # ``short``): they need whole pages / checkpoints back
-                short = {
-                    (self.comps.state or STATE_POOL) if k == "state slot" else k: v
+                # virtual-id shortages are keyed by id space (or come without ``short``):
+                # they need whole pages / checkpoints back
+                short: dict[Need, int] = {
+                    (self.comps.state or RECURRENT_POOL) if k is IdSpace.SLOT else k: v
                     for k, v in (exc.short or fallback).items()
                 }
                 if not any(self.evict(short).values()):

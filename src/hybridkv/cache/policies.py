@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridkv.spec import MLA, FullAttention, ShardSpec, SlidingWindow
+from hybridkv.spec import ShardSpec
 
 if TYPE_CHECKING:
     from hybridkv.cache.components import Components
+    from hybridkv.cache.eviction import Need
     from hybridkv.cache.node import Node
 
 ATTENTION_TOKENS_PER_UNIT = 4096
@@ -39,10 +40,11 @@ class RecomputeCost:
         self.windows: list[int] = []
         for layer in shard.layers:
             kind = shard.local_kind(layer.layer_id)
-            if isinstance(kind, FullAttention | MLA):
+            pool = kind.pool_id
+            if pool is not None and pool.keeps_history:
                 self.full += 1
-            elif isinstance(kind, SlidingWindow):
-                self.windows.append(kind.window)
+            elif pool is not None and pool.releases_history and pool.max_span is not None:
+                self.windows.append(pool.max_span)
 
     def __call__(self, a: int, b: int) -> float:
         if b <= a:
@@ -75,28 +77,28 @@ class Policy:
     def evicted(self, key: object) -> None:
         """The entry with ``key`` was evicted."""
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Need) -> object:
         raise NotImplementedError
 
 
 class LRU(Policy):
     name = "lru"
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Need) -> object:
         return node.last_access
 
 
 class LFU(Policy):
     name = "lfu"
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Need) -> object:
         return (node.hits, node.last_access)
 
 
 class PriorityPolicy(Policy):
     name = "priority"
 
-    def key(self, node: Node, component: str) -> object:
+    def key(self, node: Node, component: Need) -> object:
         return (node.priority, node.last_access)
 
 
@@ -117,7 +119,7 @@ class CostAware(Policy):
     def evicted(self, key: object) -> None:
         self.clock = max(self.clock, float(key))  # type: ignore[arg-type]
 
-    def key(self, node: Node, component: str) -> float:
+    def key(self, node: Node, component: Need) -> float:
         comps, cost = self._components, self._cost
         if comps is None or cost is None:
             raise RuntimeError("cost policy used before a cache bound it (HybridRadixCache does)")
@@ -133,7 +135,7 @@ class CostAware(Policy):
             nbytes += sum(n * w.cell_bytes for n, w in zip(node.swa_res, comps.windows, strict=True))
             nbytes += comps.state_bytes if node.state >= 0 else 0
         else:
-            w = next(w for w in comps.windows if w.name == component)
+            w = next(w for w in comps.windows if w.pool_id == component)
             saved, nbytes = cost(node.start, node.end), node.swa_res[w.index] * w.cell_bytes
         return node.clock + max(1, node.hits) * saved / max(1, nbytes)
 

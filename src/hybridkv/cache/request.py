@@ -44,7 +44,7 @@ class RequestKV:
                 self.keep.append((0, 0))
             else:
                 at = match.checkpoint_at
-                self.keep.append((max(0, at - w.window) // ps, at // ps))
+                self.keep.append((w.pool_id.first_needed(at) // ps, at // ps))
 
     @property
     def pages(self) -> np.ndarray:
@@ -77,7 +77,7 @@ class RequestKV:
         """Own pages that just left each window pool's window (one array per pool)."""
         out = []
         for i, w in enumerate(self.cache.comps.windows):
-            first_needed = max(0, self.seq_len - w.window) // self.page_size
+            first_needed = w.pool_id.first_needed(self.seq_len) // self.page_size
             lo = max(self.released[i], self.cached)
             if first_needed <= lo:
                 out.append(self._row[:0])

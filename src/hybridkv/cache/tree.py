@@ -36,10 +36,11 @@ from hybridkv.cache.candidates import Candidates
 from hybridkv.cache.components import Components
 from hybridkv.cache.errors import CacheError, InsertError, LockError
 from hybridkv.cache.events import CacheEvent, EventKind, EventLog, chain_hashes, root_hash
-from hybridkv.cache.eviction import PAGE_NEED, Eviction, Release
+from hybridkv.cache.eviction import PAGE_NEED, Eviction, Need, Release
 from hybridkv.cache.node import NO_STATE, Node
 from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
-from hybridkv.memory import STATE_POOL, InvalidIds, UnifiedMemory
+from hybridkv.memory import InvalidIds, UnifiedMemory
+from hybridkv.spec import RECURRENT_POOL, PoolId
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
@@ -105,7 +106,7 @@ class CacheCounters:
     adopted_pages: int = 0
     evicted_pages: int = 0
     """Full KV pages freed by eviction (whole leaves)."""
-    tombstoned: dict[str, int] = field(default_factory=dict)
+    tombstoned: dict[PoolId, int] = field(default_factory=dict)
     """Window pages freed by SWA eviction, per window pool (full KV kept)."""
     evicted_states: int = 0
     capped_states: int = 0
@@ -141,21 +142,22 @@ class HybridRadixCache(Eviction):
         self.max_states_per_path = max_states_per_path
         self._full_only = self.comps.full_only
         self.events = EventLog(events)
-        self.counters = CacheCounters(tombstoned={w.name: 0 for w in self.comps.windows})
+        self.counters = CacheCounters(tombstoned={w.pool_id: 0 for w in self.comps.windows})
         self._roots: dict[Hashable, Node] = {}
         self._uids = itertools.count(1)
         self._tick = 0
         self._leaves: set[Node] = set()
         self._swa_nodes: list[set[Node]] = [set() for _ in self.comps.windows]
         self._state_nodes: set[Node] = set()
-        self._window_pools = [mem.pools[w.name] for w in self.comps.windows]
+        self._window_pools = [mem.pools[w.pool_id] for w in self.comps.windows]
         self._owned = np.zeros(mem.pages.capacity, dtype=bool)
         self._owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
         self._locks: set[CacheLock] = set()
         key = self.policy.key
         self._full = Candidates(self.comps.history[0] if self.comps.history else PAGE_NEED, key, self._leaves)
-        self._swa_heaps = [Candidates(w.name, key, s) for w, s in zip(self.comps.windows, self._swa_nodes, strict=True)]
-        self._state_heap = Candidates(self.comps.state or STATE_POOL, key, self._state_nodes)
+        windows = zip(self.comps.windows, self._swa_nodes, strict=True)
+        self._swa_heaps = [Candidates(w.pool_id, key, s) for w, s in windows]
+        self._state_heap = Candidates(self.comps.state or RECURRENT_POOL, key, self._state_nodes)
         self.cached_pages = 0
         self.num_nodes = 0
         self._first_page_bytes = self.page_size * 8
@@ -393,11 +395,11 @@ class HybridRadixCache(Eviction):
         kept = cached[dup_idx]
         adopted = 0
         for w in self.comps.windows:
-            pool = self.mem.pools[w.name]
+            pool = self.mem.pools[w.pool_id]
             take = ~pool.resident(kept) & pool.resident(dup_pages)
             if not np.count_nonzero(take):
                 continue
-            self.mem.adopt_window_pages(dup_pages[take], kept[take], w.name)
+            self.mem.adopt_window_pages(dup_pages[take], kept[take], w.pool_id)
             adopted += int(np.count_nonzero(take))
             counts = np.bincount(owner[take], minlength=len(seq))
             for i in np.flatnonzero(counts):
@@ -407,7 +409,7 @@ class HybridRadixCache(Eviction):
                 self._refresh(node)
                 if self.events.enabled:
                     local = dup_idx[take][owner[take] == i] - starts[i]
-                    self._emit(EventKind.STORED, w.name, node, local)
+                    self._emit(EventKind.STORED, w.pool_id, node, local)
         return adopted
 
     def _attach_states(self, last: Node, ckpts: list[tuple[int, int]]) -> int:
@@ -580,7 +582,7 @@ class HybridRadixCache(Eviction):
         a partly resident node overlaps a window (the pages must tell)."""
         ps = self.page_size
         for w in self.comps.windows:
-            first = max(0, end - w.window) // ps * ps  # start of the first page the window needs
+            first = w.pool_id.first_needed(end) // ps * ps  # start of the first page the window needs
             for n in reversed(seq):
                 if n.start >= end:
                     continue
@@ -640,7 +642,7 @@ class HybridRadixCache(Eviction):
         node.parent = upper
         upper.children[node.kb[:pb]] = node
         for w in self.comps.windows:
-            up = int(np.count_nonzero(self.mem.pools[w.name].resident(upper.pages)))
+            up = int(np.count_nonzero(self.mem.pools[w.pool_id].resident(upper.pages)))
             upper.swa_res[w.index] = up
             node.swa_res[w.index] -= up
             if up:
@@ -677,18 +679,18 @@ class HybridRadixCache(Eviction):
             for name in self.comps.history:
                 self._emit(EventKind.STORED, name, node, every, with_tokens=True)
             for w in self.comps.windows:
-                self._emit(EventKind.STORED, w.name, node, np.flatnonzero(self.mem.pools[w.name].resident(pages)))
+                self._emit(EventKind.STORED, w.pool_id, node, np.flatnonzero(self.mem.pools[w.pool_id].resident(pages)))
         self._refresh(node)
         return node
 
-    def _remove_leaf(self, node: Node, freed: dict[str, int], release: Release) -> None:
+    def _remove_leaf(self, node: Node, freed: dict[Need, int], release: Release) -> None:
         parent = node.parent
         assert parent is not None and not node.children
         if self.events.enabled:
             for w in self.comps.windows:
                 if node.swa_res[w.index]:  # not tombstoned earlier in this eviction
-                    resident = self.mem.pools[w.name].resident(node.pages)
-                    self._emit(EventKind.REMOVED, w.name, node, np.flatnonzero(resident))
+                    resident = self.mem.pools[w.pool_id].resident(node.pages)
+                    self._emit(EventKind.REMOVED, w.pool_id, node, np.flatnonzero(resident))
             if node.state >= 0:
                 self._emit_state(EventKind.REMOVED, node)
             for name in self.comps.history:
@@ -703,7 +705,7 @@ class HybridRadixCache(Eviction):
             freed[name] += n
         freed[PAGE_NEED] += n
         for w in self.comps.windows:
-            freed[w.name] += node.swa_res[w.index]
+            freed[w.pool_id] += node.swa_res[w.index]
             self._swa_nodes[w.index].discard(node)
         if node.state >= 0:
             assert self.comps.state is not None
@@ -751,7 +753,7 @@ class HybridRadixCache(Eviction):
 
     # --- events ---------------------------------------------------------------------------
 
-    def _emit(self, kind: EventKind, component: str, node: Node, local: np.ndarray, with_tokens: bool = False) -> None:
+    def _emit(self, kind: EventKind, pool: PoolId, node: Node, local: np.ndarray, with_tokens: bool = False) -> None:
         if not local.size:
             return
         assert node.hashes is not None and node.parent is not None and node.parent.hashes is not None
@@ -760,11 +762,11 @@ class HybridRadixCache(Eviction):
         if with_tokens:
             parent_hash = node.parent.hashes[-1]
             tokens = tuple(int(t) for t in node.key)
-        self.events.emit(CacheEvent(kind, component, node.namespace, hashes, parent_hash, tokens))
+        self.events.emit(CacheEvent(kind, str(pool), node.namespace, hashes, parent_hash, tokens))
 
     def _emit_state(self, kind: EventKind, node: Node) -> None:
         assert node.hashes is not None and self.comps.state is not None
-        self.events.emit(CacheEvent(kind, self.comps.state, node.namespace, (node.hashes[-1],)))
+        self.events.emit(CacheEvent(kind, str(self.comps.state), node.namespace, (node.hashes[-1],)))
 
     # --- reports --------------------------------------------------------------------------
 
@@ -775,7 +777,7 @@ class HybridRadixCache(Eviction):
             "nodes": self.num_nodes,
             "cached_tokens": self.cached_tokens,
             "window_resident_pages": {
-                w.name: sum(n.swa_res[w.index] for n in self._swa_nodes[w.index]) for w in self.comps.windows
+                str(w.pool_id): sum(n.swa_res[w.index] for n in self._swa_nodes[w.index]) for w in self.comps.windows
             },
             "states": self.num_states,
             "open_locks": self.open_locks,
@@ -784,7 +786,7 @@ class HybridRadixCache(Eviction):
             "duplicate_pages": c.duplicate_pages,
             "adopted_pages": c.adopted_pages,
             "evicted_pages": c.evicted_pages,
-            "tombstoned_pages": dict(c.tombstoned),
+            "tombstoned_pages": {str(pool): n for pool, n in c.tombstoned.items()},
             "evicted_states": c.evicted_states,
             "capped_states": c.capped_states,
         }

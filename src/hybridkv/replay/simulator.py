@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.cache import HybridRadixCache, RequestKV
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, RequestKV
 from hybridkv.memory import OutOfMemory, UnifiedMemory, parse_bytes
 from hybridkv.replay.workload import ReplayRequest, Workload
 from hybridkv.spec import ShardSpec, get_preset
@@ -144,7 +144,7 @@ class Simulator:
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
         self.has_state = self.cache.comps.state is not None
-        self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(self.mem.pools))
+        self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(str(p) for p in self.mem.pools))
         self.clock = 0.0
         self._admitted: set[int] = set()
         self._stalled = False
@@ -326,7 +326,7 @@ class Simulator:
         for w, parts in zip(self.cache.comps.windows, per_pool, strict=True):
             pages = np.concatenate(parts)
             if pages.size:
-                self.mem.free_window_pages(pages, w.name)
+                self.mem.free_window_pages(pages, w.pool_id)
 
     # --- finish ---------------------------------------------------------------------------
 
@@ -347,7 +347,7 @@ class Simulator:
     def _cap_cache(self) -> None:
         cap = self.config.cache_tokens
         if cap is not None and self.cache.cached_tokens > cap:
-            self.cache.evict({"page": math.ceil((self.cache.cached_tokens - cap) / self.ps)})
+            self.cache.evict({PAGE_NEED: math.ceil((self.cache.cached_tokens - cap) / self.ps)})
 
     # --- samples --------------------------------------------------------------------------
 
@@ -358,7 +358,7 @@ class Simulator:
             "running": running,
             "waiting": waiting,
             "cached_tokens": self.cache.cached_tokens,
-            "live_bytes": {p.name: p.live_bytes for p in stats.pools},
+            "live_bytes": {str(p.pool_id): p.live_bytes for p in stats.pools},
             "free_bytes": sum(p.free_bytes for p in stats.pools) + stats.free_slab_bytes,
         }
 
