@@ -9,7 +9,7 @@ from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.hf_spec import HFSpecError, spec_from_hf_config
 from hybridkv.engine.random_models import tiny_names
-from hybridkv.spec import MLA, FullAttention, Linear, NoCache, SlidingWindow
+from hybridkv.spec import MLA, RECURRENT_POOL, FullAttention, Linear, NoCache, SlidingWindow
 from tests.engine.harness import hf_model, make_runner, prompt
 
 
@@ -56,7 +56,7 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
         runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
         alloc.mark_computed([req])
     cache = _hf_cache("tiny-qwen3-next")
-    cell = runner.mem.page_cells([req.slot], "state")
+    cell = runner.mem.page_cells([req.slot], RECURRENT_POOL)
     for layer_id, hf_layer in enumerate(cache.layers):
         if not hasattr(hf_layer, "conv_states"):
             continue

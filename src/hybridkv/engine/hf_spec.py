@@ -44,7 +44,7 @@ def _attention(config: Any, layer_type: str) -> LayerKind:
 
 
 def _conv_window(channels: int, kernel: int, dtype: torch.dtype) -> StateTensor:
-    return StateTensor("conv_state", (channels, kernel - 1), dtype)
+    return StateTensor("conv_state", (channels, kernel - 1), dtype, tp_dim=0)  # TP splits the channels
 
 
 def _qwen3_next(config: Any, dtype: torch.dtype) -> list[LayerKind]:
@@ -55,7 +55,7 @@ def _qwen3_next(config: Any, dtype: torch.dtype) -> list[LayerKind]:
         "gated_deltanet",
         (
             _conv_window(conv_dim, _get(config, "linear_conv_kernel_dim"), dtype),
-            StateTensor("recurrent_state", (v_heads, k_dim, v_dim), torch.float32),
+            StateTensor("recurrent_state", (v_heads, k_dim, v_dim), torch.float32, tp_dim=0),
         ),
     )
     return [gdn if t == "linear_attention" else _attention(config, t) for t in _get(config, "layer_types")]
@@ -76,7 +76,7 @@ def _nemotron_h(config: Any, dtype: torch.dtype) -> list[LayerKind]:
         "mamba2",
         (
             _conv_window(conv_dim, _get(config, "conv_kernel"), dtype),
-            StateTensor("ssm_state", (heads, head_dim, n_state), torch.float32),
+            StateTensor("ssm_state", (heads, head_dim, n_state), torch.float32, tp_dim=0),
         ),
     )
     kinds: list[LayerKind] = []
@@ -96,7 +96,7 @@ def _kimi_linear(config: Any, dtype: torch.dtype) -> list[LayerKind]:
         "kda",
         (
             _conv_window(3 * heads * head_dim, _get(config, "linear_conv_kernel_dim"), dtype),
-            StateTensor("recurrent_state", (heads, head_dim, head_dim), torch.float32),
+            StateTensor("recurrent_state", (heads, head_dim, head_dim), torch.float32, tp_dim=0),
         ),
     )
     mla = MLA(
