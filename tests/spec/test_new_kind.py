@@ -3,8 +3,9 @@
 Token ``p`` attends to ``[p // C * C, p]``, so a continuation at length ``L`` needs the
 tokens ``[L // C * C, L)`` resident. The kind and its pool id below follow the checklist in
 ``hybridkv.spec``; nothing in spec, memory or the planner knows about them, yet memory
-builds its own pool, sizing and capacity account for it, views address it, and release
-outside the span frees exactly the pages no continuation can read.
+builds its own pool, sizing and capacity account for it, views address it, release
+outside the span frees exactly the pages no continuation can read, and a transfer plan
+sends exactly the pages the span needs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hybridkv.spec import (
     SlidingWindow,
     WindowPool,
 )
+from hybridkv.transfer import buffer_set_from_memory, build_plan, memory_cells, pair_entries
 
 
 @dataclass(frozen=True)
@@ -165,3 +167,38 @@ def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads(
     mem.free(row)  # the rest goes with the row
     mem.verify()
     assert mem.pools[chunk].live_count == mem.pools[window].live_count == mem.pools[FULL_POOL].live_count == 0
+
+
+@pytest.mark.parametrize("size", [C, 6])
+def test_a_transfer_sends_exactly_the_pages_its_span_needs(size):
+    """Transfer knows nothing of chunks: the plan asks the pool id's rule, so a prefill that
+    released everything outside the span still has every page the plan reads, and decode
+    receives exactly the pages the attention pattern reads (plus the page the next token
+    writes), in every pool."""
+    pre, dec = make(size), make(size)
+    base = 1 << 40
+    pre_bufs, dec_bufs = buffer_set_from_memory(pre, base), buffer_set_from_memory(dec, 2 * base)
+    pairs = pair_entries(pre_bufs, dec_bufs)
+    pages, dpages = pre.alloc_pages(8), dec.alloc_pages(8)
+    chunk = ChunkPool(size)
+    for seq_len in (5, 12, 16, 18, 21, 24, 30, 32):
+        pre.free_outside_span(pages, seq_len)  # what a prefill engine releases as it runs
+        dst = memory_cells(dec, dpages, None)
+        plan = build_plan(pre_bufs, dec_bufs, pairs, seq_len, memory_cells(pre, pages, None), dst)
+        written = np.zeros(dec.arena.nbytes, dtype=bool)
+        for a, n in zip((plan.dst - 2 * base).tolist(), plan.length.tolist(), strict=True):
+            written[a : a + n] = True
+        n_pages = -(-seq_len // PS)
+        chunk_pages = {q // PS for q in needed_positions(seq_len, size)} | ({seq_len // PS} if seq_len % PS else set())
+        wants = {
+            chunk: chunk_pages,
+            WindowPool(8): set(range(max(0, seq_len - 8) // PS, n_pages)),
+            FULL_POOL: set(range(n_pages)),
+        }
+        for pool_id, want in wants.items():
+            pool = dec.pools[pool_id]
+            spans = [(c * pool.cell_bytes, c * pool.cell_bytes + pool.layout.data_bytes) for c in dst[str(pool_id)]]
+            assert all(written[a:b].all() or not written[a:b].any() for a, b in spans)  # whole cells
+            sent = {i for i, (a, b) in enumerate(spans) if written[a:b].any()}
+            assert sent == want, (str(pool_id), seq_len)
+        assert plan.nbytes == sum(len(w) * dec.pools[p].layout.data_bytes for p, w in wants.items())
