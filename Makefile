@@ -16,6 +16,7 @@ test: setup lint
 lint: setup
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
+	$(PY) -m mypy src/hybridkv/spec src/hybridkv/memory
 
 bench: setup
 	bench/run_all.sh

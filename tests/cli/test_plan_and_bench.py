@@ -11,7 +11,7 @@ from hybridkv.bench.memory import BaselineAllocator, UnifiedAllocator, replay
 from hybridkv.bench.static_pools import StaticAllocator
 from hybridkv.cli import app
 from hybridkv.memory import MemoryHints, UnifiedMemory, plan_memory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, ShardSpec, WindowPool, get_preset
 from hybridkv.traces import load_peer_trace
 
 
@@ -45,10 +45,10 @@ def test_unified_and_static_allocators_agree_on_the_trace_protocol():
         trace,
         UnifiedAllocator(mem),
         16,
-        1024,
+        WindowPool(1024),
         False,
         lambda: (
-            ours.append((mem.pools["full"].live_count, mem.pools["swa:1024"].live_count))
+            ours.append((mem.pools[FULL_POOL].live_count, mem.pools[WindowPool(1024)].live_count))
             or in_group.append(mem._group is not None)
             or {}
         ),
@@ -58,7 +58,7 @@ def test_unified_and_static_allocators_agree_on_the_trace_protocol():
         trace,
         BaselineAllocator(baseline, None),
         16,
-        1024,
+        WindowPool(1024),
         False,
         lambda: (
             theirs.append((40_000 - baseline.full.free_pages.numel(), 40_000 - baseline.swa.free_pages.numel())) or {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.spec import FULL_POOL
 from tests.engine.harness import hf_reference, live_counts, make_runner, prompt, serve
 
 ATOL = 1e-4
@@ -86,10 +87,10 @@ def test_window_pages_leave_the_window_pool_during_a_long_request() -> None:
         runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs]))
         alloc.mark_computed([req])
     pages = req.token_locs[:: mem.page_size] // mem.page_size
-    window_pool = mem.window_pools[0].name
+    window_pool = mem.window_pools[0].pool_id
     resident = mem.resident(pages, window_pool)
     assert resident.sum() <= -(-8 // 4) + 1 and not resident[0]
-    assert mem.resident(pages, "full").all()
+    assert mem.resident(pages, FULL_POOL).all()
     mem.verify()
     alloc.free(req)
     mem.verify()

@@ -28,7 +28,7 @@ from hybridkv.engine.registry import model_class
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.weights import WeightError, from_directory, from_hf_model, load_weights, read_safetensors
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import ShardSpec
+from hybridkv.spec import RECURRENT_POOL, ShardSpec
 from tests.engine.harness import live_counts, prompt, serve
 
 ATOL = 1e-4
@@ -214,7 +214,7 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: str, st
         alloc.mark_computed([req])
     with torch.no_grad():
         cache = model(torch.tensor([ids]), use_cache=True).past_key_values
-    cell = runner.mem.page_cells([req.slot], runner.mem.state_pool.name)
+    cell = runner.mem.page_cells([req.slot], RECURRENT_POOL)
     checked = 0
     for layer_id, hf_layer in enumerate(cache.layers):
         if not getattr(hf_layer, "is_conv_states_initialized", [False])[0]:

@@ -20,7 +20,7 @@ def snapshot(mem: UnifiedMemory) -> dict[str, np.ndarray]:
     for name, pool in mem.pools.items():
         snap[f"{name}.v2p"] = pool.v2p.copy()
         snap[f"{name}.p2v"] = pool.p2v.copy()
-        snap[f"{name}.state"] = pool.state.copy()
+        snap[f"{name}.status"] = pool.status.copy()
         snap[f"{name}.free_stack"] = pool.free_cells()
         snap[f"{name}.v2p_dev"] = pool.v2p_dev.cpu().numpy().copy()
     if mem.arena.has_data:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, RECURRENT_POOL, ShardSpec, WindowPool, get_preset
+
+SWA8 = WindowPool(8)
 
 
 def make(preset: str = "tiny-swa2-state", budget: int = 400_000, page_size: int = 4) -> UnifiedMemory:
@@ -66,19 +68,19 @@ def test_every_kv_pool_binds_the_same_virtual_page():
     mem = make()
     pages = mem.alloc_pages(3)
     for pool in mem.token_pools:
-        assert (pool.v2p[pages] > 0).all(), pool.name
+        assert (pool.v2p[pages] > 0).all(), pool.pool_id
         assert np.array_equal(pool.p2v[pool.v2p[pages]], pages)
-    phys = mem.translate(pages * mem.page_size + 1, "full")
-    assert torch.equal(phys, torch.from_numpy(mem.pools["full"].v2p[pages] * mem.page_size + 1))
+    phys = mem.translate(pages * mem.page_size + 1, FULL_POOL)
+    assert torch.equal(phys, torch.from_numpy(mem.pools[FULL_POOL].v2p[pages] * mem.page_size + 1))
 
 
 def test_window_pages_leave_only_the_window_pool():
     mem = make()
     pages = mem.alloc_pages(4)
-    mem.free_window_pages(pages[:2], "swa:8")
-    assert not mem.resident(pages[:2], "swa:8").any()
-    assert mem.resident(pages[:2], "swa:24").all() and mem.resident(pages, "full").all()
-    assert (mem.translate(pages[:2] * mem.page_size, "swa:8") < 0).all()  # tombstones
+    mem.free_window_pages(pages[:2], SWA8)
+    assert not mem.resident(pages[:2], SWA8).any()
+    assert mem.resident(pages[:2], WindowPool(24)).all() and mem.resident(pages, FULL_POOL).all()
+    assert (mem.translate(pages[:2] * mem.page_size, SWA8) < 0).all()  # tombstones
     mem.verify()
     mem.free_pages(pages)  # full free also drops whatever window residency is left
     assert mem.pages.live_count == 0
@@ -117,13 +119,13 @@ def test_state_fork_copies_bytes_into_a_new_slot():
     mem = make("tiny-gdn")
     slot = mem.alloc_state(1)
     view = mem.view(0, "recurrent_state")
-    cell = int(mem.state_pool.v2p[slot[0]])
+    cell = int(mem.pools[RECURRENT_POOL].v2p[slot[0]])
     view[cell] = torch.arange(view[cell].numel(), dtype=view.dtype).reshape(view[cell].shape)
     fork = mem.fork_state(slot)
     assert fork[0] != slot[0]
-    assert torch.equal(view[int(mem.state_pool.v2p[fork[0]])], view[cell])
+    assert torch.equal(view[int(mem.pools[RECURRENT_POOL].v2p[fork[0]])], view[cell])
     mem.free_state(slot)
-    assert torch.equal(view[int(mem.state_pool.v2p[fork[0]])].flatten()[:3], torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(view[int(mem.pools[RECURRENT_POOL].v2p[fork[0]])].flatten()[:3], torch.tensor([0.0, 1.0, 2.0]))
     mem.verify()
 
 
@@ -140,11 +142,11 @@ def test_views_are_strided_views_of_the_arena_for_a_stage_not_starting_at_layer_
     assert k.shape[1:] == (4, 4, 8) and v.shape[1:] == (4, 4, 8)
     base = mem.arena.buffer.data_ptr()
     assert base <= k.data_ptr() < base + mem.arena.nbytes
-    assert mem.geometry(7)["pool"] == "full"
+    assert mem.geometry(7)["pool"] == FULL_POOL
     assert mem.geometry(4)["tensors"]["recurrent_state"][0] == (4, 8, 8)
     page = mem.alloc_pages(1)
-    cell = int(mem.pools["full"].v2p[page[0]])
+    cell = int(mem.pools[FULL_POOL].v2p[page[0]])
     k[cell].fill_(3.0)
-    seg = mem.layout("full").segment(7, "k")
-    raw = mem.arena.buffer[cell * mem.pools["full"].cell_bytes + seg.offset :][: seg.nbytes]
+    seg = mem.layout(FULL_POOL).segment(7, "k")
+    raw = mem.arena.buffer[cell * mem.pools[FULL_POOL].cell_bytes + seg.offset :][: seg.nbytes]
     assert torch.equal(raw.view(torch.float32), torch.full((seg.nbytes // 4,), 3.0))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridkv.memory import InvalidIds, LayoutError, OutOfMemory, PinnedError, UnifiedMemory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, ShardSpec, WindowPool, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
 
@@ -71,10 +71,10 @@ def test_bad_extend_and_decode_arguments(mem):
 
 def test_window_misuse(mem):
     pages = mem.alloc_pages(2)
-    mem.free_window_pages(pages[:1], "swa:8")
-    assert_refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], "swa:8")
-    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, "full")
-    assert_refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], "swa:8")
+    mem.free_window_pages(pages[:1], WindowPool(8))
+    assert_refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], WindowPool(8))
+    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, FULL_POOL)
+    assert_refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], WindowPool(8))
 
 
 def test_pinned_pages_cannot_be_freed(mem):
@@ -125,3 +125,16 @@ def test_a_double_free_inside_a_free_group_frees_nothing(mem):
         mem.free(b)  # the same pages again
     assert_unchanged(before, mem)
     mem.verify()
+
+
+def test_taking_more_cells_than_are_free_is_refused_with_the_package_error(mem):
+    pages = mem.alloc_pages(2)
+    mem.free_pages(pages[:1])  # the full pool keeps the slab, with a free cell in it
+    pool = mem.pools[FULL_POOL]
+    assert pool.free_count > 0
+    assert_refused(mem, OutOfMemory, "reserve cells through the slab broker", pool.take_cells, pool.free_count + 1)
+    owned = frozenset(int(s) for s in pool.owned_slabs())
+    assert_refused(mem, OutOfMemory, "outside slabs", pool.take_cells, 1, owned)
+    with pytest.raises(OutOfMemory) as refused:
+        pool.take_cells(pool.free_count + 2)
+    assert refused.value.short == {FULL_POOL: 2}

@@ -14,7 +14,7 @@ import torch
 
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import OutOfMemory, UnifiedMemory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, ShardSpec, get_preset
 
 
 def hot_path(mem: UnifiedMemory) -> None:
@@ -28,9 +28,10 @@ def hot_path(mem: UnifiedMemory) -> None:
     a, b = np.append(a, d[0]), np.append(b, d[1])
     mem.translate(a)
     mem.translate(torch.from_numpy(b))
-    mem.page_cells(a[::ps] // ps, "full")
+    mem.page_cells(a[::ps] // ps, FULL_POOL)
     if mem.window_pools:
         mem.free_window_pages(a[:ps:ps] // ps)
+    mem.free_outside_span(a[::ps] // ps, a.size)
     slots = mem.alloc_state(2)
     forked = mem.fork_state(slots[:1])
     mem.free_state(np.concatenate([slots, forked]))

@@ -82,11 +82,12 @@ class MemoryMachine(RuleBasedStateMachine):
             self.rows[rid] = locs[end - n : end]
             self.window_dropped[rid] = 0
             self._tag_pages(self._row_pages(rid))
-            if with_state and self.mem.state_pool is not None:
+            if with_state and self.mem.slot_pools:
                 slot = self._attempt(self.mem.alloc_state, 1)
                 if slot is not None:
                     self.slots[rid] = int(slot[0])
-                    self._tag(self.mem.state_pool, self.mem.state_pool.v2p[slot], slot)
+                    for pool in self.mem.slot_pools:
+                        self._tag(pool, pool.v2p[slot], slot)
 
     @precondition(lambda self: self.rows)
     @rule(data=st.data(), grow=st.integers(1, 6))
@@ -127,7 +128,7 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         gone = pages[start : pages.size - keep]
         self._attempt(self.mem.free_window_pages, gone)
-        if not self.mem.resident(gone, self.mem.window_pools[0].name).any():
+        if not self.mem.resident(gone, self.mem.window_pools[0].pool_id).any():
             self.window_dropped[rid] = pages.size - keep
 
     @precondition(lambda self: self.rows)
@@ -171,10 +172,10 @@ class MemoryMachine(RuleBasedStateMachine):
         new = self._attempt(self.mem.fork_state, [self.slots[rid]])
         if new is None:
             return
-        pool = self.mem.state_pool
-        grid = self.mem.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
-        src, dst = pool.v2p[self.slots[rid]], pool.v2p[new[0]]
-        assert torch.equal(grid[int(src)], grid[int(dst)]), "fork did not copy the state bytes"
+        for pool in self.mem.slot_pools:
+            grid = self.mem.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
+            src, dst = pool.v2p[self.slots[rid]], pool.v2p[new[0]]
+            assert torch.equal(grid[int(src)], grid[int(dst)]), "fork did not copy the state bytes"
         self.mem.free_state(new)
 
     @precondition(lambda self: self.rows)
@@ -215,9 +216,8 @@ class MemoryMachine(RuleBasedStateMachine):
             grid = self.mem.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
             for page in pages:
                 tag = grid[int(pool.v2p[page]), :8].view(torch.int64)
-                assert int(tag[0]) == int(page), f"{pool.name}: page {page} lost its bytes"
-        if self.mem.state_pool is not None:
-            pool = self.mem.state_pool
+                assert int(tag[0]) == int(page), f"{pool.pool_id}: page {page} lost its bytes"
+        for pool in self.mem.slot_pools:
             grid = self.mem.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
             for slot in self.slots.values():
                 assert int(grid[int(pool.v2p[slot]), :8].view(torch.int64)[0]) == slot

@@ -121,4 +121,38 @@ def test_bad_configs_get_clear_errors():
     with pytest.raises(ValueError, match="window must be positive"):
         SlidingWindow(0, 1, 8, 8)
     with pytest.raises(ValueError, match="not divisible by TP size 3"):
-        StateTensor("ssm", (4, 8), torch.float32).shard(3)
+        StateTensor("ssm", (4, 8), torch.float32, tp_dim=0).shard(3)
+
+
+def test_each_state_tensor_takes_its_tp_split_from_its_own_record():
+    """A conv window splits on its channels, a recurrent matrix on its heads, wherever those
+    dims sit in the shape; a replicated tensor is not split at all."""
+    for name in real_preset_names():
+        linear = published_record(name).get("linear")
+        if not linear:
+            continue
+        kinds = {layer.kind for layer in get_preset(name).layers if isinstance(layer.kind, Linear)}
+        (kind,) = kinds
+        for tensor, facts in zip(kind.states, linear["state_tensors_per_layer"], strict=True):
+            assert facts["dims"][tensor.tp_dim] == facts["tp_split"], (name, tensor.name)
+            expected = "conv_channels" if tensor.name.startswith("conv") else ("heads", "value_heads", "d_inner")
+            assert facts["tp_split"] in expected, (name, tensor.name)
+
+    record = copy.deepcopy(published_record("Qwen3-Next-80B-A3B-Instruct"))
+    conv, recurrent = record["linear"]["state_tensors_per_layer"]
+    conv["shape"], conv["dims"] = conv["shape"][::-1], conv["dims"][::-1]  # stored (K - 1, channels)
+    recurrent["tp_split"] = None  # every rank holds the whole matrix
+    shard = ShardSpec(spec_from_record(record), Parallel(tp_size=4), 0, 1)
+    gdn = shard.local_kind(0)
+    assert isinstance(gdn, Linear)
+    assert {s.name: (s.shape, s.tp_dim) for s in gdn.states} == {
+        "conv_state": ((3, 2048), 1),
+        "recurrent_state": ((32, 128, 128), None),
+    }
+
+    del recurrent["tp_split"]
+    with pytest.raises(PresetError, match=r"needs 'dims' .* and 'tp_split'"):
+        spec_from_record(record)
+    recurrent["tp_split"] = "channels"
+    with pytest.raises(PresetError, match="tp_split 'channels' is not one of its dims"):
+        spec_from_record(record)

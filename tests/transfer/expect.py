@@ -1,10 +1,12 @@
 """Independent expectation of a transfer plan, from memory views and ``Parallel`` alone.
 
 Built without ``hybridkv.transfer``: addresses come from the strided tensor views memory
-hands out (``storage_offset`` and strides, so they work on meta memories too), head ranges
-from ``Parallel.kv_head_range``, and the source of each decode row from the rule the
-design states: among the prefill ranks that hold a head, decode rank ``d`` reads from
-``holders[d % len(holders)]``; replicated tensors from prefill rank ``d % tp``.
+hands out (``storage_offset`` and strides, so they work on meta memories too), the pages
+from each kind's pool rule, each tensor's TP slice along its own ``tp_dim`` from
+``Parallel.kv_head_range`` (the split rule, replicas included), and the source of each
+decode row from the rule the design states: among the prefill ranks that hold a slice,
+decode rank ``d`` reads from ``holders[d % len(holders)]``; replicated tensors from
+prefill rank ``d % tp``.
 """
 
 from __future__ import annotations
@@ -12,24 +14,19 @@ from __future__ import annotations
 import numpy as np
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import MLA, FullAttention, Linear, SlidingWindow
+from hybridkv.spec import IdSpace, LayerKind
 
 
-def _tensors(kind: object) -> list[str]:
-    if isinstance(kind, FullAttention | SlidingWindow):
-        return ["k", "v"]
-    if isinstance(kind, MLA):
-        return ["latent"]
-    if isinstance(kind, Linear):
-        return [s.name for s in kind.states]
-    return []
+def _tensors(kind: LayerKind, cell_tokens: int, kv_dtype) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(name, unsharded shape, tp_dim) of every tensor the kind keeps per cell."""
+    return [(t.name, t.shape, t.tp_dim) for t in kind.cell_tensors(cell_tokens, kv_dtype)]
 
 
-def _positions(kind: object, seq_len: int, page_size: int) -> np.ndarray:
+def _positions(kind: LayerKind, seq_len: int, page_size: int) -> np.ndarray:
+    """Row pages the kind's history rule keeps at ``seq_len``."""
+    assert kind.pool_id is not None
     n = -(-seq_len // page_size)
-    if isinstance(kind, SlidingWindow):
-        return np.arange(max(0, seq_len - kind.window) // page_size, n)
-    return np.arange(n)
+    return np.arange(kind.pool_id.first_needed(seq_len) // page_size, n)
 
 
 def _rows(view, base: int, cells: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -63,9 +60,10 @@ def expected_atoms(
     for layer in pd.layers:
         lid = layer.layer_id
         kind = layer.kind
-        if not ps.has_layer(lid) or not _tensors(kind):
+        if not ps.has_layer(lid) or kind.pool_id is None:
             continue
-        if isinstance(kind, Linear):
+        slots = kind.pool_id.id_space is IdSpace.SLOT
+        if slots:
             pos = np.zeros(1, dtype=np.int64)
             s_cells = pre.pool_of_layer(lid).v2p[[pre_slot]]
             d_cells = dec.pool_of_layer(lid).v2p[[dec_slot]]
@@ -73,29 +71,22 @@ def expected_atoms(
             pos = _positions(kind, seq_len, pre.page_size)
             s_cells = pre.pool_of_layer(lid).v2p[pre_pages[pos]]
             d_cells = dec.pool_of_layer(lid).v2p[dec_pages[pos]]
-        for name in _tensors(kind):
+        for name, whole, split in _tensors(kind, 1 if slots else pre.page_size, pd.model.kv_dtype):
             vs, vd = pre.view(lid, name), dec.view(lid, name)
             shape = tuple(vd.shape[1:])
-            index = np.indices(shape[:-1]).reshape(len(shape) - 1, -1).T
-            row_bytes = shape[-1] * vd.element_size()
-            if isinstance(kind, FullAttention | SlidingWindow):
-                split, total = 1, kind.num_kv_heads
-                d_lo = pd.kv_head_range(lid)[0]
+            # a row is the item's last dim, unless TP splits that one: then one element
+            row_dims = len(shape) if split == len(shape) - 1 else len(shape) - 1
+            index = np.indices(shape[:row_dims]).reshape(row_dims, -1).T
+            row_bytes = (shape[-1] if row_dims < len(shape) else 1) * vd.element_size()
+            if split is not None:
+                total = whole[split]
+                d_lo = pd.parallel.kv_head_range(total, d)[0]  # Parallel's split, replicas included
                 g = index[:, split] + d_lo
                 ranges = [ps.parallel.kv_head_range(total, r) for r in range(pt)]
                 holders = [[r for r, (a, b) in enumerate(ranges) if a <= h < b] for h in range(total)]
                 src_rank = np.array([holders[h][d % len(holders[h])] for h in g])
                 s_lo = np.array([ranges[r][0] for r in src_rank])
-            elif isinstance(kind, Linear):
-                state = next(s for s in kind.states if s.name == name)
-                split = state.tp_dim
-                assert split == 0, "expectation covers tp_dim 0 (every preset's states)"
-                local_p = state.shape[0] // pt
-                g = index[:, 0] + pd.tp_rank * shape[0]
-                src_rank = g // local_p
-                s_lo = src_rank * local_p
-            else:  # MLA: replicated
-                split = None
+            else:  # replicated (MLA latents, unsplit state)
                 src_rank = np.full(index.shape[0], d % pt)
                 s_lo = np.zeros(index.shape[0], dtype=np.int64)
             mine = src_rank == ps.tp_rank

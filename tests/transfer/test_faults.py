@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from hybridkv.memory import InvalidIds, PinnedError, UnifiedMemory
-from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.spec import RECURRENT_POOL, IdSpace, Parallel, ShardSpec, get_preset
 from hybridkv.testing.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.testing.pattern import expected_arena, fill, mismatch
 from hybridkv.testing.transports import Delegating
@@ -73,7 +73,7 @@ def hand_over(senders, rid: str, seq_len: int, seed: int) -> list[tuple[np.ndarr
     held = []
     for s in senders:
         pages = s.mem.alloc_pages(-(-seq_len // s.mem.page_size))
-        slot = int(s.mem.alloc_state(1)[0]) if s.mem.state_pool is not None else None
+        slot = int(s.mem.alloc_state(1)[0]) if s.mem.slot_pools else None
         fill(s.mem, pages, slot, seq_len, seed)
         s.send(rid, pages, slot, seq_len)
         held.append((pages, slot))
@@ -145,8 +145,8 @@ def test_prefill_checks_layouts_and_indices_itself(key, bootstrap, stack, wire):
     me = Rank("fake", 0, 0)
     wire.send(stage1.endpoint, Hello(me, wire.endpoint, "shm", link.session, buffer_set_from_memory(dmem)))
     pages = dmem.alloc_pages(5)
-    cells = {name: pool.v2p[pages].tolist() for name, pool in dmem.pools.items() if not pool.layout.is_state}
-    cells["state"] = [int(dmem.pools["state"].v2p[dmem.alloc_state(1)[0]])]
+    cells = {str(p): pool.v2p[pages].tolist() for p, pool in dmem.pools.items() if p.id_space is IdSpace.PAGE}
+    cells["state"] = [int(dmem.pools[RECURRENT_POOL].v2p[dmem.alloc_state(1)[0]])]
     hand_over([stage1], "far", 20, seed=2)
     far = dict(cells, full=[10**9, *cells["full"][1:]])
     wire.send(stage1.endpoint, TransferRequest("far", 7, me, 20, far, 5.0, False))

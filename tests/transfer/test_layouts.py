@@ -9,13 +9,7 @@ import torch
 
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import (
-    KindTag,
-    ModelSpec,
-    Parallel,
-    ShardSpec,
-    get_preset,
-)
+from hybridkv.spec import KindTag, ModelSpec, Parallel, ShardSpec, WindowPool, get_preset
 from hybridkv.testing.harness import variant
 from hybridkv.transfer import (
     BadLayout,
@@ -80,7 +74,7 @@ def test_mha_publishes_k_then_v_with_ids_twice_and_hybrid_pools_only_their_layer
     assert by_pool["swa:24"] == [(2, "k"), (6, "k"), (2, "v"), (6, "v")]
     assert by_pool["state"] == [(1, "conv_state"), (5, "conv_state"), (1, "recurrent_state"), (5, "recurrent_state")]
     mla = bufs("tiny-kda-mla")
-    assert [lid for e, lid in zip(mla.entries, mla.layer_ids, strict=True) if e.kind == "mla"] == [3, 7]
+    assert [lid for e, lid in zip(mla.entries, mla.layer_ids, strict=True) if e.pool == "mla"] == [3, 7]
 
 
 def test_real_hybrid_preset_publishes_full_attention_and_state_by_their_own_ids():
@@ -90,11 +84,11 @@ def test_real_hybrid_preset_publishes_full_attention_and_state_by_their_own_ids(
     )
     b = buffer_set_from_memory(mem, BASE)
     start, end = b.layer_range
-    full = sorted({lid for e, lid in zip(b.entries, b.layer_ids, strict=True) if e.kind == "full"})
-    state = sorted({lid for e, lid in zip(b.entries, b.layer_ids, strict=True) if e.kind == "state"})
+    full = sorted({lid for e, lid in zip(b.entries, b.layer_ids, strict=True) if e.pool == "full"})
+    state = sorted({lid for e, lid in zip(b.entries, b.layer_ids, strict=True) if e.pool == "state"})
     assert full == [i for i in model.layer_ids(KindTag.FULL) if start <= i < end]
     assert state == [i for i in range(start, end) if i not in full]
-    assert all(e.stride == mem.pools[e.pool].cell_bytes for e in b.entries)
+    assert all(e.stride == mem.pools[e.pool_id].cell_bytes for e in b.entries)
 
 
 def test_bufferset_rejects_misaligned_ids_foreign_layers_and_unregistered_entries():
@@ -228,11 +222,11 @@ def test_plan_refuses_bad_cells_before_any_byte_moves(builder):
     with pytest.raises(PlanError, match="same decode bytes"):
         build_plan(pre, dec, pairs, 23, src, dup)
     # window pages are those of tokens [15, 23): pages that left the window do not matter
-    pre_mem.free_window_pages(pages[:3], "swa:8")
-    dec_mem.free_window_pages(dpages[:3], "swa:8")
+    pre_mem.free_window_pages(pages[:3], WindowPool(8))
+    dec_mem.free_window_pages(dpages[:3], WindowPool(8))
     dst = memory_cells(dec_mem, dpages, None)
     assert build_plan(pre, dec, pairs, 23, memory_cells(pre_mem, pages, None), dst).nbytes > 0
-    pre_mem.free_window_pages(pages[4:5], "swa:8")  # a window page the prefill lost
+    pre_mem.free_window_pages(pages[4:5], WindowPool(8))  # a window page the prefill lost
     with pytest.raises(PlanError, match=r"prefill cell -1 for position 4 of pool 'swa:8'.*tombstone"):
         build_plan(pre, dec, pairs, 23, memory_cells(pre_mem, pages, None), dst)
 
@@ -242,14 +236,15 @@ def test_window_pages_and_one_state_slot_only():
     pre, dec = buffer_set_from_memory(pre_mem, BASE), buffer_set_from_memory(dec_mem, 2 * BASE)
     pages, dpages = pre_mem.alloc_pages(10), dec_mem.alloc_pages(10)
     slot, dslot = int(pre_mem.alloc_state(1)[0]), int(dec_mem.alloc_state(1)[0])
-    pre_mem.free_window_pages(pages[:5], "swa:8")  # out of the 8-token window at 38 tokens
+    pre_mem.free_window_pages(pages[:5], WindowPool(8))  # out of the 8-token window at 38 tokens
     dst = memory_cells(dec_mem, dpages, dslot)
     plan = build_plan(pre, dec, pair_entries(pre, dec), 38, memory_cells(pre_mem, pages, slot), dst)
     written = np.zeros(dec_mem.arena.nbytes, dtype=bool)
     for a, n in zip(plan.dst - 2 * BASE, plan.length, strict=True):
         written[a : a + n] = True
     touched = {}
-    for name, pool in dec_mem.pools.items():
+    for pool_id, pool in dec_mem.pools.items():
+        name = str(pool_id)  # plan cells are keyed like the entries' pool
         spans = [(c * pool.cell_bytes, c * pool.cell_bytes + pool.layout.data_bytes) for c in dst[name]]
         assert all(written[a:b].all() or not written[a:b].any() for a, b in spans)  # whole cells
         touched[name] = {int(c) for c, (a, b) in zip(dst[name], spans, strict=True) if written[a:b].any()}

@@ -7,9 +7,11 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.spec import FullAttention, IdSpace, Linear, ModelSpec, Parallel, ShardSpec, StateTensor, get_preset
+from hybridkv.testing.pattern import expected_arena, fill, mismatch
 from hybridkv.transfer import TransferPlan, buffer_set_from_memory, build_plan, memory_cells, pair_entries
 from hybridkv.transfer import plan as plan_module
 from tests.transfer.expect import expected_atoms, merge_runs
@@ -17,9 +19,9 @@ from tests.transfer.expect import expected_atoms, merge_runs
 PRE_BASE, DEC_BASE, RANK_STRIDE = 1 << 44, 1 << 40, 1 << 38
 
 
-def meta_memory(name: str, pp: int, tp: int, pp_rank: int, tp_rank: int, page_size: int) -> UnifiedMemory:
-    model = get_preset(name)
-    tiny = name.startswith("tiny")
+def meta_memory(name: str | ModelSpec, pp: int, tp: int, pp_rank: int, tp_rank: int, page_size: int) -> UnifiedMemory:
+    model = get_preset(name) if isinstance(name, str) else name
+    tiny = model.name.startswith("tiny")
     return UnifiedMemory.create(
         ShardSpec(model, Parallel(tp, pp), pp_rank, tp_rank),
         "2MiB" if tiny else "4GiB",
@@ -36,24 +38,20 @@ def request(mem: UnifiedMemory, pages: int, skip: int, shuffle: int) -> tuple[np
     got = mem.alloc_pages(pages)
     got = np.random.default_rng(shuffle).permutation(got) if shuffle else got
     slot = None
-    if mem.state_pool is not None:
+    if mem.slot_pools:
         mem.alloc_state(skip % 3 + 1)
         slot = int(mem.alloc_state(1)[0])
     return got, slot
 
 
 def needed_bytes(mem: UnifiedMemory, seq_len: int) -> int:
-    """Bytes a decode rank must receive: every page (window pages for SWA), one slot."""
+    """Bytes a decode rank must receive: the pages each pool's rule keeps, one slot."""
     total = 0
     n = -(-seq_len // mem.page_size)
     for pool in mem.pools.values():
         lay = pool.layout
-        if lay.is_state:
-            count = 1
-        elif lay.window:
-            count = n - max(0, seq_len - lay.window) // mem.page_size
-        else:
-            count = n
+        # a slot, or the pages of tokens [first_needed, seq_len) (every page for full history)
+        count = 1 if lay.id_space is IdSpace.SLOT else n - lay.pool_id.first_needed(seq_len) // mem.page_size
         total += count * lay.data_bytes
     return total
 
@@ -81,7 +79,14 @@ def build_both_ways(*args) -> TransferPlan:
 
 
 def check_layouts(
-    name: str, pp: int, tp_p: int, tp_d: int, page_size: int, seq_len: int, pp_d: int = 1, pp_rank_d: int = 0
+    name: str | ModelSpec,
+    pp: int,
+    tp_p: int,
+    tp_d: int,
+    page_size: int,
+    seq_len: int,
+    pp_d: int = 1,
+    pp_rank_d: int = 0,
 ) -> None:
     n = -(-seq_len // page_size)
     pre = {}
@@ -146,3 +151,52 @@ def test_real_presets_match_the_independent_expectation(name, pp, tp_p, tp_d):
 @pytest.mark.parametrize(("pp", "pp_rank_d"), [(4, 0), (4, 1), (1, 1), (2, 1)])
 def test_decode_pp_stages_take_only_their_layers(name, pp, pp_rank_d):
     check_layouts(name, pp, 2, 1, page_size=4, seq_len=27, pp_d=2, pp_rank_d=pp_rank_d)
+
+
+def state_split_on(dims: tuple[int | None, ...]) -> ModelSpec:
+    """Recurrent layers whose state tensors TP splits along ``dims`` (None: replicated)."""
+    states = tuple(StateTensor(f"s{i}_{dim}", (4, 8, 12), torch.float32, dim) for i, dim in enumerate(dims))
+    kinds = [Linear("custom", states), FullAttention(2, 8, 8), Linear("custom", states)]
+    return ModelSpec.from_kinds("tiny-state-split", kinds, kv_dtype=torch.float32, max_context=64)
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_each_state_tensor_moves_along_its_own_tp_dim(tp_p, tp_d):
+    """The plan slices every tensor along its own ``tp_dim`` (the expectation reads it too,
+    so a state split on dim 1 or 2, or replicated, is checked, not assumed to be dim 0)."""
+    check_layouts(state_split_on((0, 1, 2, None)), 1, tp_p, tp_d, page_size=4, seq_len=27)
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2), (4, 2)])
+def test_the_byte_pattern_follows_each_tensors_tp_dim(tp_p, tp_d):
+    """Prefill ranks fill their slices of the global pattern; copying every plan's bytes
+    gives each decode rank exactly ``expected_arena`` (a pattern that assumed dim 0 would
+    put a dim-1/2 slice's bytes, or a replicated tensor's, in the wrong place)."""
+    spec, seq_len, ps = state_split_on((0, 1, 2, None)), 27, 4
+
+    def cpu(tp: int, rank: int) -> UnifiedMemory:
+        return UnifiedMemory.create(
+            ShardSpec(spec, Parallel(tp, 1), 0, rank), "2MiB", page_size=ps, max_context=64, chunk_tokens=16
+        )
+
+    n = -(-seq_len // ps)
+    pre = []
+    for t in range(tp_p):
+        mem = cpu(tp_p, t)
+        pages, slot = request(mem, n, skip=t + 1, shuffle=0)
+        fill(mem, pages, slot, seq_len, seed=5)
+        pre.append((mem, pages, slot, buffer_set_from_memory(mem)))
+    for d in range(tp_d):
+        dec = cpu(tp_d, d)
+        dec.arena.buffer.zero_()
+        dec_pages, dec_slot = request(dec, n, skip=d + 2, shuffle=d + 1)
+        dec_bufs, dst = buffer_set_from_memory(dec), memory_cells(dec, dec_pages, dec_slot)
+        out, dec_base = dec.arena.buffer.numpy(), dec.arena.buffer.data_ptr()
+        for mem, pages, slot, bufs in pre:
+            plan = build_plan(
+                bufs, dec_bufs, pair_entries(bufs, dec_bufs), seq_len, memory_cells(mem, pages, slot), dst
+            )
+            src, base = mem.arena.buffer.numpy(), mem.arena.buffer.data_ptr()
+            for s, t, length in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
+                out[t - dec_base : t - dec_base + length] = src[s - base : s - base + length]
+        assert mismatch(dec, expected_arena(dec, [(dec_pages, dec_slot, seq_len, 5)])) == "", f"decode tp{d}"

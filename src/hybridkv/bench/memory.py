@@ -5,9 +5,10 @@ requests; a decode step one ``alloc_decode`` for every running request in admiss
 a finish frees each request's row with a segment free from position 0 (hybridkv batches a
 finish event's frees in one free group; the group's release is timed and counted in the
 time, not as calls; the baseline has no groups). With a sliding
-window, one batched window free after each step drops SWA pages that left the window;
-with recurrent state, one state slot per request is allocated with its prefill batch and
-freed with its finish.
+window, one batched window free after each step drops SWA pages that left the span the
+window pool's history rule keeps (``PoolId.first_needed``); with recurrent state, one state
+slot per request is allocated with its prefill batch and freed with its finish. Which of
+these a model needs is read from its pools, not from the config name.
 
 Each configuration runs three passes over the same trace: a sizing pass (peak cells per
 pool, checked against the trace's published peak), a timed pass of hybridkv and of the
@@ -31,7 +32,7 @@ import torch
 from hybridkv.bench.static_pools import StaticAllocator
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import MemoryHints, UnifiedMemory, plan_memory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import FULL_POOL, RECURRENT_POOL, IdSpace, PoolId, ShardSpec, get_preset
 from hybridkv.traces import PEER_TRACE, load_peer_trace
 
 _UNCOUNTED = {"flush_tables", "free_group_enter", "free_group_exit"}
@@ -129,7 +130,7 @@ class BaselineAllocator:
 class ReplayResult:
     op_ns: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     wall_s: float = 0.0
-    peak: dict[str, int] = field(default_factory=dict)
+    peak: dict[PoolId, int] = field(default_factory=dict)
 
     @property
     def calls(self) -> int:
@@ -163,11 +164,14 @@ def replay(
     trace: dict[str, Any],
     alloc: Allocator,
     page_size: int,
-    window: int | None,
+    window: PoolId | None,
     with_state: bool,
-    observe: Callable[[], dict[str, int]] | None = None,
+    observe: Callable[[], dict[PoolId, int]] | None = None,
 ) -> ReplayResult:
-    """Drive ``alloc`` through the trace's alloc events; time every allocator call."""
+    """Drive ``alloc`` through the trace's alloc events; time every allocator call.
+
+    ``window``: the bounded-history pool whose pages are dropped as the span moves on.
+    """
     part = trace["alloc"]
     prompt = {r["rid"]: r["prompt_len"] for r in part["requests"]}
     max_len = max(r["prompt_len"] + r["output_len"] for r in part["requests"]) + 1
@@ -194,7 +198,7 @@ def replay(
 
     def drop_window(slots: np.ndarray) -> None:
         assert window is not None
-        first_needed = np.maximum(lens[slots] - window, 0) // page_size
+        first_needed = window.first_needed(lens[slots]) // page_size
         behind = first_needed - swa_freed[slots]
         sel = behind > 0
         if not sel.any():
@@ -270,35 +274,43 @@ def _make_memory(model: str, page_size: int, budget: int) -> UnifiedMemory:
 def run_config(name: str, trace: dict[str, Any], page_size: int) -> dict[str, Any]:
     model = CONFIGS[name]
     shard = ShardSpec.whole(get_preset(model))
-    window = 1024 if name == "full+swa" else None
-    with_state = name == "full+state"
     layouts = {
-        lay.name: lay for lay in plan_memory(shard, 2**38, MemoryHints(page_size=page_size, max_context=8192)).layouts
+        lay.pool_id: lay
+        for lay in plan_memory(shard, 2**38, MemoryHints(page_size=page_size, max_context=8192)).layouts
     }
-    for lay in layouts.values():
-        if lay.is_window and lay.window != window:
-            raise ValueError(f"{model}: window {lay.window}, the benchmark config expects {window}")
+    windows = [pool for pool in layouts if pool.releases_history]
+    if len(windows) > 1 or (set(layouts) - {FULL_POOL, RECURRENT_POOL, *windows}):
+        raise ValueError(
+            f"{model}: pools {[str(p) for p in layouts]}; the static baseline models one full pool, "
+            "at most one window pool and one state pool"
+        )
+    window = windows[0] if windows else None
+    with_state = any(pool.id_space is IdSpace.SLOT for pool in layouts)
 
     # pass 1: sizing, on a generous arena; the full pool's peak must match the trace's
     sizing = _make_memory(model, page_size, 2**38)
-    observe = lambda: {p.name: p.live_count for p in sizing.pools.values()}  # noqa: E731
+    observe = lambda: {p.pool_id: p.live_count for p in sizing.pools.values()}  # noqa: E731
     peak = replay(trace, UnifiedAllocator(sizing), page_size, window, with_state, observe).peak
     published = trace["alloc"]["peak_live_pages"].get(str(page_size))
-    if published is not None and peak["full"] != published:
-        raise AssertionError(f"replay peak {peak['full']} full pages != trace's {published}: protocol drift")
+    if published is not None and peak[FULL_POOL] != published:
+        raise AssertionError(f"replay peak {peak[FULL_POOL]} full pages != trace's {published}: protocol drift")
     cells = {n: math.ceil(1.05 * p) + 2 for n, p in peak.items()}
     exact = sum(cells[n] * layouts[n].cell_bytes for n in cells)
     budget = int(exact * 1.02) + (len(cells) * 3 + 1) * (exact // 500 + max(lay.cell_bytes for lay in layouts.values()))
 
-    results: dict[str, Any] = {"model": model, "pool_cells": cells, "peak_cells": peak}
+    results: dict[str, Any] = {
+        "model": model,
+        "pool_cells": {str(pool): n for pool, n in cells.items()},
+        "peak_cells": {str(pool): n for pool, n in peak.items()},
+    }
     for counted in (False, True):
         counter = HostSyncCounter() if counted else None
         mem = _make_memory(model, page_size, budget)
         baseline = StaticAllocator(
-            cells["full"],
+            cells[FULL_POOL],
             page_size,
-            swa_pages=cells.get(f"swa:{window}", 0),
-            state_slots=cells.get("state", 0),
+            swa_pages=cells[window] if window is not None else 0,
+            state_slots=cells.get(RECURRENT_POOL, 0),
         )
         runs = {"hybridkv": UnifiedAllocator(mem), "static_baseline": BaselineAllocator(baseline, counter)}
         for label, allocator in runs.items():

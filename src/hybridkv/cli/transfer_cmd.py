@@ -17,7 +17,7 @@ from rich.table import Table
 
 from hybridkv.cli.app import app, bench_app
 from hybridkv.memory import LayoutError, MemoryHints, UnifiedMemory, build_layouts, format_bytes, plan_memory
-from hybridkv.spec import Parallel, ShardSpec, get_preset
+from hybridkv.spec import IdSpace, Parallel, ShardSpec, get_preset
 from hybridkv.transfer import TransportName, buffer_set_from_memory, memory_cells, pair_entries
 from hybridkv.transfer.plan import Route, num_pages
 from hybridkv.transfer.transport import transport_class
@@ -90,7 +90,8 @@ def bench_transfer(
 def _meta_memory(shard: ShardSpec, page_size: int, seq_len: int) -> UnifiedMemory:
     """A tables-only memory with room for one request of ``seq_len`` tokens."""
     layouts = build_layouts(shard, page_size)
-    need = sum(lay.cell_bytes * (1 if lay.is_state else num_pages(seq_len, page_size) + 2) for lay in layouts)
+    slot = IdSpace.SLOT
+    need = sum(lay.cell_bytes * (1 if lay.id_space is slot else num_pages(seq_len, page_size) + 2) for lay in layouts)
     hints = MemoryHints(page_size=page_size, max_context=seq_len, chunk_tokens=seq_len)
     budget = 4 * need
     while True:
@@ -120,12 +121,12 @@ def transfer_plan_report(
         dec = _meta_memory(ShardSpec(spec, Parallel(decode_tp, 1), 0, d), page_size, seq_len)
         dec_bufs = buffer_set_from_memory(dec, _FAKE_BASE)
         pages = dec.alloc_pages(need)
-        slot = int(dec.alloc_state(1)[0]) if dec.state_pool is not None else None
+        slot = int(dec.alloc_state(1)[0]) if dec.slot_pools else None
         dst = memory_cells(dec, pages, slot)
         for k, ((p, t), mem) in enumerate(sorted(prefill.items())):
             bufs = buffer_set_from_memory(mem, _FAKE_BASE + (k + 1) * _RANK_SPAN)
             src_pages = mem.alloc_pages(pages.size)
-            src_slot = int(mem.alloc_state(1)[0]) if mem.state_pool is not None else None
+            src_slot = int(mem.alloc_state(1)[0]) if mem.slot_pools else None
             pairs = pair_entries(bufs, dec_bufs)
             plan = Route(bufs, dec_bufs, pairs).plan(seq_len, memory_cells(mem, src_pages, src_slot), dst)
             mem.free_pages(src_pages)

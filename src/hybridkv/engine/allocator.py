@@ -11,7 +11,8 @@ Invariants:
   ``alloc_extend`` call (``alloc_decode`` when every request adds one token to a non-empty
   row) and either succeeds for all or changes nothing (OutOfMemory).
 - ``release_windows`` drops from a window pool exactly the pages whose every token lies
-  before ``length - window + 1`` (no later query can see them); full KV stays.
+  before ``first_needed(length + 1)`` (the pool id's rule: no later query can see them);
+  full KV stays.
 - ``admit`` takes a waiting request's state slot only when the slot and the pages its first step
   needs both fit; otherwise nothing changes.
 - ``free`` returns every page and the state slot; a freed request holds nothing.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.spec import PoolId
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -34,7 +36,7 @@ class RequestMemory:
     length: int = 0
     slot: int | None = None
     fresh: bool = True
-    window_pages_left: dict[str, int] = field(default_factory=dict)
+    window_pages_left: dict[PoolId, int] = field(default_factory=dict)
 
     @property
     def token_locs(self) -> np.ndarray:
@@ -53,12 +55,12 @@ class RequestMemory:
 class RequestAllocator:
     def __init__(self, mem: UnifiedMemory):
         self.mem = mem
-        self.windows = {p.name: int(p.layout.window) for p in mem.window_pools if p.layout.window is not None}
-        self.has_state = mem.state_pool is not None
+        self.windows = [p.pool_id for p in mem.window_pools]
+        self.has_state = bool(mem.slot_pools)
 
     def new(self) -> RequestMemory:
         """A request holding nothing yet (its state slot comes with ``admit``, else its first ``extend``)."""
-        return RequestMemory(window_pages_left={name: 0 for name in self.windows})
+        return RequestMemory(window_pages_left=dict.fromkeys(self.windows, 0))
 
     def admit(self, req: RequestMemory, pages: int) -> bool:
         """Whether ``req`` can start now: its state slot (taken here) and ``pages`` more pages fit.
@@ -108,16 +110,16 @@ class RequestAllocator:
 
     def release_windows(self, reqs: list[RequestMemory]) -> None:
         ps = self.mem.page_size
-        for name, window in self.windows.items():
+        for pool in self.windows:
             pages = []
             for req in reqs:
-                done = req.window_pages_left[name]
-                out = max(0, (req.length - window + 1) // ps)
+                done = req.window_pages_left[pool]
+                out = pool.first_needed(req.length + 1) // ps  # pages no later query can see
                 if out > done:
                     pages.append(req.locs[done * ps : out * ps : ps] // ps)
-                    req.window_pages_left[name] = out
+                    req.window_pages_left[pool] = out
             if pages:
-                self.mem.free_window_pages(np.concatenate(pages), name)
+                self.mem.free_window_pages(np.concatenate(pages), pool)
 
     def free(self, req: RequestMemory) -> None:
         if req.length:
@@ -125,4 +127,4 @@ class RequestAllocator:
         if req.slot is not None:
             self.mem.free_state([req.slot])
         req.length, req.slot, req.fresh = 0, None, True
-        req.window_pages_left = {name: 0 for name in self.windows}
+        req.window_pages_left = dict.fromkeys(self.windows, 0)

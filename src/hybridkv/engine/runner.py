@@ -23,7 +23,7 @@ class ModelRunner:
         self.model = model
         self.mem = mem
         self.device = mem.device
-        self.needs_state = mem.state_pool is not None
+        self.needs_state = bool(mem.slot_pools)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

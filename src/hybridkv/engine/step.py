@@ -3,11 +3,12 @@
 Every layer of a step reads the same context: the flat new tokens ``T``, their padded
 per-request layout ``(R, Q)`` (``Q`` = longest new span), and for each token pool the
 physical slots to write the new K/V to and the padded ``(R, L)`` slots to gather each
-request's visible context from. Sliding-window pools gather only the positions some new
-token can still see (``>= prefix - window + 1``), so tokens that left the window may be
-tombstoned. ``groups`` lays the same requests out again in two padded groups, the
-one-token decodes and the longer spans, so that attention does not pad a decode's one
-query to the longest prefill chunk of the step (one group when the step has one kind).
+request's visible context from. Pools that release history (sliding windows) gather only
+the positions some new token can still see (``>= first_needed(prefix + 1)``, the pool id's
+rule), so tokens that left the window may be tombstoned. ``groups`` lays the same requests
+out again in two padded groups, the one-token decodes and the longer spans, so that
+attention does not pad a decode's one query to the longest prefill chunk of the step (one
+group when the step has one kind).
 
 Invariants:
 - Physical ids are produced here, from one ``translate`` per pool and one ``page_cells``
@@ -27,6 +28,7 @@ import torch
 
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import RECURRENT_POOL, PoolId
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Padded:
     query_index: torch.Tensor  # (R', Q') flat index of each padded query (padding repeats the last)
     flat_index: torch.Tensor  # (T',) the flat tokens of these requests, in order
     from_padded: torch.Tensor  # (T',) their rows in the (R' * Q') padded layout
-    pools: dict[str, PoolIndex]
+    pools: dict[PoolId, PoolIndex]
 
     @property
     def decode_only(self) -> bool:
@@ -82,7 +84,7 @@ class StepContext:
         return self.padded.query_index
 
     @property
-    def pools(self) -> dict[str, PoolIndex]:
+    def pools(self) -> dict[PoolId, PoolIndex]:
         return self.padded.pools
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,7 @@ class StepContext:
 class _PoolSlots:
     """One pool's translated slots: new tokens (T,), and every request's visible context, flat."""
 
-    window: int | None
+    pool_id: PoolId
     write: torch.Tensor
     read: torch.Tensor
     first: np.ndarray  # (R,) first visible position of each request
@@ -113,15 +115,15 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
 
-    slots: dict[str, _PoolSlots] = {}
+    slots: dict[PoolId, _PoolSlots] = {}
     for pool in mem.token_pools:
-        window = pool.layout.window
-        first = np.zeros(ext.size, dtype=np.int64) if window is None else np.maximum(pre - window + 1, 0)
+        rule = pool.pool_id
+        first = rule.first_needed(pre + 1)  # what the step's first query sees
         read_locs = np.concatenate([locs[f:] for locs, f in zip(batch.token_locs, first, strict=True)])
-        translated = mem.translate(np.concatenate([new_locs, read_locs]), pool.name)
+        translated = mem.translate(np.concatenate([new_locs, read_locs]), rule)
         lengths = seq - first
-        slots[pool.name] = _PoolSlots(
-            window, translated[: new_locs.size], translated[new_locs.size :], first, np.cumsum(lengths) - lengths
+        slots[rule] = _PoolSlots(
+            rule, translated[: new_locs.size], translated[new_locs.size :], first, np.cumsum(lengths) - lengths
         )
 
     def layout(rows: np.ndarray) -> Padded:
@@ -133,8 +135,8 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         local = np.repeat(np.arange(r), e)
         from_padded = local * q + (np.arange(local.size) - (np.cumsum(e) - e)[local])
         ps = mem.page_size
-        pools: dict[str, PoolIndex] = {}
-        for name, sl in slots.items():
+        pools: dict[PoolId, PoolIndex] = {}
+        for pool_id, sl in slots.items():
             first = sl.first[rows]
             width = int((s - first).max())
             key_pos = first[:, None] + np.arange(width)
@@ -145,10 +147,10 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
             grid = grid.view(r, width)
             kp = np.where(key_valid, key_pos, -1)
             visible = (kp[:, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
-            if sl.window is not None:
-                visible &= kp[:, None, :] > query_pos[:, :, None] - sl.window
+            if sl.pool_id.releases_history:
+                visible &= kp[:, None, :] >= sl.pool_id.first_needed(query_pos + 1)[:, :, None]
             write = sl.write
-            pools[name] = PoolIndex(
+            pools[pool_id] = PoolIndex(
                 write_cell=torch.div(write, ps, rounding_mode="floor"),
                 write_offset=write % ps,
                 read_cell=torch.div(grid, ps, rounding_mode="floor"),
@@ -164,8 +166,8 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     if decodes.any() and not decodes.all():
         groups = (layout(np.flatnonzero(decodes)), layout(np.flatnonzero(~decodes)))
     state_cells = fresh = None
-    if batch.state_slots is not None and batch.fresh_state is not None and mem.state_pool is not None:
-        state_cells = mem.page_cells(batch.state_slots, mem.state_pool.name)
+    if batch.state_slots is not None and batch.fresh_state is not None and mem.slot_pools:
+        state_cells = mem.page_cells(batch.state_slots, RECURRENT_POOL)
         fresh = dev(batch.fresh_state)
     return StepContext(
         input_ids=dev(batch.input_ids),

@@ -7,16 +7,8 @@ from hybridkv.memory.errors import (
     OutOfMemory,
     PinnedError,
 )
-from hybridkv.memory.gates import MoveGate
-from hybridkv.memory.layout import (
-    FULL_POOL,
-    MLA_POOL,
-    STATE_POOL,
-    CellLayout,
-    Segment,
-    build_layouts,
-    swa_pool_name,
-)
+from hybridkv.memory.gates import GateStatus, MoveGate
+from hybridkv.memory.layout import CellLayout, Segment, build_layouts
 from hybridkv.memory.sizing import (
     MemoryHints,
     MemoryPlan,
@@ -28,10 +20,8 @@ from hybridkv.memory.stats import MemoryStats, PoolStats
 from hybridkv.memory.unified import UnifiedMemory
 
 __all__ = [
-    "FULL_POOL",
-    "MLA_POOL",
-    "STATE_POOL",
     "CellLayout",
+    "GateStatus",
     "InvalidIds",
     "LayoutError",
     "MemoryHints",
@@ -48,5 +38,4 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "plan_memory",
-    "swa_pool_name",
 ]

@@ -1,8 +1,9 @@
 """Capacity planning: how many tokens and concurrent requests fit, unified vs static splits.
 
 Pure arithmetic on a ``MemoryPlan`` (no arena is built): per pool, bytes per page / slot;
-per request of ``context`` tokens, the cells each pool needs (full-history pools every
-page, window pools their window plus one page, the state pool one slot). The unified pool
+per request of ``context`` tokens, the cells each pool's history rule keeps
+(``CellLayout.cells_per_request``: full-history pools every page, window pools their
+window plus one page, the state pool one slot). The unified pool
 fits as many requests as the slab bytes allow; a static split fits the minimum over pools
 of (pool bytes / per-request bytes of that pool). The static splits compared are the
 published defaults of SGLang's hybrid pools: ``swa_full_tokens_ratio = 0.8`` (SWA pool
@@ -12,13 +13,11 @@ full KV bytes).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
-from hybridkv.spec import ModelSpec, Parallel, ShardSpec, get_preset
+from hybridkv.spec import IdSpace, ModelSpec, Parallel, PoolId, ShardSpec, get_preset
 
 SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
@@ -30,54 +29,42 @@ class RequestFit:
     bytes_per_request: int
     unified_requests: int
     static_requests: int
-    static_split: dict[str, float]
+    static_split: dict[PoolId, float]
     """Fraction of the budget each pool gets under the static split."""
-
-
-def cells_per_request(layout: CellLayout, context: int) -> int:
-    if layout.is_state:
-        return 1
-    pages = math.ceil(context / layout.page_size)
-    if layout.is_window:
-        assert layout.window is not None
-        return min(pages, math.ceil(layout.window / layout.page_size) + 1)
-    return pages
 
 
 def usable_bytes(plan: MemoryPlan) -> int:
     return plan.num_slabs * plan.slab_bytes
 
 
-def static_split(plan: MemoryPlan) -> dict[str, float]:
-    """SGLang-default byte fractions per pool (history pools share the 'full' side)."""
+def static_split(plan: MemoryPlan) -> dict[PoolId, float]:
+    """SGLang-default byte fractions per pool (history pools share the 'full' side; every
+    pool with a bounded history gets the SWA ratio, every slot pool the state share)."""
     layouts = plan.layouts
-    weight: dict[str, float] = {}
-    history_bpt = sum(lay.bytes_per_token for lay in layouts if not lay.is_state and not lay.is_window)
-    for lay in layouts:
-        if lay.is_state:
-            continue
-        if lay.is_window:
-            weight[lay.name] = SGLANG_SWA_FULL_TOKENS_RATIO * lay.bytes_per_token
-        else:
-            weight[lay.name] = lay.bytes_per_token
-    if not weight and history_bpt == 0:
-        return {lay.name: 1.0 for lay in layouts}
+    tokens = [lay for lay in layouts if lay.id_space is IdSpace.PAGE]
+    slots = [lay for lay in layouts if lay.id_space is IdSpace.SLOT]
+    weight = {
+        lay.pool_id: (SGLANG_SWA_FULL_TOKENS_RATIO if lay.pool_id.releases_history else 1.0) * lay.bytes_per_token
+        for lay in tokens
+    }
+    if not weight:
+        return {lay.pool_id: 1.0 for lay in layouts}
     kv_total = sum(weight.values())
-    split = {name: w / kv_total for name, w in weight.items()}
-    if any(lay.is_state for lay in layouts):
+    split = {pool: w / kv_total for pool, w in weight.items()}
+    if slots:
         state_share = SGLANG_MAMBA_FULL_MEMORY_RATIO / (1 + SGLANG_MAMBA_FULL_MEMORY_RATIO)
-        split = {name: f * (1 - state_share) for name, f in split.items()}
-        split.update({lay.name: state_share for lay in layouts if lay.is_state})
+        split = {pool: f * (1 - state_share) for pool, f in split.items()}
+        split.update({lay.pool_id: state_share for lay in slots})
     return split
 
 
 def fit_requests(plan: MemoryPlan, context: int) -> RequestFit:
-    per_pool = {lay.name: cells_per_request(lay, context) * lay.cell_bytes for lay in plan.layouts}
+    per_pool = {lay.pool_id: lay.cells_per_request(context) * lay.cell_bytes for lay in plan.layouts}
     per_request = sum(per_pool.values())
     budget = usable_bytes(plan)
     unified = budget // per_request if per_request else 0
     split = static_split(plan)
-    static = min(int(budget * split[name]) // need for name, need in per_pool.items() if need) if per_pool else 0
+    static = min(int(budget * split[pool]) // need for pool, need in per_pool.items() if need) if per_pool else 0
     return RequestFit(context, per_request, int(unified), int(static), split)
 
 
@@ -86,7 +73,7 @@ def max_tokens(plan: MemoryPlan) -> int:
     lo, hi = 0, plan.max_context * 64
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        need = sum(cells_per_request(lay, mid) * lay.cell_bytes for lay in plan.layouts)
+        need = sum(lay.cells_per_request(mid) * lay.cell_bytes for lay in plan.layouts)
         if need <= usable_bytes(plan):
             lo = mid
         else:
@@ -116,16 +103,17 @@ def plan_report(
         start, end = shard.bounds
         pools = [
             {
-                "pool": lay.name,
+                "pool": str(lay.pool_id),
                 "layers": len(lay.layer_ids),
                 "cell_bytes": lay.cell_bytes,
-                "unit": "request" if lay.is_state else f"page of {lay.page_size} tokens",
-                "bytes_per_token": None if lay.is_state else lay.bytes_per_token,
-                "bytes_per_request": lay.cell_bytes if lay.is_state else None,
-                "window": lay.window,
-                "cells_per_request": {str(c): cells_per_request(lay, c) for c in contexts},
+                "unit": "request" if per_request else f"page of {lay.page_size} tokens",
+                "bytes_per_token": None if per_request else lay.bytes_per_token,
+                "bytes_per_request": lay.cell_bytes if per_request else None,
+                "window": lay.pool_id.max_span if lay.pool_id.releases_history else None,
+                "cells_per_request": {str(c): lay.cells_per_request(c) for c in contexts},
             }
             for lay in plan.layouts
+            for per_request in [lay.id_space is IdSpace.SLOT]
         ]
         fits = [fit_requests(plan, c) for c in contexts]
         stages.append(
@@ -143,7 +131,7 @@ def plan_report(
                         "unified": f.unified_requests,
                         "static_sglang_default": f.static_requests,
                         "unified_over_static": (f.unified_requests / f.static_requests) if f.static_requests else None,
-                        "static_split": f.static_split,
+                        "static_split": {str(pool): share for pool, share in f.static_split.items()},
                     }
                     for f in fits
                 ],

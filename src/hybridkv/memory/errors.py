@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hybridkv.spec import IdSpace, PoolId
+
 
 class MemoryPoolError(Exception):
     """Base class: a memory operation refused; nothing was changed."""
@@ -10,10 +12,11 @@ class MemoryPoolError(Exception):
 class OutOfMemory(MemoryPoolError):
     """Not enough free cells, free slabs or movable bytes for the request."""
 
-    def __init__(self, message: str, short: dict[str, int] | None = None):
+    def __init__(self, message: str, short: dict[PoolId | IdSpace, int] | None = None):
         super().__init__(message)
-        self.short = short or {}
-        """Cells missing per pool name when the request was refused."""
+        self.short: dict[PoolId | IdSpace, int] = short or {}
+        """What was missing when the request was refused: cells per pool id, or virtual ids
+        per id space (``IdSpace.PAGE`` / ``IdSpace.SLOT``)."""
 
 
 class InvalidIds(MemoryPoolError, ValueError):

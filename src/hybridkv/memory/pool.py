@@ -2,7 +2,8 @@
 
 Invariants (checked by ``UnifiedMemory.verify``):
 - Grid cell ``c`` covers arena bytes ``[c * C, (c + 1) * C)``; it is *usable* only while every
-  slab it touches is owned by this pool, and it is then FREE or LIVE, otherwise UNUSABLE.
+  slab it touches is owned by this pool, and its ``CellStatus`` is then FREE or LIVE,
+  otherwise UNUSABLE.
 - The free stack holds exactly the FREE cells, each once; allocation pops from its top, so
   recently freed cells (and freshly acquired slabs) are reused first.
 - ``v2p[v] = c  <=>  p2v[c] = v`` for every live cell; ``v2p[0] = p2v[0] = 0`` (the sink);
@@ -15,15 +16,27 @@ Invariants (checked by ``UnifiedMemory.verify``):
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 import torch
 
 from hybridkv.memory.arena import FREE_SLAB, Arena
-from hybridkv.memory.errors import LayoutError
+from hybridkv.memory.errors import LayoutError, OutOfMemory
 from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.mirror import MirroredTable, to_index
 
-UNUSABLE, FREE, LIVE = 0, 1, 2
+
+class CellStatus(IntEnum):
+    """What one grid cell of a pool is now (stored as int8 in ``SubPool.status``)."""
+
+    UNUSABLE = 0  # some slab it touches is not this pool's
+    FREE = 1
+    LIVE = 2
+
+
+# plain ints for the numpy tables: comparing an array with an IntEnum member is ~3x slower
+UNUSABLE, FREE, LIVE = int(CellStatus.UNUSABLE), int(CellStatus.FREE), int(CellStatus.LIVE)
 
 
 class SubPool:
@@ -31,14 +44,14 @@ class SubPool:
         cell = layout.cell_bytes
         if cell > arena.slab_bytes:
             raise LayoutError(
-                f"pool {layout.name!r}: one cell is {cell} B but a slab is {arena.slab_bytes} B; "
+                f"pool {layout.pool_id}: one cell is {cell} B but a slab is {arena.slab_bytes} B; "
                 "slabs must hold at least one whole cell (raise slab_bytes or lower page_size)"
             )
         if cell > arena.sink_bytes:
-            raise LayoutError(f"pool {layout.name!r}: cell of {cell} B does not fit the {arena.sink_bytes} B sink")
+            raise LayoutError(f"pool {layout.pool_id}: cell of {cell} B does not fit the {arena.sink_bytes} B sink")
         self.index = index
         self.layout = layout
-        self.name = layout.name
+        self.pool_id = layout.pool_id
         self.arena = arena
         self.cell_bytes = cell
         self.grid_cells = arena.nbytes // cell
@@ -56,7 +69,7 @@ class SubPool:
         self.cell_next = np.where(self.cell_hi != self.cell_lo, self.cell_hi, nslabs)
         whole = (self.cell_lo == self.cell_hi) & (self.cell_lo >= 0) & (self.cell_lo < nslabs)
         self.whole_cells_in_slab = np.bincount(self.cell_lo[whole], minlength=nslabs)
-        self.state = np.zeros(self.grid_cells, dtype=np.int8)
+        self.status = np.zeros(self.grid_cells, dtype=np.int8)  # CellStatus per grid cell
         self._stack = np.empty(self.grid_cells, dtype=np.int64)
         self.free_count = 0
         self.live_count = 0
@@ -111,14 +124,14 @@ class SubPool:
         parts = []
         if b > a and self.cell_hi[b - 1] != slab:  # last cell straddles into slab + 1
             b -= 1
-            if owner[slab + 1] == self.index and self.state[b] == UNUSABLE:
+            if owner[slab + 1] == self.index and self.status[b] == UNUSABLE:
                 parts.append(np.array([b]))
         parts.append(np.arange(a, b))
         straddler = a > 0 and self.cell_hi[a - 1] == slab and self.cell_lo[a - 1] == slab - 1
-        if straddler and owner[slab - 1] == self.index and self.state[a - 1] == UNUSABLE:
+        if straddler and owner[slab - 1] == self.index and self.status[a - 1] == UNUSABLE:
             parts.append(np.array([a - 1]))
         cells = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        self.state[cells] = FREE
+        self.status[cells] = FREE
         self._push(cells)
         self.last_slab = slab
 
@@ -127,9 +140,9 @@ class SubPool:
         assert self.arena.owner[slab] == self.index and self.arena.slab_live[slab] == 0
         a, b = self._touching(slab)
         cells = np.arange(a, b)
-        self.state[cells[self.state[cells] == FREE]] = UNUSABLE
+        self.status[cells[self.status[cells] == FREE]] = UNUSABLE
         stack = self._stack[: self.free_count]
-        kept = stack[self.state[stack] == FREE]
+        kept = stack[self.status[stack] == FREE]
         self._stack[: kept.size] = kept
         self.free_count = kept.size
         self.arena.owner[slab] = FREE_SLAB
@@ -139,11 +152,11 @@ class SubPool:
 
     def live_cells_touching(self, slab: int) -> np.ndarray:
         a, b = self._touching(slab)
-        return a + np.flatnonzero(self.state[a:b] == LIVE)
+        return a + np.flatnonzero(self.status[a:b] == LIVE)
 
     def free_cells_touching(self, slab: int) -> int:
         a, b = self._touching(slab)
-        return int(np.count_nonzero(self.state[a:b] == FREE))
+        return int(np.count_nonzero(self.status[a:b] == FREE))
 
     # --- cells -----------------------------------------------------------------------------
 
@@ -155,9 +168,15 @@ class SubPool:
         return self._stack[: self.free_count].copy()
 
     def take_cells(self, count: int, avoid: frozenset[int] = frozenset()) -> np.ndarray:
-        """Mark ``count`` FREE cells LIVE, none touching an ``avoid`` slab (caller checked)."""
+        """Mark ``count`` FREE cells LIVE, none touching an ``avoid`` slab.
+
+        The caller reserves them first (``SlabBroker.take`` / ``_reserve``); fewer free cells
+        than asked is refused with ``OutOfMemory``, changing nothing.
+        """
         top = self.free_count
         if not avoid:
+            if count > top:
+                self._refuse(count, top, avoid)
             cells = self._stack[top - count : top].copy()
             self.free_count = top - count
         else:
@@ -165,24 +184,32 @@ class SubPool:
             blocked = np.isin(self.cell_lo[stack], list(avoid)) | np.isin(self.cell_hi[stack], list(avoid))
             allowed = np.flatnonzero(~blocked)
             if allowed.size < count:
-                raise AssertionError(f"pool {self.name}: {allowed.size} free cells outside {set(avoid)} < {count}")
+                self._refuse(count, allowed.size, avoid)
             chosen = np.zeros(top, dtype=bool)
             chosen[allowed[allowed.size - count :]] = True
             cells = stack[chosen]
             kept = stack[~chosen]
             self._stack[: kept.size] = kept
             self.free_count = kept.size
-        self.state[cells] = LIVE
+        self.status[cells] = LIVE
         self._add_live(cells, 1)
         self.live_count += cells.size
         return cells
+
+    def _refuse(self, count: int, free: int, avoid: frozenset[int]) -> None:
+        where = f" outside slabs {sorted(avoid)}" if avoid else ""
+        raise OutOfMemory(
+            f"pool {self.pool_id}: {count} cells asked but {free} free{where}; reserve cells through "
+            "the slab broker (SlabBroker.take) before taking them, or raise the memory budget",
+            {self.pool_id: count - free},
+        )
 
     def give_cells(self, cells: np.ndarray) -> None:
         """Mark LIVE cells FREE; slabs left without live cells go back to the arena, but one
         (the spare) stays with the pool, so a pool that frees and allocates in turn does not
         hand the same slab back and forth. Other pools can still take the spare (it costs
         no move) and idle compaction releases it."""
-        self.state[cells] = FREE
+        self.status[cells] = FREE
         self._push(cells)
         touched = np.flatnonzero(self._add_live(cells, -1))  # sorted, each slab once
         self.live_count -= cells.size

@@ -3,9 +3,11 @@
 Invariants:
 - The sink is exactly one largest cell; slabs are a whole multiple of the largest cell, so
   the pool with the largest cells (usually recurrent state) wastes nothing at slab edges.
-- A plan exists only if one worst-case request fits (the feasibility floor): full-history
-  pools hold ``max_context`` tokens, each sliding-window pool holds its window plus one
-  prefill chunk, the state pool holds one slot; each pool rounded up to whole slabs. An
+- A plan exists only if one worst-case request fits (the feasibility floor): each pool holds
+  what its history rule keeps of a ``max_context``-token request plus one prefill chunk in
+  flight (``CellLayout.cells_per_request``): full-history pools every page, a
+  sliding-window pool its window plus the chunk, the state pool one slot; each pool rounded
+  up to whole slabs. An
   infeasible budget fails here, at start-up, naming the numbers and what to change,
   instead of livelocking once traffic arrives.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.layout import CellLayout, build_layouts
-from hybridkv.spec import ShardSpec
+from hybridkv.spec import PoolId, ShardSpec
 
 _UNITS = {
     "": 1,
@@ -77,29 +79,20 @@ class MemoryPlan:
     def num_slabs(self) -> int:
         return (self.budget_bytes - self.sink_bytes) // self.slab_bytes
 
-    def worst_case_cells(self) -> dict[str, int]:
+    def worst_case_cells(self) -> dict[PoolId, int]:
         """Cells each pool needs for one request at ``max_context`` tokens."""
-        out = {}
-        full_pages = math.ceil(self.max_context / self.page_size)
-        for lay in self.layouts:
-            if lay.is_state:
-                out[lay.name] = 1
-            elif lay.is_window:
-                assert lay.window is not None
-                span = min(self.max_context, lay.window + self.chunk_tokens)
-                out[lay.name] = min(full_pages, math.ceil(span / self.page_size) + 1)
-            else:
-                out[lay.name] = full_pages
-        return out
+        return {lay.pool_id: lay.cells_per_request(self.max_context, self.chunk_tokens) for lay in self.layouts}
 
     def min_cells_per_slab(self, layout: CellLayout) -> int:
         whole = self.slab_bytes // layout.cell_bytes
         aligned = self.slab_bytes % layout.cell_bytes == 0 and self.sink_bytes % layout.cell_bytes == 0
         return whole if aligned else whole - 1
 
-    def worst_case_slabs(self) -> dict[str, int]:
+    def worst_case_slabs(self) -> dict[PoolId, int]:
         cells = self.worst_case_cells()
-        return {lay.name: math.ceil(cells[lay.name] / max(1, self.min_cells_per_slab(lay))) for lay in self.layouts}
+        return {
+            lay.pool_id: math.ceil(cells[lay.pool_id] / max(1, self.min_cells_per_slab(lay))) for lay in self.layouts
+        }
 
 
 def plan_memory(shard: ShardSpec, budget_bytes: int, hints: MemoryHints | None = None) -> MemoryPlan:
@@ -114,7 +107,7 @@ def plan_memory(shard: ShardSpec, budget_bytes: int, hints: MemoryHints | None =
         if slab < largest or slab % largest:
             raise LayoutError(
                 f"slab_bytes {slab} must be a positive multiple of the largest cell "
-                f"({largest} B, pool {max(layouts, key=lambda lay: lay.cell_bytes).name})"
+                f"({largest} B, pool {max(layouts, key=lambda lay: lay.cell_bytes).pool_id})"
             )
     else:
         # about target_slabs slabs, but at least 8 of the largest cells each while that
@@ -141,7 +134,8 @@ def _check_feasible(plan: MemoryPlan) -> None:
     have = max(0, plan.num_slabs)
     if total <= have:
         return
-    per_pool = ", ".join(f"{name} {plan.worst_case_cells()[name]} cells = {n} slabs" for name, n in need.items())
+    cells = plan.worst_case_cells()
+    per_pool = ", ".join(f"{pool} {cells[pool]} cells = {n} slabs" for pool, n in need.items())
     need_bytes = plan.sink_bytes + total * plan.slab_bytes
     raise LayoutError(
         f"{plan.shard.describe()}: a budget of {format_bytes(plan.budget_bytes)} holds "

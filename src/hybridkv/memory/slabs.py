@@ -21,6 +21,7 @@ from hybridkv.memory.arena import FREE_SLAB, Arena
 from hybridkv.memory.errors import OutOfMemory
 from hybridkv.memory.gates import GateRegistry
 from hybridkv.memory.pool import SubPool
+from hybridkv.spec import IdSpace, PoolId
 
 
 class SlabBroker:
@@ -59,8 +60,10 @@ class SlabBroker:
         if plan is None:
             for pool, slab in reversed(taken):
                 pool.release_slab(slab)
-            short = {p.name: n - p.free_count for p, n in needs.items() if p.free_count < n}
-            usage = "; ".join(f"{p.name}: {p.live_count} live/{p.free_count} free cells" for p in self.pools)
+            short: dict[PoolId | IdSpace, int] = {
+                p.pool_id: n - p.free_count for p, n in needs.items() if p.free_count < n
+            }
+            usage = "; ".join(f"{p.pool_id}: {p.live_count} live/{p.free_count} free cells" for p in self.pools)
             raise OutOfMemory(
                 f"short of cells ({', '.join(f'{k} {v}' for k, v in short.items())}): no free "
                 f"slab and no movable slab left ({usage}; {self.arena.free_slabs} free slabs)",
@@ -123,7 +126,7 @@ class SlabBroker:
         return plan
 
     def _pinned(self, pool: SubPool, cells: np.ndarray) -> bool:
-        pins = self.gates.slot_pins if pool.layout.is_state else self.gates.page_pins
+        pins = self.gates.slot_pins if pool.layout.id_space is IdSpace.SLOT else self.gates.page_pins
         return bool(pins[pool.p2v[cells]].any())
 
     def _empty(self, pool: SubPool, slab: int, avoid: frozenset[int]) -> None:

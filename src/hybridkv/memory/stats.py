@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hybridkv.spec import PoolId
+
 if TYPE_CHECKING:
     from hybridkv.memory.unified import UnifiedMemory
 
 
 @dataclass(frozen=True)
 class PoolStats:
-    name: str
+    pool_id: PoolId
     cell_bytes: int
     page_size: int
     slabs: int
@@ -63,7 +65,7 @@ class MemoryStats:
             "waste_bytes": self.waste_bytes,
             "bytes_moved": self.bytes_moved,
             "cells_moved": self.cells_moved,
-            "pools": {p.name: {k: v for k, v in p.__dict__.items() if k != "name"} for p in self.pools},
+            "pools": {str(p.pool_id): {k: v for k, v in p.__dict__.items() if k != "pool_id"} for p in self.pools},
         }
 
 
@@ -74,7 +76,7 @@ def collect_stats(mem: UnifiedMemory) -> MemoryStats:
         usable = pool.live_count + pool.free_count
         pools.append(
             PoolStats(
-                name=pool.name,
+                pool_id=pool.pool_id,
                 cell_bytes=pool.cell_bytes,
                 page_size=pool.layout.page_size,
                 slabs=slabs,

@@ -1,16 +1,23 @@
 """UnifiedMemory: one byte budget per device for full KV, sliding-window KV and state.
 
-Everything above this package holds *virtual* ids:
-- token locations ``loc = page * page_size + offset``, where ``page`` is a virtual page id
-  shared by every KV pool (full/MLA and each sliding window bind the same page id; a
-  window pool's entry is a tombstone once that page left the window);
-- virtual state slots, one per request state (or prefix-cache checkpoint).
+Everything above this package holds *virtual* ids, in two typed id spaces (``IdSpace``):
+- ``PAGE``: token locations ``loc = page * page_size + offset``, where ``page`` is a virtual
+  page id shared by every token pool (full/MLA and each bounded-history pool, e.g. a
+  sliding window, bind the same page id; a bounded pool's entry is a tombstone once that
+  page left the span its history rule keeps);
+- ``SLOT``: virtual state slots, one per request state (or prefix-cache checkpoint), shared
+  by every slot pool.
+
+Pools are keyed by their typed ``PoolId``; which pools keep every page (``history_pools``),
+which may drop pages (``window_pools``) and which hold slots (``slot_pools``) follows from
+each pool id's history rule, never from a name.
 
 Invariants (``verify()`` proves them):
 - Conservation: every arena byte is exactly one of sink, live cell, free cell, slab-edge
   waste, free slab or tail; cells of different pools never overlap.
 - A live page is resident in every full-history pool; in a window pool it is resident or
-  tombstoned. A free page is resident nowhere. The same holds for state slots.
+  tombstoned. A free page is resident nowhere. A live slot is resident in every slot pool,
+  a free one nowhere.
 - Host tables are authoritative and the device tables mirror them. Hot-path calls (alloc,
   alloc_extend, alloc_decode, free, free_segment, free groups, state alloc/free/fork,
   translate) never read device memory: no ``.item()``, ``.tolist()``, ``bool(tensor)``,
@@ -31,7 +38,7 @@ import torch
 
 from hybridkv.memory.arena import Arena
 from hybridkv.memory.errors import InvalidIds, OutOfMemory, PinnedError
-from hybridkv.memory.gates import GateRegistry, MoveGate
+from hybridkv.memory.gates import DoneEvent, GateRegistry, MoveGate
 from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.mirror import to_index
 from hybridkv.memory.pool import SubPool
@@ -39,7 +46,7 @@ from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_me
 from hybridkv.memory.slabs import SlabBroker
 from hybridkv.memory.stats import MemoryStats, collect_stats
 from hybridkv.memory.virtual import VirtualIds, distinct
-from hybridkv.spec import ShardSpec
+from hybridkv.spec import IdSpace, PoolId, ShardSpec
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -76,23 +83,24 @@ class UnifiedMemory:
         self.shard = plan.shard
         self.page_size = plan.page_size
         self.arena = Arena(plan.budget_bytes, plan.sink_bytes, plan.slab_bytes, device, buffer)
-        token_layouts = [lay for lay in plan.layouts if not lay.is_state]
         page_capacity = max(
-            (self.arena.nbytes // lay.cell_bytes for lay in token_layouts),
+            (self.arena.nbytes // lay.cell_bytes for lay in plan.layouts if lay.id_space is IdSpace.PAGE),
             default=-(-plan.max_context // plan.page_size) * 64,
         )
-        state_layout = next((lay for lay in plan.layouts if lay.is_state), None)
-        slot_capacity = self.arena.nbytes // state_layout.cell_bytes if state_layout else 2
-        self.pages = VirtualIds("page", page_capacity)
-        self.slots = VirtualIds("state slot", slot_capacity)
-        self.pools: dict[str, SubPool] = {}
-        for index, lay in enumerate(plan.layouts):
-            cap = slot_capacity if lay.is_state else page_capacity
-            self.pools[lay.name] = SubPool(index, lay, self.arena, cap)
-        self.token_pools = [p for p in self.pools.values() if not p.layout.is_state]
-        self.history_pools = [p for p in self.token_pools if not p.layout.is_window]
-        self.window_pools = [p for p in self.token_pools if p.layout.is_window]
-        self.state_pool = next((p for p in self.pools.values() if p.layout.is_state), None)
+        slot_capacity = max(
+            (self.arena.nbytes // lay.cell_bytes for lay in plan.layouts if lay.id_space is IdSpace.SLOT), default=2
+        )
+        self.pages = VirtualIds(IdSpace.PAGE, page_capacity)
+        self.slots = VirtualIds(IdSpace.SLOT, slot_capacity)
+        capacity = {IdSpace.PAGE: page_capacity, IdSpace.SLOT: slot_capacity}
+        self.pools: dict[PoolId, SubPool] = {
+            lay.pool_id: SubPool(index, lay, self.arena, capacity[lay.id_space])
+            for index, lay in enumerate(plan.layouts)
+        }
+        self.token_pools = [p for p in self.pools.values() if p.layout.id_space is IdSpace.PAGE]
+        self.history_pools = [p for p in self.token_pools if p.pool_id.keeps_history]
+        self.window_pools = [p for p in self.token_pools if p.pool_id.releases_history]
+        self.slot_pools = [p for p in self.pools.values() if p.layout.id_space is IdSpace.SLOT]
         self.gates = GateRegistry(page_capacity, slot_capacity)
         self.broker = SlabBroker(self.arena, list(self.pools.values()), self.gates)
         self._group: list[np.ndarray] | None = None
@@ -122,8 +130,8 @@ class UnifiedMemory:
     def device(self) -> torch.device:
         return self.arena.device
 
-    def layout(self, name: str) -> CellLayout:
-        return self._pool(name).layout
+    def layout(self, pool: PoolId) -> CellLayout:
+        return self._pool(pool).layout
 
     def pool_of_layer(self, layer_id: int) -> SubPool:
         try:
@@ -146,22 +154,27 @@ class UnifiedMemory:
         return self.pool_of_layer(layer_id).view(layer_id, tensor)
 
     def geometry(self, layer_id: int) -> dict[str, object]:
-        """This shard's geometry of one layer: kind, heads, dims, dtypes, pool."""
+        """This shard's geometry of one layer: kind, heads, dims, dtypes, pool id."""
         pool = self.pool_of_layer(layer_id)
         segs = [s for s in pool.layout.segments if s.layer_id == layer_id]
         return {
             "layer_id": layer_id,
-            "pool": pool.name,
+            "pool": pool.pool_id,
             "kind": self.shard.local_kind(layer_id),
             "tensors": {s.tensor: (tuple(s.shape), s.dtype) for s in segs},
             "page_size": pool.layout.page_size,
         }
 
-    def _pool(self, name: str) -> SubPool:
+    def _pool(self, pool: PoolId) -> SubPool:
+        if not isinstance(pool, PoolId):
+            raise TypeError(
+                f"pools are looked up by their typed PoolId, not {type(pool).__name__} {pool!r}; "
+                f"pass PoolId.parse({str(pool)!r}) or a layout's pool_id"
+            )
         try:
-            return self.pools[name]
+            return self.pools[pool]
         except KeyError:
-            raise KeyError(f"no pool {name!r} on this shard; pools: {list(self.pools)}") from None
+            raise KeyError(f"no pool {pool} on this shard; pools: {[str(p) for p in self.pools]}") from None
 
     # --- capacity -------------------------------------------------------------------------
 
@@ -197,7 +210,7 @@ class UnifiedMemory:
         if count > self.pages.free_count:
             raise OutOfMemory(
                 f"{count} pages asked, {self.pages.free_count} virtual page ids free",
-                {"page": count - self.pages.free_count},
+                {IdSpace.PAGE: count - self.pages.free_count},
             )
         cells = self.broker.take({p: count for p in self.token_pools})
         pages = self.pages.take(count)
@@ -371,7 +384,7 @@ class UnifiedMemory:
 
     def _check_releasable(self, pages: np.ndarray, what: str) -> None:
         self.pages.check_live(pages, what)
-        if pages.size and self.gates.open_gates and self.gates.page_pins[pages].any():
+        if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
             first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
             raise PinnedError(f"{what}: page {first} is pinned by a move gate (in-flight forward or transfer)")
 
@@ -385,25 +398,52 @@ class UnifiedMemory:
             pool.give_cells(pool.unbind(here))
         self.pages.give_back(pages)
 
-    def free_window_pages(self, pages: IdsLike, pool: str | None = None) -> None:
-        """Drop pages from sliding-window pools only (they left the window); full KV stays.
+    def free_window_pages(self, pages: IdsLike, pool: PoolId | None = None) -> None:
+        """Drop pages from bounded-history (window) pools only; full KV stays.
 
         ``pool`` names one window pool; default: every window pool where they are resident.
         Pages must be live; in a named pool they must be resident.
         """
         arr = _host_ids(pages, "free_window_pages")
         self._check_releasable(arr, "free_window_pages")
-        targets = [self._pool(pool)] if pool else self.window_pools
-        if pool and not targets[0].layout.is_window:
-            raise InvalidIds(f"free_window_pages: pool {pool!r} is not a sliding-window pool")
+        targets = [self._pool(pool)] if pool is not None else self.window_pools
+        if pool is not None and not pool.releases_history:
+            raise InvalidIds(f"free_window_pages: pool {pool} keeps its whole history; it is not a sliding-window pool")
         masks = [target.resident(arr) for target in targets]
         counts = [np.count_nonzero(mask) for mask in masks]
-        if pool and counts[0] != arr.size:
-            raise InvalidIds(f"free_window_pages: page {arr[np.argmax(~masks[0])]} already left window pool {pool!r}")
+        if pool is not None and counts[0] != arr.size:
+            raise InvalidIds(f"free_window_pages: page {arr[np.argmax(~masks[0])]} already left window pool {pool}")
         for target, resident, count in zip(targets, masks, counts, strict=True):
             target.give_cells(target.unbind(arr if count == arr.size else arr[resident]))
 
-    def adopt_window_pages(self, src: IdsLike, dst: IdsLike, pool: str) -> None:
+    def free_outside_span(self, row_pages: IdsLike, seq_len: int) -> None:
+        """Release, in every window pool, the row's pages that lie wholly before the span its
+        history rule needs at ``seq_len`` (``PoolId.first_needed``); pages already released
+        there are skipped. ``row_pages``: one request's virtual pages in row order (page
+        ``k`` holds positions ``[k * page_size, (k + 1) * page_size)``), all live.
+        """
+        arr = _host_ids(row_pages, "free_outside_span")
+        ps = self.page_size
+        if seq_len < 0 or arr.size < -(-seq_len // ps):
+            raise InvalidIds(
+                f"free_outside_span: a row of {arr.size} pages cannot hold {seq_len} tokens of {ps} a page"
+            )
+        self.pages.check_live(arr, "free_outside_span")
+        releases = []
+        for pool in self.window_pools:
+            behind = arr[: pool.pool_id.page_span(seq_len, ps)[0]]
+            releases.append((pool, behind[pool.resident(behind)]))
+        for _, pages in releases:  # decide, then act: a pinned page refuses the whole call
+            if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
+                first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
+                raise PinnedError(
+                    f"free_outside_span: page {first} is pinned by a move gate (in-flight forward or transfer)"
+                )
+        for pool, pages in releases:
+            if pages.size:
+                pool.give_cells(pool.unbind(pages))
+
+    def adopt_window_pages(self, src: IdsLike, dst: IdsLike, pool: PoolId) -> None:
         """Move window residency from pages ``src`` to pages ``dst`` (pairwise), no bytes copied.
 
         For a prefix cache that keeps ``dst`` (full KV) but lost their window pages, while a
@@ -412,19 +452,19 @@ class UnifiedMemory:
         """
         s, d = _host_ids(src, "adopt_window_pages src"), _host_ids(dst, "adopt_window_pages dst")
         target = self._pool(pool)
-        if not target.layout.is_window or s.size != d.size:
+        if not pool.releases_history or s.size != d.size:
             raise InvalidIds(
-                f"adopt_window_pages: need a window pool and equal lengths (pool {pool!r}, {s.size} src, {d.size} dst)"
+                f"adopt_window_pages: need a window pool and equal lengths (pool {pool}, {s.size} src, {d.size} dst)"
             )
         self._check_releasable(s, "adopt_window_pages src")
         self.pages.check_live(d, "adopt_window_pages dst")
         if not target.resident(s).all() or target.resident(d).any():
             raise InvalidIds(
-                f"adopt_window_pages: every src page must be resident and every dst page tombstoned in {pool!r}"
+                f"adopt_window_pages: every src page must be resident and every dst page tombstoned in {pool}"
             )
         target.bind(d, target.unbind(s))
 
-    def host_cells(self, ids: IdsLike, pool: str) -> np.ndarray:
+    def host_cells(self, ids: IdsLike, pool: PoolId) -> np.ndarray:
         """Grid cells of virtual pages (or state slots) in ``pool``, from the host table.
 
         A copy; -1 marks a tombstone. For planners (e.g. transfers) that must not touch the
@@ -432,50 +472,56 @@ class UnifiedMemory:
         """
         return self._pool(pool).v2p[_host_ids(ids, "host_cells")]
 
-    def resident(self, pages: IdsLike, pool: str) -> np.ndarray:
+    def resident(self, pages: IdsLike, pool: PoolId) -> np.ndarray:
         """Host mask: which pages are resident in ``pool`` (tombstones are False)."""
         return self._pool(pool).resident(_host_ids(pages, "resident"))
 
     # --- state slots ----------------------------------------------------------------------
 
-    def _state(self, what: str) -> SubPool:
-        if self.state_pool is None:
+    def _check_slot_pools(self, what: str) -> None:
+        if not self.slot_pools:
             raise InvalidIds(f"{what}: this shard ({self.shard.describe()}) has no recurrent layers")
-        return self.state_pool
 
     def alloc_state(self, count: int) -> np.ndarray:
-        pool = self._state("alloc_state")
+        """``count`` fresh state slots, resident in every slot pool."""
+        self._check_slot_pools("alloc_state")
         if count < 0:
             raise InvalidIds(f"alloc_state: count {count} is negative")
         if count > self.slots.free_count:
-            raise OutOfMemory(f"{count} state slots asked, {self.slots.free_count} ids free")
-        cells = self.broker.take({pool: count})[pool]
+            raise OutOfMemory(
+                f"{count} state slots asked, {self.slots.free_count} ids free",
+                {IdSpace.SLOT: count - self.slots.free_count},
+            )
+        cells = self.broker.take({pool: count for pool in self.slot_pools})
         slots = self.slots.take(count)
-        pool.bind(slots, cells)
+        for pool, taken in cells.items():
+            pool.bind(slots, taken)
         return slots
 
     def free_state(self, slots: IdsLike) -> None:
-        pool = self._state("free_state")
+        self._check_slot_pools("free_state")
         arr = _host_ids(slots, "free_state")
         self.slots.check_live(arr, "free_state")
         if arr.size and self.gates.slot_pins[arr].any():
             raise PinnedError("free_state: a slot is pinned by a move gate")
-        pool.give_cells(pool.unbind(arr))
+        for pool in self.slot_pools:
+            pool.give_cells(pool.unbind(arr))
         self.slots.give_back(arr)
 
     def fork_state(self, slots: IdsLike) -> np.ndarray:
         """New slots holding copies of ``slots``' states (copy-on-write for prefix hits)."""
-        pool = self._state("fork_state")
+        self._check_slot_pools("fork_state")
         src = _host_ids(slots, "fork_state")
         self.slots.check_live(src, "fork_state")
         with self.pin(slots=src):  # compaction while reserving must not move the sources
             new = self.alloc_state(src.size)
-        pool.copy_cells(pool.v2p[src], pool.v2p[new])
+        for pool in self.slot_pools:
+            pool.copy_cells(pool.v2p[src], pool.v2p[new])
         return new
 
     # --- translation and pins -------------------------------------------------------------
 
-    def translate(self, locs: IdsLike | torch.Tensor, pool: str | None = None) -> torch.Tensor:
+    def translate(self, locs: IdsLike | torch.Tensor, pool: PoolId | None = None) -> torch.Tensor:
         """Virtual token locations -> physical token slots (``cell * page_size + offset``).
 
         Host ids are copied to the device asynchronously; device ids stay there. The result
@@ -491,18 +537,18 @@ class UnifiedMemory:
         ps = self.page_size
         return v2p[torch.div(loc_t, ps, rounding_mode="floor")] * ps + loc_t % ps
 
-    def page_cells(self, pages: IdsLike | torch.Tensor, pool: str) -> torch.Tensor:
+    def page_cells(self, pages: IdsLike | torch.Tensor, pool: PoolId) -> torch.Tensor:
         """Virtual page ids (or state slots) -> grid cells on the device, for page tables."""
         v2p = self._pool(pool).v2p_dev
         if isinstance(pages, torch.Tensor):
             return v2p[pages.to(device=v2p.device, dtype=torch.int64, non_blocking=True)]
         return v2p[to_index(_host_ids(pages, "page_cells"), v2p.device)]
 
-    def _token_pool(self, pool: str | None) -> SubPool:
+    def _token_pool(self, pool: PoolId | None) -> SubPool:
         if pool is not None:
             return self._pool(pool)
         if not self.history_pools:
-            raise KeyError(f"name a pool: this shard has no full-history pool ({list(self.pools)})")
+            raise KeyError(f"name a pool: this shard has no full-history pool ({[str(p) for p in self.pools]})")
         return self.history_pools[0]
 
     def flush_tables(self) -> None:
@@ -514,7 +560,9 @@ class UnifiedMemory:
         for pool in self.pools.values():
             pool.flush_tables()
 
-    def pin(self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: object = None) -> MoveGate:
+    def pin(
+        self, pages: IdsLike | None = None, slots: IdsLike | None = None, event: DoneEvent | None = None
+    ) -> MoveGate:
         """Pin ids against moves and frees until ``release()`` (or until ``event`` completes)."""
         p = _host_ids(pages if pages is not None else _EMPTY, "pin pages")
         s = _host_ids(slots if slots is not None else _EMPTY, "pin slots")
@@ -522,7 +570,7 @@ class UnifiedMemory:
             self.pages.check_live(distinct(p), "pin")
         if s.size:
             self.slots.check_live(distinct(s), "pin")
-        return self.gates.open(p, s, event)  # type: ignore[arg-type]
+        return self.gates.pin(p, s, event)
 
     # --- compaction -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hybridkv.memory.arena import FREE_SLAB
-from hybridkv.memory.pool import FREE, LIVE, UNUSABLE, SubPool
+from hybridkv.memory.pool import FREE, LIVE, UNUSABLE, CellStatus, SubPool
 from hybridkv.memory.virtual import VirtualIds
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ def verify_memory(mem: UnifiedMemory) -> None:
             _fail(f"slab {int(slab)} is owned but holds no live cell and is not its pool's spare")
 
     _verify_namespace(mem.pages, [p for p in mem.history_pools], mem.window_pools, "page")
-    state = [mem.state_pool] if mem.state_pool is not None else []
-    _verify_namespace(mem.slots, state, [], "slot")
+    _verify_namespace(mem.slots, mem.slot_pools, [], "slot")
 
     pages, slots = mem.gates.recount()
     if not (np.array_equal(pages, mem.gates.page_pins) and np.array_equal(slots, mem.gates.slot_pins)):
@@ -53,26 +52,26 @@ def verify_memory(mem: UnifiedMemory) -> None:
 
 def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:
     """Check one pool; add its live cells to ``slab_live``; return the bytes of its slabs."""
-    arena, name, cell = mem.arena, pool.name, pool.cell_bytes
+    arena, name, cell = mem.arena, str(pool.pool_id), pool.cell_bytes
     if pool.v2p[0] != 0 or pool.p2v[0] != 0:
         _fail(f"{name}: sink entry moved (v2p[0]={pool.v2p[0]}, p2v[0]={pool.p2v[0]})")
     cells = np.arange(1, pool.grid_cells)
-    state = pool.state[1:]
+    status = pool.status[1:]
     usable = pool.usable(cells)
-    if ((state != UNUSABLE) != usable).any():
-        c = int(cells[np.argmax((state != UNUSABLE) != usable)])
-        _fail(f"{name}: cell {c} state {pool.state[c]} disagrees with slab ownership")
-    live = cells[state == LIVE]
-    free = cells[state == FREE]
+    if ((status != UNUSABLE) != usable).any():
+        c = int(cells[np.argmax((status != UNUSABLE) != usable)])
+        _fail(f"{name}: cell {c} is {CellStatus(pool.status[c]).name} but slab ownership disagrees")
+    live = cells[status == LIVE]
+    free = cells[status == FREE]
     if live.size != pool.live_count or free.size != pool.free_count:
         _fail(f"{name}: counters live={pool.live_count} free={pool.free_count}, cells say {live.size}/{free.size}")
     starts = live * cell
     if (starts < arena.sink_bytes).any():
         _fail(f"{name}: a live cell overlaps the sink")
     mapped = pool.p2v[cells] >= 0
-    if (mapped != (state == LIVE)).any():
-        c = int(cells[np.argmax(mapped != (state == LIVE))])
-        _fail(f"{name}: cell {c} is {'mapped' if mapped[c - 1] else 'unmapped'} but state {pool.state[c]}")
+    if (mapped != (status == LIVE)).any():
+        c = int(cells[np.argmax(mapped != (status == LIVE))])
+        _fail(f"{name}: cell {c} is {'mapped' if mapped[c - 1] else 'unmapped'} but {CellStatus(pool.status[c]).name}")
     if (pool.v2p[pool.p2v[live]] != live).any():
         _fail(f"{name}: v2p[p2v[c]] != c for a live cell")
     bound = np.flatnonzero(pool.v2p >= 0)
@@ -115,12 +114,12 @@ def _verify_namespace(ids: VirtualIds, required: list[SubPool], optional: list[S
         resident[0] = False
         if not np.array_equal(resident, live):
             v = int(np.argmax(resident != live))
-            _fail(f"{what} {v}: live={live[v]} but resident in {pool.name}={resident[v]}")
+            _fail(f"{what} {v}: live={live[v]} but resident in {pool.pool_id}={resident[v]}")
     for pool in optional:
         resident = pool.v2p >= 0
         resident[0] = False
         if (resident & ~live).any():
-            _fail(f"{what} {int(np.argmax(resident & ~live))} is resident in {pool.name} but not live")
+            _fail(f"{what} {int(np.argmax(resident & ~live))} is resident in {pool.pool_id} but not live")
     free = ids.free_ids()
     if free.size != np.unique(free).size:
         _fail(f"{what}: free list holds an id twice")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridkv.memory.errors import InvalidIds, OutOfMemory
+from hybridkv.spec import IdSpace
 
 
 def distinct(ids: np.ndarray) -> np.ndarray:
@@ -27,10 +28,11 @@ def distinct(ids: np.ndarray) -> np.ndarray:
 
 
 class VirtualIds:
-    def __init__(self, name: str, capacity: int):
+    def __init__(self, space: IdSpace, capacity: int):
         if capacity < 2:
-            raise ValueError(f"{name}: a namespace needs room for the sink and one id")
-        self.name = name
+            raise ValueError(f"{space.value}: a namespace needs room for the sink and one id")
+        self.space = space
+        self.label = space.value  # for messages only
         self.capacity = capacity
         self.live = np.zeros(capacity, dtype=bool)
         self.live[0] = True
@@ -48,8 +50,8 @@ class VirtualIds:
     def take(self, count: int) -> np.ndarray:
         if count > self._free:
             raise OutOfMemory(
-                f"{self.name}: {count} virtual ids asked, {self._free} free of {self.capacity - 1}",
-                {self.name: count - self._free},
+                f"{self.label}: {count} virtual ids asked, {self._free} free of {self.capacity - 1}",
+                {self.space: count - self._free},
             )
         ids = self._stack[self._free - count : self._free][::-1].copy()
         self._free -= count
@@ -75,17 +77,17 @@ class VirtualIds:
         if lo <= 0 or hi >= self.capacity:
             first = lo if lo <= 0 else hi
             reason = "the sink id 0" if first == 0 else f"outside 1..{self.capacity - 1}"
-            raise InvalidIds(f"{what}: {self.name} id {first} is {reason}")
+            raise InvalidIds(f"{what}: {self.label} id {first} is {reason}")
         live = self.live[ids]
         if np.count_nonzero(live) != ids.size:
             first = int(ids[np.argmax(~live)])
             raise InvalidIds(
-                f"{what}: {self.name} id {first} is not allocated (double free, or an id that was never handed out)"
+                f"{what}: {self.label} id {first} is not allocated (double free, or an id that was never handed out)"
             )
         if ids.size > 1:
             dup = ordered[1:] == ordered[:-1]
             if np.count_nonzero(dup):
-                raise InvalidIds(f"{what}: {self.name} id {int(ordered[1:][dup][0])} given twice")
+                raise InvalidIds(f"{what}: {self.label} id {int(ordered[1:][dup][0])} given twice")
 
     def free_ids(self) -> np.ndarray:
         return self._stack[: self._free].copy()

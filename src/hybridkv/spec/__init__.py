@@ -1,10 +1,32 @@
-"""Engine-neutral description of a model's layers, dtypes and parallel layout."""
+"""Engine-neutral description of a model's layers, dtypes and parallel layout.
+
+Every behaviour that depends on a layer's kind is written once, on the kind class
+(``layers.py``) and its pool id (``pools.py``); memory, the planner, the prefix cache and
+transfer ask them instead of branching on the class.
+
+Checklist: adding a layer kind
+1. A pool id, if no existing one has the kind's history rule: a frozen ``PoolId`` subclass
+   with a new ``family`` (registered for ``PoolId.parse`` when the class is created), its
+   ``id_space`` (``PAGE``: tokens on virtual pages; ``SLOT``: one state per request),
+   ``rank`` (order among a shard's pools), ``param`` if parametrised, and the rule:
+   ``first_needed(L)`` (elementwise on ints and int64 arrays) and ``max_span``.
+2. A kind class: a frozen dataclass subclassing ``LayerKind`` (or ``KVHeads`` for per-head
+   K/V attention, which brings cell tensors, TP sharding and bytes) with ``tag``,
+   ``pool_id``, ``cell_tensors`` (each with its ``tp_dim``), ``shard`` and
+   ``recompute_flops_per_token``.
+3. Presets: to load it from published records, map the record's kind name to the class in
+   ``presets._kind_from_record``. Nothing else: memory builds the pool, sizing and the
+   planner size it, views, release outside the span and verify work from the pool id.
+``tests/spec/test_new_kind.py`` walks this list with chunked-local attention.
+"""
 
 from hybridkv.spec.hf_config import HFConfigError, from_hf_config
 from hybridkv.spec.layers import (
     MLA,
+    CellTensor,
     FullAttention,
     KindTag,
+    KVHeads,
     LayerKind,
     Linear,
     NoCache,
@@ -15,6 +37,19 @@ from hybridkv.spec.layers import (
 )
 from hybridkv.spec.model import Layer, ModelSpec
 from hybridkv.spec.parallel import Parallel, ShardSpec
+from hybridkv.spec.pools import (
+    FULL_POOL,
+    MLA_POOL,
+    RECURRENT_POOL,
+    FullPool,
+    IdSpace,
+    LatentPool,
+    PoolId,
+    PoolIdError,
+    Positions,
+    RecurrentPool,
+    WindowPool,
+)
 from hybridkv.spec.presets import (
     PresetError,
     get_preset,
@@ -25,20 +60,33 @@ from hybridkv.spec.presets import (
 )
 
 __all__ = [
+    "FULL_POOL",
     "MLA",
+    "MLA_POOL",
+    "RECURRENT_POOL",
+    "CellTensor",
     "FullAttention",
+    "FullPool",
     "HFConfigError",
+    "IdSpace",
+    "KVHeads",
     "KindTag",
+    "LatentPool",
     "Layer",
     "LayerKind",
     "Linear",
     "ModelSpec",
     "NoCache",
     "Parallel",
+    "PoolId",
+    "PoolIdError",
+    "Positions",
     "PresetError",
+    "RecurrentPool",
     "ShardSpec",
     "SlidingWindow",
     "StateTensor",
+    "WindowPool",
     "dtype_name",
     "from_hf_config",
     "get_preset",

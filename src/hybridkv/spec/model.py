@@ -14,14 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.spec.layers import (
-    MLA,
-    FullAttention,
-    KindTag,
-    LayerKind,
-    Linear,
-    SlidingWindow,
-)
+from hybridkv.spec.layers import LayerKind
+from hybridkv.spec.pools import PoolId, WindowPool
 
 
 @dataclass(frozen=True)
@@ -30,7 +24,7 @@ class Layer:
     kind: LayerKind
 
     @property
-    def tag(self) -> KindTag:
+    def tag(self) -> str:
         return self.kind.tag
 
 
@@ -70,32 +64,39 @@ class ModelSpec:
             raise KeyError(f"model {self.name!r} has layers 0..{self.num_layers - 1}, not {layer_id}")
         return self.layers[layer_id]
 
-    def layer_ids(self, tag: KindTag) -> list[int]:
-        return [layer.layer_id for layer in self.layers if layer.tag is tag]
+    def layer_ids(self, tag: str) -> list[int]:
+        return [layer.layer_id for layer in self.layers if layer.tag == tag]
 
-    def tags(self) -> set[KindTag]:
+    def tags(self) -> set[str]:
         return {layer.tag for layer in self.layers}
+
+    def pool_ids(self) -> list[PoolId]:
+        """Distinct pools the model's layers need, in pool order."""
+        pools = {layer.kind.pool_id for layer in self.layers}
+        return sorted((p for p in pools if p is not None), key=PoolId.sort_key)
 
     def windows(self) -> list[int]:
         """Distinct sliding windows, ascending."""
-        return sorted({layer.kind.window for layer in self.layers if isinstance(layer.kind, SlidingWindow)})
+        return [pool.window for pool in self.pool_ids() if isinstance(pool, WindowPool)]
 
-    def kv_bytes_per_token(self, tag: KindTag) -> int:
+    def kv_bytes_per_token(self, tag: str) -> int:
         """KV bytes one token costs across all layers of ``tag`` (unsharded)."""
-        elems = sum(
-            layer.kind.elems_per_token()
-            for layer in self.layers
-            if layer.tag is tag and isinstance(layer.kind, FullAttention | SlidingWindow | MLA)
-        )
-        return elems * self.kv_dtype.itemsize
+        return sum(layer.kind.bytes_per_token(self.kv_dtype) for layer in self.layers if layer.tag == tag)
 
     def state_bytes_per_request(self) -> int:
-        """Recurrent-state bytes one request holds across all linear layers (unsharded)."""
-        return sum(layer.kind.state_bytes for layer in self.layers if isinstance(layer.kind, Linear))
+        """State bytes one request holds across all layers with per-request state (unsharded)."""
+        return sum(layer.kind.bytes_per_request(self.kv_dtype) for layer in self.layers)
+
+    def recompute_flops_per_token(self, pool: PoolId, position: int) -> int:
+        """Estimated FLOPs to rebuild one token's values in every layer of ``pool`` at
+        ``position`` (see ``LayerKind.recompute_flops_per_token``; unsharded)."""
+        return sum(
+            layer.kind.recompute_flops_per_token(position) for layer in self.layers if layer.kind.pool_id == pool
+        )
 
     def describe(self) -> str:
         counts: dict[str, int] = {}
         for layer in self.layers:
-            counts[layer.tag.value] = counts.get(layer.tag.value, 0) + 1
+            counts[str(layer.tag)] = counts.get(str(layer.tag), 0) + 1
         parts = ", ".join(f"{n} {t}" for t, n in counts.items())
         return f"{self.name}: {self.num_layers} layers ({parts})"

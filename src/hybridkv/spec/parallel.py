@@ -6,7 +6,8 @@ Invariants:
 - A TP rank holds the KV heads ``[head_start, head_end)`` of every attention layer. When a
   layer has fewer KV heads than TP ranks (GQA), each head is replicated on
   ``tp_size // num_kv_heads`` consecutive ranks. MLA latents are replicated on all ranks;
-  recurrent state tensors are split along their ``tp_dim``.
+  recurrent state tensors are split along their own ``tp_dim``. Each kind shards itself
+  (``LayerKind.shard``); this module only knows the head arithmetic.
 - ``ShardSpec`` is the one object every pool, geometry query and transfer layout is built
   from: (model, layout, pp_rank, tp_rank). It never assumes a stage starts at layer 0 or
   that its first layer is full attention.
@@ -17,15 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hybridkv.spec.layers import (
-    MLA,
-    FullAttention,
-    KindTag,
-    LayerKind,
-    Linear,
-    NoCache,
-    SlidingWindow,
-)
+from hybridkv.spec.layers import KVHeads, LayerKind
 from hybridkv.spec.model import Layer, ModelSpec
 
 
@@ -131,27 +124,18 @@ class ShardSpec:
         start, end = self.bounds
         return start <= layer_id < end
 
-    def layer_ids(self, tag: KindTag) -> list[int]:
-        return [layer.layer_id for layer in self.layers if layer.tag is tag]
+    def layer_ids(self, tag: str) -> list[int]:
+        return [layer.layer_id for layer in self.layers if layer.tag == tag]
 
     def kv_head_range(self, layer_id: int) -> tuple[int, int]:
         kind = self._stage_layer(layer_id).kind
-        if not isinstance(kind, FullAttention | SlidingWindow):
-            raise ValueError(f"layer {layer_id} is {kind.tag.value}, which has no KV heads")
+        if not isinstance(kind, KVHeads):
+            raise ValueError(f"layer {layer_id} is {kind.tag}, which has no KV heads")
         return self.parallel.kv_head_range(kind.num_kv_heads, self.tp_rank)
 
     def local_kind(self, layer_id: int) -> LayerKind:
         """The layer's kind as this rank holds it (heads / state dims divided by TP)."""
-        kind = self._stage_layer(layer_id).kind
-        if isinstance(kind, FullAttention | SlidingWindow):
-            start, end = self.parallel.kv_head_range(kind.num_kv_heads, self.tp_rank)
-            return _with_heads(kind, end - start)
-        if isinstance(kind, Linear):
-            states = tuple(s.shard(self.parallel.tp_size) for s in kind.states)
-            return Linear(kind.variant, states)
-        if isinstance(kind, MLA | NoCache):
-            return kind
-        raise TypeError(f"unknown layer kind {kind!r}")
+        return self._stage_layer(layer_id).kind.shard(self.parallel, self.tp_rank)
 
     def _stage_layer(self, layer_id: int) -> Layer:
         if not self.has_layer(layer_id):
@@ -165,9 +149,3 @@ class ShardSpec:
             f"{self.model.name} pp {self.pp_rank}/{self.parallel.pp_size} layers [{start}, {end}) "
             f"tp {self.tp_rank}/{self.parallel.tp_size}"
         )
-
-
-def _with_heads(kind: FullAttention | SlidingWindow, heads: int) -> FullAttention | SlidingWindow:
-    if isinstance(kind, SlidingWindow):
-        return SlidingWindow(kind.window, heads, kind.head_dim, kind.v_head_dim)
-    return FullAttention(heads, kind.head_dim, kind.v_head_dim)

@@ -56,6 +56,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
         base = int(layers_info["index_base"])
         num_layers = int(record["num_layers"])
         ids_by_kind: dict[str, list[int]] = layers_info["ids_by_kind"]
+        max_context = int(record.get("max_context") or record["max_position_embeddings"])
     except (KeyError, TypeError, ValueError) as exc:
         raise PresetError(f"preset {name!r}: missing or bad field: {exc}") from exc
 
@@ -78,7 +79,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
         name=name,
         layers=tuple(Layer(i, k) for i, k in enumerate(kinds) if k is not None),
         kv_dtype=dtype,
-        max_context=int(record.get("max_context") or record.get("max_position_embeddings")),
+        max_context=max_context,
         source=record.get("hf_id", ""),
     )
     _check_published_bytes(spec, record)
@@ -103,16 +104,31 @@ def _kind_from_record(name: str, kind_name: str, record: dict[str, Any]) -> Laye
         return MLA(s["kv_lora_rank"], s["qk_rope_head_dim"], s["num_heads"], s["v_head_dim"])
     if kind_name in _LINEAR_KINDS:
         s = section("linear")
-        states = tuple(
-            StateTensor(t["name"], tuple(int(d) for d in t["shape"]), parse_dtype(t["dtype"]), 0)
-            for t in s["state_tensors_per_layer"]
-        )
-        return Linear(kind_name, states)
+        return Linear(kind_name, tuple(_state_from_record(name, t) for t in s["state_tensors_per_layer"]))
     if kind_name in _NO_CACHE_KINDS:
         return NoCache()
     raise PresetError(
         f"preset {name!r}: unknown layer kind {kind_name!r}; known: "
         f"{sorted(_ATTENTION_KINDS | _LINEAR_KINDS | _NO_CACHE_KINDS)}"
+    )
+
+
+def _state_from_record(name: str, tensor: dict[str, Any]) -> StateTensor:
+    """One state tensor; its TP split is the record's own per-tensor fact: ``dims`` names each
+    dimension of ``shape`` and ``tp_split`` the one TP ranks divide (null: replicated)."""
+    label = f"preset {name!r}: state tensor {tensor.get('name')!r}"
+    shape = tuple(int(d) for d in tensor["shape"])
+    dims = tensor.get("dims")
+    if "tp_split" not in tensor or not isinstance(dims, list) or len(dims) != len(shape):
+        raise PresetError(
+            f"{label} needs 'dims' (one name per dimension of shape {list(shape)}) and 'tp_split' "
+            "(the dim name TP ranks divide, e.g. conv channels or heads; null if every rank holds it all)"
+        )
+    split = tensor["tp_split"]
+    if split is not None and split not in dims:
+        raise PresetError(f"{label}: tp_split {split!r} is not one of its dims {dims}")
+    return StateTensor(
+        tensor["name"], shape, parse_dtype(tensor["dtype"]), None if split is None else dims.index(split)
     )
 
 
@@ -130,8 +146,7 @@ def _check_published_bytes(spec: ModelSpec, record: dict[str, Any]) -> None:
         )
         if published is None or not ids:
             continue
-        kind = spec.layers[ids[0] - record["layers"]["index_base"]].kind
-        derived = kind.elems_per_token() * spec.kv_dtype.itemsize  # type: ignore[union-attr]
+        derived = spec.layers[ids[0] - record["layers"]["index_base"]].kind.bytes_per_token(spec.kv_dtype)
         if derived != published:
             raise PresetError(
                 f"preset {spec.name!r}: {key} KV bytes per token per layer derived as {derived} "
@@ -139,10 +154,10 @@ def _check_published_bytes(spec: ModelSpec, record: dict[str, Any]) -> None:
             )
     linear = record.get("linear")
     if isinstance(linear, dict) and linear.get("state_bytes_per_layer") is not None:
-        kinds = [layer.kind for layer in spec.layers if isinstance(layer.kind, Linear)]
-        if kinds and kinds[0].state_bytes != linear["state_bytes_per_layer"]:
+        derived = [b for layer in spec.layers if (b := layer.kind.bytes_per_request(spec.kv_dtype))]
+        if derived and derived[0] != linear["state_bytes_per_layer"]:
             raise PresetError(
-                f"preset {spec.name!r}: state bytes per layer derived as {kinds[0].state_bytes} "
+                f"preset {spec.name!r}: state bytes per layer derived as {derived[0]} "
                 f"but the preset states {linear['state_bytes_per_layer']}"
             )
 
@@ -157,8 +172,8 @@ def _gdn(tp_heads: int = 4, dim: int = 8, conv_dtype: torch.dtype = F32) -> Line
     return Linear(
         "gated_deltanet",
         (
-            StateTensor("conv_state", (conv_dim, 3), conv_dtype),
-            StateTensor("recurrent_state", (tp_heads, dim, dim), F32),
+            StateTensor("conv_state", (conv_dim, 3), conv_dtype, tp_dim=0),
+            StateTensor("recurrent_state", (tp_heads, dim, dim), F32, tp_dim=0),
         ),
     )
 
@@ -171,18 +186,18 @@ def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
     mamba = Linear(
         "mamba2",
         (
-            StateTensor("conv_state", (48, 3), F32),
-            StateTensor("ssm_state", (4, 8, 4), F32),
+            StateTensor("conv_state", (48, 3), F32, tp_dim=0),
+            StateTensor("ssm_state", (4, 8, 4), F32, tp_dim=0),
         ),
     )
     kda = Linear(
         "kda",
         (
-            StateTensor("conv_state_qkv", (96, 3), F32),
-            StateTensor("recurrent_state", (4, 8, 8), F32),
+            StateTensor("conv_state_qkv", (96, 3), F32, tp_dim=0),
+            StateTensor("recurrent_state", (4, 8, 8), F32, tp_dim=0),
         ),
     )
-    lightning = Linear("lightning", (StateTensor("kv_state", (4, 8, 8), F32),))
+    lightning = Linear("lightning", (StateTensor("kv_state", (4, 8, 8), F32, tp_dim=0),))
     return {
         "tiny-dense": lambda: ModelSpec.from_kinds("tiny-dense", [full] * 4, kv_dtype=F32, max_context=256),
         "tiny-mla": lambda: ModelSpec.from_kinds("tiny-mla", [mla] * 4, kv_dtype=F32, max_context=256),

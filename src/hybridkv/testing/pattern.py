@@ -2,7 +2,8 @@
 
 Every byte of a layer's *unsharded* tensor for one page position (or the state slot) gets
 a hash of (seed, layer, tensor, position, byte index); a TP rank holds its slice of that
-global tensor. Prefill ranks fill their pages with it; decode checks its whole arena
+global tensor along the tensor's own ``tp_dim`` (heads for K/V, whatever dimension a state
+tensor splits; a replicated tensor is held whole). Prefill ranks fill their pages with it; decode checks its whole arena
 against ``expected_arena``: the pattern exactly where the request's bytes must land,
 zeros everywhere else. So a byte from the wrong layer, page, head or offset, a byte
 missing, or a byte written where it should not be, all show up.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import MLA, FullAttention, Linear, SlidingWindow
+from hybridkv.spec import IdSpace
 
 
 def _hash(x: np.ndarray) -> np.ndarray:
@@ -25,46 +26,41 @@ def _hash(x: np.ndarray) -> np.ndarray:
 
 
 def _local_bytes(mem: UnifiedMemory, lid: int, tensor: int, name: str, position: int, seed: int) -> np.ndarray:
-    """This rank's bytes of the global tensor ``name`` of layer ``lid`` at ``position``."""
+    """This rank's bytes of the global tensor ``name`` of layer ``lid`` at ``position``: the
+    slice along the segment's ``tp_dim`` (any dimension; None: the whole tensor)."""
     shard = mem.shard
-    kind = shard.model.layer(lid).kind
-    seg = mem.pool_of_layer(lid).layout.segment(lid, name)
+    layout = mem.pool_of_layer(lid).layout
+    seg = layout.segment(lid, name)
     size = seg.dtype.itemsize
-    rows: tuple[int, ...]
-    cut: tuple[slice, ...]
-    if isinstance(kind, FullAttention | SlidingWindow):
-        lo, hi = shard.kv_head_range(lid)
-        rows = (seg.shape[0], kind.num_kv_heads, seg.shape[2] * size)
-        cut = (slice(None), slice(lo, hi))
-    elif isinstance(kind, Linear):
-        state = next(s for s in kind.states if s.name == name)
-        local = seg.shape[0]
-        rows = (state.shape[0], seg.nbytes // local)
-        cut = (slice(shard.tp_rank * local, (shard.tp_rank + 1) * local),)
-    else:
-        rows = (seg.nbytes,)
-        cut = (slice(None),)
+    whole = shard.model.layer(lid).kind.cell_tensors(layout.page_size, shard.model.kv_dtype)
+    shape = next(t.shape for t in whole if t.name == name)
+    rows = (*shape[:-1], shape[-1] * size)  # the last dim in bytes
+    cut = [slice(None)] * len(rows)
+    if seg.tp_dim is not None:
+        dim, local = seg.tp_dim, seg.shape[seg.tp_dim]
+        replicas = shard.parallel.tp_size // (shape[dim] // local)  # ranks holding one slice
+        lo = shard.tp_rank // replicas * local
+        scale = size if dim == len(rows) - 1 else 1
+        cut[dim] = slice(lo * scale, (lo + local) * scale)
     key = seed * 7_919 + lid * 1_000_003 + tensor * 104_729 + position * 15_485_863
     glob = _hash(key + np.arange(int(np.prod(rows)), dtype=np.int64)).reshape(rows)
-    return np.ascontiguousarray(glob[cut]).reshape(-1)
+    return np.ascontiguousarray(glob[tuple(cut)]).reshape(-1)
 
 
 def _places(mem: UnifiedMemory, pages: np.ndarray, slot: int | None, seq_len: int, window_only: bool):
-    """(arena offset, layer, tensor index, name, position) of every segment of the request."""
+    """(arena offset, layer, tensor index, name, position) of every segment of the request;
+    ``window_only``: only the pages each pool's history rule keeps at ``seq_len``."""
     n = -(-seq_len // mem.page_size)
     for layer in mem.shard.layers:
-        kind = layer.kind
-        if not isinstance(kind, FullAttention | SlidingWindow | Linear | MLA):
+        if layer.kind.pool_id is None:
             continue
         pool = mem.pool_of_layer(layer.layer_id)
         segs = [s for s in pool.layout.segments if s.layer_id == layer.layer_id]
-        if isinstance(kind, Linear):
+        if pool.layout.id_space is IdSpace.SLOT:
             positions = [0]
             cells = [int(pool.v2p[slot])]
         else:
-            first = (
-                max(0, seq_len - kind.window) // mem.page_size if isinstance(kind, SlidingWindow) and window_only else 0
-            )
+            first = pool.pool_id.page_span(seq_len, mem.page_size)[0] if window_only else 0
             positions = list(range(first, n))
             cells = [int(c) for c in pool.v2p[pages[first:n]]]
         for t, seg in enumerate(segs):
@@ -84,7 +80,8 @@ Request = tuple[np.ndarray, int | None, int, int]  # pages, slot, seq_len, seed
 
 
 def expected_arena(mem: UnifiedMemory, requests: list[Request]) -> np.ndarray:
-    """A zero arena with each request's pattern where it must land (window pages for SWA)."""
+    """A zero arena with each request's pattern where it must land (for a pool that releases
+    history, only the pages its rule keeps)."""
     out = np.zeros(mem.arena.nbytes, dtype=np.uint8)
     for pages, slot, seq_len, seed in requests:
         for offset, lid, t, name, position in _places(mem, pages, slot, seq_len, window_only=True):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import Linear, ModelSpec, get_preset
+from hybridkv.spec import RECURRENT_POOL, ModelSpec, get_preset
 from hybridkv.testing.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
 from hybridkv.testing.pattern import expected_arena, mismatch
 from hybridkv.transfer.auth import ClusterKey
@@ -74,7 +74,7 @@ def _requests(models: tuple[str, ...], count: int, faults: tuple[str, ...]) -> l
             raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
         model = models[0]
         if fault == "slot-size":
-            stateful = [m for m in models if any(isinstance(layer.kind, Linear) for layer in get_preset(m).layers)]
+            stateful = [m for m in models if RECURRENT_POOL in get_preset(m).pool_ids()]
             if not stateful:
                 raise ValueError(f"the slot-size fault needs a model with recurrent state; {list(models)} have none")
             model = stateful[0]

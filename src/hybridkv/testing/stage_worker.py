@@ -47,7 +47,7 @@ def main(cfg: dict[str, Any]) -> None:
     for rid, seq_len, seed in cfg["requests"]:
         mem.alloc_pages(cfg["pp_rank"] + 2)  # shift cells away from the decode's
         pages = mem.alloc_pages(-(-seq_len // mem.page_size))[::-1].copy()
-        slot = int(mem.alloc_state(1)[0]) if mem.state_pool is not None else None
+        slot = int(mem.alloc_state(1)[0]) if mem.slot_pools else None
         fill(mem, pages, slot, seq_len, seed)
         held.append((rid, pages, slot, seq_len))
     timeout_s = cfg.get("timeout_s", 30.0)

@@ -13,9 +13,12 @@ Invariants (checked at construction, also when a BufferSet arrives over the wire
 - Every layer id lies in the rank's PP stage ``[start, end)``.
 - ``item_len`` equals the item shape times the dtype size; every entry's span lies inside
   one registered region.
-- Sharded entries say which item dimension TP splits (``shard_dim``: heads for KV, the
-  state tensor's ``tp_dim``), where this rank's slice starts and the unsharded size.
-  Replicated entries (MLA latents, unsplit state) have ``shard_dim = None``.
+- ``pool`` is the pool id as ``str(PoolId)`` (``"full"``, ``"swa:1024"``, ``"state"``...):
+  it reads back with ``PoolId.parse`` (``pool_id``), whose rule gives what a transfer sends.
+- Sharded entries say which item dimension TP splits (``shard_dim``: the segment's
+  ``tp_dim`` — heads for KV, the state tensor's own split dimension), where this rank's
+  slice starts and the unsharded size. Replicated entries (MLA latents, unsplit state)
+  have ``shard_dim = None``.
 """
 
 from __future__ import annotations
@@ -27,23 +30,9 @@ from enum import StrEnum
 import msgspec
 
 from hybridkv.memory import CellLayout, Segment, UnifiedMemory
-from hybridkv.spec import (
-    FullAttention,
-    KindTag,
-    Linear,
-    ShardSpec,
-    SlidingWindow,
-    dtype_name,
-    parse_dtype,
-)
+from hybridkv.spec import IdSpace, PoolId, PoolIdError, ShardSpec, dtype_name, parse_dtype
 from hybridkv.transfer.errors import BadLayout
-
-KIND_OF_TAG = {
-    KindTag.FULL: "full",
-    KindTag.MLA: "mla",
-    KindTag.SWA: "swa",
-    KindTag.LINEAR: "state",
-}
+from hybridkv.transfer.slicing import slice_start
 
 
 class Role(StrEnum):
@@ -60,21 +49,21 @@ class BufferEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     item_len: int
     stride: int
     count: int
-    kind: str  # "full" | "mla" | "swa" | "state"
     tensor: str  # "k", "v", "latent" or a state tensor name
-    pool: str
+    pool: str  # str(PoolId): "full", "mla", "swa:<window>", "state"...
     dtype: str
     shape: tuple[int, ...]  # shape of one item
     page_size: int  # tokens per item; 1 for state
-    window: int | None = None
     shard_dim: int | None = None
     shard_start: int = 0
     shard_total: int = 0
 
     def __post_init__(self) -> None:
         where = f"entry {self.tensor!r} of pool {self.pool!r}"
-        if self.kind not in KIND_OF_TAG.values():
-            raise BadLayout(f"{where}: unknown kind {self.kind!r}")
+        try:
+            self.pool_id  # noqa: B018 (parsing is the check)
+        except PoolIdError as exc:
+            raise BadLayout(f"{where}: {exc}") from None
         try:
             itemsize = parse_dtype(self.dtype).itemsize
         except ValueError as exc:
@@ -90,8 +79,6 @@ class BufferEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"(addr {self.addr}, count {self.count}, stride {self.stride}, item_len "
                 f"{self.item_len}, page_size {self.page_size})"
             )
-        if (self.kind == "swa") != (self.window is not None):
-            raise BadLayout(f"{where}: a window is required for swa entries and only for them")
         if self.shard_dim is None:
             if self.shard_start or self.shard_total:
                 raise BadLayout(f"{where}: replicated entry with a shard range")
@@ -103,6 +90,16 @@ class BufferEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"[{self.shard_start}, {self.shard_start + local}) of {self.shard_total}, "
                 "which is not an aligned slice"
             )
+
+    @property
+    def pool_id(self) -> PoolId:
+        """The pool this entry lies in; its history rule says which items a request sends."""
+        return PoolId.parse(self.pool)
+
+    @property
+    def per_slot(self) -> bool:
+        """Items are state slots (one per request), not pages."""
+        return self.pool_id.id_space is IdSpace.SLOT
 
     @property
     def length(self) -> int:
@@ -120,9 +117,9 @@ class BufferEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def describe(self, layer_id: int) -> str:
         return (
-            f"layer {layer_id} {self.tensor!r} ({self.kind}, pool {self.pool!r}, "
+            f"layer {layer_id} {self.tensor!r} (pool {self.pool!r}, "
             f"{self.dtype} {self.shape}, {self.item_len} B per "
-            f"{'slot' if self.kind == 'state' else 'page'})"
+            f"{'slot' if self.per_slot else 'page'})"
         )
 
 
@@ -192,13 +189,14 @@ def buffer_set_from_layouts(
     shard: ShardSpec,
     layouts: Sequence[CellLayout],
     base_addr: int,
-    grid_cells: dict[str, int],
+    grid_cells: dict[PoolId, int],
     regions: Sequence[tuple[int, int]],
 ) -> BufferSet:
     """The BufferSet of a hybridkv cell grid starting at ``base_addr``.
 
-    Each pool publishes only its own layers: the full pool its full-attention layers, each
-    window pool its SWA layers, the state pool the recurrent layers' state tensors. Entries
+    Each pool publishes only its own layers (the segments its layout packs: the full pool its
+    full-attention layers, each window pool its SWA layers, the state pool the recurrent
+    layers' state tensors). Entries
     come in buffer groups (every layer's ``k``, then every layer's ``v``...), with one id per
     layer expanded per group.
     """
@@ -209,10 +207,10 @@ def buffer_set_from_layouts(
         groups = [[seg for seg in layout.segments if seg.tensor == name] for name in names]
         group_ids = [[seg.layer_id for seg in group] for group in groups]
         pool_entries = [
-            _entry(shard, layout, seg, base_addr, grid_cells[layout.name]) for group in groups for seg in group
+            _entry(shard, layout, seg, base_addr, grid_cells[layout.pool_id]) for group in groups for seg in group
         ]
         if all(g == group_ids[0] for g in group_ids):
-            pool_ids = expand_layer_ids(group_ids[0], len(pool_entries), f"pool {layout.name!r}")
+            pool_ids = expand_layer_ids(group_ids[0], len(pool_entries), f"pool {str(layout.pool_id)!r}")
         else:  # layers with different state tensors: one id per entry
             pool_ids = tuple(lid for g in group_ids for lid in g)
         entries += pool_entries
@@ -244,35 +242,28 @@ def buffer_set_from_memory(mem: UnifiedMemory, base_addr: int | None = None) -> 
         mem.shard,
         [pool.layout for pool in mem.pools.values()],
         base_addr,
-        {name: pool.grid_cells for name, pool in mem.pools.items()},
+        {pool_id: pool.grid_cells for pool_id, pool in mem.pools.items()},
         [(base_addr, mem.arena.nbytes)],
     )
 
 
 def _entry(shard: ShardSpec, layout: CellLayout, seg: Segment, base_addr: int, cells: int) -> BufferEntry:
-    kind = shard.model.layer(seg.layer_id).kind
-    shard_dim: int | None = None
-    start = total = 0
-    if isinstance(kind, FullAttention | SlidingWindow):
-        shard_dim, total = 1, kind.num_kv_heads
-        start = shard.kv_head_range(seg.layer_id)[0]
-    elif isinstance(kind, Linear):
-        state = next(s for s in kind.states if s.name == seg.tensor)
-        if state.tp_dim is not None:
-            shard_dim, total = state.tp_dim, state.shape[state.tp_dim]
-            start = shard.tp_rank * seg.shape[state.tp_dim]
+    shard_dim, start, total = seg.tp_dim, 0, 0
+    if shard_dim is not None:
+        whole = shard.model.layer(seg.layer_id).kind.cell_tensors(layout.page_size, shard.model.kv_dtype)
+        total = next(t.shape[shard_dim] for t in whole if t.name == seg.tensor)
+        where = f"{shard.describe()} layer {seg.layer_id} {seg.tensor!r}"
+        start = slice_start(total, shard.parallel.tp_size, seg.shape[shard_dim], shard.tp_rank, where)
     return BufferEntry(
         addr=base_addr + seg.offset,
         item_len=seg.nbytes,
         stride=layout.cell_bytes,
         count=cells,
-        kind=KIND_OF_TAG[layout.tag],
         tensor=seg.tensor,
-        pool=layout.name,
+        pool=str(layout.pool_id),
         dtype=dtype_name(seg.dtype),
         shape=tuple(int(d) for d in seg.shape),
         page_size=layout.page_size,
-        window=layout.window,
         shard_dim=shard_dim,
         shard_start=start,
         shard_total=total,

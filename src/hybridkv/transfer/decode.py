@@ -191,7 +191,7 @@ class DecodeReceiver(Agent):
         pages = self.mem.alloc_pages(num_pages(seq_len, self.mem.page_size))
         slot = None
         try:
-            if self.mem.state_pool is not None:
+            if self.mem.slot_pools:
                 slot = int(self.mem.alloc_state(1)[0])
             gate = self.mem.pin(pages=pages, slots=None if slot is None else [slot])
         except BaseException:

@@ -8,9 +8,10 @@ Invariants:
 - Only the layers both ranks hold are paired: prefill entries outside the decode rank's
   stage belong to another decode stage. Within the overlap, a layer present on one side
   and missing on the other is an error.
-- Every pair is checked before any byte moves: kind, tensor, dtype, page size, window, item
-  shape (equal except along the TP-sharded dimension, whose unsharded size must agree)
-  and each side's TP slice. Every error names both ranks and what to change.
+- Every pair is checked before any byte moves: pool family and tensor, dtype, page size,
+  pool id (the history rule, e.g. the window), item shape (equal except along the
+  TP-sharded dimension, whose unsharded size must agree) and each side's TP slice.
+  Every error names both ranks and what to change.
 """
 
 from __future__ import annotations
@@ -115,15 +116,15 @@ def check_pair(prefill: BufferSet, decode: BufferSet, pair: EntryPair) -> None:
             f"{decode.describe(Role.DECODE)} has {b.describe(lid)}; {hint}"
         )
 
-    if a.kind != b.kind or a.tensor != b.tensor:
+    if a.pool_id.family != b.pool_id.family or a.tensor != b.tensor:
         raise fail("tensor", "both sides must publish the same tensors per layer, in order")
     if a.dtype != b.dtype:
         raise fail("dtype", "run both engines with the same KV and state dtypes")
     if a.page_size != b.page_size:
         raise fail("page size", "start both engines with the same page_size")
-    if a.window != b.window:
-        raise fail("window", "both engines must use the model's sliding windows")
-    size = "state slot size" if a.kind == "state" else "item length"
+    if a.pool_id != b.pool_id:
+        raise fail("pool", "both engines must use the model's history rules (e.g. its sliding windows)")
+    size = "state slot size" if a.per_slot else "item length"
     if a.shard_dim != b.shard_dim or a.shard_total != b.shard_total or len(a.shape) != len(b.shape):
         raise fail(size, "both engines must shard this tensor along the same dimension")
     same = [i for i in range(len(a.shape)) if i != a.shard_dim]

@@ -4,8 +4,10 @@ A plan is computed on the host from layouts (``BufferSet``), entry pairs and hos
 (``UnifiedMemory.host_cells``); it never reads a device tensor.
 
 Invariants:
-- Full-history entries (full, MLA) send every page of the request, sliding-window entries
-  only the pages holding tokens ``[seq_len - window, seq_len)``, state entries one slot.
+- An entry sends what its pool id's history rule keeps for a continuation at ``seq_len``
+  (``PoolId.page_span``): every page for full-history pools (full, MLA), only the pages
+  holding tokens ``[first_needed(seq_len), seq_len)`` for pools that release history
+  (sliding windows), one slot for slot pools (recurrent state).
 - When TP sizes differ, each item is cut along its sharded dimension into the pieces this
   prefill rank supplies (``slicing.source_pieces``); every decode byte has one source.
 - Every cell id lies in ``[1, count)`` (0 is the padding sink, -1 a tombstone), every
@@ -39,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import IdSpace, PoolId
 from hybridkv.transfer.buffers import BufferEntry, BufferSet, Role
 from hybridkv.transfer.errors import PlanError
 from hybridkv.transfer.pairing import EntryPair
@@ -136,23 +139,23 @@ def num_pages(seq_len: int, page_size: int) -> int:
     return -(-seq_len // page_size)
 
 
-def page_span(kind: str, window: int | None, page_size: int, seq_len: int) -> tuple[int, int]:
-    """Positions ``[first, end)`` an entry sends: page indices within the request, or the
-    state slot (position 0)."""
-    if kind == "state":
+def page_span(pool: PoolId, page_size: int, seq_len: int) -> tuple[int, int]:
+    """Positions ``[first, end)`` an entry of ``pool`` sends: page indices within the
+    request (the pool's rule), or the request's one slot (position 0) in a slot pool."""
+    if pool.id_space is IdSpace.SLOT:
         return 0, 1
-    first = max(0, seq_len - window) // page_size if window else 0
-    return first, num_pages(seq_len, page_size)
+    return pool.page_span(seq_len, page_size)
 
 
 def memory_cells(mem: UnifiedMemory, pages: np.ndarray, slot: int | None) -> dict[str, np.ndarray]:
-    """Host cell ids of a request in every pool of ``mem`` (tombstones stay -1)."""
+    """Host cell ids of a request in every pool of ``mem`` (tombstones stay -1), keyed by
+    the entries' ``pool`` (``str(PoolId)``)."""
     out = {}
-    for name, pool in mem.pools.items():
-        if pool.layout.is_state:
-            out[name] = mem.host_cells([slot], name) if slot is not None else _EMPTY
+    for pool_id, pool in mem.pools.items():
+        if pool.layout.id_space is IdSpace.SLOT:
+            out[str(pool_id)] = mem.host_cells([slot], pool_id) if slot is not None else _EMPTY
         else:
-            out[name] = mem.host_cells(pages, name)
+            out[str(pool_id)] = mem.host_cells(pages, pool_id)
     return out
 
 
@@ -212,8 +215,7 @@ class _Group:
 
     src_pool: str
     dst_pool: str
-    kind: str
-    window: int | None
+    rule: PoolId  # the destination pool's id: its history rule picks the positions sent
     page_size: int
     src_stride: int
     dst_stride: int
@@ -230,7 +232,7 @@ class _Group:
         pool, count = (self.src_pool, self.src_count) if role is Role.PREFILL else (self.dst_pool, self.dst_count)
         have = cells.get(pool)
         if have is None or len(have) < end:
-            unit = "state slot" if self.kind == "state" else "pages"
+            unit = "state slot" if self.rule.id_space is IdSpace.SLOT else "pages"
             raise PlanError(
                 f"{role} gave {0 if have is None else len(have)} {unit} for pool {pool!r} "
                 f"(layer {self.layer}), the request needs {end}"
@@ -290,7 +292,7 @@ class Route:
             pieces = source_pieces(
                 total, prefill.tp_size, a.shard_len, b.shard_start, b.shard_len, decode.tp_rank, where
             )
-            key = (a.pool, b.pool, b.kind, b.window, b.page_size, a.stride, b.stride, a.count, b.count)
+            key = (a.pool, b.pool, b.pool_id, b.page_size, a.stride, b.stride, a.count, b.count)
             for piece in pieces:
                 if piece.src_rank == prefill.tp_rank:
                     s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
@@ -335,7 +337,7 @@ class Route:
         size = pieces = nbytes = 0
         min_len = 1 << 63
         for g in self.groups:
-            first, end = page_span(g.kind, g.window, g.page_size, seq_len)
+            first, end = page_span(g.rule, g.page_size, seq_len)
             if first < end:
                 chunks = g.full if full else g.dst_only
                 work.append((g, chunks, first, end))

@@ -172,10 +172,10 @@ class PrefillSender(Agent):
                 f"send {request_id!r}: {pages.size} pages cannot hold {seq_len} tokens "
                 f"({need} pages of {self.mem.page_size})"
             )
-        if (slot is None) != (self.mem.state_pool is None):
+        if (slot is None) != (not self.mem.slot_pools):
             raise PlanError(
-                f"send {request_id!r}: this shard {'has' if self.mem.state_pool else 'has no'} "
-                f"recurrent state, so pass {'a' if self.mem.state_pool else 'no'} state slot"
+                f"send {request_id!r}: this shard {'has' if self.mem.slot_pools else 'has no'} "
+                f"recurrent state, so pass {'a' if self.mem.slot_pools else 'no'} state slot"
             )
         pages = pages[:need]
         gate = self.mem.pin(pages=pages, slots=None if slot is None else [slot])

@@ -11,7 +11,8 @@ dropped), output gate (Qwen3-Next: ``q_proj`` yields query and gate per head, th
 is multiplied by ``sigmoid(gate)``), q/k RMS norms, logit soft-capping, query scaling.
 
 Invariants: K/V live only in the memory pool (``mem.view(layer_id, "k"/"v")``); the
-sliding window is the pool's window (a key is visible iff ``q - window < k <= q``).
+visible keys are the pool id's history rule (``first_needed(q + 1) <= k <= q``; a sliding
+window: ``q - window < k <= q``).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        pool = mem.pool_of_layer(self.layer_id).name
+        pool = mem.pool_of_layer(self.layer_id).pool_id
         k_pool, v_pool = mem.view(self.layer_id, "k"), mem.view(self.layer_id, "v")
         write = ctx.pools[pool]
         k_pool[write.write_cell, write.write_offset] = k.to(k_pool.dtype)

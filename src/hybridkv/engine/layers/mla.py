@@ -66,7 +66,7 @@ class PagedMLA(nn.Module):
         c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
 
-        pool_name = mem.pool_of_layer(self.layer_id).name
+        pool_name = mem.pool_of_layer(self.layer_id).pool_id
         pool = mem.view(self.layer_id, "latent")
         write = ctx.pools[pool_name]
         pool[write.write_cell, write.write_offset] = latent[:, None].to(pool.dtype)

@@ -1,0 +1,218 @@
+"""Pool ids: which sub-pool a layer's memory lives in, and the history rule of that pool.
+
+A ``PoolId`` is a typed, hashable value, one frozen dataclass per pool *family*. Every
+lookup (memory pools, layouts, eviction keys, transfer regions) uses the value;
+``str(pool_id)`` (``"full"``, ``"mla"``, ``"swa:1024"``, ``"state"``) is for display and
+JSON only, and ``PoolId.parse`` reads it back.
+
+Each pool id owns its *history rule*: which tokens a continuation at sequence length ``L``
+needs resident in that pool, as the first needed position ``first_needed(L)``:
+
+- full attention and MLA: ``[0, L)``;
+- sliding window ``W``: ``[max(0, L - W), L)``;
+- recurrent state: no tokens (``first_needed(L) == L``), but a state at exactly ``L``
+  (``needs_state``).
+
+Memory (window release, sizing), the prefix cache (hit validity per component) and transfer
+(the span to send) all derive what they do from ``first_needed`` / ``max_span`` /
+``needs_state``, never from the family.
+
+Invariants:
+- Layers share a pool exactly when their kinds give equal pool ids, so one rule holds for
+  every layer of a pool.
+- ``0 <= first_needed(L) <= L``, non-decreasing in ``L``; ``L - first_needed(L) <=
+  max_span`` for every ``L`` (``max_span is None``: unbounded).
+- A family name belongs to one class: a subclass registers it when it is created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar, TypeVar
+
+import numpy as np
+
+Positions = TypeVar("Positions", int, np.ndarray)
+"""A sequence length / position, or an int64 array of them (the rules are elementwise)."""
+
+
+class IdSpace(Enum):
+    """The virtual id space a pool's cells are addressed by."""
+
+    PAGE = "page"
+    """Virtual page ids, shared by every token pool: a cell holds ``page_size`` tokens."""
+    SLOT = "state slot"
+    """Virtual state-slot ids: a cell holds one request's state (or a cached checkpoint)."""
+
+
+class PoolIdError(ValueError):
+    """A pool id that cannot be read or registered."""
+
+
+@dataclass(frozen=True)
+class PoolId:
+    """Base of every pool family. Subclasses set the class variables and the rule."""
+
+    family: ClassVar[str]
+    id_space: ClassVar[IdSpace]
+    rank: ClassVar[int]
+    """Order of the family among a shard's pools (pools grow from alternate arena ends)."""
+    needs_state: ClassVar[bool] = False
+    """True: a continuation at ``L`` needs a state taken at exactly ``L`` (no tokens)."""
+    _families: ClassVar[dict[str, type[PoolId]]] = {}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        family = cls.__dict__.get("family")
+        if family is None:
+            return
+        other = PoolId._families.get(family)
+        if other is not None and other.__qualname__ != cls.__qualname__:
+            raise PoolIdError(f"pool family {family!r} is taken by {other.__qualname__}; pick another family name")
+        PoolId._families[family] = cls
+
+    @property
+    def param(self) -> int | None:
+        """The family's parameter (a window, a chunk size), if it has one."""
+        return None
+
+    def __str__(self) -> str:
+        return self.family if self.param is None else f"{self.family}:{self.param}"
+
+    @classmethod
+    def from_param(cls, param: int | None) -> PoolId:
+        if param is not None:
+            raise PoolIdError(f"pool family {cls.family!r} takes no parameter, got {param}")
+        return cls()
+
+    @staticmethod
+    def parse(text: str) -> PoolId:
+        """The pool id that ``str()`` displayed as ``text`` (``"swa:1024"`` -> ``WindowPool(1024)``)."""
+        family, sep, raw = text.partition(":")
+        cls = PoolId._families.get(family)
+        if cls is None:
+            raise PoolIdError(f"unknown pool family {family!r} in {text!r}; known: {sorted(PoolId._families)}")
+        try:
+            param = int(raw) if sep else None
+        except ValueError:
+            raise PoolIdError(f"pool id {text!r}: parameter {raw!r} is not an integer") from None
+        return cls.from_param(param)
+
+    def sort_key(self) -> tuple[int, int]:
+        return self.rank, self.param or 0
+
+    # --- the history rule ---------------------------------------------------------------
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        """First token position a continuation at ``seq_len`` needs resident here."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define first_needed")
+
+    @property
+    def max_span(self) -> int | None:
+        """Most tokens a continuation ever needs resident here; None: every token."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define max_span")
+
+    def span(self, seq_len: int) -> tuple[int, int]:
+        """Token positions ``[start, end)`` a continuation at ``seq_len`` needs resident."""
+        return self.first_needed(seq_len), seq_len
+
+    def page_span(self, seq_len: int, page_size: int) -> tuple[int, int]:
+        """Row pages ``[first, end)`` a token pool keeps for a continuation at ``seq_len``
+        (row page ``k`` holds positions ``[k * page_size, (k + 1) * page_size)``): the pages
+        of the needed tokens, and a partly filled last page, which the next token writes.
+        Pages before ``first`` may leave the pool (and be sent by no transfer)."""
+        return self.first_needed(seq_len) // page_size, -(-seq_len // page_size)
+
+    @property
+    def keeps_history(self) -> bool:
+        """A token pool that keeps every token of a live page (full-history pool)."""
+        return self.id_space is IdSpace.PAGE and self.max_span is None
+
+    @property
+    def releases_history(self) -> bool:
+        """A token pool whose pages may leave (tombstoned) while the page stays live."""
+        return self.id_space is IdSpace.PAGE and self.max_span is not None
+
+
+@dataclass(frozen=True)
+class _AllTokens(PoolId):
+    """Rule shared by full-history token pools: ``[0, L)``."""
+
+    id_space: ClassVar[IdSpace] = IdSpace.PAGE
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        return seq_len * 0
+
+    @property
+    def max_span(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class FullPool(_AllTokens):
+    """K and V of full (MHA/GQA) attention layers."""
+
+    family: ClassVar[str] = "full"
+    rank: ClassVar[int] = 0
+
+
+@dataclass(frozen=True)
+class LatentPool(_AllTokens):
+    """The compressed latent of MLA layers."""
+
+    family: ClassVar[str] = "mla"
+    rank: ClassVar[int] = 1
+
+
+@dataclass(frozen=True)
+class WindowPool(PoolId):
+    """K and V of sliding-window layers with one window: ``[max(0, L - window), L)``."""
+
+    window: int
+    family: ClassVar[str] = "swa"
+    id_space: ClassVar[IdSpace] = IdSpace.PAGE
+    rank: ClassVar[int] = 2
+
+    def __post_init__(self) -> None:
+        if self.window <= 0:
+            raise PoolIdError(f"window pool needs a positive window, got {self.window}")
+
+    @property
+    def param(self) -> int | None:
+        return self.window
+
+    @classmethod
+    def from_param(cls, param: int | None) -> PoolId:
+        if param is None:
+            raise PoolIdError("a window pool id needs its window, e.g. 'swa:1024'")
+        return cls(param)
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        return (seq_len - self.window) * (seq_len > self.window)
+
+    @property
+    def max_span(self) -> int | None:
+        return self.window
+
+
+@dataclass(frozen=True)
+class RecurrentPool(PoolId):
+    """Per-request state of recurrent layers: no tokens, one state at exactly ``L``."""
+
+    family: ClassVar[str] = "state"
+    id_space: ClassVar[IdSpace] = IdSpace.SLOT
+    rank: ClassVar[int] = 3
+    needs_state: ClassVar[bool] = True
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        return seq_len
+
+    @property
+    def max_span(self) -> int | None:
+        return 0
+
+
+FULL_POOL = FullPool()
+MLA_POOL = LatentPool()
+RECURRENT_POOL = RecurrentPool()

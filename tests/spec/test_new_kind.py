@@ -1,0 +1,204 @@
+"""Adding a layer kind in one place: chunked-local attention, defined only in this module.
+
+Token ``p`` attends to ``[p // C * C, p]``, so a continuation at length ``L`` needs the
+tokens ``[L // C * C, L)`` resident. The kind and its pool id below follow the checklist in
+``hybridkv.spec``; nothing in spec, memory or the planner knows about them, yet memory
+builds its own pool, sizing and capacity account for it, views address it, release
+outside the span frees exactly the pages no continuation can read, and a transfer plan
+sends exactly the pages the span needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.memory import LayoutError, MemoryHints, UnifiedMemory, plan_memory
+from hybridkv.memory.capacity import fit_requests
+from hybridkv.spec import (
+    FULL_POOL,
+    FullAttention,
+    IdSpace,
+    KVHeads,
+    ModelSpec,
+    Parallel,
+    PoolId,
+    Positions,
+    ShardSpec,
+    SlidingWindow,
+    WindowPool,
+)
+from hybridkv.transfer import buffer_set_from_memory, build_plan, memory_cells, pair_entries
+
+
+@dataclass(frozen=True)
+class ChunkPool(PoolId):
+    """Pages of chunked-local layers with chunk ``chunk``: ``[L // chunk * chunk, L)``."""
+
+    chunk: int
+    family: ClassVar[str] = "chunk"
+    id_space: ClassVar[IdSpace] = IdSpace.PAGE
+    rank: ClassVar[int] = 2
+
+    @property
+    def param(self) -> int | None:
+        return self.chunk
+
+    @classmethod
+    def from_param(cls, param: int | None) -> PoolId:
+        assert param is not None
+        return cls(param)
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        return seq_len // self.chunk * self.chunk
+
+    @property
+    def max_span(self) -> int | None:
+        return self.chunk - 1
+
+
+@dataclass(frozen=True)
+class ChunkedLocal(KVHeads):
+    """Attention within fixed chunks of ``chunk`` tokens (K and V per head, like SWA)."""
+
+    chunk: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    tag: ClassVar[str] = "chunked_local"
+
+    @property
+    def pool_id(self) -> PoolId | None:
+        return ChunkPool(self.chunk)
+
+
+C = 8
+PS = 4
+
+
+def model(chunk: int = C) -> ModelSpec:
+    local = ChunkedLocal(chunk, 4, 8, 8)
+    layers = [local, FullAttention(2, 8, 8), SlidingWindow(8, 2, 8, 8), local]
+    return ModelSpec.from_kinds("tiny-chunked", layers, kv_dtype=torch.float32, max_context=64)
+
+
+def make(chunk: int = C) -> UnifiedMemory:
+    return UnifiedMemory.create(ShardSpec.whole(model(chunk)), 300_000, page_size=PS, max_context=64, chunk_tokens=16)
+
+
+def needed_positions(seq_len: int, chunk: int = C) -> set[int]:
+    """From the attention pattern itself: what the token at ``seq_len`` reads of the past."""
+    return {q for q in range(seq_len) if q // chunk == seq_len // chunk}
+
+
+def test_the_pool_id_is_typed_and_reads_back_from_its_display_form():
+    pool = ChunkPool(C)
+    assert str(pool) == "chunk:8" and PoolId.parse("chunk:8") == pool
+    assert pool != "chunk:8" and pool != WindowPool(8)
+    assert pool.releases_history and not pool.keeps_history
+    for seq_len in range(40):
+        assert set(range(*pool.span(seq_len))) == needed_positions(seq_len)
+    lens = np.arange(40)
+    assert np.array_equal(pool.first_needed(lens), [pool.first_needed(int(n)) for n in lens])
+
+
+def test_memory_builds_its_own_pool_and_views_address_it():
+    mem = make()
+    assert set(mem.pools) == {FULL_POOL, WindowPool(8), ChunkPool(C)}
+    layout = mem.layout(ChunkPool(C))
+    assert layout.layer_ids == [0, 3] and layout.page_size == PS
+    assert {(s.layer_id, s.tensor, s.shape, s.tp_dim) for s in layout.segments} == {
+        (lid, t, (PS, 4, 8), 1) for lid in (0, 3) for t in ("k", "v")
+    }
+    assert mem.pools[ChunkPool(C)] in mem.window_pools and mem.pool_of_layer(3).pool_id == ChunkPool(C)
+    assert mem.geometry(0)["pool"] == ChunkPool(C)
+
+    page = mem.alloc_pages(1)
+    cell = int(mem.page_cells(page, ChunkPool(C))[0])
+    mem.view(3, "v")[cell] = torch.arange(PS * 4 * 8, dtype=torch.float32).view(PS, 4, 8)
+    seg = layout.segment(3, "v")
+    raw = mem.arena.buffer[cell * layout.cell_bytes + seg.offset :][: seg.nbytes]
+    assert torch.equal(raw.view(torch.float32), torch.arange(PS * 4 * 8, dtype=torch.float32))
+    mem.verify()
+
+
+def test_sizing_and_capacity_account_for_it():
+    plan = plan_memory(ShardSpec.whole(model()), 300_000, MemoryHints(page_size=PS, max_context=64, chunk_tokens=16))
+    layout = next(lay for lay in plan.layouts if lay.pool_id == ChunkPool(C))
+    assert layout.cell_bytes == 2 * 2 * PS * 4 * 8 * 4  # 2 layers, K+V, page, heads, dim, float32
+    # a span of at most C - 1 tokens plus a 16-token prefill chunk in flight
+    assert plan.worst_case_cells()[ChunkPool(C)] == math.ceil((C - 1 + 16) / PS) + 1
+    assert layout.cells_per_request(64) == math.ceil((C - 1) / PS) + 1
+    fit = fit_requests(plan, 64)
+    assert fit.bytes_per_request == sum(lay.cells_per_request(64) * lay.cell_bytes for lay in plan.layouts)
+    assert ChunkPool(C) in fit.static_split
+    with pytest.raises(LayoutError, match="chunk:8"):
+        plan_memory(ShardSpec.whole(model()), 20_000, MemoryHints(page_size=PS, max_context=64, chunk_tokens=16))
+
+
+def test_tp_shards_it_like_any_per_head_attention():
+    shard = ShardSpec(model(), Parallel(tp_size=2), 0, 1)
+    assert shard.local_kind(0) == ChunkedLocal(C, 2, 8, 8) and shard.kv_head_range(0) == (2, 4)
+    assert model().kv_bytes_per_token("chunked_local") == 2 * 4 * 16 * 4
+    assert ChunkedLocal(C, 4, 8, 8).recompute_flops_per_token(21) == 2 * 4 * 16 * (21 % C + 1)
+
+
+@pytest.mark.parametrize("size", [C, 6])  # chunks aligned to pages, and not
+def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads(size):
+    mem = make(size)
+    row = mem.alloc(30)
+    pages = row[::PS] // PS
+    chunk, window = ChunkPool(size), WindowPool(8)
+    for seq_len in (5, 16, 18, 21, 24, 30):
+        mem.free_outside_span(pages, seq_len)
+        mem.verify()
+        keep = {q // PS for q in needed_positions(seq_len, size)}
+        # pages from the span start on stay, and the page the next token writes (position seq_len)
+        first_kept = min(keep) if keep else seq_len // PS
+        expect = np.arange(pages.size) >= first_kept
+        assert np.array_equal(mem.resident(pages, chunk), expect), seq_len
+        assert np.array_equal(mem.resident(pages, window), np.arange(pages.size) >= max(0, seq_len - 8) // PS)
+        assert mem.resident(pages, FULL_POOL).all()
+    mem.free(row)  # the rest goes with the row
+    mem.verify()
+    assert mem.pools[chunk].live_count == mem.pools[window].live_count == mem.pools[FULL_POOL].live_count == 0
+
+
+@pytest.mark.parametrize("size", [C, 6])
+def test_a_transfer_sends_exactly_the_pages_its_span_needs(size):
+    """Transfer knows nothing of chunks: the plan asks the pool id's rule, so a prefill that
+    released everything outside the span still has every page the plan reads, and decode
+    receives exactly the pages the attention pattern reads (plus the page the next token
+    writes), in every pool."""
+    pre, dec = make(size), make(size)
+    base = 1 << 40
+    pre_bufs, dec_bufs = buffer_set_from_memory(pre, base), buffer_set_from_memory(dec, 2 * base)
+    pairs = pair_entries(pre_bufs, dec_bufs)
+    pages, dpages = pre.alloc_pages(8), dec.alloc_pages(8)
+    chunk = ChunkPool(size)
+    for seq_len in (5, 12, 16, 18, 21, 24, 30, 32):
+        pre.free_outside_span(pages, seq_len)  # what a prefill engine releases as it runs
+        dst = memory_cells(dec, dpages, None)
+        plan = build_plan(pre_bufs, dec_bufs, pairs, seq_len, memory_cells(pre, pages, None), dst)
+        written = np.zeros(dec.arena.nbytes, dtype=bool)
+        for a, n in zip((plan.dst - 2 * base).tolist(), plan.length.tolist(), strict=True):
+            written[a : a + n] = True
+        n_pages = -(-seq_len // PS)
+        chunk_pages = {q // PS for q in needed_positions(seq_len, size)} | ({seq_len // PS} if seq_len % PS else set())
+        wants = {
+            chunk: chunk_pages,
+            WindowPool(8): set(range(max(0, seq_len - 8) // PS, n_pages)),
+            FULL_POOL: set(range(n_pages)),
+        }
+        for pool_id, want in wants.items():
+            pool = dec.pools[pool_id]
+            spans = [(c * pool.cell_bytes, c * pool.cell_bytes + pool.layout.data_bytes) for c in dst[str(pool_id)]]
+            assert all(written[a:b].all() or not written[a:b].any() for a, b in spans)  # whole cells
+            sent = {i for i, (a, b) in enumerate(spans) if written[a:b].any()}
+            assert sent == want, (str(pool_id), seq_len)
+        assert plan.nbytes == sum(len(w) * dec.pools[p].layout.data_bytes for p, w in wants.items())
