@@ -32,8 +32,8 @@ def small_memory(preset: str, page_size: int = 4, budget: int | None = None) -> 
 
 def oracle_for(cache: HybridRadixCache) -> Oracle:
     rules = cache.rules
-    state = rules.checkpoint.name if rules.checkpoint is not None else None
-    return Oracle(cache.page_size, {w.name: w.window for w in rules.windows}, rules.full.pools, state)
+    state = rules.checkpoint.label if rules.checkpoint is not None else None
+    return Oracle(cache.page_size, {w.label: w.max_span for w in rules.windows}, rules.full.labels, state)
 
 
 def nodes_of(cache: HybridRadixCache) -> list[tuple[Hashable, tuple[int, ...], Node]]:
@@ -54,15 +54,15 @@ def assert_oracle_matches_tree(cache: HybridRadixCache, oracle: Oracle) -> None:
     """The event-fed oracle holds exactly the tree's pages, window residency and states."""
     ps = cache.page_size
     full: set = set()
-    window: dict[str, set] = {w.name: set() for w in cache.rules.windows}
+    window: dict[str, set] = {w.label: set() for w in cache.rules.windows}
     states: set = set()
     for ns, tokens, node in nodes_of(cache):
         for i in range(node.pages.size):
             key = (ns, tokens[: node.start + (i + 1) * ps])
             full.add(key)
             for w in cache.rules.windows:
-                if cache.mem.pools[w.name].resident(node.pages[i : i + 1])[0]:
-                    window[w.name].add(key)
+                if cache.mem.pools[w.pool_id].resident(node.pages[i : i + 1])[0]:
+                    window[w.label].add(key)
         if node.checkpoint >= 0:
             states.add((ns, tokens))
     assert full == oracle.full, "events disagree with the tree's full-KV pages"

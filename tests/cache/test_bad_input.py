@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import CacheError, HybridRadixCache, InsertError, KVManager, LockError
+from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, InsertError, KVManager, LockError
+from hybridkv.memory import GateStatus
 from tests.cache.helpers import small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -43,7 +44,7 @@ def test_unlock_without_lock(cache):
 
 def test_lock_of_a_node_not_in_the_cache(cache):
     node = cache.match_prefix(np.arange(16)).node
-    cache.evict({"page": 100})
+    cache.evict({PAGE_NEED: 100})
     assert_refused(cache, LockError, "not in this cache", cache.lock, node)
     other = HybridRadixCache(small_memory("tiny-swa2-state", PS))
     row = other.mem.alloc_pages(1)
@@ -128,7 +129,7 @@ def test_manager_refuses_misuse_of_a_request(cache):
     gate = kvm.pin(kv)
     assert_refused(cache, CacheError, "unpin it first", kvm.release, kv)
     kvm.unpin(kv)
-    assert gate.is_open
+    assert gate.status is GateStatus.RELEASED
     kvm.release(kv)
     assert_refused(cache, CacheError, "released already", kvm.release, kv)
     assert_refused(cache, CacheError, "released", kvm.extend, kv, 30)

@@ -13,6 +13,7 @@ import pytest
 
 from hybridkv.cache import PAGE_NEED, CacheError, ComponentKind, EventKind, HybridRadixCache
 from hybridkv.cache.events import chain_hashes, root_hash
+from hybridkv.spec import WindowPool
 from tests.cache.helpers import assert_oracle_matches_tree, oracle_for, small_memory
 
 PS = 4
@@ -24,7 +25,7 @@ def kinds(events) -> list[tuple[str, str, int]]:
 
 
 def window_pool(cache: HybridRadixCache, window: int):
-    return next(w.name for w in cache.rules.windows if w.window == window)
+    return WindowPool(window)
 
 
 def test_event_sequence_of_insert_tombstone_and_eviction():
@@ -64,7 +65,7 @@ def test_event_sequence_of_insert_tombstone_and_eviction():
     assert_oracle_matches_tree(cache, router)
 
     assert cache.rules.checkpoint is not None
-    cache.evict({PAGE_NEED: 100, cache.rules.checkpoint.name: 1})
+    cache.evict({PAGE_NEED: 100, cache.rules.checkpoint.pool_id: 1})
     events = cache.events.drain()
     assert {e.kind for e in events} == {EventKind.REMOVED}
     router.apply(events)

@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.cache import PAGE_NEED, POLICIES, CacheError, HybridRadixCache, KVManager
 from hybridkv.memory import OutOfMemory, UnifiedMemory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import ShardSpec, WindowPool, get_preset
 
 PS = 16
 
@@ -142,7 +142,7 @@ def test_bad_needs_are_refused():
     cache = make()
     put(cache, seq(1))
     with pytest.raises(CacheError, match="unknown need \\['swa:8'\\]"):
-        cache.evict({"swa:8": 1})
+        cache.evict({WindowPool(8): 1})
     with pytest.raises(CacheError, match=">= 0"):
         cache.evict({full(cache): -1})
     assert cache.cached_pages == 2

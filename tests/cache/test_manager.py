@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import CacheError, HybridRadixCache, KVManager
-from hybridkv.memory import OutOfMemory, PinnedError
+from hybridkv.memory import GateStatus, OutOfMemory, PinnedError
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -87,7 +87,7 @@ def test_a_pinned_request_keeps_its_ids_until_unpinned():
     with pytest.raises(PinnedError):
         kvm.mem.free_state([kv.state_slot])
     kvm.unpin(kv)
-    assert gate.is_open and not kvm.mem.gates.page_pins[kv.pages].any()
+    assert gate.status is GateStatus.RELEASED and not kvm.mem.gates.page_pins[kv.pages].any()
     kvm.release(kv)
     kvm.cache.check()
     kvm.mem.verify()

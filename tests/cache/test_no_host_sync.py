@@ -18,7 +18,7 @@ def test_hot_path_makes_no_host_sync():
     mem = cache.mem
     rules = cache.rules
     assert rules.checkpoint is not None
-    needs = {rules.windows[0].name: 3, rules.checkpoint.name: 2, rules.full.pools[0]: 2}
+    needs = {rules.windows[0].pool_id: 3, rules.checkpoint.pool_id: 2, rules.full.pools[0]: 2}
     rng = np.random.default_rng(0)
     with HostSyncCounter() as syncs:
         for i in range(40):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridkv.cache import HybridRadixCache, KVManager
+from hybridkv.spec import RECURRENT_POOL
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -50,9 +51,9 @@ def test_fork_copies_the_checkpoint_and_leaves_it_untouched(cache):
     toks = np.arange(16)
     _, states = put(cache, toks, at=[16])
     mem = cache.mem
-    layer = mem.state_pool.layout.layer_ids[0]
+    layer = mem.pools[RECURRENT_POOL].layout.layer_ids[0]
     view = mem.view(layer, "recurrent_state")
-    state_pool = mem.state_pool.name
+    state_pool = RECURRENT_POOL
     ckpt = mem.page_cells([states[16]], state_pool)
     view[ckpt] = torch.randn_like(view[ckpt])
     before = view[ckpt].clone()
@@ -102,7 +103,7 @@ def test_state_lock_protects_only_its_node(cache):
     _, states = put(cache, toks, at=[8, 16, 24])
     m = cache.match_prefix(toks[:16])
     lock = cache.lock(m.node)
-    state = cache.rules.checkpoint.name
+    state = cache.rules.checkpoint.pool_id
     assert [n.checkpoint_lock for n in m.node.path()] == [0, 1]
     assert cache.evict({state: 3}) == {state: 2}  # 8 and 24 go; 16 is locked
     assert m.node.checkpoint == states[16]
@@ -139,7 +140,7 @@ def test_checkpoint_above_another_keeps_cost_keys_consistent():
     _, deep = put(cache, toks, at=[24])
     put(cache, toks[:8], at=[8])  # does not touch the node ending at 24
     cache.check()  # every checkpoint has a heap entry at or below its current key
-    state = cache.rules.checkpoint.name
+    state = cache.rules.checkpoint.pool_id
     assert cache.evict({state: 1}) == {state: 1}
     # per byte, the checkpoint at 8 saves 8 tokens, the one at 24 the 16 tokens since 8
     assert cache.match_prefix(toks[:8]).length == 0

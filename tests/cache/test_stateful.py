@@ -140,7 +140,7 @@ class CacheMachine(RuleBasedStateMachine):
         n = end // self.page_size
         row = req.kv.pages[:n].copy()
         checkpoints = dict(req.kv.checkpoints)
-        resident = {w.name: self.mem.resident(row, w.name).tolist() for w in self.cache.rules.windows}
+        resident = {w.label: self.mem.resident(row, w.pool_id).tolist() for w in self.cache.rules.windows}
         result = self.kvm.insert(req.kv, np.asarray(req.tokens, dtype=np.int64), final=final)
         self.inserted.record_insert(req.namespace, req.tokens[:end], resident, checkpoints)
         assert result.pages.size == n
@@ -187,7 +187,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(pool=st.integers(0, 9), count=st.integers(1, 12))
     def evict(self, pool, count):
-        names = sorted(self.cache.rules.pool_names | {PAGE_NEED})
+        names = sorted(self.cache.rules.need_keys, key=str)
         name = names[pool % len(names)]
         before = self.cache.cached_pages
         freed = self.cache.evict({name: count})

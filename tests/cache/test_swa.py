@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
+from hybridkv.spec import WindowPool
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -20,8 +21,8 @@ def cache() -> HybridRadixCache:
 def swa(cache: HybridRadixCache):
     """tiny-swa's window pool (window 8 tokens = 2 pages), as the memory names it."""
     (w,) = cache.rules.windows
-    assert w.window == 8
-    return w.name
+    assert w.pool_id == WindowPool(8)
+    return w.pool_id
 
 
 def serve(cache: HybridRadixCache, tokens: np.ndarray, release_window: bool) -> tuple[KVManager, KVHandle]:
@@ -121,7 +122,7 @@ def test_swa_lock_covers_only_the_window(cache):
 
 def test_two_windows_must_both_hold():
     cache = HybridRadixCache(small_memory("tiny-swa2-state", PS))
-    w8, w24 = (next(w.name for w in cache.rules.windows if w.window == n) for n in (8, 24))
+    w8, w24 = WindowPool(8), WindowPool(24)
     kvm = KVManager(cache)
     toks = np.arange(32)
     kv = kvm.admit(kvm.match(toks))

@@ -10,7 +10,7 @@ from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import tiny_names
-from hybridkv.spec import MLA, FullAttention, Linear, NoCache, SlidingWindow, from_hf_config
+from hybridkv.spec import MLA, RECURRENT_POOL, FullAttention, Linear, NoCache, SlidingWindow, from_hf_config
 from tests.engine.harness import hf_model, make_runner, prompt
 
 
@@ -58,7 +58,7 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
         runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
         alloc.mark_computed([req])
     cache = _hf_cache("tiny-qwen3-next")
-    cell = runner.mem.page_cells([req.slot], "state")
+    cell = runner.mem.page_cells([req.slot], RECURRENT_POOL)
     for layer_id, hf_layer in enumerate(cache.layers):
         if not hasattr(hf_layer, "conv_states"):
             continue

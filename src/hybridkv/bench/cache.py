@@ -36,7 +36,7 @@ import numpy as np
 from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import MemoryHints, OutOfMemory, UnifiedMemory, build_layouts, plan_memory
-from hybridkv.spec import ShardSpec, get_preset
+from hybridkv.spec import IdSpace, PoolId, ShardSpec, get_preset
 from hybridkv.traces import PEER_TRACE, load_peer_trace
 
 CONFIGS = {"full": "Llama-3.1-8B", "full+swa": "Gemma-3-27B-IT"}
@@ -253,7 +253,7 @@ class PageHashCache:
         if dups:
             self.mem.free_pages(np.asarray(dups, dtype=np.int64))
 
-    def evict(self, short: dict[str, int]) -> int:
+    def evict(self, short: dict[PoolId | IdSpace, int]) -> int:
         """Free at least the largest shortage in whole pages; returns pages freed."""
         need = max(short.values())
         freed: list[int] = []

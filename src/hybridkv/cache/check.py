@@ -65,7 +65,7 @@ def check_tree(cache: HybridRadixCache) -> None:
         _fail(f"cached page {int(pages[np.argmax(~mem.pages.live[pages])])} is not live in the memory")
     for pool in mem.history_pools:
         if pages.size and not pool.resident(pages).all():
-            _fail(f"a cached page is not resident in full-history pool {pool.name}")
+            _fail(f"a cached page is not resident in full-history pool {pool.pool_id}")
 
     leaves = {n for n in nodes if not n.children}
     if leaves != cache.tree.leaves:
@@ -75,11 +75,11 @@ def check_tree(cache: HybridRadixCache) -> None:
         for n in nodes:
             count = w.count(n.pages)
             if count != n.window_resident[w.index]:
-                _fail(f"{n}: {count} pages resident in {w.name}, counted {n.window_resident[w.index]}")
+                _fail(f"{n}: {count} pages resident in {w.label}, counted {n.window_resident[w.index]}")
             if count:
                 tracked.add(n)
         if tracked != res.window_nodes[w.index]:
-            _fail(f"{w.name}: set of nodes with resident window pages differs")
+            _fail(f"{w.label}: set of nodes with resident window pages differs")
 
     with_checkpoint = [n for n in nodes if n.checkpoint >= 0]
     if set(with_checkpoint) != res.checkpoint_nodes:

@@ -27,7 +27,7 @@ from enum import StrEnum
 import numpy as np
 
 from hybridkv.cache.errors import CacheError
-from hybridkv.cache.rules import ComponentKind, PoolName
+from hybridkv.cache.rules import ComponentKind
 
 _DIGEST = 8
 
@@ -40,7 +40,8 @@ class EventKind(StrEnum):
 @dataclass(frozen=True)
 class CacheEvent:
     kind: EventKind
-    component: PoolName
+    component: str
+    """The pool's display name (``str(pool_id)``), so that routers and JSON read plain strings."""
     component_kind: ComponentKind
     namespace: Hashable
     block_hashes: tuple[int, ...]

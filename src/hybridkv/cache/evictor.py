@@ -21,8 +21,8 @@ import numpy as np
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy
-from hybridkv.cache.residency import PAGE_NEED, Release, Residency
-from hybridkv.cache.rules import HitRules, WindowRule
+from hybridkv.cache.residency import Release, Residency
+from hybridkv.cache.rules import PAGE_NEED, PAGE_NEED_SLOT, HitRules, Need, WindowRule
 from hybridkv.memory import UnifiedMemory
 
 
@@ -33,7 +33,7 @@ class Evictor:
         self.residency = residency
         self.policy = policy
 
-    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
         """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
 
         Keys: the memory's pool ids or ``PAGE_NEED`` (whole pages, e.g. for a cache-size
@@ -41,43 +41,48 @@ class Evictor:
         that freed something.
         """
         rules = self.rules
-        unknown = [k for k in needs if k != PAGE_NEED and k not in rules.pool_names]
+        unknown = [k for k in needs if k is not PAGE_NEED and k not in rules.pool_ids]
         if unknown:
             raise CacheError(
-                f"evict: unknown need {unknown}; name pools of this shard {sorted(rules.pool_names)} or {PAGE_NEED!r}"
+                f"evict: unknown need {[str(k) for k in unknown]}; name pool ids of this shard "
+                f"{sorted(map(str, rules.pool_ids))} or PAGE_NEED ({PAGE_NEED}); a pool name string reads back "
+                f"with PoolId.parse"
             )
-        bad = {k: v for k, v in needs.items() if int(v) < 0}
+        bad = {str(k): v for k, v in needs.items() if int(v) < 0}
         if bad:
             raise CacheError(f"evict: needs must be >= 0, got {bad}")
-        freed: dict[str, int] = dict.fromkeys((*rules.pool_names, PAGE_NEED), 0)
+        keys = rules.need_keys
+        want = [int(needs.get(k, 0)) for k in keys]
+        freed = [0] * len(keys)
         release = Release()
-        full_need = max([int(needs.get(n, 0)) for n in (*rules.full.pools, PAGE_NEED)])
+        full_need = max(want[PAGE_NEED_SLOT], *(want[i] for i in rules.full.slots))
         if full_need:
             self._evict_leaves(full_need, freed, release)
         for w in rules.windows:
-            need = int(needs.get(w.name, 0)) - freed[w.name]
+            need = want[w.slot] - freed[w.slot]
             if need > 0:
                 self._evict_windows(w, need, freed, release)
         if rules.checkpoint is not None:
-            need = int(needs.get(rules.checkpoint.name, 0)) - freed[rules.checkpoint.name]
+            slot = rules.checkpoint.slot
+            need = want[slot] - freed[slot]
             if need > 0:
                 self._evict_checkpoints(need, freed, release)
         release.flush(self.mem)
-        return {k: v for k, v in freed.items() if v}
+        return {k: v for k, v in zip(keys, freed, strict=True) if v}
 
     def _leaf_ok(self, node: Node) -> bool:
         gates = self.mem.gates
         if node.lock or node.checkpoint_lock:
             return False
-        if not gates.open_gates:  # no pins at all
+        if not gates.pinning_gates:  # no pins at all
             return True
         return not np.count_nonzero(gates.page_pins[node.pages]) and (
             node.checkpoint < 0 or not gates.slot_pins[node.checkpoint]
         )
 
-    def _evict_leaves(self, need: int, freed: dict[str, int], release: Release) -> None:
+    def _evict_leaves(self, need: int, freed: list[int], release: Release) -> None:
         heap, skipped = self.residency.full_heap, []
-        while freed[PAGE_NEED] < need:
+        while freed[PAGE_NEED_SLOT] < need:
             got = heap.pop()
             if got is None:
                 break
@@ -90,9 +95,9 @@ class Evictor:
         for node in skipped:
             heap.push(node)
 
-    def _evict_windows(self, w: WindowRule, need: int, freed: dict[str, int], release: Release) -> None:
+    def _evict_windows(self, w: WindowRule, need: int, freed: list[int], release: Release) -> None:
         heap, gates, skipped = self.residency.window_heaps[w.index], self.mem.gates, []
-        while freed[w.name] < need:
+        while freed[w.slot] < need:
             got = heap.pop()
             if got is None:
                 break
@@ -101,19 +106,19 @@ class Evictor:
                 self.policy.evicted(key)
                 self.residency.remove_leaf(node, freed, release)
                 continue
-            if node.window_lock or (gates.open_gates and np.count_nonzero(gates.page_pins[node.pages])):
+            if node.window_lock or (gates.pinning_gates and np.count_nonzero(gates.page_pins[node.pages])):
                 skipped.append(node)
                 continue
             self.policy.evicted(key)
-            freed[w.name] += self.residency.tombstone(node, w, release)
+            freed[w.slot] += self.residency.tombstone(node, w, release)
         for node in skipped:
             heap.push(node)
 
-    def _evict_checkpoints(self, need: int, freed: dict[str, int], release: Release) -> None:
+    def _evict_checkpoints(self, need: int, freed: list[int], release: Release) -> None:
         rule, heap = self.rules.checkpoint, self.residency.checkpoint_heap
         assert rule is not None and heap is not None
         pins, skipped = self.mem.gates.slot_pins, []
-        while freed[rule.name] < need:
+        while freed[rule.slot] < need:
             got = heap.pop()
             if got is None:
                 break
@@ -123,7 +128,7 @@ class Evictor:
                 continue
             self.policy.evicted(key)
             release.slots.append(self.residency.drop_checkpoint(node))
-            freed[rule.name] += 1
+            freed[rule.slot] += 1
             self.residency.counters.evicted_checkpoints += 1
         for node in skipped:
             heap.push(node)

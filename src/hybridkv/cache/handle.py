@@ -12,7 +12,7 @@ Invariants:
   the pages kept for the checkpoint (``keep[i]``: the window before ``match.checkpoint_at``,
   so that a later hit there is valid once the request inserts them).
 - A page still in any window of the sequence is never released: the first page window pool
-  ``i`` needs is ``max(0, seq_len - window_i) // page_size``.
+  ``i`` needs is ``windows[i].page_span(seq_len, page_size)[0]`` (the pool id's rule).
 - After a (non-final) insert the row's cached part holds the cache's page ids and the lock
   is the new one, taken before the old one is given back: the hit is never unprotected.
 - ``status`` only moves forward: RUNNING -> (COMMITTED ->) RELEASED. A COMMITTED handle
@@ -31,6 +31,7 @@ from hybridkv.cache.errors import CacheError
 from hybridkv.cache.locks import CacheLock
 from hybridkv.cache.prefix_cache import MatchResult
 from hybridkv.memory import MoveGate
+from hybridkv.spec import PoolId
 
 
 class HandleStatus(Enum):
@@ -63,7 +64,7 @@ class KVHandle:
     )
 
     def __init__(
-        self, namespace: Hashable, match: MatchResult, lock: CacheLock, page_size: int, windows: tuple[int, ...]
+        self, namespace: Hashable, match: MatchResult, lock: CacheLock, page_size: int, windows: tuple[PoolId, ...]
     ):
         self.namespace = namespace
         self.match = match
@@ -71,7 +72,7 @@ class KVHandle:
         self.lock = lock
         self.page_size = page_size
         self.windows = windows
-        """Window of each window pool, in the cache's rule order."""
+        """Pool id of each window pool (any pool that releases history), in the cache's rule order."""
         self.state_slot: int | None = None
         self.checkpoints: dict[int, int] = {}
         self.gates: list[MoveGate] = []
@@ -82,7 +83,7 @@ class KVHandle:
         self.seq_len = match.length
         self.released = [self.cached] * len(windows)
         at = match.checkpoint_at
-        self.keep = [(0, 0) if at is None else (max(0, at - w) // page_size, at // page_size) for w in windows]
+        self.keep = [(0, 0) if at is None else w.page_span(at, page_size) for w in windows]
 
     def __repr__(self) -> str:
         return (
@@ -145,8 +146,8 @@ class KVHandle:
         """Own pages that just left each window pool's window (one array per pool); marks
         them released."""
         out = []
-        for i, window in enumerate(self.windows):
-            first_needed = max(0, self.seq_len - window) // self.page_size
+        for i, pool in enumerate(self.windows):
+            first_needed = pool.page_span(self.seq_len, self.page_size)[0]
             lo = max(self.released[i], self.cached)
             if first_needed <= lo:
                 out.append(self._row[:0])

@@ -33,8 +33,10 @@ import numpy as np
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.handle import HandleStatus, KVHandle
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
-from hybridkv.cache.residency import PAGE_NEED
-from hybridkv.memory import MoveGate, OutOfMemory
+from hybridkv.cache.rules import PAGE_NEED, Need
+from hybridkv.memory import GateStatus, MoveGate, OutOfMemory
+from hybridkv.memory.gates import DoneEvent
+from hybridkv.spec import IdSpace
 
 T = TypeVar("T")
 
@@ -45,8 +47,8 @@ class KVManager:
         self.mem = cache.mem
         self.page_size = cache.page_size
         rules = cache.rules
-        self._windows = tuple(w.window for w in rules.windows)
-        self._state_pool = rules.checkpoint.name if rules.checkpoint is not None else None
+        self._windows = tuple(w.pool_id for w in rules.windows)
+        self._state_pool = rules.checkpoint.pool_id if rules.checkpoint is not None else None
 
     @property
     def has_state(self) -> bool:
@@ -54,7 +56,7 @@ class KVManager:
 
     # --- allocation with eviction ---------------------------------------------------------
 
-    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
         """The cache's eviction (``HybridRadixCache.evict``); the one place allocation calls it."""
         return self.cache.evict(needs)
 
@@ -69,12 +71,12 @@ class KVManager:
         """New slots holding copies of ``slots``' states (copy-on-write of a checkpoint)."""
         return self._with_eviction(lambda: self.mem.fork_state(slots), self._slot_need(len(slots)))
 
-    def _slot_need(self, count: int) -> dict[str, int]:
+    def _slot_need(self, count: int) -> dict[Need, int]:
         if self._state_pool is None:
             raise CacheError(f"this shard ({self.mem.shard.describe()}) has no recurrent layers: no state slots")
         return {self._state_pool: count}
 
-    def _with_eviction(self, call: Callable[[], T], fallback: dict[str, int]) -> T:
+    def _with_eviction(self, call: Callable[[], T], fallback: dict[Need, int]) -> T:
         """``call()``; after each refusal, evict what it was short of and call again."""
         while True:
             try:
@@ -83,22 +85,20 @@ class KVManager:
                 if not any(self.evict(self._needs(exc, fallback)).values()):
                     raise
 
-    def _needs(self, exc: OutOfMemory, fallback: dict[str, int]) -> dict[str, int]:
+    def _needs(self, exc: OutOfMemory, fallback: dict[Need, int]) -> dict[Need, int]:
         """What to evict for a refused allocation: pools short of cells by pool id; virtual
         id spaces by the memory's own id-space objects (pages: whole pages; slots: the state
         pool); ``fallback`` when the allocator did not say."""
-        needs: dict[str, int] = {}
+        needs: dict[Need, int] = {}
         for key, count in (exc.short or fallback).items():
-            if key in self.mem.pools or key == PAGE_NEED:
+            if key in self.mem.pools or key is PAGE_NEED:
                 needs[key] = count
-            elif key == self.mem.pages.name:
-                needs[PAGE_NEED] = count
-            elif key == self.mem.slots.name and self._state_pool is not None:
+            elif key is IdSpace.SLOT and self._state_pool is not None:
                 needs[self._state_pool] = count
             else:
                 raise CacheError(
-                    f"out of memory short of {key!r}, which is neither a pool of this memory "
-                    f"{sorted(self.mem.pools)} nor its page or slot ids (a memory/cache mismatch)"
+                    f"out of memory short of {key}, which is neither a pool id of this memory "
+                    f"{sorted(map(str, self.mem.pools))} nor its page or slot ids (a memory/cache mismatch)"
                 ) from exc
         return needs
 
@@ -159,7 +159,7 @@ class KVManager:
         for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
             pages = np.concatenate(parts)
             if pages.size:
-                self.mem.free_window_pages(pages, w.name)
+                self.mem.free_window_pages(pages, w.pool_id)
                 freed += int(pages.size)
         return freed
 
@@ -242,14 +242,14 @@ class KVManager:
         its state slot and checkpoints, its lock (abort, retract, or the end of ``finish``)."""
         if handle.status is HandleStatus.RELEASED:
             raise CacheError("release: this request was released already")
-        if handle.gates and any(not g.is_open for g in handle.gates):
+        if handle.gates and any(g.status is not GateStatus.RELEASED for g in handle.gates):
             raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
         own = handle.own_pages()
         slots = list(handle.checkpoints.values()) if handle.checkpoints else []
         if handle.state_slot is not None:
             slots.append(handle.state_slot)
         gates = self.mem.gates
-        if gates.open_gates and (
+        if gates.pinning_gates and (
             np.count_nonzero(gates.page_pins[own]) or (slots and np.count_nonzero(gates.slot_pins[slots]))
         ):
             raise CacheError("release: a page or slot of the request is pinned by another move gate; release it first")
@@ -265,7 +265,7 @@ class KVManager:
 
     # --- pins -----------------------------------------------------------------------------
 
-    def pin(self, handle: KVHandle, event: object = None) -> MoveGate:
+    def pin(self, handle: KVHandle, event: DoneEvent | None = None) -> MoveGate:
         """Pin the request's pages and slots while a forward or transfer reads them (until
         ``unpin``, or until ``event`` completes)."""
         handle.check_running("pin")

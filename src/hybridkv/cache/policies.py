@@ -9,9 +9,10 @@ checkpoints); the smallest key is evicted first.
 - ``priority``: lowest request priority, then least recently used.
 - ``cost``: cost-aware, GreedyDual-Size-Frequency: ``key = clock + hits * recompute / bytes``;
   the clock rises to each evicted key, so unused entries age out. ``recompute`` is the
-  prefill work the entry saves (``RecomputeCost``): full attention grows with position, SWA
-  with ``min(position, window)``, every layer pays a constant per token; a state
-  checkpoint saves the whole recurrent prefix back to the previous checkpoint on its path.
+  prefill FLOPs the entry saves (``RecomputeCost``), as each layer kind estimates them
+  (``LayerKind.recompute_flops_per_token``: attention over the history its pool id's rule
+  keeps, a recurrent layer's state update); a state checkpoint saves the whole prefix back
+  to the previous checkpoint on its path.
 
 Invariant: a key depends only on the node's fields and the policy's own clock, so the tree
 can rank candidates at eviction time without keeping heaps up to date on every hit.
@@ -21,48 +22,54 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from hybridkv.cache.rules import ComponentKind, WindowRule
-from hybridkv.spec import MLA, FullAttention, ShardSpec, SlidingWindow
+from hybridkv.spec import LayerKind, ShardSpec
 
 if TYPE_CHECKING:
     from hybridkv.cache.node import Node
     from hybridkv.cache.rules import HitRules, Rule
 
-ATTENTION_TOKENS_PER_UNIT = 4096
-"""Attention over this many earlier tokens costs as much as one layer's per-token work."""
-
 
 class RecomputeCost:
-    """Relative prefill cost of tokens ``[a, b)`` of one sequence on one shard."""
+    """Prefill work (FLOPs) to rebuild tokens ``[a, b)`` of one sequence on one shard.
+
+    Each layer's kind says what rebuilding one token at a position costs it
+    (``LayerKind.recompute_flops_per_token``, from its pool id's history rule); the cost of a
+    range is a difference of prefix sums over positions, grown on demand, so a key costs
+    O(1) and no kind is special-cased here.
+    """
 
     def __init__(self, shard: ShardSpec):
-        self.layers = len(shard.layers)  # every layer pays its per-token work
-        self.full = 0
-        self.windows: list[int] = []
+        kinds: list[LayerKind] = []
+        counts: list[int] = []
         for layer in shard.layers:
             kind = shard.local_kind(layer.layer_id)
-            if isinstance(kind, FullAttention | MLA):
-                self.full += 1
-            elif isinstance(kind, SlidingWindow):
-                self.windows.append(kind.window)
+            if kind in kinds:
+                counts[kinds.index(kind)] += 1
+            else:
+                kinds.append(kind)
+                counts.append(1)
+        self._kinds = tuple(zip(kinds, counts, strict=True))
+        self._prefix = np.zeros(1, dtype=np.float64)
+        """``_prefix[p]``: the cost of positions ``[0, p)``."""
+
+    def _grow(self, end: int) -> None:
+        have = self._prefix.size - 1
+        size = max(end, 2 * have, _MIN_POSITIONS)
+        per = [sum(n * kind.recompute_flops_per_token(p) for kind, n in self._kinds) for p in range(have, size)]
+        self._prefix = np.concatenate([self._prefix, self._prefix[-1] + np.cumsum(per, dtype=np.float64)])
 
     def __call__(self, a: int, b: int) -> float:
         if b <= a:
             return 0.0
-        attention = self.full * (_tri(b) - _tri(a))
-        for w in self.windows:
-            attention += _capped(b, w) - _capped(a, w)
-        return self.layers * (b - a) + attention / ATTENTION_TOKENS_PER_UNIT
+        if b >= self._prefix.size:
+            self._grow(b)
+        return float(self._prefix[b] - self._prefix[a])
 
 
-def _tri(x: int) -> int:
-    """Sum of positions ``0 .. x-1``."""
-    return x * (x - 1) // 2
-
-
-def _capped(x: int, w: int) -> int:
-    """Sum of ``min(p, w)`` over positions ``0 .. x-1``."""
-    return _tri(x) if x <= w else _tri(w) + (x - w) * w
+_MIN_POSITIONS = 1024
 
 
 class Policy:

@@ -38,7 +38,7 @@ from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
 from hybridkv.cache.radix import RadixTree, Walk
 from hybridkv.cache.residency import Residency
-from hybridkv.cache.rules import HitRules
+from hybridkv.cache.rules import HitRules, Need
 from hybridkv.memory import UnifiedMemory
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -279,7 +279,7 @@ class HybridRadixCache:
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
 
-    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
         """See ``Evictor.evict``: cells freed per pool (and whole pages under ``PAGE_NEED``)."""
         return self.evictor.evict(needs)
 
@@ -319,7 +319,7 @@ class HybridRadixCache:
             "nodes": self.num_nodes,
             "cached_tokens": self.cached_tokens,
             "window_resident_pages": {
-                w.name: sum(n.window_resident[w.index] for n in res.window_nodes[w.index]) for w in self.rules.windows
+                w.label: sum(n.window_resident[w.index] for n in res.window_nodes[w.index]) for w in self.rules.windows
             },
             "states": self.num_checkpoints,
             "open_locks": self.open_locks,
@@ -328,7 +328,7 @@ class HybridRadixCache:
             "duplicate_pages": c.duplicate_pages,
             "adopted_pages": c.adopted_pages,
             "evicted_pages": c.evicted_pages,
-            "tombstoned_pages": dict(c.tombstoned),
+            "tombstoned_pages": {str(pool): n for pool, n in c.tombstoned.items()},
             "evicted_states": c.evicted_checkpoints,
             "capped_states": c.capped_checkpoints,
         }

@@ -18,7 +18,6 @@ Invariants (``check_tree`` proves them):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
@@ -27,25 +26,18 @@ from hybridkv.cache.events import CacheEvent, EventKind, EventLog, chain_hashes
 from hybridkv.cache.node import NO_CHECKPOINT, Node
 from hybridkv.cache.policies import Policy
 from hybridkv.cache.radix import RadixTree
-from hybridkv.cache.rules import ComponentKind, HitRules, PoolName, WindowRule
+from hybridkv.cache.rules import PAGE_NEED, PAGE_NEED_SLOT, ComponentKind, HitRules, WindowRule
 from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import PoolId
 
-
-class Whole(StrEnum):
-    """An eviction need that is not one pool's cells."""
-
-    PAGES = "page"
-    """Whole pages (virtual page ids short, or a cache-size cap): evicts whole leaves."""
-
-
-PAGE_NEED = Whole.PAGES
+__all__ = ["PAGE_NEED", "CacheCounters", "Release", "Residency"]
 
 
 @dataclass
 class Release:
     """Memory frees batched over one eviction: window pages first, then pages, then slots."""
 
-    window: dict[PoolName, list[np.ndarray]] = field(default_factory=dict)
+    window: dict[PoolId, list[np.ndarray]] = field(default_factory=dict)
     pages: list[np.ndarray] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
 
@@ -67,7 +59,7 @@ class CacheCounters:
     adopted_pages: int = 0
     evicted_pages: int = 0
     """Full KV pages freed by eviction (whole leaves)."""
-    tombstoned: dict[PoolName, int] = field(default_factory=dict)
+    tombstoned: dict[PoolId, int] = field(default_factory=dict)
     """Window pages freed by window eviction, per window pool (full KV kept)."""
     evicted_checkpoints: int = 0
     capped_checkpoints: int = 0
@@ -79,7 +71,7 @@ class Residency:
         self.tree = tree
         self.rules = rules
         self.events = events
-        self.counters = CacheCounters(tombstoned={w.name: 0 for w in rules.windows})
+        self.counters = CacheCounters(tombstoned={w.pool_id: 0 for w in rules.windows})
         self.owned = np.zeros(mem.pages.capacity, dtype=bool)
         self.owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
         self.cached_pages = 0
@@ -120,35 +112,36 @@ class Residency:
             assert parent is not None and parent.hashes is not None
             node.hashes = chain_hashes(parent.hashes[-1], node.key, self.tree.page_size)
             every = np.arange(pages.size)
-            for name in self.rules.full.pools:
-                self.emit(EventKind.STORED, name, ComponentKind.FULL_KV, node, every, with_tokens=True)
+            for label in self.rules.full.labels:
+                self.emit(EventKind.STORED, label, ComponentKind.FULL_KV, node, every, with_tokens=True)
             for w in self.rules.windows:
-                self.emit(EventKind.STORED, w.name, w.kind, node, np.flatnonzero(w.pool.resident(pages)))
+                self.emit(EventKind.STORED, w.label, w.kind, node, np.flatnonzero(w.pool.resident(pages)))
         self.refresh(node)
 
-    def remove_leaf(self, node: Node, freed: dict[str, int], release: Release) -> None:
-        """Evict a whole leaf: its pages leave every pool, its checkpoint goes too."""
+    def remove_leaf(self, node: Node, freed: list[int], release: Release) -> None:
+        """Evict a whole leaf: its pages leave every pool, its checkpoint goes too. ``freed``
+        is indexed by need slot (``HitRules.need_keys``)."""
         if self.events.enabled:
             for w in self.rules.windows:
                 if node.window_resident[w.index]:  # not tombstoned earlier in this eviction
                     local = np.flatnonzero(w.pool.resident(node.pages))
-                    self.emit(EventKind.REMOVED, w.name, w.kind, node, local)
+                    self.emit(EventKind.REMOVED, w.label, w.kind, node, local)
         if node.checkpoint >= 0:
             assert self.rules.checkpoint is not None
-            freed[self.rules.checkpoint.name] += 1
+            freed[self.rules.checkpoint.slot] += 1
             release.slots.append(self._take_checkpoint(node))
         if self.events.enabled:
-            for name in self.rules.full.pools:
-                self.emit(EventKind.REMOVED, name, ComponentKind.FULL_KV, node, np.arange(node.pages.size))
+            for label in self.rules.full.labels:
+                self.emit(EventKind.REMOVED, label, ComponentKind.FULL_KV, node, np.arange(node.pages.size))
         new_leaf = self.tree.remove_leaf(node)
         if new_leaf is not None:
             self.refresh(new_leaf)
         n = node.pages.size
-        for name in self.rules.full.pools:
-            freed[name] += n
-        freed[PAGE_NEED] += n
+        for slot in self.rules.full.slots:
+            freed[slot] += n
+        freed[PAGE_NEED_SLOT] += n
         for w in self.rules.windows:
-            freed[w.name] += node.window_resident[w.index]
+            freed[w.slot] += node.window_resident[w.index]
             self.window_nodes[w.index].discard(node)
         release.pages.append(node.pages)
         self.owned[node.pages] = False
@@ -159,11 +152,12 @@ class Residency:
         """Evict a node's window pages in pool ``w`` (its full KV stays); returns how many."""
         count = node.window_resident[w.index]
         whole = count == node.pages.size  # every page resident: no table read needed
-        release.window.setdefault(w.name, []).append(node.pages if whole else node.pages[w.pool.resident(node.pages)])
-        self.counters.tombstoned[w.name] += count
+        gone = node.pages if whole else node.pages[w.pool.resident(node.pages)]
+        release.window.setdefault(w.pool_id, []).append(gone)
+        self.counters.tombstoned[w.pool_id] += count
         if self.events.enabled:
             local = np.arange(count) if whole else np.flatnonzero(w.pool.resident(node.pages))
-            self.emit(EventKind.REMOVED, w.name, w.kind, node, local)
+            self.emit(EventKind.REMOVED, w.label, w.kind, node, local)
         node.window_resident[w.index] = 0
         self.window_nodes[w.index].discard(node)
         self.refresh(node)
@@ -175,7 +169,7 @@ class Residency:
         self.window_nodes[w.index].add(node)
         self.refresh(node)
         if self.events.enabled:
-            self.emit(EventKind.STORED, w.name, w.kind, node, local)
+            self.emit(EventKind.STORED, w.label, w.kind, node, local)
 
     def split(self, upper: Node, lower: Node) -> None:
         """Divide window counts and event names between the halves of a split node."""
@@ -223,7 +217,7 @@ class Residency:
     def emit(
         self,
         kind: EventKind,
-        component: PoolName,
+        component: str,
         component_kind: ComponentKind,
         node: Node,
         local: np.ndarray,
@@ -242,5 +236,5 @@ class Residency:
     def emit_checkpoint(self, kind: EventKind, node: Node) -> None:
         assert node.hashes is not None and self.rules.checkpoint is not None
         self.events.emit(
-            CacheEvent(kind, self.rules.checkpoint.name, ComponentKind.CHECKPOINT, node.namespace, (node.hashes[-1],))
+            CacheEvent(kind, self.rules.checkpoint.label, ComponentKind.CHECKPOINT, node.namespace, (node.hashes[-1],))
         )

@@ -2,8 +2,10 @@
 
 - ``FullKVRule`` (every full-history pool: full / MLA): KV of ``[0, E)`` on the matched path,
   which is what the walk matched, so it never shortens a hit;
-- ``WindowRule`` (one per sliding-window pool of window ``W``): the pages holding tokens
-  ``[E - W, E)`` are resident (not tombstoned);
+- ``WindowRule`` (one per pool that releases history: sliding window, chunked-local, any
+  pool id with a bounded ``max_span``): the pages of the span the pool id's rule needs
+  before ``E`` (``pool_id.page_span(E, page_size)``; ``[E - W, E)`` for a window ``W``) are
+  resident (not tombstoned);
 - ``CheckpointRule`` (the recurrent-state pool): a state checkpoint taken exactly after ``E``
   tokens.
 
@@ -11,7 +13,9 @@ Each rule answers ``longest(walk, upto)``: the largest page-aligned ``E <= upto`
 it. ``HitRules.valid_end`` iterates the rules to a fixpoint, which is the largest ``E``
 valid for all of them (each step returns the largest valid value at most the current one,
 so it never steps over a common one). A new component kind is one more rule class here
-and one line in ``HitRules.__init__`` that builds it from the memory's pools.
+and one line in ``HitRules.__init__`` that builds it from the memory's pools; a new pool
+family whose rule only bounds the span needs nothing here (its pool id's ``first_needed``
+drives ``WindowRule``).
 
 Invariant: rules read the memory's host tables (``resident`` masks) and per-node counts,
 never device memory.
@@ -27,13 +31,21 @@ import numpy as np
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
+from hybridkv.spec import IdSpace, PoolId
 
 if TYPE_CHECKING:
     from hybridkv.cache.node import Node
     from hybridkv.cache.radix import Walk
 
-PoolName = str
-"""A pool id of the memory, used as an opaque value (``pool.name`` / a key of ``mem.pools``)."""
+PAGE_NEED = IdSpace.PAGE
+"""An eviction need that is not one pool's cells: whole pages (virtual page ids short, the
+key ``OutOfMemory.short`` uses for them, or a cache-size cap); evicts whole leaves."""
+
+Need = PoolId | IdSpace
+"""A key of an eviction need: a pool id of the memory, or ``PAGE_NEED``."""
+
+PAGE_NEED_SLOT = 0
+"""Index of ``PAGE_NEED`` in ``HitRules.need_keys``."""
 
 
 class ComponentKind(Enum):
@@ -46,7 +58,10 @@ class FullKVRule:
     kind = ComponentKind.FULL_KV
 
     def __init__(self, pools: list[SubPool]):
-        self.pools: tuple[PoolName, ...] = tuple(p.name for p in pools)
+        self.pools: tuple[PoolId, ...] = tuple(p.pool_id for p in pools)
+        self.labels = tuple(str(p) for p in self.pools)
+        self.slots = tuple(range(PAGE_NEED_SLOT + 1, PAGE_NEED_SLOT + 1 + len(pools)))
+        """Need slot of each pool (``HitRules.need_keys``)."""
         self.page_bytes = sum(p.cell_bytes for p in pools)
 
     def longest(self, walk: Walk, upto: int) -> int:
@@ -59,14 +74,21 @@ class WindowRule:
     def __init__(self, index: int, pool: SubPool, page_size: int):
         self.index = index
         self.pool = pool
-        self.name: PoolName = pool.name
-        self.window = int(pool.layout.window or 0)
+        self.pool_id: PoolId = pool.pool_id
+        self.label = str(pool.pool_id)
+        """The pool's display name, for events and stats."""
+        span = pool.pool_id.max_span
+        if span is None:
+            raise ValueError(f"pool {self.label} keeps every token; it needs a full-KV rule, not a window rule")
+        self.max_span = span
+        self.slot = 0
+        """Need slot of this pool (``HitRules.need_keys``; set by ``HitRules``)."""
         self.cell_bytes = pool.cell_bytes
         self.page_size = page_size
 
     def first_page(self, end_pages: int) -> int:
-        """First page a hit ending after ``end_pages`` pages needs resident."""
-        return max(0, end_pages * self.page_size - self.window) // self.page_size
+        """First page a hit ending after ``end_pages`` pages needs resident (the pool id's rule)."""
+        return self.pool_id.page_span(end_pages * self.page_size, self.page_size)[0]
 
     def count(self, pages: np.ndarray) -> int:
         return int(np.count_nonzero(self.pool.resident(pages)))
@@ -74,7 +96,7 @@ class WindowRule:
     def _holds_by_nodes(self, seq: list[Node], end: int) -> bool | None:
         """Whether the window before ``end`` is resident, from per-node counts: None when a
         partly resident node overlaps the window (the pages must tell)."""
-        first = max(0, end - self.window) // self.page_size * self.page_size
+        first = self.first_page(end // self.page_size) * self.page_size
         i = self.index
         for n in reversed(seq):
             if n.start >= end:
@@ -102,7 +124,9 @@ class WindowRule:
             gone = np.flatnonzero(~res[lo:e])
             if not gone.size:
                 break
-            e = lo + int(gone[-1])  # the hit must end before the last tombstone in its window
+            # the hit must end before the last tombstone in its span: first_needed is
+            # non-decreasing, so every longer end still needs that page
+            e = lo + int(gone[-1])
         return e * self.page_size
 
 
@@ -111,7 +135,10 @@ class CheckpointRule:
 
     def __init__(self, pool: SubPool):
         self.pool = pool
-        self.name: PoolName = pool.name
+        self.pool_id: PoolId = pool.pool_id
+        self.label = str(pool.pool_id)
+        self.slot = 0
+        """Need slot of this pool (``HitRules.need_keys``; set by ``HitRules``)."""
         self.cell_bytes = pool.cell_bytes
 
     def longest(self, walk: Walk, upto: int) -> int:
@@ -131,7 +158,12 @@ class HitRules:
         self.page_size = ps = mem.page_size
         self.full = FullKVRule(mem.history_pools)
         self.windows = tuple(WindowRule(i, p, ps) for i, p in enumerate(mem.window_pools))
-        self.checkpoint = CheckpointRule(mem.state_pool) if mem.state_pool is not None else None
+        if len(mem.slot_pools) > 1:
+            raise ValueError(
+                f"the prefix cache keeps one checkpoint per node, but this memory has "
+                f"{len(mem.slot_pools)} slot pools {[str(p.pool_id) for p in mem.slot_pools]}"
+            )
+        self.checkpoint = CheckpointRule(mem.slot_pools[0]) if mem.slot_pools else None
         self.extra: tuple[WindowRule | CheckpointRule, ...] = (
             *self.windows,
             *((self.checkpoint,) if self.checkpoint is not None else ()),
@@ -139,8 +171,14 @@ class HitRules:
         self._windows: tuple[Rule, ...] = self.windows
         self._checkpoints: tuple[Rule, ...] = (self.checkpoint,) if self.checkpoint is not None else ()
         self._one_kind = len({r.kind for r in self.extra}) == 1
-        self.max_window = max((w.window for w in self.windows), default=0)
-        self.pool_names: frozenset[PoolName] = frozenset(mem.pools)
+        self.max_window = max((w.max_span for w in self.windows), default=0)
+        """Most tokens any window rule needs before a hit's end (the lock's window span)."""
+        self.pool_ids: frozenset[PoolId] = frozenset(mem.pools)
+        for i, rule in enumerate(self.extra, start=len(self.full.slots) + 1):
+            rule.slot = i
+        self.need_keys: tuple[Need, ...] = (PAGE_NEED, *self.full.pools, *(r.pool_id for r in self.extra))
+        """Every eviction need, indexed by need slot: eviction counts what it frees in a list
+        of this length (no pool-id hashing in its loops)."""
 
     @property
     def full_only(self) -> bool:

@@ -148,7 +148,7 @@ class Simulator:
         self.kvm = KVManager(self.cache)
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
-        self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(self.mem.pools))
+        self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(str(p) for p in self.mem.pools))
         self.clock = 0.0
         self._admitted: set[int] = set()
         self._stalled = False
@@ -336,7 +336,7 @@ class Simulator:
             "running": running,
             "waiting": waiting,
             "cached_tokens": self.cache.cached_tokens,
-            "live_bytes": {p.name: p.live_bytes for p in stats.pools},
+            "live_bytes": {str(p.pool_id): p.live_bytes for p in stats.pools},
             "free_bytes": sum(p.free_bytes for p in stats.pools) + stats.free_slab_bytes,
         }
 
