@@ -4,8 +4,9 @@ Token ``p`` attends to ``[p // C * C, p]``, so a continuation at length ``L`` ne
 tokens ``[L // C * C, L)`` resident. The kind and its pool id below follow the checklist in
 ``hybridkv.spec``; nothing in spec, memory or the planner knows about them, yet memory
 builds its own pool, sizing and capacity account for it, views address it, release
-outside the span frees exactly the pages no continuation can read, and a transfer plan
-sends exactly the pages the span needs.
+outside the span frees exactly the pages no continuation can read, a transfer plan
+sends exactly the pages the span needs, and a prefix-cache hit is valid exactly when the
+pages of its span are resident (the cache's window rule asks the pool id).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv.cache import HybridRadixCache, KVManager
 from hybridkv.memory import LayoutError, MemoryHints, UnifiedMemory, plan_memory
 from hybridkv.memory.capacity import fit_requests
 from hybridkv.spec import (
@@ -202,3 +204,66 @@ def test_a_transfer_sends_exactly_the_pages_its_span_needs(size):
             sent = {i for i, (a, b) in enumerate(spans) if written[a:b].any()}
             assert sent == want, (str(pool_id), seq_len)
         assert plan.nbytes == sum(len(w) * dec.pools[p].layout.data_bytes for p, w in wants.items())
+
+
+def test_a_cache_hit_needs_the_chunk_span_before_its_end_resident():
+    """The prefix cache knows nothing of chunks: a hit ending at ``E`` is valid exactly when
+    the pages holding what the token at ``E`` reads (``needed_positions``) are resident in
+    the chunk pool (and ``[E - 8, E)`` in the window pool). With the chunk pages of the
+    shared prefix ``[0, 12)`` evicted, a hit at 12 is refused (it reads ``[0, 12)``) while a
+    hit at 16, a chunk start, reads nothing of the past and stands."""
+    chunk = ChunkPool(16)
+    mem = make(16)
+    cache = HybridRadixCache(mem)
+    kvm = KVManager(cache)
+    a = np.arange(1, 33, dtype=np.int64)
+    b = np.concatenate([a[:12], a[12:] + 1000])
+    rows = []
+    for toks in (a, b):
+        h = kvm.admit(kvm.match(toks))
+        kvm.extend(h, toks.size)
+        rows.append(h.pages.copy())
+        kvm.finish(h, toks)
+    row = rows[0]
+    locks = [cache.lock(cache.match_prefix(toks).node) for toks in (a, b)]  # the leaves [12, 32) stay
+    assert cache.evict({chunk: 3}) == {chunk: 3}  # the unlocked inner node [0, 12), its chunk pages only
+    chunk_res, window_res = mem.resident(row, chunk), mem.resident(row, WindowPool(8))
+    assert chunk_res.tolist() == [False] * 3 + [True] * 5 and window_res.all()
+    cache.check()
+
+    def expected(shared: int) -> int:
+        for end in range(shared, -1, -PS):
+            chunk_ok = all(chunk_res[q // PS] for q in needed_positions(end, 16))
+            window_ok = all(window_res[q // PS] for q in range(max(0, end - 8), end))
+            if chunk_ok and window_ok:
+                return end
+        return 0
+
+    got = {}
+    for shared in range(PS, 32, PS):
+        query = np.concatenate([a[:shared], a[shared:] + 5000])
+        got[shared] = cache.match_prefix(query).length
+        assert got[shared] == expected(shared), shared
+    assert got[12] == 0 and got[16] == 16 and got[20] == 20
+    for lock in locks:
+        cache.unlock(lock)
+    cache.evict({FULL_POOL: 10**6})
+    cache.check()
+
+
+def test_a_request_releases_exactly_the_chunk_pages_outside_its_span():
+    """``KVManager.release_windows`` frees, per pool, the own pages before the pool id's
+    span: for the chunk pool, every page the attention pattern no longer reads."""
+    mem = make()
+    kvm = KVManager(HybridRadixCache(mem))
+    h = kvm.admit(kvm.match(np.arange(1, 41, dtype=np.int64)))
+    for seq_len in (3, 7, 8, 13, 16, 22, 25, 32, 38):
+        kvm.extend(h, seq_len)
+        kvm.release_windows([h])
+        pages = np.arange(h.pages.size)
+        keep = {q // PS for q in needed_positions(seq_len)} | ({seq_len // PS} if seq_len % PS else set())
+        assert np.array_equal(mem.resident(h.pages, ChunkPool(C)), pages >= min(keep, default=pages.size)), seq_len
+        assert np.array_equal(mem.resident(h.pages, WindowPool(8)), pages >= max(0, seq_len - 8) // PS)
+        assert mem.resident(h.pages, FULL_POOL).all()
+    kvm.release(h)
+    mem.verify()

@@ -1,7 +1,8 @@
 """HybridRadixCache: prefix hits valid for every component of a hybrid model, over a radix tree.
 
-A hit of length ``E`` is returned only if full KV covers ``[0, E)``, every window pool holds
-the pages of ``[E - window, E)`` and, when the model has recurrent layers, a state
+A hit of length ``E`` is returned only if full KV covers ``[0, E)``, every pool that releases
+history holds the pages of the span its pool id's rule needs before ``E`` (``[E - W, E)``
+for a window ``W``) and, when the model has recurrent layers, a state
 checkpoint sits exactly at ``E`` (``rules.py``). Keys are namespaced by an optional extra key
 (a tenant's cache salt): two namespaces never share a node.
 
