@@ -87,8 +87,9 @@ class WindowRule:
         self.page_size = page_size
 
     def first_page(self, end_pages: int) -> int:
-        """First page a hit ending after ``end_pages`` pages needs resident (the pool id's rule)."""
-        return self.pool_id.page_span(end_pages * self.page_size, self.page_size)[0]
+        """First page a hit ending after ``end_pages`` pages needs resident: the first of the
+        pool id's ``page_span`` (the end is page-aligned, so the span ends at ``end_pages``)."""
+        return self.pool_id.first_needed(end_pages * self.page_size) // self.page_size
 
     def count(self, pages: np.ndarray) -> int:
         return int(np.count_nonzero(self.pool.resident(pages)))
