@@ -16,7 +16,7 @@ test: setup lint
 lint: setup
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
-	$(PY) -m mypy src/hybridkv/spec src/hybridkv/memory
+	$(PY) -m mypy src/hybridkv
 
 bench: setup
 	bench/run_all.sh

@@ -63,7 +63,7 @@ class HostSyncCounter:
             return original_setitem(tensor, index, value)
 
         self._saved.append((torch.Tensor, "__setitem__", original_setitem))
-        torch.Tensor.__setitem__ = setitem  # type: ignore[method-assign]
+        torch.Tensor.__setitem__ = setitem  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:

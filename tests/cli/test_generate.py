@@ -106,7 +106,7 @@ def test_demo_engine_section_prints_every_request_matching_transformers() -> Non
 
     from rich.console import Console
 
-    from hybridkv.cli.demo_cmd import engine_section
+    from hybridkv.cli.demo import engine_section
 
     text = io.StringIO()
     report = engine_section(Console(file=text, width=200))

@@ -128,7 +128,7 @@ class _TimedManager(KVManager):
         self.evict_ns: list[int] = []
         self.evicted = 0
 
-    def evict(self, needs: Mapping[str, int]) -> dict[str, int]:
+    def evict(self, needs: Mapping[PoolId | IdSpace, int]) -> dict[PoolId | IdSpace, int]:
         t0 = time.perf_counter_ns()
         freed = super().evict(needs)
         self.evict_ns.append(time.perf_counter_ns() - t0)

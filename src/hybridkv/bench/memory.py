@@ -312,7 +312,10 @@ def run_config(name: str, trace: dict[str, Any], page_size: int) -> dict[str, An
             swa_pages=cells[window] if window is not None else 0,
             state_slots=cells.get(RECURRENT_POOL, 0),
         )
-        runs = {"hybridkv": UnifiedAllocator(mem), "static_baseline": BaselineAllocator(baseline, counter)}
+        runs: dict[str, Allocator] = {
+            "hybridkv": UnifiedAllocator(mem),
+            "static_baseline": BaselineAllocator(baseline, counter),
+        }
         for label, allocator in runs.items():
             if counter is None:
                 results[label] = replay(trace, allocator, page_size, window, with_state).summary()

@@ -1,15 +1,11 @@
-"""Command-line interface. Each ``*_cmd`` module registers its commands on import."""
+"""Command-line interface: one module per command group, each registering its commands on import.
 
-from hybridkv.cli import (  # noqa: F401
-    bench_engine_cmd,
-    bench_memory_cmd,
-    demo_cmd,
-    generate_cmd,
-    pd_demo_cmd,
-    plan_cmd,
-    replay_cmd,
-    transfer_cmd,
-)
+``plan`` (plan, presets, transfer-plan), ``replay``, ``generate``, ``bench`` (memory, cache,
+transfer, engine), ``demo``, ``pd_demo``; ``app`` holds the typer apps and the one error path
+(``main``); ``params`` the option checks shared by the commands.
+"""
+
+from hybridkv.cli import bench, demo, generate, pd_demo, plan, replay  # noqa: F401
 from hybridkv.cli.app import app, main
 
 __all__ = ["app", "main"]

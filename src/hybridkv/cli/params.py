@@ -12,6 +12,7 @@ import math
 import typer
 
 from hybridkv.memory import format_bytes, parse_bytes
+from hybridkv.transfer.transport import transport_class
 
 MAX_DEVICE_BYTES = 2**50  # 1 PiB: far above any device, low enough that page tables fit in host memory
 
@@ -33,4 +34,13 @@ def positive_finite(value: float | None) -> float | None:
     """A rate or a duration: a finite number above 0 (``nan`` and ``inf`` are refused)."""
     if value is not None and not (math.isfinite(value) and value > 0):
         raise typer.BadParameter(f"{value} must be a finite number above 0")
+    return value
+
+
+def transport_option(value: str) -> str:
+    """A transport name the registry knows (``typer.BadParameter`` naming the known ones)."""
+    try:
+        transport_class(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     return value

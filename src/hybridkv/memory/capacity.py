@@ -14,10 +14,9 @@ full KV bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
-from hybridkv.spec import IdSpace, ModelSpec, Parallel, PoolId, ShardSpec, get_preset
+from hybridkv.memory.sizing import MemoryPlan
+from hybridkv.spec import IdSpace, PoolId
 
 SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
@@ -79,70 +78,3 @@ def max_tokens(plan: MemoryPlan) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def plan_report(
-    model: str | ModelSpec,
-    gpu_memory: str,
-    tp: int = 1,
-    pp: int = 1,
-    page_size: int = 16,
-    contexts: list[int] | None = None,
-) -> dict[str, Any]:
-    """Per PP stage: each pool's geometry and, per context length, how many requests fit
-    with the unified pool and with SGLang's default static split (one JSON-able dict).
-    ``model`` is a preset name or a spec."""
-    spec = model if isinstance(model, ModelSpec) else get_preset(model)
-    parallel = Parallel(tp_size=tp, pp_size=pp)
-    budget = parse_bytes(gpu_memory)
-    contexts = contexts or sorted({4096, 32768, spec.max_context})
-    stages = []
-    for pp_rank in range(pp):
-        shard = ShardSpec(spec, parallel, pp_rank, 0)
-        plan = plan_memory(shard, budget, MemoryHints(page_size=page_size, max_context=min(contexts)))
-        start, end = shard.bounds
-        pools = [
-            {
-                "pool": str(lay.pool_id),
-                "layers": len(lay.layer_ids),
-                "cell_bytes": lay.cell_bytes,
-                "unit": "request" if per_request else f"page of {lay.page_size} tokens",
-                "bytes_per_token": None if per_request else lay.bytes_per_token,
-                "bytes_per_request": lay.cell_bytes if per_request else None,
-                "window": lay.pool_id.max_span if lay.pool_id.releases_history else None,
-                "cells_per_request": {str(c): lay.cells_per_request(c) for c in contexts},
-            }
-            for lay in plan.layouts
-            for per_request in [lay.id_space is IdSpace.SLOT]
-        ]
-        fits = [fit_requests(plan, c) for c in contexts]
-        stages.append(
-            {
-                "pp_rank": pp_rank,
-                "layers": [start, end],
-                "slab_bytes": plan.slab_bytes,
-                "slabs": plan.num_slabs,
-                "pools": pools,
-                "max_tokens_one_request": max_tokens(plan),
-                "requests": [
-                    {
-                        "context": f.context,
-                        "bytes_per_request": f.bytes_per_request,
-                        "unified": f.unified_requests,
-                        "static_sglang_default": f.static_requests,
-                        "unified_over_static": (f.unified_requests / f.static_requests) if f.static_requests else None,
-                        "static_split": {str(pool): share for pool, share in f.static_split.items()},
-                    }
-                    for f in fits
-                ],
-            }
-        )
-    return {
-        "model": spec.name,
-        "gpu_memory_bytes": budget,
-        "tp": tp,
-        "pp": pp,
-        "page_size": page_size,
-        "contexts": contexts,
-        "stages": stages,
-    }

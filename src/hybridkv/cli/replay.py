@@ -1,22 +1,19 @@
 """``hybridkv replay``: serve a real trace through memory + cache (tables only) and report hit
-rate, evictions, concurrency and the pool split; ``hybridkv bench cache``: the peer trace's
-radix protocol through the prefix cache, side by side with a page-hash baseline."""
+rate, evictions, concurrency and the pool split."""
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hybridkv.cache import POLICIES
-from hybridkv.cli.app import app, bench_app
+from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size, positive_finite
-from hybridkv.traces import PEER_TRACE
 
 
 def _cache_tokens(text: str) -> int | None:
@@ -88,7 +85,11 @@ def replay(
             transient=as_json,
         ) as bar:
             task = bar.add_task("requests", total=len(workload.requests))
-            result = sim.run(lambda done, _total, task=task: bar.update(task, completed=done))
+
+            def progress(done: int, _total: int, task: TaskID = task) -> None:
+                bar.update(task, completed=done)
+
+            result = sim.run(progress)
         reports.append(build_report(result))
     out: dict[str, Any] = {"runs": reports, "comparison": compare(reports)}
     if plot:
@@ -142,55 +143,3 @@ def _print_replay(out: dict[str, Any]) -> None:
     console.print(table)
     if "plot" in out:
         console.print(f"pool split over time: {out['plot']}")
-
-
-@bench_app.command("cache")
-def bench_cache(
-    trace: str = typer.Option(
-        PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
-    ),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    config: list[str] = typer.Option(None, "--config", help="full, full+swa (repeatable)."),
-    repeat: int = typer.Option(3, "--repeat", min=1, help="Timed passes per run; the fastest is reported."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-) -> None:
-    """Match / insert / evict ops/s and p50/p99 of the prefix cache vs a page-hash baseline."""
-    from hybridkv.bench.cache import run
-
-    report = run(trace, page_size, config, repeat)
-    if as_json:
-        typer.echo(json.dumps(report))
-        return
-    console = Console(width=max(Console().width, 120))
-    table = Table(title=f"bench cache: {report['requests']:,} radix requests, page size {page_size}")
-    cols = ("config", "pool", "cache", "hit rate", "evicted pages", "op", "ops/s", "p50 us", "p99 us")
-    for col in (*cols, "x baseline"):
-        table.add_column(col)
-    ratios = {(r["config"], r["pool"]): r for r in report["ratios"]}
-    for run_ in report["runs"]:
-        first = True
-        for op, s in run_["ops"].items():
-            ratio = ratios[(run_["config"], run_["pool"])].get(op) if run_["impl"] == "hybridkv" else None
-            table.add_row(
-                run_["config"] if first else "",
-                run_["pool"] if first else "",
-                run_["impl"] if first else "",
-                f"{run_['hit_rate']:.4f}" if first else "",
-                f"{run_['evicted_pages']:,}" if first else "",
-                op,
-                f"{s['ops_per_s']:,.0f}",
-                f"{s['p50_us']:.1f}",
-                f"{s['p99_us']:.1f}",
-                f"{ratio:.2f}x" if ratio is not None and not math.isnan(ratio) else "",
-            )
-            first = False
-    console.print(table)
-    exact = report["exact_hit_rate"]
-    console.print(
-        f"unbounded hit rate at page size 1: hybridkv {exact['hybridkv']:.6f}, baseline "
-        f"{exact['page_hash_baseline']:.6f} (goal {exact['goal']})"
-    )
-    for name, goal in report["goals"].items():
-        mark = "[green]met[/]" if goal["met"] else "[red]not met[/]"
-        value = f"{goal['value']:.4f}" if goal["value"] < 1 else f"{goal['value']:,.0f}"
-        console.print(f"goal {name}: {value} (goal {goal['goal']:,}) -> {mark}")

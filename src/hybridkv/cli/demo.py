@@ -21,7 +21,7 @@ def demo(
 ) -> None:
     """Planner on real models; a replay of a real trace through memory + cache (PNG); a real PD transfer;
     a tiny model served through the engine, token for token against transformers."""
-    from hybridkv.memory.capacity import plan_report
+    from hybridkv.planner import plan_report
     from hybridkv.replay import run_demo_replay
 
     console = Console()
@@ -60,7 +60,7 @@ def demo(
     report["replay"] = {k: v for k, v in replay.items() if k != "timeline"}
 
     console.rule("3. Prefill -> decode transfer: 2 PP stage processes -> decode TP 2 over shm, every byte checked")
-    from hybridkv.cli.pd_demo_cmd import print_pd_report, quiet_transfer_log
+    from hybridkv.cli.pd_demo import print_pd_report, quiet_transfer_log
     from hybridkv.testing.pd_demo import run_pd_demo
 
     with quiet_transfer_log():

@@ -1,4 +1,8 @@
-"""``hybridkv plan``: per stage and pool, what fits in a GPU's memory, unified vs static split."""
+"""Planning commands: ``hybridkv plan`` (what fits per stage and pool, unified vs static split),
+``hybridkv presets`` and ``hybridkv transfer-plan`` (what each prefill rank sends each decode rank).
+
+The reports come from ``hybridkv.planner``; this module parses options and renders tables.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ from rich.table import Table
 from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size
 from hybridkv.memory import format_bytes
-from hybridkv.memory.capacity import plan_report
+from hybridkv.planner import plan_report, transfer_plan_report
 from hybridkv.spec import ModelSpec, from_hf_config, get_preset
+
+MAX_RANKS = 64
 
 
 @app.command()
@@ -78,3 +84,39 @@ def presets() -> None:
 
     for name in preset_names():
         typer.echo(get_preset(name).describe())
+
+
+@app.command("transfer-plan")
+def transfer_plan(
+    model: str = typer.Option(..., "--model", help="Preset name (hybridkv presets)."),
+    prefill_pp: int = typer.Option(1, "--prefill-pp", min=1, max=MAX_RANKS),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, max=MAX_RANKS),
+    decode_tp: int = typer.Option(1, "--decode-tp", min=1, max=MAX_RANKS),
+    seq_len: int = typer.Option(4096, "--seq-len", help="Tokens of the request.", min=1),
+    page_size: int = typer.Option(16, "--page-size", min=1, max=1 << 16),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """What each prefill rank sends each decode rank for one request: pairs, ops, bytes."""
+    report = transfer_plan_report(model, prefill_pp, prefill_tp, decode_tp, seq_len, page_size)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    table = Table(
+        title=f"{report['model']}: prefill pp {prefill_pp} tp {prefill_tp} -> decode tp {decode_tp}, "
+        f"{seq_len} tokens, pages of {page_size}"
+    )
+    for col in ("prefill (pp, tp)", "decode tp", "layers", "entry pairs", "pieces", "ops", "bytes"):
+        table.add_column(col, justify="right")
+    for leg in report["legs"]:
+        layers = leg["layers"]
+        span = f"{layers[0]}..{layers[-1]} ({len(layers)})" if layers else "-"
+        table.add_row(
+            str(tuple(leg["prefill"])),
+            str(leg["decode_tp"]),
+            span,
+            str(leg["pairs"]),
+            f"{leg['pieces']:,}",
+            f"{leg['ops']:,}",
+            format_bytes(leg["bytes"]),
+        )
+    Console().print(table)

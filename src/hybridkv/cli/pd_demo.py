@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hybridkv.cli.app import app
-from hybridkv.cli.transfer_cmd import transport_option
+from hybridkv.cli.params import transport_option
 from hybridkv.memory import format_bytes
 
 MAX_REQUESTS = 8

@@ -1,0 +1,209 @@
+"""``hybridkv bench ...``: every benchmark, each side by side with a baseline in the same run.
+
+``memory``: allocator replay of the peer trace vs static pools; ``cache``: the peer trace's radix
+protocol vs a page-hash cache; ``transfer``: GB/s vs raw memcpy / raw Mooncake; ``engine``: engine
+tokens/s vs transformers ``generate`` and hybridkv's share of a step. The runs live in
+``hybridkv.bench``; this module parses options and renders tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hybridkv.cli.app import bench_app
+from hybridkv.cli.params import byte_size, transport_option
+from hybridkv.memory import format_bytes
+from hybridkv.traces import PEER_TRACE
+from hybridkv.transfer import TransportName
+
+
+@bench_app.command("memory")
+def bench_memory(
+    trace: str = typer.Option(
+        PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
+    ),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    config: list[str] = typer.Option(None, "--config", help="full, full+swa, full+state (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Calls/s, p50/p99 per op and host syncs, side by side with a static-pool baseline."""
+    from hybridkv.bench.memory import run
+
+    report = run(trace, page_size, config)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    console = Console()
+    for name, res in report["configs"].items():
+        table = Table(title=f"{name} ({res['model']}), page size {report['page_size']}, 1 torch thread")
+        for col in ("allocator", "calls", "calls/s", "host syncs", "op", "p50 us", "p99 us"):
+            table.add_column(col)
+        for label in ("hybridkv", "static_baseline"):
+            r = res[label]
+            first = True
+            for op, s in r["ops"].items():
+                table.add_row(
+                    label if first else "",
+                    f"{r['calls']:,}" if first else "",
+                    f"{r['calls_per_s']:,.0f}" if first else "",
+                    str(r["host_syncs"]) if first else "",
+                    op,
+                    f"{s['p50_us']:.1f}",
+                    f"{s['p99_us']:.1f}",
+                )
+                first = False
+        console.print(table)
+        console.print(f"  hybridkv / baseline calls/s: [bold]{res['speedup_vs_baseline']:.2f}x[/]")
+
+
+@bench_app.command("cache")
+def bench_cache(
+    trace: str = typer.Option(
+        PEER_TRACE, "--trace", help='peer_trace.json (plain or .gz), or the built-in name "peer".'
+    ),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    config: list[str] = typer.Option(None, "--config", help="full, full+swa (repeatable)."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Timed passes per run; the fastest is reported."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Match / insert / evict ops/s and p50/p99 of the prefix cache vs a page-hash baseline."""
+    from hybridkv.bench.cache import run
+
+    report = run(trace, page_size, config, repeat)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    console = Console(width=max(Console().width, 120))
+    table = Table(title=f"bench cache: {report['requests']:,} radix requests, page size {page_size}")
+    cols = ("config", "pool", "cache", "hit rate", "evicted pages", "op", "ops/s", "p50 us", "p99 us")
+    for col in (*cols, "x baseline"):
+        table.add_column(col)
+    ratios = {(r["config"], r["pool"]): r for r in report["ratios"]}
+    for run_ in report["runs"]:
+        first = True
+        for op, s in run_["ops"].items():
+            ratio = ratios[(run_["config"], run_["pool"])].get(op) if run_["impl"] == "hybridkv" else None
+            table.add_row(
+                run_["config"] if first else "",
+                run_["pool"] if first else "",
+                run_["impl"] if first else "",
+                f"{run_['hit_rate']:.4f}" if first else "",
+                f"{run_['evicted_pages']:,}" if first else "",
+                op,
+                f"{s['ops_per_s']:,.0f}",
+                f"{s['p50_us']:.1f}",
+                f"{s['p99_us']:.1f}",
+                f"{ratio:.2f}x" if ratio is not None and not math.isnan(ratio) else "",
+            )
+            first = False
+    console.print(table)
+    exact = report["exact_hit_rate"]
+    console.print(
+        f"unbounded hit rate at page size 1: hybridkv {exact['hybridkv']:.6f}, baseline "
+        f"{exact['page_hash_baseline']:.6f} (goal {exact['goal']})"
+    )
+    for name, goal in report["goals"].items():
+        mark = "[green]met[/]" if goal["met"] else "[red]not met[/]"
+        value = f"{goal['value']:.4f}" if goal["value"] < 1 else f"{goal['value']:,.0f}"
+        console.print(f"goal {name}: {value} (goal {goal['goal']:,}) -> {mark}")
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    transport: str = typer.Option("shm", "--transport", help="shm or mooncake.", callback=transport_option),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    reps: int = typer.Option(7, "--reps", help="Timed repetitions per case (median).", min=1, max=1000),
+    page_tokens: list[int] = typer.Option(
+        None, "--page-tokens", help="Tokens per page (16 KiB each).", min=1, max=1024
+    ),
+    batch: list[int] = typer.Option(None, "--batch", help="Pages per request.", min=1, max=4096),
+) -> None:
+    """GB/s by page size and batch size, side by side with raw memcpy / raw Mooncake."""
+    from hybridkv.bench.transfer import run
+
+    kwargs: dict[str, Any] = {"transport": transport, "reps": reps}
+    if page_tokens:
+        kwargs["page_tokens"] = tuple(page_tokens)
+    if batch:
+        kwargs["batches"] = tuple(batch)
+    report = run(**kwargs)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    table = Table(title=f"transfer over {transport}: hybridkv vs {report['baseline']} (median of {reps})")
+    block = TransportName(transport) is TransportName.SHM  # only shm has a block-memcpy bound
+    cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio", "overhead µs"]
+    cols += ["block memcpy GB/s", "ratio to block"] if block else []
+    for col in [*cols, "end-to-end GB/s", "goal"]:
+        table.add_column(col, justify="right")
+    for r in report["cases"]:
+        verdict = "" if r["goal"] is None else ("met" if r["meets_goal"] else "MISSED") + f" (>= {r['goal']})"
+        row = [
+            format_bytes(r["page_bytes"]),
+            str(r["batch"]),
+            format_bytes(r["bytes"]),
+            str(r["ops"]),
+            f"{r['hybridkv_gbps']:.2f}",
+            f"{r['baseline_gbps']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['overhead_us']:.0f}",
+        ]
+        if block:
+            row += [f"{r['memcpy_block_gbps']:.2f}", f"{r['ratio_to_block']:.2f}"]
+        table.add_row(*row, f"{r['end_to_end_gbps']:.2f}", verdict)
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"goal: {report['goal']}: {'met' if report['meets_goal'] else 'not met in every case'}")
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: list[str] = typer.Option(None, "--model", help="A tiny random model (repeatable; default: all five)."),
+    requests: int = typer.Option(64, "--requests", min=1),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Mooncake conversations scaled down, served by the engine and by transformers one by one, same run."""
+    from hybridkv.bench.engine import run
+
+    report = run(model or None, requests, max_new_tokens, block_tokens, gpu_memory, page_size, chunk_size)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    lengths = report["prompt_tokens"]
+    table = Table(
+        title=f"{report['requests']} requests, prompts {lengths['min']}-{lengths['max']} tokens "
+        f"(mean {lengths['mean']}), {report['max_new_tokens']} new each, 1 torch thread"
+    )
+    for col in ("model", "engine tok/s", "HF tok/s", "speedup", "step ms", "hybridkv share", "exact"):
+        table.add_column(col)
+    for r in report["models"]:
+        table.add_row(
+            r["model"],
+            f"{r['engine_tokens_per_s']:,.0f}",
+            f"{r['transformers_tokens_per_s']:,.0f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['step_ms']:.1f}",
+            f"{100 * r['hybridkv_share']:.1f}%",
+            f"{r['exact']}/{report['requests']}",
+        )
+    console = Console()
+    console.print(table)
+    goals = report["goals"]
+    for r in report["models"]:
+        speed = "met" if r["speedup_met"] else "NOT met"
+        share = "met" if r["share_met"] else "NOT met"
+        console.print(
+            f"  {r['model']}: >= {goals['speedup']:.0f}x transformers {speed}; "
+            f"hybridkv calls <= {100 * goals['hybridkv_share']:.0f}% of a step {share}"
+        )
