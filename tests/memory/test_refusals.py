@@ -153,6 +153,39 @@ def test_out_of_range_ids_are_refused_naming_them_and_the_range(data, call):
     assert all(str(b) in str(error) for b in bad), f"{error} does not name every bad id of {bad}"
 
 
+ID_CALLS = {
+    "free_pages": lambda mem, ids: mem.free_pages(ids),
+    "free": lambda mem, ids: mem.free(ids),
+    "free_segment": lambda mem, ids: mem.free_segment(ids, 0),
+    "free_window_pages": lambda mem, ids: mem.free_window_pages(ids),
+    "free_window_pages swa:8": lambda mem, ids: mem.free_window_pages(ids, WindowPool(8)),
+    "free_outside_span": lambda mem, ids: mem.free_outside_span(ids, 0),
+    "adopt_window_pages": lambda mem, ids: mem.adopt_window_pages(ids, ids, WindowPool(24)),
+    "pin": lambda mem, ids: mem.pin(pages=ids),
+    "pin slots": lambda mem, ids: mem.pin(slots=ids),
+    "free_state": lambda mem, ids: mem.free_state(ids),
+    "fork_state": lambda mem, ids: mem.fork_state(ids),
+    "alloc_decode": lambda mem, ids: mem.alloc_decode(np.full(len(ids), 7), ids),
+    "alloc_extend": lambda mem, ids: mem.alloc_extend(np.full(len(ids), 6), np.full(len(ids), 9), ids),
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), call=st.sampled_from(sorted(ID_CALLS)))
+def test_every_call_taking_ids_refuses_negative_and_out_of_range_ones(data, call):
+    mem = _memory()
+    row = mem.alloc(6)
+    mem.alloc_state(1)
+    limit = max(mem.pages.capacity, mem.slots.capacity) * PS
+    bad = data.draw(st.lists(st.one_of(st.integers(-(2**62), -1), st.integers(limit, 2**62)), min_size=1, max_size=2))
+    ids = np.array(data.draw(st.permutations([int(row[-1] // PS), *bad])), dtype=np.int64)
+    before = snapshot(mem)
+    with pytest.raises(InvalidIds):
+        ID_CALLS[call](mem, ids)
+    assert_unchanged(before, mem)
+    mem.verify()
+
+
 # --- item 9: two requests continuing one partial page ----------------------------------------
 
 

@@ -22,7 +22,16 @@ Invariants (``verify()`` proves them):
   alloc_extend, alloc_decode, free, free_segment, free groups, state alloc/free/fork,
   translate) never read device memory: no ``.item()``, ``.tolist()``, ``bool(tensor)``,
   ``torch.unique``, ``nonzero`` or scalar tensor assignment. Capacity lives in host counters.
-- A refused call (bad ids, pinned ids, out of memory) changes nothing.
+- A refused call (bad ids, pinned ids, out of memory) changes nothing. Arguments are
+  checked before anything is reserved: counts, lengths and positions are ints >= 0
+  (``bool`` and floats refused); ids outside a table are refused, never wrapped (a negative
+  id would otherwise read another request's entries from the end of the table); two
+  requests of one extend/decode batch may not continue the same partial page.
+- Ids given as host arrays are checked on the host. Ids given as tensors are never read
+  back: ``translate``/``page_cells`` look them up with a bounds-checked ``index_select``,
+  which refuses an out-of-range or negative id where the table lives (``InvalidIds`` for a
+  CPU table; a device-side assert, which stops the process, for a GPU table). So device ids
+  are trusted to be in range, and a bad one fails loudly instead of aliasing.
 - Compaction moves whole cells (all layers' bytes of a page or a state slot) and rebinds
   ``v2p``/``p2v``; it never moves a pinned id, and it runs only when a pool needs bytes
   that no hole and no free slab can give (or when asked to, e.g. when idle).
