@@ -87,6 +87,8 @@ def _count(value: object, what: str) -> int:
     Checked before anything is reserved: a float or bool would otherwise fail only after
     slabs were acquired for it.
     """
+    if type(value) is int and value >= 0:  # the common case, first
+        return value
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise InvalidIds(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
     if value < 0:
@@ -140,6 +142,7 @@ class UnifiedMemory:
             (self.arena.nbytes // lay.cell_bytes for lay in plan.layouts if lay.id_space is IdSpace.SLOT), default=2
         )
         self.pages = VirtualIds(IdSpace.PAGE, page_capacity)
+        self._page_mark = np.zeros(page_capacity, dtype=np.int64)  # scratch of _check_tails
         self.slots = VirtualIds(IdSpace.SLOT, slot_capacity)
         capacity = {IdSpace.PAGE: page_capacity, IdSpace.SLOT: slot_capacity}
         self.pools: dict[PoolId, SubPool] = {
@@ -295,8 +298,7 @@ class UnifiedMemory:
                 f"alloc_extend: request {i} has prefix_len {prefix[i]} and seq_len {seq[i]}; "
                 "need 0 <= prefix_len <= seq_len"
             )
-        self._check_tail(last, prefix, "alloc_extend")
-        self._check_own_tails(last, (prefix % ps > 0) & (seq > prefix), "alloc_extend")
+        self._check_tails(last, prefix, seq > prefix, "alloc_extend")
         old_pages = -(-prefix // ps)
         new_pages_per = -(-seq // ps) - old_pages
         pages = self.alloc_pages(int(new_pages_per.sum()))
@@ -334,53 +336,70 @@ class UnifiedMemory:
             raise InvalidIds(f"alloc_decode: {seq.size} seq_lens but {last.size} last_locs")
         if seq.size and seq.min() < 2:
             raise InvalidIds("alloc_decode: every seq_len must be >= 2 (a prompt token and the new one)")
-        self._check_tail(last, seq - 1, "alloc_decode")
+        self._check_tails(last, seq - 1, None, "alloc_decode")
         new_page = (seq - 1) % ps == 0
-        self._check_own_tails(last, ~new_page, "alloc_decode")
         pages = self.alloc_pages(int(np.count_nonzero(new_page)))
         out = last + 1
         out[new_page] = pages * ps
         return out
 
-    def _check_tail(self, last: np.ndarray, lengths: np.ndarray, what: str) -> None:
-        """``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``."""
+    def _check_tails(self, last: np.ndarray, lengths: np.ndarray, grows: np.ndarray | None, what: str) -> None:
+        """Rows with ``lengths[i] > 0`` continue a row whose last token is at ``last[i]``.
+
+        ``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``, and no
+        two such rows may end on the same page where one of them writes into it (its page is
+        partial and it grows: ``grows[i]``, or every row when None): both would be handed
+        the same slots, or one would overwrite the other's tokens. (A shared prefix shares
+        full pages only, or copies the partial one.)
+        """
         has = lengths > 0
         count = np.count_nonzero(has)
         if not count:
             return
-        loc, n = (last, lengths) if count == has.size else (last[has], lengths[has])
+        whole = count == has.size
+        loc, n = (last, lengths) if whole else (last[has], lengths[has])
         ps = self.page_size
         pages = loc // ps
         in_range = pages.min() > 0 and pages.max() < self.pages.capacity
-        if in_range and self.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps):
-            return
-        bad = (pages <= 0) | (pages >= self.pages.capacity)
-        bad |= ~bad & ~self.pages.live[np.where(bad, 0, pages)]
-        bad |= loc % ps != (n - 1) % ps
-        if bad.any():
+        if not (in_range and self.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps)):
+            bad = (pages <= 0) | (pages >= self.pages.capacity)
+            bad |= ~bad & ~self.pages.live[np.where(bad, 0, pages)]
+            bad |= loc % ps != (n - 1) % ps
             i = int(np.argmax(bad))
             raise InvalidIds(
                 f"{what}: last location {loc[i]} does not hold token {n[i] - 1} of a live page "
                 f"(page {pages[i]}, offset {loc[i] % self.page_size}, expected offset "
                 f"{(n[i] - 1) % self.page_size})"
             )
-
-    def _check_own_tails(self, last: np.ndarray, continues: np.ndarray, what: str) -> None:
-        """No two requests may continue the same partial page: both would be handed the
-        same slots. (A shared prefix must share full pages only, or copy the partial one.)"""
-        count = np.count_nonzero(continues)
         if count < 2:
             return
-        pages = last // self.page_size if count == continues.size else last[continues] // self.page_size
-        ordered = np.sort(pages)
-        if not np.count_nonzero(ordered[1:] == ordered[:-1]):
+        # distinct pages <=> each row reads back its own index (no sort); a repeated page
+        # keeps one of its rows' indices, so the others read back another
+        order = np.arange(count)
+        self._page_mark[pages] = order
+        if not np.count_nonzero(self._page_mark[pages] != order):
             return
-        rows = np.flatnonzero(continues)
-        page = ordered[1:][ordered[1:] == ordered[:-1]][0]
-        first, second = rows[pages == page][:2]
+        writes = n % ps > 0
+        if grows is not None:
+            writes &= grows if whole else grows[has]
+        self._refuse_shared_tail(pages, np.flatnonzero(has), writes, last, what)
+
+    @staticmethod
+    def _refuse_shared_tail(
+        pages: np.ndarray, rows: np.ndarray, writes: np.ndarray, last: np.ndarray, what: str
+    ) -> None:
+        """Raise for the first two rows that end on one page while one of them writes into it
+        (rows that end on the same full page and both start fresh pages share nothing)."""
+        order = np.argsort(pages, kind="stable")
+        same = pages[order][1:] == pages[order][:-1]
+        clash = same & (writes[order][1:] | writes[order][:-1])
+        if not clash.any():
+            return
+        k = int(np.argmax(clash))
+        first, second = sorted((int(rows[order[k]]), int(rows[order[k + 1]])))
         raise InvalidIds(
-            f"{what}: requests {first} and {second} both continue page {page} (last locations "
-            f"{last[first]} and {last[second]}), so both would get the same slots; two requests cannot "
+            f"{what}: requests {first} and {second} both continue page {pages[order[k]]} (last locations "
+            f"{last[first]} and {last[second]}), so they would get the same slots; two requests cannot "
             "continue the same partial page: give one of them its own copy of the page first"
         )
 
