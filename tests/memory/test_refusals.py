@@ -199,9 +199,14 @@ def test_two_requests_continuing_the_same_last_page_are_refused(mem):
     assert_refused(mem, "requests 0 and 1 both continue page", mem.alloc_decode, [8, 7], [last + 1, last])
     # continuing the page once is fine; a request that fills it exactly does not continue it
     assert mem.alloc_decode([7], [last]).tolist() == [last + 1]
+    # one row writes into the page another (claiming it full) ends on: its token would go
+    assert_refused(mem, "requests 0 and 1 both continue page", mem.alloc_decode, [8, 9], [last + 1, last + 2])
+    # two rows ending on the same full page (a shared prefix) both start fresh pages: fine
     full = mem.alloc(8)
-    out = mem.alloc_decode([9, 9], [full[-1], full[-1]])  # two fresh pages, nothing shared
+    out = mem.alloc_decode([9, 9], [full[-1], full[-1]])
     assert out[0] != out[1]
+    more = mem.alloc_extend([8, 8], [10, 13], [full[-1], full[-1]])
+    assert np.unique(more).size == more.size == 7
     mem.verify()
 
 
