@@ -214,17 +214,17 @@ class SubPool:
         self.settle(self.vacate(cells))
 
     def vacate(self, cells: np.ndarray) -> np.ndarray:
-        """Mark LIVE cells FREE and keep every slab; returns the owned slabs left without a
-        live cell, for ``settle`` once the caller no longer counts on their free cells."""
+        """Mark LIVE cells FREE and keep every slab; returns the slabs left without a live
+        cell (``settle`` them once the caller no longer counts on their free cells)."""
         self.status[cells] = FREE
         self._push(cells)
         touched = np.flatnonzero(self._add_live(cells, -1))  # sorted, each slab once
         self.live_count -= cells.size
-        touched = touched[self.arena.slab_live[touched] == 0]
-        return touched[self.arena.owner[touched] == self.index]
+        return touched[self.arena.slab_live[touched] == 0]
 
     def settle(self, slabs: np.ndarray) -> None:
-        """Owned slabs without live cells: one becomes the spare, the rest go back to the arena."""
+        """Slabs left without live cells that this pool still owns: one becomes the spare, the
+        rest go back to the arena (others are skipped)."""
         live, owner = self.arena.slab_live, self.arena.owner
         for slab in slabs:
             if owner[slab] != self.index or live[slab] > 0:
