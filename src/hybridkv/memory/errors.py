@@ -20,7 +20,8 @@ class OutOfMemory(MemoryPoolError):
 
 
 class InvalidIds(MemoryPoolError, ValueError):
-    """Ids that are out of range, never allocated, already freed, duplicated or misaligned."""
+    """Ids that are out of range, never allocated, already freed, duplicated, misaligned or
+    shared by two requests; or a count, length or position that is not an int >= 0."""
 
 
 class PinnedError(MemoryPoolError):

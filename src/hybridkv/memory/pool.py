@@ -11,7 +11,9 @@ Invariants (checked by ``UnifiedMemory.verify``):
   mirrors are brought up to date lazily (``MirroredTable``), so no call here reads the device.
 - ``arena.slab_live`` counts LIVE cells touching each slab; a slab whose count drops to zero
   is handed back to the arena at once (except one spare per pool), so the split between
-  pools follows the workload.
+  pools follows the workload. The one exception is a move (``move``): it keeps every slab,
+  because the broker's reclaim plan counted the free cells of the donor's other slabs; the
+  broker settles the emptied ones when its call is done.
 """
 
 from __future__ import annotations
@@ -209,13 +211,23 @@ class SubPool:
         (the spare) stays with the pool, so a pool that frees and allocates in turn does not
         hand the same slab back and forth. Other pools can still take the spare (it costs
         no move) and idle compaction releases it."""
+        self.settle(self.vacate(cells))
+
+    def vacate(self, cells: np.ndarray) -> np.ndarray:
+        """Mark LIVE cells FREE and keep every slab; returns the slabs left without a live
+        cell (``settle`` them once the caller no longer counts on their free cells)."""
         self.status[cells] = FREE
         self._push(cells)
         touched = np.flatnonzero(self._add_live(cells, -1))  # sorted, each slab once
         self.live_count -= cells.size
+        return touched[self.arena.slab_live[touched] == 0]
+
+    def settle(self, slabs: np.ndarray) -> None:
+        """Slabs left without live cells that this pool still owns: one becomes the spare, the
+        rest go back to the arena (others are skipped)."""
         live, owner = self.arena.slab_live, self.arena.owner
-        for slab in touched[live[touched] == 0]:
-            if owner[slab] != self.index:
+        for slab in slabs:
+            if owner[slab] != self.index or live[slab] > 0:
                 continue
             spare = self.spare_slab
             if spare < 0 or owner[spare] != self.index or live[spare] > 0:
@@ -262,14 +274,18 @@ class SubPool:
         grid.index_copy_(0, to_index(dst, dev), grid.index_select(0, to_index(src, dev)))
 
     def move(self, src: np.ndarray, avoid: frozenset[int]) -> np.ndarray:
-        """Move LIVE cells ``src`` to FREE cells outside ``avoid`` (bytes copied, tables rebound)."""
+        """Move LIVE cells ``src`` to FREE cells outside ``avoid`` (bytes copied, tables rebound).
+
+        No slab changes owner here: returns the owned slabs the move left without a live
+        cell (a cell straddling into a neighbour slab empties it too); the caller settles
+        them (``settle``) once it no longer counts on their free cells.
+        """
         dst = self.take_cells(src.size, avoid)
         vids = self.p2v[src]
         self.copy_cells(src, dst)
         self._p2v.set(src, -1)
         self.bind(vids, dst)
-        self.give_cells(src)
-        return dst
+        return self.vacate(src)
 
     def view(self, layer_id: int, tensor: str) -> torch.Tensor:
         seg = self.layout.segment(layer_id, tensor)

@@ -9,7 +9,11 @@ Invariants:
 - Decide, then act: a reservation that cannot be met is refused before any byte moves, and
   the slabs it tentatively took are handed back, so a refused call changes nothing.
 - A reclaim plan never leaves the donor pool short of what the same call needs from it,
-  never moves a pinned id, and never moves cells into a slab it is about to empty.
+  never moves a pinned id, and never moves cells into a slab it is about to empty. The
+  plan's arithmetic is exact because only the planned slabs change owner while it runs: a
+  moved cell that straddled into a neighbour slab may leave that neighbour without live
+  cells, but the neighbour (and the free cells the plan counted there) stays with its pool
+  until the reserved cells are taken; then it is settled (spare or released).
 - ``cells_moved`` / ``bytes_moved`` count every cell copied.
 """
 
@@ -22,6 +26,8 @@ from hybridkv.memory.errors import OutOfMemory
 from hybridkv.memory.gates import GateRegistry
 from hybridkv.memory.pool import SubPool
 from hybridkv.spec import IdSpace, PoolId
+
+_EMPTY = np.empty(0, dtype=np.int64)
 
 
 class SlabBroker:
@@ -36,16 +42,20 @@ class SlabBroker:
 
     def take(self, needs: dict[SubPool, int]) -> dict[SubPool, np.ndarray]:
         """``needs[pool]`` fresh LIVE cells from every pool, or raise changing nothing."""
-        taken = self._reserve(needs)
+        taken, emptied = self._reserve(needs)
         cells = {pool: pool.take_cells(n) for pool, n in needs.items()}
         for pool, slab in taken:  # a slab whose cells stayed in the stack goes back
             if self.arena.owner[slab] == pool.index and self.arena.slab_live[slab] == 0:
                 pool.release_slab(slab)
+        for pool, slabs in emptied:
+            pool.settle(slabs)
         return cells
 
-    def _reserve(self, needs: dict[SubPool, int]) -> list[tuple[SubPool, int]]:
-        """Make ``needs[pool]`` FREE cells available; returns the free slabs it acquired."""
+    def _reserve(self, needs: dict[SubPool, int]) -> tuple[list[tuple[SubPool, int]], list[tuple[SubPool, np.ndarray]]]:
+        """Make ``needs[pool]`` FREE cells available. Returns the slabs it acquired, and the
+        donors' slabs its moves left empty (kept until ``take`` has taken its cells)."""
         taken: list[tuple[SubPool, int]] = []
+        emptied: list[tuple[SubPool, np.ndarray]] = []
         for pool, need in needs.items():
             while pool.free_count < need:
                 slab = self._free_slab_for(pool)
@@ -55,7 +65,7 @@ class SlabBroker:
                 taken.append((pool, slab))
         deficits = {p: n - p.free_count for p, n in needs.items() if p.free_count < n}
         if not deficits:
-            return taken
+            return taken, emptied
         plan = self._plan_reclaim(deficits, needs)
         if plan is None:
             for pool, slab in reversed(taken):
@@ -73,11 +83,11 @@ class SlabBroker:
         for slab, donor, _ in plan:
             avoid[donor] = avoid.get(donor, frozenset()) | {slab}
         for slab, donor, receiver in plan:
-            self._empty(donor, slab, avoid[donor])
+            emptied.append((donor, self._empty(donor, slab, avoid[donor])))
             receiver.acquire_slab(slab)
             taken.append((receiver, slab))
         assert all(p.free_count >= n for p, n in needs.items()), "reclaim plan fell short"
-        return taken
+        return taken, emptied
 
     def _free_slab_for(self, pool: SubPool) -> int | None:
         """A free slab beside the pool's last one if possible (so edge cells join), else the
@@ -129,14 +139,17 @@ class SlabBroker:
         pins = self.gates.slot_pins if pool.layout.id_space is IdSpace.SLOT else self.gates.page_pins
         return bool(pins[pool.p2v[cells]].any())
 
-    def _empty(self, pool: SubPool, slab: int, avoid: frozenset[int]) -> None:
+    def _empty(self, pool: SubPool, slab: int, avoid: frozenset[int]) -> np.ndarray:
+        """Move ``slab``'s live cells out of ``avoid`` and hand the slab to the arena; returns
+        the pool's other slabs the moves left without live cells (for ``SubPool.settle``)."""
         cells = pool.live_cells_touching(slab)
+        emptied = _EMPTY
         if cells.size:
-            pool.move(cells, avoid)
+            emptied = pool.move(cells, avoid)
             self.cells_moved += cells.size
             self.bytes_moved += cells.size * pool.cell_bytes
-        if self.arena.owner[slab] == pool.index:  # it was (or became) the pool's spare
-            pool.release_slab(slab)
+        pool.release_slab(slab)
+        return emptied[emptied != slab]
 
     def compact(self, max_slabs: int | None = None) -> int:
         """Idle-time defragmentation: empty the sparsest slabs into holes of the same pool.
@@ -151,7 +164,7 @@ class SlabBroker:
                 slab = self._sparsest_movable(pool)
                 if slab is None:
                     break
-                self._empty(pool, slab, frozenset({slab}))
+                pool.settle(self._empty(pool, slab, frozenset({slab})))
                 freed += 1
         return freed
 

@@ -22,7 +22,16 @@ Invariants (``verify()`` proves them):
   alloc_extend, alloc_decode, free, free_segment, free groups, state alloc/free/fork,
   translate) never read device memory: no ``.item()``, ``.tolist()``, ``bool(tensor)``,
   ``torch.unique``, ``nonzero`` or scalar tensor assignment. Capacity lives in host counters.
-- A refused call (bad ids, pinned ids, out of memory) changes nothing.
+- A refused call (bad ids, pinned ids, out of memory) changes nothing. Arguments are
+  checked before anything is reserved: counts, lengths and positions are ints >= 0
+  (``bool`` and floats refused); ids outside a table are refused, never wrapped (a negative
+  id would otherwise read another request's entries from the end of the table); two
+  requests of one extend/decode batch may not continue the same partial page.
+- Ids given as host arrays are checked on the host. Ids given as tensors are never read
+  back: ``translate``/``page_cells`` look them up with a bounds-checked ``index_select``,
+  which refuses an out-of-range or negative id where the table lives (``InvalidIds`` for a
+  CPU table; a device-side assert, which stops the process, for a GPU table). So device ids
+  are trusted to be in range, and a bad one fails loudly instead of aliasing.
 - Compaction moves whole cells (all layers' bytes of a page or a state slot) and rebinds
   ``v2p``/``p2v``; it never moves a pinned id, and it runs only when a pool needs bytes
   that no hole and no free slab can give (or when asked to, e.g. when idle).
@@ -72,6 +81,48 @@ def _host_ids(ids: IdsLike | np.ndarray, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False).reshape(-1)
 
 
+def _count(value: object, what: str) -> int:
+    """A count (or length, position) argument: a Python or numpy integer >= 0.
+
+    Checked before anything is reserved: a float or bool would otherwise fail only after
+    slabs were acquired for it.
+    """
+    if type(value) is int and value >= 0:  # the common case, first
+        return value
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise InvalidIds(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise InvalidIds(f"{what} must be >= 0, got {value}")
+    return int(value)
+
+
+def _out_of_range(bad: np.ndarray, limit: int, what: str, noun: str) -> InvalidIds:
+    shown = ", ".join(str(int(i)) for i in bad[:5]) + (f", ... ({bad.size} in all)" if bad.size > 5 else "")
+    return InvalidIds(f"{what}: {noun} [{shown}] outside the valid range 0..{limit - 1}")
+
+
+def _check_range(ids: np.ndarray, limit: int, what: str, noun: str) -> None:
+    """Host ids must lie in ``[0, limit)``: a negative id would index from the end of a
+    table (another request's entries), a large one past it."""
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        raise _out_of_range(ids[(ids < 0) | (ids >= limit)], limit, what, noun)
+
+
+def _select(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` where every index is bounds-checked, negatives included (plain
+    indexing would wrap a negative id to the end of the table). The check runs where the
+    table lives: a CPU table raises ``IndexError`` at once; on a GPU an out-of-range id is a
+    device-side assert (the process stops; it never reads another request's entries)."""
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def _bad_tensor_ids(ids: torch.Tensor, limit: int, what: str, noun: str) -> InvalidIds:
+    """The error for tensor ids a CPU table refused (the ids are host memory: reading them
+    on this error path blocks nothing)."""
+    flat = ids.reshape(-1)
+    return _out_of_range(flat[(flat < 0) | (flat >= limit)].numpy(), limit, what, noun)
+
+
 class UnifiedMemory:
     def __init__(
         self,
@@ -91,6 +142,7 @@ class UnifiedMemory:
             (self.arena.nbytes // lay.cell_bytes for lay in plan.layouts if lay.id_space is IdSpace.SLOT), default=2
         )
         self.pages = VirtualIds(IdSpace.PAGE, page_capacity)
+        self._page_mark = np.zeros(page_capacity, dtype=np.int64)  # scratch of _check_tails
         self.slots = VirtualIds(IdSpace.SLOT, slot_capacity)
         capacity = {IdSpace.PAGE: page_capacity, IdSpace.SLOT: slot_capacity}
         self.pools: dict[PoolId, SubPool] = {
@@ -203,8 +255,7 @@ class UnifiedMemory:
 
     def alloc_pages(self, count: int) -> np.ndarray:
         """``count`` fresh virtual pages, resident in every KV pool."""
-        if count < 0:
-            raise InvalidIds(f"alloc_pages: count {count} is negative")
+        count = _count(count, "alloc_pages: count")
         if count == 0:
             return _EMPTY.copy()
         if count > self.pages.free_count:
@@ -220,6 +271,7 @@ class UnifiedMemory:
 
     def alloc(self, num_tokens: int) -> np.ndarray:
         """Token locations for ``num_tokens`` tokens on fresh pages."""
+        num_tokens = _count(num_tokens, "alloc: num_tokens")
         pages = self.alloc_pages(-(-num_tokens // self.page_size))
         ps = self.page_size
         return (pages[:, None] * ps + np.arange(ps)).reshape(-1)[:num_tokens]
@@ -246,7 +298,7 @@ class UnifiedMemory:
                 f"alloc_extend: request {i} has prefix_len {prefix[i]} and seq_len {seq[i]}; "
                 "need 0 <= prefix_len <= seq_len"
             )
-        self._check_tail(last, prefix, "alloc_extend")
+        self._check_tails(last, prefix, seq > prefix, "alloc_extend")
         old_pages = -(-prefix // ps)
         new_pages_per = -(-seq // ps) - old_pages
         pages = self.alloc_pages(int(new_pages_per.sum()))
@@ -284,35 +336,72 @@ class UnifiedMemory:
             raise InvalidIds(f"alloc_decode: {seq.size} seq_lens but {last.size} last_locs")
         if seq.size and seq.min() < 2:
             raise InvalidIds("alloc_decode: every seq_len must be >= 2 (a prompt token and the new one)")
-        self._check_tail(last, seq - 1, "alloc_decode")
+        self._check_tails(last, seq - 1, None, "alloc_decode")
         new_page = (seq - 1) % ps == 0
         pages = self.alloc_pages(int(np.count_nonzero(new_page)))
         out = last + 1
         out[new_page] = pages * ps
         return out
 
-    def _check_tail(self, last: np.ndarray, lengths: np.ndarray, what: str) -> None:
-        """``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``."""
+    def _check_tails(self, last: np.ndarray, lengths: np.ndarray, grows: np.ndarray | None, what: str) -> None:
+        """Rows with ``lengths[i] > 0`` continue a row whose last token is at ``last[i]``.
+
+        ``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``, and no
+        two such rows may end on the same page where one of them writes into it (its page is
+        partial and it grows: ``grows[i]``, or every row when None): both would be handed
+        the same slots, or one would overwrite the other's tokens. (A shared prefix shares
+        full pages only, or copies the partial one.)
+        """
         has = lengths > 0
         count = np.count_nonzero(has)
         if not count:
             return
-        loc, n = (last, lengths) if count == has.size else (last[has], lengths[has])
+        whole = count == has.size
+        loc, n = (last, lengths) if whole else (last[has], lengths[has])
         ps = self.page_size
         pages = loc // ps
         in_range = pages.min() > 0 and pages.max() < self.pages.capacity
-        if in_range and self.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps):
-            return
-        bad = (pages <= 0) | (pages >= self.pages.capacity)
-        bad |= ~bad & ~self.pages.live[np.where(bad, 0, pages)]
-        bad |= loc % ps != (n - 1) % ps
-        if bad.any():
+        if not (in_range and self.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps)):
+            bad = (pages <= 0) | (pages >= self.pages.capacity)
+            bad |= ~bad & ~self.pages.live[np.where(bad, 0, pages)]
+            bad |= loc % ps != (n - 1) % ps
             i = int(np.argmax(bad))
             raise InvalidIds(
                 f"{what}: last location {loc[i]} does not hold token {n[i] - 1} of a live page "
                 f"(page {pages[i]}, offset {loc[i] % self.page_size}, expected offset "
                 f"{(n[i] - 1) % self.page_size})"
             )
+        if count < 2:
+            return
+        # distinct pages <=> each row reads back its own index (no sort); a repeated page
+        # keeps one of its rows' indices, so the others read back another
+        order = np.arange(count)
+        self._page_mark[pages] = order
+        if not np.count_nonzero(self._page_mark[pages] != order):
+            return
+        writes = n % ps > 0
+        if grows is not None:
+            writes &= grows if whole else grows[has]
+        self._refuse_shared_tail(pages, np.flatnonzero(has), writes, last, what)
+
+    @staticmethod
+    def _refuse_shared_tail(
+        pages: np.ndarray, rows: np.ndarray, writes: np.ndarray, last: np.ndarray, what: str
+    ) -> None:
+        """Raise for the first two rows that end on one page while one of them writes into it
+        (rows that end on the same full page and both start fresh pages share nothing)."""
+        order = np.argsort(pages, kind="stable")
+        same = pages[order][1:] == pages[order][:-1]
+        clash = same & (writes[order][1:] | writes[order][:-1])
+        if not clash.any():
+            return
+        k = int(np.argmax(clash))
+        first, second = sorted((int(rows[order[k]]), int(rows[order[k + 1]])))
+        raise InvalidIds(
+            f"{what}: requests {first} and {second} both continue page {pages[order[k]]} (last locations "
+            f"{last[first]} and {last[second]}), so they would get the same slots; two requests cannot "
+            "continue the same partial page: give one of them its own copy of the page first"
+        )
 
     # --- pages: release -------------------------------------------------------------------
 
@@ -340,8 +429,7 @@ class UnifiedMemory:
         """
         arr = _host_ids(locs, "free_segment")
         ps = self.page_size
-        if start_pos < 0:
-            raise InvalidIds(f"free_segment: start_pos {start_pos} is negative")
+        start_pos = _count(start_pos, "free_segment: start_pos")
         if arr.size == 0:
             return
         # loc - pos is page * ps - (first position of the page): a multiple of ps, constant
@@ -424,7 +512,8 @@ class UnifiedMemory:
         """
         arr = _host_ids(row_pages, "free_outside_span")
         ps = self.page_size
-        if seq_len < 0 or arr.size < -(-seq_len // ps):
+        seq_len = _count(seq_len, "free_outside_span: seq_len")
+        if arr.size < -(-seq_len // ps):
             raise InvalidIds(
                 f"free_outside_span: a row of {arr.size} pages cannot hold {seq_len} tokens of {ps} a page"
             )
@@ -468,13 +557,19 @@ class UnifiedMemory:
         """Grid cells of virtual pages (or state slots) in ``pool``, from the host table.
 
         A copy; -1 marks a tombstone. For planners (e.g. transfers) that must not touch the
-        device; kernels use ``page_cells``.
+        device; kernels use ``page_cells``. Ids outside the pool's table are refused.
         """
-        return self._pool(pool).v2p[_host_ids(ids, "host_cells")]
+        target = self._pool(pool)
+        arr = _host_ids(ids, "host_cells")
+        _check_range(arr, target.v2p.size, f"host_cells in {pool}", f"{target.layout.id_space.value} ids")
+        return target.v2p[arr]
 
     def resident(self, pages: IdsLike, pool: PoolId) -> np.ndarray:
         """Host mask: which pages are resident in ``pool`` (tombstones are False)."""
-        return self._pool(pool).resident(_host_ids(pages, "resident"))
+        target = self._pool(pool)
+        arr = _host_ids(pages, "resident")
+        _check_range(arr, target.v2p.size, f"resident in {pool}", f"{target.layout.id_space.value} ids")
+        return target.resident(arr)
 
     # --- state slots ----------------------------------------------------------------------
 
@@ -485,8 +580,7 @@ class UnifiedMemory:
     def alloc_state(self, count: int) -> np.ndarray:
         """``count`` fresh state slots, resident in every slot pool."""
         self._check_slot_pools("alloc_state")
-        if count < 0:
-            raise InvalidIds(f"alloc_state: count {count} is negative")
+        count = _count(count, "alloc_state: count")
         if count > self.slots.free_count:
             raise OutOfMemory(
                 f"{count} state slots asked, {self.slots.free_count} ids free",
@@ -526,23 +620,46 @@ class UnifiedMemory:
 
         Host ids are copied to the device asynchronously; device ids stay there. The result
         is a device tensor; tombstoned pages map to -1 * page_size + offset (< 0).
+
+        Locations outside ``[0, capacity * page_size)`` are refused with ``InvalidIds``: host
+        ids are checked on the host. Tensor ids are never read back (that would block the
+        host on the device): the table lookup bounds-checks every id where the tables live,
+        so on a CPU table the call raises ``InvalidIds``, and on a GPU a bad id stops the
+        process with a device-side assert instead of aliasing another request's slots.
         """
         target = self._token_pool(pool)
         v2p = target.v2p_dev
-        tdev = v2p.device
-        if isinstance(locs, torch.Tensor):
-            loc_t = locs.to(device=tdev, dtype=torch.int64, non_blocking=True)
-        else:
-            loc_t = to_index(_host_ids(locs, "translate"), tdev)
         ps = self.page_size
-        return v2p[torch.div(loc_t, ps, rounding_mode="floor")] * ps + loc_t % ps
+        if isinstance(locs, torch.Tensor):
+            loc_t = locs.to(device=v2p.device, dtype=torch.int64, non_blocking=True)
+        else:
+            arr = _host_ids(locs, "translate")
+            _check_range(arr, v2p.numel() * ps, "translate", "token locations")
+            loc_t = to_index(arr, v2p.device)
+        try:
+            cells = _select(v2p, torch.div(loc_t, ps, rounding_mode="floor"))
+        except IndexError:
+            raise _bad_tensor_ids(loc_t, v2p.numel() * ps, "translate", "token locations") from None
+        return cells * ps + loc_t % ps
 
     def page_cells(self, pages: IdsLike | torch.Tensor, pool: PoolId) -> torch.Tensor:
-        """Virtual page ids (or state slots) -> grid cells on the device, for page tables."""
-        v2p = self._pool(pool).v2p_dev
+        """Virtual page ids (or state slots) -> grid cells on the device, for page tables.
+
+        Ids outside the pool's table are refused as in ``translate`` (host ids on the host;
+        tensor ids by the bounds-checked lookup, with no host read).
+        """
+        target = self._pool(pool)
+        v2p, noun = target.v2p_dev, f"{target.layout.id_space.value} ids"
         if isinstance(pages, torch.Tensor):
-            return v2p[pages.to(device=v2p.device, dtype=torch.int64, non_blocking=True)]
-        return v2p[to_index(_host_ids(pages, "page_cells"), v2p.device)]
+            index = pages.to(device=v2p.device, dtype=torch.int64, non_blocking=True)
+        else:
+            arr = _host_ids(pages, "page_cells")
+            _check_range(arr, v2p.numel(), f"page_cells in {pool}", noun)
+            index = to_index(arr, v2p.device)
+        try:
+            return _select(v2p, index)
+        except IndexError:
+            raise _bad_tensor_ids(index, v2p.numel(), f"page_cells in {pool}", noun) from None
 
     def _token_pool(self, pool: PoolId | None) -> SubPool:
         if pool is not None:
@@ -576,7 +693,7 @@ class UnifiedMemory:
 
     def compact(self, max_slabs: int | None = None) -> int:
         """Idle-time defragmentation; returns how many slabs went back to the free list."""
-        return self.broker.compact(max_slabs)
+        return self.broker.compact(None if max_slabs is None else _count(max_slabs, "compact: max_slabs"))
 
     # --- reports --------------------------------------------------------------------------
 
