@@ -22,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -67,6 +67,13 @@ class RequestMemory:
         return 0 if self.handle is None else self.handle.seq_len
 
     @property
+    def live(self) -> KVHandle:
+        """The handle of an admitted request."""
+        if self.handle is None:
+            raise RuntimeError("this request holds no memory: admit it first")
+        return self.handle
+
+    @property
     def token_locs(self) -> np.ndarray:
         """Virtual token locations of the request's whole sequence (empty without a handle)."""
         return _NO_TOKENS if self.handle is None else self.handle.token_locs()
@@ -94,9 +101,9 @@ class RequestAllocator:
     ) -> bool:
         """Match ``tokens`` (all but the last: one token is always computed, for its logits) and
         admit the hit when its state slot and the pages of its first chunk (+ ``extra_pages``,
-        what the running requests' step takes) fit, evicting from the cache for them. ``force`` (an empty batch): admit whenever the
-        slot fits (the step's allocation decides); ``OutOfMemory`` then reaches the caller.
-        Refused: nothing held, False."""
+        what the running requests' step takes) fit, evicting from the cache for them.
+        ``force`` (an empty batch): admit whenever the slot fits (the step's allocation
+        decides); ``OutOfMemory`` then reaches the caller. Refused: nothing held, False."""
         kvm = self.kvm
         key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
         match = kvm.match(key, req.namespace)
@@ -128,19 +135,18 @@ class RequestAllocator:
 
     def extend(self, reqs: list[RequestMemory], counts: list[int]) -> None:
         """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike), one allocation."""
-        handles = [r.handle for r in reqs]
-        self.kvm.extend_batch(handles, [h.seq_len + n for h, n in zip(handles, counts, strict=True)])  # type: ignore[union-attr]
+        handles = [r.live for r in reqs]
+        self.kvm.extend_batch(handles, [h.seq_len + n for h, n in zip(handles, counts, strict=True)])
 
     def mark_computed(self, reqs: list[RequestMemory]) -> None:
         """After a forward: states now hold real data, and pages may have left windows."""
         for req in reqs:
             req.fresh = False
-        self.kvm.release_windows([r.handle for r in reqs])  # type: ignore[misc]
+        self.kvm.release_windows([r.live for r in reqs])
 
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """After a prefill chunk: a checkpoint when it ends page-aligned, then cache the computed pages."""
-        h = req.handle
-        assert h is not None
+        h = req.live
         end = h.seq_len
         self._checkpoint(h, end)
         if self.prefix_cache and end // self.page_size > h.cached:
@@ -148,8 +154,7 @@ class RequestAllocator:
 
     def finish(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """Cache the finished sequence (its state checkpointed at the final length when page-aligned), release."""
-        h = req.handle
-        assert h is not None
+        h = req.live
         req.handle = None
         if not self.prefix_cache:
             self.kvm.release(h)

@@ -115,7 +115,9 @@ class Engine:
         eos = getattr(self.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.alloc = RequestAllocator(self.mem, prefix_cache=prefix_cache, cache_policy=cache_policy)
-        self.stats = {"steps": 0, "retractions": 0, "forward_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.stats = dict.fromkeys(
+            ["steps", "retractions", "forward_tokens", "prompt_tokens", "cached_tokens", "resumed_cached_tokens"], 0
+        )
 
     @property
     def cache(self) -> HybridRadixCache:
@@ -192,9 +194,11 @@ class Engine:
         return [results[i] for i in range(len(prompts))]
 
     def _hit(self, req: Request) -> tuple[int, CacheHit | None]:
+        """The first admission's hit, counted in ``stats`` (later admissions, after retraction, apart)."""
         hit = req.mem.hit
         cached = 0 if hit is None else hit.cached_tokens
         self.stats["cached_tokens"] += cached
+        self.stats["resumed_cached_tokens"] += req.mem.cached_tokens - cached
         return cached, hit
 
     def _forward(self, step: Step) -> list[int | None]:

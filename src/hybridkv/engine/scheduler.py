@@ -98,7 +98,7 @@ class Scheduler:
 
     def _step_pages(self, req: Request, budget: int) -> int:
         """Fresh pages ``req`` needs for its next span."""
-        return req.mem.handle.pages_needed(req.computed + self._span(req, budget))  # type: ignore[union-attr]
+        return req.mem.live.pages_needed(req.computed + self._span(req, budget))
 
     def _admit(self, budget: int) -> None:
         taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
@@ -119,7 +119,9 @@ class Scheduler:
 
     def next_step(self) -> Step | None:
         """Pick this step's requests and spans and allocate their memory (retracting on OutOfMemory)."""
-        budget = self.max_step_tokens - sum(1 for r in self.running if len(r.tokens) - r.computed == 1)
+        budget = self.max_step_tokens
+        for req in self.running:  # what the running requests take of this step: admit into the rest
+            budget -= self._span(req, budget)
         self._admit(budget)
         while self.running:
             reqs, spans, left = [], [], self.max_step_tokens
@@ -135,13 +137,13 @@ class Scheduler:
                 self._retract_newest(exc)
                 continue
             prefix = [r.computed for r in reqs]
-            handles = [r.mem.handle for r in reqs]
+            handles = [r.mem.live for r in reqs]
             has_state = self.alloc.has_state
             batch = ForwardBatch.build(
                 [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
                 prefix,
-                [h.token_locs() for h in handles],  # type: ignore[union-attr]
-                [h.state_slot for h in handles] if has_state else None,  # type: ignore[union-attr]
+                [h.token_locs() for h in handles],
+                [h.state_slot or 0 for h in handles] if has_state else None,
                 [r.mem.fresh for r in reqs] if has_state else None,
             )
             return Step(reqs, spans, batch)
