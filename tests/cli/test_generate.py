@@ -51,6 +51,19 @@ def test_model_directory_and_seeded_sampling(tmp_path: Path, capsys) -> None:
     assert len(lines) == len(PROMPTS) + 1 and lines[0].startswith("request 0 (4 prompt tokens, ")
 
 
+def test_shared_prefixes_hit_the_cache_unless_no_prefix_cache(tmp_path: Path, capsys) -> None:
+    shared = prompt(950, 30)
+    prompts = [shared + prompt(960 + i, 2 + i) for i in range(8)]
+    file = _jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in prompts])
+    args = ["generate", "--random", "tiny-gpt-oss", "--prompts", str(file), "--max-new-tokens", "5"]
+    args += ["--chunk-size", "5", "--page-size", "4", "--json"]
+    cached, plain = _run(args, capsys), _run([*args, "--no-prefix-cache"], capsys)
+    reference = [hf_reference("tiny-gpt-oss", tuple(p), 5)[0] for p in prompts]
+    assert [r["output_ids"] for r in cached["requests"]] == [r["output_ids"] for r in plain["requests"]] == reference
+    assert cached["totals"]["cached_tokens"] > 0 and plain["totals"]["cached_tokens"] == 0
+    assert cached["totals"]["cached_tokens"] == sum(r["cached_tokens"] for r in cached["requests"])
+
+
 GOOD = {"prompt_ids": [5, 6, 7]}
 BAD_FILES: dict[str, tuple[str, str]] = {
     "not_json.jsonl": ('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [1,', ":2: not a prompt line"),

@@ -63,8 +63,10 @@ def serve(
 
     ``compact``: defragment the memory between steps (cells move; virtual ids stay).
     """
-    alloc = RequestAllocator(runner.mem)
+    alloc = RequestAllocator(runner.mem, prefix_cache=False)
     reqs = [alloc.new() for _ in prompts]
+    for req, ids in zip(reqs, prompts, strict=True):
+        assert alloc.admit(req, ids, len(ids), chunk, 0, force=True)
     out = [Served([], []) for _ in prompts]
     fed = [0] * len(prompts)
     pending: list[int | None] = [None] * len(prompts)
@@ -101,7 +103,7 @@ def serve(
                 pending[i] = tok
     runner.mem.verify()
     for r in reqs:
-        alloc.free(r)
+        alloc.retract(r)
     runner.mem.verify()
     return out
 

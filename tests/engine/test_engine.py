@@ -39,6 +39,8 @@ def test_many_requests_under_a_small_budget_retract_and_stay_exact(name: str, pa
         assert out.error is None
         assert out.output_ids == hf_reference(name, tuple(ids), 8)[0], f"prompt of {len(ids)} tokens"
     engine.mem.verify()
+    engine.cache.check()
+    engine.clear_cache()
     assert live_counts(engine.mem) == empty
 
 
@@ -156,4 +158,5 @@ def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyP
     assert engine.stats["retractions"] > 0
     assert len(refused) == engine.stats["retractions"]
     assert [o.output_ids for o in outs] == [hf_reference("tiny-nemotron-h", tuple(p), 8)[0] for p in PROMPTS]
+    engine.clear_cache()
     assert live_counts(engine.mem) == empty

@@ -78,8 +78,9 @@ def test_window_pages_leave_the_window_pool_during_a_long_request() -> None:
     from hybridkv.engine.allocator import RequestAllocator
     from hybridkv.engine.batch import ForwardBatch
 
-    alloc = RequestAllocator(mem)
+    alloc = RequestAllocator(mem, prefix_cache=False)
     req = alloc.new()
+    assert alloc.admit(req, ids, len(ids), 7, 0, force=True)
     for start in range(0, 60, 7):
         chunk = ids[start : start + 7]
         prefix = req.length
@@ -92,7 +93,7 @@ def test_window_pages_leave_the_window_pool_during_a_long_request() -> None:
     assert resident.sum() <= -(-8 // 4) + 1 and not resident[0]
     assert mem.resident(pages, FULL_POOL).all()
     mem.verify()
-    alloc.free(req)
+    alloc.retract(req)
     mem.verify()
 
 

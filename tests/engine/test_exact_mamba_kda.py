@@ -204,8 +204,9 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: str, st
     model = _model(name, MODELS[name])
     runner = _runner(model, page_size=4)
     ids = prompt(3, 40)
-    alloc = RequestAllocator(runner.mem)
+    alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
+    assert alloc.admit(req, ids, len(ids), 7, 0, force=True)
     for start in range(0, len(ids), 7):
         chunk = ids[start : start + 7]
         prefix = req.length
@@ -225,5 +226,5 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: str, st
         torch.testing.assert_close(ours, hf_layer.recurrent_states[0][0], atol=1e-5, rtol=1e-4)
         checked += 1
     assert checked == sum(t == "linear_attention" for t in model.config.layer_types)
-    alloc.free(req)
+    alloc.retract(req)
     runner.mem.verify()

@@ -9,11 +9,15 @@ hash, so requests sharing blocks share token prefixes (about 58% of the blocks o
 not stop either side), greedy.
 
 Measured in one process, one torch thread, same run, per tiny random model:
-- ``engine``: ``Engine.generate`` on all requests at once (continuous batching, chunked prefill),
-  the faster of ``ENGINE_PASSES`` passes (both must give the same tokens);
+- ``engine``: ``Engine.generate`` on all requests at once (continuous batching, chunked prefill,
+  the prefix cache on unless ``prefix_cache=False``; the cache is cleared before each pass, so
+  hits come from earlier requests of the same pass), the faster of ``ENGINE_PASSES`` passes
+  (both must give the same tokens); ``prefix_hit_rate``: prompt tokens served from the cache
+  (first admissions) over all prompt tokens;
 - ``transformers``: ``model.generate`` on the same requests one by one (its own cache);
-- ``hybridkv_share``: wall time inside hybridkv memory and allocator calls (``UnifiedMemory`` and
-  ``RequestAllocator`` methods, outermost calls only, ``perf_counter``) over the engine's time.
+- ``hybridkv_share``: wall time inside hybridkv memory, cache and allocator calls (``UnifiedMemory``,
+  ``KVManager``, ``HybridRadixCache`` and ``RequestAllocator`` methods, outermost calls only,
+  ``perf_counter``) over the engine's time.
 Both produce the same tokens (``exact`` counts the requests where they do).
 
 Goals: engine >= 5x transformers' tokens/s, and hybridkv calls <= 10% of the engine's step time.
@@ -32,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridkv.cache import HybridRadixCache, KVManager
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers, tiny_names
@@ -123,16 +128,25 @@ class CallTimer:
 
 
 def bench_model(
-    name: str, prompts: list[list[int]], max_new_tokens: int, gpu_memory: str, page_size: int, chunk_size: int
+    name: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    gpu_memory: str,
+    page_size: int,
+    chunk_size: int,
+    prefix_cache: bool = True,
 ) -> dict[str, Any]:
     hf, config = build_random(name)
-    engine = Engine(config, hf, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
+    engine = Engine(
+        config, hf, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size, prefix_cache=prefix_cache
+    )
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     passes = []
     for _ in range(ENGINE_PASSES):
+        engine.clear_cache()  # each pass hits only on what its own earlier requests cached
         steps_before = engine.stats["steps"]
         timer = CallTimer()
-        with timer.patch(UnifiedMemory, RequestAllocator):
+        with timer.patch(UnifiedMemory, KVManager, HybridRadixCache, RequestAllocator):
             start = time.perf_counter()
             outs = engine.generate(prompts, max_new_tokens, stop_at_eos=False)
             engine_s = time.perf_counter() - start
@@ -168,6 +182,9 @@ def bench_model(
         "hybridkv_s": round(timer.seconds, 4),
         "hybridkv_share": round(share, 4),
         "hybridkv_top_s": timer.top(),
+        "prefix_cache": prefix_cache,
+        "cached_tokens": sum(o.cached_tokens for o in outs),
+        "prefix_hit_rate": round(sum(o.cached_tokens for o in outs) / sum(map(len, prompts)), 4),
         "exact": sum(o.output_ids == r for o, r in zip(outs, reference, strict=True)),
         "speedup_met": hf_s / engine_s >= GOAL_SPEEDUP,
         "share_met": share <= GOAL_SHARE,
@@ -182,6 +199,7 @@ def run(
     gpu_memory: str = "256MiB",
     page_size: int = 16,
     chunk_size: int = 64,
+    prefix_cache: bool = True,
 ) -> dict[str, Any]:
     models = models or tiny_names()
     unknown = sorted(set(models) - set(tiny_names()))
@@ -190,7 +208,9 @@ def run(
     prompts = conversation_prompts(requests, block_tokens)
     lengths = [len(p) for p in prompts]
     with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
-        rows = [bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size) for m in models]
+        rows = [
+            bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache) for m in models
+        ]
     return {
         "requests": requests,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
@@ -198,6 +218,7 @@ def run(
         "block_tokens": block_tokens,
         "page_size": page_size,
         "chunk_size": chunk_size,
+        "prefix_cache": prefix_cache,
         "goals": {"speedup": GOAL_SPEEDUP, "hybridkv_share": GOAL_SHARE},
         "models": rows,
     }

@@ -171,12 +171,15 @@ def bench_engine(
     gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers one by one, same run."""
     from hybridkv.bench.engine import run
 
-    report = run(model or None, requests, max_new_tokens, block_tokens, gpu_memory, page_size, chunk_size)
+    report = run(
+        model or None, requests, max_new_tokens, block_tokens, gpu_memory, page_size, chunk_size, not no_prefix_cache
+    )
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -185,7 +188,7 @@ def bench_engine(
         title=f"{report['requests']} requests, prompts {lengths['min']}-{lengths['max']} tokens "
         f"(mean {lengths['mean']}), {report['max_new_tokens']} new each, 1 torch thread"
     )
-    for col in ("model", "engine tok/s", "HF tok/s", "speedup", "step ms", "hybridkv share", "exact"):
+    for col in ("model", "engine tok/s", "HF tok/s", "speedup", "step ms", "hybridkv share", "prefix hits", "exact"):
         table.add_column(col)
     for r in report["models"]:
         table.add_row(
@@ -195,6 +198,7 @@ def bench_engine(
             f"{r['speedup']:.2f}x",
             f"{r['step_ms']:.1f}",
             f"{100 * r['hybridkv_share']:.1f}%",
+            f"{100 * r['prefix_hit_rate']:.1f}%",
             f"{r['exact']}/{report['requests']}",
         )
     console = Console()

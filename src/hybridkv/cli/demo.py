@@ -79,8 +79,10 @@ ENGINE_MODEL = "tiny-qwen3-next"
 
 
 def engine_section(console: Console, max_new_tokens: int = 8) -> dict[str, object]:
-    """Requests sharing a 40-token prefix, batched by the engine (chunks of 16, pages of 16) and run one by
-    one through ``transformers`` ``generate``: each request's tokens side by side with a match verdict."""
+    """Requests sharing a 40-token prefix served by the engine (chunks of 12, pages of 16) and run one by
+    one through ``transformers`` ``generate``: request 0 first, then 1-3 batched, starting from the prefix
+    request 0 left in the prefix cache (full KV and a GDN state checkpoint at 32 tokens, a hit that ends
+    inside a chunk); each request's cached tokens and tokens side by side with a match verdict."""
     import torch
 
     from hybridkv.engine.engine import Engine
@@ -91,33 +93,45 @@ def engine_section(console: Console, max_new_tokens: int = 8) -> dict[str, objec
     prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 26)]
     with quiet_transformers():
         hf, config = build_random(ENGINE_MODEL)
-        engine = Engine(config, hf, gpu_memory="8MiB", page_size=16, chunk_size=16)
-        outs = engine.generate(prompts, max_new_tokens)
+        engine = Engine(config, hf, gpu_memory="8MiB", page_size=16, chunk_size=12)
+        outs = engine.generate(prompts[:1], max_new_tokens) + engine.generate(prompts[1:], max_new_tokens)
         with torch.no_grad():
             reference = [
                 hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids) :].tolist()
                 for ids in prompts
             ]
-    # Prefix-cache hits (full KV, GDN state checkpoints) join this table when the engine serves through the
-    # KV manager: requests 1-3 then start from request 0's cached 40-token prefix.
     table = Table()
-    for col in ("request", "prompt", "engine tokens", "transformers tokens", "verdict"):
+    for col in ("request", "prompt", "cached (full/state)", "engine tokens", "transformers tokens", "verdict"):
         table.add_column(col)
     rows = []
     for i, (ids, out, ref) in enumerate(zip(prompts, outs, reference, strict=True)):
         match = out.output_ids == ref
-        rows.append({"prompt_tokens": len(ids), "engine": out.output_ids, "transformers": ref, "match": match})
+        hit = out.hit
+        full, state = (hit.full, hit.checkpoint) if hit is not None else (0, 0)
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "cached_tokens": out.cached_tokens,
+                "hit_full": full,
+                "hit_checkpoint": state,
+                "engine": out.output_ids,
+                "transformers": ref,
+                "match": match,
+            }
+        )
         table.add_row(
             str(i),
             f"{len(prefix)} shared + {len(ids) - len(prefix)}",
+            f"{out.cached_tokens} ({full}/{state})",
             " ".join(map(str, out.output_ids)),
             " ".join(map(str, ref)),
             "[green]match[/]" if match else "[red]MISMATCH[/]",
         )
     console.print(table)
     matched = sum(r["match"] for r in rows)
+    cached = sum(o.cached_tokens for o in outs)
     console.print(
-        f"{ENGINE_MODEL}: {matched}/{len(rows)} requests token-exact; {engine.stats['steps']} engine steps "
-        f"(prefill chunks and decodes batched together)"
+        f"{ENGINE_MODEL}: {matched}/{len(rows)} requests token-exact; {cached}/{sum(map(len, prompts))} prompt "
+        f"tokens from the prefix cache; {engine.stats['steps']} engine steps (prefill chunks and decodes batched)"
     )
-    return {"model": ENGINE_MODEL, "requests": rows, "steps": engine.stats["steps"]}
+    return {"model": ENGINE_MODEL, "requests": rows, "steps": engine.stats["steps"], "cached_tokens": cached}

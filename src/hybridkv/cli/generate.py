@@ -69,17 +69,22 @@ def _random_name(value: str | None) -> str | None:
     return value
 
 
-def _engine(model: Path | None, random: str | None, gpu_memory: str, page_size: int, chunk_size: int) -> Any:
+def _engine(
+    model: Path | None, random: str | None, gpu_memory: str, page_size: int, chunk_size: int, prefix_cache: bool
+) -> Any:
     from hybridkv.engine.engine import Engine
 
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
     if random is None:
-        return Engine(model, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
-    from hybridkv.engine.random_models import build_random
+        source, weights = model, None
+    else:
+        from hybridkv.engine.random_models import build_random
 
-    hf, config = build_random(random)
-    return Engine(config, hf, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size)
+        weights, source = build_random(random)
+    return Engine(
+        source, weights, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size, prefix_cache=prefix_cache
+    )
 
 
 @app.command()
@@ -99,11 +104,14 @@ def generate(
     chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (request i draws with seed + i)."),
+    no_prefix_cache: bool = typer.Option(
+        False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     lines = read_prompts(prompts)
-    engine = _engine(model, random, gpu_memory, page_size, chunk_size)
+    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache)
     bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
     if bad:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
@@ -137,14 +145,25 @@ def generate(
         "output_tokens_per_s": round(produced / seconds, 1) if seconds > 0 else None,
         "steps": engine.stats["steps"],
         "retractions": engine.stats["retractions"],
+        "cached_tokens": sum(o.cached_tokens for o in outs),
     }
     if as_json:
-        requests = [{"output_ids": o.output_ids, "finish_reason": o.finish_reason, "error": o.error} for o in outs]
+        requests = [
+            {
+                "output_ids": o.output_ids,
+                "finish_reason": o.finish_reason,
+                "error": o.error,
+                "cached_tokens": o.cached_tokens,
+            }
+            for o in outs
+        ]
         typer.echo(json.dumps({"model": engine.spec.name, "requests": requests, "totals": totals}))
         return
     for i, out in enumerate(outs):
         text = out.error if out.error is not None else " ".join(map(str, out.output_ids))
-        typer.echo(f"request {i} ({len(ids[i])} prompt tokens, {out.finish_reason}): {text}")
+        typer.echo(
+            f"request {i} ({len(ids[i])} prompt tokens, {out.cached_tokens} cached, {out.finish_reason}): {text}"
+        )
     typer.echo(
         f"{totals['requests']} requests, {produced} tokens in {seconds:.2f} s "
         f"({totals['output_tokens_per_s']} tokens/s), {totals['steps']} steps, "

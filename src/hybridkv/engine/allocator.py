@@ -1,130 +1,184 @@
-"""RequestAllocator: the one object that allocates memory for requests and frees it.
+"""RequestAllocator: the one object that allocates memory for requests and frees it, through the prefix cache.
 
-A request's memory is its virtual token locations (one per context token, in order), its
-state slot (models with recurrent layers) and, per sliding-window pool, how many of its
-leading pages already left that window. This is where a prefix cache plugs in: a hit at
-``admit`` would seed ``locs``/``slot`` from cached nodes instead of fresh allocations, and
-``free`` would hand pages to the cache instead of the memory.
+Every request's KV lives in a ``KVHandle`` of a ``KVManager`` above a ``HybridRadixCache``:
+``admit`` matches the request's known tokens (in its namespace, an optional cache salt) and
+admits the hit (its pages locked, its checkpoint forked into the request's own state slot,
+or a fresh slot), so computation starts at the hit's end; ``extend`` grows every request of a
+step with one allocation (the cache evicts what it is short of); ``mark_computed`` releases
+the window pages that left every window; ``chunk_done`` stores a state checkpoint at a
+page-aligned chunk end and inserts the computed pages; ``finish`` caches the finished
+sequence and releases the rest; ``retract`` releases (what was inserted stays cached). With
+``prefix_cache=False`` nothing is matched or inserted: the same path, without hits.
 
 Invariants:
-- ``locs[:length]`` are live locations; ``extend`` allocates all requests of a step in one
-  ``alloc_extend`` call (``alloc_decode`` when every request adds one token to a non-empty
-  row) and either succeeds for all or changes nothing (OutOfMemory).
-- ``release_windows`` drops from a window pool exactly the pages whose every token lies
-  before ``first_needed(length + 1)`` (the pool id's rule: no later query can see them);
-  full KV stays.
-- ``admit`` takes a waiting request's state slot only when the slot and the pages its first step
-  needs both fit; otherwise nothing changes.
-- ``free`` returns every page and the state slot; a freed request holds nothing.
+- A request holds memory exactly while it has a handle; ``extend`` either grows every
+  request of the step or changes no handle (``OutOfMemory``).
+- ``handle.seq_len`` equals the request's computed tokens after each forward; its state
+  slot holds the state after them (``fresh``: zero it before the next forward).
+- Checkpoints sit only at page-aligned positions past the cached part; every free goes
+  through the manager's sync-free paths (``free_pages`` / ``free_window_pages`` / ``free_state``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.memory import OutOfMemory, UnifiedMemory
-from hybridkv.spec import PoolId
 
-_EMPTY = np.empty(0, dtype=np.int64)
+_NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """What a request's first admission found in the cache (tokens of the match per component)."""
+
+    cached_tokens: int
+    """Tokens valid for every component: prefill started there."""
+    full: int
+    """Page-aligned full-KV match."""
+    window: int
+    """Longest match valid for full KV and every window pool."""
+    checkpoint: int
+    """Deepest state checkpoint on the full-KV match (0 without recurrent layers)."""
+
+    @classmethod
+    def of(cls, m: MatchResult) -> CacheHit:
+        return cls(m.length, m.full_length, m.window_length, m.checkpoint_length)
 
 
 @dataclass
 class RequestMemory:
-    locs: np.ndarray = field(default_factory=lambda: np.empty(16, dtype=np.int64))
-    length: int = 0
-    slot: int | None = None
+    namespace: Hashable = None
+    handle: KVHandle | None = None
     fresh: bool = True
-    window_pages_left: dict[PoolId, int] = field(default_factory=dict)
+    wanted: tuple[int, ...] = ()
+    """Page-aligned positions where a prefill chunk must end (a checkpoint is wanted there)."""
+    hit: CacheHit | None = None
+    """The first admission's hit (kept across retractions)."""
+    cached_tokens: int = 0
+    """Tokens taken from the cache over every admission."""
+
+    @property
+    def length(self) -> int:
+        return 0 if self.handle is None else self.handle.seq_len
+
+    @property
+    def live(self) -> KVHandle:
+        """The handle of an admitted request."""
+        if self.handle is None:
+            raise RuntimeError("this request holds no memory: admit it first")
+        return self.handle
 
     @property
     def token_locs(self) -> np.ndarray:
-        return self.locs[: self.length]
+        """Virtual token locations of the request's whole sequence (empty without a handle)."""
+        return _NO_TOKENS if self.handle is None else self.handle.token_locs()
 
-    def append(self, new: np.ndarray) -> None:
-        end = self.length + new.size
-        if end > self.locs.size:
-            grown = np.empty(max(end, 2 * self.locs.size), dtype=np.int64)
-            grown[: self.length] = self.locs[: self.length]
-            self.locs = grown
-        self.locs[self.length : end] = new
-        self.length = end
+    @property
+    def slot(self) -> int | None:
+        return None if self.handle is None else self.handle.state_slot
 
 
 class RequestAllocator:
-    def __init__(self, mem: UnifiedMemory):
+    def __init__(self, mem: UnifiedMemory, *, prefix_cache: bool = True, cache_policy: str = "lru"):
         self.mem = mem
-        self.windows = [p.pool_id for p in mem.window_pools]
-        self.has_state = bool(mem.slot_pools)
+        self.cache = HybridRadixCache(mem, policy=cache_policy)
+        self.kvm = KVManager(self.cache)
+        self.prefix_cache = prefix_cache
+        self.has_state = self.kvm.has_state
+        self.page_size = mem.page_size
 
-    def new(self) -> RequestMemory:
-        """A request holding nothing yet (its state slot comes with ``admit``, else its first ``extend``)."""
-        return RequestMemory(window_pages_left=dict.fromkeys(self.windows, 0))
+    def new(self, namespace: Hashable = None) -> RequestMemory:
+        """A request holding nothing yet (its handle comes with ``admit``)."""
+        return RequestMemory(namespace=namespace)
 
-    def admit(self, req: RequestMemory, pages: int) -> bool:
-        """Whether ``req`` can start now: its state slot (taken here) and ``pages`` more pages fit.
-
-        Free pages alone are not enough: state slots draw on the same slabs and on their own ids.
-        """
-        if not self.has_state or req.slot is not None:
-            return pages <= self.mem.available_pages()
+    def admit(
+        self, req: RequestMemory, tokens: Sequence[int], prompt_len: int, chunk: int, extra_pages: int, force: bool
+    ) -> bool:
+        """Match ``tokens`` (all but the last: one token is always computed, for its logits) and
+        admit the hit when its state slot and the pages of its first chunk (+ ``extra_pages``,
+        what the running requests' step takes) fit, evicting from the cache for them.
+        ``force`` (an empty batch): admit whenever the slot fits (the step's allocation
+        decides); ``OutOfMemory`` then reaches the caller. Refused: nothing held, False."""
+        kvm = self.kvm
+        key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
+        match = kvm.match(key, req.namespace)
         try:
-            slot = self.mem.alloc_state(1)
+            handle = kvm.admit(match, req.namespace)
         except OutOfMemory:
+            if force:
+                raise
             return False
-        if pages > self.mem.available_pages():
-            self.mem.free_state(slot)
-            return False
-        req.slot, req.fresh = int(slot[0]), True
+        start = match.length
+        need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
+        short = need - self.mem.available_pages()
+        if short > 0:
+            kvm.evict({PAGE_NEED: short})
+            if need > self.mem.available_pages() and not force:
+                kvm.release(handle)
+                return False
+        req.handle = handle
+        req.fresh = self.has_state and handle.state_from_zero
+        if req.hit is None:
+            req.hit = CacheHit.of(match)
+        req.cached_tokens += start
+        ps = self.page_size
+        ends = {prompt_len // ps * ps} if self.has_state else set()
+        if match.checkpoint_at is not None:
+            ends.add(match.checkpoint_at)
+        req.wanted = tuple(sorted(p for p in ends if p > start))
         return True
 
-    def extend(self, reqs: list[RequestMemory], counts: list[int] | np.ndarray) -> None:
-        """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike)."""
-        counts = np.asarray(counts, dtype=np.int64)
-        prefix = np.array([r.length for r in reqs], dtype=np.int64)
-        last = np.array([r.locs[r.length - 1] if r.length else 0 for r in reqs], dtype=np.int64)
-        need_slot = [r for r in reqs if self.has_state and r.slot is None]
-        slots = self.mem.alloc_state(len(need_slot)) if need_slot else _EMPTY
-        try:
-            if prefix.all() and (counts == 1).all():  # decodes only
-                new = self.mem.alloc_decode(prefix + 1, last)
-            else:
-                new = self.mem.alloc_extend(prefix, prefix + counts, last)
-        except Exception:
-            if slots.size:
-                self.mem.free_state(slots)
-            raise
-        for req, slot in zip(need_slot, slots, strict=True):
-            req.slot, req.fresh = int(slot), True
-        start = 0
-        for req, n in zip(reqs, counts, strict=True):
-            req.append(new[start : start + n])
-            start += int(n)
+    def extend(self, reqs: list[RequestMemory], counts: list[int]) -> None:
+        """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike), one allocation."""
+        handles = [r.live for r in reqs]
+        self.kvm.extend_batch(handles, [h.seq_len + n for h, n in zip(handles, counts, strict=True)])
 
     def mark_computed(self, reqs: list[RequestMemory]) -> None:
-        """After a forward: states now hold real data, and tokens may have left windows."""
+        """After a forward: states now hold real data, and pages may have left windows."""
         for req in reqs:
             req.fresh = False
-        self.release_windows(reqs)
+        self.kvm.release_windows([r.live for r in reqs])
 
-    def release_windows(self, reqs: list[RequestMemory]) -> None:
-        ps = self.mem.page_size
-        for pool in self.windows:
-            pages = []
-            for req in reqs:
-                done = req.window_pages_left[pool]
-                out = pool.first_needed(req.length + 1) // ps  # pages no later query can see
-                if out > done:
-                    pages.append(req.locs[done * ps : out * ps : ps] // ps)
-                    req.window_pages_left[pool] = out
-            if pages:
-                self.mem.free_window_pages(np.concatenate(pages), pool)
+    def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
+        """After a prefill chunk: a checkpoint when it ends page-aligned, then cache the computed pages."""
+        h = req.live
+        end = h.seq_len
+        self._checkpoint(h, end)
+        if self.prefix_cache and end // self.page_size > h.cached:
+            self.kvm.insert(h, np.asarray(tokens[:end], dtype=np.int64))
 
-    def free(self, req: RequestMemory) -> None:
-        if req.length:
-            self.mem.free_segment(req.token_locs, 0)
-        if req.slot is not None:
-            self.mem.free_state([req.slot])
-        req.length, req.slot, req.fresh = 0, None, True
-        req.window_pages_left = dict.fromkeys(self.windows, 0)
+    def finish(self, req: RequestMemory, tokens: Sequence[int]) -> None:
+        """Cache the finished sequence (its state checkpointed at the final length when page-aligned), release."""
+        h = req.live
+        req.handle = None
+        if not self.prefix_cache:
+            self.kvm.release(h)
+            return
+        self._checkpoint(h, h.seq_len)
+        self.kvm.finish(h, np.asarray(tokens[: h.seq_len], dtype=np.int64))
+
+    def retract(self, req: RequestMemory) -> None:
+        """Give back what the request holds; what it inserted stays cached for its resumption."""
+        if req.handle is not None:
+            self.kvm.release(req.handle)
+            req.handle = None
+        req.fresh, req.wanted = True, ()
+
+    def _checkpoint(self, h: KVHandle, at: int) -> None:
+        if not (self.prefix_cache and self.has_state) or at % self.page_size or at <= h.cached * self.page_size:
+            return
+        if at in h.checkpoints:
+            return
+        try:
+            self.kvm.checkpoint(h)
+        except OutOfMemory:  # a checkpoint is an optimisation: without room for it, the request goes on
+            return
+
+    def clear_cache(self) -> None:
+        """Evict everything unlocked from the cache."""
+        self.kvm.evict({PAGE_NEED: self.mem.pages.capacity})

@@ -3,17 +3,21 @@
 ``Engine(config, weights, gpu_memory=..., page_size=..., chunk_size=...)`` builds the spec
 from the config, sizes the memory, loads the weights, and ``generate`` runs every prompt
 to ``max_new_tokens`` or EOS, greedy by default (seeded sampling with ``temperature > 0``).
+With ``prefix_cache`` (the default) requests go through a ``HybridRadixCache`` that lives as
+long as the engine: a prompt that shares a cached prefix (in its cache salt's namespace)
+starts computing at the hit's end; each output reports its ``cached_tokens`` and the hit per
+component.
 
 Invariants:
 - Bad requests (empty, ids outside the vocabulary, longer than the model's context) fail
   alone with an error naming the problem; the others run as if they were not there.
-- After ``generate`` returns, the memory holds nothing (every request freed) and
-  ``verify()`` holds.
+- After ``generate`` returns, no request holds memory (every handle released): the memory
+  holds only what the cache keeps (nothing after ``clear_cache``), and ``verify()`` holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridkv.engine.allocator import RequestAllocator
+from hybridkv.cache import HybridRadixCache
+from hybridkv.engine.allocator import CacheHit, RequestAllocator
 from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampling import choose_tokens
@@ -43,6 +48,10 @@ class Output:
     finish_reason: str  # "length", "eos" or "error"
     error: str | None = None
     retractions: int = 0
+    cached_tokens: int = 0
+    """Tokens of the prompt served from the prefix cache at the first admission (not computed)."""
+    hit: CacheHit | None = None
+    """The first admission's match per component (full / window / checkpoint lengths)."""
 
 
 class Engine:
@@ -60,6 +69,8 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         spec: ModelSpec | None = None,
+        prefix_cache: bool = True,
+        cache_policy: str = "lru",
     ):
         """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
@@ -103,7 +114,18 @@ class Engine:
         self.max_step_tokens = max_step_tokens or 4 * chunk_size
         eos = getattr(self.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.stats = {"steps": 0, "retractions": 0, "forward_tokens": 0}
+        self.alloc = RequestAllocator(self.mem, prefix_cache=prefix_cache, cache_policy=cache_policy)
+        self.stats = dict.fromkeys(
+            ["steps", "retractions", "forward_tokens", "prompt_tokens", "cached_tokens", "resumed_cached_tokens"], 0
+        )
+
+    @property
+    def cache(self) -> HybridRadixCache:
+        return self.alloc.cache
+
+    def clear_cache(self) -> None:
+        """Evict everything the prefix cache holds (no request runs between ``generate`` calls)."""
+        self.alloc.clear_cache()
 
     def check(self, prompt: list[int], max_new: int) -> str | None:
         """Why the engine cannot serve ``prompt`` with ``max_new`` new tokens (None: it can)."""
@@ -129,14 +151,19 @@ class Engine:
         temperature: float = 0.0,
         seed: int = 0,
         stop_at_eos: bool = True,
+        cache_salts: list[Hashable] | None = None,
         on_output: Callable[[int, Output], None] | None = None,
     ) -> list[Output]:
         """Outputs in input order; requests are batched continuously, prefills chunked.
 
-        ``on_output(index, output)`` is called as each request ends (finished or failed), e.g. for progress."""
+        ``cache_salts[i]``: request ``i``'s prefix-cache namespace (requests of different salts never
+        share cached KV; default None for all). ``on_output(index, output)`` is called as each
+        request ends (finished or failed), e.g. for progress."""
         news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        alloc = RequestAllocator(self.mem)
-        sched = Scheduler(alloc, self.chunk_size, self.max_running, self.max_step_tokens)
+        salts = [None] * len(prompts) if cache_salts is None else list(cache_salts)
+        if len(salts) != len(prompts):
+            raise ValueError(f"{len(salts)} cache salts for {len(prompts)} prompts; give one per prompt or none")
+        sched = Scheduler(self.alloc, self.chunk_size, self.max_running, self.max_step_tokens)
         results: dict[int, Output] = {}
 
         def end(index: int, out: Output) -> None:
@@ -144,26 +171,35 @@ class Engine:
             if on_output is not None:
                 on_output(index, out)
 
-        for i, (prompt, max_new) in enumerate(zip(prompts, news, strict=True)):
+        for i, (prompt, max_new, salt) in enumerate(zip(prompts, news, salts, strict=True)):
             error = self.check(list(prompt), max_new)
             if error is not None:
                 end(i, Output([], "error", f"request {i}: {error}"))
             elif max_new <= 0:
                 end(i, Output([], "length"))
             else:
-                sched.add(
-                    Request(i, list(prompt), max_new, temperature, seed + i, self.eos if stop_at_eos else frozenset())
-                )
+                eos = self.eos if stop_at_eos else frozenset()
+                sched.add(Request(i, list(prompt), max_new, temperature, seed + i, eos, salt))
+                self.stats["prompt_tokens"] += len(prompt)
         while sched.has_work():
             step = sched.next_step()
-            if step is not None:
-                for req in sched.complete(step, self._forward(step)):
-                    end(req.index, Output(req.output, req.finish_reason or "length", None, req.retractions))
+            done = sched.complete(step, self._forward(step)) if step is not None else []
+            for req in done:
+                out = Output(req.output, req.finish_reason or "length", None, req.retractions, *self._hit(req))
+                end(req.index, out)
             for req in sched.failed:
-                end(req.index, Output([], "error", req.error, req.retractions))
+                end(req.index, Output([], "error", req.error, req.retractions, *self._hit(req)))
             sched.failed.clear()
         self.stats["retractions"] += sched.retractions
         return [results[i] for i in range(len(prompts))]
+
+    def _hit(self, req: Request) -> tuple[int, CacheHit | None]:
+        """The first admission's hit, counted in ``stats`` (later admissions, after retraction, apart)."""
+        hit = req.mem.hit
+        cached = 0 if hit is None else hit.cached_tokens
+        self.stats["cached_tokens"] += cached
+        self.stats["resumed_cached_tokens"] += req.mem.cached_tokens - cached
+        return cached, hit
 
     def _forward(self, step: Step) -> list[int | None]:
         """Run one step; the chosen token of each request whose span reached its end (None mid-prefill)."""

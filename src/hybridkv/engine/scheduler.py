@@ -1,24 +1,30 @@
-"""Scheduler: continuous batching of chunked prefills and decodes, with retraction on OutOfMemory.
+"""Scheduler: continuous batching of chunked prefills and decodes, over the prefix cache, with retraction.
 
 Every step runs all running requests together: each feeds its next uncomputed tokens (up
-to ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; waiting
-requests are admitted while the memory holds their state slot and pages for their first
-chunk (``RequestAllocator.admit``; the first request of an empty batch always starts). Memory for a
-step comes from one ``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` the
-most recently admitted request is retracted: its memory is freed, it returns to the front
-of the queue (counted as a retraction when it held memory), and later recomputes its
-prompt and the tokens it already produced (so its output stays exact). A request that
-cannot fit even alone fails with an error naming the budget; the others go on.
+to ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; a chunk
+that would pass a position where a state checkpoint is wanted (``RequestMemory.wanted``:
+page-aligned) ends there instead, so chunk sizes need not be aligned to pages. Waiting
+requests are admitted while their cache hit's state slot and the pages of their first
+chunk fit (``RequestAllocator.admit``, which matches the prompt: computation starts at the
+hit's end; the first request of an empty batch always starts). Memory for a step comes
+from one ``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` (the cache had
+nothing left to evict) the most recently admitted request is retracted: it releases its
+handle (what it inserted stays cached), returns to the front of the queue (counted as a
+retraction when it held memory) and, when admitted again, matches again and recomputes
+only what the cache does not hold (its output stays exact). A request that cannot fit
+even alone fails with an error naming the budget; the others go on.
 
 Invariants:
-- A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory;
-  logits are taken only when a step's span reaches the end of its known tokens.
-- Finished, failed and retracted requests hold no memory.
+- A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory
+  (its handle's ``seq_len``); logits are taken only when a step's span reaches the end of
+  its known tokens.
+- Finished, failed and retracted requests hold no handle.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
@@ -34,6 +40,7 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     eos: frozenset[int] = frozenset()
+    namespace: Hashable = None
     mem: RequestMemory = field(default_factory=RequestMemory)
     tokens: list[int] = field(default_factory=list)
     computed: int = 0
@@ -75,29 +82,46 @@ class Scheduler:
         self.retractions = 0
 
     def add(self, req: Request) -> None:
-        req.mem = self.alloc.new()
+        req.mem = self.alloc.new(req.namespace)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _span(self, req: Request, budget: int) -> int:
-        return min(self.chunk_size, len(req.tokens) - req.computed, budget)
+        start = req.computed
+        span = min(self.chunk_size, len(req.tokens) - start, budget)
+        for p in req.mem.wanted:  # end the chunk where a checkpoint is wanted
+            if start < p < start + span:
+                return p - start
+        return span
+
+    def _step_pages(self, req: Request, budget: int) -> int:
+        """Fresh pages ``req`` needs for its next span."""
+        return req.mem.live.pages_needed(req.computed + self._span(req, budget))
 
     def _admit(self, budget: int) -> None:
-        ps = self.alloc.mem.page_size
+        taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
-            span = self._span(req, budget)
-            need = -(-span // ps) + len(self.running)  # its first chunk, and a page per running decode
-            if not self.alloc.admit(req.mem, need) and self.running:
-                return
+            force = not self.running
+            try:
+                if not self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, force):
+                    return
+            except OutOfMemory as exc:
+                self.waiting.popleft()
+                self._fail(req, exc)
+                continue
+            req.computed = req.mem.length
             self.running.append(self.waiting.popleft())
-            budget -= span
+            taken += self._step_pages(req, budget)
+            budget -= self._span(req, budget)
 
     def next_step(self) -> Step | None:
         """Pick this step's requests and spans and allocate their memory (retracting on OutOfMemory)."""
-        budget = self.max_step_tokens - sum(1 for r in self.running if len(r.tokens) - r.computed == 1)
+        budget = self.max_step_tokens
+        for req in self.running:  # what the running requests take of this step: admit into the rest
+            budget -= self._span(req, budget)
         self._admit(budget)
         while self.running:
             reqs, spans, left = [], [], self.max_step_tokens
@@ -112,13 +136,14 @@ class Scheduler:
             except OutOfMemory as exc:
                 self._retract_newest(exc)
                 continue
-            prefix = [r.mem.length - s for r, s in zip(reqs, spans, strict=True)]
+            prefix = [r.computed for r in reqs]
+            handles = [r.mem.live for r in reqs]
             has_state = self.alloc.has_state
             batch = ForwardBatch.build(
                 [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
                 prefix,
-                [r.mem.token_locs for r in reqs],
-                [r.mem.slot or 0 for r in reqs] if has_state else None,
+                [h.token_locs() for h in handles],
+                [h.state_slot or 0 for h in handles] if has_state else None,
                 [r.mem.fresh for r in reqs] if has_state else None,
             )
             return Step(reqs, spans, batch)
@@ -126,27 +151,34 @@ class Scheduler:
 
     def _retract_newest(self, exc: OutOfMemory) -> None:
         req = self.running.pop()
-        held = req.mem.length > 0
-        self.alloc.free(req.mem)
+        h = req.mem.handle
+        held = h is not None and h.seq_len > h.match.length  # computed something since its admission
+        self.alloc.retract(req.mem)
         req.computed = 0
         if not self.running:
-            req.error = (
-                f"request {req.index} ({len(req.tokens)} tokens) does not fit the memory budget even alone "
-                f"({exc}); raise gpu_memory or shorten the request"
-            )
-            req.finish_reason = "error"
-            self.failed.append(req)
+            self._fail(req, exc)
             return
         if held:  # a request admitted this step and refused at once held nothing: not a retraction
             req.retractions += 1
             self.retractions += 1
         self.waiting.appendleft(req)
 
+    def _fail(self, req: Request, exc: OutOfMemory) -> None:
+        self.alloc.retract(req.mem)
+        req.error = (
+            f"request {req.index} ({len(req.tokens)} tokens) does not fit the memory budget even alone "
+            f"({exc}); raise gpu_memory or shorten the request"
+        )
+        req.finish_reason = "error"
+        self.failed.append(req)
+
     def complete(self, step: Step, sample: list[int | None]) -> list[Request]:
         """Record a finished forward: ``sample[i]`` is the token chosen for request ``i`` (None: mid-prefill)."""
         self.alloc.mark_computed([r.mem for r in step.reqs])
         finished = []
         for req, span, token in zip(step.reqs, step.spans, sample, strict=True):
+            if req.computed < len(req.tokens) - 1:  # a prefill chunk (not a decode)
+                self.alloc.chunk_done(req.mem, req.tokens)
             req.computed += span
             if token is None:
                 continue
@@ -156,7 +188,7 @@ class Scheduler:
             elif len(req.output) >= req.max_new_tokens:
                 req.finish_reason = "length"
             if req.done:
-                self.alloc.free(req.mem)
+                self.alloc.finish(req.mem, req.tokens)
                 finished.append(req)
         self.running = [r for r in self.running if not r.done]
         return finished

@@ -1,0 +1,196 @@
+"""Engine prefix caching: hits skip computation on every component and stay token-exact against transformers.
+
+Requests share long prefixes: later ones start at the cache's hit (full KV, sliding windows,
+recurrent-state checkpoints, per what each model has), including hits that end inside what
+would have been a prefill chunk. Greedy tokens equal ``generate``'s; every sampled position's
+logits are within ``ATOL`` of the HF forward (``tests/engine/test_exact.py``'s tolerance).
+The memory and the cache tree are checked after every request (and before every step in one
+run); once the cache is cleared nothing is live.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import hybridkv.engine.engine as engine_module
+from hybridkv.engine.engine import Engine, Output
+from hybridkv.host_sync import HostSyncCounter
+from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
+from tests.engine.test_exact import ATOL
+
+ALL_MODELS = ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-nemotron-h", "tiny-kimi-linear"]
+HAS_WINDOW = {"tiny-gemma3", "tiny-gpt-oss"}
+HAS_STATE = {"tiny-qwen3-next", "tiny-nemotron-h", "tiny-kimi-linear"}
+CHUNK = 7
+SHARED = prompt(900, 45)
+FIRST = SHARED + prompt(901, 6)
+LATER = [SHARED + prompt(910 + i, 3 + 2 * i) for i in range(4)]
+
+
+def _engine(name: str, budget: int, page_size: int, **kw: Any) -> Engine:
+    hf = hf_model(name)
+    return Engine(hf.config, hf, gpu_memory=budget, page_size=page_size, chunk_size=CHUNK, max_context=96, **kw)
+
+
+class Logits:
+    """Records the logits of every sampled position, keyed by (request index, tokens so far)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.rows: dict[tuple[int, int], torch.Tensor] = {}
+        choose = engine_module.choose_tokens
+
+        def recording(logits: torch.Tensor, temps: list[float], seeds: list[int], positions: list[int]) -> list[int]:
+            for row, seed, pos in zip(logits, seeds, positions, strict=True):
+                self.rows[(seed, pos)] = row.clone()
+            return choose(logits, temps, seeds, positions)
+
+        monkeypatch.setattr(engine_module, "choose_tokens", recording)
+
+    def check(self, name: str, index: int, ids: list[int], out: Output, max_new: int) -> None:
+        tokens, ref = hf_reference(name, tuple(ids), max_new)
+        assert out.error is None, out.error
+        assert out.output_ids == tokens, f"request {index}: prompt of {len(ids)} tokens"
+        for k in range(len(out.output_ids)):
+            diff = float((self.rows[(index, len(ids) + k)] - ref[k]).abs().max())
+            assert diff < ATOL, f"request {index}, token {k}: logits differ by {diff}"
+
+
+def _checked(engine: Engine) -> Any:
+    def after(index: int, out: Output) -> None:
+        engine.mem.verify()
+        engine.cache.check()
+
+    return after
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_shared_prefixes_hit_every_component_and_stay_exact(
+    name: str, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(name, 2_000_000, page_size)
+    empty = live_counts(engine.mem)
+    logits = Logits(monkeypatch)
+    first = engine.generate([FIRST], 6, on_output=_checked(engine))
+    assert first[0].cached_tokens == 0
+    logits.check(name, 0, FIRST, first[0], 6)
+    # the first later request checkpoints where the shared prefix ends (its checkpoint_at); the others hit there
+    outs: list[Output] = []
+    for part in (LATER[:1], LATER[1:]):
+        logits.rows.clear()
+        done = engine.generate(part, 6, on_output=_checked(engine))
+        for i, (ids, out) in enumerate(zip(part, done, strict=True)):
+            logits.check(name, i, ids, out, 6)
+        outs += done
+    for out in outs:
+        hit = out.hit
+        assert hit is not None and hit.full >= max(hit.cached_tokens, 45 // page_size * page_size - page_size)
+    # the first later request may find no checkpoint on its full-KV match (none at a page-aligned chunk end)
+    for out in outs[1:]:
+        hit = out.hit
+        assert hit is not None and out.cached_tokens == hit.cached_tokens > 0
+        if name in HAS_WINDOW:
+            assert hit.window >= hit.cached_tokens
+        if name in HAS_STATE:
+            assert hit.checkpoint == hit.cached_tokens
+    assert any(o.cached_tokens % CHUNK for o in outs), [o.cached_tokens for o in outs]  # a hit that ends mid-chunk
+    assert engine.stats["forward_tokens"] < sum(map(len, [FIRST, *LATER])) + 6 * 5  # hits were not recomputed
+    engine.clear_cache()
+    engine.mem.verify()
+    engine.cache.check()
+    assert live_counts(engine.mem) == empty
+
+
+def test_a_hit_inside_one_chunk_starts_prefill_at_the_hit() -> None:
+    """The second request's hit (page-aligned, 44 with pages of 4) is not a multiple of the chunk (7):
+    its prefill starts at 44, so the engine computes only its 7 - 1 new prompt tokens + the decodes."""
+    engine = _engine("tiny-qwen3-next", 2_000_000, 4)
+    engine.generate([[*SHARED, 5]], 1)
+    before = engine.stats["forward_tokens"]
+    ids = SHARED + prompt(77, 7)
+    out = engine.generate([ids], 4)[0]
+    assert out.cached_tokens == 44 and 44 % CHUNK
+    assert engine.stats["forward_tokens"] - before == len(ids) - 44 + 3
+    assert out.output_ids == hf_reference("tiny-qwen3-next", tuple(ids), 4)[0]
+
+
+def test_without_the_prefix_cache_nothing_is_cached() -> None:
+    engine = _engine("tiny-gemma3", 2_000_000, 4, prefix_cache=False)
+    engine.generate([FIRST], 4)
+    outs = engine.generate(LATER, 4)
+    assert [o.cached_tokens for o in outs] == [0] * len(LATER)
+    assert engine.cache.cached_tokens == 0
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-gemma3", tuple(p), 4)[0] for p in LATER]
+
+
+def test_cache_salts_keep_namespaces_apart() -> None:
+    engine = _engine("tiny-gpt-oss", 2_000_000, 4)
+    engine.generate([FIRST], 2, cache_salts=["a"])
+    outs = engine.generate(LATER[:2], 2, cache_salts=["b", "a"])
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens > 0
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-gpt-oss", tuple(p), 2)[0] for p in LATER[:2]]
+    with pytest.raises(ValueError, match="1 cache salts for 2 prompts"):
+        engine.generate(LATER[:2], 2, cache_salts=["a"])
+
+
+GROUPS = [prompt(300 + g, 20 + 6 * g) for g in range(4)]
+MIXED = [GROUPS[i % 4] + prompt(400 + i, 1 + (5 * i) % 17) for i in range(18)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_a_small_budget_retracts_and_evicts_and_stays_exact(
+    name: str, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """18 requests of mixed lengths in 4 prefix groups, one bad request among them: the cache evicts
+    to make room, requests are retracted (and resume from what they cached); all exact. (At such a
+    budget the cache mostly thrashes; hits are proven above.) Nemotron-H's large state slots admit
+    few requests at once below 200 KB, too few to run out of memory."""
+    engine = _engine(name, 200_000 if name == "tiny-nemotron-h" else 150_000, page_size)
+    empty = live_counts(engine.mem)
+    logits = Logits(monkeypatch)
+    batch = [*MIXED[:5], [], *MIXED[5:9], [3, 999], *MIXED[9:]]
+    outs = engine.generate(batch, 8, on_output=_checked(engine))
+    assert engine.stats["retractions"] > 0
+    assert engine.cache.stats()["evicted_pages"] > 0  # type: ignore[operator]
+    assert "empty prompt" in (outs[5].error or "") and "outside the vocabulary" in (outs[10].error or "")
+    good = [i for i in range(len(batch)) if i not in (5, 10)]
+    for i in good:
+        logits.check(name, i, batch[i], outs[i], 8)
+    engine.clear_cache()
+    engine.mem.verify()
+    engine.cache.check()
+    assert live_counts(engine.mem) == empty
+
+
+def test_memory_and_cache_hold_before_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine("tiny-qwen3-next", 150_000, 4)
+    forward = engine.runner.forward
+    steps = []
+
+    def checked(batch: Any) -> torch.Tensor:
+        engine.mem.verify()
+        engine.cache.check()
+        steps.append(1)
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", checked)
+    outs = engine.generate(MIXED, 6)
+    assert len(steps) == engine.stats["steps"] and engine.stats["retractions"] > 0
+    assert [o.output_ids for o in outs] == [hf_reference("tiny-qwen3-next", tuple(p), 6)[0] for p in MIXED]
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_no_host_sync_in_the_cached_path(name: str) -> None:
+    """Matching, admitting, forking checkpoints, inserting, evicting and releasing read nothing back
+    from the device: the only host read is the sampled tokens (one ``tolist`` a step)."""
+    engine = _engine(name, 300_000, 4)
+    engine.generate(MIXED[:4], 2)  # the group prefixes, cached
+    with HostSyncCounter() as counter:
+        engine.generate(MIXED, 6)
+    assert engine.stats["cached_tokens"] > 0 and engine.cache.stats()["evicted_pages"] > 0
+    assert set(counter.counts) == {"tolist"}
+    assert counter.counts["tolist"] <= engine.stats["steps"]
