@@ -93,7 +93,7 @@ def test_shared_prefixes_hit_every_component_and_stay_exact(
         hit = out.hit
         assert hit is not None and out.cached_tokens == hit.cached_tokens > 0
         if name in HAS_WINDOW:
-            assert hit.window >= hit.cached_tokens
+            assert hit.window > 0  # the window component itself hit (issue 8: hits > 0 on every component)
         if name in HAS_STATE:
             assert hit.checkpoint == hit.cached_tokens
     assert any(o.cached_tokens % CHUNK for o in outs), [o.cached_tokens for o in outs]  # a hit that ends mid-chunk

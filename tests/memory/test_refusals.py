@@ -65,7 +65,7 @@ def test_numpy_integer_counts_are_accepted(mem):
     row = mem.alloc(9)
     mem.free_segment(row[PS:], np.int64(PS))
     mem.free_outside_span(np.unique(row[:PS] // PS), np.int16(PS))
-    assert mem.compact(np.int64(1)) >= 0
+    assert mem.compact(np.int64(1)) in (0, 1)  # at most the one slab asked for
     mem.verify()
 
 

@@ -12,13 +12,16 @@ import torch
 
 def choose_tokens(logits: torch.Tensor, temperatures: list[float], seeds: list[int], positions: list[int]) -> list[int]:
     """One token per row of ``logits`` ``(R, vocab)``; temperature 0 is greedy."""
-    chosen = torch.argmax(logits, dim=-1)
+    chosen: list[int] = torch.argmax(logits, dim=-1).tolist()  # the step's one read of the device
     sampled = [i for i, t in enumerate(temperatures) if t > 0]
     if sampled:
         rows = logits[sampled].float().cpu()
+        noise = torch.empty_like(rows)
         for j, i in enumerate(sampled):
             g = torch.Generator().manual_seed(seeds[i] * 1_000_003 + positions[i])
             u = torch.rand(rows.shape[1], generator=g).clamp_(min=1e-20)
-            gumbel = -torch.log(-torch.log(u))  # argmax(logits / T + Gumbel) ~ softmax(logits / T)
-            chosen[i] = int(torch.argmax(rows[j] / temperatures[i] + gumbel))
-    return chosen.tolist()
+            noise[j] = -torch.log(-torch.log(u))  # argmax(logits / T + Gumbel) ~ softmax(logits / T)
+        temps = torch.tensor([temperatures[i] for i in sampled], dtype=rows.dtype)[:, None]
+        for i, token in zip(sampled, torch.argmax(rows / temps + noise, dim=-1).tolist(), strict=True):
+            chosen[i] = token
+    return chosen

@@ -161,6 +161,9 @@ def bootstrap_call(address: str, msg: Message, seal: Seal, timeout_s: float = 5.
         env = Gate(seal.key).open(data, lambda addressee: addressee in (to, ""))
     except AuthError as exc:
         raise AuthError(f"bootstrap {address}: {exc}; do both sides use the same cluster key?") from None
-    if env.sender != BOOTSTRAP_RANK or (not env.to and not isinstance(env.body, RegisterAck)):
+    # An unaddressed frame is only ever a refusal of a frame that did not open: a replayed one can
+    # refuse (like dropped traffic), never accept or answer a lookup.
+    unaddressed_refusal = isinstance(env.body, RegisterAck) and not env.body.ok
+    if env.sender != BOOTSTRAP_RANK or (not env.to and not unaddressed_refusal):
         raise AuthError(f"bootstrap {address} answered as {env.sender} with {type(env.body).__name__}")
     return env.body
