@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hybridkv.cache.args import integer, mapping
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy
@@ -41,18 +42,17 @@ class Evictor:
         that freed something.
         """
         rules = self.rules
-        unknown = [k for k in needs if k is not PAGE_NEED and k not in rules.pool_ids]
+        asked = mapping(needs, "evict needs")
+        unknown = [k for k in asked if k is not PAGE_NEED and k not in rules.pool_ids]
         if unknown:
             raise CacheError(
                 f"evict: unknown need {[str(k) for k in unknown]}; name pool ids of this shard "
                 f"{sorted(map(str, rules.pool_ids))} or PAGE_NEED ({PAGE_NEED}); a pool name string reads back "
                 f"with PoolId.parse"
             )
-        bad = {str(k): v for k, v in needs.items() if int(v) < 0}
-        if bad:
-            raise CacheError(f"evict: needs must be >= 0, got {bad}")
+        given = {k: integer(v, f"evict needs[{k}]", minimum=0) for k, v in asked.items()}
         keys = rules.need_keys
-        want = [int(needs.get(k, 0)) for k in keys]
+        want = [given.get(k, 0) for k in keys]
         freed = [0] * len(keys)
         release = Release()
         full_need = max(want[PAGE_NEED_SLOT], *(want[i] for i in rules.full.slots))
@@ -67,7 +67,7 @@ class Evictor:
             need = want[slot] - freed[slot]
             if need > 0:
                 self._evict_checkpoints(need, freed, release)
-        release.flush(self.mem)
+        release.flush(self.mem, self.residency)
         return {k: v for k, v in zip(keys, freed, strict=True) if v}
 
     def _leaf_ok(self, node: Node) -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.cache.args import integer
 from hybridkv.cache.checkpoints import CheckpointCap
 from hybridkv.cache.dedupe import Dedupe
 from hybridkv.cache.errors import CacheError, InsertError, LockError
@@ -115,8 +116,16 @@ class HybridRadixCache:
         max_checkpoints_per_path: int = 8,
         events: bool = False,
     ):
-        if max_checkpoints_per_path < 1:
-            raise CacheError(f"max_checkpoints_per_path must be >= 1, got {max_checkpoints_per_path}")
+        integer(max_checkpoints_per_path, "max_checkpoints_per_path", minimum=1)
+        if not isinstance(policy, str | Policy):
+            raise CacheError(f"policy must be a policy name or a Policy, got {type(policy).__name__} {policy!r}")
+        if not isinstance(mem, UnifiedMemory):
+            raise CacheError(f"HybridRadixCache: expected a UnifiedMemory, got {type(mem).__name__}")
+        if mem.pages.holder is not None:
+            raise CacheError(
+                "HybridRadixCache: another prefix cache already holds this memory's pages; one cache "
+                "per memory (build a new memory for a second cache)"
+            )
         self.mem = mem
         self.page_size = mem.page_size
         self.rules = HitRules(mem)
@@ -161,13 +170,17 @@ class HybridRadixCache:
     def match_prefix(self, tokens: object, extra_key: Hashable = None) -> MatchResult:
         """Longest prefix of ``tokens`` valid for every component (page-aligned).
 
-        May split the node where the hit ends, so that a lock covers exactly the hit.
+        May split the node where the hit ends, so that a lock covers exactly the hit. A
+        namespace holding nothing gives an empty hit on a detached root: nothing is created.
         """
         toks = _tokens(tokens, "match_prefix")
         try:
             root = self.tree.roots[extra_key]
         except (KeyError, TypeError):
-            root = self._root(extra_key)  # a new namespace (or a CacheError for an unhashable key)
+            known = self.tree.find_root(extra_key)  # a CacheError for an unhashable key
+            if known is None:
+                return self._empty_match(extra_key)
+            root = known
         walk = self.tree.walk(root, toks)
         full = walk.full
         if self._full_only:
@@ -193,6 +206,13 @@ class HybridRadixCache:
             full if full > end else None,
         )
 
+    def _empty_match(self, namespace: Hashable) -> MatchResult:
+        if self.events.enabled:
+            root_hash(namespace)  # refuses a key events cannot name, as an insert there would
+        self.counters.matches += 1
+        root = self.tree.empty_root(namespace)
+        return MatchResult(root, 0, root.path_pages, None, 0, 0, 0, None)
+
     # --- insert ---------------------------------------------------------------------------
 
     def insert(
@@ -215,12 +235,13 @@ class HybridRadixCache:
         ps = self.page_size
         toks = _tokens(tokens, "insert")
         req = _page_ids(pages, "insert pages")
+        priority = integer(priority, "insert priority")
         if toks.size != req.size * ps:
             raise InsertError(
                 f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
                 "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
             )
-        ckpts = self.checkpoints.validate(checkpoints, toks.size) if checkpoints else []
+        ckpts = self.checkpoints.validate(checkpoints, toks.size) if checkpoints is not None else []
         root = self.tree.find_root(extra_key)
         walk = self.tree.walk(root, toks) if root is not None else None
         full = walk.full if walk is not None else 0
@@ -243,8 +264,8 @@ class HybridRadixCache:
             )
 
         # --- validated: from here on nothing refuses ---
-        if walk is None:
-            walk = Walk(self._root(extra_key), [], None, 0, ps)
+        if walk is None:  # a new namespace: its root is made with its first node
+            walk = Walk(self._root(extra_key) if toks.size else self.tree.empty_root(extra_key), [], None, 0, ps)
         adopted = self.dedupe.adopt_windows(walk, dup_idx, dup_pages) if dup_pages.size else 0
         nodes = walk.nodes
         if nodes and nodes[-1].end == full:
@@ -272,8 +293,11 @@ class HybridRadixCache:
 
     def lock(self, node: Node) -> CacheLock:
         """Protect a hit ending at ``node.end``: full KV on the path, the window before it,
-        the checkpoint at ``node`` (if any). Give it back with ``unlock``."""
-        if not self.tree.contains(node):
+        the checkpoint at ``node`` (if any). Give it back with ``unlock``. A root (an empty
+        hit) protects nothing: its lock is valid whether or not the root is in the tree."""
+        if not isinstance(node, Node):
+            raise LockError(f"lock: expected a Node from match_prefix or insert, got {type(node).__name__}")
+        if not node.is_root and not self.tree.contains(node):
             raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
         return self.locks.lock(node)
 
