@@ -5,6 +5,13 @@ pool, their checkpoint goes too); a window need tombstones the window pages of u
 nodes (a leaf goes whole); a checkpoint need drops unlocked checkpoints. Candidates come
 from the residency's lazy heaps, smallest policy key first.
 
+What the allocator is short of is slab bytes as much as cells: a pool may be short while
+the other pools' cached cells hold every slab (windows all tombstoned, no checkpoint left
+to drop). For an allocator's refusal (``for_slabs``), a pool still short after its own
+component's pass therefore evicts whole leaves until they gave back its shortfall in bytes,
+rounded up to whole slabs; the allocator's broker hands it the slabs that frees (or
+compacts the donor to empty them).
+
 Invariants:
 - Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
   its heap.
@@ -14,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -34,12 +41,13 @@ class Evictor:
         self.residency = residency
         self.policy = policy
 
-    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
+    def evict(self, needs: Mapping[Need, int], *, for_slabs: bool = False) -> dict[Need, int]:
         """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
 
         Keys: the memory's pool ids or ``PAGE_NEED`` (whole pages, e.g. for a cache-size
-        cap). Returns cells freed per pool (and whole pages under ``PAGE_NEED``), only those
-        that freed something.
+        cap). ``for_slabs``: the needs are what an allocation was refused for, so a pool its
+        own component cannot serve is served in slab bytes by whole leaves. Returns cells
+        freed per pool (and whole pages under ``PAGE_NEED``), only those that freed something.
         """
         rules = self.rules
         asked = mapping(needs, "evict needs")
@@ -67,6 +75,10 @@ class Evictor:
             need = want[slot] - freed[slot]
             if need > 0:
                 self._evict_checkpoints(need, freed, release)
+        short = sum(max(0, want[r.slot] - freed[r.slot]) * r.cell_bytes for r in rules.extra) if for_slabs else 0
+        if short:
+            slab = self.mem.arena.slab_bytes
+            self._evict_leaves_for_bytes(-(-short // slab) * slab, freed, release)
         release.flush(self.mem, self.residency)
         return {k: v for k, v in zip(keys, freed, strict=True) if v}
 
@@ -81,8 +93,22 @@ class Evictor:
         )
 
     def _evict_leaves(self, need: int, freed: list[int], release: Release) -> None:
+        self._evict_leaves_until(lambda: freed[PAGE_NEED_SLOT] >= need, freed, release)
+
+    def _evict_leaves_for_bytes(self, nbytes: int, freed: list[int], release: Release) -> None:
+        """Evict whole leaves until they freed ``nbytes`` over every pool."""
+        rules, before = self.rules, list(freed)
+        per_slot = [(s, rules.full.pools_bytes[i]) for i, s in enumerate(rules.full.slots)]
+        per_slot += [(r.slot, r.cell_bytes) for r in rules.extra]
+
+        def enough() -> bool:
+            return sum((freed[s] - before[s]) * b for s, b in per_slot) >= nbytes
+
+        self._evict_leaves_until(enough, freed, release)
+
+    def _evict_leaves_until(self, enough: Callable[[], bool], freed: list[int], release: Release) -> None:
         heap, skipped = self.residency.full_heap, []
-        while freed[PAGE_NEED_SLOT] < need:
+        while not enough():
             got = heap.pop()
             if got is None:
                 break

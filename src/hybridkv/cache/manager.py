@@ -14,7 +14,8 @@ every request through it. A request's life:
 Allocation with eviction (``alloc_pages`` / ``alloc_state`` / ``fork_state``, and every call
 above that allocates): on ``OutOfMemory`` the cache evicts what the allocator says it is
 short of and the call is retried; ``OutOfMemory`` reaches the caller only once nothing
-unlocked and unpinned is left to evict for it. Such a refusal leaves every handle as it
+unlocked and unpinned is left to evict for it: a pool whose own component has nothing left
+(windows all tombstoned, no checkpoint) gets slab bytes from whole leaves. Such a refusal leaves every handle as it
 was (the cache may have evicted).
 
 Invariants:
@@ -72,8 +73,10 @@ class KVManager:
     # --- allocation with eviction ---------------------------------------------------------
 
     def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
-        """The cache's eviction (``HybridRadixCache.evict``); the one place allocation calls it."""
-        return self.cache.evict(needs)
+        """The cache's eviction for a refused allocation (``HybridRadixCache.evict`` with
+        ``for_slabs``: a pool short of what its own component frees gets slab bytes from
+        whole leaves); the one place allocation calls it."""
+        return self.cache.evict(needs, for_slabs=True)
 
     def alloc_pages(self, count: int) -> np.ndarray:
         """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""

@@ -304,9 +304,11 @@ class HybridRadixCache:
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
 
-    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
+    def evict(self, needs: Mapping[Need, int], *, for_slabs: bool = False) -> dict[Need, int]:
         """See ``Evictor.evict``: cells freed per pool (and whole pages under ``PAGE_NEED``)."""
-        return self.evictor.evict(needs)
+        if not isinstance(for_slabs, bool):
+            raise CacheError(f"evict for_slabs must be a bool, got {type(for_slabs).__name__}")
+        return self.evictor.evict(needs, for_slabs=for_slabs)
 
     # --- structure ------------------------------------------------------------------------
 
