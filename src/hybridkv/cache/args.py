@@ -27,3 +27,12 @@ def mapping(value: object, what: str) -> Mapping[object, object]:
     if not isinstance(value, Mapping):
         raise CacheError(f"{what} must be a mapping (a dict), got {type(value).__name__} {value!r}")
     return value
+
+
+def as_array(value: object) -> np.ndarray:
+    """``np.asarray``; a ragged or unconvertible value comes back as an empty 2-D object array,
+    which every caller's shape and dtype check refuses with its own message."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError):
+        return np.empty((0, 0), dtype=object)

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from hybridkv.cache.args import integer
+from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.handle import HandleStatus, KVHandle
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
@@ -89,7 +89,7 @@ class KVManager:
 
     def fork_state(self, slots: list[int] | np.ndarray) -> np.ndarray:
         """New slots holding copies of ``slots``' states (copy-on-write of a checkpoint)."""
-        src = np.asarray(slots)
+        src = as_array(slots)
         if src.ndim != 1 or (src.size and src.dtype.kind not in "iu"):
             raise CacheError(f"fork_state: slots must be a 1-D sequence of slot ids, got {slots!r}")
         return self._with_eviction(lambda: self.mem.fork_state(src), self._slot_need(src.size))
@@ -238,7 +238,7 @@ class KVManager:
         handle = _handle(handle, "insert")
         if handle.status is not HandleStatus.RUNNING:
             handle.check_running("insert")
-        toks = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
+        toks = tokens if type(tokens) is np.ndarray else as_array(tokens)
         size = toks.size
         if toks.ndim != 1 or (size and toks.dtype.kind not in "iu"):
             raise CacheError(f"insert: tokens must be a 1-D integer array, got shape {toks.shape} {toks.dtype}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.cache.args import integer
+from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.checkpoints import CheckpointCap
 from hybridkv.cache.dedupe import Dedupe
 from hybridkv.cache.errors import CacheError, InsertError, LockError
@@ -92,7 +92,7 @@ class InsertResult:
 def _tokens(tokens: object, what: str) -> np.ndarray:
     if type(tokens) is np.ndarray and tokens.dtype is _INT64 and tokens.ndim == 1 and tokens.flags.c_contiguous:
         return tokens  # the common case, without a copy
-    arr = np.asarray(tokens)
+    arr = as_array(tokens)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise CacheError(f"{what}: tokens must be a 1-D integer array, got shape {arr.shape} {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.int64)
@@ -101,7 +101,7 @@ def _tokens(tokens: object, what: str) -> np.ndarray:
 def _page_ids(pages: object, what: str) -> np.ndarray:
     if type(pages) is np.ndarray and pages.dtype is _INT64 and pages.ndim == 1:
         return pages
-    arr = np.asarray(pages)
+    arr = as_array(pages)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InsertError(f"{what}: need a 1-D integer array of page ids, got shape {arr.shape} {arr.dtype}")
     return arr.astype(np.int64, copy=False)
