@@ -15,6 +15,8 @@ from hybridkv.cache.errors import CacheError
 
 def integer(value: object, what: str, *, minimum: int | None = None) -> int:
     """``value`` as an int, or a ``CacheError`` naming ``what``."""
+    if type(value) is int and (minimum is None or value >= minimum):
+        return value  # the common case
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise CacheError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
     out = int(value)
@@ -24,6 +26,8 @@ def integer(value: object, what: str, *, minimum: int | None = None) -> int:
 
 
 def mapping(value: object, what: str) -> Mapping[object, object]:
+    if type(value) is dict:
+        return value  # the common case, without an ABC check
     if not isinstance(value, Mapping):
         raise CacheError(f"{what} must be a mapping (a dict), got {type(value).__name__} {value!r}")
     return value
