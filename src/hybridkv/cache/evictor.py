@@ -75,7 +75,11 @@ class Evictor:
             need = want[slot] - freed[slot]
             if need > 0:
                 self._evict_checkpoints(need, freed, release)
-        short = sum(max(0, want[r.slot] - freed[r.slot]) * r.cell_bytes for r in rules.extra) if for_slabs else 0
+        short = 0
+        if for_slabs:
+            for r in rules.extra:
+                if want[r.slot] > freed[r.slot]:
+                    short += (want[r.slot] - freed[r.slot]) * r.cell_bytes
         if short:
             slab = self.mem.arena.slab_bytes
             self._evict_leaves_for_bytes(-(-short // slab) * slab, freed, release)

@@ -106,11 +106,10 @@ class VirtualIds:
 
     def check_not_held(self, ids: np.ndarray, what: str, by: object = None) -> None:
         """Raise ``InvalidIds`` if an id is marked held, unless ``by`` is its holder."""
-        if self.holder is None or by is self.holder or not ids.size:
+        if self.holder is None or by is self.holder:
             return
-        marked = self.held[ids]
-        if np.count_nonzero(marked):
-            first = int(ids[np.argmax(marked)])
+        if np.count_nonzero(self.held[ids]):
+            first = int(ids[np.argmax(self.held[ids])])
             raise InvalidIds(
                 f"{what}: {self.label} {first} is held by {self._holder_name}, which frees it itself "
                 "(on eviction); free the request's own ids instead (KVManager.release)"
