@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -82,7 +82,9 @@ class Evictor:
                     short += (want[r.slot] - freed[r.slot]) * r.cell_bytes
         if short:
             slab = self.mem.arena.slab_bytes
-            self._evict_leaves_for_bytes(-(-short // slab) * slab, freed, release)
+            per_slot = [*zip(rules.full.slots, rules.full.pools_bytes, strict=True)]
+            per_slot += [(r.slot, r.cell_bytes) for r in rules.extra]
+            self._evict_leaves(-(-short // slab) * slab, freed, release, per_slot)
         release.flush(self.mem, self.residency)
         return {k: v for k, v in zip(keys, freed, strict=True) if v}
 
@@ -96,23 +98,19 @@ class Evictor:
             node.checkpoint < 0 or not gates.slot_pins[node.checkpoint]
         )
 
-    def _evict_leaves(self, need: int, freed: list[int], release: Release) -> None:
-        self._evict_leaves_until(lambda: freed[PAGE_NEED_SLOT] >= need, freed, release)
-
-    def _evict_leaves_for_bytes(self, nbytes: int, freed: list[int], release: Release) -> None:
-        """Evict whole leaves until they freed ``nbytes`` over every pool."""
-        rules, before = self.rules, list(freed)
-        per_slot = [(s, rules.full.pools_bytes[i]) for i, s in enumerate(rules.full.slots)]
-        per_slot += [(r.slot, r.cell_bytes) for r in rules.extra]
-
-        def enough() -> bool:
-            return sum((freed[s] - before[s]) * b for s, b in per_slot) >= nbytes
-
-        self._evict_leaves_until(enough, freed, release)
-
-    def _evict_leaves_until(self, enough: Callable[[], bool], freed: list[int], release: Release) -> None:
+    def _evict_leaves(
+        self, need: int, freed: list[int], release: Release, per_slot: list[tuple[int, int]] | None = None
+    ) -> None:
+        """Evict whole leaves until ``need`` pages are freed or, given ``per_slot`` (need slot,
+        cell bytes) pairs, until ``need`` bytes are freed over those pools."""
         heap, skipped = self.residency.full_heap, []
-        while not enough():
+        before = list(freed) if per_slot is not None else freed
+        while True:
+            if per_slot is None:
+                if freed[PAGE_NEED_SLOT] >= need:
+                    break
+            elif sum((freed[s] - before[s]) * b for s, b in per_slot) >= need:
+                break
             got = heap.pop()
             if got is None:
                 break
