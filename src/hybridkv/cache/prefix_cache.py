@@ -18,7 +18,11 @@ Invariants (``check_tree`` proves them; tests call it after every step):
   ``max_checkpoints_per_path`` checkpoints.
 - Ownership: ``insert`` keeps the pages and checkpoint slots it caches and hands back the
   rest in its result (duplicates of cached pages, slots not kept): the caller frees those.
+  What it keeps carries the memory's owner mark: every free of it but the cache's own
+  (eviction) is refused by the memory, so a cached id is never reallocated under a hit.
   A refused call (``CacheError``) changes neither the tree nor the pools.
+- A namespace's root exists only while the namespace holds a node: matching an unknown
+  namespace creates nothing.
 - Everything here runs on host ids (numpy / Python ints); nothing reads device memory.
 """
 
@@ -53,7 +57,8 @@ class MatchResult:
     """A hit (read-only by convention: it is built on every match, so it is not frozen)."""
 
     node: Node
-    """The node that ends at ``length`` (the namespace root when ``length == 0``): lock it."""
+    """The node that ends at ``length`` (the namespace root when ``length == 0``, detached from
+    the tree when the namespace holds nothing): lock it."""
     length: int
     """Tokens valid for every component."""
     pages: np.ndarray
