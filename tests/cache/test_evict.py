@@ -146,3 +146,37 @@ def test_bad_needs_are_refused():
     with pytest.raises(CacheError, match=">= 0"):
         cache.evict({full(cache): -1})
     assert cache.cached_pages == 2
+
+
+def test_a_pool_short_of_slabs_gets_them_from_cached_full_kv():
+    """Windows all tombstoned, the full pool's cached pages spread over every full slab (one
+    live cell each, holes exactly what the request needs): the window pool is short of slabs
+    that only evicting full KV can give. Before: eviction tombstoned nothing and the request,
+    which fits an empty memory, was refused."""
+    ps = 4
+
+    def memory() -> UnifiedMemory:
+        shard = ShardSpec.whole(get_preset("tiny-swa"))
+        return UnifiedMemory.create(shard, 150_000, page_size=ps, max_context=128, chunk_tokens=16)
+
+    memory().alloc_pages(16)  # what an empty memory gives in one call
+    mem = memory()
+    cache = HybridRadixCache(mem)
+    kvm = KVManager(cache)
+    rows = []
+    for _ in range(8):
+        row = mem.alloc_pages(3)  # one full slab (3 cells)
+        mem.free_window_pages(row)
+        rows.append(row)
+    for i, row in enumerate(rows):
+        cache.insert(1000 * i + np.arange(ps), row[:1])  # window already released: nothing to tombstone
+        mem.free_pages(row[1:])
+    assert cache.stats()["window_resident_pages"] == {"swa:8": 0} and cache.cached_pages == 8
+    (window,) = cache.rules.windows
+    assert cache.evict({window.pool_id: 1}) == {}  # its own component has nothing left
+    kv = kvm.admit(kvm.match(np.arange(50_000, 50_000 + 16 * ps)))
+    kvm.extend(kv, 16 * ps)
+    assert kv.n_pages == 16 and cache.counters.evicted_pages == 8
+    kvm.release(kv)
+    cache.check()
+    mem.verify()

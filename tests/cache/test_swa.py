@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
+from hybridkv.memory import InvalidIds
 from hybridkv.spec import WindowPool
 from tests.cache.helpers import small_memory
 
@@ -137,9 +138,12 @@ def test_two_windows_must_both_hold():
     cache.mem.verify()
 
 
-def test_check_catches_window_pages_freed_behind_the_cache(cache):
+def test_window_pages_freed_behind_the_cache_are_refused_and_check_catches_them(cache):
     kvm, kv = serve(cache, np.arange(16), release_window=False)
     kvm.release(kv)
-    cache.mem.free_window_pages(kv.pages[:1], swa(cache))  # the cache owns these: a caller bug
+    with pytest.raises(InvalidIds, match="held by the prefix cache"):  # the cache owns these: a caller bug
+        cache.mem.free_window_pages(kv.pages[:1], swa(cache))
+    cache.check()
+    cache.mem.free_window_pages(kv.pages[:1], swa(cache), by=cache.residency)  # forced in its name
     with pytest.raises(AssertionError, match="resident in swa:8"):
         cache.check()

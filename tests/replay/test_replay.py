@@ -21,7 +21,7 @@ from hybridkv.replay import (
     load_workload,
 )
 from hybridkv.replay.workload import OUTPUT_BASE
-from hybridkv.traces import MOONCAKE_TRACE, PEER_TRACE
+from hybridkv.traces import MOONCAKE_TRACE, PEER_TRACE, load_mooncake_trace
 
 
 def upper_bound(workload: Workload, page_size: int) -> tuple[int, int]:
@@ -31,7 +31,7 @@ def upper_bound(workload: Workload, page_size: int) -> tuple[int, int]:
     seen: set[bytes] = set()
     hit = total = 0
     for r in workload.requests:
-        toks, ps = r.tokens, page_size
+        toks, ps = r.input_ids(), page_size
         digests, h = [], hashlib.sha1()
         for e in range(toks.size // ps):
             h.update(toks[e * ps : (e + 1) * ps].tobytes())
@@ -52,9 +52,34 @@ def mooncake() -> Workload:
 
 def test_mooncake_tokens_follow_the_trace(mooncake):
     r = mooncake.requests[0]
-    assert r.tokens[0] == 0 * 512 and r.tokens.size == r.input_length
-    assert (r.output >= OUTPUT_BASE).all() and r.output.size == r.output_length
+    tokens, output = r.input_ids(), r.output_ids()
+    assert tokens[0] == 0 * 512 and tokens.size == r.input_length
+    assert (output >= OUTPUT_BASE).all() and output.size == r.output_length
     assert [x.arrival_s for x in mooncake.requests] == sorted(x.arrival_s for x in mooncake.requests)
+
+
+def test_mooncake_ids_are_made_per_request_not_kept(mooncake):
+    """A workload keeps block ids and lengths only; the ids are built on demand, equal to the
+    trace's expansion every time; the simulator holds them only for running requests."""
+    rows = load_mooncake_trace(MOONCAKE_TRACE, limit=60)
+    by_time = sorted(rows, key=lambda row: row.timestamp_ms)
+    for r, row in zip(mooncake.requests, by_time, strict=True):
+        assert r.prompt is None and r.generated is None and r.blocks is not None
+        assert r.blocks.nbytes <= 8 * len(row.hash_ids)
+        assert np.array_equal(r.input_ids(), row.input_tokens()) and np.array_equal(r.input_ids(), r.input_ids())
+    kept = sum(r.blocks.nbytes for r in mooncake.requests)
+    assert kept * 100 < 8 * mooncake.input_tokens  # block ids, not tokens
+    built: list[int] = []
+
+    class Counting(Simulator):
+        def _prefill(self, req):
+            got = super()._prefill(req)
+            if got is not None:
+                built.append(got[0].tokens.size)
+            return got
+
+    Counting(mooncake, ReplayConfig("Llama-3.1-8B", "110GiB", page_size=16)).run()
+    assert sorted(built) == sorted(r.input_length for r in mooncake.requests)
 
 
 def test_unbounded_hit_rate_equals_the_trace_upper_bound(mooncake):
@@ -91,7 +116,7 @@ def synthetic(n: int = 40, seed: int = 0) -> Workload:
         tail = rng.integers(10_000, 10_100, size=int(rng.integers(1, 150)))
         tokens = np.concatenate([prompts[rid % 3], tail])
         output = OUTPUT_BASE + rid * 1000 + np.arange(int(rng.integers(1, 60)))
-        reqs.append(ReplayRequest(rid, rid / 10, tokens, output))
+        reqs.append(ReplayRequest.from_ids(rid, rid / 10, tokens, output))
     return Workload("synthetic", tuple(reqs))
 
 
@@ -149,7 +174,7 @@ def test_cache_token_cap_holds_once_requests_release_their_hits():
 
 
 def test_a_memory_too_small_for_one_request_or_an_empty_trace_is_a_clear_error():
-    big = ReplayRequest(0, 0.0, np.arange(4000), OUTPUT_BASE + np.arange(10))
+    big = ReplayRequest.from_ids(0, 0.0, np.arange(4000), OUTPUT_BASE + np.arange(10))
     with pytest.raises(LayoutError, match="Raise the budget to at least"):
         Simulator(Workload("one", (big,)), ReplayConfig("tiny-dense", 100_000, page_size=4))
     with pytest.raises(ReplayError, match="no requests"):

@@ -27,6 +27,8 @@ def check_tree(cache: HybridRadixCache) -> None:
     for namespace, root in cache.tree.roots.items():
         if root.parent is not None or root.key.size or root.pages.size or root.checkpoint >= 0:
             _fail(f"root of namespace {namespace!r} is not an empty root")
+        if not root.children:
+            _fail(f"root of namespace {namespace!r} holds no node but is kept")
         stack = [(root, 0)]
         while stack:
             node, states_above = stack.pop()

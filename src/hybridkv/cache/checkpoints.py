@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hybridkv.cache.args import integer, mapping
 from hybridkv.cache.errors import InsertError
 from hybridkv.cache.node import Node
 from hybridkv.cache.radix import RadixTree
@@ -35,14 +36,20 @@ class CheckpointCap:
         self.max_per_path = max_per_path
 
     def validate(self, checkpoints: Mapping[int, int] | None, length: int) -> list[tuple[int, int]]:
-        if not checkpoints:
+        if checkpoints is None:
+            return []
+        given = mapping(checkpoints, "insert checkpoints")
+        if not given:
             return []
         if self.residency.rules.checkpoint is None:
             raise InsertError(
                 f"insert: checkpoints given but this shard ({self.mem.shard.describe()}) has no "
                 "recurrent layers; pass checkpoints=None"
             )
-        ckpts = sorted((int(p), int(s)) for p, s in checkpoints.items())
+        ckpts = sorted(
+            (integer(p, "insert checkpoints: a position"), integer(s, f"insert checkpoints[{p!r}]: a state slot"))
+            for p, s in given.items()
+        )
         for pos, _slot in ckpts:
             if pos <= 0 or pos > length or pos % self.tree.page_size:
                 raise InsertError(

@@ -5,6 +5,13 @@ pool, their checkpoint goes too); a window need tombstones the window pages of u
 nodes (a leaf goes whole); a checkpoint need drops unlocked checkpoints. Candidates come
 from the residency's lazy heaps, smallest policy key first.
 
+What the allocator is short of is slab bytes as much as cells: a pool may be short while
+the other pools' cached cells hold every slab (windows all tombstoned, no checkpoint left
+to drop). For an allocator's refusal (``for_slabs``), a pool still short after its own
+component's pass therefore evicts whole leaves until they gave back its shortfall in bytes,
+rounded up to whole slabs; the allocator's broker hands it the slabs that frees (or
+compacts the donor to empty them).
+
 Invariants:
 - Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
   its heap.
@@ -18,6 +25,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hybridkv.cache.args import integer, mapping
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy
@@ -33,26 +41,26 @@ class Evictor:
         self.residency = residency
         self.policy = policy
 
-    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
+    def evict(self, needs: Mapping[Need, int], *, for_slabs: bool = False) -> dict[Need, int]:
         """Free at least ``needs[pool]`` cells per pool where anything unlocked is left.
 
         Keys: the memory's pool ids or ``PAGE_NEED`` (whole pages, e.g. for a cache-size
-        cap). Returns cells freed per pool (and whole pages under ``PAGE_NEED``), only those
-        that freed something.
+        cap). ``for_slabs``: the needs are what an allocation was refused for, so a pool its
+        own component cannot serve is served in slab bytes by whole leaves. Returns cells
+        freed per pool (and whole pages under ``PAGE_NEED``), only those that freed something.
         """
         rules = self.rules
-        unknown = [k for k in needs if k is not PAGE_NEED and k not in rules.pool_ids]
+        asked = mapping(needs, "evict needs")
+        unknown = [k for k in asked if k is not PAGE_NEED and k not in rules.pool_ids]
         if unknown:
             raise CacheError(
                 f"evict: unknown need {[str(k) for k in unknown]}; name pool ids of this shard "
                 f"{sorted(map(str, rules.pool_ids))} or PAGE_NEED ({PAGE_NEED}); a pool name string reads back "
                 f"with PoolId.parse"
             )
-        bad = {str(k): v for k, v in needs.items() if int(v) < 0}
-        if bad:
-            raise CacheError(f"evict: needs must be >= 0, got {bad}")
+        given = {k: integer(v, f"evict needs[{k}]", minimum=0) for k, v in asked.items()}
         keys = rules.need_keys
-        want = [int(needs.get(k, 0)) for k in keys]
+        want = [given.get(k, 0) for k in keys]
         freed = [0] * len(keys)
         release = Release()
         full_need = max(want[PAGE_NEED_SLOT], *(want[i] for i in rules.full.slots))
@@ -67,7 +75,17 @@ class Evictor:
             need = want[slot] - freed[slot]
             if need > 0:
                 self._evict_checkpoints(need, freed, release)
-        release.flush(self.mem)
+        short = 0
+        if for_slabs:
+            for r in rules.extra:
+                if want[r.slot] > freed[r.slot]:
+                    short += (want[r.slot] - freed[r.slot]) * r.cell_bytes
+        if short:
+            slab = self.mem.arena.slab_bytes
+            per_slot = [*zip(rules.full.slots, rules.full.pools_bytes, strict=True)]
+            per_slot += [(r.slot, r.cell_bytes) for r in rules.extra]
+            self._evict_leaves(-(-short // slab) * slab, freed, release, per_slot)
+        release.flush(self.mem, self.residency)
         return {k: v for k, v in zip(keys, freed, strict=True) if v}
 
     def _leaf_ok(self, node: Node) -> bool:
@@ -80,9 +98,19 @@ class Evictor:
             node.checkpoint < 0 or not gates.slot_pins[node.checkpoint]
         )
 
-    def _evict_leaves(self, need: int, freed: list[int], release: Release) -> None:
+    def _evict_leaves(
+        self, need: int, freed: list[int], release: Release, per_slot: list[tuple[int, int]] | None = None
+    ) -> None:
+        """Evict whole leaves until ``need`` pages are freed or, given ``per_slot`` (need slot,
+        cell bytes) pairs, until ``need`` bytes are freed over those pools."""
         heap, skipped = self.residency.full_heap, []
-        while freed[PAGE_NEED_SLOT] < need:
+        before = list(freed) if per_slot is not None else freed
+        while True:
+            if per_slot is None:
+                if freed[PAGE_NEED_SLOT] >= need:
+                    break
+            elif sum((freed[s] - before[s]) * b for s, b in per_slot) >= need:
+                break
             got = heap.pop()
             if got is None:
                 break

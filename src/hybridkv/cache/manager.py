@@ -14,7 +14,8 @@ every request through it. A request's life:
 Allocation with eviction (``alloc_pages`` / ``alloc_state`` / ``fork_state``, and every call
 above that allocates): on ``OutOfMemory`` the cache evicts what the allocator says it is
 short of and the call is retried; ``OutOfMemory`` reaches the caller only once nothing
-unlocked and unpinned is left to evict for it. Such a refusal leaves every handle as it
+unlocked and unpinned is left to evict for it: a pool whose own component has nothing left
+(windows all tombstoned, no checkpoint) gets slab bytes from whole leaves. Such a refusal leaves every handle as it
 was (the cache may have evicted).
 
 Invariants:
@@ -30,6 +31,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.handle import HandleStatus, KVHandle
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
@@ -41,8 +43,22 @@ from hybridkv.spec import IdSpace
 T = TypeVar("T")
 
 
+def _handle(handle: object, what: str) -> KVHandle:
+    if not isinstance(handle, KVHandle):
+        raise CacheError(f"{what}: expected a KVHandle from KVManager.admit, got {type(handle).__name__}")
+    return handle
+
+
+def _handles(handles: object, what: str) -> list[KVHandle]:
+    if isinstance(handles, KVHandle) or not isinstance(handles, Sequence):
+        raise CacheError(f"{what}: expected a sequence of KVHandles, got {type(handles).__name__}")
+    return [_handle(h, what) for h in handles]
+
+
 class KVManager:
     def __init__(self, cache: HybridRadixCache):
+        if not isinstance(cache, HybridRadixCache):
+            raise CacheError(f"KVManager: expected a HybridRadixCache, got {type(cache).__name__}")
         self.cache = cache
         self.mem = cache.mem
         self.page_size = cache.page_size
@@ -57,19 +73,26 @@ class KVManager:
     # --- allocation with eviction ---------------------------------------------------------
 
     def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
-        """The cache's eviction (``HybridRadixCache.evict``); the one place allocation calls it."""
-        return self.cache.evict(needs)
+        """The cache's eviction for a refused allocation (``HybridRadixCache.evict`` with
+        ``for_slabs``: a pool short of what its own component frees gets slab bytes from
+        whole leaves); the one place allocation calls it."""
+        return self.cache.evict(needs, for_slabs=True)
 
     def alloc_pages(self, count: int) -> np.ndarray:
         """``mem.alloc_pages``, evicting what the allocator is short of until it fits."""
+        count = integer(count, "alloc_pages count", minimum=0)
         return self._with_eviction(lambda: self.mem.alloc_pages(count), {PAGE_NEED: count})
 
     def alloc_state(self, count: int) -> np.ndarray:
+        count = integer(count, "alloc_state count", minimum=0)
         return self._with_eviction(lambda: self.mem.alloc_state(count), self._slot_need(count))
 
     def fork_state(self, slots: list[int] | np.ndarray) -> np.ndarray:
         """New slots holding copies of ``slots``' states (copy-on-write of a checkpoint)."""
-        return self._with_eviction(lambda: self.mem.fork_state(slots), self._slot_need(len(slots)))
+        src = as_array(slots)
+        if src.ndim != 1 or (src.size and src.dtype.kind not in "iu"):
+            raise CacheError(f"fork_state: slots must be a 1-D sequence of slot ids, got {slots!r}")
+        return self._with_eviction(lambda: self.mem.fork_state(src), self._slot_need(src.size))
 
     def _slot_need(self, count: int) -> dict[Need, int]:
         if self._state_pool is None:
@@ -111,6 +134,8 @@ class KVManager:
         """Lock ``match`` for a new request; with recurrent layers, give it a running state
         slot: a fork of the hit's checkpoint, or a fresh slot when the hit has none (its state
         starts from zero). On ``OutOfMemory`` nothing is held."""
+        if not isinstance(match, MatchResult):
+            raise CacheError(f"admit: expected a MatchResult from match(), got {type(match).__name__}")
         lock = self.cache.lock(match.node)
         handle = KVHandle(namespace, match, lock, self.page_size, self._windows)
         if self._state_pool is not None:
@@ -127,6 +152,8 @@ class KVManager:
 
     def extend(self, handle: KVHandle, new_len: int) -> np.ndarray:
         """Grow ``handle`` to ``new_len`` tokens; returns the fresh pages (maybe none)."""
+        handle = _handle(handle, "extend")
+        new_len = integer(new_len, "extend new_len")
         if handle.status is not HandleStatus.RUNNING:
             handle.check_running("extend")
         if new_len < handle.seq_len:
@@ -137,6 +164,10 @@ class KVManager:
 
     def extend_batch(self, handles: Sequence[KVHandle], new_lens: Sequence[int]) -> None:
         """Grow every handle to its new length with one allocation (a decode batch)."""
+        handles = _handles(handles, "extend_batch")
+        if not isinstance(new_lens, Sequence) or len(new_lens) != len(handles):
+            raise CacheError(f"extend_batch: need one new length per handle ({len(handles)}), got {new_lens!r}")
+        new_lens = [integer(n, "extend_batch new_lens") for n in new_lens]
         needs = []
         for h, n in zip(handles, new_lens, strict=True):
             h.check_running("extend")
@@ -152,6 +183,7 @@ class KVManager:
     def release_windows(self, handles: Sequence[KVHandle]) -> int:
         """Free the own pages that left each window pool's window, batched per pool; returns
         how many pages left a pool."""
+        handles = _handles(handles, "release_windows")
         if not self._windows:
             return 0
         per_pool = zip(*(h.window_release() for h in handles), strict=True)
@@ -166,6 +198,7 @@ class KVManager:
     def checkpoint(self, handle: KVHandle) -> int:
         """Copy the running state now (after ``seq_len`` tokens, page-aligned) into a new
         checkpoint slot; the next insert caches it."""
+        handle = _handle(handle, "checkpoint")
         handle.check_running("checkpoint")
         at = handle.seq_len
         self._check_checkpoint(handle, at)
@@ -179,6 +212,8 @@ class KVManager:
         """A fresh slot for the state after ``at`` tokens (page-aligned): the caller copies the
         state into it when its computation passes ``at``; the next insert reaching ``at``
         caches it."""
+        handle = _handle(handle, "reserve_checkpoint")
+        at = integer(at, "reserve_checkpoint at")
         handle.check_running("reserve_checkpoint")
         self._check_checkpoint(handle, at)
         slot = int(self.alloc_state(1)[0])
@@ -200,11 +235,14 @@ class KVManager:
         pages and its checkpoints up to there; free what the cache did not keep. Not
         ``final``: the handle keeps running on the cache's ids, relocked at the new end.
         ``final``: the handle is COMMITTED (only ``release`` is left)."""
+        handle = _handle(handle, "insert")
         if handle.status is not HandleStatus.RUNNING:
             handle.check_running("insert")
-        toks = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
+        toks = tokens if type(tokens) is np.ndarray else as_array(tokens)
         size = toks.size
-        if size > handle.seq_len or toks.ndim != 1:
+        if toks.ndim != 1 or (size and toks.dtype.kind not in "iu"):
+            raise CacheError(f"insert: tokens must be a 1-D integer array, got shape {toks.shape} {toks.dtype}")
+        if size > handle.seq_len:
             raise CacheError(
                 f"insert: {size} tokens of shape {toks.shape}, but the request holds KV of "
                 f"{handle.seq_len} tokens; pass its 1-D sequence so far"
@@ -240,6 +278,7 @@ class KVManager:
     def release(self, handle: KVHandle) -> None:
         """Give back everything the request holds that the cache does not: its own pages,
         its state slot and checkpoints, its lock (abort, retract, or the end of ``finish``)."""
+        handle = _handle(handle, "release")
         if handle.status is HandleStatus.RELEASED:
             raise CacheError("release: this request was released already")
         if handle.gates and any(g.status is not GateStatus.RELEASED for g in handle.gates):
@@ -268,6 +307,7 @@ class KVManager:
     def pin(self, handle: KVHandle, event: DoneEvent | None = None) -> MoveGate:
         """Pin the request's pages and slots while a forward or transfer reads them (until
         ``unpin``, or until ``event`` completes)."""
+        handle = _handle(handle, "pin")
         handle.check_running("pin")
         slots = [*([handle.state_slot] if handle.state_slot is not None else []), *handle.checkpoints.values()]
         gate = self.mem.pin(pages=handle.pages, slots=slots, event=event)
@@ -275,6 +315,7 @@ class KVManager:
         return gate
 
     def unpin(self, handle: KVHandle) -> None:
+        handle = _handle(handle, "unpin")
         for gate in handle.gates:
             gate.release()
         handle.gates.clear()

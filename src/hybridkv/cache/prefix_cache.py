@@ -18,7 +18,11 @@ Invariants (``check_tree`` proves them; tests call it after every step):
   ``max_checkpoints_per_path`` checkpoints.
 - Ownership: ``insert`` keeps the pages and checkpoint slots it caches and hands back the
   rest in its result (duplicates of cached pages, slots not kept): the caller frees those.
+  What it keeps carries the memory's owner mark: every free of it but the cache's own
+  (eviction) is refused by the memory, so a cached id is never reallocated under a hit.
   A refused call (``CacheError``) changes neither the tree nor the pools.
+- A namespace's root exists only while the namespace holds a node: matching an unknown
+  namespace creates nothing.
 - Everything here runs on host ids (numpy / Python ints); nothing reads device memory.
 """
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.checkpoints import CheckpointCap
 from hybridkv.cache.dedupe import Dedupe
 from hybridkv.cache.errors import CacheError, InsertError, LockError
@@ -52,7 +57,8 @@ class MatchResult:
     """A hit (read-only by convention: it is built on every match, so it is not frozen)."""
 
     node: Node
-    """The node that ends at ``length`` (the namespace root when ``length == 0``): lock it."""
+    """The node that ends at ``length`` (the namespace root when ``length == 0``, detached from
+    the tree when the namespace holds nothing): lock it."""
     length: int
     """Tokens valid for every component."""
     pages: np.ndarray
@@ -91,7 +97,7 @@ class InsertResult:
 def _tokens(tokens: object, what: str) -> np.ndarray:
     if type(tokens) is np.ndarray and tokens.dtype is _INT64 and tokens.ndim == 1 and tokens.flags.c_contiguous:
         return tokens  # the common case, without a copy
-    arr = np.asarray(tokens)
+    arr = as_array(tokens)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise CacheError(f"{what}: tokens must be a 1-D integer array, got shape {arr.shape} {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.int64)
@@ -100,7 +106,7 @@ def _tokens(tokens: object, what: str) -> np.ndarray:
 def _page_ids(pages: object, what: str) -> np.ndarray:
     if type(pages) is np.ndarray and pages.dtype is _INT64 and pages.ndim == 1:
         return pages
-    arr = np.asarray(pages)
+    arr = as_array(pages)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InsertError(f"{what}: need a 1-D integer array of page ids, got shape {arr.shape} {arr.dtype}")
     return arr.astype(np.int64, copy=False)
@@ -115,8 +121,16 @@ class HybridRadixCache:
         max_checkpoints_per_path: int = 8,
         events: bool = False,
     ):
-        if max_checkpoints_per_path < 1:
-            raise CacheError(f"max_checkpoints_per_path must be >= 1, got {max_checkpoints_per_path}")
+        integer(max_checkpoints_per_path, "max_checkpoints_per_path", minimum=1)
+        if not isinstance(policy, str | Policy):
+            raise CacheError(f"policy must be a policy name or a Policy, got {type(policy).__name__} {policy!r}")
+        if not isinstance(mem, UnifiedMemory):
+            raise CacheError(f"HybridRadixCache: expected a UnifiedMemory, got {type(mem).__name__}")
+        if mem.pages.holder is not None and (mem.pages.held.any() or mem.slots.held.any()):
+            raise CacheError(
+                "HybridRadixCache: another prefix cache already holds this memory's pages; one cache "
+                "per memory (build a new memory for a second cache, or evict the first one empty)"
+            )
         self.mem = mem
         self.page_size = mem.page_size
         self.rules = HitRules(mem)
@@ -161,13 +175,17 @@ class HybridRadixCache:
     def match_prefix(self, tokens: object, extra_key: Hashable = None) -> MatchResult:
         """Longest prefix of ``tokens`` valid for every component (page-aligned).
 
-        May split the node where the hit ends, so that a lock covers exactly the hit.
+        May split the node where the hit ends, so that a lock covers exactly the hit. A
+        namespace holding nothing gives an empty hit on a detached root: nothing is created.
         """
         toks = _tokens(tokens, "match_prefix")
         try:
             root = self.tree.roots[extra_key]
         except (KeyError, TypeError):
-            root = self._root(extra_key)  # a new namespace (or a CacheError for an unhashable key)
+            known = self.tree.find_root(extra_key)  # a CacheError for an unhashable key
+            if known is None:
+                return self._empty_match(extra_key)
+            root = known
         walk = self.tree.walk(root, toks)
         full = walk.full
         if self._full_only:
@@ -193,6 +211,13 @@ class HybridRadixCache:
             full if full > end else None,
         )
 
+    def _empty_match(self, namespace: Hashable) -> MatchResult:
+        if self.events.enabled:
+            root_hash(namespace)  # refuses a key events cannot name, as an insert there would
+        self.counters.matches += 1
+        root = self.tree.empty_root(namespace)
+        return MatchResult(root, 0, root.path_pages, None, 0, 0, 0, None)
+
     # --- insert ---------------------------------------------------------------------------
 
     def insert(
@@ -215,12 +240,13 @@ class HybridRadixCache:
         ps = self.page_size
         toks = _tokens(tokens, "insert")
         req = _page_ids(pages, "insert pages")
+        priority = integer(priority, "insert priority")
         if toks.size != req.size * ps:
             raise InsertError(
                 f"insert: {toks.size} tokens but {req.size} pages of {ps} tokens ({req.size * ps} "
                 "tokens); pass len(pages) * page_size tokens (cut the unaligned tail and free its page)"
             )
-        ckpts = self.checkpoints.validate(checkpoints, toks.size) if checkpoints else []
+        ckpts = self.checkpoints.validate(checkpoints, toks.size) if checkpoints is not None else []
         root = self.tree.find_root(extra_key)
         walk = self.tree.walk(root, toks) if root is not None else None
         full = walk.full if walk is not None else 0
@@ -243,8 +269,8 @@ class HybridRadixCache:
             )
 
         # --- validated: from here on nothing refuses ---
-        if walk is None:
-            walk = Walk(self._root(extra_key), [], None, 0, ps)
+        if walk is None:  # a new namespace: its root is made with its first node
+            walk = Walk(self._root(extra_key) if toks.size else self.tree.empty_root(extra_key), [], None, 0, ps)
         adopted = self.dedupe.adopt_windows(walk, dup_idx, dup_pages) if dup_pages.size else 0
         nodes = walk.nodes
         if nodes and nodes[-1].end == full:
@@ -272,17 +298,22 @@ class HybridRadixCache:
 
     def lock(self, node: Node) -> CacheLock:
         """Protect a hit ending at ``node.end``: full KV on the path, the window before it,
-        the checkpoint at ``node`` (if any). Give it back with ``unlock``."""
-        if not self.tree.contains(node):
+        the checkpoint at ``node`` (if any). Give it back with ``unlock``. A root (an empty
+        hit) protects nothing: its lock is valid whether or not the root is in the tree."""
+        if not isinstance(node, Node):
+            raise LockError(f"lock: expected a Node from match_prefix or insert, got {type(node).__name__}")
+        if not node.is_root and not self.tree.contains(node):
             raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
         return self.locks.lock(node)
 
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
 
-    def evict(self, needs: Mapping[Need, int]) -> dict[Need, int]:
+    def evict(self, needs: Mapping[Need, int], *, for_slabs: bool = False) -> dict[Need, int]:
         """See ``Evictor.evict``: cells freed per pool (and whole pages under ``PAGE_NEED``)."""
-        return self.evictor.evict(needs)
+        if not isinstance(for_slabs, bool):
+            raise CacheError(f"evict for_slabs must be a bool, got {type(for_slabs).__name__}")
+        return self.evictor.evict(needs, for_slabs=for_slabs)
 
     # --- structure ------------------------------------------------------------------------
 

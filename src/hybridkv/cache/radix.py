@@ -2,9 +2,12 @@
 
 Keys are token ids compared page by page; a walk never copies the tokens whole
 (``bytes.startswith`` reads the slice's buffer). A namespace (an extra key, e.g. a tenant's
-cache salt) has its own root: two namespaces never share a node.
+cache salt) has its own root: two namespaces never share a node. A root exists only while
+its namespace holds a node: a match in an unknown namespace walks a detached empty root
+(``empty_root``) and creates nothing; the root goes with its last node.
 
 Invariants (``check_tree`` proves them):
+- Every root in ``roots`` has a child (no empty root is kept).
 - Every node below a root is reachable from exactly one root, under its parent's entry for
   the bytes of its first page; ``leaves`` is exactly the set of non-root nodes without
   children; ``num_nodes`` counts the non-root nodes.
@@ -78,8 +81,13 @@ class RadixTree:
         except TypeError:
             raise CacheError(f"extra_key must be hashable, got {type(namespace).__name__}") from None
 
+    def empty_root(self, namespace: Hashable) -> Node:
+        """A root for ``namespace`` that is not in the tree: what a match in a namespace
+        holding nothing walks (an empty hit, lockable, creating nothing)."""
+        return Node(0, b"", _EMPTY, _EMPTY, 0, None, namespace, self.windows)
+
     def add_root(self, namespace: Hashable) -> Node:
-        root = Node(0, b"", _EMPTY, _EMPTY, 0, None, namespace, self.windows)
+        root = self.empty_root(namespace)
         self.roots[namespace] = root
         return root
 
@@ -189,14 +197,19 @@ class RadixTree:
         return node
 
     def remove_leaf(self, node: Node) -> Node | None:
-        """Unlink a leaf; returns its parent when that became a leaf, else None."""
+        """Unlink a leaf; returns its parent when that became a leaf, else None. A root left
+        without children leaves ``roots``."""
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[node.kb[: self._first_page_bytes]]
         self.leaves.discard(node)
         self.num_nodes -= 1
         node.dead = True
-        if parent.parent is not None and not parent.children:
+        if parent.children:
+            return None
+        if parent.parent is not None:
             self.leaves.add(parent)
             return parent
+        if self.roots.get(parent.namespace) is parent:
+            del self.roots[parent.namespace]
         return None

@@ -7,7 +7,9 @@ eviction candidates (``candidates.py``), the counters and the events.
 
 Invariants (``check_tree`` proves them):
 - ``owned`` marks exactly the page ids held by a node, ``owned_slots`` exactly the
-  checkpoint slots; ``cached_pages`` counts the first. Every cached page is live and
+  checkpoint slots; ``cached_pages`` counts the first. Both are the memory's own owner
+  marks (``VirtualIds.claim``): the memory refuses every free of a marked id but ours, so
+  a mark is cleared before the id is freed, and a cached id is never freed by a caller. Every cached page is live and
   resident in every full-history pool; a tombstoned window page stays in the tree.
 - ``window_nodes[i]`` is the set of nodes with a page resident in window pool ``i``
   (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
@@ -41,10 +43,11 @@ class Release:
     pages: list[np.ndarray] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
 
-    def flush(self, mem: UnifiedMemory) -> None:
+    def flush(self, mem: UnifiedMemory, holder: object) -> None:
+        """Free everything collected; ``holder`` drops the windows of pages it still keeps."""
         for pool, parts in self.window.items():
             if parts:
-                mem.free_window_pages(np.concatenate(parts), pool)
+                mem.free_window_pages(np.concatenate(parts), pool, by=holder)
         if self.pages:
             mem.free_pages(np.concatenate(self.pages))
         if self.slots:
@@ -72,8 +75,8 @@ class Residency:
         self.rules = rules
         self.events = events
         self.counters = CacheCounters(tombstoned={w.pool_id: 0 for w in rules.windows})
-        self.owned = np.zeros(mem.pages.capacity, dtype=bool)
-        self.owned_slots = np.zeros(mem.slots.capacity, dtype=bool)
+        self.owned = mem.pages.claim(self, "the prefix cache")
+        self.owned_slots = mem.slots.claim(self, "the prefix cache")
         self.cached_pages = 0
         self.window_nodes: list[set[Node]] = [set() for _ in rules.windows]
         self.checkpoint_nodes: set[Node] = set()

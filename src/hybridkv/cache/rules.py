@@ -62,7 +62,9 @@ class FullKVRule:
         self.labels = tuple(str(p) for p in self.pools)
         self.slots = tuple(range(PAGE_NEED_SLOT + 1, PAGE_NEED_SLOT + 1 + len(pools)))
         """Need slot of each pool (``HitRules.need_keys``)."""
-        self.page_bytes = sum(p.cell_bytes for p in pools)
+        self.pools_bytes = tuple(p.cell_bytes for p in pools)
+        """Cell bytes of each pool, in ``pools`` order."""
+        self.page_bytes = sum(self.pools_bytes)
 
     def longest(self, walk: Walk, upto: int) -> int:
         return upto

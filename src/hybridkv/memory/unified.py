@@ -22,7 +22,7 @@ Invariants (``verify()`` proves them):
   alloc_extend, alloc_decode, free, free_segment, free groups, state alloc/free/fork,
   translate) never read device memory: no ``.item()``, ``.tolist()``, ``bool(tensor)``,
   ``torch.unique``, ``nonzero`` or scalar tensor assignment. Capacity lives in host counters.
-- A refused call (bad ids, pinned ids, out of memory) changes nothing. Arguments are
+- A refused call (bad ids, pinned ids, ids a holder keeps, out of memory) changes nothing. Arguments are
   checked before anything is reserved: counts, lengths and positions are ints >= 0
   (``bool`` and floats refused); ids outside a table are refused, never wrapped (a negative
   id would otherwise read another request's entries from the end of the table); two
@@ -32,6 +32,8 @@ Invariants (``verify()`` proves them):
   which refuses an out-of-range or negative id where the table lives (``InvalidIds`` for a
   CPU table; a device-side assert, which stops the process, for a GPU table). So device ids
   are trusted to be in range, and a bad one fails loudly instead of aliasing.
+- Ids the prefix cache keeps carry an owner mark (``VirtualIds.held``): only the cache frees
+  them (``by=`` its holder); every other free of a marked id is refused.
 - Compaction moves whole cells (all layers' bytes of a page or a state slot) and rebinds
   ``v2p``/``p2v``; it never moves a pinned id, and it runs only when a pool needs bytes
   that no hole and no free slab can give (or when asked to, e.g. when idle).
@@ -470,8 +472,9 @@ class UnifiedMemory:
             self._group = None
         self._release_pages(pages, "free group")
 
-    def _check_releasable(self, pages: np.ndarray, what: str) -> None:
+    def _check_releasable(self, pages: np.ndarray, what: str, by: object = None) -> None:
         self.pages.check_live(pages, what)
+        self.pages.check_not_held(pages, what, by)
         if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
             first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
             raise PinnedError(f"{what}: page {first} is pinned by a move gate (in-flight forward or transfer)")
@@ -486,14 +489,15 @@ class UnifiedMemory:
             pool.give_cells(pool.unbind(here))
         self.pages.give_back(pages)
 
-    def free_window_pages(self, pages: IdsLike, pool: PoolId | None = None) -> None:
+    def free_window_pages(self, pages: IdsLike, pool: PoolId | None = None, *, by: object = None) -> None:
         """Drop pages from bounded-history (window) pools only; full KV stays.
 
         ``pool`` names one window pool; default: every window pool where they are resident.
-        Pages must be live; in a named pool they must be resident.
+        Pages must be live; in a named pool they must be resident. ``by``: the holder of
+        marked pages (``VirtualIds.claim``), which alone may drop their windows.
         """
         arr = _host_ids(pages, "free_window_pages")
-        self._check_releasable(arr, "free_window_pages")
+        self._check_releasable(arr, "free_window_pages", by)
         targets = [self._pool(pool)] if pool is not None else self.window_pools
         if pool is not None and not pool.releases_history:
             raise InvalidIds(f"free_window_pages: pool {pool} keeps its whole history; it is not a sliding-window pool")
@@ -518,6 +522,7 @@ class UnifiedMemory:
                 f"free_outside_span: a row of {arr.size} pages cannot hold {seq_len} tokens of {ps} a page"
             )
         self.pages.check_live(arr, "free_outside_span")
+        self.pages.check_not_held(arr, "free_outside_span")
         releases = []
         for pool in self.window_pools:
             behind = arr[: pool.pool_id.page_span(seq_len, ps)[0]]
@@ -596,6 +601,7 @@ class UnifiedMemory:
         self._check_slot_pools("free_state")
         arr = _host_ids(slots, "free_state")
         self.slots.check_live(arr, "free_state")
+        self.slots.check_not_held(arr, "free_state")
         if arr.size and self.gates.slot_pins[arr].any():
             raise PinnedError("free_state: a slot is pinned by a move gate")
         for pool in self.slot_pools:

@@ -48,6 +48,10 @@ def verify_memory(mem: UnifiedMemory) -> None:
         _fail("pin counts differ from the open gates")
     if (~mem.pages.live[pages > 0]).any() or (~mem.slots.live[slots > 0]).any():
         _fail("a pinned id is not live")
+    for ids in (mem.pages, mem.slots):
+        stray = ids.held & ~ids.live
+        if stray.any():
+            _fail(f"{ids.label} {int(np.argmax(stray))} is marked held but not live")
 
 
 def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:

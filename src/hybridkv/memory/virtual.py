@@ -6,13 +6,17 @@ Invariants:
   free stack holds every other id exactly once.
 - ``take`` hands out the lowest-numbered ids first on a fresh namespace, and refuses (with
   nothing changed) when fewer than asked are free.
+- Owner marks: ``held[i]`` marks a live id that one holder (the prefix cache, set by
+  ``claim``) keeps; it sets and clears the marks itself. Every free path refuses a marked
+  id unless the holder itself frees it (``check_not_held``), so a kept id is never handed
+  out again while its holder still serves it. Marks are host-only.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hybridkv.memory.errors import InvalidIds, OutOfMemory
+from hybridkv.memory.errors import InvalidIds, MemoryPoolError, OutOfMemory
 from hybridkv.spec import IdSpace
 
 
@@ -38,6 +42,9 @@ class VirtualIds:
         self.live[0] = True
         self._stack = np.arange(capacity - 1, 0, -1, dtype=np.int64)
         self._free = capacity - 1
+        self.held = np.zeros(capacity, dtype=bool)
+        self.holder: object | None = None
+        self._holder_name = ""
 
     @property
     def free_count(self) -> int:
@@ -88,6 +95,29 @@ class VirtualIds:
             dup = ordered[1:] == ordered[:-1]
             if np.count_nonzero(dup):
                 raise InvalidIds(f"{what}: {self.label} id {int(ordered[1:][dup][0])} given twice")
+
+    def claim(self, holder: object, name: str) -> np.ndarray:
+        """Make ``holder`` (called ``name`` in errors) the one keeper of ids here; returns the
+        ``held`` marks for it to set on ids it keeps and clear before it frees them."""
+        held = int(np.count_nonzero(self.held))
+        if self.holder is not None and self.holder is not holder and held:
+            raise MemoryPoolError(
+                f"{self.label} ids already have a holder ({self._holder_name}, keeping {held}); one per memory "
+                "(a holder that keeps nothing hands its place over)"
+            )
+        self.holder, self._holder_name = holder, name
+        return self.held
+
+    def check_not_held(self, ids: np.ndarray, what: str, by: object = None) -> None:
+        """Raise ``InvalidIds`` if an id is marked held, unless ``by`` is its holder."""
+        if self.holder is None or by is self.holder:
+            return
+        if np.count_nonzero(self.held[ids]):
+            first = int(ids[np.argmax(self.held[ids])])
+            raise InvalidIds(
+                f"{what}: {self.label} {first} is held by {self._holder_name}, which frees it itself "
+                "(on eviction); free the request's own ids instead (KVManager.release)"
+            )
 
     def free_ids(self) -> np.ndarray:
         return self._stack[: self._free].copy()

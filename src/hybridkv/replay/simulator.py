@@ -20,6 +20,9 @@ A hit is capped at ``input_length - 1`` tokens: the engine computes at least one
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
 request): allocation with eviction, window release, checkpoints, insert, release.
 
+A request's token ids are built when it is admitted (``ReplayRequest.input_ids``) and dropped
+when it finishes or is retracted: only running requests hold ids.
+
 Invariants: every request is served exactly once (a retracted one restarts from its hit);
 after the run, every page and slot still live belongs to the cache (``verify`` checks
 both the memory and the tree when asked).
@@ -85,6 +88,8 @@ class ReplayConfig:
 class _Running:
     req: ReplayRequest
     kv: KVHandle
+    tokens: np.ndarray
+    """The request's input ids, built at admission, dropped with it."""
     generated: int = 0
 
     @property
@@ -243,7 +248,8 @@ class Simulator:
     def _prefill(self, req: ReplayRequest) -> tuple[_Running, int] | None:
         """Match, admit, allocate and 'compute' the prompt, insert it; None if memory is short."""
         ps, kvm = self.ps, self.kvm
-        match = kvm.match(req.tokens[: req.input_length - 1])
+        tokens = req.input_ids()
+        match = kvm.match(tokens[: req.input_length - 1])
         try:
             kv = kvm.admit(match)
         except OutOfMemory:
@@ -264,7 +270,7 @@ class Simulator:
         except OutOfMemory:
             kvm.release(kv)
             return None
-        kvm.insert(kv, req.tokens)
+        kvm.insert(kv, tokens)
         self._cap_cache()
         computed = req.input_length - match.length
         res = self.result
@@ -278,7 +284,7 @@ class Simulator:
             res.window_hit_tokens += match.window_length
             res.checkpoint_hit_tokens += match.checkpoint_length
             res.hits[req.rid] = match.length
-        return _Running(req, kv), computed
+        return _Running(req, kv, tokens), computed
 
     # --- decode ---------------------------------------------------------------------------
 
@@ -314,7 +320,7 @@ class Simulator:
     def _finish(self, r: _Running) -> None:
         self._stalled = False
         ps, kv, req = self.ps, r.kv, r.req
-        seq = np.concatenate([req.tokens, req.output])
+        seq = np.concatenate([r.tokens, req.output_ids()])
         end = seq.size - seq.size % ps
         if self.kvm.has_state and end > kv.cached * ps:
             with contextlib.suppress(OutOfMemory):  # no room: cache the sequence without it

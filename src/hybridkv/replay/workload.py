@@ -1,4 +1,4 @@
-"""Workloads a replay serves: requests with arrival times and real token ids.
+"""Workloads a replay serves: requests with arrival times and real token ids, made lazily.
 
 Two formats (``traces.py`` loads them):
 - the Mooncake JSONL trace: each 512-token hash block expands to ``hash_id * 512 + i`` (cut
@@ -9,9 +9,15 @@ Two formats (``traces.py`` loads them):
   turn, so it may only arrive once that previous turn has finished (``after``). Its
   ``arrival`` field is read as seconds.
 
+A request keeps its lengths and the source of its ids (a Mooncake row's block ids, or the
+explicit ids of a radix turn); ``input_ids()`` / ``output_ids()`` build the arrays when called
+(the simulator calls them when it admits the request and drops them when it finishes), so a
+workload of a whole trace holds kilobytes of block ids, not every request's tokens at once.
+
 Invariants: requests are sorted by arrival (ties keep trace order); ``rid`` is the position
 in that order; every request has at least one input token and ``after`` (when set) names
-an earlier request.
+an earlier request; ``input_ids()`` has ``input_length`` ids, ``output_ids()``
+``output_length``, the same every call.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.traces import TraceError, load_mooncake_trace, load_peer_trace, trace_file
+from hybridkv.traces import MOONCAKE_BLOCK_TOKENS, TraceError, load_mooncake_trace, load_peer_trace, trace_file
 
 OUTPUT_BASE = 1 << 40
 _OUTPUT_STRIDE = 1 << 24
@@ -31,20 +37,54 @@ _OUTPUT_STRIDE = 1 << 24
 class ReplayRequest:
     rid: int
     arrival_s: float
-    tokens: np.ndarray
-    """Input token ids (int64)."""
-    output: np.ndarray
-    """The tokens it generates (int64), ``output_length`` of them."""
+    input_length: int
+    output_length: int
     after: int | None = None
     """A request that must finish before this one arrives (the previous turn)."""
+    blocks: np.ndarray | None = None
+    """Mooncake hash block ids (int64): block ``h`` holds ids ``h * 512 + [0, 512)``."""
+    prompt: np.ndarray | None = None
+    """Explicit input ids (int64), when not made from blocks."""
+    generated: np.ndarray | None = None
+    """Explicit output ids (int64); default: fresh ids no other request shares."""
 
-    @property
-    def input_length(self) -> int:
-        return int(self.tokens.size)
+    def __post_init__(self) -> None:
+        if (self.blocks is None) == (self.prompt is None):
+            raise TraceError(f"request {self.rid}: give its input as block ids or as explicit ids (one of them)")
+        if self.prompt is not None and self.prompt.size != self.input_length:
+            raise TraceError(f"request {self.rid}: {self.prompt.size} input ids for input_length {self.input_length}")
+        if self.blocks is not None and self.blocks.size * MOONCAKE_BLOCK_TOKENS < self.input_length:
+            raise TraceError(
+                f"request {self.rid}: {self.blocks.size} blocks of {MOONCAKE_BLOCK_TOKENS} tokens cannot "
+                f"hold input_length {self.input_length}"
+            )
+        if self.generated is not None and self.generated.size != self.output_length:
+            raise TraceError(
+                f"request {self.rid}: {self.generated.size} output ids for output_length {self.output_length}"
+            )
 
-    @property
-    def output_length(self) -> int:
-        return int(self.output.size)
+    @classmethod
+    def from_ids(
+        cls, rid: int, arrival_s: float, tokens: np.ndarray, output: np.ndarray, after: int | None = None
+    ) -> ReplayRequest:
+        """A request with explicit input and output ids."""
+        prompt, generated = np.asarray(tokens, dtype=np.int64), np.asarray(output, dtype=np.int64)
+        return cls(rid, arrival_s, int(prompt.size), int(generated.size), after, None, prompt, generated)
+
+    def input_ids(self) -> np.ndarray:
+        """The input token ids (int64), built now: hold them only while the request runs."""
+        if self.prompt is not None:
+            return self.prompt
+        assert self.blocks is not None
+        blocks = self.blocks[: -(-self.input_length // MOONCAKE_BLOCK_TOKENS)]
+        ids = (blocks[:, None] * MOONCAKE_BLOCK_TOKENS + np.arange(MOONCAKE_BLOCK_TOKENS)).reshape(-1)
+        return ids[: self.input_length]
+
+    def output_ids(self) -> np.ndarray:
+        """The generated token ids (int64), built now."""
+        if self.generated is not None:
+            return self.generated
+        return OUTPUT_BASE + self.rid * _OUTPUT_STRIDE + np.arange(self.output_length, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -87,8 +127,10 @@ def _mooncake(path: str | Path, limit: int | None) -> Workload:
         row = rows[i]
         if row.input_length < 1:
             raise TraceError(f"{path}: request {i} has no input tokens")
-        output = OUTPUT_BASE + rid * _OUTPUT_STRIDE + np.arange(row.output_length, dtype=np.int64)
-        requests.append(ReplayRequest(rid, row.timestamp_ms / 1000.0, row.input_tokens(), output))
+        blocks = np.asarray(row.hash_ids, dtype=np.int64)
+        requests.append(
+            ReplayRequest(rid, row.timestamp_ms / 1000.0, row.input_length, row.output_length, None, blocks)
+        )
     return Workload(f"mooncake:{trace_file(path).name}", tuple(requests))
 
 
@@ -114,5 +156,5 @@ def _radix(path: str | Path, limit: int | None) -> Workload:
             tokens = np.concatenate([seq_of[prev], user])
         output = np.asarray(row["output_ids"], dtype=np.int64)
         seq_of[row["rid"]] = np.concatenate([tokens, output])
-        requests.append(ReplayRequest(rid, float(row["arrival"]), tokens, output, after))
+        requests.append(ReplayRequest.from_ids(rid, float(row["arrival"]), tokens, output, after))
     return Workload(f"radix:{trace_file(path).name}", tuple(requests))
