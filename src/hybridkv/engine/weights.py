@@ -37,19 +37,17 @@ def load_weights(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     tensors = model.merge_checkpoint(tensors)
     params = dict(model.named_parameters())
     parts = model.tp_parts()
-    placed: dict[str, torch.Tensor] = {}
+    zeros = {name for name, part in parts.items() if part.is_zeros}  # held by another rank: never read
+    placed: dict[str, torch.Tensor] = {name: torch.zeros_like(params[name]) for name in zeros}
     unexpected, doubled, shapes = [], [], []
     misshapen: set[str] = set()
     for hf_name, tensor in tensors.items():
         local = model.local_name(hf_name)
-        if local is None:
+        if local is None or local in zeros:
             continue
         part = parts.get(local)
-        if part is not None and local in params:
-            if part.is_zeros:
-                tensor = torch.zeros_like(params[local])
-            elif tensor.shape[part.dim] in (part.full, part.size):
-                tensor = part.take(tensor)
+        if part is not None and local in params and tensor.shape[part.dim] in (part.full, part.size):
+            tensor = part.take(tensor)
         if local not in params:
             unexpected.append(hf_name)
         elif local in placed:
