@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,8 +40,8 @@ class RankResult:
     live_after: tuple[int, int]
 
 
-def serve_jobs(rank: int, jobs: list[Job]) -> list[RankResult]:
-    """Every process takes part in creating every job's groups; members serve the job."""
+def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
+    """Every process takes part in creating every job's groups; members serve the job. Returns (pid, results)."""
     from tests.engine.harness import live_counts, serve
 
     out = []
@@ -82,23 +81,17 @@ def serve_jobs(rank: int, jobs: list[Job]) -> list[RankResult]:
                 live_counts(mem),
             )
         )
-    return out
+    return os.getpid(), out
 
 
-def record_pid(rank: int, directory: str) -> None:
-    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+def wait_for_a_silent_peer(rank: int) -> None:
+    """Rank 0 waits to receive from rank 1, which never sends: the collective timeout must end it."""
+    if rank == 0:
+        dist.recv(torch.empty(1), src=1)
+    else:
+        sleep_forever(rank)
 
 
-def fail_on_rank(rank: int, failing: int, directory: str) -> None:
-    """``failing`` raises; every other rank waits for it in a receive that would never end."""
-    record_pid(rank, directory)
-    if rank == failing:
-        raise RuntimeError(f"rank {rank} fails on purpose")
-    buf = torch.empty(1)
-    dist.recv(buf, src=failing)
-
-
-def sleep_forever(rank: int, directory: str) -> None:
-    record_pid(rank, directory)
+def sleep_forever(rank: int) -> None:
     while True:
         time.sleep(1)

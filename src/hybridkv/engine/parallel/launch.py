@@ -29,7 +29,12 @@ from hybridkv.engine.parallel.groups import DEFAULT_TIMEOUT_S, init_world
 
 
 class LaunchError(RuntimeError):
-    """A child process raised; the message holds every failing rank's traceback."""
+    """A child process raised; the message holds every failing rank's traceback.
+
+    ``pids``: the children's process ids (all of them reaped by the time this is raised).
+    """
+
+    pids: tuple[int, ...] = ()
 
 
 class LaunchTimeout(LaunchError):
@@ -95,6 +100,9 @@ def launch(
         out = _collect(procs, results, world_size, time.monotonic() + timeout_s, timeout_s)
         finished = True
         return out
+    except LaunchError as exc:
+        exc.pids = tuple(p.pid for p in procs if p.pid is not None)
+        raise
     finally:
         _reap(procs, grace_s=5.0 if finished else 0.0)
         results.close()
