@@ -35,7 +35,7 @@ def check_memory(model: CausalLM, mem: UnifiedMemory) -> None:
     for module in model.modules():
         shapes = getattr(module, "memory_shapes", None)
         if callable(shapes):
-            needs[module.layer_id] = shapes()
+            needs[int(getattr(module, "layer_id"))] = shapes()  # noqa: B009 (nn.Module attribute, untyped)
     problems = []
     for layer_id in model.layer_ids:
         have: dict[str, tuple[int, ...]] = {}

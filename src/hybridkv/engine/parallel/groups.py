@@ -39,7 +39,11 @@ def backend_for(device: str | torch.device) -> str:
 def init_world(
     rank: int, world_size: int, port: int, device: str | torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> None:
-    """Join the world of ``world_size`` processes at ``tcp://127.0.0.1:port`` (backend from ``device``)."""
+    """Join the world of ``world_size`` processes at ``tcp://127.0.0.1:port`` (backend from ``device``).
+
+    On CUDA, rank ``r`` uses GPU ``r % device_count`` (set before the NCCL group exists)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend_for(device),
         init_method=f"tcp://127.0.0.1:{port}",
