@@ -71,6 +71,18 @@ class Part:
         return [(*lead, slice(a, b), *((slice(None),) * (ndim - self.dim - 1))) for a, b in self.ranges]
 
 
+def component_part(fused: Part, index: int, count: int, stacked: bool) -> Part:
+    """The part of component ``index`` of ``count`` equal components concatenated on dim 0 into ``fused``
+    (then stacked over experts on a new leading dim when ``stacked``): what a rank reads of one checkpoint
+    tensor that the loader fuses into a sharded parameter (per-expert MoE weights, split q/k/v convs)."""
+    dim = fused.dim - 1 if stacked else fused.dim
+    if dim != 0:  # split across the components' own dims: every component keeps the same ranges
+        return Part(dim, fused.ranges, fused.full)
+    size = fused.full // count
+    lo, hi = index * size, (index + 1) * size
+    return Part(0, tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in fused.ranges if a < hi and b > lo), size)
+
+
 def shifted(ranges: Sequence[Range], offset: int) -> list[Range]:
     return [(a + offset, b + offset) for a, b in ranges]
 

@@ -11,8 +11,9 @@ Invariants:
 - A pipeline stage or tensor-parallel rank (``build_model(..., layers=, tp=)``) loads only
   its own part: names ``local_name`` drops are never read; a sharded parameter takes its
   ``Part`` of the full tensor (a tensor already cut to the part, as ``read_safetensors``
-  reads it for a model, is taken as is); a ``Part.zeros`` parameter (a row-parallel bias
-  off TP rank 0) is zero and its tensor is not read.
+  reads it for a model, is taken as is; tensors fused at load, per-expert MoE weights and
+  split convs, are read cut too: ``CausalLM.checkpoint_part``); a ``Part.zeros``
+  parameter (a row-parallel bias off TP rank 0) is zero and its tensor is not read.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def load_weights(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
         if local is None or local in zeros:
             continue
         part = parts.get(local)
-        if part is not None and local in params and tensor.shape[part.dim] in (part.full, part.size):
+        if (
+            part is not None
+            and local in params
+            and tensor.dim() > part.dim
+            and tensor.shape[part.dim] in (part.full, part.size)
+        ):
             tensor = part.take(tensor)
         if local not in params:
             unexpected.append(hf_name)
@@ -92,10 +98,9 @@ def read_safetensors(directory: str | Path, model: CausalLM | None = None) -> di
             for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 if name in tensors:
                     raise WeightError(f"{directory}: weight {name} appears in two files (second: {path.name})")
-                local = model.local_name(name) if model is not None else name
-                if local is None:
+                if model is not None and model.local_name(name) is None:
                     continue
-                part = parts.get(local)
+                part = model.checkpoint_part(name, parts) if model is not None else None
                 if part is None:
                     tensors[name] = f.get_tensor(name)
                 elif part.is_zeros:

@@ -157,7 +157,11 @@ def test_a_rank_reads_only_its_part_of_the_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(read[conv], want) and torch.equal(model.layers["2"].linear_attn.conv1d.weight, want)
     o_proj = "model.layers.3.self_attn.o_proj.weight"
     assert torch.equal(read[o_proj], full[o_proj][:, 32:64])
-    assert sum(t.numel() for t in read.values()) < sum(t.numel() for k, t in full.items() if ".layers.3." in k) * 2
+    experts = full["model.layers.3.mlp.experts.gate_up_proj"]  # (E, gate 32 | up 32, H); saved per expert
+    assert torch.equal(read["model.layers.3.mlp.experts.5.up_proj.weight"], experts[5, 48:64])
+    assert torch.equal(model.layers["3"].mlp.gate_up_proj, torch.cat([experts[:, 16:32], experts[:, 48:64]], 1))
+    down = full["model.layers.2.mlp.experts.down_proj"]
+    assert torch.equal(read["model.layers.2.mlp.experts.7.down_proj.weight"], down[7, :, 16:32])
 
 
 def test_a_one_process_shard_runner_is_the_model_runner() -> None:

@@ -13,6 +13,9 @@ Invariants:
 - ``WEIGHT_MAP`` rewrites HF ``state_dict`` names to this module's parameter names: each
   (regex, replacement) rule applies in order; a ``None`` replacement drops a matching name
   (a weight the engine does not use). With tied embeddings ``lm_head.weight`` is dropped.
+- ``FUSED`` declares the checkpoint tensors ``merge_checkpoint`` concatenates into one
+  parameter (it must agree with ``merge_checkpoint``; a disagreement fails the loader's
+  shape check), so a TP rank reads only its part of each of them (``checkpoint_part``).
 - ``layer_rope[i]`` names the rope that layer ``i`` uses (models with one rope use "default").
 - Blocks read K/V and recurrent state only through ``mem`` and the step context.
 - ``layers`` is keyed by global layer id, so parameter names are the checkpoint's on every
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from hybridkv.engine.step import StepContext
-from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collect_parts
+from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collect_parts, component_part
 from hybridkv.memory import UnifiedMemory
 
 
@@ -73,6 +77,18 @@ def stack_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+@dataclass(frozen=True)
+class Fused:
+    """Checkpoint tensors matching ``pattern`` (its group ``part`` names the component) that the loader
+    concatenates, components in ``order`` on dim 0, into the parameter named by ``pattern``'s substitution
+    ``target``; ``stacked``: one tensor per expert, stacked on a new leading dim."""
+
+    pattern: str
+    target: str
+    order: tuple[str, ...]
+    stacked: bool
+
+
 class Block(nn.Module):
     """One decoder layer: ``forward(x, ctx, mem, cos, sin) -> x``."""
 
@@ -84,6 +100,7 @@ class Block(nn.Module):
 
 class CausalLM(nn.Module):
     WEIGHT_MAP: ClassVar[tuple[tuple[str, str | None], ...]] = ((r"^model\.", ""),)
+    FUSED: ClassVar[tuple[Fused, ...]] = ()
 
     def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
         """``layers``: this stage's ``[start, end)`` (default: every layer); ``tp``: this rank's TP shard."""
@@ -135,6 +152,19 @@ class CausalLM(nn.Module):
         if self.tied and name == "lm_head.weight":
             return None
         return name if self._on_stage(name) else None
+
+    def checkpoint_part(self, hf_name: str, parts: Mapping[str, Part]) -> Part | None:
+        """The part of checkpoint tensor ``hf_name`` this TP rank needs (``None``: all of it)."""
+        for rule in self.FUSED:
+            match = re.match(rule.pattern, hf_name)
+            if match is not None:
+                local = self.local_name(match.expand(rule.target))
+                part = parts.get(local) if local is not None else None
+                if part is None or part.is_zeros:
+                    return part
+                return component_part(part, rule.order.index(match["part"]), len(rule.order), rule.stacked)
+        local = self.local_name(hf_name)
+        return None if local is None else parts.get(local)
 
     def _on_stage(self, name: str) -> bool:
         head, _, rest = name.partition(".")

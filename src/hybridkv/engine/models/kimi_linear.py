@@ -21,7 +21,7 @@ from hybridkv.engine.layers.mla import PagedMLA
 from hybridkv.engine.layers.mlp import GatedMLP, activation
 from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.models.base import Block, CausalLM, WeightError
+from hybridkv.engine.models.base import Block, CausalLM, Fused, WeightError
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
@@ -95,6 +95,11 @@ class KimiLinear(CausalLM):
         (r"\.block_sparse_moe\.", ".mlp."),
         (r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)", r".self_attn.forget_gate.\1"),
         (r"^model\.", ""),
+    )
+    FUSED = (  # merge_checkpoint
+        Fused(r"^(.*\.self_attn\.)(?P<part>[qkv])_conv1d\.weight$", r"\1conv1d.weight", ("q", "k", "v"), False),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>w1|w3)\.weight$", r"\1.experts.gate_up_proj", ("w1", "w3"), True),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>w2)\.weight$", r"\1.experts.down_proj", ("w2",), True),
     )
 
     def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):

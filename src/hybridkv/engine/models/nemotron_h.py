@@ -22,7 +22,7 @@ from hybridkv.engine.layers.mamba2 import Mamba2Mixer
 from hybridkv.engine.layers.mlp import activation
 from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.models.base import Block, CausalLM
+from hybridkv.engine.models.base import Block, CausalLM, Fused
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
@@ -120,6 +120,10 @@ class NemotronH(CausalLM):
         (r"^(model|backbone)\.embeddings\.", "embed_tokens."),
         (r"^(model|backbone)\.norm_f\.", "norm."),
         (r"^(model|backbone)\.", ""),
+    )
+    FUSED = (  # merge_checkpoint
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>up_proj)\.weight$", r"\1.experts.up_proj", ("up_proj",), True),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>down_proj)\.weight$", r"\1.experts.down_proj", ("down_proj",), True),
     )
 
     def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):

@@ -19,7 +19,7 @@ from hybridkv.engine.layers.gdn import GatedDeltaNet
 from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope
-from hybridkv.engine.models.base import Block, CausalLM, stack_experts
+from hybridkv.engine.models.base import Block, CausalLM, Fused, stack_experts
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
@@ -83,6 +83,15 @@ class Qwen3NextBlock(Block):
 
 class Qwen3Next(CausalLM):
     WEIGHT_MAP = ((r"^model\.", ""), (r"\.mlp\.experts\.", ".mlp."), (r"^mtp\.", None))
+    FUSED = (  # stack_experts
+        Fused(
+            r"^(.*)\.experts\.\d+\.(?P<part>gate_proj|up_proj)\.weight$",
+            r"\1.experts.gate_up_proj",
+            ("gate_proj", "up_proj"),
+            True,
+        ),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>down_proj)\.weight$", r"\1.experts.down_proj", ("down_proj",), True),
+    )
 
     def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
         super().__init__(config, layers, tp)
