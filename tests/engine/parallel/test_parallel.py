@@ -22,6 +22,9 @@ have the shapes of its shard.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +61,18 @@ EXTRA = [
 
 
 def _alive(pid: int) -> bool:
+    """A running process (a zombie waiting for a reaper counts as ended)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    except OSError:  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +209,22 @@ def test_a_launch_that_runs_past_its_timeout_is_stopped() -> None:
     with pytest.raises(LaunchTimeout, match=r"ranks \[0, 1\] returned nothing within 3 s") as caught:
         launch(worker.sleep_forever, 2, timeout_s=3)
     assert len(caught.value.pids) == 2 and not any(_alive(pid) for pid in caught.value.pids)
+
+
+def test_children_of_a_killed_launcher_exit_by_themselves(tmp_path: Path) -> None:
+    """SIGKILL on the launching process (nothing can reap then): its rank notices and exits within seconds."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, "-m", "tests.engine.parallel.worker", str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("rank*.pid")):
+            assert time.monotonic() < deadline and parent.poll() is None, "the ranks never started"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)

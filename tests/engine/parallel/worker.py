@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridkv.engine.parallel import ShardRunner, StageGroups
+from hybridkv.engine.parallel import ShardRunner, StageGroups, launch
 from hybridkv.spec import KindTag, Parallel
 
 
@@ -95,3 +96,19 @@ def wait_for_a_silent_peer(rank: int) -> None:
 def sleep_forever(rank: int) -> None:
     while True:
         time.sleep(1)
+
+
+def write_pid_and_sleep(rank: int, directory: str) -> None:
+    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+    sleep_forever(rank)
+
+
+def launch_and_hang(directory: str) -> None:
+    """Run as a script: launch a sleeping rank, then wait to be killed."""
+    launch(write_pid_and_sleep, 1, (directory,), timeout_s=120)
+
+
+if __name__ == "__main__":
+    import sys
+
+    launch_and_hang(sys.argv[1])

@@ -8,15 +8,18 @@ Invariants:
   child raised: every child's traceback) or ``LaunchTimeout`` (no result within
   ``timeout_s``); in every case, including an exception in the caller's thread, every child
   has been terminated (then killed) and joined before ``launch`` returns or raises: no
-  orphans.
+  orphans. A child whose parent dies without reaping it (SIGKILL) exits by itself within a
+  second (it watches its parent id).
 - Results travel through a queue, so they must pickle; return plain data (lists, numpy),
   not tensors (a tensor's shared storage would outlive its child).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +52,12 @@ def free_port() -> int:
         return port
 
 
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
@@ -58,7 +67,9 @@ def _child(
     timeout_s: float,
     args: tuple[Any, ...],
     results: Any,
+    parent: int,
 ) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     try:
         init_world(rank, world_size, port, device, timeout_s)
         results.put((rank, True, fn(rank, *args)))
@@ -89,7 +100,9 @@ def launch(
     coll = timeout_s if collective_timeout_s is None else collective_timeout_s
     procs = [
         ctx.Process(
-            target=_child, args=(fn, rank, world_size, port, device, coll, args, results), name=f"hybridkv-rank{rank}"
+            target=_child,
+            args=(fn, rank, world_size, port, device, coll, args, results, os.getpid()),
+            name=f"hybridkv-rank{rank}",
         )
         for rank in range(world_size)
     ]
