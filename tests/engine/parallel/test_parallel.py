@@ -31,13 +31,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.engine.hf_spec import spec_from_hf_config
 from hybridkv.engine.parallel import LaunchError, LaunchTimeout, ShardRunner, launch
 from hybridkv.engine.runner import MemoryLayoutError, ModelRunner
 from hybridkv.engine.tensor_parallel import TensorParallel
 from hybridkv.engine.weights import build_model, read_safetensors
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import Parallel, ShardSpec
+from hybridkv.spec import Linear, ModelSpec, Parallel, ShardSpec
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
 from tests.engine.parallel import worker
 from tests.engine.parallel.worker import Job
@@ -96,6 +95,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], li
     return by_job
 
 
+def _spec(name: str) -> ModelSpec:
+    """The spec the single-process harness serves ``name`` with."""
+    return make_runner(name, PAGE).mem.shard.model
+
+
 def _single(name: str) -> list:
     return serve(make_runner(name, PAGE), [prompt(50 + n, n) for n in LENGTHS], CHUNK, MAX_NEW)
 
@@ -145,8 +149,11 @@ def test_each_rank_memory_holds_its_shard(served: dict) -> None:
     gemma = shapes("tiny-gemma3", "tp4", 0, 3)  # 2 KV heads replicated over 4 ranks
     assert gemma["0/k"] == (PAGE, 1, 16) and gemma["5/k"] == (PAGE, 1, 16)
     kimi = shapes("tiny-kimi-linear", "pp2xtp2", 1, 1)  # layers 2, 3: KDA, MLA
-    assert set(kimi) == {"2/conv_state", "2/recurrent_state", "3/latent"}
-    assert kimi["3/latent"] == (PAGE, 1, 24) and kimi["2/conv_state"] == (96, 3)
+    kda = _spec("tiny-kimi-linear").layers[2].kind
+    assert isinstance(kda, Linear)
+    conv = next(f"2/{s.name}" for s in kda.states if s.name.startswith("conv"))
+    assert set(kimi) == {conv, "2/recurrent_state", "3/latent"}
+    assert kimi["3/latent"] == (PAGE, 1, 24) and kimi[conv] == (96, 3)
     nemo = shapes("tiny-nemotron-h", "pp3", 1, 0)  # layers 2, 3: Mamba2, attention
     assert set(nemo) == {"2/conv_state", "2/ssm_state", "3/k", "3/v"}
     assert nemo["2/ssm_state"] == (8, 16, 16)
@@ -188,7 +195,7 @@ def test_a_one_process_shard_runner_is_the_model_runner() -> None:
 def test_a_memory_that_is_not_the_shard_of_the_model_is_refused() -> None:
     name = "tiny-qwen3-next"
     hf = hf_model(name)
-    spec = spec_from_hf_config(hf.config, torch.float32)
+    spec = _spec(name)
     model = build_model(hf.config, hf.state_dict(), tp=TensorParallel(2, 0, reduce=lambda x: x))
     whole = UnifiedMemory.create(ShardSpec.whole(spec), 2_000_000, page_size=PAGE, max_context=64)
     with pytest.raises(MemoryLayoutError, match=r"layer 0: memory holds .*conv_state.*\(128, 3\)"):
@@ -214,11 +221,15 @@ def test_a_launch_that_runs_past_its_timeout_is_stopped() -> None:
 def test_children_of_a_killed_launcher_exit_by_themselves(tmp_path: Path) -> None:
     """SIGKILL on the launching process (nothing can reap then): its rank notices and exits within seconds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    parent = subprocess.Popen([sys.executable, "-m", "tests.engine.parallel.worker", str(tmp_path)], env=env)
+    log = tmp_path / "launcher.log"  # its resource tracker reports the killed queue's semaphores here
+    with log.open("w") as out:
+        parent = subprocess.Popen(
+            [sys.executable, "-m", "tests.engine.parallel.worker", str(tmp_path)], env=env, stderr=out
+        )
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob("rank*.pid")):
-            assert time.monotonic() < deadline and parent.poll() is None, "the ranks never started"
+            assert time.monotonic() < deadline and parent.poll() is None, f"no rank started: {log.read_text()}"
             time.sleep(0.2)
         pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     finally:
