@@ -7,6 +7,12 @@ the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim
 and ``mem.view(layer_id, "recurrent_state")`` ``(cells, v_heads, k_dim, v_dim)``, indexed by
 the step's state cells; a request with ``fresh_state`` starts from zeros.
 
+Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
+them): the projections are grouped per key head, so its rows are contiguous; its conv
+channels are its own q, k and v channels (three ranges of the full ``q|k|v`` conv, so its
+conv window is ``q_r|k_r|v_r``, not a contiguous slice of the full window); its columns of
+``out_proj``, so the output is its partial sum.
+
 The step's one-token decodes use the one-token ops (as ``transformers`` does for a one-token
 forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
 """
@@ -27,6 +33,7 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
 
@@ -60,11 +67,15 @@ def write_states(
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        per = v_heads // k_heads
+        mine = tp.split(k_heads, f"layer {layer_id} GatedDeltaNet key heads")
+        v_mine = scaled(mine, per)
+        self.k_heads, self.v_heads = mine[1] - mine[0], per * (mine[1] - mine[0])
         self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         conv_dim = 2 * self.key_size + self.value_size
         kernel = config.linear_conv_kernel_dim
@@ -77,6 +88,23 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, h, bias=False)
+        full_key, full_value = k_heads * self.k_dim, v_heads * self.v_dim
+        block = 2 * self.k_dim + 2 * per * self.v_dim  # one key head's q|k|v|z rows
+        tp.column(self.in_proj_qkvz, [scaled(mine, block)], k_heads * block)
+        tp.column(self.in_proj_ba, [scaled(mine, 2 * per)], k_heads * 2 * per)
+        q_ch, v_ch = scaled(mine, self.k_dim), scaled(v_mine, self.v_dim)
+        conv_ranges = [q_ch, *shifted([q_ch], full_key), *shifted([v_ch], 2 * full_key)]
+        tp.param(self.conv1d, "weight", 0, conv_ranges, 2 * full_key + full_value)
+        tp.param(self, "dt_bias", 0, [v_mine], v_heads)
+        tp.param(self, "A_log", 0, [v_mine], v_heads)
+        tp.row(self.out_proj, [v_ch], full_value)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request shapes of the state this layer reads and writes."""
+        return {
+            "conv_state": (self.conv1d.weight.shape[0], self.conv1d.weight.shape[-1] - 1),
+            "recurrent_state": (self.v_heads, self.k_dim, self.v_dim),
+        }
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Projections grouped per key head (the checkpoint layout) -> q|k|v (flat), z, b, a."""

@@ -7,6 +7,12 @@ memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, ke
 and ``mem.view(layer_id, "ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed
 by the step's state cells; a request with ``fresh_state`` starts from zeros.
 
+Tensor parallel (``tp``): the rank holds its heads and its B/C groups (both split evenly):
+its rows of ``in_proj`` (its parts of ``z``, ``x``, ``B``, ``C`` and ``dt``), its conv
+channels (its own x, B and C channels: three ranges of the full ``x|B|C`` conv), its
+entries of ``dt_bias`` / ``A_log`` / ``D`` / the norm (whose groups stay whole) and its
+columns of ``out_proj``, so the output is its partial sum.
+
 The step's one-token spans use the one-token ops (transformers' decode path, which does not
 clamp ``dt`` to ``time_step_min``) and its longer spans the chunked ops on their padded batch
 (its prefill path, which does; ``ctx.groups``). The two differ only where
@@ -24,6 +30,7 @@ from torch import nn
 from hybridkv.engine.layers.gdn import read_states, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
 from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
 
@@ -43,11 +50,14 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
-        self.groups, self.state_size = config.n_groups, config.ssm_state_size
+        heads, groups = config.mamba_num_heads, config.n_groups
+        self.head_dim, self.state_size = config.mamba_head_dim, config.ssm_state_size
+        mine = tp.split(heads, f"layer {layer_id} Mamba2 heads")
+        my_groups = tp.split(groups, f"layer {layer_id} Mamba2 groups (n_groups)")
+        self.heads, self.groups = mine[1] - mine[0], my_groups[1] - my_groups[0]
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
         self.chunk_size = config.chunk_size
@@ -61,8 +71,28 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm = GroupedGatedRMSNorm(self.inner, self.inner // self.groups, config.layer_norm_epsilon)
+        full_inner, full_bc = heads * self.head_dim, groups * self.state_size
+        self.norm = GroupedGatedRMSNorm(self.inner, full_inner // groups, config.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.inner, h, bias=config.use_bias)
+        x_ch, bc = scaled(mine, self.head_dim), scaled(my_groups, self.state_size)
+        conv = [x_ch, *shifted([bc], full_inner), *shifted([bc], full_inner + full_bc)]  # x | B | C
+        full_conv = full_inner + 2 * full_bc
+        in_ranges = [x_ch, *shifted(conv, full_inner), *shifted([mine], full_inner + full_conv)]  # z | x|B|C | dt
+        tp.column(self.in_proj, in_ranges, full_inner + full_conv + heads)
+        tp.param(self.conv1d, "weight", 0, conv, full_conv)
+        if self.conv1d.bias is not None:
+            tp.param(self.conv1d, "bias", 0, conv, full_conv)
+        for name in ("dt_bias", "A_log", "D"):
+            tp.param(self, name, 0, [mine], heads)
+        tp.param(self.norm, "weight", 0, [x_ch], full_inner)
+        tp.row(self.out_proj, [x_ch], full_inner)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request shapes of the state this layer reads and writes."""
+        return {
+            "conv_state": (self.conv_dim, self.conv1d.weight.shape[-1] - 1),
+            "ssm_state": (self.heads, self.head_dim, self.state_size),
+        }
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)

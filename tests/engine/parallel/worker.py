@@ -1,0 +1,114 @@
+"""What the parallel tests run inside each launched process (importable by name for spawn)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridkv.engine.parallel import ShardRunner, StageGroups, launch
+from hybridkv.spec import KindTag, Parallel
+
+
+@dataclass(frozen=True)
+class Job:
+    """Serve ``prompts`` with model ``directory`` on layout ``parallel`` over world ``ranks``."""
+
+    name: str
+    directory: str
+    parallel: Parallel
+    ranks: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]
+    chunk: int
+    max_new: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class RankResult:
+    job: int
+    pp_rank: int
+    tp_rank: int
+    tokens: list[list[int]]
+    logits: list[np.ndarray]  # per request: (max_new, vocab)
+    view_shapes: dict[str, tuple[int, ...]]  # "layer/tensor" -> the memory view's shape past the cell dim
+    live_before: tuple[int, int]
+    live_after: tuple[int, int]
+
+
+def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
+    """Every process takes part in creating every job's groups; members serve the job. Returns (pid, results)."""
+    from tests.engine.harness import live_counts, serve
+
+    out = []
+    for index, job in enumerate(jobs):
+        groups = StageGroups.create(job.parallel, job.ranks, timeout_s=60)
+        if groups is None:
+            continue
+        runner = ShardRunner(
+            job.directory,
+            job.directory,
+            job.parallel,
+            groups.pp_rank,
+            groups.tp_rank,
+            groups,
+            gpu_memory=3_000_000,
+            page_size=job.page_size,
+            chunk_size=64,
+            max_context=256,
+        )
+        mem = runner.mem
+        shapes = {}
+        for layer in runner.shard.layers:
+            if layer.tag is not KindTag.NONE:
+                for tensor in mem.geometry(layer.layer_id)["tensors"]:  # type: ignore[union-attr]
+                    shapes[f"{layer.layer_id}/{tensor}"] = tuple(mem.view(layer.layer_id, tensor).shape[1:])
+        before = live_counts(mem)
+        served = serve(runner, [list(p) for p in job.prompts], job.chunk, job.max_new)
+        out.append(
+            RankResult(
+                index,
+                groups.pp_rank,
+                groups.tp_rank,
+                [s.tokens for s in served],
+                [torch.stack(s.logits).numpy() for s in served],
+                shapes,
+                before,
+                live_counts(mem),
+            )
+        )
+    return os.getpid(), out
+
+
+def wait_for_a_silent_peer(rank: int) -> None:
+    """Rank 0 waits to receive from rank 1, which never sends: the collective timeout must end it."""
+    if rank == 0:
+        dist.recv(torch.empty(1), src=1)
+    else:
+        sleep_forever(rank)
+
+
+def sleep_forever(rank: int) -> None:
+    while True:
+        time.sleep(1)
+
+
+def write_pid_and_sleep(rank: int, directory: str) -> None:
+    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+    sleep_forever(rank)
+
+
+def launch_and_hang(directory: str) -> None:
+    """Run as a script: launch a sleeping rank, then wait to be killed."""
+    launch(write_pid_and_sleep, 1, (directory,), timeout_s=120)
+
+
+if __name__ == "__main__":
+    import sys
+
+    launch_and_hang(sys.argv[1])
