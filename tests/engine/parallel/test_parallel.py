@@ -36,7 +36,7 @@ from hybridkv.engine.runner import MemoryLayoutError, ModelRunner
 from hybridkv.engine.tensor_parallel import TensorParallel
 from hybridkv.engine.weights import build_model, read_safetensors
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import Linear, ModelSpec, Parallel, ShardSpec
+from hybridkv.spec import ModelSpec, Parallel, ShardSpec
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
 from tests.engine.parallel import worker
 from tests.engine.parallel.worker import Job
@@ -145,17 +145,17 @@ def test_each_rank_memory_holds_its_shard(served: dict) -> None:
 
     qwen = shapes("tiny-qwen3-next", "tp2", 0, 1)  # 2 KV heads, GDN 2 key / 4 value heads of 16
     assert qwen["1/k"] == (PAGE, 1, 16) and qwen["3/v"] == (PAGE, 1, 16)
-    assert qwen["0/conv_state"] == (64, 3) and qwen["0/recurrent_state"] == (2, 16, 16)
+    assert (qwen["0/conv_q"], qwen["0/conv_k"], qwen["0/conv_v"]) == ((16, 3), (16, 3), (32, 3))
+    assert qwen["0/recurrent_state"] == (2, 16, 16)
     gemma = shapes("tiny-gemma3", "tp4", 0, 3)  # 2 KV heads replicated over 4 ranks
     assert gemma["0/k"] == (PAGE, 1, 16) and gemma["5/k"] == (PAGE, 1, 16)
     kimi = shapes("tiny-kimi-linear", "pp2xtp2", 1, 1)  # layers 2, 3: KDA, MLA
-    kda = _spec("tiny-kimi-linear").layers[2].kind
-    assert isinstance(kda, Linear)
-    conv = next(f"2/{s.name}" for s in kda.states if s.name.startswith("conv"))
-    assert set(kimi) == {conv, "2/recurrent_state", "3/latent"}
-    assert kimi["3/latent"] == (PAGE, 1, 24) and kimi[conv] == (96, 3)
+    convs = {"2/conv_q", "2/conv_k", "2/conv_v"}
+    assert set(kimi) == {*convs, "2/recurrent_state", "3/latent"}
+    assert kimi["3/latent"] == (PAGE, 1, 24) and {kimi[c] for c in convs} == {(32, 3)}
     nemo = shapes("tiny-nemotron-h", "pp3", 1, 0)  # layers 2, 3: Mamba2, attention
-    assert set(nemo) == {"2/conv_state", "2/ssm_state", "3/k", "3/v"}
+    assert set(nemo) == {"2/conv_x", "2/conv_B", "2/conv_C", "2/ssm_state", "3/k", "3/v"}
+    assert (nemo["2/conv_x"], nemo["2/conv_B"], nemo["2/conv_C"]) == ((128, 3), (32, 3), (32, 3))
     assert nemo["2/ssm_state"] == (8, 16, 16)
 
 
@@ -198,7 +198,7 @@ def test_a_memory_that_is_not_the_shard_of_the_model_is_refused() -> None:
     spec = _spec(name)
     model = build_model(hf.config, hf.state_dict(), tp=TensorParallel(2, 0, reduce=lambda x: x))
     whole = UnifiedMemory.create(ShardSpec.whole(spec), 2_000_000, page_size=PAGE, max_context=64)
-    with pytest.raises(MemoryLayoutError, match=r"layer 0: memory holds .*conv_state.*\(128, 3\)"):
+    with pytest.raises(MemoryLayoutError, match=r"layer 0: memory holds .*conv_q.*\(32, 3\)"):
         ModelRunner(model, whole)
     assert isinstance(make_runner(name, PAGE), ModelRunner)
 

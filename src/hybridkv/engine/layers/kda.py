@@ -3,9 +3,10 @@
 Per step: q, k, v projections -> causal conv (continuing each request's conv window) ->
 KDA (continuing its recurrent matrix) with a per-channel forget gate ``g`` and a per-head
 ``beta``; a sigmoid-gated RMS norm per head; ``o_proj``. The two state tensors live only in
-the memory's state pool: ``mem.view(layer_id, "conv_state_qkv")`` ``(cells, 3 * heads * head_dim,
-kernel - 1)`` and ``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim,
-head_dim)``, indexed by the step's state cells; a request with ``fresh_state`` starts from zeros.
+the memory's state pool: the conv window as one tensor per component, ``mem.view(layer_id,
+"conv_q" / "conv_k" / "conv_v")`` ``(cells, heads * head_dim, kernel - 1)``, and
+``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim, head_dim)``, indexed by
+the step's state cells; a request with ``fresh_state`` starts from zeros.
 
 Tensor parallel (``tp``): the rank holds its heads: its rows of q/k/v, ``f_b_proj``,
 ``b_proj`` and ``g_b_proj``, its entries of ``dt_bias`` / ``A_log``, its own q, k and v
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_states, write_states
+from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
 from hybridkv.engine.step import Padded, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
@@ -75,6 +76,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(h, self.size, bias=False)
         self.k_proj = nn.Linear(h, self.size, bias=False)
         self.v_proj = nn.Linear(h, self.size, bias=False)
+        self.conv_parts = {"conv_q": self.size, "conv_k": self.size, "conv_v": self.size}
         conv_dim = 3 * self.size
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.forget_gate = ForgetGate(h, self.heads, self.head_dim)
@@ -94,8 +96,9 @@ class KimiDeltaAttention(nn.Module):
 
     def memory_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-request shapes of the state this layer reads and writes."""
+        window = self.conv1d.weight.shape[-1] - 1
         return {
-            "conv_state_qkv": (3 * self.size, self.conv1d.weight.shape[-1] - 1),
+            **{name: (channels, window) for name, channels in self.conv_parts.items()},
             "recurrent_state": (self.heads, self.head_dim, self.head_dim),
         }
 
@@ -106,9 +109,11 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))
         out = x.new_empty(t, self.heads, self.head_dim)
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window, state = read_states(mem, self.layer_id, ("conv_state_qkv", "recurrent_state"), ctx, group.rows)
+            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
+            (state,) = read_states(mem, self.layer_id, ("recurrent_state",), ctx, group.rows)
             out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
-            write_states(mem, self.layer_id, ctx, group.rows, conv_state_qkv=window, recurrent_state=state)
+            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
+            write_states(mem, self.layer_id, ctx, group.rows, recurrent_state=state)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
 

@@ -2,10 +2,11 @@
 
 Per step: ``in_proj`` -> gate ``z`` | conv input ``x|B|C`` | time step ``dt``; the causal
 conv continues each request's conv window; the SSD scan continues its SSM state; a
-group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The two state tensors live only in the
-memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, kernel - 1)``
-and ``mem.view(layer_id, "ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed
-by the step's state cells; a request with ``fresh_state`` starts from zeros.
+group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The state lives only in the memory's
+state pool: the conv window as one tensor per component, ``mem.view(layer_id, "conv_x" /
+"conv_B" / "conv_C")`` ``(cells, channels, kernel - 1)``, and ``mem.view(layer_id,
+"ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed by the step's state
+cells; a request with ``fresh_state`` starts from zeros.
 
 Tensor parallel (``tp``): the rank holds its heads and its B/C groups (both split evenly):
 its rows of ``in_proj`` (its parts of ``z``, ``x``, ``B``, ``C`` and ``dt``), its conv
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_states, write_states
+from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
 from hybridkv.engine.step import Padded, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
@@ -60,6 +61,8 @@ class Mamba2Mixer(nn.Module):
         self.heads, self.groups = mine[1] - mine[0], my_groups[1] - my_groups[0]
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        bc_size = self.groups * self.state_size
+        self.conv_parts = {"conv_x": self.inner, "conv_B": bc_size, "conv_C": bc_size}
         self.chunk_size = config.chunk_size
         self.dt_limit = (float(config.time_step_min), float("inf"))
         self.activation = config.mamba_hidden_act
@@ -89,8 +92,9 @@ class Mamba2Mixer(nn.Module):
 
     def memory_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-request shapes of the state this layer reads and writes."""
+        window = self.conv1d.weight.shape[-1] - 1
         return {
-            "conv_state": (self.conv_dim, self.conv1d.weight.shape[-1] - 1),
+            **{name: (channels, window) for name, channels in self.conv_parts.items()},
             "ssm_state": (self.heads, self.head_dim, self.state_size),
         }
 
@@ -98,9 +102,11 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
         y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window, state = read_states(mem, self.layer_id, ("conv_state", "ssm_state"), ctx, group.rows)
+            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
+            (state,) = read_states(mem, self.layer_id, ("ssm_state",), ctx, group.rows)
             y[group.flat_index], window, state = self._mix(xbc, dt, window, state, group)
-            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, ssm_state=state)
+            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
+            write_states(mem, self.layer_id, ctx, group.rows, ssm_state=state)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _mix(
