@@ -11,8 +11,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridkv.engine.allocator import RequestAllocator, RequestMemory
+from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.parallel import ShardRunner, StageGroups, launch
-from hybridkv.spec import KindTag, Parallel
+from hybridkv.engine.runner import ModelRunner
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import RECURRENT_POOL, IdSpace, KindTag, Parallel
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,55 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
             )
         )
     return os.getpid(), out
+
+
+def prefill(runner: ModelRunner | ShardRunner, ids: list[int], chunk: int) -> tuple[RequestAllocator, RequestMemory]:
+    """Prefill ``ids`` as one request in chunks of ``chunk``; the request stays allocated."""
+    alloc = RequestAllocator(runner.mem)
+    req = alloc.new()
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        prefix = req.length
+        alloc.extend([req], [len(piece)])
+        runner.forward(ForwardBatch.build([piece], [prefix], [req.token_locs], [req.slot], [req.fresh]))
+        alloc.mark_computed([req])
+    return alloc, req
+
+
+def slot_states(mem: UnifiedMemory, slot: int) -> dict[str, np.ndarray]:
+    """Every state tensor of state slot ``slot``, keyed ``"layer/tensor"``."""
+    cell = mem.page_cells([slot], RECURRENT_POOL)
+    out = {}
+    for layer in mem.shard.layers:
+        if layer.tag is not KindTag.NONE and mem.pool_of_layer(layer.layer_id).layout.id_space is IdSpace.SLOT:
+            for name in mem.geometry(layer.layer_id)["tensors"]:  # type: ignore[union-attr]
+                out[f"{layer.layer_id}/{name}"] = mem.view(layer.layer_id, name)[cell][0].numpy().copy()
+    return out
+
+
+def tp2_prefill_states(rank: int, jobs: list[tuple[str, int, int, list[int]]]) -> dict[str, dict[str, np.ndarray]]:
+    """Each TP 2 rank prefills each job's prompt (``(directory, page_size, chunk, ids)``) with its own
+    engine; returns its slot's state tensors per model directory."""
+    out = {}
+    for directory, page_size, chunk, ids in jobs:
+        groups = StageGroups.create(Parallel(tp_size=2), (0, 1), timeout_s=60)
+        assert groups is not None
+        runner = ShardRunner(
+            directory,
+            directory,
+            groups.parallel,
+            0,
+            groups.tp_rank,
+            groups,
+            gpu_memory=3_000_000,
+            page_size=page_size,
+            max_context=256,
+        )
+        alloc, req = prefill(runner, ids, chunk)
+        assert req.slot is not None
+        out[directory] = slot_states(runner.mem, req.slot)
+        alloc.free(req)
+    return out
 
 
 def wait_for_a_silent_peer(rank: int) -> None:
