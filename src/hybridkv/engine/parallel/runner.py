@@ -57,10 +57,13 @@ class ShardRunner:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         spec: ModelSpec | None = None,
+        mem: UnifiedMemory | None = None,
     ):
         """``config``: a ``transformers`` config or a directory with ``config.json``; ``weights``: HF-named
         tensors or a ``*.safetensors`` directory (read partially: only this shard's part). ``groups``: the
-        layout's process groups (needed when the layout has more than one process)."""
+        layout's process groups (needed when the layout has more than one process). ``mem``: a memory
+        built by the caller for exactly this rank's shard (e.g. in shared memory a transfer writes into);
+        by default one of ``gpu_memory`` bytes is built here."""
         parallel = parallel or Parallel()
         if isinstance(config, str | Path):
             config = read_config(config)
@@ -76,7 +79,12 @@ class ShardRunner:
         self.groups = groups
         self.spec = spec or engine_spec(self.config, dtype)
         self.shard = ShardSpec(self.spec, parallel, pp_rank, tp_rank)
-        self.mem = UnifiedMemory.create(
+        if mem is not None and mem.shard != self.shard:
+            raise ValueError(
+                f"the memory given is for {mem.shard.describe()}, this runner is {self.shard.describe()}: "
+                "build the memory from the runner's ShardSpec"
+            )
+        self.mem = mem or UnifiedMemory.create(
             self.shard,
             parse_bytes(gpu_memory),
             device,
