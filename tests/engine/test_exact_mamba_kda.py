@@ -181,7 +181,8 @@ def test_state_and_latents_live_in_memory() -> None:
     assert latent.shape[2:] == (1, 16 + 8)  # kv_lora_rank + qk_rope_head_dim
     nemotron = _runner(_model("tiny-nemotron-h"), 16)
     assert nemotron.mem.view(0, "ssm_state").shape[1:] == (8, 16, 16)
-    assert nemotron.mem.view(0, "conv_state").shape[1:] == (8 * 16 + 2 * 2 * 16, 3)
+    convs = [nemotron.mem.view(0, name).shape[1:] for name in ("conv_x", "conv_B", "conv_C")]
+    assert convs == [(8 * 16, 3), (2 * 16, 3), (2 * 16, 3)]
     for runner in (kimi, nemotron):
         assert not [name for name, _ in runner.model.named_buffers()], "a layer keeps tensors outside the memory"
 
@@ -196,11 +197,15 @@ def test_logits_are_not_trivially_small() -> None:
 
 @pytest.mark.parametrize(
     ("name", "conv", "state"),
-    [("tiny-nemotron-h", "conv_state", "ssm_state"), ("tiny-kimi-linear", "conv_state_qkv", "recurrent_state")],
+    [
+        ("tiny-nemotron-h", ("conv_x", "conv_B", "conv_C"), "ssm_state"),
+        ("tiny-kimi-linear", ("conv_q", "conv_k", "conv_v"), "recurrent_state"),
+    ],
 )
-def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: str, state: str) -> None:
-    """After a chunked prefill (chunks of 7), the state pool holds HF's conv window (its last K-1 inputs)
-    and recurrent state after one pass over the same 40 tokens."""
+def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: tuple[str, ...], state: str) -> None:
+    """After a chunked prefill (chunks of 7), the state pool holds HF's conv window (its last K-1 inputs;
+    ours one tensor per component, concatenated in HF's order) and recurrent state after one pass over
+    the same 40 tokens."""
     model = _model(name, MODELS[name])
     runner = _runner(model, page_size=4)
     ids = prompt(3, 40)
@@ -220,7 +225,7 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: str, st
     for layer_id, hf_layer in enumerate(cache.layers):
         if not getattr(hf_layer, "is_conv_states_initialized", [False])[0]:
             continue
-        window = runner.mem.view(layer_id, conv)[cell][0]
+        window = torch.cat([runner.mem.view(layer_id, part)[cell][0] for part in conv])
         torch.testing.assert_close(window, hf_layer.conv_states[0][0, :, 1:], atol=1e-6, rtol=1e-5)
         ours = runner.mem.view(layer_id, state)[cell][0]
         torch.testing.assert_close(ours, hf_layer.recurrent_states[0][0], atol=1e-5, rtol=1e-4)

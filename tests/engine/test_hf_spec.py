@@ -37,9 +37,9 @@ def test_spec_matches_the_cache_transformers_builds(name: str) -> None:
         elif isinstance(kind, Linear):
             conv = hf_layer.conv_states[0]
             state = hf_layer.recurrent_states[0]
-            window, matrix = (s.shape for s in kind.states)
-            # transformers keeps `kernel` inputs, the first of which no later token reads
-            assert window == (conv.shape[1], conv.shape[2] - 1)
+            *windows, matrix = (s.shape for s in kind.states)  # conv windows per component: q, k, v
+            # transformers keeps `kernel` inputs over the concatenation, the first of which no later token reads
+            assert sum(w[0] for w in windows) == conv.shape[1] and {w[1] for w in windows} == {conv.shape[2] - 1}
             assert matrix == tuple(state.shape[1:])
         elif isinstance(kind, NoCache):
             assert not getattr(hf_layer, "is_initialized", False) or getattr(hf_layer, "keys", None) is None
@@ -63,7 +63,7 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
     for layer_id, hf_layer in enumerate(cache.layers):
         if not hasattr(hf_layer, "conv_states"):
             continue
-        conv = runner.mem.view(layer_id, "conv_state")[cell][0]
+        conv = torch.cat([runner.mem.view(layer_id, part)[cell][0] for part in ("conv_q", "conv_k", "conv_v")])
         state = runner.mem.view(layer_id, "recurrent_state")[cell][0]
         torch.testing.assert_close(conv, hf_layer.conv_states[0][0, :, 1:], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(state, hf_layer.recurrent_states[0][0], atol=1e-6, rtol=1e-4)
@@ -75,7 +75,7 @@ def test_served_in_bf16_kv_and_conv_windows_follow_and_recurrent_matrices_stay_f
     spec = engine_spec(hf_model(name).config, torch.bfloat16)
     assert spec.kv_dtype == torch.bfloat16
     linear = [layer.kind for layer in spec.layers if isinstance(layer.kind, Linear)]
-    assert linear and all([s.dtype for s in k.states] == [torch.bfloat16, torch.float32] for k in linear)
+    assert linear and all([s.dtype for s in k.states] == [torch.bfloat16] * 3 + [torch.float32] for k in linear)
 
 
 def test_an_architecture_without_a_model_is_refused_naming_the_served_ones() -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridkv.memory import InvalidIds, LayoutError, OutOfMemory, PinnedError, UnifiedMemory
+from hybridkv.memory.arena import Arena
 from hybridkv.spec import FULL_POOL, ShardSpec, WindowPool, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -138,3 +139,12 @@ def test_taking_more_cells_than_are_free_is_refused_with_the_package_error(mem):
     with pytest.raises(OutOfMemory) as refused:
         pool.take_cells(pool.free_count + 2)
     assert refused.value.short == {FULL_POOL: 2}
+
+
+def test_views_of_a_caller_buffer_that_starts_inside_its_storage_address_that_buffer():
+    """A shared arena is a slice past a header: every view must lie in the slice, never in the header."""
+    arena = Arena(4096, 0, 1024, "cpu", buffer=torch.zeros(4096 + 512, dtype=torch.uint8)[512:])
+    view = arena.strided_view(torch.float32, 4, 1024, 8, (2, 3))
+    assert view.data_ptr() == arena.buffer.data_ptr() + 8
+    view.fill_(1.0)
+    assert int(arena.buffer.view(torch.float32)[2:8].sum()) == 6 and int(arena.buffer[:8].sum()) == 0

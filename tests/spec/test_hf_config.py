@@ -215,27 +215,29 @@ def test_dtype_rules_defaults_and_overrides():
     gdn = spec.layer(0).kind
     assert isinstance(gdn, Linear)
     assert spec.kv_dtype == torch.bfloat16
-    assert [s.dtype for s in gdn.states] == [torch.bfloat16, torch.float32]
+    assert [s.dtype for s in gdn.states] == [torch.bfloat16] * 3 + [torch.float32]  # conv q, k, v; recurrent
 
     over = from_hf_config({**config, "dtype": "float16"}, kv_dtype="float8_e4m3fn", state_dtype=torch.bfloat16)
     gdn = over.layer(0).kind
     assert isinstance(gdn, Linear)
     assert over.kv_dtype == torch.float8_e4m3fn
-    assert [s.dtype for s in gdn.states] == [torch.float16, torch.bfloat16]  # conv keeps the model dtype
+    assert [s.dtype for s in gdn.states] == [torch.float16] * 3 + [torch.bfloat16]  # conv keeps the model dtype
 
     nemotron = from_hf_config(
         {**_nemotron_h(published_record("NVIDIA-Nemotron-Nano-9B-v2")), "mamba_ssm_cache_dtype": "bfloat16"}
     )
     mamba = nemotron.layer(0).kind
-    assert isinstance(mamba, Linear) and mamba.states[1].dtype == torch.bfloat16
+    assert isinstance(mamba, Linear)
+    assert (mamba.states[-1].name, mamba.states[-1].dtype) == ("ssm_state", torch.bfloat16)
 
 
 def test_state_shapes_of_unequal_head_dims_follow_transformers_layout():
     config = {**_qwen3_next(published_record("Qwen3-Next-80B-A3B-Instruct")), "linear_value_head_dim": 64}
     gdn = from_hf_config(config).layer(0).kind
     assert isinstance(gdn, Linear)
-    assert [s.shape for s in gdn.states] == [(2 * 16 * 128 + 32 * 64, 3), (32, 128, 64)]  # (v_heads, k_dim, v_dim)
-    assert [s.tp_dim for s in gdn.states] == [0, 0]
+    shapes = [(16 * 128, 3), (16 * 128, 3), (32 * 64, 3), (32, 128, 64)]  # conv q, k, v; (v_heads, k_dim, v_dim)
+    assert [s.shape for s in gdn.states] == shapes
+    assert [s.tp_dim for s in gdn.states] == [0, 0, 0, 0]
 
 
 # --- refusals: each names the field and what to change -------------------------------------------------------------

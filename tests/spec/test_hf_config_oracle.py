@@ -182,16 +182,15 @@ def test_spec_matches_the_cache_transformers_builds(model_type: str):
             kv_bytes[layer.tag] += (_nbytes(held["keys"]) + _nbytes(held["values"])) // (batch * _PROMPT_LEN)
         elif isinstance(kind, Linear):
             *conv_spec, recurrent_spec = kind.states
-            assert sorted(held) == ["conv_states", "recurrent_states"][1 - len(conv_spec) :]
+            assert sorted(held) == ["conv_states", "recurrent_states"][0 if conv_spec else 1 :]
             recurrent = held["recurrent_states"]
             assert (recurrent.shape, recurrent.dtype) == ((batch, *recurrent_spec.shape), recurrent_spec.dtype)
             state_bytes += _nbytes(recurrent) // batch
             if conv_spec:  # transformers keeps the whole kernel; the spec keeps the kernel - 1 inputs still read
-                conv = held["conv_states"]
-                assert (conv.shape, conv.dtype) == (
-                    (batch, *conv_spec[0].shape[:-1], conv_spec[0].shape[-1] + 1),
-                    conv_spec[0].dtype,
-                )
+                conv = held["conv_states"]  # one window over the concatenated components; the spec's are per part
+                window = {c.shape[-1] for c in conv_spec}
+                assert len(window) == 1 and {c.dtype for c in conv_spec} == {conv.dtype}
+                assert conv.shape == (batch, sum(c.shape[0] for c in conv_spec), window.pop() + 1)
                 state_bytes += (_nbytes(conv) - _nbytes(conv[..., 0])) // batch
         else:
             assert isinstance(kind, NoCache) and not held

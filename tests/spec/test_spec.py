@@ -98,7 +98,12 @@ def test_shard_spec_answers_for_its_own_stage_and_rank():
     assert shard.kv_head_range(27) == (1, 2)
     gdn = shard.local_kind(24)
     assert isinstance(gdn, Linear)
-    assert {s.name: s.shape for s in gdn.states} == {"conv_state": (2048, 3), "recurrent_state": (8, 128, 128)}
+    assert {s.name: s.shape for s in gdn.states} == {
+        "conv_q": (512, 3),  # each component split on its own channels: the rank's q, k and v
+        "conv_k": (512, 3),
+        "conv_v": (1024, 3),
+        "recurrent_state": (8, 128, 128),
+    }
     with pytest.raises(KeyError, match="not on PP stage 1"):
         shard.local_kind(3)
 
@@ -139,14 +144,16 @@ def test_each_state_tensor_takes_its_tp_split_from_its_own_record():
             assert facts["tp_split"] in expected, (name, tensor.name)
 
     record = copy.deepcopy(published_record("Qwen3-Next-80B-A3B-Instruct"))
-    conv, recurrent = record["linear"]["state_tensors_per_layer"]
+    conv, *_, recurrent = record["linear"]["state_tensors_per_layer"]
     conv["shape"], conv["dims"] = conv["shape"][::-1], conv["dims"][::-1]  # stored (K - 1, channels)
     recurrent["tp_split"] = None  # every rank holds the whole matrix
     shard = ShardSpec(spec_from_record(record), Parallel(tp_size=4), 0, 1)
     gdn = shard.local_kind(0)
     assert isinstance(gdn, Linear)
     assert {s.name: (s.shape, s.tp_dim) for s in gdn.states} == {
-        "conv_state": ((3, 2048), 1),
+        "conv_q": ((3, 512), 1),
+        "conv_k": ((512, 3), 0),
+        "conv_v": ((1024, 3), 0),
         "recurrent_state": ((32, 128, 128), None),
     }
 

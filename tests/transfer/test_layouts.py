@@ -72,7 +72,8 @@ def test_mha_publishes_k_then_v_with_ids_twice_and_hybrid_pools_only_their_layer
     assert by_pool["full"] == [(3, "k"), (7, "k"), (3, "v"), (7, "v")]
     assert by_pool["swa:8"] == [(0, "k"), (4, "k"), (0, "v"), (4, "v")]
     assert by_pool["swa:24"] == [(2, "k"), (6, "k"), (2, "v"), (6, "v")]
-    assert by_pool["state"] == [(1, "conv_state"), (5, "conv_state"), (1, "recurrent_state"), (5, "recurrent_state")]
+    names = ("conv_q", "conv_k", "conv_v", "recurrent_state")
+    assert by_pool["state"] == [(layer, name) for name in names for layer in (1, 5)]
     mla = bufs("tiny-kda-mla")
     assert [lid for e, lid in zip(mla.entries, mla.layer_ids, strict=True) if e.pool == "mla"] == [3, 7]
 
@@ -178,7 +179,7 @@ def test_missing_layer_and_entry_count_mismatch_name_both_sides():
         ({"model": variant("tiny-gdn", head_dim=16)}, r"item length mismatch.*layer 3 'k'.*\(4, 4, 8\).*\(4, 4, 16\)"),
         (
             {"model": variant("tiny-gdn", state_dim=4)},
-            r"state slot size mismatch.*layer 0 'conv_state'.*\(96, 3\), 1152 B per slot.*\(96, 4\)",
+            r"state slot size mismatch.*layer 0 'conv_q'.*\(32, 3\), 384 B per slot.*\(32, 4\)",
         ),
         ({"model": variant("tiny-gdn", kv_dtype=torch.bfloat16)}, r"dtype mismatch.*float32.*bfloat16"),
         ({"model": "tiny-gdn", "page_size": 8}, r"page size mismatch.*same page_size"),

@@ -91,7 +91,8 @@ class Arena:
             inner.append(step)
             step *= dim
         strides = (cell_bytes // size, *reversed(inner))
-        return typed.as_strided((cells, *shape), strides, offset // size)
+        # as_strided's offset counts from the storage's start: a caller's buffer may start inside it (shm header)
+        return typed.as_strided((cells, *shape), strides, typed.storage_offset() + offset // size)
 
     def cell_grid(self, cells: int, cell_bytes: int) -> torch.Tensor:
         """The arena as ``cells`` rows of ``cell_bytes`` bytes (uint8), for whole-cell copies."""

@@ -19,8 +19,12 @@ Invariants and conventions (checked against transformers 5.23.0's modeling code 
 - Recurrent matrices follow transformers' layout: GatedDeltaNet/KDA ``(v_heads, k_head_dim,
   v_head_dim)``, Mamba2 ``(heads, head_dim, d_state)``, Mamba1 ``(d_inner, d_state)``, lightning
   ``(heads, head_dim, head_dim)``.
-- Every state tensor is split by tensor parallelism on dim 0: channels for conv windows (each rank
-  keeps its own slice of q, k and v), heads for recurrent matrices, ``d_inner`` for Mamba1.
+- A conv window over concatenated components is one state tensor per component (GatedDeltaNet and
+  KDA: ``conv_q``, ``conv_k``, ``conv_v``; Mamba2: ``conv_x``, ``conv_B``, ``conv_C``), so every state
+  tensor is split by tensor parallelism as one contiguous range of dim 0: a rank's conv channels are
+  its own part of each component, never one slice of the concatenation. Recurrent matrices split on
+  heads, Mamba1's single ``conv_state`` and SSM state on ``d_inner``. The bytes per request equal
+  those of one concatenated window.
 - ``SlidingWindow.window`` is the config's ``sliding_window``: a query sees that many keys, itself
   included. MLA layers cache the absorbed latent (``kv_lora_rank + qk_rope_head_dim`` a token).
 - ``max_context`` is ``max_position_embeddings`` (Kimi: ``model_max_length``). MTP layers are not
@@ -122,6 +126,13 @@ def _conv(name: str, channels: int, kernel: int, f: _Fields, kernel_key: str, dt
     return StateTensor(name, (channels, kernel - 1), dt.model, tp_dim=0)
 
 
+def _convs(
+    names: tuple[str, ...], channels: tuple[int, ...], kernel: int, f: _Fields, key: str, dt: _Dtypes
+) -> tuple[StateTensor, ...]:
+    """One conv window per component of a conv over their concatenation (same bytes as one window)."""
+    return tuple(_conv(name, c, kernel, f, key, dt) for name, c in zip(names, channels, strict=True))
+
+
 def _full(f: _Fields, dt: _Dtypes) -> LayerKind:
     head_dim = f.head_dim()
     return FullAttention(f.kv_heads(), head_dim, head_dim)
@@ -144,11 +155,12 @@ def _mla(f: _Fields, dt: _Dtypes) -> LayerKind:
 def _gated_deltanet(f: _Fields, dt: _Dtypes) -> LayerKind:
     v_heads, k_heads = f.divides("linear_num_key_heads", "linear_num_value_heads")
     k_dim, v_dim = f.positive("linear_key_head_dim"), f.positive("linear_value_head_dim")
-    channels = 2 * k_heads * k_dim + v_heads * v_dim  # conv over cat[q, k, v]
+    kernel = f.positive("linear_conv_kernel_dim")
+    channels = (k_heads * k_dim, k_heads * k_dim, v_heads * v_dim)  # conv over cat[q, k, v]
     return Linear(
         "gated_deltanet",
         (
-            _conv("conv_state", channels, f.positive("linear_conv_kernel_dim"), f, "linear_conv_kernel_dim", dt),
+            *_convs(("conv_q", "conv_k", "conv_v"), channels, kernel, f, "linear_conv_kernel_dim", dt),
             StateTensor("recurrent_state", (v_heads, k_dim, v_dim), dt.state, tp_dim=0),
         ),
     )
@@ -167,7 +179,7 @@ def _kda(f: _Fields, dt: _Dtypes) -> LayerKind:
     return Linear(
         "kda",
         (
-            _conv("conv_state_qkv", 3 * heads * dim, kernel, f, kernel_key, dt),  # q, k and v short convs
+            *_convs(("conv_q", "conv_k", "conv_v"), (heads * dim,) * 3, kernel, f, kernel_key, dt),  # 3 short convs
             StateTensor("recurrent_state", (heads, dim, dim), dt.state, tp_dim=0),
         ),
     )
@@ -176,11 +188,11 @@ def _kda(f: _Fields, dt: _Dtypes) -> LayerKind:
 def _mamba2(f: _Fields, dt: _Dtypes) -> LayerKind:
     heads, groups = f.divides("n_groups", "mamba_num_heads")
     head_dim, d_state = f.positive("mamba_head_dim"), f.positive("ssm_state_size")
-    channels = heads * head_dim + 2 * groups * d_state  # conv over cat[x, B, C]
+    channels = (heads * head_dim, groups * d_state, groups * d_state)  # conv over cat[x, B, C]
     return Linear(
         "mamba2",
         (
-            _conv("conv_state", channels, f.positive("conv_kernel"), f, "conv_kernel", dt),
+            *_convs(("conv_x", "conv_B", "conv_C"), channels, f.positive("conv_kernel"), f, "conv_kernel", dt),
             StateTensor("ssm_state", (heads, head_dim, d_state), dt.state, tp_dim=0),
         ),
     )

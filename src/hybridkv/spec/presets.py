@@ -167,12 +167,16 @@ def _check_published_bytes(spec: ModelSpec, record: dict[str, Any]) -> None:
 F32 = torch.float32
 
 
+def _convs(names: tuple[str, ...], channels: tuple[int, ...], dtype: torch.dtype = F32) -> tuple[StateTensor, ...]:
+    """One kernel-4 conv window per component of a conv over their concatenation."""
+    return tuple(StateTensor(n, (c, 3), dtype, tp_dim=0) for n, c in zip(names, channels, strict=True))
+
+
 def _gdn(tp_heads: int = 4, dim: int = 8, conv_dtype: torch.dtype = F32) -> Linear:
-    conv_dim = 3 * tp_heads * dim
     return Linear(
         "gated_deltanet",
         (
-            StateTensor("conv_state", (conv_dim, 3), conv_dtype, tp_dim=0),
+            *_convs(("conv_q", "conv_k", "conv_v"), (tp_heads * dim,) * 3, conv_dtype),
             StateTensor("recurrent_state", (tp_heads, dim, dim), F32, tp_dim=0),
         ),
     )
@@ -186,14 +190,14 @@ def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
     mamba = Linear(
         "mamba2",
         (
-            StateTensor("conv_state", (48, 3), F32, tp_dim=0),
+            *_convs(("conv_x", "conv_B", "conv_C"), (32, 8, 8)),
             StateTensor("ssm_state", (4, 8, 4), F32, tp_dim=0),
         ),
     )
     kda = Linear(
         "kda",
         (
-            StateTensor("conv_state_qkv", (96, 3), F32, tp_dim=0),
+            *_convs(("conv_q", "conv_k", "conv_v"), (32, 32, 32)),
             StateTensor("recurrent_state", (4, 8, 8), F32, tp_dim=0),
         ),
     )

@@ -10,9 +10,13 @@ Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax
 dropped), output gate (Qwen3-Next: ``q_proj`` yields query and gate per head, the output
 is multiplied by ``sigmoid(gate)``), q/k RMS norms, logit soft-capping, query scaling.
 
-Invariants: K/V live only in the memory pool (``mem.view(layer_id, "k"/"v")``); the
-visible keys are the pool id's history rule (``first_needed(q + 1) <= k <= q``; a sliding
-window: ``q - window < k <= q``).
+Tensor parallel (``tp``): the rank holds its query heads and the KV heads
+``Parallel.kv_head_range`` gives it (a GQA head replicated on several ranks when TP > KV
+heads), its rows of q/k/v and its columns of ``o_proj``; the output is its partial sum.
+
+Invariants: K/V live only in the memory pool (``mem.view(layer_id, "k"/"v")``, the rank's
+heads); the visible keys are the pool id's history rule (``first_needed(q + 1) <= k <= q``;
+a sliding window: ``q - window < k <= q``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import apply_rope
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
 
 
@@ -42,19 +47,33 @@ class PagedAttention(nn.Module):
         output_gate: bool = False,
         sinks: bool = False,
         softcap: float | None = None,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         if heads % kv_heads:
             raise ValueError(f"layer {layer_id}: {heads} query heads are not a multiple of {kv_heads} KV heads")
-        self.layer_id, self.heads, self.kv_heads, self.head_dim = layer_id, heads, kv_heads, head_dim
+        q_heads, kv_range = tp.split(heads, f"layer {layer_id} query heads"), tp.kv_heads(kv_heads)
+        self.layer_id, self.head_dim = layer_id, head_dim
+        self.heads, self.kv_heads = q_heads[1] - q_heads[0], kv_range[1] - kv_range[0]
         self.scaling, self.softcap, self.output_gate = scaling, softcap, output_gate
-        self.q_proj = nn.Linear(hidden, heads * head_dim * (2 if output_gate else 1), bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        q_width = head_dim * (2 if output_gate else 1)  # per head: query (and its gate) side by side
+        self.q_proj = nn.Linear(hidden, self.heads * q_width, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
-        self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
+        self.sinks = nn.Parameter(torch.zeros(self.heads)) if sinks else None
+        tp.column(self.q_proj, [scaled(q_heads, q_width)], heads * q_width)
+        tp.column(self.k_proj, [scaled(kv_range, head_dim)], kv_heads * head_dim)
+        tp.column(self.v_proj, [scaled(kv_range, head_dim)], kv_heads * head_dim)
+        tp.row(self.o_proj, [scaled(q_heads, head_dim)], heads * head_dim)
+        if sinks:
+            tp.param(self, "sinks", 0, [q_heads], heads)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-token shapes this layer reads and writes in its pool."""
+        return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
 
     def forward(
         self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor

@@ -2,10 +2,19 @@
 
 Per step: project to q, k, v, z (output gate), b (beta) and a (decay); run the causal conv
 over q|k|v continuing each request's conv window; run the gated delta rule continuing its
-recurrent matrix; gated RMS norm with z; project out. The two state tensors live only in
-the memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, kernel - 1)``
-and ``mem.view(layer_id, "recurrent_state")`` ``(cells, v_heads, k_dim, v_dim)``, indexed by
-the step's state cells; a request with ``fresh_state`` starts from zeros.
+recurrent matrix; gated RMS norm with z; project out. The state lives only in the memory's
+state pool: the conv window as one tensor per component, ``mem.view(layer_id, "conv_q" /
+"conv_k" / "conv_v")`` ``(cells, channels, kernel - 1)`` (concatenated q|k|v for the conv;
+``read_conv`` / ``write_conv``), and ``mem.view(layer_id, "recurrent_state")`` ``(cells,
+v_heads, k_dim, v_dim)``, indexed by the step's state cells; a request with ``fresh_state``
+starts from zeros.
+
+Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
+them): the projections are grouped per key head, so its rows are contiguous; its conv
+channels are its own q, k and v channels (three ranges of the full ``q|k|v`` conv; each is a
+contiguous slice of its component's state tensor, which is why the window is stored per
+component); its columns of
+``out_proj``, so the output is its partial sum.
 
 The step's one-token decodes use the one-token ops (as ``transformers`` does for a one-token
 forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
@@ -13,6 +22,7 @@ forward) and its longer spans the chunked ops on their padded batch (``ctx.group
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,6 +37,7 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
 
@@ -59,13 +70,38 @@ def write_states(
         view[cells] = value.to(view.dtype)
 
 
+def read_conv(
+    mem: UnifiedMemory, layer_id: int, parts: Mapping[str, int], ctx: StepContext, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The conv window over the concatenation of ``parts`` (component state tensor -> channels), in that order."""
+    return torch.cat(read_states(mem, layer_id, tuple(parts), ctx, rows), dim=1)
+
+
+def write_conv(
+    mem: UnifiedMemory,
+    layer_id: int,
+    ctx: StepContext,
+    rows: torch.Tensor | None,
+    parts: Mapping[str, int],
+    window: torch.Tensor,
+) -> None:
+    """Store a concatenated conv window back as one state tensor per component of ``parts``."""
+    pieces = torch.split(window, list(parts.values()), dim=1)
+    write_states(mem, layer_id, ctx, rows, **dict(zip(parts, pieces, strict=True)))
+
+
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.k_heads, self.v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        per = v_heads // k_heads
+        mine = tp.split(k_heads, f"layer {layer_id} GatedDeltaNet key heads")
+        v_mine = scaled(mine, per)
+        self.k_heads, self.v_heads = mine[1] - mine[0], per * (mine[1] - mine[0])
         self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_parts = {"conv_q": self.key_size, "conv_k": self.key_size, "conv_v": self.value_size}
         conv_dim = 2 * self.key_size + self.value_size
         kernel = config.linear_conv_kernel_dim
         self.activation = config.hidden_act
@@ -77,6 +113,24 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, h, bias=False)
+        full_key, full_value = k_heads * self.k_dim, v_heads * self.v_dim
+        block = 2 * self.k_dim + 2 * per * self.v_dim  # one key head's q|k|v|z rows
+        tp.column(self.in_proj_qkvz, [scaled(mine, block)], k_heads * block)
+        tp.column(self.in_proj_ba, [scaled(mine, 2 * per)], k_heads * 2 * per)
+        q_ch, v_ch = scaled(mine, self.k_dim), scaled(v_mine, self.v_dim)
+        conv_ranges = [q_ch, *shifted([q_ch], full_key), *shifted([v_ch], 2 * full_key)]
+        tp.param(self.conv1d, "weight", 0, conv_ranges, 2 * full_key + full_value)
+        tp.param(self, "dt_bias", 0, [v_mine], v_heads)
+        tp.param(self, "A_log", 0, [v_mine], v_heads)
+        tp.row(self.out_proj, [v_ch], full_value)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request shapes of the state this layer reads and writes."""
+        window = self.conv1d.weight.shape[-1] - 1
+        return {
+            **{name: (channels, window) for name, channels in self.conv_parts.items()},
+            "recurrent_state": (self.v_heads, self.k_dim, self.v_dim),
+        }
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Projections grouped per key head (the checkpoint layout) -> q|k|v (flat), z, b, a."""
@@ -93,9 +147,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = x.new_empty(x.shape[0], self.v_heads, self.v_dim)
         for group in ctx.groups:  # one-token decodes apart from longer spans
-            window, state = read_states(mem, self.layer_id, ("conv_state", "recurrent_state"), ctx, group.rows)
+            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
+            (state,) = read_states(mem, self.layer_id, ("recurrent_state",), ctx, group.rows)
             out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
-            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, recurrent_state=state)
+            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
+            write_states(mem, self.layer_id, ctx, group.rows, recurrent_state=state)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
     def _mix(

@@ -12,6 +12,9 @@ top-k), so there is no per-expert Python loop and no host sync; names of paramet
 transformers' ``state_dict`` (``gate.weight``, ``gate.e_score_correction_bias``,
 ``experts.gate_up_proj`` / ``experts.up_proj``, ``experts.down_proj``, ``shared_experts.*``);
 checkpoints that store one tensor per expert are stacked by ``fuse_expert_weights``.
+Tensor parallel (``tp``): experts and the shared expert keep their columns of the
+intermediate size, the router and ``fc1_latent_proj`` are replicated, ``fc2_latent_proj``'s
+bias lives on rank 0 only: the output is the rank's partial sum.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.models.base import WeightError
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 
 class GroupLimitedRouter(nn.Module):
@@ -61,15 +65,26 @@ class DenseExperts(nn.Module):
     """``E`` expert MLPs run on every token: gated (``act(gate) * up``, Kimi) or plain (``act(up)``, Nemotron-H)."""
 
     def __init__(
-        self, hidden: int, intermediate: int, num_experts: int, act: Callable[[torch.Tensor], torch.Tensor], gated: bool
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        gated: bool,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         self.gated, self.act = gated, act
+        mine = tp.split(intermediate, "MoE expert intermediate size")
+        local = mine[1] - mine[0]
         if gated:
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
+            tp.param(self, "gate_up_proj", 1, [mine, *shifted([mine], intermediate)], 2 * intermediate)
         else:
-            self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+            self.up_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
+            tp.param(self, "up_proj", 1, [mine], intermediate)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+        tp.param(self, "down_proj", 2, [mine], intermediate)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x (T, H)``, routing ``weights (T, E)`` -> ``(T, H)`` in ``weights``' dtype."""
@@ -90,11 +105,17 @@ class GroupLimitedMoE(nn.Module):
         router: GroupLimitedRouter,
         experts: DenseExperts,
         shared_experts: nn.Module,
-        latent: tuple[nn.Module, nn.Module] | None = None,
+        latent: tuple[nn.Module, nn.Linear] | None = None,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         self.gate, self.experts, self.shared_experts = router, experts, shared_experts
-        self.fc1_latent_proj, self.fc2_latent_proj = latent if latent is not None else (nn.Identity(), nn.Identity())
+        self.fc1_latent_proj: nn.Module = nn.Identity()
+        self.fc2_latent_proj: nn.Module = nn.Identity()
+        if latent is not None:
+            self.fc1_latent_proj, self.fc2_latent_proj = latent
+            if latent[1].bias is not None:
+                tp.zeros_off_rank0(latent[1], "bias")  # applied to a partial sum: its bias once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = self.experts(self.fc1_latent_proj(x), self.gate(x)).to(x.dtype)

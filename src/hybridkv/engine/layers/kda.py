@@ -3,9 +3,15 @@
 Per step: q, k, v projections -> causal conv (continuing each request's conv window) ->
 KDA (continuing its recurrent matrix) with a per-channel forget gate ``g`` and a per-head
 ``beta``; a sigmoid-gated RMS norm per head; ``o_proj``. The two state tensors live only in
-the memory's state pool: ``mem.view(layer_id, "conv_state_qkv")`` ``(cells, 3 * heads * head_dim,
-kernel - 1)`` and ``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim,
-head_dim)``, indexed by the step's state cells; a request with ``fresh_state`` starts from zeros.
+the memory's state pool: the conv window as one tensor per component, ``mem.view(layer_id,
+"conv_q" / "conv_k" / "conv_v")`` ``(cells, heads * head_dim, kernel - 1)``, and
+``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim, head_dim)``, indexed by
+the step's state cells; a request with ``fresh_state`` starts from zeros.
+
+Tensor parallel (``tp``): the rank holds its heads: its rows of q/k/v, ``f_b_proj``,
+``b_proj`` and ``g_b_proj``, its entries of ``dt_bias`` / ``A_log``, its own q, k and v
+conv channels (three ranges of the full ``q|k|v`` conv) and its columns of ``o_proj``, so
+the output is its partial sum; ``f_a_proj`` / ``g_a_proj`` (low rank) are replicated.
 
 The step's one-token spans use the one-token ops (as transformers does for a one-token
 forward) and its longer spans the chunked ops on their padded batch (``ctx.groups``).
@@ -18,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_states, write_states
+from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
 from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
 
@@ -57,16 +64,19 @@ class SigmoidGatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        mine = tp.split(heads, f"layer {layer_id} KDA heads")
+        self.heads = mine[1] - mine[0]
         self.size = self.heads * self.head_dim
         kernel, h = config.linear_conv_kernel_dim, config.hidden_size
         self.activation = config.hidden_act
         self.q_proj = nn.Linear(h, self.size, bias=False)
         self.k_proj = nn.Linear(h, self.size, bias=False)
         self.v_proj = nn.Linear(h, self.size, bias=False)
+        self.conv_parts = {"conv_q": self.size, "conv_k": self.size, "conv_v": self.size}
         conv_dim = 3 * self.size
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.forget_gate = ForgetGate(h, self.heads, self.head_dim)
@@ -75,6 +85,22 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(self.head_dim, self.size, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = nn.Linear(self.size, h, bias=False)
+        full, ch = heads * self.head_dim, scaled(mine, self.head_dim)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.forget_gate.f_b_proj, self.g_b_proj):
+            tp.column(proj, [ch], full)
+        tp.column(self.b_proj, [mine], heads)
+        tp.param(self.conv1d, "weight", 0, [ch, *shifted([ch], full), *shifted([ch], 2 * full)], 3 * full)
+        tp.param(self.forget_gate, "dt_bias", 0, [ch], full)
+        tp.param(self.forget_gate, "A_log", 2, [mine], heads)
+        tp.row(self.o_proj, [ch], full)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request shapes of the state this layer reads and writes."""
+        window = self.conv1d.weight.shape[-1] - 1
+        return {
+            **{name: (channels, window) for name, channels in self.conv_parts.items()},
+            "recurrent_state": (self.heads, self.head_dim, self.head_dim),
+        }
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         t = x.shape[0]
@@ -83,9 +109,11 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))
         out = x.new_empty(t, self.heads, self.head_dim)
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window, state = read_states(mem, self.layer_id, ("conv_state_qkv", "recurrent_state"), ctx, group.rows)
+            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
+            (state,) = read_states(mem, self.layer_id, ("recurrent_state",), ctx, group.rows)
             out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
-            write_states(mem, self.layer_id, ctx, group.rows, conv_state_qkv=window, recurrent_state=state)
+            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
+            write_states(mem, self.layer_id, ctx, group.rows, recurrent_state=state)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
 

@@ -2,10 +2,17 @@
 
 Per step: ``in_proj`` -> gate ``z`` | conv input ``x|B|C`` | time step ``dt``; the causal
 conv continues each request's conv window; the SSD scan continues its SSM state; a
-group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The two state tensors live only in the
-memory's state pool: ``mem.view(layer_id, "conv_state")`` ``(cells, conv_dim, kernel - 1)``
-and ``mem.view(layer_id, "ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed
-by the step's state cells; a request with ``fresh_state`` starts from zeros.
+group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The state lives only in the memory's
+state pool: the conv window as one tensor per component, ``mem.view(layer_id, "conv_x" /
+"conv_B" / "conv_C")`` ``(cells, channels, kernel - 1)``, and ``mem.view(layer_id,
+"ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed by the step's state
+cells; a request with ``fresh_state`` starts from zeros.
+
+Tensor parallel (``tp``): the rank holds its heads and its B/C groups (both split evenly):
+its rows of ``in_proj`` (its parts of ``z``, ``x``, ``B``, ``C`` and ``dt``), its conv
+channels (its own x, B and C channels: three ranges of the full ``x|B|C`` conv), its
+entries of ``dt_bias`` / ``A_log`` / ``D`` / the norm (whose groups stay whole) and its
+columns of ``out_proj``, so the output is its partial sum.
 
 The step's one-token spans use the one-token ops (transformers' decode path, which does not
 clamp ``dt`` to ``time_step_min``) and its longer spans the chunked ops on their padded batch
@@ -21,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_states, write_states
+from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
 from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
 
@@ -43,13 +51,18 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
-        self.groups, self.state_size = config.n_groups, config.ssm_state_size
+        heads, groups = config.mamba_num_heads, config.n_groups
+        self.head_dim, self.state_size = config.mamba_head_dim, config.ssm_state_size
+        mine = tp.split(heads, f"layer {layer_id} Mamba2 heads")
+        my_groups = tp.split(groups, f"layer {layer_id} Mamba2 groups (n_groups)")
+        self.heads, self.groups = mine[1] - mine[0], my_groups[1] - my_groups[0]
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        bc_size = self.groups * self.state_size
+        self.conv_parts = {"conv_x": self.inner, "conv_B": bc_size, "conv_C": bc_size}
         self.chunk_size = config.chunk_size
         self.dt_limit = (float(config.time_step_min), float("inf"))
         self.activation = config.mamba_hidden_act
@@ -61,16 +74,39 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm = GroupedGatedRMSNorm(self.inner, self.inner // self.groups, config.layer_norm_epsilon)
+        full_inner, full_bc = heads * self.head_dim, groups * self.state_size
+        self.norm = GroupedGatedRMSNorm(self.inner, full_inner // groups, config.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.inner, h, bias=config.use_bias)
+        x_ch, bc = scaled(mine, self.head_dim), scaled(my_groups, self.state_size)
+        conv = [x_ch, *shifted([bc], full_inner), *shifted([bc], full_inner + full_bc)]  # x | B | C
+        full_conv = full_inner + 2 * full_bc
+        in_ranges = [x_ch, *shifted(conv, full_inner), *shifted([mine], full_inner + full_conv)]  # z | x|B|C | dt
+        tp.column(self.in_proj, in_ranges, full_inner + full_conv + heads)
+        tp.param(self.conv1d, "weight", 0, conv, full_conv)
+        if self.conv1d.bias is not None:
+            tp.param(self.conv1d, "bias", 0, conv, full_conv)
+        for name in ("dt_bias", "A_log", "D"):
+            tp.param(self, name, 0, [mine], heads)
+        tp.param(self.norm, "weight", 0, [x_ch], full_inner)
+        tp.row(self.out_proj, [x_ch], full_inner)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request shapes of the state this layer reads and writes."""
+        window = self.conv1d.weight.shape[-1] - 1
+        return {
+            **{name: (channels, window) for name, channels in self.conv_parts.items()},
+            "ssm_state": (self.heads, self.head_dim, self.state_size),
+        }
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
         y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window, state = read_states(mem, self.layer_id, ("conv_state", "ssm_state"), ctx, group.rows)
+            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
+            (state,) = read_states(mem, self.layer_id, ("ssm_state",), ctx, group.rows)
             y[group.flat_index], window, state = self._mix(xbc, dt, window, state, group)
-            write_states(mem, self.layer_id, ctx, group.rows, conv_state=window, ssm_state=state)
+            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
+            write_states(mem, self.layer_id, ctx, group.rows, ssm_state=state)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _mix(

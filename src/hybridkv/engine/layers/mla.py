@@ -9,6 +9,10 @@ arithmetic as the reference's non-absorbed path), append the shared rope key, an
 with the step's causal mask; one-token spans and longer ones attend as two padded groups
 (``ctx.groups``).
 
+Tensor parallel (``tp``): the latent is replicated (every rank computes and stores all
+of it); the rank holds its query heads: its rows of the query and ``kv_b_proj``
+projections and its columns of ``o_proj``, so the output is its partial sum.
+
 Invariants: K/V exist only as latents in the pool; the rope part is rotated (rotate-half)
 before it is stored, by the model's rope (Kimi-Linear's MLA is NoPE: a zero-width rope
 leaves it unchanged); padded context slots are zeroed before use.
@@ -25,6 +29,7 @@ from torch import nn
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import apply_rope
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
 
 # transformers builds MLA's latent norms with the RMS norm's default epsilon, not the config's.
@@ -32,10 +37,12 @@ LATENT_NORM_EPS = 1e-6
 
 
 class PagedMLA(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.heads = config.num_attention_heads
+        heads = config.num_attention_heads
+        mine = tp.split(heads, f"layer {layer_id} MLA query heads")
+        self.heads = mine[1] - mine[0]
         self.rank, self.rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
         self.nope_dim, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
@@ -52,6 +59,14 @@ class PagedMLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=bias)
+        tp.column(self.q_b_proj if self.low_rank_q else self.q_proj, [scaled(mine, self.qk_dim)], heads * self.qk_dim)
+        kv_width = self.nope_dim + self.v_dim
+        tp.column(self.kv_b_proj, [scaled(mine, kv_width)], heads * kv_width)
+        tp.row(self.o_proj, [scaled(mine, self.v_dim)], heads * self.v_dim)
+
+    def memory_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-token shape of the latent this layer reads and writes in its pool."""
+        return {"latent": (1, self.rank + self.rope_dim)}
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)

@@ -4,6 +4,10 @@ MoE experts run densely: every expert on every token, combined with routing weig
 are zero outside each token's top-k. For the small expert counts the engine serves this is
 one batched einsum with no per-expert Python loop and no host sync (no ``nonzero`` to find
 which tokens an expert got); the unrouted products are multiplied by exact zeros.
+
+Tensor parallel (``tp``): every MLP and expert keeps its columns of the intermediate size
+(rows of gate/up, columns of down); routers and the shared-expert gate are replicated; the
+output is the rank's partial sum (down-projection biases on rank 0 only).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -32,12 +38,17 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        mine = tp.split(intermediate, "MLP intermediate size")
+        local = mine[1] - mine[0]
+        self.gate_proj = nn.Linear(hidden, local, bias=bias)
+        self.up_proj = nn.Linear(hidden, local, bias=bias)
+        self.down_proj = nn.Linear(local, hidden, bias=bias)
         self.act = activation(act)
+        tp.column(self.gate_proj, [mine], intermediate)
+        tp.column(self.up_proj, [mine], intermediate)
+        tp.row(self.down_proj, [mine], intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -56,13 +67,25 @@ class SoftmaxTopKMoE(nn.Module):
     """
 
     def __init__(
-        self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk: bool, act: str, shared: int
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk: bool,
+        act: str,
+        shared: int,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
+        mine = tp.split(intermediate, "MoE expert intermediate size")
+        local = mine[1] - mine[0]
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.shared_expert = GatedMLP(hidden, shared, act)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
+        tp.param(self, "gate_up_proj", 1, [mine, *shifted([mine], intermediate)], 2 * intermediate)
+        tp.param(self, "down_proj", 2, [mine], intermediate)
+        self.shared_expert = GatedMLP(hidden, shared, act, tp=tp)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.top_k, self.norm_topk, self.num_experts = top_k, norm_topk, num_experts
         self.act = activation(act)
@@ -85,13 +108,29 @@ class GptOssMoE(nn.Module):
     Experts: ``gate_up_proj`` ``(E, H, 2I)`` with gate/up interleaved on the last dim, ``down_proj`` ``(E, I, H)``.
     """
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, alpha: float, limit: float):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        alpha: float,
+        limit: float,
+        tp: TensorParallel = SINGLE,
+    ):
         super().__init__()
+        mine = tp.split(intermediate, "MoE expert intermediate size")
+        local = mine[1] - mine[0]
         self.router = nn.Linear(hidden, num_experts, bias=True)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * local))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * local))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        pairs = (2 * mine[0], 2 * mine[1])  # gate and up interleaved: column pairs stay together
+        tp.param(self, "gate_up_proj", 2, [pairs], 2 * intermediate)
+        tp.param(self, "gate_up_proj_bias", 1, [pairs], 2 * intermediate)
+        tp.param(self, "down_proj", 1, [mine], intermediate)
+        tp.zeros_off_rank0(self, "down_proj_bias")
         self.top_k, self.num_experts, self.alpha, self.limit = top_k, num_experts, alpha, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,13 +18,15 @@ from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope
 from hybridkv.engine.models.base import Block, CausalLM
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 
 
 class Gemma3Block(Block):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.self_attn = PagedAttention(
             layer_id,
             h,
@@ -35,8 +37,9 @@ class Gemma3Block(Block):
             bias=config.attention_bias,
             qk_norm_eps=eps,
             softcap=config.attn_logit_softcapping,
+            tp=tp,
         )
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, tp=tp)
         self.input_layernorm = RMSNorm(h, eps, offset=True)
         self.post_attention_layernorm = RMSNorm(h, eps, offset=True)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=True)
@@ -45,25 +48,28 @@ class Gemma3Block(Block):
     def forward(
         self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attn = self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.tp.reduce(self.mlp(self.pre_feedforward_layernorm(x))))
 
 
 class Gemma3(CausalLM):
-    def __init__(self, config: Any):
-        super().__init__(config)
-        for layer_type in sorted(set(config.layer_types)):
+    def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
+        super().__init__(config, layers, tp)
+        types = [config.layer_types[i] for i in self.layer_ids]
+        for layer_type in sorted(set(types)):
             self.ropes[layer_type] = Rope(
                 config.rope_parameters[layer_type], config.head_dim, config.max_position_embeddings
             )
-        self.layers.extend(Gemma3Block(config, i) for i in range(config.num_hidden_layers))
-        self.layer_rope = list(config.layer_types)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        for i in self.layer_ids:
+            self.layers[str(i)] = Gemma3Block(config, i, tp)
+        self.layer_rope = types
+        self.norm = self.final(RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True))
         self.embed_scale = float(config.hidden_size**0.5)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        return self.embed_tokens(ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        x = super().embed(ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         out = super().logits(x)

@@ -16,13 +16,15 @@ from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope
 from hybridkv.engine.models.base import Block, CausalLM
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 
 
 class GptOssBlock(Block):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.self_attn = PagedAttention(
             layer_id,
             h,
@@ -32,6 +34,7 @@ class GptOssBlock(Block):
             scaling=config.head_dim**-0.5,
             bias=config.attention_bias,
             sinks=True,
+            tp=tp,
         )
         self.mlp = GptOssMoE(
             h,
@@ -40,6 +43,7 @@ class GptOssBlock(Block):
             config.num_experts_per_tok,
             config.swiglu_alpha,
             config.swiglu_limit,
+            tp,
         )
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
@@ -47,16 +51,17 @@ class GptOssBlock(Block):
     def forward(
         self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
+        return x + self.tp.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class GptOss(CausalLM):
     WEIGHT_MAP = ((r"^model\.", ""), (r"\.mlp\.experts\.", ".mlp."))
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
+        super().__init__(config, layers, tp)
         self.ropes["default"] = Rope(config.rope_parameters, config.head_dim, config.max_position_embeddings)
-        self.layers.extend(GptOssBlock(config, i) for i in range(config.num_hidden_layers))
-        self.layer_rope = ["default"] * config.num_hidden_layers
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for i in self.layer_ids:
+            self.layers[str(i)] = GptOssBlock(config, i, tp)
+        self.layer_rope = ["default"] * len(self.layer_ids)
+        self.norm = self.final(RMSNorm(config.hidden_size, config.rms_norm_eps))

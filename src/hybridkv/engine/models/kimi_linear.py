@@ -21,12 +21,13 @@ from hybridkv.engine.layers.mla import PagedMLA
 from hybridkv.engine.layers.mlp import GatedMLP, activation
 from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.models.base import Block, CausalLM, WeightError
+from hybridkv.engine.models.base import Block, CausalLM, Fused, WeightError
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 
 
-def _moe(config: Any) -> GroupLimitedMoE:
+def _moe(config: Any, tp: TensorParallel) -> GroupLimitedMoE:
     h, inter = config.hidden_size, config.moe_intermediate_size
     router = GroupLimitedRouter(
         h,
@@ -37,18 +38,24 @@ def _moe(config: Any) -> GroupLimitedMoE:
         config.norm_topk_prob,
         config.routed_scaling_factor,
     )
-    experts = DenseExperts(h, inter, config.num_local_experts, activation(config.hidden_act), gated=True)
-    return GroupLimitedMoE(router, experts, GatedMLP(h, inter * config.n_shared_experts, config.hidden_act))
+    experts = DenseExperts(h, inter, config.num_local_experts, activation(config.hidden_act), gated=True, tp=tp)
+    shared = GatedMLP(h, inter * config.n_shared_experts, config.hidden_act, tp=tp)
+    return GroupLimitedMoE(router, experts, shared, tp=tp)
 
 
 class KimiLinearBlock(Block):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.linear = config.layer_types[layer_id] == "linear_attention"
-        self.self_attn: nn.Module = KimiDeltaAttention(config, layer_id) if self.linear else PagedMLA(config, layer_id)
+        self.self_attn: nn.Module = (
+            KimiDeltaAttention(config, layer_id, tp) if self.linear else PagedMLA(config, layer_id, tp)
+        )
         sparse = config.mlp_layer_types[layer_id] == "sparse"
-        self.mlp: nn.Module = _moe(config) if sparse else GatedMLP(h, config.intermediate_size, config.hidden_act)
+        self.mlp: nn.Module = (
+            _moe(config, tp) if sparse else GatedMLP(h, config.intermediate_size, config.hidden_act, tp=tp)
+        )
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
 
@@ -56,8 +63,9 @@ class KimiLinearBlock(Block):
         self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + (self.self_attn(h, ctx, mem) if self.linear else self.self_attn(h, ctx, mem, cos, sin))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mixed = self.self_attn(h, ctx, mem) if self.linear else self.self_attn(h, ctx, mem, cos, sin)
+        x = x + self.tp.reduce(mixed)
+        return x + self.tp.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 _SPLIT_CONV = re.compile(r"^(.*\.self_attn\.)([qkv])_conv1d\.weight$")
@@ -88,13 +96,19 @@ class KimiLinear(CausalLM):
         (r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)", r".self_attn.forget_gate.\1"),
         (r"^model\.", ""),
     )
+    FUSED = (  # merge_checkpoint
+        Fused(r"^(.*\.self_attn\.)(?P<part>[qkv])_conv1d\.weight$", r"\1conv1d.weight", ("q", "k", "v"), False),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>w1|w3)\.weight$", r"\1.experts.gate_up_proj", ("w1", "w3"), True),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>w2)\.weight$", r"\1.experts.down_proj", ("w2",), True),
+    )
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
+        super().__init__(config, layers, tp)
         self.ropes["none"] = NoRope()
-        self.layers.extend(KimiLinearBlock(config, i) for i in range(config.num_hidden_layers))
-        self.layer_rope = ["none"] * config.num_hidden_layers
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for i in self.layer_ids:
+            self.layers[str(i)] = KimiLinearBlock(config, i, tp)
+        self.layer_rope = ["none"] * len(self.layer_ids)
+        self.norm = self.final(RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Stack per-expert ``w1|w3`` (gate|up) and ``w2`` (down) and fuse the split q/k/v convs."""

@@ -22,25 +22,29 @@ from hybridkv.engine.layers.mamba2 import Mamba2Mixer
 from hybridkv.engine.layers.mlp import activation
 from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.models.base import Block, CausalLM
+from hybridkv.engine.models.base import Block, CausalLM, Fused
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 
 
 class UpDownMLP(nn.Module):
     """``down(act(up(x)))``."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        mine = tp.split(intermediate, "MLP intermediate size")
+        self.up_proj = nn.Linear(hidden, mine[1] - mine[0], bias=bias)
+        self.down_proj = nn.Linear(mine[1] - mine[0], hidden, bias=bias)
         self.act = activation(act)
+        tp.column(self.up_proj, [mine], intermediate)
+        tp.row(self.down_proj, [mine], intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-def _moe(config: Any) -> GroupLimitedMoE:
+def _moe(config: Any, tp: TensorParallel) -> GroupLimitedMoE:
     h, latent = config.hidden_size, config.moe_latent_size
     router = GroupLimitedRouter(
         h,
@@ -57,25 +61,27 @@ def _moe(config: Any) -> GroupLimitedMoE:
         config.n_routed_experts,
         activation(config.mlp_hidden_act),
         gated=False,
+        tp=tp,
     )
-    shared = UpDownMLP(h, config.moe_shared_expert_intermediate_size, config.mlp_hidden_act, config.mlp_bias)
+    shared = UpDownMLP(h, config.moe_shared_expert_intermediate_size, config.mlp_hidden_act, config.mlp_bias, tp)
     projections = (
         None
         if latent is None
         else (nn.Linear(h, latent, bias=config.mlp_bias), nn.Linear(latent, h, bias=config.mlp_bias))
     )
-    return GroupLimitedMoE(router, experts, shared, projections)
+    return GroupLimitedMoE(router, experts, shared, projections, tp)
 
 
 class NemotronHBlock(Block):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.kind = config.layer_types[layer_id]
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         h = config.hidden_size
         head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
         if self.kind == "linear_attention":
-            self.mixer: nn.Module = Mamba2Mixer(config, layer_id)
+            self.mixer: nn.Module = Mamba2Mixer(config, layer_id, tp)
         elif self.kind == "full_attention":
             self.mixer = PagedAttention(
                 layer_id,
@@ -84,11 +90,12 @@ class NemotronHBlock(Block):
                 config.num_key_value_heads,
                 head_dim,
                 scaling=head_dim**-0.5,
+                tp=tp,
             )
         elif self.kind == "mlp":
-            self.mixer = UpDownMLP(h, config.intermediate_size, config.mlp_hidden_act, config.mlp_bias)
+            self.mixer = UpDownMLP(h, config.intermediate_size, config.mlp_hidden_act, config.mlp_bias, tp)
         elif self.kind == "moe":
-            self.mixer = _moe(config)
+            self.mixer = _moe(config, tp)
         else:
             raise ValueError(
                 f"nemotron_h layer {layer_id}: unknown layer type {self.kind!r} "
@@ -100,10 +107,10 @@ class NemotronHBlock(Block):
     ) -> torch.Tensor:
         h = self.norm(x)
         if self.kind == "linear_attention":
-            return x + self.mixer(h, ctx, mem)
+            return x + self.tp.reduce(self.mixer(h, ctx, mem))
         if self.kind == "full_attention":
-            return x + self.mixer(h, ctx, mem, cos, sin)
-        return x + self.mixer(h)
+            return x + self.tp.reduce(self.mixer(h, ctx, mem, cos, sin))
+        return x + self.tp.reduce(self.mixer(h))
 
 
 class NemotronH(CausalLM):
@@ -114,13 +121,18 @@ class NemotronH(CausalLM):
         (r"^(model|backbone)\.norm_f\.", "norm."),
         (r"^(model|backbone)\.", ""),
     )
+    FUSED = (  # merge_checkpoint
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>up_proj)\.weight$", r"\1.experts.up_proj", ("up_proj",), True),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>down_proj)\.weight$", r"\1.experts.down_proj", ("down_proj",), True),
+    )
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
+        super().__init__(config, layers, tp)
         self.ropes["none"] = NoRope()
-        self.layers.extend(NemotronHBlock(config, i) for i in range(config.num_hidden_layers))
-        self.layer_rope = ["none"] * config.num_hidden_layers
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        for i in self.layer_ids:
+            self.layers[str(i)] = NemotronHBlock(config, i, tp)
+        self.layer_rope = ["none"] * len(self.layer_ids)
+        self.norm = self.final(RMSNorm(config.hidden_size, config.layer_norm_epsilon))
 
     def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Checkpoints keep one ``up_proj`` / ``down_proj`` per expert; stack them."""

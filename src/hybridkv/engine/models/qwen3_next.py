@@ -19,17 +19,19 @@ from hybridkv.engine.layers.gdn import GatedDeltaNet
 from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope
-from hybridkv.engine.models.base import Block, CausalLM, stack_experts
+from hybridkv.engine.models.base import Block, CausalLM, Fused, stack_experts
 from hybridkv.engine.step import StepContext
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 
 
 class Qwen3NextBlock(Block):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.linear = config.layer_types[layer_id] == "linear_attention"
-        self.linear_attn = GatedDeltaNet(config, layer_id) if self.linear else None
+        self.linear_attn = GatedDeltaNet(config, layer_id, tp) if self.linear else None
         self.self_attn = (
             None
             if self.linear
@@ -43,6 +45,7 @@ class Qwen3NextBlock(Block):
                 bias=config.attention_bias,
                 qk_norm_eps=eps,
                 output_gate=True,
+                tp=tp,
             )
         )
         sparse = (
@@ -59,9 +62,10 @@ class Qwen3NextBlock(Block):
                 config.norm_topk_prob,
                 config.hidden_act,
                 config.shared_expert_intermediate_size,
+                tp,
             )
             if sparse
-            else GatedMLP(h, config.intermediate_size, config.hidden_act)
+            else GatedMLP(h, config.intermediate_size, config.hidden_act, tp=tp)
         )
         self.input_layernorm = RMSNorm(h, eps, offset=True)
         self.post_attention_layernorm = RMSNorm(h, eps, offset=True)
@@ -71,21 +75,31 @@ class Qwen3NextBlock(Block):
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
-            x = x + self.linear_attn(h, ctx, mem)
+            x = x + self.tp.reduce(self.linear_attn(h, ctx, mem))
         elif self.self_attn is not None:
-            x = x + self.self_attn(h, ctx, mem, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.tp.reduce(self.self_attn(h, ctx, mem, cos, sin))
+        return x + self.tp.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Qwen3Next(CausalLM):
     WEIGHT_MAP = ((r"^model\.", ""), (r"\.mlp\.experts\.", ".mlp."), (r"^mtp\.", None))
+    FUSED = (  # stack_experts
+        Fused(
+            r"^(.*)\.experts\.\d+\.(?P<part>gate_proj|up_proj)\.weight$",
+            r"\1.experts.gate_up_proj",
+            ("gate_proj", "up_proj"),
+            True,
+        ),
+        Fused(r"^(.*)\.experts\.\d+\.(?P<part>down_proj)\.weight$", r"\1.experts.down_proj", ("down_proj",), True),
+    )
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, layers: tuple[int, int] | None = None, tp: TensorParallel = SINGLE):
+        super().__init__(config, layers, tp)
         self.ropes["default"] = Rope(config.rope_parameters, config.head_dim, config.max_position_embeddings)
-        self.layers.extend(Qwen3NextBlock(config, i) for i in range(config.num_hidden_layers))
-        self.layer_rope = ["default"] * config.num_hidden_layers
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
+        for i in self.layer_ids:
+            self.layers[str(i)] = Qwen3NextBlock(config, i, tp)
+        self.layer_rope = ["default"] * len(self.layer_ids)
+        self.norm = self.final(RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True))
 
     def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         return stack_experts(tensors)

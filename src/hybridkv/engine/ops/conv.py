@@ -2,7 +2,8 @@
 
 The carried state of a request is its conv *window*: the last ``kernel - 1`` inputs it has
 seen, channels first, ``[batch, channels, kernel - 1]`` (zeros for a new request). This is
-the state tensor a ``Linear`` layer keeps per request (``conv_state`` in the spec).
+the window a ``Linear`` layer keeps per request (in the spec one state tensor per component of the
+concatenated input: ``conv_q``/``conv_k``/``conv_v``, ``conv_x``/``conv_B``/``conv_C``; Mamba1 ``conv_state``).
 Invariants:
 - prefill of a chunk with window ``w`` == the conv over ``concat(w, chunk)`` with no padding,
   i.e. transformers' ``causal_conv1d_fn`` over the whole sequence restricted to the chunk;
