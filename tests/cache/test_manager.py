@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import CacheError, HybridRadixCache, KVManager
+from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, KVManager
 from hybridkv.memory import GateStatus, OutOfMemory, PinnedError
 from tests.cache.helpers import small_memory
 
@@ -91,3 +91,31 @@ def test_a_pinned_request_keeps_its_ids_until_unpinned():
     kvm.release(kv)
     kvm.cache.check()
     kvm.mem.verify()
+
+
+def test_adopted_kv_becomes_the_request_s_own_and_bad_adoptions_change_nothing():
+    """KV that arrived by transfer (allocated outside the manager) becomes a running request."""
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS)))
+    mem, cache = kvm.mem, kvm.cache
+    pages, slot = mem.alloc_pages(3), int(mem.alloc_state(1)[0])
+    live = (mem.pages.live_count, mem.slots.live_count)
+    for bad, says in [
+        (lambda: kvm.adopt(pages, 13, slot), "need 4 pages"),
+        (lambda: kvm.adopt(pages, 10), "state slot exactly"),
+        (lambda: kvm.adopt(np.array([0, 1, 2]), 10, slot), "adopt"),
+        (lambda: kvm.adopt(pages, 10, slot + 1), "adopt"),
+    ]:
+        with pytest.raises(CacheError, match=says):
+            bad()
+        assert (mem.pages.live_count, mem.slots.live_count) == live and cache.open_locks == 0
+    h = kvm.adopt(pages, 10, slot)
+    assert h.seq_len == 10 and not h.state_from_zero and h.state_slot == slot
+    np.testing.assert_array_equal(h.pages, pages)
+    kvm.extend(h, 14)  # it continues like any request
+    toks = np.arange(14)
+    kvm.finish(h, toks)
+    assert kvm.match(toks).full_length == 12  # its pages were cached on finish
+    kvm.evict({PAGE_NEED: mem.pages.capacity})
+    assert mem.pages.live_count == 0 and mem.slots.live_count == 0
+    mem.verify()
+    cache.check()

@@ -47,6 +47,7 @@ class KVHandle:
     __slots__ = (
         "_own_row",
         "_row",
+        "_state_from_zero",
         "cached",
         "checkpoints",
         "gates",
@@ -74,6 +75,7 @@ class KVHandle:
         self.windows = windows
         """Pool id of each window pool (any pool that releases history), in the cache's rule order."""
         self.state_slot: int | None = None
+        self._state_from_zero = match.checkpoint is None
         self.checkpoints: dict[int, int] = {}
         self.gates: list[MoveGate] = []
         self.status = HandleStatus.RUNNING
@@ -98,8 +100,13 @@ class KVHandle:
     @property
     def state_from_zero(self) -> bool:
         """The running state slot is fresh (the hit had no checkpoint): zero it before the
-        first forward. Otherwise it holds a copy of the hit's checkpoint."""
-        return self.match.checkpoint is None
+        first forward. Otherwise it holds a copy of the hit's checkpoint (or, for an adopted
+        request, the state that arrived with it)."""
+        return self._state_from_zero
+
+    def adopt_state(self, slot: int) -> None:
+        """Take ``slot`` (holding this request's state after ``seq_len`` tokens) as the running state."""
+        self.state_slot, self._state_from_zero = slot, False
 
     def token_locs(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Virtual token locations (``page * page_size + offset``) of tokens ``[start, end)``

@@ -36,7 +36,7 @@ from hybridkv.cache.errors import CacheError
 from hybridkv.cache.handle import HandleStatus, KVHandle
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
 from hybridkv.cache.rules import PAGE_NEED, Need
-from hybridkv.memory import GateStatus, MoveGate, OutOfMemory
+from hybridkv.memory import GateStatus, InvalidIds, MoveGate, OutOfMemory
 from hybridkv.memory.gates import DoneEvent
 from hybridkv.spec import IdSpace
 
@@ -148,6 +148,44 @@ class KVManager:
                 self.cache.unlock(lock)
                 handle.status = HandleStatus.RELEASED
                 raise
+        return handle
+
+    def adopt(
+        self, pages: np.ndarray, seq_len: int, state_slot: int | None = None, namespace: Hashable = None
+    ) -> KVHandle:
+        """A running handle for ``seq_len`` tokens whose ``pages`` (and recurrent ``state_slot``)
+        this memory allocated outside the manager — a request whose KV arrived by transfer. The
+        handle then owns them: ``release`` frees them, ``insert`` may cache them. Refused
+        (``CacheError``, nothing held) unless the pages are live, not the cache's, exactly the
+        pages ``seq_len`` tokens need, and the state slot is given exactly when the model has
+        recurrent layers."""
+        ps = self.page_size
+        seq_len = integer(seq_len, "adopt seq_len")
+        page_ids = np.asarray(pages)
+        if page_ids.ndim != 1 or page_ids.dtype.kind not in "iu" or page_ids.size != -(-seq_len // ps):
+            raise CacheError(
+                f"adopt: {seq_len} tokens need {-(-seq_len // ps)} pages as a 1-D int array, got {pages!r}"
+            )
+        page_ids = page_ids.astype(np.int64)
+        try:
+            self.mem.pages.check_live(page_ids, "adopt")
+            self.mem.pages.check_not_held(page_ids, "adopt")
+            if (state_slot is None) != (self._state_pool is None):
+                raise CacheError(
+                    "adopt: give a state slot exactly when the model has recurrent layers "
+                    f"(it has {'some' if self._state_pool is not None else 'none'}, got {state_slot})"
+                )
+            if state_slot is not None:
+                slot = np.array([integer(state_slot, "adopt state_slot")], dtype=np.int64)
+                self.mem.slots.check_live(slot, "adopt")
+                self.mem.slots.check_not_held(slot, "adopt")
+        except InvalidIds as exc:
+            raise CacheError(str(exc)) from None
+        match = self.match(np.empty(0, dtype=np.int64), namespace)
+        handle = KVHandle(namespace, match, self.cache.lock(match.node), ps, self._windows)
+        handle.grow(seq_len, page_ids)
+        if state_slot is not None:
+            handle.adopt_state(int(state_slot))
         return handle
 
     def extend(self, handle: KVHandle, new_len: int) -> np.ndarray:

@@ -133,6 +133,14 @@ class RequestAllocator:
         req.wanted = tuple(sorted(p for p in ends if p > start))
         return True
 
+    def adopt(self, req: RequestMemory, pages: np.ndarray, length: int, slot: int | None) -> None:
+        """Make ``length`` tokens of KV (and the state after them) that arrived by transfer into
+        ``pages`` / ``slot`` the request's own: it continues from there (``KVManager.adopt``)."""
+        if req.handle is not None:
+            raise RuntimeError("adopt: the request already holds memory")
+        req.handle = self.kvm.adopt(pages, length, slot, req.namespace)
+        req.fresh = False
+
     def extend(self, reqs: list[RequestMemory], counts: list[int]) -> None:
         """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike), one allocation."""
         handles = [r.live for r in reqs]

@@ -65,8 +65,9 @@ def _transferred(name: str) -> tuple[dict[str, np.ndarray], list[dict[str, np.nd
         )
         receiver = make_transport("shm", shared)
         try:
-            dec_alloc = RequestAllocator(dec_mem)
+            dec_alloc = RequestAllocator(dec_mem, prefix_cache=False)
             dreq = dec_alloc.new()
+            dec_alloc.admit(dreq, IDS, len(IDS), len(IDS), 0, force=True)
             dec_alloc.extend([dreq], [len(IDS)])
             assert dreq.slot is not None
             dec_bufs = buffer_set_from_memory(dec_mem)
@@ -74,14 +75,14 @@ def _transferred(name: str) -> tuple[dict[str, np.ndarray], list[dict[str, np.nd
             plan = build_plan(pre_bufs, dec_bufs, pair_entries(pre_bufs, dec_bufs), len(IDS), src, dst)
             writer.write(receiver.session, *plan.ops(), plan.bounds)
             out.append(worker.slot_states(dec_mem, dreq.slot))
-            dec_alloc.free(dreq)
+            dec_alloc.retract(dreq)
             dec_mem.verify()
         finally:
             receiver.close()
             shared.close()
     writer.close()
     whole = worker.slot_states(pre_mem, req.slot)
-    alloc.free(req)
+    alloc.retract(req)
     pre_mem.verify()
     return whole, out
 

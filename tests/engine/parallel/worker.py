@@ -91,8 +91,9 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
 
 def prefill(runner: ModelRunner | ShardRunner, ids: list[int], chunk: int) -> tuple[RequestAllocator, RequestMemory]:
     """Prefill ``ids`` as one request in chunks of ``chunk``; the request stays allocated."""
-    alloc = RequestAllocator(runner.mem)
+    alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
+    alloc.admit(req, ids, len(ids), chunk, 0, force=True)
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
         prefix = req.length
@@ -134,7 +135,7 @@ def tp2_prefill_states(rank: int, jobs: list[tuple[str, int, int, list[int]]]) -
         alloc, req = prefill(runner, ids, chunk)
         assert req.slot is not None
         out[directory] = slot_states(runner.mem, req.slot)
-        alloc.free(req)
+        alloc.retract(req)
     return out
 
 

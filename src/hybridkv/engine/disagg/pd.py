@@ -30,7 +30,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -159,12 +158,13 @@ def _prefill(config: PDConfig, groups: StageGroups, bootstrap: str, key: Cluster
     mem, where = runner.mem, f"prefill stage {groups.pp_rank}"
     transport = make_transport("shm")
     sender = PrefillSender(mem, PREFILL_ENGINE, bootstrap, transport, key=key, timeout_s=config.timeout_s)
-    alloc = RequestAllocator(mem)
+    alloc = RequestAllocator(mem, prefix_cache=False)
     firsts, nbytes, before = [], [], _live(mem)
     try:
         dist.barrier()  # every sender registered, every receiver up
         for i, ids in enumerate(config.prompts):
             req = alloc.new()
+            alloc.admit(req, ids, len(ids), config.chunk, 0, force=True)
             for start in range(0, len(ids), config.chunk):
                 piece = list(ids[start : start + config.chunk])
                 prefix = req.length
@@ -176,7 +176,7 @@ def _prefill(config: PDConfig, groups: StageGroups, bootstrap: str, key: Cluster
                 firsts.append(int(first))
                 for d in range(config.prefill_pp, config.prefill_pp + config.decode_tp):
                     dist.send(first, dst=d)
-            sender.send(_rid(i), req.locs[: req.length : mem.page_size] // mem.page_size, req.slot, req.length)
+            sender.send(_rid(i), req.live.pages, req.slot, req.length)
             end = time.monotonic() + config.timeout_s
             while not _finished(sender.status(_rid(i)), where):
                 if time.monotonic() > end:
@@ -185,7 +185,7 @@ def _prefill(config: PDConfig, groups: StageGroups, bootstrap: str, key: Cluster
             sender.poll()  # unpins the request
             report = sender.status(_rid(i))
             nbytes.append(report.nbytes if report is not None else 0)
-            alloc.free(req)
+            alloc.retract(req)
         mem.verify()
     finally:
         sender.close()
@@ -222,7 +222,7 @@ def _decode_all(
     config: PDConfig, runner: ShardRunner, receiver: DecodeReceiver, where: str
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     mem = runner.mem
-    alloc = RequestAllocator(mem)
+    alloc = RequestAllocator(mem, prefix_cache=False)
     outputs, nbytes = [], []
     dist.barrier()
     for i, ids in enumerate(config.prompts):
@@ -233,9 +233,7 @@ def _decode_all(
         _finished(report, where)
         nbytes.append(report.nbytes)
         req = alloc.new()  # the transferred pages and slot become a request of this rank's allocator
-        ps = mem.page_size
-        req.append((got.pages[:, None] * ps + np.arange(ps)).reshape(-1)[: len(ids)])
-        req.slot, req.fresh = got.slot, False
+        alloc.adopt(req, got.pages, len(ids), got.slot)
         tokens = [int(first)]
         while len(tokens) < config.max_new:
             prefix = req.length
@@ -243,7 +241,7 @@ def _decode_all(
             logits = runner.forward(_batch(req, tokens[-1:], prefix))
             alloc.mark_computed([req])
             tokens.append(int(torch.argmax(logits[0])))
-        alloc.free(req)
+        alloc.retract(req)
         outputs.append(tuple(tokens))
     return tuple(outputs), tuple(nbytes)
 
