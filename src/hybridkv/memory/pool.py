@@ -57,6 +57,7 @@ class SubPool:
         self.arena = arena
         self.cell_bytes = cell
         self.grid_cells = arena.nbytes // cell
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
         slab, sink, nslabs = arena.slab_bytes, arena.sink_bytes, arena.num_slabs
         starts = np.arange(self.grid_cells, dtype=np.int64) * cell
         lo = (starts - sink) // slab
@@ -288,5 +289,12 @@ class SubPool:
         return self.vacate(src)
 
     def view(self, layer_id: int, tensor: str) -> torch.Tensor:
-        seg = self.layout.segment(layer_id, tensor)
-        return self.arena.strided_view(seg.dtype, self.grid_cells, self.cell_bytes, seg.offset, seg.shape)
+        """The strided view of one segment over the whole grid; built once (the arena and the
+        grid never change, compaction moves bytes between cells, not the views)."""
+        key = (layer_id, tensor)
+        view = self._views.get(key)
+        if view is None:
+            seg = self.layout.segment(layer_id, tensor)
+            view = self.arena.strided_view(seg.dtype, self.grid_cells, self.cell_bytes, seg.offset, seg.shape)
+            self._views[key] = view
+        return view
