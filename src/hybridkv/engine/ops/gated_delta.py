@@ -18,20 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.ops.varlen import length_mask
+from hybridkv.engine.ops.varlen import check_state, length_mask
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     # transformers' Qwen3-Next l2norm (FLA convention: eps inside the rsqrt).
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-
-def _check_state(state: torch.Tensor, batch: int, heads_v: int, dk: int, dv: int, what: str) -> None:
-    if state.shape != (batch, heads_v, dk, dv):
-        raise ValueError(
-            f"{what}: state shape {tuple(state.shape)} does not match the inputs: expected "
-            f"(batch, heads_v, dk, dv) = {(batch, heads_v, dk, dv)}"
-        )
 
 
 def gated_delta_prefill(
@@ -59,7 +51,7 @@ def gated_delta_prefill(
     out_dtype = q.dtype
     batch, seq, heads_k, dk = k.shape
     heads_v, dv = v.shape[-2:]
-    _check_state(state, batch, heads_v, dk, dv, "gated delta prefill")
+    check_state(state, (batch, heads_v, dk, dv), "(batch, heads_v, dk, dv)", "gated delta prefill")
     if lengths is not None:
         valid = length_mask(lengths, seq)
         g = g * valid[..., None]
@@ -120,7 +112,7 @@ def gated_delta_decode(
     out_dtype = q.dtype
     batch, heads_k, dk = k.shape
     heads_v, dv = v.shape[-2:]
-    _check_state(state, batch, heads_v, dk, dv, "gated delta decode")
+    check_state(state, (batch, heads_v, dk, dv), "(batch, heads_v, dk, dv)", "gated delta decode")
     if heads_k != heads_v:
         q = q.repeat_interleave(heads_v // heads_k, dim=1)
         k = k.repeat_interleave(heads_v // heads_k, dim=1)

@@ -17,20 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.ops.varlen import length_mask
+from hybridkv.engine.ops.varlen import check_state, length_mask
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     # transformers' Kimi l2norm: sqrt and divide (unlike Qwen3-Next's rsqrt and multiply).
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-
-def _check_state(state: torch.Tensor, batch: int, heads: int, dk: int, dv: int, what: str) -> None:
-    if state.shape != (batch, heads, dk, dv):
-        raise ValueError(
-            f"{what}: state shape {tuple(state.shape)} does not match the inputs: expected "
-            f"(batch, heads, dk, dv) = {(batch, heads, dk, dv)}"
-        )
 
 
 def kda_prefill(
@@ -57,7 +49,7 @@ def kda_prefill(
     out_dtype = q.dtype
     batch, seq, heads, dk = k.shape
     dv = v.shape[-1]
-    _check_state(state, batch, heads, dk, dv, "KDA prefill")
+    check_state(state, (batch, heads, dk, dv), "(batch, heads, dk, dv)", "KDA prefill")
     if lengths is not None:
         valid = length_mask(lengths, seq)
         g = g * valid[..., None, None]
@@ -120,7 +112,7 @@ def kda_decode(
     out_dtype = q.dtype
     batch, heads, dk = k.shape
     dv = v.shape[-1]
-    _check_state(state, batch, heads, dk, dv, "KDA decode")
+    check_state(state, (batch, heads, dk, dv), "(batch, heads, dk, dv)", "KDA decode")
     q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
     q = _l2norm(q)
     k = _l2norm(k)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.ops.varlen import length_mask
+from hybridkv.engine.ops.varlen import check_state, length_mask
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -36,14 +36,6 @@ def _chunks(x: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:
     """``[batch, seq, ...]`` -> ``[batch, chunks, chunk_size, ...]`` with zero padding at the end."""
     x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
     return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
-
-
-def _check_state(state: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
-    if state.shape != expected:
-        raise ValueError(
-            f"{what}: state shape {tuple(state.shape)} does not match the inputs: expected "
-            f"(batch, heads, head_dim, state_size) = {expected}"
-        )
 
 
 def ssd_prefill(
@@ -75,7 +67,7 @@ def ssd_prefill(
     """
     batch, seq, heads, head_dim = x.shape
     groups = B.shape[2]
-    _check_state(state, (batch, heads, head_dim, B.shape[-1]), "SSD prefill")
+    check_state(state, (batch, heads, head_dim, B.shape[-1]), "(batch, heads, head_dim, state_size)", "SSD prefill")
     dt = F.softplus(dt + dt_bias.to(dt.dtype))
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
     if lengths is not None:
@@ -135,7 +127,7 @@ def ssd_decode(
     ``(y [batch, heads, head_dim] in x's dtype, new state in state's dtype)``."""
     batch, heads, head_dim = x.shape
     groups, state_size = B.shape[1:]
-    _check_state(state, (batch, heads, head_dim, state_size), "SSD decode")
+    check_state(state, (batch, heads, head_dim, state_size), "(batch, heads, head_dim, state_size)", "SSD decode")
     dt = F.softplus(dt + dt_bias.to(dt.dtype))[..., None, None]
     dA = torch.exp(dt.float() * A.float()[:, None, None])
     B = B[:, :, None, :].expand(batch, groups, heads // groups, state_size).reshape(batch, heads, 1, state_size)

@@ -14,6 +14,15 @@ from __future__ import annotations
 import torch
 
 
+def check_state(state: torch.Tensor, expected: tuple[int, ...], dims: str, what: str) -> None:
+    """Refuse a carried state whose shape is not what the inputs imply (both shapes named;
+    ``dims`` names the expected dimensions, e.g. ``"(batch, heads, dk, dv)"``)."""
+    if tuple(state.shape) != expected:
+        raise ValueError(
+            f"{what}: state shape {tuple(state.shape)} does not match the inputs: expected {dims} = {expected}"
+        )
+
+
 def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """``[batch, max_len]`` bool: True where position ``t < lengths[b]``."""
     positions = torch.arange(max_len, device=lengths.device)
