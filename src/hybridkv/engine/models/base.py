@@ -43,40 +43,6 @@ class WeightError(ValueError):
     """Weights that do not fit the model: missing, unexpected or wrongly shaped."""
 
 
-_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def stack_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint per-expert MLPs -> fused ``experts.gate_up_proj`` ``(E, 2I, H)``, ``experts.down_proj`` ``(E, H, I)``.
-
-    Published checkpoints (and ``save_pretrained``) store ``<p>.experts.<e>.{gate,up,down}_proj.weight``;
-    ``transformers`` fuses them at load, as this does. Every expert 0..E-1 needs all three.
-    """
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, tensor in tensors.items():
-        match = _PER_EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
-        else:
-            groups.setdefault(match[1], {}).setdefault(int(match[2]), {})[match[3]] = tensor
-    for prefix, experts in groups.items():
-        lacking = [
-            f"{prefix}.experts.{e}.{part}.weight"
-            for e in range(max(experts) + 1)
-            for part in ("gate_proj", "up_proj", "down_proj")
-            if part not in experts.get(e, {})
-        ]
-        if lacking:
-            raise WeightError(f"missing expert weights {', '.join(lacking[:6])}")
-        ordered = [experts[e] for e in range(len(experts))]
-        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in ordered]
-        )
-        out[f"{prefix}.experts.down_proj"] = torch.stack([x["down_proj"] for x in ordered])
-    return out
-
-
 @dataclass(frozen=True)
 class Fused:
     """Checkpoint tensors matching ``pattern`` (its group ``part`` names the component) that the loader

@@ -16,10 +16,11 @@ from torch import nn
 
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.gdn import GatedDeltaNet
+from hybridkv.engine.layers.grouped_moe import fuse_expert_weights
 from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope
-from hybridkv.engine.models.base import Block, CausalLM, Fused, stack_experts
+from hybridkv.engine.models.base import Block, CausalLM, Fused
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
@@ -83,7 +84,7 @@ class Qwen3NextBlock(Block):
 
 class Qwen3Next(CausalLM):
     WEIGHT_MAP = ((r"^model\.", ""), (r"\.mlp\.experts\.", ".mlp."), (r"^mtp\.", None))
-    FUSED = (  # stack_experts
+    FUSED = (  # what merge_checkpoint fuses
         Fused(
             r"^(.*)\.experts\.\d+\.(?P<part>gate_proj|up_proj)\.weight$",
             r"\1.experts.gate_up_proj",
@@ -102,4 +103,4 @@ class Qwen3Next(CausalLM):
         self.norm = self.final(RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True))
 
     def merge_checkpoint(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        return stack_experts(tensors)
+        return fuse_expert_weights(tensors, {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
