@@ -6,12 +6,14 @@ sharing a prefix with another; lengths around and past the sliding window of 8) 
 prefilled in chunks of 5 over pages of 4 by the pipeline-stage processes, handed over with
 ``hybridkv.transfer`` (authenticated control plane with a fresh key, shm transport) to the
 decode processes, which decode 5 tokens greedily. Checked: every request's tokens equal the
-single-process engine's and ``transformers``' (up to its EOS); every process ends with no
+single-process engine's and ``transformers``' (up to its EOS); per-request timings are
+present and ordered (one request at a time); every process ends with no
 live page or slot; no process outlives the run.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -58,3 +60,10 @@ def test_pp_prefill_to_tp_decode_serves_the_single_process_and_transformers_toke
         assert _gone(r.pid) and r.pid != os.getpid()
     last = next(r for r in result.ranks if r.role == "prefill" and r.index == pp - 1)
     assert [t[0] for t in result.output_ids] == list(last.output_ids[0])  # decode starts from prefill's token
+    timings = result.timings
+    assert len(timings) == len(PROMPTS)
+    for t in timings:
+        assert t.queue_s >= 0 and t.prefill_s > 0 and t.transfer_s >= 0 and t.decode_s > 0, t
+        assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s) and t.tpot_s == pytest.approx(t.decode_s / 4)
+    # one request at a time: each one queues while the ones before it are prefilled
+    assert all(b.queue_s >= a.queue_s + a.prefill_s for a, b in itertools.pairwise(timings))
