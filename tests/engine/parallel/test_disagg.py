@@ -14,6 +14,7 @@ live page or slot; no process outlives the run.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from pathlib import Path
 
@@ -67,3 +68,29 @@ def test_pp_prefill_to_tp_decode_serves_the_single_process_and_transformers_toke
         assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s) and t.tpot_s == pytest.approx(t.decode_s / 4)
     # one request at a time: each one queues while the ones before it are prefilled
     assert all(b.queue_s >= a.queue_s + a.prefill_s for a, b in itertools.pairwise(timings))
+
+
+def test_serve_pd_cli_prints_generates_output_ids_with_ordered_timings(tmp_path: Path, capsys) -> None:
+    from hybridkv.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": list(p)}) + "\n" for p in PROMPTS))
+    common = ["--random", "tiny-qwen3-next", "--prompts", str(prompts), "--max-new-tokens", str(MAX_NEW), "--json"]
+    assert main(["generate", *common]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    pd = ["--prefill-pp", "2", "--decode-tp", "2", "--transport", "shm", "--page-size", str(PAGE)]
+    assert main(["serve-pd", *common, *pd, "--chunk-size", str(CHUNK)]) == 0
+    out, err = capsys.readouterr()
+    served = json.loads(out)
+    assert "Writing" not in err, err
+    assert served["model"] == "tiny-qwen3-next" and served["totals"]["requests"] == len(PROMPTS)
+    assert [r["output_ids"] for r in served["requests"]] == [r["output_ids"] for r in generated["requests"]]
+    assert [r["finish_reason"] for r in served["requests"]] == [r["finish_reason"] for r in generated["requests"]]
+    for r in served["requests"]:
+        t = r["timings"]
+        assert t["ttft_s"] > 0 and t["prefill_s"] > 0 and t["queue_s"] >= 0, t
+        assert t["transfer_s"] >= 0 and t["decode_s"] >= 0 and t["tpot_s"] >= 0, t
+        assert t["ttft_s"] == pytest.approx(t["queue_s"] + t["prefill_s"], abs=1e-5)
+    assert [r["timings"]["queue_s"] for r in served["requests"]] == sorted(
+        r["timings"]["queue_s"] for r in served["requests"]
+    )

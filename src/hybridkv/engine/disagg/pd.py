@@ -1,6 +1,7 @@
 """Prefill on ``prefill_pp`` pipeline stages, decode on ``decode_tp`` tensor-parallel ranks, one process each.
 
-``run_pd(PDConfig(model_dir, prompts, max_new))`` launches ``P + T`` processes
+``run_pd(PDConfig(model_dir, prompts, max_new))`` checks the layout in the calling process
+(``check_layout``: every stage and rank's shard can be built), then launches ``P + T`` processes
 (``engine.parallel.launch``; gloo on CPU): world ranks ``0..P-1`` are the prefill stages,
 ``P..P+T-1`` the decode TP ranks. The launching process runs the transfer bootstrap; a fresh
 cluster key authenticates every control frame (``PrefillSender`` per stage, ``DecodeReceiver``
@@ -115,6 +116,7 @@ def run_pd(config: PDConfig) -> PDResult:
         raise ValueError(f"run_pd needs prefill_pp, decode_tp and max_new >= 1, got {config}")
     if not config.prompts or not all(config.prompts):
         raise ValueError("run_pd needs at least one prompt, each of at least one token")
+    check_layout(config)
     key = ClusterKey.generate()
     boot = BootstrapServer(key=key).start()
     try:
@@ -132,6 +134,15 @@ def run_pd(config: PDConfig) -> PDResult:
     if any(d != decoded[0] for d in decoded):
         raise TransferError(f"decode ranks disagree on the tokens: {decoded}")
     return PDResult([list(t) for t in decoded[0]], ranks, _timings(ranks, config))
+
+
+def check_layout(config: PDConfig) -> None:
+    """Raise ``ValueError`` (naming the size to change) unless every prefill stage and decode rank can be built."""
+    spec = engine_spec(text_config(read_config(config.model_dir)))
+    for stage in range(config.prefill_pp):
+        ShardSpec(spec, Parallel(pp_size=config.prefill_pp), stage, 0)
+    for rank in range(config.decode_tp):
+        ShardSpec(spec, Parallel(tp_size=config.decode_tp), 0, rank)
 
 
 def _timings(ranks: list[PDRank], config: PDConfig) -> list[RequestTiming]:
