@@ -22,8 +22,8 @@ Invariants:
   decode releases the ones out of the window after its first step, as for any request.
 - Timings (``PDResult.timings``, one ``RequestTiming`` per prompt) come from ``time.monotonic``
   stamps taken in the processes (CLOCK_MONOTONIC: one clock for every process of a machine).
-  Every request arrives when prefill stage 0 leaves the start barrier; requests are served one
-  at a time, so a request queues while the ones before it are served.
+  Every request arrives when prefill stage 0 leaves the start barrier; each stage serves one
+  request at a time, so a request queues until stage 0 has sent the ones before it.
 - Every process ends holding no request's page or slot (``mem.verify()``; live counts before
   and after come back in ``PDRank``) and closes its sender or receiver and transport; ``launch`` reaps every process
   on every exit path, and the bootstrap closes with the launch.
