@@ -57,6 +57,19 @@ BAD_INPUTS += [
     (["bench", "transfer", "--transport", "nixl"], "unknown transport"),
 ]
 
+# serve-pd (issue 11): ranges, transport and files refused before any process starts
+SERVE_PD = ["serve-pd", "--random", "tiny-qwen3-next", "--prompts", "README.md"]
+BAD_INPUTS += [
+    (["serve-pd", "--random", "tiny-qwen3-next", "--prompts", "/nonexistent.jsonl"], "--prompts"),
+    ([*SERVE_PD, "--prefill-pp", "0"], "--prefill-pp"),
+    ([*SERVE_PD, "--decode-tp", "0"], "--decode-tp"),
+    ([*SERVE_PD, "--max-new-tokens", "0"], "--max-new-tokens"),
+    ([*SERVE_PD, "--transport", "mooncake"], "'mooncake' is not wired into the disaggregated run yet"),
+    ([*SERVE_PD, "--transport", "nixl"], "unknown transport 'nixl'"),
+    ([*SERVE_PD, "--random", "tiny-nope"], "not a tiny random model"),
+    (SERVE_PD, "not a prompt line"),
+]
+
 GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
 BAD_TRACES = {
     "empty.jsonl": ("", "no requests"),
@@ -111,3 +124,22 @@ def test_no_arguments_prints_help_only(capsys):
     assert main([]) == 2
     out, err = capsys.readouterr()
     assert "Usage" in out + err and "error:" not in out + err
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--prefill-pp", "9"], "PP size 9 exceeds the model's 4 layers"),
+        (["--decode-tp", "3"], "not divisible by TP size 3"),
+        (["--max-context", "8"], "exceeds --max-context 8"),
+        (["--prompts", "BAD"], "outside the vocabulary"),
+    ],
+)
+def test_serve_pd_refuses_a_layout_or_prompt_before_starting_processes(extra, says, tmp_path, capsys):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"prompt_ids": [5, 6, 7, 8]}\n')
+    bad.write_text('{"prompt_ids": [5, 6]}\n{"prompt_ids": [5, 100000]}\n')
+    extra = [str(bad) if a == "BAD" else a for a in extra]
+    assert main(["serve-pd", "--random", "tiny-qwen3-next", "--prompts", str(good), *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines

@@ -1,6 +1,7 @@
 """Prefill on ``prefill_pp`` pipeline stages, decode on ``decode_tp`` tensor-parallel ranks, one process each.
 
-``run_pd(PDConfig(model_dir, prompts, max_new))`` launches ``P + T`` processes
+``run_pd(PDConfig(model_dir, prompts, max_new))`` checks the layout in the calling process
+(``check_layout``: every stage and rank's shard can be built), then launches ``P + T`` processes
 (``engine.parallel.launch``; gloo on CPU): world ranks ``0..P-1`` are the prefill stages,
 ``P..P+T-1`` the decode TP ranks. The launching process runs the transfer bootstrap; a fresh
 cluster key authenticates every control frame (``PrefillSender`` per stage, ``DecodeReceiver``
@@ -19,6 +20,10 @@ Invariants:
   any other outcome raises on that rank, which ends the whole launch with its reason.
 - Prefill keeps a request's window pages until its senders finished (no tombstone is sent);
   decode releases the ones out of the window after its first step, as for any request.
+- Timings (``PDResult.timings``, one ``RequestTiming`` per prompt) come from ``time.monotonic``
+  stamps taken in the processes (CLOCK_MONOTONIC: one clock for every process of a machine).
+  Every request arrives when prefill stage 0 leaves the start barrier; each stage serves one
+  request at a time, so a request queues until stage 0 has sent the ones before it.
 - Every process ends holding no request's page or slot (``mem.verify()``; live counts before
   and after come back in ``PDRank``) and closes its sender or receiver and transport; ``launch`` reaps every process
   on every exit path, and the bootstrap closes with the launch.
@@ -82,12 +87,27 @@ class PDRank:
     transfer_bytes: tuple[int, ...]  # per request, as this rank's transfer reported them
     live_before: tuple[int, int]  # (pages, slots) live before the first request (reserved ids)
     live_after: tuple[int, int]  # and at the end: equal when nothing leaked
+    start: float  # time.monotonic() when this rank left the start barrier
+    stamps: tuple[tuple[float, float], ...]  # per request; prefill: (started, first token), decode: (received, done)
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request's seconds; ``queue + prefill`` is the TTFT, ``transfer`` and ``decode`` follow it."""
+
+    queue_s: float  # arrival -> prefill stage 0 starts it
+    prefill_s: float  # -> the last stage has the first token
+    transfer_s: float  # -> every decode rank holds every stage's KV/state (Success from every sender)
+    decode_s: float  # -> the slowest decode rank has the last token
+    ttft_s: float  # arrival -> first token
+    tpot_s: float  # decode seconds per token after the first (0 when only one token)
 
 
 @dataclass(frozen=True)
 class PDResult:
     output_ids: list[list[int]]  # per prompt, greedy, ``max_new`` tokens
     ranks: list[PDRank]
+    timings: list[RequestTiming]  # per prompt, input order
 
 
 def run_pd(config: PDConfig) -> PDResult:
@@ -96,6 +116,7 @@ def run_pd(config: PDConfig) -> PDResult:
         raise ValueError(f"run_pd needs prefill_pp, decode_tp and max_new >= 1, got {config}")
     if not config.prompts or not all(config.prompts):
         raise ValueError("run_pd needs at least one prompt, each of at least one token")
+    check_layout(config)
     key = ClusterKey.generate()
     boot = BootstrapServer(key=key).start()
     try:
@@ -112,7 +133,38 @@ def run_pd(config: PDConfig) -> PDResult:
     decoded = [r.output_ids for r in ranks if r.role == "decode"]
     if any(d != decoded[0] for d in decoded):
         raise TransferError(f"decode ranks disagree on the tokens: {decoded}")
-    return PDResult([list(t) for t in decoded[0]], ranks)
+    return PDResult([list(t) for t in decoded[0]], ranks, _timings(ranks, config))
+
+
+def check_layout(config: PDConfig) -> None:
+    """Raise ``ValueError`` (naming the size to change) unless every prefill stage and decode rank can be built."""
+    spec = engine_spec(text_config(read_config(config.model_dir)))
+    for stage in range(config.prefill_pp):
+        ShardSpec(spec, Parallel(pp_size=config.prefill_pp), stage, 0)
+    for rank in range(config.decode_tp):
+        ShardSpec(spec, Parallel(tp_size=config.decode_tp), 0, rank)
+
+
+def _timings(ranks: list[PDRank], config: PDConfig) -> list[RequestTiming]:
+    first = next(r for r in ranks if r.role == "prefill" and r.index == 0)
+    last = next(r for r in ranks if r.role == "prefill" and r.index == config.prefill_pp - 1)
+    decodes = [r for r in ranks if r.role == "decode"]
+    out = []
+    for i in range(len(config.prompts)):
+        started, token = first.stamps[i][0], last.stamps[i][1]
+        received = max(d.stamps[i][0] for d in decodes)
+        decode = max(d.stamps[i][1] - d.stamps[i][0] for d in decodes)
+        out.append(
+            RequestTiming(
+                queue_s=started - first.start,
+                prefill_s=token - started,
+                transfer_s=max(0.0, received - token),
+                decode_s=decode,
+                ttft_s=token - first.start,
+                tpot_s=decode / (config.max_new - 1) if config.max_new > 1 else 0.0,
+            )
+        )
+    return out
 
 
 def _serve_rank(rank: int, config: PDConfig, bootstrap: str, key_hex: str) -> PDRank:
@@ -159,10 +211,12 @@ def _prefill(config: PDConfig, groups: StageGroups, bootstrap: str, key: Cluster
     transport = make_transport("shm")
     sender = PrefillSender(mem, PREFILL_ENGINE, bootstrap, transport, key=key, timeout_s=config.timeout_s)
     alloc = RequestAllocator(mem, prefix_cache=False)
-    firsts, nbytes, before = [], [], _live(mem)
+    firsts, nbytes, stamps, before = [], [], [], _live(mem)
     try:
         dist.barrier()  # every sender registered, every receiver up
+        ready = time.monotonic()
         for i, ids in enumerate(config.prompts):
+            started = time.monotonic()
             req = alloc.new()
             alloc.admit(req, ids, len(ids), config.chunk, 0, force=True)
             for start in range(0, len(ids), config.chunk):
@@ -172,6 +226,7 @@ def _prefill(config: PDConfig, groups: StageGroups, bootstrap: str, key: Cluster
                 logits = runner.forward(_batch(req, piece, prefix))
                 req.fresh = False  # window pages stay until the senders finished
             first = torch.argmax(logits[0]).reshape(1)
+            stamps.append((started, time.monotonic()))
             if groups.last:
                 firsts.append(int(first))
                 for d in range(config.prefill_pp, config.prefill_pp + config.decode_tp):
@@ -191,7 +246,9 @@ def _prefill(config: PDConfig, groups: StageGroups, bootstrap: str, key: Cluster
         sender.close()
         transport.close()
     outputs = (tuple(firsts),) if groups.last else ()
-    return PDRank("prefill", groups.pp_rank, os.getpid(), outputs, tuple(nbytes), before, _live(mem))
+    return PDRank(
+        "prefill", groups.pp_rank, os.getpid(), outputs, tuple(nbytes), before, _live(mem), ready, tuple(stamps)
+    )
 
 
 def _decode(config: PDConfig, groups: StageGroups, bootstrap: str, key: ClusterKey) -> PDRank:
@@ -208,23 +265,24 @@ def _decode(config: PDConfig, groups: StageGroups, bootstrap: str, key: ClusterK
         )
         receiver = DecodeReceiver(mem, DECODE_ENGINE, bootstrap, link, key=key, timeout_s=config.timeout_s)
         try:
-            outputs, nbytes = _decode_all(config, runner, receiver, where)
+            outputs, nbytes, ready, stamps = _decode_all(config, runner, receiver, where)
         finally:
             receiver.close()
         mem.verify()
     finally:
         link.close()
         shared.close()
-    return PDRank("decode", groups.tp_rank, os.getpid(), outputs, nbytes, before, _live(mem))
+    return PDRank("decode", groups.tp_rank, os.getpid(), outputs, nbytes, before, _live(mem), ready, stamps)
 
 
 def _decode_all(
     config: PDConfig, runner: ShardRunner, receiver: DecodeReceiver, where: str
-) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], float, tuple[tuple[float, float], ...]]:
     mem = runner.mem
     alloc = RequestAllocator(mem, prefix_cache=False)
-    outputs, nbytes = [], []
+    outputs, nbytes, stamps = [], [], []
     dist.barrier()
+    ready = time.monotonic()
     for i, ids in enumerate(config.prompts):
         got = receiver.request(_rid(i), PREFILL_ENGINE, len(ids))
         first = torch.empty(1, dtype=torch.int64)
@@ -232,6 +290,7 @@ def _decode_all(
         report = receiver.wait(_rid(i), config.timeout_s)
         _finished(report, where)
         nbytes.append(report.nbytes)
+        received = time.monotonic()
         req = alloc.new()  # the transferred pages and slot become a request of this rank's allocator
         alloc.adopt(req, got.pages, len(ids), got.slot)
         tokens = [int(first)]
@@ -242,8 +301,9 @@ def _decode_all(
             alloc.mark_computed([req])
             tokens.append(int(torch.argmax(logits[0])))
         alloc.retract(req)
+        stamps.append((received, time.monotonic()))
         outputs.append(tuple(tokens))
-    return tuple(outputs), tuple(nbytes)
+    return tuple(outputs), tuple(nbytes), ready, tuple(stamps)
 
 
 def _batch(req: RequestMemory, ids: list[int], prefix: int) -> ForwardBatch:

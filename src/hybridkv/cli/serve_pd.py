@@ -1,0 +1,160 @@
+"""``hybridkv serve-pd``: serve a prompts file disaggregated (PP prefill processes -> TP decode processes).
+
+The same prompts file and ``output_ids`` JSON as ``hybridkv generate`` (``read_prompts``), plus
+per-request ``timings`` (``engine.disagg.RequestTiming``: queue, prefill, transfer, decode, TTFT,
+TPOT, seconds). Greedy; tokens are cut after the first EOS the model's config names, as
+``generate`` stops there (``finish_reason`` ``eos``), else ``length``.
+
+Refused before any process starts, one ``error:`` line, exit 2: a missing ``--prompts`` file or
+``--model`` directory, a bad prompt line, ids outside the vocabulary or a prompt + ``--max-new-tokens``
+beyond ``--max-context`` (the message names the file line), ``--prefill-pp`` / ``--decode-tp`` /
+``--max-new-tokens`` below 1, a layout the model cannot be split into (``check_layout``), an unknown
+transport, and ``mooncake`` (``run_pd`` wires only ``shm`` today).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+from hybridkv.cli.app import app
+from hybridkv.cli.generate import PromptFileError, _random_name, read_prompts
+from hybridkv.cli.params import byte_size, transport_option
+from hybridkv.engine.random_models import tiny_names
+
+WIRED_TRANSPORTS = ("shm",)  # what run_pd moves KV/state over
+
+
+def _pd_transport(value: str) -> str:
+    transport_option(value)
+    if value not in WIRED_TRANSPORTS:
+        raise typer.BadParameter(
+            f"transport {value!r} is not wired into the disaggregated run yet (run_pd moves KV/state over "
+            f"{', '.join(WIRED_TRANSPORTS)} only); use --transport shm"
+        )
+    return value
+
+
+def _check_prompts(prompts: Path, lines: list[tuple[int, list[int]]], vocab: int, max_new: int, context: int) -> None:
+    for lineno, ids in lines:
+        why = None
+        if not ids:
+            why = "empty prompt: give at least one token"
+        elif not all(0 <= t < vocab for t in ids):
+            why = f"token ids {[t for t in ids if not 0 <= t < vocab][:5]} outside the vocabulary [0, {vocab})"
+        elif len(ids) + max_new > context:
+            why = (
+                f"prompt of {len(ids)} tokens + {max_new} new exceeds --max-context {context}; "
+                "shorten the prompt, lower --max-new-tokens or raise --max-context"
+            )
+        if why is not None:
+            raise PromptFileError(f"{prompts}:{lineno}: {why}")
+
+
+def _cut_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], str]:
+    for n, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: n + 1], "eos"
+    return tokens, "length"
+
+
+@app.command("serve-pd")
+def serve_pd(
+    prompts: Path = typer.Option(
+        ..., "--prompts", exists=True, dir_okay=False, help='JSONL file, one {"prompt_ids": [...]} per line.'
+    ),
+    model: Path = typer.Option(
+        None, "--model", exists=True, file_okay=False, help="Directory with config.json + *.safetensors."
+    ),
+    random: str = typer.Option(
+        None, "--random", callback=_random_name, help=f"A tiny random model: {', '.join(tiny_names())}."
+    ),
+    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (one process each)."),
+    decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode tensor-parallel ranks (one process each)."),
+    transport: str = typer.Option("shm", "--transport", callback=_pd_transport, help="KV/state transport: shm."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=byte_size, help="K/V + state per process."),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    max_context: int = typer.Option(256, "--max-context", min=2, help="Prompt + new tokens, at most."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Serve every prompt of a file through PP prefill processes and TP decode processes (greedy)."""
+    from hybridkv.engine.disagg import PDConfig, check_layout, run_pd
+    from hybridkv.engine.registry import text_config
+    from hybridkv.engine.weights import read_config
+    from hybridkv.memory import parse_bytes
+
+    if (model is None) == (random is None):
+        raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
+    lines = read_prompts(prompts)
+    with tempfile.TemporaryDirectory(prefix="hybridkv-serve-pd-") as tmp:
+        if random is not None:
+            from transformers.utils import logging as hf_logging
+
+            from hybridkv.engine.random_models import build_random, quiet_transformers
+
+            with quiet_transformers():
+                hf_model, _ = build_random(random)
+                hf_logging.disable_progress_bar()
+                try:
+                    hf_model.save_pretrained(tmp)
+                finally:
+                    hf_logging.enable_progress_bar()
+            model_dir = tmp
+        else:
+            model_dir = str(model)
+        config_json = read_config(model_dir)
+        text = text_config(config_json)
+        _check_prompts(prompts, lines, int(text.vocab_size), max_new_tokens, max_context)
+        eos_id = getattr(text, "eos_token_id", None)
+        eos = frozenset([eos_id] if isinstance(eos_id, int) else (eos_id or []))
+        config = PDConfig(
+            model_dir,
+            tuple(tuple(ids) for _, ids in lines),
+            max_new_tokens,
+            prefill_pp=prefill_pp,
+            decode_tp=decode_tp,
+            page_size=page_size,
+            chunk=chunk_size,
+            gpu_memory=parse_bytes(gpu_memory),
+            max_context=max_context,
+        )
+        check_layout(config)
+        result = run_pd(config)
+    name = random if random is not None else str(model)
+    outs = [_cut_at_eos(tokens, eos) for tokens in result.output_ids]
+    if as_json:
+        requests = [
+            {
+                "output_ids": tokens,
+                "finish_reason": reason,
+                "error": None,
+                "cached_tokens": 0,
+                "timings": {k: round(v, 6) for k, v in asdict(timing).items()},
+            }
+            for (tokens, reason), timing in zip(outs, result.timings, strict=True)
+        ]
+        totals = {
+            "requests": len(outs),
+            "errors": 0,
+            "prompt_tokens": sum(len(ids) for _, ids in lines),
+            "output_tokens": sum(len(tokens) for tokens, _ in outs),
+            "prefill_pp": prefill_pp,
+            "decode_tp": decode_tp,
+            "transport": transport,
+        }
+        typer.echo(json.dumps({"model": name, "requests": requests, "totals": totals}))
+        return
+    for i, ((tokens, reason), t) in enumerate(zip(outs, result.timings, strict=True)):
+        typer.echo(
+            f"request {i} ({len(lines[i][1])} prompt tokens, {reason}): {' '.join(map(str, tokens))}  "
+            f"[queue {t.queue_s * 1e3:.1f} ms, prefill {t.prefill_s * 1e3:.1f} ms, "
+            f"transfer {t.transfer_s * 1e3:.1f} ms, decode {t.decode_s * 1e3:.1f} ms, "
+            f"TTFT {t.ttft_s * 1e3:.1f} ms, TPOT {t.tpot_s * 1e3:.1f} ms]"
+        )
+    typer.echo(f"{len(outs)} requests: PP {prefill_pp} prefill -> TP {decode_tp} decode over {transport}")
