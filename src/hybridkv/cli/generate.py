@@ -27,7 +27,7 @@ import msgspec
 import typer
 
 from hybridkv.cli.app import app
-from hybridkv.cli.params import byte_size
+from hybridkv.cli.params import byte_size, random_model
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -63,12 +63,6 @@ def read_prompts(path: Path) -> list[tuple[int, list[int]]]:
     return prompts
 
 
-def _random_name(value: str | None) -> str | None:
-    if value is not None and value not in tiny_names():
-        raise typer.BadParameter(f"{value!r} is not a tiny random model; choose one of {', '.join(tiny_names())}")
-    return value
-
-
 def _engine(
     model: Path | None, random: str | None, gpu_memory: str, page_size: int, chunk_size: int, prefix_cache: bool
 ) -> Any:
@@ -96,7 +90,7 @@ def generate(
         None, "--model", exists=True, file_okay=False, help="Directory with config.json + *.safetensors."
     ),
     random: str = typer.Option(
-        None, "--random", callback=_random_name, help=f"A tiny random model: {', '.join(tiny_names())}."
+        None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
     gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),

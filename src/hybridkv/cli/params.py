@@ -44,3 +44,12 @@ def transport_option(value: str) -> str:
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value
+
+
+def random_model(value: str | None) -> str | None:
+    """A tiny random model's name (``hybridkv.engine.random_models``), for ``--random``."""
+    from hybridkv.engine.random_models import tiny_names  # the engine imports transformers: only when asked
+
+    if value is not None and value not in tiny_names():
+        raise typer.BadParameter(f"{value!r} is not a tiny random model; choose one of {', '.join(tiny_names())}")
+    return value

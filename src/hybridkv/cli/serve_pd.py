@@ -22,8 +22,8 @@ from pathlib import Path
 import typer
 
 from hybridkv.cli.app import app
-from hybridkv.cli.generate import PromptFileError, _random_name, read_prompts
-from hybridkv.cli.params import byte_size, transport_option
+from hybridkv.cli.generate import PromptFileError, read_prompts
+from hybridkv.cli.params import byte_size, random_model, transport_option
 from hybridkv.engine.random_models import tiny_names
 
 WIRED_TRANSPORTS = ("shm",)  # what run_pd moves KV/state over
@@ -71,7 +71,7 @@ def serve_pd(
         None, "--model", exists=True, file_okay=False, help="Directory with config.json + *.safetensors."
     ),
     random: str = typer.Option(
-        None, "--random", callback=_random_name, help=f"A tiny random model: {', '.join(tiny_names())}."
+        None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
     ),
     prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (one process each)."),
     decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode tensor-parallel ranks (one process each)."),
