@@ -72,7 +72,6 @@ class Padded:
 class StepContext:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
-    extend_lens: torch.Tensor  # (R,)
     last_index: torch.Tensor  # (R,) flat index of each request's last new token
     padded: Padded  # every request of the step
     groups: tuple[Padded, ...]  # decodes and longer spans apart (or the one group)
@@ -80,19 +79,9 @@ class StepContext:
     fresh_state: torch.Tensor | None  # (R,) bool
 
     @property
-    def query_index(self) -> torch.Tensor:
-        return self.padded.query_index
-
-    @property
     def pools(self) -> dict[PoolId, PoolIndex]:
+        """Where each pool's layers write the step's new K/V (and the whole step's reads)."""
         return self.padded.pools
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        return self.padded.pad(x)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """Padded ``(R, Q, ...)`` -> flat ``(T, ...)``."""
-        return self.padded.unpad(x)
 
 
 @dataclass(frozen=True)
@@ -172,7 +161,6 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     return StepContext(
         input_ids=dev(batch.input_ids),
         positions=dev(batch.positions),
-        extend_lens=dev(ext),
         last_index=dev(starts + ext - 1),
         padded=everyone,
         groups=groups,
