@@ -43,6 +43,7 @@ from hybridkv.transfer.messages import (
     TransferRequest,
 )
 from hybridkv.transfer.status import ReportBoard
+from tests.transfer.waits import wait_until
 from tests.transfer.wire import Wire
 
 
@@ -94,13 +95,6 @@ def settle(dec, timeout_s: float = 5.0) -> None:
 def failed_everywhere(senders, rid: str) -> bool:
     reports = [s.status(rid) for s in senders]
     return all(r is not None and r.phase is Phase.FAILED for r in reports)
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
 
 
 @pytest.fixture

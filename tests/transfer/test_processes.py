@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from hybridkv.testing.harness import StageProcess, decode_rank, stage_config
 from hybridkv.testing.pattern import expected_arena, mismatch
 from hybridkv.transfer import BootstrapServer, Phase
+from tests.transfer.waits import wait_phase, wait_released, wait_until
 
 REQUESTS = [["a", 27, 11], ["b", 40, 12], ["c", 5, 13]]
 
@@ -73,32 +73,6 @@ def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, ke
         phases = {worker.expect("report")["report"]["phase"] for _ in REQUESTS}
         assert phases == {"Success"}
         assert len(worker.expect("exit")["done"]) == len(REQUESTS)
-
-
-def wait_phase(dec, rid: str, phase: Phase, timeout_s: float = 20.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        dec.poll()
-        report = dec.status(rid)
-        if report is not None and report.phase >= phase:
-            return report
-        time.sleep(0.01)
-    raise AssertionError(f"{rid} never reached {phase.label}: {dec.status(rid)}")
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
-
-
-def wait_released(dec, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while dec.held and time.monotonic() < end:
-        dec.poll()
-        time.sleep(0.01)
-    assert dec.held == 0
 
 
 def test_prefill_hung_then_killed_mid_transfer(key, bootstrap, spawn):

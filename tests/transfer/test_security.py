@@ -40,7 +40,8 @@ from hybridkv.transfer.bootstrap import bootstrap_call
 from hybridkv.transfer.messages import Heartbeat, Hello, Rank, Status, TransferRequest
 from hybridkv.transfer.plan import Route
 from hybridkv.transfer.shared import HEADER_BYTES, SharedBuffer, shm_path
-from tests.transfer.test_faults import hand_over, prefill_ranks, stage_memory, wait_until
+from tests.transfer.test_faults import hand_over, prefill_ranks, stage_memory
+from tests.transfer.waits import wait_phase, wait_released, wait_until
 from tests.transfer.wire import Wire
 
 
@@ -246,25 +247,6 @@ def test_forged_heartbeats_do_not_keep_a_silent_prefill_rank_alive(key, bootstra
 
 
 # --- item 4: quarantine that a stopped writer cannot outlive --------------------------------
-
-
-def wait_phase(dec, rid: str, phase: Phase, timeout_s: float = 20.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        dec.poll()
-        report = dec.status(rid)
-        if report is not None and report.phase >= phase:
-            return report
-        time.sleep(0.01)
-    raise AssertionError(f"{rid} never reached {phase.label}: {dec.status(rid)}")
-
-
-def wait_released(dec, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while dec.held and time.monotonic() < end:
-        dec.poll()
-        time.sleep(0.01)
-    assert dec.held == 0
 
 
 def test_a_stopped_writer_cannot_outlive_the_quarantine(key, bootstrap):
