@@ -76,6 +76,20 @@ def test_bad_requests_fail_alone_and_the_others_stay_exact() -> None:
         assert outs[i].output_ids == hf_reference("tiny-gemma3", tuple(ids), 6)[0]
 
 
+def test_on_token_streams_each_requests_tokens_once_in_order_through_retraction() -> None:
+    engine = _engine("tiny-qwen3-next", 150_000, 4)
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    ended: set[int] = set()
+
+    def token(i: int, t: int) -> None:
+        assert i not in ended, f"request {i}: a token after its output"
+        streamed[i].append(t)
+
+    outs = engine.generate(PROMPTS, 8, on_token=token, on_output=lambda i, o: ended.add(i))
+    assert engine.stats["retractions"] > 0
+    assert [streamed[i] for i in range(len(PROMPTS))] == [o.output_ids for o in outs]
+
+
 def test_a_budget_below_one_request_is_refused_at_start() -> None:
     with pytest.raises(LayoutError, match="one request of 96 tokens needs"):
         _engine("tiny-gemma3", 60_000, 16)

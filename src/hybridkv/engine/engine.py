@@ -153,12 +153,14 @@ class Engine:
         stop_at_eos: bool = True,
         cache_salts: list[Hashable] | None = None,
         on_output: Callable[[int, Output], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
     ) -> list[Output]:
         """Outputs in input order; requests are batched continuously, prefills chunked.
 
         ``cache_salts[i]``: request ``i``'s prefix-cache namespace (requests of different salts never
         share cached KV; default None for all). ``on_output(index, output)`` is called as each
-        request ends (finished or failed), e.g. for progress."""
+        request ends (finished or failed), e.g. for progress; ``on_token(index, token)`` as each
+        token is chosen, right after the step that computed it (e.g. to time the first token)."""
         news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         salts = [None] * len(prompts) if cache_salts is None else list(cache_salts)
         if len(salts) != len(prompts):
@@ -183,7 +185,14 @@ class Engine:
                 self.stats["prompt_tokens"] += len(prompt)
         while sched.has_work():
             step = sched.next_step()
-            done = sched.complete(step, self._forward(step)) if step is not None else []
+            done: list[Request] = []
+            if step is not None:
+                sample = self._forward(step)
+                if on_token is not None:
+                    for req, token in zip(step.reqs, sample, strict=True):
+                        if token is not None:
+                            on_token(req.index, token)
+                done = sched.complete(step, sample)
             for req in done:
                 out = Output(req.output, req.finish_reason or "length", None, req.retractions, *self._hit(req))
                 end(req.index, out)

@@ -174,3 +174,18 @@ def quiet_transformers() -> Iterator[None]:
         yield
     finally:
         hf_logging.set_verbosity(level)
+
+
+def save_random(name: str, directory: str) -> Any:
+    """Build the tiny random model ``name`` and save it to ``directory`` (``config.json`` + safetensors, what the
+    engine and its processes load), quietly; returns the ``transformers`` model (the reference)."""
+    from transformers.utils import logging as hf_logging
+
+    with quiet_transformers():
+        model, _ = build_random(name)
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(directory)
+        finally:
+            hf_logging.enable_progress_bar()
+    return model

@@ -1,0 +1,49 @@
+"""``hybridkv bench pd``: the moved bytes equal the spec's size of each request, and every ratio is measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridkv.bench.pd import _covered, _union
+from hybridkv.cli import app
+
+
+def test_interval_cover_and_union_count_overlapping_intervals_once() -> None:
+    assert _covered((0.0, 10.0), [(2.0, 4.0), (3.0, 5.0), (9.0, 12.0), (-3.0, -1.0)]) == pytest.approx(4.0)
+    assert _covered((0.0, 1.0), []) == 0.0
+    assert _union([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(4.0)
+
+
+def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> None:
+    # Gemma 3 (sliding window 8) on pages of 4: the window pools send only the pages the window keeps
+    args = ["bench", "pd", "--model", "tiny-gemma3", "--requests", "3", "--max-new-tokens", "3", "--page-size", "4"]
+    result = CliRunner().invoke(app, [*args, "--chunk-size", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["requests"] == 3 and report["prefill_pp"] == 2 and report["decode_tp"] == 2
+    rows = report["per_request"]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["transfer_bytes_per_rank"] == r["spec_bytes_per_rank"] and r["bytes_match"], r
+        assert all(b > 0 for b in r["spec_bytes_per_rank"]) and r["transfer_bytes"] == r["spec_bytes"]
+        assert r["transfer_s"] > 0 and r["gbps"] > 0 and r["handoff_s"] >= 0
+        assert 0 <= r["overlap_ratio"] <= 1 and 0 <= r["overlap_s"] <= r["transfer_s"] * 2
+        assert r["ttft_pd_s"] > 0 and r["ttft_single_s"] > 0 and r["ttft_ratio"] > 0
+        assert r["exact"]
+        assert [len(s["compute"]) for s in r["stages"]] == [2, 2]
+        assert all(s["send"][0] >= s["compute"][1] for s in r["stages"])  # a stage sends what it computed
+    # a longer prompt holds more full-attention pages, so more bytes
+    by_length = sorted(rows, key=lambda r: r["prompt_tokens"])
+    assert by_length[0]["spec_bytes"] < by_length[-1]["spec_bytes"]
+    t = report["totals"]
+    assert t["bytes_match"] and t["transfer_bytes"] == sum(r["transfer_bytes"] for r in rows)
+    assert t["exact"] == 3 and t["ttft_ratio"] > 0 and t["gbps"] > 0 and 0 <= t["overlap_ratio"] <= 1
+
+
+def test_bench_pd_refuses_a_transport_run_pd_does_not_wire() -> None:
+    result = CliRunner().invoke(app, ["bench", "pd", "--transport", "mooncake", "--json"])
+    assert result.exit_code != 0
+    assert "use --transport shm" in str(result.exception)
