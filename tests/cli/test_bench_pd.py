@@ -41,9 +41,3 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
     t = report["totals"]
     assert t["bytes_match"] and t["transfer_bytes"] == sum(r["transfer_bytes"] for r in rows)
     assert t["exact"] == 3 and t["ttft_ratio"] > 0 and t["gbps"] > 0 and 0 <= t["overlap_ratio"] <= 1
-
-
-def test_bench_pd_refuses_a_transport_run_pd_does_not_wire() -> None:
-    result = CliRunner().invoke(app, ["bench", "pd", "--transport", "mooncake", "--json"])
-    assert result.exit_code != 0
-    assert "use --transport shm" in str(result.exception)

@@ -68,6 +68,13 @@ BAD_INPUTS += [
     ([*SERVE_PD, "--transport", "nixl"], "unknown transport 'nixl'"),
     ([*SERVE_PD, "--random", "tiny-nope"], "not a tiny random model"),
     (SERVE_PD, "not a prompt line"),
+    (["bench", "pd", "--requests", "0"], "--requests"),
+    (["bench", "pd", "--decode-tp", "0"], "--decode-tp"),
+    (["bench", "pd", "--model", "tiny-nope"], "not a tiny random model"),
+    (["bench", "pd", "--transport", "mooncake"], "'mooncake' is not wired into the disaggregated run yet"),
+    (["bench", "pd", "--transport", "nixl"], "unknown transport 'nixl'"),
+    (["demo", "--requests", "1"], "--requests"),
+    (["demo", "--requests", "7"], "--requests"),
 ]
 
 GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'

@@ -1,33 +1,166 @@
-"""``hybridkv demo``: the main job, end to end on real presets and real traces, and a model served through it."""
+"""``hybridkv demo`` (``make demo``): a tiny random Qwen3-Next served disaggregated, token-exact against transformers.
+
+The default run: 2 pipeline-stage prefill processes hand KV and GDN state to 2 tensor-parallel
+decode processes (``engine.disagg.run_pd``); per request, its tokens next to ``transformers``'
+greedy tokens with a verdict, the bytes moved and its timings. The command exits 1 unless every
+request matches. ``--all`` first runs the earlier sections: the planner on real models, a
+replay of the Mooncake trace, a byte-checked multi-process transfer, the single-process engine.
+"""
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import app
+from hybridkv.memory import format_bytes
+
+PD_MODEL = "tiny-qwen3-next"
+PD_PREFIX = 40
+PD_SUFFIXES = (3, 9, 17, 26, 12, 20)
+"""Requests 0-3 share a 40-token prefix, 4 extends request 1 (a conversation's next turn), 5 shares nothing."""
+PD_MAX_NEW = 8
 
 DEMO_MODELS = ["Qwen3-Next-80B-A3B-Instruct", "Gemma-3-27B-IT", "gpt-oss-120b", "Kimi-Linear-48B-A3B-Instruct"]
 
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("out/demo"), "--out", help="Where PNGs and the JSON report go."),
-    gpu_memory: str = typer.Option("80GiB", "--gpu-memory"),
+    out: Path = typer.Option(Path("out/demo"), "--out", help="Where the JSON report (and the --all PNGs) go."),
+    requests: int = typer.Option(
+        len(PD_SUFFIXES), "--requests", min=2, max=len(PD_SUFFIXES), help="Requests of the disaggregated run."
+    ),
+    all_sections: bool = typer.Option(
+        False, "--all", help="Before it: the planner, a trace replay, a byte-checked transfer, the engine."
+    ),
+    gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="The planner's GPU (--all)."),
 ) -> None:
-    """Planner on real models; a replay of a real trace through memory + cache (PNG); a real PD transfer;
-    a tiny model served through the engine, token for token against transformers."""
+    """A tiny random Qwen3-Next served disaggregated: 2 PP prefill processes -> decode TP 2 processes,
+    every request's tokens next to transformers' with a verdict, and its timings. Exits 1 unless every
+    request matches. ``--all`` first runs the earlier sections."""
+    console = Console(width=max(Console().width, 150))
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {}
+    if all_sections:
+        report.update(earlier_sections(console, out, gpu_memory))
+        console.rule("5. Disaggregated serving: 2 PP prefill processes -> decode TP 2 processes, vs transformers")
+    pd = report["pd"] = pd_section(console, requests)
+    (out / "demo.json").write_text(json.dumps(report, indent=1))
+    console.print(f"report: {out / 'demo.json'}")
+    verdicts = [r["match"] for r in pd["requests"]]
+    if all_sections:
+        verdicts += [report["pd_transfer"]["ok"], *(r["match"] for r in report["engine"]["requests"])]
+    if not all(verdicts):
+        raise typer.Exit(1)
+
+
+def pd_prompts(requests: int) -> list[list[int]]:
+    """The disaggregated run's prompts (``PD_SUFFIXES``), seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 256, (PD_PREFIX,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in PD_SUFFIXES[:4]]
+    prompts.append(prompts[1] + torch.randint(3, 256, (PD_SUFFIXES[4],), generator=g).tolist())
+    prompts.append(torch.randint(3, 256, (PD_SUFFIXES[5],), generator=g).tolist())
+    return prompts[:requests]
+
+
+def reference_tokens(hf: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """``transformers`` greedy ``generate``, one prompt at a time, ``max_new`` tokens each (EOS does not stop it)."""
+    import torch
+
+    with torch.no_grad():
+        return [
+            hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=None)[
+                0, len(ids) :
+            ].tolist()
+            for ids in prompts
+        ]
+
+
+def pd_section(console: Console, requests: int) -> dict[str, Any]:
+    """Serve ``pd_prompts(requests)`` with ``run_pd`` (PP 2 -> TP 2, shm, pages of 16, prefill chunks of 16) and
+    with ``transformers``; print one row per request: tokens side by side, a verdict, bytes moved, timings."""
+    import tempfile
+
+    from hybridkv.engine.disagg import PDConfig, run_pd
+    from hybridkv.engine.random_models import quiet_transformers, save_random
+
+    prompts = pd_prompts(requests)
+    with tempfile.TemporaryDirectory(prefix="hybridkv-demo-") as model_dir:
+        hf = save_random(PD_MODEL, model_dir)
+        config = PDConfig(model_dir, tuple(map(tuple, prompts)), PD_MAX_NEW, prefill_pp=2, decode_tp=2, chunk=16)
+        started = time.monotonic()
+        result = run_pd(config)
+        wall = time.monotonic() - started
+    with quiet_transformers():
+        reference = reference_tokens(hf, prompts, PD_MAX_NEW)
+    decodes = [r for r in result.ranks if r.role == "decode"]
+    tokens = Table(
+        title=f"{PD_MODEL}: prefill PP {config.prefill_pp} (one process per stage) -> decode TP {config.decode_tp} "
+        f"(one process per rank) over shm, {PD_MAX_NEW} greedy tokens each, vs transformers generate"
+    )
+    for col in ("request", "prompt tokens", "disaggregated", "transformers", "verdict"):
+        tokens.add_column(col, no_wrap=True)
+    timings = Table(title="per request: bytes moved prefill -> decode (both decode ranks), seconds in ms")
+    for col in ("request", "moved", "queue", "prefill", "transfer", "decode", "TTFT", "TPOT"):
+        timings.add_column(col, justify="left" if col == "request" else "right")
+    rows: list[dict[str, Any]] = []
+    for i, (ids, got, ref, t) in enumerate(zip(prompts, result.output_ids, reference, result.timings, strict=True)):
+        moved = sum(d.transfer_bytes[i] for d in decodes)
+        rows.append(
+            {"prompt_tokens": len(ids), "pd": got, "transformers": ref, "match": got == ref, "bytes": moved}
+            | {"timings": {k: round(v, 6) for k, v in asdict(t).items()}}
+        )
+        verdict = "[green]match[/]" if got == ref else "[red]MISMATCH[/]"
+        tokens.add_row(str(i), _describe(i, prompts), " ".join(map(str, got)), " ".join(map(str, ref)), verdict)
+        timings.add_row(
+            str(i),
+            format_bytes(moved),
+            *(f"{v * 1e3:.1f}" for v in (t.queue_s, t.prefill_s, t.transfer_s, t.decode_s, t.ttft_s, t.tpot_s)),
+        )
+    console.print(tokens)
+    console.print(timings)
+    matched = sum(r["match"] for r in rows)
+    console.print(
+        f"{matched}/{len(rows)} requests token-exact against transformers; "
+        f"{format_bytes(sum(r['bytes'] for r in rows))} of KV and GDN state moved prefill -> decode; "
+        f"{len(result.ranks)} processes, {wall:.1f} s including start-up"
+    )
+    return {"model": PD_MODEL, "prefill_pp": 2, "decode_tp": 2, "transport": "shm", "requests": rows}
+
+
+def _describe(i: int, prompts: list[list[int]]) -> str:
+    """Prompt ``i``'s length and the longest prefix it shares with an earlier prompt."""
+    ids = prompts[i]
+    shared = max((_common_prefix(ids, p) for p in prompts[:i]), default=0)
+    return f"{shared} shared + {len(ids) - shared}" if shared else str(len(ids))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def earlier_sections(console: Console, out: Path, gpu_memory: str) -> dict[str, Any]:
+    """Planner on real models; a replay of a real trace through memory + cache (PNG); a real PD transfer
+    checked byte for byte; a tiny model served through the engine, token for token against transformers."""
     from hybridkv.planner import plan_report
     from hybridkv.replay import run_demo_replay
 
-    console = Console()
-    out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, object] = {}
-
+    report: dict[str, Any] = {}
     console.rule("1. How many requests fit on one GPU: unified pool vs SGLang's default static split")
     rows = [
         {
@@ -65,20 +198,19 @@ def demo(
 
     with quiet_transfer_log():
         pd = run_pd_demo("shm", models=("tiny-swa2-state",), requests=3, decode_tp=2)
-    print_pd_report(Console(width=max(console.width, 150)), pd)  # one line per request
+    print_pd_report(console, pd)  # one line per request
     report["pd_transfer"] = pd
 
     console.rule("4. Real computation: a tiny random Qwen3-Next served by the engine, next to transformers' generate")
-    report["engine"] = engine_section(Console(width=max(console.width, 120)))  # one line per request
+    report["engine"] = engine_section(console)  # one line per request
 
-    (out / "demo.json").write_text(json.dumps(report, indent=1))
-    console.print(f"report: {out / 'demo.json'}")
+    return report
 
 
 ENGINE_MODEL = "tiny-qwen3-next"
 
 
-def engine_section(console: Console, max_new_tokens: int = 8) -> dict[str, object]:
+def engine_section(console: Console, max_new_tokens: int = 8) -> dict[str, Any]:
     """Requests sharing a 40-token prefix served by the engine (chunks of 12, pages of 16) and run one by
     one through ``transformers`` ``generate``: request 0 first, then 1-3 batched, starting from the prefix
     request 0 left in the prefix cache (full KV and a GDN state checkpoint at 32 tokens, a hit that ends
