@@ -37,10 +37,11 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.bench.engine import conversation_prompts
-from hybridkv.engine.disagg import PDConfig, PDRank, PDResult, run_pd
+from hybridkv.engine.disagg import PDConfig, PDResult, run_pd
 from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
@@ -89,22 +90,72 @@ def _union(ivs: Sequence[Interval]) -> float:
     return _covered((min(iv[0] for iv in ivs), max(iv[1] for iv in ivs)), ivs)
 
 
-def send_windows(result: PDResult, requests: int) -> tuple[list[list[Interval]], list[list[Interval]]]:
-    """Per prefill stage, per request: its compute interval (started, computed) and its derived send window."""
+@dataclass(frozen=True)
+class StageWindows:
+    """One prefill rank's part of one request: when it computed it and when its sender moved it."""
+
+    stage: int  # PP stage
+    compute: Interval
+    send: Interval
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request as the disaggregated run served it (``time.monotonic`` stamps)."""
+
+    arrival: float
+    stages: tuple[StageWindows, ...]  # one per prefill rank
+    decode_bytes: tuple[int, ...]  # per decode TP rank, as its transfer report says
+    ttft_s: float
+    handoff_s: float  # first token -> every decode rank holds the request
+
+
+def served(result: PDResult) -> list[Served]:
+    """Every request of ``result``, its send windows derived from the ranks' compute stamps (see module doc)."""
     stages = sorted((r for r in result.ranks if r.role == "prefill"), key=lambda r: r.index)
-    decodes: list[PDRank] = [r for r in result.ranks if r.role == "decode"]
-    asked = [max(d.start if i == 0 else d.stamps[i - 1][1] for d in decodes) for i in range(requests)]
-    held = [max(d.stamps[i][0] for d in decodes) for i in range(requests)]
-    compute = [list(s.stamps) for s in stages]
-    sends = []
-    for s in stages:
-        row = []
-        for i in range(requests):
-            lo = max(s.stamps[i][1], asked[i])
-            hi = s.stamps[i + 1][0] if i + 1 < requests else held[i]
-            row.append((lo, max(lo, hi)))
-        sends.append(row)
-    return compute, sends
+    decodes = sorted((r for r in result.ranks if r.role == "decode"), key=lambda r: r.index)
+    arrival = stages[0].start
+    n = len(result.timings)
+    out = []
+    for i, timing in enumerate(result.timings):
+        asked = max(d.start if i == 0 else d.stamps[i - 1][1] for d in decodes)
+        held = max(d.stamps[i][0] for d in decodes)
+        windows = []
+        for s in stages:
+            lo = max(s.stamps[i][1], asked)
+            hi = s.stamps[i + 1][0] if i + 1 < n else held
+            windows.append(StageWindows(s.index, s.stamps[i], (lo, max(lo, hi))))
+        decode_bytes = tuple(d.transfer_bytes[i] for d in decodes)
+        out.append(Served(arrival, tuple(windows), decode_bytes, timing.ttft_s, timing.transfer_s))
+    return out
+
+
+def _request_row(req: Served, computing: Sequence[StageWindows], spec: list[int], ttft_single: float) -> dict[str, Any]:
+    """The measured columns of one request; ``computing``: every prefill rank's windows of every request."""
+    overlap = sum(_covered(w.send, [c.compute for c in computing if c.stage != w.stage]) for w in req.stages)
+    send_s = sum(_length(w.send) for w in req.stages)
+    transfer_s = _union([w.send for w in req.stages])
+    moved = sum(req.decode_bytes)
+    return {
+        "transfer_bytes_per_rank": list(req.decode_bytes),
+        "transfer_bytes": moved,
+        "spec_bytes_per_rank": spec,
+        "spec_bytes": sum(spec),
+        "bytes_match": list(req.decode_bytes) == spec,
+        "transfer_s": round(transfer_s, 6),
+        "gbps": round(moved / transfer_s / 1e9, 6) if transfer_s > 0 else None,
+        "handoff_s": round(req.handoff_s, 6),
+        "send_s": round(send_s, 6),
+        "overlap_s": round(overlap, 6),
+        "overlap_ratio": round(overlap / send_s, 4) if send_s > 0 else 0.0,
+        "stages": [
+            {"stage": w.stage, "compute": _rel(w.compute, req.arrival), "send": _rel(w.send, req.arrival)}
+            for w in req.stages
+        ],
+        "ttft_pd_s": round(req.ttft_s, 6),
+        "ttft_single_s": round(ttft_single, 6),
+        "ttft_ratio": round(req.ttft_s / ttft_single, 4),
+    }
 
 
 def _ttft_single(
@@ -126,7 +177,7 @@ def _ttft_single(
 
 def run(
     model: str = "tiny-qwen3-next",
-    requests: int = 4,
+    requests: int = 8,
     max_new_tokens: int = 8,
     transport: str = "shm",
     prefill_pp: int = 2,
@@ -161,44 +212,17 @@ def run(
         with quiet_transformers():
             ttft_single, single_ids = _ttft_single(model_dir, prompts, max_new_tokens, page_size, chunk_size)
         expected = [spec_bytes(model_dir, decode_tp, page_size, n) for n in lengths]
-    decodes = sorted((r for r in result.ranks if r.role == "decode"), key=lambda r: r.index)
-    compute, sends = send_windows(result, requests)
-    arrival = next(r.start for r in result.ranks if r.role == "prefill" and r.index == 0)
-    rows: list[dict[str, Any]] = []
-    for i, timing in enumerate(result.timings):
-        windows = [stage[i] for stage in sends]
-        overlap = sum(
-            _covered(w, [iv for t, stage in enumerate(compute) if t != s for iv in stage])
-            for s, w in enumerate(windows)
-        )
-        window_s = sum(map(_length, windows))
-        transfer_s = _union(windows)
-        got = [d.transfer_bytes[i] for d in decodes]
-        rows.append(
-            {
-                "prompt_tokens": lengths[i],
-                "transfer_bytes_per_rank": got,
-                "transfer_bytes": sum(got),
-                "spec_bytes_per_rank": expected[i],
-                "spec_bytes": sum(expected[i]),
-                "bytes_match": got == expected[i],
-                "transfer_s": round(transfer_s, 6),
-                "gbps": round(sum(got) / transfer_s / 1e9, 6) if transfer_s > 0 else None,
-                "handoff_s": round(timing.transfer_s, 6),
-                "overlap_s": round(overlap, 6),
-                "overlap_ratio": round(overlap / window_s, 4) if window_s > 0 else 0.0,
-                "stages": [
-                    {"compute": _rel(compute[s][i], arrival), "send": _rel(w, arrival)} for s, w in enumerate(windows)
-                ],
-                "ttft_pd_s": round(timing.ttft_s, 6),
-                "ttft_single_s": round(ttft_single[i], 6),
-                "ttft_ratio": round(timing.ttft_s / ttft_single[i], 4),
-                "exact": result.output_ids[i] == single_ids[i],
-            }
-        )
+    requests_served = served(result)
+    computing = [w for req in requests_served for w in req.stages]
+    rows = [
+        {"prompt_tokens": n}
+        | _request_row(req, computing, spec, ttft)
+        | {"exact": result.output_ids[i] == single_ids[i]}
+        for i, (n, req, spec, ttft) in enumerate(zip(lengths, requests_served, expected, ttft_single, strict=True))
+    ]
     total_bytes = sum(r["transfer_bytes"] for r in rows)
     total_s = sum(r["transfer_s"] for r in rows)
-    window_total = sum(sum(map(_length, (stage[i] for stage in sends))) for i in range(requests))
+    send_total = sum(r["send_s"] for r in rows)
     ttft_pd = sum(r["ttft_pd_s"] for r in rows) / requests
     ttft_one = sum(r["ttft_single_s"] for r in rows) / requests
     return {
@@ -221,7 +245,7 @@ def run(
             "bytes_match": all(r["bytes_match"] for r in rows),
             "transfer_s": round(total_s, 6),
             "gbps": round(total_bytes / total_s / 1e9, 6) if total_s > 0 else None,
-            "overlap_ratio": round(sum(r["overlap_s"] for r in rows) / window_total, 4) if window_total > 0 else 0.0,
+            "overlap_ratio": round(sum(r["overlap_s"] for r in rows) / send_total, 4) if send_total > 0 else 0.0,
             "ttft_pd_mean_s": round(ttft_pd, 6),
             "ttft_single_mean_s": round(ttft_one, 6),
             "ttft_ratio": round(ttft_pd / ttft_one, 4),

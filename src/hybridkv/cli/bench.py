@@ -216,7 +216,7 @@ def bench_engine(
 @bench_app.command("pd")
 def bench_pd(
     model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
-    requests: int = typer.Option(4, "--requests", min=1, max=64),
+    requests: int = typer.Option(8, "--requests", min=1, max=64),
     max_new_tokens: int = typer.Option(8, "--max-new-tokens", min=1),
     transport: str = typer.Option("shm", "--transport", help="KV/state transport (shm).", callback=transport_option),
     prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (one process each)."),
