@@ -2,8 +2,8 @@
 
 Every layer of a step reads the same context: the flat new tokens ``T``, their padded
 per-request layout ``(R, Q)`` (``Q`` = longest new span), and for each token pool the
-physical slots to write the new K/V to and the padded ``(R, L)`` slots to gather each
-request's visible context from. Pools that release history (sliding windows) gather only
+physical slots to write the new K/V to (``writes``) and the padded ``(R, L)`` slots to
+gather each request's visible context from. Pools that release history (sliding windows) gather only
 the positions some new token can still see (``>= first_needed(prefix + 1)``, the pool id's
 rule), so tokens that left the window may be tombstoned. ``groups`` lays the same requests
 out again in two padded groups, the one-token decodes and the longer spans, so that
@@ -32,11 +32,17 @@ from hybridkv.spec import RECURRENT_POOL, PoolId
 
 
 @dataclass(frozen=True)
-class PoolIndex:
-    """Where one token pool's layers write new K/V and which slots each request reads."""
+class WriteSlots:
+    """Where one token pool's layers write the step's new K/V: a cell and an offset per new token."""
 
-    write_cell: torch.Tensor  # (T,) cell of each new token
-    write_offset: torch.Tensor  # (T,) offset inside the cell
+    cell: torch.Tensor  # (T,)
+    offset: torch.Tensor  # (T,)
+
+
+@dataclass(frozen=True)
+class PoolIndex:
+    """Which slots each request of a padded group reads from one token pool."""
+
     read_cell: torch.Tensor  # (R, L)
     read_offset: torch.Tensor  # (R, L)
     key_valid: torch.Tensor  # (R, L) bool: a real context token, not padding
@@ -73,15 +79,10 @@ class StepContext:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     last_index: torch.Tensor  # (R,) flat index of each request's last new token
-    padded: Padded  # every request of the step
+    writes: dict[PoolId, WriteSlots]  # per token pool, where the new K/V go
     groups: tuple[Padded, ...]  # decodes and longer spans apart (or the one group)
     state_cells: torch.Tensor | None  # (R,) state-pool cells
     fresh_state: torch.Tensor | None  # (R,) bool
-
-    @property
-    def pools(self) -> dict[PoolId, PoolIndex]:
-        """Where each pool's layers write the step's new K/V (and the whole step's reads)."""
-        return self.padded.pools
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
             rule, translated[: new_locs.size], translated[new_locs.size :], first, np.cumsum(lengths) - lengths
         )
 
+    ps = mem.page_size
+
     def layout(rows: np.ndarray) -> Padded:
         e, p, s, st = ext[rows], pre[rows], seq[rows], starts[rows]
         r, q = rows.size, int(e.max())
@@ -123,7 +126,6 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         flat = np.concatenate([np.arange(a, a + n) for a, n in zip(st, e, strict=True)])
         local = np.repeat(np.arange(r), e)
         from_padded = local * q + (np.arange(local.size) - (np.cumsum(e) - e)[local])
-        ps = mem.page_size
         pools: dict[PoolId, PoolIndex] = {}
         for pool_id, sl in slots.items():
             first = sl.first[rows]
@@ -138,10 +140,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
             visible = (kp[:, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
             if sl.pool_id.releases_history:
                 visible &= kp[:, None, :] >= sl.pool_id.first_needed(query_pos + 1)[:, :, None]
-            write = sl.write
             pools[pool_id] = PoolIndex(
-                write_cell=torch.div(write, ps, rounding_mode="floor"),
-                write_offset=write % ps,
                 read_cell=torch.div(grid, ps, rounding_mode="floor"),
                 read_offset=grid % ps,
                 key_valid=dev(key_valid),
@@ -149,11 +148,14 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
             )
         return Padded(dev(rows), dev(e), dev(st[:, None] + cols), dev(flat), dev(from_padded), pools)
 
-    everyone = layout(np.arange(ext.size))
     decodes = ext == 1
-    groups: tuple[Padded, ...] = (everyone,)
+    groups: tuple[Padded, ...] = (layout(np.arange(ext.size)),)
     if decodes.any() and not decodes.all():
         groups = (layout(np.flatnonzero(decodes)), layout(np.flatnonzero(~decodes)))
+    writes = {
+        pool_id: WriteSlots(torch.div(sl.write, ps, rounding_mode="floor"), sl.write % ps)
+        for pool_id, sl in slots.items()
+    }
     state_cells = fresh = None
     if batch.state_slots is not None and batch.fresh_state is not None and mem.slot_pools:
         state_cells = mem.page_cells(batch.state_slots, RECURRENT_POOL)
@@ -162,7 +164,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         input_ids=dev(batch.input_ids),
         positions=dev(batch.positions),
         last_index=dev(starts + ext - 1),
-        padded=everyone,
+        writes=writes,
         groups=groups,
         state_cells=state_cells,
         fresh_state=fresh,

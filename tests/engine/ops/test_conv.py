@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn, causal_conv1d_update
 
-from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, pad_ragged, unpad_ragged
+from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill
 
-from .chunking import assert_close, spans
+from .chunking import assert_close, pad_ragged, spans, unpad_ragged
 
 # fp32, inputs ~N(0,1), kernel 4: a handful of products per output; measured max diff 6e-8.
 ATOL = 1e-6

@@ -10,9 +10,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from hybridkv.engine.ops import gated_delta_decode, gated_delta_prefill, pad_ragged, unpad_ragged
+from hybridkv.engine.ops import gated_delta_decode, gated_delta_prefill
 
-from .chunking import assert_close, spans
+from .chunking import assert_close, pad_ragged, spans, unpad_ragged
 
 # fp32 with O(1) inputs and states. Measured max diffs: 0 vs the reference (same ops, one pass
 # and one step), 4e-7 (outputs) / 2e-6 (state) between chunkings; 2e-5 leaves room for other

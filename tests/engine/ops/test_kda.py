@@ -13,9 +13,9 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from hybridkv.engine.ops import kda_decode, kda_prefill, pad_ragged, unpad_ragged
+from hybridkv.engine.ops import kda_decode, kda_prefill
 
-from .chunking import assert_close, spans
+from .chunking import assert_close, pad_ragged, spans, unpad_ragged
 
 # Same budget as the gated delta rule. Measured: 0 vs the reference; 1e-6 (outputs) / 5e-6 (state) between chunkings.
 ATOL = 2e-5

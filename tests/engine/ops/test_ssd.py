@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan, mamba2_selective_state_update
 
-from hybridkv.engine.ops import pad_ragged, ssd_decode, ssd_prefill, unpad_ragged
+from hybridkv.engine.ops import ssd_decode, ssd_prefill
 
-from .chunking import assert_close, spans
+from .chunking import assert_close, pad_ragged, spans, unpad_ragged
 
 # fp32, O(1) inputs. Measured: 0 vs the reference scan, 5e-7 vs its decode step, 4e-6 between chunkings.
 ATOL = 2e-5

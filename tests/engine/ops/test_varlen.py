@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.engine.ops import length_mask, pad_ragged, unpad_ragged
+from hybridkv.engine.ops import length_mask
+
+from .chunking import pad_ragged, unpad_ragged
 
 
 def test_pad_then_unpad_is_identity_and_padding_is_zero() -> None:

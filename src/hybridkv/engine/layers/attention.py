@@ -93,9 +93,9 @@ class PagedAttention(nn.Module):
 
         pool = mem.pool_of_layer(self.layer_id).pool_id
         k_pool, v_pool = mem.view(self.layer_id, "k"), mem.view(self.layer_id, "v")
-        write = ctx.pools[pool]
-        k_pool[write.write_cell, write.write_offset] = k.to(k_pool.dtype)
-        v_pool[write.write_cell, write.write_offset] = v.to(v_pool.dtype)
+        write = ctx.writes[pool]
+        k_pool[write.cell, write.offset] = k.to(k_pool.dtype)
+        v_pool[write.cell, write.offset] = v.to(v_pool.dtype)
         out = q.new_empty(t, self.heads * d)
         for group in ctx.groups:  # decodes apart from longer spans: no query padded to the longest chunk
             index = group.pools[pool]

@@ -83,8 +83,8 @@ class PagedMLA(nn.Module):
 
         pool_name = mem.pool_of_layer(self.layer_id).pool_id
         pool = mem.view(self.layer_id, "latent")
-        write = ctx.pools[pool_name]
-        pool[write.write_cell, write.write_offset] = latent[:, None].to(pool.dtype)
+        write = ctx.writes[pool_name]
+        pool[write.cell, write.offset] = latent[:, None].to(pool.dtype)
         out = x.new_empty(x.shape[0], self.heads * self.v_dim)
         for group in ctx.groups:  # one-token spans apart from longer ones: no query padded to the longest
             index = group.pools[pool_name]

@@ -11,7 +11,7 @@ from hybridkv.engine.ops.conv import causal_conv1d_decode, causal_conv1d_prefill
 from hybridkv.engine.ops.gated_delta import gated_delta_decode, gated_delta_prefill
 from hybridkv.engine.ops.kda import kda_decode, kda_prefill
 from hybridkv.engine.ops.ssd import ssd_decode, ssd_prefill
-from hybridkv.engine.ops.varlen import length_mask, pad_ragged, unpad_ragged
+from hybridkv.engine.ops.varlen import length_mask
 
 __all__ = [
     "causal_conv1d_decode",
@@ -21,8 +21,6 @@ __all__ = [
     "kda_decode",
     "kda_prefill",
     "length_mask",
-    "pad_ragged",
     "ssd_decode",
     "ssd_prefill",
-    "unpad_ragged",
 ]

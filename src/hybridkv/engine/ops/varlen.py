@@ -1,12 +1,10 @@
-"""Ragged <-> padded layout for a batch of requests' new tokens.
+"""Shape checks and length masks for the recurrent ops' right-padded batches.
 
-The engine lays the new tokens of a step out flat (request after request); the chunked
-recurrent ops run on a right-padded ``[batch, max_len, ...]`` batch with a ``lengths``
-vector. Invariants:
-- ``lengths`` and ``starts`` live on the tokens' device; nothing here reads them on the host
-  (``max_len`` is a Python int the caller already knows from building the batch).
-- Padding positions are zero: the recurrent ops mask their gates there, so a padded tail
-  never changes a request's carried state.
+The chunked recurrent ops run on a right-padded ``[batch, max_len, ...]`` batch with a
+``lengths`` vector (the engine pads with ``StepContext`` groups). Invariants:
+- ``lengths`` lives on the tokens' device; nothing here reads it on the host (``max_len`` is a
+  Python int the caller already knows from building the batch).
+- A carried state whose shape disagrees with the inputs is refused, both shapes named.
 """
 
 from __future__ import annotations
@@ -27,23 +25,3 @@ def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """``[batch, max_len]`` bool: True where position ``t < lengths[b]``."""
     positions = torch.arange(max_len, device=lengths.device)
     return positions[None, :] < lengths[:, None]
-
-
-def pad_ragged(flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Flat ``[tokens, ...]`` -> right-padded ``[batch, max_len, ...]`` (zeros past each length).
-
-    Request ``b`` owns ``flat[starts[b] : starts[b] + lengths[b]]``.
-    """
-    mask = length_mask(lengths, max_len)
-    index = (starts[:, None] + torch.arange(max_len, device=flat.device)[None, :]).clamp_(max=flat.shape[0] - 1)
-    padded = flat[index]
-    keep = mask.reshape(*mask.shape, *([1] * (flat.dim() - 1)))
-    return torch.where(keep, padded, torch.zeros((), dtype=flat.dtype, device=flat.device))
-
-
-def unpad_ragged(padded: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """Right-padded ``[batch, max_len, ...]`` -> flat ``[total, ...]`` (``total == lengths.sum()``)."""
-    padding = ~length_mask(lengths, padded.shape[1])
-    # A stable sort puts the valid positions first, in request order, without a host-side nonzero.
-    order = torch.sort(padding.reshape(-1).to(torch.uint8), stable=True).indices[:total]
-    return padded.reshape(-1, *padded.shape[2:])[order]
