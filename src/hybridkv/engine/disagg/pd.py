@@ -25,6 +25,7 @@ class PDResult:
     requests: list[RequestResult]  # per prompt: status, reason, cached tokens, bytes
     deaths: list[str]  # one line per worker that died while serving
     pids: list[int]  # every worker process the server started
+    shm_files: list[str]  # every decode rank's shared-memory file (all unlinked by then)
 
 
 def run_pd(config: PDConfig) -> PDResult:
@@ -40,4 +41,5 @@ def run_pd(config: PDConfig) -> PDResult:
         results,
         server.deaths,
         server.pids(),
+        server.shm_paths(),
     )

@@ -7,7 +7,8 @@ collectives (stage-to-stage hidden states, TP all-reduce, logits broadcast) line
 Per request: every rank matches the prompt in its own prefix cache and the world agrees on
 the shortest hit (an all-reduce MIN, repeated until every rank matches exactly that long:
 stages hold other pools, so their hits may differ); prefill computes from there in chunks
-(ending where a state checkpoint is wanted), and the sender gets the request's *whole*
+(ending where any rank wants a state checkpoint: every rank cuts the same chunks), and the
+sender gets the request's *whole*
 KV/state, cached pages included (the plan sends what the decode side needs: every page of
 full-history pools, the window's pages of sliding ones, the slot of recurrent state). World
 rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank reports ``Sent``.
@@ -160,10 +161,13 @@ class _Rank:
         self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.chunk, 0, force=True)
         if self.rank == 0:
             self.conn.send(Started(cmd.tid, started, req.length))
+        wanted: list[tuple[int, ...]] = [()] * dist.get_world_size()
+        dist.all_gather_object(wanted, req.wanted)  # stages without recurrent layers want none: take every rank's
+        ends = sorted(set().union(*wanted))
         start = req.length
         while start < len(ids):
             span = min(self.args.chunk, len(ids) - start)
-            for p in req.wanted:  # end the chunk where a state checkpoint is wanted
+            for p in ends:  # end the chunk where a state checkpoint is wanted (on any rank)
                 if start < p < start + span:
                     span = p - start
                     break
