@@ -17,11 +17,12 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer
+from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
 from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
@@ -41,6 +42,17 @@ def children() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             out.add(int(stat.parent.name))
     return out
+
+
+def settled(server: PDServer, wait_s: float = 15.0) -> list[WorkerState]:
+    """Probe every live worker until each is idle and holds exactly what it held before its first request
+    (a failed transfer's pages are freed once its writers are proven gone: not at once)."""
+    end = time.monotonic() + wait_s
+    while True:
+        states = server.probe(timeout_s=60)
+        if all(w.requests == 0 and w.live == w.live_before for w in states) or time.monotonic() > end:
+            return states
+        time.sleep(0.1)
 
 
 def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) -> None:
@@ -74,11 +86,12 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
         transfer_timeout_s=2.0,
         faults=faults,
     )
-    results = []
+    results, probes = [], []
     with PDServer(config) as server:
         for wave in ([0, 1, 2], [3, 4], [5, 6, 7]):
             handles = [server.submit(PROMPTS[i], MAX_NEW) for i in wave]
             results += [server.result(h, timeout_s=120) for h in handles]
+            probes.append(settled(server))
     single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
 
     killed_prefill, killed_decode = server.deaths
@@ -96,7 +109,16 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     for r in results[6:]:
         assert r.attempts == 1 and r.notes == ()
 
-    # the survivors: both engines' second epochs, nothing leaked on any of them
+    # after each wave, every live worker is idle and holds what it held before its first request:
+    # the decode epoch that survived the prefill death (its quarantined pages freed once the killed
+    # writer was reaped), then the prefill epoch that survived the decode death (its legs aborted)
+    epochs = [sorted((w.name.split()[0], w.epoch) for w in states) for states in probes]
+    assert epochs[0] == [("decode", 0)] * 2 + [("prefill", 1)] * 2
+    assert epochs[1] == epochs[2] == [("decode", 1)] * 2 + [("prefill", 1)] * 2
+    for states in probes:
+        for w in states:
+            assert w.requests == 0 and w.live == w.live_before, w
+    # the survivors at close: both engines' second epochs, nothing leaked on any of them
     assert sorted((r.role, r.epoch) for r in server.ranks) == [("decode", 1)] * 2 + [("prefill", 1)] * 2
     for r in server.ranks:
         assert r.live_after == r.live_before, r

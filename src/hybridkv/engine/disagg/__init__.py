@@ -10,6 +10,7 @@ from hybridkv.engine.disagg.server import (
     PDStartError,
     RequestResult,
     RequestTiming,
+    WorkerState,
 )
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "PDStartError",
     "RequestResult",
     "RequestTiming",
+    "WorkerState",
     "check_layout",
     "run_pd",
 ]

@@ -34,7 +34,20 @@ from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.disagg.config import transport_options
 from hybridkv.engine.disagg.prefill_worker import live
-from hybridkv.engine.disagg.protocol import Abort, Admitted, Command, Decode, Done, Failed, Ready, Report, Reserve, Stop
+from hybridkv.engine.disagg.protocol import (
+    Abort,
+    Admitted,
+    Command,
+    Decode,
+    Done,
+    Failed,
+    Live,
+    Probe,
+    Ready,
+    Report,
+    Reserve,
+    Stop,
+)
 from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
@@ -94,7 +107,7 @@ class _Rank:
             self.link = make_transport("shm", self.shared)
         else:
             self.mem = UnifiedMemory.create(shard, args.gpu_memory, **hints)  # type: ignore[arg-type]
-            self.link = make_transport(args.transport, **transport_options(args.transport))
+            self.link = make_transport(args.transport, None, **transport_options(args.transport))
         self.runner = ShardRunner(
             args.model_dir, args.model_dir, self.groups.parallel, 0, rank, self.groups, spec=spec, mem=self.mem
         )
@@ -116,7 +129,7 @@ class _Rank:
             self.shared.close()
 
     def serve(self) -> None:
-        self.conn.send(Ready(os.getpid(), self.shared.path if self.shared is not None else ""))
+        self.conn.send(Ready(os.getpid(), self.shared.path if self.shared is not None else "", self.before))
         while True:
             commands = self.commands()
             if any(isinstance(c, Stop) for c in commands):
@@ -143,7 +156,10 @@ class _Rank:
         return box[0]  # type: ignore[return-value]
 
     def apply(self, command: Command) -> None:
-        if isinstance(command, Reserve):
+        if isinstance(command, Probe):
+            self.receiver.poll()
+            self.conn.send(Live(live(self.mem), self.receiver.held + len(self.running)))
+        elif isinstance(command, Reserve):
             try:
                 got = self.receiver.request(command.tid, command.prefill_engine, command.seq_len)
             except Exception as exc:  # no memory for it: nothing reserved

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -39,7 +40,9 @@ from hybridkv.engine.disagg.config import transport_options
 from hybridkv.engine.disagg.protocol import (
     Abort,
     First,
+    Live,
     Prefill,
+    Probe,
     Ready,
     Report,
     Sending,
@@ -112,7 +115,7 @@ class _Rank:
         self.mem = self.runner.mem
         self.alloc = RequestAllocator(self.mem, prefix_cache=args.prefix_cache)
         self.before = live(self.mem)
-        inner = make_transport(args.transport, **transport_options(args.transport))
+        inner = make_transport(args.transport, None, **transport_options(args.transport))
         self.throttle: Throttled | None = None
         self.transport: Transport = inner
         if throttle:  # the kill-prefill fault: writes slowed so that the kill lands mid-transfer
@@ -133,7 +136,7 @@ class _Rank:
         self.transport.close()
 
     def serve(self) -> None:
-        self.conn.send(Ready(0, ""))
+        self.conn.send(Ready(os.getpid(), "", self.before))
         while True:
             busy = bool(self.held)
             if self.conn.poll(0.002 if busy else 0.05):
@@ -144,6 +147,10 @@ class _Rank:
                     self.prefill(cmd)
                 elif isinstance(cmd, Abort):
                     self.abort(cmd)
+                elif isinstance(cmd, Probe):
+                    pages, slots = live(self.mem)
+                    cache = self.alloc.cache
+                    self.conn.send(Live((pages - cache.cached_pages, slots - cache.num_checkpoints), len(self.held)))
             self.progress()
         self.drain()
 

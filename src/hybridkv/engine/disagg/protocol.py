@@ -44,11 +44,16 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Probe:
+    pass  # every worker answers ``Live``
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = Prefill | Reserve | Decode | Abort | Stop
+Command = Prefill | Reserve | Decode | Abort | Probe | Stop
 
 # --- events --------------------------------------------------------------------------
 
@@ -57,6 +62,15 @@ Command = Prefill | Reserve | Decode | Abort | Stop
 class Ready:
     pid: int
     shm_path: str  # the decode rank's shared arena file ("" elsewhere): unlinked by the router if it dies
+    live: tuple[int, int]  # (pages, slots) live before the first request (reserved ids)
+
+
+@dataclass(frozen=True)
+class Live:
+    """A ``Probe``'s answer: what the rank holds now outside its prefix cache, and for how many requests."""
+
+    live: tuple[int, int]  # (pages, slots) live, less what the prefill prefix cache holds
+    requests: int  # requests holding memory here (in flight, held back, quarantined or running)
 
 
 @dataclass(frozen=True)
@@ -121,4 +135,4 @@ class Crash:
     traceback: str
 
 
-Event = Ready | Started | First | Sending | Sent | Admitted | Done | Failed | Report | Crash
+Event = Ready | Live | Started | First | Sending | Sent | Admitted | Done | Failed | Report | Crash

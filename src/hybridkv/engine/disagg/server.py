@@ -3,7 +3,9 @@
 ``with PDServer(PDConfig(model_dir, prefill_pp=2, prefill_tp=1, decode_tp=2, transport="shm")) as s:
 h = s.submit(ids, max_new); s.result(h)`` (or ``s.generate(prompts, max_new)``) returns per request
 ``RequestResult``: tokens, ``finished`` / ``failed`` with a reason, the prefix-cache hit, the bytes
-moved and ``RequestTiming`` (queue, prefill, transfer, decode, TTFT, TPOT).
+moved and ``RequestTiming`` (queue, prefill, transfer, decode, TTFT, TPOT). ``probe()`` asks every
+live worker what it holds now (``WorkerState``: live pages and slots outside the prefill prefix
+cache vs before its first request, requests holding memory), so a leak shows while serving.
 
 The constructor checks the layout (``check_layout``: nothing starts on a mismatch), starts the
 transfer bootstrap (a fresh cluster key), and launches two ``EngineProcs``: the prefill engine
@@ -43,6 +45,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -60,7 +63,9 @@ from hybridkv.engine.disagg.protocol import (
     Event,
     Failed,
     First,
+    Live,
     Prefill,
+    Probe,
     Ready,
     Report,
     Reserve,
@@ -120,6 +125,26 @@ class PDRank:
     requests: int
 
 
+@dataclass(frozen=True)
+class WorkerState:
+    """One live worker's answer to ``PDServer.probe``: ``live == live_before`` and ``requests == 0``
+    when it is idle and holds nothing (the prefill prefix cache's pages and checkpoints excluded)."""
+
+    name: str  # e.g. "prefill stage 1 TP rank 0"
+    epoch: int
+    pid: int
+    live_before: tuple[int, int]  # (pages, slots) live before its first request
+    live: tuple[int, int]  # (pages, slots) live now, less what the prefill prefix cache holds
+    requests: int  # requests holding memory there now
+
+
+@dataclass
+class _ProbeCall:
+    done: threading.Event = field(default_factory=threading.Event)
+    states: list[WorkerState] = field(default_factory=list)
+    expected: int = 0
+
+
 @dataclass
 class _Request:
     index: int
@@ -146,6 +171,7 @@ class _Engine:
     def __init__(self, role: str, epoch: int, procs: EngineProcs, names: list[str]) -> None:
         self.role, self.epoch, self.procs, self.names = role, epoch, procs, names
         self.ready: set[int] = set()
+        self.before: dict[int, tuple[int, int]] = {}
         self.shm: dict[int, str] = {}
         self.crash: dict[int, str] = {}
         self.dead = False
@@ -165,9 +191,11 @@ class PDServer:
         self.ranks: list[PDRank] = []
         self.deaths: list[str] = []  # one line per worker that died while serving
         self.lost: dict[str, str] = {}  # role -> why the engine was given up
+        self.router_error = ""  # the router thread's traceback, if it failed
         self._requests: list[_Request] = []
         self._tids: dict[str, _Request] = {}
-        self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Request | _ProbeCall | None] = queue.SimpleQueue()
+        self._probe: _ProbeCall | None = None
         self._wake_r, self._wake_w = os.pipe()
         self._restarts = {"prefill": 0, "decode": 0}
         self._retired: list[_Engine] = []
@@ -210,6 +238,16 @@ class PDServer:
     def generate(self, prompts: list[list[int]] | tuple[tuple[int, ...], ...], max_new: int) -> list[RequestResult]:
         handles = [self.submit(p, max_new) for p in prompts]
         return [self.result(h) for h in handles]
+
+    def probe(self, timeout_s: float = 10.0) -> list[WorkerState]:
+        """What every live worker holds now (prefill ranks, then decode ranks); ``TimeoutError`` if one
+        does not answer (e.g. an engine is restarting)."""
+        call = _ProbeCall()
+        self._inbox.put(call)
+        os.write(self._wake_w, b"x")
+        if not call.done.wait(timeout_s):
+            raise TimeoutError(f"{call.expected - len(call.states)} workers did not answer a probe in {timeout_s} s")
+        return call.states
 
     def shm_paths(self) -> list[str]:
         """The shared-memory files of every decode rank this server started (unlinked by ``close``)."""
@@ -293,18 +331,18 @@ class PDServer:
                 raise PDStartError(f"workers not ready within {self.config.timeout_s * 2:.0f} s")
             for obj in got:
                 if obj in objs:
-                    e, r = objs[obj]  # type: ignore[index]
+                    e, r = objs[obj]
                     try:
-                        msg = obj.recv()  # type: ignore[union-attr]
+                        msg = obj.recv()
                     except EOFError:
                         continue
                     if isinstance(msg, Ready):
                         e.ready.add(r)
-                        e.shm[r] = msg.shm_path
+                        e.shm[r], e.before[r] = msg.shm_path, msg.live
                     elif isinstance(msg, Crash):
                         raise PDStartError(f"{e.names[r]} failed to start:\n{msg.traceback}")
                 elif obj in sentinels:
-                    e, r = sentinels[obj]  # type: ignore[index]
+                    e, r = sentinels[obj]
                     code = e.procs.procs[r].exitcode
                     raise PDStartError(f"{e.names[r]} died while starting ({exit_reason(code)})")
 
@@ -321,6 +359,15 @@ class PDServer:
     # --- router thread ---------------------------------------------------------------
 
     def _route(self) -> None:
+        try:
+            self._route_loop()
+        except BaseException:  # a router bug must not leave callers waiting: fail what is open, say why
+            self.router_error = traceback.format_exc()
+            for req in self._requests:
+                self._fail(req, f"the router failed: {self.router_error.strip().splitlines()[-1]}")
+            raise
+
+    def _route_loop(self) -> None:
         stop_sent = False
         while True:
             engines = [e for e in (self.prefill, self.decode) if e is not None and not e.dead]
@@ -342,16 +389,16 @@ class PDServer:
                     os.read(self._wake_r, 4096)
                     self._take_inbox()
                 elif obj in conns:
-                    e, r = conns[obj]  # type: ignore[index]
+                    e, r = conns[obj]
                     if e.dead:
                         continue
                     try:
-                        msg = obj.recv()  # type: ignore[union-attr]
+                        msg = obj.recv()
                     except (EOFError, OSError):
                         continue  # its sentinel reports the death
                     self._on_event(e, r, msg)
                 elif obj in sentinels:
-                    e, r = sentinels[obj]  # type: ignore[index]
+                    e, r = sentinels[obj]
                     self._drain(e, r)  # what it said before it exited (a Report, a Crash)
                     if not e.dead and not (self._stopping and r in e.reports):
                         self._on_death(e, r)
@@ -371,8 +418,18 @@ class PDServer:
                 req = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if req is not None:
+            if isinstance(req, _ProbeCall):
+                self._start_probe(req)
+            elif req is not None:
                 self._dispatch(req)
+
+    def _start_probe(self, call: _ProbeCall) -> None:
+        engines = [e for e in (self.prefill, self.decode) if e is not None and not e.dead]
+        call.expected = sum(len(e.procs.conns) for e in engines)
+        self._probe = call
+        for e in engines:
+            for r in range(len(e.procs.conns)) if e.role == "prefill" else [0]:
+                e.procs.send(r, Probe())
 
     def _dispatch(self, req: _Request) -> None:
         if self.lost:
@@ -401,7 +458,16 @@ class PDServer:
             return
         if isinstance(msg, Ready):
             e.ready.add(r)
-            e.shm[r] = msg.shm_path
+            e.shm[r], e.before[r] = msg.shm_path, msg.live
+            return
+        if isinstance(msg, Live):
+            call = self._probe
+            if call is not None:
+                before = e.before.get(r, (0, 0))
+                call.states.append(WorkerState(e.names[r], e.epoch, e.procs.pids[r], before, msg.live, msg.requests))
+                if len(call.states) == call.expected:
+                    call.states.sort(key=lambda w: (not w.name.startswith("prefill"), w.name))
+                    call.done.set()
             return
         if isinstance(msg, Crash):
             e.crash[r] = msg.traceback
