@@ -99,6 +99,11 @@ def test_disaggregated_server_serves_the_single_process_and_transformers_tokens(
     assert all(gone(pid) for pid in result.pids)
     assert len(result.shm_files) == (tp if transport == "shm" else 0)
     assert not any(Path(f).exists() for f in result.shm_files)
+    for r in result.requests:  # every prefill rank's compute and send window, every decode rank's bytes
+        assert sorted((s.pp, s.tp) for s in r.stages) == [(s, t) for s in range(pp) for t in range(ptp)]
+        for s in r.stages:
+            assert s.ok and s.nbytes > 0 and s.compute[0] < s.compute[1] <= s.send[0] <= s.send[1], s
+        assert len(r.decode_bytes) == tp and sum(r.decode_bytes) == r.transfer_bytes == sum(s.nbytes for s in r.stages)
     for t in result.timings:
         assert t is not None
         assert t.queue_s >= 0 and t.prefill_s > 0 and t.transfer_s >= 0 and t.decode_s > 0, t

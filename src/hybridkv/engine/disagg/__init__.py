@@ -10,6 +10,7 @@ from hybridkv.engine.disagg.server import (
     PDStartError,
     RequestResult,
     RequestTiming,
+    StageTiming,
     WorkerState,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "PDStartError",
     "RequestResult",
     "RequestTiming",
+    "StageTiming",
     "WorkerState",
     "check_layout",
     "run_pd",

@@ -90,6 +90,7 @@ class _Running:
     tid: str
     req: RequestMemory
     max_new: int
+    nbytes: int  # received by this rank
     tokens: list[int] = field(default_factory=list)
 
 
@@ -216,7 +217,8 @@ class _Rank:
                 self.requests += 1
                 if self.rank == 0:
                     self.conn.send(Admitted(tid, time.monotonic(), nbytes))
-                self.running.append(_Running(tid, req, p.max_new, [p.first]))  # type: ignore[list-item]
+                got = report.nbytes if report is not None else 0
+                self.running.append(_Running(tid, req, p.max_new, got, [p.first]))  # type: ignore[list-item]
         self.finish()
 
     def step(self) -> None:
@@ -243,7 +245,7 @@ class _Rank:
         for r in [r for r in self.running if len(r.tokens) >= r.max_new]:
             self.running.remove(r)
             self.alloc.retract(r.req)
-            self.conn.send(Done(r.tid, tuple(r.tokens), time.monotonic()))
+            self.conn.send(Done(r.tid, tuple(r.tokens), time.monotonic(), r.nbytes))
 
     def drain(self) -> None:
         for tid in list(self.pending):

@@ -94,6 +94,16 @@ def _agreed(value: int) -> int:
     return int(t[0])
 
 
+@dataclass
+class _Held:
+    """A prefilled request whose sender has not finished: its memory and stamps."""
+
+    req: RequestMemory
+    ids: tuple[int, ...]
+    computed: tuple[float, float]  # prefill of this request on this rank: started, last chunk done
+    handed: float = 0.0  # when it went to the sender (0: not yet)
+
+
 class _Rank:
     def __init__(self, rank: int, conn: Connection, args: PrefillArgs, throttle: bool) -> None:
         self.rank, self.conn, self.args = rank, conn, args
@@ -126,7 +136,7 @@ class _Rank:
         self.sender = PrefillSender(
             self.mem, args.engine, args.bootstrap, self.transport, key=key, timeout_s=args.timeout_s
         )
-        self.held: dict[str, tuple[RequestMemory, tuple[int, ...]]] = {}
+        self.held: dict[str, _Held] = {}
         self.delayed: dict[str, float] = {}  # tid -> when to hand it to the sender (stall-transfer)
         self.nbytes = 0
         self.requests = 0
@@ -183,10 +193,12 @@ class _Rank:
             req.fresh = False  # window pages stay until the sender finished
             self.alloc.chunk_done(req, ids)
             start += span
+            self.progress()  # earlier requests' senders may have finished: report them now
         first = int(torch.argmax(logits[0]))
+        computed = time.monotonic()
         if self.rank == 0:
-            self.conn.send(First(cmd.tid, first, time.monotonic()))
-        self.held[cmd.tid] = (req, cmd.ids)
+            self.conn.send(First(cmd.tid, first, computed))
+        self.held[cmd.tid] = _Held(req, cmd.ids, (started, computed))
         self.requests += 1
         if cmd.fault == "stall-transfer":
             self.delayed[cmd.tid] = time.monotonic() + cmd.delay_s
@@ -198,8 +210,9 @@ class _Rank:
     def hand_over(self, tid: str) -> None:
         if tid not in self.held:  # its decode side gave up and the sender already reported it
             return
-        req, _ = self.held[tid]
-        self.sender.send(tid, req.live.pages, req.slot, req.length)
+        held = self.held[tid]
+        held.handed = time.monotonic()
+        self.sender.send(tid, held.req.live.pages, held.req.slot, held.req.length)
         self.conn.send(Sending(tid))
 
     def abort(self, cmd: Abort) -> None:
@@ -213,15 +226,16 @@ class _Rank:
                 del self.delayed[tid]
                 self.hand_over(tid)
         for report in self.sender.poll():
-            entry = self.held.pop(report.request_id, None)
-            if entry is None:
+            held = self.held.pop(report.request_id, None)
+            if held is None:
                 continue
             self.delayed.pop(report.request_id, None)
-            req, ids = entry
-            self.alloc.finish(req, ids)
+            self.alloc.finish(held.req, held.ids)
             ok = report.phase is Phase.SUCCESS
             self.nbytes += report.nbytes
-            self.conn.send(Sent(report.request_id, ok, report.reason, report.nbytes))
+            done = time.monotonic()
+            sending = (held.handed or done, done)
+            self.conn.send(Sent(report.request_id, ok, report.reason, report.nbytes, held.computed, sending))
 
     def drain(self) -> None:
         for tid in list(self.delayed):

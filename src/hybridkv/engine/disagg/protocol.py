@@ -98,6 +98,8 @@ class Sent:
     ok: bool
     reason: str
     nbytes: int
+    computed: tuple[float, float]  # this rank's prefill of the request: started, last chunk done
+    sending: tuple[float, float]  # handed to the sender -> the sender reported it finished
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Done:
     tid: str
     tokens: tuple[int, ...]
     at: float
+    nbytes: int  # KV/state bytes this decode rank received for it
 
 
 @dataclass(frozen=True)

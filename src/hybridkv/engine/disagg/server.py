@@ -98,6 +98,18 @@ class RequestTiming:
 
 
 @dataclass(frozen=True)
+class StageTiming:
+    """One prefill rank's part of a request (``time.monotonic`` stamps, one clock per host)."""
+
+    pp: int
+    tp: int
+    compute: tuple[float, float]  # its prefill of the request: started, last chunk done
+    send: tuple[float, float]  # handed to its sender -> the sender finished (every decode rank's leg)
+    nbytes: int  # bytes it wrote, to every decode rank
+    ok: bool
+
+
+@dataclass(frozen=True)
 class RequestResult:
     index: int  # submission order
     output_ids: list[int]  # max_new greedy tokens ([] when failed)
@@ -108,6 +120,8 @@ class RequestResult:
     transfer_bytes: int  # KV/state bytes every decode rank received, summed
     attempts: int  # 1, or 2 when an engine died holding it and it was computed again
     notes: tuple[str, ...]  # the deaths that re-routed or retried it
+    stages: tuple[StageTiming, ...] = ()  # per prefill rank (stage, TP rank) of its last attempt
+    decode_bytes: tuple[int, ...] = ()  # bytes each decode TP rank received (finished requests)
 
 
 @dataclass(frozen=True)
@@ -158,10 +172,10 @@ class _Request:
     started: float = 0.0
     cached: int = 0
     first_at: float = 0.0
-    sent: dict[int, bool] = field(default_factory=dict)  # prefill rank -> its sender succeeded
+    sent: dict[int, Sent] = field(default_factory=dict)  # prefill rank -> how its sender ended
     admitted: float = 0.0
     nbytes: int = 0
-    tokens: dict[int, tuple[tuple[int, ...], float]] = field(default_factory=dict)  # decode rank -> (tokens, at)
+    tokens: dict[int, Done] = field(default_factory=dict)  # decode rank -> its tokens
     attempts: int = 1  # 2 once retried after an engine died holding it
     reasons: list[str] = field(default_factory=list)  # why it was re-routed or retried
     result: RequestResult | None = None
@@ -493,13 +507,13 @@ class PDServer:
             if fault is not None and fault.kind == "kill-prefill" and req.attempts == 1 and r == target:
                 e.procs.kill(r)
         elif isinstance(msg, Sent):
-            req.sent[r] = msg.ok
+            req.sent[r] = msg
+            self._maybe_complete(req)
         elif isinstance(msg, Admitted):
             req.admitted, req.nbytes = msg.at, msg.nbytes
         elif isinstance(msg, Done):
-            req.tokens[r] = (msg.tokens, msg.at)
-            if len(req.tokens) == self.config.decode_tp:
-                self._complete(req)
+            req.tokens[r] = msg
+            self._maybe_complete(req)
         elif isinstance(msg, Failed):
             self._fail(req, msg.reason)
             assert self.prefill is not None
@@ -507,13 +521,22 @@ class PDServer:
                 for k in range(len(self.prefill.procs.conns)):
                     self.prefill.procs.send(k, Abort(req.tid, msg.reason))
 
+    def _maybe_complete(self, req: _Request) -> None:
+        """Complete once every decode rank is done and every prefill rank reported its sender's end
+        (or the prefill epoch that computed it died after the decode side got everything)."""
+        prefill = self.prefill
+        assert prefill is not None
+        reported = len(req.sent) == len(prefill.procs.conns) or req.prefill_epoch != prefill.epoch
+        if len(req.tokens) == self.config.decode_tp and reported:
+            self._complete(req)
+
     def _complete(self, req: _Request) -> None:
-        outputs = {tokens for tokens, _ in req.tokens.values()}
+        outputs = {done.tokens for done in req.tokens.values()}
         if len(outputs) != 1:
             self._fail(req, f"decode ranks disagree on the tokens: {sorted(outputs)}")
             return
         tokens = list(outputs.pop())
-        last = max(at for _, at in req.tokens.values())
+        last = max(done.at for done in req.tokens.values())
         decode_s = max(0.0, last - req.admitted)
         timing = RequestTiming(
             queue_s=max(0.0, req.started - req.submitted),
@@ -523,8 +546,24 @@ class PDServer:
             ttft_s=max(0.0, req.first_at - req.submitted),
             tpot_s=decode_s / (req.max_new - 1) if req.max_new > 1 else 0.0,
         )
+        tp = self.config.prefill_tp
+        stages = tuple(
+            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ok)
+            for k, sent in sorted(req.sent.items())
+        )
+        decode_bytes = tuple(req.tokens[k].nbytes for k in sorted(req.tokens))
         req.result = RequestResult(
-            req.index, tokens, FINISHED, "", timing, req.cached, req.nbytes, req.attempts, tuple(req.reasons)
+            req.index,
+            tokens,
+            FINISHED,
+            "",
+            timing,
+            req.cached,
+            req.nbytes,
+            req.attempts,
+            tuple(req.reasons),
+            stages,
+            decode_bytes,
         )
         req.done.set()
 
@@ -554,9 +593,10 @@ class PDServer:
             if req.result is not None or not req.tid:
                 continue
             if e.role == "prefill":
-                held = req.prefill_epoch == e.epoch and not (
-                    len(req.sent) == len(e.procs.conns) and all(req.sent.values())
+                landed = req.admitted or (
+                    len(req.sent) == len(e.procs.conns) and all(sent.ok for sent in req.sent.values())
                 )
+                held = req.prefill_epoch == e.epoch and not landed
             else:
                 held = req.decode_epoch == e.epoch
             if not held:
@@ -585,6 +625,9 @@ class PDServer:
             self.decode = fresh
         for req in retry:
             self._dispatch(req)
+        for req in self._requests:  # landed requests that waited only for the dead engine's Sent
+            if req.result is None and req.tokens:
+                self._maybe_complete(req)
 
     def _collect_reports(self) -> None:
         for e in [self.prefill, self.decode]:
