@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.cache import PAGE_NEED, POLICIES, CacheError, HybridRadixCache, KVManager
 from hybridkv.memory import OutOfMemory, UnifiedMemory
-from hybridkv.spec import ShardSpec, WindowPool, get_preset
+from hybridkv.spec import Parallel, ShardSpec, WindowPool, get_preset
 
 PS = 16
 
@@ -179,4 +179,14 @@ def test_a_pool_short_of_slabs_gets_them_from_cached_full_kv():
     assert kv.n_pages == 16 and cache.counters.evicted_pages == 8
     kvm.release(kv)
     cache.check()
+    mem.verify()
+
+
+def test_evict_on_a_shard_without_full_attention_frees_what_it_can_and_does_not_raise() -> None:
+    # PP stage 0 of 4 of tiny-gdn holds two recurrent layers only: no full pool, no page eviction rule
+    shard = ShardSpec(get_preset("tiny-gdn"), Parallel(pp_size=4), 0, 0)
+    mem = UnifiedMemory.create(shard, 1_000_000, page_size=PS, max_context=256, chunk_tokens=64)
+    cache = HybridRadixCache(mem)
+    assert not cache.rules.full.slots
+    assert cache.evict({PAGE_NEED: mem.pages.capacity}) is not None
     mem.verify()

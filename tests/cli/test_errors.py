@@ -64,7 +64,8 @@ BAD_INPUTS += [
     ([*SERVE_PD, "--prefill-pp", "0"], "--prefill-pp"),
     ([*SERVE_PD, "--decode-tp", "0"], "--decode-tp"),
     ([*SERVE_PD, "--max-new-tokens", "0"], "--max-new-tokens"),
-    ([*SERVE_PD, "--transport", "mooncake"], "'mooncake' is not wired into the disaggregated run yet"),
+    ([*SERVE_PD, "--prefill-tp", "0"], "--prefill-tp"),
+    ([*SERVE_PD, "--decode-page-size", "0"], "--decode-page-size"),
     ([*SERVE_PD, "--transport", "nixl"], "unknown transport 'nixl'"),
     ([*SERVE_PD, "--random", "tiny-nope"], "not a tiny random model"),
     (SERVE_PD, "not a prompt line"),
@@ -138,6 +139,8 @@ def test_no_arguments_prints_help_only(capsys):
     [
         (["--prefill-pp", "9"], "PP size 9 exceeds the model's 4 layers"),
         (["--decode-tp", "3"], "not divisible by TP size 3"),
+        (["--prefill-tp", "3"], "not divisible by TP size 3"),
+        (["--page-size", "4", "--decode-page-size", "8"], "page size"),
         (["--max-context", "8"], "exceeds --max-context 8"),
         (["--prompts", "BAD"], "outside the vocabulary"),
     ],

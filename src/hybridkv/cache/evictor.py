@@ -63,7 +63,7 @@ class Evictor:
         want = [given.get(k, 0) for k in keys]
         freed = [0] * len(keys)
         release = Release()
-        full_need = max(want[PAGE_NEED_SLOT], *(want[i] for i in rules.full.slots))
+        full_need = max([want[PAGE_NEED_SLOT], *(want[i] for i in rules.full.slots)])  # no full pool: no slots
         if full_need:
             self._evict_leaves(full_need, freed, release)
         for w in rules.windows:

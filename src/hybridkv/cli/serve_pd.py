@@ -1,15 +1,20 @@
-"""``hybridkv serve-pd``: serve a prompts file disaggregated (PP prefill processes -> TP decode processes).
+"""``hybridkv serve-pd``: serve a prompts file disaggregated (PP x TP prefill processes -> TP decode processes).
 
 The same prompts file and ``output_ids`` JSON as ``hybridkv generate`` (``read_prompts``), plus
-per-request ``timings`` (``engine.disagg.RequestTiming``: queue, prefill, transfer, decode, TTFT,
-TPOT, seconds). Greedy; tokens are cut after the first EOS the model's config names, as
-``generate`` stops there (``finish_reason`` ``eos``), else ``length``.
+per request its ``status`` (``finished`` / ``failed``, with ``error`` the reason), its prefill-side
+prefix-cache hit (``cached_tokens``), the KV/state bytes moved, ``attempts`` (2 when an engine died
+holding it and it was computed again) and ``timings`` (``engine.disagg.RequestTiming``: queue,
+prefill, transfer, decode, TTFT, TPOT, seconds; null when failed). Greedy; tokens are cut after the
+first EOS the model's config names, as ``generate`` stops there (``finish_reason`` ``eos``), else
+``length`` (``error`` for a failed request). KV/state move over ``shm`` or ``mooncake`` (TCP on
+127.0.0.1).
 
 Refused before any process starts, one ``error:`` line, exit 2: a missing ``--prompts`` file or
 ``--model`` directory, a bad prompt line, ids outside the vocabulary or a prompt + ``--max-new-tokens``
-beyond ``--max-context`` (the message names the file line), ``--prefill-pp`` / ``--decode-tp`` /
-``--max-new-tokens`` below 1, a layout the model cannot be split into (``check_layout``), an unknown
-transport, and ``mooncake`` (``run_pd`` wires only ``shm`` today).
+beyond ``--max-context`` (the message names the file line), ``--prefill-pp`` / ``--prefill-tp`` /
+``--decode-tp`` / ``--max-new-tokens`` below 1, a layout the model cannot be split into or a decode
+layout that does not pair with the prefill one (``check_layout``: e.g. ``--decode-page-size`` other
+than ``--page-size``), and an unknown transport.
 """
 
 from __future__ import annotations
@@ -25,18 +30,6 @@ from hybridkv.cli.app import app
 from hybridkv.cli.generate import PromptFileError, read_prompts
 from hybridkv.cli.params import byte_size, random_model, transport_option
 from hybridkv.engine.random_models import tiny_names
-
-WIRED_TRANSPORTS = ("shm",)  # what run_pd moves KV/state over
-
-
-def _pd_transport(value: str) -> str:
-    transport_option(value)
-    if value not in WIRED_TRANSPORTS:
-        raise typer.BadParameter(
-            f"transport {value!r} is not wired into the disaggregated run yet (run_pd moves KV/state over "
-            f"{', '.join(WIRED_TRANSPORTS)} only); use --transport shm"
-        )
-    return value
 
 
 def _check_prompts(prompts: Path, lines: list[tuple[int, list[int]]], vocab: int, max_new: int, context: int) -> None:
@@ -73,18 +66,24 @@ def serve_pd(
     random: str = typer.Option(
         None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
     ),
-    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (one process each)."),
+    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages."),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill tensor-parallel ranks per stage."),
     decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode tensor-parallel ranks (one process each)."),
-    transport: str = typer.Option("shm", "--transport", callback=_pd_transport, help="KV/state transport: shm."),
+    transport: str = typer.Option(
+        "shm", "--transport", callback=transport_option, help="KV/state transport: shm or mooncake (TCP)."
+    ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
     gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=byte_size, help="K/V + state per process."),
     page_size: int = typer.Option(16, "--page-size", min=1),
+    decode_page_size: int = typer.Option(
+        None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."
+    ),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
     max_context: int = typer.Option(256, "--max-context", min=2, help="Prompt + new tokens, at most."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Serve every prompt of a file through PP prefill processes and TP decode processes (greedy)."""
-    from hybridkv.engine.disagg import PDConfig, check_layout, run_pd
+    from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, run_pd
     from hybridkv.engine.registry import text_config
     from hybridkv.engine.weights import read_config
     from hybridkv.memory import parse_bytes
@@ -118,8 +117,11 @@ def serve_pd(
             tuple(tuple(ids) for _, ids in lines),
             max_new_tokens,
             prefill_pp=prefill_pp,
+            prefill_tp=prefill_tp,
             decode_tp=decode_tp,
+            transport=transport,
             page_size=page_size,
+            decode_page_size=decode_page_size,
             chunk=chunk_size,
             gpu_memory=parse_bytes(gpu_memory),
             max_context=max_context,
@@ -127,34 +129,47 @@ def serve_pd(
         check_layout(config)
         result = run_pd(config)
     name = random if random is not None else str(model)
-    outs = [_cut_at_eos(tokens, eos) for tokens in result.output_ids]
+    outs = [_cut_at_eos(r.output_ids, eos) if r.status == FINISHED else ([], "error") for r in result.requests]
     if as_json:
         requests = [
             {
                 "output_ids": tokens,
                 "finish_reason": reason,
-                "error": None,
-                "cached_tokens": 0,
-                "timings": {k: round(v, 6) for k, v in asdict(timing).items()},
+                "status": r.status,
+                "error": r.reason or None,
+                "cached_tokens": r.cached_tokens,
+                "transfer_bytes": r.transfer_bytes,
+                "attempts": r.attempts,
+                "timings": None if r.timing is None else {k: round(v, 6) for k, v in asdict(r.timing).items()},
             }
-            for (tokens, reason), timing in zip(outs, result.timings, strict=True)
+            for (tokens, reason), r in zip(outs, result.requests, strict=True)
         ]
         totals = {
             "requests": len(outs),
-            "errors": 0,
+            "errors": sum(r.status != FINISHED for r in result.requests),
             "prompt_tokens": sum(len(ids) for _, ids in lines),
             "output_tokens": sum(len(tokens) for tokens, _ in outs),
             "prefill_pp": prefill_pp,
+            "prefill_tp": prefill_tp,
             "decode_tp": decode_tp,
             "transport": transport,
         }
         typer.echo(json.dumps({"model": name, "requests": requests, "totals": totals}))
         return
-    for i, ((tokens, reason), t) in enumerate(zip(outs, result.timings, strict=True)):
+    for i, ((tokens, reason), r) in enumerate(zip(outs, result.requests, strict=True)):
+        head = f"request {i} ({len(lines[i][1])} prompt tokens, {r.cached_tokens} cached"
+        t = r.timing
+        if t is None:
+            typer.echo(f"{head}): FAILED: {r.reason}")
+            continue
         typer.echo(
-            f"request {i} ({len(lines[i][1])} prompt tokens, {reason}): {' '.join(map(str, tokens))}  "
+            f"{head}, {reason}): {' '.join(map(str, tokens))}  "
             f"[queue {t.queue_s * 1e3:.1f} ms, prefill {t.prefill_s * 1e3:.1f} ms, "
-            f"transfer {t.transfer_s * 1e3:.1f} ms, decode {t.decode_s * 1e3:.1f} ms, "
+            f"transfer {t.transfer_s * 1e3:.1f} ms ({r.transfer_bytes} B), decode {t.decode_s * 1e3:.1f} ms, "
             f"TTFT {t.ttft_s * 1e3:.1f} ms, TPOT {t.tpot_s * 1e3:.1f} ms]"
         )
-    typer.echo(f"{len(outs)} requests: PP {prefill_pp} prefill -> TP {decode_tp} decode over {transport}")
+    failed = sum(r.status != FINISHED for r in result.requests)
+    typer.echo(
+        f"{len(outs)} requests ({failed} failed): PP {prefill_pp} x TP {prefill_tp} prefill -> "
+        f"TP {decode_tp} decode over {transport}"
+    )

@@ -1,34 +1,44 @@
-"""Disaggregated serving in real processes: PP prefill stages -> TP decode ranks over shm, token-exact.
+"""Disaggregated serving in real processes: a router, a PP x TP prefill world and a TP decode world, token-exact.
 
-(PP 2) -> (TP 2) for Qwen3-Next (GDN + full attention), Gemma 3 (sliding window 8) and
-Kimi-Linear (KDA + MLA); (PP 3) -> (TP 1) for Qwen3-Next. Per model, 3 requests (one
-sharing a prefix with another; lengths around and past the sliding window of 8) are
-prefilled in chunks of 5 over pages of 4 by the pipeline-stage processes, handed over with
-``hybridkv.transfer`` (authenticated control plane with a fresh key, shm transport) to the
-decode processes, which decode 5 tokens greedily. Checked: every request's tokens equal the
-single-process engine's and ``transformers``' (up to its EOS); per-request timings are
-present and ordered (one request at a time); every process ends with no
-live page or slot; no process outlives the run.
+(PP 2, TP 1) -> (TP 2) for Qwen3-Next (GDN + full attention), Gemma 3 (sliding window 8) and
+Kimi-Linear (KDA + MLA) over shm, Qwen3-Next and Kimi-Linear also over Mooncake (TCP on
+127.0.0.1); (PP 3) -> (TP 1) for Qwen3-Next and (PP 1, TP 2) -> (TP 1) for Kimi-Linear over shm.
+Per layout, one server launch serves 8 requests submitted at once (five share a prefix, lengths
+around and past the sliding window of 8), prefilled in chunks of 5 over pages of 4 with the
+prefill prefix cache on, handed over with ``hybridkv.transfer`` and decoded (5 tokens, greedy,
+continuous batching on the decode TP ranks). Checked: every request finished with the
+single-process engine's and ``transformers``' tokens (up to its EOS); the shared-prefix requests
+hit the prefill cache and still moved their whole KV/state; every worker ends with the live
+pages and slots it started with; no process or shared-memory file outlives the server.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import PDConfig, run_pd
+from hybridkv.engine.disagg import FINISHED, PDConfig, run_pd
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
 
 PAGE, CHUNK, MAX_NEW = 4, 5, 5
 BASE = prompt(11, 13)
-PROMPTS = (tuple(BASE), tuple(BASE + prompt(12, 9)), tuple(prompt(13, 6)))
+PROMPTS = (
+    tuple(BASE),
+    tuple(BASE + prompt(12, 9)),
+    tuple(prompt(13, 6)),
+    tuple(BASE + prompt(14, 4)),
+    tuple(prompt(15, 11)),
+    tuple(BASE[:9] + prompt(16, 5)),
+    tuple(prompt(13, 6) + prompt(17, 7)),
+    tuple(BASE + prompt(12, 9) + prompt(18, 3)),
+)
+SHARED = (1, 3, 7)  # start with BASE, submitted after the request that is BASE: they hit the prefill cache
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -37,60 +47,92 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("name", "pp", "tp"),
-    [("tiny-qwen3-next", 2, 2), ("tiny-gemma3", 2, 2), ("tiny-kimi-linear", 2, 2), ("tiny-qwen3-next", 3, 1)],
+    ("name", "pp", "ptp", "tp", "transport"),
+    [
+        ("tiny-qwen3-next", 2, 1, 2, "shm"),
+        ("tiny-gemma3", 2, 1, 2, "shm"),
+        ("tiny-kimi-linear", 2, 1, 2, "shm"),
+        ("tiny-qwen3-next", 2, 1, 2, "mooncake"),
+        ("tiny-kimi-linear", 2, 1, 2, "mooncake"),
+        ("tiny-qwen3-next", 3, 1, 1, "shm"),
+        ("tiny-kimi-linear", 1, 2, 1, "shm"),
+    ],
 )
-def test_pp_prefill_to_tp_decode_serves_the_single_process_and_transformers_tokens(
-    name: str, pp: int, tp: int, tmp_path: Path
+def test_disaggregated_server_serves_the_single_process_and_transformers_tokens(
+    name: str, pp: int, ptp: int, tp: int, transport: str, tmp_path: Path
 ) -> None:
     hf_model(name).save_pretrained(tmp_path)
     config = PDConfig(
-        str(tmp_path), PROMPTS, MAX_NEW, prefill_pp=pp, decode_tp=tp, page_size=PAGE, chunk=CHUNK, gpu_memory=3_000_000
+        str(tmp_path),
+        PROMPTS,
+        MAX_NEW,
+        prefill_pp=pp,
+        prefill_tp=ptp,
+        decode_tp=tp,
+        transport=transport,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=3_000_000,
     )
     result = run_pd(config)
     single = serve(make_runner(name, PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
     for i, ids in enumerate(PROMPTS):
+        r = result.requests[i]
+        assert r.status == FINISHED and r.attempts == 1, r
         assert result.output_ids[i] == single[i].tokens, f"{name} request {i}"
         hf_tokens, _ = hf_reference(name, ids, MAX_NEW)
         assert result.output_ids[i][: len(hf_tokens)] == hf_tokens, f"{name} request {i} vs transformers"
-    roles = sorted((r.role, r.index) for r in result.ranks)
-    assert roles == [("decode", r) for r in range(tp)] + [("prefill", s) for s in range(pp)]
+        assert r.transfer_bytes > 0
+    for i in SHARED:  # a hit shortened prefill, and the whole KV/state still moved
+        hit = result.requests[i]
+        assert hit.cached_tokens >= PAGE, (i, hit)
+        assert hit.transfer_bytes > result.requests[0].transfer_bytes
+    assert result.requests[0].cached_tokens == 0
+    roles = sorted((r.role, r.index, r.tp) for r in result.ranks)
+    want = [("decode", t, t) for t in range(tp)] + [("prefill", s, t) for s in range(pp) for t in range(ptp)]
+    assert roles == sorted(want)
     for r in result.ranks:
         assert r.live_after == r.live_before, f"{r.role} {r.index}: pages/slots still live"
-        assert all(n > 0 for n in r.transfer_bytes), f"{r.role} {r.index}: a request moved no bytes"
-        assert _gone(r.pid) and r.pid != os.getpid()
-    last = next(r for r in result.ranks if r.role == "prefill" and r.index == pp - 1)
-    assert [t[0] for t in result.output_ids] == list(last.output_ids[0])  # decode starts from prefill's token
-    timings = result.timings
-    assert len(timings) == len(PROMPTS)
-    for t in timings:
+        assert r.requests == len(PROMPTS) and r.transfer_bytes > 0
+    assert result.deaths == []
+    assert len(result.pids) == pp * ptp + tp and os.getpid() not in result.pids
+    assert all(gone(pid) for pid in result.pids)
+    assert len(result.shm_files) == (tp if transport == "shm" else 0)
+    assert not any(Path(f).exists() for f in result.shm_files)
+    for r in result.requests:  # every prefill rank's compute and send window, every decode rank's bytes
+        assert sorted((s.pp, s.tp) for s in r.stages) == [(s, t) for s in range(pp) for t in range(ptp)]
+        for s in r.stages:
+            assert s.ok and s.nbytes > 0 and s.compute[0] < s.compute[1] <= s.send[0] <= s.send[1], s
+        assert len(r.decode_bytes) == tp and sum(r.decode_bytes) == r.transfer_bytes == sum(s.nbytes for s in r.stages)
+    for t in result.timings:
+        assert t is not None
         assert t.queue_s >= 0 and t.prefill_s > 0 and t.transfer_s >= 0 and t.decode_s > 0, t
-        assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s) and t.tpot_s == pytest.approx(t.decode_s / 4)
-    # one request at a time on every stage: a later request starts and gets its first token later
-    assert all(b.queue_s > a.queue_s and b.ttft_s > a.ttft_s for a, b in itertools.pairwise(timings))
+        assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s, abs=1e-6)
+        assert t.tpot_s == pytest.approx(t.decode_s / (MAX_NEW - 1))
 
 
-def test_serve_pd_cli_prints_generates_output_ids_with_ordered_timings(tmp_path: Path, capsys) -> None:
+def test_serve_pd_cli_prints_generates_output_ids_with_status_and_timings(tmp_path: Path, capsys) -> None:
     from hybridkv.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_ids": list(p)}) + "\n" for p in PROMPTS))
+    prompts.write_text("".join(json.dumps({"prompt_ids": list(p)}) + "\n" for p in PROMPTS[:3]))
     common = ["--random", "tiny-qwen3-next", "--prompts", str(prompts), "--max-new-tokens", str(MAX_NEW), "--json"]
     assert main(["generate", *common]) == 0
     generated = json.loads(capsys.readouterr().out)
-    pd = ["--prefill-pp", "2", "--decode-tp", "2", "--transport", "shm", "--page-size", str(PAGE)]
-    assert main(["serve-pd", *common, *pd, "--chunk-size", str(CHUNK)]) == 0
+    pd = ["--prefill-pp", "2", "--prefill-tp", "1", "--decode-tp", "2", "--transport", "mooncake"]
+    assert main(["serve-pd", *common, *pd, "--page-size", str(PAGE), "--chunk-size", str(CHUNK)]) == 0
     out, err = capsys.readouterr()
     served = json.loads(out)
     assert "Writing" not in err, err
-    assert served["model"] == "tiny-qwen3-next" and served["totals"]["requests"] == len(PROMPTS)
+    assert served["model"] == "tiny-qwen3-next" and served["totals"]["requests"] == 3
+    assert served["totals"]["errors"] == 0 and served["totals"]["transport"] == "mooncake"
     assert [r["output_ids"] for r in served["requests"]] == [r["output_ids"] for r in generated["requests"]]
     assert [r["finish_reason"] for r in served["requests"]] == [r["finish_reason"] for r in generated["requests"]]
+    assert [r["status"] for r in served["requests"]] == [FINISHED] * 3
+    assert served["requests"][1]["cached_tokens"] > 0  # shares request 0's prompt
     for r in served["requests"]:
         t = r["timings"]
+        assert r["error"] is None and r["attempts"] == 1 and r["transfer_bytes"] > 0
         assert t["ttft_s"] > 0 and t["prefill_s"] > 0 and t["queue_s"] >= 0, t
         assert t["transfer_s"] >= 0 and t["decode_s"] >= 0 and t["tpot_s"] >= 0, t
         assert t["ttft_s"] == pytest.approx(t["queue_s"] + t["prefill_s"], abs=1e-5)
-    assert [r["timings"]["queue_s"] for r in served["requests"]] == sorted(
-        r["timings"]["queue_s"] for r in served["requests"]
-    )

@@ -1,5 +1,32 @@
-"""Disaggregated serving: pipeline-parallel prefill processes hand KV and state to tensor-parallel decode ones."""
+"""Disaggregated serving: a router, a prefill engine (PP x TP processes) and a decode engine (TP processes)."""
 
-from hybridkv.engine.disagg.pd import PDConfig, PDRank, PDResult, RequestTiming, check_layout, run_pd
+from hybridkv.engine.disagg.config import Fault, PDConfig, check_layout
+from hybridkv.engine.disagg.pd import PDResult, run_pd
+from hybridkv.engine.disagg.server import (
+    FAILED,
+    FINISHED,
+    PDRank,
+    PDServer,
+    PDStartError,
+    RequestResult,
+    RequestTiming,
+    StageTiming,
+    WorkerState,
+)
 
-__all__ = ["PDConfig", "PDRank", "PDResult", "RequestTiming", "check_layout", "run_pd"]
+__all__ = [
+    "FAILED",
+    "FINISHED",
+    "Fault",
+    "PDConfig",
+    "PDRank",
+    "PDResult",
+    "PDServer",
+    "PDStartError",
+    "RequestResult",
+    "RequestTiming",
+    "StageTiming",
+    "WorkerState",
+    "check_layout",
+    "run_pd",
+]

@@ -1,0 +1,105 @@
+"""PDConfig: what a disaggregated server runs (model, layouts, transport, memory, timeouts, faults).
+
+``check_layout`` proves, in the calling process and before any process starts, that every
+prefill rank (PP x TP) and decode rank (TP) can be built and that every decode rank pairs
+with every prefill rank for the transfer (same model, dtype, page size, pool ids, shapes:
+``pair_entries``); a mismatch raises ``LayoutMismatch`` naming both sides and what to change.
+
+``Fault`` entries are deliberate faults for tests and demos, applied by the router and the
+workers with real signals and real timeouts (never simulated outcomes):
+- ``kill-prefill``: prefill stage ``rank`` (TP rank 0) is SIGKILLed while it transfers
+  request ``request`` (its writes are slowed by ``delay_s`` each so the kill lands mid-transfer);
+- ``kill-decode``: decode TP rank ``rank`` is SIGKILLed as soon as request ``request`` has its
+  first token (the decode engine holds it);
+- ``stall-transfer``: every prefill rank holds request ``request``'s KV for ``delay_s`` before
+  sending it, so the decode side's ``transfer_timeout_s`` expires first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.engine.engine import engine_spec
+from hybridkv.engine.registry import text_config
+from hybridkv.engine.weights import read_config
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import Parallel, ShardSpec
+from hybridkv.transfer import buffer_set_from_memory, pair_entries
+from hybridkv.transfer.pairing import check_coverage, check_prefill_group
+
+FAULT_KINDS = ("kill-prefill", "kill-decode", "stall-transfer")
+TRANSPORTS = ("shm", "mooncake")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # one of FAULT_KINDS
+    request: int  # index of the submitted request (0-based, in submission order) it hits
+    rank: int = 0  # kill-prefill: the PP stage; kill-decode: the decode TP rank
+    delay_s: float = 1.0  # kill-prefill: per write; stall-transfer: how long the KV is held back
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    model_dir: str  # config.json + *.safetensors
+    prompts: tuple[tuple[int, ...], ...] = ()  # what run_pd serves; PDServer takes requests by submit
+    max_new: int = 16
+    prefill_pp: int = 2
+    decode_tp: int = 2
+    prefill_tp: int = 1
+    transport: str = "shm"  # "shm" or "mooncake" (TCP on 127.0.0.1)
+    page_size: int = 16
+    decode_page_size: int | None = None  # None: page_size (another value is a layout mismatch: a fault test)
+    chunk: int = 64
+    gpu_memory: int = 8_000_000  # bytes per process
+    max_context: int = 256
+    prefix_cache: bool = True  # on the prefill side
+    timeout_s: float = 60.0  # per collective, per start-up, per prefill-side transfer
+    transfer_timeout_s: float = 30.0  # decode side: reservation -> every stage's KV landed
+    restarts: int = 1  # how often the router restarts a dead engine before reporting it lost
+    faults: tuple[Fault, ...] = ()
+
+    @property
+    def decode_page(self) -> int:
+        return self.page_size if self.decode_page_size is None else self.decode_page_size
+
+
+def check_layout(config: PDConfig) -> None:
+    """Raise ``ValueError`` (a size to change) or ``LayoutMismatch`` (both sides named) unless every
+    prefill and decode rank can be built and every decode rank pairs with every prefill rank."""
+    if min(config.prefill_pp, config.prefill_tp, config.decode_tp, config.max_new) < 1:
+        raise ValueError(
+            f"a disaggregated server needs prefill_pp, prefill_tp, decode_tp and max_new >= 1, got "
+            f"PP {config.prefill_pp} x TP {config.prefill_tp} -> TP {config.decode_tp}, max_new {config.max_new}"
+        )
+    if config.transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {config.transport!r}; known: {', '.join(TRANSPORTS)}")
+    spec = engine_spec(text_config(read_config(config.model_dir)))
+    prefill_layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
+    prefills = [
+        buffer_set_from_memory(_memory(ShardSpec(spec, prefill_layout, stage, tp), config.page_size, config))
+        for stage in range(config.prefill_pp)
+        for tp in range(config.prefill_tp)
+    ]
+    check_prefill_group(prefills)
+    for rank in range(config.decode_tp):
+        shard = ShardSpec(spec, Parallel(tp_size=config.decode_tp), 0, rank)
+        decode = buffer_set_from_memory(_memory(shard, config.decode_page, config))
+        check_coverage(decode, prefills)
+        for prefill in prefills:
+            pair_entries(prefill, decode)
+
+
+def _memory(shard: ShardSpec, page_size: int, config: PDConfig) -> UnifiedMemory:
+    return UnifiedMemory.create(
+        shard, config.gpu_memory, page_size=page_size, max_context=config.max_context, chunk_tokens=config.chunk
+    )
+
+
+def transport_options(name: str) -> dict[str, object]:
+    """``make_transport`` options of a server's transport: Mooncake over TCP on 127.0.0.1."""
+    return {"host": "127.0.0.1", "protocol": "tcp"} if name == "mooncake" else {}

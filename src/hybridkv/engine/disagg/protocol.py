@@ -1,0 +1,141 @@
+"""The router <-> worker messages of a disaggregated server (pickled over one pipe per worker).
+
+Commands go router -> worker: every prefill rank gets the same ``Prefill`` / ``Abort`` /
+``Stop`` stream (so every rank of the prefill world runs the same schedule); the decode
+engine's TP rank 0 alone gets ``Reserve`` / ``Decode`` / ``Abort`` / ``Stop`` and broadcasts
+them to its TP peers at a step boundary. Events go worker -> router. ``tid`` is a
+transfer id: unique per request and engine epoch, the id the transfer layer sees.
+Stamps are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of a host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- commands ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prefill:
+    tid: str
+    ids: tuple[int, ...]
+    fault: str = ""  # "" or a Fault kind that concerns this rank for this request
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reserve:
+    tid: str
+    seq_len: int
+    prefill_engine: str  # the bootstrap name of the prefill engine's epoch that computes it
+
+
+@dataclass(frozen=True)
+class Decode:
+    tid: str
+    first: int  # the first token (prefill's greedy pick)
+    max_new: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    tid: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    pass  # every worker answers ``Live``
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Prefill | Reserve | Decode | Abort | Probe | Stop
+
+# --- events --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    shm_path: str  # the decode rank's shared arena file ("" elsewhere): unlinked by the router if it dies
+    live: tuple[int, int]  # (pages, slots) live before the first request (reserved ids)
+
+
+@dataclass(frozen=True)
+class Live:
+    """A ``Probe``'s answer: what the rank holds now outside its prefix cache, and for how many requests."""
+
+    live: tuple[int, int]  # (pages, slots) live, less what the prefill prefix cache holds
+    requests: int  # requests holding memory here (in flight, held back, quarantined or running)
+
+
+@dataclass(frozen=True)
+class Started:
+    tid: str
+    at: float
+    cached_tokens: int  # the prefix-cache hit every prefill rank agreed on
+
+
+@dataclass(frozen=True)
+class First:
+    tid: str
+    token: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Sending:
+    tid: str  # this prefill rank handed the request to its sender
+
+
+@dataclass(frozen=True)
+class Sent:
+    tid: str
+    ok: bool
+    reason: str
+    nbytes: int
+    computed: tuple[float, float]  # this rank's prefill of the request: started, last chunk done
+    sending: tuple[float, float]  # handed to the sender -> the sender reported it finished
+
+
+@dataclass(frozen=True)
+class Admitted:
+    tid: str  # every decode rank holds every prefill rank's KV/state
+    at: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Done:
+    tid: str
+    tokens: tuple[int, ...]
+    at: float
+    nbytes: int  # KV/state bytes this decode rank received for it
+
+
+@dataclass(frozen=True)
+class Failed:
+    tid: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """Sent once at ``Stop``: what the rank holds after draining (equal live counts: nothing leaked)."""
+
+    live_before: tuple[int, int]  # (pages, slots) live before the first request
+    live_after: tuple[int, int]
+    transfer_bytes: int  # bytes this rank's transfers moved, over every request
+    requests: int  # requests this rank handled
+
+
+@dataclass(frozen=True)
+class Crash:
+    traceback: str
+
+
+Event = Ready | Live | Started | First | Sending | Sent | Admitted | Done | Failed | Report | Crash

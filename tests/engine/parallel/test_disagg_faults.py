@@ -1,0 +1,127 @@
+"""Faults of a disaggregated server, with real signals and real timeouts; the other requests stay token-exact.
+
+- A layout mismatch (decode page size 8, prefill 4) is refused before any process starts, naming
+  both sides and what to change.
+- One server (Qwen3-Next, (PP 2, TP 1) -> (TP 2), shm) serves 8 shared-prefix requests in three
+  waves, each wave submitted at once: prefill stage 1 is SIGKILLed while it transfers request 1
+  (its writes slowed so the kill lands mid-transfer), decode TP rank 1 is SIGKILLed while it
+  holds request 3, and request 5's KV is held back past the decode side's transfer timeout.
+  Policy checked: an engine death restarts that engine as a new epoch and computes every
+  request it held once more (``attempts`` 2, the death in ``notes``); the timed-out request
+  ends ``failed`` with the transfer layer's reason. Every other request, and every retried one,
+  finishes with the single-process engine's tokens; every surviving worker ends with the live
+  pages and slots it started with; no process (killed, restarted or not) and no shared-memory
+  file outlives the server.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
+from hybridkv.transfer import LayoutMismatch
+from tests.engine.harness import hf_model, make_runner, prompt, serve
+from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
+
+BASE = prompt(11, 13)
+PROMPTS = [tuple(BASE + prompt(20 + i, 3 + i)) for i in range(8)]
+
+
+def children() -> set[int]:
+    """Process ids whose parent is this process."""
+    me, out = os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.add(int(stat.parent.name))
+    return out
+
+
+def settled(server: PDServer, wait_s: float = 15.0) -> list[WorkerState]:
+    """Probe every live worker until each is idle and holds exactly what it held before its first request
+    (a failed transfer's pages are freed once its writers are proven gone: not at once)."""
+    end = time.monotonic() + wait_s
+    while True:
+        states = server.probe(timeout_s=60)
+        if all(w.requests == 0 and w.live == w.live_before for w in states) or time.monotonic() > end:
+            return states
+        time.sleep(0.1)
+
+
+def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    before = children()
+    config = PDConfig(str(tmp_path), page_size=PAGE, decode_page_size=8, gpu_memory=3_000_000)
+    with pytest.raises(LayoutMismatch) as err:
+        PDServer(config)
+    says = str(err.value)
+    assert "page size mismatch" in says and "prefill" in says and "decode" in says and "page_size" in says, says
+    assert children() <= before
+
+
+def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_requests_exact(
+    tmp_path: Path,
+) -> None:
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    faults = (
+        Fault("kill-prefill", 1, rank=1, delay_s=5.0),
+        Fault("kill-decode", 3, rank=1),
+        Fault("stall-transfer", 5, delay_s=3.0),
+    )
+    config = PDConfig(
+        str(tmp_path),
+        max_new=MAX_NEW,
+        prefill_pp=2,
+        decode_tp=2,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=3_000_000,
+        transfer_timeout_s=2.0,
+        faults=faults,
+    )
+    results, probes = [], []
+    with PDServer(config) as server:
+        for wave in ([0, 1, 2], [3, 4], [5, 6, 7]):
+            handles = [server.submit(PROMPTS[i], MAX_NEW) for i in wave]
+            results += [server.result(h, timeout_s=120) for h in handles]
+            probes.append(settled(server))
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
+
+    killed_prefill, killed_decode = server.deaths
+    assert killed_prefill.startswith("prefill stage 1 TP rank 0") and "killed by SIGKILL" in killed_prefill
+    assert killed_decode.startswith("decode TP rank 1") and "killed by SIGKILL" in killed_decode
+    assert results[1].attempts == 2 and results[1].notes == (killed_prefill,), results[1]
+    assert results[3].attempts == 2 and results[3].notes == (killed_decode,), results[3]
+    assert results[3].cached_tokens > 0  # its retry hit the prefill cache its first attempt filled
+    stalled = results[5]
+    assert stalled.status == FAILED and "timed out after 2.0 s" in stalled.reason, stalled
+    assert stalled.output_ids == [] and stalled.timing is None
+    for r in results:
+        if r.index != 5:
+            assert r.status == FINISHED and r.output_ids == single[r.index].tokens, r
+    for r in results[6:]:
+        assert r.attempts == 1 and r.notes == ()
+
+    # after each wave, every live worker is idle and holds what it held before its first request:
+    # the decode epoch that survived the prefill death (its quarantined pages freed once the killed
+    # writer was reaped), then the prefill epoch that survived the decode death (its legs aborted)
+    epochs = [sorted((w.name.split()[0], w.epoch) for w in states) for states in probes]
+    assert epochs[0] == [("decode", 0)] * 2 + [("prefill", 1)] * 2
+    assert epochs[1] == epochs[2] == [("decode", 1)] * 2 + [("prefill", 1)] * 2
+    for states in probes:
+        for w in states:
+            assert w.requests == 0 and w.live == w.live_before, w
+    # the survivors at close: both engines' second epochs, nothing leaked on any of them
+    assert sorted((r.role, r.epoch) for r in server.ranks) == [("decode", 1)] * 2 + [("prefill", 1)] * 2
+    for r in server.ranks:
+        assert r.live_after == r.live_before, r
+    pids = server.pids()
+    assert len(pids) == 8 and all(gone(pid) for pid in pids)
+    assert len(server.shm_paths()) == 4 and not any(Path(p).exists() for p in server.shm_paths())
