@@ -72,10 +72,12 @@ BAD_INPUTS += [
     (["bench", "pd", "--requests", "0"], "--requests"),
     (["bench", "pd", "--decode-tp", "0"], "--decode-tp"),
     (["bench", "pd", "--model", "tiny-nope"], "not a tiny random model"),
-    (["bench", "pd", "--transport", "mooncake"], "'mooncake' is not wired into the disaggregated run yet"),
+    (["bench", "pd", "--prefill-tp", "0"], "--prefill-tp"),
     (["bench", "pd", "--transport", "nixl"], "unknown transport 'nixl'"),
-    (["demo", "--requests", "1"], "--requests"),
+    (["demo", "--requests", "2"], "--requests"),
     (["demo", "--requests", "7"], "--requests"),
+    (["demo", "--fault", "bogus"], "unknown fault 'bogus'; choose one of kill-prefill"),
+    (["demo", "--transport", "nixl"], "unknown transport 'nixl'"),
 ]
 
 GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'

@@ -3,32 +3,34 @@
 Workload: ``requests`` whole conversations of the Mooncake conversation trace scaled down
 (``bench.engine.conversation_prompts``: shared prefixes), greedy, ``max_new_tokens`` each
 (EOS does not stop either side), on one tiny random model saved to a temporary directory
-that both sides load. Both serve with the same page size and chunk size and without a
-prefix cache (``run_pd``'s prefill has none today).
+that both sides load. Both serve with the same page size, chunk size and prefix-cache setting
+(disaggregated: the prefill engine's cache; single-process: the engine's).
 
-Measured per request:
-- **bytes**: what every decode TP rank's transfer report says it received, against what the
-  spec says the request holds on that rank (``spec_bytes``: per pool of the rank's shard, the
-  pages the pool's history rule keeps at the prompt's length, or its one state slot, times
-  the pool's bytes per cell without alignment padding); their sums over the decode ranks.
-- **transfer seconds**: the wall time during which some prefill stage was sending the request
-  (the union of the stages' send windows), and the effective bandwidth: bytes of all decode
-  ranks over it. ``PDRank`` has no send stamps yet, so a stage's send window is derived from
-  the stamps it has: it opens when the stage finished computing the request and every decode
-  rank had asked for it (a decode rank asks when it leaves the start barrier, then right after
-  it finished decoding the previous request), and closes when the stage started its next
-  request (it starts it as soon as its sender saw Success), or, for the last request, when
-  every decode rank held it. ``handoff_s`` is ``RequestTiming.transfer_s`` (first token ->
-  every decode rank holds the request: it includes waiting for a decode rank to be free).
-- **overlap**: the part of each stage's send window during which another prefill stage was
-  computing (any request), summed over stages, over the summed window lengths (0 when
-  ``prefill_pp`` is 1).
+Measured per request (the disaggregated side from ``RequestResult``: its ``StageTiming`` per
+prefill rank and its bytes per decode rank):
+- **bytes**: what every decode TP rank received, against what the spec says the request holds
+  on that rank (``spec_bytes``: per pool of the rank's shard, the pages the pool's history rule
+  keeps at the prompt's length, or its one state slot, times the pool's bytes per cell without
+  alignment padding); their sums over the decode ranks. A prefill prefix-cache hit does not
+  change them: decode always gets the whole request.
+- **transfer seconds**: the wall time during which some prefill rank was sending the request
+  (the union of the ranks' send windows: handed to its sender -> the sender finished every
+  decode rank's leg), and the effective bandwidth: bytes of all decode ranks over it.
+  ``handoff_s`` is ``RequestTiming.transfer_s`` (first token -> every decode rank holds it).
+- **overlap**: the part of each prefill rank's send window during which the prefill engine was
+  computing (some prefill rank inside the compute interval of some request), summed over ranks,
+  over the summed window lengths: the transfer time hidden behind prefill compute. Senders run
+  beside compute, so stage ``s`` sends a request while stage ``s + 1`` still computes it and
+  while stage ``s`` computes the next request. ``overlap_other_stage_ratio`` counts only other
+  PP stages' compute (0 when ``prefill_pp`` is 1). A rank's compute interval runs from when it
+  took the request (stage ``s > 0`` then waits for stage ``s - 1``'s hidden states) to its last
+  chunk, so with ``prefill_pp > 1`` a stage's interval includes that wait.
 - **TTFT**: arrival -> first token, both sides measured the same way with ``time.monotonic``.
-  Every request arrives at the start: disaggregated, when prefill stage 0 leaves the start
-  barrier, and its first token is the last stage's greedy choice (``RequestTiming.ttft_s``);
-  single-process, when ``Engine.generate`` is called with all the requests (continuous
-  batching, chunked prefill), and its first token is the engine's ``on_token`` call.
-  ``ttft_ratio``: disaggregated over single-process. Neither side is warmed up.
+  Every request arrives at the start: disaggregated, all are submitted to the server at once
+  and the first token is prefill's greedy pick (``RequestTiming.ttft_s``); single-process,
+  ``Engine.generate`` is called with all of them (continuous batching, chunked prefill) and
+  the first token is the engine's ``on_token`` call. ``ttft_ratio``: disaggregated over
+  single-process. Neither side is warmed up.
 - **exact**: the disaggregated tokens equal the single-process engine's.
 """
 
@@ -37,11 +39,10 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.bench.engine import conversation_prompts
-from hybridkv.engine.disagg import PDConfig, PDResult, run_pd
+from hybridkv.engine.disagg import FINISHED, PDConfig, RequestResult, run_pd
 from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
@@ -49,7 +50,6 @@ from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts
 from hybridkv.spec import IdSpace, Parallel, ShardSpec
 
-WIRED_TRANSPORTS = ("shm",)  # what run_pd moves KV/state over today
 Interval = tuple[float, float]
 
 
@@ -90,53 +90,29 @@ def _union(ivs: Sequence[Interval]) -> float:
     return _covered((min(iv[0] for iv in ivs), max(iv[1] for iv in ivs)), ivs)
 
 
-@dataclass(frozen=True)
-class StageWindows:
-    """One prefill rank's part of one request: when it computed it and when its sender moved it."""
-
-    stage: int  # PP stage
-    compute: Interval
-    send: Interval
+def _ratio(part: float, whole: float) -> float:
+    return round(part / whole, 4) if whole > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class Served:
-    """One request as the disaggregated run served it (``time.monotonic`` stamps)."""
-
-    arrival: float
-    stages: tuple[StageWindows, ...]  # one per prefill rank
-    decode_bytes: tuple[int, ...]  # per decode TP rank, as its transfer report says
-    ttft_s: float
-    handoff_s: float  # first token -> every decode rank holds the request
+def _rel(iv: Interval, origin: float) -> list[float]:
+    return [round(iv[0] - origin, 6), round(iv[1] - origin, 6)]
 
 
-def served(result: PDResult) -> list[Served]:
-    """Every request of ``result``, its send windows derived from the ranks' compute stamps (see module doc)."""
-    stages = sorted((r for r in result.ranks if r.role == "prefill"), key=lambda r: r.index)
-    decodes = sorted((r for r in result.ranks if r.role == "decode"), key=lambda r: r.index)
-    arrival = stages[0].start
-    n = len(result.timings)
-    out = []
-    for i, timing in enumerate(result.timings):
-        asked = max(d.start if i == 0 else d.stamps[i - 1][1] for d in decodes)
-        held = max(d.stamps[i][0] for d in decodes)
-        windows = []
-        for s in stages:
-            lo = max(s.stamps[i][1], asked)
-            hi = s.stamps[i + 1][0] if i + 1 < n else held
-            windows.append(StageWindows(s.index, s.stamps[i], (lo, max(lo, hi))))
-        decode_bytes = tuple(d.transfer_bytes[i] for d in decodes)
-        out.append(Served(arrival, tuple(windows), decode_bytes, timing.ttft_s, timing.transfer_s))
-    return out
-
-
-def _request_row(req: Served, computing: Sequence[StageWindows], spec: list[int], ttft_single: float) -> dict[str, Any]:
-    """The measured columns of one request; ``computing``: every prefill rank's windows of every request."""
-    overlap = sum(_covered(w.send, [c.compute for c in computing if c.stage != w.stage]) for w in req.stages)
-    send_s = sum(_length(w.send) for w in req.stages)
-    transfer_s = _union([w.send for w in req.stages])
+def request_row(
+    req: RequestResult, computing: Sequence[tuple[int, Interval]], spec: list[int], ttft_single: float, origin: float
+) -> dict[str, Any]:
+    """The measured columns of one finished request; ``computing``: (PP stage, compute interval) of every
+    prefill rank and request; stamps in the report are seconds since ``origin``."""
+    if req.timing is None:
+        raise RuntimeError(f"request {req.index} {req.status}: {req.reason}")
+    sends = [st.send for st in req.stages]
+    overlap = sum(_covered(st.send, [c for _, c in computing]) for st in req.stages)
+    other = sum(_covered(st.send, [c for pp, c in computing if pp != st.pp]) for st in req.stages)
+    send_s = sum(map(_length, sends))
+    transfer_s = _union(sends)
     moved = sum(req.decode_bytes)
     return {
+        "cached_tokens_pd": req.cached_tokens,
         "transfer_bytes_per_rank": list(req.decode_bytes),
         "transfer_bytes": moved,
         "spec_bytes_per_rank": spec,
@@ -144,24 +120,27 @@ def _request_row(req: Served, computing: Sequence[StageWindows], spec: list[int]
         "bytes_match": list(req.decode_bytes) == spec,
         "transfer_s": round(transfer_s, 6),
         "gbps": round(moved / transfer_s / 1e9, 6) if transfer_s > 0 else None,
-        "handoff_s": round(req.handoff_s, 6),
+        "handoff_s": round(req.timing.transfer_s, 6),
         "send_s": round(send_s, 6),
         "overlap_s": round(overlap, 6),
-        "overlap_ratio": round(overlap / send_s, 4) if send_s > 0 else 0.0,
+        "overlap_ratio": _ratio(overlap, send_s),
+        "overlap_other_stage_s": round(other, 6),
+        "overlap_other_stage_ratio": _ratio(other, send_s),
         "stages": [
-            {"stage": w.stage, "compute": _rel(w.compute, req.arrival), "send": _rel(w.send, req.arrival)}
-            for w in req.stages
+            {"pp": st.pp, "tp": st.tp, "compute": _rel(st.compute, origin), "send": _rel(st.send, origin)}
+            for st in req.stages
         ],
-        "ttft_pd_s": round(req.ttft_s, 6),
+        "ttft_pd_s": round(req.timing.ttft_s, 6),
         "ttft_single_s": round(ttft_single, 6),
-        "ttft_ratio": round(req.ttft_s / ttft_single, 4),
+        "ttft_ratio": round(req.timing.ttft_s / ttft_single, 4),
     }
 
 
-def _ttft_single(
-    model_dir: str, prompts: list[list[int]], max_new: int, page_size: int, chunk: int
-) -> tuple[list[float], list[list[int]]]:
-    engine = Engine(model_dir, gpu_memory="64MiB", page_size=page_size, chunk_size=chunk, prefix_cache=False)
+def _single_process(
+    model_dir: str, prompts: list[list[int]], max_new: int, page_size: int, chunk: int, prefix_cache: bool
+) -> tuple[list[float], list[list[int]], list[int]]:
+    """Per request: TTFT, tokens and prefix-cache hit of the single-process engine serving every prompt at once."""
+    engine = Engine(model_dir, gpu_memory="64MiB", page_size=page_size, chunk_size=chunk, prefix_cache=prefix_cache)
     first: dict[int, float] = {}
 
     def on_token(index: int, _token: int) -> None:
@@ -172,7 +151,11 @@ def _ttft_single(
     errors = [o.error for o in outs if o.error is not None]
     if errors:
         raise RuntimeError(f"the single-process engine refused a request: {errors[0]}")
-    return [first[i] - arrival for i in range(len(prompts))], [o.output_ids for o in outs]
+    return (
+        [first[i] - arrival for i in range(len(prompts))],
+        [o.output_ids for o in outs],
+        [o.cached_tokens for o in outs],
+    )
 
 
 def run(
@@ -181,18 +164,15 @@ def run(
     max_new_tokens: int = 8,
     transport: str = "shm",
     prefill_pp: int = 2,
+    prefill_tp: int = 1,
     decode_tp: int = 2,
     block_tokens: int = 4,
     page_size: int = 16,
     chunk_size: int = 64,
+    prefix_cache: bool = True,
 ) -> dict[str, Any]:
     if model not in tiny_names():
         raise ValueError(f"unknown model {model!r}; choose one of {tiny_names()}")
-    if transport not in WIRED_TRANSPORTS:
-        raise ValueError(
-            f"transport {transport!r} is not wired into the disaggregated run yet (run_pd moves KV/state over "
-            f"{', '.join(WIRED_TRANSPORTS)} only); use --transport shm"
-        )
     prompts = conversation_prompts(requests, block_tokens)
     lengths = [len(p) for p in prompts]
     context = -(-(max(lengths) + max_new_tokens) // page_size) * page_size
@@ -203,22 +183,32 @@ def run(
             tuple(map(tuple, prompts)),
             max_new_tokens,
             prefill_pp=prefill_pp,
+            prefill_tp=prefill_tp,
             decode_tp=decode_tp,
+            transport=transport,
             page_size=page_size,
             chunk=chunk_size,
             max_context=context,
+            prefix_cache=prefix_cache,
         )
         result = run_pd(config)
+        failed = [r for r in result.requests if r.status != FINISHED]
+        if failed:
+            raise RuntimeError(
+                f"{len(failed)} requests failed disaggregated; request {failed[0].index}: {failed[0].reason}"
+            )
         with quiet_transformers():
-            ttft_single, single_ids = _ttft_single(model_dir, prompts, max_new_tokens, page_size, chunk_size)
+            ttft_single, single_ids, single_cached = _single_process(
+                model_dir, prompts, max_new_tokens, page_size, chunk_size, prefix_cache
+            )
         expected = [spec_bytes(model_dir, decode_tp, page_size, n) for n in lengths]
-    requests_served = served(result)
-    computing = [w for req in requests_served for w in req.stages]
+    computing = [(st.pp, st.compute) for req in result.requests for st in req.stages]
+    origin = min(c[0] for _, c in computing)
     rows = [
-        {"prompt_tokens": n}
-        | _request_row(req, computing, spec, ttft)
-        | {"exact": result.output_ids[i] == single_ids[i]}
-        for i, (n, req, spec, ttft) in enumerate(zip(lengths, requests_served, expected, ttft_single, strict=True))
+        {"prompt_tokens": lengths[i], "cached_tokens_single": single_cached[i]}
+        | request_row(req, computing, expected[i], ttft_single[i], origin)
+        | {"exact": req.output_ids == single_ids[i]}
+        for i, req in enumerate(result.requests)
     ]
     total_bytes = sum(r["transfer_bytes"] for r in rows)
     total_s = sum(r["transfer_s"] for r in rows)
@@ -229,14 +219,14 @@ def run(
         "model": model,
         "transport": transport,
         "prefill_pp": prefill_pp,
+        "prefill_tp": prefill_tp,
         "decode_tp": decode_tp,
         "requests": requests,
         "max_new_tokens": max_new_tokens,
         "block_tokens": block_tokens,
         "page_size": page_size,
         "chunk_size": chunk_size,
-        "prefix_cache": False,
-        "send_windows": "derived from compute stamps (PDRank has no send stamps)",
+        "prefix_cache": prefix_cache,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / requests, 1), "max": max(lengths)},
         "per_request": rows,
         "totals": {
@@ -245,14 +235,13 @@ def run(
             "bytes_match": all(r["bytes_match"] for r in rows),
             "transfer_s": round(total_s, 6),
             "gbps": round(total_bytes / total_s / 1e9, 6) if total_s > 0 else None,
-            "overlap_ratio": round(sum(r["overlap_s"] for r in rows) / send_total, 4) if send_total > 0 else 0.0,
+            "overlap_ratio": _ratio(sum(r["overlap_s"] for r in rows), send_total),
+            "overlap_other_stage_ratio": _ratio(sum(r["overlap_other_stage_s"] for r in rows), send_total),
+            "cached_tokens_pd": sum(r["cached_tokens_pd"] for r in rows),
+            "cached_tokens_single": sum(single_cached),
             "ttft_pd_mean_s": round(ttft_pd, 6),
             "ttft_single_mean_s": round(ttft_one, 6),
             "ttft_ratio": round(ttft_pd / ttft_one, 4),
             "exact": sum(r["exact"] for r in rows),
         },
     }
-
-
-def _rel(iv: Interval, origin: float) -> list[float]:
-    return [round(iv[0] - origin, 6), round(iv[1] - origin, 6)]

@@ -1,10 +1,19 @@
 """``hybridkv demo`` (``make demo``): a tiny random Qwen3-Next served disaggregated, token-exact against transformers.
 
-The default run: 2 pipeline-stage prefill processes hand KV and GDN state to 2 tensor-parallel
-decode processes (``engine.disagg.run_pd``); per request, its tokens next to ``transformers``'
-greedy tokens with a verdict, the bytes moved and its timings. The command exits 1 unless every
-request matches. ``--all`` first runs the earlier sections: the planner on real models, a
-replay of the Mooncake trace, a byte-checked multi-process transfer, the single-process engine.
+The default run: 2 pipeline-stage prefill processes hand KV and GDN state over the Mooncake
+transfer engine (TCP) to 2 tensor-parallel decode processes (``engine.disagg.run_pd``), six
+shared-prefix requests submitted at once, with one deliberate fault on request ``FAULT_REQUEST``
+(``--fault``): ``kill-prefill`` (default) SIGKILLs prefill stage 1 while it sends that request,
+``kill-decode`` SIGKILLs decode TP rank 1 while it holds it (either engine restarts and the
+request is computed again), ``stall-transfer`` holds its KV back past the decode side's transfer
+timeout (it ends Failed). Per request: its tokens next to ``transformers``' greedy tokens, its
+status and a verdict, then its prefix-cache hit, bytes moved and timings.
+
+A verdict is right when a request finished with ``transformers``' tokens, except the stalled
+request, which must end Failed, and a killed-engine request, which must also show its second
+attempt (the fault landed). The command exits 1 unless every verdict is right. ``--all`` first
+runs the earlier sections (the planner on real models, a replay of the Mooncake trace, a
+byte-checked multi-process transfer, the single-process engine); their checks count too.
 """
 
 from __future__ import annotations
@@ -13,48 +22,70 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hybridkv.cli.app import app
+from hybridkv.cli.params import transport_option
 from hybridkv.memory import format_bytes
+
+if TYPE_CHECKING:
+    from hybridkv.engine.disagg import RequestResult
 
 PD_MODEL = "tiny-qwen3-next"
 PD_PREFIX = 40
 PD_SUFFIXES = (3, 9, 17, 26, 12, 20)
 """Requests 0-3 share a 40-token prefix, 4 extends request 1 (a conversation's next turn), 5 shares nothing."""
 PD_MAX_NEW = 8
+FAULT_REQUEST = 2
+DEMO_FAULTS = ("kill-prefill", "kill-decode", "stall-transfer", "none")
+STALL_TIMEOUT_S = 3.0  # the decode side's transfer timeout when a transfer is stalled (for 2 s longer)
 
 DEMO_MODELS = ["Qwen3-Next-80B-A3B-Instruct", "Gemma-3-27B-IT", "gpt-oss-120b", "Kimi-Linear-48B-A3B-Instruct"]
+
+
+def _fault_option(value: str) -> str:
+    if value not in DEMO_FAULTS:
+        raise typer.BadParameter(f"unknown fault {value!r}; choose one of {', '.join(DEMO_FAULTS)}")
+    return value
 
 
 @app.command()
 def demo(
     out: Path = typer.Option(Path("out/demo"), "--out", help="Where the JSON report (and the --all PNGs) go."),
     requests: int = typer.Option(
-        len(PD_SUFFIXES), "--requests", min=2, max=len(PD_SUFFIXES), help="Requests of the disaggregated run."
+        len(PD_SUFFIXES),
+        "--requests",
+        min=FAULT_REQUEST + 1,
+        max=len(PD_SUFFIXES),
+        help="Requests of the disaggregated run.",
+    ),
+    transport: str = typer.Option("mooncake", "--transport", callback=transport_option, help="mooncake or shm."),
+    fault: str = typer.Option(
+        "kill-prefill", "--fault", callback=_fault_option, help=f"On request {FAULT_REQUEST}: {', '.join(DEMO_FAULTS)}."
     ),
     all_sections: bool = typer.Option(
         False, "--all", help="Before it: the planner, a trace replay, a byte-checked transfer, the engine."
     ),
     gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="The planner's GPU (--all)."),
 ) -> None:
-    """A tiny random Qwen3-Next served disaggregated: 2 PP prefill processes -> decode TP 2 processes,
-    every request's tokens next to transformers' with a verdict, and its timings. Exits 1 unless every
-    request matches. ``--all`` first runs the earlier sections."""
+    """A tiny random Qwen3-Next served disaggregated: 2 PP prefill processes -> decode TP 2 processes over
+    Mooncake, one deliberate fault, every request's tokens next to transformers' with a verdict, and its
+    timings. Exits 1 unless every verdict is right. ``--all`` first runs the earlier sections."""
     console = Console(width=max(Console().width, 150))
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     if all_sections:
         report.update(earlier_sections(console, out, gpu_memory))
         console.rule("5. Disaggregated serving: 2 PP prefill processes -> decode TP 2 processes, vs transformers")
-    pd = report["pd"] = pd_section(console, requests)
+    pd = report["pd"] = pd_section(console, requests, transport, fault)
     (out / "demo.json").write_text(json.dumps(report, indent=1))
     console.print(f"report: {out / 'demo.json'}")
-    verdicts = [r["match"] for r in pd["requests"]]
+    verdicts = [r["right"] for r in pd["requests"]]
     if all_sections:
         verdicts += [report["pd_transfer"]["ok"], *(r["match"] for r in report["engine"]["requests"])]
     if not all(verdicts):
@@ -86,56 +117,122 @@ def reference_tokens(hf: Any, prompts: list[list[int]], max_new: int) -> list[li
         ]
 
 
-def pd_section(console: Console, requests: int) -> dict[str, Any]:
-    """Serve ``pd_prompts(requests)`` with ``run_pd`` (PP 2 -> TP 2, shm, pages of 16, prefill chunks of 16) and
-    with ``transformers``; print one row per request: tokens side by side, a verdict, bytes moved, timings."""
+def pd_section(console: Console, requests: int, transport: str, fault: str) -> dict[str, Any]:
+    """Serve ``pd_prompts(requests)`` with ``run_pd`` (PP 2 -> TP 2, pages of 16, prefill chunks of 16, the
+    prefill prefix cache on, ``fault`` on request ``FAULT_REQUEST``) and with ``transformers``; print a row per
+    request: tokens side by side, status, verdict; then cache hit, bytes moved, timings."""
     import tempfile
 
-    from hybridkv.engine.disagg import PDConfig, run_pd
+    from hybridkv.engine.disagg import FINISHED, Fault, PDConfig, run_pd
     from hybridkv.engine.random_models import quiet_transformers, save_random
 
     prompts = pd_prompts(requests)
+    faults: tuple[Fault, ...] = ()
+    timeout = 30.0
+    if fault == "stall-transfer":
+        faults, timeout = (Fault(fault, FAULT_REQUEST, delay_s=STALL_TIMEOUT_S + 2),), STALL_TIMEOUT_S
+    elif fault != "none":
+        faults = (Fault(fault, FAULT_REQUEST, rank=1, delay_s=5.0),)  # kill-prefill: its writes slowed, killed mid-way
     with tempfile.TemporaryDirectory(prefix="hybridkv-demo-") as model_dir:
         hf = save_random(PD_MODEL, model_dir)
-        config = PDConfig(model_dir, tuple(map(tuple, prompts)), PD_MAX_NEW, prefill_pp=2, decode_tp=2, chunk=16)
+        config = PDConfig(
+            model_dir,
+            tuple(map(tuple, prompts)),
+            PD_MAX_NEW,
+            prefill_pp=2,
+            decode_tp=2,
+            transport=transport,
+            chunk=16,
+            transfer_timeout_s=timeout,
+            faults=faults,
+        )
         started = time.monotonic()
         result = run_pd(config)
         wall = time.monotonic() - started
     with quiet_transformers():
         reference = reference_tokens(hf, prompts, PD_MAX_NEW)
-    decodes = [r for r in result.ranks if r.role == "decode"]
     tokens = Table(
         title=f"{PD_MODEL}: prefill PP {config.prefill_pp} (one process per stage) -> decode TP {config.decode_tp} "
-        f"(one process per rank) over shm, {PD_MAX_NEW} greedy tokens each, vs transformers generate"
+        f"(one process per rank) over {transport}, {PD_MAX_NEW} greedy tokens each, vs transformers generate; "
+        f"fault on request {FAULT_REQUEST}: {fault}"
     )
-    for col in ("request", "prompt tokens", "disaggregated", "transformers", "verdict"):
+    for col in ("request", "prompt tokens", "disaggregated", "transformers", "status", "verdict"):
         tokens.add_column(col, no_wrap=True)
-    timings = Table(title="per request: bytes moved prefill -> decode (both decode ranks), seconds in ms")
-    for col in ("request", "moved", "queue", "prefill", "transfer", "decode", "TTFT", "TPOT"):
+    timings = Table(title="per request: prefill prefix-cache hit, bytes moved to both decode ranks, ms")
+    for col in ("request", "cached", "moved", "queue", "prefill", "transfer", "decode", "TTFT", "TPOT"):
         timings.add_column(col, justify="left" if col == "request" else "right")
     rows: list[dict[str, Any]] = []
-    for i, (ids, got, ref, t) in enumerate(zip(prompts, result.output_ids, reference, result.timings, strict=True)):
-        moved = sum(d.transfer_bytes[i] for d in decodes)
+    for i, (ids, req, ref) in enumerate(zip(prompts, result.requests, reference, strict=True)):
+        expected, verdict = _verdict(req, ref, fault if i == FAULT_REQUEST else "none")
         rows.append(
-            {"prompt_tokens": len(ids), "pd": got, "transformers": ref, "match": got == ref, "bytes": moved}
-            | {"timings": {k: round(v, 6) for k, v in asdict(t).items()}}
+            {
+                "prompt_tokens": len(ids),
+                "pd": req.output_ids,
+                "transformers": ref,
+                "status": req.status,
+                "reason": req.reason,
+                "attempts": req.attempts,
+                "notes": list(req.notes),
+                "expected": expected,
+                "right": verdict is None,
+                "match": req.output_ids == ref,
+                "cached_tokens": req.cached_tokens,
+                "bytes": req.transfer_bytes,
+                "timings": None if req.timing is None else {k: round(v, 6) for k, v in asdict(req.timing).items()},
+            }
         )
-        verdict = "[green]match[/]" if got == ref else "[red]MISMATCH[/]"
-        tokens.add_row(str(i), _describe(i, prompts), " ".join(map(str, got)), " ".join(map(str, ref)), verdict)
-        timings.add_row(
-            str(i),
-            format_bytes(moved),
-            *(f"{v * 1e3:.1f}" for v in (t.queue_s, t.prefill_s, t.transfer_s, t.decode_s, t.ttft_s, t.tpot_s)),
+        status = req.status + (f", attempt {req.attempts}" if req.attempts > 1 else "")
+        shown = f"[green]{expected}[/]" if verdict is None else f"[red]{escape(verdict)}[/]"
+        tokens.add_row(
+            str(i), _describe(i, prompts), " ".join(map(str, req.output_ids)), " ".join(map(str, ref)), status, shown
         )
+        t = req.timing
+        spans = (
+            ("-",) * 6
+            if t is None
+            else tuple(f"{v * 1e3:.1f}" for v in (t.queue_s, t.prefill_s, t.transfer_s, t.decode_s, t.ttft_s, t.tpot_s))
+        )
+        timings.add_row(str(i), str(req.cached_tokens), format_bytes(req.transfer_bytes), *spans)
     console.print(tokens)
+    for i, r in enumerate(rows):
+        what = "computed again after" if r["attempts"] > 1 else "waited for the restarted engine after"
+        for note in r["notes"]:
+            console.print(f"  request {i} {what}: {escape(note)}")
+        if r["reason"]:
+            console.print(f"  request {i} {r['status']}: {escape(r['reason'])}")
     console.print(timings)
-    matched = sum(r["match"] for r in rows)
+    finished = [r for r in rows if r["status"] == FINISHED]
     console.print(
-        f"{matched}/{len(rows)} requests token-exact against transformers; "
-        f"{format_bytes(sum(r['bytes'] for r in rows))} of KV and GDN state moved prefill -> decode; "
-        f"{len(result.ranks)} processes, {wall:.1f} s including start-up"
+        f"{sum(r['match'] for r in finished)}/{len(finished)} finished requests token-exact against transformers, "
+        f"{sum(r['right'] for r in rows)}/{len(rows)} verdicts right; {format_bytes(sum(r['bytes'] for r in rows))} "
+        f"of KV and GDN state moved prefill -> decode; {len(result.pids)} processes started "
+        f"({len(result.deaths)} killed), {wall:.1f} s including start-up"
     )
-    return {"model": PD_MODEL, "prefill_pp": 2, "decode_tp": 2, "transport": "shm", "requests": rows}
+    return {
+        "model": PD_MODEL,
+        "prefill_pp": config.prefill_pp,
+        "decode_tp": config.decode_tp,
+        "transport": transport,
+        "fault": {"kind": fault, "request": FAULT_REQUEST},
+        "deaths": result.deaths,
+        "requests": rows,
+    }
+
+
+def _verdict(req: RequestResult, reference: list[int], fault: str) -> tuple[str, str | None]:
+    """What ``req`` should have ended as under ``fault`` (on it, or "none"), and why it did not (None: it did)."""
+    from hybridkv.engine.disagg import FAILED, FINISHED
+
+    if fault == "stall-transfer":
+        return "Failed as intended", None if req.status == FAILED else f"{req.status}, but its transfer was stalled"
+    expected = "match" if fault == "none" else "recovered, match"
+    if req.status != FINISHED:
+        return expected, f"{req.status}: {req.reason}"
+    if req.output_ids != reference:
+        return expected, "MISMATCH"
+    if fault != "none" and req.attempts < 2:
+        return expected, f"match, but the {fault} fault did not land (one attempt)"
+    return expected, None
 
 
 def _describe(i: int, prompts: list[list[int]]) -> str:
