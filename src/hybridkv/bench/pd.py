@@ -171,6 +171,7 @@ def run(
     chunk_size: int = 64,
     prefix_cache: bool = True,
 ) -> dict[str, Any]:
+    """Serve the same requests disaggregated and in one process; the report's keys are the module doc's measures."""
     if model not in tiny_names():
         raise ValueError(f"unknown model {model!r}; choose one of {tiny_names()}")
     prompts = conversation_prompts(requests, block_tokens)
