@@ -126,7 +126,8 @@ class HybridRadixCache:
             raise CacheError(f"policy must be a policy name or a Policy, got {type(policy).__name__} {policy!r}")
         if not isinstance(mem, UnifiedMemory):
             raise CacheError(f"HybridRadixCache: expected a UnifiedMemory, got {type(mem).__name__}")
-        if mem.pages.holder is not None and (mem.pages.held.any() or mem.slots.held.any()):
+        window_held = any(mem.window_held_count(p.pool_id) for p in mem.window_pools)
+        if mem.pages.holder is not None and (mem.pages.held.any() or mem.slots.held.any() or window_held):
             raise CacheError(
                 "HybridRadixCache: another prefix cache already holds this memory's pages; one cache "
                 "per memory (build a new memory for a second cache, or evict the first one empty)"
@@ -361,6 +362,8 @@ class HybridRadixCache:
             "adopted_pages": c.adopted_pages,
             "evicted_pages": c.evicted_pages,
             "tombstoned_pages": {str(pool): n for pool, n in c.tombstoned.items()},
+            "window_cached_pages": {w.label: res.window_cache.count(w) for w in self.rules.windows},
+            "reclaimed_window_cached_pages": {str(pool): n for pool, n in c.reclaimed.items()},
             "evicted_states": c.evicted_checkpoints,
             "capped_states": c.capped_checkpoints,
         }
