@@ -158,3 +158,40 @@ def test_window_cached_duplicates_lend_their_cells_to_tombstoned_cached_pages(ca
     kvm.release(kv)
     eager.release(holder)
     checked(cache)
+
+
+def test_a_running_request_s_lock_keeps_only_its_window_from_eviction(cache):
+    """The insert relocks at the prompt's end; the node is cut where that window starts, so
+    the window cells the prompt's pages keep behind it can be tombstoned while it runs."""
+    kvm = KVManager(cache)
+    toks = np.arange(48)
+    kv = kvm.admit(kvm.match(toks))
+    kvm.extend(kv, 48)
+    kvm.release_windows([kv])
+    kvm.insert(kv, toks)  # the tree takes all 12 pages, window cells resident; the request runs on
+    assert [(n.start, n.end, n.window_lock) for n in kv.lock.node.path()] == [(0, 40, 0), (40, 48, 1)]
+    assert cache.evict({W: 100}) == {W: 10}
+    assert cache.match_prefix(toks).length == 48 and cache.match_prefix(toks[:40]).length == 0
+    checked(cache)
+    kvm.release(kv)
+    checked(cache)
+
+
+def test_a_full_pool_short_with_every_leaf_locked_takes_window_cells_behind_the_locks(cache):
+    """Nothing unlocked but the window cells a running request's prompt keeps behind its
+    window: an allocator short of full-KV cells (``for_slabs``) gets their bytes, tombstoned
+    (its broker compacts them into slabs); a plain eviction for full KV takes nothing."""
+    kvm = KVManager(cache)
+    toks = np.arange(48)
+    kv = kvm.admit(kvm.match(toks))
+    kvm.extend(kv, 48)
+    kvm.release_windows([kv])
+    kvm.insert(kv, toks)
+    full = cache.rules.full.pools[0]
+    assert cache.evict({full: 1}) == {}
+    assert cache.evict({full: 1}, for_slabs=True) == {W: 10}
+    assert cache.cached_pages == 12 and cache.mem.pages.live[kv.pages].all()
+    assert cache.match_prefix(toks).length == 48 and cache.match_prefix(toks[:40]).length == 0
+    checked(cache)
+    kvm.release(kv)
+    checked(cache)

@@ -298,14 +298,31 @@ class HybridRadixCache:
     # --- locks and eviction ---------------------------------------------------------------
 
     def lock(self, node: Node) -> CacheLock:
-        """Protect a hit ending at ``node.end``: full KV on the path, the window before it,
-        the checkpoint at ``node`` (if any). Give it back with ``unlock``. A root (an empty
-        hit) protects nothing: its lock is valid whether or not the root is in the tree."""
+        """Protect a hit ending at ``node.end``: full KV on the path, the window before it
+        (the node where the window starts is split there first), the checkpoint at ``node``
+        (if any). Give it back with ``unlock``. A root (an empty hit) protects nothing: its
+        lock is valid whether or not the root is in the tree."""
         if not isinstance(node, Node):
             raise LockError(f"lock: expected a Node from match_prefix or insert, got {type(node).__name__}")
         if not node.is_root and not self.tree.contains(node):
             raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
+        if self.rules.max_window and not node.is_root:
+            self._split_at_window_start(node)
         return self.locks.lock(node)
+
+    def _split_at_window_start(self, node: Node) -> None:
+        """Cut the node holding the first page of the window before ``node.end`` there, so that
+        a lock's window covers the window's pages only: a long node before it (a request's
+        whole prompt) keeps no window lock on pages behind the window, which eviction may
+        tombstone while the request runs."""
+        start = (node.end - self.rules.max_window) // self.page_size * self.page_size
+        if start <= 0:
+            return
+        n = node
+        while n.parent is not None and n.start > start:
+            n = n.parent
+        if n.parent is not None and n.start < start < n.end:
+            self.tree.split(n, start - n.start)
 
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
