@@ -1,5 +1,6 @@
-"""The cache's hot path (match, lock, insert with dedupe and window recovery, evict, fork)
-never reads device memory: its ids live on the host."""
+"""The cache's hot path (match, lock, insert with dedupe and window recovery, window-cached
+release and its reclaim under pressure, evict, fork) never reads device memory: its ids live
+on the host."""
 
 from __future__ import annotations
 
@@ -35,7 +36,20 @@ def test_hot_path_makes_no_host_sync():
             if i % 7 == 6:
                 cache.evict(needs)
             mem.flush_tables()
+        # a running request's window-cached pages, reclaimed by an allocation under pressure
+        toks = 500 + np.arange(60)
+        kv = kvm.admit(kvm.match(toks))
+        kvm.extend(kv, toks.size)
+        kvm.release_windows([kv])
+        held = cache.residency.window_cache.total
+        taken = []
+        while cache.residency.window_cache.total:
+            taken.append(kvm.alloc_pages(1))
+        mem.free_pages(np.concatenate(taken))
+        kvm.release(kv)
+        mem.flush_tables()
     assert syncs.total == 0, dict(syncs.counts)
-    assert cache.counters.inserts == 40 and cache.counters.matches == 40
+    assert held and sum(cache.counters.reclaimed.values()) >= held
+    assert cache.counters.inserts == 40 and cache.counters.matches == 41
     cache.check()
     mem.verify()

@@ -1,11 +1,14 @@
 """Stateful tests of manager + cache + memory together, against a brute-force oracle.
 
 Requests start through ``KVManager`` (match, admit, extend with eviction, maybe release
-out-of-window pages, reserve or copy state checkpoints), settle (insert their prompt and
-relock), finish (insert, release) or abort (release), while the cache evicts on demand and
-on its own. After every step: ``mem.verify()``, ``cache.check()``, and the event-fed oracle
-equals the tree. Every match must equal the event oracle's longest valid hit, never exceed
-what was ever inserted, and equal it while nothing was evicted.
+out-of-window pages: window-cached, reserve or copy state checkpoints), settle (insert their
+prompt and relock), finish (insert, release) or abort (release), while the cache evicts on
+demand, on its own and under allocation pressure (window-cached cells before anything the
+tree holds). After every step: ``mem.verify()``, ``cache.check()`` (window-cached cells
+counted as their own category by both), every running request still holds every page it
+needs (full KV, and each window's span), and the event-fed oracle equals the tree. Every
+match must equal the event oracle's longest valid hit, never exceed what was ever inserted,
+and equal it while nothing was evicted.
 """
 
 from __future__ import annotations
@@ -194,6 +197,21 @@ class CacheMachine(RuleBasedStateMachine):
         assert all(v > 0 for v in freed.values())
         assert self.cache.cached_pages == before - freed.get(PAGE_NEED, 0)
 
+    @rule(count=st.integers(1, 24))
+    def pressure(self, count):
+        """An allocation that may have to evict: the tree loses nothing while window-cached
+        cells are left to reclaim."""
+        c = self.cache.counters
+        before = (self.cache.cached_pages, sum(c.tombstoned.values()), c.evicted_checkpoints)
+        try:
+            pages = self.kvm.alloc_pages(count)
+        except OutOfMemory:
+            pages = None
+        if (self.cache.cached_pages, sum(c.tombstoned.values()), c.evicted_checkpoints) != before:
+            assert self.cache.residency.window_cache.total == 0, "the tree lost a value before window-cached cells"
+        if pages is not None:
+            self.mem.free_pages(pages)
+
     @rule(tokens=tokens_st, namespace=st.sampled_from(NAMESPACES))
     def match_only(self, tokens, namespace):
         self.check_match(tokens, namespace, self.cache.match_prefix(list(tokens), namespace))
@@ -237,6 +255,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.refused(InsertError, "tokens but", self.cache.insert, list(tokens), row)
 
     # --- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def running_requests_keep_what_they_need(self):
+        for req in self.running:
+            kv = req.kv
+            assert self.mem.pages.live[kv.pages].all()
+            for w in self.cache.rules.windows:
+                first = w.pool_id.page_span(kv.seq_len, self.page_size)[0]
+                assert w.pool.resident(kv.pages[first:]).all(), f"a running request lost a page of {w.label}"
 
     @invariant()
     def consistent(self):

@@ -1,5 +1,7 @@
 """Sliding-window rules: a hit needs its window resident; tombstones; scoped SWA locks; the
-locked-full recovery that rebinds a request's window pages onto cached pages."""
+locked-full recovery that rebinds a request's window pages onto cached pages. Tests of the
+tombstone rules release windows eagerly (``park_windows=False``); window-cached release (the
+default) is in ``test_window_cached.py``."""
 
 from __future__ import annotations
 
@@ -26,9 +28,12 @@ def swa(cache: HybridRadixCache):
     return w.pool_id
 
 
-def serve(cache: HybridRadixCache, tokens: np.ndarray, release_window: bool) -> tuple[KVManager, KVHandle]:
-    """Match, admit, extend, optionally release out-of-window pages (as decode would), insert."""
-    kvm = KVManager(cache)
+def serve(
+    cache: HybridRadixCache, tokens: np.ndarray, release_window: bool, park: bool = False
+) -> tuple[KVManager, KVHandle]:
+    """Match, admit, extend, optionally release out-of-window pages (as decode would: freed, or
+    window-cached with ``park``), insert."""
+    kvm = KVManager(cache, park_windows=park)
     kv = kvm.admit(kvm.match(tokens))
     kvm.extend(kv, tokens.size)
     if release_window:

@@ -104,6 +104,26 @@ def test_shared_prefixes_hit_every_component_and_stay_exact(
     assert live_counts(engine.mem) == empty
 
 
+@pytest.mark.parametrize("name", sorted(HAS_WINDOW))
+def test_a_hit_inside_the_span_that_left_the_window_is_kept_and_exact(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode pages that left the first request's window stay window-cached until its finish
+    inserts them: a later request whose hit ends among them (far behind the first one's final
+    window) hits on every component and stays exact."""
+    engine = _engine(name, 2_000_000, 4)
+    logits = Logits(monkeypatch)
+    first = prompt(920, 12)
+    done = engine.generate([first], 40, on_output=_checked(engine))[0]
+    later = first + done.output_ids[:21] + prompt(921, 5)  # the hit ends at 32, the first request at 52
+    out = engine.generate([later], 4, on_output=_checked(engine))[0]
+    logits.check(name, 0, later, out, 4)
+    assert out.hit is not None and out.cached_tokens == out.hit.window == out.hit.full == 32
+    engine.clear_cache()
+    engine.mem.verify()
+    engine.cache.check()
+
+
 def test_a_hit_inside_one_chunk_starts_prefill_at_the_hit() -> None:
     """The second request's hit (page-aligned, 44 with pages of 4) is not a multiple of the chunk (7):
     its prefill starts at 44, so the engine computes only its 7 - 1 new prompt tokens + the decodes."""

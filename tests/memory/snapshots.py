@@ -23,6 +23,8 @@ def snapshot(mem: UnifiedMemory) -> dict[str, np.ndarray]:
         snap[f"{name}.status"] = pool.status.copy()
         snap[f"{name}.free_stack"] = pool.free_cells()
         snap[f"{name}.v2p_dev"] = pool.v2p_dev.cpu().numpy().copy()
+    for pool in mem.window_pools:
+        snap[f"{pool.pool_id}.window_held"] = mem.window_held(pool.pool_id).copy()
     if mem.arena.has_data:
         snap["bytes"] = mem.arena.buffer.cpu().numpy().copy()
     return snap

@@ -1,7 +1,8 @@
 """Stateful property test: random traffic against UnifiedMemory, checked after every step.
 
-The machine drives requests through extend / decode / window drops / segment frees / free
-groups / state alloc, fork and free / pins / compaction on small arenas (so pools fight
+The machine drives requests through extend / decode / window drops / window-cached holds
+(kept by a holder, dropped and freed in its name) / segment frees / free groups / state
+alloc, fork and free / pins / compaction on small arenas (so pools fight
 for slabs and compaction really moves cells). After every step:
 - ``verify()`` (conservation and table consistency);
 - the live pages equal exactly the pages the model's rows reference;
@@ -18,7 +19,7 @@ from hypothesis import assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridkv.memory import OutOfMemory, PinnedError, UnifiedMemory
+from hybridkv.memory import InvalidIds, OutOfMemory, PinnedError, UnifiedMemory
 from hybridkv.spec import ShardSpec, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -40,6 +41,8 @@ class MemoryMachine(RuleBasedStateMachine):
         self.window_dropped: dict[int, int] = {}  # rid -> pages dropped from window pools
         self.gates: list = []
         self.next_rid = 0
+        self.holder = object()  # stands for the prefix cache, the one holder of window-cached cells
+        self.mem.pages.claim(self.holder, "the test's cache")
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -127,14 +130,59 @@ class MemoryMachine(RuleBasedStateMachine):
         if pages.size - keep <= start:
             return
         gone = pages[start : pages.size - keep]
+        self._unhold(rid)
         self._attempt(self.mem.free_window_pages, gone)
         if not self.mem.resident(gone, self.mem.window_pools[0].pool_id).any():
             self.window_dropped[rid] = pages.size - keep
 
     @precondition(lambda self: self.rows)
     @rule(data=st.data())
+    def hold_window(self, data) -> None:
+        """The holder keeps the window cells of a row's pages that left the window (all but
+        the last two pages); nobody else may free them."""
+        assume(self.mem.window_pools)
+        rid = data.draw(st.sampled_from(sorted(self.rows)))
+        pool = data.draw(st.sampled_from(self.mem.window_pools))
+        pages = self._row_pages(rid)[:-2]
+        pages = pages[pool.resident(pages) & ~self.mem.window_held(pool.pool_id)[pages]]
+        if not pages.size:
+            return
+        self.mem.hold_window_pages(pages, pool.pool_id, by=self.holder)
+        before = snapshot(self.mem)
+        for call, args in [
+            (self.mem.free_window_pages, (pages[:1], pool.pool_id)),
+            (self.mem.free_pages, (pages[:1],)),
+            (lambda *a: self.mem.hold_window_pages(*a, by=self.holder), (pages[:1], pool.pool_id)),
+        ]:
+            try:
+                call(*args)
+            except InvalidIds:
+                assert_unchanged(before, self.mem)
+            else:
+                raise AssertionError(f"{call} of a window-cached cell was not refused")
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def reclaim_window(self, data) -> None:
+        """The holder drops its hold on a row's window-cached cells and frees them (eviction)."""
+        assume(self.mem.window_pools)
+        rid = data.draw(st.sampled_from(sorted(self.rows)))
+        pool = data.draw(st.sampled_from(self.mem.window_pools))
+        pages = self._row_pages(rid)
+        held = pages[self.mem.drop_window_holds(pages, pool.pool_id, by=self.holder)]
+        if held.size:
+            self._attempt(lambda: self.mem.free_window_pages(held, pool.pool_id, by=self.holder))
+
+    def _unhold(self, rid: int) -> None:
+        """A row's pages are about to be freed: the holder drops its holds on them first."""
+        for pool in self.mem.window_pools:
+            self.mem.drop_window_holds(self._row_pages(rid), pool.pool_id, by=self.holder)
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
     def finish(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.rows)))
+        self._unhold(rid)
         if self._attempt(self.mem.free_segment, self.rows[rid], 0) is None and self._pinned(rid):
             return
         self.rows.pop(rid)
@@ -148,6 +196,8 @@ class MemoryMachine(RuleBasedStateMachine):
         rids = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=2, max_size=3, unique=True))
         if any(self._pinned(r) for r in rids):
             return
+        for rid in rids:
+            self._unhold(rid)
         with self.mem.free_group():
             for rid in rids:
                 self.mem.free_segment(self.rows[rid], 0)
@@ -162,6 +212,7 @@ class MemoryMachine(RuleBasedStateMachine):
         row = self.rows[rid]
         cut = data.draw(st.integers(1, row.size)) // self.ps * self.ps
         assume(0 < cut < row.size and not self._pinned(rid))
+        self._unhold(rid)
         self.mem.free_segment(row[cut:], cut)
         self.rows[rid] = row[:cut]
 

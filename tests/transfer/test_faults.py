@@ -16,7 +16,6 @@ from hybridkv.memory import InvalidIds, PinnedError, UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, IdSpace, Parallel, ShardSpec, get_preset
 from hybridkv.testing.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.testing.pattern import expected_arena, fill, mismatch
-from hybridkv.testing.transports import Delegating
 from hybridkv.transfer import (
     LegStatus,
     Phase,
@@ -43,6 +42,7 @@ from hybridkv.transfer.messages import (
     TransferRequest,
 )
 from hybridkv.transfer.status import ReportBoard
+from hybridkv.transfer.transport.drills import Delegating
 from tests.transfer.waits import wait_until
 from tests.transfer.wire import Wire
 

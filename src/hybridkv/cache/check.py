@@ -69,6 +69,8 @@ def check_tree(cache: HybridRadixCache) -> None:
         if pages.size and not pool.resident(pages).all():
             _fail(f"a cached page is not resident in full-history pool {pool.pool_id}")
 
+    res.window_cache.check(res.owned)
+
     leaves = {n for n in nodes if not n.children}
     if leaves != cache.tree.leaves:
         _fail(f"leaf set differs: {len(leaves)} leaves, tracked {len(cache.tree.leaves)}")

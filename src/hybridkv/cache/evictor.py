@@ -1,20 +1,28 @@
 """The evictor: frees what the allocator is short of, per component, in policy order.
 
-A full-history need (or ``PAGE_NEED``) evicts whole unlocked leaves (their pages leave every
-pool, their checkpoint goes too); a window need tombstones the window pages of unlocked
-nodes (a leaf goes whole); a checkpoint need drops unlocked checkpoints. Candidates come
-from the residency's lazy heaps, smallest policy key first.
+Window-cached cells go first (``window_cache.py``: window cells of pages that left a running
+request's window, worth no hit until that request inserts them): a window need takes them
+from its own pool, oldest first; for an allocator's refusal (``for_slabs``) they also serve
+every other shortfall, in bytes rounded up to whole slabs (the allocator's broker compacts the
+window pool's holes into slabs for the pool short), and while they cover it nothing the tree
+holds is touched. Then a full-history need (or ``PAGE_NEED``) evicts whole unlocked leaves
+(their pages leave every pool, their checkpoint goes too); a window need tombstones the
+window pages of unlocked nodes (a leaf goes whole); a checkpoint need drops unlocked
+checkpoints. Candidates come from the residency's lazy heaps, smallest policy key first.
 
 What the allocator is short of is slab bytes as much as cells: a pool may be short while
 the other pools' cached cells hold every slab (windows all tombstoned, no checkpoint left
 to drop). For an allocator's refusal (``for_slabs``), a pool still short after its own
 component's pass therefore evicts whole leaves until they gave back its shortfall in bytes,
 rounded up to whole slabs; the allocator's broker hands it the slabs that frees (or
-compacts the donor to empty them).
+compacts the donor to empty them). Likewise a full-history pool still short once no
+unlocked leaf is left gets the bytes of tree window cells outside every window lock (the
+nodes a running request locks keep their full KV, not their windows behind its lock's).
 
 Invariants:
 - Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
-  its heap.
+  its heap. A window-cached cell is never a running request's needed page: only cells its
+  request released from the window are held.
 - Memory frees are batched per ``evict`` call and flushed once, in an order that is always
   valid (``Release``). A refused call (unknown or negative need) changes nothing.
 """
@@ -63,6 +71,9 @@ class Evictor:
         want = [given.get(k, 0) for k in keys]
         freed = [0] * len(keys)
         release = Release()
+        if self.residency.window_cache.total and self._reclaim_window_cached(want, freed, release, for_slabs):
+            release.flush(self.mem, self.residency)
+            return {k: v for k, v in zip(keys, freed, strict=True) if v}
         full_need = max([want[PAGE_NEED_SLOT], *(want[i] for i in rules.full.slots)])  # no full pool: no slots
         if full_need:
             self._evict_leaves(full_need, freed, release)
@@ -85,8 +96,58 @@ class Evictor:
             per_slot = [*zip(rules.full.slots, rules.full.pools_bytes, strict=True)]
             per_slot += [(r.slot, r.cell_bytes) for r in rules.extra]
             self._evict_leaves(-(-short // slab) * slab, freed, release, per_slot)
+        if for_slabs and rules.windows:
+            self._tombstone_for_bytes(want, freed, release)
         release.flush(self.mem, self.residency)
         return {k: v for k, v in zip(keys, freed, strict=True) if v}
+
+    def _tombstone_for_bytes(self, want: list[int], freed: list[int], release: Release) -> None:
+        """A full-history pool still short after the leaves (every leaf left is locked): the
+        tree's window cells outside every window lock, in bytes rounded up to whole slabs (the
+        broker compacts the window pools' holes into slabs for the pool short)."""
+        rules = self.rules
+        full = zip(rules.full.slots, rules.full.pools_bytes, strict=True)
+        short = sum(max(0, want[s] - freed[s]) * b for s, b in full)
+        if short <= 0:
+            return
+        slab = self.mem.arena.slab_bytes
+        short = -(-short // slab) * slab
+        for w in rules.windows:
+            if short <= 0:
+                break
+            before = freed[w.slot]
+            self._evict_windows(w, before + -(-short // w.cell_bytes), freed, release)
+            short -= (freed[w.slot] - before) * w.cell_bytes
+
+    def _reclaim_window_cached(self, want: list[int], freed: list[int], release: Release, for_slabs: bool) -> bool:
+        """Reclaim window-cached cells: each window need from its own pool; for an allocator's
+        refusal also every other shortfall, in bytes rounded up to whole slabs. Returns whether
+        they covered it all (then nothing else is evicted for this call)."""
+        rules = self.rules
+        for w in rules.windows:
+            if want[w.slot]:
+                self._take_window_cached(w, want[w.slot], freed, release)
+        if not for_slabs:
+            return False
+        token_bytes = rules.full.page_bytes + sum(w.cell_bytes for w in rules.windows)
+        short = want[PAGE_NEED_SLOT] * token_bytes
+        short += sum(want[s] * b for s, b in zip(rules.full.slots, rules.full.pools_bytes, strict=True))
+        short += sum(max(0, want[r.slot] - freed[r.slot]) * r.cell_bytes for r in rules.extra)
+        if short > 0:
+            slab = self.mem.arena.slab_bytes
+            short = -(-short // slab) * slab
+            for w in rules.windows:
+                if short > 0:
+                    short -= w.cell_bytes * self._take_window_cached(w, -(-short // w.cell_bytes), freed, release)
+        return short <= 0
+
+    def _take_window_cached(self, w: WindowRule, need: int, freed: list[int], release: Release) -> int:
+        if not self.residency.window_cache.count(w):
+            return 0
+        taken = self.residency.window_cache.reclaim(w, need, release.window.setdefault(w.pool_id, []))
+        freed[w.slot] += taken
+        self.residency.counters.reclaimed[w.pool_id] += taken
+        return taken
 
     def _leaf_ok(self, node: Node) -> bool:
         gates = self.mem.gates

@@ -8,7 +8,8 @@ after that many tokens, until an insert hands them to the cache. ``gates`` are t
 gates pinning the request's ids while a forward or a transfer reads them.
 
 Invariants:
-- ``released[i]``: own pages before this index are released from window pool ``i``, except
+- ``released[i]``: own pages before this index are released from window pool ``i`` (window-cached:
+  the cache holds their cells until memory is needed or the request inserts them), except
   the pages kept for the checkpoint (``keep[i]``: the window before ``match.checkpoint_at``,
   so that a later hit there is valid once the request inserts them).
 - A page still in any window of the sequence is never released: the first page window pool

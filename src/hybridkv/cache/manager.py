@@ -6,7 +6,7 @@ every request through it. A request's life:
     match = kvm.match(tokens, ns)            # longest hit valid for every component
     h = kvm.admit(match, ns)                 # lock the hit; fork its checkpoint (or a fresh state slot)
     kvm.extend(h, n)                         # grow to n tokens (batched: extend_batch)
-    kvm.release_windows([h])                 # free window pages that left each window
+    kvm.release_windows([h])                 # window pages that left each window: window-cached
     kvm.checkpoint(h) / reserve_checkpoint(h, at)   # a state checkpoint at a page-aligned length
     kvm.insert(h, tokens)                    # cache what is computed, keep running (relocked)
     kvm.finish(h, tokens)  |  kvm.release(h) # cache and release  |  abort / retract
@@ -17,6 +17,12 @@ short of and the call is retried; ``OutOfMemory`` reaches the caller only once n
 unlocked and unpinned is left to evict for it: a pool whose own component has nothing left
 (windows all tombstoned, no checkpoint) gets slab bytes from whole leaves. Such a refusal leaves every handle as it
 was (the cache may have evicted).
+
+Window pages that leave a request's window become window-cached (``park_windows``, the
+default): the cache holds their window cells, reclaimed first when memory is short; the
+request's insert hands them to the tree node that covers them (a hit inside them stays
+valid), its release frees them with its pages. With ``park_windows=False`` they are freed
+at once (a manager whose requests never insert).
 
 Invariants:
 - Every page, slot and lock a handle holds is given back exactly once, by ``release``
@@ -56,10 +62,14 @@ def _handles(handles: object, what: str) -> list[KVHandle]:
 
 
 class KVManager:
-    def __init__(self, cache: HybridRadixCache):
+    def __init__(self, cache: HybridRadixCache, *, park_windows: bool = True):
         if not isinstance(cache, HybridRadixCache):
             raise CacheError(f"KVManager: expected a HybridRadixCache, got {type(cache).__name__}")
+        if not isinstance(park_windows, bool):
+            raise CacheError(f"KVManager: park_windows must be a bool, got {type(park_windows).__name__}")
         self.cache = cache
+        self.park_windows = park_windows
+        self._window_cache = cache.residency.window_cache
         self.mem = cache.mem
         self.page_size = cache.page_size
         rules = cache.rules
@@ -219,8 +229,9 @@ class KVManager:
             at += need
 
     def release_windows(self, handles: Sequence[KVHandle]) -> int:
-        """Free the own pages that left each window pool's window, batched per pool; returns
-        how many pages left a pool."""
+        """Release the own pages that left each window pool's window, batched per pool: the
+        cache holds their window cells (window-cached) or, without ``park_windows``, they are
+        freed there; returns how many pages left a pool."""
         handles = _handles(handles, "release_windows")
         if not self._windows:
             return 0
@@ -229,7 +240,10 @@ class KVManager:
         for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
             pages = np.concatenate(parts)
             if pages.size:
-                self.mem.free_window_pages(pages, w.pool_id)
+                if self.park_windows:
+                    self._window_cache.hold(pages, w)
+                else:
+                    self.mem.free_window_pages(pages, w.pool_id)
                 freed += int(pages.size)
         return freed
 
@@ -295,6 +309,8 @@ class KVManager:
         end = n * ps
         ckpts = {p: s for p, s in handle.checkpoints.items() if p <= end} if handle.checkpoints else None
         result = self.cache.insert(toks[:end], handle.pages[:n], extra_key=handle.namespace, checkpoints=ckpts)
+        if self._window_cache.total:  # the tree holds the inserted pages' window cells now; duplicates go
+            self._window_cache.drop(handle.pages[handle.cached : n])
         for p in ckpts or ():
             del handle.checkpoints[p]
         if result.duplicates.size:
@@ -331,6 +347,8 @@ class KVManager:
         ):
             raise CacheError("release: a page or slot of the request is pinned by another move gate; release it first")
         if own.size:
+            if self._window_cache.total:
+                self._window_cache.drop(own)
             self.mem.free_pages(own)
         if slots:
             self.mem.free_state(np.asarray(slots, dtype=np.int64))

@@ -126,7 +126,8 @@ class HybridRadixCache:
             raise CacheError(f"policy must be a policy name or a Policy, got {type(policy).__name__} {policy!r}")
         if not isinstance(mem, UnifiedMemory):
             raise CacheError(f"HybridRadixCache: expected a UnifiedMemory, got {type(mem).__name__}")
-        if mem.pages.holder is not None and (mem.pages.held.any() or mem.slots.held.any()):
+        window_held = any(mem.window_held_count(p.pool_id) for p in mem.window_pools)
+        if mem.pages.holder is not None and (mem.pages.held.any() or mem.slots.held.any() or window_held):
             raise CacheError(
                 "HybridRadixCache: another prefix cache already holds this memory's pages; one cache "
                 "per memory (build a new memory for a second cache, or evict the first one empty)"
@@ -297,14 +298,31 @@ class HybridRadixCache:
     # --- locks and eviction ---------------------------------------------------------------
 
     def lock(self, node: Node) -> CacheLock:
-        """Protect a hit ending at ``node.end``: full KV on the path, the window before it,
-        the checkpoint at ``node`` (if any). Give it back with ``unlock``. A root (an empty
-        hit) protects nothing: its lock is valid whether or not the root is in the tree."""
+        """Protect a hit ending at ``node.end``: full KV on the path, the window before it
+        (the node where the window starts is split there first), the checkpoint at ``node``
+        (if any). Give it back with ``unlock``. A root (an empty hit) protects nothing: its
+        lock is valid whether or not the root is in the tree."""
         if not isinstance(node, Node):
             raise LockError(f"lock: expected a Node from match_prefix or insert, got {type(node).__name__}")
         if not node.is_root and not self.tree.contains(node):
             raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
+        if self.rules.max_window and not node.is_root:
+            self._split_at_window_start(node)
         return self.locks.lock(node)
+
+    def _split_at_window_start(self, node: Node) -> None:
+        """Cut the node holding the first page of the window before ``node.end`` there, so that
+        a lock's window covers the window's pages only: a long node before it (a request's
+        whole prompt) keeps no window lock on pages behind the window, which eviction may
+        tombstone while the request runs."""
+        start = (node.end - self.rules.max_window) // self.page_size * self.page_size
+        if start <= 0:
+            return
+        n = node
+        while n.parent is not None and n.start > start:
+            n = n.parent
+        if n.parent is not None and n.start < start < n.end:
+            self.tree.split(n, start - n.start)
 
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
@@ -361,6 +379,8 @@ class HybridRadixCache:
             "adopted_pages": c.adopted_pages,
             "evicted_pages": c.evicted_pages,
             "tombstoned_pages": {str(pool): n for pool, n in c.tombstoned.items()},
+            "window_cached_pages": {w.label: res.window_cache.count(w) for w in self.rules.windows},
+            "reclaimed_window_cached_pages": {str(pool): n for pool, n in c.reclaimed.items()},
             "evicted_states": c.evicted_checkpoints,
             "capped_states": c.capped_checkpoints,
         }

@@ -11,6 +11,8 @@ Invariants (``check_tree`` proves them):
   marks (``VirtualIds.claim``): the memory refuses every free of a marked id but ours, so
   a mark is cleared before the id is freed, and a cached id is never freed by a caller. Every cached page is live and
   resident in every full-history pool; a tombstoned window page stays in the tree.
+- ``window_cache`` holds the window cells of pages that left a running request's window
+  (not the tree's yet): see ``window_cache.py``.
 - ``window_nodes[i]`` is the set of nodes with a page resident in window pool ``i``
   (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
@@ -29,6 +31,7 @@ from hybridkv.cache.node import NO_CHECKPOINT, Node
 from hybridkv.cache.policies import Policy
 from hybridkv.cache.radix import RadixTree
 from hybridkv.cache.rules import PAGE_NEED, PAGE_NEED_SLOT, ComponentKind, HitRules, WindowRule
+from hybridkv.cache.window_cache import WindowCache
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
 
@@ -64,6 +67,8 @@ class CacheCounters:
     """Full KV pages freed by eviction (whole leaves)."""
     tombstoned: dict[PoolId, int] = field(default_factory=dict)
     """Window pages freed by window eviction, per window pool (full KV kept)."""
+    reclaimed: dict[PoolId, int] = field(default_factory=dict)
+    """Window-cached cells (of running requests' pages) freed by eviction, per window pool."""
     evicted_checkpoints: int = 0
     capped_checkpoints: int = 0
 
@@ -74,8 +79,11 @@ class Residency:
         self.tree = tree
         self.rules = rules
         self.events = events
-        self.counters = CacheCounters(tombstoned={w.pool_id: 0 for w in rules.windows})
+        self.counters = CacheCounters(
+            tombstoned={w.pool_id: 0 for w in rules.windows}, reclaimed={w.pool_id: 0 for w in rules.windows}
+        )
         self.owned = mem.pages.claim(self, "the prefix cache")
+        self.window_cache = WindowCache(mem, rules.windows, self)
         self.owned_slots = mem.slots.claim(self, "the prefix cache")
         self.cached_pages = 0
         self.window_nodes: list[set[Node]] = [set() for _ in rules.windows]

@@ -5,8 +5,9 @@ Every request's KV lives in a ``KVHandle`` of a ``KVManager`` above a ``HybridRa
 admits the hit (its pages locked, its checkpoint forked into the request's own state slot,
 or a fresh slot), so computation starts at the hit's end; ``extend`` grows every request of a
 step with one allocation (the cache evicts what it is short of); ``mark_computed`` releases
-the window pages that left every window; ``chunk_done`` stores a state checkpoint at a
-page-aligned chunk end and inserts the computed pages; ``finish`` caches the finished
+the window pages that left every window (window-cached: kept for hits until memory is
+needed); ``chunk_done`` stores a state checkpoint at a page-aligned chunk end and inserts
+the computed pages; ``finish`` caches the finished
 sequence and releases the rest; ``retract`` releases (what was inserted stays cached). With
 ``prefix_cache=False`` nothing is matched or inserted: the same path, without hits.
 
@@ -87,7 +88,7 @@ class RequestAllocator:
     def __init__(self, mem: UnifiedMemory, *, prefix_cache: bool = True, cache_policy: str = "lru"):
         self.mem = mem
         self.cache = HybridRadixCache(mem, policy=cache_policy)
-        self.kvm = KVManager(self.cache)
+        self.kvm = KVManager(self.cache, park_windows=prefix_cache)  # nothing inserted: nothing to keep
         self.prefix_cache = prefix_cache
         self.has_state = self.kvm.has_state
         self.page_size = mem.page_size

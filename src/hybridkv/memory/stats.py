@@ -22,7 +22,10 @@ class PoolStats:
     page_size: int
     slabs: int
     live_cells: int
+    """Cells in use, the window-cached ones included."""
     free_cells: int
+    cached_cells: int
+    """Window-cached cells (live, kept by the prefix cache, reclaimed when memory is needed)."""
     live_bytes: int
     free_bytes: int
     edge_waste_bytes: int
@@ -82,6 +85,7 @@ def collect_stats(mem: UnifiedMemory) -> MemoryStats:
                 slabs=slabs,
                 live_cells=pool.live_count,
                 free_cells=pool.free_count,
+                cached_cells=mem.window_held_count(pool.pool_id) if pool in mem.window_pools else 0,
                 live_bytes=pool.live_count * pool.cell_bytes,
                 free_bytes=pool.free_count * pool.cell_bytes,
                 edge_waste_bytes=slabs * mem.arena.slab_bytes - usable * pool.cell_bytes,

@@ -34,6 +34,12 @@ Invariants (``verify()`` proves them):
   are trusted to be in range, and a bad one fails loudly instead of aliasing.
 - Ids the prefix cache keeps carry an owner mark (``VirtualIds.held``): only the cache frees
   them (``by=`` its holder); every other free of a marked id is refused.
+- Window-cached cells: a request's page that left its window may keep its window cell, held
+  by the page holder (``hold_window_pages``) until memory is needed: it is neither free nor
+  needed by its request. Such a page is live, resident in that window pool and not held as
+  a whole (a cached page's cells are the holder's anyway). Every free of a held window
+  cell (window free, page free, adoption) is refused until the holder drops the mark
+  (``drop_window_holds``); with no cell held, the free paths pay one counter read for it.
 - Compaction moves whole cells (all layers' bytes of a page or a state slot) and rebinds
   ``v2p``/``p2v``; it never moves a pinned id, and it runs only when a pool needs bytes
   that no hole and no free slab can give (or when asked to, e.g. when idle).
@@ -155,6 +161,9 @@ class UnifiedMemory:
         self.history_pools = [p for p in self.token_pools if p.pool_id.keeps_history]
         self.window_pools = [p for p in self.token_pools if p.pool_id.releases_history]
         self.slot_pools = [p for p in self.pools.values() if p.layout.id_space is IdSpace.SLOT]
+        self._window_held = {p.pool_id: np.zeros(page_capacity, dtype=bool) for p in self.window_pools}
+        self._window_held_count = dict.fromkeys(self._window_held, 0)
+        self._window_held_total = 0
         self.gates = GateRegistry(page_capacity, slot_capacity)
         self.broker = SlabBroker(self.arena, list(self.pools.values()), self.gates)
         self._group: list[np.ndarray] | None = None
@@ -472,9 +481,13 @@ class UnifiedMemory:
             self._group = None
         self._release_pages(pages, "free group")
 
-    def _check_releasable(self, pages: np.ndarray, what: str, by: object = None) -> None:
+    def _check_releasable(self, pages: np.ndarray, what: str, by: object = None, window: PoolId | None = None) -> None:
+        """Live, not held (but by ``by``), not pinned, and no window cell held as window-cached
+        (in ``window`` only, when only that pool's cells are freed)."""
         self.pages.check_live(pages, what)
         self.pages.check_not_held(pages, what, by)
+        if self._window_held_total:
+            self._check_no_window_held(pages, what, window)
         if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
             first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
             raise PinnedError(f"{what}: page {first} is pinned by a move gate (in-flight forward or transfer)")
@@ -497,7 +510,7 @@ class UnifiedMemory:
         marked pages (``VirtualIds.claim``), which alone may drop their windows.
         """
         arr = _host_ids(pages, "free_window_pages")
-        self._check_releasable(arr, "free_window_pages", by)
+        self._check_releasable(arr, "free_window_pages", by, pool)
         targets = [self._pool(pool)] if pool is not None else self.window_pools
         if pool is not None and not pool.releases_history:
             raise InvalidIds(f"free_window_pages: pool {pool} keeps its whole history; it is not a sliding-window pool")
@@ -527,7 +540,9 @@ class UnifiedMemory:
         for pool in self.window_pools:
             behind = arr[: pool.pool_id.page_span(seq_len, ps)[0]]
             releases.append((pool, behind[pool.resident(behind)]))
-        for _, pages in releases:  # decide, then act: a pinned page refuses the whole call
+        for pool, pages in releases:  # decide, then act: a pinned or window-cached page refuses the whole call
+            if self._window_held_total:
+                self._check_no_window_held(pages, "free_outside_span", pool.pool_id)
             if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
                 first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
                 raise PinnedError(
@@ -536,6 +551,73 @@ class UnifiedMemory:
         for pool, pages in releases:
             if pages.size:
                 pool.give_cells(pool.unbind(pages))
+
+    # --- window-cached cells --------------------------------------------------------------
+
+    def hold_window_pages(self, pages: IdsLike, pool: PoolId, *, by: object) -> None:
+        """The page holder ``by`` keeps the window cells of ``pages`` in ``pool`` (window-cached):
+        pages that left their request's window, resident until the holder frees them.
+
+        ``pages`` must be live, not held whole, resident in ``pool`` and not held there yet;
+        only the holder of page ids (``VirtualIds.claim``) may hold window cells.
+        """
+        arr = _host_ids(pages, "hold_window_pages")
+        target = self._pool(pool)
+        if not pool.releases_history:
+            raise InvalidIds(f"hold_window_pages: pool {pool} keeps its whole history; it is not a window pool")
+        if by is None or by is not self.pages.holder:
+            raise InvalidIds(
+                "hold_window_pages: only the holder of page ids (the prefix cache, VirtualIds.claim) may "
+                "hold window cells; pass by=<that holder>"
+            )
+        self.pages.check_live(arr, "hold_window_pages")
+        self.pages.check_not_held(arr, "hold_window_pages")
+        marks = self._window_held[pool]
+        bad = ~target.resident(arr) | marks[arr]
+        if np.count_nonzero(bad):
+            page = int(arr[np.argmax(bad)])
+            state = "already held" if marks[page] else "not resident"
+            raise InvalidIds(f"hold_window_pages: page {page} is {state} in window pool {pool}")
+        marks[arr] = True
+        self._window_held_count[pool] += arr.size
+        self._window_held_total += arr.size
+
+    def drop_window_holds(self, pages: IdsLike, pool: PoolId, *, by: object) -> np.ndarray:
+        """The holder ``by`` gives up its hold on the window cells of those ``pages`` it holds in
+        ``pool`` (the others are skipped; the cells stay resident); returns their mask."""
+        arr = _host_ids(pages, "drop_window_holds")
+        if by is None or by is not self.pages.holder:
+            raise InvalidIds("drop_window_holds: only the holder that held the window cells may drop them")
+        marks = self._window_held.get(pool)
+        if marks is None:
+            raise InvalidIds(f"drop_window_holds: {pool} is not a window pool of this memory")
+        _check_range(arr, marks.size, "drop_window_holds", "page ids")
+        held = marks[arr]
+        count = int(np.count_nonzero(held))
+        if count:
+            marks[arr[held]] = False
+            self._window_held_count[pool] -= count
+            self._window_held_total -= count
+        return held
+
+    def window_held(self, pool: PoolId) -> np.ndarray:
+        """Read-only host mask over page ids: whose window cell in ``pool`` the holder keeps."""
+        marks = self._window_held[pool].view()
+        marks.flags.writeable = False
+        return marks
+
+    def window_held_count(self, pool: PoolId) -> int:
+        """Window cells of ``pool`` held as window-cached (a host counter)."""
+        return self._window_held_count[pool]
+
+    def _check_no_window_held(self, pages: np.ndarray, what: str, only: PoolId | None = None) -> None:
+        for pool, marks in self._window_held.items():
+            if (only is None or pool == only) and self._window_held_count[pool] and np.count_nonzero(marks[pages]):
+                page = int(pages[np.argmax(marks[pages])])
+                raise InvalidIds(
+                    f"{what}: the window cell of page {page} in {pool} is window-cached, held by "
+                    f"{self.pages.holder_name}; its holder drops the hold first (KVManager.release does)"
+                )
 
     def adopt_window_pages(self, src: IdsLike, dst: IdsLike, pool: PoolId) -> None:
         """Move window residency from pages ``src`` to pages ``dst`` (pairwise), no bytes copied.
@@ -550,7 +632,7 @@ class UnifiedMemory:
             raise InvalidIds(
                 f"adopt_window_pages: need a window pool and equal lengths (pool {pool}, {s.size} src, {d.size} dst)"
             )
-        self._check_releasable(s, "adopt_window_pages src")
+        self._check_releasable(s, "adopt_window_pages src", window=pool)
         self.pages.check_live(d, "adopt_window_pages dst")
         if not target.resident(s).all() or target.resident(d).any():
             raise InvalidIds(

@@ -52,6 +52,30 @@ def verify_memory(mem: UnifiedMemory) -> None:
         stray = ids.held & ~ids.live
         if stray.any():
             _fail(f"{ids.label} {int(np.argmax(stray))} is marked held but not live")
+    _verify_window_held(mem)
+
+
+def _verify_window_held(mem: UnifiedMemory) -> None:
+    """Window-cached cells, their own category: held by the page holder, live, resident, not
+    needed whole by the holder (a cached page's cells are its own), counted exactly."""
+    total = 0
+    for pool in mem.window_pools:
+        marks = mem.window_held(pool.pool_id)
+        held = np.flatnonzero(marks)
+        if held.size != mem.window_held_count(pool.pool_id):
+            _fail(f"{pool.pool_id}: {held.size} window-cached cells, counted {mem.window_held_count(pool.pool_id)}")
+        if held.size and mem.pages.holder is None:
+            _fail(f"{pool.pool_id}: window-cached cells but no holder of page ids")
+        for bad, why in (
+            (~mem.pages.live[held], "not live"),
+            (pool.v2p[held] < 0, "not resident there"),
+            (mem.pages.held[held], "held whole by the holder as well (counted twice)"),
+        ):
+            if bad.any():
+                _fail(f"page {int(held[np.argmax(bad)])} is window-cached in {pool.pool_id} but {why}")
+        total += held.size
+    if total != mem._window_held_total:
+        _fail(f"window-cached cells: {total} marked, total counter {mem._window_held_total}")
 
 
 def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:

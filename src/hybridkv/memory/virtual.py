@@ -108,6 +108,10 @@ class VirtualIds:
         self.holder, self._holder_name = holder, name
         return self.held
 
+    @property
+    def holder_name(self) -> str:
+        return self._holder_name or "no holder"
+
     def check_not_held(self, ids: np.ndarray, what: str, by: object = None) -> None:
         """Raise ``InvalidIds`` if an id is marked held, unless ``by`` is its holder."""
         if self.holder is None or by is self.holder:

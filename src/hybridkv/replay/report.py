@@ -45,6 +45,7 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
         "evictions": {
             "full_pages": cache.get("evicted_pages", 0),
             "window_pages_tombstoned": cache.get("tombstoned_pages", {}),
+            "window_cached_pages_reclaimed": cache.get("reclaimed_window_cached_pages", {}),
             "states": cache.get("evicted_states", 0),
             "states_over_path_cap": cache.get("capped_states", 0),
             "duplicate_pages_freed": cache.get("duplicate_pages", 0),

@@ -27,9 +27,9 @@ import numpy as np
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
 from hybridkv.testing.pattern import fill
-from hybridkv.testing.transports import Throttled
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.transport import Transport, make_transport
+from hybridkv.transfer.transport.drills import Throttled
 
 
 def emit(**event: object) -> None:

@@ -28,7 +28,6 @@ import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -56,9 +55,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
-
-if TYPE_CHECKING:
-    from hybridkv.testing.transports import Throttled
+from hybridkv.transfer.transport.drills import Throttled
 
 
 @dataclass(frozen=True)
@@ -129,8 +126,6 @@ class _Rank:
         self.throttle: Throttled | None = None
         self.transport: Transport = inner
         if throttle:  # the kill-prefill fault: writes slowed so that the kill lands mid-transfer
-            from hybridkv.testing.transports import Throttled
-
             self.throttle = self.transport = Throttled(inner, 0.0)
         key = ClusterKey.from_hex(args.key_hex, "prefill worker")
         self.sender = PrefillSender(

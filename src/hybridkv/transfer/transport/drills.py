@@ -1,4 +1,4 @@
-"""Transport wrappers for fault tests and demos: a real transport with one behaviour changed.
+"""Fault drills: a real transport with one behaviour changed (the PD server's deliberate faults, tests, demos).
 
 Invariant: a wrapper forwards everything it does not change to ``inner`` (so it names,
 registers, addresses and ends handles exactly as the real transport does).
