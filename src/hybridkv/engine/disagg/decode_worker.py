@@ -97,8 +97,9 @@ class _Running:
 class _Rank:
     def __init__(self, rank: int, conn: Connection, args: DecodeArgs) -> None:
         self.rank, self.conn, self.args = rank, conn, args
-        self.groups = StageGroups.create(Parallel(tp_size=args.tp), range(args.tp), args.timeout_s)
-        assert self.groups is not None
+        groups = StageGroups.create(Parallel(tp_size=args.tp), range(args.tp), args.timeout_s)
+        assert groups is not None  # every rank of this world is in the layout
+        self.groups = groups
         spec = engine_spec(text_config(read_config(args.model_dir)))
         shard = ShardSpec(spec, self.groups.parallel, 0, rank)
         hints = {"page_size": args.page_size, "max_context": args.max_context, "chunk_tokens": args.chunk}

@@ -1,17 +1,20 @@
 """One prefill rank (PP stage x TP rank) of a disaggregated server: prefill, then hand over to the sender.
 
 Every rank of the prefill world reads the same command stream (``Prefill`` / ``Abort`` /
-``Stop``) from its pipe and runs requests one at a time in that order, so every chunk's
-collectives (stage-to-stage hidden states, TP all-reduce, logits broadcast) line up.
+``Probe`` / ``Stop``) from its pipe and runs requests one at a time in that order, so every
+chunk's collectives (stage-to-stage hidden states, TP all-reduce) line up.
 
 Per request: every rank matches the prompt in its own prefix cache and the world agrees on
 the shortest hit (an all-reduce MIN, repeated until every rank matches exactly that long:
 stages hold other pools, so their hits may differ); prefill computes from there in chunks
-(ending where any rank wants a state checkpoint: every rank cuts the same chunks), and the
-sender gets the request's *whole*
-KV/state, cached pages included (the plan sends what the decode side needs: every page of
-full-history pools, the window's pages of sliding ones, the slot of recurrent state). World
-rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank reports ``Sent``.
+(ending where any rank wants a state checkpoint: every rank cuts the same chunks). As soon
+as a stage has run its layers over the last chunk, it hands the request's *whole* KV/state
+(cached pages included; the plan sends what the decode side needs: every page of
+full-history pools, the window's pages of sliding ones, the slot of recurrent state) to its
+sender, so its transfer overlaps the later stages' compute; only then do the ranks take the
+first token from the last stage's logits (one broadcast per request, none per chunk). World
+rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank reports ``Sent``
+(with its compute and send windows).
 
 Invariants:
 - A request's pages and slot are held from admission until its sender reports it finished
@@ -108,8 +111,9 @@ class _Rank:
     def __init__(self, rank: int, conn: Connection, args: PrefillArgs, throttle: bool) -> None:
         self.rank, self.conn, self.args = rank, conn, args
         layout = Parallel(pp_size=args.pp, tp_size=args.tp)
-        self.groups = StageGroups.create(layout, range(args.pp * args.tp), args.timeout_s)
-        assert self.groups is not None
+        groups = StageGroups.create(layout, range(args.pp * args.tp), args.timeout_s)
+        assert groups is not None  # every rank of this world is in the layout
+        self.groups = groups
         self.runner = ShardRunner(
             args.model_dir,
             args.model_dir,
@@ -189,23 +193,26 @@ class _Rank:
                     span = p - start
                     break
             self.alloc.extend([req], [span])
-            logits = self.runner.forward(batch_of(req, ids[start : start + span], start))
+            out = self.runner.run_stage(batch_of(req, ids[start : start + span], start))
             req.fresh = False  # window pages stay until the sender finished
             self.alloc.chunk_done(req, ids)
             start += span
             self.progress()  # earlier requests' senders may have finished: report them now
-        first = int(torch.argmax(logits[0]))
         computed = time.monotonic()
-        if self.rank == 0:
-            self.conn.send(First(cmd.tid, first, computed))
         self.held[cmd.tid] = _Held(req, cmd.ids, (started, computed))
         self.requests += 1
+        # this stage's KV/state is complete: send it while the later stages still compute
         if cmd.fault == "stall-transfer":
             self.delayed[cmd.tid] = time.monotonic() + cmd.delay_s
-            return
-        if cmd.fault == "kill-prefill" and self.throttle is not None:
-            self.throttle.delay_s = cmd.delay_s
-        self.hand_over(cmd.tid)
+        else:
+            if cmd.fault == "kill-prefill" and self.throttle is not None:
+                self.throttle.delay_s = cmd.delay_s
+            self.hand_over(cmd.tid)
+        runner = self.runner
+        logits = out if runner.last else torch.empty(1, runner.model.vocab_size, dtype=runner.dtype)
+        self.groups.broadcast_from_last(logits.contiguous())
+        if self.rank == 0:
+            self.conn.send(First(cmd.tid, int(torch.argmax(logits[0])), time.monotonic()))
 
     def hand_over(self, tid: str) -> None:
         if tid not in self.held:  # its decode side gave up and the sender already reported it
