@@ -243,9 +243,11 @@ class PDServer:
         return req.index
 
     def result(self, handle: int, timeout_s: float | None = None) -> RequestResult:
+        """The request's outcome, once it ended (default wait: 4 x ``timeout_s`` of the config)."""
         req = self._requests[handle]
-        if not req.done.wait(self.config.timeout_s * 4 if timeout_s is None else timeout_s):
-            raise TimeoutError(f"request {handle} not finished after {timeout_s} s")
+        wait_s = self.config.timeout_s * 4 if timeout_s is None else timeout_s
+        if not req.done.wait(wait_s):
+            raise TimeoutError(f"request {handle} not finished after {wait_s} s")
         assert req.result is not None
         return req.result
 
