@@ -88,6 +88,8 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     )
     results, probes = [], []
     with PDServer(config) as server:
+        with pytest.raises(ValueError, match="exceeds max_context 256"):
+            server.submit(list(range(255)), MAX_NEW)
         for wave in ([0, 1, 2], [3, 4], [5, 6, 7]):
             handles = [server.submit(PROMPTS[i], MAX_NEW) for i in wave]
             results += [server.result(h, timeout_s=120) for h in handles]

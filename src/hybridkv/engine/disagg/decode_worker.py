@@ -12,6 +12,8 @@ batch (TP all-reduce inside the layers); a request ends after ``max_new`` tokens
 
 Invariants:
 - A request decodes only after every decode rank got Success from every prefill rank.
+- The TP ranks' memories are equal (same plan, same shard sizes) and apply the same commands
+  in the same order, so a reservation fails on every rank or on none.
 - Every reservation ends in exactly one of: adopted then retracted (finished or aborted),
   or failed in the receiver (its pages quarantined until every writer stopped or is proven
   gone, then freed by ``poll``). At ``Stop`` the rank drains (bounded), checks
@@ -53,7 +55,7 @@ from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.weights import read_config
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import Allocation, DecodeReceiver, Phase, SharedBuffer, make_transport, shared_memory
 from hybridkv.transfer.auth import ClusterKey
@@ -164,7 +166,7 @@ class _Rank:
         elif isinstance(command, Reserve):
             try:
                 got = self.receiver.request(command.tid, command.prefill_engine, command.seq_len)
-            except Exception as exc:  # no memory for it: nothing reserved
+            except (OutOfMemory, ValueError) as exc:  # no memory for it, or the id is in use: nothing reserved
                 self.conn.send(Failed(command.tid, f"decode TP rank {self.rank} cannot reserve it: {exc}"))
                 return
             self.pending[command.tid] = _Pending(command.seq_len, got)

@@ -234,6 +234,11 @@ class PDServer:
         """Queue one request (greedy, ``max_new`` tokens); returns its handle (the submission index)."""
         if not ids or max_new < 1:
             raise ValueError(f"a request needs at least one token and max_new >= 1, got {len(ids)} and {max_new}")
+        if len(ids) + max_new > self.config.max_context:
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens + {max_new} new exceeds max_context {self.config.max_context}; "
+                "shorten it, lower max_new or start the server with a larger max_context"
+            )
         if self._stopping:
             raise RuntimeError("the server is closed")
         req = _Request(len(self._requests), tuple(int(t) for t in ids), max_new, time.monotonic())
