@@ -17,6 +17,9 @@ rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank repor
 (with its compute and send windows).
 
 Invariants:
+- A request starts only when every rank can hold its whole prompt (free or evictable pages;
+  an all-reduce MIN of each rank's answer); otherwise every rank drops it and rank 0 reports
+  ``Failed`` (memory full), so no rank runs out of memory mid-prefill with its peers waiting.
 - A request's pages and slot are held from admission until its sender reports it finished
   (success or failure); then ``finish`` caches its prompt (pages and checkpoints: the KV is
   valid whatever the transfer did) and releases the rest. Windows are not trimmed while the
@@ -37,11 +40,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridkv.cache import PAGE_NEED
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.disagg.config import transport_options
 from hybridkv.engine.disagg.protocol import (
     Abort,
+    Failed,
     First,
     Live,
     Prefill,
@@ -55,7 +60,7 @@ from hybridkv.engine.disagg.protocol import (
 )
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
@@ -179,7 +184,17 @@ class _Rank:
             if agreed == cap:
                 break
             cap = agreed
-        self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.chunk, 0, force=True)
+        if not _agreed(int(self.admit(req, ids, cap))):
+            self.alloc.retract(req)
+            if self.rank == 0:
+                self.conn.send(
+                    Failed(
+                        cmd.tid,
+                        f"prefill memory is full: a prompt of {len(ids)} tokens does not fit on every prefill "
+                        f"rank beside the {len(self.held)} requests still being sent; retry later or raise gpu_memory",
+                    )
+                )
+            return
         if self.rank == 0:
             self.conn.send(Started(cmd.tid, started, req.length))
         wanted: list[tuple[int, ...]] = [()] * dist.get_world_size()
@@ -213,6 +228,19 @@ class _Rank:
         self.groups.broadcast_from_last(logits.contiguous())
         if self.rank == 0:
             self.conn.send(First(cmd.tid, int(torch.argmax(logits[0])), time.monotonic()))
+
+    def admit(self, req: RequestMemory, ids: list[int], cap: int) -> bool:
+        """Admit ``req`` at the agreed hit ``cap`` if every page its prompt needs is free or evictable
+        (pages the senders still read are neither); False (nothing held) otherwise."""
+        try:
+            self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.chunk, 0, force=True)
+        except OutOfMemory:
+            return False
+        need = req.live.pages_needed(len(ids))
+        short = need - self.mem.available_pages()
+        if short > 0:
+            self.alloc.kvm.evict({PAGE_NEED: short})
+        return need <= self.mem.available_pages()
 
     def hand_over(self, tid: str) -> None:
         if tid not in self.held:  # its decode side gave up and the sender already reported it

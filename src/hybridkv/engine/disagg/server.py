@@ -30,7 +30,8 @@ Faults. An engine death is retried once, a transfer failure is not:
   senders abort the old legs and release their pages.
 - a request whose retry is hit by a death again ends ``failed`` with both reasons.
 - a transfer timeout (decode side) or any other transfer failure ends that request ``failed``
-  with the transfer layer's reason; nothing else is affected.
+  with the transfer layer's reason, and so does a prompt the prefill memory cannot hold beside
+  the requests still being sent ("prefill memory is full"); nothing else is affected.
 - after ``restarts`` restarts of an engine it is reported lost (``lost``): every request not
   finished, and every new one, fails with the reason.
 Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
