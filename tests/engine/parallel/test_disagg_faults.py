@@ -14,6 +14,8 @@
   file outlives the server.
 - A prompt that fits on no prefill stage beside a request whose KV is still held fails at once
   with "prefill memory is full" (no worker dies); the next request is served token-exact.
+- Decode requests that outgrow the decode memory together: the newest fails with "decode memory
+  is full", the others finish token-exact; no worker dies, nothing leaks.
 """
 
 from __future__ import annotations
@@ -160,3 +162,32 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
     assert last.status == FINISHED and last.output_ids == single[0].tokens, last
     assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
     assert all(gone(pid) for pid in server.pids())
+
+
+def test_a_full_decode_memory_fails_the_newest_running_request_and_the_others_finish(tmp_path: Path) -> None:
+    # a 40 kB budget per decode TP rank: three 20-token prompts that each grow by 40 tokens outgrow it
+    # together, so the decode ranks drop the newest running request (or cannot reserve a later one)
+    # and finish the others
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    prompts = [tuple(prompt(60 + i, 20)) for i in range(3)]
+    max_new = 40
+    config = PDConfig(
+        str(tmp_path),
+        prefill_pp=2,
+        decode_tp=2,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=40_000,
+        max_context=64,
+    )
+    with PDServer(config) as server:
+        results = server.generate(prompts, max_new)
+        states = settled(server)
+    failed = [r for r in results if r.status == FAILED]
+    assert failed and all("decode memory is full" in r.reason for r in failed), results
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in prompts], CHUNK, max_new)
+    for r in results:
+        if r.status == FINISHED:
+            assert r.output_ids == single[r.index].tokens, r
+    assert len(failed) < len(results)
+    assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
