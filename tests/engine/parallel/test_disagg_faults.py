@@ -12,6 +12,10 @@
   finishes with the single-process engine's tokens; every surviving worker ends with the live
   pages and slots it started with; no process (killed, restarted or not) and no shared-memory
   file outlives the server.
+- A prompt that fits on no prefill stage beside a request whose KV is still held fails at once
+  with "prefill memory is full" (no worker dies); the next request is served token-exact.
+- Decode requests that outgrow the decode memory together: the newest fails with "decode memory
+  is full", the others finish token-exact; no worker dies, nothing leaks.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     )
     results, probes = [], []
     with PDServer(config) as server:
+        with pytest.raises(ValueError, match="exceeds max_context 256"):
+            server.submit(list(range(255)), MAX_NEW)
         for wave in ([0, 1, 2], [3, 4], [5, 6, 7]):
             handles = [server.submit(PROMPTS[i], MAX_NEW) for i in wave]
             results += [server.result(h, timeout_s=120) for h in handles]
@@ -125,3 +131,63 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     pids = server.pids()
     assert len(pids) == 8 and all(gone(pid) for pid in pids)
     assert len(server.shm_paths()) == 4 and not any(Path(p).exists() for p in server.shm_paths())
+
+
+def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(tmp_path: Path) -> None:
+    # a 40 kB budget per prefill process (pages and state checkpoints share its slabs): request 0's
+    # 55-token prompt stays pinned while its KV is held back past the decode timeout, so request 1
+    # (55 tokens more) fits on no stage and fails at once; request 2, after the first two ended, fits
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    prompts = [tuple(prompt(40 + i, 55)) for i in range(3)]
+    config = PDConfig(
+        str(tmp_path),
+        max_new=MAX_NEW,
+        prefill_pp=2,
+        decode_tp=2,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=40_000,
+        max_context=64,
+        transfer_timeout_s=2.0,
+        faults=(Fault("stall-transfer", 0, delay_s=3.0),),
+    )
+    with PDServer(config) as server:
+        first = server.generate(prompts[:2], MAX_NEW)
+        last = server.result(server.submit(prompts[2], MAX_NEW), timeout_s=120)
+        states = settled(server)
+    assert [r.status for r in first] == [FAILED] * 2
+    assert "timed out after 2.0 s" in first[0].reason, first[0]
+    assert "prefill memory is full: a prompt of 55 tokens" in first[1].reason, first[1]
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(prompts[2])], CHUNK, MAX_NEW)
+    assert last.status == FINISHED and last.output_ids == single[0].tokens, last
+    assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
+    assert all(gone(pid) for pid in server.pids())
+
+
+def test_a_full_decode_memory_fails_the_newest_running_request_and_the_others_finish(tmp_path: Path) -> None:
+    # a 40 kB budget per decode TP rank: three 20-token prompts that each grow by 40 tokens outgrow it
+    # together, so the decode ranks drop the newest running request (or cannot reserve a later one)
+    # and finish the others
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    prompts = [tuple(prompt(60 + i, 20)) for i in range(3)]
+    max_new = 40
+    config = PDConfig(
+        str(tmp_path),
+        prefill_pp=2,
+        decode_tp=2,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=40_000,
+        max_context=64,
+    )
+    with PDServer(config) as server:
+        results = server.generate(prompts, max_new)
+        states = settled(server)
+    failed = [r for r in results if r.status == FAILED]
+    assert failed and all("decode memory is full" in r.reason for r in failed), results
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in prompts], CHUNK, max_new)
+    for r in results:
+        if r.status == FINISHED:
+            assert r.output_ids == single[r.index].tokens, r
+    assert len(failed) < len(results)
+    assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states

@@ -12,6 +12,10 @@ batch (TP all-reduce inside the layers); a request ends after ``max_new`` tokens
 
 Invariants:
 - A request decodes only after every decode rank got Success from every prefill rank.
+- The TP ranks' memories are equal (same plan, same shard sizes) and apply the same commands
+  in the same order, so a reservation fails on every rank or on none, and so does a step's
+  growth: when the running batch cannot grow by one token, every rank drops its newest
+  request (``Failed``: decode memory is full) and steps without it.
 - Every reservation ends in exactly one of: adopted then retracted (finished or aborted),
   or failed in the receiver (its pages quarantined until every writer stopped or is proven
   gone, then freed by ``poll``). At ``Stop`` the rank drains (bounded), checks
@@ -53,7 +57,7 @@ from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.weights import read_config
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import Allocation, DecodeReceiver, Phase, SharedBuffer, make_transport, shared_memory
 from hybridkv.transfer.auth import ClusterKey
@@ -97,8 +101,9 @@ class _Running:
 class _Rank:
     def __init__(self, rank: int, conn: Connection, args: DecodeArgs) -> None:
         self.rank, self.conn, self.args = rank, conn, args
-        self.groups = StageGroups.create(Parallel(tp_size=args.tp), range(args.tp), args.timeout_s)
-        assert self.groups is not None
+        groups = StageGroups.create(Parallel(tp_size=args.tp), range(args.tp), args.timeout_s)
+        assert groups is not None  # every rank of this world is in the layout
+        self.groups = groups
         spec = engine_spec(text_config(read_config(args.model_dir)))
         shard = ShardSpec(spec, self.groups.parallel, 0, rank)
         hints = {"page_size": args.page_size, "max_context": args.max_context, "chunk_tokens": args.chunk}
@@ -163,8 +168,9 @@ class _Rank:
         elif isinstance(command, Reserve):
             try:
                 got = self.receiver.request(command.tid, command.prefill_engine, command.seq_len)
-            except Exception as exc:  # no memory for it: nothing reserved
-                self.conn.send(Failed(command.tid, f"decode TP rank {self.rank} cannot reserve it: {exc}"))
+            except OutOfMemory as exc:  # nothing reserved
+                reason = f"decode memory is full: TP rank {self.rank} cannot reserve {command.seq_len} tokens ({exc})"
+                self.conn.send(Failed(command.tid, reason))
                 return
             self.pending[command.tid] = _Pending(command.seq_len, got)
         elif isinstance(command, Decode) and command.tid in self.pending:
@@ -222,11 +228,22 @@ class _Rank:
         self.finish()
 
     def step(self) -> None:
+        while self.running:
+            reqs = [r.req for r in self.running]
+            prefix = [r.length for r in reqs]
+            try:
+                self.alloc.extend(reqs, [1] * len(reqs))
+                break
+            except OutOfMemory as exc:  # nothing grew: give up the newest request, try again without it
+                newest = self.running.pop()
+                self.alloc.retract(newest.req)
+                reason = (
+                    f"decode memory is full: TP rank {self.rank} cannot grow {len(reqs)} running requests by "
+                    f"one token ({exc}); retry later or raise gpu_memory"
+                )
+                self.conn.send(Failed(newest.tid, reason))
         if not self.running:
             return
-        reqs = [r.req for r in self.running]
-        prefix = [r.length for r in reqs]
-        self.alloc.extend(reqs, [1] * len(reqs))
         has_state = self.alloc.has_state
         batch = ForwardBatch.build(
             [r.tokens[-1:] for r in self.running],

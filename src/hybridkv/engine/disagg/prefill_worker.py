@@ -1,19 +1,25 @@
 """One prefill rank (PP stage x TP rank) of a disaggregated server: prefill, then hand over to the sender.
 
 Every rank of the prefill world reads the same command stream (``Prefill`` / ``Abort`` /
-``Stop``) from its pipe and runs requests one at a time in that order, so every chunk's
-collectives (stage-to-stage hidden states, TP all-reduce, logits broadcast) line up.
+``Probe`` / ``Stop``) from its pipe and runs requests one at a time in that order, so every
+chunk's collectives (stage-to-stage hidden states, TP all-reduce) line up.
 
 Per request: every rank matches the prompt in its own prefix cache and the world agrees on
 the shortest hit (an all-reduce MIN, repeated until every rank matches exactly that long:
 stages hold other pools, so their hits may differ); prefill computes from there in chunks
-(ending where any rank wants a state checkpoint: every rank cuts the same chunks), and the
-sender gets the request's *whole*
-KV/state, cached pages included (the plan sends what the decode side needs: every page of
-full-history pools, the window's pages of sliding ones, the slot of recurrent state). World
-rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank reports ``Sent``.
+(ending where any rank wants a state checkpoint: every rank cuts the same chunks). As soon
+as a stage has run its layers over the last chunk, it hands the request's *whole* KV/state
+(cached pages included; the plan sends what the decode side needs: every page of
+full-history pools, the window's pages of sliding ones, the slot of recurrent state) to its
+sender, so its transfer overlaps the later stages' compute; only then do the ranks take the
+first token from the last stage's logits (one broadcast per request, none per chunk). World
+rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank reports ``Sent``
+(with its compute and send windows).
 
 Invariants:
+- A request starts only when every rank can hold its whole prompt (free or evictable pages;
+  an all-reduce MIN of each rank's answer); otherwise every rank drops it and rank 0 reports
+  ``Failed`` (memory full), so no rank runs out of memory mid-prefill with its peers waiting.
 - A request's pages and slot are held from admission until its sender reports it finished
   (success or failure); then ``finish`` caches its prompt (pages and checkpoints: the KV is
   valid whatever the transfer did) and releases the rest. Windows are not trimmed while the
@@ -33,11 +39,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridkv.cache import PAGE_NEED
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.disagg.config import transport_options
 from hybridkv.engine.disagg.protocol import (
     Abort,
+    Failed,
     First,
     Live,
     Prefill,
@@ -51,7 +59,7 @@ from hybridkv.engine.disagg.protocol import (
 )
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
@@ -105,8 +113,9 @@ class _Rank:
     def __init__(self, rank: int, conn: Connection, args: PrefillArgs, throttle: bool) -> None:
         self.rank, self.conn, self.args = rank, conn, args
         layout = Parallel(pp_size=args.pp, tp_size=args.tp)
-        self.groups = StageGroups.create(layout, range(args.pp * args.tp), args.timeout_s)
-        assert self.groups is not None
+        groups = StageGroups.create(layout, range(args.pp * args.tp), args.timeout_s)
+        assert groups is not None  # every rank of this world is in the layout
+        self.groups = groups
         self.runner = ShardRunner(
             args.model_dir,
             args.model_dir,
@@ -170,7 +179,17 @@ class _Rank:
             if agreed == cap:
                 break
             cap = agreed
-        self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.chunk, 0, force=True)
+        if not _agreed(int(self.admit(req, ids, cap))):
+            self.alloc.retract(req)
+            if self.rank == 0:
+                self.conn.send(
+                    Failed(
+                        cmd.tid,
+                        f"prefill memory is full: a prompt of {len(ids)} tokens does not fit on every prefill "
+                        f"rank beside the {len(self.held)} requests still being sent; retry later or raise gpu_memory",
+                    )
+                )
+            return
         if self.rank == 0:
             self.conn.send(Started(cmd.tid, started, req.length))
         wanted: list[tuple[int, ...]] = [()] * dist.get_world_size()
@@ -184,23 +203,39 @@ class _Rank:
                     span = p - start
                     break
             self.alloc.extend([req], [span])
-            logits = self.runner.forward(batch_of(req, ids[start : start + span], start))
+            out = self.runner.run_stage(batch_of(req, ids[start : start + span], start))
             req.fresh = False  # window pages stay until the sender finished
             self.alloc.chunk_done(req, ids)
             start += span
             self.progress()  # earlier requests' senders may have finished: report them now
-        first = int(torch.argmax(logits[0]))
         computed = time.monotonic()
-        if self.rank == 0:
-            self.conn.send(First(cmd.tid, first, computed))
         self.held[cmd.tid] = _Held(req, cmd.ids, (started, computed))
         self.requests += 1
+        # this stage's KV/state is complete: send it while the later stages still compute
         if cmd.fault == "stall-transfer":
             self.delayed[cmd.tid] = time.monotonic() + cmd.delay_s
-            return
-        if cmd.fault == "kill-prefill" and self.throttle is not None:
-            self.throttle.delay_s = cmd.delay_s
-        self.hand_over(cmd.tid)
+        else:
+            if cmd.fault == "kill-prefill" and self.throttle is not None:
+                self.throttle.delay_s = cmd.delay_s
+            self.hand_over(cmd.tid)
+        runner = self.runner
+        logits = out if runner.last else torch.empty(1, runner.model.vocab_size, dtype=runner.dtype)
+        self.groups.broadcast_from_last(logits.contiguous())
+        if self.rank == 0:
+            self.conn.send(First(cmd.tid, int(torch.argmax(logits[0])), time.monotonic()))
+
+    def admit(self, req: RequestMemory, ids: list[int], cap: int) -> bool:
+        """Admit ``req`` at the agreed hit ``cap`` if every page its prompt needs is free or evictable
+        (pages the senders still read are neither); False (nothing held) otherwise."""
+        try:
+            self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.chunk, 0, force=True)
+        except OutOfMemory:
+            return False
+        need = req.live.pages_needed(len(ids))
+        short = need - self.mem.available_pages()
+        if short > 0:
+            self.alloc.kvm.evict({PAGE_NEED: short})
+        return need <= self.mem.available_pages()
 
     def hand_over(self, tid: str) -> None:
         if tid not in self.held:  # its decode side gave up and the sender already reported it

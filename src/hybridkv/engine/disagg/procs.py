@@ -1,9 +1,11 @@
 """EngineProcs: one engine's worker processes, in a ``torch.distributed`` world of their own.
 
 ``EngineProcs(name, main, size, args)`` spawns ``size`` processes; process ``r`` joins a
-world of ``size`` ranks at a fresh port on 127.0.0.1 (``init_world``; gloo on CPU) and runs
-``main(r, conn, *args)`` where ``conn`` is its end of a duplex pipe to the launcher. Two
-engines never share a world, so a death in one never breaks a collective of the other.
+world of ``size`` ranks (gloo on CPU) through a ``TCPStore`` the launcher itself serves on
+127.0.0.1 at a port the OS gave it (held from before the first spawn: no other world can
+take it between choosing and binding), and runs ``main(r, conn, *args)`` where ``conn`` is
+its end of a duplex pipe to the launcher. Two engines never share a world, so a death in
+one never breaks a collective of the other.
 
 Invariants:
 - A worker that raises sends ``Crash`` (its traceback) on its pipe and exits with code 1; one
@@ -21,6 +23,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,8 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridkv.engine.disagg.protocol import Command, Crash
-from hybridkv.engine.parallel.groups import init_world
-from hybridkv.engine.parallel.launch import _exit_with_parent, free_port
+from hybridkv.engine.parallel.groups import backend_for
+from hybridkv.engine.parallel.launch import _exit_with_parent
 
 
 def _child(
@@ -44,7 +47,9 @@ def _child(
 ) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     try:
-        init_world(rank, size, port, "cpu", timeout_s)
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend_for("cpu"), store=store, rank=rank, world_size=size, timeout=timeout)
         main(rank, conn, *args)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -61,7 +66,8 @@ class EngineProcs:
         self, name: str, main: Callable[..., None], size: int, args: tuple[Any, ...], timeout_s: float
     ) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self.store: dist.TCPStore | None = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self.store.port
         self.name = name
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
@@ -110,6 +116,7 @@ class EngineProcs:
                 p.join()
         for c in self.conns:
             c.close()
+        self.store = None  # stops serving the world's rendezvous
 
 
 def exit_reason(code: int | None) -> str:

@@ -30,7 +30,8 @@ Faults. An engine death is retried once, a transfer failure is not:
   senders abort the old legs and release their pages.
 - a request whose retry is hit by a death again ends ``failed`` with both reasons.
 - a transfer timeout (decode side) or any other transfer failure ends that request ``failed``
-  with the transfer layer's reason; nothing else is affected.
+  with the transfer layer's reason, and so does a prompt the prefill memory cannot hold beside
+  the requests still being sent ("prefill memory is full"); nothing else is affected.
 - after ``restarts`` restarts of an engine it is reported lost (``lost``): every request not
   finished, and every new one, fails with the reason.
 Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
@@ -234,6 +235,11 @@ class PDServer:
         """Queue one request (greedy, ``max_new`` tokens); returns its handle (the submission index)."""
         if not ids or max_new < 1:
             raise ValueError(f"a request needs at least one token and max_new >= 1, got {len(ids)} and {max_new}")
+        if len(ids) + max_new > self.config.max_context:
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens + {max_new} new exceeds max_context {self.config.max_context}; "
+                "shorten it, lower max_new or start the server with a larger max_context"
+            )
         if self._stopping:
             raise RuntimeError("the server is closed")
         req = _Request(len(self._requests), tuple(int(t) for t in ids), max_new, time.monotonic())
@@ -243,9 +249,11 @@ class PDServer:
         return req.index
 
     def result(self, handle: int, timeout_s: float | None = None) -> RequestResult:
+        """The request's outcome, once it ended (default wait: 4 x ``timeout_s`` of the config)."""
         req = self._requests[handle]
-        if not req.done.wait(self.config.timeout_s * 4 if timeout_s is None else timeout_s):
-            raise TimeoutError(f"request {handle} not finished after {timeout_s} s")
+        wait_s = self.config.timeout_s * 4 if timeout_s is None else timeout_s
+        if not req.done.wait(wait_s):
+            raise TimeoutError(f"request {handle} not finished after {wait_s} s")
         assert req.result is not None
         return req.result
 
