@@ -194,3 +194,41 @@ def test_radix_turns_wait_for_their_previous_turn_and_hit_it():
         assert res.hits[r.rid] >= seq - seq % 16  # the whole previous turn is cached
     assert res.hit_tokens / res.input_tokens > 0.8
     sim.verify()
+
+
+def test_checkpoint_placements_trade_state_hits_for_checkpoint_bytes():
+    """Qwen3-Next (full + GDN state), memory that evicts nothing: without placement no hit is
+    valid for the state; checkpoints at the trace's 512-token blocks (the prompt end rounded
+    to them, or every 512 tokens when the path cap lets them stay) bring the hybrid hit up to
+    what full KV alone hits, for checkpoint bytes the report counts."""
+    runs = {
+        "none": 8,
+        "prompt-aligned,branch,end": 8,
+        "prompt-aligned:512,branch": 8,
+        "interval:512": 8,
+        "interval:512,branch": 64,
+    }
+    workload, reports = load_workload(MOONCAKE_TRACE, limit=200), {}
+    for spec, cap in runs.items():
+        config = ReplayConfig("Qwen3-Next-80B-A3B-Instruct", "512GiB", checkpoints=spec, max_checkpoints_per_path=cap)
+        sim = Simulator(workload, config)
+        reports[spec, cap] = build_report(sim.run(), with_timeline=False)
+        sim.verify()
+    none, default = reports["none", 8], reports["prompt-aligned,branch,end", 8]
+    full = none["hit_rate_by_component"]["full_only"]
+    assert none["hit_rate"] == 0 and none["checkpoints"]["peak_bytes"] == 0
+    assert none["recomputed_tokens"] == full * none["input_tokens"]
+    assert 0 < default["hit_rate"] < full
+    for rep in reports.values():
+        assert rep["hit_rate_by_component"]["full_only"] == full  # nothing is evicted
+        ck = rep["checkpoints"]
+        assert ck["skipped"] == 0 and ck["peak_bytes"] >= ck["end_bytes"]
+        assert rep["recomputed_tokens"] == round((full - rep["hit_rate"]) * rep["input_tokens"])
+    aligned, capped, interval = (
+        reports["prompt-aligned:512,branch", 8],
+        reports["interval:512", 8],
+        reports["interval:512,branch", 64],
+    )
+    assert default["hit_rate"] < aligned["hit_rate"] and full - aligned["hit_rate"] < 0.001
+    assert capped["hit_rate"] < interval["hit_rate"] == full  # a path of 8 checkpoints drops the deep ones
+    assert interval["checkpoints"]["end_bytes"] > 5 * aligned["checkpoints"]["end_bytes"] > 0

@@ -1,4 +1,5 @@
-"""The pool split over simulated time, one panel per replay (e.g. per eviction policy)."""
+"""Figures of replays: the pool split over simulated time, one panel per replay (e.g. per
+eviction policy); hit rate against memory size, one line per policy and checkpoint placement."""
 
 from __future__ import annotations
 
@@ -33,6 +34,46 @@ def plot_pool_split(reports: list[dict[str, Any]], out: str | Path) -> Path:
         twin = ax.twinx()
         twin.plot(t, [s["running"] for s in timeline], color="black", linewidth=0.8, label="running")
         twin.set_ylabel("running requests")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_hit_vs_memory(reports: list[dict[str, Any]], out: str | Path) -> Path:
+    """Hit rate (served: valid for every component) against the memory budget, one line per
+    (policy, checkpoint placement), plus the full-KV-only hit rate of the ``none`` placement
+    (or of the first placement when ``none`` was not run) per policy, dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hybridkv.memory import parse_bytes
+
+    out = Path(out)
+    lines: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for rep in reports:
+        gib = parse_bytes(rep["gpu_memory"]) / 2**30
+        key = (rep["policy"], rep["checkpoints"]["placement"])
+        lines.setdefault(key, []).append((gib, rep["hit_rate"], rep["hit_rate_by_component"]["full_only"]))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    full_drawn: set[str] = set()
+    for (policy, placement), points in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1] != "none")):
+        points.sort()
+        x = [p[0] for p in points]
+        ax.plot(x, [p[1] for p in points], marker="o", label=f"hybrid, {placement} ({policy})")
+        if policy not in full_drawn:
+            full_drawn.add(policy)
+            ax.plot(x, [p[2] for p in points], "k--", marker="s", label=f"full KV only, {placement} run ({policy})")
+    first = reports[0]
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV memory per device (GiB)")
+    ax.set_ylabel("prefix hit rate (tokens)")
+    ax.set_title(f"{first['model']} on {first['workload']}, {first['requests']:,} requests", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -13,9 +13,12 @@ of; when nothing is evictable, admission waits, and a decode that cannot grow re
 newest request (it restarts later; its prompt stays cached).
 
 Hybrid rules: a request whose hit stops short of the cached full KV (``checkpoint_at``)
-keeps the window there and takes a state checkpoint there, so the next hit there becomes
-valid; it also checkpoints its state at its prompt's and its sequence's page-aligned ends.
-A hit is capped at ``input_length - 1`` tokens: the engine computes at least one token.
+keeps the window there. State checkpoints go where the manager's placement wants them
+(``ReplayConfig.checkpoints``, ``cache/placement.py``: by default the branch point and the
+prompt's and the sequence's page-aligned ends), reserved at admission (and at finish for
+the sequence end); one that finds no room even after eviction is skipped (counted), as
+the engine skips it. A hit is capped at ``input_length - 1`` tokens: the engine computes
+at least one token.
 
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
 request): allocation with eviction, window release, checkpoints, insert, release.
@@ -30,7 +33,6 @@ both the memory and the tree when asked).
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import math
 import time
@@ -42,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.memory import OutOfMemory, UnifiedMemory, parse_bytes
 from hybridkv.replay.workload import ReplayRequest, Workload
 from hybridkv.spec import ShardSpec, get_preset
@@ -77,6 +80,8 @@ class ReplayConfig:
     cache_tokens: int | None = None
     """Most tokens the cache may keep (None: bounded by memory only)."""
     max_checkpoints_per_path: int = 8
+    checkpoints: str = DEFAULT
+    """State checkpoint placement spec (``cache/placement.py``), e.g. "interval:512,branch"."""
     engine: EngineModel = field(default_factory=EngineModel)
     samples: int = 200
     """Samples of the pool split over the trace's time span."""
@@ -113,6 +118,14 @@ class ReplayResult:
     checkpoint_hit_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    recomputed_tokens: int = 0
+    """Prefill tokens whose full KV the cache held (each admission's ``full_length - length``)."""
+    checkpoints_skipped: int = 0
+    """Checkpoints the placement wanted that found no room even after eviction."""
+    peak_checkpoint_slots: int = 0
+    """Most state slots held as checkpoints (cached or reserved) after any step."""
+    end_checkpoint_slots: int = 0
+    state_slot_bytes: int = 0
     retractions: int = 0
     peak_running: int = 0
     peak_waiting: int = 0
@@ -150,10 +163,12 @@ class Simulator:
         self.cache = HybridRadixCache(
             self.mem, policy=config.policy, max_checkpoints_per_path=config.max_checkpoints_per_path
         )
-        self.kvm = KVManager(self.cache)
+        self.kvm = KVManager(self.cache, config.checkpoints)
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
         self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(str(p) for p in self.mem.pools))
+        state_rule = self.cache.rules.checkpoint
+        self.result.state_slot_bytes = state_rule.cell_bytes if state_rule is not None else 0
         self.clock = 0.0
         self._admitted: set[int] = set()
         self._stalled = False
@@ -203,12 +218,15 @@ class Simulator:
             res.peak_running = max(res.peak_running, len(running))
             res.peak_waiting = max(res.peak_waiting, len(waiting))
             res.peak_live_pages = max(res.peak_live_pages, self.mem.pages.live_count)
+            if self.kvm.has_state:  # every live slot but the running states is a checkpoint
+                res.peak_checkpoint_slots = max(res.peak_checkpoint_slots, self.mem.slots.live_count - len(running))
             if self.clock >= next_sample:
                 res.timeline.append(self._sample(len(running), len(waiting)))
                 next_sample = self.clock + max(span, 1.0) / max(1, self.config.samples)
             if self.config.verify_every and res.steps % self.config.verify_every == 0:
                 self.verify()
         res.timeline.append(self._sample(0, 0))
+        res.end_checkpoint_slots = self.cache.num_checkpoints
         res.sim_seconds = self.clock
         res.trace_seconds = span
         res.wall_seconds = time.perf_counter() - started
@@ -247,23 +265,23 @@ class Simulator:
 
     def _prefill(self, req: ReplayRequest) -> tuple[_Running, int] | None:
         """Match, admit, allocate and 'compute' the prompt, insert it; None if memory is short."""
-        ps, kvm = self.ps, self.kvm
+        kvm = self.kvm
         tokens = req.input_ids()
         match = kvm.match(tokens[: req.input_length - 1])
         try:
             kv = kvm.admit(match)
         except OutOfMemory:
             return None
-        prompt_end = req.input_length - req.input_length % ps
+        wanted = kvm.wanted_checkpoints(kv, req.input_length)
+        for at in wanted:
+            self._reserve(kv, at)
+        ends = deque(wanted)
         try:
-            if kvm.has_state:
-                for pos in {match.checkpoint_at, prompt_end} - {None, 0}:
-                    assert pos is not None
-                    if pos > match.length:
-                        kvm.reserve_checkpoint(kv, pos)
             pos = match.length
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
+                if ends and ends[0] <= nxt:  # a chunk ends where a checkpoint is wanted
+                    nxt = ends.popleft()
                 kvm.extend(kv, nxt)
                 kvm.release_windows([kv])
                 pos = nxt
@@ -275,6 +293,7 @@ class Simulator:
         computed = req.input_length - match.length
         res = self.result
         res.prefill_tokens += computed
+        res.recomputed_tokens += match.full_length - match.length
         if req.rid not in self._admitted:  # hits count once: a retracted request hits its own prompt
             self._admitted.add(req.rid)
             res.requests += 1
@@ -319,14 +338,21 @@ class Simulator:
 
     def _finish(self, r: _Running) -> None:
         self._stalled = False
-        ps, kv, req = self.ps, r.kv, r.req
+        kv, req = r.kv, r.req
         seq = np.concatenate([r.tokens, req.output_ids()])
-        end = seq.size - seq.size % ps
-        if self.kvm.has_state and end > kv.cached * ps:
-            with contextlib.suppress(OutOfMemory):  # no room: cache the sequence without it
-                self.kvm.reserve_checkpoint(kv, end)
+        at = self.kvm.finish_checkpoint(kv)
+        if at is not None:
+            self._reserve(kv, at)
         self.kvm.finish(kv, seq)
         self._cap_cache()
+
+    def _reserve(self, kv: KVHandle, at: int) -> None:
+        """A checkpoint slot for the state after ``at`` tokens; none when even eviction finds
+        no room (the request goes on without it, as the engine's does)."""
+        try:
+            self.kvm.reserve_checkpoint(kv, at)
+        except OutOfMemory:
+            self.result.checkpoints_skipped += 1
 
     def _cap_cache(self) -> None:
         cap = self.config.cache_tokens
