@@ -87,6 +87,11 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.residency.owned[match.pages].all()
         assert (match.checkpoint is not None) == (self.cache.rules.checkpoint is not None and match.length > 0)
         assert match.checkpoint_at == (match.full_length if match.full_length > match.length else None)
+        each = match.window_lengths
+        assert len(each) == len(self.cache.rules.windows) and all(n % self.page_size == 0 for n in each)
+        if each:  # each window alone is at least as long as all of them together
+            assert match.window_length <= min(each) and max(each) <= match.full_length
+            assert len(each) > 1 or each == (match.window_length,)
 
     def aligned(self, n: int) -> int:
         return n - n % self.page_size

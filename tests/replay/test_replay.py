@@ -103,6 +103,9 @@ def test_hybrid_rules_cost_hits_but_never_exceed_full_only(mooncake, model, memo
     assert round(rate["full_only"] * inputs) == hit  # unbounded: the full-KV match is the bound
     assert rate["all"] <= min(rate["full+swa"], rate["full+state"]) <= rate["full_only"]
     assert 0 < rate["all"] < rate["full_only"]  # the first sharer of a prefix leaves no valid hit
+    windows = {k for k in rate if k.startswith("full+swa:")}  # each window pool alone
+    assert windows == ({"full+swa:1024"} if model.startswith("Gemma") else set())
+    assert all(rate[k] == rate["full+swa"] for k in windows)  # one window: the same rule
     assert report["validity_cost"]["all"] == pytest.approx(rate["full_only"] - rate["all"])
     sim.verify()
 
@@ -136,6 +139,9 @@ def test_under_pressure_every_request_is_served_and_nothing_leaks(model, memory,
     assert stats["evicted_pages"] > 0 and stats["open_locks"] == 0
     assert sim.mem.pages.live_count == sim.cache.cached_pages, "a page outlived its request"
     assert sim.mem.slots.live_count == sim.cache.num_checkpoints, "a state slot outlived its request"
+    rate = build_report(res, with_timeline=False)["hit_rate_by_component"]
+    each = [v for k, v in rate.items() if k.startswith("full+swa:")]  # each window pool alone
+    assert len(each) == len(sim.cache.rules.windows) and all(rate["full+swa"] <= v <= rate["full_only"] for v in each)
     sim.verify()
 
 

@@ -3,9 +3,10 @@
 Per component, a hit is counted at the longest length valid for that set of rules:
 ``full_only`` (page-aligned full-KV match), ``full+swa`` (plus every window resident),
 ``full+state`` (plus a recurrent-state checkpoint at the end), ``all`` (every rule: the hit
-served). A model without windows (or without recurrent layers) has ``full+swa`` (or
-``full+state``) equal to ``full_only``: a rule it does not have costs nothing.
-``validity_cost`` is how much hit rate each rule costs against full-only.
+served), and ``full+<pool>`` per window pool (that window alone). A model without windows
+(or without recurrent layers) has ``full+swa`` (or ``full+state``) equal to ``full_only``: a
+rule it does not have costs nothing. ``validity_cost`` is how much hit rate each rule costs
+against full-only.
 ``checkpoints``: the placement, the state checkpoints held (cached or reserved: peak and
 at the end, in slots and bytes) and those skipped for lack of room; ``recomputed_tokens``:
 prefill tokens whose full KV was cached but not valid for every component.
@@ -26,6 +27,7 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
         "full+swa": res.window_hit_tokens / inputs,
         "full+state": res.checkpoint_hit_tokens / inputs,
         "all": res.hit_tokens / inputs,
+        **{f"full+{label}": n / inputs for label, n in res.window_hit_tokens_each.items()},
     }
     cache = res.cache
     report: dict[str, Any] = {

@@ -115,6 +115,8 @@ class ReplayResult:
     hit_tokens: int = 0
     full_hit_tokens: int = 0
     window_hit_tokens: int = 0
+    window_hit_tokens_each: dict[str, int] = field(default_factory=dict)
+    """Per window pool (its label): tokens of the hits valid for full KV and that window alone."""
     checkpoint_hit_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -167,6 +169,8 @@ class Simulator:
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
         self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(str(p) for p in self.mem.pools))
+        self._window_labels = tuple(w.label for w in self.cache.rules.windows)
+        self.result.window_hit_tokens_each = dict.fromkeys(self._window_labels, 0)
         state_rule = self.cache.rules.checkpoint
         self.result.state_slot_bytes = state_rule.cell_bytes if state_rule is not None else 0
         self.clock = 0.0
@@ -301,6 +305,8 @@ class Simulator:
             res.hit_tokens += match.length
             res.full_hit_tokens += match.full_length
             res.window_hit_tokens += match.window_length
+            for label, n in zip(self._window_labels, match.window_lengths, strict=True):
+                res.window_hit_tokens_each[label] += n
             res.checkpoint_hit_tokens += match.checkpoint_length
             res.hits[req.rid] = match.length
         return _Running(req, kv, tokens), computed
