@@ -15,9 +15,10 @@ newest request (it restarts later; its prompt stays cached).
 Hybrid rules: a request whose hit stops short of the cached full KV (``checkpoint_at``)
 keeps the window there. State checkpoints go where the manager's placement wants them
 (``ReplayConfig.checkpoints``, ``cache/placement.py``: by default the branch point and the
-prompt's and the sequence's page-aligned ends), reserved at admission (and at finish for
-the sequence end); one that finds no room even after eviction is skipped (counted), as
-the engine skips it. A hit is capped at ``input_length - 1`` tokens: the engine computes
+prompt's and the sequence's page-aligned ends), reserved at admission like the prompt's
+pages (a request waits for them; one that cannot fit with them even alone goes on without
+them) and at finish for the sequence end (skipped when even eviction finds no room);
+skipped ones are counted. A hit is capped at ``input_length - 1`` tokens: the engine computes
 at least one token.
 
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
@@ -252,6 +253,8 @@ class Simulator:
             if prefilled and prefilled >= self.engine.max_prefill_tokens:
                 break
             got = self._prefill(waiting[0])
+            if got is None and not running and not prefilled:  # alone: without its checkpoints, if they are why
+                got = self._prefill(waiting[0], with_checkpoints=False)
             if got is None:
                 self._stalled = True
                 if not running and not prefilled:
@@ -267,8 +270,11 @@ class Simulator:
             prefilled += got[1]
         return prefilled
 
-    def _prefill(self, req: ReplayRequest) -> tuple[_Running, int] | None:
-        """Match, admit, allocate and 'compute' the prompt, insert it; None if memory is short."""
+    def _prefill(self, req: ReplayRequest, with_checkpoints: bool = True) -> tuple[_Running, int] | None:
+        """Match, admit, reserve the placement's checkpoints, allocate and 'compute' the prompt,
+        insert it; None if memory is short (for its pages or its checkpoints: it waits, as for
+        pages). ``with_checkpoints=False``: a request alone that cannot fit with them goes on
+        without them (counted as skipped)."""
         kvm = self.kvm
         tokens = req.input_ids()
         match = kvm.match(tokens[: req.input_length - 1])
@@ -277,10 +283,13 @@ class Simulator:
         except OutOfMemory:
             return None
         wanted = kvm.wanted_checkpoints(kv, req.input_length)
-        for at in wanted:
-            self._reserve(kv, at)
+        if not with_checkpoints:
+            self.result.checkpoints_skipped += len(wanted)
         ends = deque(wanted)
         try:
+            if with_checkpoints:
+                for at in wanted:
+                    kvm.reserve_checkpoint(kv, at)
             pos = match.length
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
@@ -348,17 +357,12 @@ class Simulator:
         seq = np.concatenate([r.tokens, req.output_ids()])
         at = self.kvm.finish_checkpoint(kv)
         if at is not None:
-            self._reserve(kv, at)
+            try:
+                self.kvm.reserve_checkpoint(kv, at)
+            except OutOfMemory:  # no room even after eviction: cache the sequence without it
+                self.result.checkpoints_skipped += 1
         self.kvm.finish(kv, seq)
         self._cap_cache()
-
-    def _reserve(self, kv: KVHandle, at: int) -> None:
-        """A checkpoint slot for the state after ``at`` tokens; none when even eviction finds
-        no room (the request goes on without it, as the engine's does)."""
-        try:
-            self.kvm.reserve_checkpoint(kv, at)
-        except OutOfMemory:
-            self.result.checkpoints_skipped += 1
 
     def _cap_cache(self) -> None:
         cap = self.config.cache_tokens
