@@ -5,6 +5,7 @@ every request is served, nothing leaks, and the cache cap holds."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -238,3 +239,17 @@ def test_checkpoint_placements_trade_state_hits_for_checkpoint_bytes():
     assert default["hit_rate"] < aligned["hit_rate"] and full - aligned["hit_rate"] < 0.001
     assert capped["hit_rate"] < interval["hit_rate"] == full  # a path of 8 checkpoints drops the deep ones
     assert interval["checkpoints"]["end_bytes"] > 5 * aligned["checkpoints"]["end_bytes"] > 0
+
+
+def test_a_request_that_cannot_fit_with_its_checkpoints_goes_on_without_them():
+    """Checkpoints every page of tiny-gdn (state slots 6x a page) do not fit next to a long
+    prompt in 450 KB: a request waits for them like for its pages, and once alone goes on
+    without them (counted as skipped); every request is served and nothing leaks."""
+    workload = synthetic()
+    engine = EngineModel(max_running=8, decode_chunk=4, chunk_tokens=32)
+    config = ReplayConfig("tiny-gdn", 450_000, page_size=4, checkpoints="interval:4,branch", engine=engine)
+    sim = Simulator(workload, replace(config, verify_every=1))
+    report = build_report(sim.run(), with_timeline=False)
+    assert report["requests"] == len(workload.requests) and report["checkpoints"]["skipped"] > 0
+    assert sim.mem.slots.live_count == sim.cache.num_checkpoints
+    sim.verify()
