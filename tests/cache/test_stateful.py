@@ -1,18 +1,20 @@
 """Stateful tests of manager + cache + memory together, against a brute-force oracle.
 
 Requests start through ``KVManager`` (match, admit, extend with eviction, maybe release
-out-of-window pages: window-cached, reserve or copy state checkpoints), settle (insert their
-prompt and relock), finish (insert, release) or abort (release), while the cache evicts on
-demand, on its own and under allocation pressure (window-cached cells before anything the
-tree holds). After every step: ``mem.verify()``, ``cache.check()`` (window-cached cells
-counted as their own category by both), every running request still holds every page it
-needs (full KV, and each window's span), and the event-fed oracle equals the tree. Every
-match must equal the event oracle's longest valid hit, never exceed what was ever inserted,
-and equal it while nothing was evicted.
+out-of-window pages: window-cached, reserve or copy state checkpoints: where the machine's
+checkpoint placement wants them and at random positions), settle (insert their prompt and
+relock), finish (insert, release) or abort (release), while the cache evicts on demand, on
+its own and under allocation pressure (window-cached cells before anything the tree holds).
+After every step: ``mem.verify()``, ``cache.check()`` (window-cached cells counted as their
+own category by both), every running request still holds every page it needs (full KV, and
+each window's span), and the event-fed oracle equals the tree. Every match must equal the
+event oracle's longest valid hit, never exceed what was ever inserted, and equal it while
+nothing was evicted.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,12 +57,13 @@ class CacheMachine(RuleBasedStateMachine):
     policy = "lru"
     page_size = 4
     cap = 8
+    placement = "prompt-aligned,branch,end"
 
     def __init__(self) -> None:
         super().__init__()
         self.mem = small_memory(self.preset, self.page_size)
         self.cache = HybridRadixCache(self.mem, policy=self.policy, max_checkpoints_per_path=self.cap, events=True)
-        self.kvm = KVManager(self.cache)
+        self.kvm = KVManager(self.cache, self.placement)
         self.exact = oracle_for(self.cache)
         self.inserted = oracle_for(self.cache)
         self.running: list[Running] = []
@@ -87,6 +90,11 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.residency.owned[match.pages].all()
         assert (match.checkpoint is not None) == (self.cache.rules.checkpoint is not None and match.length > 0)
         assert match.checkpoint_at == (match.full_length if match.full_length > match.length else None)
+        each = match.window_lengths
+        assert len(each) == len(self.cache.rules.windows) and all(n % self.page_size == 0 for n in each)
+        if each:  # each window alone is at least as long as all of them together
+            assert match.window_length <= min(each) and max(each) <= match.full_length
+            assert len(each) > 1 or each == (match.window_length,)
 
     def aligned(self, n: int) -> int:
         return n - n % self.page_size
@@ -122,7 +130,12 @@ class CacheMachine(RuleBasedStateMachine):
         assert (kv.state_slot is not None) == self.kvm.has_state
         try:
             ps = self.page_size
-            if self.kvm.has_state and ckpt_mask & 1 and match.length + ps <= len(tokens):
+            wanted = self.kvm.wanted_checkpoints(kv, len(tokens))
+            assert all(match.length < p <= len(tokens) and p % ps == 0 for p in wanted)
+            for pos in wanted:  # the placement's positions, reserved before prefill reaches them
+                self.kvm.reserve_checkpoint(kv, pos)
+            first = match.length + ps
+            if self.kvm.has_state and ckpt_mask & 1 and first <= len(tokens) and first not in kv.checkpoints:
                 self.kvm.extend(kv, match.length + ps)
                 self.kvm.checkpoint(kv)  # a copy of the running state, now
             self.kvm.extend(kv, len(tokens))
@@ -172,6 +185,11 @@ class CacheMachine(RuleBasedStateMachine):
     def finish(self, data):
         req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
         kv = req.kv
+        at = self.kvm.finish_checkpoint(kv)
+        if at is not None:
+            assert at == self.aligned(kv.seq_len) > kv.cached * self.page_size and at not in kv.checkpoints
+            with contextlib.suppress(OutOfMemory):  # an optimisation: without room it finishes without it
+                self.kvm.reserve_checkpoint(kv, at)
         self._insert(req, final=True)
         assert kv.status is HandleStatus.COMMITTED
         self.refused(CacheError, "committed", self.kvm.extend, kv, len(req.tokens) + 1)
@@ -286,8 +304,9 @@ class CacheMachine(RuleBasedStateMachine):
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
 
 
-def _machine(preset: str, policy: str, cap: int = 8) -> type[CacheMachine]:
-    return type(f"Machine_{preset}_{policy}", (CacheMachine,), {"preset": preset, "policy": policy, "cap": cap})
+def _machine(preset: str, policy: str, cap: int = 8, placement: str = CacheMachine.placement) -> type[CacheMachine]:
+    attrs = {"preset": preset, "policy": policy, "cap": cap, "placement": placement}
+    return type(f"Machine_{preset}_{policy}", (CacheMachine,), attrs)
 
 
 TestSwa2State = SETTINGS(_machine("tiny-swa2-state", "lru")).TestCase
@@ -296,3 +315,8 @@ TestGdnCostCap = SETTINGS(_machine("tiny-gdn", "cost", cap=2)).TestCase
 TestSwa2Lfu = SETTINGS(_machine("tiny-swa2-state", "lfu", cap=3)).TestCase
 TestDensePriority = SETTINGS(_machine("tiny-dense", "priority")).TestCase
 TestKdaMla = SETTINGS(_machine("tiny-kda-mla", "lru", cap=3)).TestCase
+TestPlacementNone = SETTINGS(_machine("tiny-swa2-state", "lru", placement="none")).TestCase
+TestPlacementInterval = SETTINGS(_machine("tiny-gdn", "cost", cap=3, placement="interval:8")).TestCase
+TestPlacementAligned = SETTINGS(_machine("tiny-swa2-state", "lru", placement="prompt-aligned:8,end")).TestCase
+TestPlacementBranch = SETTINGS(_machine("tiny-kda-mla", "lfu", cap=2, placement="branch")).TestCase
+TestPlacementAll = SETTINGS(_machine("tiny-gdn", "lru", placement="interval:4,prompt-aligned:8,branch,end")).TestCase

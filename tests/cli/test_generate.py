@@ -27,7 +27,7 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
 def test_random_model_outputs_equal_transformers_generate(name: str, tmp_path: Path, capsys) -> None:
     file = _jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in PROMPTS])
     args = ["generate", "--random", name, "--prompts", str(file), "--max-new-tokens", "7", "--chunk-size", "5"]
-    report = _run([*args, "--page-size", "4", "--json"], capsys)
+    report = _run([*args, "--page-size", "4", "--checkpoints", "interval:8,branch,end", "--json"], capsys)
     assert [r["output_ids"] for r in report["requests"]] == [hf_reference(name, tuple(p), 7)[0] for p in PROMPTS]
     assert {r["error"] for r in report["requests"]} == {None}
     totals = report["totals"]
@@ -96,6 +96,8 @@ def _bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
         ([*RANDOM, "--prompts", str(good), "--chunk-size", "-3"], "--chunk-size"),
         ([*RANDOM, "--prompts", str(good), "--temperature", "-1"], "--temperature"),
         ([*RANDOM, "--prompts", str(good), "--gpu-memory", "lots"], "cannot read 'lots'"),
+        ([*RANDOM, "--prompts", str(good), "--checkpoints", "interval:6"], "positive multiple of the page size 16"),
+        ([*RANDOM, "--prompts", str(good), "--checkpoints", "often"], "unknown checkpoint placement 'often'"),
         ([*RANDOM, "--prompts", str(good), "--gpu-memory", "20KiB"], "one request of 512 tokens needs"),
     ]
     for name, (text, says) in BAD_FILES.items():

@@ -137,6 +137,30 @@ def test_a_hit_inside_one_chunk_starts_prefill_at_the_hit() -> None:
     assert out.output_ids == hf_reference("tiny-qwen3-next", tuple(ids), 4)[0]
 
 
+@pytest.mark.parametrize("name", sorted(HAS_STATE))
+def test_a_branch_checkpoint_inside_a_chunk_is_hit_exactly(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placement ``branch`` only: the first request caches its KV without any checkpoint; the
+    second shares 45 tokens with it, so its match is cut at the branch p = 44 (pages of 4), which
+    lies inside a prefill chunk (chunks of 7): prefill ends a chunk at 44 and stores the state
+    there. The third hits exactly there, on the state component, and every output equals
+    transformers'. Without a placement nothing is stored and the third computes everything."""
+    p = 44
+    third = SHARED + prompt(920, 5)
+    for placement, hit in (("branch", p), ("none", 0)):
+        engine = _engine(name, 2_000_000, 4, checkpoints=placement)
+        logits = Logits(monkeypatch)
+        first, second = engine.generate([FIRST], 3)[0], engine.generate([LATER[0]], 3)[0]
+        assert first.cached_tokens == second.cached_tokens == 0
+        assert second.hit is not None and second.hit.full == p and p % CHUNK
+        logits.rows.clear()
+        out = engine.generate([third], 4, on_output=_checked(engine))[0]
+        assert out.hit is not None and (out.cached_tokens, out.hit.checkpoint, out.hit.full) == (hit, hit, p)
+        logits.check(name, 0, third, out, 4)
+        assert second.output_ids == hf_reference(name, tuple(LATER[0]), 3)[0]
+        engine.clear_cache()
+        engine.mem.verify()
+
+
 def test_without_the_prefix_cache_nothing_is_cached() -> None:
     engine = _engine("tiny-gemma3", 2_000_000, 4, prefix_cache=False)
     engine.generate([FIRST], 4)
@@ -168,8 +192,11 @@ def test_a_small_budget_retracts_and_evicts_and_stays_exact(
     """18 requests of mixed lengths in 4 prefix groups, one bad request among them: the cache evicts
     to make room, requests are retracted (and resume from what they cached); all exact. (At such a
     budget the cache mostly thrashes; hits are proven above.) Nemotron-H's large state slots admit
-    few requests at once below 200 KB, too few to run out of memory."""
-    engine = _engine(name, 200_000 if name == "tiny-nemotron-h" else 150_000, page_size)
+    few requests at once below 200 KB, too few to run out of memory. Checkpoints every 8 tokens
+    (every page of 16) take state slots from the same budget: prefill chunks end there too."""
+    placement = f"interval:{max(8, page_size)},prompt-aligned,branch,end"
+    budget = 200_000 if name == "tiny-nemotron-h" else 150_000
+    engine = _engine(name, budget, page_size, checkpoints=placement)
     empty = live_counts(engine.mem)
     logits = Logits(monkeypatch)
     batch = [*MIXED[:5], [], *MIXED[5:9], [3, 999], *MIXED[9:]]

@@ -75,3 +75,28 @@ def test_bench_protocol_hits_the_token_trie_bound_and_matches_the_baseline():
         small[impl.__name__] = res.matched
         mem.verify()
     assert np.isclose(small["HybridBench"], small["PageHashCache"], rtol=0.05)  # both LRU
+
+
+def test_replay_sweeps_memory_and_placements_into_a_hit_rate_plot(tmp_path):
+    png = tmp_path / "hit.png"
+    args = ["replay", "--trace", str(MOONCAKE_TRACE), "--model", "Qwen3-Next-80B-A3B-Instruct", "--limit", "30"]
+    args += ["--gpu-memory", "20GiB,40GiB", "--checkpoints", "none", "--checkpoints", "prompt-aligned:512,branch"]
+    result = runner.invoke(app, [*args, "--json", "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    runs = [(r["gpu_memory"], r["checkpoints"]["placement"]) for r in out["runs"]]
+    assert runs == [(m, c) for m in ("20GiB", "40GiB") for c in ("none", "prompt-aligned:512,branch")]
+    assert [(row["gpu_memory"], row["checkpoints"]) for row in out["comparison"]] == runs
+    for run in out["runs"]:
+        rate = run["hit_rate_by_component"]
+        assert run["hit_rate"] <= rate["full+state"] <= rate["full_only"]
+        assert {"peak_bytes", "end_bytes", "skipped"} <= set(run["checkpoints"]) and run["recomputed_tokens"] >= 0
+    assert out["runs"][0]["hit_rate"] == 0 < out["runs"][1]["hit_rate"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0 and "by component rules" in table.stdout and "40GiB" in table.stdout
+    for bad, message in (("interval:500", "multiple of the page size 16"), ("sometimes", "unknown checkpoint")):
+        refused = runner.invoke(app, [*args, "--checkpoints", bad])
+        assert refused.exit_code != 0 and message in refused.output
+    refused = runner.invoke(app, [*args[:-4], "--gpu-memory", "20GiB,lots"])
+    assert refused.exit_code != 0 and "lots" in refused.output

@@ -5,6 +5,7 @@ every request is served, nothing leaks, and the cache cap holds."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -108,6 +109,9 @@ def test_hybrid_rules_cost_hits_but_never_exceed_full_only(mooncake, model, memo
         assert 0 < rate["all"] < rate["full_only"]
     else:  # window pages that left a window stay window-cached: with room for them, no hit is lost
         assert rate["all"] == rate["full_only"] > 0
+    windows = {k for k in rate if k.startswith("full+swa:")}  # each window pool alone
+    assert windows == ({"full+swa:1024"} if model.startswith("Gemma") else set())
+    assert all(rate[k] == rate["full+swa"] for k in windows)  # one window: the same rule
     assert report["validity_cost"]["all"] == pytest.approx(rate["full_only"] - rate["all"])
     sim.verify()
 
@@ -141,6 +145,9 @@ def test_under_pressure_every_request_is_served_and_nothing_leaks(model, memory,
     assert stats["evicted_pages"] > 0 and stats["open_locks"] == 0
     assert sim.mem.pages.live_count == sim.cache.cached_pages, "a page outlived its request"
     assert sim.mem.slots.live_count == sim.cache.num_checkpoints, "a state slot outlived its request"
+    rate = build_report(res, with_timeline=False)["hit_rate_by_component"]
+    each = [v for k, v in rate.items() if k.startswith("full+swa:")]  # each window pool alone
+    assert len(each) == len(sim.cache.rules.windows) and all(rate["full+swa"] <= v <= rate["full_only"] for v in each)
     sim.verify()
 
 
@@ -198,4 +205,56 @@ def test_radix_turns_wait_for_their_previous_turn_and_hit_it():
         seq = prev.input_length + prev.output_length
         assert res.hits[r.rid] >= seq - seq % 16  # the whole previous turn is cached
     assert res.hit_tokens / res.input_tokens > 0.8
+    sim.verify()
+
+
+def test_checkpoint_placements_trade_state_hits_for_checkpoint_bytes():
+    """Qwen3-Next (full + GDN state), memory that evicts nothing: without placement no hit is
+    valid for the state; checkpoints at the trace's 512-token blocks (the prompt end rounded
+    to them, or every 512 tokens when the path cap lets them stay) bring the hybrid hit up to
+    what full KV alone hits, for checkpoint bytes the report counts."""
+    runs = {
+        "none": 8,
+        "prompt-aligned,branch,end": 8,
+        "prompt-aligned:512,branch": 8,
+        "interval:512": 8,
+        "interval:512,branch": 64,
+    }
+    workload, reports = load_workload(MOONCAKE_TRACE, limit=200), {}
+    for spec, cap in runs.items():
+        config = ReplayConfig("Qwen3-Next-80B-A3B-Instruct", "512GiB", checkpoints=spec, max_checkpoints_per_path=cap)
+        sim = Simulator(workload, config)
+        reports[spec, cap] = build_report(sim.run(), with_timeline=False)
+        sim.verify()
+    none, default = reports["none", 8], reports["prompt-aligned,branch,end", 8]
+    full = none["hit_rate_by_component"]["full_only"]
+    assert none["hit_rate"] == 0 and none["checkpoints"]["peak_bytes"] == 0
+    assert none["recomputed_tokens"] == full * none["input_tokens"]
+    assert 0 < default["hit_rate"] < full
+    for rep in reports.values():
+        assert rep["hit_rate_by_component"]["full_only"] == full  # nothing is evicted
+        ck = rep["checkpoints"]
+        assert ck["skipped"] == 0 and ck["peak_bytes"] >= ck["end_bytes"]
+        assert rep["recomputed_tokens"] == round((full - rep["hit_rate"]) * rep["input_tokens"])
+    aligned, capped, interval = (
+        reports["prompt-aligned:512,branch", 8],
+        reports["interval:512", 8],
+        reports["interval:512,branch", 64],
+    )
+    assert default["hit_rate"] < aligned["hit_rate"] and full - aligned["hit_rate"] < 0.001
+    assert capped["hit_rate"] < interval["hit_rate"] == full  # a path of 8 checkpoints drops the deep ones
+    assert interval["checkpoints"]["end_bytes"] > 5 * aligned["checkpoints"]["end_bytes"] > 0
+
+
+def test_a_request_that_cannot_fit_with_its_checkpoints_goes_on_without_them():
+    """Checkpoints every page of tiny-gdn (state slots 6x a page) do not fit next to a long
+    prompt in 450 KB: a request waits for them like for its pages, and once alone goes on
+    without them (counted as skipped); every request is served and nothing leaks."""
+    workload = synthetic()
+    engine = EngineModel(max_running=8, decode_chunk=4, chunk_tokens=32)
+    config = ReplayConfig("tiny-gdn", 450_000, page_size=4, checkpoints="interval:4,branch", engine=engine)
+    sim = Simulator(workload, replace(config, verify_every=1))
+    report = build_report(sim.run(), with_timeline=False)
+    assert report["requests"] == len(workload.requests) and report["checkpoints"]["skipped"] > 0
+    assert sim.mem.slots.live_count == sim.cache.num_checkpoints
     sim.verify()

@@ -10,8 +10,9 @@ not stop either side), greedy.
 
 Measured in one process, one torch thread, same run, per tiny random model:
 - ``engine``: ``Engine.generate`` on all requests at once (continuous batching, chunked prefill,
-  the prefix cache on unless ``prefix_cache=False``; the cache is cleared before each pass, so
-  hits come from earlier requests of the same pass), the faster of ``ENGINE_PASSES`` passes
+  the prefix cache on unless ``prefix_cache=False``, state checkpoints where ``checkpoints``
+  places them; the cache is cleared before each pass, so hits come from earlier requests of
+  the same pass), the faster of ``ENGINE_PASSES`` passes
   (both must give the same tokens); ``prefix_hit_rate``: prompt tokens served from the cache
   (first admissions) over all prompt tokens;
 - ``transformers``: ``model.generate`` on the same requests one by one (its own cache);
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache import HybridRadixCache, KVManager
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers, tiny_names
@@ -135,10 +137,17 @@ def bench_model(
     page_size: int,
     chunk_size: int,
     prefix_cache: bool = True,
+    checkpoints: str = DEFAULT,
 ) -> dict[str, Any]:
     hf, config = build_random(name)
     engine = Engine(
-        config, hf, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size, prefix_cache=prefix_cache
+        config,
+        hf,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        prefix_cache=prefix_cache,
+        checkpoints=checkpoints,
     )
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     passes = []
@@ -200,6 +209,7 @@ def run(
     page_size: int = 16,
     chunk_size: int = 64,
     prefix_cache: bool = True,
+    checkpoints: str = DEFAULT,
 ) -> dict[str, Any]:
     models = models or tiny_names()
     unknown = sorted(set(models) - set(tiny_names()))
@@ -209,7 +219,8 @@ def run(
     lengths = [len(p) for p in prompts]
     with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
         rows = [
-            bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache) for m in models
+            bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache, checkpoints)
+            for m in models
         ]
     return {
         "requests": requests,
@@ -219,6 +230,7 @@ def run(
         "page_size": page_size,
         "chunk_size": chunk_size,
         "prefix_cache": prefix_cache,
+        "checkpoints": checkpoints,
         "goals": {"speedup": GOAL_SPEEDUP, "hybridkv_share": GOAL_SHARE},
         "models": rows,
     }

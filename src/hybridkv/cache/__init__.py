@@ -13,6 +13,7 @@ from hybridkv.cache.handle import HandleStatus, KVHandle
 from hybridkv.cache.locks import CacheLock
 from hybridkv.cache.manager import KVManager
 from hybridkv.cache.node import Node
+from hybridkv.cache.placement import CheckpointPlacement, PlacementError
 from hybridkv.cache.policies import POLICIES, Policy, RecomputeCost, make_policy
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
 from hybridkv.cache.residency import PAGE_NEED
@@ -24,6 +25,7 @@ __all__ = [
     "CacheError",
     "CacheEvent",
     "CacheLock",
+    "CheckpointPlacement",
     "ComponentKind",
     "EventKind",
     "EventLog",
@@ -37,6 +39,7 @@ __all__ = [
     "LockError",
     "MatchResult",
     "Node",
+    "PlacementError",
     "Policy",
     "RecomputeCost",
     "make_policy",

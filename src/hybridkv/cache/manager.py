@@ -7,7 +7,9 @@ every request through it. A request's life:
     h = kvm.admit(match, ns)                 # lock the hit; fork its checkpoint (or a fresh state slot)
     kvm.extend(h, n)                         # grow to n tokens (batched: extend_batch)
     kvm.release_windows([h])                 # window pages that left each window: window-cached
+    kvm.wanted_checkpoints(h, prompt_len)    # where the placement wants the state stored (chunk ends)
     kvm.checkpoint(h) / reserve_checkpoint(h, at)   # a state checkpoint at a page-aligned length
+    kvm.finish_checkpoint(h)                 # where the placement wants one at the sequence end
     kvm.insert(h, tokens)                    # cache what is computed, keep running (relocked)
     kvm.finish(h, tokens)  |  kvm.release(h) # cache and release  |  abort / retract
 
@@ -40,6 +42,7 @@ import numpy as np
 from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.errors import CacheError
 from hybridkv.cache.handle import HandleStatus, KVHandle
+from hybridkv.cache.placement import DEFAULT, CheckpointPlacement
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
 from hybridkv.cache.rules import PAGE_NEED, Need
 from hybridkv.memory import GateStatus, InvalidIds, MoveGate, OutOfMemory
@@ -62,7 +65,12 @@ def _handles(handles: object, what: str) -> list[KVHandle]:
 
 
 class KVManager:
-    def __init__(self, cache: HybridRadixCache, *, park_windows: bool = True):
+    def __init__(
+        self, cache: HybridRadixCache, placement: CheckpointPlacement | str = DEFAULT, *, park_windows: bool = True
+    ):
+        """``placement``: where requests store state checkpoints (``placement.py``; a spec
+        string or a parsed placement for this cache's page size). ``park_windows``: window pages
+        that leave a window stay window-cached (False: freed at once, for a cache nothing is inserted into)."""
         if not isinstance(cache, HybridRadixCache):
             raise CacheError(f"KVManager: expected a HybridRadixCache, got {type(cache).__name__}")
         if not isinstance(park_windows, bool):
@@ -72,6 +80,14 @@ class KVManager:
         self._window_cache = cache.residency.window_cache
         self.mem = cache.mem
         self.page_size = cache.page_size
+        if isinstance(placement, str):
+            placement = CheckpointPlacement.parse(placement, cache.page_size)
+        if not isinstance(placement, CheckpointPlacement) or placement.page_size != cache.page_size:
+            raise CacheError(
+                f"KVManager: placement must be a spec string or a CheckpointPlacement for page size "
+                f"{cache.page_size}, got {placement!r}"
+            )
+        self.placement = placement
         rules = cache.rules
         self._windows = tuple(w.pool_id for w in rules.windows)
         self._state_pool = rules.checkpoint.pool_id if rules.checkpoint is not None else None
@@ -271,6 +287,25 @@ class KVManager:
         slot = int(self.alloc_state(1)[0])
         handle.checkpoints[at] = slot
         return slot
+
+    def wanted_checkpoints(self, handle: KVHandle, prompt_len: int) -> tuple[int, ...]:
+        """Page-aligned positions past the handle's computed tokens (``seq_len``) and up to
+        ``prompt_len`` where the placement wants the state stored: prefill ends a chunk at each
+        (``reserve_checkpoint`` / ``checkpoint`` there). Empty without recurrent layers."""
+        handle = _handle(handle, "wanted_checkpoints")
+        prompt_len = integer(prompt_len, "wanted_checkpoints prompt_len")
+        if self._state_pool is None:
+            return ()
+        return self.placement.prefill(handle.match.checkpoint_at, prompt_len, handle.seq_len)
+
+    def finish_checkpoint(self, handle: KVHandle) -> int | None:
+        """Where the placement wants the state stored when the request finishes at its
+        ``seq_len`` (page-aligned, past the cached part, not taken yet), or None."""
+        handle = _handle(handle, "finish_checkpoint")
+        if self._state_pool is None:
+            return None
+        at = self.placement.at_finish(handle.seq_len, handle.cached * self.page_size)
+        return None if at is None or at in handle.checkpoints else at
 
     def _check_checkpoint(self, handle: KVHandle, at: int) -> None:
         if self._state_pool is None:

@@ -75,6 +75,8 @@ class MatchResult:
     """Where a request computing from ``length`` should checkpoint its state and keep its
     window (the cached full KV ends there, so the next hit there becomes valid); None when
     ``full_length == length``."""
+    window_lengths: tuple[int, ...] = ()
+    """Longest hit valid for full KV and each window pool alone (``rules.windows`` order)."""
 
 
 @dataclass(slots=True)
@@ -191,8 +193,10 @@ class HybridRadixCache:
         full = walk.full
         if self._full_only:
             end = window_len = checkpoint_len = full
+            window_lens: tuple[int, ...] = ()
         else:
             end, window_len, checkpoint_len = self.rules.valid_end(walk)
+            window_lens = self.rules.window_ends(walk, window_len)
         nodes = walk.nodes
         if nodes and nodes[-1].end == end:
             node = nodes[-1]
@@ -210,6 +214,7 @@ class HybridRadixCache:
             window_len,
             checkpoint_len,
             full if full > end else None,
+            window_lens,
         )
 
     def _empty_match(self, namespace: Hashable) -> MatchResult:
@@ -217,7 +222,7 @@ class HybridRadixCache:
             root_hash(namespace)  # refuses a key events cannot name, as an insert there would
         self.counters.matches += 1
         root = self.tree.empty_root(namespace)
-        return MatchResult(root, 0, root.path_pages, None, 0, 0, 0, None)
+        return MatchResult(root, 0, root.path_pages, None, 0, 0, 0, None, (0,) * len(self.rules.windows))
 
     # --- insert ---------------------------------------------------------------------------
 

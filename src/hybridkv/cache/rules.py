@@ -199,6 +199,14 @@ class HitRules:
             end = _fixpoint(self.extra, walk, end)
         return end, window_len, checkpoint_len
 
+    def window_ends(self, walk: Walk, window_len: int) -> tuple[int, ...]:
+        """The longest end valid for full KV and each window rule alone (``window_len``, the
+        end valid for all of them, when there is one window)."""
+        windows = self.windows
+        if len(windows) <= 1:
+            return (window_len,) * len(windows)
+        return tuple(w.longest(walk, walk.full) for w in windows)  # one rule's answer is its own fixpoint
+
 
 def _fixpoint(rules: Sequence[Rule], walk: Walk, end: int) -> int:
     if len(rules) == 1:

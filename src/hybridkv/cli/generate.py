@@ -26,6 +26,8 @@ from typing import Any
 import msgspec
 import typer
 
+from hybridkv.cache import CheckpointPlacement, PlacementError
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size, random_model
 from hybridkv.engine.random_models import tiny_names
@@ -64,7 +66,13 @@ def read_prompts(path: Path) -> list[tuple[int, list[int]]]:
 
 
 def _engine(
-    model: Path | None, random: str | None, gpu_memory: str, page_size: int, chunk_size: int, prefix_cache: bool
+    model: Path | None,
+    random: str | None,
+    gpu_memory: str,
+    page_size: int,
+    chunk_size: int,
+    prefix_cache: bool,
+    checkpoints: str = DEFAULT,
 ) -> Any:
     from hybridkv.engine.engine import Engine
 
@@ -76,8 +84,18 @@ def _engine(
         from hybridkv.engine.random_models import build_random
 
         weights, source = build_random(random)
+    try:
+        CheckpointPlacement.parse(checkpoints, page_size)
+    except PlacementError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--checkpoints") from None
     return Engine(
-        source, weights, gpu_memory=gpu_memory, page_size=page_size, chunk_size=chunk_size, prefix_cache=prefix_cache
+        source,
+        weights,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        prefix_cache=prefix_cache,
+        checkpoints=checkpoints,
     )
 
 
@@ -101,11 +119,17 @@ def generate(
     no_prefix_cache: bool = typer.Option(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
+    checkpoints: str = typer.Option(
+        DEFAULT,
+        "--checkpoints",
+        help="Where requests store recurrent-state checkpoints: none, or a comma list of interval:N, "
+        "prompt-aligned[:K], branch, end.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     lines = read_prompts(prompts)
-    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache)
+    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints)
     bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
     if bad:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from hybridkv.cache import POLICIES
+from hybridkv.cache import POLICIES, CheckpointPlacement, PlacementError
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size, positive_finite
 
@@ -36,6 +37,22 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _memories(text: str) -> list[str]:
+    sizes = [m.strip() for m in text.split(",") if m.strip()]
+    if not sizes:
+        raise typer.BadParameter(f"--gpu-memory takes a size or a comma list of sizes, got {text!r}")
+    for size in sizes:
+        byte_size(size)  # refuses a bad size with a BadParameter naming it
+    return sizes
+
+
+def _placements(specs: list[str], page_size: int) -> list[str]:
+    try:
+        return [CheckpointPlacement.parse(s, page_size).spec for s in specs]
+    except PlacementError as exc:
+        raise typer.BadParameter(f"--checkpoints: {exc}") from None
+
+
 @app.command("replay")
 def replay(
     trace: str = typer.Option(
@@ -45,10 +62,19 @@ def replay(
     ),
     model: str = typer.Option(..., "--model", help="Model preset name (e.g. Qwen3-Next-80B-A3B-Instruct)."),
     gpu_memory: str = typer.Option(
-        ..., "--gpu-memory", callback=byte_size, help="KV budget of one device, e.g. 40GiB."
+        ..., "--gpu-memory", help="KV budget of one device, e.g. 40GiB; a comma list sweeps (20GiB,40GiB,...)."
     ),
     page_size: int = typer.Option(16, "--page-size", min=1),
     policy: str = typer.Option("lru", "--policy", help="lru, lfu, priority, cost; comma list or 'all' to compare."),
+    checkpoints: list[str] = typer.Option(
+        [DEFAULT],
+        "--checkpoints",
+        help="State checkpoint placement: none, or a comma list of interval:N, prompt-aligned[:K], branch, end; "
+        "repeat the option to compare placements.",
+    ),
+    max_checkpoints_per_path: int = typer.Option(
+        8, "--max-checkpoints-per-path", min=1, help="Most state checkpoints on one root-to-leaf path."
+    ),
     cache_tokens: str = typer.Option(
         "inf", "--cache-tokens", help="Cache size cap in tokens (held once requests unlock), or 'inf'."
     ),
@@ -61,23 +87,42 @@ def replay(
     ),
     max_running: int = typer.Option(128, "--max-running", min=1, help="Most requests decoding at once."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    plot: str = typer.Option(None, "--plot", help="Write the pool split over time to this PNG."),
+    plot: str = typer.Option(
+        None,
+        "--plot",
+        help="Write a PNG: hit rate vs memory when --gpu-memory sweeps, else the pool split over time.",
+    ),
 ) -> None:
-    """Simulate serving a trace: hit rate (overall and per component), evictions, concurrency."""
-    from hybridkv.replay import EngineModel, ReplayConfig, build_report, compare, load_workload, plot_pool_split
+    """Simulate serving a trace: hit rate (overall and per component), evictions, concurrency.
+
+    One run per memory size, policy and checkpoint placement."""
+    from hybridkv.replay import (
+        EngineModel,
+        ReplayConfig,
+        build_report,
+        compare,
+        load_workload,
+        plot_hit_vs_memory,
+        plot_pool_split,
+    )
     from hybridkv.replay.simulator import Simulator
 
+    memories = _memories(gpu_memory)
     policies = _policies(policy)
+    placements = _placements(checkpoints, page_size)
     cap = _cache_tokens(cache_tokens)
     workload = load_workload(trace, limit=limit)
     engine = EngineModel(prefill_tokens_per_s=prefill_tps, decode_step_s=decode_step_ms / 1000, max_running=max_running)
     reports = []
     console = Console(stderr=True)
-    for name in policies:
-        config = ReplayConfig(model, gpu_memory, page_size, name, cap, engine=engine)
+    runs = [(m, p, c) for m in memories for p in policies for c in placements]
+    for memory, name, placement in runs:
+        config = ReplayConfig(
+            model, memory, page_size, name, cap, max_checkpoints_per_path, checkpoints=placement, engine=engine
+        )
         sim = Simulator(workload, config)
         with Progress(
-            TextColumn(f"replay [{name}]"),
+            TextColumn(f"replay [{memory} {name} {placement}]"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeRemainingColumn(),
@@ -93,7 +138,8 @@ def replay(
         reports.append(build_report(result))
     out: dict[str, Any] = {"runs": reports, "comparison": compare(reports)}
     if plot:
-        out["plot"] = str(plot_pool_split(reports, plot))
+        sweep = len(memories) > 1
+        out["plot"] = str(plot_hit_vs_memory(reports, plot) if sweep else plot_pool_split(reports, plot))
     if as_json:
         typer.echo(json.dumps(out))
         return
@@ -103,34 +149,42 @@ def replay(
 def _print_replay(out: dict[str, Any]) -> None:
     console = Console(width=max(Console().width, 120))
     first = out["runs"][0]
+    memories = ", ".join(dict.fromkeys(str(r["gpu_memory"]) for r in out["runs"]))
     console.print(
         f"[bold]{first['model']}[/] on {first['workload']}: {first['requests']:,} requests, "
-        f"{first['input_tokens']:,} input tokens, {first['gpu_memory']} KV, page size {first['page_size']}, "
+        f"{first['input_tokens']:,} input tokens, {memories} KV, page size {first['page_size']}, "
         f"cache cap {first['cache_tokens']}"
     )
     table = Table(title="hit rate (tokens) by component rules")
-    for col in ("policy", "full only", "full+SWA", "full+state", "all (served)", "SWA cost", "state cost"):
+    cols = ("memory", "policy", "checkpoints", "full only", "full+SWA", "full+state", "all (served)")
+    for col in (*cols, "SWA cost", "state cost", "recomputed", "ckpt GiB peak/end"):
         table.add_column(col)
     for r in out["runs"]:
-        rate, cost = r["hit_rate_by_component"], r["validity_cost"]
+        rate, cost, ck = r["hit_rate_by_component"], r["validity_cost"], r["checkpoints"]
         table.add_row(
+            str(r["gpu_memory"]),
             r["policy"],
+            ck["placement"],
             f"{rate['full_only']:.4f}",
             f"{rate['full+swa']:.4f}",
             f"{rate['full+state']:.4f}",
             f"[bold]{rate['all']:.4f}[/]",
             f"{cost['swa']:.4f}",
             f"{cost['state']:.4f}",
+            f"{r['recomputed_tokens']:,}",
+            f"{ck['peak_bytes'] / 2**30:.1f} / {ck['end_bytes'] / 2**30:.1f}",
         )
     console.print(table)
     table = Table(title="evictions, concurrency, speed")
-    cols = ("policy", "full pages", "SWA tombstoned", "states", "retracted", "peak running", "peak pages")
-    for col in (*cols, "req/s", "sim s / s"):
+    cols = ("memory", "policy", "checkpoints", "full pages", "SWA tombstoned", "states", "retracted")
+    for col in (*cols, "peak running", "peak pages", "req/s", "sim s / s"):
         table.add_column(col)
     for r in out["runs"]:
         ev, sp = r["evictions"], r["speed"]
         table.add_row(
+            str(r["gpu_memory"]),
             r["policy"],
+            r["checkpoints"]["placement"],
             f"{ev['full_pages']:,}",
             f"{sum(ev['window_pages_tombstoned'].values()):,}",
             f"{ev['states']:,}",
@@ -142,4 +196,4 @@ def _print_replay(out: dict[str, Any]) -> None:
         )
     console.print(table)
     if "plot" in out:
-        console.print(f"pool split over time: {out['plot']}")
+        console.print(f"plot: {out['plot']}")

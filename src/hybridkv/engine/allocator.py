@@ -6,18 +6,21 @@ admits the hit (its pages locked, its checkpoint forked into the request's own s
 or a fresh slot), so computation starts at the hit's end; ``extend`` grows every request of a
 step with one allocation (the cache evicts what it is short of); ``mark_computed`` releases
 the window pages that left every window (window-cached: kept for hits until memory is
-needed); ``chunk_done`` stores a state checkpoint at a page-aligned chunk end and inserts
-the computed pages; ``finish`` caches the finished
-sequence and releases the rest; ``retract`` releases (what was inserted stays cached). With
-``prefix_cache=False`` nothing is matched or inserted: the same path, without hits.
+needed); ``chunk_done`` stores a state checkpoint where the
+manager's checkpoint placement wants one (``RequestMemory.wanted``, from
+``KVManager.wanted_checkpoints`` at admission: the scheduler ends prefill chunks there) and
+inserts the computed pages; ``finish`` caches the finished sequence (with a checkpoint at
+its end when the placement wants one there and the end is page-aligned) and releases the
+rest; ``retract`` releases (what was inserted stays cached). With ``prefix_cache=False``
+nothing is matched or inserted: the same path, without hits.
 
 Invariants:
 - A request holds memory exactly while it has a handle; ``extend`` either grows every
   request of the step or changes no handle (``OutOfMemory``).
 - ``handle.seq_len`` equals the request's computed tokens after each forward; its state
   slot holds the state after them (``fresh``: zero it before the next forward).
-- Checkpoints sit only at page-aligned positions past the cached part; every free goes
-  through the manager's sync-free paths (``free_pages`` / ``free_window_pages`` / ``free_state``).
+- Checkpoints sit only at the placement's page-aligned positions past the cached part;
+  every free goes through the manager's sync-free paths (``free_pages`` / ``free_window_pages`` / ``free_state``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager, MatchResult
+from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.memory import OutOfMemory, UnifiedMemory
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
@@ -57,7 +61,7 @@ class RequestMemory:
     handle: KVHandle | None = None
     fresh: bool = True
     wanted: tuple[int, ...] = ()
-    """Page-aligned positions where a prefill chunk must end (a checkpoint is wanted there)."""
+    """Page-aligned positions where a prefill chunk must end: the placement wants a checkpoint there."""
     hit: CacheHit | None = None
     """The first admission's hit (kept across retractions)."""
     cached_tokens: int = 0
@@ -85,10 +89,18 @@ class RequestMemory:
 
 
 class RequestAllocator:
-    def __init__(self, mem: UnifiedMemory, *, prefix_cache: bool = True, cache_policy: str = "lru"):
+    def __init__(
+        self,
+        mem: UnifiedMemory,
+        *,
+        prefix_cache: bool = True,
+        cache_policy: str = "lru",
+        checkpoints: str | CheckpointPlacement = DEFAULT,
+    ):
+        """``checkpoints``: the state checkpoint placement (``hybridkv.cache.placement``)."""
         self.mem = mem
         self.cache = HybridRadixCache(mem, policy=cache_policy)
-        self.kvm = KVManager(self.cache, park_windows=prefix_cache)  # nothing inserted: nothing to keep
+        self.kvm = KVManager(self.cache, checkpoints, park_windows=prefix_cache)  # nothing inserted: nothing to keep
         self.prefix_cache = prefix_cache
         self.has_state = self.kvm.has_state
         self.page_size = mem.page_size
@@ -127,11 +139,7 @@ class RequestAllocator:
         if req.hit is None:
             req.hit = CacheHit.of(match)
         req.cached_tokens += start
-        ps = self.page_size
-        ends = {prompt_len // ps * ps} if self.has_state else set()
-        if match.checkpoint_at is not None:
-            ends.add(match.checkpoint_at)
-        req.wanted = tuple(sorted(p for p in ends if p > start))
+        req.wanted = kvm.wanted_checkpoints(handle, prompt_len) if self.prefix_cache else ()
         return True
 
     def adopt(self, req: RequestMemory, pages: np.ndarray, length: int, slot: int | None) -> None:
@@ -154,21 +162,24 @@ class RequestAllocator:
         self.kvm.release_windows([r.live for r in reqs])
 
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
-        """After a prefill chunk: a checkpoint when it ends page-aligned, then cache the computed pages."""
+        """After a prefill chunk: a checkpoint when it ends where one is wanted, then cache the computed pages."""
         h = req.live
         end = h.seq_len
-        self._checkpoint(h, end)
+        if end in req.wanted:
+            self._checkpoint(h)
         if self.prefix_cache and end // self.page_size > h.cached:
             self.kvm.insert(h, np.asarray(tokens[:end], dtype=np.int64))
 
     def finish(self, req: RequestMemory, tokens: Sequence[int]) -> None:
-        """Cache the finished sequence (its state checkpointed at the final length when page-aligned), release."""
+        """Cache the finished sequence, its state checkpointed at the end when the placement
+        wants one there and the final length is page-aligned (the state exists only there), release."""
         h = req.live
         req.handle = None
         if not self.prefix_cache:
             self.kvm.release(h)
             return
-        self._checkpoint(h, h.seq_len)
+        if self.kvm.finish_checkpoint(h) == h.seq_len:
+            self._checkpoint(h)
         self.kvm.finish(h, np.asarray(tokens[: h.seq_len], dtype=np.int64))
 
     def retract(self, req: RequestMemory) -> None:
@@ -178,11 +189,10 @@ class RequestAllocator:
             req.handle = None
         req.fresh, req.wanted = True, ()
 
-    def _checkpoint(self, h: KVHandle, at: int) -> None:
-        if not (self.prefix_cache and self.has_state) or at % self.page_size or at <= h.cached * self.page_size:
-            return
-        if at in h.checkpoints:
-            return
+    def _checkpoint(self, h: KVHandle) -> None:
+        """Store the state after ``h.seq_len`` tokens (a position the placement asked for)."""
+        if h.seq_len <= h.cached * self.page_size or h.seq_len in h.checkpoints:
+            return  # the cache holds this position already (an insert reached it)
         try:
             self.kvm.checkpoint(h)
         except OutOfMemory:  # a checkpoint is an optimisation: without room for it, the request goes on

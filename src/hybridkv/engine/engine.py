@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache import HybridRadixCache
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.engine.allocator import CacheHit, RequestAllocator
 from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.runner import ModelRunner
@@ -71,10 +72,14 @@ class Engine:
         spec: ModelSpec | None = None,
         prefix_cache: bool = True,
         cache_policy: str = "lru",
+        checkpoints: str = DEFAULT,
     ):
         """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
-        ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config."""
+        ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config.
+        ``checkpoints``: where requests store recurrent-state checkpoints for later hits, a
+        placement spec (``hybridkv.cache.placement``: none, interval:N, prompt-aligned[:K],
+        branch, end); prefill chunks end at the positions it asks for."""
         config = spec_or_config
         if isinstance(config, ModelSpec):
             raise TypeError(
@@ -114,7 +119,9 @@ class Engine:
         self.max_step_tokens = max_step_tokens or 4 * chunk_size
         eos = getattr(self.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.alloc = RequestAllocator(self.mem, prefix_cache=prefix_cache, cache_policy=cache_policy)
+        self.alloc = RequestAllocator(
+            self.mem, prefix_cache=prefix_cache, cache_policy=cache_policy, checkpoints=checkpoints
+        )
         self.stats = dict.fromkeys(
             ["steps", "retractions", "forward_tokens", "prompt_tokens", "cached_tokens", "resumed_cached_tokens"], 0
         )

@@ -1,18 +1,19 @@
 """Scheduler: continuous batching of chunked prefills and decodes, over the prefix cache, with retraction.
 
-Every step runs all running requests together: each feeds its next uncomputed tokens (up
-to ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; a chunk
-that would pass a position where a state checkpoint is wanted (``RequestMemory.wanted``:
-page-aligned) ends there instead, so chunk sizes need not be aligned to pages. Waiting
-requests are admitted while their cache hit's state slot and the pages of their first
-chunk fit (``RequestAllocator.admit``, which matches the prompt: computation starts at the
-hit's end; the first request of an empty batch always starts). Memory for a step comes
-from one ``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` (the cache had
-nothing left to evict) the most recently admitted request is retracted: it releases its
-handle (what it inserted stays cached), returns to the front of the queue (counted as a
-retraction when it held memory) and, when admitted again, matches again and recomputes
-only what the cache does not hold (its output stays exact). A request that cannot fit
-even alone fails with an error naming the budget; the others go on.
+Every step runs all running requests together: each feeds its next uncomputed tokens (up to
+``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; a chunk that
+would pass a position where the checkpoint placement wants the state stored
+(``RequestMemory.wanted``: page-aligned, from ``KVManager.wanted_checkpoints``) ends there
+instead, so chunk sizes need not be aligned to pages. Waiting requests are admitted while
+their cache hit's state slot and the pages of their first chunk fit
+(``RequestAllocator.admit``, which matches the prompt: computation starts at the hit's end;
+the first request of an empty batch always starts). Memory for a step comes from one
+``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` (the cache had nothing left
+to evict) the most recently admitted request is retracted: it releases its handle (what it
+inserted stays cached), returns to the front of the queue (counted as a retraction when it
+held memory) and, when admitted again, matches again and recomputes only what the cache does
+not hold (its output stays exact). A request that cannot fit even alone fails with an error
+naming the budget; the others go on.
 
 Invariants:
 - A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridkv.replay.plot import plot_pool_split
+from hybridkv.replay.plot import plot_hit_vs_memory, plot_pool_split
 from hybridkv.replay.report import build_report, compare
 from hybridkv.replay.simulator import (
     EngineModel,
@@ -44,6 +44,7 @@ __all__ = [
     "build_report",
     "compare",
     "load_workload",
+    "plot_hit_vs_memory",
     "plot_pool_split",
     "run_demo_replay",
     "simulate",

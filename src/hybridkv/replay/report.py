@@ -3,9 +3,13 @@
 Per component, a hit is counted at the longest length valid for that set of rules:
 ``full_only`` (page-aligned full-KV match), ``full+swa`` (plus every window resident),
 ``full+state`` (plus a recurrent-state checkpoint at the end), ``all`` (every rule: the hit
-served). A model without windows (or without recurrent layers) has ``full+swa`` (or
-``full+state``) equal to ``full_only``: a rule it does not have costs nothing.
-``validity_cost`` is how much hit rate each rule costs against full-only.
+served), and ``full+<pool>`` per window pool (that window alone). A model without windows
+(or without recurrent layers) has ``full+swa`` (or ``full+state``) equal to ``full_only``: a
+rule it does not have costs nothing. ``validity_cost`` is how much hit rate each rule costs
+against full-only.
+``checkpoints``: the placement, the state checkpoints held (cached or reserved: peak and
+at the end, in slots and bytes) and those skipped for lack of room; ``recomputed_tokens``:
+prefill tokens whose full KV was cached but not valid for every component.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
         "full+swa": res.window_hit_tokens / inputs,
         "full+state": res.checkpoint_hit_tokens / inputs,
         "all": res.hit_tokens / inputs,
+        **{f"full+{label}": n / inputs for label, n in res.window_hit_tokens_each.items()},
     }
     cache = res.cache
     report: dict[str, Any] = {
@@ -51,6 +56,16 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
             "duplicate_pages_freed": cache.get("duplicate_pages", 0),
             "window_pages_adopted": cache.get("adopted_pages", 0),
         },
+        "checkpoints": {
+            "placement": cfg.checkpoints,
+            "max_per_path": cfg.max_checkpoints_per_path,
+            "peak_slots": res.peak_checkpoint_slots,
+            "end_slots": res.end_checkpoint_slots,
+            "peak_bytes": res.peak_checkpoint_slots * res.state_slot_bytes,
+            "end_bytes": res.end_checkpoint_slots * res.state_slot_bytes,
+            "skipped": res.checkpoints_skipped,
+        },
+        "recomputed_tokens": res.recomputed_tokens,
         "retractions": res.retractions,
         "peak_running": res.peak_running,
         "peak_waiting": res.peak_waiting,
@@ -74,10 +89,12 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
 
 
 def compare(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per policy: the figures that differ between eviction policies."""
+    """One row per run (memory, policy, placement): the figures that differ between them."""
     return [
         {
+            "gpu_memory": r["gpu_memory"],
             "policy": r["policy"],
+            "checkpoints": r["checkpoints"]["placement"],
             "hit_rate": r["hit_rate"],
             "full_only": r["hit_rate_by_component"]["full_only"],
             "evicted_full_pages": r["evictions"]["full_pages"],
@@ -85,6 +102,9 @@ def compare(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "evicted_states": r["evictions"]["states"],
             "retractions": r["retractions"],
             "prefill_tokens": r["prefill_tokens"],
+            "recomputed_tokens": r["recomputed_tokens"],
+            "checkpoint_bytes_peak": r["checkpoints"]["peak_bytes"],
+            "checkpoint_bytes_end": r["checkpoints"]["end_bytes"],
         }
         for r in reports
     ]

@@ -13,9 +13,13 @@ of; when nothing is evictable, admission waits, and a decode that cannot grow re
 newest request (it restarts later; its prompt stays cached).
 
 Hybrid rules: a request whose hit stops short of the cached full KV (``checkpoint_at``)
-keeps the window there and takes a state checkpoint there, so the next hit there becomes
-valid; it also checkpoints its state at its prompt's and its sequence's page-aligned ends.
-A hit is capped at ``input_length - 1`` tokens: the engine computes at least one token.
+keeps the window there. State checkpoints go where the manager's placement wants them
+(``ReplayConfig.checkpoints``, ``cache/placement.py``: by default the branch point and the
+prompt's and the sequence's page-aligned ends), reserved at admission like the prompt's
+pages (a request waits for them; one that cannot fit with them even alone goes on without
+them) and at finish for the sequence end (skipped when even eviction finds no room);
+skipped ones are counted. A hit is capped at ``input_length - 1`` tokens: the engine computes
+at least one token.
 
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
 request): allocation with eviction, window release, checkpoints, insert, release.
@@ -30,7 +34,6 @@ both the memory and the tree when asked).
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import math
 import time
@@ -42,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
+from hybridkv.cache.placement import DEFAULT
 from hybridkv.memory import OutOfMemory, UnifiedMemory, parse_bytes
 from hybridkv.replay.workload import ReplayRequest, Workload
 from hybridkv.spec import ShardSpec, get_preset
@@ -77,6 +81,8 @@ class ReplayConfig:
     cache_tokens: int | None = None
     """Most tokens the cache may keep (None: bounded by memory only)."""
     max_checkpoints_per_path: int = 8
+    checkpoints: str = DEFAULT
+    """State checkpoint placement spec (``cache/placement.py``), e.g. "interval:512,branch"."""
     engine: EngineModel = field(default_factory=EngineModel)
     samples: int = 200
     """Samples of the pool split over the trace's time span."""
@@ -110,9 +116,19 @@ class ReplayResult:
     hit_tokens: int = 0
     full_hit_tokens: int = 0
     window_hit_tokens: int = 0
+    window_hit_tokens_each: dict[str, int] = field(default_factory=dict)
+    """Per window pool (its label): tokens of the hits valid for full KV and that window alone."""
     checkpoint_hit_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    recomputed_tokens: int = 0
+    """Prefill tokens whose full KV the cache held (each admission's ``full_length - length``)."""
+    checkpoints_skipped: int = 0
+    """Checkpoints the placement wanted that found no room even after eviction."""
+    peak_checkpoint_slots: int = 0
+    """Most state slots held as checkpoints (cached or reserved) after any step."""
+    end_checkpoint_slots: int = 0
+    state_slot_bytes: int = 0
     retractions: int = 0
     peak_running: int = 0
     peak_waiting: int = 0
@@ -150,10 +166,14 @@ class Simulator:
         self.cache = HybridRadixCache(
             self.mem, policy=config.policy, max_checkpoints_per_path=config.max_checkpoints_per_path
         )
-        self.kvm = KVManager(self.cache)
+        self.kvm = KVManager(self.cache, config.checkpoints)
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
         self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(str(p) for p in self.mem.pools))
+        self._window_labels = tuple(w.label for w in self.cache.rules.windows)
+        self.result.window_hit_tokens_each = dict.fromkeys(self._window_labels, 0)
+        state_rule = self.cache.rules.checkpoint
+        self.result.state_slot_bytes = state_rule.cell_bytes if state_rule is not None else 0
         self.clock = 0.0
         self._admitted: set[int] = set()
         self._stalled = False
@@ -203,12 +223,15 @@ class Simulator:
             res.peak_running = max(res.peak_running, len(running))
             res.peak_waiting = max(res.peak_waiting, len(waiting))
             res.peak_live_pages = max(res.peak_live_pages, self.mem.pages.live_count)
+            if self.kvm.has_state:  # every live slot but the running states is a checkpoint
+                res.peak_checkpoint_slots = max(res.peak_checkpoint_slots, self.mem.slots.live_count - len(running))
             if self.clock >= next_sample:
                 res.timeline.append(self._sample(len(running), len(waiting)))
                 next_sample = self.clock + max(span, 1.0) / max(1, self.config.samples)
             if self.config.verify_every and res.steps % self.config.verify_every == 0:
                 self.verify()
         res.timeline.append(self._sample(0, 0))
+        res.end_checkpoint_slots = self.cache.num_checkpoints
         res.sim_seconds = self.clock
         res.trace_seconds = span
         res.wall_seconds = time.perf_counter() - started
@@ -230,6 +253,8 @@ class Simulator:
             if prefilled and prefilled >= self.engine.max_prefill_tokens:
                 break
             got = self._prefill(waiting[0])
+            if got is None and not running and not prefilled:  # alone: without its checkpoints, if they are why
+                got = self._prefill(waiting[0], with_checkpoints=False)
             if got is None:
                 self._stalled = True
                 if not running and not prefilled:
@@ -245,25 +270,31 @@ class Simulator:
             prefilled += got[1]
         return prefilled
 
-    def _prefill(self, req: ReplayRequest) -> tuple[_Running, int] | None:
-        """Match, admit, allocate and 'compute' the prompt, insert it; None if memory is short."""
-        ps, kvm = self.ps, self.kvm
+    def _prefill(self, req: ReplayRequest, with_checkpoints: bool = True) -> tuple[_Running, int] | None:
+        """Match, admit, reserve the placement's checkpoints, allocate and 'compute' the prompt,
+        insert it; None if memory is short (for its pages or its checkpoints: it waits, as for
+        pages). ``with_checkpoints=False``: a request alone that cannot fit with them goes on
+        without them (counted as skipped)."""
+        kvm = self.kvm
         tokens = req.input_ids()
         match = kvm.match(tokens[: req.input_length - 1])
         try:
             kv = kvm.admit(match)
         except OutOfMemory:
             return None
-        prompt_end = req.input_length - req.input_length % ps
+        wanted = kvm.wanted_checkpoints(kv, req.input_length)
+        if not with_checkpoints:
+            self.result.checkpoints_skipped += len(wanted)
+        ends = deque(wanted)
         try:
-            if kvm.has_state:
-                for pos in {match.checkpoint_at, prompt_end} - {None, 0}:
-                    assert pos is not None
-                    if pos > match.length:
-                        kvm.reserve_checkpoint(kv, pos)
+            if with_checkpoints:
+                for at in wanted:
+                    kvm.reserve_checkpoint(kv, at)
             pos = match.length
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
+                if ends and ends[0] <= nxt:  # a chunk ends where a checkpoint is wanted
+                    nxt = ends.popleft()
                 kvm.extend(kv, nxt)
                 kvm.release_windows([kv])
                 pos = nxt
@@ -275,6 +306,7 @@ class Simulator:
         computed = req.input_length - match.length
         res = self.result
         res.prefill_tokens += computed
+        res.recomputed_tokens += match.full_length - match.length
         if req.rid not in self._admitted:  # hits count once: a retracted request hits its own prompt
             self._admitted.add(req.rid)
             res.requests += 1
@@ -282,6 +314,8 @@ class Simulator:
             res.hit_tokens += match.length
             res.full_hit_tokens += match.full_length
             res.window_hit_tokens += match.window_length
+            for label, n in zip(self._window_labels, match.window_lengths, strict=True):
+                res.window_hit_tokens_each[label] += n
             res.checkpoint_hit_tokens += match.checkpoint_length
             res.hits[req.rid] = match.length
         return _Running(req, kv, tokens), computed
@@ -319,12 +353,14 @@ class Simulator:
 
     def _finish(self, r: _Running) -> None:
         self._stalled = False
-        ps, kv, req = self.ps, r.kv, r.req
+        kv, req = r.kv, r.req
         seq = np.concatenate([r.tokens, req.output_ids()])
-        end = seq.size - seq.size % ps
-        if self.kvm.has_state and end > kv.cached * ps:
-            with contextlib.suppress(OutOfMemory):  # no room: cache the sequence without it
-                self.kvm.reserve_checkpoint(kv, end)
+        at = self.kvm.finish_checkpoint(kv)
+        if at is not None:
+            try:
+                self.kvm.reserve_checkpoint(kv, at)
+            except OutOfMemory:  # no room even after eviction: cache the sequence without it
+                self.result.checkpoints_skipped += 1
         self.kvm.finish(kv, seq)
         self._cap_cache()
 
