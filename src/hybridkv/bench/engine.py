@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache import HybridRadixCache, KVManager
-from hybridkv.cache.placement import DEFAULT
+from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers, tiny_names
@@ -137,7 +137,7 @@ def bench_model(
     page_size: int,
     chunk_size: int,
     prefix_cache: bool = True,
-    checkpoints: str = DEFAULT,
+    checkpoints: str | None = None,
 ) -> dict[str, Any]:
     hf, config = build_random(name)
     engine = Engine(
@@ -209,9 +209,10 @@ def run(
     page_size: int = 16,
     chunk_size: int = 64,
     prefix_cache: bool = True,
-    checkpoints: str = DEFAULT,
+    checkpoints: str | None = None,
 ) -> dict[str, Any]:
     models = models or tiny_names()
+    checkpoints = checkpoints or engine_default(chunk_size, page_size)
     unknown = sorted(set(models) - set(tiny_names()))
     if unknown:
         raise ValueError(f"unknown models {unknown}; choose from {tiny_names()}")

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cache import CheckpointPlacement, PlacementError
-from hybridkv.cache.placement import DEFAULT
+from hybridkv.cache.placement import engine_default
 from hybridkv.cli.app import bench_app
 from hybridkv.cli.params import byte_size, random_model, transport_option
 from hybridkv.memory import format_bytes
@@ -174,14 +174,18 @@ def bench_engine(
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),
-    checkpoints: str = typer.Option(
-        DEFAULT, "--checkpoints", help="State checkpoint placement (none, interval:N, prompt-aligned[:K], branch, end)."
+    checkpoints: str | None = typer.Option(
+        None,
+        "--checkpoints",
+        help="State checkpoint placement (none, interval:N, prompt-aligned[:K], branch, end; "
+        "default: interval at the chunk size, prompt-aligned, branch, end).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers one by one, same run."""
     from hybridkv.bench.engine import run
 
+    checkpoints = checkpoints or engine_default(chunk_size, page_size)
     try:
         CheckpointPlacement.parse(checkpoints, page_size)
     except PlacementError as exc:

@@ -27,7 +27,7 @@ import msgspec
 import typer
 
 from hybridkv.cache import CheckpointPlacement, PlacementError
-from hybridkv.cache.placement import DEFAULT
+from hybridkv.cache.placement import engine_default
 from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size, random_model
 from hybridkv.engine.random_models import tiny_names
@@ -72,7 +72,7 @@ def _engine(
     page_size: int,
     chunk_size: int,
     prefix_cache: bool,
-    checkpoints: str = DEFAULT,
+    checkpoints: str | None = None,
 ) -> Any:
     from hybridkv.engine.engine import Engine
 
@@ -84,6 +84,7 @@ def _engine(
         from hybridkv.engine.random_models import build_random
 
         weights, source = build_random(random)
+    checkpoints = checkpoints or engine_default(chunk_size, page_size)
     try:
         CheckpointPlacement.parse(checkpoints, page_size)
     except PlacementError as exc:
@@ -119,11 +120,11 @@ def generate(
     no_prefix_cache: bool = typer.Option(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
-    checkpoints: str = typer.Option(
-        DEFAULT,
+    checkpoints: str | None = typer.Option(
+        None,
         "--checkpoints",
         help="Where requests store recurrent-state checkpoints: none, or a comma list of interval:N, "
-        "prompt-aligned[:K], branch, end.",
+        "prompt-aligned[:K], branch, end (default: interval at the chunk size, prompt-aligned, branch, end).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache import HybridRadixCache
-from hybridkv.cache.placement import DEFAULT
+from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import CacheHit, RequestAllocator
 from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.runner import ModelRunner
@@ -72,14 +72,15 @@ class Engine:
         spec: ModelSpec | None = None,
         prefix_cache: bool = True,
         cache_policy: str = "lru",
-        checkpoints: str = DEFAULT,
+        checkpoints: str | None = None,
     ):
         """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
         ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config.
         ``checkpoints``: where requests store recurrent-state checkpoints for later hits, a
         placement spec (``hybridkv.cache.placement``: none, interval:N, prompt-aligned[:K],
-        branch, end); prefill chunks end at the positions it asks for."""
+        branch, end; default ``engine_default``: every page-aligned chunk end, the prompt end,
+        the branch point, the sequence end); prefill chunks end at the positions it asks for."""
         config = spec_or_config
         if isinstance(config, ModelSpec):
             raise TypeError(
@@ -120,7 +121,10 @@ class Engine:
         eos = getattr(self.config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.alloc = RequestAllocator(
-            self.mem, prefix_cache=prefix_cache, cache_policy=cache_policy, checkpoints=checkpoints
+            self.mem,
+            prefix_cache=prefix_cache,
+            cache_policy=cache_policy,
+            checkpoints=checkpoints or engine_default(chunk_size, page_size),
         )
         self.stats = dict.fromkeys(
             ["steps", "retractions", "forward_tokens", "prompt_tokens", "cached_tokens", "resumed_cached_tokens"], 0
