@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import CacheError, CheckpointPlacement, HybridRadixCache, KVManager, PlacementError
-from hybridkv.cache.placement import DEFAULT
+from hybridkv.cache.placement import DEFAULT, engine_default
 from tests.cache.helpers import small_memory
 
 PS = 4
@@ -148,3 +148,10 @@ def test_the_branch_checkpoint_makes_the_next_hit() -> None:
     assert (match.length, match.checkpoint_length, match.checkpoint_at) == (20, 20, None)
     cache.check()
     cache.mem.verify()
+
+
+def test_engine_default_adds_whole_page_chunk_ends_and_parses() -> None:
+    assert engine_default(64, 16) == "interval:64,prompt-aligned,branch,end"
+    assert engine_default(70, 16) == "interval:64,prompt-aligned,branch,end"  # rounded down to whole pages
+    assert engine_default(8, 16) == DEFAULT  # a chunk shorter than a page: no interval
+    assert CheckpointPlacement.parse(engine_default(70, 16), 16).prefill(None, 200, 0)[:3] == (64, 128, 192)
