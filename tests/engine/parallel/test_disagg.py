@@ -1,8 +1,8 @@
 """Disaggregated serving in real processes: a router, a PP x TP prefill world and a TP decode world, token-exact.
 
 (PP 2, TP 1) -> (TP 2) for Qwen3-Next (GDN + full attention), Gemma 3 (sliding window 8) and
-Kimi-Linear (KDA + MLA) over shm, Kimi-Linear also over Mooncake (TCP on 127.0.0.1; the
-``serve-pd`` test runs Qwen3-Next over Mooncake); (PP 3) -> (TP 1) for Qwen3-Next and
+Kimi-Linear (KDA + MLA) over shm, Gemma 3 and Kimi-Linear also over Mooncake (TCP on 127.0.0.1;
+the ``serve-pd`` test runs Qwen3-Next over Mooncake); (PP 3) -> (TP 1) for Qwen3-Next and
 (PP 1, TP 2) -> (TP 1) for Kimi-Linear over shm.
 Per layout, one server launch serves 8 requests submitted at once (five share a prefix, lengths
 around and past the sliding window of 8), prefilled in chunks of 5 over pages of 4 with the
@@ -52,6 +52,7 @@ def gone(pid: int) -> bool:
     [
         ("tiny-qwen3-next", 2, 1, 2, "shm"),
         ("tiny-gemma3", 2, 1, 2, "shm"),
+        ("tiny-gemma3", 2, 1, 2, "mooncake"),
         ("tiny-kimi-linear", 2, 1, 2, "shm"),
         ("tiny-kimi-linear", 2, 1, 2, "mooncake"),
         ("tiny-qwen3-next", 3, 1, 1, "shm"),
