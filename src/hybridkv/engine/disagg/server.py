@@ -273,13 +273,16 @@ class PDServer:
 
     def shm_paths(self) -> list[str]:
         """The shared-memory files of every decode rank this server started (unlinked by ``close``)."""
-        engines = [e for e in (self.prefill, self.decode) if e is not None] + self._retired
-        return [path for e in engines for path in e.shm.values() if path]
+        return [path for e in self._engines() for path in e.shm.values() if path]
 
     def pids(self) -> list[int]:
         """Every worker process this server started (also dead and restarted ones)."""
-        engines = [e for e in (self.prefill, self.decode) if e is not None] + self._retired
-        return [pid for e in engines for pid in e.procs.pids]
+        return [pid for e in self._engines() for pid in e.procs.pids]
+
+    def _engines(self) -> list[_Engine]:
+        """Every engine epoch started, once each (a lost engine is both current and retired)."""
+        current = [e for e in (self.prefill, self.decode) if e is not None]
+        return current + [e for e in self._retired if all(e is not c for c in current)]
 
     def close(self) -> None:
         if self._stopping:
@@ -369,10 +372,9 @@ class PDServer:
                     raise PDStartError(f"{e.names[r]} died while starting ({exit_reason(code)})")
 
     def _shutdown(self) -> None:
-        for e in [self.prefill, self.decode, *self._retired]:
-            if e is not None:
-                e.procs.close(5.0 if not e.dead else 0.0)
-                _unlink(e.shm.values())
+        for e in self._engines():
+            e.procs.close(5.0 if not e.dead else 0.0)
+            _unlink(e.shm.values())
         self.boot.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
