@@ -104,6 +104,7 @@ def test_disaggregated_server_serves_the_single_process_and_transformers_tokens(
         assert sorted((s.pp, s.tp) for s in r.stages) == [(s, t) for s in range(pp) for t in range(ptp)]
         for s in r.stages:
             assert s.ok and s.nbytes > 0 and s.compute[0] < s.compute[1] <= s.send[0] <= s.send[1], s
+            assert 0 < s.ops <= s.nbytes, s  # one op per contiguous run: at least a byte each
         assert len(r.decode_bytes) == tp and sum(r.decode_bytes) == r.transfer_bytes == sum(s.nbytes for s in r.stages)
     for t in result.timings:
         assert t is not None

@@ -265,7 +265,9 @@ class _Rank:
             self.nbytes += report.nbytes
             done = time.monotonic()
             sending = (held.handed or done, done)
-            self.conn.send(Sent(report.request_id, ok, report.reason, report.nbytes, held.computed, sending))
+            self.conn.send(
+                Sent(report.request_id, ok, report.reason, report.nbytes, report.ops, held.computed, sending)
+            )
 
     def drain(self) -> None:
         for tid in list(self.delayed):

@@ -107,6 +107,7 @@ class StageTiming:
     compute: tuple[float, float]  # its prefill of the request: started, last chunk done
     send: tuple[float, float]  # handed to its sender -> the sender finished (every decode rank's leg)
     nbytes: int  # bytes it wrote, to every decode rank
+    ops: int  # write ops it submitted for them (contiguous runs; a TP-sliced page gives one per token)
     ok: bool
 
 
@@ -558,7 +559,7 @@ class PDServer:
         )
         tp = self.config.prefill_tp
         stages = tuple(
-            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ok)
+            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ops, sent.ok)
             for k, sent in sorted(req.sent.items())
         )
         decode_bytes = tuple(req.tokens[k].nbytes for k in sorted(req.tokens))
