@@ -117,12 +117,17 @@ def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
     try:
         receiver.register(dst.data_ptr(), dst.numel())
         writer.register(src.data_ptr(), src.numel())
+        writer.warm(receiver.session)
+        writer.write(receiver.session, [src.data_ptr()], [dst.data_ptr()], [64])  # a warmed peer takes writes
+        assert dst[:64].all() and not dst[64:].any()
+        dst.zero_()
         outside = dst.data_ptr() + dst.numel()  # past what the peer registered
         handle = writer.submit(receiver.session, [src.data_ptr()], [outside], [64])
         status = writer.wait(handle, 60)
         assert status.completion is Completion.FAILED and "answering probes" in status.reason
         assert writer.poll(handle) == status
         assert not dst.any()
+        writer.warm("127.0.0.1:1")  # nobody there: warming says nothing, the write below reports it
         nobody = writer.submit("127.0.0.1:1", [src.data_ptr()], [outside], [64])  # a submit that cannot start
         status = writer.wait(nobody, 60)
         assert status.completion is Completion.FAILED and "127.0.0.1:1" in status.reason

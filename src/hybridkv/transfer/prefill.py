@@ -249,6 +249,8 @@ class PrefillSender(Agent):
         route, error = self._route(msg)
         if error:
             log.warning("%s: cannot serve decode %s: %s", self.rank, msg.rank, error)
+        else:  # a decode rank says hello when its first request is reserved: warm up while prefill computes
+            self.submit(partial(self.transport.warm, msg.session))
         self._peers[msg.rank] = _DecodePeer(
             msg.rank, msg.endpoint, msg.session, msg.buffers, route, error, time.monotonic(), epoch
         )

@@ -151,6 +151,11 @@ class Transport(ABC):
         the caller knows them. Raises ``TransportError`` (nothing moved) for ops it refuses.
         """
 
+    def warm(self, session: str) -> None:
+        """Prepare writes to the peer ``session`` (a connection, its metadata) so that the first
+        write does not pay for it; optional, never raises: a write reports what is wrong."""
+        del session  # nothing to prepare unless a transport says otherwise
+
     def poll(self, handle: WriteHandle) -> WriteStatus:
         """Where ``handle`` stands now, without blocking."""
         return handle.status

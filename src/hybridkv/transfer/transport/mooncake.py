@@ -158,6 +158,14 @@ class MooncakeTransport(Transport):
         """The underlying ``TransferEngine`` (for raw-engine baselines in benchmarks)."""
         return self._engine
 
+    def warm(self, session: str) -> None:
+        """Open the peer's segment (a P2P handshake fetches its descriptor): the first write to it
+        then takes ~0.2 ms instead of 1-2.5 ms idle (measured; ~10 ms on a loaded host)."""
+        engine = self._engine
+        if engine is not None:
+            with contextlib.suppress(RuntimeError):
+                engine.get_first_buffer_address(session)
+
     def register(self, addr: int, length: int) -> None:
         rc = self._engine.register_memory(addr, length)
         if rc != 0:
