@@ -31,6 +31,7 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
         assert r["transfer_bytes_per_rank"] == r["spec_bytes_per_rank"] and r["bytes_match"], r
         assert all(b > 0 for b in r["spec_bytes_per_rank"]) and r["transfer_bytes"] == r["spec_bytes"]
         assert r["transfer_s"] > 0 and r["gbps"] > 0 and r["handoff_s"] >= 0
+        assert r["ops"] > 0 and r["send_us_per_op"] == pytest.approx(r["send_s"] * 1e6 / r["ops"], abs=0.01)
         assert 0 <= r["overlap_other_stage_ratio"] <= r["overlap_ratio"] <= 1 and r["send_s"] >= r["transfer_s"]
         assert r["ttft_pd_s"] > 0 and r["ttft_single_s"] > 0 and r["ttft_ratio"] > 0
         assert r["exact"]
@@ -41,5 +42,6 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
     assert by_length[0]["spec_bytes"] < by_length[-1]["spec_bytes"]
     t = report["totals"]
     assert t["bytes_match"] and t["transfer_bytes"] == sum(r["transfer_bytes"] for r in rows)
+    assert t["ops"] == sum(r["ops"] for r in rows)
     assert t["cached_tokens_pd"] > 0, rows
     assert t["exact"] == 3 and t["ttft_ratio"] > 0 and t["gbps"] > 0 and 0 <= t["overlap_ratio"] <= 1

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +24,7 @@ from hybridkv.transfer import (
 )
 from hybridkv.transfer.plan import Bounds
 from hybridkv.transfer.transport import Completion, WriteStatus, transport_class
+from hybridkv.transfer.transport.mooncake import init_log
 
 
 def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
@@ -112,18 +117,38 @@ def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
     try:
         receiver.register(dst.data_ptr(), dst.numel())
         writer.register(src.data_ptr(), src.numel())
+        writer.warm(receiver.session)
+        writer.write(receiver.session, [src.data_ptr()], [dst.data_ptr()], [64])  # a warmed peer takes writes
+        assert dst[:64].all() and not dst[64:].any()
+        dst.zero_()
         outside = dst.data_ptr() + dst.numel()  # past what the peer registered
         handle = writer.submit(receiver.session, [src.data_ptr()], [outside], [64])
         status = writer.wait(handle, 60)
         assert status.completion is Completion.FAILED and "answering probes" in status.reason
         assert writer.poll(handle) == status
         assert not dst.any()
+        writer.warm("127.0.0.1:1")  # nobody there: warming says nothing, the write below reports it
         nobody = writer.submit("127.0.0.1:1", [src.data_ptr()], [outside], [64])  # a submit that cannot start
         status = writer.wait(nobody, 60)
         assert status.completion is Completion.FAILED and "127.0.0.1:1" in status.reason
     finally:
         writer.close()
         receiver.close()
+
+
+def test_mooncake_start_up_noise_is_dropped_and_every_other_stderr_line_kept(capfd):
+    refused = "E1130 19:38:37.031479  2009 transfer_metadata_plugin.cpp:1030] SocketHandShakePlugin: refused"
+    with init_log() as said:
+        os.write(2, b"WARNING: Logging before InitGoogleLogging() is written to STDERR\n")
+        os.write(2, b"E1130 19:38:37.021936  2009 transfer_metadata.cpp:1098] Local segment descriptor not found\n")
+        os.write(2, (refused + "\nanother library's line\n").encode())
+    assert said == [refused, "another library's line"]
+    assert capfd.readouterr().err == f"{refused}\nanother library's line\n"
+    # two real engines in a fresh process (glog's warning comes once per process): nothing on stderr
+    code = "from hybridkv.transfer import make_transport as m; a, b = m('mooncake'), m('mooncake')"
+    code += "; a.close(); b.close()"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
 
 
 def test_registry_names_every_transport_and_refuses_unknown_ones():

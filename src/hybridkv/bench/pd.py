@@ -17,6 +17,10 @@ prefill rank and its bytes per decode rank):
   (the union of the ranks' send windows: handed to its sender -> the sender finished every
   decode rank's leg), and the effective bandwidth: bytes of all decode ranks over it.
   ``handoff_s`` is ``RequestTiming.transfer_s`` (first token -> every decode rank holds it).
+- **ops**: the write ops the prefill ranks submitted (one per contiguous run of source and
+  destination), and ``send_us_per_op``: summed send windows over them. Over Mooncake TCP the
+  send time grows with the ops, not the bytes (each op is its own transfer), and a decode TP
+  size above the prefill one slices every token of a page into its own op.
 - **overlap**: the part of each prefill rank's send window during which the prefill engine was
   computing (some prefill rank inside the compute interval of some request), summed over ranks,
   over the summed window lengths: the transfer time hidden behind prefill compute. Senders run
@@ -109,6 +113,7 @@ def request_row(
     overlap = sum(_covered(st.send, [c for _, c in computing]) for st in req.stages)
     other = sum(_covered(st.send, [c for pp, c in computing if pp != st.pp]) for st in req.stages)
     send_s = sum(map(_length, sends))
+    ops = sum(st.ops for st in req.stages)
     transfer_s = _union(sends)
     moved = sum(req.decode_bytes)
     return {
@@ -122,6 +127,8 @@ def request_row(
         "gbps": round(moved / transfer_s / 1e9, 6) if transfer_s > 0 else None,
         "handoff_s": round(req.timing.transfer_s, 6),
         "send_s": round(send_s, 6),
+        "ops": ops,
+        "send_us_per_op": round(send_s * 1e6 / ops, 2) if ops else None,
         "overlap_s": round(overlap, 6),
         "overlap_ratio": _ratio(overlap, send_s),
         "overlap_other_stage_s": round(other, 6),
@@ -214,6 +221,7 @@ def run(
     total_bytes = sum(r["transfer_bytes"] for r in rows)
     total_s = sum(r["transfer_s"] for r in rows)
     send_total = sum(r["send_s"] for r in rows)
+    ops_total = sum(r["ops"] for r in rows)
     ttft_pd = sum(r["ttft_pd_s"] for r in rows) / requests
     ttft_one = sum(r["ttft_single_s"] for r in rows) / requests
     return {
@@ -236,6 +244,8 @@ def run(
             "bytes_match": all(r["bytes_match"] for r in rows),
             "transfer_s": round(total_s, 6),
             "gbps": round(total_bytes / total_s / 1e9, 6) if total_s > 0 else None,
+            "ops": ops_total,
+            "send_us_per_op": round(send_total * 1e6 / ops_total, 2) if ops_total else None,
             "overlap_ratio": _ratio(sum(r["overlap_s"] for r in rows), send_total),
             "overlap_other_stage_ratio": _ratio(sum(r["overlap_other_stage_s"] for r in rows), send_total),
             "cached_tokens_pd": sum(r["cached_tokens_pd"] for r in rows),

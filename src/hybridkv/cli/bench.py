@@ -275,7 +275,7 @@ def bench_pd(
         f"process, {requests} requests, {max_new_tokens} new each, prefix cache {cache}"
     )
     cols = ["request", "prompt", "cached PD/1", "bytes per decode rank", "= spec", "transfer ms", "GB/s"]
-    cols += ["overlap", "other stage"]
+    cols += ["ops", "µs/op", "overlap", "other stage"]
     for col in (*cols, "TTFT PD ms", "TTFT 1-proc ms", "PD/1-proc", "exact"):
         table.add_column(col, justify="left" if col in ("request", "bytes per decode rank") else "right")
     for i, r in enumerate(report["per_request"]):
@@ -287,6 +287,8 @@ def bench_pd(
             "yes" if r["bytes_match"] else "[red]NO[/]",
             f"{r['transfer_s'] * 1e3:.1f}",
             "" if r["gbps"] is None else f"{r['gbps']:.3f}",
+            str(r["ops"]),
+            "" if r["send_us_per_op"] is None else f"{r['send_us_per_op']:.0f}",
             f"{100 * r['overlap_ratio']:.0f}%",
             f"{100 * r['overlap_other_stage_ratio']:.0f}%",
             f"{r['ttft_pd_s'] * 1e3:.1f}",
@@ -300,7 +302,8 @@ def bench_pd(
     gbps = "n/a" if t["gbps"] is None else f"{t['gbps']:.3f} GB/s"
     console.print(
         f"total {format_bytes(t['transfer_bytes'])} moved (spec {format_bytes(t['spec_bytes'])}) in "
-        f"{t['transfer_s'] * 1e3:.1f} ms of sending: {gbps}; {100 * t['overlap_ratio']:.0f}% of send time overlaps "
+        f"{t['transfer_s'] * 1e3:.1f} ms of sending: {gbps}, {t['ops']} write ops ({t['send_us_per_op']} µs of a "
+        f"send window each); {100 * t['overlap_ratio']:.0f}% of send time overlaps "
         f"prefill compute ({100 * t['overlap_other_stage_ratio']:.0f}% another stage's); "
         f"mean TTFT {t['ttft_pd_mean_s'] * 1e3:.1f} ms disaggregated vs "
         f"{t['ttft_single_mean_s'] * 1e3:.1f} ms single-process ({t['ttft_ratio']:.2f}x); "

@@ -4,8 +4,10 @@ Protocol (this side): register at the bootstrap; every decode rank says ``Hello`
 (its layout and transport session: the pairing is checked then) and sends one
 ``TransferRequest`` per request (its destination cells). When the owner hands over the
 request's pages with ``send``, each decode rank's *leg* runs on the worker: plan, write in
-chunks (``write_plan``: submit one, wait for it), checksum; the decode rank gets
-``transferring`` then ``success``/``failed`` (``LegStatus``).
+chunks (``write_plan``: submit one, wait for it; over a transport that pays per op, each
+chunk's strided sources are first gathered into a staging buffer, ``SourceStaging``, so it
+goes out as one op per destination run), checksum; the decode rank gets ``transferring``
+then ``success``/``failed`` (``LegStatus``).
 
 Invariants:
 - A decode rank's identity (endpoint, transport session, layout), once it said ``Hello``,
@@ -59,6 +61,7 @@ from hybridkv.transfer.plan import Route, memory_cells, num_pages
 from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 from hybridkv.transfer.transport.base import write_plan
+from hybridkv.transfer.transport.staging import SourceStaging
 
 FINISHED_KEEP_S = 120.0
 WAITING_GRACE_S = 1.0
@@ -142,8 +145,11 @@ class PrefillSender(Agent):
         self._last_heartbeat = 0.0
         self._gates: dict[str, MoveGate] = {}  # owner thread only
         self._reports = ReportBoard()
+        self._stage: SourceStaging | None = None  # the worker thread's, once built
         try:
             transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
+            if transport.pays_per_op:
+                self._stage = SourceStaging(transport, mem.arena.buffer)
             self._start()
             register = Register(
                 self.rank, self.endpoint, transport.name, transport.session, self.buffers, self.epoch, this_process()
@@ -243,6 +249,8 @@ class PrefillSender(Agent):
         route, error = self._route(msg)
         if error:
             log.warning("%s: cannot serve decode %s: %s", self.rank, msg.rank, error)
+        else:  # a decode rank says hello when its first request is reserved: warm up while prefill computes
+            self.submit(partial(self.transport.warm, msg.session))
         self._peers[msg.rank] = _DecodePeer(
             msg.rank, msg.endpoint, msg.session, msg.buffers, route, error, time.monotonic(), epoch
         )
@@ -337,10 +345,11 @@ class PrefillSender(Agent):
         assert out.cells is not None and leg.peer.route is not None
         try:
             plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
-            write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, partial(self._should_stop, leg))
+            stop = partial(self._should_stop, leg)
+            ops = write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, stop, self._stage)
             src, _, length = plan.ops()
             crc = checksum_addresses(self.mem.arena.buffer, src, length) if leg.checksum else None
-            done = partial(self._leg_done, out, leg, "", plan.num_ops, plan.nbytes, crc)
+            done = partial(self._leg_done, out, leg, "", ops, plan.nbytes, crc)
         except TransferError as exc:
             done = partial(self._leg_done, out, leg, str(exc), 0, 0, None)
         except Exception as exc:  # a bug: fail the leg, never report success

@@ -84,6 +84,7 @@ class StatusReport:
     elapsed_s: float
     timeline: tuple[tuple[Phase, float], ...] = ()  # (phase entered, seconds since start)
     legs: LegReport = ()
+    finished_at: float | None = None  # time.monotonic() when it became terminal (None: not yet)
 
     def leg(self, rank: str) -> LegStatus | None:
         """The status of the leg with peer ``rank`` (None if there is none)."""
@@ -139,7 +140,15 @@ class RequestStatus:
         end = self.finished if self.finished is not None else time.monotonic()
         elapsed = end - self.started
         return StatusReport(
-            self.request_id, self.phase, self.reason, self.nbytes, self.ops, elapsed, tuple(self.timeline), legs
+            self.request_id,
+            self.phase,
+            self.reason,
+            self.nbytes,
+            self.ops,
+            elapsed,
+            tuple(self.timeline),
+            legs,
+            self.finished,
         )
 
 

@@ -1,8 +1,8 @@
 """Disaggregated serving in real processes: a router, a PP x TP prefill world and a TP decode world, token-exact.
 
 (PP 2, TP 1) -> (TP 2) for Qwen3-Next (GDN + full attention), Gemma 3 (sliding window 8) and
-Kimi-Linear (KDA + MLA) over shm, Kimi-Linear also over Mooncake (TCP on 127.0.0.1; the
-``serve-pd`` test runs Qwen3-Next over Mooncake); (PP 3) -> (TP 1) for Qwen3-Next and
+Kimi-Linear (KDA + MLA) over shm, Gemma 3 and Kimi-Linear also over Mooncake (TCP on 127.0.0.1;
+the ``serve-pd`` test runs Qwen3-Next over Mooncake); (PP 3) -> (TP 1) for Qwen3-Next and
 (PP 1, TP 2) -> (TP 1) for Kimi-Linear over shm.
 Per layout, one server launch serves 8 requests submitted at once (five share a prefix, lengths
 around and past the sliding window of 8), prefilled in chunks of 5 over pages of 4 with the
@@ -52,6 +52,7 @@ def gone(pid: int) -> bool:
     [
         ("tiny-qwen3-next", 2, 1, 2, "shm"),
         ("tiny-gemma3", 2, 1, 2, "shm"),
+        ("tiny-gemma3", 2, 1, 2, "mooncake"),
         ("tiny-kimi-linear", 2, 1, 2, "shm"),
         ("tiny-kimi-linear", 2, 1, 2, "mooncake"),
         ("tiny-qwen3-next", 3, 1, 1, "shm"),
@@ -103,6 +104,7 @@ def test_disaggregated_server_serves_the_single_process_and_transformers_tokens(
         assert sorted((s.pp, s.tp) for s in r.stages) == [(s, t) for s in range(pp) for t in range(ptp)]
         for s in r.stages:
             assert s.ok and s.nbytes > 0 and s.compute[0] < s.compute[1] <= s.send[0] <= s.send[1], s
+            assert 0 < s.ops <= s.nbytes, s  # one op per contiguous run: at least a byte each
         assert len(r.decode_bytes) == tp and sum(r.decode_bytes) == r.transfer_bytes == sum(s.nbytes for s in r.stages)
     for t in result.timings:
         assert t is not None

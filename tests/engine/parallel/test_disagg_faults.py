@@ -16,6 +16,9 @@
   with "prefill memory is full" (no worker dies); the next request is served token-exact.
 - Decode requests that outgrow the decode memory together: the newest fails with "decode memory
   is full", the others finish token-exact; no worker dies, nothing leaks.
+- An engine lost (its restarts used up: ``restarts=0`` and a decode rank SIGKILLed): every request
+  not finished, and every later one, fails with the death line; the surviving prefill engine holds
+  nothing; ``close`` still stops and reaps every process and unlinks every shared-memory file.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
     )
     with PDServer(config) as server:
         first = server.generate(prompts[:2], MAX_NEW)
+        settled(server)  # request 0's pages are freed on both sides once its legs are acknowledged: not at once
         last = server.result(server.submit(prompts[2], MAX_NEW), timeout_s=120)
         states = settled(server)
     assert [r.status for r in first] == [FAILED] * 2
@@ -191,3 +195,51 @@ def test_a_full_decode_memory_fails_the_newest_running_request_and_the_others_fi
             assert r.output_ids == single[r.index].tokens, r
     assert len(failed) < len(results)
     assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
+
+
+def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_close_reaps_everything(
+    tmp_path: Path,
+) -> None:
+    # restarts=0: the first decode death loses the decode engine. Request 0 finishes before; decode TP
+    # rank 1 is SIGKILLed at request 1's first token while request 2 is queued or prefilling beside it:
+    # both fail with the death line, so does a request submitted afterwards; the prefill engine, still
+    # alive, holds nothing once its legs to the dead engine are aborted; close() reaps every process
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    before = children()
+    config = PDConfig(
+        str(tmp_path),
+        max_new=MAX_NEW,
+        prefill_pp=2,
+        decode_tp=2,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=3_000_000,
+        restarts=0,
+        faults=(Fault("kill-decode", 1, rank=1),),
+    )
+    with PDServer(config) as server:
+        first = server.result(server.submit(PROMPTS[0], MAX_NEW), timeout_s=120)
+        lost = server.generate(PROMPTS[1:3], MAX_NEW)
+        late = server.result(server.submit(PROMPTS[3], MAX_NEW), timeout_s=120)
+        states = settled(server)
+        started = set(server.pids())
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(PROMPTS[0])], CHUNK, MAX_NEW)
+    assert first.status == FINISHED and first.output_ids == single[0].tokens, first
+    (death,) = server.deaths
+    assert death.startswith("decode TP rank 1") and "killed by SIGKILL" in death, death
+    assert server.lost == {"decode": death}
+    for r in [*lost, late]:
+        assert r.status == FAILED and r.reason == f"the decode engine is lost: {death}", r
+        assert r.output_ids == [] and r.timing is None
+    # only the prefill engine answers probes once the decode engine is lost, and it holds nothing
+    assert sorted(w.name for w in states) == ["prefill stage 0 TP rank 0", "prefill stage 1 TP rank 0"]
+    assert all(w.epoch == 0 and w.requests == 0 and w.live == w.live_before for w in states), states
+    # close: the prefill ranks stopped cleanly (nothing leaked), every process is gone, no file left
+    assert sorted((r.role, r.index, r.live_after == r.live_before) for r in server.ranks) == [
+        ("prefill", 0, True),
+        ("prefill", 1, True),
+    ]
+    assert len(started) == 4 and all(gone(pid) for pid in started)
+    left = children() - before  # multiprocessing's resource tracker (started by the first spawn) may stay
+    assert all("resource_tracker" in Path(f"/proc/{pid}/cmdline").read_text() for pid in left), left
+    assert len(server.shm_paths()) == 2 and not any(Path(p).exists() for p in server.shm_paths())

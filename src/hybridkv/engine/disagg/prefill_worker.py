@@ -263,9 +263,11 @@ class _Rank:
             self.alloc.finish(held.req, held.ids)
             ok = report.phase is Phase.SUCCESS
             self.nbytes += report.nbytes
-            done = time.monotonic()
-            sending = (held.handed or done, done)
-            self.conn.send(Sent(report.request_id, ok, report.reason, report.nbytes, held.computed, sending))
+            done = report.finished_at or time.monotonic()  # the sender's end, not when this loop saw it
+            sending = (held.handed or done, max(done, held.handed))
+            self.conn.send(
+                Sent(report.request_id, ok, report.reason, report.nbytes, report.ops, held.computed, sending)
+            )
 
     def drain(self) -> None:
         for tid in list(self.delayed):

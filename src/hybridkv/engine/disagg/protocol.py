@@ -98,8 +98,9 @@ class Sent:
     ok: bool
     reason: str
     nbytes: int
+    ops: int  # write ops its sender submitted (one per contiguous run: Mooncake over TCP pays per op)
     computed: tuple[float, float]  # this rank's prefill of the request: started, last chunk done
-    sending: tuple[float, float]  # handed to the sender -> the sender reported it finished
+    sending: tuple[float, float]  # handed to the sender -> the sender finished (its last leg ended)
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ class StageTiming:
     compute: tuple[float, float]  # its prefill of the request: started, last chunk done
     send: tuple[float, float]  # handed to its sender -> the sender finished (every decode rank's leg)
     nbytes: int  # bytes it wrote, to every decode rank
+    ops: int  # write ops it submitted for them (contiguous runs; a TP-sliced page gives one per token)
     ok: bool
 
 
@@ -273,13 +274,16 @@ class PDServer:
 
     def shm_paths(self) -> list[str]:
         """The shared-memory files of every decode rank this server started (unlinked by ``close``)."""
-        engines = [e for e in (self.prefill, self.decode) if e is not None] + self._retired
-        return [path for e in engines for path in e.shm.values() if path]
+        return [path for e in self._engines() for path in e.shm.values() if path]
 
     def pids(self) -> list[int]:
         """Every worker process this server started (also dead and restarted ones)."""
-        engines = [e for e in (self.prefill, self.decode) if e is not None] + self._retired
-        return [pid for e in engines for pid in e.procs.pids]
+        return [pid for e in self._engines() for pid in e.procs.pids]
+
+    def _engines(self) -> list[_Engine]:
+        """Every engine epoch started, once each (a lost engine is both current and retired)."""
+        current = [e for e in (self.prefill, self.decode) if e is not None]
+        return current + [e for e in self._retired if all(e is not c for c in current)]
 
     def close(self) -> None:
         if self._stopping:
@@ -369,10 +373,9 @@ class PDServer:
                     raise PDStartError(f"{e.names[r]} died while starting ({exit_reason(code)})")
 
     def _shutdown(self) -> None:
-        for e in [self.prefill, self.decode, *self._retired]:
-            if e is not None:
-                e.procs.close(5.0 if not e.dead else 0.0)
-                _unlink(e.shm.values())
+        for e in self._engines():
+            e.procs.close(5.0 if not e.dead else 0.0)
+            _unlink(e.shm.values())
         self.boot.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -556,7 +559,7 @@ class PDServer:
         )
         tp = self.config.prefill_tp
         stages = tuple(
-            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ok)
+            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ops, sent.ok)
             for k, sent in sorted(req.sent.items())
         )
         decode_bytes = tuple(req.tokens[k].nbytes for k in sorted(req.tokens))

@@ -25,11 +25,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from hybridkv.transfer.errors import TransferError, TransportError
 from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
 from hybridkv.transfer.shared import SharedBuffer
+
+if TYPE_CHECKING:
+    from hybridkv.transfer.transport.staging import SourceStaging
 
 STOP_CHECK_S = 0.05
 """How often ``write_plan`` asks its ``stop`` callback while a submitted chunk is in flight."""
@@ -107,6 +110,9 @@ class Transport(ABC):
     """Memory kinds the transport can move (both transports here move host memory)."""
     shared_arena: ClassVar[bool] = False
     """The receiving side's arena must be a ``SharedBuffer`` peers map (shm)."""
+    pays_per_op: ClassVar[bool] = False
+    """Each op costs a fixed time of its own (Mooncake TCP): senders stage strided sources
+    (``staging.SourceStaging``) so that a chunk goes out as one op per destination run."""
 
     @classmethod
     def create(cls, shared: SharedBuffer | None = None, **options: object) -> Transport:
@@ -145,6 +151,11 @@ class Transport(ABC):
         the caller knows them. Raises ``TransportError`` (nothing moved) for ops it refuses.
         """
 
+    def warm(self, session: str) -> None:
+        """Prepare writes to the peer ``session`` (a connection, its metadata) so that the first
+        write does not pay for it; optional, never raises: a write reports what is wrong."""
+        del session  # nothing to prepare unless a transport says otherwise
+
     def poll(self, handle: WriteHandle) -> WriteStatus:
         """Where ``handle`` stands now, without blocking."""
         return handle.status
@@ -164,9 +175,18 @@ class Transport(ABC):
         """Release the transport's resources (idempotent)."""
 
 
-def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes: int, stop: Callable[[], str]) -> None:
-    """Write ``plan`` in chunks (at most ``max_ops_per_submit`` ops, about ``chunk_bytes``),
-    one chunk in flight at a time; returns when every op landed.
+def write_plan(
+    transport: Transport,
+    peer: str,
+    plan: TransferPlan,
+    chunk_bytes: int,
+    stop: Callable[[], str],
+    stage: SourceStaging | None = None,
+) -> int:
+    """Write ``plan`` in chunks (at most ``max_ops_per_submit`` ops, about ``chunk_bytes``;
+    with ``stage``, at most its buffer's bytes), one chunk in flight at a time; returns the
+    ops submitted once every op landed (fewer than the plan's where ``stage`` gathered a
+    chunk's strided sources: one op per destination run).
 
     ``stop()`` is asked before every chunk and every ``STOP_CHECK_S`` while one is in
     flight; a non-empty answer ends the write with ``TransferError("stopped: <answer>")``
@@ -174,11 +194,18 @@ def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes:
     or a deadline takes effect at the next chunk boundary. A failed chunk raises
     ``TransportError`` with the transport's reason.
     """
-    for chunk in plan.chunks(transport.max_ops_per_submit, chunk_bytes):
+    submitted = 0
+    limit = chunk_bytes if stage is None else min(chunk_bytes, stage.nbytes)
+    for chunk in plan.chunks(transport.max_ops_per_submit, limit):
         reason = stop()
         if reason:
             raise TransferError(f"stopped: {reason}")
-        handle = transport.submit(peer, *plan.ops(chunk), plan.bounds)
+        src, dst, length = plan.ops(chunk)
+        bounds = plan.bounds
+        if stage is not None:
+            src, dst, length, bounds = stage.gather(src, dst, length, bounds)
+        submitted += len(dst)
+        handle = transport.submit(peer, src, dst, length, bounds)
         status = transport.poll(handle)
         while not status.ended:
             reason = reason or stop()
@@ -187,3 +214,4 @@ def write_plan(transport: Transport, peer: str, plan: TransferPlan, chunk_bytes:
             raise TransportError(status.reason)
         if reason:
             raise TransferError(f"stopped: {reason}")
+    return submitted
