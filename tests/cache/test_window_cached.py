@@ -195,3 +195,22 @@ def test_a_full_pool_short_with_every_leaf_locked_takes_window_cells_behind_the_
     checked(cache)
     kvm.release(kv)
     checked(cache)
+
+
+def test_an_allocator_short_of_window_cells_gets_the_tree_s_after_the_window_cached_ones(cache):
+    """The window cache alone cannot cover a window pool's own shortfall: the rest comes from the
+    tree (here the unlocked finished leaf, whole), never from the running request."""
+    kvm = KVManager(cache)
+    done = kvm.admit(kvm.match(np.arange(40)))
+    kvm.extend(done, 40)
+    kvm.release_windows([done])
+    kvm.finish(done, np.arange(40))  # the tree holds its window cells, nothing locks them
+    running = kvm.admit(kvm.match(np.arange(100, 124)))
+    kvm.extend(running, 24)
+    assert kvm.release_windows([running]) == 4  # four window-cached cells
+    freed = cache.evict({W: 8}, for_slabs=True)
+    assert freed[W] == 4 + 10 and cache.cached_pages == 0  # the window cache, then the leaf's 10 cells
+    assert cache.residency.window_cache.total == 0 and cache.mem.pages.live[running.pages].all()
+    checked(cache)
+    kvm.release(running)
+    checked(cache)
