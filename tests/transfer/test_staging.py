@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 from hybridkv.transfer import make_transport
-from hybridkv.transfer.plan import Bounds
-from hybridkv.transfer.transport.staging import SourceStaging
+from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
+from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle, write_plan
+from hybridkv.transfer.transport.staging import STAGE_BYTES, STAGE_OP_BYTES, SourceStaging
 
 HEAD, HEADS, TOKENS = 64, 2, 48  # a TP-sliced page row: one head of each token, the decode side holds only it
 
@@ -46,3 +47,58 @@ def test_staged_ops_land_the_same_bytes_at_the_same_places_with_one_op_per_desti
     finally:
         writer.close()
         receiver.close()
+
+
+class Recording(Transport):
+    """A transport that pays per op and only records what it is asked (ops per submit, warm-ups)."""
+
+    name = TransportName.MOONCAKE
+    max_ops_per_submit = 1024
+    pays_per_op = True
+
+    def __init__(self) -> None:
+        self.submits: list[int] = []
+
+    @property
+    def session(self) -> str:
+        return "recording"
+
+    def check_session(self, session: str) -> None:
+        pass
+
+    def register(self, addr: int, length: int) -> None:
+        pass
+
+    def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
+        self.submits.append(len(dst))
+        return WriteHandle(peer, len(dst), DONE)
+
+    def close(self) -> None:
+        pass
+
+
+def _plan(source: torch.Tensor, ops: int, op_bytes: int) -> TransferPlan:
+    """``ops`` strided source pieces of ``op_bytes`` (every other piece of ``source``) into one contiguous run."""
+    i = np.arange(ops, dtype=np.int64)
+    src = source.data_ptr() + 2 * op_bytes * i
+    dst = (1 << 40) + op_bytes * i
+    length = np.full(ops, op_bytes, dtype=np.int64)
+    bounds = Bounds(int(src[0]), int(src[-1]) + op_bytes, int(dst[0]), int(dst[-1]) + op_bytes, op_bytes)
+    return TransferPlan(src, dst, length, ops, ops * op_bytes, bounds)
+
+
+def test_large_ops_keep_the_chunk_size_and_small_ops_are_chunked_to_the_staging_buffer() -> None:
+    source = torch.zeros(8 << 20, dtype=torch.uint8)
+    transport = Recording()
+    stage = SourceStaging(transport, source)  # STAGE_BYTES
+    # 16 ops of 256 KiB (4 MiB): not worth staging, so one submit of 64 MiB chunks, not four of the buffer's size
+    big = _plan(source, 16, 256 << 10)
+    assert write_plan(transport, "peer", big, 64 << 20, lambda: "", stage) == 16
+    assert transport.submits == [16] and stage.staged_chunks == 0
+    # 1024 ops of 2 KiB (2 MiB): chunked to the 1 MiB buffer, each chunk staged into one op
+    transport.submits.clear()
+    small = _plan(source, 1024, 2 << 10)
+    assert small.nbytes < STAGE_OP_BYTES * small.num_ops
+    assert write_plan(transport, "peer", small, 64 << 20, lambda: "", stage) == 2
+    assert transport.submits == [1, 1] and stage.staged_chunks == 2
+    assert stage.limit(big, 64 << 20) == 64 << 20 and stage.limit(small, 64 << 20) == STAGE_BYTES

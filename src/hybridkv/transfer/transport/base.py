@@ -184,7 +184,8 @@ def write_plan(
     stage: SourceStaging | None = None,
 ) -> int:
     """Write ``plan`` in chunks (at most ``max_ops_per_submit`` ops, about ``chunk_bytes``;
-    with ``stage``, at most its buffer's bytes), one chunk in flight at a time; returns the
+    with ``stage``, what ``stage.limit`` says: its buffer's bytes for a plan of small ops,
+    which it may stage, ``chunk_bytes`` otherwise), one chunk in flight at a time; returns the
     ops submitted once every op landed (fewer than the plan's where ``stage`` gathered a
     chunk's strided sources: one op per destination run).
 
@@ -195,7 +196,7 @@ def write_plan(
     ``TransportError`` with the transport's reason.
     """
     submitted = 0
-    limit = chunk_bytes if stage is None else min(chunk_bytes, stage.nbytes)
+    limit = chunk_bytes if stage is None else stage.limit(plan, chunk_bytes)
     for chunk in plan.chunks(transport.max_ops_per_submit, limit):
         reason = stop()
         if reason:

@@ -1,7 +1,9 @@
 """Fault drills: a real transport with one behaviour changed (the PD server's deliberate faults, tests, demos).
 
 Invariant: a wrapper forwards everything it does not change to ``inner`` (so it names,
-registers, addresses and ends handles exactly as the real transport does).
+registers, addresses, warms, stages and ends handles exactly as the real transport does):
+every class attribute ``Transport`` declares and every method it defines except those made
+of other methods (``create``, ``check_device``, ``write``); a test holds ``Delegating`` to it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ class Delegating(Transport):
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
-        self.name = inner.name  # type: ignore[misc]
-        self.max_ops_per_submit = inner.max_ops_per_submit  # type: ignore[misc]
-        self.devices = inner.devices  # type: ignore[misc]
-        self.shared_arena = inner.shared_arena  # type: ignore[misc]
+        for attr in Transport.__annotations__:  # the class attributes (name, pays_per_op, ...), any added later too
+            setattr(self, attr, getattr(inner, attr))
 
     @property
     def session(self) -> str:
@@ -34,6 +34,9 @@ class Delegating(Transport):
 
     def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
         return self.inner.submit(peer, src, dst, length, bounds)
+
+    def warm(self, session: str) -> None:
+        self.inner.warm(session)
 
     def poll(self, handle: WriteHandle) -> WriteStatus:
         return self.inner.poll(handle)

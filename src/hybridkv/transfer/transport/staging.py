@@ -11,6 +11,9 @@ Invariants:
 - The staged ops write exactly the bytes the given ops would, to exactly the same destination
   addresses (the ops are sorted by destination and disjoint, as every plan's are); the checksum
   of a leg is unaffected (it reads the stream in destination order either way).
+- Only plans of small ops are chunked to the buffer's size (``limit``: mean op bytes under
+  ``STAGE_OP_BYTES``); other plans keep the caller's chunk size, so their chunks go out unstaged
+  with no more submits than without staging.
 - A chunk is staged only when it fits the buffer and at least halves the op count; otherwise its
   ops are returned unchanged (large pieces gain nothing from an extra copy).
 - The buffer is reused by the next ``gather``: the caller must not gather again while a submit of
@@ -23,11 +26,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridkv.transfer.plan import Bounds, Ops
+from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
 from hybridkv.transfer.transport.base import Transport
 
 STAGE_BYTES = 1 << 20
 """Bytes of one sender's staging buffer: chunks above it go out unstaged."""
+STAGE_OP_BYTES = STAGE_BYTES >> 6
+"""Plans whose mean op is below this many bytes are chunked to the staging buffer (a staged
+chunk then replaces about 64 ops or more by one per destination run); larger ops keep the
+caller's chunk size: staging could save only a few per-op costs, while capping their chunks
+at the buffer's size would multiply the submit round trips (up to 64x for 64 MiB chunks)."""
 
 
 class SourceStaging:
@@ -43,6 +51,13 @@ class SourceStaging:
         self.addr = self._buffer.data_ptr()
         transport.register(self.addr, nbytes)
         self.staged_chunks = 0  # chunks that went out staged (for tests and reports)
+
+    def limit(self, plan: TransferPlan, chunk_bytes: int) -> int:
+        """Bytes per chunk for ``plan``: the buffer's size when its ops are small enough to be
+        worth staging (mean under ``STAGE_OP_BYTES``), else ``chunk_bytes`` (sent unstaged)."""
+        if plan.nbytes < STAGE_OP_BYTES * plan.num_ops:
+            return min(chunk_bytes, self.nbytes)
+        return chunk_bytes
 
     def gather(self, src: Ops, dst: Ops, length: Ops, bounds: Bounds) -> tuple[Ops, Ops, Ops, Bounds]:
         """The ops to submit instead of ``(src, dst, length)`` (sorted by destination), and their bounds."""
