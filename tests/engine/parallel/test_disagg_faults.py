@@ -24,12 +24,14 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
+from hybridkv.engine.disagg.config import check_layout
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
 from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
@@ -71,6 +73,53 @@ def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) 
     says = str(err.value)
     assert "page size mismatch" in says and "prefill" in says and "decode" in says and "page_size" in says, says
     assert children() <= before
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        (Fault("kill-decode", 0, rank=2), "rank 2 does not exist with decode_tp 2; use a rank in 0..1"),
+        (Fault("kill-prefill", 0, rank=2), "rank 2 does not exist with prefill_pp 2; use a rank in 0..1"),
+    ],
+)
+def test_a_fault_on_a_rank_that_does_not_exist_is_refused_before_any_model_is_read(fault: Fault, says: str) -> None:
+    config = PDConfig("/nonexistent-model-dir", prefill_pp=2, decode_tp=2, faults=(fault,))
+    with pytest.raises(ValueError, match=says):
+        check_layout(config)
+    twice = PDConfig("/nonexistent-model-dir", faults=(Fault("kill-decode", 1), Fault("stall-transfer", 1)))
+    with pytest.raises(ValueError, match="two faults hit request 1"):
+        check_layout(twice)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"request": -1}, "request -1 is negative"),
+        ({"request": 0, "rank": -1}, "rank -1 is negative"),
+        ({"request": 0, "delay_s": -0.5}, "delay_s -0.5 is negative"),
+    ],
+)
+def test_a_fault_with_a_negative_value_is_refused(fields: dict[str, float], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        Fault("stall-transfer", **fields)  # type: ignore[arg-type]
+
+
+def test_submit_after_the_router_died_raises_naming_router_error() -> None:
+    # the router's failure loop and submit share one lock: once router_error is set (or the thread is
+    # gone) a request would never end, so submit refuses it instead of blocking result() for 4 x timeout_s
+    server = PDServer.__new__(PDServer)
+    server.config = PDConfig("/nonexistent-model-dir")
+    server._lock = threading.Lock()
+    server._stopping = False
+    server._requests = []
+    server.router_error = "Traceback (most recent call last):\nKeyError: 'request-3.p0.a1'"
+    server._thread = None
+    with pytest.raises(RuntimeError, match=r"router thread is dead \(KeyError: 'request-3.p0.a1'\).*router_error"):
+        server.submit([1, 2, 3], 2)
+    server.router_error = ""
+    with pytest.raises(RuntimeError, match=r"router thread is dead \(it exited\)"):
+        server.submit([1, 2, 3], 2)
+    assert server._requests == []
 
 
 def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_requests_exact(
@@ -140,6 +189,8 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
     # a 40 kB budget per prefill process (pages and state checkpoints share its slabs): request 0's
     # 55-token prompt stays pinned while its KV is held back past the decode timeout, so request 1
     # (55 tokens more) fits on no stage and fails at once; request 2, after the first two ended, fits
+    # (request 0's KV is held back for 60 s: its pages are released when the router aborts it, not
+    # when the hold ends, or request 2 would not fit either)
     hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     prompts = [tuple(prompt(40 + i, 55)) for i in range(3)]
     config = PDConfig(
@@ -152,7 +203,7 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
         gpu_memory=40_000,
         max_context=64,
         transfer_timeout_s=2.0,
-        faults=(Fault("stall-transfer", 0, delay_s=3.0),),
+        faults=(Fault("stall-transfer", 0, delay_s=60.0),),
     )
     with PDServer(config) as server:
         first = server.generate(prompts[:2], MAX_NEW)
