@@ -2,6 +2,9 @@
 
 - A layout mismatch (decode page size 8, prefill 4) is refused before any process starts, naming
   both sides and what to change.
+- Faults on ranks that do not exist, negative fault values and two faults on one request are refused
+  by ``check_layout`` / ``Fault`` naming the value and the allowed range; ``submit`` refuses once the
+  router thread is dead (naming ``router_error``); a late answer to a timed-out probe is dropped.
 - One server (Qwen3-Next, (PP 2, TP 1) -> (TP 2), shm) serves 8 shared-prefix requests in three
   waves, each wave submitted at once: prefill stage 1 is SIGKILLed while it transfers request 1
   (its writes slowed so the kill lands mid-transfer), decode TP rank 1 is SIGKILLed while it
@@ -27,11 +30,14 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.engine.disagg.config import check_layout
+from hybridkv.engine.disagg.protocol import Live
+from hybridkv.engine.disagg.server import _ProbeCall
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
 from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
@@ -294,3 +300,18 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
     left = children() - before  # multiprocessing's resource tracker (started by the first spawn) may stay
     assert all("resource_tracker" in Path(f"/proc/{pid}/cmdline").read_text() for pid in left), left
     assert len(server.shm_paths()) == 2 and not any(Path(p).exists() for p in server.shm_paths())
+
+
+def test_a_late_answer_to_a_timed_out_probe_does_not_count_toward_the_next() -> None:
+    # the router's Live handling alone: probe 1 timed out, probe 2 is open and expects one answer;
+    # probe 1's late Live is dropped, probe 2's ends it and clears the open probe
+    server = PDServer.__new__(PDServer)
+    procs = SimpleNamespace(pids=[4242])
+    engine = SimpleNamespace(before={0: (3, 1)}, names=["decode TP rank 0"], epoch=0, procs=procs)
+    call = _ProbeCall(expected=1, seq=2)
+    server._probe = call
+    server._on_event(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
+    assert call.states == [] and not call.done.is_set() and server._probe is call
+    server._on_event(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
+    assert call.done.is_set() and server._probe is None
+    assert call.states == [WorkerState("decode TP rank 0", 0, 4242, (3, 1), (3, 1), 0)]
