@@ -2,6 +2,9 @@
 
 - A layout mismatch (decode page size 8, prefill 4) is refused before any process starts, naming
   both sides and what to change.
+- Faults on ranks that do not exist, negative fault values and two faults on one request are refused
+  by ``check_layout`` / ``Fault`` naming the value and the allowed range; ``submit`` refuses once the
+  router thread is dead (naming ``router_error``); a late answer to a timed-out probe is dropped.
 - One server (Qwen3-Next, (PP 2, TP 1) -> (TP 2), shm) serves 8 shared-prefix requests in three
   waves, each wave submitted at once: prefill stage 1 is SIGKILLed while it transfers request 1
   (its writes slowed so the kill lands mid-transfer), decode TP rank 1 is SIGKILLed while it
@@ -24,12 +27,17 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
+from hybridkv.engine.disagg.config import check_layout
+from hybridkv.engine.disagg.protocol import Live
+from hybridkv.engine.disagg.server import _ProbeCall
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
 from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
@@ -71,6 +79,53 @@ def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) 
     says = str(err.value)
     assert "page size mismatch" in says and "prefill" in says and "decode" in says and "page_size" in says, says
     assert children() <= before
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        (Fault("kill-decode", 0, rank=2), "rank 2 does not exist with decode_tp 2; use a rank in 0..1"),
+        (Fault("kill-prefill", 0, rank=2), "rank 2 does not exist with prefill_pp 2; use a rank in 0..1"),
+    ],
+)
+def test_a_fault_on_a_rank_that_does_not_exist_is_refused_before_any_model_is_read(fault: Fault, says: str) -> None:
+    config = PDConfig("/nonexistent-model-dir", prefill_pp=2, decode_tp=2, faults=(fault,))
+    with pytest.raises(ValueError, match=says):
+        check_layout(config)
+    twice = PDConfig("/nonexistent-model-dir", faults=(Fault("kill-decode", 1), Fault("stall-transfer", 1)))
+    with pytest.raises(ValueError, match="two faults hit request 1"):
+        check_layout(twice)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"request": -1}, "request -1 is negative"),
+        ({"request": 0, "rank": -1}, "rank -1 is negative"),
+        ({"request": 0, "delay_s": -0.5}, "delay_s -0.5 is negative"),
+    ],
+)
+def test_a_fault_with_a_negative_value_is_refused(fields: dict[str, float], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        Fault("stall-transfer", **fields)  # type: ignore[arg-type]
+
+
+def test_submit_after_the_router_died_raises_naming_router_error() -> None:
+    # the router's failure loop and submit share one lock: once router_error is set (or the thread is
+    # gone) a request would never end, so submit refuses it instead of blocking result() for 4 x timeout_s
+    server = PDServer.__new__(PDServer)
+    server.config = PDConfig("/nonexistent-model-dir")
+    server._lock = threading.Lock()
+    server._stopping = False
+    server._requests = []
+    server.router_error = "Traceback (most recent call last):\nKeyError: 'request-3.p0.a1'"
+    server._thread = None
+    with pytest.raises(RuntimeError, match=r"router thread is dead \(KeyError: 'request-3.p0.a1'\).*router_error"):
+        server.submit([1, 2, 3], 2)
+    server.router_error = ""
+    with pytest.raises(RuntimeError, match=r"router thread is dead \(it exited\)"):
+        server.submit([1, 2, 3], 2)
+    assert server._requests == []
 
 
 def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_requests_exact(
@@ -140,6 +195,8 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
     # a 40 kB budget per prefill process (pages and state checkpoints share its slabs): request 0's
     # 55-token prompt stays pinned while its KV is held back past the decode timeout, so request 1
     # (55 tokens more) fits on no stage and fails at once; request 2, after the first two ended, fits
+    # (request 0's KV is held back for 60 s: its pages are released when the router aborts it, not
+    # when the hold ends, or request 2 would not fit either)
     hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     prompts = [tuple(prompt(40 + i, 55)) for i in range(3)]
     config = PDConfig(
@@ -152,7 +209,7 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
         gpu_memory=40_000,
         max_context=64,
         transfer_timeout_s=2.0,
-        faults=(Fault("stall-transfer", 0, delay_s=3.0),),
+        faults=(Fault("stall-transfer", 0, delay_s=60.0),),
     )
     with PDServer(config) as server:
         first = server.generate(prompts[:2], MAX_NEW)
@@ -243,3 +300,18 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
     left = children() - before  # multiprocessing's resource tracker (started by the first spawn) may stay
     assert all("resource_tracker" in Path(f"/proc/{pid}/cmdline").read_text() for pid in left), left
     assert len(server.shm_paths()) == 2 and not any(Path(p).exists() for p in server.shm_paths())
+
+
+def test_a_late_answer_to_a_timed_out_probe_does_not_count_toward_the_next() -> None:
+    # the router's Live handling alone: probe 1 timed out, probe 2 is open and expects one answer;
+    # probe 1's late Live is dropped, probe 2's ends it and clears the open probe
+    server = PDServer.__new__(PDServer)
+    procs = SimpleNamespace(pids=[4242])
+    engine = SimpleNamespace(before={0: (3, 1)}, names=["decode TP rank 0"], epoch=0, procs=procs)
+    call = _ProbeCall(expected=1, seq=2)
+    server._probe = call
+    server._on_event(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
+    assert call.states == [] and not call.done.is_set() and server._probe is call
+    server._on_event(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
+    assert call.done.is_set() and server._probe is None
+    assert call.states == [WorkerState("decode TP rank 0", 0, 4242, (3, 1), (3, 1), 0)]

@@ -41,6 +41,12 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
+        if self.request < 0:
+            raise ValueError(f"fault {self.kind!r}: request {self.request} is negative; use a submission index >= 0")
+        if self.rank < 0:
+            raise ValueError(f"fault {self.kind!r}: rank {self.rank} is negative; use a rank >= 0")
+        if self.delay_s < 0:
+            raise ValueError(f"fault {self.kind!r}: delay_s {self.delay_s} is negative; use a delay >= 0")
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ def check_layout(config: PDConfig) -> None:
         )
     if config.transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {config.transport!r}; known: {', '.join(TRANSPORTS)}")
+    check_faults(config)
     spec = engine_spec(text_config(read_config(config.model_dir)))
     prefill_layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
     prefills = [
@@ -92,6 +99,24 @@ def check_layout(config: PDConfig) -> None:
         check_coverage(decode, prefills)
         for prefill in prefills:
             pair_entries(prefill, decode)
+
+
+def check_faults(config: PDConfig) -> None:
+    """Raise ``ValueError`` naming the fault and the allowed range unless every fault's rank exists
+    (kill-prefill: a PP stage < ``prefill_pp``; kill-decode: a decode TP rank < ``decode_tp``) and no
+    two faults hit the same request (the router applies one fault per request)."""
+    seen: set[int] = set()
+    for f in config.faults:
+        size = {"kill-prefill": config.prefill_pp, "kill-decode": config.decode_tp}.get(f.kind)
+        if size is not None and f.rank >= size:
+            what = "prefill_pp" if f.kind == "kill-prefill" else "decode_tp"
+            raise ValueError(
+                f"fault {f.kind!r} on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
+                f"use a rank in 0..{size - 1} or raise {what}"
+            )
+        if f.request in seen:
+            raise ValueError(f"two faults hit request {f.request}; give each request at most one fault")
+        seen.add(f.request)
 
 
 def _memory(shard: ShardSpec, page_size: int, config: PDConfig) -> UnifiedMemory:

@@ -164,7 +164,7 @@ class _Rank:
     def apply(self, command: Command) -> None:
         if isinstance(command, Probe):
             self.receiver.poll()
-            self.conn.send(Live(live(self.mem), self.receiver.held + len(self.running)))
+            self.conn.send(Live(command.seq, live(self.mem), self.receiver.held + len(self.running)))
         elif isinstance(command, Reserve):
             try:
                 got = self.receiver.request(command.tid, command.prefill_engine, command.seq_len)

@@ -164,7 +164,8 @@ class _Rank:
                 elif isinstance(cmd, Probe):
                     pages, slots = live(self.mem)
                     cache = self.alloc.cache
-                    self.conn.send(Live((pages - cache.cached_pages, slots - cache.num_checkpoints), len(self.held)))
+                    held = len(self.held)
+                    self.conn.send(Live(cmd.seq, (pages - cache.cached_pages, slots - cache.num_checkpoints), held))
             self.progress()
         self.drain()
 
@@ -246,7 +247,16 @@ class _Rank:
         self.conn.send(Sending(tid))
 
     def abort(self, cmd: Abort) -> None:
-        if cmd.tid in self.held:
+        if cmd.tid in self.delayed:  # held back (stall-transfer): never handed to the sender, release it now
+            del self.delayed[cmd.tid]
+            self.sender.abort(cmd.tid, cmd.reason)  # a decode rank that already asked for it hears at once
+            held = self.held.pop(cmd.tid)
+            self.alloc.finish(held.req, held.ids)
+            now = time.monotonic()
+            self.conn.send(
+                Sent(cmd.tid, False, f"aborted before it was sent: {cmd.reason}", 0, 0, held.computed, (now, now))
+            )
+        elif cmd.tid in self.held:
             self.sender.abort(cmd.tid, cmd.reason)
 
     def progress(self) -> None:

@@ -91,10 +91,6 @@ class EngineProcs:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    @property
-    def sentinels(self) -> list[int]:
-        return [p.sentinel for p in self.procs]
-
     def send(self, rank: int, command: Command) -> None:
         """Send one command; a dead worker's broken pipe is ignored (its sentinel reports the death)."""
         with contextlib.suppress(OSError):

@@ -1,9 +1,10 @@
 """The router <-> worker messages of a disaggregated server (pickled over one pipe per worker).
 
 Commands go router -> worker: every prefill rank gets the same ``Prefill`` / ``Abort`` /
-``Stop`` stream (so every rank of the prefill world runs the same schedule); the decode
-engine's TP rank 0 alone gets ``Reserve`` / ``Decode`` / ``Abort`` / ``Stop`` and broadcasts
-them to its TP peers at a step boundary. Events go worker -> router. ``tid`` is a
+``Probe`` / ``Stop`` stream (so every rank of the prefill world runs the same schedule); the
+decode engine's TP rank 0 alone gets ``Reserve`` / ``Decode`` / ``Abort`` / ``Probe`` / ``Stop``
+and broadcasts them to its TP peers at a step boundary. Every rank answers a ``Probe`` with a
+``Live`` carrying the probe's ``seq``. Events go worker -> router. ``tid`` is a
 transfer id: unique per request and engine epoch, the id the transfer layer sees.
 Stamps are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of a host).
 """
@@ -45,7 +46,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class Probe:
-    pass  # every worker answers ``Live``
+    seq: int  # every worker answers ``Live`` with this number (late answers to an earlier probe are dropped)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Ready:
 class Live:
     """A ``Probe``'s answer: what the rank holds now outside its prefix cache, and for how many requests."""
 
+    seq: int  # the ``Probe`` it answers
     live: tuple[int, int]  # (pages, slots) live, less what the prefill prefix cache holds
     requests: int  # requests holding memory here (in flight, held back, quarantined or running)
 

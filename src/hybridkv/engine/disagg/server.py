@@ -109,6 +109,7 @@ class StageTiming:
     nbytes: int  # bytes it wrote, to every decode rank
     ops: int  # write ops it submitted for them (contiguous runs; a TP-sliced page gives one per token)
     ok: bool
+    reason: str = ""  # why its sender failed ("" when ok)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class _ProbeCall:
     done: threading.Event = field(default_factory=threading.Event)
     states: list[WorkerState] = field(default_factory=list)
     expected: int = 0
+    seq: int = 0  # echoed in every ``Live``: a late answer to an earlier probe is dropped
 
 
 @dataclass
@@ -212,6 +214,8 @@ class PDServer:
         self._tids: dict[str, _Request] = {}
         self._inbox: queue.SimpleQueue[_Request | _ProbeCall | None] = queue.SimpleQueue()
         self._probe: _ProbeCall | None = None
+        self._probes = 0  # probe sequence numbers handed out
+        self._lock = threading.Lock()  # submit vs the router's final failure loops (one handle each, none missed)
         self._wake_r, self._wake_w = os.pipe()
         self._restarts = {"prefill": 0, "decode": 0}
         self._retired: list[_Engine] = []
@@ -241,11 +245,15 @@ class PDServer:
                 f"a prompt of {len(ids)} tokens + {max_new} new exceeds max_context {self.config.max_context}; "
                 "shorten it, lower max_new or start the server with a larger max_context"
             )
-        if self._stopping:
-            raise RuntimeError("the server is closed")
-        req = _Request(len(self._requests), tuple(int(t) for t in ids), max_new, time.monotonic())
-        self._requests.append(req)
-        self._inbox.put(req)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the server is closed")
+            if self.router_error or self._thread is None or not self._thread.is_alive():
+                last = self.router_error.strip().splitlines()[-1] if self.router_error else "it exited"
+                raise RuntimeError(f"the router thread is dead ({last}); see router_error, close this server")
+            req = _Request(len(self._requests), tuple(int(t) for t in ids), max_new, time.monotonic())
+            self._requests.append(req)
+            self._inbox.put(req)
         os.write(self._wake_w, b"x")
         return req.index
 
@@ -286,15 +294,24 @@ class PDServer:
         return current + [e for e in self._retired if all(e is not c for c in current)]
 
     def close(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
         self._inbox.put(None)
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
+        stuck = 0.0
         if self._thread is not None:
             self._thread.join(self.config.timeout_s * 2)
-        self._shutdown()
+            if self._thread.is_alive():
+                stuck = self.config.timeout_s * 2
+        self._shutdown()  # even under a stuck router: no process of the server outlives close
+        if stuck:
+            raise RuntimeError(
+                f"the router thread did not stop within {stuck:.0f} s (2 x timeout_s); its workers were reaped "
+                "and its pipes closed under it, so its open requests may not end"
+            )
 
     def __enter__(self) -> PDServer:
         return self
@@ -387,9 +404,10 @@ class PDServer:
         try:
             self._route_loop()
         except BaseException:  # a router bug must not leave callers waiting: fail what is open, say why
-            self.router_error = traceback.format_exc()
-            for req in self._requests:
-                self._fail(req, f"the router failed: {self.router_error.strip().splitlines()[-1]}")
+            with self._lock:  # submit refuses from here on: no request is appended after this loop
+                self.router_error = traceback.format_exc()
+                for req in self._requests:
+                    self._fail(req, f"the router failed: {self.router_error.strip().splitlines()[-1]}")
             raise
 
     def _route_loop(self) -> None:
@@ -428,8 +446,9 @@ class PDServer:
                     if not e.dead and not (self._stopping and r in e.reports):
                         self._on_death(e, r)
         self._collect_reports()
-        for req in self._requests:
-            self._fail(req, "the server closed before it finished")
+        with self._lock:  # _stopping is set: submit refuses, so this loop sees every request
+            for req in self._requests:
+                self._fail(req, "the server closed before it finished")
 
     def _drain(self, e: _Engine, r: int) -> None:
         conn = e.procs.conns[r]
@@ -451,10 +470,12 @@ class PDServer:
     def _start_probe(self, call: _ProbeCall) -> None:
         engines = [e for e in (self.prefill, self.decode) if e is not None and not e.dead]
         call.expected = sum(len(e.procs.conns) for e in engines)
-        self._probe = call
+        self._probes += 1
+        call.seq = self._probes
+        self._probe = call  # an earlier, timed-out probe is dropped: its late answers carry its seq
         for e in engines:
             for r in range(len(e.procs.conns)) if e.role == "prefill" else [0]:
-                e.procs.send(r, Probe())
+                e.procs.send(r, Probe(call.seq))
 
     def _dispatch(self, req: _Request) -> None:
         if self.lost:
@@ -487,11 +508,12 @@ class PDServer:
             return
         if isinstance(msg, Live):
             call = self._probe
-            if call is not None:
+            if call is not None and msg.seq == call.seq:
                 before = e.before.get(r, (0, 0))
                 call.states.append(WorkerState(e.names[r], e.epoch, e.procs.pids[r], before, msg.live, msg.requests))
                 if len(call.states) == call.expected:
                     call.states.sort(key=lambda w: (not w.name.startswith("prefill"), w.name))
+                    self._probe = None
                     call.done.set()
             return
         if isinstance(msg, Crash):
@@ -559,7 +581,7 @@ class PDServer:
         )
         tp = self.config.prefill_tp
         stages = tuple(
-            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ops, sent.ok)
+            StageTiming(k // tp, k % tp, sent.computed, sent.sending, sent.nbytes, sent.ops, sent.ok, sent.reason)
             for k, sent in sorted(req.sent.items())
         )
         decode_bytes = tuple(req.tokens[k].nbytes for k in sorted(req.tokens))
