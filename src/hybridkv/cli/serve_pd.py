@@ -93,17 +93,9 @@ def serve_pd(
     lines = read_prompts(prompts)
     with tempfile.TemporaryDirectory(prefix="hybridkv-serve-pd-") as tmp:
         if random is not None:
-            from transformers.utils import logging as hf_logging
+            from hybridkv.engine.random_models import save_random
 
-            from hybridkv.engine.random_models import build_random, quiet_transformers
-
-            with quiet_transformers():
-                hf_model, _ = build_random(random)
-                hf_logging.disable_progress_bar()
-                try:
-                    hf_model.save_pretrained(tmp)
-                finally:
-                    hf_logging.enable_progress_bar()
+            save_random(random, tmp)
             model_dir = tmp
         else:
             model_dir = str(model)
