@@ -74,6 +74,17 @@ class PDConfig:
         return self.page_size if self.decode_page_size is None else self.decode_page_size
 
 
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What every worker process of one engine epoch starts from: the server's config and this
+    epoch's bootstrap name, bootstrap address and cluster key."""
+
+    config: PDConfig
+    engine: str  # this epoch's bootstrap name
+    bootstrap: str
+    key_hex: str
+
+
 def check_layout(config: PDConfig) -> None:
     """Raise ``ValueError`` (a size to change) or ``LayoutMismatch`` (both sides named) unless every
     prefill and decode rank can be built and every decode rank pairs with every prefill rank."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.disagg.config import transport_options
+from hybridkv.engine.disagg.config import WorkerArgs, transport_options
 from hybridkv.engine.disagg.prefill_worker import live
 from hybridkv.engine.disagg.protocol import (
     Abort,
@@ -65,22 +65,6 @@ from hybridkv.transfer.auth import ClusterKey
 IDLE_S = 0.05
 
 
-@dataclass(frozen=True)
-class DecodeArgs:
-    model_dir: str
-    tp: int
-    engine: str  # this epoch's bootstrap name
-    bootstrap: str
-    key_hex: str
-    transport: str
-    page_size: int
-    chunk: int
-    gpu_memory: int
-    max_context: int
-    timeout_s: float
-    transfer_timeout_s: float
-
-
 @dataclass
 class _Pending:
     seq_len: int
@@ -99,27 +83,28 @@ class _Running:
 
 
 class _Rank:
-    def __init__(self, rank: int, conn: Connection, args: DecodeArgs) -> None:
+    def __init__(self, rank: int, conn: Connection, args: WorkerArgs) -> None:
         self.rank, self.conn, self.args = rank, conn, args
-        groups = StageGroups.create(Parallel(tp_size=args.tp), range(args.tp), args.timeout_s)
+        c = args.config
+        groups = StageGroups.create(Parallel(tp_size=c.decode_tp), range(c.decode_tp), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
         self.groups = groups
-        spec = engine_spec(text_config(read_config(args.model_dir)))
+        spec = engine_spec(text_config(read_config(c.model_dir)))
         shard = ShardSpec(spec, self.groups.parallel, 0, rank)
-        hints = {"page_size": args.page_size, "max_context": args.max_context, "chunk_tokens": args.chunk}
+        hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
         self.shared: SharedBuffer | None = None
-        if args.transport == "shm":
-            self.mem, self.shared = shared_memory(shard, args.gpu_memory, **hints)
+        if c.transport == "shm":
+            self.mem, self.shared = shared_memory(shard, c.gpu_memory, **hints)
             self.link = make_transport("shm", self.shared)
         else:
-            self.mem = UnifiedMemory.create(shard, args.gpu_memory, **hints)  # type: ignore[arg-type]
-            self.link = make_transport(args.transport, None, **transport_options(args.transport))
+            self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
+            self.link = make_transport(c.transport, None, **transport_options(c.transport))
         self.runner = ShardRunner(
-            args.model_dir, args.model_dir, self.groups.parallel, 0, rank, self.groups, spec=spec, mem=self.mem
+            c.model_dir, c.model_dir, self.groups.parallel, 0, rank, self.groups, spec=spec, mem=self.mem
         )
         key = ClusterKey.from_hex(args.key_hex, "decode worker")
         self.receiver = DecodeReceiver(
-            self.mem, args.engine, args.bootstrap, self.link, key=key, timeout_s=args.transfer_timeout_s
+            self.mem, args.engine, args.bootstrap, self.link, key=key, timeout_s=c.transfer_timeout_s
         )
         self.alloc = RequestAllocator(self.mem, prefix_cache=False)
         self.before = live(self.mem)
@@ -155,7 +140,7 @@ class _Rank:
             if self.conn.poll(wait):
                 while self.conn.poll(0):
                     out.append(self.conn.recv())
-        if self.args.tp == 1:
+        if self.args.config.decode_tp == 1:
             return out
         box: list[object] = [out]
         dist.broadcast_object_list(box, src=0)
@@ -201,7 +186,7 @@ class _Rank:
             ],
             dtype=torch.int64,
         )
-        if self.args.tp > 1:
+        if self.args.config.decode_tp > 1:
             dist.all_reduce(flags)
         for tid, report, (ok, failed, nbytes) in zip(ready, reports, flags.tolist(), strict=True):
             p = self.pending[tid]
@@ -215,7 +200,7 @@ class _Rank:
                     self.conn.send(Failed(tid, f"decode TP rank {self.rank}: {report.reason}"))
                 else:
                     self.receiver.abort(tid, "another decode TP rank's transfer failed")
-            elif ok == self.args.tp:
+            elif ok == self.args.config.decode_tp:
                 del self.pending[tid]
                 req = self.alloc.new()
                 self.alloc.adopt(req, p.alloc.pages, p.seq_len, p.alloc.slot)
@@ -271,7 +256,7 @@ class _Rank:
         for r in self.running:
             self.alloc.retract(r.req)
         self.running.clear()
-        end = time.monotonic() + self.args.timeout_s
+        end = time.monotonic() + self.args.config.timeout_s
         while self.receiver.held and time.monotonic() < end:
             self.receiver.poll()
             time.sleep(0.002)
@@ -279,7 +264,7 @@ class _Rank:
         self.conn.send(Report(self.before, live(self.mem), self.nbytes, self.requests))
 
 
-def decode_main(rank: int, conn: Connection, args: DecodeArgs) -> None:
+def decode_main(rank: int, conn: Connection, args: WorkerArgs) -> None:
     worker = _Rank(rank, conn, args)
     try:
         worker.serve()

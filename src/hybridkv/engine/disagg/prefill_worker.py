@@ -42,7 +42,7 @@ import torch.distributed as dist
 from hybridkv.cache import PAGE_NEED
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.disagg.config import transport_options
+from hybridkv.engine.disagg.config import WorkerArgs, transport_options
 from hybridkv.engine.disagg.protocol import (
     Abort,
     Failed,
@@ -64,23 +64,6 @@ from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.transport.drills import Throttled
-
-
-@dataclass(frozen=True)
-class PrefillArgs:
-    model_dir: str
-    pp: int
-    tp: int
-    engine: str  # bootstrap name (one per epoch)
-    bootstrap: str
-    key_hex: str
-    transport: str
-    page_size: int
-    chunk: int
-    gpu_memory: int
-    max_context: int
-    prefix_cache: bool
-    timeout_s: float
 
 
 def live(mem: UnifiedMemory) -> tuple[int, int]:
@@ -110,35 +93,36 @@ class _Held:
 
 
 class _Rank:
-    def __init__(self, rank: int, conn: Connection, args: PrefillArgs, throttle: bool) -> None:
+    def __init__(self, rank: int, conn: Connection, args: WorkerArgs) -> None:
         self.rank, self.conn, self.args = rank, conn, args
-        layout = Parallel(pp_size=args.pp, tp_size=args.tp)
-        groups = StageGroups.create(layout, range(args.pp * args.tp), args.timeout_s)
+        c = args.config
+        layout = Parallel(pp_size=c.prefill_pp, tp_size=c.prefill_tp)
+        groups = StageGroups.create(layout, range(c.prefill_pp * c.prefill_tp), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
         self.groups = groups
         self.runner = ShardRunner(
-            args.model_dir,
-            args.model_dir,
+            c.model_dir,
+            c.model_dir,
             self.groups.parallel,
             self.groups.pp_rank,
             self.groups.tp_rank,
             self.groups,
-            gpu_memory=args.gpu_memory,
-            page_size=args.page_size,
-            chunk_size=args.chunk,
-            max_context=args.max_context,
+            gpu_memory=c.gpu_memory,
+            page_size=c.page_size,
+            chunk_size=c.chunk,
+            max_context=c.max_context,
         )
         self.mem = self.runner.mem
-        self.alloc = RequestAllocator(self.mem, prefix_cache=args.prefix_cache)
+        self.alloc = RequestAllocator(self.mem, prefix_cache=c.prefix_cache)
         self.before = live(self.mem)
-        inner = make_transport(args.transport, None, **transport_options(args.transport))
+        inner = make_transport(c.transport, None, **transport_options(c.transport))
         self.throttle: Throttled | None = None
         self.transport: Transport = inner
-        if throttle:  # the kill-prefill fault: writes slowed so that the kill lands mid-transfer
+        if any(f.kind == "kill-prefill" for f in c.faults):  # writes slowed: the kill lands mid-transfer
             self.throttle = self.transport = Throttled(inner, 0.0)
         key = ClusterKey.from_hex(args.key_hex, "prefill worker")
         self.sender = PrefillSender(
-            self.mem, args.engine, args.bootstrap, self.transport, key=key, timeout_s=args.timeout_s
+            self.mem, args.engine, args.bootstrap, self.transport, key=key, timeout_s=c.timeout_s
         )
         self.held: dict[str, _Held] = {}
         self.delayed: dict[str, float] = {}  # tid -> when to hand it to the sender (stall-transfer)
@@ -198,7 +182,7 @@ class _Rank:
         ends = sorted(set().union(*wanted))
         start = req.length
         while start < len(ids):
-            span = min(self.args.chunk, len(ids) - start)
+            span = min(self.args.config.chunk, len(ids) - start)
             for p in ends:  # end the chunk where a state checkpoint is wanted (on any rank)
                 if start < p < start + span:
                     span = p - start
@@ -229,7 +213,7 @@ class _Rank:
         """Admit ``req`` at the agreed hit ``cap`` if every page its prompt needs is free or evictable
         (pages the senders still read are neither); False (nothing held) otherwise."""
         try:
-            self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.chunk, 0, force=True)
+            self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.config.chunk, 0, force=True)
         except OutOfMemory:
             return False
         need = req.live.pages_needed(len(ids))
@@ -285,7 +269,7 @@ class _Rank:
             self.hand_over(tid)  # its decode side has long given up: the sender fails it at once
         for tid in self.held:
             self.sender.abort(tid, "the server is stopping")
-        end = time.monotonic() + self.args.timeout_s
+        end = time.monotonic() + self.args.config.timeout_s
         while self.held and time.monotonic() < end:
             self.progress()
             time.sleep(0.002)
@@ -294,8 +278,8 @@ class _Rank:
         self.conn.send(Report(self.before, live(self.mem), self.nbytes, self.requests))
 
 
-def prefill_main(rank: int, conn: Connection, args: PrefillArgs, throttle: bool) -> None:
-    worker = _Rank(rank, conn, args, throttle)
+def prefill_main(rank: int, conn: Connection, args: WorkerArgs) -> None:
+    worker = _Rank(rank, conn, args)
     try:
         worker.serve()
     finally:

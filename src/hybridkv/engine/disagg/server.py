@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hybridkv.engine.disagg.config import PDConfig, check_layout
-from hybridkv.engine.disagg.decode_worker import DecodeArgs, decode_main
-from hybridkv.engine.disagg.prefill_worker import PrefillArgs, prefill_main
+from hybridkv.engine.disagg.config import PDConfig, WorkerArgs, check_layout
+from hybridkv.engine.disagg.decode_worker import decode_main
+from hybridkv.engine.disagg.prefill_worker import prefill_main
 from hybridkv.engine.disagg.procs import EngineProcs, exit_reason
 from hybridkv.engine.disagg.protocol import (
     Abort,
@@ -324,40 +324,11 @@ class PDServer:
     def _launch(self, role: str, epoch: int) -> _Engine:
         c = self.config
         name = f"pd-{role}-{epoch}"
+        args = WorkerArgs(c, name, self.boot.address, self.key.hex)
         if role == "prefill":
-            args: Any = PrefillArgs(
-                c.model_dir,
-                c.prefill_pp,
-                c.prefill_tp,
-                name,
-                self.boot.address,
-                self.key.hex,
-                c.transport,
-                c.page_size,
-                c.chunk,
-                c.gpu_memory,
-                c.max_context,
-                c.prefix_cache,
-                c.timeout_s,
-            )
-            throttle = any(f.kind == "kill-prefill" for f in c.faults)
-            procs = EngineProcs(name, prefill_main, c.prefill_pp * c.prefill_tp, (args, throttle), c.timeout_s)
+            procs = EngineProcs(name, prefill_main, c.prefill_pp * c.prefill_tp, (args,), c.timeout_s)
             names = [f"prefill stage {s} TP rank {t}" for s in range(c.prefill_pp) for t in range(c.prefill_tp)]
         else:
-            args = DecodeArgs(
-                c.model_dir,
-                c.decode_tp,
-                name,
-                self.boot.address,
-                self.key.hex,
-                c.transport,
-                c.decode_page,
-                c.chunk,
-                c.gpu_memory,
-                c.max_context,
-                c.timeout_s,
-                c.transfer_timeout_s,
-            )
             procs = EngineProcs(name, decode_main, c.decode_tp, (args,), c.timeout_s)
             names = [f"decode TP rank {t}" for t in range(c.decode_tp)]
         return _Engine(role, epoch, procs, names)
