@@ -16,10 +16,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from hybridkv.cache import CheckpointPlacement, PlacementError
-from hybridkv.cache.placement import engine_default
 from hybridkv.cli.app import bench_app
-from hybridkv.cli.params import byte_size, random_model, transport_option
+from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, random_model, transport_option
 from hybridkv.memory import format_bytes
 from hybridkv.traces import PEER_TRACE
 from hybridkv.transfer import TransportName
@@ -174,22 +172,13 @@ def bench_engine(
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),
-    checkpoints: str | None = typer.Option(
-        None,
-        "--checkpoints",
-        help="State checkpoint placement (none, interval:N, prompt-aligned[:K], branch, end; "
-        "default: interval at the chunk size, prompt-aligned, branch, end).",
-    ),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers one by one, same run."""
     from hybridkv.bench.engine import run
 
-    checkpoints = checkpoints or engine_default(chunk_size, page_size)
-    try:
-        CheckpointPlacement.parse(checkpoints, page_size)
-    except PlacementError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--checkpoints") from None
+    checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
     report = run(
         model or None,
         requests,

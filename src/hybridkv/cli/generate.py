@@ -26,10 +26,8 @@ from typing import Any
 import msgspec
 import typer
 
-from hybridkv.cache import CheckpointPlacement, PlacementError
-from hybridkv.cache.placement import engine_default
 from hybridkv.cli.app import app
-from hybridkv.cli.params import byte_size, random_model
+from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, random_model
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -84,11 +82,7 @@ def _engine(
         from hybridkv.engine.random_models import build_random
 
         weights, source = build_random(random)
-    checkpoints = checkpoints or engine_default(chunk_size, page_size)
-    try:
-        CheckpointPlacement.parse(checkpoints, page_size)
-    except PlacementError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--checkpoints") from None
+    checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
     return Engine(
         source,
         weights,
@@ -120,12 +114,7 @@ def generate(
     no_prefix_cache: bool = typer.Option(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
-    checkpoints: str | None = typer.Option(
-        None,
-        "--checkpoints",
-        help="Where requests store recurrent-state checkpoints: none, or a comma list of interval:N, "
-        "prompt-aligned[:K], branch, end (default: interval at the chunk size, prompt-aligned, branch, end).",
-    ),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""

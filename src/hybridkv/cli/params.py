@@ -11,6 +11,8 @@ import math
 
 import typer
 
+from hybridkv.cache import CheckpointPlacement, PlacementError
+from hybridkv.cache.placement import engine_default
 from hybridkv.memory import format_bytes, parse_bytes
 from hybridkv.transfer.transport import transport_class
 
@@ -53,3 +55,20 @@ def random_model(value: str | None) -> str | None:
     if value is not None and value not in tiny_names():
         raise typer.BadParameter(f"{value!r} is not a tiny random model; choose one of {', '.join(tiny_names())}")
     return value
+
+
+CHECKPOINTS_HELP = (
+    "Where requests store recurrent-state checkpoints: none, or a comma list of interval:N, prompt-aligned[:K], "
+    "branch, end (default: interval at the chunk size, prompt-aligned, branch, end)."
+)
+
+
+def engine_checkpoints(value: str | None, chunk_size: int, page_size: int) -> str:
+    """``--checkpoints`` for an engine: the given placement, or the engine's default for this chunk and page
+    size; ``typer.BadParameter`` naming the bad part."""
+    placement = value or engine_default(chunk_size, page_size)
+    try:
+        CheckpointPlacement.parse(placement, page_size)
+    except PlacementError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--checkpoints") from None
+    return placement
