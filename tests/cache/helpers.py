@@ -18,6 +18,9 @@ BUDGETS = {
     "tiny-swa2-state": 200_000,
     "tiny-kda-mla": 60_000,
 }
+FLOORS = {"tiny-gdn": 78_336, "tiny-swa2-state": 126_208, "tiny-kda-mla": 39_168}
+"""The least budget ``small_memory`` (page size 4) accepts: one 64-token request fits
+(``test_stateful.test_floors_are_the_floors`` proves it)."""
 
 
 def small_memory(preset: str, page_size: int = 4, budget: int | None = None) -> UnifiedMemory:

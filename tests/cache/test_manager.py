@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, KVManager
 from hybridkv.memory import GateStatus, OutOfMemory, PinnedError
-from tests.cache.helpers import small_memory
+from tests.cache.helpers import FLOORS, small_memory
 
 PS = 4
 
@@ -119,3 +119,55 @@ def test_adopted_kv_becomes_the_request_s_own_and_bad_adoptions_change_nothing()
     assert mem.pages.live_count == 0 and mem.slots.live_count == 0
     mem.verify()
     cache.check()
+
+
+def test_a_lone_request_gives_up_its_own_checkpoints_before_its_pages():
+    """At the feasibility floor a request that reserved a checkpoint at every page (the
+    replay's way) still grows to the full context: its reserved checkpoints are freed, and
+    counted, once nothing else is left to evict; a refusal of more than the budget gives
+    up the same (an optimisation) and changes nothing else."""
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS, FLOORS["tiny-gdn"])), "interval:4")
+    mem, cache = kvm.mem, kvm.cache
+    served(kvm, 1, 40)  # the cache holds pages and checkpoints too
+    toks = np.arange(64)
+    kv = kvm.admit(kvm.match(toks[:-1]))
+    for at in kvm.wanted_checkpoints(kv, 64):
+        try:
+            kvm.reserve_checkpoint(kv, at)
+        except OutOfMemory:
+            break
+    reserved = len(kv.checkpoints)
+    assert reserved >= 2
+    kvm.extend(kv, 64)
+    given_up = cache.counters.given_up_checkpoints
+    assert 0 < given_up <= reserved and len(kv.checkpoints) == reserved - given_up
+    assert cache.stats()["given_up_states"] == given_up
+    assert mem.slots.live_count == 1 + len(kv.checkpoints) + cache.num_checkpoints
+    mem.verify()
+    cache.check()
+    with pytest.raises(OutOfMemory):
+        kvm.extend(kv, 10**6)
+    assert kv.seq_len == 64 and not kv.checkpoints
+    kvm.finish(kv, toks)
+    kvm.evict({PAGE_NEED: mem.pages.capacity})
+    assert mem.pages.live_count == 0 and mem.slots.live_count == 0
+
+
+def test_a_running_request_does_not_hold_its_hit_s_checkpoint():
+    """It runs on its fork: the cached checkpoint stays evictable (its lock holds full KV only)."""
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS)), "end")
+    toks = 1000 + np.arange(16)
+    first = kvm.admit(kvm.match(toks))
+    kvm.extend(first, 16)
+    kvm.reserve_checkpoint(first, kvm.finish_checkpoint(first))
+    kvm.finish(first, toks)
+    kv = kvm.admit(kvm.match(np.concatenate([toks, [7, 7]])))
+    assert kv.cached == 4 and kv.state_slot is not None and not kv.state_from_zero
+    assert kv.lock.node.checkpoint >= 0 and kv.lock.node.checkpoint_lock == 0
+    state = kvm.cache.rules.checkpoint.pool_id
+    assert kvm.cache.evict({state: 1}) == {state: 1}
+    assert kvm.match(toks).length == 0 and kvm.match(toks).full_length == 16  # KV stays locked
+    kvm.extend(kv, 18)
+    kvm.release(kv)
+    kvm.cache.check()
+    kvm.mem.verify()

@@ -17,8 +17,13 @@ Allocation with eviction (``alloc_pages`` / ``alloc_state`` / ``fork_state``, an
 above that allocates): on ``OutOfMemory`` the cache evicts what the allocator says it is
 short of and the call is retried; ``OutOfMemory`` reaches the caller only once nothing
 unlocked and unpinned is left to evict for it: a pool whose own component has nothing left
-(windows all tombstoned, no checkpoint) gets slab bytes from whole leaves. Such a refusal leaves every handle as it
-was (the cache may have evicted).
+(windows all tombstoned, no checkpoint) gets slab bytes from whole leaves, tree windows and
+cached checkpoints. Before a refusal of a request's pages (``extend``, ``extend_batch``)
+reaches the caller, the requests' own checkpoints not inserted yet are given up (freed,
+counted in ``given_up_states``) and it is tried again: a request that fits the budget alone
+never fails for its checkpoints. A running request does not hold its hit's checkpoint
+(it runs on its own fork): its lock holds full KV and windows only. Such a refusal leaves
+every handle as it was but for those checkpoints (the cache may have evicted).
 
 Window pages that leave a request's window become window-cached (``park_windows``, the
 default): the cache holds their window cells, reclaimed first when memory is short; the
@@ -29,7 +34,8 @@ at once (a manager whose requests never insert).
 Invariants:
 - Every page, slot and lock a handle holds is given back exactly once, by ``release``
   (``finish`` ends with it); duplicates an insert did not keep are freed by that insert.
-- A refused call (``CacheError``) changes no handle, the tree or the pools.
+- A refused call (``CacheError``) changes no handle, the tree or the pools; a refused
+  allocation (``OutOfMemory``) changes no handle but for its given-up checkpoints.
 """
 
 from __future__ import annotations
@@ -134,6 +140,31 @@ class KVManager:
                 if not any(self.evict(self._needs(exc, fallback)).values()):
                     raise
 
+    def _alloc_for(self, handles: list[KVHandle], count: int) -> np.ndarray:
+        """``alloc_pages`` for ``handles``' growth; refused even after eviction, their own
+        checkpoints not inserted yet are given up and it is tried once more."""
+        try:
+            return self.alloc_pages(count)
+        except OutOfMemory as exc:
+            if set(exc.short) == {IdSpace.PAGE} or not self._give_up_checkpoints(handles):
+                raise  # short of page ids (no bytes help), or nothing to give up
+        return self.alloc_pages(count)
+
+    def _give_up_checkpoints(self, handles: list[KVHandle]) -> int:
+        """Free the handles' unpinned checkpoints that no insert cached yet (an optimisation
+        the request goes on without); returns how many."""
+        pins = self.mem.gates.slot_pins
+        slots = []
+        for h in handles:
+            for at, slot in list(h.checkpoints.items()):
+                if not pins[slot]:
+                    slots.append(slot)
+                    del h.checkpoints[at]
+        if slots:
+            self.mem.free_state(np.asarray(slots, dtype=np.int64))
+            self.cache.counters.given_up_checkpoints += len(slots)
+        return len(slots)
+
     def _needs(self, exc: OutOfMemory, fallback: dict[Need, int]) -> dict[Need, int]:
         """What to evict for a refused allocation: pools short of cells by pool id; virtual
         id spaces by the memory's own id-space objects (pages: whole pages; slots: the state
@@ -174,6 +205,7 @@ class KVManager:
                 self.cache.unlock(lock)
                 handle.status = HandleStatus.RELEASED
                 raise
+            self.cache.unlock_checkpoint(lock)  # the request runs on its fork
         return handle
 
     def adopt(
@@ -223,7 +255,7 @@ class KVManager:
         if new_len < handle.seq_len:
             raise CacheError(f"extend: a request of {handle.seq_len} tokens cannot shrink to {new_len}")
         before = handle.n_pages
-        handle.grow(new_len, self.alloc_pages(handle.pages_needed(new_len)))
+        handle.grow(new_len, self._alloc_for([handle], handle.pages_needed(new_len)))
         return handle.pages[before:]
 
     def extend_batch(self, handles: Sequence[KVHandle], new_lens: Sequence[int]) -> None:
@@ -238,7 +270,7 @@ class KVManager:
             if n < h.seq_len:
                 raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
             needs.append(h.pages_needed(n))
-        pages = self.alloc_pages(sum(needs))
+        pages = self._alloc_for(handles, sum(needs))
         at = 0
         for h, n, need in zip(handles, new_lens, needs, strict=True):
             h.grow(n, pages[at : at + need])
@@ -355,7 +387,7 @@ class KVManager:
         if final:
             handle.commit(result.pages)
         else:  # the new lock first: the hit is never unprotected
-            self.cache.unlock(handle.settle(result.pages, self.cache.lock(result.node)))
+            self.cache.unlock(handle.settle(result.pages, self.cache.lock(result.node, checkpoint=False)))
         return result
 
     def finish(self, handle: KVHandle, tokens: object) -> InsertResult:

@@ -302,18 +302,18 @@ class HybridRadixCache:
 
     # --- locks and eviction ---------------------------------------------------------------
 
-    def lock(self, node: Node) -> CacheLock:
+    def lock(self, node: Node, *, checkpoint: bool = True) -> CacheLock:
         """Protect a hit ending at ``node.end``: full KV on the path, the window before it
         (the node where the window starts is split there first), the checkpoint at ``node``
-        (if any). Give it back with ``unlock``. A root (an empty hit) protects nothing: its
-        lock is valid whether or not the root is in the tree."""
+        (if any, and ``checkpoint``). Give it back with ``unlock``. A root (an empty hit)
+        protects nothing: its lock is valid whether or not the root is in the tree."""
         if not isinstance(node, Node):
             raise LockError(f"lock: expected a Node from match_prefix or insert, got {type(node).__name__}")
         if not node.is_root and not self.tree.contains(node):
             raise LockError(f"lock: {node} is not in this cache (evicted, or another cache's node)")
         if self.rules.max_window and not node.is_root:
             self._split_at_window_start(node)
-        return self.locks.lock(node)
+        return self.locks.lock(node, checkpoint)
 
     def _split_at_window_start(self, node: Node) -> None:
         """Cut the node holding the first page of the window before ``node.end`` there, so that
@@ -331,6 +331,13 @@ class HybridRadixCache:
 
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
+
+    def unlock_checkpoint(self, handle: CacheLock) -> None:
+        """Give back only the checkpoint part of ``handle`` (its holder forked the checkpoint):
+        full KV and window stay locked; the checkpoint may be evicted."""
+        if not isinstance(handle, CacheLock):
+            raise LockError(f"unlock_checkpoint: expected a CacheLock from lock(), got {type(handle).__name__}")
+        self.locks.unlock_checkpoint(handle)
 
     def evict(self, needs: Mapping[Need, int], *, for_slabs: bool = False) -> dict[Need, int]:
         """See ``Evictor.evict``: cells freed per pool (and whole pages under ``PAGE_NEED``)."""
@@ -388,6 +395,7 @@ class HybridRadixCache:
             "reclaimed_window_cached_pages": {str(pool): n for pool, n in c.reclaimed.items()},
             "evicted_states": c.evicted_checkpoints,
             "capped_states": c.capped_checkpoints,
+            "given_up_states": c.given_up_checkpoints,
         }
 
     def check(self) -> None:

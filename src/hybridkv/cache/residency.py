@@ -71,6 +71,8 @@ class CacheCounters:
     """Window-cached cells (of running requests' pages) freed by eviction, per window pool."""
     evicted_checkpoints: int = 0
     capped_checkpoints: int = 0
+    given_up_checkpoints: int = 0
+    """A running request's own checkpoints (not inserted yet) freed so that its pages fit."""
 
 
 class Residency:
