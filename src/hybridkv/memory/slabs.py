@@ -7,7 +7,8 @@ holes of their own pool elsewhere, and the emptied slab changes owner.
 
 Invariants:
 - Decide, then act: a reservation that cannot be met is refused before any byte moves, and
-  the slabs it tentatively took are handed back, so a refused call changes nothing.
+  the slabs it tentatively took are handed back (the pools' ``last_slab`` hints restored),
+  so a refused call changes nothing, hints included.
 - A reclaim plan never leaves the donor pool short of what the same call needs from it,
   never moves a pinned id, and never moves cells into a slab it is about to empty. The
   plan's arithmetic is exact because only the planned slabs change owner while it runs: a
@@ -56,6 +57,7 @@ class SlabBroker:
         donors' slabs its moves left empty (kept until ``take`` has taken its cells)."""
         taken: list[tuple[SubPool, int]] = []
         emptied: list[tuple[SubPool, np.ndarray]] = []
+        hints = [pool.last_slab for pool in self.pools]
         for pool, need in needs.items():
             while pool.free_count < need:
                 slab = self._free_slab_for(pool)
@@ -70,6 +72,8 @@ class SlabBroker:
         if plan is None:
             for pool, slab in reversed(taken):
                 pool.release_slab(slab)
+            for pool, hint in zip(self.pools, hints, strict=True):
+                pool.last_slab = hint  # the slabs went back: so does where the next is sought
             short: dict[PoolId | IdSpace, int] = {
                 p.pool_id: n - p.free_count for p, n in needs.items() if p.free_count < n
             }
