@@ -15,6 +15,10 @@ Invariants (``check_tree`` proves them):
   (not the tree's yet): see ``window_cache.py``.
 - ``window_nodes[i]`` is the set of nodes with a page resident in window pool ``i``
   (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
+- ``node.checkpoints_below`` (every non-root node) is the most checkpoints on a path strictly
+  below it: updated up the path when a checkpoint comes or goes (each level stops as soon
+  as its value does not change), and copied into the upper half of a split, so the cap
+  per path (``checkpoints.py``) never walks a subtree.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
   it once (window pages, then pages, then slots: an order that is always valid).
 """
@@ -185,7 +189,11 @@ class Residency:
             self.emit(EventKind.STORED, w.label, w.kind, node, local)
 
     def split(self, upper: Node, lower: Node) -> None:
-        """Divide window counts and event names between the halves of a split node."""
+        """Divide window counts and event names between the halves of a split node; the upper
+        half sees every path below through the lower one."""
+        through = lower.checkpoints_below + (lower.checkpoint >= 0)
+        upper.checkpoints_below = through
+        upper.below_counts = {through: 1} if through else None
         if lower.hashes is not None:
             kp = upper.pages.size
             upper.hashes, lower.hashes = lower.hashes[:kp], lower.hashes[kp:]
@@ -204,6 +212,7 @@ class Residency:
 
     def attach_checkpoint(self, node: Node, slot: int) -> None:
         node.checkpoint = slot
+        _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
         self.owned_slots[slot] = True
         self.checkpoint_nodes.add(node)
         self.refresh(node)
@@ -223,6 +232,7 @@ class Residency:
         self.owned_slots[slot] = False
         self.checkpoint_nodes.discard(node)
         node.checkpoint = NO_CHECKPOINT
+        _count_up(node, node.checkpoints_below + 1, node.checkpoints_below)
         return slot
 
     # --- events ---------------------------------------------------------------------------
@@ -251,3 +261,30 @@ class Residency:
         self.events.emit(
             CacheEvent(kind, self.rules.checkpoint.label, ComponentKind.CHECKPOINT, node.namespace, (node.hashes[-1],))
         )
+
+
+def _count_up(node: Node, before: int, after: int) -> None:
+    """``node`` now adds ``after`` checkpoints to the paths through it (``before`` until now):
+    bring ``below_counts`` and ``checkpoints_below`` of its ancestors up to date, stopping at
+    the first whose maximum does not change. A level costs O(1), or the number of distinct
+    counts below it (at most the cap per path) when its maximum drops."""
+    parent = node.parent
+    while parent is not None and parent.parent is not None and before != after:
+        counts = parent.below_counts
+        if counts is None:
+            counts = parent.below_counts = {}
+        if before:
+            if counts[before] == 1:
+                del counts[before]
+            else:
+                counts[before] -= 1
+        if after:
+            counts[after] = counts.get(after, 0) + 1
+        old = parent.checkpoints_below
+        new = after if after > old else old if old in counts else max(counts, default=0)
+        if new == old:
+            return
+        parent.checkpoints_below = new
+        has = parent.checkpoint >= 0
+        before, after = old + has, new + has
+        parent = parent.parent
