@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
+from hybridkv.registry import Registry
+
 SEED = 1234
 VOCAB = 256
 
-TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+_TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen3-next": (
         "qwen3_next",
         dict(
@@ -141,6 +143,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+TINY_CONFIGS = Registry("tiny random model", _TINY_TABLE)
+
 
 def tiny_names() -> list[str]:
     return list(TINY_CONFIGS)
@@ -150,10 +154,7 @@ def build_random(name: str) -> tuple[Any, Any]:
     """``(hf_model, hf_config)`` of a tiny random model, identical in every process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        model_type, overrides = TINY_CONFIGS[name]
-    except KeyError:
-        raise KeyError(f"no tiny random model {name!r}; known: {tiny_names()}") from None
+    model_type, overrides = TINY_CONFIGS[name]  # UnknownName (a KeyError) names the known ones
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=512, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
