@@ -153,21 +153,43 @@ def test_a_lone_request_gives_up_its_own_checkpoints_before_its_pages():
     assert mem.pages.live_count == 0 and mem.slots.live_count == 0
 
 
-def test_a_running_request_does_not_hold_its_hit_s_checkpoint():
-    """It runs on its fork: the cached checkpoint stays evictable (its lock holds full KV only)."""
-    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS)), "end")
-    toks = 1000 + np.arange(16)
-    first = kvm.admit(kvm.match(toks))
-    kvm.extend(first, 16)
-    kvm.reserve_checkpoint(first, kvm.finish_checkpoint(first))
-    kvm.finish(first, toks)
-    kv = kvm.admit(kvm.match(np.concatenate([toks, [7, 7]])))
-    assert kv.cached == 4 and kv.state_slot is not None and not kv.state_from_zero
-    assert kv.lock.node.checkpoint >= 0 and kv.lock.node.checkpoint_lock == 0
-    state = kvm.cache.rules.checkpoint.pool_id
-    assert kvm.cache.evict({state: 1}) == {state: 1}
-    assert kvm.match(toks).length == 0 and kvm.match(toks).full_length == 16  # KV stays locked
-    kvm.extend(kv, 18)
-    kvm.release(kv)
-    kvm.cache.check()
-    kvm.mem.verify()
+def test_a_running_request_short_of_memory_lets_go_of_its_hit_s_checkpoint():
+    """At the floor a state slot is a whole slab and the hit's pages fill the rest: a request that
+    hits a checkpoint has no room to fork it, so it runs on the checkpoint itself (out of the
+    cache). A request that can fork keeps the hit's checkpoint locked (safe from eviction and
+    the path cap) until its own pages are refused: then it lets go and the cache evicts it."""
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-kda-mla", PS, FLOORS["tiny-kda-mla"])), "end")
+    mem, cache = kvm.mem, kvm.cache
+    state = cache.rules.checkpoint.pool_id
+    toks = 1000 + np.arange(64)
+    slot = int(mem.alloc_state(1)[0])  # the cache holds 32 tokens and their checkpoint: one slab each
+    cache.insert(toks[:32], mem.alloc_pages(8), checkpoints={32: slot})
+    kv = kvm.admit(kvm.match(toks[:-1]))  # no room for a copy: the checkpoint becomes its state
+    assert kv.cached == 8 and not kv.state_from_zero and kv.state_slot == slot
+    assert cache.num_checkpoints == 0 and kv.lock.checkpoint_node is None
+    kvm.extend(kv, 64)
+    kvm.finish(kv, toks[:60])
+    cache.check()
+    mem.verify()
+
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS, FLOORS["tiny-gdn"])), "end")
+    mem, cache = kvm.mem, kvm.cache
+    state = cache.rules.checkpoint.pool_id
+    first = kvm.admit(kvm.match(toks[:32]))
+    kvm.extend(first, 32)
+    slot = kvm.reserve_checkpoint(first, kvm.finish_checkpoint(first))
+    kvm.finish(first, toks[:32])
+    kv = kvm.admit(kvm.match(toks[:-1]))  # a spare slab: room for the fork
+    assert kv.cached == 8 and kv.state_slot != slot and kv.lock.node.checkpoint_lock == 1
+    assert cache.evict({state: 1}) == {}, "a running request's lock keeps its hit's checkpoint"
+    kvm.extend(kv, 48)
+    other = mem.alloc_pages(mem.available_pages())  # someone else takes what is left
+    kvm.extend(kv, 64)  # its own pages need the checkpoint's slab now
+    assert kv.lock.checkpoint_node is None and cache.num_checkpoints == 0
+    assert cache.counters.evicted_checkpoints == 1 and kvm.match(toks[:32]).full_length == 32
+    cache.check()
+    mem.verify()
+    mem.free_pages(other)
+    kvm.finish(kv, toks)
+    kvm.evict({PAGE_NEED: mem.pages.capacity})
+    assert mem.pages.live_count == 0 and mem.slots.live_count == 0

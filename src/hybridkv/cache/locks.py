@@ -2,9 +2,9 @@
 
 A lock on a hit ending at ``node.end`` counts on full KV of every node on the path, on the
 window of the nodes covering the ``max_window`` tokens before the end (whole nodes), and on
-the checkpoint at ``node`` (if it has one, unless taken with ``checkpoint=False``; a holder
-that forked the checkpoint gives that part up with ``unlock_checkpoint``: a running request
-needs its own state slot, not the cached copy).
+the checkpoint at ``node`` (if it has one; a holder that forked the checkpoint may give that
+part up alone with ``unlock_checkpoint``: a running request needs its own state slot, not
+the cached copy).
 
 Invariants (``check_tree`` proves them):
 - Every node's counts equal what the open ``CacheLock`` handles took; nothing counted is
@@ -39,9 +39,8 @@ class LockTable:
         self.checkpoints = checkpoints
         self.open: set[CacheLock] = set()
 
-    def lock(self, node: Node, checkpoint: bool = True) -> CacheLock:
-        """Lock a hit ending at ``node`` (the caller checked that ``node`` is in its tree); its
-        checkpoint too when ``checkpoint``."""
+    def lock(self, node: Node) -> CacheLock:
+        """Lock a hit ending at ``node`` (the caller checked that ``node`` is in its tree)."""
         n: Node | None = node
         while n is not None and n.parent is not None:
             n.lock += 1
@@ -53,7 +52,7 @@ class LockTable:
             span += n.end - n.start
             n = n.parent
         checkpoint_node = None
-        if checkpoint and self.checkpoints and node.checkpoint >= 0:
+        if self.checkpoints and node.checkpoint >= 0:
             node.checkpoint_lock += 1
             checkpoint_node = node
         handle = CacheLock(node, span, checkpoint_node)

@@ -19,11 +19,12 @@ short of and the call is retried; ``OutOfMemory`` reaches the caller only once n
 unlocked and unpinned is left to evict for it: a pool whose own component has nothing left
 (windows all tombstoned, no checkpoint) gets slab bytes from whole leaves, tree windows and
 cached checkpoints. Before a refusal of a request's pages (``extend``, ``extend_batch``)
-reaches the caller, the requests' own checkpoints not inserted yet are given up (freed,
-counted in ``given_up_states``) and it is tried again: a request that fits the budget alone
-never fails for its checkpoints. A running request does not hold its hit's checkpoint
-(it runs on its own fork): its lock holds full KV and windows only. Such a refusal leaves
-every handle as it was but for those checkpoints (the cache may have evicted).
+reaches the caller, the requests' own checkpoints are given up and it is tried again: those
+not inserted yet are freed (counted in ``given_up_states``), and their locks stop holding
+the cached checkpoint at their end (a running request runs on its own fork of it), so the
+cache may evict it: a request that fits the budget alone never fails for its checkpoints.
+Such a refusal leaves every handle as it was but for those checkpoints (the cache may have
+evicted).
 
 Window pages that leave a request's window become window-cached (``park_windows``, the
 default): the cache holds their window cells, reclaimed first when memory is short; the
@@ -142,7 +143,7 @@ class KVManager:
 
     def _alloc_for(self, handles: list[KVHandle], count: int) -> np.ndarray:
         """``alloc_pages`` for ``handles``' growth; refused even after eviction, their own
-        checkpoints not inserted yet are given up and it is tried once more."""
+        checkpoints are given up and it is tried once more."""
         try:
             return self.alloc_pages(count)
         except OutOfMemory as exc:
@@ -152,18 +153,23 @@ class KVManager:
 
     def _give_up_checkpoints(self, handles: list[KVHandle]) -> int:
         """Free the handles' unpinned checkpoints that no insert cached yet (an optimisation
-        the request goes on without); returns how many."""
+        the request goes on without) and let go of the cached checkpoints their locks hold
+        (evictable then); returns how many of either."""
         pins = self.mem.gates.slot_pins
         slots = []
+        unlocked = 0
         for h in handles:
             for at, slot in list(h.checkpoints.items()):
                 if not pins[slot]:
                     slots.append(slot)
                     del h.checkpoints[at]
+            if h.lock.checkpoint_node is not None:
+                self.cache.unlock_checkpoint(h.lock)
+                unlocked += 1
         if slots:
             self.mem.free_state(np.asarray(slots, dtype=np.int64))
             self.cache.counters.given_up_checkpoints += len(slots)
-        return len(slots)
+        return len(slots) + unlocked
 
     def _needs(self, exc: OutOfMemory, fallback: dict[Need, int]) -> dict[Need, int]:
         """What to evict for a refused allocation: pools short of cells by pool id; virtual
@@ -189,8 +195,9 @@ class KVManager:
 
     def admit(self, match: MatchResult, namespace: Hashable = None) -> KVHandle:
         """Lock ``match`` for a new request; with recurrent layers, give it a running state
-        slot: a fork of the hit's checkpoint, or a fresh slot when the hit has none (its state
-        starts from zero). On ``OutOfMemory`` nothing is held."""
+        slot: a fork of the hit's checkpoint (with no room for the copy even after eviction,
+        the checkpoint itself, out of the cache), or a fresh slot when the hit has none (its
+        state starts from zero). On ``OutOfMemory`` nothing is held."""
         if not isinstance(match, MatchResult):
             raise CacheError(f"admit: expected a MatchResult from match(), got {type(match).__name__}")
         lock = self.cache.lock(match.node)
@@ -202,10 +209,12 @@ class KVManager:
                 else:
                     handle.state_slot = int(self.alloc_state(1)[0])
             except OutOfMemory:
-                self.cache.unlock(lock)
-                handle.status = HandleStatus.RELEASED
-                raise
-            self.cache.unlock_checkpoint(lock)  # the request runs on its fork
+                slot = self.cache.take_checkpoint(lock) if match.checkpoint is not None else None
+                if slot is None:
+                    self.cache.unlock(lock)
+                    handle.status = HandleStatus.RELEASED
+                    raise
+                handle.state_slot = slot
         return handle
 
     def adopt(
@@ -387,7 +396,7 @@ class KVManager:
         if final:
             handle.commit(result.pages)
         else:  # the new lock first: the hit is never unprotected
-            self.cache.unlock(handle.settle(result.pages, self.cache.lock(result.node, checkpoint=False)))
+            self.cache.unlock(handle.settle(result.pages, self.cache.lock(result.node)))
         return result
 
     def finish(self, handle: KVHandle, tokens: object) -> InsertResult:
