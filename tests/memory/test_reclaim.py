@@ -168,3 +168,33 @@ class ReclaimMachine(RuleBasedStateMachine):
 
 ReclaimMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
 TestReclaimMachine = ReclaimMachine.TestCase
+
+
+def test_a_slab_with_no_whole_cell_of_the_pool_short_is_reclaimed_for_its_straddlers():
+    """Full cells of 8 KiB on 12.75 KiB slabs all but straddle: slab 6 holds no whole one. The
+    state pool's spare slab 6 sits beside the full pool's slab 5, and the one state slot
+    left (slab 7) is pinned: the only bytes to be had are slab 6, worth the cell straddling
+    5-6. The plan used to count whole cells only and refused; now it takes slab 6, moving
+    nothing."""
+    mem = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-gdn")), 13056 * 9, page_size=16, max_context=64, chunk_tokens=16
+    )
+    assert mem.arena.num_slabs == 8 and mem.arena.slab_bytes == 13056
+    kept = mem.alloc_state(1)
+    pages = [mem.alloc_pages(2)]
+    spare = mem.alloc_state(1)
+    while True:
+        try:
+            pages.append(mem.alloc_pages(1))
+        except OutOfMemory:
+            break
+    mem.free_state(spare)
+    assert mem.arena.owner.tolist() == [0, 0, 0, 0, 0, 0, 1, 1] and mem.arena.slab_live[6] == 0
+    moved = mem.stats().bytes_moved
+    with mem.pin(slots=kept):
+        pages.append(mem.alloc_pages(1))
+    assert mem.arena.owner[6] == 0 and mem.stats().bytes_moved == moved
+    mem.verify()
+    mem.free_pages(np.concatenate(pages))
+    mem.free_state(kept)
+    mem.verify()

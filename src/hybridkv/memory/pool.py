@@ -70,8 +70,6 @@ class SubPool:
         self.slab_first = np.searchsorted(self.cell_lo, np.arange(nslabs + 1), side="left")
         # second slab a cell touches, or the dummy bin ``nslabs`` when it lies in one slab
         self.cell_next = np.where(self.cell_hi != self.cell_lo, self.cell_hi, nslabs)
-        whole = (self.cell_lo == self.cell_hi) & (self.cell_lo >= 0) & (self.cell_lo < nslabs)
-        self.whole_cells_in_slab = np.bincount(self.cell_lo[whole], minlength=nslabs)
         self.status = np.zeros(self.grid_cells, dtype=np.int8)  # CellStatus per grid cell
         self._stack = np.empty(self.grid_cells, dtype=np.int64)
         self.free_count = 0
@@ -149,6 +147,22 @@ class SubPool:
         self._stack[: kept.size] = kept
         self.free_count = kept.size
         self.arena.owner[slab] = FREE_SLAB
+
+    def cells_gained(self, slab: int, planned: set[int]) -> int:
+        """Cells ``acquire_slab(slab)`` would make usable once the ``planned`` slabs (acquired
+        before it) are this pool's too: every cell touching it whose other slab, if any, the
+        pool owns or plans to own (a cell larger than half a slab often straddles two)."""
+        a, b = self._touching(slab)
+        if a == b:
+            return 0
+        owner, last = self.arena.owner, self.arena.num_slabs - 1
+        mine = owner == self.index
+        ends = np.concatenate([self.cell_lo[a:b], self.cell_hi[a:b]])
+        inside = (ends >= 0) & (ends <= last)
+        clipped = np.clip(ends, 0, last)
+        ok = inside & (mine[clipped] | (clipped == slab) | np.isin(clipped, list(planned)))
+        n = b - a
+        return int(np.count_nonzero(ok[:n] & ok[n:]))
 
     def owned_slabs(self) -> np.ndarray:
         return np.flatnonzero(self.arena.owner == self.index)

@@ -3,7 +3,10 @@
 A pool short of cells gets them, in this order: holes in its own slabs (nothing to do),
 free slabs (preferring one next to a slab it owns, so edge cells become usable), then
 slabs reclaimed from other pools by compaction: the live cells of a sparse slab move into
-holes of their own pool elsewhere, and the emptied slab changes owner.
+holes of their own pool elsewhere, and the emptied slab changes owner. A reclaimed slab is
+worth the cells it makes usable (``SubPool.cells_gained``): those inside it and those
+straddling into a slab the receiver owns or is given in the same plan, so a pool whose
+cells are larger than half a slab (every cell straddles) is served too.
 
 Invariants:
 - Decide, then act: a reservation that cannot be met is refused before any byte moves, and
@@ -121,20 +124,29 @@ class SlabBroker:
         plan: list[tuple[int, SubPool, SubPool]] = []
         used: set[int] = set()
         for receiver, deficit in deficits.items():
-            for slab in order:
-                if deficit <= 0:
-                    break
-                donor = self.pools[owner[slab]]
-                if slab in used or donor is receiver or receiver.whole_cells_in_slab[slab] == 0:
-                    continue
-                cells = donor.live_cells_touching(slab)
-                lost = cells.size + donor.free_cells_touching(slab)
-                if spare[donor] < lost or self._pinned(donor, cells):
-                    continue
-                spare[donor] -= lost
-                used.add(slab)
-                plan.append((slab, donor, receiver))
-                deficit -= int(receiver.whole_cells_in_slab[slab])
+            planned: set[int] = set()  # this receiver's slabs so far: cells straddling into them count
+            progress = True
+            while deficit > 0 and progress:  # again while a slab taken made a neighbour worth taking
+                progress = False
+                for slab in order:
+                    if deficit <= 0:
+                        break
+                    donor = self.pools[owner[slab]]
+                    if slab in used or donor is receiver:
+                        continue
+                    gained = receiver.cells_gained(slab, planned)
+                    if not gained:
+                        continue
+                    cells = donor.live_cells_touching(slab)
+                    lost = cells.size + donor.free_cells_touching(slab)
+                    if spare[donor] < lost or self._pinned(donor, cells):
+                        continue
+                    spare[donor] -= lost
+                    used.add(slab)
+                    planned.add(slab)
+                    plan.append((slab, donor, receiver))
+                    deficit -= gained
+                    progress = True
             if deficit > 0:
                 return None
         return plan
