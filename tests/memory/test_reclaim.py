@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -198,3 +198,22 @@ def test_a_slab_with_no_whole_cell_of_the_pool_short_is_reclaimed_for_its_stradd
     mem.free_pages(np.concatenate(pages))
     mem.free_state(kept)
     mem.verify()
+
+
+@settings(max_examples=80, deadline=None)
+@given(owner=st.lists(st.sampled_from([-1, 0, 1]), min_size=8, max_size=8), planned=st.sets(st.integers(0, 7)))
+def test_cells_gained_counts_what_acquiring_the_slab_makes_usable(owner, planned):
+    """Brute force over every cell touching the slab: both of its slabs exist and are the slab
+    itself, the pool's, or planned for it."""
+    mem = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-gdn")), 13056 * 9, page_size=16, max_context=64, chunk_tokens=16
+    )
+    mem.arena.owner[:] = owner  # a picture of ownership only: nothing is allocated
+    for pool in mem.pools.values():
+        for slab in range(mem.arena.num_slabs):
+            cells = [c for c in range(pool.grid_cells) if slab in (pool.cell_lo[c], pool.cell_hi[c])]
+            want = sum(
+                all(0 <= s < 8 and (s == slab or owner[s] == pool.index or s in planned) for s in (lo, hi))
+                for lo, hi in ((int(pool.cell_lo[c]), int(pool.cell_hi[c])) for c in cells)
+            )
+            assert pool.cells_gained(slab, planned) == want, (pool.pool_id, slab)

@@ -151,18 +151,21 @@ class SubPool:
     def cells_gained(self, slab: int, planned: set[int]) -> int:
         """Cells ``acquire_slab(slab)`` would make usable once the ``planned`` slabs (acquired
         before it) are this pool's too: every cell touching it whose other slab, if any, the
-        pool owns or plans to own (a cell larger than half a slab often straddles two)."""
+        pool owns or plans to own (a cell larger than half a slab often straddles two). A cell
+        touches at most two slabs, so only the first and the last cell touching ``slab`` can
+        lie partly outside it: O(1)."""
         a, b = self._touching(slab)
         if a == b:
             return 0
-        owner, last = self.arena.owner, self.arena.num_slabs - 1
-        mine = owner == self.index
-        ends = np.concatenate([self.cell_lo[a:b], self.cell_hi[a:b]])
-        inside = (ends >= 0) & (ends <= last)
-        clipped = np.clip(ends, 0, last)
-        ok = inside & (mine[clipped] | (clipped == slab) | np.isin(clipped, list(planned)))
-        n = b - a
-        return int(np.count_nonzero(ok[:n] & ok[n:]))
+        owner, nslabs = self.arena.owner, self.arena.num_slabs
+
+        def ours(cell: int) -> bool:
+            for s in (int(self.cell_lo[cell]), int(self.cell_hi[cell])):
+                if not 0 <= s < nslabs or (s != slab and owner[s] != self.index and s not in planned):
+                    return False
+            return True
+
+        return b - a - (not ours(a)) - (b - a > 1 and not ours(b - 1))
 
     def owned_slabs(self) -> np.ndarray:
         return np.flatnonzero(self.arena.owner == self.index)
