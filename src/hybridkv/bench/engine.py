@@ -138,6 +138,7 @@ def bench_model(
     chunk_size: int,
     prefix_cache: bool = True,
     checkpoints: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     hf, config = build_random(name)
     engine = Engine(
@@ -148,6 +149,7 @@ def bench_model(
         chunk_size=chunk_size,
         prefix_cache=prefix_cache,
         checkpoints=checkpoints,
+        device=device,
     )
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     passes = []
@@ -210,7 +212,9 @@ def run(
     chunk_size: int = 64,
     prefix_cache: bool = True,
     checkpoints: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
+    """``device``: where the engine's weights and memory live (``transformers`` runs on the CPU)."""
     models = models or tiny_names()
     checkpoints = checkpoints or engine_default(chunk_size, page_size)
     unknown = sorted(set(models) - set(tiny_names()))
@@ -220,7 +224,9 @@ def run(
     lengths = [len(p) for p in prompts]
     with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
         rows = [
-            bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache, checkpoints)
+            bench_model(
+                m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache, checkpoints, device
+            )
             for m in models
         ]
     return {
@@ -232,6 +238,7 @@ def run(
         "chunk_size": chunk_size,
         "prefix_cache": prefix_cache,
         "checkpoints": checkpoints,
+        "device": device,
         "goals": {"speedup": GOAL_SPEEDUP, "hybridkv_share": GOAL_SHARE},
         "models": rows,
     }

@@ -17,7 +17,14 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import bench_app
-from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, random_model, transport_option
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    byte_size,
+    device_option,
+    engine_checkpoints,
+    random_model,
+    transport_option,
+)
 from hybridkv.memory import format_bytes
 from hybridkv.traces import PEER_TRACE
 from hybridkv.transfer import TransportName
@@ -30,12 +37,18 @@ def bench_memory(
     ),
     page_size: int = typer.Option(16, "--page-size", min=1),
     config: list[str] = typer.Option(None, "--config", help="full, full+swa, full+state (repeatable)."),
+    device: str = typer.Option(
+        "meta",
+        "--device",
+        callback=device_option(("meta", "cpu", "cuda")),
+        help="meta: tables only; cpu or cuda: a real arena and the baseline's tensors there.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Calls/s, p50/p99 per op and host syncs, side by side with a static-pool baseline."""
     from hybridkv.bench.memory import run
 
-    report = run(trace, page_size, config)
+    report = run(trace, page_size, config, device)
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -173,6 +186,12 @@ def bench_engine(
     chunk_size: int = typer.Option(64, "--chunk-size", min=1),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    device: str = typer.Option(
+        "cpu",
+        "--device",
+        callback=device_option(("cpu", "cuda")),
+        help="Where the engine's weights and memory live (transformers runs on the CPU).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers one by one, same run."""
@@ -189,6 +208,7 @@ def bench_engine(
         chunk_size,
         not no_prefix_cache,
         checkpoints,
+        device,
     )
     if as_json:
         typer.echo(json.dumps(report))
