@@ -11,7 +11,7 @@ test (a misconfigured run must not pass by skipping).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -48,16 +48,23 @@ def no_host_sync() -> Iterator[HostSyncCounter]:
 
 def sampling_may_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's sampled tokens are its one expected host read: let them synchronize
-    under ``no_host_sync`` (the counter still counts them)."""
-    import hybridkv.engine.engine as engine_module
+    under ``no_host_sync`` (the counter still counts them). Patched wherever the engine's
+    modules look ``choose_tokens`` up."""
+    import hybridkv.engine.engine
+    import hybridkv.engine.scheduler
 
-    choose = engine_module.choose_tokens
+    for module in (hybridkv.engine.engine, hybridkv.engine.scheduler):
+        choose = getattr(module, "choose_tokens", None)
+        if choose is not None:
+            monkeypatch.setattr(module, "choose_tokens", _with_sync(choose))
 
+
+def _with_sync(choose: Callable[..., list[int]]) -> Callable[..., list[int]]:
     def choose_with_sync(*args: object, **kwargs: object) -> list[int]:
         with syncs_allowed():
-            return choose(*args, **kwargs)  # type: ignore[arg-type]
+            return choose(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "choose_tokens", choose_with_sync)
+    return choose_with_sync
 
 
 @contextmanager
