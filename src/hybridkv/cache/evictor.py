@@ -18,8 +18,9 @@ rounded up to whole slabs; the allocator's broker hands it the slabs that frees 
 compacts the donor to empty them). Likewise a full-history pool still short once no
 unlocked leaf is left gets the bytes of tree window cells outside every window lock (the
 nodes a running request locks keep their full KV, not their windows behind its lock's),
-and then of unlocked cached checkpoints (a running request's lock holds none: alone, its
-own path's checkpoints give way to its KV, so a request that fits the budget alone fits).
+and then of unlocked cached checkpoints (a running request short of memory first lets go
+of the one its lock holds, ``KVManager``: alone, its own path's checkpoints give way to its
+KV, so a request that fits the budget alone fits).
 
 Invariants:
 - Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
