@@ -58,8 +58,8 @@ def check_tree(cache: HybridRadixCache) -> None:
             _fail(
                 f"{n}: {max(through, default=0)} checkpoints on its deepest path below, counted {n.checkpoints_below}"
             )
-        counts = {k: through.count(k) for k in set(through) if k}
-        if counts != (n.below_counts or {}):
+        counts = {k: through.count(k) for k in set(through) if k} if len(through) > 1 else None
+        if counts != n.below_counts:
             _fail(f"{n}: children add {counts} checkpoints to their paths, counted {n.below_counts}")
     if len(nodes) != cache.num_nodes:
         _fail(f"num_nodes {cache.num_nodes} but {len(nodes)} nodes in the tree")

@@ -13,9 +13,10 @@ Invariants (``check_tree`` proves them):
 - ``window_resident[i]`` counts this node's pages resident in window pool ``i`` (the rest
   are tombstones); ``checkpoint`` is the slot of the recurrent-state checkpoint taken after
   ``end`` tokens (or ``NO_CHECKPOINT``); ``checkpoints_below`` is the most checkpoints on
-  any path strictly below the node, ``below_counts`` how many children add each positive
-  count to the paths through them (kept by ``Residency`` as checkpoints come and go and
-  nodes split; not kept for roots, which never hold one).
+  any path strictly below the node; ``below_counts``, for a node with two children or more,
+  how many children add each positive count to the paths through them (None with fewer:
+  one child's count is the node's). Both are kept by ``Residency`` as checkpoints come and
+  go, leaves come and go and nodes split; not for roots, which never hold a checkpoint.
 - Lock counts (``lock`` for full KV, ``window_lock``, ``checkpoint_lock``) equal what the
   open ``CacheLock`` handles took (see ``locks.LockTable``).
 """

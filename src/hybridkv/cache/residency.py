@@ -16,9 +16,11 @@ Invariants (``check_tree`` proves them):
 - ``window_nodes[i]`` is the set of nodes with a page resident in window pool ``i``
   (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
 - ``node.checkpoints_below`` (every non-root node) is the most checkpoints on a path strictly
-  below it: updated up the path when a checkpoint comes or goes (each level stops as soon
-  as its value does not change), and copied into the upper half of a split, so the cap
-  per path (``checkpoints.py``) never walks a subtree.
+  below it, and ``node.below_counts`` (nodes with two children or more) how many children
+  add each positive count: updated up the path when a checkpoint comes or goes (each level
+  stops as soon as its value does not change; a one-child level is a plain copy), built when
+  a node gains its second child, dropped when it is down to one, and copied into the upper
+  half of a split, so the cap per path (``checkpoints.py``) never walks a subtree.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
   it once (window pages, then pages, then slots: an order that is always valid).
 """
@@ -117,6 +119,11 @@ class Residency:
 
     def add_leaf(self, node: Node) -> None:
         """A leaf the tree just added: its pages are the cache's now."""
+        parent = node.parent
+        if parent is not None and parent.parent is not None and len(parent.children) == 2:
+            other = next(c for c in parent.children.values() if c is not node)  # the leaf adds 0
+            through = other.checkpoints_below + (other.checkpoint >= 0)
+            parent.below_counts = {through: 1} if through else {}
         pages = node.pages
         self.owned[pages] = True
         self.cached_pages += pages.size
@@ -150,9 +157,12 @@ class Residency:
         if self.events.enabled:
             for label in self.rules.full.labels:
                 self.emit(EventKind.REMOVED, label, ComponentKind.FULL_KV, node, np.arange(node.pages.size))
+        parent = node.parent
         new_leaf = self.tree.remove_leaf(node)
         if new_leaf is not None:
             self.refresh(new_leaf)
+        if parent is not None and len(parent.children) < 2:  # the leaf added nothing to its paths
+            parent.below_counts = None
         n = node.pages.size
         for slot in self.rules.full.slots:
             freed[slot] += n
@@ -191,9 +201,7 @@ class Residency:
     def split(self, upper: Node, lower: Node) -> None:
         """Divide window counts and event names between the halves of a split node; the upper
         half sees every path below through the lower one."""
-        through = lower.checkpoints_below + (lower.checkpoint >= 0)
-        upper.checkpoints_below = through
-        upper.below_counts = {through: 1} if through else None
+        upper.checkpoints_below = lower.checkpoints_below + (lower.checkpoint >= 0)  # its one child's
         if lower.hashes is not None:
             kp = upper.pages.size
             upper.hashes, lower.hashes = lower.hashes[:kp], lower.hashes[kp:]
@@ -271,17 +279,18 @@ def _count_up(node: Node, before: int, after: int) -> None:
     parent = node.parent
     while parent is not None and parent.parent is not None and before != after:
         counts = parent.below_counts
-        if counts is None:
-            counts = parent.below_counts = {}
-        if before:
-            if counts[before] == 1:
-                del counts[before]
-            else:
-                counts[before] -= 1
-        if after:
-            counts[after] = counts.get(after, 0) + 1
         old = parent.checkpoints_below
-        new = after if after > old else old if old in counts else max(counts, default=0)
+        if counts is None:  # one child: its count is the parent's
+            new = after
+        else:
+            if before:
+                if counts[before] == 1:
+                    del counts[before]
+                else:
+                    counts[before] -= 1
+            if after:
+                counts[after] = counts.get(after, 0) + 1
+            new = after if after > old else old if old in counts else max(counts, default=0)
         if new == old:
             return
         parent.checkpoints_below = new
