@@ -14,9 +14,15 @@ its end when the placement wants one there and the end is page-aligned) and rele
 rest; ``retract`` releases (what was inserted stays cached). With ``prefix_cache=False``
 nothing is matched or inserted: the same path, without hits.
 
+A disaggregated decode engine ``reserve``s a request's memory (a RECEIVING handle of the
+manager) while its KV and state arrive by transfer and calls ``received`` once they landed;
+a reservation that will not run is released by ``retract`` like any other: one owner, one free
+path. Decisions that depend on a rank's memory (the hit length, the admission) go through an
+``Agreement`` so that every rank of a multi-process engine decides alike.
+
 Invariants:
 - A request holds memory exactly while it has a handle; ``extend`` either grows every
-  request of the step or changes no handle (``OutOfMemory``).
+  request of the step to its length or changes no handle (``OutOfMemory``).
 - ``handle.seq_len`` equals the request's computed tokens after each forward; its state
   slot holds the state after them (``fresh``: zero it before the next forward).
 - Checkpoints sit only at the placement's page-aligned positions past the cached part;
@@ -27,14 +33,24 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
 from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.cache.placement import DEFAULT
+from hybridkv.engine.agreement import ALONE, Agreement
 from hybridkv.memory import OutOfMemory, UnifiedMemory
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
+class Admission(Enum):
+    """What ``admit`` decided; ordered so that the minimum over ranks is the decision of all."""
+
+    TOO_BIG = 0  # not even its state slot fits with nothing else held: it fails alone
+    REFUSED = 1  # not now: it waits
+    ADMITTED = 2
 
 
 @dataclass(frozen=True)
@@ -110,56 +126,89 @@ class RequestAllocator:
         return RequestMemory(namespace=namespace)
 
     def admit(
-        self, req: RequestMemory, tokens: Sequence[int], prompt_len: int, chunk: int, extra_pages: int, force: bool
-    ) -> bool:
+        self,
+        req: RequestMemory,
+        tokens: Sequence[int],
+        prompt_len: int,
+        chunk: int,
+        extra_pages: int,
+        alone: bool,
+        agree: Agreement = ALONE,
+    ) -> Admission:
         """Match ``tokens`` (all but the last: one token is always computed, for its logits) and
         admit the hit when its state slot and the pages of its first chunk (+ ``extra_pages``,
-        what the running requests' step takes) fit, evicting from the cache for them.
-        ``force`` (an empty batch): admit whenever the slot fits (the step's allocation
-        decides); ``OutOfMemory`` then reaches the caller. Refused: nothing held, False."""
+        what the running requests' step takes) fit, evicting from the cache for them. ``alone``
+        (nothing else holds memory): admit whenever the slot fits (the step's allocation
+        decides), ``TOO_BIG`` when even the slot does not. Every rank of ``agree`` admits at the
+        same hit length or refuses alike. Refused: nothing held."""
         kvm = self.kvm
         key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
-        match = kvm.match(key, req.namespace)
+        match = self._agreed_match(key, req.namespace, agree)
+        handle: KVHandle | None = None
+        got = Admission.ADMITTED
         try:
             handle = kvm.admit(match, req.namespace)
         except OutOfMemory:
-            if force:
-                raise
-            return False
-        start = match.length
-        need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
-        short = need - self.mem.available_pages()
-        if short > 0:
-            kvm.evict({PAGE_NEED: short})
-            if need > self.mem.available_pages() and not force:
+            got = Admission.TOO_BIG if alone else Admission.REFUSED
+        if handle is not None:
+            start = match.length
+            need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
+            short = need - self.mem.available_pages()
+            if short > 0:
+                kvm.evict({PAGE_NEED: short})
+                if need > self.mem.available_pages() and not alone:
+                    got = Admission.REFUSED
+        got = Admission(agree.min([got.value])[0])
+        if got is not Admission.ADMITTED:
+            if handle is not None:
                 kvm.release(handle)
-                return False
+            return got
+        assert handle is not None
         req.handle = handle
         req.fresh = self.has_state and handle.state_from_zero
         if req.hit is None:
             req.hit = CacheHit.of(match)
-        req.cached_tokens += start
-        req.wanted = kvm.wanted_checkpoints(handle, prompt_len) if self.prefix_cache else ()
-        return True
+        req.cached_tokens += match.length
+        wanted = kvm.wanted_checkpoints(handle, prompt_len) if self.prefix_cache else ()
+        req.wanted = agree.union(wanted)
+        return got
 
-    def adopt(self, req: RequestMemory, pages: np.ndarray, length: int, slot: int | None) -> None:
-        """Make ``length`` tokens of KV (and the state after them) that arrived by transfer into
-        ``pages`` / ``slot`` the request's own: it continues from there (``KVManager.adopt``)."""
+    def _agreed_match(self, key: np.ndarray, namespace: Hashable, agree: Agreement) -> MatchResult:
+        """The longest match of ``key`` that every rank of ``agree`` holds (stages hold other pools, so
+        their hits may differ): match, agree on the shortest, match that prefix again, until all agree."""
+        match = self.kvm.match(key, namespace)
+        while agree is not ALONE:
+            shortest, longest = agree.min([match.length, -match.length])
+            if shortest == -longest:
+                return match
+            match = self.kvm.match(key[:shortest], namespace)
+        return match
+
+    def reserve(self, req: RequestMemory, seq_len: int) -> None:
+        """Hold pages (and a state slot) for ``seq_len`` tokens whose KV and state will arrive by
+        transfer (a RECEIVING handle: nothing reads, matches or evicts it until ``received``);
+        ``OutOfMemory``: nothing held."""
         if req.handle is not None:
-            raise RuntimeError("adopt: the request already holds memory")
-        req.handle = self.kvm.adopt(pages, length, slot, req.namespace)
+            raise RuntimeError("reserve: the request already holds memory")
+        req.handle = self.kvm.reserve(seq_len, req.namespace)
         req.fresh = False
 
-    def extend(self, reqs: list[RequestMemory], counts: list[int]) -> None:
-        """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike), one allocation."""
-        handles = [r.live for r in reqs]
-        self.kvm.extend_batch(handles, [h.seq_len + n for h, n in zip(handles, counts, strict=True)])
+    def received(self, req: RequestMemory) -> None:
+        """The reserved KV and state arrived: the request continues from there."""
+        self.kvm.received(req.live)
 
-    def mark_computed(self, reqs: list[RequestMemory]) -> None:
-        """After a forward: states now hold real data, and pages may have left windows."""
+    def extend(self, reqs: list[RequestMemory], lengths: list[int]) -> None:
+        """Grow request ``i`` to ``lengths[i]`` tokens (prefill chunks and decodes alike), one allocation;
+        a request already that long grows no further (a step retried after a retraction)."""
+        self.kvm.extend_batch([r.live for r in reqs], lengths)
+
+    def mark_computed(self, reqs: list[RequestMemory], release_windows: bool = True) -> None:
+        """After a forward: states now hold real data, and pages may have left windows (released
+        unless ``release_windows`` is False: a prefill engine's sender reads the whole prompt's KV)."""
         for req in reqs:
             req.fresh = False
-        self.kvm.release_windows([r.live for r in reqs])
+        if release_windows:
+            self.kvm.release_windows([r.live for r in reqs])
 
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """After a prefill chunk: a checkpoint when it ends where one is wanted, then cache the computed pages."""
