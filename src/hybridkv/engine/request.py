@@ -119,15 +119,15 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
         raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
         raise RequestError("input_ids", f"must be a list of token ids, got {type(prompt).__name__}")
-    ids = np.asarray(prompt)
-    if ids.size == 0:
+    odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+    if odd:
+        raise RequestError("input_ids", f"must be a flat list of integer token ids, got {odd[:3]!r}")
+    if len(prompt) == 0:
         raise RequestError("input_ids", "empty prompt: give at least one token")
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        bad = [t for t in list(prompt) if isinstance(t, bool) or not isinstance(t, int | np.integer)]
-        raise RequestError("input_ids", f"must be a flat list of integer token ids, got {bad[:3] or ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        bad: list[int] = [int(t) for t in ids.tolist() if not 0 <= t < vocab_size]
-        raise RequestError("input_ids", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    outside = [int(t) for t in prompt if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError("input_ids", f"token ids {outside[:5]} outside the vocabulary [0, {vocab_size})")
+    ids = np.asarray(prompt, dtype=np.int64)
     stops = [t for t in params.stop_token_ids if t >= vocab_size]
     if stops:
         raise RequestError("stop_token_ids", f"ids {stops[:5]} outside the vocabulary [0, {vocab_size})")
