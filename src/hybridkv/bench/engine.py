@@ -160,7 +160,7 @@ def bench_model(
             outs = engine.generate(prompts, max_new_tokens, stop_at_eos=False)
             engine_s = time.perf_counter() - start
         passes.append((engine_s, timer, engine.stats["steps"] - steps_before, outs))
-    if any(p[3] != passes[0][3] for p in passes):
+    if any([o.output_ids for o in p[3]] != [o.output_ids for o in passes[0][3]] for p in passes):
         raise RuntimeError(f"{name}: the engine's passes disagree")
     engine_s, timer, steps, outs = min(passes, key=lambda p: p[0])
     errors = [o.error for o in outs if o.error is not None]

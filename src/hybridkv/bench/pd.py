@@ -50,6 +50,7 @@ from hybridkv.engine.disagg import FINISHED, PDConfig, RequestResult, run_pd
 from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
+from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts
 from hybridkv.spec import IdSpace, Parallel, ShardSpec
@@ -199,7 +200,7 @@ def run(
             max_context=context,
             prefix_cache=prefix_cache,
         )
-        result = run_pd(config)
+        result = run_pd(config, SamplingParams(max_new_tokens, ignore_eos=True))  # the same tokens as below
         failed = [r for r in result.requests if r.status != FINISHED]
         if failed:
             raise RuntimeError(

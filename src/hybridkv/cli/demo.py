@@ -125,6 +125,7 @@ def pd_section(console: Console, requests: int, transport: str, fault: str) -> d
 
     from hybridkv.engine.disagg import FINISHED, Fault, PDConfig, run_pd
     from hybridkv.engine.random_models import quiet_transformers, save_random
+    from hybridkv.engine.request import SamplingParams
 
     prompts = pd_prompts(requests)
     faults: tuple[Fault, ...] = ()
@@ -147,7 +148,7 @@ def pd_section(console: Console, requests: int, transport: str, fault: str) -> d
             faults=faults,
         )
         started = time.monotonic()
-        result = run_pd(config)
+        result = run_pd(config, SamplingParams(PD_MAX_NEW, ignore_eos=True))  # as many tokens as the reference
         wall = time.monotonic() - started
     with quiet_transformers():
         reference = reference_tokens(hf, prompts, PD_MAX_NEW)

@@ -12,7 +12,9 @@ Which errors are whose:
   happens while serving, i.e. a request that does not fit the memory budget even alone.
 
 Output (``--json``): one object; ``requests`` in input order, each ``output_ids``,
-``finish_reason`` (``length``, ``eos`` or ``error``) and ``error`` (null when none); ``totals``.
+``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``) and ``error`` (null when none); ``totals``.
+Sampling (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``, ``--stop-token-id``, ``--ignore-eos``)
+is the same for ``serve-pd``: the same file gives the same tokens there.
 """
 
 from __future__ import annotations
@@ -27,7 +29,19 @@ import msgspec
 import typer
 
 from hybridkv.cli.app import app
-from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, random_model
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    IGNORE_EOS,
+    SEED,
+    STOP_TOKEN_IDS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    byte_size,
+    engine_checkpoints,
+    random_model,
+    request_params,
+)
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -109,8 +123,12 @@ def generate(
     gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed (request i draws with seed + i)."),
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    seed: int = SEED,
+    stop_token_ids: list[int] | None = STOP_TOKEN_IDS,
+    ignore_eos: bool = IGNORE_EOS,
     no_prefix_cache: bool = typer.Option(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
@@ -119,6 +137,7 @@ def generate(
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     lines = read_prompts(prompts)
+    params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
     engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints)
     bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
     if bad:
@@ -133,15 +152,9 @@ def generate(
 
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("generating", total=len(ids))
-            outs = engine.generate(
-                ids,
-                max_new_tokens,
-                temperature=temperature,
-                seed=seed,
-                on_output=lambda i, out: progress.advance(task),
-            )
+            outs = engine.generate(ids, params, on_output=lambda i, out: progress.advance(task))
     else:
-        outs = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+        outs = engine.generate(ids, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.output_ids) for o in outs)
     totals = {

@@ -8,6 +8,7 @@ naming the option, the value and the accepted range (the CLI's error path prints
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import typer
 
@@ -72,3 +73,38 @@ def engine_checkpoints(value: str | None, chunk_size: int, page_size: int) -> st
     except PlacementError as exc:
         raise typer.BadParameter(str(exc), param_hint="--checkpoints") from None
     return placement
+
+
+# --- sampling: one set of options for every command that serves requests ------------------------
+
+TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, max=100.0, help="0 is greedy.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep the most likely tokens up to p.")
+TOP_K = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0: all).")
+SEED = typer.Option(0, "--seed", min=0, help="Sampling seed (request i draws with seed + i).")
+STOP_TOKEN_IDS = typer.Option(
+    None, "--stop-token-id", min=0, help="A token id that ends a request (repeatable), besides the model's EOS."
+)
+IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Do not end requests at the model's EOS token.")
+
+
+def request_params(
+    count: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    stop_token_ids: list[int] | None,
+    ignore_eos: bool,
+) -> list[Any]:
+    """One ``SamplingParams`` per request (request ``i`` seeded ``seed + i``); ``typer.BadParameter`` naming
+    the option whose value the engine refuses."""
+    from hybridkv.engine.request import RequestError, SamplingParams
+
+    try:
+        return [
+            SamplingParams(max_new_tokens, temperature, top_p, top_k, seed + i, tuple(stop_token_ids or ()), ignore_eos)
+            for i in range(count)
+        ]
+    except RequestError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{exc.field.replace('_', '-')}") from None

@@ -214,7 +214,7 @@ class RequestAllocator:
         """After a prefill chunk: a checkpoint when it ends where one is wanted, then cache the computed pages."""
         h = req.live
         end = h.seq_len
-        if end in req.wanted:
+        if end in req.wanted and self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
             self._checkpoint(h)
         if self.prefix_cache and end // self.page_size > h.cached:
             self.kvm.insert(h, np.asarray(tokens[:end], dtype=np.int64))

@@ -83,16 +83,13 @@ class Request:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
     reqs: list[Request]
     spans: list[int]
     batch: ForwardBatch
-
-    @property
-    def ending(self) -> list[int]:
-        """Rows whose span reaches the end of their known tokens: the step chooses their next token."""
-        return [i for i, r in enumerate(self.reqs) if r.computed + self.spans[i] == len(r.tokens)]
+    ending: list[int]
+    """Rows whose span reaches the end of their known tokens: the step chooses their next token."""
 
 
 def choose_step_tokens(step: Step, logits: torch.Tensor) -> list[int | None]:
@@ -186,12 +183,25 @@ class Scheduler:
 
     # --- decode role: receiving requests -----------------------------------------------
 
-    def reserve(self, req: Request) -> RequestMemory:
-        """Hold memory for ``req``'s prompt while its KV arrives (``OutOfMemory``: nothing held)."""
+    def reserve(self, req: Request) -> bool:
+        """Hold memory for ``req``'s prompt while its KV arrives, on every rank or on none (False:
+        nothing held; it fits only once other requests let go, or never: ``alone_in_memory``)."""
         req.mem = self.alloc.new(req.namespace)
-        self.alloc.reserve(req.mem, len(req.prompt))
+        try:
+            self.alloc.reserve(req.mem, len(req.prompt))
+            ok = 1
+        except OutOfMemory:
+            ok = 0
+        if not self.agree.min([ok])[0]:
+            self.alloc.retract(req.mem)
+            return False
         self.holding[req.rid] = req
-        return req.mem
+        return True
+
+    @property
+    def alone_in_memory(self) -> bool:
+        """No request holds memory (a reservation refused now will never fit)."""
+        return not self.running and not self.holding
 
     def received(self, rid: Hashable, first: int) -> Request:
         """Its KV and state arrived and its first token is ``first``: it runs (or ends at once)."""
@@ -231,7 +241,7 @@ class Scheduler:
         taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
-            alone = not self.running and not self.holding
+            alone = self.alone_in_memory
             got = self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, alone, self.agree)
             if got is Admission.REFUSED:
                 return
@@ -266,7 +276,8 @@ class Scheduler:
             if not self.agree.min([0 if short else 1])[0]:
                 self._retract_newest(short or "another rank of this engine is out of memory")
                 continue
-            return Step(reqs, spans, self._batch(reqs, spans))
+            ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
+            return Step(reqs, spans, self._batch(reqs, spans), ending)
         return None
 
     def _batch(self, reqs: list[Request], spans: list[int]) -> ForwardBatch:
@@ -287,7 +298,7 @@ class Scheduler:
         held = h is not None and req.computed > h.match.length  # computed something since its admission
         self.alloc.retract(req.mem)
         req.computed = 0
-        if not self.running and not self.holding:
+        if self.alone_in_memory:
             self._fail_alone(req, short)
             return
         if held:  # a request admitted this step and refused at once held nothing: not a retraction
@@ -312,30 +323,46 @@ class Scheduler:
         return req.done
 
     def complete(self, step: Step, tokens: list[int | None]) -> None:
-        """Record a finished forward: ``tokens[i]`` is the token chosen for request ``i`` (None:
-        mid-prefill; ``NON_FINITE``: its logits were broken, it fails)."""
+        """Record a finished forward and the tokens chosen from it (``computed`` then ``chosen``)."""
+        self.computed(step)
+        self.chosen(step, tokens)
+
+    def computed(self, step: Step) -> None:
+        """Record that ``step``'s spans are in memory. A prefill engine hands off every request whose
+        prompt is now computed (``take_handoffs``): its KV/state can be sent before its token is known."""
+        ending = {id(step.reqs[i]) for i in step.ending}
         self.alloc.mark_computed([r.mem for r in step.reqs], release_windows=self.role is not Role.PREFILL)
-        for req, span, token in zip(step.reqs, step.spans, tokens, strict=True):
+        for req, span in zip(step.reqs, step.spans, strict=True):
             if req.computed < len(req.tokens) - 1:  # a prefill chunk (not a decode)
                 self.alloc.chunk_done(req.mem, req.tokens)
             req.computed += span
-            if token is None:
-                continue
-            if token == NON_FINITE:
-                self.alloc.retract(req.mem)
-                self._end(
-                    req,
-                    FinishReason.ERROR,
-                    f"request {req.rid}: the logits at position {len(req.tokens)} are not finite (NaN or inf); "
-                    "the model's weights or activations are broken",
-                )
-                continue
-            req.tokens.append(token)
-            if self.role is Role.PREFILL:
+            if self.role is Role.PREFILL and id(req) in ending:
                 self.holding[req.rid] = req  # its KV/state go to the sender; released by release_sent
                 self.handoffs.append(req)
+
+    def chosen(self, step: Step, tokens: list[int | None]) -> None:
+        """Record the token chosen for each request of ``step`` (None: mid-prefill; ``NON_FINITE``:
+        its logits were broken, it fails). A handed-off request only records its first token (or,
+        broken, its error: the caller stops its sender, then ``release_sent``)."""
+        for req, token in zip(step.reqs, tokens, strict=True):
+            if token is None:
                 continue
-            if self._ended_by(req, token):
-                self.alloc.finish(req.mem, req.tokens)
-                self.finished.append(req)
+            broken = token == NON_FINITE
+            why = (
+                f"request {req.rid}: the logits at position {len(req.tokens)} are not finite (NaN or inf); "
+                "the model's weights or activations are broken"
+            )
+            if req.rid in self.holding:
+                if broken:
+                    req.finish_reason, req.error = FinishReason.ERROR, why
+                else:
+                    req.tokens.append(token)
+            elif broken:
+                self.alloc.retract(req.mem)
+                self._end(req, FinishReason.ERROR, why)
+            else:
+                req.tokens.append(token)
+                if self._ended_by(req, token):
+                    self.alloc.finish(req.mem, req.tokens)
+                    self.finished.append(req)
         self.running = [r for r in self.running if not r.done and r.rid not in self.holding]

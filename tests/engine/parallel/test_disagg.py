@@ -4,13 +4,14 @@
 Kimi-Linear (KDA + MLA) over shm, Gemma 3 and Kimi-Linear also over Mooncake (TCP on 127.0.0.1;
 the ``serve-pd`` test runs Qwen3-Next over Mooncake); (PP 3) -> (TP 1) for Qwen3-Next and
 (PP 1, TP 2) -> (TP 1) for Kimi-Linear over shm.
-Per layout, one server launch serves 8 requests submitted at once (five share a prefix, lengths
-around and past the sliding window of 8), prefilled in chunks of 5 over pages of 4 with the
-prefill prefix cache on, handed over with ``hybridkv.transfer`` and decoded (5 tokens, greedy,
-continuous batching on the decode TP ranks). Checked: every request finished with the
-single-process engine's and ``transformers``' tokens (up to its EOS); the shared-prefix requests
-hit the prefill cache and still moved their whole KV/state; every worker ends with the live
-pages and slots it started with; no process or shared-memory file outlives the server.
+Per layout, one server launch serves 8 requests (the first alone, then seven submitted at once:
+four share its prefix, lengths around and past the sliding window of 8), prefilled in chunks of 5
+over pages of 4, batched across requests, with the prefill prefix cache on, handed over with
+``hybridkv.transfer`` and decoded (5 tokens, greedy, EOS ignored, continuous batching on the
+decode TP ranks). Checked: every request finished with the single-process engine's and
+``transformers``' tokens (up to its EOS); the shared-prefix requests hit the prefill cache and
+still moved their whole KV/state; every worker ends with the live pages and slots it started
+with; no process or shared-memory file outlives the server.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import FINISHED, PDConfig, run_pd
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer
+from hybridkv.engine.request import SamplingParams
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
 
 PAGE, CHUNK, MAX_NEW = 4, 5, 5
@@ -36,7 +38,24 @@ PROMPTS = (
     tuple(prompt(13, 6) + prompt(17, 7)),
     tuple(BASE + prompt(12, 9) + prompt(18, 3)),
 )
-SHARED = (1, 3, 7)  # start with BASE, submitted after the request that is BASE: they hit the prefill cache
+SHARED = (1, 3, 7)  # start with BASE, submitted after the request that is BASE finished: they hit the prefill cache
+
+
+def serve_after_first(config: PDConfig, params: SamplingParams) -> PDResult:
+    """Serve ``config.prompts``: the first alone (its prompt is then cached), the rest at once."""
+    with PDServer(config) as server:
+        first = server.result(server.submit(config.prompts[0], params))
+        rest = server.generate(config.prompts[1:], params)
+    results = [first, *rest]
+    return PDResult(
+        [r.output_ids for r in results],
+        server.ranks,
+        [r.timing for r in results],
+        results,
+        server.deaths,
+        server.pids(),
+        server.shm_paths(),
+    )
 
 
 def gone(pid: int) -> bool:
@@ -75,7 +94,7 @@ def test_disaggregated_server_serves_the_single_process_and_transformers_tokens(
         chunk=CHUNK,
         gpu_memory=3_000_000,
     )
-    result = run_pd(config)
+    result = serve_after_first(config, SamplingParams(MAX_NEW, ignore_eos=True))
     single = serve(make_runner(name, PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
     for i, ids in enumerate(PROMPTS):
         r = result.requests[i]
