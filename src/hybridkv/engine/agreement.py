@@ -5,9 +5,8 @@ memory. Stages hold different layers, so a prefix hit, an admission or a step's 
 succeed on one rank and not on another; the scheduler asks its ``Agreement`` at each such
 decision and every rank then acts on the agreed value:
 
-- ``min(values)``: the element-wise minimum over the ranks (hit lengths; success flags, where
-  0 on any rank means no);
-- ``union(positions)``: every rank's positions, merged (where any rank wants a checkpoint).
+- ``min(values)``: the element-wise minimum over the ranks (hit lengths, negated for the
+  maximum; success flags, where 0 on any rank means no).
 
 ``ALONE`` (one process, or ranks whose memories are replicas: decode TP ranks) returns its
 input. ``WorldAgreement`` runs one collective per call over a ``torch.distributed`` group, with
@@ -29,15 +28,10 @@ import torch.distributed as dist
 class Agreement(Protocol):
     def min(self, values: Sequence[int]) -> list[int]: ...
 
-    def union(self, positions: Sequence[int]) -> tuple[int, ...]: ...
-
 
 class _Alone:
     def min(self, values: Sequence[int]) -> list[int]:
         return [int(v) for v in values]
-
-    def union(self, positions: Sequence[int]) -> tuple[int, ...]:
-        return tuple(sorted(set(positions)))
 
 
 ALONE: Agreement = _Alone()
@@ -55,8 +49,3 @@ class WorldAgreement:
         t = torch.tensor(list(values), dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [int(v) for v in t.tolist()]
-
-    def union(self, positions: Sequence[int]) -> tuple[int, ...]:
-        every: list[Any] = [None] * self.size
-        dist.all_gather_object(every, tuple(positions), group=self.group)
-        return tuple(sorted({int(p) for got in every for p in got}))

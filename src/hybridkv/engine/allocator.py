@@ -41,6 +41,7 @@ from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVH
 from hybridkv.cache.placement import DEFAULT
 from hybridkv.engine.agreement import ALONE, Agreement
 from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.spec import KindTag
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
 
@@ -119,6 +120,8 @@ class RequestAllocator:
         self.kvm = KVManager(self.cache, checkpoints, park_windows=prefix_cache)  # nothing inserted: nothing to keep
         self.prefix_cache = prefix_cache
         self.has_state = self.kvm.has_state
+        self.model_has_state = bool(mem.shard.model.layer_ids(KindTag.LINEAR))
+        """Some rank of the model's layout holds recurrent state (this one may not: a PP stage)."""
         self.page_size = mem.page_size
 
     def new(self, namespace: Hashable = None) -> RequestMemory:
@@ -143,7 +146,7 @@ class RequestAllocator:
         same hit length or refuses alike. Refused: nothing held."""
         kvm = self.kvm
         key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
-        match = self._agreed_match(key, req.namespace, agree)
+        match, branch_at = self._agreed_match(key, req.namespace, agree)
         handle: KVHandle | None = None
         got = Admission.ADMITTED
         try:
@@ -169,20 +172,24 @@ class RequestAllocator:
         if req.hit is None:
             req.hit = CacheHit.of(match)
         req.cached_tokens += match.length
-        wanted = kvm.wanted_checkpoints(handle, prompt_len) if self.prefix_cache else ()
-        req.wanted = agree.union(wanted)
+        if self.prefix_cache and self.model_has_state:  # every rank cuts the same chunks, with state or not
+            req.wanted = kvm.placement.prefill(branch_at, prompt_len, match.length)
+        else:
+            req.wanted = ()
         return got
 
-    def _agreed_match(self, key: np.ndarray, namespace: Hashable, agree: Agreement) -> MatchResult:
+    def _agreed_match(self, key: np.ndarray, namespace: Hashable, agree: Agreement) -> tuple[MatchResult, int | None]:
         """The longest match of ``key`` that every rank of ``agree`` holds (stages hold other pools, so
-        their hits may differ): match, agree on the shortest, match that prefix again, until all agree."""
+        their hits may differ: match, agree on the shortest, match that prefix again, until all agree),
+        and the branch point every rank's cached full KV reaches past it (where the placement's
+        ``branch`` wants a checkpoint; None when there is none)."""
         match = self.kvm.match(key, namespace)
-        while agree is not ALONE:
-            shortest, longest = agree.min([match.length, -match.length])
-            if shortest == -longest:
-                return match
+        full = match.checkpoint_at if match.checkpoint_at is not None else match.length
+        shortest, longest, full = agree.min([match.length, -match.length, full])
+        while shortest != -longest:
             match = self.kvm.match(key[:shortest], namespace)
-        return match
+            shortest, longest = agree.min([match.length, -match.length])
+        return match, (full if full > match.length else None)
 
     def reserve(self, req: RequestMemory, seq_len: int) -> None:
         """Hold pages (and a state slot) for ``seq_len`` tokens whose KV and state will arrive by

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,7 +43,7 @@ from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
-from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
+from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settled
 
 BASE = prompt(11, 13)
 PROMPTS = [tuple(BASE + prompt(20 + i, 3 + i)) for i in range(8)]
@@ -62,17 +61,6 @@ def children() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             out.add(int(stat.parent.name))
     return out
-
-
-def settled(server: PDServer, wait_s: float = 15.0) -> list[WorkerState]:
-    """Probe every live worker until each is idle and holds exactly what it held before its first request
-    (a failed transfer's pages are freed once its writers are proven gone: not at once)."""
-    end = time.monotonic() + wait_s
-    while True:
-        states = server.probe(timeout_s=60)
-        if all(w.requests == 0 and w.live == w.live_before for w in states) or time.monotonic() > end:
-            return states
-        time.sleep(0.1)
 
 
 def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) -> None:
