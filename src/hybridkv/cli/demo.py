@@ -148,7 +148,9 @@ def pd_section(console: Console, requests: int, transport: str, fault: str) -> d
             faults=faults,
         )
         started = time.monotonic()
-        result = run_pd(config, SamplingParams(PD_MAX_NEW, ignore_eos=True))  # as many tokens as the reference
+        # as many tokens as the reference; the requests before the faulted one alone, one at a time (the later
+        # ones hit their prefix in the prefill cache), then the rest at once
+        result = run_pd(config, SamplingParams(PD_MAX_NEW, ignore_eos=True), alone_first=FAULT_REQUEST)
         wall = time.monotonic() - started
     with quiet_transformers():
         reference = reference_tokens(hf, prompts, PD_MAX_NEW)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, WorkerState
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, WorkerState, run_pd
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import SamplingParams
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
@@ -52,23 +52,6 @@ def settled(server: PDServer, wait_s: float = 15.0) -> list[WorkerState]:
         if all(w.requests == 0 and w.live == w.live_before for w in states) or time.monotonic() > end:
             return states
         time.sleep(0.1)
-
-
-def serve_after_first(config: PDConfig, params: SamplingParams) -> PDResult:
-    """Serve ``config.prompts``: the first alone (its prompt is then cached), the rest at once."""
-    with PDServer(config) as server:
-        first = server.result(server.submit(config.prompts[0], params))
-        rest = server.generate(config.prompts[1:], params)
-    results = [first, *rest]
-    return PDResult(
-        [r.output_ids for r in results],
-        server.ranks,
-        [r.timing for r in results],
-        results,
-        server.deaths,
-        server.pids(),
-        server.shm_paths(),
-    )
 
 
 def gone(pid: int) -> bool:
@@ -183,7 +166,7 @@ def test_a_prefix_served_first_is_hit_and_its_whole_kv_still_moves(tmp_path: Pat
         chunk=CHUNK,
         gpu_memory=3_000_000,
     )
-    result = serve_after_first(config, SamplingParams(MAX_NEW, ignore_eos=True))
+    result = run_pd(config, SamplingParams(MAX_NEW, ignore_eos=True), alone_first=1)
     single = serve(make_runner(name, PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
     for i, ids in enumerate(PROMPTS):
         r = result.requests[i]

@@ -31,17 +31,23 @@ class PDResult:
     shm_files: list[str]  # every decode rank's shared-memory file (all unlinked by then)
 
 
-def run_pd(config: PDConfig, params: SamplingParams | Sequence[SamplingParams] | None = None) -> PDResult:
-    """Serve ``config.prompts`` disaggregated, all submitted at once, with ``params`` (one for all or one
-    per prompt; default: ``config.max_new`` tokens, greedy, ending at EOS)."""
+def run_pd(
+    config: PDConfig, params: SamplingParams | Sequence[SamplingParams] | None = None, *, alone_first: int = 0
+) -> PDResult:
+    """Serve ``config.prompts`` disaggregated with ``params`` (one for all or one per prompt; default:
+    ``config.max_new`` tokens, greedy, ending at EOS): the first ``alone_first`` one at a time (each in
+    the prefill prefix cache when the next comes: prompts submitted together are prefilled together,
+    so none of them hits another), then the rest at once."""
     if not config.prompts or not all(config.prompts):
         raise ValueError("run_pd needs at least one prompt, each of at least one token")
     each = [params] * len(config.prompts) if params is None or isinstance(params, SamplingParams) else list(params)
     if len(each) != len(config.prompts):
         raise ValueError(f"{len(each)} sampling params for {len(config.prompts)} prompts; give one or one per prompt")
     with PDServer(config) as server:
-        handles = [server.submit(p, q) for p, q in zip(config.prompts, each, strict=True)]
-        results = [server.result(h) for h in handles]
+        results = [server.result(server.submit(config.prompts[i], each[i])) for i in range(alone_first)]
+        rest = zip(config.prompts[alone_first:], each[alone_first:], strict=True)
+        handles = [server.submit(p, q) for p, q in rest]
+        results += [server.result(h) for h in handles]
     return PDResult(
         [r.output_ids for r in results],
         server.ranks,
