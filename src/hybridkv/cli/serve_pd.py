@@ -28,7 +28,7 @@ import typer
 
 from hybridkv.cli.app import app
 from hybridkv.cli.generate import PromptFileError, read_prompts
-from hybridkv.cli.params import byte_size, random_model, transport_option
+from hybridkv.cli.params import host_budget, random_model, transport_option
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -73,7 +73,7 @@ def serve_pd(
         "shm", "--transport", callback=transport_option, help="KV/state transport: shm or mooncake (TCP)."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
-    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=byte_size, help="K/V + state per process."),
+    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=host_budget, help="K/V + state per process."),
     page_size: int = typer.Option(16, "--page-size", min=1),
     decode_page_size: int = typer.Option(
         None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."
