@@ -41,7 +41,7 @@ from hybridkv.cache import HybridRadixCache, KVManager
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers, tiny_names
+from hybridkv.engine.random_models import CONTEXT, VOCAB, build_random, quiet_transformers, tiny_names
 from hybridkv.memory import UnifiedMemory
 from hybridkv.traces import MOONCAKE_TRACE, load_mooncake_trace
 
@@ -52,8 +52,11 @@ ENGINE_PASSES = 2  # the engine's faster pass is reported (the machine may be sh
 FIRST_TOKEN = 3  # ids below are special tokens (pad / bos / eos) in the tiny models
 
 
-def conversation_prompts(requests: int, block_tokens: int, vocab: int = VOCAB) -> list[list[int]]:
-    """Token prompts of the first ``requests`` requests of whole multi-turn conversations (see module doc)."""
+def conversation_prompts(
+    requests: int, block_tokens: int, vocab: int = VOCAB, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Token prompts of the first ``requests`` requests of whole multi-turn conversations (see module doc);
+    ``ValueError`` before building any when a prompt would exceed ``max_tokens``."""
     conversations: dict[tuple[int, ...], list[int]] = defaultdict(list)
     trace = load_mooncake_trace(MOONCAKE_TRACE)
     for i, req in enumerate(trace):
@@ -67,6 +70,13 @@ def conversation_prompts(requests: int, block_tokens: int, vocab: int = VOCAB) -
             break
     if len(chosen) < requests:
         raise ValueError(f"the trace holds only {len(chosen)} requests of shared conversations; ask for fewer")
+    blocks_max = max(len(trace[i].hash_ids) for i in chosen)
+    if max_tokens is not None and blocks_max * block_tokens > max_tokens:
+        raise ValueError(
+            f"--block-tokens {block_tokens} makes prompts of up to {blocks_max * block_tokens} tokens "
+            f"({blocks_max} blocks), beyond the {max_tokens} the tiny models hold with the new tokens; "
+            f"use --block-tokens {max(max_tokens // blocks_max, 1)} or less (or fewer --max-new-tokens)"
+        )
     blocks: dict[int, list[int]] = {}
     prompts = []
     for i in sorted(chosen):
@@ -216,7 +226,7 @@ def run(
     unknown = sorted(set(models) - set(tiny_names()))
     if unknown:
         raise ValueError(f"unknown models {unknown}; choose from {tiny_names()}")
-    prompts = conversation_prompts(requests, block_tokens)
+    prompts = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
     lengths = [len(p) for p in prompts]
     with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
         rows = [

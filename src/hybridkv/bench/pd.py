@@ -56,7 +56,7 @@ from typing import Any
 from hybridkv.bench.engine import conversation_prompts
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, RequestResult
 from hybridkv.engine.engine import Engine, Output, engine_spec
-from hybridkv.engine.random_models import quiet_transformers, save_random, tiny_names
+from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.weights import read_config
@@ -264,7 +264,7 @@ def run(
     """Serve the same requests disaggregated and in one process; the report's keys are the module doc's measures."""
     if model not in tiny_names():
         raise ValueError(f"unknown model {model!r}; choose one of {tiny_names()}")
-    prompts = conversation_prompts(requests, block_tokens)
+    prompts = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
     lengths = [len(p) for p in prompts]
     context = -(-(max(lengths) + max_new_tokens) // page_size) * page_size
     params = SamplingParams(max_new_tokens, ignore_eos=True)  # both sides compute every token

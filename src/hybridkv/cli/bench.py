@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import bench_app
-from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, random_model, transport_option
+from hybridkv.cli.params import CHECKPOINTS_HELP, engine_checkpoints, host_budget, random_model, transport_option
 from hybridkv.memory import format_bytes
 from hybridkv.traces import PEER_TRACE
 from hybridkv.transfer import TransportName
@@ -168,7 +168,7 @@ def bench_engine(
     requests: int = typer.Option(64, "--requests", min=1),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
     block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=host_budget),
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),

@@ -37,8 +37,8 @@ from hybridkv.cli.params import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    byte_size,
     engine_checkpoints,
+    host_budget,
     random_model,
     request_params,
 )
@@ -120,7 +120,7 @@ def generate(
         None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=host_budget, help="Memory budget (K/V + state)."),
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
     temperature: float = TEMPERATURE,

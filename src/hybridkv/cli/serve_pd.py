@@ -37,7 +37,7 @@ from hybridkv.cli.params import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    byte_size,
+    host_budget,
     random_model,
     request_params,
     transport_option,
@@ -82,7 +82,7 @@ def serve_pd(
     seed: int = SEED,
     stop_token_ids: list[int] | None = STOP_TOKEN_IDS,
     ignore_eos: bool = IGNORE_EOS,
-    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=byte_size, help="K/V + state per process."),
+    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=host_budget, help="K/V + state per process."),
     page_size: int = typer.Option(16, "--page-size", min=1),
     decode_page_size: int = typer.Option(
         None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."

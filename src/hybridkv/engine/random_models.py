@@ -18,6 +18,7 @@ import torch
 
 SEED = 1234
 VOCAB = 256
+CONTEXT = 512  # max_position_embeddings of every tiny model
 
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen3-next": (
@@ -154,7 +155,7 @@ def build_random(name: str) -> tuple[Any, Any]:
         model_type, overrides = TINY_CONFIGS[name]
     except KeyError:
         raise KeyError(f"no tiny random model {name!r}; known: {tiny_names()}") from None
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=512, **overrides)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=CONTEXT, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,7 +1,8 @@
 """Rotary position embeddings from a config's ``rope_parameters`` (default, linear, yarn).
 
 Invariants: the inverse frequencies and the cos/sin scaling equal ``transformers``' rope
-init functions for the supported types; a partial rotary factor rotates only the first
+init functions for the supported types (computed on the CPU at construction, also when the model
+is built on the meta device: they are not weights); a partial rotary factor rotates only the first
 ``rotary_dim`` dims of each head (Qwen3-Next); cos/sin are computed in fp32 from positions.
 """
 
@@ -50,15 +51,16 @@ class Rope(nn.Module):
         base = float(params["rope_theta"])
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         self.rotary_dim = dim
-        if kind in ("default", "linear"):
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-            if kind == "linear":
-                inv_freq = inv_freq / params["factor"]
-            scaling = 1.0
-        elif kind == "yarn":
-            inv_freq, scaling = _yarn(params, dim, base, max_position_embeddings)
-        else:
-            raise ValueError(f"rope_type {kind!r} is not supported by the engine (default, linear, yarn)")
+        with torch.device("cpu"):  # computed, not loaded: real values even in a model built on meta
+            if kind in ("default", "linear"):
+                inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+                if kind == "linear":
+                    inv_freq = inv_freq / params["factor"]
+                scaling = 1.0
+            elif kind == "yarn":
+                inv_freq, scaling = _yarn(params, dim, base, max_position_embeddings)
+            else:
+                raise ValueError(f"rope_type {kind!r} is not supported by the engine (default, linear, yarn)")
         self.scaling = scaling
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
 
