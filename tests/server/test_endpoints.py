@@ -7,6 +7,7 @@ engine that is itself proven token-exact against transformers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from typing import Any
@@ -136,7 +137,7 @@ def test_generate_batch_and_stream_equal_engine_generate(server: Any, reference:
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     seen = [c["output_ids"] for c in chunks]
-    assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:], strict=False))  # each a prefix of the next
+    assert all(a == b[: len(a)] for a, b in itertools.pairwise(seen))  # each a prefix of the next
 
 
 def test_disconnect_mid_stream_frees_the_request(server: Any) -> None:

@@ -1,7 +1,7 @@
 """hybridkv.server: the HTTP front end over one engine (or, later, the PD server).
 
 ``EngineBackend(engine, name, memory_budget)`` owns a single-process ``Engine`` in a background
-thread; ``create_app(backend, ServerConfig(...))`` is the ASGI app (SGLang-native ``/generate``,
+thread; ``create_app(ServerState(backend, ServerConfig(...)))`` is the ASGI app (SGLang-native ``/generate``,
 OpenAI ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``, ``/abort_request``);
 ``serve(backend, config, host, port, shutdown_timeout)`` runs it on uvicorn until SIGTERM, and
 ``HttpServer`` runs it from a thread. Depends on ``hybridkv.engine`` only; nothing below imports it.
@@ -11,7 +11,7 @@ from hybridkv.server.app import create_app
 from hybridkv.server.backend import Backend, BackendClosed, Finished, ModelInfo, QueueFull, Sink
 from hybridkv.server.engine_backend import EngineBackend
 from hybridkv.server.run import HttpServer, serve
-from hybridkv.server.state import ServerConfig
+from hybridkv.server.state import ServerConfig, ServerState
 from hybridkv.server.text import Tokenizer
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "ModelInfo",
     "QueueFull",
     "ServerConfig",
+    "ServerState",
     "Sink",
     "Tokenizer",
     "create_app",

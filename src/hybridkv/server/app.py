@@ -25,12 +25,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from hybridkv.server.backend import Backend
 from hybridkv.server.edge import BodyTooLarge, Edge
 from hybridkv.server.openai_api import completions
 from hybridkv.server.schemas import ApiError
 from hybridkv.server.sglang_api import abort_request, generate
-from hybridkv.server.state import ServerConfig, ServerState
+from hybridkv.server.state import ServerState
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -85,9 +84,9 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return _error(ApiError(500, message))
 
 
-def create_app(backend: Backend, config: ServerConfig | None = None) -> ASGIApp:
-    """The app serving ``backend`` (which the caller owns and closes), behind the edge gate."""
-    config = config or ServerConfig()
+def create_app(state: ServerState) -> ASGIApp:
+    """The app serving ``state.backend`` (which the caller owns and closes), behind the edge gate."""
+    config = state.config
     routes = [
         Route("/generate", generate, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
@@ -105,6 +104,6 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> ASGIApp:
             Exception: _internal,
         },
     )
-    app.state.server = ServerState(backend, config)
+    app.state.server = state
     app.state.started = int(time.time())
     return Edge(app, config.api_key, config.max_body_bytes)

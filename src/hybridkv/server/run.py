@@ -3,15 +3,17 @@
 Foreground (``serve``, the ``hybridkv serve`` command): prints one line ``hybridkv serve: listening on
 http://HOST:PORT`` once the socket accepts connections (a parent process may read the port from it),
 then serves until SIGTERM or SIGINT. Shutdown: the socket stops accepting, requests in flight get up
-to ``shutdown_timeout`` seconds to finish (uvicorn's graceful shutdown), the ones still open then are
-cancelled (their handlers abort them), and the backend is closed (its thread and processes stopped);
-then ``serve`` returns and the process exits 0.
+to ``shutdown_timeout`` seconds to finish (uvicorn's graceful shutdown); then every request still open
+is aborted (a stream ends with an ``abort`` finish and ``[DONE]``, memory released), so the handlers
+return on their own; uvicorn's own cancellation, a few seconds later, is only a backstop. Then the
+backend is closed (its thread and processes stopped), ``serve`` returns and the process exits 0.
 
 Invariant: the server binds only the host it is given (127.0.0.1 unless told otherwise).
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import sys
@@ -23,7 +25,9 @@ import uvicorn
 
 from hybridkv.server.app import create_app
 from hybridkv.server.backend import Backend
-from hybridkv.server.state import ServerConfig
+from hybridkv.server.state import ServerConfig, ServerState
+
+BACKSTOP_S = 5  # uvicorn cancels what is still running this long after the requests were aborted
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -41,6 +45,18 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.shutdown_timeout, self.state.abort_all, "the server is shutting down")
+        await super().shutdown(sockets)
+
+
 class HttpServer:
     def __init__(self, backend: Backend, config: ServerConfig, host: str, port: int, shutdown_timeout: float):
         self.backend = backend
@@ -48,14 +64,15 @@ class HttpServer:
         self.sock = bind(host, port)
         self.host = host
         self.port = int(self.sock.getsockname()[1])
+        self.state = ServerState(backend, config)
         uv = uvicorn.Config(
-            create_app(backend, config),
+            create_app(self.state),
             lifespan="off",
             log_level="warning",
             access_log=False,
-            timeout_graceful_shutdown=int(max(1, shutdown_timeout)),
+            timeout_graceful_shutdown=int(shutdown_timeout) + BACKSTOP_S,
         )
-        self.uvicorn = uvicorn.Server(uv)
+        self.uvicorn = _Uvicorn(uv, self.state, shutdown_timeout)
         self._thread: threading.Thread | None = None
 
     @property

@@ -167,12 +167,9 @@ async def abort_request(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body: AbortBody = parse(AbortBody, await request.body())
     if body.abort_all:
-        rids = list(state.open)
-    elif body.rid is None:
+        return JSONResponse({"aborted": state.abort_all("aborted by /abort_request")})
+    if body.rid is None:
         raise ApiError(400, "rid: missing; give the id of the request to abort (or abort_all: true)", "rid")
-    else:
-        rids = [body.rid]
-    aborted = [r for r in rids if state.abort(r)]
-    if not body.abort_all and not aborted:
+    if not state.abort(body.rid):
         raise ApiError(404, f"rid: no open request has the id {body.rid!r}", "rid")
-    return JSONResponse({"aborted": aborted})
+    return JSONResponse({"aborted": [body.rid]})

@@ -95,6 +95,13 @@ class ServerState:
             for rid in ids:
                 self.open.pop(rid, None)
 
+    def abort_all(self, reason: str) -> list[str]:
+        """Abort every open request; their ids."""
+        ids = list(self.open)
+        for gen in {id(g): g for g, _ in self.open.values()}.values():
+            gen.abort(reason)
+        return ids
+
     def abort(self, rid: str) -> bool:
         """Abort the open request ``rid`` (all its prompts, or the one it names in a batch)."""
         got = self.open.get(rid)
