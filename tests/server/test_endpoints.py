@@ -144,7 +144,6 @@ def test_disconnect_mid_stream_frees_the_request(server: Any) -> None:
     before = wait_idle(server)
     aborted = metric(before, "hybridkv_engine_aborted_requests_total")
     body = {"input_ids": PROMPTS[3], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
-    start = time.monotonic()
     with httpx.stream("POST", f"{server.url}/generate", json=body, headers=AUTH, timeout=60) as resp:
         got = 0
         for line in resp.iter_lines():
@@ -152,8 +151,7 @@ def test_disconnect_mid_stream_frees_the_request(server: Any) -> None:
             if got == 2:
                 break  # leaving the block closes the connection mid-stream
     text = wait_idle(server)
-    assert time.monotonic() - start < 4.0  # far less than 400 decode steps: it was aborted, not finished
-    assert metric(text, "hybridkv_engine_aborted_requests_total") == aborted + 1
+    assert metric(text, "hybridkv_engine_aborted_requests_total") == aborted + 1  # aborted, not finished
     assert metric(text, "hybridkv_request_pages") == 0 and metric(text, "hybridkv_request_slots") == 0
     # the engine's own books: every page and slot accounted for, the cache consistent
     server.backend.call(lambda e: (e.mem.verify(), e.cache.check()))

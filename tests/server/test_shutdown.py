@@ -21,7 +21,7 @@ import httpx
 
 from tests.server.conftest import MODEL
 
-SHUTDOWN_TIMEOUT = 3
+SHUTDOWN_TIMEOUT = 2
 
 
 def children(pid: int) -> list[int]:
@@ -61,7 +61,7 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tmp_path: Path) -> None:
                 last = {"cut": type(exc).__name__}
             ends[i] = last
 
-        threads = [threading.Thread(target=stream, args=(i, 40 if i else 500), daemon=True) for i in range(4)]
+        threads = [threading.Thread(target=stream, args=(i, 20 if i else 500), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
         started.wait()  # every request is streaming
@@ -81,7 +81,7 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in stderr and "shut down (SIGTERM)" in stderr
     assert took < SHUTDOWN_TIMEOUT + 15
     for i in (1, 2, 3):  # short ones finished during the graceful period
-        assert ends[i]["meta_info"]["finish_reason"] == {"type": "length", "length": 40}, ends[i]
+        assert ends[i]["meta_info"]["finish_reason"] == {"type": "length", "length": 20}, ends[i]
     long = ends[0]  # the long one did not finish: cut or aborted, never completed
     assert "cut" in long or long["meta_info"]["finish_reason"]["type"] == "abort", long
     try:
