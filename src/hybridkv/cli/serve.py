@@ -1,4 +1,5 @@
-"""``hybridkv serve``: the HTTP server (``hybridkv.server``) over one engine, until SIGTERM.
+"""``hybridkv serve``: the HTTP server (``hybridkv.server``) over one engine, until SIGTERM; and
+``hybridkv bench serve``: load on it next to the engine driven directly (``hybridkv.bench.serve``).
 
 Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
 ``--random``, a model the engine cannot load or a budget below one request's floor, bad option
@@ -10,13 +11,15 @@ after a graceful shutdown (SIGTERM or SIGINT).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
-from hybridkv.cli.app import app
+from hybridkv.cli.app import app, bench_app
 from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, positive_finite, random_model
 from hybridkv.engine.random_models import tiny_names
 
@@ -116,4 +119,82 @@ def build_engine(
         max_context=max_context,
         prefix_cache=prefix_cache,
         checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+    )
+
+
+def _rate(value: float) -> float:
+    if math.isnan(value) or value <= 0:
+        raise typer.BadParameter(f"{value} must be above 0 requests per second (inf: all at once)")
+    return value
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
+    requests: int = typer.Option(64, "--requests", min=1),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    request_rate: float = typer.Option(8.0, "--request-rate", callback=_rate, help="Poisson arrivals per second."),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="Rounds under load, engine and HTTP alternating."),
+    alone: int = typer.Option(16, "--alone", min=1, help="Requests served alone by both, for the HTTP overhead."),
+    block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
+    url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
+    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hybridkv.bench.serve import run
+
+    report = run(
+        model,
+        requests,
+        max_new_tokens,
+        request_rate,
+        rounds,
+        alone,
+        block_tokens,
+        gpu_memory,
+        page_size,
+        chunk_size,
+        seed,
+        url,
+    )
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    lengths = report["prompt_tokens"]
+    table = Table(
+        title=f"{model}: {requests} requests at {request_rate}/s, prompts {lengths['min']}-{lengths['max']} tokens "
+        f"(mean {lengths['mean']}), {max_new_tokens} new each, greedy"
+    )
+    cols = ["round", "side", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"]
+    for col in (*cols, "req/s", "tok/s", "prefix hits", "exact"):
+        table.add_column(col, justify="right")
+    for r, row in enumerate(report["per_round"]):
+        for side in ("engine", "http"):
+            s = row[side]
+            table.add_row(
+                str(r),
+                side,
+                *(f"{s[k]['p50']}/{s[k]['p99']}" for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")),
+                f"{s['requests_per_s']}",
+                f"{s['output_tokens_per_s']}",
+                f"{100 * s['prefix_hit_rate']:.1f}%",
+                f"{row['exact']}/{requests}" if side == "http" else "",
+            )
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    o = report["overhead_ms"]
+    met = "met" if report["goal_met"] else "NOT met"
+    console.print(
+        f"HTTP overhead per request ({report['alone']} requests alone, streamed, {max_new_tokens} tokens each; "
+        f"HTTP e2e - engine e2e): p50 {o['p50']} ms, p99 {o['p99']} ms; goal p50 <= {report['goal_overhead_ms']} ms "
+        f"{met}. Server CPU - engine CPU per request: {report['cpu_overhead_ms']} ms "
+        f"(engine: {report['engine_cpu_ms_per_request']} ms)"
     )

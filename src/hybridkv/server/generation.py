@@ -1,9 +1,11 @@
 """Generation: one HTTP request's prompts in a backend, bridged from the backend's thread to asyncio.
 
 The backend calls each prompt's sink from its own thread; the sink stamps the time and hands the
-event to the event loop with ``call_soon_threadsafe`` (nothing else crosses threads). ``updates``
-yields, per wake-up, every prompt's new tokens and its end together, so a stream sends one chunk
-for a token and the end that came with it, and a slow client gets several tokens per chunk.
+event to the event loop through the loop's ``LoopPost``: one ``call_soon_threadsafe`` wake-up per
+burst (a step's tokens for every request), not per token, so the loop thread takes the GIL from the
+engine thread once per step. ``updates`` yields, per wake-up, every prompt's new tokens and its end
+together, so a stream sends one chunk for a token and the end that came with it, and a slow client
+gets several tokens per chunk.
 
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -43,6 +47,36 @@ class Update:
     finished: Finished | None
 
 
+Event = tuple[int, int | None, Finished | None, float]  # prompt index, token, end, perf_counter stamp
+
+
+class LoopPost:
+    """Events from other threads into one event loop's generation queues, one wake-up per burst."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these any more
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            burst = list(self._pending)
+            self._pending.clear()
+            self._scheduled = False
+        for queue, event in burst:
+            queue.put_nowait(event)
+
+
 class PromptRefused(Exception):
     """The backend refused prompt ``index`` of a request (``error`` names the field)."""
 
@@ -65,14 +99,14 @@ class _Sink:
 
 
 class Generation:
-    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop, prompts: list[list[int]]):
+    def __init__(self, backend: Backend, post: LoopPost, prompts: list[list[int]]):
         self.backend = backend
-        self.loop = loop
+        self.loop_post = post
         self.prompts = prompts
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
         self.tickets: list[int] = []
-        self._events: asyncio.Queue[tuple[int, int | None, Finished | None, float]] = asyncio.Queue()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._open = len(prompts)
 
     def start(self, params: list[SamplingParams], salt: str | None) -> None:
@@ -90,9 +124,7 @@ class Generation:
 
     def post(self, index: int, token: int | None, finished: Finished | None) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed)."""
-        event = (index, token, finished, time.perf_counter())
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this request any more
-            self.loop.call_soon_threadsafe(self._events.put_nowait, event)
+        self.loop_post.post(self._events, (index, token, finished, time.perf_counter()))
 
     def abort(self, reason: str) -> None:
         for i, ticket in enumerate(self.tickets):

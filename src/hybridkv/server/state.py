@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from hybridkv.engine.request import SamplingParams
 from hybridkv.server.backend import Backend, BackendClosed, QueueFull
-from hybridkv.server.generation import Generation, PromptRefused, Update
+from hybridkv.server.generation import Generation, LoopPost, PromptRefused, Update
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.schemas import ApiError, named
 from hybridkv.server.text import Tokenizer
@@ -45,6 +45,7 @@ class ServerState:
         self.info = backend.info
         self.metrics = ServerMetrics(backend.metrics)
         self.open: dict[str, tuple[Generation, list[int]]] = {}
+        self._post: LoopPost | None = None  # the serving loop's (made on the first request, in it)
 
     def new_id(self, prefix: str = "") -> str:
         return prefix + uuid.uuid4().hex
@@ -62,7 +63,10 @@ class ServerState:
         taken = [i for i in ids if i in self.open]
         if taken:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
-        gen = Generation(self.backend, asyncio.get_running_loop(), prompts)
+        loop = asyncio.get_running_loop()
+        if self._post is None or self._post.loop is not loop:
+            self._post = LoopPost(loop)
+        gen = Generation(self.backend, self._post, prompts)
         try:
             gen.start(params, salt)
         except PromptRefused as exc:
