@@ -15,7 +15,7 @@ import pytest
 
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
-from hybridkv.server import EngineBackend, HttpServer, ServerConfig
+from hybridkv.server import EngineBackend, HttpServer, ServerConfig, bind
 
 MODEL = "tiny-qwen3-next"
 SIZING: dict[str, Any] = dict(gpu_memory="64MiB", page_size=16, chunk_size=64)
@@ -42,7 +42,7 @@ def start_server(make_engine: Callable[..., Engine]) -> Iterator[Callable[..., H
 
     def start(max_queued: int = 64, shutdown_timeout: float = 10.0, engine: Any = None, **config: Any) -> HttpServer:
         backend = EngineBackend(make_engine(**(engine or {})), MODEL, SIZING["gpu_memory"], max_queued)
-        server = HttpServer(backend, ServerConfig(**config), "127.0.0.1", 0, shutdown_timeout)
+        server = HttpServer(backend, ServerConfig(**config), bind("127.0.0.1", 0), shutdown_timeout)
         server.start()
         started.append(server)
         return server

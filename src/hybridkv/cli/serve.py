@@ -65,7 +65,7 @@ def serve(
 ) -> int:
     """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
     from hybridkv.memory import parse_bytes
-    from hybridkv.server import EngineBackend, ServerConfig, Tokenizer
+    from hybridkv.server import EngineBackend, ServerConfig, Tokenizer, bind
     from hybridkv.server import serve as run_server
 
     if (model is None) == (random is None):
@@ -82,12 +82,17 @@ def serve(
         max_body_bytes=parse_bytes(max_body),
         tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
     )
-    engine = build_engine(
-        model, random, gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints
-    )
+    sock = bind(host, port)  # before the model loads: a taken port fails at once
+    try:
+        engine = build_engine(
+            model, random, gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints
+        )
+    except BaseException:
+        sock.close()
+        raise
     name = random if random is not None else Path(model).name
     backend = EngineBackend(engine, name, gpu_memory, max_queued)
-    return run_server(backend, config, host, port, shutdown_timeout)
+    return run_server(backend, config, sock, shutdown_timeout)
 
 
 def build_engine(

@@ -61,12 +61,13 @@ class _Uvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, backend: Backend, config: ServerConfig, host: str, port: int, shutdown_timeout: float):
+    def __init__(self, backend: Backend, config: ServerConfig, sock: socket.socket, shutdown_timeout: float):
+        """``sock``: a listening socket from ``bind`` (bound before a slow backend starts, so a taken port
+        fails at once); the server closes it."""
         self.backend = backend
         self.shutdown_timeout = shutdown_timeout
-        self.sock = bind(host, port)
-        self.host = host
-        self.port = int(self.sock.getsockname()[1])
+        self.sock = sock
+        self.host, self.port = str(sock.getsockname()[0]), int(sock.getsockname()[1])
         self.state = ServerState(backend, config)
         uv = uvicorn.Config(
             create_app(self.state),
@@ -108,9 +109,9 @@ class HttpServer:
             self._thread.join(self.shutdown_timeout + 30)
 
 
-def serve(backend: Backend, config: ServerConfig, host: str, port: int, shutdown_timeout: float) -> int:
-    """Serve in the foreground until SIGTERM / SIGINT; 0 after a clean shutdown."""
-    server = HttpServer(backend, config, host, port, shutdown_timeout)
+def serve(backend: Backend, config: ServerConfig, sock: socket.socket, shutdown_timeout: float) -> int:
+    """Serve on ``sock`` (from ``bind``) in the foreground until SIGTERM / SIGINT; 0 after a clean shutdown."""
+    server = HttpServer(backend, config, sock, shutdown_timeout)
     got: list[int] = []
 
     def remember(sig: int, frame: FrameType | None) -> None:
