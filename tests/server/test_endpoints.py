@@ -209,3 +209,13 @@ def test_metrics_models_and_health(server: Any) -> None:
     assert [m.id for m in models.data] == [MODEL]
     health = httpx.get(f"{server.url}/health", timeout=10)  # no key needed
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_it(server: Any) -> None:
+    aborted = metric(wait_idle(server), "hybridkv_engine_aborted_requests_total")
+    body = {"prompt": PROMPTS[9], "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client closes its connection after 0.5 s without an answer
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
+    text = wait_idle(server)
+    assert metric(text, "hybridkv_engine_aborted_requests_total") == aborted + 1
+    assert metric(text, "hybridkv_request_pages") == 0 and metric(text, "hybridkv_request_slots") == 0
