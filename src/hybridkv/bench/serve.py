@@ -15,16 +15,20 @@ Two sides per round, rounds alternating, on the same arrival schedule:
 
 ``overhead``: each of the first ``alone`` requests served alone, once by the engine and right
 after by the server (so both run under the same machine load), each in a cache namespace of its
-own: HTTP end-to-end minus the engine's, p50 / p99 (goal: p50 <= 2 ms); and ``cpu_overhead_ms``:
-the CPU the server process used over those requests minus what the engine loop used, per request
-(independent of how loaded the machine is; the client's CPU is not counted). (Under load the two
+own: HTTP end-to-end minus the engine's, p50 / p99 (goal: p50 <= 2 ms). Wall times on a shared
+machine are noisy, so the CPU is counted too (from the server's ``/metrics``, independent of how
+loaded the machine is; the client's CPU is not counted): ``http_cpu_ms``, what the server process
+used besides its engine thread, per request; ``engine_thread_cpu_ms``, its engine thread, against
+``engine_cpu_ms``, the engine driven directly (the difference: what sharing the process costs the
+engine). (Under load the two
 sides batch differently, so their latencies are compared per side, not per request.)
 
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
 between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
 p99 in ms; request and output-token throughput (over first arrival -> last end); prefix-cache
 hit rate (cached over prompt tokens); and ``exact``: requests whose HTTP tokens equal the
-engine's.
+engine's; ``cpu_s``: CPU seconds of the engine loop / of the whole server process, and for the
+server ``engine_thread_cpu_s``, its engine thread's.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -108,9 +111,15 @@ def drive_engine(
     return traces
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], trace: Trace) -> None:
+@dataclass(frozen=True)
+class Target:
+    url: str
+    headers: dict[str, str]
+
+
+async def _one(client: httpx.AsyncClient, target: Target, body: dict[str, Any], trace: Trace) -> None:
     await asyncio.sleep(max(0.0, trace.arrival - time.perf_counter()))
-    async with client.stream("POST", f"{url}/generate", json=body) as resp:
+    async with client.stream("POST", f"{target.url}/generate", json=body, headers=target.headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"the server answered {resp.status_code}: {(await resp.aread()).decode()[:300]}")
         async for line in resp.aiter_lines():
@@ -130,59 +139,72 @@ def _body(prompt: list[int], max_new: int, salt: str) -> dict[str, Any]:
     return {"input_ids": prompt, "sampling_params": sampling, "stream": True, "cache_salt": salt}
 
 
-async def _load(url: str, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
+async def _load(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
-        await client.get(f"{url}/health")  # one connection up before the clock starts
+        await client.get(f"{target.url}/health")  # one connection up before the clock starts
         start = time.perf_counter()
         traces = [Trace(start + o) for o in offsets]
         await asyncio.gather(
-            *[_one(client, url, _body(p, max_new, salt), t) for p, t in zip(prompts, traces, strict=True)]
+            *[_one(client, target, _body(p, max_new, salt), t) for p, t in zip(prompts, traces, strict=True)]
         )
     return traces
 
 
-def drive_http(url: str, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
+def drive_http(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
     """Each prompt streamed at its offset from now, concurrently (``salt``: their cache namespace)."""
-    return asyncio.run(_load(url, prompts, offsets, max_new, salt))
+    return asyncio.run(_load(target, prompts, offsets, max_new, salt))
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` used so far (Linux ``/proc``; clock-tick resolution)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def server_cpu(target: Target) -> tuple[float, float]:
+    """The server's CPU seconds so far: its whole process, and its engine thread (from ``/metrics``)."""
+    text = httpx.get(f"{target.url}/metrics", headers=target.headers, timeout=60).text
+    found = {}
+    for name in ("process_cpu_seconds_total", "hybridkv_engine_thread_cpu_seconds_total"):
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"{target.url}/metrics has no {name}")
+        found[name] = float(match.group(1))
+    return found["process_cpu_seconds_total"], found["hybridkv_engine_thread_cpu_seconds_total"]
 
 
 @dataclass
-class Alone:
-    wall_overhead: list[float]  # per request: HTTP e2e - engine e2e
-    engine_cpu_s: float  # CPU of the engine loop, all requests
-    server_cpu_s: float | None  # CPU of the whole server process during the HTTP requests (None: not ours)
+class Cpu:
+    """CPU seconds over one phase: the engine driven here, the server process, its engine thread."""
+
+    engine: float = 0.0
+    server: float = 0.0
+    server_engine: float = 0.0
+
+    def add_server(self, before: tuple[float, float], after: tuple[float, float]) -> None:
+        self.server += after[0] - before[0]
+        self.server_engine += after[1] - before[1]
 
 
-async def _one_by_one(engine: Engine, url: str, pid: int | None, prompts: list[list[int]], max_new: int) -> Alone:
-    got = Alone([], 0.0, None if pid is None else 0.0)
+async def _one_by_one(
+    engine: Engine, target: Target, prompts: list[list[int]], max_new: int
+) -> tuple[list[float], Cpu]:
+    overhead, cpu = [], Cpu()
     async with httpx.AsyncClient(timeout=600) as client:
-        await client.get(f"{url}/health")
+        await client.get(f"{target.url}/health")
+        before = server_cpu(target)  # once around the phase: process CPU counts 10 ms clock ticks
         for i, prompt in enumerate(prompts):
             salt = f"alone-{i}-{time.time_ns()}"  # a namespace of its own: both sides compute it in full
-            cpu = time.thread_time()
+            start = time.thread_time()
             (direct,) = drive_engine(engine, [prompt], [0.0], max_new, salt)
-            got.engine_cpu_s += time.thread_time() - cpu
-            server_cpu = None if pid is None else process_cpu_s(pid)
+            cpu.engine += time.thread_time() - start
             http = Trace(time.perf_counter())
-            await _one(client, url, _body(prompt, max_new, salt), http)
-            if pid is not None and server_cpu is not None and got.server_cpu_s is not None:
-                got.server_cpu_s += process_cpu_s(pid) - server_cpu
+            await _one(client, target, _body(prompt, max_new, salt), http)
             if http.tokens != direct.tokens:
                 raise RuntimeError(f"request {i}: HTTP tokens differ from the engine's")
-            got.wall_overhead.append((http.end - http.arrival) - (direct.end - direct.arrival))
-    return got
+            overhead.append((http.end - http.arrival) - (direct.end - direct.arrival))
+        cpu.add_server(before, server_cpu(target))
+    return overhead, cpu
 
 
-def one_by_one(engine: Engine, url: str, pid: int | None, prompts: list[list[int]], max_new: int) -> Alone:
+def one_by_one(engine: Engine, target: Target, prompts: list[list[int]], max_new: int) -> tuple[list[float], Cpu]:
     """Per request, alone on both sides, engine then HTTP back to back (same machine load)."""
-    return asyncio.run(_one_by_one(engine, url, pid, prompts, max_new))
+    return asyncio.run(_one_by_one(engine, target, prompts, max_new))
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
@@ -210,8 +232,8 @@ def summarize(traces: list[Trace], prompts: list[list[int]]) -> dict[str, Any]:
 
 
 @contextmanager
-def served(args: list[str]) -> Iterator[tuple[str, int]]:
-    """A ``hybridkv serve`` subprocess on 127.0.0.1 (any free port); its URL and pid. SIGTERM and reaped on exit."""
+def served(args: list[str]) -> Iterator[str]:
+    """A ``hybridkv serve`` subprocess on 127.0.0.1 (any free port); its URL. SIGTERM and reaped on exit."""
     cmd = [sys.executable, "-m", "hybridkv", "serve", "--host", "127.0.0.1", "--port", "0", *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryFile("w+") as err:
@@ -227,7 +249,7 @@ def served(args: list[str]) -> Iterator[tuple[str, int]]:
                 err.seek(0)
                 why = err.read().strip()[-500:] or f"no listening line within {START_TIMEOUT_S} s"
                 raise RuntimeError(f"hybridkv serve did not start: {why}")
-            yield found.group(1), proc.pid
+            yield found.group(1)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -251,6 +273,7 @@ def run(
     chunk_size: int = 64,
     seed: int = 0,
     url: str | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
@@ -261,25 +284,35 @@ def run(
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     args = ["--random", model, "--gpu-memory", gpu_memory, "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
+    headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
-    with _server(url, args) as (base, pid):
-        drive_http(base, prompts[:2], [0.0, 0.0], 2, "warm-up")
-        solo = one_by_one(engine, base, pid, prompts[:alone], max_new_tokens)
+    with _server(url, args) as base:
+        target = Target(base, headers)
+        drive_http(target, prompts[:2], [0.0, 0.0], 2, "warm-up")
+        overhead, solo = one_by_one(engine, target, prompts[:alone], max_new_tokens)
         for r in range(rounds):
             engine.clear_cache()
+            cpu = Cpu()
+            start = time.thread_time()
             direct = drive_engine(engine, prompts, offsets, max_new_tokens)
-            http = drive_http(base, prompts, offsets, max_new_tokens, f"round-{r}-{time.time_ns()}")
+            cpu.engine = time.thread_time() - start
+            before = server_cpu(target)
+            http = drive_http(target, prompts, offsets, max_new_tokens, f"round-{r}-{time.time_ns()}")
+            cpu.add_server(before, server_cpu(target))
             per_round.append(
                 {
-                    "engine": summarize(direct, prompts),
-                    "http": summarize(http, prompts),
+                    "engine": {**summarize(direct, prompts), "cpu_s": round(cpu.engine, 3)},
+                    "http": {
+                        **summarize(http, prompts),
+                        "cpu_s": round(cpu.server, 3),
+                        "engine_thread_cpu_s": round(cpu.server_engine, 3),
+                    },
                     "exact": sum(h.tokens == d.tokens for h, d in zip(http, direct, strict=True)),
                 }
             )
     lengths = [len(p) for p in prompts]
-    over = _ms(solo.wall_overhead)
-    n = len(solo.wall_overhead)
-    cpu = None if solo.server_cpu_s is None else round(1e3 * (solo.server_cpu_s - solo.engine_cpu_s) / n, 2)
+    over = _ms(overhead)
+    n = len(overhead)
     return {
         "model": model,
         "requests": requests,
@@ -291,17 +324,18 @@ def run(
         "server": url or "hybridkv serve subprocess on 127.0.0.1",
         "per_round": per_round,
         "overhead_ms": over,
-        "cpu_overhead_ms": cpu,
-        "engine_cpu_ms_per_request": round(1e3 * solo.engine_cpu_s / n, 2),
+        "http_cpu_ms": round(1e3 * (solo.server - solo.server_engine) / n, 3),
+        "engine_thread_cpu_ms": round(1e3 * solo.server_engine / n, 3),
+        "engine_cpu_ms": round(1e3 * solo.engine / n, 3),
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": over["p50"] is not None and over["p50"] <= GOAL_OVERHEAD_MS,
     }
 
 
 @contextmanager
-def _server(url: str | None, args: list[str]) -> Iterator[tuple[str, int | None]]:
+def _server(url: str | None, args: list[str]) -> Iterator[str]:
     if url is not None:
-        yield url.rstrip("/"), None
+        yield url.rstrip("/")
         return
-    with served(args) as got:
-        yield got
+    with served(args) as base:
+        yield base

@@ -18,7 +18,8 @@ Invariants every backend keeps:
   ``held_pages`` / ``held_slots`` (held by requests: live minus what the prefix cache keeps),
   ``evicted_pages``, ``evicted_states`` and the counters ``steps``, ``requests``, ``aborted``,
   ``errors``, ``retractions``, ``prompt_tokens``, ``cached_tokens``, ``hit_full_tokens``,
-  ``hit_window_tokens``, ``hit_checkpoint_tokens``, and for PD ``transfer_bytes``,
+  ``hit_window_tokens``, ``hit_checkpoint_tokens``, ``engine_thread_cpu_s`` (CPU seconds of the
+thread that runs the engine), and for PD ``transfer_bytes``,
   ``transfer_failures``. A key a backend lacks is not exported.
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -206,6 +207,7 @@ class EngineBackend:
 
 def _engine_metrics(engine: Engine) -> dict[str, Any]:
     m = engine.metrics()
+    m["engine_thread_cpu_s"] = time.thread_time()  # runs on the engine thread
     m["cached_states"] = engine.cache.num_checkpoints
     m["held_pages"] = m["live_pages"] - m["cached_pages"]
     m["held_slots"] = m["live_slots"] - m["cached_states"]

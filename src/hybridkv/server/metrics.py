@@ -4,8 +4,9 @@ Each scrape asks the backend for one ``metrics()`` snapshot (``hybridkv.server.b
 keys) and exports what it holds: gauges for what is true now (requests running and waiting,
 cells per pool and state, pages and slots live / cached / held by requests), counters for the
 cumulative figures (prefix-cache hit tokens per component, evictions, retractions, transfer
-bytes and failures for PD). The server observes TTFT, TPOT and end-to-end latency per request
-into histograms as each request ends.
+bytes and failures for PD, CPU of the engine thread), plus the process's own figures
+(``process_cpu_seconds_total``, memory, file descriptors). The server observes TTFT, TPOT and
+end-to-end latency per request into histograms as each request ends.
 
 Invariant: one ``CollectorRegistry`` per app (no process-global state), so several servers in one
 process (tests) never share or double-register series.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -46,6 +47,10 @@ COUNTERS = {
     "evicted_states": ("evicted_states", "State checkpoints evicted from the prefix cache."),
     "transfer_bytes": ("transfer_bytes", "KV and state bytes moved prefill -> decode (PD)."),
     "transfer_failures": ("transfer_failures", "Failed prefill -> decode transfers (PD)."),
+    "engine_thread_cpu_s": (
+        "engine_thread_cpu_seconds",
+        "CPU seconds of the engine thread (the rest of process_cpu_seconds is the HTTP side).",
+    ),
 }
 HIT_COMPONENTS = {"hit_full_tokens": "full", "hit_window_tokens": "window", "hit_checkpoint_tokens": "checkpoint"}
 
@@ -87,6 +92,7 @@ class ServerMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]]):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_BackendCollector(snapshot))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Arrival -> first token.",
