@@ -1,0 +1,208 @@
+"""``hybridkv serve``: the HTTP server (``hybridkv.server``) over one engine, until SIGTERM; and
+``hybridkv bench serve``: load on it next to the engine driven directly (``hybridkv.bench.serve``).
+
+Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
+``--random``, a model the engine cannot load or a budget below one request's floor, bad option
+values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
+that cannot be bound, and ``--disaggregated`` (its backend is not wired into the server yet).
+Prints ``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0
+after a graceful shutdown (SIGTERM or SIGINT).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from hybridkv.cli.app import app, bench_app
+from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, positive_finite, random_model
+from hybridkv.engine.random_models import tiny_names
+
+if TYPE_CHECKING:
+    from hybridkv.engine.engine import Engine
+
+API_KEY_ENV = "HYBRIDKV_API_KEY"
+
+
+@app.command()
+def serve(
+    model: Path = typer.Option(
+        None, "--model", exists=True, file_okay=False, help="Directory with config.json + *.safetensors."
+    ),
+    random: str = typer.Option(
+        None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (only this one)."),
+    port: int = typer.Option(30000, "--port", min=0, max=65535, help="Port (0: any free port, printed)."),
+    api_key: str = typer.Option(
+        None, "--api-key", help=f"Require 'Authorization: Bearer KEY' on all but /health (or set ${API_KEY_ENV})."
+    ),
+    tokenizer: Path = typer.Option(
+        None, "--tokenizer", exists=True, file_okay=False, help="A saved tokenizer: accept text prompts."
+    ),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    max_running: int = typer.Option(64, "--max-running", min=1, help="Requests in one batch, at most."),
+    max_context: int = typer.Option(None, "--max-context", min=2, help="Prompt + new tokens (default: the model's)."),
+    max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
+    shutdown_timeout: float = typer.Option(
+        30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
+    ),
+    disaggregated: bool = typer.Option(False, "--disaggregated", help="Serve through the PD server."),
+    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (--disaggregated)."),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill TP ranks per stage (--disaggregated)."),
+    decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode TP ranks (--disaggregated)."),
+    transport: str = typer.Option("shm", "--transport", help="shm or mooncake (--disaggregated)."),
+) -> int:
+    """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
+    from hybridkv.memory import parse_bytes
+    from hybridkv.server import EngineBackend, ServerConfig, Tokenizer, bind
+    from hybridkv.server import serve as run_server
+
+    if (model is None) == (random is None):
+        raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
+    if disaggregated:
+        raise typer.BadParameter(
+            "the disaggregated backend is not wired into the HTTP server yet; serve without --disaggregated "
+            "(or use `hybridkv serve-pd` for a prompts file)",
+            param_hint="--disaggregated",
+        )
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    config = ServerConfig(
+        api_key=key,
+        max_body_bytes=parse_bytes(max_body),
+        tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
+    )
+    sock = bind(host, port)  # before the model loads: a taken port fails at once
+    try:
+        engine = build_engine(
+            model, random, gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints
+        )
+    except BaseException:
+        sock.close()
+        raise
+    name = random if random is not None else Path(model).name
+    backend = EngineBackend(engine, name, gpu_memory, max_queued)
+    return run_server(backend, config, sock, shutdown_timeout)
+
+
+def build_engine(
+    model: Path | None,
+    random: str | None,
+    gpu_memory: str,
+    page_size: int,
+    chunk_size: int,
+    max_running: int,
+    max_context: int | None,
+    prefix_cache: bool,
+    checkpoints: str | None,
+) -> Engine:
+    from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
+
+    if random is None:
+        source, weights = model, None
+    else:
+        from hybridkv.engine.random_models import build_random
+
+        weights, source = build_random(random)
+    return Engine(
+        source,
+        weights,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        max_running=max_running,
+        max_context=max_context,
+        prefix_cache=prefix_cache,
+        checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+    )
+
+
+def _rate(value: float) -> float:
+    if math.isnan(value) or value <= 0:
+        raise typer.BadParameter(f"{value} must be above 0 requests per second (inf: all at once)")
+    return value
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
+    requests: int = typer.Option(64, "--requests", min=1),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    request_rate: float = typer.Option(8.0, "--request-rate", callback=_rate, help="Poisson arrivals per second."),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="Rounds under load, engine and HTTP alternating."),
+    alone: int = typer.Option(16, "--alone", min=1, help="Requests served alone by both, for the HTTP overhead."),
+    block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
+    url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
+    api_key: str = typer.Option(None, "--api-key", help=f"Its API key (or set ${API_KEY_ENV})."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
+    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hybridkv.bench.serve import run
+
+    report = run(
+        model,
+        requests,
+        max_new_tokens,
+        request_rate,
+        rounds,
+        alone,
+        block_tokens,
+        gpu_memory,
+        page_size,
+        chunk_size,
+        seed,
+        url,
+        api_key or os.environ.get(API_KEY_ENV),
+    )
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    lengths = report["prompt_tokens"]
+    table = Table(
+        title=f"{model}: {requests} requests at {request_rate}/s, prompts {lengths['min']}-{lengths['max']} tokens "
+        f"(mean {lengths['mean']}), {max_new_tokens} new each, greedy"
+    )
+    cols = ["round", "side", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"]
+    for col in (*cols, "req/s", "tok/s", "prefix hits", "CPU s", "exact"):
+        table.add_column(col, justify="right")
+    for r, row in enumerate(report["per_round"]):
+        for side in ("engine", "http"):
+            s = row[side]
+            table.add_row(
+                str(r),
+                side,
+                *(f"{s[k]['p50']}/{s[k]['p99']}" for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")),
+                f"{s['requests_per_s']}",
+                f"{s['output_tokens_per_s']}",
+                f"{100 * s['prefix_hit_rate']:.1f}%",
+                "" if s["cpu_s"] is None else f"{s['cpu_s']:.2f}",
+                f"{row['exact']}/{requests}" if side == "http" else "",
+            )
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    o = report["overhead_ms"]
+    met = "met" if report["goal_met"] else "NOT met"
+    console.print(
+        f"HTTP overhead per request ({report['alone']} requests alone, streamed, {max_new_tokens} tokens each; "
+        f"HTTP e2e - engine e2e): p50 {o['p50']} ms, p99 {o['p99']} ms; goal p50 <= {report['goal_overhead_ms']} ms "
+        f"{met}.\nCPU per request: HTTP side of the server {report['http_cpu_ms']} ms; its engine thread "
+        f"{report['engine_thread_cpu_ms']} ms vs the engine driven directly {report['engine_cpu_ms']} ms"
+    )
