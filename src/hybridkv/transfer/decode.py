@@ -1,19 +1,17 @@
 """DecodeReceiver: a decode rank asks a prefill engine for a request's KV and state.
 
-Protocol (this side): ``request`` pins the pages and state slot the caller reserved (or
-reserves them here: ``incoming.Allocation`` says whose they are); the I/O
-thread looks the prefill engine up at the bootstrap, checks every pairing (decode-side,
-before anything is sent), says ``Hello`` to each prefill rank once, then sends a
-``TransferRequest`` to *every* prefill rank. Each rank answers ``transferring`` and then
-``success`` (ops, bytes, optional checksum) or ``failed``.
+Protocol (this side): ``request`` pins the pages and state slot the caller reserved (or reserves
+them here: ``incoming.Allocation`` says whose); the I/O thread looks the prefill engine up at
+the bootstrap, checks every pairing (decode-side, before anything is sent), says ``Hello`` to
+each prefill rank once, then sends a ``TransferRequest`` to *every* prefill rank. Each rank
+answers ``transferring`` and then ``success`` (ops, bytes, optional checksum) or ``failed``.
 
 Invariants:
 - Success only when every prefill rank (every PP stage, every TP rank) reported success,
   each with exactly the bytes the decode-side plan expects, and, when integrity is on,
   each checksum matches the bytes that landed. Anything else is Failed with a reason.
-- Status messages whose request, nonce or sender do not match are dropped (recorded in
-  ``rejected``); a duplicate success is not counted twice; a late message never changes
-  a finished request.
+- Status messages whose request, nonce or sender do not match are dropped (``rejected``); a
+  duplicate success is not counted twice; a late message never changes a finished request.
 - Statuses and heartbeats of a prefill rank count only from the epoch it registered
   with (the bootstrap's authenticated lookup): a frame from another incarnation, or a
   forged one (no valid MAC), never keeps a request alive or moves it.
@@ -21,8 +19,8 @@ Invariants:
   prefill rank has acknowledged that it stopped writing, or its process is proven gone
   (same host: pid + start time in ``/proc``, ``liveness.gone``). Never on a timer alone: a
   writer stopped (SIGSTOP) for any time may wake up and write. Past ``quarantine_s`` a
-  quarantine is logged once and counted as ``stuck`` in ``stats()``; its pages stay
-  reserved. Released pages are freed (on the owner's ``poll``) and ``verify()`` holds.
+  quarantine is logged once and counted as ``stuck`` in ``stats()``; its pages stay reserved.
+  Then they are freed on the owner's ``poll`` (or handed back: ``take_releasable``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, WorkerState, run_pd
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, RequestResult, WorkerState, run_pd
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import SamplingParams
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
@@ -127,13 +127,20 @@ def test_sixteen_concurrent_mixed_requests_equal_the_single_engine_on_every_layo
         max_context=96,
     )
     streamed: dict[int, list[int]] = {i: [] for i in range(len(MIXED))}
+    ended: list[RequestResult] = []
     with PDServer(config) as server:
         handles = [
-            server.submit(ids, p, on_token=streamed[i].append)
+            server.submit(ids, p, on_token=streamed[i].append, on_done=ended.append)
             for i, (ids, p) in enumerate(zip(MIXED, params, strict=True))
         ]
+        long = server.submit(  # aborted at its first token: freed on both sides, ends "abort"
+            MIXED[0], SamplingParams(80, ignore_eos=True), on_token=lambda _t: server.abort(long, "test")
+        )
         results = [server.result(h, timeout_s=120) for h in handles]
+        aborted = server.result(long, timeout_s=120)
         states = settled(server)
+    assert aborted.finish_reason == "abort" and aborted.reason == "aborted: test" and aborted.output_ids == []
+    assert sorted(r.index for r in ended) == handles and all(r is results[r.index] for r in ended)
     single = Engine(tmp_path, gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96)
     want = single.generate([list(p) for p in MIXED], params)
     assert [r.status for r in results] == [FINISHED] * len(MIXED), [r.reason for r in results]

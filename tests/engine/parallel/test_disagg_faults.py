@@ -36,8 +36,8 @@ import pytest
 
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.engine.disagg.config import check_layout
+from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import Live
-from hybridkv.engine.disagg.server import _ProbeCall
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.scheduler import Role
@@ -297,13 +297,13 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
 def test_a_late_answer_to_a_timed_out_probe_does_not_count_toward_the_next() -> None:
     # the router's Live handling alone: probe 1 timed out, probe 2 is open and expects one answer;
     # probe 1's late Live is dropped, probe 2's ends it and clears the open probe
-    server = PDServer.__new__(PDServer)
+    probes = Probes()
     procs = SimpleNamespace(pids=[4242])
     engine = SimpleNamespace(before={0: (3, 1)}, names=["decode TP rank 0"], epoch=0, procs=procs)
-    call = _ProbeCall(expected=1, seq=2)
-    server._probe = call
-    server._on_event(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
-    assert call.states == [] and not call.done.is_set() and server._probe is call
-    server._on_event(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
-    assert call.done.is_set() and server._probe is None
+    call = ProbeCall(expected=1, seq=2)
+    probes.open = call
+    probes.answer(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
+    assert call.states == [] and not call.done.is_set() and probes.open is call
+    probes.answer(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
+    assert call.done.is_set() and probes.open is None
     assert call.states == [WorkerState("decode TP rank 0", 0, 4242, (3, 1), (3, 1), 0)]

@@ -179,10 +179,15 @@ class DecodeRank(Worker):
 
     def collect(self) -> None:
         """The receiver's finished requests: unpin the successful, drop the failed ones once no
-        writer can touch their pages."""
+        writer can touch their pages, and those given up whose KV landed anyway (an abort that came
+        after the transfer succeeded frees nothing in the receiver)."""
+        given_up = [t for t in map(str, self.sched.holding) if t in self.transfer_failed]
+        landed = [t for t in given_up if self._phase(t) is Phase.SUCCESS]  # read before poll: unpinned by it
         self.receiver.poll()
         for tid in self.receiver.take_releasable():
             self.sched.drop(tid, "its transfer failed")
+        for tid in landed:
+            self.sched.drop(tid, "given up")
 
     def report_finished(self) -> None:
         for req in self.sched.take_finished():
@@ -210,10 +215,7 @@ class DecodeRank(Worker):
             self.sched.abort(req.rid, "the server is stopping")
         end = time.monotonic() + self.args.config.timeout_s
         while self.sched.holding and time.monotonic() < end:
-            landed = [rid for rid in self.sched.holding if self._phase(str(rid)) is Phase.SUCCESS]
             self.collect()
-            for tid in landed:
-                self.sched.drop(tid, "the server is stopping")
             time.sleep(0.002)
         self.sched.take_finished()
 

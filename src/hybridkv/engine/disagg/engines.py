@@ -11,7 +11,10 @@ Invariant: an engine that died is ``dead``; its processes are reaped by whoever 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -20,6 +23,7 @@ from hybridkv.engine.disagg.decode_worker import decode_main
 from hybridkv.engine.disagg.prefill_worker import prefill_main
 from hybridkv.engine.disagg.procs import EngineProcs, exit_reason
 from hybridkv.engine.disagg.protocol import Command, Crash, Ready, Report
+from hybridkv.engine.disagg.results import PDRank
 from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import TransferError
 
@@ -56,6 +60,34 @@ class EngineState:
     def on_ready(self, rank: int, msg: Ready) -> None:
         self.ready.add(rank)
         self.shm[rank], self.before[rank] = msg.shm_path, msg.live
+
+    def ranks(self, prefill_tp: int) -> list[PDRank]:
+        """What each worker that stopped cleanly reported."""
+        out = []
+        for r, rep in sorted(self.reports.items()):
+            index, within = divmod(r, prefill_tp) if self.role is Role.PREFILL else (r, r)
+            out.append(
+                PDRank(
+                    self.role.value,
+                    index,
+                    within,
+                    self.epoch,
+                    self.procs.pids[r],
+                    rep.live_before,
+                    rep.live_after,
+                    rep.transfer_bytes,
+                    rep.requests,
+                )
+            )
+        return out
+
+
+def unlink_all(paths: Iterable[str]) -> None:
+    """Remove each file (shared-memory arenas of dead or stopped workers) that still exists."""
+    for path in paths:
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def launch(role: Role, epoch: int, args: WorkerArgs) -> EngineState:

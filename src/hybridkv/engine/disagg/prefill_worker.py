@@ -112,7 +112,9 @@ class PrefillRank(Worker):
 
     def apply(self, command: Command) -> None:
         if isinstance(command, Prefill):
-            self.sched.add(self.request(command.tid, command.ids, command.params))
+            req = self.request(command.tid, command.ids, command.params)
+            req.namespace = command.salt
+            self.sched.add(req)
             self.stamps[command.tid] = _Stamps()
             if command.fault is not None:
                 self.faults[command.tid] = command

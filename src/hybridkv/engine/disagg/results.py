@@ -6,9 +6,9 @@ the router's mutable record of one request while it is open; its ``phase`` only 
 within an attempt (QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED, or FAILED from
 anywhere); a retry after an engine death starts the next attempt at QUEUED.
 
-Invariant: a request's tokens reach its ``on_token`` callback once each, in order, whatever the
+Invariants: a request's tokens reach its ``on_token`` callback once each, in order, whatever the
 number of attempts (a retry computes the same tokens: greedy, or seeded per position; the ones
-already streamed are not streamed again).
+already streamed are not streamed again); its ``on_done`` is called exactly once, with its result.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from hybridkv.engine.request import SamplingParams
 
 FINISHED = "finished"
 FAILED = "failed"
+ABORTED = "aborted"
+"""How the reason of a request ended by ``PDServer.abort`` starts (its finish reason is ``abort``)."""
 
 
 class Phase(Enum):
@@ -76,6 +78,7 @@ class RequestResult:
     decode_bytes: tuple[int, ...] = ()  # bytes each decode TP rank received (finished requests)
     finish_reason: str = "error"  # a FinishReason: length, eos, stop, abort or error
     retractions: int = 0  # times the decode engine retracted it (and prefilled it again locally)
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class RouterRequest:
     params: SamplingParams
     submitted: float
     on_token: Callable[[int], None] | None = None
+    on_done: Callable[[RequestResult], None] | None = None
+    salt: str | None = None  # its prefix-cache namespace on the prefill engine
     done: threading.Event = field(default_factory=threading.Event)
     phase: Phase = Phase.QUEUED
     tid: str = ""
@@ -188,18 +193,35 @@ class RouterRequest:
             decode_bytes,
             finish_reason,
             next(iter(self.finals.values())).retractions,
+            len(self.ids),
         )
-        self.done.set()
+        self._ended()
         return ""
+
+    def _ended(self) -> None:
+        self.done.set()
+        if self.on_done is not None and self.result is not None:
+            self.on_done(self.result)
 
     def fail(self, reason: str) -> None:
         """End it failed with ``reason`` (a request ends once: later calls change nothing)."""
         if self.result is None:
             self.phase = Phase.FAILED
+            aborted = reason.startswith(ABORTED)
             self.result = RequestResult(
-                self.index, [], FAILED, reason, None, self.cached, 0, self.attempts, tuple(self.reasons)
+                self.index,
+                [],
+                FAILED,
+                reason,
+                None,
+                self.cached,
+                0,
+                self.attempts,
+                tuple(self.reasons),
+                finish_reason="abort" if aborted else "error",
+                prompt_tokens=len(self.ids),
             )
-            self.done.set()
+            self._ended()
 
 
 def request_metrics(requests: list[RouterRequest]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """PDServer: the router of a disaggregated server (a prefill engine and a decode engine, each its own world).
 
 ``with PDServer(PDConfig(model_dir, prefill_pp=2, prefill_tp=1, decode_tp=2, transport="shm")) as s:
-h = s.submit(ids, max_new); s.result(h)`` (or ``s.generate(prompts, max_new)``) returns per request
+h = s.submit(ids, SamplingParams(...)); s.result(h)`` (or ``s.generate(prompts, params)``) returns per request
 ``RequestResult``: tokens, ``finished`` / ``failed`` with a reason, the prefix-cache hit, the bytes
 moved and ``RequestTiming`` (queue, prefill, transfer, decode, TTFT, TPOT). ``probe()`` asks every
 live worker what it holds now (``WorkerState``: live pages and slots outside the prefill prefix
@@ -35,8 +35,9 @@ Faults. An engine death is retried once, a transfer failure is not:
   senders abort the old legs and release their pages.
 - a request whose retry is hit by a death again ends ``failed`` with both reasons.
 - a transfer timeout (decode side) or any other transfer failure ends that request ``failed``
-  with the transfer layer's reason, and so does a prompt the prefill memory cannot hold beside
-  the requests still being sent ("prefill memory is full"); nothing else is affected.
+  with the transfer layer's reason; nothing else is affected. (A prompt that does not fit beside
+  the requests being sent or decoded waits for their memory; one that fits on no rank even alone
+  fails alone.)
 - after ``restarts`` restarts of an engine it is reported lost (``lost``): every request not
   finished, and every new one, fails with the reason.
 Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
@@ -53,12 +54,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, check_layout
-from hybridkv.engine.disagg.engines import EngineState, PDStartError, await_ready, engine_name, launch
+from hybridkv.engine.disagg.engines import EngineState, PDStartError, await_ready, engine_name, launch, unlink_all
+from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.procs import exit_reason
 from hybridkv.engine.disagg.protocol import (
     Abort,
@@ -71,7 +72,6 @@ from hybridkv.engine.disagg.protocol import (
     First,
     Live,
     Prefill,
-    Probe,
     Ready,
     Report,
     Reserve,
@@ -82,6 +82,7 @@ from hybridkv.engine.disagg.protocol import (
     Tokens,
 )
 from hybridkv.engine.disagg.results import (
+    ABORTED,
     FAILED,
     FINISHED,
     PDRank,
@@ -101,14 +102,6 @@ from hybridkv.transfer.auth import ClusterKey
 __all__ = ["FAILED", "FINISHED", "PDServer", "PDStartError"]
 
 
-@dataclass
-class _ProbeCall:
-    done: threading.Event = field(default_factory=threading.Event)
-    states: list[WorkerState] = field(default_factory=list)
-    expected: int = 0
-    seq: int = 0  # echoed in every ``Live``: a late answer to an earlier probe is dropped
-
-
 class PDServer:
     def __init__(self, config: PDConfig) -> None:
         check_layout(config)
@@ -123,9 +116,8 @@ class PDServer:
         self.router_error = ""  # the router thread's traceback, if it failed
         self._requests: list[RouterRequest] = []
         self._tids: dict[str, RouterRequest] = {}
-        self._inbox: queue.SimpleQueue[RouterRequest | _ProbeCall | tuple[int, str] | None] = queue.SimpleQueue()
-        self._probe: _ProbeCall | None = None
-        self._probes = 0  # probe sequence numbers handed out
+        self._inbox: queue.SimpleQueue[RouterRequest | ProbeCall | tuple[int, str] | None] = queue.SimpleQueue()
+        self._probes = Probes()
         self._lock = threading.Lock()  # submit vs the router's final failure loops (one handle each, none missed)
         self._wake_r, self._wake_w = os.pipe()
         self._restarts = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -153,10 +145,14 @@ class PDServer:
         params: SamplingParams | int | None = None,
         *,
         on_token: Callable[[int], None] | None = None,
+        on_done: Callable[[RequestResult], None] | None = None,
+        salt: str | None = None,
     ) -> int:
         """Queue one request (``params``: its ``SamplingParams``, or just ``max_new_tokens``; seed None:
         its submission index); returns its handle. ``RequestError`` (nothing queued) names what to
-        change. ``on_token(token)`` gets each output token once, in order, on the router thread."""
+        change. On the router thread, ``on_token(token)`` gets each output token once, in order, and
+        ``on_done(result)`` the request's end, once. ``salt``: its prefix-cache namespace (requests of
+        other salts never share cached KV)."""
         if isinstance(params, int) or params is None:
             params = SamplingParams(max_new_tokens=self.config.max_new if params is None else params)
         checked = check_request(ids, params, self.vocab_size, self.config.max_context)
@@ -167,15 +163,18 @@ class PDServer:
                 last = self.router_error.strip().splitlines()[-1] if self.router_error else "it exited"
                 raise RuntimeError(f"the router thread is dead ({last}); see router_error, close this server")
             index = len(self._requests)
-            req = RouterRequest(index, tuple(checked), params.with_seed(index), time.monotonic(), on_token)
+            req = RouterRequest(
+                index, tuple(checked), params.with_seed(index), time.monotonic(), on_token, on_done, salt
+            )
             self._requests.append(req)
             self._inbox.put(req)
         self._wake()
         return index
 
-    def abort(self, handle: int, reason: str = "aborted by the client") -> None:
-        """End an open request: it fails with ``reason`` and both engines release what it holds."""
-        self._inbox.put((handle, reason))
+    def abort(self, handle: int, reason: str = "by the client") -> None:
+        """End an open request: it fails (finish reason ``abort``, its reason "aborted: ``reason``") and
+        both engines release what it holds."""
+        self._inbox.put((handle, f"{ABORTED}: {reason}"))
         self._wake()
 
     def result(self, handle: int, timeout_s: float | None = None) -> RequestResult:
@@ -196,7 +195,7 @@ class PDServer:
     def probe(self, timeout_s: float = 10.0) -> list[WorkerState]:
         """What every live worker holds now (prefill ranks, then decode ranks); ``TimeoutError`` if one
         does not answer (e.g. an engine is restarting)."""
-        call = _ProbeCall()
+        call = ProbeCall()
         self._inbox.put(call)
         self._wake()
         if not call.done.wait(timeout_s):
@@ -261,7 +260,7 @@ class PDServer:
     def _shutdown(self) -> None:
         for e in self._engines():
             e.procs.close(5.0 if not e.dead else 0.0)
-            _unlink(e.shm.values())
+            unlink_all(e.shm.values())
         self.boot.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -331,8 +330,8 @@ class PDServer:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _ProbeCall):
-                self._start_probe(item)
+            if isinstance(item, ProbeCall):
+                self._probes.start(item, [e for e in (self.prefill, self.decode) if e is not None and not e.dead])
             elif isinstance(item, tuple):
                 handle, reason = item
                 if 0 <= handle < len(self._requests):
@@ -342,15 +341,6 @@ class PDServer:
                         self._abort_everywhere(req, reason)
             elif item is not None:
                 self._dispatch(item)
-
-    def _start_probe(self, call: _ProbeCall) -> None:
-        engines = [e for e in (self.prefill, self.decode) if e is not None and not e.dead]
-        call.expected = sum(e.size for e in engines)
-        self._probes += 1
-        call.seq = self._probes
-        self._probe = call  # an earlier, timed-out probe is dropped: its late answers carry its seq
-        for e in engines:
-            e.leader(Probe(call.seq))
 
     def _dispatch(self, req: RouterRequest) -> None:
         if self.lost:
@@ -363,7 +353,7 @@ class PDServer:
         fault = self._faults.get(req.index) if req.attempts == 1 else None
         if fault is not None and fault.kind is FaultKind.KILL_DECODE:
             fault = None  # the router applies it itself, on the first token
-        p.leader(Prefill(req.tid, req.ids, req.params, fault))
+        p.leader(Prefill(req.tid, req.ids, req.params, fault, req.salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
         if isinstance(msg, Report):
@@ -371,7 +361,7 @@ class PDServer:
         elif isinstance(msg, Ready):
             e.on_ready(r, msg)
         elif isinstance(msg, Live):
-            self._on_live(e, r, msg)
+            self._probes.answer(e, r, msg)
         elif isinstance(msg, Crash):
             e.crash[r] = msg.traceback
         elif isinstance(msg, Tokens):
@@ -383,16 +373,6 @@ class PDServer:
             req = self._tids.get(msg.tid)
             if req is not None and req.result is None and req.tid == msg.tid:  # not ended, not an earlier epoch's
                 self._on_request_event(e, r, req, msg)
-
-    def _on_live(self, e: EngineState, r: int, msg: Live) -> None:
-        call = self._probe
-        if call is not None and msg.seq == call.seq:
-            before = e.before.get(r, (0, 0))
-            call.states.append(WorkerState(e.names[r], e.epoch, e.procs.pids[r], before, msg.live, msg.requests))
-            if len(call.states) == call.expected:
-                call.states.sort(key=lambda w: (not w.name.startswith("prefill"), w.name))
-                self._probe = None
-                call.done.set()
 
     def _on_request_event(self, e: EngineState, r: int, req: RouterRequest, msg: Event) -> None:
         fault = self._faults.get(req.index) if req.attempts == 1 else None
@@ -457,7 +437,7 @@ class PDServer:
         self.deaths.append(why)
         e.dead = True
         e.procs.close(0.0)  # its peers' collectives are broken: end them all now
-        _unlink(e.shm.values())
+        unlink_all(e.shm.values())
         self._retired.append(e)
         survivor = self.decode if e.role is Role.PREFILL else self.prefill
         assert survivor is not None
@@ -501,28 +481,5 @@ class PDServer:
 
     def _collect_reports(self) -> None:
         for e in [self.prefill, self.decode]:
-            if e is None or e.dead:
-                continue
-            for r, rep in sorted(e.reports.items()):
-                tp = self.config.prefill_tp if e.role is Role.PREFILL else 1
-                index, within = divmod(r, tp) if e.role is Role.PREFILL else (r, r)
-                self.ranks.append(
-                    PDRank(
-                        e.role.value,
-                        index,
-                        within,
-                        e.epoch,
-                        e.procs.pids[r],
-                        rep.live_before,
-                        rep.live_after,
-                        rep.transfer_bytes,
-                        rep.requests,
-                    )
-                )
-
-
-def _unlink(paths: Any) -> None:
-    for path in paths:
-        if path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if e is not None and not e.dead:
+                self.ranks += e.ranks(self.config.prefill_tp)
