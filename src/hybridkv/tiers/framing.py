@@ -6,7 +6,8 @@ Layout of a frame (little-endian)::
     payload bytes
 
 ``check`` returns the payload only when every field agrees with what the reader asked
-for: the frame is ``HEADER + expected`` bytes, the magic and version match, the digest is
+for: the frame is ``HEADER + expected`` bytes, the magic and version match, the reserved
+field and the padding are zero, the digest is
 the key's (an object stored under another key is refused), the size field is the expected
 payload size and the CRC-32 of the payload is the header's (every single-byte change, and
 every burst of up to 32 bits, changes it). Anything else is a ``MissReason``, never bytes.
@@ -91,8 +92,9 @@ def check(key: str, expected: int, blob: torch.Tensor) -> torch.Tensor | MissRea
         return MissReason.SIZE
     if blob.device.type == "meta":
         return blob[HEADER:]
-    magic, version, _, digest, size, crc = _HEAD.unpack(blob[: _HEAD.size].numpy().tobytes())
-    if magic != MAGIC or version != FORMAT or digest != key_digest(key):
+    head = blob[:HEADER].numpy().tobytes()
+    magic, version, reserved, digest, size, crc = _HEAD.unpack(head[: _HEAD.size])
+    if magic != MAGIC or version != FORMAT or reserved or digest != key_digest(key) or head[_HEAD.size :].strip(b"\0"):
         return MissReason.HEADER
     if size != expected:
         return MissReason.SIZE

@@ -2,18 +2,18 @@
 
 One budget holds every component (full KV pages, window pages, state checkpoints): the split
 between them follows what is written and read, byte by byte (``bytes_by_label``), never a
-fixed ratio. When a put does not fit, the least recently used objects leave: handed to
-``on_evict`` (write-back to the store below) or kept as spare buffers for the next puts of
-their size (``buffer``), so steady traffic reuses buffers instead of allocating.
+fixed ratio. When a put does not fit, the least recently used objects leave, handed to
+``on_evict`` (write-back to the store below) when one is set.
 
-Buffers are pinned (page-locked) where that helps: only with a CUDA device, where a pinned
-buffer copies to and from the device asynchronously at full bandwidth. Without one (this
-project's CI) pinning has nothing to speed up, so buffers are pageable and ``pin_note``
-says so. ``device="meta"`` keeps sizes only (a replay's host tier: no bytes).
+Buffers (``buffer``) are pinned (page-locked) where that helps: only with a CUDA device,
+where a pinned buffer copies to and from the device asynchronously at full bandwidth (and
+PyTorch's caching host allocator recycles freed pinned blocks). Without one (this project's
+CI) pinning has nothing to speed up, so buffers are pageable and ``pin_note`` says so.
+``device="meta"`` keeps sizes only (a replay's host tier: no bytes).
 
 Invariants:
-- ``used_bytes + spare_bytes <= budget``; ``used_bytes`` is the sum of held frames, and
-  ``bytes_by_label`` splits it by component.
+- ``used_bytes <= budget`` is the sum of the held frames; ``bytes_by_label`` splits it by
+  component.
 - ``get`` returns views of the tier's own buffers: valid until the next put to this tier
   (a put may evict and reuse them). Copy them out before putting again.
 - An object bigger than the budget is refused; nothing else is ever refused.
@@ -71,9 +71,7 @@ class HostTier(StorageTier):
             )
         self.on_evict = on_evict
         self._objects: OrderedDict[str, tuple[torch.Tensor, str]] = OrderedDict()
-        self._spare: dict[int, list[torch.Tensor]] = {}
         self.used_bytes = 0
-        self.spare_bytes = 0
         self.bytes_by_label: Counter[str] = Counter()
         self.evictions = 0
 
@@ -81,12 +79,8 @@ class HostTier(StorageTier):
         return len(self._objects)
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        """A frame buffer of ``nbytes`` for a coming put: a spare of that size, or a new one
-        (pinned when the tier pins). Not counted until it is put."""
-        spares = self._spare.get(nbytes)
-        if spares:
-            self.spare_bytes -= nbytes
-            return spares.pop()
+        """A frame buffer of ``nbytes`` for a coming put (pinned when the tier pins); not
+        counted until it is put."""
         if self.device.type == "meta":
             return torch.empty(nbytes, dtype=torch.uint8, device="meta")
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
@@ -120,17 +114,11 @@ class HostTier(StorageTier):
             self.used_bytes += size
             self.bytes_by_label[label] += size
             out.append(PutStatus.STORED)
-        if gone[0]:
-            self._evicted(*gone)
+        if gone[0] and self.on_evict is not None:
+            self.on_evict(*gone)
         return out
 
     def _make_room(self, size: int, gone: tuple[list[str], list[torch.Tensor], list[str]]) -> None:
-        while self.used_bytes + self.spare_bytes + size > self.budget and self.spare_bytes:
-            for n, spares in self._spare.items():
-                if spares:
-                    spares.pop()
-                    self.spare_bytes -= n
-                    break
         objects = self._objects
         while self.used_bytes + size > self.budget:
             key, (old, label) = objects.popitem(last=False)
@@ -141,16 +129,6 @@ class HostTier(StorageTier):
             gone[0].append(key)
             gone[1].append(old)
             gone[2].append(label)
-
-    def _evicted(self, keys: list[str], frames: list[torch.Tensor], labels: list[str]) -> None:
-        if self.on_evict is not None:
-            self.on_evict(keys, frames, labels)
-            return
-        for frame in frames:  # keep them for reuse while the budget has room
-            n = frame.numel()
-            if self.used_bytes + self.spare_bytes + n <= self.budget:
-                self._spare.setdefault(n, []).append(frame)
-                self.spare_bytes += n
 
     def _read(self, keys: list[str], frame_bytes: list[int]) -> list[torch.Tensor | MissReason]:
         out: list[torch.Tensor | MissReason] = []
@@ -186,7 +164,6 @@ class HostTier(StorageTier):
             "bytes_by_component": {k: v for k, v in self.bytes_by_label.items() if v},
             "objects": len(self._objects),
             "evictions": self.evictions,
-            "spare_bytes": self.spare_bytes,
             "pinned": self.pinned,
             "pin_note": self.pin_note,
         }

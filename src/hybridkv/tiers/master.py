@@ -10,7 +10,7 @@ its host flag says, checked on mooncake 0.3.13) stays off: store clients here us
 transfer engine's P2P handshake instead.
 
 Invariants:
-- ``start`` returns only once the RPC port accepts connections, or raises within
+- ``start`` returns only once the master process itself listens on its RPC port, or raises within
   ``start_timeout_s`` with the master's log tail (and leaves no process behind).
 - The master dies with this process: it runs in its own session with a parent-death
   signal (Linux ``PR_SET_PDEATHSIG``), ``stop`` terminates then kills it within a bounded
@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib.util
 import os
 import signal
 import socket
@@ -42,14 +43,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def master_binary() -> Path:
-    """The ``mooncake_master`` the ``mooncake`` package ships."""
-    try:
-        import mooncake
-    except ImportError as exc:
-        raise TierError(
-            f"the Mooncake Store needs the 'mooncake' extra (pip install hybridkv[mooncake]): {exc}"
-        ) from None
-    path = Path(mooncake.__file__).parent / "mooncake_master"
+    """The ``mooncake_master`` the ``mooncake`` package ships (found without importing the
+    package: its import loads the store library, whose log level is read at load)."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise TierError("the Mooncake Store needs the 'mooncake' extra (pip install hybridkv[mooncake])")
+    path = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
     if not path.is_file():
         raise TierError(f"the mooncake package at {path.parent} ships no mooncake_master binary")
     return path
@@ -59,6 +58,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on (Linux ``/proc``):
+    the master is up only once *it* listens on its port (another process may hold it)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    out = set()
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    addr, port = cols[1].split(":")
+                    out.add((_address(addr, v6), int(port, 16)))
+    return out
+
+
+def _address(hexaddr: str, v6: bool) -> str:
+    raw = bytes.fromhex(hexaddr)
+    if not v6:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))  # four host-order 32-bit words
+    return socket.inet_ntop(socket.AF_INET6, words)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -127,7 +155,7 @@ class MooncakeMaster:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
-            with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, self.rpc_port), timeout=0.2):
+            if (LOOPBACK, self.rpc_port) in listening_sockets(self.proc.pid):
                 return self
             time.sleep(0.05)
         code = self.proc.poll()

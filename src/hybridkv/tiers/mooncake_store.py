@@ -55,6 +55,7 @@ UNREACHABLE = -900
 NO_ANSWER = -901
 _DOWN_CODES = frozenset((UNREACHABLE, NO_ANSWER))
 PROBE_KEY = "hybridkv/probe"
+MIN_SEGMENT = 16 << 20
 ENV_DEFAULTS = {"MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 
 
@@ -78,6 +79,11 @@ class MooncakeStoreTier(StorageTier):
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise TierError(f"Mooncake master address must be host:port, got {master!r}")
+        if segment_bytes < MIN_SEGMENT or local_buffer_bytes < MIN_SEGMENT:
+            raise TierError(
+                f"Mooncake Store segment_bytes and local_buffer_bytes must be at least {MIN_SEGMENT} B (16 MiB; the "
+                f"client refuses less), got {segment_bytes} and {local_buffer_bytes}"
+            )
         for key, value in ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         os.environ["MC_RPC_TIMEOUT_MS"] = str(int(rpc_timeout_ms))
