@@ -161,8 +161,9 @@ class StorageTier(ABC):
         ks, fs = _batch(keys, "put"), list(frames)
         if len(fs) != len(ks):
             raise TierError(f"{self.name} put: {len(ks)} keys but {len(fs)} frames")
-        for f in fs:
-            if not isinstance(f, torch.Tensor) or f.dtype != torch.uint8 or f.dim() != 1:
+        uint8 = torch.uint8
+        for f in {id(f): f for f in fs}.values():  # each distinct frame once (a replay shares one per size)
+            if type(f) is not torch.Tensor or f.dtype != uint8 or f.dim() != 1:
                 raise TierError(f"{self.name} put: frames must be 1-D uint8 tensors (framing.frame), got {f!r:.80}")
         return self._run(lambda: self._do_put(ks, fs, label), lambda: [PutStatus.DOWN] * len(ks))
 
@@ -197,17 +198,12 @@ class StorageTier(ABC):
 
     def _do_put(self, keys: list[str], frames: list[torch.Tensor], label: str) -> list[PutStatus]:
         out = self._write(keys, frames, label) if keys else []
-        st = self.stats
-        for f, status in zip(frames, out, strict=True):
-            if status is PutStatus.STORED:
-                st.puts += 1
-                st.put_bytes += f.numel()
-            elif status is PutStatus.KEPT:
-                st.kept += 1
-            elif status is PutStatus.REFUSED:
-                st.refused += 1
-            else:
-                st.put_errors += 1
+        st, counts = self.stats, Counter(out)
+        st.puts += counts.pop(PutStatus.STORED, 0)
+        st.kept += counts.pop(PutStatus.KEPT, 0)
+        st.refused += counts.pop(PutStatus.REFUSED, 0)
+        st.put_errors += sum(counts.values())
+        st.put_bytes += sum(f.numel() for f, s in zip(frames, out, strict=True) if s is PutStatus.STORED)
         return out
 
     def _do_get(self, keys: list[str], sizes: list[int]) -> list[Payload | MissReason]:
@@ -236,7 +232,7 @@ class StorageTier(ABC):
 
 def _batch(keys: Sequence[str], what: str) -> list[str]:
     ks = list(keys)
-    for k in ks:
-        if not isinstance(k, str) or not k:
-            raise TierError(f"{what}: keys must be non-empty strings (keys.KeySpace), got {k!r}")
+    if "" in ks or not all(type(k) is str for k in ks):
+        bad = next(k for k in ks if type(k) is not str or not k)
+        raise TierError(f"{what}: keys must be non-empty strings (keys.KeySpace), got {bad!r}")
     return ks

@@ -37,19 +37,26 @@ class DeviceView:
     """Per window pool (rules order): which of ``pages`` have their window cell resident."""
     checkpoints: dict[int, int]
     """Checkpoint slot by end page, on the nodes the match covers whole."""
+    names: list[int] | None
+    """The cache's names of ``pages`` (``Node.hashes``), or None if its nodes carry none."""
 
 
 def device_view(cache: HybridRadixCache, tokens: np.ndarray, namespace: Hashable = None) -> DeviceView:
     windows = cache.rules.windows
     root = cache.tree.find_root(namespace)
     if root is None:
-        return DeviceView(_EMPTY, tuple(np.zeros(0, dtype=bool) for _ in windows), {})
+        return DeviceView(_EMPTY, tuple(np.zeros(0, dtype=bool) for _ in windows), {}, [])
     walk = cache.tree.walk(root, tokens)
     pages = walk.pages
     resident = tuple(w.pool.resident(pages) for w in windows)
     ps = cache.page_size
     ckpts = {n.end // ps: n.checkpoint for n in walk.nodes if n.checkpoint >= 0}
-    return DeviceView(pages, resident, ckpts)
+    names: list[int] | None = None
+    if root.hashes is not None:
+        names = [h for n in walk.nodes for h in n.hashes or ()]
+        if walk.partial is not None and walk.partial.hashes is not None:
+            names += walk.partial.hashes[: pages.size - len(names)]
+    return DeviceView(pages, resident, ckpts, names)
 
 
 def _grid(mem: UnifiedMemory, pool: PoolId) -> torch.Tensor:

@@ -69,8 +69,7 @@ class DictStore(StorageTier):
         return out
 
     def _exists(self, keys: list[str]) -> np.ndarray:
-        objects = self._objects
-        return np.fromiter((k in objects for k in keys), dtype=bool, count=len(keys))
+        return np.array(list(map(self._objects.__contains__, keys)), dtype=bool)
 
     def _remove(self, keys: list[str]) -> int:
         n = 0

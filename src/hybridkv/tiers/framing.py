@@ -21,6 +21,7 @@ payload; a frame with any single byte changed fails ``check``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import zlib
@@ -56,6 +57,13 @@ class MissReason(StrEnum):
     """The tier did not answer in time (it is marked down)."""
     ERROR = "error"
     """The tier answered with an error code of its own."""
+
+
+@functools.lru_cache(maxsize=64)
+def meta_frame(nbytes: int) -> torch.Tensor:
+    """A frame of ``nbytes`` with no bytes (a replay's): one shared meta tensor per size, which
+    nothing ever writes."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
 
 def key_digest(key: str) -> bytes:

@@ -38,7 +38,7 @@ from hybridkv.spec import PoolId
 from hybridkv.tiers import restore
 from hybridkv.tiers.base import PutStatus, StorageTier, Ticket, TierError
 from hybridkv.tiers.device import read_cells
-from hybridkv.tiers.framing import HEADER, write_header
+from hybridkv.tiers.framing import HEADER, meta_frame, write_header
 from hybridkv.tiers.hit import Where
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.keys import KeySpace
@@ -152,24 +152,30 @@ class TierHierarchy:
             self._put(tier, pool, node.pages[local], [names[i] for i in local])
 
     def _put(self, tier: StorageTier, pool: PoolId, ids: np.ndarray, names: list[int]) -> None:
+        """Write the objects of pages ``ids`` (named ``names``), last page first: in an LRU
+        tier the first pages of a run stay longest (a prefix is worth nothing without them)."""
         if not ids.size:
             return
+        ids, names = ids[::-1], names[::-1]
         keys = self.keys.keys(pool, names)
-        if tier is self.host:  # local: skip what it holds (a store answers for itself)
-            fresh = ~tier.exists(keys)
-            if not fresh.all():
-                ids, keys = ids[fresh], [k for k, f in zip(keys, fresh, strict=True) if f]
-                if not keys:
-                    return
         size = HEADER + self.keys.payload_bytes[pool]
-        if isinstance(tier, HostTier):
-            frames = [tier.buffer(size) for _ in keys]
+        if not self.mem.arena.has_data:  # a replay: sizes only (a tier keeps what it holds, as KEPT)
+            frames = [meta_frame(size)] * len(keys)
         else:
-            device = "cpu" if self.mem.arena.has_data else "meta"
-            frames = [torch.empty(size, dtype=torch.uint8, device=device) for _ in keys]
-        read_cells(self.mem, pool, ids, frames)
-        for key, frame in zip(keys, frames, strict=True):
-            write_header(frame, key)
+            if tier is self.host:  # local: copy out only what it lacks; what it holds is recently used now
+                fresh = ~tier.exists(keys)
+                if not fresh.all():
+                    self.host.touch([k for k, f in zip(keys, fresh, strict=True) if not f])
+                    ids, keys = ids[fresh], [k for k, f in zip(keys, fresh, strict=True) if f]
+                    if not keys:
+                        return
+            if isinstance(tier, HostTier):
+                frames = [tier.buffer(size) for _ in keys]
+            else:
+                frames = [torch.empty(size, dtype=torch.uint8) for _ in keys]
+            read_cells(self.mem, pool, ids, frames)
+            for key, frame in zip(keys, frames, strict=True):
+                write_header(frame, key)
         self._submit(tier, keys, frames, self.labels[pool])
 
     def _submit(self, tier: StorageTier, keys: list[str], frames: list[torch.Tensor], label: str) -> None:
@@ -217,12 +223,12 @@ class TierHierarchy:
             except TierError:
                 c.write_refused[name] += 1
                 continue
-            for status in statuses:
-                if status is PutStatus.STORED:
-                    c.written_objects[name] += 1
-                    c.written_bytes[name] += size
-                elif status is not PutStatus.KEPT:
-                    c.write_refused[name] += 1
+            counts = Counter(statuses)
+            stored = counts.pop(PutStatus.STORED, 0)
+            c.written_objects[name] += stored
+            c.written_bytes[name] += stored * size
+            counts.pop(PutStatus.KEPT, None)
+            c.write_refused[name] += sum(counts.values())
         self._pending = keep
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from hybridkv.memory import parse_bytes
 from hybridkv.tiers.base import PutStatus, StorageTier, TierError
-from hybridkv.tiers.framing import MissReason
+from hybridkv.tiers.framing import MissReason, meta_frame
 
 EvictSink = Callable[[list[str], list[torch.Tensor], list[str]], None]
 """Told the keys, frames and labels the host evicted (in LRU order); it owns the frames now."""
@@ -82,7 +82,7 @@ class HostTier(StorageTier):
         """A frame buffer of ``nbytes`` for a coming put (pinned when the tier pins); not
         counted until it is put."""
         if self.device.type == "meta":
-            return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+            return meta_frame(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def touch(self, keys: list[str]) -> None:
@@ -95,25 +95,29 @@ class HostTier(StorageTier):
     # --- the backend ----------------------------------------------------------------------
 
     def _write(self, keys: list[str], frames: list[torch.Tensor], label: str) -> list[PutStatus]:
+        meta = self.device.type == "meta"
+        if any(f.is_meta != meta for f in frames):
+            raise TierError(f"host tier on {self.device} got a frame on another device")
         out = []
-        objects = self._objects
+        objects, budget = self._objects, self.budget
         gone: tuple[list[str], list[torch.Tensor], list[str]] = ([], [], [])
+        stored = 0
         for key, frame in zip(keys, frames, strict=True):
-            if frame.device != self.device:
-                raise TierError(f"host tier on {self.device} got a frame on {frame.device}")
             if key in objects:
                 objects.move_to_end(key)
                 out.append(PutStatus.KEPT)
                 continue
             size = frame.numel()
-            if size > self.budget:
+            if size > budget:
                 out.append(PutStatus.REFUSED)
                 continue
-            self._make_room(size, gone)
+            if self.used_bytes + size > budget:
+                self._make_room(size, gone)
             objects[key] = (frame, label)
             self.used_bytes += size
-            self.bytes_by_label[label] += size
+            stored += size
             out.append(PutStatus.STORED)
+        self.bytes_by_label[label] += stored
         if gone[0] and self.on_evict is not None:
             self.on_evict(*gone)
         return out
@@ -143,8 +147,7 @@ class HostTier(StorageTier):
         return out
 
     def _exists(self, keys: list[str]) -> np.ndarray:
-        objects = self._objects
-        return np.fromiter((k in objects for k in keys), dtype=bool, count=len(keys))
+        return np.array(list(map(self._objects.__contains__, keys)), dtype=bool)
 
     def _remove(self, keys: list[str]) -> int:
         n = 0

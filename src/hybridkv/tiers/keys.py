@@ -74,9 +74,9 @@ class KeySpace:
     def key(self, pool: PoolId, name: int) -> str:
         return f"{self.prefixes[pool]}{name:016x}"
 
-    def keys(self, pool: PoolId, names: list[int] | np.ndarray) -> list[str]:
-        prefix = self.prefixes[pool]
-        return [f"{prefix}{int(h):016x}" for h in names]
+    def keys(self, pool: PoolId, names: list[int]) -> list[str]:
+        pattern = self.prefixes[pool] + "%016x"  # prefixes hold no '%' (_UNSAFE)
+        return [pattern % h for h in names]
 
     def page_names(self, tokens: np.ndarray, namespace: Hashable = None) -> list[int]:
         """Chained names of the whole pages of ``tokens`` under ``namespace`` (what the cache

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hybridkv.cache.events import chain_hashes, root_hash
 from hybridkv.memory import MoveGate
 from hybridkv.spec import PoolId
 from hybridkv.tiers.base import Payload, Ticket, TierError
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from hybridkv.tiers.hierarchy import TierHierarchy
 
 _STATE = "checkpoint"
+_FIRST_CHUNK = 32
+"""Pages past the device's named and looked up at first (doubling while every one is found)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Piece:
 class TierPlan:
     device_tokens: int
     """The device's own hit (locked by the request's handle)."""
+    full_tokens: int
+    """Where the full KV cached on any tier ends (page-aligned): the branch point, where a
+    request computing from the hit should checkpoint its state for the next one."""
     hit: TierHit
     pieces: list[Piece] = field(default_factory=list)
     window_labels: tuple[str, ...] = ()
@@ -92,7 +98,7 @@ def _lookup(h: TierHierarchy, pool: PoolId, names: list[int], idx: np.ndarray) -
     if h.host is not None:
         found = h.host.exists(keys)
         out[found] = Where.HOST
-        h.host.touch([k for k, f in zip(keys, found, strict=True) if f])
+        h.host.touch([k for k, f in zip(keys[::-1], found[::-1], strict=True) if f])  # the first page most recent
         todo = np.flatnonzero(~found)
     if h.store is not None and todo.size:
         found = h.store.exists([keys[i] for i in todo])
@@ -102,19 +108,29 @@ def _lookup(h: TierHierarchy, pool: PoolId, names: list[int], idx: np.ndarray) -
 
 def plan(h: TierHierarchy, tokens: np.ndarray, namespace: Hashable, device_tokens: int) -> TierPlan:
     """Where every piece of ``tokens``' longest restorable prefix is (``device_tokens``: the
-    device's own hit for the same tokens, ``MatchResult.length``)."""
+    device's own hit for the same tokens, ``MatchResult.length``). Pages past the device's are
+    named and looked up in growing chunks, up to the first page no tier holds full KV of."""
     ps = h.keys.page_size
     n = tokens.size // ps
-    names = h.keys.page_names(tokens, namespace)
     dev = device_view(h.cache, tokens, namespace)
     nd = dev.pages.size
-    rest = np.arange(nd, n)
+    names = dev.names if dev.names is not None else h.keys.page_names(tokens[: nd * ps], namespace)
     best = {}
     for p in h.full_pools:
-        where = np.full(n, Where.NOWHERE, dtype=np.int8)
-        where[:nd] = Where.DEVICE
-        where[nd:] = _lookup(h, p, names, rest)
-        best[p] = where
+        best[p] = np.full(n, Where.NOWHERE, dtype=np.int8)
+        best[p][:nd] = Where.DEVICE
+    pos, chunk = nd, _FIRST_CHUNK
+    while pos < n:
+        stop = min(n, pos + chunk)
+        names += chain_hashes(names[-1] if names else root_hash(namespace), tokens[pos * ps : stop * ps], ps)
+        idx = np.arange(pos, stop)
+        missing = np.zeros(idx.size, dtype=bool)
+        for p in h.full_pools:
+            best[p][pos:stop] = _lookup(h, p, names, idx)
+            missing |= best[p][pos:stop] == Where.NOWHERE
+        if missing.any():
+            break
+        pos, chunk = stop, chunk * 2
     full = np.max(np.stack(list(best.values())), axis=0) if best else np.full(n, Where.DEVICE, dtype=np.int8)
     gaps = np.flatnonzero(full == Where.NOWHERE)
     reach = int(gaps[0]) if gaps.size else n
@@ -134,7 +150,8 @@ def plan(h: TierHierarchy, tokens: np.ndarray, namespace: Hashable, device_token
         ends = np.flatnonzero(ckpts[1 : reach + 1] == Where.NOWHERE) + 1
         ckpts[ends] = _lookup(h, h.state_pool, names, ends - 1)
     hit = cross_tier_hit(Residency(full, tuple(windows), ckpts), ps, h.window_pools, n)
-    out = TierPlan(device_tokens, hit, window_labels=tuple(h.labels[p] for p in h.window_pools))
+    labels = tuple(h.labels[p] for p in h.window_pools)
+    out = TierPlan(device_tokens, reach * ps, hit, window_labels=labels)
     if not out.restores:
         return out
     d, e = device_tokens // ps, hit.pages

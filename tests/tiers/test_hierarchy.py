@@ -1,0 +1,180 @@
+"""The hierarchy's rules: keys agree with the cache's own page names and never cross layouts
+or namespaces; a corrupted or silently evicted object makes the restore fall back to the
+device (the reason counted), never wrong bytes; pieces the device still holds past its own
+hit are used in place (pinned, copied device to device); write-back cascades device ->
+host -> store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.cache import PAGE_NEED
+from hybridkv.tiers import DictStore, HostTier, KeySpace, PutStatus, TierError, TierHierarchy, Where
+from hybridkv.tiers.framing import HEADER
+from tests.tiers.helpers import new_cache, serve, tiny_memory, view_bytes
+
+TOKENS = np.arange(40, dtype=np.int64)
+NEXT = np.concatenate([TOKENS, np.arange(100, 107)])  # a next turn's prefix: a hit may end at 40
+
+
+def _restore(tiers: TierHierarchy, kvm, prefix: np.ndarray) -> tuple[int, object]:
+    match = kvm.match(prefix)
+    plan = tiers.plan(prefix, None, match.length)
+    fetched = tiers.fetch(plan)
+    kv = kvm.admit(match)
+    kvm.extend(kv, plan.tokens)
+    end = tiers.commit(fetched, kv.pages, kv.state_slot)
+    return end, kv
+
+
+def test_keys_are_the_caches_own_page_names():
+    mem = tiny_memory("tiny-qwen3-next")
+    cache, kvm = new_cache(mem)
+    stored = []
+
+    class Spy:
+        def stored(self, node, kind, pool):
+            stored.append(node)
+
+        def evicting(self, node, kind, pool):
+            pass
+
+    cache.set_residency_hook(Spy())
+    serve(kvm, TOKENS, fill=1)
+    assert stored
+    names = [h for node in cache.match_prefix(TOKENS).node.path() for h in node.hashes]
+    keys = KeySpace.of(mem)
+    assert keys.page_names(TOKENS) == names and len(names) == 10
+    assert keys.page_names(TOKENS, "tenant") != names  # a namespace names pages apart
+
+
+def test_layouts_never_share_keys():
+    """Different TP ranks, TP sizes, models or page sizes: no prefix in common."""
+    prefixes = set()
+    for name, tp, rank, ps in [
+        ("tiny-qwen3-next", 1, 0, 4),
+        ("tiny-qwen3-next", 2, 0, 4),
+        ("tiny-qwen3-next", 2, 1, 4),
+        ("tiny-qwen3-next", 1, 0, 8),
+        ("tiny-gemma3", 1, 0, 4),
+    ]:
+        mem = tiny_memory(name, tp=tp, tp_rank=rank, page_size=ps)
+        mine = set(KeySpace.of(mem).prefixes.values())
+        assert len(mine) == len(mem.pools) and not mine & prefixes
+        prefixes |= mine
+
+
+def test_another_shard_finds_nothing_of_ours():
+    store = DictStore()
+    mem = tiny_memory("tiny-qwen3-next", tp=2, tp_rank=0)
+    cache, kvm = new_cache(mem)
+    TierHierarchy(cache, store=store)
+    serve(kvm, TOKENS, fill=1)
+    cache.evict({PAGE_NEED: 10_000})
+    assert len(store) > 0
+    other = tiny_memory("tiny-qwen3-next", tp=2, tp_rank=1)
+    other_cache, _ = new_cache(other)
+    assert TierHierarchy(other_cache, store=store).plan(NEXT, None, 0).tokens == 0
+    same = tiny_memory("tiny-qwen3-next", tp=2, tp_rank=0)
+    same_cache, _ = new_cache(same)
+    assert TierHierarchy(same_cache, store=store).plan(NEXT, None, 0).tokens == 40  # same layout: shared
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "silently evicted"])
+def test_a_damaged_object_is_a_counted_miss_and_the_request_recomputes(damage):
+    mem = tiny_memory("tiny-qwen3-next")
+    cache, kvm = new_cache(mem)
+    store = DictStore()
+    tiers = TierHierarchy(cache, store=store)
+    serve(kvm, TOKENS, fill=1)
+    cache.evict({PAGE_NEED: 10_000})
+    plan = tiers.plan(NEXT, None, 0)
+    assert plan.tokens == 40
+    state = next(p for p in plan.pieces if p.pool == tiers.state_pool)
+    key, size = state.keys[0], tiers.keys.payload_bytes[state.pool]
+    if damage == "corrupt":  # flip a byte of the stored state through the store's API
+        bad = store._read([key], [HEADER + size])[0].clone()
+        bad[HEADER + size // 2] ^= 1
+        store.evict([key])
+        assert store.put([key], [bad]) == [PutStatus.STORED]
+    else:  # the store dropped it on its own after the plan saw it
+        store._remove([key])
+    match = kvm.match(NEXT)
+    fetched = tiers.fetch(plan)
+    kv = kvm.admit(match)
+    kvm.extend(kv, plan.tokens)
+    assert tiers.commit(fetched, kv.pages, kv.state_slot) == 0
+    assert tiers.counters.fallbacks == 1
+    assert tiers.counters.misses == {"checksum" if damage == "corrupt" else "evicted": 1}
+    kvm.release(kv)
+    mem.verify()
+    cache.check()
+
+
+def test_state_evicted_but_kv_kept_uses_the_devices_kv_and_a_host_checkpoint():
+    """The device keeps the full KV but lost its checkpoints: the hit comes back with the KV
+    copied on the device (pinned meanwhile) and the state from host memory."""
+    mem = tiny_memory("tiny-qwen3-next")
+    cache, kvm = new_cache(mem)
+    tiers = TierHierarchy(cache, host=HostTier(1 << 20))
+    serve(kvm, TOKENS, fill=1)
+    pages = cache.match_prefix(TOKENS).pages.copy()
+    slot40 = next(n.checkpoint for n in cache.match_prefix(TOKENS).node.path() if n.end == 40)
+    before = view_bytes(mem, pages, slot40)
+    cache.evict({tiers.state_pool: 100})
+    assert cache.num_checkpoints == 0 and cache.cached_tokens == 40
+    match = kvm.match(NEXT)
+    assert match.length == 0 and match.full_length == 40
+    plan = tiers.plan(NEXT, None, match.length)
+    assert plan.tokens == 40
+    assert {(str(p.pool), p.where) for p in plan.pieces} == {("full", Where.DEVICE), ("state", Where.HOST)}
+    fetched = tiers.fetch(plan)
+    assert mem.gates.page_pins[pages].all()  # the device's pages past the hit cannot move or go
+    kv = kvm.admit(match)
+    kvm.extend(kv, plan.tokens)
+    assert tiers.commit(fetched, kv.pages, kv.state_slot) == 40
+    assert not mem.gates.page_pins[pages].any()
+    after = view_bytes(mem, kv.pages, kv.state_slot)
+    for key, data in before.items():
+        assert after[key] == data, key
+    assert tiers.counters.loaded_bytes["device"] > 0 and tiers.counters.loaded_bytes["host"] > 0
+    assert tiers.counters.hit_tokens["checkpoint"] == {"host": 40}
+    kvm.release(kv)
+    mem.verify()
+    cache.check()
+
+
+def test_write_back_cascades_to_the_store():
+    """Host memory holding a few objects: what it evicts goes on to the store, and a hit
+    is restored from both."""
+    mem = tiny_memory("tiny-gemma3")
+    cache, kvm = new_cache(mem)
+    cell = HEADER + max(mem.layout(p).cell_bytes for p in mem.pools)
+    host, store = HostTier(4 * cell), DictStore()
+    tiers = TierHierarchy(cache, host=host, store=store)
+    serve(kvm, TOKENS, fill=1)
+    cache.evict({PAGE_NEED: 10_000})
+    assert host.evictions > 0 and len(store) == host.evictions
+    assert tiers.counters.written_objects["dict"] == host.evictions
+    end, kv = _restore(tiers, kvm, NEXT)
+    assert end == 40
+    assert tiers.counters.hit_tokens["full_kv"]["host"] > 0 and tiers.counters.hit_tokens["full_kv"]["store"] > 0
+    kvm.release(kv)
+
+
+def test_misuse_is_refused():
+    mem = tiny_memory("tiny-qwen3-next")
+    cache, kvm = new_cache(mem)
+    with pytest.raises(TierError, match="host memory, a store"):
+        TierHierarchy(cache)
+    serve(kvm, TOKENS, fill=1)
+    with pytest.raises(Exception, match="before the first insert"):
+        TierHierarchy(cache, store=DictStore())
+    fresh, fresh_kvm = new_cache(tiny_memory("tiny-qwen3-next"))
+    tiers = TierHierarchy(fresh, store=DictStore())
+    plan = tiers.plan(NEXT, None, 0)
+    kv = fresh_kvm.admit(fresh_kvm.match(NEXT))
+    assert tiers.commit(tiers.fetch(plan), kv.pages, kv.state_slot) == 0  # nothing below: the device hit
+    assert torch.equal(torch.tensor(0), torch.tensor(tiers.counters.fallbacks))
