@@ -26,6 +26,7 @@ def _restore(tiers: TierHierarchy, kvm, prefix: np.ndarray) -> tuple[int, object
     kv = kvm.admit(match)
     kvm.extend(kv, plan.tokens)
     end = tiers.commit(fetched, kv.pages, kv.state_slot)
+    tiers.record(plan, end)
     return end, kv
 
 
@@ -135,6 +136,7 @@ def test_state_evicted_but_kv_kept_uses_the_devices_kv_and_a_host_checkpoint():
     kv = kvm.admit(match)
     kvm.extend(kv, plan.tokens)
     assert tiers.commit(fetched, kv.pages, kv.state_slot) == 40
+    tiers.record(plan, 40)
     assert not mem.gates.page_pins[pages].any()
     after = view_bytes(mem, kv.pages, kv.state_slot)
     for key, data in before.items():
@@ -178,3 +180,27 @@ def test_misuse_is_refused():
     kv = fresh_kvm.admit(fresh_kvm.match(NEXT))
     assert tiers.commit(tiers.fetch(plan), kv.pages, kv.state_slot) == 0  # nothing below: the device hit
     assert torch.equal(torch.tensor(0), torch.tensor(tiers.counters.fallbacks))
+
+
+@pytest.mark.parametrize(("stride", "pages"), [(0, {8, 9}), (16, {2, 3, 6, 7, 8, 9}), (8, set(range(10)))])
+def test_window_stride_writes_the_windows_before_more_boundaries(stride, pages):
+    """Gemma 3's window is 8 tokens (2 pages): a 40-token node writes the window before its end,
+    and with a stride the windows before every multiple of it; a hit can then end there."""
+    mem = tiny_memory("tiny-gemma3")
+    cache, kvm = new_cache(mem)
+    store = DictStore()
+    tiers = TierHierarchy(cache, store=store, window_stride=stride)
+    serve(kvm, TOKENS, fill=1)
+    names = tiers.keys.page_names(TOKENS)
+    cache.evict({PAGE_NEED: 10_000})
+    window = tiers.window_pools[0]
+    held = store.exists(tiers.keys.keys(window, names))
+    assert set(np.flatnonzero(held).tolist()) == pages
+    diverging = np.concatenate([TOKENS[:16], np.arange(200, 220)])  # leaves the cached tokens at 16
+    assert tiers.plan(diverging, None, 0).tokens == (16 if stride else 0)
+
+
+def test_window_stride_must_be_whole_pages():
+    cache, _ = new_cache(tiny_memory("tiny-gemma3"))
+    with pytest.raises(TierError, match="multiple of the page size"):
+        TierHierarchy(cache, store=DictStore(), window_stride=6)

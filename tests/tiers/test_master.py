@@ -85,7 +85,9 @@ def test_the_module_runs_a_master_until_terminated():
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith("mooncake_master at 127.0.0.1:"), line
+        ready = line.startswith("mooncake_master at 127.0.0.1:")
     finally:
         proc.terminate()
-        assert proc.wait(10) == 0
+        _, err = proc.communicate(timeout=20)
+    assert ready, (line, err)
+    assert proc.returncode == 0, err

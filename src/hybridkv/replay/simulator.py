@@ -341,6 +341,8 @@ class Simulator:
             res.input_tokens += req.input_length
             res.hit_tokens += start
             res.device_hit_tokens += match.length
+            if tiers is not None and fetched is not None:
+                tiers.record(fetched, start)
             res.full_hit_tokens += match.full_length
             res.window_hit_tokens += match.window_length
             for label, n in zip(self._window_labels, match.window_lengths, strict=True):

@@ -56,6 +56,9 @@ class TierConfig:
     store_master: str | None = None
     """``mooncake``: an operator's master (host:port); None starts one on loopback."""
     write_policy: str = WritePolicy.BACK.value
+    window_stride: int = 0
+    """Windows written below the device: before each node's end, and (when > 0) before every
+    multiple of this many tokens (``TierHierarchy.window_stride``)."""
     host_bandwidth: float = 25e9
     """Bytes/s from host memory to the device (PCIe-class)."""
     store_bandwidth: float = 10e9
@@ -72,7 +75,8 @@ class TierConfig:
         parts = [f"host {self.host_memory}"] if self.host_memory is not None else []
         if self.store != "none":
             parts.append(f"{self.store} store {self.store_memory or 'unbounded'}")
-        return " + ".join(parts) + f" ({self.write_policy})"
+        stride = f", windows every {self.window_stride}" if self.window_stride else ""
+        return " + ".join(parts) + f" ({self.write_policy}{stride})"
 
 
 class ReplayTiers:
@@ -102,6 +106,7 @@ class ReplayTiers:
             policy=config.write_policy,
             host_bandwidth=config.host_bandwidth,
             store_bandwidth=config.store_bandwidth,
+            window_stride=config.window_stride,
         )
         self._charged = 0.0
 
@@ -137,6 +142,10 @@ class ReplayTiers:
             with contextlib.suppress(OutOfMemory):  # no room: the state stays below only
                 kvm.checkpoint(kv)  # the restored state is the device's again: the next hit is local
         return kv, end
+
+    def record(self, fetched: Fetched, hit: int) -> None:
+        """Count a request's hit by component and source tier (once: at its first admission)."""
+        self.tiers.record(fetched.plan, hit)
 
     def wanted_checkpoints(self, kv: KVHandle, fetched: Fetched, prompt_len: int) -> tuple[int, ...]:
         """The placement's checkpoints (``KVManager.wanted_checkpoints``) with the branch point

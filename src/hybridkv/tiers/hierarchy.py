@@ -3,8 +3,10 @@
 ``TierHierarchy`` is the prefix cache's ``ResidencyHook``: the cache tells it what its tree
 stores and, before the bytes are freed, what it evicts. What it writes per component:
 - full KV: every page of the node, every full-history pool (one object per page and pool);
-- a window pool: only the pages of the window before the node's end (the span a hit ending
-  there needs; a hit ends where a node ends or is split), those still resident;
+- a window pool: only the pages of the window before a boundary where a hit may end, those
+  still resident: the node's end (a hit ends where a node ends or is split) and, with
+  ``window_stride``, every multiple of it inside the node (more hits can end below, for
+  more bytes: a stride at most the window writes every page);
 - a checkpoint: the slot's cell, named by the node's last page.
 
 Write policies:
@@ -58,9 +60,10 @@ class TierCounters:
     write_refused: Counter[str] = field(default_factory=Counter)
     """Objects a tier refused (full, down, error), per tier name."""
     loaded_bytes: Counter[str] = field(default_factory=Counter)
-    """Bytes restored to the device per source (``device`` is a device-to-device copy)."""
+    """Bytes restored to the device per source (``device`` is a device-to-device copy), for
+    the hits recorded (``record``)."""
     load_seconds: float = 0.0
-    """Load-back time at the stated bandwidths (host and store)."""
+    """Load-back time of the recorded hits at the stated bandwidths (host and store)."""
     misses: Counter[str] = field(default_factory=Counter)
     """Objects a planned load did not get, by ``MissReason``."""
     fallbacks: int = 0
@@ -83,11 +86,22 @@ class TierHierarchy:
         host_bandwidth: float = 25e9,
         store_bandwidth: float = 10e9,
         timeout_s: float = 10.0,
+        window_stride: int = 0,
     ):
         if host is None and store is None:
             raise TierError("a tier hierarchy needs host memory, a store, or both")
         if host is not None and host.on_evict is not None:
             raise TierError("this host tier already belongs to a hierarchy (its on_evict is set)")
+        ps = cache.page_size
+        if (
+            isinstance(window_stride, bool)
+            or not isinstance(window_stride, int)
+            or window_stride % ps
+            or window_stride < 0
+        ):
+            raise TierError(
+                f"window_stride must be 0 or a positive multiple of the page size {ps}, got {window_stride!r}"
+            )
         if host_bandwidth <= 0 or store_bandwidth <= 0:
             raise TierError(f"bandwidths must be > 0 B/s, got host {host_bandwidth} store {store_bandwidth}")
         self.cache = cache
@@ -99,6 +113,7 @@ class TierHierarchy:
         self.policy = WritePolicy(policy)
         self.bandwidth = {Where.HOST: float(host_bandwidth), Where.STORE: float(store_bandwidth)}
         self.timeout_s = timeout_s
+        self.window_stride = window_stride
         self.counters = TierCounters()
         self._pending: list[tuple[str, Ticket[list[PutStatus]], int]] = []
         self.full_pools: tuple[PoolId, ...] = self.rules.full.pools
@@ -145,11 +160,18 @@ class TierHierarchy:
                 self._put(tier, p, node.pages, names)
         else:
             assert pool is not None
-            ps = self.keys.page_size
-            first = int(pool.first_needed(node.end)) // ps - node.start // ps
-            local = np.arange(max(0, first), node.pages.size)
+            local = self._window_pages(node, pool)
             local = local[self.mem.resident(node.pages[local], pool)]
             self._put(tier, pool, node.pages[local], [names[i] for i in local])
+
+    def _window_pages(self, node: Node, pool: PoolId) -> np.ndarray:
+        """Indices of ``node``'s pages inside the window before a boundary: its end, and every
+        multiple of ``window_stride`` inside it. A page is needed when the first boundary at or
+        after its end still reaches back to it."""
+        ps, stride = self.keys.page_size, self.window_stride
+        ends = (node.start // ps + np.arange(1, node.pages.size + 1)) * ps  # each page's end position
+        nxt = np.minimum(node.end, -(-ends // stride) * stride) if stride else np.full(ends.size, node.end)
+        return np.flatnonzero(np.asarray(pool.first_needed(nxt)) <= ends - ps)
 
     def _put(self, tier: StorageTier, pool: PoolId, ids: np.ndarray, names: list[int]) -> None:
         """Write the objects of pages ``ids`` (named ``names``), last page first: in an LRU
@@ -209,6 +231,10 @@ class TierHierarchy:
     def commit(self, fetched: Fetched, pages: np.ndarray, slot: int | None) -> int:
         """Copy the fetched pieces into the request's reserved ``pages`` / ``slot``; the hit now valid."""
         return restore.commit(self, fetched, pages, slot)
+
+    def record(self, plan: TierPlan, end: int) -> None:
+        """Count a request's hit (``commit``'s answer) by component and source tier, once."""
+        restore.record(self, plan, end)
 
     def reap(self, wait: bool = False) -> None:
         """Count the writes that finished (all of them, waiting up to the timeout, with ``wait``)."""

@@ -5,6 +5,7 @@
     ...                                                  # the request waits its turn
     kv = kvm.admit(match); kvm.extend(kv, plan.tokens)   # pages (and the running state slot) reserved first
     end = tiers.commit(fetched, kv.pages, kv.state_slot) # verified bytes copied in; ``end`` is the hit
+    tiers.record(plan, end)                              # once the request is admitted for good: stats
 
 ``plan`` merges the device's residency (a walk of its tree) with host memory's and the
 store's (``exists``), and applies the cross-tier rule (``hit.py``). Pieces beyond the
@@ -70,6 +71,8 @@ class TierPlan:
     hit: TierHit
     pieces: list[Piece] = field(default_factory=list)
     window_labels: tuple[str, ...] = ()
+    moved: Counter[Where] = field(default_factory=Counter)
+    """Bytes ``commit`` copied to the device, per source (counted by ``record``)."""
 
     @property
     def tokens(self) -> int:
@@ -212,7 +215,6 @@ def commit(h: TierHierarchy, fetched: Fetched, pages: np.ndarray, slot: int | No
     d, e = plan.device_tokens // ps, plan.hit.pages
     try:
         if not plan.restores:
-            _record(h, plan, restored=False)
             return plan.device_tokens
         if pages.size < e:
             raise TierError(f"commit: the request holds {pages.size} pages; reserve {e} (extend to {plan.tokens})")
@@ -221,9 +223,9 @@ def commit(h: TierHierarchy, fetched: Fetched, pages: np.ndarray, slot: int | No
         got = _gather(h, fetched)
         if got is None:
             h.counters.fallbacks += 1
-            _record(h, plan, restored=False)
             return plan.device_tokens
-        moved: Counter[Where] = Counter()
+        moved = plan.moved
+        moved.clear()
         for piece, payloads in got:
             dst = np.array([slot], dtype=np.int64) if piece.pool == h.state_pool else pages[piece.pages]
             if piece.where is Where.DEVICE:
@@ -231,13 +233,7 @@ def commit(h: TierHierarchy, fetched: Fetched, pages: np.ndarray, slot: int | No
             else:
                 write_cells(h.mem, piece.pool, dst, payloads)
             moved[piece.where] += dst.size * h.keys.payload_bytes[piece.pool]
-        c = h.counters
-        for where, n in moved.items():
-            c.loaded_bytes[where.name.lower()] += n
-            if where is not Where.DEVICE:
-                c.load_seconds += n / h.bandwidth[where]
         assert e > d
-        _record(h, plan, restored=True)
         return plan.tokens
     finally:
         if fetched.gate is not None:
@@ -275,11 +271,13 @@ def _gather(h: TierHierarchy, fetched: Fetched) -> list[tuple[Piece, list[Payloa
     return out
 
 
-def _record(h: TierHierarchy, plan: TierPlan, restored: bool) -> None:
-    """Hit tokens by component and source tier (everything from the device when not restored)."""
+def record(h: TierHierarchy, plan: TierPlan, end: int) -> None:
+    """Count a request's hit of ``end`` tokens (what ``commit`` returned) by component and
+    source tier: once per request, when it is admitted for good."""
     ps, c = h.keys.page_size, h.counters
     hit = plan.hit
     d = plan.device_tokens // ps
+    restored = end > plan.device_tokens
     e = hit.pages if restored else d
 
     def add(label: str, where: np.ndarray) -> None:
@@ -304,3 +302,7 @@ def _record(h: TierHierarchy, plan: TierPlan, restored: bool) -> None:
     if restored:
         c.restored_tokens += (e - d) * ps
         c.restored_requests += 1
+        for source, n in plan.moved.items():
+            c.loaded_bytes[source.name.lower()] += n
+            if source is not Where.DEVICE:
+                c.load_seconds += n / h.bandwidth[source]
