@@ -80,7 +80,7 @@ def test_the_master_dies_with_its_parent():
 
 def test_the_module_runs_a_master_until_terminated():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridkv.tiers.master"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "hybridkv.tiers"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None

@@ -17,6 +17,9 @@ Write policies:
 
 Objects a tier holds already are not written again (keys name content). Writes to a
 networked store are not waited for: their tickets are reaped later (``reap``) and counted.
+At most ``max_pending_bytes`` of frames wait in unfinished writes: past that (a store slower
+than the evictions feeding it) a write is dropped and counted as refused, so a slow or hung
+store never holds an unbounded amount of host memory.
 
 Loading back (``restore.py``) and the hit rule (``hit.py``) read what this writes.
 
@@ -87,6 +90,7 @@ class TierHierarchy:
         store_bandwidth: float = 10e9,
         timeout_s: float = 10.0,
         window_stride: int = 0,
+        max_pending_bytes: int = 1 << 30,
     ):
         if host is None and store is None:
             raise TierError("a tier hierarchy needs host memory, a store, or both")
@@ -115,7 +119,10 @@ class TierHierarchy:
         self.timeout_s = timeout_s
         self.window_stride = window_stride
         self.counters = TierCounters()
-        self._pending: list[tuple[str, Ticket[list[PutStatus]], int]] = []
+        self._pending: list[tuple[str, Ticket[list[PutStatus]], int, int]] = []
+        """Unfinished writes: tier name, ticket, frame bytes, objects."""
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
         self.full_pools: tuple[PoolId, ...] = self.rules.full.pools
         self.window_pools: tuple[PoolId, ...] = tuple(w.pool_id for w in self.rules.windows)
         self.state_pool: PoolId | None = self.rules.checkpoint.pool_id if self.rules.checkpoint is not None else None
@@ -201,8 +208,14 @@ class TierHierarchy:
         self._submit(tier, keys, frames, self.labels[pool])
 
     def _submit(self, tier: StorageTier, keys: list[str], frames: list[torch.Tensor], label: str) -> None:
+        size = frames[0].numel() if frames else 0
+        self.reap()
+        if self.pending_bytes + size * len(keys) > self.max_pending_bytes:
+            self.counters.write_refused[tier.name] += len(keys)  # a backlog: the tier is slower than the writes
+            return
         ticket = tier.submit_put(keys, frames, label)
-        self._pending.append((tier.name, ticket, frames[0].numel() if frames else 0))
+        self._pending.append((tier.name, ticket, size, len(keys)))
+        self.pending_bytes += size * len(keys)
         self.reap()
 
     def _host_evicted(self, keys: list[str], frames: list[torch.Tensor], labels: list[str]) -> None:
@@ -240,14 +253,15 @@ class TierHierarchy:
         """Count the writes that finished (all of them, waiting up to the timeout, with ``wait``)."""
         keep = []
         c = self.counters
-        for name, ticket, size in self._pending:
+        for name, ticket, size, count in self._pending:
             if not (wait or ticket.poll()):
-                keep.append((name, ticket, size))
+                keep.append((name, ticket, size, count))
                 continue
+            self.pending_bytes -= size * count
             try:
                 statuses = ticket.wait(self.timeout_s)
-            except TierError:
-                c.write_refused[name] += 1
+            except TierError:  # timed out: the tier is marked down, these writes count as lost
+                c.write_refused[name] += count
                 continue
             counts = Counter(statuses)
             stored = counts.pop(PutStatus.STORED, 0)

@@ -17,7 +17,7 @@ Invariants:
   wait, and an ``atexit`` hook stops it if nobody did.
 - ``kill`` (a fault drill) and ``start`` again reuse the same ports.
 
-``python -m hybridkv.tiers.master`` runs one in the foreground until Ctrl-C / SIGTERM.
+``python -m hybridkv.tiers`` runs one in the foreground until Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -191,33 +190,3 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run a master on loopback until interrupted; print its address."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m hybridkv.tiers.master", description=main.__doc__)
-    parser.add_argument("--rpc-port", type=int, default=None, help="RPC port (default: a free one)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="metrics port (default: a free one)")
-    args = parser.parse_args(argv)
-    try:
-        master = MooncakeMaster(rpc_port=args.rpc_port, metrics_port=args.metrics_port).start()
-    except TierError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"mooncake_master at {master.address} (metrics {LOOPBACK}:{master.metrics_port}, log {master.log_path})")
-    stop = signal.signal(signal.SIGTERM, lambda *_: master.stop())
-    try:
-        while master.running:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        master.stop()
-        signal.signal(signal.SIGTERM, stop)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -116,7 +116,7 @@ class MooncakeStoreTier(StorageTier):
             self.close()
             raise TierError(
                 f"cannot set up a Mooncake Store client against master {master} (is mooncake_master running "
-                "there? python -m hybridkv.tiers.master starts one on loopback)"
+                "there? python -m hybridkv.tiers starts one on loopback)"
             )
 
     # --- health ---------------------------------------------------------------------------

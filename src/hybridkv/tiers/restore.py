@@ -83,6 +83,15 @@ class TierPlan:
     def restores(self) -> bool:
         return self.hit.tokens > self.device_tokens
 
+    def cached_tokens(self, end: int) -> dict[str, int]:
+        """A hit of ``end`` tokens (``commit``'s answer) by where its full KV came from: the
+        server's ``meta_info.cached_tokens_details`` {device, host, storage}."""
+        out = {"device": end, "host": 0, "storage": 0}
+        if end > self.device_tokens:
+            by_tier = self.hit.full_tokens()
+            out = {"device": by_tier[Where.DEVICE], "host": by_tier[Where.HOST], "storage": by_tier[Where.STORE]}
+        return out
+
 
 @dataclass
 class Fetched:
