@@ -219,3 +219,15 @@ def test_window_stride_must_be_whole_pages():
     cache, _ = new_cache(tiny_memory("tiny-gemma3"))
     with pytest.raises(TierError, match="multiple of the page size"):
         TierHierarchy(cache, store=DictStore(), window_stride=6)
+
+
+def test_writes_a_tier_finishes_at_once_are_never_a_backlog():
+    """The backlog bound is for unfinished writes only: a batch bigger than it, to a tier that
+    completes it at once, is written whole."""
+    cache, kvm = new_cache(tiny_memory("tiny-qwen3-next"))
+    store = DictStore()
+    tiers = TierHierarchy(cache, store=store, max_pending_bytes=1)
+    serve(kvm, TOKENS, fill=1)
+    cache.evict({PAGE_NEED: 10_000})
+    assert not tiers.counters.write_refused and tiers.pending_bytes == 0
+    assert tiers.counters.written_objects["dict"] == len(store) > 10

@@ -17,9 +17,10 @@ Write policies:
 
 Objects a tier holds already are not written again (keys name content). Writes to a
 networked store are not waited for: their tickets are reaped later (``reap``) and counted.
-At most ``max_pending_bytes`` of frames wait in unfinished writes: past that (a store slower
-than the evictions feeding it) a write is dropped and counted as refused, so a slow or hung
-store never holds an unbounded amount of host memory.
+At most ``max_pending_bytes`` of frames (plus one batch) wait in unfinished writes: past that
+(a store slower than the evictions feeding it) a write is dropped and counted as refused, so
+a slow or hung store never holds an unbounded amount of host memory. A tier that completes
+writes at once (host memory, a dict) never has a backlog.
 
 Loading back (``restore.py``) and the hit rule (``hit.py``) read what this writes.
 
@@ -210,7 +211,7 @@ class TierHierarchy:
     def _submit(self, tier: StorageTier, keys: list[str], frames: list[torch.Tensor], label: str) -> None:
         size = frames[0].numel() if frames else 0
         self.reap()
-        if self.pending_bytes + size * len(keys) > self.max_pending_bytes:
+        if self.pending_bytes and self.pending_bytes + size * len(keys) > self.max_pending_bytes:
             self.counters.write_refused[tier.name] += len(keys)  # a backlog: the tier is slower than the writes
             return
         ticket = tier.submit_put(keys, frames, label)
@@ -268,7 +269,8 @@ class TierHierarchy:
             c.written_objects[name] += stored
             c.written_bytes[name] += stored * size
             counts.pop(PutStatus.KEPT, None)
-            c.write_refused[name] += sum(counts.values())
+            if counts:
+                c.write_refused[name] += sum(counts.values())
         self._pending = keep
 
     def close(self) -> None:

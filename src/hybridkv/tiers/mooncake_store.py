@@ -30,11 +30,13 @@ master answers brings the tier back up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import numpy as np
@@ -243,8 +245,9 @@ class MooncakeStoreTier(StorageTier):
             return
         self._closed = True
         store, self._store = self._store, None
-        if store is not None and self._inflight == 0:
-            self._worker.submit(store.close).result(timeout=self.timeout_s)
+        if store is not None and self._inflight == 0:  # a worker stuck in a call keeps the client
+            with contextlib.suppress(FutureTimeout):
+                self._worker.submit(store.close).result(timeout=self.timeout_s)
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
