@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,8 @@ from openai import AsyncOpenAI
 from hybridkv.engine.disagg import PDConfig, PDServer, WorkerState
 from hybridkv.engine.engine import Engine, Output
 from hybridkv.engine.random_models import save_random
-from hybridkv.server import HttpServer, PDBackend, ServerConfig, bind
+from hybridkv.engine.request import FinishReason, SamplingParams
+from hybridkv.server import Finished, HttpServer, PDBackend, QueueFull, ServerConfig, bind
 from tests.server.conftest import API_KEY, MODEL, shared_prefix_prompts
 from tests.server.test_endpoints import metric
 
@@ -193,6 +195,44 @@ def test_abort_request_by_id_frees_both_engines(server: HttpServer) -> None:
     assert_nothing_held(server)
 
 
+class Collect:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.end: Finished | None = None
+        self.ended = threading.Event()
+
+    def on_token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def on_finish(self, result: Finished) -> None:
+        assert self.end is None, "a second end"
+        self.end = result
+        self.ended.set()
+
+
+def test_a_full_backend_refuses_with_queue_full_and_aborting_everything_frees_both_engines(
+    server: HttpServer,
+) -> None:
+    pd = pd_of(server)
+    backend = PDBackend(pd, MODEL, "32MiB", max_queued=0)  # a second front on the same PD server: 64 open at most
+    assert backend.capacity == pd.config.max_running == 64
+    params = SamplingParams(150, ignore_eos=True)
+    sinks = [Collect() for _ in range(backend.capacity)]
+    tickets = [backend.submit(PROMPTS[i % len(PROMPTS)], params, sink) for i, sink in enumerate(sinks)]
+    with pytest.raises(QueueFull, match="retry later"):
+        backend.submit(PROMPTS[0], params, Collect())
+    for ticket in tickets:
+        backend.abort(ticket, "test")
+    for sink in sinks:
+        assert sink.ended.wait(60)
+        assert sink.end is not None and sink.end.finish_reason is FinishReason.ABORT and len(sink.tokens) < 150
+    assert backend.metrics()["aborted"] == 64
+    assert_nothing_held(server)
+    sink = Collect()  # room again
+    backend.submit(PROMPTS[0], SamplingParams(2), sink)
+    assert sink.ended.wait(60) and sink.end is not None and sink.end.finish_reason is FinishReason.LENGTH
+
+
 def scrape(server: HttpServer) -> str:
     r = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
@@ -237,11 +277,12 @@ def test_metrics_export_the_pd_figures(server: HttpServer) -> None:
         live = metric(text, f'hybridkv_pd_worker_pages{{epoch="0",state="live",worker="{w}"}}')
         assert live == metric(text, f'hybridkv_pd_worker_pages{{epoch="0",state="before",worker="{w}"}}')
         assert metric(text, f'hybridkv_pd_worker_requests{{epoch="0",worker="{w}"}}') == 0
-    # the router's own count: every request of this module so far ended, none failed but the 2 aborted
+    # the router's own count: every request of this module so far ended, none failed but the aborted ones
     m = pd_of(server).metrics()
-    assert m["phases"]["finished"] == m["finished"] == m["requests"] - 2 and m["failed"] == 2
+    assert m["phases"]["finished"] == m["finished"] == m["requests"] - 2 - 64 and m["failed"] == 2 + 64
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected router bug
 def test_a_lost_engine_or_a_dead_router_turns_health_503(server: HttpServer, monkeypatch: pytest.MonkeyPatch) -> None:
     # the last test: it breaks the shared server (restarts=0: one death loses the engine)
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200

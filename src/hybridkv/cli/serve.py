@@ -156,8 +156,10 @@ def parse_faults(values: list[str]) -> tuple[Fault, ...]:
             if not 2 <= len(parts) <= 4:
                 raise ValueError("give KIND:REQUEST[:RANK[:DELAY]]")
             kind, request, rank, delay = [*parts, "0", "1.0"][:4]
+            if not (request.isdigit() and rank.isdigit()):
+                raise ValueError("REQUEST and RANK are integers >= 0")
             if not math.isfinite(float(delay)):
-                raise ValueError(f"delay {delay!r} is not a finite number of seconds")
+                raise ValueError(f"DELAY {delay!r} is not a finite number of seconds")
             faults.append(Fault(kind, int(request), int(rank), float(delay)))
         except ValueError as exc:
             raise typer.BadParameter(
