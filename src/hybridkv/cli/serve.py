@@ -275,14 +275,31 @@ def bench_serve(
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
     url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
     api_key: str = typer.Option(None, "--api-key", help=f"Its API key (or set ${API_KEY_ENV})."),
+    disaggregated: bool = typer.Option(
+        False, "--disaggregated", help="Also hybridkv serve --disaggregated (its own subprocess), same requests."
+    ),
+    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (--disaggregated)."),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill TP ranks per stage (--disaggregated)."),
+    decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode TP ranks (--disaggregated)."),
+    transport: str = typer.Option(
+        "shm", "--transport", callback=transport_option, help="shm or mooncake (--disaggregated)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
-    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request."""
+    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request;
+    with --disaggregated, against hybridkv serve --disaggregated too, on the same requests."""
     from rich.console import Console
     from rich.table import Table
 
     from hybridkv.bench.serve import run
+
+    pd_args = None
+    if disaggregated:
+        if url is not None:
+            raise typer.BadParameter("--url loads a running server; --disaggregated starts its own", param_hint="--url")
+        pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
+        pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]
 
     report = run(
         model,
@@ -298,6 +315,7 @@ def bench_serve(
         seed,
         url,
         api_key or os.environ.get(API_KEY_ENV),
+        pd_args,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -310,9 +328,11 @@ def bench_serve(
     cols = ["round", "side", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"]
     for col in (*cols, "req/s", "tok/s", "prefix hits", "CPU s", "exact"):
         table.add_column(col, justify="right")
+    exact = {"engine": None, "http": "exact", "pd": "pd_exact"}
     for r, row in enumerate(report["per_round"]):
-        for side in ("engine", "http"):
+        for side in [side for side in exact if side in row]:
             s = row[side]
+            key = exact[side]
             table.add_row(
                 str(r),
                 side,
@@ -321,10 +341,12 @@ def bench_serve(
                 f"{s['output_tokens_per_s']}",
                 f"{100 * s['prefix_hit_rate']:.1f}%",
                 "" if s["cpu_s"] is None else f"{s['cpu_s']:.2f}",
-                f"{row['exact']}/{requests}" if side == "http" else "",
+                "" if key is None else f"{row[key]}/{requests}",
             )
     console = Console(width=max(Console().width, 150))
     console.print(table)
+    if pd_args is not None:
+        console.print(f"pd: hybridkv serve {' '.join(pd_args)} (--gpu-memory per worker process; CPU not counted)")
     o = report["overhead_ms"]
     met = "met" if report["goal_met"] else "NOT met"
     console.print(
