@@ -295,11 +295,12 @@ def run(
     per_round: list[dict[str, Any]] = []
     with ExitStack() as servers:
         target = Target(servers.enter_context(_server(url, args)), headers)
-        pd = None if disaggregated is None else Target(servers.enter_context(served([*args, *disaggregated])), {})
-        for side in (target, pd):
-            if side is not None:
-                drive_http(side, prompts[:2], [0.0, 0.0], 2, "warm-up")
+        drive_http(target, prompts[:2], [0.0, 0.0], 2, "warm-up")
         overhead, solo = one_by_one(engine, target, prompts[:alone], max_new_tokens)
+        pd = None  # started after the overhead phase: its idle workers do not load the machine during it
+        if disaggregated is not None:
+            pd = Target(servers.enter_context(served([*args, *disaggregated])), {})
+            drive_http(pd, prompts[:2], [0.0, 0.0], 2, "warm-up")
         for r in range(rounds):
             engine.clear_cache()
             cpu = Cpu()
