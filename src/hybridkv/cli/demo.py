@@ -1,18 +1,22 @@
-"""``hybridkv demo`` (``make demo``): a tiny random Qwen3-Next served disaggregated, token-exact against transformers.
+"""``hybridkv demo`` (``make demo``): a tiny random Qwen3-Next served over HTTP by ``hybridkv serve --disaggregated``,
+token-exact against transformers.
 
-The default run: 2 pipeline-stage prefill processes hand KV and GDN state over the Mooncake
-transfer engine (TCP) to 2 tensor-parallel decode processes (``engine.disagg.run_pd``), six
-shared-prefix requests submitted at once, with one deliberate fault on request ``FAULT_REQUEST``
-(``--fault``): ``kill-prefill`` (default) SIGKILLs prefill stage 1 while it sends that request,
-``kill-decode`` SIGKILLs decode TP rank 1 while it holds it (either engine restarts and the
-request is computed again), ``stall-transfer`` holds its KV back past the decode side's transfer
-timeout (it ends Failed). Per request: its tokens next to ``transformers``' greedy tokens, its
-status and a verdict, then its prefix-cache hit, bytes moved and timings.
+The default run: ``hybridkv serve --disaggregated`` (a real server process, ``cli.demo_serve``) whose
+2 pipeline-stage prefill processes hand KV and GDN state over the Mooncake transfer engine (TCP) to 2
+tensor-parallel decode processes; an httpx client streams six shared-prefix requests (the first two
+alone, then the rest concurrently), with one deliberate fault on request ``FAULT_REQUEST`` (the
+server's ``--fault``; ``--fault`` here): ``kill-prefill`` (default) SIGKILLs prefill stage 1 while it
+sends that request, ``kill-decode`` SIGKILLs decode TP rank 1 while it holds it (either engine
+restarts and the request is computed again), ``stall-transfer`` holds its KV back past the decode
+side's transfer timeout (it ends failed). Per request: its tokens as the client got them next to
+``transformers``' greedy tokens, its status and a verdict, then its prefix-cache hit, TTFT and
+end-to-end latency as the client saw them; then the server's ``/metrics`` figures.
 
 A verdict is right when a request finished with ``transformers``' tokens, except the stalled
-request, which must end Failed, and a killed-engine request, which must also show its second
-attempt (the fault landed). The command exits 1 unless every verdict is right. ``--all`` first
-runs the earlier sections (the planner on real models, a replay of the Mooncake trace, a
+request, which must end failed, and a killed-engine request, whose fault must also show in
+``/metrics`` (one worker death, one restart of its engine). The command exits 1 unless every
+verdict is right and every worker holds again what it held before the first request. ``--all``
+first runs the earlier sections (the planner on real models, a replay of the Mooncake trace, a
 byte-checked multi-process transfer, the single-process engine); their checks count too.
 """
 
@@ -71,15 +75,18 @@ def demo(
     ),
     gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="The planner's GPU (--all)."),
 ) -> None:
-    """A tiny random Qwen3-Next served disaggregated: 2 PP prefill processes -> decode TP 2 processes over
-    Mooncake, one deliberate fault, every request's tokens next to transformers' with a verdict, and its
-    timings. Exits 1 unless every verdict is right. ``--all`` first runs the earlier sections."""
+    """A tiny random Qwen3-Next behind hybridkv serve --disaggregated (2 PP prefill processes -> decode TP 2
+    processes over Mooncake), driven over HTTP, one deliberate fault, every request's tokens next to
+    transformers' with a verdict, and the server's /metrics. Exits 1 unless every verdict is right.
+    ``--all`` first runs the earlier sections."""
     console = Console(width=max(Console().width, 150))
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     if all_sections:
         report.update(earlier_sections(console, out, gpu_memory))
-        console.rule("5. Disaggregated serving: 2 PP prefill processes -> decode TP 2 processes, vs transformers")
+        console.rule(
+            "5. hybridkv serve --disaggregated: 2 PP prefill processes -> decode TP 2, over HTTP, vs transformers"
+        )
     pd = report["pd"] = pd_section(console, requests, transport, fault)
     (out / "demo.json").write_text(json.dumps(report, indent=1))
     console.print(f"report: {out / 'demo.json'}")
