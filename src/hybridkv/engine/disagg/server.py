@@ -401,7 +401,7 @@ class PDServer:
             req.finals[r] = msg
             self._maybe_complete(req)
         elif isinstance(msg, Failed):
-            self._fail(req, msg.reason)
+            self._fail(req, msg.reason, msg.transfer)
             self._abort_everywhere(req, msg.reason)
 
     def _abort_everywhere(self, req: RouterRequest, reason: str) -> None:
@@ -424,8 +424,8 @@ class PDServer:
         if error:
             self._fail(req, error)
 
-    def _fail(self, req: RouterRequest, reason: str) -> None:
-        req.fail(reason)
+    def _fail(self, req: RouterRequest, reason: str, transfer: bool = False) -> None:
+        req.fail(reason, transfer)
 
     def _on_death(self, e: EngineState, r: int) -> None:
         e.procs.procs[r].join(1.0)  # its sentinel fired: it exited, collect the code
