@@ -91,35 +91,37 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        pool = mem.pool_of_layer(self.layer_id).pool_id
-        k_pool, v_pool = mem.view(self.layer_id, "k"), mem.view(self.layer_id, "v")
-        write = ctx.writes[pool]
-        k_pool[write.cell, write.offset] = k.to(k_pool.dtype)
-        v_pool[write.cell, write.offset] = v.to(v_pool.dtype)
-        out = q.new_empty(t, self.heads * d)
-        for group in ctx.groups:  # decodes apart from longer spans: no query padded to the longest chunk
-            index = group.pools[pool]
-            keys = k_pool[index.read_cell, index.read_offset].to(x.dtype)  # (R', L, kv, D)
-            values = v_pool[index.read_cell, index.read_offset].to(x.dtype)
-            values = torch.where(index.key_valid[:, :, None, None], values, 0.0)  # padding reads the sink
-            out[group.flat_index] = group.unpad(self._attend(group.pad(q), keys, values, index.visible))
+        io = ctx.tokens[mem.pool_of_layer(self.layer_id).pool_id]
+        span = io.layout.span(self.layer_id, ("k", "v"))
+        entries = io.write(span, torch.stack((k, v), dim=1), ctx.spans)  # per group: (2, R', W, kv, D)
+        outs = []
+        for group, keys, kv in zip(ctx.groups, io.groups, entries, strict=True):
+            mask = keys.mask if self.sinks is None else keys.with_sinks(self.sinks)
+            out = self._attend(group.pad(q).transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask)
+            outs.append(group.unpad(out.transpose(1, 2)))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        r, nq = q.shape[:2]
-        group = self.heads // self.kv_heads
-        q = q.view(r, nq, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)  # (R, kv, g, Q, D)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (R, kv, L, D)
-        scores = torch.einsum("rkgqd,rkld->rkgql", q, keys) * self.scaling
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries ``(R, heads, Q, D)`` over keys and values ``(R, kv, W, D)`` with the additive ``mask``
+        (``(R, 1 or heads, Q, W)``) -> ``(R, heads, Q, D)``."""
+        mask = mask.to(q.dtype)
         if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        if self.sinks is not None:
-            sink = self.sinks.view(1, self.kv_heads, group, 1, 1).expand(r, -1, -1, nq, 1).to(scores.dtype)
-            probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
-        else:
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        out = torch.einsum("rkgql,rkld->rqkgd", probs.to(values.dtype), values)
-        return out.reshape(r, nq, self.heads * self.head_dim)
+            return self._attend_capped(q, keys, values, mask)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+        )
+
+    def _attend_capped(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Logit soft-capping (``tanh(s / cap) * cap`` before the mask) is not an sdpa option: plain math."""
+        assert self.softcap is not None
+        group = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = (q @ keys.transpose(-1, -2)) * self.scaling
+        scores = torch.tanh(scores / self.softcap) * self.softcap + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        return probs.to(values.dtype) @ values

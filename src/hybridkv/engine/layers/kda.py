@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
-from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
@@ -109,13 +108,17 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
-        out = x.new_empty(t, self.heads, self.head_dim)
+        io = ctx.state(mem.pool_of_layer(self.layer_id).pool_id)
+        windows = io.view(self.layer_id, tuple(self.conv_parts))
+        states = io.view(self.layer_id, ("recurrent_state",))
+        outs = []
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
-            (state,) = read_states(mem, self.layer_id, ("recurrent_state",), ctx, group.rows)
-            out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
-            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
-            write_states(mem, self.layer_id, ctx, group.rows, recurrent_state=state)
+            window, state = windows[group.rows], states[group.rows]
+            part, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
+            window.copy_(new_window)
+            state.copy_(new_state)
+            outs.append(part)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
 
@@ -126,12 +129,12 @@ class KimiDeltaAttention(nn.Module):
         beta: torch.Tensor,
         window: torch.Tensor,
         state: torch.Tensor,
-        group: Padded,
+        group: Group,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv + KDA for one group: ``(out (T', heads, head_dim), new window, new state)``."""
         heads, dim, weight = self.heads, self.head_dim, self.conv1d.weight.squeeze(1)
         if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
-            index = group.flat_index
+            index = group.tokens
             conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
             t = conv.shape[0]
             q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
-from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
@@ -100,23 +99,27 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
-        y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
+        io = ctx.state(mem.pool_of_layer(self.layer_id).pool_id)
+        windows = io.view(self.layer_id, tuple(self.conv_parts))
+        states = io.view(self.layer_id, ("ssm_state",))
+        ys = []
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
-            (state,) = read_states(mem, self.layer_id, ("ssm_state",), ctx, group.rows)
-            y[group.flat_index], window, state = self._mix(xbc, dt, window, state, group)
-            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
-            write_states(mem, self.layer_id, ctx, group.rows, ssm_state=state)
+            window, state = windows[group.rows], states[group.rows]
+            out, new_window, new_state = self._mix(xbc, dt, window, state, group)
+            window.copy_(new_window)
+            state.copy_(new_state)
+            ys.append(out)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _mix(
-        self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Padded
+        self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Group
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv + SSD scan for one group: ``(y (T', inner) fp32, new window, new state)``."""
         weight, A = self.conv1d.weight.squeeze(1), -torch.exp(self.A_log.float())
         sizes = [self.inner, self.groups * self.state_size, self.groups * self.state_size]
         if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
-            index = group.flat_index
+            index = group.tokens
             conv, window = causal_conv1d_decode(xbc[index], window, weight, self.conv1d.bias, self.activation)
             xs, B, C = torch.split(conv, sizes, dim=-1)
             t = conv.shape[0]

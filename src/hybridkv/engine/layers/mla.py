@@ -81,26 +81,23 @@ class PagedMLA(nn.Module):
         c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
 
-        pool_name = mem.pool_of_layer(self.layer_id).pool_id
-        pool = mem.view(self.layer_id, "latent")
-        write = ctx.writes[pool_name]
-        pool[write.cell, write.offset] = latent[:, None].to(pool.dtype)
-        out = x.new_empty(x.shape[0], self.heads * self.v_dim)
-        for group in ctx.groups:  # one-token spans apart from longer ones: no query padded to the longest
-            index = group.pools[pool_name]
-            context = pool[index.read_cell, index.read_offset][:, :, 0].to(x.dtype)  # (R', L, rank + rope)
-            context = torch.where(index.key_valid[:, :, None], context, 0.0)  # padding reads the sink
-            out[group.flat_index] = group.unpad(self._attend(group.pad(q), context, index.visible))
-        return self.o_proj(out)
+        io = ctx.tokens[mem.pool_of_layer(self.layer_id).pool_id]
+        span = io.layout.span(self.layer_id, ("latent",))
+        entries = io.write(span, latent[:, None, None], ctx.spans)  # per group: (1, R', W, 1, rank + rope)
+        outs = []
+        for group, keys, latents in zip(ctx.groups, io.groups, entries, strict=True):
+            out = self._attend(group.pad(q), latents[0, :, :, 0].to(x.dtype), keys.mask.to(x.dtype))
+            outs.append(group.unpad(out))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def _attend(self, q: torch.Tensor, context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Queries ``(R', Q', heads, qk)`` over context latents ``(R', L, rank + rope)`` -> ``(R', Q', heads * v)``."""
-        c_ctx, k_rope_ctx = torch.split(context, [self.rank, self.rope_dim], dim=-1)
-        r, length = context.shape[:2]
-        kv = self.kv_b_proj(c_ctx).view(r, length, self.heads, self.nope_dim + self.v_dim)
+    def _attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries ``(R', Q', heads, qk)`` over key latents ``(R', L, rank + rope)`` -> ``(R', Q', heads * v)``."""
+        c_kv, k_rope = torch.split(latents, [self.rank, self.rope_dim], dim=-1)
+        r, length = latents.shape[:2]
+        kv = self.kv_b_proj(c_kv).view(r, length, self.heads, self.nope_dim + self.v_dim)
         k_nope, values = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
-        keys = torch.cat([k_nope, k_rope_ctx[:, :, None].expand(r, length, self.heads, self.rope_dim)], dim=-1)
-        scores = torch.einsum("rqhd,rlhd->rhql", q, keys) * self.scaling
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.einsum("rhql,rlhd->rqhd", probs, values).reshape(r, -1, self.heads * self.v_dim)
+        keys = torch.cat([k_nope, k_rope[:, :, None].expand(r, length, self.heads, self.rope_dim)], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scaling
+        )
+        return out.transpose(1, 2).reshape(r, -1, self.heads * self.v_dim)

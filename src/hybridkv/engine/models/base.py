@@ -171,6 +171,7 @@ class CausalLM(nn.Module):
         for layer, rope_name in zip(self.layers.values(), self.layer_rope, strict=True):
             cos, sin = rope[rope_name]
             x = layer(x, ctx, mem, cos, sin)
+        ctx.flush()  # the step's new K/V and states, into their pools once
         if not self.last:
             return x
         return self.logits(self.final_norm(x[ctx.last_index]))

@@ -1,0 +1,250 @@
+"""Pool I/O of a step: one gather and one scatter per memory pool per step, not one per layer.
+
+A pool's cell holds an entry of every layer the pool serves (``memory.layout``). ``PoolLayouts``
+reads that layout once per memory and exposes each pool as one tensor over the whole grid:
+- a token pool as ``(cells, slots, page_size, *shape)``: every layer keeps the same number of
+  same-shaped entries per token (K and V, or one MLA latent), its slots side by side;
+- a state pool as raw cell bytes ``(cells, cell_bytes)``, with each (layer, tensor)'s byte
+  range, dtype and per-request shape.
+
+Per step, ``TokenIO`` gathers the context pages of a padded group of requests for every layer
+of the pool at once (``index_select``), collects each layer's new entries, and writes them
+all with one indexed store at ``flush``; ``StateIO`` gathers every request's state cell once
+(zeros where a state starts fresh), lets the layers read and update typed views of it in
+place, and writes the cells back once at ``flush``.
+
+Invariants:
+- A pool whose layers do not fit one uniform grid of slots, or whose named state tensors are
+  not adjacent with one dtype, is refused with the layers and tensors named (``LayoutError``).
+- Physical cells are the step's (valid for this step only); nothing here reads a device
+  tensor on the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.memory import UnifiedMemory
+from hybridkv.memory.pool import SubPool
+from hybridkv.spec import IdSpace, PoolId
+
+
+class LayoutError(ValueError):
+    """A pool whose cell layout the step's one-gather I/O cannot address."""
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """One token pool: ``grid`` ``(cells, slots, page_size, *shape)``, ``slot[(layer, tensor)]`` its slot."""
+
+    pool_id: PoolId
+    grid: torch.Tensor
+    slot: dict[tuple[int, str], int]
+    spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return self.grid.shape[1]
+
+    def span(self, layer_id: int, names: tuple[str, ...]) -> slice:
+        """The slots of ``layer_id``'s ``names`` (adjacent, in that order)."""
+        key = (layer_id, names)
+        found = self.spans.get(key)
+        if found is None:
+            try:
+                first = self.slot[(layer_id, names[0])]
+                adjacent = all(self.slot[(layer_id, n)] == first + i for i, n in enumerate(names))
+            except KeyError:
+                raise LayoutError(f"pool {self.pool_id}: layer {layer_id} keeps no {names} entries") from None
+            if not adjacent:
+                raise LayoutError(f"pool {self.pool_id}: layer {layer_id}'s {names} are not adjacent slots of a cell")
+            found = self.spans[key] = slice(first, first + len(names))
+        return found
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    offset: int  # bytes into the cell
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per request
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """One state pool: ``grid`` ``(cells, cell_bytes)`` uint8, ``entries[(layer, tensor)]`` where each tensor sits."""
+
+    pool_id: PoolId
+    grid: torch.Tensor
+    entries: dict[tuple[int, str], StateEntry]
+    joined: dict[tuple[int, tuple[str, ...]], StateEntry] = field(default_factory=dict)
+
+    def entry(self, layer_id: int, names: tuple[str, ...]) -> StateEntry:
+        """``names`` of ``layer_id`` as one entry: adjacent byte ranges, one dtype, joined along their first dim."""
+        key = (layer_id, names)
+        found = self.joined.get(key)
+        if found is None:
+            try:
+                parts = [self.entries[(layer_id, n)] for n in names]
+            except KeyError:
+                raise LayoutError(f"pool {self.pool_id}: layer {layer_id} keeps no state {names}") from None
+            first = parts[0]
+            for a, b, name in zip(parts, parts[1:], names[1:], strict=False):
+                if b.offset != a.offset + a.nbytes or b.dtype != a.dtype or b.shape[1:] != a.shape[1:]:
+                    raise LayoutError(
+                        f"pool {self.pool_id}: layer {layer_id}'s state {name} does not follow {names[0]}.. "
+                        "in the cell with the same dtype and trailing dims; read them apart"
+                    )
+            shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+            found = StateEntry(first.offset, sum(p.nbytes for p in parts), first.dtype, shape)
+            self.joined[key] = found
+        return found
+
+
+@dataclass(frozen=True)
+class PoolLayouts:
+    tokens: dict[PoolId, TokenLayout]
+    states: dict[PoolId, StateLayout]
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[UnifiedMemory, PoolLayouts] = weakref.WeakKeyDictionary()
+
+
+def pool_layouts(mem: UnifiedMemory) -> PoolLayouts:
+    """The layouts of ``mem``'s pools (read once per memory; the grid never changes)."""
+    found = _LAYOUTS.get(mem)
+    if found is None:
+        found = _LAYOUTS[mem] = PoolLayouts(
+            {p.pool_id: _token_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.PAGE},
+            {p.pool_id: _state_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.SLOT},
+        )
+    return found
+
+
+def _token_layout(pool: SubPool) -> TokenLayout:
+    segments = sorted(pool.layout.segments, key=lambda s: s.offset)
+    first = segments[0]
+    shape, dtype, entry = tuple(first.shape), first.dtype, first.nbytes
+    odd = [
+        f"layer {s.layer_id} {s.tensor} {tuple(s.shape)} {s.dtype}"
+        for s in segments
+        if (tuple(s.shape), s.dtype) != (shape, dtype)
+    ]
+    if odd:
+        raise LayoutError(
+            f"pool {pool.pool_id}: every layer must keep {shape} {dtype} entries per page like layer "
+            f"{first.layer_id} {first.tensor}, but {', '.join(odd)} differ"
+        )
+    slot = {}
+    for i, s in enumerate(segments):
+        if s.offset != first.offset + i * entry:
+            raise LayoutError(f"pool {pool.pool_id}: layer {s.layer_id} {s.tensor} is not slot {i} of the cell")
+        slot[(s.layer_id, s.tensor)] = i
+    page, inner = shape[0], shape[1:]
+    grid_shape = (pool.grid_cells, len(segments), page, *inner)
+    grid = pool.arena.strided_view(dtype, pool.grid_cells, pool.cell_bytes, first.offset, grid_shape[1:])
+    return TokenLayout(pool.pool_id, grid, slot)
+
+
+def _state_layout(pool: SubPool) -> StateLayout:
+    grid = pool.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
+    entries = {}
+    for s in pool.layout.segments:
+        entries[(s.layer_id, s.tensor)] = StateEntry(s.offset, s.nbytes, s.dtype, tuple(s.shape))
+    return StateLayout(pool.pool_id, grid, entries)
+
+
+@dataclass(frozen=True)
+class GroupKeys:
+    """A padded group's keys in one token pool: every layer's entries of the group's pages, as columns.
+
+    Row ``r``'s column ``c`` holds position ``first_page[r] * page_size + c``: gathered entries where the
+    position is older than the step, zeros elsewhere (stale or never written slots may hold any bytes, NaN
+    included, and a masked key must still be finite) until each layer writes its new entries there.
+    """
+
+    entries: torch.Tensor  # (slots, R', W, *shape)
+    rows: torch.Tensor  # (T',) each new token's row
+    cols: torch.Tensor  # (T',) and column
+    mask: torch.Tensor  # (R', 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
+    spare: torch.Tensor  # (R', 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
+    _sinks: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def with_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
+        """``(R', heads, Q', W)``: the mask plus one more key per row and head, the spare zero column, whose logit
+        is ``sinks[head]`` (gpt-oss's attention sinks: its zero value adds nothing but joins the softmax)."""
+        base = self._sinks.get("base")
+        if base is None:
+            base = self._sinks["base"] = torch.where(self.spare.bool(), 0.0, self.mask)
+        return base + self.spare * sinks.view(1, -1, 1, 1).to(base.dtype)
+
+
+class TokenIO:
+    """One token pool in one step: the groups' keys gathered once, new entries written in, stored once."""
+
+    def __init__(self, layout: TokenLayout, cell: torch.Tensor, offset: torch.Tensor, groups: list[GroupKeys]):
+        self.layout = layout
+        self.cell, self.offset = cell, offset  # (T,) where the step's new tokens go in the pool
+        self.groups = groups
+        self.written: set[int] = set()
+
+    @staticmethod
+    def gather(
+        layout: TokenLayout, cells: torch.Tensor, rows: int, zero_rows: torch.Tensor, zero_cols: torch.Tensor
+    ) -> torch.Tensor:
+        """Every layer's entries of the pages ``cells`` (``rows`` requests' ``P`` pages each, flat, row-major):
+        ``(slots, rows, P * page_size, *shape)``, zero at ``(zero_rows, zero_cols)``."""
+        grid = layout.grid
+        out = grid.transpose(0, 1)[:, cells]
+        out = out.view(grid.shape[1], rows, -1, *grid.shape[3:])
+        out.movedim(0, 2).index_put_((zero_rows, zero_cols), out.new_zeros(()))  # no host scalar copied in
+        return out
+
+    def write(self, span: slice, new: torch.Tensor, tokens: list[slice]) -> list[torch.Tensor]:
+        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every group's keys;
+        returns each group's ``(len(span), R', W, *shape)`` keys. The pool gets them at ``flush``."""
+        out = []
+        for keys, part in zip(self.groups, tokens, strict=True):
+            entries = keys.entries[span]
+            entries[:, keys.rows, keys.cols] = new[part].movedim(1, 0).to(entries.dtype)
+            out.append(entries)
+        self.written.update(range(span.start, span.stop))
+        return out
+
+    def flush(self, tokens: list[slice]) -> None:
+        layout = self.layout
+        if not self.written:
+            return
+        if len(self.written) != layout.slots:
+            missing = sorted(set(range(layout.slots)) - self.written)
+            raise LayoutError(f"pool {layout.pool_id}: the step wrote no new entries in slots {missing}")
+        for keys, part in zip(self.groups, tokens, strict=True):
+            new = keys.entries[:, keys.rows, keys.cols]  # (slots, T', *shape)
+            layout.grid[self.cell[part], :, self.offset[part]] = new.movedim(0, 1)
+        self.written.clear()
+
+
+class StateIO:
+    """The state pool in one step: every request's cell gathered once, updated in place, written back once."""
+
+    def __init__(self, layout: StateLayout, cells: torch.Tensor, fresh: torch.Tensor):
+        self.layout, self.cells = layout, cells
+        rows = layout.grid.index_select(0, cells)
+        self.rows = rows.masked_fill_(fresh[:, None], 0)  # a fresh state starts from zeros (all bytes 0)
+        self.views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+
+    def view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:
+        """``(R, *shape)`` typed view of ``names`` (joined along their first dim) for every request of the step."""
+        key = (layer_id, names)
+        found = self.views.get(key)
+        if found is None:
+            e = self.layout.entry(layer_id, names)
+            raw = self.rows[:, e.offset : e.offset + e.nbytes]
+            found = self.views[key] = raw.view(e.dtype).view(self.rows.shape[0], *e.shape)
+        return found
+
+    def flush(self) -> None:
+        self.layout.grid.index_copy_(0, self.cells, self.rows)
