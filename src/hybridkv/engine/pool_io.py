@@ -44,10 +44,19 @@ class TokenLayout:
     grid: torch.Tensor
     slot: dict[tuple[int, str], int]
     spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
+    workspaces: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def slots(self) -> int:
         return self.grid.shape[1]
+
+    def workspace(self, key: int, numel: int) -> torch.Tensor:
+        """A reused buffer of at least ``numel`` elements (big fresh allocations cost page faults every step);
+        what it held before is garbage. One per ``key``: buffers alive in the same step need different keys."""
+        buf = self.workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.workspaces[key] = self.grid.new_empty(numel + numel // 4)
+        return buf[:numel]
 
     def span(self, layer_id: int, names: tuple[str, ...]) -> slice:
         """The slots of ``layer_id``'s ``names`` (adjacent, in that order)."""
@@ -193,13 +202,18 @@ class TokenIO:
 
     @staticmethod
     def gather(
-        layout: TokenLayout, cells: torch.Tensor, rows: int, zero_rows: torch.Tensor, zero_cols: torch.Tensor
+        layout: TokenLayout, key: int, cells: torch.Tensor, rows: int, zero_rows: torch.Tensor, zero_cols: torch.Tensor
     ) -> torch.Tensor:
-        """Every layer's entries of the pages ``cells`` (``rows`` requests' ``P`` pages each, flat, row-major):
-        ``(slots, rows, P * page_size, *shape)``, zero at ``(zero_rows, zero_cols)``."""
+        """Every layer's entries of the pages ``cells`` (``rows`` requests' ``P`` pages each, flat, row-major; the
+        padding page is the sink, cell 0, zeroed here first): ``(slots, rows, P * page_size, *shape)``, also zero
+        at ``(zero_rows, zero_cols)`` (the slots after each row's last token in its last page)."""
         grid = layout.grid
-        out = grid.transpose(0, 1)[:, cells]
-        out = out.view(grid.shape[1], rows, -1, *grid.shape[3:])
+        grid[0].zero_()
+        slots, n = grid.shape[1], cells.numel()
+        out = layout.workspace(key, slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
+        for s in range(slots):  # one contiguous copy per page and slot: far cheaper than a strided gather
+            torch.index_select(grid[:, s], 0, cells, out=out[s])
+        out = out.view(slots, rows, -1, *grid.shape[3:])
         out.movedim(0, 2).index_put_((zero_rows, zero_cols), out.new_zeros(()))  # no host scalar copied in
         return out
 

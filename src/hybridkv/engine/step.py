@@ -126,7 +126,15 @@ def _group(rows: _Rows, a: int, b: int, dev: Dev) -> Group:
 
 
 def _keys(
-    rows: _Rows, a: int, b: int, pool_id: PoolId, layout: TokenLayout, locs: np.ndarray, mem: UnifiedMemory, dev: Dev
+    rows: _Rows,
+    g: int,
+    a: int,
+    b: int,
+    pool_id: PoolId,
+    layout: TokenLayout,
+    locs: np.ndarray,
+    mem: UnifiedMemory,
+    dev: Dev,
 ) -> GroupKeys:
     """Rows ``[a, b)``'s keys in one token pool (see ``GroupKeys``): columns from the page of the earliest
     position a new token sees to one spare column past the longest row."""
@@ -144,13 +152,14 @@ def _keys(
     visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
     if pool_id.releases_history:
         visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
-    stale_r, stale_c = np.nonzero(key_pos >= pre[:, None])  # not written before the step (or padding)
+    tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
     page_col = first_page[:, None] + np.arange(width)
     real = page_col < (first_page + pages)[:, None]
     at = np.where(real, rows.loc_base[a:b, None] + page_col * ps, 0)
     virtual = np.where(real, locs[at] // ps, 0)  # page 0: the padding sink
     cells = mem.page_cells(virtual.reshape(-1), pool_id)
-    entries = TokenIO.gather(layout, cells, r, dev(stale_r), dev(stale_c))
+    zero_rows, zero_cols = np.repeat(np.arange(r), tail), _arange_runs(seq - base, tail)
+    entries = TokenIO.gather(layout, g, cells, r, dev(zero_rows), dev(zero_cols))
     new_rows = np.repeat(np.arange(r), ext)
     new_cols = _arange_runs(pre - base, ext)
     spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
@@ -199,7 +208,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     for pool_id, layout in layouts.tokens.items():
         slots = mem.translate(new_locs, pool_id)
         cell = torch.div(slots, ps, rounding_mode="floor")
-        keys = [_keys(rows, a, b, pool_id, layout, locs, mem, dev) for a, b in bounds]
+        keys = [_keys(rows, g, a, b, pool_id, layout, locs, mem, dev) for g, (a, b) in enumerate(bounds)]
         tokens[pool_id] = TokenIO(layout, cell, slots - cell * ps, keys)
     states = {}
     if batch.state_slots is not None and batch.fresh_state is not None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import apply_rope
+from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
@@ -75,9 +75,7 @@ class PagedAttention(nn.Module):
         """Per-token shapes this layer reads and writes in its pool."""
         return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q = self.q_proj(x)
         gate = None
@@ -89,7 +87,7 @@ class PagedAttention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
 
         io = ctx.tokens[mem.pool_of_layer(self.layer_id).pool_id]
         span = io.layout.span(self.layer_id, ("k", "v"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
@@ -59,8 +60,7 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        h = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return (h * torch.sigmoid(gate.float())).to(x.dtype)
 
 

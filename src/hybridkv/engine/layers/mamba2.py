@@ -44,8 +44,7 @@ class GroupedGatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = x.float() * F.silu(gate.float())
-        grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        grouped = F.rms_norm(h.view(*h.shape[:-1], -1, self.group_size), (self.group_size,), None, self.eps)
         return self.weight * grouped.view(h.shape).to(x.dtype)
 
 

@@ -15,7 +15,7 @@ import torch
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.mlp import GatedMLP
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.layers.rope import Rope, RopeTables
 from hybridkv.engine.models.base import Block, CausalLM
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -45,10 +45,8 @@ class Gemma3Block(Block):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=True)
         self.post_feedforward_layernorm = RMSNorm(h, eps, offset=True)
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        attn = self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
+        attn = self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, rope))
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.tp.reduce(self.mlp(self.pre_feedforward_layernorm(x))))
 
