@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.engine.layers.cast import cast
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
 from hybridkv.spec import IdSpace, PoolId
@@ -180,6 +181,8 @@ class GroupKeys:
     cols: torch.Tensor  # (T',) and column
     mask: torch.Tensor  # (R', 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
     spare: torch.Tensor  # (R', 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
+    cell: torch.Tensor  # (T',) the pool cell of each new token
+    offset: torch.Tensor  # (T',) and its slot in the cell's page
     _sinks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def with_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
@@ -188,15 +191,14 @@ class GroupKeys:
         base = self._sinks.get("base")
         if base is None:
             base = self._sinks["base"] = torch.where(self.spare.bool(), 0.0, self.mask)
-        return base + self.spare * sinks.view(1, -1, 1, 1).to(base.dtype)
+        return base + self.spare * cast(sinks.view(1, -1, 1, 1), base.dtype)
 
 
 class TokenIO:
     """One token pool in one step: the groups' keys gathered once, new entries written in, stored once."""
 
-    def __init__(self, layout: TokenLayout, cell: torch.Tensor, offset: torch.Tensor, groups: list[GroupKeys]):
+    def __init__(self, layout: TokenLayout, groups: list[GroupKeys]):
         self.layout = layout
-        self.cell, self.offset = cell, offset  # (T,) where the step's new tokens go in the pool
         self.groups = groups
         self.written: set[int] = set()
 
@@ -223,21 +225,21 @@ class TokenIO:
         out = []
         for keys, part in zip(self.groups, tokens, strict=True):
             entries = keys.entries[span]
-            entries[:, keys.rows, keys.cols] = new[part].movedim(1, 0).to(entries.dtype)
+            entries[:, keys.rows, keys.cols] = cast(new[part].movedim(1, 0), entries.dtype)
             out.append(entries)
         self.written.update(range(span.start, span.stop))
         return out
 
-    def flush(self, tokens: list[slice]) -> None:
+    def flush(self) -> None:
         layout = self.layout
         if not self.written:
             return
         if len(self.written) != layout.slots:
             missing = sorted(set(range(layout.slots)) - self.written)
             raise LayoutError(f"pool {layout.pool_id}: the step wrote no new entries in slots {missing}")
-        for keys, part in zip(self.groups, tokens, strict=True):
+        for keys in self.groups:
             new = keys.entries[:, keys.rows, keys.cols]  # (slots, T', *shape)
-            layout.grid[self.cell[part], :, self.offset[part]] = new.movedim(0, 1)
+            layout.grid.movedim(1, 2).index_put_((keys.cell, keys.offset), new.movedim(0, 1))
         self.written.clear()
 
 

@@ -87,9 +87,8 @@ class StepContext:
 
     def flush(self) -> None:
         """Write the step's new K/V and updated states to their pools (once, after every layer ran)."""
-        spans = self.spans
         for io in self.tokens.values():
-            io.flush(spans)
+            io.flush()
         for state in self.states.values():
             state.flush()
 
@@ -107,7 +106,7 @@ class _Rows:
 
     pre: np.ndarray
     ext: np.ndarray
-    loc_base: np.ndarray  # where each row's token_locs start in the concatenated locs
+    page_base: np.ndarray  # where each row's pages start in the step's page table
     tok_start: np.ndarray  # each row's first flat token (step order)
 
 
@@ -125,20 +124,24 @@ def _group(rows: _Rows, a: int, b: int, dev: Dev) -> Group:
     return Group(slice(a, b), tokens, q, dev(ext), query_index, from_padded)
 
 
-def _keys(
-    rows: _Rows,
-    g: int,
-    a: int,
-    b: int,
-    pool_id: PoolId,
-    layout: TokenLayout,
-    locs: np.ndarray,
-    mem: UnifiedMemory,
-    dev: Dev,
-) -> GroupKeys:
-    """Rows ``[a, b)``'s keys in one token pool (see ``GroupKeys``): columns from the page of the earliest
-    position a new token sees to one spare column past the longest row."""
-    ps = mem.page_size
+@dataclass(frozen=True)
+class _KeysPlan:
+    """One group's keys in one token pool, on the host (see ``GroupKeys``)."""
+
+    virtual: np.ndarray  # (R', P) virtual page ids, 0 (the sink) past each row's pages
+    new_cells: np.ndarray  # (T',) each new token's entry in ``virtual`` (flat)
+    new_offsets: np.ndarray  # (T',) and its slot in the page
+    new_rows: np.ndarray  # (T',) its row
+    new_cols: np.ndarray  # (T',) and column
+    zero_rows: np.ndarray  # slots after each row's last token in its last page
+    zero_cols: np.ndarray
+    mask: np.ndarray  # (R', 1, Q', W)
+    spare: np.ndarray  # (R', 1, 1, W)
+
+
+def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _KeysPlan:
+    """Rows ``[a, b)``'s keys in one token pool: columns from the page of the earliest position a new token sees
+    to one spare column past the longest row."""
     pre, ext = rows.pre[a:b], rows.ext[a:b]
     seq = pre + ext
     r, q = b - a, int(ext.max())
@@ -146,52 +149,71 @@ def _keys(
     base = first_page * ps
     pages = -(-seq // ps) - first_page  # the row's pages from its first visible one
     width = -(-(int((seq - base).max()) + 1) // ps)  # pages per row: one column past the longest row is spare
-    cols = np.arange(width * ps)
-    key_pos = base[:, None] + cols  # (R', W)
+    key_pos = base[:, None] + np.arange(width * ps)  # (R', W)
     query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R', Q')
     visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
     if pool_id.releases_history:
         visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
-    tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
-    page_col = first_page[:, None] + np.arange(width)
-    real = page_col < (first_page + pages)[:, None]
-    at = np.where(real, rows.loc_base[a:b, None] + page_col * ps, 0)
-    virtual = np.where(real, locs[at] // ps, 0)  # page 0: the padding sink
-    cells = mem.page_cells(virtual.reshape(-1), pool_id)
-    zero_rows, zero_cols = np.repeat(np.arange(r), tail), _arange_runs(seq - base, tail)
-    entries = TokenIO.gather(layout, g, cells, r, dev(zero_rows), dev(zero_cols))
+    col = np.arange(width)
+    real = col[None, :] < pages[:, None]
+    virtual = np.where(real, table[np.where(real, (rows.page_base[a:b] + first_page)[:, None] + col, 0)], 0)
     new_rows = np.repeat(np.arange(r), ext)
     new_cols = _arange_runs(pre - base, ext)
+    tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
     spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
     spare[np.arange(r), 0, 0, seq - base] = 1.0
-    return GroupKeys(
-        entries,
-        dev(new_rows),
-        dev(new_cols),
-        dev(np.where(visible, np.float32(0), np.float32(-np.inf))[:, None]),
-        dev(spare),
+    return _KeysPlan(
+        virtual,
+        new_rows * width + new_cols // ps,
+        new_cols % ps,
+        new_rows,
+        new_cols,
+        np.repeat(np.arange(r), tail),
+        _arange_runs(seq - base, tail),
+        np.where(visible, np.float32(0), np.float32(-np.inf))[:, None],
+        spare,
     )
+
+
+def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, dev: Dev) -> TokenIO:
+    """The pool's I/O for the step: one ``page_cells`` for every group's pages, one gather per group."""
+    sizes = [p.virtual.size for p in plans]
+    cells = mem.page_cells(np.concatenate([p.virtual.reshape(-1) for p in plans]), layout.pool_id)
+    keys = []
+    for g, (plan, part) in enumerate(zip(plans, torch.split(cells, sizes), strict=True)):
+        entries = TokenIO.gather(layout, g, part, plan.virtual.shape[0], dev(plan.zero_rows), dev(plan.zero_cols))
+        keys.append(
+            GroupKeys(
+                entries,
+                dev(plan.new_rows),
+                dev(plan.new_cols),
+                dev(plan.mask),
+                dev(plan.spare),
+                part[dev(plan.new_cells)],
+                dev(plan.new_offsets),
+            )
+        )
+    return TokenIO(layout, keys)
 
 
 def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) -> StepContext:
     def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
+    ps = mem.page_size
     ext_b, pre_b = batch.extend_lens, batch.prefix_lens
+    table, page_base_b = batch.page_table(ps)
     decodes = ext_b == 1
     n_dec = int(decodes.sum())
     order = np.concatenate([np.flatnonzero(decodes), np.flatnonzero(~decodes)]) if 0 < n_dec < ext_b.size else None
-    seq_b = pre_b + ext_b
-    loc_base_b = np.cumsum(seq_b) - seq_b
     tok_base_b = np.cumsum(ext_b) - ext_b
     if order is None:
-        pre, ext, loc_base, tok_src = pre_b, ext_b, loc_base_b, tok_base_b
+        pre, ext, page_base, tok_src = pre_b, ext_b, page_base_b, tok_base_b
     else:
-        pre, ext, loc_base, tok_src = pre_b[order], ext_b[order], loc_base_b[order], tok_base_b[order]
+        pre, ext, page_base, tok_src = pre_b[order], ext_b[order], page_base_b[order], tok_base_b[order]
     tok_start = np.cumsum(ext) - ext
-    rows = _Rows(pre, ext, loc_base, tok_start)
-    locs = np.concatenate(batch.token_locs)
-    new_locs = locs[_arange_runs(loc_base + pre, ext)]
+    rows = _Rows(pre, ext, page_base, tok_start)
     positions = _arange_runs(pre, ext)
     input_ids = batch.input_ids if order is None else batch.input_ids[_arange_runs(tok_src, ext)]
     if order is None:
@@ -201,15 +223,12 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         last[order] = tok_start + ext - 1
 
     layouts = pool_layouts(mem)
-    ps = mem.page_size
     bounds = [(0, ext.size)] if order is None else [(0, n_dec), (n_dec, ext.size)]
     groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
-    tokens = {}
-    for pool_id, layout in layouts.tokens.items():
-        slots = mem.translate(new_locs, pool_id)
-        cell = torch.div(slots, ps, rounding_mode="floor")
-        keys = [_keys(rows, g, a, b, pool_id, layout, locs, mem, dev) for g, (a, b) in enumerate(bounds)]
-        tokens[pool_id] = TokenIO(layout, cell, slots - cell * ps, keys)
+    tokens = {
+        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps) for a, b in bounds], mem, dev)
+        for pool_id, layout in layouts.tokens.items()
+    }
     states = {}
     if batch.state_slots is not None and batch.fresh_state is not None:
         slots_o = batch.state_slots if order is None else batch.state_slots[order]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.step import StepContext
@@ -105,7 +106,7 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries ``(R, heads, Q, D)`` over keys and values ``(R, kv, W, D)`` with the additive ``mask``
         (``(R, 1 or heads, Q, W)``) -> ``(R, heads, Q, D)``."""
-        mask = mask.to(q.dtype)
+        mask = cast(mask, q.dtype)
         if self.softcap is not None:
             return self._attend_capped(q, keys, values, mask)
         return F.scaled_dot_product_attention(
@@ -122,4 +123,4 @@ class PagedAttention(nn.Module):
         scores = (q @ keys.transpose(-1, -2)) * self.scaling
         scores = torch.tanh(scores / self.softcap) * self.softcap + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        return probs.to(values.dtype) @ values
+        return cast(probs, values.dtype) @ values

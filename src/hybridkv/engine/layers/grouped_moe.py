@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.models.base import WeightError
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
@@ -46,7 +47,7 @@ class GroupLimitedRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Each token's top-k experts and their weights (fp32)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = F.linear(f32(x), f32(self.weight)).sigmoid()
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -96,7 +97,7 @@ class RoutedExperts(nn.Module):
         else:
             inner = self.act(route.matmul(rows, self.up_proj.transpose(1, 2)))
         out = route.matmul(inner, self.down_proj.transpose(1, 2))
-        return route.combine(out.to(route.weight.dtype), x.shape[0])
+        return route.combine(cast(out, route.weight.dtype), x.shape[0])
 
 
 class GroupLimitedMoE(nn.Module):
@@ -120,7 +121,7 @@ class GroupLimitedMoE(nn.Module):
                 tp.zeros_off_rank0(latent[1], "bias")  # applied to a partial sum: its bias once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.experts(self.fc1_latent_proj(x), self.gate(x)).to(x.dtype)
+        routed = cast(self.experts(self.fc1_latent_proj(x), self.gate(x)), x.dtype)
         return self.fc2_latent_proj(routed) + self.shared_experts(x)
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
 from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
@@ -43,9 +44,9 @@ class GroupedGatedRMSNorm(nn.Module):
         self.group_size, self.eps = group_size, eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
+        h = f32(x) * F.silu(f32(gate))
         grouped = F.rms_norm(h.view(*h.shape[:-1], -1, self.group_size), (self.group_size,), None, self.eps)
-        return self.weight * grouped.view(h.shape).to(x.dtype)
+        return self.weight * cast(grouped.view(h.shape), x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -109,13 +110,13 @@ class Mamba2Mixer(nn.Module):
             state.copy_(new_state)
             ys.append(out)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        return self.out_proj(self.norm(y, gate).to(x.dtype))
+        return self.out_proj(cast(self.norm(y, gate), x.dtype))
 
     def _mix(
         self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Group
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv + SSD scan for one group: ``(y (T', inner) fp32, new window, new state)``."""
-        weight, A = self.conv1d.weight.squeeze(1), -torch.exp(self.A_log.float())
+        weight, A = self.conv1d.weight.squeeze(1), -torch.exp(f32(self.A_log))
         sizes = [self.inner, self.groups * self.state_size, self.groups * self.state_size]
         if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
             index = group.tokens

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.step import StepContext
@@ -83,7 +84,7 @@ class PagedMLA(nn.Module):
         entries = io.write(span, latent[:, None, None], ctx.spans)  # per group: (1, R', W, 1, rank + rope)
         outs = []
         for group, keys, latents in zip(ctx.groups, io.groups, entries, strict=True):
-            out = self._attend(group.pad(q), latents[0, :, :, 0].to(x.dtype), keys.mask.to(x.dtype))
+            out = self._attend(group.pad(q), cast(latents[0, :, :, 0], x.dtype), cast(keys.mask, x.dtype))
             outs.append(group.unpad(out))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 

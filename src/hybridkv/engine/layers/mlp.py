@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
@@ -89,7 +90,7 @@ class SoftmaxTopKMoE(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        route = Routing.of(index, top.to(x.dtype), self.num_experts)
+        route = Routing.of(index, cast(top, x.dtype), self.num_experts)
         gate, up = route.matmul(route.gather(x), self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
         routed = route.combine(route.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2)), x.shape[0])
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

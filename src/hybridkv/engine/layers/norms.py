@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast, f32
+
 
 def derived(
     owner: nn.Module, name: str, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]
@@ -39,10 +41,10 @@ class RMSNorm(nn.Module):
         """The fp32 factor after normalising: ``w`` or ``1 + w``."""
         if self.offset:
             return derived(self, "_scale", self.weight, lambda w: 1.0 + w.float())
-        return self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        return f32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.shape, self.scale(), self.eps).to(x.dtype)
+        return cast(F.rms_norm(f32(x), self.shape, self.scale(), self.eps), x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -55,5 +57,5 @@ class GatedRMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        h = self.weight * cast(F.rms_norm(f32(x), self.shape, None, self.eps), x.dtype)
+        return cast(h * F.silu(f32(gate)), x.dtype)

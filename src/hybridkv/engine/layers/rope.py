@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
+
 
 def _yarn(params: dict[str, Any], dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
     factor = params.get("factor") or max_pos / params["original_max_position_embeddings"]
@@ -97,4 +99,4 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     if rope.perm is None or rope.cos is None or rope.sin is None:
         return x
     rotated = x.index_select(-1, rope.perm)
-    return torch.addcmul(x * rope.cos.to(x.dtype), rotated, rope.sin.to(x.dtype))
+    return torch.addcmul(x * cast(rope.cos, x.dtype), rotated, cast(rope.sin, x.dtype))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine.layers.cast import cast
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -42,10 +44,10 @@ class Routing:
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Each pair's row ``(N, in)`` times its expert's ``weight[e]`` ``(in, out)`` (+ ``bias[e]``): ``(N, out)``."""
-        out = F.grouped_mm(x, weight.to(x.dtype), offs=self.ends)
-        return out if bias is None else out + bias[self.expert].to(out.dtype)
+        out = F.grouped_mm(x, cast(weight, x.dtype), offs=self.ends)
+        return out if bias is None else out + cast(bias[self.expert], out.dtype)
 
     def combine(self, y: torch.Tensor, tokens: int) -> torch.Tensor:
         """``(N, H)`` routed outputs -> ``(tokens, H)``: each token's weighted sum over its experts."""
         out = y.new_zeros(tokens, y.shape[1])
-        return out.index_add_(0, self.token, y * self.weight[:, None].to(y.dtype))
+        return out.index_add_(0, self.token, y * cast(self.weight[:, None], y.dtype))
