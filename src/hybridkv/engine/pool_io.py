@@ -46,6 +46,10 @@ class TokenLayout:
     slot: dict[tuple[int, str], int]
     spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
     workspaces: dict[int, torch.Tensor] = field(default_factory=dict)
+    zero: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", self.grid.new_zeros(()))
 
     @property
     def slots(self) -> int:
@@ -216,7 +220,7 @@ class TokenIO:
         for s in range(slots):  # one contiguous copy per page and slot: far cheaper than a strided gather
             torch.index_select(grid[:, s], 0, cells, out=out[s])
         out = out.view(slots, rows, -1, *grid.shape[3:])
-        out.movedim(0, 2).index_put_((zero_rows, zero_cols), out.new_zeros(()))  # no host scalar copied in
+        out.movedim(0, 2).index_put_((zero_rows, zero_cols), layout.zero)  # a device zero: no host scalar copied in
         return out
 
     def write(self, span: slice, new: torch.Tensor, tokens: list[slice]) -> list[torch.Tensor]:
@@ -246,10 +250,12 @@ class TokenIO:
 class StateIO:
     """The state pool in one step: every request's cell gathered once, updated in place, written back once."""
 
-    def __init__(self, layout: StateLayout, cells: torch.Tensor, fresh: torch.Tensor):
+    def __init__(self, layout: StateLayout, cells: torch.Tensor, fresh: torch.Tensor | None):
+        """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does."""
         self.layout, self.cells = layout, cells
-        rows = layout.grid.index_select(0, cells)
-        self.rows = rows.masked_fill_(fresh[:, None], 0)  # a fresh state starts from zeros (all bytes 0)
+        self.rows = layout.grid.index_select(0, cells)
+        if fresh is not None:
+            self.rows.index_fill_(0, fresh, 0)
         self.views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
 
     def view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:

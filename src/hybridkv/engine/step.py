@@ -232,7 +232,8 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     states = {}
     if batch.state_slots is not None and batch.fresh_state is not None:
         slots_o = batch.state_slots if order is None else batch.state_slots[order]
-        fresh = dev(batch.fresh_state if order is None else batch.fresh_state[order])
+        fresh_rows = np.flatnonzero(batch.fresh_state if order is None else batch.fresh_state[order])
+        fresh = dev(fresh_rows) if fresh_rows.size else None
         for pool_id, state_layout in layouts.states.items():
             states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh)
     return StepContext(

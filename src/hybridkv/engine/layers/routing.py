@@ -20,6 +20,11 @@ import torch.nn.functional as F
 from hybridkv.engine.layers.cast import cast
 
 
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every stride but the unit one a multiple of 16 bytes (what ``grouped_mm`` requires)."""
+    return all((stride * t.element_size()) % 16 == 0 for t in tensors for stride in t.stride() if stride != 1)
+
+
 @dataclass(frozen=True)
 class Routing:
     token: torch.Tensor  # (N,) the token of each routed pair, pairs sorted by expert
@@ -44,7 +49,11 @@ class Routing:
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Each pair's row ``(N, in)`` times its expert's ``weight[e]`` ``(in, out)`` (+ ``bias[e]``): ``(N, out)``."""
-        out = F.grouped_mm(x, cast(weight, x.dtype), offs=self.ends)
+        weight = cast(weight, x.dtype)
+        if _aligned(x, weight):
+            out = F.grouped_mm(x, weight, offs=self.ends)
+        else:  # grouped_mm needs 16-byte aligned strides: odd sizes take each pair's expert weight instead
+            out = torch.bmm(x.unsqueeze(1), weight[self.expert]).squeeze(1)
         return out if bias is None else out + cast(bias[self.expert], out.dtype)
 
     def combine(self, y: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""The step's pool I/O: one gather and one store per pool, stale bytes never reach a result, layouts checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.engine.pool_io import LayoutError, pool_layouts
+from tests.engine.harness import hf_reference, make_runner, prompt, serve
+from tests.engine.test_exact import ATOL
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-kimi-linear"])
+def test_stale_bytes_are_nan_and_serving_stays_exact(name: str) -> None:
+    """Every arena byte starts as 0xFF (a NaN in every float format): slots past a request's last token, the
+    padding page and never-written cells must not reach attention (a masked NaN key still poisons softmax)."""
+    runner = make_runner(name, 16)
+    runner.mem.arena.buffer.fill_(0xFF)
+    prompts = [prompt(40 + n, n) for n in (3, 17, 30)]
+    served = serve(runner, prompts, 7, max_new=4)
+    for ids, got in zip(prompts, served, strict=True):
+        tokens, logits = hf_reference(name, tuple(ids), 4)
+        assert got.tokens[: len(tokens)] == tokens
+        diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False))
+        assert diff < ATOL, f"{name}: logits differ by {diff}"
+
+
+def test_a_token_pool_is_one_grid_of_slots_per_layer() -> None:
+    runner = make_runner("tiny-gemma3", 4)
+    layouts = pool_layouts(runner.mem)
+    assert pool_layouts(runner.mem) is layouts  # read once per memory
+    for pool_id, layout in layouts.tokens.items():
+        layers = runner.mem.layout(pool_id).layer_ids
+        assert layout.slots == 2 * len(layers)
+        for layer in layers:
+            span = layout.span(layer, ("k", "v"))
+            k = runner.mem.view(layer, "k")
+            assert layout.grid[:, span.start].data_ptr() == k.data_ptr()  # the same bytes as the layer's view
+            assert torch.equal(layout.grid[5, span.start + 1], runner.mem.view(layer, "v")[5])
+        with pytest.raises(LayoutError, match="keeps no"):
+            layout.span(99, ("k", "v"))
+        with pytest.raises(LayoutError, match="not adjacent"):
+            layout.span(layers[0], ("v", "k"))
