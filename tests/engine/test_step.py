@@ -41,3 +41,21 @@ def test_a_token_pool_is_one_grid_of_slots_per_layer() -> None:
             layout.span(99, ("k", "v"))
         with pytest.raises(LayoutError, match="not adjacent"):
             layout.span(layers[0], ("v", "k"))
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next"])
+def test_compiled_blocks_stay_exact(name: str) -> None:
+    """The optional compiled path (traced by dynamo; the "eager" backend skips inductor's slow code generation)
+    keeps the memory-reading mixers eager and gives transformers' tokens; compiling twice is refused."""
+    from hybridkv.engine.compiled import compile_blocks
+
+    runner = make_runner(name, 16)
+    compile_blocks(runner.model, backend="eager")
+    with pytest.raises(ValueError, match="compiled already"):
+        compile_blocks(runner.model, backend="eager")
+    prompts = [prompt(60 + n, n) for n in (5, 19)]
+    served = serve(runner, prompts, 7, max_new=3)
+    for ids, got in zip(prompts, served, strict=True):
+        tokens, logits = hf_reference(name, tuple(ids), 3)
+        assert got.tokens[: len(tokens)] == tokens
+        assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL

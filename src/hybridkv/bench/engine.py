@@ -17,7 +17,9 @@ rotates), one process, one torch thread, per tiny random model:
 - ``hf_padded_all`` / ``hf_padded_<n>``: ``generate`` on left-padded batches (all requests, then
   batches of ``padded_batch`` in order), sdpa attention where the model supports it, else eager;
 - ``hf_continuous``: ``generate_batch`` (transformers' continuous batching: paged cache, block
-  sharing), where it runs for the architecture (otherwise the reason is reported).
+  sharing), where it runs for the architecture (otherwise the reason is reported);
+- ``engine_compiled`` (with ``compile_blocks``): a second engine whose blocks are compiled
+  (``hybridkv.engine.compiled``), after one untimed pass that compiles them (``compile_s``).
 
 Per contender: the fastest round's wall and CPU seconds (``time.process_time``: the machine may
 be shared; CPU time counts every thread of the process), new tokens per wall and per CPU second,
@@ -53,6 +55,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache.placement import engine_default
+from hybridkv.engine.compiled import compile_blocks as compiled_blocks
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers, tiny_names
 from hybridkv.traces import MOONCAKE_TRACE, load_mooncake_trace
@@ -310,6 +313,7 @@ def bench_model(
     rounds: int,
     padded_batch: int,
     engine_args: dict[str, Any],
+    compile_blocks: bool = False,
 ) -> dict[str, Any]:
     oracle_model, config = build_random(name)
     fast, attention = fast_attention(name)
@@ -322,6 +326,14 @@ def bench_model(
         f"hf_padded_{padded_batch}": lambda p, n: padded(fast, p, n, padded_batch, pad),
         "hf_continuous": lambda p, n: continuous(fast, p, n, pad, engine.max_step_tokens),
     }
+    compile_s = None
+    if compile_blocks:
+        compiled = Engine(config, oracle_model, **engine_args)
+        compiled_blocks(compiled.runner.model)
+        start = time.perf_counter()
+        compiled.generate(prompts, new, stop_at_eos=False)  # every step shape of the workload compiles once
+        compile_s = round(time.perf_counter() - start, 1)
+        contenders["engine_compiled"] = lambda p, n: engine_pass(compiled, p, n)
     skipped: dict[str, str] = {}
     for label, run in list(contenders.items()):  # warm-up (first-call allocations); who does not run is said
         try:
@@ -342,7 +354,7 @@ def bench_model(
     oracle = passes["hf_one_by_one"][0].outputs
     rows = {label: summarise(ps, tokens, oracle) for label, ps in passes.items()}
     eng = rows["engine"]
-    baselines = {k: v for k, v in rows.items() if k != "engine"}
+    baselines = {k: v for k, v in rows.items() if k.startswith("hf_")}
     strongest = max(baselines, key=lambda k: baselines[k]["tokens_per_cpu_s"])
     cheapest_padded = min(
         (k for k in baselines if k.startswith("hf_padded")), key=lambda k: baselines[k]["cpu_us_per_computed"]
@@ -355,6 +367,7 @@ def bench_model(
         "hf_attention": attention,
         "contenders": rows,
         "not_run": skipped,
+        "compile_s": compile_s,
         "strongest_baseline": strongest,
         "speedup_vs_strongest": round(vs_best, 2),
         "wall_speedup_vs_strongest": round(eng["tokens_per_s"] / baselines[strongest]["tokens_per_s"], 2),
@@ -380,6 +393,7 @@ def run(
     rounds: int = 3,
     padded_batch: int = 16,
     max_step_tokens: int | None = None,
+    compile_blocks: bool = False,
 ) -> dict[str, Any]:
     models = models or tiny_names()
     checkpoints = checkpoints or engine_default(chunk_size, page_size)
@@ -400,7 +414,10 @@ def run(
     torch.set_num_threads(1)
     try:
         with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
-            rows = [bench_model(m, prompts, max_new_tokens, rounds, padded_batch, engine_args) for m in models]
+            rows = [
+                bench_model(m, prompts, max_new_tokens, rounds, padded_batch, engine_args, compile_blocks)
+                for m in models
+            ]
     finally:
         torch.set_num_threads(threads)
     return {
@@ -415,6 +432,7 @@ def run(
         "checkpoints": checkpoints,
         "rounds": rounds,
         "padded_batch": padded_batch,
+        "compile_blocks": compile_blocks,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "goals": {"vs_strongest": GOAL_VS_BEST, "cpu_per_computed_ratio": GOAL_CPU_RATIO, "hybridkv_share": GOAL_SHARE},

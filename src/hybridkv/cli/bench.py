@@ -178,6 +178,9 @@ def bench_engine(
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
     rounds: int = typer.Option(3, "--rounds", min=1, max=50, help="Alternating rounds; each contender's best is kept."),
     padded_batch: int = typer.Option(16, "--padded-batch", min=1, help="Requests per left-padded generate batch."),
+    compile_blocks: bool = typer.Option(
+        False, "--compile", help="Also run an engine whose blocks are compiled (torch.compile; slow to start)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers (one by one, left-padded
@@ -198,6 +201,7 @@ def bench_engine(
         rounds,
         padded_batch,
         max_step_tokens,
+        compile_blocks,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -229,6 +233,8 @@ def bench_engine(
         console.print(table)
         for label, why in r["not_run"].items():
             console.print(f"  {label} does not run here: {why}")
+        if r["compile_s"] is not None:
+            console.print(f"  engine_compiled: its first pass (compiling every step shape) took {r['compile_s']} s")
         goals = report["goals"]
         verdict = {True: "met", False: "NOT met"}
         console.print(
