@@ -122,6 +122,7 @@ class StateLayout:
 class PoolLayouts:
     tokens: dict[PoolId, TokenLayout]
     states: dict[PoolId, StateLayout]
+    pool_of: dict[int, PoolId]  # layer id -> the pool holding its entries
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[UnifiedMemory, PoolLayouts] = weakref.WeakKeyDictionary()
@@ -134,6 +135,7 @@ def pool_layouts(mem: UnifiedMemory) -> PoolLayouts:
         found = _LAYOUTS[mem] = PoolLayouts(
             {p.pool_id: _token_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.PAGE},
             {p.pool_id: _state_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.SLOT},
+            {layer: p.pool_id for p in mem.pools.values() for layer in p.layout.layer_ids},
         )
     return found
 
@@ -176,8 +178,9 @@ class GroupKeys:
     """A padded group's keys in one token pool: every layer's entries of the group's pages, as columns.
 
     Row ``r``'s column ``c`` holds position ``first_page[r] * page_size + c``: gathered entries where the
-    position is older than the step, zeros elsewhere (stale or never written slots may hold any bytes, NaN
-    included, and a masked key must still be finite) until each layer writes its new entries there.
+    position is older than the step; the step's new tokens once each layer wrote its entries there; zeros
+    after the row's last token (its last page's tail, the padding page: stale or never written slots may
+    hold any bytes, NaN included, and a masked key must still be finite).
     """
 
     entries: torch.Tensor  # (slots, R', W, *shape)

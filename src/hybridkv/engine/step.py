@@ -7,19 +7,20 @@ request ``i``'s last new token, so logits come back in the batch's order. ``grou
 two kinds (one group when the step has one kind), each a contiguous range of step rows and
 flat tokens, padded apart: a decode's one query is never padded to the longest chunk.
 
-Attention of a group reads, per token pool, keys ``[context | new]``: the request's pages that
-hold tokens from before the step and that some new token can still see (from
-``first_needed(prefix + 1)``, the pool id's rule), gathered once per group for every layer of
-the pool, then the step's own new entries as each layer computes them (never read back from
-the pool; they are written once at the end of the step, ``flush``). ``masks`` hold, per group
-and pool, the additive mask ``(R', 1, Q', L)``: 0 where query ``q`` sees key ``l`` (causal, the
-pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (other requests' padding,
-stale slots of a context page).
+Attention of a group reads, per token pool, the columns of its requests' pages from the page
+of the earliest position a new token can see (``first_needed(prefix + 1)``, the pool id's
+rule) to one spare column past the longest row (``GroupKeys``): gathered once per group for
+every layer of the pool, the step's new entries put in by each layer as it computes them
+(never read back from the pool; the pool gets them once, at the end of the step: ``flush``).
+Each group and pool has one additive mask ``(R', 1, Q', W)``, built here: 0 where query ``q``
+sees column ``c`` (causal, the pool's history rule, e.g. a sliding window), ``-inf``
+elsewhere (padding, slots after a row's last token). State pools: every row's state cell is
+gathered once (``StateIO``) and written back once.
 
 Invariants:
-- Physical ids come from one ``translate`` per token pool, one ``page_cells`` per token pool and
-  group, and one per state pool, after every allocation of the step; they are valid for this
-  step only (compaction may move cells between steps).
+- Physical ids come from one ``page_cells`` per pool and step (token pools: every group's
+  pages at once; the new tokens' cells are taken from them), after every allocation of the
+  step; they are valid for this step only (compaction may move cells between steps).
 - Padded queries repeat their request's last real new token; every query sees at least its own
   key. Nothing here reads a device tensor on the host.
 """
@@ -74,16 +75,19 @@ class StepContext:
     groups: tuple[Group, ...]  # decodes, then longer spans (or the one kind)
     tokens: dict[PoolId, TokenIO]  # per token pool
     states: dict[PoolId, StateIO]  # per state pool (stateful steps)
+    pool_of: dict[int, PoolId]  # layer id -> its pool
+    spans: list[slice]  # each group's flat tokens
 
-    @property
-    def spans(self) -> list[slice]:
-        return [g.tokens for g in self.groups]
+    def token_io(self, layer_id: int) -> TokenIO:
+        """The I/O of the token pool holding ``layer_id``'s entries."""
+        return self.tokens[self.pool_of[layer_id]]
 
-    def state(self, pool: PoolId) -> StateIO:
+    def state_io(self, layer_id: int) -> StateIO:
+        """The I/O of the state pool holding ``layer_id``'s state."""
         try:
-            return self.states[pool]
+            return self.states[self.pool_of[layer_id]]
         except KeyError:
-            raise ValueError(f"the step keeps no state in pool {pool}: give every request a state slot") from None
+            raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots") from None
 
     def flush(self) -> None:
         """Write the step's new K/V and updated states to their pools (once, after every layer ran)."""
@@ -243,4 +247,6 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         groups=groups,
         tokens=tokens,
         states=states,
+        pool_of=layouts.pool_of,
+        spans=[g.tokens for g in groups],
     )

@@ -1,14 +1,16 @@
 """Paged GQA attention over UnifiedMemory: full or sliding-window, with the variants the served models use.
 
-Per step: project, (q/k norm), RoPE, write the new K/V into this layer's pool view at the
-step's physical slots, gather each request's visible context back from the pool, and
-attend with padded batched tensors: queries ``(R, kv_heads, group, Q, D)`` against keys
-``(R, kv_heads, L, D)``, masked by the step's causal (and window) mask; one-token decodes
-and longer spans attend as two padded groups (``ctx.groups``).
+Per step: project, (q/k norm), RoPE, put the new K/V into the step's gathered context of
+this layer's pool (``pool_io``: every layer's context pages were gathered once for the step;
+the pool gets the new K/V once, at the end of the step), and attend through
+``scaled_dot_product_attention``: queries ``(R, heads, Q, D)`` against keys ``(R, kv_heads,
+W, D)`` with the step's additive mask (causal, the pool's window, padding; built once per
+step); one-token decodes and longer spans attend as two padded groups (``ctx.groups``).
 
 Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
-dropped), output gate (Qwen3-Next: ``q_proj`` yields query and gate per head, the output
-is multiplied by ``sigmoid(gate)``), q/k RMS norms, logit soft-capping, query scaling.
+dropped: a spare zero key of each row whose mask entry is the sink), output gate (Qwen3-Next:
+``q_proj`` yields query and gate per head, the output is multiplied by ``sigmoid(gate)``),
+q/k RMS norms, logit soft-capping (not an sdpa option: plain math), query scaling.
 
 Tensor parallel (``tp``): the rank holds its query heads and the KV heads
 ``Parallel.kv_head_range`` gives it (a GQA head replicated on several ranks when TP > KV
@@ -90,7 +92,7 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
 
-        io = ctx.tokens[mem.pool_of_layer(self.layer_id).pool_id]
+        io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
         entries = io.write(span, torch.stack((k, v), dim=1), ctx.spans)  # per group: (2, R', W, kv, D)
         outs = []

@@ -3,11 +3,11 @@
 Per step: project to q, k, v, z (output gate), b (beta) and a (decay); run the causal conv
 over q|k|v continuing each request's conv window; run the gated delta rule continuing its
 recurrent matrix; gated RMS norm with z; project out. The state lives only in the memory's
-state pool: the conv window as one tensor per component, ``mem.view(layer_id, "conv_q" /
-"conv_k" / "conv_v")`` ``(cells, channels, kernel - 1)`` (concatenated q|k|v for the conv;
-``read_conv`` / ``write_conv``), and ``mem.view(layer_id, "recurrent_state")`` ``(cells,
-v_heads, k_dim, v_dim)``, indexed by the step's state cells; a request with ``fresh_state``
-starts from zeros.
+state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k`` / ``conv_v``
+``(channels, kernel - 1)`` per request (adjacent in the cell: read as one q|k|v window), and
+``recurrent_state`` ``(v_heads, k_dim, v_dim)``; the layer reads and updates them in the
+step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
+starts fresh, written back once).
 
 Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
 them): the projections are grouped per key head, so its rows are contiguous; its conv
@@ -101,7 +101,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._split(x)
         beta = b.sigmoid()
         g = -f32(self.A_log).exp() * F.softplus(f32(a) + self.dt_bias)
-        io = ctx.state(mem.pool_of_layer(self.layer_id).pool_id)
+        io = ctx.state_io(self.layer_id)
         windows = io.view(self.layer_id, tuple(self.conv_parts))
         states = io.view(self.layer_id, ("recurrent_state",))
         outs = []

@@ -3,10 +3,11 @@
 Per step: q, k, v projections -> causal conv (continuing each request's conv window) ->
 KDA (continuing its recurrent matrix) with a per-channel forget gate ``g`` and a per-head
 ``beta``; a sigmoid-gated RMS norm per head; ``o_proj``. The two state tensors live only in
-the memory's state pool: the conv window as one tensor per component, ``mem.view(layer_id,
-"conv_q" / "conv_k" / "conv_v")`` ``(cells, heads * head_dim, kernel - 1)``, and
-``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim, head_dim)``, indexed by
-the step's state cells; a request with ``fresh_state`` starts from zeros.
+the memory's state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k`` /
+``conv_v`` ``(heads * head_dim, kernel - 1)`` per request (adjacent in the cell: one q|k|v
+window), and ``recurrent_state`` ``(heads, head_dim, head_dim)``; the layer reads and updates
+them in the step's gathered state cells (``ctx.state_io``: gathered once per step, zero where
+a state starts fresh, written back once).
 
 Tensor parallel (``tp``): the rank holds its heads: its rows of q/k/v, ``f_b_proj``,
 ``b_proj`` and ``g_b_proj``, its entries of ``dt_bias`` / ``A_log``, its own q, k and v
@@ -109,7 +110,7 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
-        io = ctx.state(mem.pool_of_layer(self.layer_id).pool_id)
+        io = ctx.state_io(self.layer_id)
         windows = io.view(self.layer_id, tuple(self.conv_parts))
         states = io.view(self.layer_id, ("recurrent_state",))
         outs = []

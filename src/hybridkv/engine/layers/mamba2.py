@@ -3,10 +3,11 @@
 Per step: ``in_proj`` -> gate ``z`` | conv input ``x|B|C`` | time step ``dt``; the causal
 conv continues each request's conv window; the SSD scan continues its SSM state; a
 group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The state lives only in the memory's
-state pool: the conv window as one tensor per component, ``mem.view(layer_id, "conv_x" /
-"conv_B" / "conv_C")`` ``(cells, channels, kernel - 1)``, and ``mem.view(layer_id,
-"ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed by the step's state
-cells; a request with ``fresh_state`` starts from zeros.
+state pool: the conv window as one tensor per component, ``conv_x`` / ``conv_B`` / ``conv_C``
+``(channels, kernel - 1)`` per request (adjacent in the cell: read as one x|B|C window), and
+``ssm_state`` ``(heads, head_dim, ssm_state_size)``; the layer reads and updates them in the
+step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
+starts fresh, written back once).
 
 Tensor parallel (``tp``): the rank holds its heads and its B/C groups (both split evenly):
 its rows of ``in_proj`` (its parts of ``z``, ``x``, ``B``, ``C`` and ``dt``), its conv
@@ -99,7 +100,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
-        io = ctx.state(mem.pool_of_layer(self.layer_id).pool_id)
+        io = ctx.state_io(self.layer_id)
         windows = io.view(self.layer_id, tuple(self.conv_parts))
         states = io.view(self.layer_id, ("ssm_state",))
         ys = []

@@ -79,7 +79,7 @@ class PagedMLA(nn.Module):
         c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], rope)[:, 0]], dim=-1)
 
-        io = ctx.tokens[mem.pool_of_layer(self.layer_id).pool_id]
+        io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("latent",))
         entries = io.write(span, latent[:, None, None], ctx.spans)  # per group: (1, R', W, 1, rank + rope)
         outs = []

@@ -21,7 +21,7 @@ def derived(
 ) -> torch.Tensor:
     """``make(source)``, kept on ``owner`` under ``name`` until ``source`` changes (a load writes it in place:
     its version moves; a conversion replaces it: its storage moves)."""
-    key = (source.data_ptr(), source._version, source.dtype)
+    key = (source.data_ptr(), source._version)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
         with torch.no_grad():
@@ -44,6 +44,8 @@ class RMSNorm(nn.Module):
         return f32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not self.offset and self.weight.dtype == torch.float32:  # the common case
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
         return cast(F.rms_norm(f32(x), self.shape, self.scale(), self.eps), x.dtype)
 
 
