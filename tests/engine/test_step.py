@@ -59,3 +59,35 @@ def test_compiled_blocks_stay_exact(name: str) -> None:
         tokens, logits = hf_reference(name, tuple(ids), 3)
         assert got.tokens[: len(tokens)] == tokens
         assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL
+
+
+def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
+    """Gemma 3 configs carry ``attn_logit_softcapping`` but transformers' Gemma 3 never applies it: neither does
+    the engine (capping the logits moved them by 0.055 here)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridkv.engine.engine import engine_spec
+    from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
+    from hybridkv.engine.runner import ModelRunner
+    from hybridkv.engine.weights import from_hf_model
+    from hybridkv.memory import UnifiedMemory
+    from hybridkv.spec import ShardSpec
+
+    model_type, overrides = TINY_CONFIGS["tiny-gemma3"]
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, max_position_embeddings=512, **overrides, attn_logit_softcapping=2.0
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spec = engine_spec(config, torch.float32)
+    mem = UnifiedMemory.create(ShardSpec.whole(spec), 4_000_000, page_size=4, max_context=256, chunk_tokens=64)
+    runner = ModelRunner(from_hf_model(hf), mem)
+    prompts = [prompt(70 + n, n) for n in (6, 21)]
+    served = serve(runner, prompts, 5, max_new=3)
+    for ids, got in zip(prompts, served, strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False, eos_token_id=None)
+            logits = hf(out).logits[0, len(ids) - 1 :]
+        assert got.tokens == out[0, len(ids) :].tolist()
+        assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL

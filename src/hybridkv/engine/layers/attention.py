@@ -10,7 +10,7 @@ step); one-token decodes and longer spans attend as two padded groups (``ctx.gro
 Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
 dropped: a spare zero key of each row whose mask entry is the sink), output gate (Qwen3-Next:
 ``q_proj`` yields query and gate per head, the output is multiplied by ``sigmoid(gate)``),
-q/k RMS norms, logit soft-capping (not an sdpa option: plain math), query scaling.
+q/k RMS norms, query scaling.
 
 Tensor parallel (``tp``): the rank holds its query heads and the KV heads
 ``Parallel.kv_head_range`` gives it (a GQA head replicated on several ranks when TP > KV
@@ -49,7 +49,6 @@ class PagedAttention(nn.Module):
         qk_norm_eps: float | None = None,
         output_gate: bool = False,
         sinks: bool = False,
-        softcap: float | None = None,
         tp: TensorParallel = SINGLE,
     ):
         super().__init__()
@@ -58,7 +57,7 @@ class PagedAttention(nn.Module):
         q_heads, kv_range = tp.split(heads, f"layer {layer_id} query heads"), tp.kv_heads(kv_heads)
         self.layer_id, self.head_dim = layer_id, head_dim
         self.heads, self.kv_heads = q_heads[1] - q_heads[0], kv_range[1] - kv_range[0]
-        self.scaling, self.softcap, self.output_gate = scaling, softcap, output_gate
+        self.scaling, self.output_gate = scaling, output_gate
         q_width = head_dim * (2 if output_gate else 1)  # per head: query (and its gate) side by side
         self.q_proj = nn.Linear(hidden, self.heads * q_width, bias=bias)
         self.k_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
@@ -108,21 +107,6 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries ``(R, heads, Q, D)`` over keys and values ``(R, kv, W, D)`` with the additive ``mask``
         (``(R, 1 or heads, Q, W)``) -> ``(R, heads, Q, D)``."""
-        mask = cast(mask, q.dtype)
-        if self.softcap is not None:
-            return self._attend_capped(q, keys, values, mask)
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+            q, keys, values, attn_mask=cast(mask, q.dtype), scale=self.scaling, enable_gqa=self.heads != self.kv_heads
         )
-
-    def _attend_capped(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Logit soft-capping (``tanh(s / cap) * cap`` before the mask) is not an sdpa option: plain math."""
-        assert self.softcap is not None
-        group = self.heads // self.kv_heads
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        scores = (q @ keys.transpose(-1, -2)) * self.scaling
-        scores = torch.tanh(scores / self.softcap) * self.softcap + mask
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        return cast(probs, values.dtype) @ values

@@ -3,7 +3,9 @@
 Block: ``x + post_attn_norm(attn(input_norm(x)))`` then ``x + post_ff_norm(mlp(pre_ff_norm(x)))``;
 norms are ``(1 + w)`` RMS norms, embeddings are scaled by ``sqrt(hidden)``, q/k heads are
 RMS-normed, sliding layers use the ``sliding_attention`` rope, full layers the
-``full_attention`` one; optional attention and final logit soft-capping.
+``full_attention`` one; optional final logit soft-capping. ``attn_logit_softcapping`` is a
+config field Gemma 3 keeps but does not apply (transformers 5.23.0's Gemma 3 attention
+ignores it, and so does this one).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class Gemma3Block(Block):
             scaling=config.query_pre_attn_scalar**-0.5,
             bias=config.attention_bias,
             qk_norm_eps=eps,
-            softcap=config.attn_logit_softcapping,
             tp=tp,
         )
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, tp=tp)
