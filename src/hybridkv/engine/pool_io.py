@@ -89,7 +89,8 @@ class StateEntry:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """One state pool: ``grid`` ``(cells, cell_bytes)`` uint8, ``entries[(layer, tensor)]`` where each tensor sits."""
+    """One state pool: ``grid`` ``(cells, cell_words)``, the cells as the widest integers that tile them (whole-cell
+    copies move words, not bytes: several times faster), ``entries[(layer, tensor)]`` where each tensor sits."""
 
     pool_id: PoolId
     grid: torch.Tensor
@@ -167,6 +168,9 @@ def _token_layout(pool: SubPool) -> TokenLayout:
 
 def _state_layout(pool: SubPool) -> StateLayout:
     grid = pool.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if pool.cell_bytes % w.itemsize == 0)
+    if grid.data_ptr() % word.itemsize == 0:
+        grid = grid.view(word)
     entries = {}
     for s in pool.layout.segments:
         entries[(s.layer_id, s.tensor)] = StateEntry(s.offset, s.nbytes, s.dtype, tuple(s.shape))
@@ -259,6 +263,7 @@ class StateIO:
         self.rows = layout.grid.index_select(0, cells)
         if fresh is not None:
             self.rows.index_fill_(0, fresh, 0)
+        self.bytes = self.rows.view(torch.uint8)
         self.views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
 
     def view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:
@@ -267,7 +272,7 @@ class StateIO:
         found = self.views.get(key)
         if found is None:
             e = self.layout.entry(layer_id, names)
-            raw = self.rows[:, e.offset : e.offset + e.nbytes]
+            raw = self.bytes[:, e.offset : e.offset + e.nbytes]
             found = self.views[key] = raw.view(e.dtype).view(self.rows.shape[0], *e.shape)
         return found
 
