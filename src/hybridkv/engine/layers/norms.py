@@ -21,12 +21,11 @@ def derived(
 ) -> torch.Tensor:
     """``make(source)``, kept on ``owner`` under ``name`` until ``source`` changes (a load writes it in place:
     its version moves; a conversion replaces it: its storage moves)."""
-    key = (source.data_ptr(), source._version)
     cached = owner.__dict__.get(name)
-    if cached is None or cached[0] != key:
+    if cached is None or cached[0] != source._version or cached[1] != source.data_ptr():
         with torch.no_grad():
-            cached = owner.__dict__[name] = (key, make(source))
-    return cached[1]
+            cached = owner.__dict__[name] = (source._version, source.data_ptr(), make(source))
+    return cached[2]
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +43,10 @@ class RMSNorm(nn.Module):
         return f32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.offset and self.weight.dtype == torch.float32:  # the common case
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        return cast(F.rms_norm(f32(x), self.shape, self.scale(), self.eps), x.dtype)
+        scale = self.scale()
+        if x.dtype == torch.float32:  # the common case: no casts to dispatch
+            return F.rms_norm(x, self.shape, scale, self.eps)
+        return F.rms_norm(x.float(), self.shape, scale, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
