@@ -284,10 +284,11 @@ class Scheduler:
         prefix = [r.computed for r in reqs]
         handles = [r.mem.live for r in reqs]
         has_state = self.alloc.has_state
-        return ForwardBatch.build(
+        return ForwardBatch.from_pages(
             [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
             prefix,
-            [h.token_locs(0, p + s) for h, p, s in zip(handles, prefix, spans, strict=True)],
+            [h.pages for h in handles],
+            self.alloc.page_size,
             [h.state_slot or 0 for h in handles] if has_state else None,
             [r.mem.fresh for r in reqs] if has_state else None,
         )
