@@ -4,7 +4,8 @@
 Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
 ``--random``, a model the engine cannot load or a budget below one request's floor, bad option
 values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
-that cannot be bound, and ``--disaggregated`` (its backend is not wired into the server yet).
+that cannot be bound, a ``--store-master`` no master answers at, and ``--disaggregated`` (its
+backend is not wired into the server yet).
 Prints ``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0
 after a graceful shutdown (SIGTERM or SIGINT).
 """
@@ -15,12 +16,23 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from hybridkv.cli.app import app, bench_app
-from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, positive_finite, random_model
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    HOST_MEMORY,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
+    byte_size,
+    engine_checkpoints,
+    positive_finite,
+    random_model,
+    tier_options,
+)
 from hybridkv.engine.random_models import tiny_names
 
 if TYPE_CHECKING:
@@ -53,6 +65,10 @@ def serve(
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
     shutdown_timeout: float = typer.Option(
         30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
@@ -76,6 +92,9 @@ def serve(
             "(or use `hybridkv serve-pd` for a prompts file)",
             param_hint="--disaggregated",
         )
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    if no_prefix_cache and (host_memory is not None or store != "none"):
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
     key = api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(
         api_key=key,
@@ -85,14 +104,26 @@ def serve(
     sock = bind(host, port)  # before the model loads: a taken port fails at once
     try:
         engine = build_engine(
-            model, random, gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints
+            model,
+            random,
+            gpu_memory,
+            page_size,
+            chunk_size,
+            max_running,
+            max_context,
+            not no_prefix_cache,
+            checkpoints,
+            tiers,
         )
     except BaseException:
         sock.close()
         raise
     name = random if random is not None else Path(model).name
     backend = EngineBackend(engine, name, gpu_memory, max_queued)
-    return run_server(backend, config, sock, shutdown_timeout)
+    try:
+        return run_server(backend, config, sock, shutdown_timeout)
+    finally:
+        engine.close()  # its tiers: the store client, a master it started
 
 
 def build_engine(
@@ -105,6 +136,7 @@ def build_engine(
     max_context: int | None,
     prefix_cache: bool,
     checkpoints: str | None,
+    tiers: dict[str, Any] | None = None,
 ) -> Engine:
     from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
 
@@ -124,6 +156,7 @@ def build_engine(
         max_context=max_context,
         prefix_cache=prefix_cache,
         checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        **(tiers or {}),
     )
 
 
