@@ -206,7 +206,11 @@ def own_master() -> Iterator[MooncakeMaster]:
         yield master
 
 
-def test_a_killed_master_marks_the_store_down_requests_go_on_and_a_restart_resumes_it(own_master, salt):
+def test_a_killed_master_marks_the_store_down_requests_go_on_and_a_restart_resumes_it(own_master, salt, monkeypatch):
+    """The master dies between a request's planning (the store held its prefix) and the read: the
+    read misses (``down``, counted), the request recomputes; host memory goes on serving hits,
+    write-backs to the store are refused at once, nothing hangs; a restarted master brings the
+    tier back."""
     name = "tiny-qwen3-next"
     e = engine(name, host_memory="8MiB", store="mooncake", store_master=own_master.address, store_memory="32MiB")
     try:
@@ -214,15 +218,24 @@ def test_a_killed_master_marks_the_store_down_requests_go_on_and_a_restart_resum
         store.retry_s = 0.2
         run(e, name, A, salt)
         e.clear_cache(host=True)
-        assert run(e, name, turn(1), salt).cached_tokens_details["storage"] == 40
-        own_master.kill()
+        read = store._read
+
+        def killed_first(keys: list[str], frame_bytes: list[int]) -> list[Any]:
+            own_master.kill()  # on the store's worker, after planning, before the read
+            return read(keys, frame_bytes)
+
+        monkeypatch.setattr(store, "_read", killed_first)
+        started = time.monotonic()
+        out = run(e, name, turn(1), salt)
+        monkeypatch.undo()
+        assert out.cached_tokens == 0 and not store.up
+        assert e.tiers is not None and set(e.tiers.hierarchy.counters.misses) == {"down"}
+        assert e.tiers.hierarchy.counters.fallbacks == 1
         e.clear_cache()  # host memory still works: the next turn comes back from it
         assert run(e, name, turn(2), salt).cached_tokens_details["host"] == 40
-        started = time.monotonic()
         e.clear_cache(host=True)  # written back to a store that is down: refused at once, counted
-        out = run(e, name, turn(3), salt)  # nowhere to restore from: recomputed, exact
+        assert run(e, name, turn(3), salt).cached_tokens == 0  # nowhere to restore from: recomputed, exact
         assert time.monotonic() - started < 10
-        assert out.cached_tokens == 0 and not store.up
         tiers = e.metrics()["tiers"]
         assert tiers["write_refused"]["mooncake"] > 0 and tiers["store"]["down_events"] >= 1
         own_master.start()  # same ports, no objects

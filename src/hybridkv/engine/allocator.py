@@ -75,9 +75,9 @@ class CacheHit:
     checkpoint: int
     """Deepest state checkpoint on the full-KV match (0 without recurrent layers)."""
     host: int = 0
-    """Tokens of ``cached_tokens`` whose KV and state came back from host memory."""
+    """Tokens of ``cached_tokens`` whose full KV came back from host memory (restored at admission)."""
     storage: int = 0
-    """Tokens of ``cached_tokens`` that came back from the store (the Mooncake Store)."""
+    """Tokens of ``cached_tokens`` whose full KV came back from the store (the Mooncake Store)."""
 
     @classmethod
     def of(cls, m: MatchResult, details: dict[str, int] | None = None) -> CacheHit:
