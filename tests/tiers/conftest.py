@@ -1,5 +1,5 @@
-"""Fixtures of the tier tests: one real ``mooncake_master`` on loopback for the whole session
-(tests that kill a master start their own), store clients against it, tiny memories."""
+"""Fixtures of the tier tests: store clients against the session's ``mooncake_master``
+(``tests/conftest.py``; tests that kill a master start their own), unique key prefixes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,6 @@ from collections.abc import Iterator
 import pytest
 
 from hybridkv.tiers import MooncakeMaster, MooncakeStoreTier
-
-
-@pytest.fixture(scope="session")
-def mooncake_master() -> Iterator[MooncakeMaster]:
-    with MooncakeMaster() as master:
-        yield master
 
 
 @pytest.fixture

@@ -7,12 +7,16 @@ Which errors are whose:
   and every prompt the engine would refuse (``Engine.check``: empty, ids outside the vocabulary,
   prompt + ``--max-new-tokens`` beyond the context; the message names the file line), a budget
   below one request's floor, and bad option values (typer ``min=``, ``cli/params.py``).
-  A file is checked as a whole, so a bad line costs nothing but the model load.
+  A file is checked as a whole, so a bad line costs nothing but the model load. Tier options that
+  do not fit together (``--store-master`` without ``--store mooncake``, tiers with
+  ``--no-prefix-cache``) and a ``--store-master`` no master answers at are refused the same way.
 - Reported per request while the others finish (``error`` in the output, exit 0): what only
   happens while serving, i.e. a request that does not fit the memory budget even alone.
 
 Output (``--json``): one object; ``requests`` in input order, each ``output_ids``,
-``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``) and ``error`` (null when none); ``totals``.
+``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``), ``error`` (null when none),
+``cached_tokens`` and ``cached_tokens_details`` {device, host, storage}; ``totals``.
+``--host-memory`` and ``--store mooncake`` put tiers below the device (``hybridkv.engine.tiered``).
 Sampling (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``, ``--stop-token-id``, ``--ignore-eos``)
 is the same for ``serve-pd``: the same file gives the same tokens there.
 """
@@ -31,9 +35,13 @@ import typer
 from hybridkv.cli.app import app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
+    HOST_MEMORY,
     IGNORE_EOS,
     SEED,
     STOP_TOKEN_IDS,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
     TEMPERATURE,
     TOP_K,
     TOP_P,
@@ -41,6 +49,7 @@ from hybridkv.cli.params import (
     host_budget,
     random_model,
     request_params,
+    tier_options,
 )
 from hybridkv.engine.random_models import tiny_names
 
@@ -85,6 +94,7 @@ def _engine(
     chunk_size: int,
     prefix_cache: bool,
     checkpoints: str | None = None,
+    tiers: dict[str, Any] | None = None,
 ) -> Any:
     from hybridkv.engine.engine import Engine
 
@@ -105,6 +115,7 @@ def _engine(
         chunk_size=chunk_size,
         prefix_cache=prefix_cache,
         checkpoints=checkpoints,
+        **(tiers or {}),
     )
 
 
@@ -133,12 +144,33 @@ def generate(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
-    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints)
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    if no_prefix_cache and (host_memory is not None or store != "none"):
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
+    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints, tiers)
+    try:
+        _serve_file(engine, prompts, lines, params, max_new_tokens, as_json)
+    finally:
+        engine.close()
+
+
+def _serve_file(
+    engine: Any,
+    prompts: Path,
+    lines: list[tuple[int, list[int]]],
+    params: list[Any],
+    max_new_tokens: int,
+    as_json: bool,
+) -> None:
     bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
     if bad:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
@@ -167,6 +199,9 @@ def generate(
         "steps": engine.stats["steps"],
         "retractions": engine.stats["retractions"],
         "cached_tokens": sum(o.cached_tokens for o in outs),
+        "cached_tokens_details": {
+            k: sum(o.cached_tokens_details[k] for o in outs) for k in ("device", "host", "storage")
+        },
     }
     if as_json:
         requests = [
@@ -175,6 +210,7 @@ def generate(
                 "finish_reason": o.finish_reason,
                 "error": o.error,
                 "cached_tokens": o.cached_tokens,
+                "cached_tokens_details": o.cached_tokens_details,
             }
             for o in outs
         ]

@@ -13,9 +13,11 @@ Refused before anything listens, one ``error:`` line, exit 2: not exactly one of
 ``--random``, a model the engine cannot load or a budget below one request's floor, bad option
 values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
 that cannot be bound, a PD option without ``--disaggregated``, a layout the model cannot be split
-into (``check_layout``) and a bad ``--fault``. Prints ``hybridkv serve: listening on
-http://HOST:PORT ...`` once it accepts connections; exits 0 after a graceful shutdown (SIGTERM or
-SIGINT), with every worker process reaped and every shared-memory file unlinked.
+into (``check_layout``), a bad ``--fault``, a ``--store-master`` no master answers at, and tier options
+(``--host-memory``, ``--store``) with ``--disaggregated`` or ``--no-prefix-cache``. Prints
+``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0 after a
+graceful shutdown (SIGTERM or SIGINT), with every worker process reaped and every shared-memory file
+unlinked.
 """
 
 from __future__ import annotations
@@ -27,17 +29,22 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from hybridkv.cli.app import app, bench_app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
+    HOST_MEMORY,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
     byte_size,
     engine_checkpoints,
     positive_finite,
     random_model,
+    tier_options,
     transport_option,
 )
 from hybridkv.engine.random_models import tiny_names
@@ -78,6 +85,10 @@ def serve(
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
     shutdown_timeout: float = typer.Option(
         30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
@@ -116,6 +127,15 @@ def serve(
         raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
     layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
     faults = parse_faults(fault or [])
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    tiered = host_memory is not None or store != "none"
+    if tiered and disaggregated:
+        raise typer.BadParameter(
+            "the disaggregated engines keep no tiers below the device yet: drop --host-memory/--store",
+            param_hint="--host-memory/--store",
+        )
+    if tiered and no_prefix_cache:
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
     key = api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(
         api_key=key,
@@ -130,7 +150,9 @@ def serve(
         if disaggregated:
             backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, *sizing)
         else:
-            backend = EngineBackend(build_engine(model, random, *sizing), name, gpu_memory, max_queued)
+            engine = build_engine(model, random, *sizing, tiers)
+            stack.callback(engine.close)  # its tiers: the store client, a master it started
+            backend = EngineBackend(engine, name, gpu_memory, max_queued)
         code = run_server(backend, config, sock, shutdown_timeout)
     return code
 
@@ -232,6 +254,7 @@ def build_engine(
     max_context: int | None,
     prefix_cache: bool,
     checkpoints: str | None,
+    tiers: dict[str, Any] | None = None,
 ) -> Engine:
     from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
 
@@ -251,6 +274,7 @@ def build_engine(
         max_context=max_context,
         prefix_cache=prefix_cache,
         checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        **(tiers or {}),
     )
 
 

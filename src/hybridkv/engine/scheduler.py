@@ -140,7 +140,7 @@ class Scheduler:
     # --- requests in and out ----------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        req.mem = self.alloc.new(req.namespace)
+        req.mem = self.alloc.new(req.namespace, req.tokens)  # with tiers: its restore is planned now
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -160,6 +160,7 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                self.alloc.retract(req.mem)  # a planned restore's pins
                 return self._end(req, FinishReason.ABORT, reason)
         for req in self.running:
             if req.rid == rid:

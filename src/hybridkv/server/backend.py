@@ -66,6 +66,8 @@ class Finished:
     error: str | None
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    cached_tokens_details: dict[str, int] | None = None
+    """``cached_tokens`` by where they came from {device, host, storage} (None: the backend does not say)."""
 
 
 class Sink(Protocol):

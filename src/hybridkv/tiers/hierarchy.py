@@ -246,6 +246,12 @@ class TierHierarchy:
         """Copy the fetched pieces into the request's reserved ``pages`` / ``slot``; the hit now valid."""
         return restore.commit(self, fetched, pages, slot)
 
+    def cancel(self, fetched: Fetched) -> None:
+        """Drop a fetch that will not be committed (re-planned, or its request ended): its device
+        sources are unpinned; the store's reads finish on their own and are discarded."""
+        if fetched.gate is not None:
+            fetched.gate.release()
+
     def record(self, plan: TierPlan, end: int) -> None:
         """Count a request's hit (``commit``'s answer) by component and source tier, once."""
         restore.record(self, plan, end)

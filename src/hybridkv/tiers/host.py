@@ -92,6 +92,15 @@ class HostTier(StorageTier):
             if key in objects:
                 objects.move_to_end(key)
 
+    def clear(self) -> int:
+        """Evict every object, least recently used first, exactly as an eviction for room does
+        (handed to ``on_evict``: written back to the store below); how many left."""
+        gone: tuple[list[str], list[torch.Tensor], list[str]] = ([], [], [])
+        self._make_room(self.budget, gone)  # room for a whole budget: every object leaves
+        if gone[0] and self.on_evict is not None:
+            self.on_evict(*gone)
+        return len(gone[0])
+
     # --- the backend ----------------------------------------------------------------------
 
     def _write(self, keys: list[str], frames: list[torch.Tensor], label: str) -> list[PutStatus]:
