@@ -23,7 +23,7 @@ fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,mooncake,engine]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,mooncake,engine,server]"
 .venv/bin/python - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0, got {torch.__version__}"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, KVManager
+from hybridkv.cache.handle import HandleStatus
 from hybridkv.memory import GateStatus, OutOfMemory, PinnedError
 from tests.cache.helpers import FLOORS, small_memory
 
@@ -93,29 +94,43 @@ def test_a_pinned_request_keeps_its_ids_until_unpinned():
     kvm.mem.verify()
 
 
-def test_adopted_kv_becomes_the_request_s_own_and_bad_adoptions_change_nothing():
-    """KV that arrived by transfer (allocated outside the manager) becomes a running request."""
+def test_a_reserved_handle_is_unreadable_until_received_then_runs_and_caches():
+    """KV that arrives by transfer lands in a RECEIVING handle: nothing reads, grows, inserts or pins it
+    until ``received``; then it continues like any request. A refused reservation holds nothing."""
     kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS)))
     mem, cache = kvm.mem, kvm.cache
-    pages, slot = mem.alloc_pages(3), int(mem.alloc_state(1)[0])
-    live = (mem.pages.live_count, mem.slots.live_count)
-    for bad, says in [
-        (lambda: kvm.adopt(pages, 13, slot), "need 4 pages"),
-        (lambda: kvm.adopt(pages, 10), "state slot exactly"),
-        (lambda: kvm.adopt(np.array([0, 1, 2]), 10, slot), "adopt"),
-        (lambda: kvm.adopt(pages, 10, slot + 1), "adopt"),
-    ]:
-        with pytest.raises(CacheError, match=says):
+    h = kvm.reserve(10)
+    assert h.status is HandleStatus.RECEIVING and h.seq_len == 10 and h.pages.size == 3
+    assert h.state_slot is not None and not h.state_from_zero
+    for bad in (
+        lambda: h.token_locs(),
+        lambda: kvm.extend(h, 14),
+        lambda: kvm.insert(h, np.arange(10)),
+        lambda: kvm.pin(h),
+        lambda: kvm.checkpoint(h),
+    ):
+        with pytest.raises(CacheError):
             bad()
-        assert (mem.pages.live_count, mem.slots.live_count) == live and cache.open_locks == 0
-    h = kvm.adopt(pages, 10, slot)
-    assert h.seq_len == 10 and not h.state_from_zero and h.state_slot == slot
-    np.testing.assert_array_equal(h.pages, pages)
+    assert kvm.match(np.arange(10)).length == 0  # not in the tree: nothing can hit it
+    kvm.evict({PAGE_NEED: mem.pages.capacity})  # nor evict it
+    assert mem.pages.live_count == 3 and mem.slots.live_count == 1
+    running = kvm.admit(kvm.match(np.arange(4)))
+    with pytest.raises(CacheError, match="not receiving"):
+        kvm.received(running)
+    kvm.release(running)
+    kvm.received(h)
     kvm.extend(h, 14)  # it continues like any request
     toks = np.arange(14)
     kvm.finish(h, toks)
     assert kvm.match(toks).full_length == 12  # its pages were cached on finish
     kvm.evict({PAGE_NEED: mem.pages.capacity})
+    assert mem.pages.live_count == 0 and mem.slots.live_count == 0
+    live = (mem.pages.live_count, mem.slots.live_count)
+    with pytest.raises(OutOfMemory):
+        kvm.reserve(mem.pages.capacity * PS + 1)
+    assert (mem.pages.live_count, mem.slots.live_count) == live and cache.open_locks == 0
+    dropped = kvm.reserve(20)  # a transfer that failed: released through the one free path
+    kvm.release(dropped)
     assert mem.pages.live_count == 0 and mem.slots.live_count == 0
     mem.verify()
     cache.check()

@@ -43,5 +43,8 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
     t = report["totals"]
     assert t["bytes_match"] and t["transfer_bytes"] == sum(r["transfer_bytes"] for r in rows)
     assert t["ops"] == sum(r["ops"] for r in rows)
-    assert t["cached_tokens_pd"] > 0, rows
+    assert t["cached_tokens_pd"] > 0, rows  # each request served again alone hits its own cached prompt
+    assert all(r["alone_cached_tokens_pd"] > 0 and r["alone_cached_tokens_single"] > 0 for r in rows), rows
     assert t["exact"] == 3 and t["ttft_ratio"] > 0 and t["gbps"] > 0 and 0 <= t["overlap_ratio"] <= 1
+    assert t["prefill_tokens_per_s_pd"] > 0 and t["prefill_throughput_ratio"] > 0 and t["handoff_mean_ms"] >= 0
+    assert isinstance(t["ttft_goal_met"], bool) and t["alone_ttft_pd_mean_s"] > 0

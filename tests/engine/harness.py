@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.allocator import RequestAllocator, RequestMemory
+from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.random_models import build_random
@@ -66,7 +66,7 @@ def serve(
     alloc = RequestAllocator(runner.mem, prefix_cache=False)
     reqs = [alloc.new() for _ in prompts]
     for req, ids in zip(reqs, prompts, strict=True):
-        assert alloc.admit(req, ids, len(ids), chunk, 0, force=True)
+        assert alloc.admit(req, ids, len(ids), chunk, 0, True) is Admission.ADMITTED
     out = [Served([], []) for _ in prompts]
     fed = [0] * len(prompts)
     pending: list[int | None] = [None] * len(prompts)
@@ -82,7 +82,7 @@ def serve(
             active.append(i)
         step_reqs: list[RequestMemory] = [reqs[i] for i in active]
         prefix = [r.length for r in step_reqs]
-        alloc.extend(step_reqs, [len(x) for x in new_ids])
+        alloc.extend(step_reqs, [r.length + len(x) for r, x in zip(step_reqs, new_ids, strict=True)])
         batch = ForwardBatch.build(
             new_ids,
             prefix,

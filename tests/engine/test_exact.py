@@ -75,16 +75,16 @@ def test_window_pages_leave_the_window_pool_during_a_long_request() -> None:
     runner = make_runner("tiny-gemma3", 4)
     mem = runner.mem
     ids = prompt(7, 60)
-    from hybridkv.engine.allocator import RequestAllocator
+    from hybridkv.engine.allocator import Admission, RequestAllocator
     from hybridkv.engine.batch import ForwardBatch
 
     alloc = RequestAllocator(mem, prefix_cache=False)
     req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), 7, 0, force=True)
+    assert alloc.admit(req, ids, len(ids), 7, 0, True) is Admission.ADMITTED
     for start in range(0, 60, 7):
         chunk = ids[start : start + 7]
         prefix = req.length
-        alloc.extend([req], [len(chunk)])
+        alloc.extend([req], [req.length + len(chunk)])
         runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs]))
         alloc.mark_computed([req])
     pages = req.token_locs[:: mem.page_size] // mem.page_size

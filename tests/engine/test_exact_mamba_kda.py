@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hybridkv.engine.allocator import RequestAllocator
+from hybridkv.engine.allocator import Admission, RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
@@ -211,11 +211,11 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: tuple[s
     ids = prompt(3, 40)
     alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), 7, 0, force=True)
+    assert alloc.admit(req, ids, len(ids), 7, 0, True) is Admission.ADMITTED
     for start in range(0, len(ids), 7):
         chunk = ids[start : start + 7]
         prefix = req.length
-        alloc.extend([req], [len(chunk)])
+        alloc.extend([req], [req.length + len(chunk)])
         runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
         alloc.mark_computed([req])
     with torch.no_grad():

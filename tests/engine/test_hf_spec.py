@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine.allocator import RequestAllocator
+from hybridkv.engine.allocator import Admission, RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import tiny_names
@@ -51,11 +51,11 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
     ids = prompt(1, 20)
     alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), 7, 0, force=True)
+    assert alloc.admit(req, ids, len(ids), 7, 0, True) is Admission.ADMITTED
     for start in range(0, 20, 7):
         chunk = ids[start : start + 7]
         prefix = req.length
-        alloc.extend([req], [len(chunk)])
+        alloc.extend([req], [req.length + len(chunk)])
         runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
         alloc.mark_computed([req])
     cache = _hf_cache("tiny-qwen3-next")

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-import hybridkv.engine.engine as engine_module
+import hybridkv.engine.scheduler as scheduler_module
 from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.request import SamplingParams
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 from tests.engine.test_exact import ATOL
@@ -40,14 +41,14 @@ class Logits:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.rows: dict[tuple[int, int], torch.Tensor] = {}
-        choose = engine_module.choose_tokens
+        choose = scheduler_module.choose_tokens
 
-        def recording(logits: torch.Tensor, temps: list[float], seeds: list[int], positions: list[int]) -> list[int]:
-            for row, seed, pos in zip(logits, seeds, positions, strict=True):
-                self.rows[(seed, pos)] = row.clone()
-            return choose(logits, temps, seeds, positions)
+        def recording(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+            for row, p, pos in zip(logits, params, positions, strict=True):
+                self.rows[(p.seed, pos)] = row.clone()
+            return choose(logits, params, positions)
 
-        monkeypatch.setattr(engine_module, "choose_tokens", recording)
+        monkeypatch.setattr(scheduler_module, "choose_tokens", recording)
 
     def check(self, name: str, index: int, ids: list[int], out: Output, max_new: int) -> None:
         tokens, ref = hf_reference(name, tuple(ids), max_new)

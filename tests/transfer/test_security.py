@@ -85,6 +85,7 @@ def test_a_cluster_key_comes_from_the_operator_or_nothing_starts(monkeypatch, tm
     assert load_cluster_key().hex == key.hex
     path = tmp_path / "cluster.key"
     path.write_text(ClusterKey.generate().hex + "\n")
+    path.chmod(0o600)  # a key file only its owner reads (tests/transfer/test_cluster_key.py)
     monkeypatch.setenv(KEY_FILE_ENV, str(path))
     assert load_cluster_key().hex == path.read_text().strip()  # the file wins over the variable
     path.write_text("abcd")

@@ -3,7 +3,8 @@
 Workload: ``requests`` whole conversations of the Mooncake conversation trace scaled down
 (``bench.engine.conversation_prompts``: shared prefixes), greedy, ``max_new_tokens`` each
 (EOS does not stop either side), on one tiny random model saved to a temporary directory
-that both sides load. Both serve with the same page size, chunk size and prefix-cache setting
+that both sides load; the prefill processes and the single process run one torch thread each.
+Both serve with the same page size, chunk size and prefix-cache setting
 (disaggregated: the prefill engine's cache; single-process: the engine's).
 
 Measured per request (the disaggregated side from ``RequestResult``: its ``StageTiming`` per
@@ -29,12 +30,18 @@ prefill rank and its bytes per decode rank):
   PP stages' compute (0 when ``prefill_pp`` is 1). A rank's compute interval runs from when it
   took the request (stage ``s > 0`` then waits for stage ``s - 1``'s hidden states) to its last
   chunk, so with ``prefill_pp > 1`` a stage's interval includes that wait.
-- **TTFT**: arrival -> first token, both sides measured the same way with ``time.monotonic``.
-  Every request arrives at the start: disaggregated, all are submitted to the server at once
-  and the first token is prefill's greedy pick (``RequestTiming.ttft_s``); single-process,
-  ``Engine.generate`` is called with all of them (continuous batching, chunked prefill) and
-  the first token is the engine's ``on_token`` call. ``ttft_ratio``: disaggregated over
-  single-process. Neither side is warmed up.
+- **TTFT**: arrival -> first token, both sides measured the same way with ``time.monotonic``,
+  after both served ``WARM_UP`` (not measured). Burst: every request arrives at once
+  (disaggregated: all submitted to the server; the first token is chosen on the prefill engine,
+  ``RequestTiming.ttft_s``; single-process: ``Engine.generate`` with all of them, the first token
+  is its ``on_token`` call). ``ttft_extra_ms``: disaggregated minus single-process mean; the goal
+  (``ttft_goal_met``): at most the mean handoff (first token -> every decode rank holds the KV)
+  + ``TTFT_MARGIN_S``. Alone: each request again, one at a time, after the burst (both caches hold
+  its prompt: the TTFT is the control path's cost), ``alone_ttft_extra_ms``.
+- **prefill throughput**: a burst of the same prompts asking one new token each (prefill only: the
+  decode side does not compete for the CPU), on a fresh engine and cache: prompt tokens computed
+  (not served from the cache) over the last first token, both sides; ``prefill_throughput_ratio``
+  disaggregated over single-process (goal >= 0.8).
 - **exact**: the disaggregated tokens equal the single-process engine's.
 """
 
@@ -43,18 +50,22 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.bench.engine import conversation_prompts
-from hybridkv.engine.disagg import FINISHED, PDConfig, RequestResult, run_pd
-from hybridkv.engine.engine import Engine, engine_spec
-from hybridkv.engine.random_models import quiet_transformers, save_random, tiny_names
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, RequestResult
+from hybridkv.engine.engine import Engine, Output, engine_spec
+from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
+from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts
 from hybridkv.spec import IdSpace, Parallel, ShardSpec
 
 Interval = tuple[float, float]
+TTFT_MARGIN_S = 0.010
+"""The goal: disaggregated mean TTFT at most the single process's + the mean handoff + this."""
 
 
 def spec_bytes(model_dir: str, decode_tp: int, page_size: int, seq_len: int) -> list[int]:
@@ -143,31 +154,103 @@ def request_row(
     }
 
 
+WARM_UP = ((5, 6, 7, 8), (9, 10, 11))
+"""Prompts both sides serve first, outside the measures (first-call allocations, the transfer handshake)."""
+
+
+@dataclass
+class _Side:
+    """One side's measures: per request of the burst its TTFT, tokens and hit; per request served alone its TTFT
+    and hit; when the burst's last first token came (seconds after arrival)."""
+
+    ttft: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    alone_ttft: list[float] = field(default_factory=list)
+    alone_cached: list[int] = field(default_factory=list)
+    prefill_tokens_per_s: float = 0.0
+    """Prompt tokens computed per second, a burst of prefill-only requests (one new token each) on a fresh
+    engine: what the prefill engine can do without the decode side competing for the CPU."""
+
+
+def _throughput(prompts: list[list[int]], cached: list[int], ttft: list[float]) -> float:
+    return (sum(map(len, prompts)) - sum(cached)) / max(ttft)
+
+
 def _single_process(
-    model_dir: str, prompts: list[list[int]], max_new: int, page_size: int, chunk: int, prefix_cache: bool
-) -> tuple[list[float], list[list[int]], list[int]]:
-    """Per request: TTFT, tokens and prefix-cache hit of the single-process engine serving every prompt at once."""
+    model_dir: str, prompts: list[list[int]], params: SamplingParams, page_size: int, chunk: int, prefix_cache: bool
+) -> _Side:
+    """The single-process engine on the same requests: a prefill-only burst (its throughput), then on a fresh
+    cache a burst (all at once), then each again alone."""
     engine = Engine(model_dir, gpu_memory="64MiB", page_size=page_size, chunk_size=chunk, prefix_cache=prefix_cache)
+    engine.generate([list(p) for p in WARM_UP], 2)
     first: dict[int, float] = {}
 
     def on_token(index: int, _token: int) -> None:
         first.setdefault(index, time.monotonic())
 
-    arrival = time.monotonic()
-    outs = engine.generate(prompts, max_new, stop_at_eos=False, on_token=on_token)
-    errors = [o.error for o in outs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"the single-process engine refused a request: {errors[0]}")
-    return (
-        [first[i] - arrival for i in range(len(prompts))],
-        [o.output_ids for o in outs],
-        [o.cached_tokens for o in outs],
-    )
+    def burst(each: SamplingParams) -> tuple[list[Output], list[float]]:
+        engine.clear_cache()
+        first.clear()
+        arrival = time.monotonic()
+        outs = engine.generate(prompts, [each] * len(prompts), on_token=on_token)
+        errors = [o.error for o in outs if o.error is not None]
+        if errors:
+            raise RuntimeError(f"the single-process engine refused a request: {errors[0]}")
+        return outs, [first[i] - arrival for i in range(len(prompts))]
+
+    side = _Side()
+    outs, ttft = burst(SamplingParams(1, ignore_eos=True))
+    side.prefill_tokens_per_s = _throughput(prompts, [o.cached_tokens for o in outs], ttft)
+    outs, side.ttft = burst(params)
+    side.tokens = [o.output_ids for o in outs]
+    side.cached = [o.cached_tokens for o in outs]
+    for ids in prompts:
+        first.clear()
+        start = time.monotonic()
+        (out,) = engine.generate([ids], [params], on_token=on_token)
+        side.alone_ttft.append(first[0] - start)
+        side.alone_cached.append(out.cached_tokens)
+    return side
+
+
+def _disaggregated(config: PDConfig, prompts: list[list[int]], params: SamplingParams) -> tuple[_Side, PDResult]:
+    """The same on disaggregated servers (a fresh one after the prefill-only burst: its prefix cache is
+    empty again); the burst's ``RequestResult``s for the per-request rows."""
+    side = _Side()
+    with PDServer(config) as server:
+        for p in WARM_UP:
+            server.result(server.submit(p, SamplingParams(2)))
+        only = [server.result(h) for h in [server.submit(p, SamplingParams(1, ignore_eos=True)) for p in prompts]]
+    ttft = [r.timing.ttft_s for r in only if r.timing is not None]
+    if len(ttft) < len(only):
+        raise RuntimeError(f"a prefill-only request failed disaggregated: {[r.reason for r in only if r.reason]}")
+    side.prefill_tokens_per_s = _throughput(prompts, [r.cached_tokens for r in only], ttft)
+    with PDServer(config) as server:
+        for p in WARM_UP:
+            server.result(server.submit(p, SamplingParams(2)))
+        burst = [server.result(h) for h in [server.submit(p, params) for p in prompts]]
+        failed = [r for r in burst if r.status != FINISHED]
+        if failed:
+            raise RuntimeError(
+                f"{len(failed)} requests failed disaggregated; request {failed[0].index}: {failed[0].reason}"
+            )
+        for ids in prompts:
+            alone = server.result(server.submit(ids, params))
+            if alone.timing is None:
+                raise RuntimeError(f"a request served alone failed disaggregated: {alone.reason}")
+            side.alone_ttft.append(alone.timing.ttft_s)
+            side.alone_cached.append(alone.cached_tokens)
+    side.ttft = [r.timing.ttft_s for r in burst if r.timing is not None]
+    side.tokens = [r.output_ids for r in burst]
+    side.cached = [r.cached_tokens for r in burst]
+    result = PDResult(side.tokens, server.ranks, [r.timing for r in burst], burst, server.deaths, [], [])
+    return side, result
 
 
 def run(
     model: str = "tiny-qwen3-next",
-    requests: int = 8,
+    requests: int = 16,
     max_new_tokens: int = 8,
     transport: str = "shm",
     prefill_pp: int = 2,
@@ -181,15 +264,14 @@ def run(
     """Serve the same requests disaggregated and in one process; the report's keys are the module doc's measures."""
     if model not in tiny_names():
         raise ValueError(f"unknown model {model!r}; choose one of {tiny_names()}")
-    prompts = conversation_prompts(requests, block_tokens)
+    prompts = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
     lengths = [len(p) for p in prompts]
     context = -(-(max(lengths) + max_new_tokens) // page_size) * page_size
+    params = SamplingParams(max_new_tokens, ignore_eos=True)  # both sides compute every token
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-pd-") as model_dir:
         save_random(model, model_dir)
         config = PDConfig(
             model_dir,
-            tuple(map(tuple, prompts)),
-            max_new_tokens,
             prefill_pp=prefill_pp,
             prefill_tp=prefill_tp,
             decode_tp=decode_tp,
@@ -198,32 +280,26 @@ def run(
             chunk=chunk_size,
             max_context=context,
             prefix_cache=prefix_cache,
+            gpu_memory=64 * 2**20,
         )
-        result = run_pd(config)
-        failed = [r for r in result.requests if r.status != FINISHED]
-        if failed:
-            raise RuntimeError(
-                f"{len(failed)} requests failed disaggregated; request {failed[0].index}: {failed[0].reason}"
-            )
+        pd, result = _disaggregated(config, prompts, params)
         with quiet_transformers():
-            ttft_single, single_ids, single_cached = _single_process(
-                model_dir, prompts, max_new_tokens, page_size, chunk_size, prefix_cache
-            )
+            single = _single_process(model_dir, prompts, params, page_size, chunk_size, prefix_cache)
         expected = [spec_bytes(model_dir, decode_tp, page_size, n) for n in lengths]
     computing = [(st.pp, st.compute) for req in result.requests for st in req.stages]
     origin = min(c[0] for _, c in computing)
     rows = [
-        {"prompt_tokens": lengths[i], "cached_tokens_single": single_cached[i]}
-        | request_row(req, computing, expected[i], ttft_single[i], origin)
-        | {"exact": req.output_ids == single_ids[i]}
+        {"prompt_tokens": lengths[i], "cached_tokens_single": single.cached[i]}
+        | request_row(req, computing, expected[i], single.ttft[i], origin)
+        | {
+            "exact": req.output_ids == single.tokens[i],
+            "alone_ttft_pd_s": round(pd.alone_ttft[i], 6),
+            "alone_ttft_single_s": round(single.alone_ttft[i], 6),
+            "alone_cached_tokens_pd": pd.alone_cached[i],
+            "alone_cached_tokens_single": single.alone_cached[i],
+        }
         for i, req in enumerate(result.requests)
     ]
-    total_bytes = sum(r["transfer_bytes"] for r in rows)
-    total_s = sum(r["transfer_s"] for r in rows)
-    send_total = sum(r["send_s"] for r in rows)
-    ops_total = sum(r["ops"] for r in rows)
-    ttft_pd = sum(r["ttft_pd_s"] for r in rows) / requests
-    ttft_one = sum(r["ttft_single_s"] for r in rows) / requests
     return {
         "model": model,
         "transport": transport,
@@ -238,21 +314,46 @@ def run(
         "prefix_cache": prefix_cache,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / requests, 1), "max": max(lengths)},
         "per_request": rows,
-        "totals": {
-            "transfer_bytes": total_bytes,
-            "spec_bytes": sum(r["spec_bytes"] for r in rows),
-            "bytes_match": all(r["bytes_match"] for r in rows),
-            "transfer_s": round(total_s, 6),
-            "gbps": round(total_bytes / total_s / 1e9, 6) if total_s > 0 else None,
-            "ops": ops_total,
-            "send_us_per_op": round(send_total * 1e6 / ops_total, 2) if ops_total else None,
-            "overlap_ratio": _ratio(sum(r["overlap_s"] for r in rows), send_total),
-            "overlap_other_stage_ratio": _ratio(sum(r["overlap_other_stage_s"] for r in rows), send_total),
-            "cached_tokens_pd": sum(r["cached_tokens_pd"] for r in rows),
-            "cached_tokens_single": sum(single_cached),
-            "ttft_pd_mean_s": round(ttft_pd, 6),
-            "ttft_single_mean_s": round(ttft_one, 6),
-            "ttft_ratio": round(ttft_pd / ttft_one, 4),
-            "exact": sum(r["exact"] for r in rows),
-        },
+        "totals": _totals(rows, pd, single),
+    }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _totals(rows: list[dict[str, Any]], pd: _Side, single: _Side) -> dict[str, Any]:
+    total_bytes = sum(r["transfer_bytes"] for r in rows)
+    total_s = sum(r["transfer_s"] for r in rows)
+    send_total = sum(r["send_s"] for r in rows)
+    ops_total = sum(r["ops"] for r in rows)
+    ttft_pd, ttft_one = _mean(pd.ttft), _mean(single.ttft)
+    handoff = _mean([r["handoff_s"] for r in rows])
+    throughput_pd, throughput_one = pd.prefill_tokens_per_s, single.prefill_tokens_per_s
+    alone_pd, alone_one = _mean(pd.alone_ttft), _mean(single.alone_ttft)
+    return {
+        "transfer_bytes": total_bytes,
+        "spec_bytes": sum(r["spec_bytes"] for r in rows),
+        "bytes_match": all(r["bytes_match"] for r in rows),
+        "transfer_s": round(total_s, 6),
+        "gbps": round(total_bytes / total_s / 1e9, 6) if total_s > 0 else None,
+        "ops": ops_total,
+        "send_us_per_op": round(send_total * 1e6 / ops_total, 2) if ops_total else None,
+        "overlap_ratio": _ratio(sum(r["overlap_s"] for r in rows), send_total),
+        "overlap_other_stage_ratio": _ratio(sum(r["overlap_other_stage_s"] for r in rows), send_total),
+        "cached_tokens_pd": sum(pd.cached) + sum(pd.alone_cached),
+        "cached_tokens_single": sum(single.cached) + sum(single.alone_cached),
+        "ttft_pd_mean_s": round(ttft_pd, 6),
+        "ttft_single_mean_s": round(ttft_one, 6),
+        "ttft_ratio": round(ttft_pd / ttft_one, 4),
+        "ttft_extra_ms": round((ttft_pd - ttft_one) * 1e3, 3),
+        "handoff_mean_ms": round(handoff * 1e3, 3),
+        "ttft_goal_met": ttft_pd - ttft_one <= handoff + TTFT_MARGIN_S,
+        "prefill_tokens_per_s_pd": round(throughput_pd, 1),
+        "prefill_tokens_per_s_single": round(throughput_one, 1),
+        "prefill_throughput_ratio": round(throughput_pd / throughput_one, 4),
+        "alone_ttft_pd_mean_s": round(alone_pd, 6),
+        "alone_ttft_single_mean_s": round(alone_one, 6),
+        "alone_ttft_extra_ms": round((alone_pd - alone_one) * 1e3, 3),
+        "exact": sum(r["exact"] for r in rows),
     }

@@ -16,7 +16,8 @@ Invariants:
   ``i`` needs is ``windows[i].page_span(seq_len, page_size)[0]`` (the pool id's rule).
 - After a (non-final) insert the row's cached part holds the cache's page ids and the lock
   is the new one, taken before the old one is given back: the hit is never unprotected.
-- ``status`` only moves forward: RUNNING -> (COMMITTED ->) RELEASED. A COMMITTED handle
+- ``status`` only moves forward: (RECEIVING ->) RUNNING -> (COMMITTED ->) RELEASED, or
+  RECEIVING -> RELEASED (a transfer that failed). A COMMITTED handle
   has made its final insert (its row's cached part may no longer be locked): it may only
   be released. Every change goes through ``KVManager``; this class holds no memory calls.
 """
@@ -36,6 +37,9 @@ from hybridkv.spec import PoolId
 
 
 class HandleStatus(Enum):
+    RECEIVING = "receiving"
+    """Holds pages and a state slot its KV and state are being written into (a transfer): nothing
+    may read, match, insert or grow it until ``KVManager.received``; ``release`` frees it."""
     RUNNING = "running"
     """Holds its lock, its own pages and slots; may grow, insert, checkpoint."""
     COMMITTED = "committed"
@@ -112,6 +116,8 @@ class KVHandle:
     def token_locs(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Virtual token locations (``page * page_size + offset``) of tokens ``[start, end)``
         (default: the whole sequence), what ``UnifiedMemory.translate`` takes."""
+        if self.status is HandleStatus.RECEIVING:
+            raise CacheError("token_locs: the request's KV is still arriving; it can be read once received")
         stop = self.seq_len if end is None else end
         if not 0 <= start <= stop <= self.seq_len:
             raise CacheError(f"token_locs: [{start}, {stop}) is not within the request's {self.seq_len} tokens")

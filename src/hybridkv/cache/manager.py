@@ -5,6 +5,7 @@ every request through it. A request's life:
 
     match = kvm.match(tokens, ns)            # longest hit valid for every component
     h = kvm.admit(match, ns)                 # lock the hit; fork its checkpoint (or a fresh state slot)
+    h = kvm.reserve(n, ns); kvm.received(h)  # or: memory for n tokens whose KV arrives by transfer
     kvm.extend(h, n)                         # grow to n tokens (batched: extend_batch)
     kvm.release_windows([h])                 # window pages that left each window: window-cached
     kvm.wanted_checkpoints(h, prompt_len)    # where the placement wants the state stored (chunk ends)
@@ -52,7 +53,7 @@ from hybridkv.cache.handle import HandleStatus, KVHandle
 from hybridkv.cache.placement import DEFAULT, CheckpointPlacement
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
 from hybridkv.cache.rules import PAGE_NEED, Need
-from hybridkv.memory import GateStatus, InvalidIds, MoveGate, OutOfMemory
+from hybridkv.memory import GateStatus, MoveGate, OutOfMemory
 from hybridkv.memory.gates import DoneEvent
 from hybridkv.spec import IdSpace
 
@@ -217,43 +218,30 @@ class KVManager:
                 handle.state_slot = slot
         return handle
 
-    def adopt(
-        self, pages: np.ndarray, seq_len: int, state_slot: int | None = None, namespace: Hashable = None
-    ) -> KVHandle:
-        """A running handle for ``seq_len`` tokens whose ``pages`` (and recurrent ``state_slot``)
-        this memory allocated outside the manager — a request whose KV arrived by transfer. The
-        handle then owns them: ``release`` frees them, ``insert`` may cache them. Refused
-        (``CacheError``, nothing held) unless the pages are live, not the cache's, exactly the
-        pages ``seq_len`` tokens need, and the state slot is given exactly when the model has
-        recurrent layers."""
-        ps = self.page_size
-        seq_len = integer(seq_len, "adopt seq_len")
-        page_ids = np.asarray(pages)
-        if page_ids.ndim != 1 or page_ids.dtype.kind not in "iu" or page_ids.size != -(-seq_len // ps):
-            raise CacheError(
-                f"adopt: {seq_len} tokens need {-(-seq_len // ps)} pages as a 1-D int array, got {pages!r}"
-            )
-        page_ids = page_ids.astype(np.int64)
-        try:
-            self.mem.pages.check_live(page_ids, "adopt")
-            self.mem.pages.check_not_held(page_ids, "adopt")
-            if (state_slot is None) != (self._state_pool is None):
-                raise CacheError(
-                    "adopt: give a state slot exactly when the model has recurrent layers "
-                    f"(it has {'some' if self._state_pool is not None else 'none'}, got {state_slot})"
-                )
-            if state_slot is not None:
-                slot = np.array([integer(state_slot, "adopt state_slot")], dtype=np.int64)
-                self.mem.slots.check_live(slot, "adopt")
-                self.mem.slots.check_not_held(slot, "adopt")
-        except InvalidIds as exc:
-            raise CacheError(str(exc)) from None
+    def reserve(self, seq_len: int, namespace: Hashable = None) -> KVHandle:
+        """A RECEIVING handle holding the pages (and, with recurrent layers, a state slot) that
+        ``seq_len`` tokens need, for KV and state that arrive by transfer: nothing reads, matches,
+        grows or evicts it until ``received``; ``release`` frees it (a transfer that failed). On
+        ``OutOfMemory`` (after eviction) nothing is held."""
+        seq_len = integer(seq_len, "reserve seq_len", minimum=1)
         match = self.match(np.empty(0, dtype=np.int64), namespace)
-        handle = KVHandle(namespace, match, self.cache.lock(match.node), ps, self._windows)
-        handle.grow(seq_len, page_ids)
-        if state_slot is not None:
-            handle.adopt_state(int(state_slot))
+        handle = KVHandle(namespace, match, self.cache.lock(match.node), self.page_size, self._windows)
+        try:
+            handle.grow(seq_len, self.alloc_pages(handle.pages_needed(seq_len)))
+            if self._state_pool is not None:
+                handle.adopt_state(int(self.alloc_state(1)[0]))
+        except OutOfMemory:
+            self.release(handle)
+            raise
+        handle.status = HandleStatus.RECEIVING
         return handle
+
+    def received(self, handle: KVHandle) -> None:
+        """The KV and state of a ``reserve``d handle arrived: it runs from its ``seq_len`` on."""
+        handle = _handle(handle, "received")
+        if handle.status is not HandleStatus.RECEIVING:
+            raise CacheError(f"received: the request is {handle.status.value}, not receiving")
+        handle.status = HandleStatus.RUNNING
 
     def extend(self, handle: KVHandle, new_len: int) -> np.ndarray:
         """Grow ``handle`` to ``new_len`` tokens; returns the fresh pages (maybe none)."""
@@ -301,6 +289,24 @@ class KVManager:
                     self._window_cache.hold(pages, w)
                 else:
                     self.mem.free_window_pages(pages, w.pool_id)
+                freed += int(pages.size)
+        return freed
+
+    def discard_windows(self, handle: KVHandle) -> int:
+        """Free at once (never window-cache) each window pool's cells of the own pages before
+        its window at ``seq_len``: cells that hold no computed bytes (pages restored from a tier
+        below, which brings back only the window before the restored end; cached, such a cell
+        would make a later hit inside that span read garbage). Returns how many were freed."""
+        handle = _handle(handle, "discard_windows")
+        handle.check_running("discard_windows")
+        freed = 0
+        for i, pool in enumerate(handle.windows):
+            first = pool.page_span(handle.seq_len, self.page_size)[0]
+            lo = max(handle.released[i], handle.cached)
+            if first > lo:
+                pages = handle.pages[lo:first]  # never window-cached: released marks what was
+                self.mem.free_window_pages(pages, pool)
+                handle.released[i] = first
                 freed += int(pages.size)
         return freed
 

@@ -7,12 +7,18 @@ Which errors are whose:
   and every prompt the engine would refuse (``Engine.check``: empty, ids outside the vocabulary,
   prompt + ``--max-new-tokens`` beyond the context; the message names the file line), a budget
   below one request's floor, and bad option values (typer ``min=``, ``cli/params.py``).
-  A file is checked as a whole, so a bad line costs nothing but the model load.
+  A file is checked as a whole, so a bad line costs nothing but the model load. Tier options that
+  do not fit together (``--store-master`` without ``--store mooncake``, tiers with
+  ``--no-prefix-cache``) and a ``--store-master`` no master answers at are refused the same way.
 - Reported per request while the others finish (``error`` in the output, exit 0): what only
   happens while serving, i.e. a request that does not fit the memory budget even alone.
 
 Output (``--json``): one object; ``requests`` in input order, each ``output_ids``,
-``finish_reason`` (``length``, ``eos`` or ``error``) and ``error`` (null when none); ``totals``.
+``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``), ``error`` (null when none),
+``cached_tokens`` and ``cached_tokens_details`` {device, host, storage}; ``totals``.
+``--host-memory`` and ``--store mooncake`` put tiers below the device (``hybridkv.engine.tiered``).
+Sampling (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``, ``--stop-token-id``, ``--ignore-eos``)
+is the same for ``serve-pd``: the same file gives the same tokens there.
 """
 
 from __future__ import annotations
@@ -27,7 +33,24 @@ import msgspec
 import typer
 
 from hybridkv.cli.app import app
-from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, random_model
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    HOST_MEMORY,
+    IGNORE_EOS,
+    SEED,
+    STOP_TOKEN_IDS,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    engine_checkpoints,
+    host_budget,
+    random_model,
+    request_params,
+    tier_options,
+)
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -71,6 +94,7 @@ def _engine(
     chunk_size: int,
     prefix_cache: bool,
     checkpoints: str | None = None,
+    tiers: dict[str, Any] | None = None,
 ) -> Any:
     from hybridkv.engine.engine import Engine
 
@@ -91,6 +115,7 @@ def _engine(
         chunk_size=chunk_size,
         prefix_cache=prefix_cache,
         checkpoints=checkpoints,
+        **(tiers or {}),
     )
 
 
@@ -106,20 +131,46 @@ def generate(
         None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=host_budget, help="Memory budget (K/V + state)."),
     page_size: int = typer.Option(16, "--page-size", min=1),
     chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 is greedy."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed (request i draws with seed + i)."),
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    seed: int = SEED,
+    stop_token_ids: list[int] | None = STOP_TOKEN_IDS,
+    ignore_eos: bool = IGNORE_EOS,
     no_prefix_cache: bool = typer.Option(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     lines = read_prompts(prompts)
-    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints)
+    params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    if no_prefix_cache and (host_memory is not None or store != "none"):
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
+    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints, tiers)
+    try:
+        _serve_file(engine, prompts, lines, params, max_new_tokens, as_json)
+    finally:
+        engine.close()
+
+
+def _serve_file(
+    engine: Any,
+    prompts: Path,
+    lines: list[tuple[int, list[int]]],
+    params: list[Any],
+    max_new_tokens: int,
+    as_json: bool,
+) -> None:
     bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
     if bad:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
@@ -133,15 +184,9 @@ def generate(
 
         with Progress(console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("generating", total=len(ids))
-            outs = engine.generate(
-                ids,
-                max_new_tokens,
-                temperature=temperature,
-                seed=seed,
-                on_output=lambda i, out: progress.advance(task),
-            )
+            outs = engine.generate(ids, params, on_output=lambda i, out: progress.advance(task))
     else:
-        outs = engine.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+        outs = engine.generate(ids, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.output_ids) for o in outs)
     totals = {
@@ -154,6 +199,9 @@ def generate(
         "steps": engine.stats["steps"],
         "retractions": engine.stats["retractions"],
         "cached_tokens": sum(o.cached_tokens for o in outs),
+        "cached_tokens_details": {
+            k: sum(o.cached_tokens_details[k] for o in outs) for k in ("device", "host", "storage")
+        },
     }
     if as_json:
         requests = [
@@ -162,6 +210,7 @@ def generate(
                 "finish_reason": o.finish_reason,
                 "error": o.error,
                 "cached_tokens": o.cached_tokens,
+                "cached_tokens_details": o.cached_tokens_details,
             }
             for o in outs
         ]

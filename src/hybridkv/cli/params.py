@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import typer
 
 from hybridkv.cache import CheckpointPlacement, PlacementError
 from hybridkv.cache.placement import engine_default
-from hybridkv.memory import format_bytes, parse_bytes
+from hybridkv.memory import LayoutError, format_bytes, parse_bytes
+from hybridkv.memory.host import check_fits
 from hybridkv.transfer.transport import transport_class
 
 MAX_DEVICE_BYTES = 2**50  # 1 PiB: far above any device, low enough that page tables fit in host memory
@@ -30,6 +32,18 @@ def byte_size(value: str | None) -> str | None:
         raise typer.BadParameter(str(exc)) from None
     if not 0 < size <= MAX_DEVICE_BYTES:
         raise typer.BadParameter(f"{value!r} must be more than 0 B and at most {format_bytes(MAX_DEVICE_BYTES)}")
+    return value
+
+
+def host_budget(value: str | None) -> str | None:
+    """A budget the engine allocates on this host (the CPU): a ``byte_size`` the host can hold now
+    (``memory.host.check_fits``), refused before anything is allocated."""
+    value = byte_size(value)
+    if value is not None:
+        try:
+            check_fits(parse_bytes(value), "cpu", f"--gpu-memory {value}", "give a smaller --gpu-memory")
+        except LayoutError as exc:
+            raise typer.BadParameter(str(exc)) from None
     return value
 
 
@@ -93,3 +107,75 @@ def engine_checkpoints(value: str | None, chunk_size: int, page_size: int) -> st
     except PlacementError as exc:
         raise typer.BadParameter(str(exc), param_hint="--checkpoints") from None
     return placement
+
+
+# --- sampling: one set of options for every command that serves requests ------------------------
+
+TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, max=100.0, help="0 is greedy.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep the most likely tokens up to p.")
+TOP_K = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0: all).")
+SEED = typer.Option(0, "--seed", min=0, help="Sampling seed (request i draws with seed + i).")
+STOP_TOKEN_IDS = typer.Option(
+    None, "--stop-token-id", min=0, help="A token id that ends a request (repeatable), besides the model's EOS."
+)
+IGNORE_EOS = typer.Option(False, "--ignore-eos", help="Do not end requests at the model's EOS token.")
+
+
+def request_params(
+    count: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    stop_token_ids: list[int] | None,
+    ignore_eos: bool,
+) -> list[Any]:
+    """One ``SamplingParams`` per request (request ``i`` seeded ``seed + i``); ``typer.BadParameter`` naming
+    the option whose value the engine refuses."""
+    from hybridkv.engine.request import RequestError, SamplingParams
+
+    try:
+        return [
+            SamplingParams(max_new_tokens, temperature, top_p, top_k, seed + i, tuple(stop_token_ids or ()), ignore_eos)
+            for i in range(count)
+        ]
+    except RequestError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{exc.field.replace('_', '-')}") from None
+
+
+# --- tiers below the device: one set of options for every command that runs an engine ------------
+
+HOST_MEMORY = typer.Option(
+    None, "--host-memory", callback=byte_size, help="Host memory below the device for evicted KV and state (e.g. 4GiB)."
+)
+STORE = typer.Option(
+    "none",
+    "--store",
+    help="A store below host memory: none or mooncake (the Mooncake Store; a master is started on 127.0.0.1 unless "
+    "--store-master names one).",
+)
+STORE_MASTER = typer.Option(None, "--store-master", help="host:port of an existing mooncake_master (--store mooncake).")
+STORE_MEMORY = typer.Option(
+    "256MiB", "--store-memory", callback=byte_size, help="Memory this process mounts into the Mooncake Store."
+)
+
+
+def tier_options(host_memory: str | None, store: str, store_master: str | None, store_memory: str) -> dict[str, Any]:
+    """The engine's tier keyword arguments (``Engine(host_memory=, store=, ...)``); ``typer.BadParameter``
+    naming an option that is malformed or does not fit the others."""
+    if store not in ("none", "mooncake"):
+        raise typer.BadParameter(f"--store takes none or mooncake, got {store!r}", param_hint="--store")
+    if store_master is not None:
+        host, _, port = store_master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise typer.BadParameter(
+                f"--store-master takes host:port of a mooncake_master, got {store_master!r}",
+                param_hint="--store-master",
+            )
+        if store != "mooncake":
+            raise typer.BadParameter("--store-master names a mooncake_master: it needs --store mooncake")
+    size = parse_bytes(store_memory)
+    if store == "mooncake" and size < 16 << 20:
+        raise typer.BadParameter(f"--store-memory must be at least 16MiB (Mooncake's floor), got {store_memory}")
+    return {"host_memory": host_memory, "store": store, "store_master": store_master, "store_memory": size}

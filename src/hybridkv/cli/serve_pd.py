@@ -4,9 +4,10 @@ The same prompts file and ``output_ids`` JSON as ``hybridkv generate`` (``read_p
 per request its ``status`` (``finished`` / ``failed``, with ``error`` the reason), its prefill-side
 prefix-cache hit (``cached_tokens``), the KV/state bytes moved, ``attempts`` (2 when an engine died
 holding it and it was computed again) and ``timings`` (``engine.disagg.RequestTiming``: queue,
-prefill, transfer, decode, TTFT, TPOT, seconds; null when failed). Greedy; tokens are cut after the
-first EOS the model's config names, as ``generate`` stops there (``finish_reason`` ``eos``), else
-``length`` (``error`` for a failed request). KV/state move over ``shm`` or ``mooncake`` (TCP on
+prefill, transfer, decode, TTFT, TPOT, seconds; null when failed). The same sampling options as
+``generate`` (greedy by default); a request ends inside the engine at EOS, a stop id or
+``--max-new-tokens`` (``finish_reason`` ``eos``, ``stop``, ``length``; ``error`` for a failed request),
+so the same file gives ``generate``'s tokens. KV/state move over ``shm`` or ``mooncake`` (TCP on
 127.0.0.1).
 
 Refused before any process starts, one ``error:`` line, exit 2: a missing ``--prompts`` file or
@@ -23,36 +24,38 @@ import json
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from hybridkv.cli.app import app
 from hybridkv.cli.generate import PromptFileError, read_prompts
-from hybridkv.cli.params import byte_size, random_model, transport_option
+from hybridkv.cli.params import (
+    IGNORE_EOS,
+    SEED,
+    STOP_TOKEN_IDS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    host_budget,
+    random_model,
+    request_params,
+    transport_option,
+)
 from hybridkv.engine.random_models import tiny_names
 
 
-def _check_prompts(prompts: Path, lines: list[tuple[int, list[int]]], vocab: int, max_new: int, context: int) -> None:
-    for lineno, ids in lines:
-        why = None
-        if not ids:
-            why = "empty prompt: give at least one token"
-        elif not all(0 <= t < vocab for t in ids):
-            why = f"token ids {[t for t in ids if not 0 <= t < vocab][:5]} outside the vocabulary [0, {vocab})"
-        elif len(ids) + max_new > context:
-            why = (
-                f"prompt of {len(ids)} tokens + {max_new} new exceeds --max-context {context}; "
-                "shorten the prompt, lower --max-new-tokens or raise --max-context"
-            )
-        if why is not None:
-            raise PromptFileError(f"{prompts}:{lineno}: {why}")
+def _check_prompts(
+    prompts: Path, lines: list[tuple[int, list[int]]], params: list[Any], vocab: int, context: int
+) -> None:
+    from hybridkv.engine.request import RequestError, check_request
 
-
-def _cut_at_eos(tokens: list[int], eos: frozenset[int]) -> tuple[list[int], str]:
-    for n, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: n + 1], "eos"
-    return tokens, "length"
+    for (lineno, ids), p in zip(lines, params, strict=True):
+        try:
+            check_request(ids, p, vocab, context)
+        except RequestError as exc:
+            why = str(exc).split(": ", 1)[1].replace("the context of", "--max-context")
+            raise PromptFileError(f"{prompts}:{lineno}: {why}") from None
 
 
 @app.command("serve-pd")
@@ -73,7 +76,13 @@ def serve_pd(
         "shm", "--transport", callback=transport_option, help="KV/state transport: shm or mooncake (TCP)."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
-    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=byte_size, help="K/V + state per process."),
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    seed: int = SEED,
+    stop_token_ids: list[int] | None = STOP_TOKEN_IDS,
+    ignore_eos: bool = IGNORE_EOS,
+    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=host_budget, help="K/V + state per process."),
     page_size: int = typer.Option(16, "--page-size", min=1),
     decode_page_size: int = typer.Option(
         None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."
@@ -82,7 +91,7 @@ def serve_pd(
     max_context: int = typer.Option(256, "--max-context", min=2, help="Prompt + new tokens, at most."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Serve every prompt of a file through PP prefill processes and TP decode processes (greedy)."""
+    """Serve every prompt of a file through PP prefill processes and TP decode processes."""
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, run_pd
     from hybridkv.engine.registry import text_config
     from hybridkv.engine.weights import read_config
@@ -91,6 +100,7 @@ def serve_pd(
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
     lines = read_prompts(prompts)
+    params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
     with tempfile.TemporaryDirectory(prefix="hybridkv-serve-pd-") as tmp:
         if random is not None:
             from hybridkv.engine.random_models import save_random
@@ -101,9 +111,7 @@ def serve_pd(
             model_dir = str(model)
         config_json = read_config(model_dir)
         text = text_config(config_json)
-        _check_prompts(prompts, lines, int(text.vocab_size), max_new_tokens, max_context)
-        eos_id = getattr(text, "eos_token_id", None)
-        eos = frozenset([eos_id] if isinstance(eos_id, int) else (eos_id or []))
+        _check_prompts(prompts, lines, params, int(text.vocab_size), max_context)
         config = PDConfig(
             model_dir,
             tuple(tuple(ids) for _, ids in lines),
@@ -119,9 +127,9 @@ def serve_pd(
             max_context=max_context,
         )
         check_layout(config)
-        result = run_pd(config)
+        result = run_pd(config, params)
     name = random if random is not None else str(model)
-    outs = [_cut_at_eos(r.output_ids, eos) if r.status == FINISHED else ([], "error") for r in result.requests]
+    outs = [(r.output_ids, r.finish_reason) if r.status == FINISHED else ([], "error") for r in result.requests]
     if as_json:
         requests = [
             {

@@ -14,9 +14,21 @@ its end when the placement wants one there and the end is page-aligned) and rele
 rest; ``retract`` releases (what was inserted stays cached). With ``prefix_cache=False``
 nothing is matched or inserted: the same path, without hits.
 
+With tiers below the device (``EngineTiers``: host memory, the Mooncake Store), ``new`` plans
+a request's hit across them and starts the store's reads while it waits; ``admit`` re-plans
+when the device hit moved, reserves the pages up to the restored end and copies the pieces
+in (``EngineTiers.restore``): computation starts at the restored end, or at the device hit
+when an object was missing (a miss with a reason, never garbage).
+
+A disaggregated decode engine ``reserve``s a request's memory (a RECEIVING handle of the
+manager) while its KV and state arrive by transfer and calls ``received`` once they landed;
+a reservation that will not run is released by ``retract`` like any other: one owner, one free
+path. Decisions that depend on a rank's memory (the hit length, the admission) go through an
+``Agreement`` so that every rank of a multi-process engine decides alike.
+
 Invariants:
 - A request holds memory exactly while it has a handle; ``extend`` either grows every
-  request of the step or changes no handle (``OutOfMemory``).
+  request of the step to its length or changes no handle (``OutOfMemory``).
 - ``handle.seq_len`` equals the request's computed tokens after each forward; its state
   slot holds the state after them (``fresh``: zero it before the next forward).
 - Checkpoints sit only at the placement's page-aligned positions past the cached part;
@@ -27,14 +39,27 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
 from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.cache.placement import DEFAULT
+from hybridkv.engine.agreement import ALONE, Agreement
+from hybridkv.engine.tiered import EngineTiers
 from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.spec import KindTag
+from hybridkv.tiers import Fetched
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
+class Admission(Enum):
+    """What ``admit`` decided; ordered so that the minimum over ranks is the decision of all."""
+
+    TOO_BIG = 0  # not even its state slot fits with nothing else held: it fails alone
+    REFUSED = 1  # not now: it waits
+    ADMITTED = 2
 
 
 @dataclass(frozen=True)
@@ -49,10 +74,24 @@ class CacheHit:
     """Longest match valid for full KV and every window pool."""
     checkpoint: int
     """Deepest state checkpoint on the full-KV match (0 without recurrent layers)."""
+    host: int = 0
+    """Tokens of ``cached_tokens`` whose full KV came back from host memory (restored at admission)."""
+    storage: int = 0
+    """Tokens of ``cached_tokens`` whose full KV came back from the store (the Mooncake Store)."""
 
     @classmethod
-    def of(cls, m: MatchResult) -> CacheHit:
-        return cls(m.length, m.full_length, m.window_length, m.checkpoint_length)
+    def of(cls, m: MatchResult, details: dict[str, int] | None = None) -> CacheHit:
+        """The device ``m``'s hit; with ``details`` (``EngineTiers.details``) a hit restored
+        beyond it from the tiers below."""
+        if details is None:
+            return cls(m.length, m.full_length, m.window_length, m.checkpoint_length)
+        total = sum(details.values())
+        return cls(total, m.full_length, m.window_length, m.checkpoint_length, details["host"], details["storage"])
+
+    @property
+    def details(self) -> dict[str, int]:
+        """``cached_tokens`` by where their full KV came from (the server's ``cached_tokens_details``)."""
+        return {"device": self.cached_tokens - self.host - self.storage, "host": self.host, "storage": self.storage}
 
 
 @dataclass
@@ -66,6 +105,8 @@ class RequestMemory:
     """The first admission's hit (kept across retractions)."""
     cached_tokens: int = 0
     """Tokens taken from the cache over every admission."""
+    fetched: Fetched | None = None
+    """With tiers: the cross-tier hit planned while it waits (store reads under way)."""
 
     @property
     def length(self) -> int:
@@ -103,69 +144,131 @@ class RequestAllocator:
         self.kvm = KVManager(self.cache, checkpoints, park_windows=prefix_cache)  # nothing inserted: nothing to keep
         self.prefix_cache = prefix_cache
         self.has_state = self.kvm.has_state
+        self.model_has_state = bool(mem.shard.model.layer_ids(KindTag.LINEAR))
+        """Some rank of the model's layout holds recurrent state (this one may not: a PP stage)."""
         self.page_size = mem.page_size
+        self.tiers: EngineTiers | None = None
+        """Tiers below the device (host memory, a store), set by the engine before any request;
+        only a single-process engine has them (``admit`` with ``ALONE``)."""
 
-    def new(self, namespace: Hashable = None) -> RequestMemory:
-        """A request holding nothing yet (its handle comes with ``admit``)."""
-        return RequestMemory(namespace=namespace)
+    def new(self, namespace: Hashable = None, tokens: Sequence[int] | None = None) -> RequestMemory:
+        """A request holding nothing yet (its handle comes with ``admit``). With tiers and its
+        ``tokens``, its hit across the tiers is planned now and the store's reads start while it waits."""
+        req = RequestMemory(namespace=namespace)
+        if self.tiers is not None and self.prefix_cache and tokens is not None:
+            key = np.asarray(tokens[:-1], dtype=np.int64)
+            req.fetched = self.tiers.plan(key, namespace, self.kvm.match(key, namespace))
+        return req
 
     def admit(
-        self, req: RequestMemory, tokens: Sequence[int], prompt_len: int, chunk: int, extra_pages: int, force: bool
-    ) -> bool:
+        self,
+        req: RequestMemory,
+        tokens: Sequence[int],
+        prompt_len: int,
+        chunk: int,
+        extra_pages: int,
+        alone: bool,
+        agree: Agreement = ALONE,
+    ) -> Admission:
         """Match ``tokens`` (all but the last: one token is always computed, for its logits) and
         admit the hit when its state slot and the pages of its first chunk (+ ``extra_pages``,
-        what the running requests' step takes) fit, evicting from the cache for them.
-        ``force`` (an empty batch): admit whenever the slot fits (the step's allocation
-        decides); ``OutOfMemory`` then reaches the caller. Refused: nothing held, False."""
-        kvm = self.kvm
+        what the running requests' step takes) fit, evicting from the cache for them. ``alone``
+        (nothing else holds memory): admit whenever the slot fits (the step's allocation
+        decides), ``TOO_BIG`` when even the slot does not. Every rank of ``agree`` admits at the
+        same hit length or refuses alike. Refused: nothing held."""
+        kvm, tiers = self.kvm, self.tiers
         key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
-        match = kvm.match(key, req.namespace)
+        match, branch_at = self._agreed_match(key, req.namespace, agree)
+        fetched = None
+        if tiers is not None and self.prefix_cache:
+            if agree is not ALONE:
+                raise RuntimeError("tiers below the device serve a single-process engine only")
+            fetched = req.fetched = tiers.current(req.fetched, key, req.namespace, match)
+        start = match.length if fetched is None else fetched.plan.tokens
+        handle: KVHandle | None = None
+        got = Admission.ADMITTED
         try:
             handle = kvm.admit(match, req.namespace)
         except OutOfMemory:
-            if force:
-                raise
-            return False
-        start = match.length
-        need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
-        short = need - self.mem.available_pages()
-        if short > 0:
-            kvm.evict({PAGE_NEED: short})
-            if need > self.mem.available_pages() and not force:
+            got = Admission.TOO_BIG if alone else Admission.REFUSED
+        if handle is not None:
+            need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
+            short = need - self.mem.available_pages()
+            if short > 0:
+                kvm.evict({PAGE_NEED: short})
+                if need > self.mem.available_pages() and not alone:
+                    got = Admission.REFUSED
+        got = Admission(agree.min([got.value])[0])
+        if got is not Admission.ADMITTED:
+            if handle is not None:
                 kvm.release(handle)
-                return False
+            return got
+        assert handle is not None
+        start, details = match.length, None
+        if fetched is not None:
+            assert tiers is not None
+            req.fetched = None
+            try:
+                handle, start = tiers.restore(handle, match, fetched)
+            except OutOfMemory:  # fell back, released, and no room to admit again: nothing held
+                return Admission.TOO_BIG if alone else Admission.REFUSED
+            details = tiers.details(fetched, start)
+            branch_at = tiers.branch_at(fetched, start, branch_at)
         req.handle = handle
         req.fresh = self.has_state and handle.state_from_zero
         if req.hit is None:
-            req.hit = CacheHit.of(match)
+            req.hit = CacheHit.of(match, details)
         req.cached_tokens += start
-        req.wanted = kvm.wanted_checkpoints(handle, prompt_len) if self.prefix_cache else ()
-        return True
+        if self.prefix_cache and self.model_has_state:  # every rank cuts the same chunks, with state or not
+            req.wanted = kvm.placement.prefill(branch_at, prompt_len, start)
+        else:
+            req.wanted = ()
+        return got
 
-    def adopt(self, req: RequestMemory, pages: np.ndarray, length: int, slot: int | None) -> None:
-        """Make ``length`` tokens of KV (and the state after them) that arrived by transfer into
-        ``pages`` / ``slot`` the request's own: it continues from there (``KVManager.adopt``)."""
+    def _agreed_match(self, key: np.ndarray, namespace: Hashable, agree: Agreement) -> tuple[MatchResult, int | None]:
+        """The longest match of ``key`` that every rank of ``agree`` holds (stages hold other pools, so
+        their hits may differ: match, agree on the shortest, match that prefix again, until all agree),
+        and the branch point every rank's cached full KV reaches past it (where the placement's
+        ``branch`` wants a checkpoint; None when there is none)."""
+        match = self.kvm.match(key, namespace)
+        full = match.checkpoint_at if match.checkpoint_at is not None else match.length
+        shortest, longest, full = agree.min([match.length, -match.length, full])
+        while shortest != -longest:
+            match = self.kvm.match(key[:shortest], namespace)
+            shortest, longest = agree.min([match.length, -match.length])
+        return match, (full if full > match.length else None)
+
+    def reserve(self, req: RequestMemory, seq_len: int) -> None:
+        """Hold pages (and a state slot) for ``seq_len`` tokens whose KV and state will arrive by
+        transfer (a RECEIVING handle: nothing reads, matches or evicts it until ``received``);
+        ``OutOfMemory``: nothing held."""
         if req.handle is not None:
-            raise RuntimeError("adopt: the request already holds memory")
-        req.handle = self.kvm.adopt(pages, length, slot, req.namespace)
+            raise RuntimeError("reserve: the request already holds memory")
+        req.handle = self.kvm.reserve(seq_len, req.namespace)
         req.fresh = False
 
-    def extend(self, reqs: list[RequestMemory], counts: list[int]) -> None:
-        """Grow each request by ``counts[i]`` tokens (prefill chunks and decodes alike), one allocation."""
-        handles = [r.live for r in reqs]
-        self.kvm.extend_batch(handles, [h.seq_len + n for h, n in zip(handles, counts, strict=True)])
+    def received(self, req: RequestMemory) -> None:
+        """The reserved KV and state arrived: the request continues from there."""
+        self.kvm.received(req.live)
 
-    def mark_computed(self, reqs: list[RequestMemory]) -> None:
-        """After a forward: states now hold real data, and pages may have left windows."""
+    def extend(self, reqs: list[RequestMemory], lengths: list[int]) -> None:
+        """Grow request ``i`` to ``lengths[i]`` tokens (prefill chunks and decodes alike), one allocation;
+        a request already that long grows no further (a step retried after a retraction)."""
+        self.kvm.extend_batch([r.live for r in reqs], lengths)
+
+    def mark_computed(self, reqs: list[RequestMemory], release_windows: bool = True) -> None:
+        """After a forward: states now hold real data, and pages may have left windows (released
+        unless ``release_windows`` is False: a prefill engine's sender reads the whole prompt's KV)."""
         for req in reqs:
             req.fresh = False
-        self.kvm.release_windows([r.live for r in reqs])
+        if release_windows:
+            self.kvm.release_windows([r.live for r in reqs])
 
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """After a prefill chunk: a checkpoint when it ends where one is wanted, then cache the computed pages."""
         h = req.live
         end = h.seq_len
-        if end in req.wanted:
+        if end in req.wanted and self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
             self._checkpoint(h)
         if self.prefix_cache and end // self.page_size > h.cached:
             self.kvm.insert(h, np.asarray(tokens[:end], dtype=np.int64))
@@ -187,6 +290,10 @@ class RequestAllocator:
         if req.handle is not None:
             self.kvm.release(req.handle)
             req.handle = None
+        if req.fetched is not None:
+            assert self.tiers is not None
+            self.tiers.cancel(req.fetched)
+            req.fetched = None
         req.fresh, req.wanted = True, ()
 
     def _checkpoint(self, h: KVHandle) -> None:

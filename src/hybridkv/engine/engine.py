@@ -1,40 +1,55 @@
-"""Engine: serve token prompts with a real model over UnifiedMemory (continuous batching).
+"""Engine: serve token prompts with a real model over UnifiedMemory (continuous batching, one process).
 
-``Engine(config, weights, gpu_memory=..., page_size=..., chunk_size=...)`` builds the spec
-from the config, sizes the memory, loads the weights, and ``generate`` runs every prompt
-to ``max_new_tokens`` or EOS, greedy by default (seeded sampling with ``temperature > 0``).
+``Engine(config, weights, gpu_memory=..., page_size=..., chunk_size=...)`` builds the spec from
+the config, sizes the memory, loads the weights and owns one ``Scheduler`` (``Role.WHOLE``). Two
+ways to drive it:
+
+- incremental, for servers: ``rid = engine.submit(prompt, SamplingParams(...))`` (validated at
+  once: ``RequestError`` names the field), then ``engine.step()`` until ``has_work()`` is False;
+  each step returns the tokens it chose and the requests that ended (``Output``);
+  ``engine.abort(rid)`` ends a request between steps (its memory released at once);
+- batch: ``engine.generate(prompts, max_new_tokens)`` submits every prompt and steps until
+  they end, returning ``Output`` in input order (a bad prompt fails alone as an ``error`` output).
+
 With ``prefix_cache`` (the default) requests go through a ``HybridRadixCache`` that lives as
 long as the engine: a prompt that shares a cached prefix (in its cache salt's namespace)
 starts computing at the hit's end; each output reports its ``cached_tokens`` and the hit per
 component.
 
+With ``host_memory`` and/or ``store`` (``mooncake``: the Mooncake Store; a loopback master is
+started unless ``store_master`` names one) the cache has tiers below it (``EngineTiers``):
+what the device evicts is written back to host memory, what host memory evicts to the store,
+and a request's hit is the longest prefix whose every component (full KV, windows, state) is
+on some tier, restored before it computes. Outputs split ``cached_tokens`` into
+``cached_tokens_details`` {device, host, storage}. ``close`` stops the tiers (and the master).
+
 Invariants:
-- Bad requests (empty, ids outside the vocabulary, longer than the model's context) fail
-  alone with an error naming the problem; the others run as if they were not there.
-- After ``generate`` returns, no request holds memory (every handle released): the memory
-  holds only what the cache keeps (nothing after ``clear_cache``), and ``verify()`` holds.
+- Bad requests are refused at ``submit`` (``check_request``) and never reach the scheduler.
+- When ``has_work()`` is False no request holds memory: the memory holds only what the cache
+  keeps (nothing after ``clear_cache``), and ``verify()`` holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import CacheHit, RequestAllocator
 from hybridkv.engine.registry import architectures, text_config
+from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.sampling import choose_tokens
-from hybridkv.engine.scheduler import Request, Scheduler, Step
+from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens
+from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
 from hybridkv.spec import ModelSpec, ShardSpec, dtype_name, from_hf_config
+from hybridkv.tiers import StorageTier
 
 
 def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
@@ -43,16 +58,38 @@ def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | Non
     return from_hf_config({**text_config(config).to_dict(), "dtype": dtype_name(dtype)}, name=name)
 
 
+def eos_ids(config: Any) -> frozenset[int]:
+    """The end-of-sequence ids a ``transformers`` config names (none: an empty set)."""
+    eos = getattr(config, "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
 @dataclass(frozen=True)
 class Output:
     output_ids: list[int]
-    finish_reason: str  # "length", "eos" or "error"
+    finish_reason: str  # a FinishReason: "length", "eos", "stop", "abort" or "error"
     error: str | None = None
     retractions: int = 0
     cached_tokens: int = 0
     """Tokens of the prompt served from the prefix cache at the first admission (not computed)."""
     hit: CacheHit | None = None
     """The first admission's match per component (full / window / checkpoint lengths)."""
+    rid: Hashable = None
+    prompt_tokens: int = 0
+
+    @property
+    def cached_tokens_details(self) -> dict[str, int]:
+        """``cached_tokens`` by where they came from: the device, host memory or the store."""
+        return dict(ZERO_DETAILS) if self.hit is None else self.hit.details
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``Engine.step`` produced: ``(rid, token)`` for every token chosen, in order, and
+    every request that ended (finished, aborted or failed)."""
+
+    tokens: list[tuple[Hashable, int]] = field(default_factory=list)
+    finished: list[Output] = field(default_factory=list)
 
 
 class Engine:
@@ -73,6 +110,11 @@ class Engine:
         prefix_cache: bool = True,
         cache_policy: str = "lru",
         checkpoints: str | None = None,
+        host_memory: int | str | None = None,
+        store: str | StorageTier | None = None,
+        store_master: str | None = None,
+        store_memory: int | str = "256MiB",
+        tier_policy: str = "back",
     ):
         """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
@@ -80,7 +122,11 @@ class Engine:
         ``checkpoints``: where requests store recurrent-state checkpoints for later hits, a
         placement spec (``hybridkv.cache.placement``: none, interval:N, prompt-aligned[:K],
         branch, end; default ``engine_default``: every page-aligned chunk end, the prompt end,
-        the branch point, the sequence end); prefill chunks end at the positions it asks for."""
+        the branch point, the sequence end); prefill chunks end at the positions it asks for.
+        ``host_memory`` (bytes or e.g. "4GiB"), ``store`` (``none``, ``mooncake`` or a
+        ``StorageTier``), ``store_master`` (host:port; None starts one on loopback),
+        ``store_memory`` (the segment a Mooncake client mounts) and ``tier_policy`` (``back``:
+        written on eviction; ``through``: at once): the tiers below the device (``EngineTiers``)."""
         config = spec_or_config
         if isinstance(config, ModelSpec):
             raise TypeError(
@@ -118,121 +164,231 @@ class Engine:
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens or 4 * chunk_size
-        eos = getattr(self.config, "eos_token_id", None)
-        self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.eos = eos_ids(self.config)
         self.alloc = RequestAllocator(
             self.mem,
             prefix_cache=prefix_cache,
             cache_policy=cache_policy,
             checkpoints=checkpoints or engine_default(chunk_size, page_size),
         )
-        self.stats = dict.fromkeys(
-            ["steps", "retractions", "forward_tokens", "prompt_tokens", "cached_tokens", "resumed_cached_tokens"], 0
+        if not prefix_cache and (host_memory is not None or store not in (None, "none")):
+            raise ValueError("tiers below the device hold what the prefix cache evicts: they need prefix_cache=True")
+        self.tiers = EngineTiers.build(
+            self.alloc.kvm,
+            chunk_size,
+            host_memory=host_memory,
+            store=store,
+            store_master=store_master,
+            store_memory=store_memory,
+            policy=tier_policy,
         )
+        self.alloc.tiers = self.tiers
+        self.sched = Scheduler(self.alloc, self.chunk_size, self.max_running, self.max_step_tokens)
+        self.stats = dict.fromkeys(
+            [
+                "steps",
+                "retractions",
+                "forward_tokens",
+                "prompt_tokens",
+                "cached_tokens",
+                "cached_tokens_device",
+                "cached_tokens_host",
+                "cached_tokens_storage",
+                "resumed_cached_tokens",
+                "hit_full_tokens",
+                "hit_window_tokens",
+                "hit_checkpoint_tokens",
+                "requests",
+                "aborted",
+                "errors",
+            ],
+            0,
+        )
+        self._next_rid = 0
 
     @property
     def cache(self) -> HybridRadixCache:
         return self.alloc.cache
 
-    def clear_cache(self) -> None:
-        """Evict everything the prefix cache holds (no request runs between ``generate`` calls)."""
-        self.alloc.clear_cache()
+    @property
+    def vocab_size(self) -> int:
+        return int(self.runner.model.vocab_size)
 
-    def check(self, prompt: list[int], max_new: int) -> str | None:
+    def clear_cache(self, host: bool = False) -> None:
+        """Evict everything the prefix cache holds (call it while no request runs): with tiers,
+        written back below. ``host``: empty host memory too, into the store below it."""
+        self.alloc.clear_cache()
+        if self.tiers is not None:
+            if host:
+                self.tiers.clear_host()
+            self.tiers.hierarchy.reap(wait=True)
+
+    def close(self) -> None:
+        """Stop the tiers below the device (their store client, a master started here); idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def check(self, prompt: Sequence[int], max_new: int) -> str | None:
         """Why the engine cannot serve ``prompt`` with ``max_new`` new tokens (None: it can)."""
-        vocab = self.runner.model.vocab_size
-        if not prompt:
-            return "empty prompt: give at least one token"
-        ids = np.asarray(prompt)
-        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-            bad = [t for t in prompt if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
-            return f"token ids {bad[:5]} outside the vocabulary [0, {vocab})"
-        if len(prompt) + max_new > self.max_context:
-            return (
-                f"prompt of {len(prompt)} tokens + {max_new} new exceeds the context of {self.max_context} tokens; "
-                "shorten the prompt or lower max_new_tokens"
-            )
+        try:
+            check_request(prompt, SamplingParams(max_new_tokens=max(1, max_new)), self.vocab_size, self.max_context)
+        except RequestError as exc:
+            return str(exc).split(": ", 1)[1]
         return None
+
+    # --- incremental API ----------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *, salt: Hashable = None) -> int:
+        """Queue one request; its id. ``RequestError`` (nothing queued) names what to change.
+        ``params.seed`` None: the request id is its seed. ``salt``: its prefix-cache namespace."""
+        params = params or SamplingParams()
+        ids = check_request(prompt, params, self.vocab_size, self.max_context)
+        rid = self._next_rid
+        self._next_rid += 1
+        params = params.with_seed(rid)
+        self.sched.add(Request(rid, ids, params, params.stops(self.eos), salt))
+        self.stats["prompt_tokens"] += len(ids)
+        self.stats["requests"] += 1
+        return rid
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def abort(self, rid: Hashable, reason: str = "aborted by the client") -> Output | None:
+        """End a queued or running request now, its memory released; None if it is not open."""
+        req = self.sched.abort(rid, reason)
+        if req is None:
+            return None
+        self.sched.finished.remove(req)
+        self.stats["aborted"] += 1
+        return self._output(req)
+
+    def step(self) -> StepOutput:
+        """One scheduler step: admit, allocate, forward, choose tokens; what it produced."""
+        out = StepOutput()
+        if self.tiers is not None:
+            self.tiers.step()
+        retractions = self.sched.retractions
+        step = self.sched.next_step()
+        self.stats["retractions"] += self.sched.retractions - retractions
+        if step is not None:
+            logits = self.runner.forward(step.batch)
+            self.stats["steps"] += 1
+            self.stats["forward_tokens"] += int(step.batch.input_ids.size)
+            tokens = choose_step_tokens(step, logits)
+            self.sched.complete(step, tokens)
+            for req, token in zip(step.reqs, tokens, strict=True):
+                if token is not None and req.finish_reason is not FinishReason.ERROR:
+                    out.tokens.append((req.rid, token))
+        for req in self.sched.take_finished():
+            out.finished.append(self._output(req))
+        return out
+
+    def _output(self, req: Request) -> Output:
+        hit = req.mem.hit
+        cached = 0 if hit is None else hit.cached_tokens
+        self.stats["cached_tokens"] += cached
+        self.stats["resumed_cached_tokens"] += req.mem.cached_tokens - cached
+        if hit is not None:
+            for where, n in hit.details.items():
+                self.stats[f"cached_tokens_{where}"] += n
+            self.stats["hit_full_tokens"] += hit.full
+            self.stats["hit_window_tokens"] += hit.window
+            self.stats["hit_checkpoint_tokens"] += hit.checkpoint
+        if req.finish_reason is FinishReason.ERROR:
+            self.stats["errors"] += 1
+        reason = req.finish_reason or FinishReason.LENGTH
+        output = [] if reason is FinishReason.ERROR else req.output
+        return Output(output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt))
+
+    def metrics(self) -> dict[str, Any]:
+        """What an operator watches: requests, memory per pool kind, cache, counters (host figures only)."""
+        stats = self.mem.stats()
+        cache = self.cache.stats()
+        return {
+            "running": len(self.sched.running),
+            "waiting": len(self.sched.waiting),
+            "pools": {
+                str(p.pool_id): {"live": p.live_cells, "free": p.free_cells, "cached": p.cached_cells}
+                for p in stats.pools
+            },
+            "live_pages": stats.live_pages,
+            "live_slots": stats.live_slots,
+            "cached_pages": self.cache.cached_pages,
+            "evicted_pages": cache["evicted_pages"],
+            "evicted_states": cache["evicted_states"],
+            **self.stats,
+            **({} if self.tiers is None else {"tiers": self.tiers.metrics()}),
+        }
+
+    # --- batch API ------------------------------------------------------------------------
 
     def generate(
         self,
-        prompts: list[list[int]],
-        max_new_tokens: int | list[int],
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int] | Sequence[SamplingParams] = 16,
         *,
         temperature: float = 0.0,
         seed: int = 0,
         stop_at_eos: bool = True,
-        cache_salts: list[Hashable] | None = None,
+        cache_salts: Sequence[Hashable] | None = None,
         on_output: Callable[[int, Output], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
     ) -> list[Output]:
         """Outputs in input order; requests are batched continuously, prefills chunked.
 
-        ``cache_salts[i]``: request ``i``'s prefix-cache namespace (requests of different salts never
-        share cached KV; default None for all). ``on_output(index, output)`` is called as each
-        request ends (finished or failed), e.g. for progress; ``on_token(index, token)`` as each
-        token is chosen, right after the step that computed it (e.g. to time the first token)."""
-        news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        salts = [None] * len(prompts) if cache_salts is None else list(cache_salts)
-        if len(salts) != len(prompts):
-            raise ValueError(f"{len(salts)} cache salts for {len(prompts)} prompts; give one per prompt or none")
-        sched = Scheduler(self.alloc, self.chunk_size, self.max_running, self.max_step_tokens)
+        ``max_new_tokens``: one count for all, one per prompt, or one ``SamplingParams`` per prompt
+        (then ``temperature``, ``seed`` and ``stop_at_eos`` are not used). Otherwise request ``i``
+        samples with ``seed + i``. ``cache_salts[i]``: request ``i``'s prefix-cache namespace
+        (requests of different salts never share cached KV). ``on_output(index, output)`` is called
+        as each request ends (finished or failed); ``on_token(index, token)`` as each token is
+        chosen, right after the step that computed it. A prompt the engine refuses ends at once
+        as an ``error`` output naming the problem; the others run as if it were not there."""
+        n = len(prompts)
+        spec: list[int | SamplingParams] = (
+            [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        )
+        if len(spec) != n:
+            raise ValueError(f"{len(spec)} max_new_tokens / params for {n} prompts; give one per prompt or one")
+        salts = [None] * n if cache_salts is None else list(cache_salts)
+        if len(salts) != n:
+            raise ValueError(f"{len(salts)} cache salts for {n} prompts; give one per prompt or none")
         results: dict[int, Output] = {}
+        index: dict[Hashable, int] = {}
 
-        def end(index: int, out: Output) -> None:
-            results[index] = out
+        def end(i: int, out: Output) -> None:
+            results[i] = out
             if on_output is not None:
-                on_output(index, out)
+                on_output(i, out)
 
-        for i, (prompt, max_new, salt) in enumerate(zip(prompts, news, salts, strict=True)):
-            error = self.check(list(prompt), max_new)
-            if error is not None:
-                end(i, Output([], "error", f"request {i}: {error}"))
-            elif max_new <= 0:
-                end(i, Output([], "length"))
-            else:
-                eos = self.eos if stop_at_eos else frozenset()
-                sched.add(Request(i, list(prompt), max_new, temperature, seed + i, eos, salt))
-                self.stats["prompt_tokens"] += len(prompt)
-        while sched.has_work():
-            step = sched.next_step()
-            done: list[Request] = []
-            if step is not None:
-                sample = self._forward(step)
-                if on_token is not None:
-                    for req, token in zip(step.reqs, sample, strict=True):
-                        if token is not None:
-                            on_token(req.index, token)
-                done = sched.complete(step, sample)
-            for req in done:
-                out = Output(req.output, req.finish_reason or "length", None, req.retractions, *self._hit(req))
-                end(req.index, out)
-            for req in sched.failed:
-                end(req.index, Output([], "error", req.error, req.retractions, *self._hit(req)))
-            sched.failed.clear()
-        self.stats["retractions"] += sched.retractions
-        return [results[i] for i in range(len(prompts))]
+        for i, (prompt, what, salt) in enumerate(zip(prompts, spec, salts, strict=True)):
+            if isinstance(what, int) and what <= 0:
+                end(i, Output([], FinishReason.LENGTH, prompt_tokens=len(prompt)))
+                continue
+            try:
+                params = (
+                    what
+                    if isinstance(what, SamplingParams)
+                    else SamplingParams(what, temperature, seed=seed + i, ignore_eos=not stop_at_eos)
+                )
+                index[self.submit(prompt, params, salt=salt)] = i
+            except RequestError as exc:
+                end(i, Output([], FinishReason.ERROR, f"request {i}: {str(exc).split(': ', 1)[1]}"))
+        while len(results) < n:
+            if not self.has_work():
+                raise RuntimeError("the engine ran out of work with requests still open (a scheduler bug)")
+            got = self.step()
+            if on_token is not None:
+                for rid, token in got.tokens:
+                    if rid in index:
+                        on_token(index[rid], token)
+            for out in got.finished:
+                if out.rid in index:
+                    i = index.pop(out.rid)
+                    error = out.error if out.error is None else f"request {i}: {out.error}"
+                    end(i, Output(out.output_ids, out.finish_reason, error, *_rest(out)))
+        return [results[i] for i in range(n)]
 
-    def _hit(self, req: Request) -> tuple[int, CacheHit | None]:
-        """The first admission's hit, counted in ``stats`` (later admissions, after retraction, apart)."""
-        hit = req.mem.hit
-        cached = 0 if hit is None else hit.cached_tokens
-        self.stats["cached_tokens"] += cached
-        self.stats["resumed_cached_tokens"] += req.mem.cached_tokens - cached
-        return cached, hit
 
-    def _forward(self, step: Step) -> list[int | None]:
-        """Run one step; the chosen token of each request whose span reached its end (None mid-prefill)."""
-        logits = self.runner.forward(step.batch)
-        self.stats["steps"] += 1
-        self.stats["forward_tokens"] += int(step.batch.input_ids.size)
-        rows = [i for i, req in enumerate(step.reqs) if req.computed + step.spans[i] == len(req.tokens)]
-        sample: list[int | None] = [None] * len(step.reqs)
-        if rows:
-            reqs = [step.reqs[i] for i in rows]
-            picked = choose_tokens(
-                logits[rows], [r.temperature for r in reqs], [r.seed for r in reqs], [len(r.tokens) for r in reqs]
-            )
-            for i, token in zip(rows, picked, strict=True):
-                sample[i] = token
-        return sample
+def _rest(out: Output) -> tuple[int, int, CacheHit | None, Hashable, int]:
+    return out.retractions, out.cached_tokens, out.hit, out.rid, out.prompt_tokens

@@ -20,6 +20,7 @@ from hybridkv.registry import Registry
 
 SEED = 1234
 VOCAB = 256
+CONTEXT = 512  # max_position_embeddings of every tiny model
 
 _TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen3-next": (
@@ -155,7 +156,7 @@ def build_random(name: str) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = TINY_CONFIGS[name]  # UnknownName (a KeyError) names the known ones
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=512, **overrides)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=CONTEXT, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

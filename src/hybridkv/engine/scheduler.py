@@ -1,25 +1,36 @@
-"""Scheduler: continuous batching of chunked prefills and decodes, over the prefix cache, with retraction.
+"""Scheduler: continuous batching of chunked prefills and decodes over the prefix cache, in three roles.
+
+One scheduler serves every engine: ``Role.WHOLE`` (prefill and decode in one engine),
+``Role.PREFILL`` (a disaggregated prefill engine: batches prompt chunks of several requests;
+when a request's prompt is computed its first token is chosen and the request is *handed
+off*: its memory stays held, ``holding``, until its sender finished, then ``release_sent``
+caches the prompt and releases the rest) and ``Role.DECODE`` (a disaggregated decode engine:
+``reserve`` holds memory for a request's prompt while its KV arrives; ``received`` makes it a
+running request that decodes like any other).
 
 Every step runs all running requests together: each feeds its next uncomputed tokens (up to
 ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; a chunk that
 would pass a position where the checkpoint placement wants the state stored
-(``RequestMemory.wanted``: page-aligned, from ``KVManager.wanted_checkpoints``) ends there
-instead, so chunk sizes need not be aligned to pages. Waiting requests are admitted while
-their cache hit's state slot and the pages of their first chunk fit
-(``RequestAllocator.admit``, which matches the prompt: computation starts at the hit's end;
-the first request of an empty batch always starts). Memory for a step comes from one
-``RequestAllocator.extend`` call; when it raises ``OutOfMemory`` (the cache had nothing left
-to evict) the most recently admitted request is retracted: it releases its handle (what it
-inserted stays cached), returns to the front of the queue (counted as a retraction when it
-held memory) and, when admitted again, matches again and recomputes only what the cache does
-not hold (its output stays exact). A request that cannot fit even alone fails with an error
-naming the budget; the others go on.
+(``RequestMemory.wanted``) ends there instead. Waiting requests are admitted while their cache
+hit's state slot and the pages of their first chunk fit (``RequestAllocator.admit``: computation
+starts at the hit's end; the first request of an empty engine always starts). Memory for a
+step comes from one ``RequestAllocator.extend`` call to absolute lengths; when any rank is
+refused (the cache had nothing left to evict) the most recently admitted request is retracted
+on every rank: it releases its handle (what it inserted stays cached), returns to the front of
+the queue (counted as a retraction when it held memory) and, when admitted again, matches again
+and recomputes only what the cache does not hold (its output stays exact). On a decode engine a
+retracted request is prefilled again locally from its prompt and the tokens it already has. A
+request that cannot fit even alone fails with an error naming the budget; one that waits only
+for memory held outside the batch (being sent or received) waits.
 
 Invariants:
-- A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory
-  (its handle's ``seq_len``); logits are taken only when a step's span reaches the end of
-  its known tokens.
-- Finished, failed and retracted requests hold no handle.
+- A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory after a
+  step; logits are taken only when a step's span reaches the end of its known tokens.
+- A request ends exactly once (``finished`` collects it): ``length``, ``eos``, ``stop`` (its
+  ``SamplingParams``), ``abort``, or ``error`` (including non-finite logits). Ended, waiting and
+  retracted requests hold no handle; handed-off and receiving requests hold theirs in ``holding``.
+- Every decision that depends on a rank's memory goes through ``agree`` (``engine.agreement``),
+  so every rank of a multi-process engine runs the same schedule.
 """
 
 from __future__ import annotations
@@ -27,25 +38,35 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from enum import Enum
 
-from hybridkv.engine.allocator import RequestAllocator, RequestMemory
+import torch
+
+from hybridkv.engine.agreement import ALONE, Agreement
+from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.request import FinishReason, SamplingParams
+from hybridkv.engine.sampling import NON_FINITE, choose_tokens
 from hybridkv.memory import OutOfMemory
 
 
-@dataclass
+class Role(Enum):
+    WHOLE = "whole"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(eq=False)
 class Request:
-    index: int
+    rid: Hashable
     prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
-    eos: frozenset[int] = frozenset()
+    params: SamplingParams
+    stops: frozenset[int] = frozenset()
     namespace: Hashable = None
     mem: RequestMemory = field(default_factory=RequestMemory)
     tokens: list[int] = field(default_factory=list)
     computed: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     retractions: int = 0
 
@@ -62,32 +83,148 @@ class Request:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
     reqs: list[Request]
     spans: list[int]
     batch: ForwardBatch
+    ending: list[int]
+    """Rows whose span reaches the end of their known tokens: the step chooses their next token."""
+
+
+def choose_step_tokens(step: Step, logits: torch.Tensor) -> list[int | None]:
+    """The token each request of ``step`` gets from ``logits`` (the rows of ``step.ending``; None
+    mid-prefill, ``NON_FINITE`` where the logits are broken). ``logits`` holds one row per request
+    of the step, or one per ending row (``rows_only``)."""
+    rows = step.ending
+    out: list[int | None] = [None] * len(step.reqs)
+    if not rows:
+        return out
+    picked = logits if logits.shape[0] == len(rows) and len(rows) != len(step.reqs) else logits[rows]
+    reqs = [step.reqs[i] for i in rows]
+    for i, token in zip(
+        rows, choose_tokens(picked, [r.params for r in reqs], [len(r.tokens) for r in reqs]), strict=True
+    ):
+        out[i] = token
+    return out
 
 
 class Scheduler:
-    def __init__(self, alloc: RequestAllocator, chunk_size: int, max_running: int, max_step_tokens: int):
+    def __init__(
+        self,
+        alloc: RequestAllocator,
+        chunk_size: int,
+        max_running: int,
+        max_step_tokens: int,
+        role: Role = Role.WHOLE,
+        agree: Agreement = ALONE,
+    ):
         if chunk_size < 1 or max_running < 1 or max_step_tokens < 1:
             raise ValueError("chunk_size, max_running and max_step_tokens must be >= 1")
         self.alloc = alloc
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
+        self.role = role
+        self.agree = agree
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.failed: list[Request] = []
+        self.holding: dict[Hashable, Request] = {}
+        """Requests holding memory outside the batch: handed off (prefill) or receiving (decode)."""
+        self.finished: list[Request] = []
+        """Requests that ended since the caller last took them (``take_finished``)."""
+        self.handoffs: list[Request] = []
+        """Prefill role: requests whose prompt was computed since the caller last took them."""
         self.retractions = 0
 
+    # --- requests in and out ----------------------------------------------------------
+
     def add(self, req: Request) -> None:
-        req.mem = self.alloc.new(req.namespace)
+        req.mem = self.alloc.new(req.namespace, req.tokens)  # with tiers: its restore is planned now
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_finished(self) -> list[Request]:
+        out, self.finished = self.finished, []
+        return out
+
+    def take_handoffs(self) -> list[Request]:
+        out, self.handoffs = self.handoffs, []
+        return out
+
+    def abort(self, rid: Hashable, reason: str = "aborted") -> Request | None:
+        """End a waiting or running request now (its memory released; what it cached stays).
+        None when no such request waits or runs (ended, unknown, or held outside the batch)."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.alloc.retract(req.mem)  # a planned restore's pins
+                return self._end(req, FinishReason.ABORT, reason)
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self.alloc.retract(req.mem)
+                return self._end(req, FinishReason.ABORT, reason)
+        return None
+
+    def _end(self, req: Request, reason: FinishReason, error: str | None = None) -> Request:
+        req.finish_reason, req.error = reason, error
+        self.finished.append(req)
+        return req
+
+    # --- prefill role: handed-off requests ------------------------------------------------
+
+    def release_sent(self, rid: Hashable) -> Request:
+        """Its sender finished (either way): cache the computed prompt and release the rest."""
+        req = self.holding.pop(rid)
+        self.alloc.finish(req.mem, req.tokens[: req.computed])
+        return req
+
+    # --- decode role: receiving requests -----------------------------------------------
+
+    def reserve(self, req: Request) -> bool:
+        """Hold memory for ``req``'s prompt while its KV arrives, on every rank or on none (False:
+        nothing held; it fits only once other requests let go, or never: ``alone_in_memory``)."""
+        req.mem = self.alloc.new(req.namespace)
+        try:
+            self.alloc.reserve(req.mem, len(req.prompt))
+            ok = 1
+        except OutOfMemory:
+            ok = 0
+        if not self.agree.min([ok])[0]:
+            self.alloc.retract(req.mem)
+            return False
+        self.holding[req.rid] = req
+        return True
+
+    @property
+    def alone_in_memory(self) -> bool:
+        """No request holds memory (a reservation refused now will never fit)."""
+        return not self.running and not self.holding
+
+    def received(self, rid: Hashable, first: int) -> Request:
+        """Its KV and state arrived and its first token is ``first``: it runs (or ends at once)."""
+        req = self.holding.pop(rid)
+        self.alloc.received(req.mem)
+        req.computed = len(req.prompt)
+        req.tokens.append(first)
+        if self._ended_by(req, first):
+            self.alloc.finish(req.mem, req.tokens[: req.computed])
+            self.finished.append(req)
+        else:
+            self.running.append(req)
+        return req
+
+    def drop(self, rid: Hashable, reason: str) -> Request:
+        """A held request that will not run (its transfer failed and its writers stopped, or it was
+        aborted while held): release its memory and end it as an error."""
+        req = self.holding.pop(rid)
+        self.alloc.retract(req.mem)
+        return self._end(req, FinishReason.ERROR, reason)
+
+    # --- one step --------------------------------------------------------------------------
 
     def _span(self, req: Request, budget: int) -> int:
         start = req.computed
@@ -105,21 +242,21 @@ class Scheduler:
         taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
-            force = not self.running
-            try:
-                if not self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, force):
-                    return
-            except OutOfMemory as exc:
-                self.waiting.popleft()
-                self._fail(req, exc)
+            alone = self.alone_in_memory
+            got = self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, alone, self.agree)
+            if got is Admission.REFUSED:
+                return
+            self.waiting.popleft()
+            if got is Admission.TOO_BIG:
+                self._fail_alone(req, "its first chunk and state slot do not fit")
                 continue
             req.computed = req.mem.length
-            self.running.append(self.waiting.popleft())
+            self.running.append(req)
             taken += self._step_pages(req, budget)
             budget -= self._span(req, budget)
 
     def next_step(self) -> Step | None:
-        """Pick this step's requests and spans and allocate their memory (retracting on OutOfMemory)."""
+        """Pick this step's requests and spans and allocate their memory (retracting when short)."""
         budget = self.max_step_tokens
         for req in self.running:  # what the running requests take of this step: admit into the rest
             budget -= self._span(req, budget)
@@ -132,64 +269,102 @@ class Scheduler:
                     reqs.append(req)
                     spans.append(span)
                     left -= span
+            short = ""
             try:
-                self.alloc.extend([r.mem for r in reqs], spans)
+                self.alloc.extend([r.mem for r in reqs], [r.computed + s for r, s in zip(reqs, spans, strict=True)])
             except OutOfMemory as exc:
-                self._retract_newest(exc)
+                short = str(exc)
+            if not self.agree.min([0 if short else 1])[0]:
+                self._retract_newest(short or "another rank of this engine is out of memory")
                 continue
-            prefix = [r.computed for r in reqs]
-            handles = [r.mem.live for r in reqs]
-            has_state = self.alloc.has_state
-            batch = ForwardBatch.build(
-                [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
-                prefix,
-                [h.token_locs() for h in handles],
-                [h.state_slot or 0 for h in handles] if has_state else None,
-                [r.mem.fresh for r in reqs] if has_state else None,
-            )
-            return Step(reqs, spans, batch)
+            ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
+            return Step(reqs, spans, self._batch(reqs, spans), ending)
         return None
 
-    def _retract_newest(self, exc: OutOfMemory) -> None:
+    def _batch(self, reqs: list[Request], spans: list[int]) -> ForwardBatch:
+        prefix = [r.computed for r in reqs]
+        handles = [r.mem.live for r in reqs]
+        has_state = self.alloc.has_state
+        return ForwardBatch.from_pages(
+            [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
+            prefix,
+            [h.pages for h in handles],
+            self.alloc.page_size,
+            [h.state_slot or 0 for h in handles] if has_state else None,
+            [r.mem.fresh for r in reqs] if has_state else None,
+        )
+
+    def _retract_newest(self, short: str) -> None:
         req = self.running.pop()
         h = req.mem.handle
-        held = h is not None and h.seq_len > h.match.length  # computed something since its admission
+        held = h is not None and req.computed > h.match.length  # computed something since its admission
         self.alloc.retract(req.mem)
         req.computed = 0
-        if not self.running:
-            self._fail(req, exc)
+        if self.alone_in_memory:
+            self._fail_alone(req, short)
             return
         if held:  # a request admitted this step and refused at once held nothing: not a retraction
             req.retractions += 1
             self.retractions += 1
         self.waiting.appendleft(req)
 
-    def _fail(self, req: Request, exc: OutOfMemory) -> None:
+    def _fail_alone(self, req: Request, why: str) -> None:
         self.alloc.retract(req.mem)
-        req.error = (
-            f"request {req.index} ({len(req.tokens)} tokens) does not fit the memory budget even alone "
-            f"({exc}); raise gpu_memory or shorten the request"
+        self._end(
+            req,
+            FinishReason.ERROR,
+            f"request {req.rid} ({len(req.tokens)} tokens) does not fit the memory budget even alone "
+            f"({why}); raise gpu_memory or shorten the request",
         )
-        req.finish_reason = "error"
-        self.failed.append(req)
 
-    def complete(self, step: Step, sample: list[int | None]) -> list[Request]:
-        """Record a finished forward: ``sample[i]`` is the token chosen for request ``i`` (None: mid-prefill)."""
-        self.alloc.mark_computed([r.mem for r in step.reqs])
-        finished = []
-        for req, span, token in zip(step.reqs, step.spans, sample, strict=True):
+    def _ended_by(self, req: Request, token: int) -> bool:
+        if token in req.stops:
+            req.finish_reason = FinishReason.EOS if token not in req.params.stop_token_ids else FinishReason.STOP
+        elif len(req.output) >= req.params.max_new_tokens:
+            req.finish_reason = FinishReason.LENGTH
+        return req.done
+
+    def complete(self, step: Step, tokens: list[int | None]) -> None:
+        """Record a finished forward and the tokens chosen from it (``computed`` then ``chosen``)."""
+        self.computed(step)
+        self.chosen(step, tokens)
+
+    def computed(self, step: Step) -> None:
+        """Record that ``step``'s spans are in memory. A prefill engine hands off every request whose
+        prompt is now computed (``take_handoffs``): its KV/state can be sent before its token is known."""
+        ending = {id(step.reqs[i]) for i in step.ending}
+        self.alloc.mark_computed([r.mem for r in step.reqs], release_windows=self.role is not Role.PREFILL)
+        for req, span in zip(step.reqs, step.spans, strict=True):
             if req.computed < len(req.tokens) - 1:  # a prefill chunk (not a decode)
                 self.alloc.chunk_done(req.mem, req.tokens)
             req.computed += span
+            if self.role is Role.PREFILL and id(req) in ending:
+                self.holding[req.rid] = req  # its KV/state go to the sender; released by release_sent
+                self.handoffs.append(req)
+
+    def chosen(self, step: Step, tokens: list[int | None]) -> None:
+        """Record the token chosen for each request of ``step`` (None: mid-prefill; ``NON_FINITE``:
+        its logits were broken, it fails). A handed-off request only records its first token (or,
+        broken, its error: the caller stops its sender, then ``release_sent``)."""
+        for req, token in zip(step.reqs, tokens, strict=True):
             if token is None:
                 continue
-            req.tokens.append(token)
-            if token in req.eos:
-                req.finish_reason = "eos"
-            elif len(req.output) >= req.max_new_tokens:
-                req.finish_reason = "length"
-            if req.done:
-                self.alloc.finish(req.mem, req.tokens)
-                finished.append(req)
-        self.running = [r for r in self.running if not r.done]
-        return finished
+            broken = token == NON_FINITE
+            why = (
+                f"request {req.rid}: the logits at position {len(req.tokens)} are not finite (NaN or inf); "
+                "the model's weights or activations are broken"
+            )
+            if req.rid in self.holding:
+                if broken:
+                    req.finish_reason, req.error = FinishReason.ERROR, why
+                else:
+                    req.tokens.append(token)
+            elif broken:
+                self.alloc.retract(req.mem)
+                self._end(req, FinishReason.ERROR, why)
+            else:
+                req.tokens.append(token)
+                if self._ended_by(req, token):
+                    self.alloc.finish(req.mem, req.tokens)
+                    self.finished.append(req)
+        self.running = [r for r in self.running if not r.done and r.rid not in self.holding]

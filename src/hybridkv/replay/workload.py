@@ -27,9 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.traces import MOONCAKE_BLOCK_TOKENS, TraceError, load_mooncake_trace, load_peer_trace, trace_file
+from hybridkv.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    SYNTHETIC_ID_LIMIT,
+    TraceError,
+    load_mooncake_trace,
+    load_peer_trace,
+    trace_file,
+)
 
-OUTPUT_BASE = 1 << 40
+OUTPUT_BASE = SYNTHETIC_ID_LIMIT  # above every input id of a trace (traces caps hash and token ids)
 _OUTPUT_STRIDE = 1 << 24
 
 

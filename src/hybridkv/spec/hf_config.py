@@ -4,9 +4,10 @@ Invariants and conventions (checked against transformers 5.23.0's modeling code 
 - One table entry per ``model_type`` (``_ARCHITECTURES``): how to read the per-layer types, and one kind
   builder per type. A new architecture is one entry, never a branch elsewhere.
 - Every field is read through ``_Fields``: a missing, non-positive or contradictory field raises
-  ``HFConfigError`` naming the field and what to change. Nothing is guessed except the defaults written
-  here: the model dtype is ``bfloat16`` when the config has neither ``dtype`` nor ``torch_dtype``
-  (gpt-oss and MiniMax-M1 ship without one; their weights are bf16), and ``head_dim`` is
+  ``HFConfigError`` naming the field and what to change; before that, the whole config is checked
+  against the schema of field types and ranges (``hf_schema.check_fields``). Nothing is guessed
+  except the defaults written here: the model dtype is ``bfloat16`` when the config has neither
+  ``dtype`` nor ``torch_dtype`` (gpt-oss and MiniMax-M1 ship without one; their weights are bf16), and ``head_dim`` is
   ``hidden_size // num_attention_heads`` only for families whose transformers config does the same
   (Llama, Jamba, MiniMax).
 - Dtypes: KV is the model dtype unless ``kv_dtype`` is given. Conv windows are activations, so they
@@ -33,7 +34,6 @@ Invariants and conventions (checked against transformers 5.23.0's modeling code 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from hybridkv.registry import Registry
+from hybridkv.spec.hf_schema import HFConfigError, check_fields, read_config_json
 from hybridkv.spec.layers import (
     MLA,
     FullAttention,
@@ -53,10 +54,6 @@ from hybridkv.spec.layers import (
     parse_dtype,
 )
 from hybridkv.spec.model import ModelSpec
-
-
-class HFConfigError(ValueError):
-    """A Hugging Face config that cannot describe a model: unknown architecture, missing or bad field."""
 
 
 @dataclass(frozen=True)
@@ -422,20 +419,15 @@ def _load(config: Any) -> tuple[dict[str, Any], str, str]:
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except OSError as exc:
-            raise HFConfigError(f"cannot read config {str(path)!r}: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise HFConfigError(f"config {str(path)!r} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise HFConfigError(f"config {str(path)!r} must hold a JSON object, not {type(data).__name__}")
-        return data, str(path), str(path)
+        return read_config_json(path), str(path), str(path)  # its fields checked (hf_schema)
     if isinstance(config, Mapping):
+        check_fields(config, "config dict")
         return dict(config), "config dict", ""
     to_dict = getattr(config, "to_dict", None)
     if callable(to_dict) and hasattr(config, "model_type"):
-        return dict(to_dict()), f"{type(config).__name__}", ""
+        data = dict(to_dict())
+        check_fields(data, type(config).__name__)
+        return data, f"{type(config).__name__}", ""
     raise HFConfigError(f"expected a transformers config, a dict or a config.json path, got {type(config).__name__}")
 
 

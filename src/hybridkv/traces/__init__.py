@@ -7,8 +7,10 @@
   output lengths, and prefix-block hashes of 512 tokens.
 
 Every row is validated against a msgspec schema before use (integers stay integers, lengths
-and times in range, ids unique): a bad row is a ``TraceError`` naming the file, line or request
-and the field, never a crash or a silent conversion later.
+and times in range, ids unique, token ids in ``[0, MAX_TOKEN_ID]``, Mooncake hash ids at most
+``MAX_HASH_ID`` so that their synthetic token ids stay below ``SYNTHETIC_ID_LIMIT``, every
+``sys_id`` naming a system prompt): a bad row is a ``TraceError`` naming the file, line or
+request (its ``rid``) and the field, never a crash or a silent conversion later.
 
 Loaders accept a built-in trace name (``TRACES``: read with ``importlib.resources``, so they
 work from an installed wheel as well as from a checkout) or a path to a plain or gzip file (by
@@ -39,6 +41,10 @@ TRACES.add(MOONCAKE_TRACE, _DATA.joinpath("mooncake_conversation_trace.jsonl.gz"
 MOONCAKE_BLOCK_TOKENS = 512
 
 MAX_REQUEST_TOKENS = 1 << 24  # 16M tokens: above any model's context, small enough to materialize
+MAX_TOKEN_ID = (1 << 31) - 1  # a real tokenizer's id: int32, as every vocabulary fits
+SYNTHETIC_ID_LIMIT = 1 << 40
+"""Every synthetic token id of a Mooncake block (``hash_id * 512 + i``) is below this."""
+MAX_HASH_ID = SYNTHETIC_ID_LIMIT // MOONCAKE_BLOCK_TOKENS - 1
 
 TraceSource = str | Path
 
@@ -47,13 +53,15 @@ Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_REQUEST_TOKENS)]
 Id = Annotated[int, msgspec.Meta(ge=0)]
 Millis = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+HashId = Annotated[int, msgspec.Meta(ge=0, le=MAX_HASH_ID)]
 
 
 class _MooncakeRow(msgspec.Struct):
     timestamp: Millis
     input_length: Positive
     output_length: Count
-    hash_ids: list[Id]
+    hash_ids: list[HashId]
 
 
 class _AllocRow(msgspec.Struct):
@@ -70,8 +78,8 @@ class _RadixRow(msgspec.Struct):
     turn: Annotated[int, msgspec.Meta(ge=0)]
     sys_id: Id
     prev_rid: int
-    user_ids: list[int]
-    output_ids: list[int]
+    user_ids: list[Token]
+    output_ids: list[Token]
 
 
 class TraceError(ValueError):
@@ -113,22 +121,46 @@ def load_peer_trace(path: TraceSource = PEER_TRACE) -> dict[str, Any]:
         if not isinstance(data, dict) or not isinstance(data.get(part), dict) or any(k not in data[part] for k in keys):
             raise TraceError(f"{path}: expected a {part!r} section with {keys}")
     _check_rows(path, "alloc", data["alloc"]["requests"], _AllocRow)
-    _check_rows(path, "radix", data["radix"]["requests"], _RadixRow)
+    radix = _check_rows(path, "radix", data["radix"]["requests"], _RadixRow)
     prompts = data["radix"]["system_prompts"]
-    if not isinstance(prompts, list) or not all(isinstance(p, list) and p for p in prompts):
+    if not isinstance(prompts, list) or not prompts:
         raise TraceError(f"{path}: radix system_prompts must be a list of non-empty token lists")
+    for i, prompt in enumerate(prompts):
+        try:
+            msgspec.convert(prompt, type=_Prompt)
+        except msgspec.ValidationError as exc:
+            raise TraceError(f"{path}: radix system_prompts[{i}]: {exc} (a non-empty list of token ids)") from None
+    for i, row in enumerate(radix):
+        if row.sys_id >= len(prompts):
+            raise TraceError(
+                f"{path}: radix request {i} (rid {row.rid}): field sys_id {row.sys_id} names no system prompt; "
+                f"the trace has {len(prompts)} (0..{len(prompts) - 1})"
+            )
     return data
 
 
-def _check_rows(path: TraceSource, part: str, rows: object, schema: type[msgspec.Struct]) -> None:
+_Prompt = Annotated[list[Token], msgspec.Meta(min_length=1)]
+
+
+def _check_rows(path: TraceSource, part: str, rows: object, schema: type[msgspec.Struct]) -> list[Any]:
+    """``rows`` converted to ``schema``; a bad row is named by its position and ``rid``."""
+    if not isinstance(rows, list):
+        raise TraceError(f"{path}: {part} requests must be a list of objects, not {type(rows).__name__}")
     try:
-        checked = msgspec.convert(rows, type=list[schema])  # type: ignore[valid-type]
-    except msgspec.ValidationError as exc:
-        raise TraceError(f"{path}: {part} requests: {exc}") from None
-    ids = [row.rid for row in checked]  # type: ignore[attr-defined]
+        checked: list[Any] = msgspec.convert(rows, type=list[schema])  # type: ignore[valid-type]
+    except msgspec.ValidationError:
+        for i, row in enumerate(rows):  # find the row to name (only on failure: the whole list converts fast)
+            try:
+                msgspec.convert(row, type=schema)
+            except msgspec.ValidationError as exc:
+                rid = row.get("rid") if isinstance(row, dict) else None
+                raise TraceError(f"{path}: {part} request {i} (rid {rid}): {exc}") from None
+        raise
+    ids = [row.rid for row in checked]
     if len(set(ids)) != len(ids):
         dup = next(r for i, r in enumerate(ids) if r in ids[:i])
         raise TraceError(f"{path}: {part} request id {dup} appears more than once")
+    return checked
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,23 @@ Invariants:
 - A lookup is ``complete`` only when every (pp, tp) of the engine's sizes is registered
   and all ranks agree on model and sizes; otherwise the reply says what is missing.
 - Malformed or unexpected messages get a refusal and are recorded; the server never stops
-  on input.
+  on input. What a refused peer costs is bounded (``transfer.refusals``): the last
+  ``REFUSALS_KEPT`` reasons in ``rejected``, every refusal counted in ``refused``, the log
+  rate-limited with a count of the lines it left out.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 
 import zmq
 
 from hybridkv.transfer.auth import AuthError, ClusterKey, Envelope, Gate, Seal, load_cluster_key
 from hybridkv.transfer.errors import ProtocolError, TransferError
 from hybridkv.transfer.messages import Lookup, LookupReply, Message, Rank, Register, RegisterAck
+from hybridkv.transfer.refusals import Refusals
 
 BOOTSTRAP_RANK = Rank("bootstrap", 0, 0)
 BOOTSTRAP_ADDRESSEE = "bootstrap"
@@ -46,6 +50,7 @@ def reply_prefix(seal: Seal) -> str:
 
 
 log = logging.getLogger("hybridkv.transfer")
+REFUSALS_KEPT = 1000
 
 
 class BootstrapServer:
@@ -63,7 +68,7 @@ class BootstrapServer:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._ranks: dict[str, dict[Rank, Register]] = {}
-        self.rejected: list[str] = []
+        self._refusals = Refusals(log, "bootstrap", keep=REFUSALS_KEPT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="bootstrap", daemon=True)
 
@@ -94,9 +99,18 @@ class BootstrapServer:
         finally:
             self._sock.close(linger=0)
 
+    @property
+    def rejected(self) -> deque[str]:
+        """The reasons of the last ``REFUSALS_KEPT`` refused messages, oldest first."""
+        return self._refusals.recent
+
+    @property
+    def refused(self) -> int:
+        """Every message refused so far (auth failures included)."""
+        return self._refusals.count
+
     def _refuse(self, reason: str) -> None:
-        log.warning("bootstrap refused a message: %s", reason)
-        self.rejected.append(reason)
+        self._refusals.add(reason)
 
     def handle(self, env: Envelope) -> Message:
         msg = env.body
@@ -139,6 +153,7 @@ class BootstrapServer:
         if self._thread.is_alive():
             self._thread.join(5)
         self._ctx.term()
+        self._refusals.flush()
 
 
 def bootstrap_call(address: str, msg: Message, seal: Seal, timeout_s: float = 5.0) -> Message:

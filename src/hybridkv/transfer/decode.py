@@ -1,18 +1,17 @@
 """DecodeReceiver: a decode rank asks a prefill engine for a request's KV and state.
 
-Protocol (this side): ``request`` allocates and pins the pages and state slot; the I/O
-thread looks the prefill engine up at the bootstrap, checks every pairing (decode-side,
-before anything is sent), says ``Hello`` to each prefill rank once, then sends a
-``TransferRequest`` to *every* prefill rank. Each rank answers ``transferring`` and then
-``success`` (ops, bytes, optional checksum) or ``failed``.
+Protocol (this side): ``request`` pins the pages and state slot the caller reserved (or reserves
+them here: ``incoming.Allocation`` says whose); the I/O thread looks the prefill engine up at
+the bootstrap, checks every pairing (decode-side, before anything is sent), says ``Hello`` to
+each prefill rank once, then sends a ``TransferRequest`` to *every* prefill rank. Each rank
+answers ``transferring`` and then ``success`` (ops, bytes, optional checksum) or ``failed``.
 
 Invariants:
 - Success only when every prefill rank (every PP stage, every TP rank) reported success,
   each with exactly the bytes the decode-side plan expects, and, when integrity is on,
   each checksum matches the bytes that landed. Anything else is Failed with a reason.
-- Status messages whose request, nonce or sender do not match are dropped (recorded in
-  ``rejected``); a duplicate success is not counted twice; a late message never changes
-  a finished request.
+- Status messages whose request, nonce or sender do not match are dropped (``rejected``); a
+  duplicate success is not counted twice; a late message never changes a finished request.
 - Statuses and heartbeats of a prefill rank count only from the epoch it registered
   with (the bootstrap's authenticated lookup): a frame from another incarnation, or a
   forged one (no valid MAC), never keeps a request alive or moves it.
@@ -20,30 +19,37 @@ Invariants:
   prefill rank has acknowledged that it stopped writing, or its process is proven gone
   (same host: pid + start time in ``/proc``, ``liveness.gone``). Never on a timer alone: a
   writer stopped (SIGSTOP) for any time may wake up and write. Past ``quarantine_s`` a
-  quarantine is logged once and counted as ``stuck`` in ``stats()``; its pages stay
-  reserved. Released pages are freed (on the owner's ``poll``) and ``verify()`` holds.
+  quarantine is logged once and counted as ``stuck`` in ``stats()``; its pages stay reserved.
+  Then they are freed on the owner's ``poll`` (or handed back: ``take_releasable``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-import threading
 import time
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import zmq
 
 from hybridkv.memory import MoveGate, UnifiedMemory
-from hybridkv.transfer import liveness
 from hybridkv.transfer.agent import Agent, EventKind, log
 from hybridkv.transfer.auth import AuthError, ClusterKey
 from hybridkv.transfer.bootstrap import BOOTSTRAP_ADDRESSEE, BOOTSTRAP_RANK, reply_prefix
 from hybridkv.transfer.buffers import buffer_set_from_memory
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
+from hybridkv.transfer.incoming import (
+    Allocation,
+    Incoming,
+    Leg,
+    Quarantine,
+    ReceiverStats,
+    Source,
+    legs_report,
+    reserve_here,
+)
 from hybridkv.transfer.messages import (
     Abort,
     Heartbeat,
@@ -52,76 +58,15 @@ from hybridkv.transfer.messages import (
     LookupReply,
     Message,
     Rank,
-    Register,
     Status,
     TransferRequest,
 )
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
-from hybridkv.transfer.plan import Route, TransferPlan, memory_cells, num_pages
-from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.plan import Route, memory_cells, num_pages
+from hybridkv.transfer.status import LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
 LOOKUP_RETRY_S = 0.1
-LIVENESS_CHECK_S = 0.1
-"""How often a quarantined request's silent writers are checked for having exited."""
-
-
-@dataclass(frozen=True)
-class ReceiverStats:
-    """What a decode rank holds and what it refused (``DecodeReceiver.stats``)."""
-
-    held: int  # requests whose pages are held (in flight or quarantined)
-    quarantined: int  # failed requests whose pages wait for their writers to stop
-    quarantined_pages: int
-    stuck: int  # quarantined longer than ``quarantine_s``: a writer neither answers nor exited
-    auth_failures: int  # frames refused for their MAC, addressee or sequence (replays)
-    rejected: int  # every refused message, auth failures included
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What ``request`` reserved on this decode rank."""
-
-    pages: np.ndarray
-    slot: int | None
-
-
-@dataclass
-class _Source:
-    """One registered prefill rank of a looked-up engine."""
-
-    reg: Register
-    route: Route
-    last_seen: float = 0.0
-
-
-@dataclass
-class _Leg:
-    source: _Source
-    plan: TransferPlan  # destination-only: the bytes this rank must write here
-    since: float  # when the request went out: silence counts from here at the earliest
-    status: LegStatus = LegStatus.ASKED  # terminal once the prefill rank sent its last word
-    checksum: int | None = None
-
-
-@dataclass
-class _Incoming:
-    status: RequestStatus
-    engine: str
-    seq_len: int
-    dst_cells: dict[str, list[int]]
-    checksum: bool
-    nonce: int
-    deadline: float
-    legs: dict[Rank, _Leg] = field(default_factory=dict)
-    quarantine_until: float | None = None  # set when the request fails: from then on, quarantined
-    next_check: float = 0.0  # when to ask again whether silent writers exited
-    stuck: bool = False
-    verifying: bool = False
-
-
-def _legs(inc: _Incoming) -> LegReport:
-    return tuple((str(rank), leg.status) for rank, leg in inc.legs.items())
 
 
 class DecodeReceiver(Agent):
@@ -154,17 +99,16 @@ class DecodeReceiver(Agent):
         self.quarantine_s = quarantine_s
         self.checksum = checksum
         self._hello = Hello(self.rank, self.endpoint, transport.name, transport.session, self.buffers)
-        self._engines: dict[str, dict[Rank, _Source]] = {}
-        self._waiting: dict[str, list[_Incoming]] = {}
+        self._engines: dict[str, dict[Rank, Source]] = {}
+        self._waiting: dict[str, list[Incoming]] = {}
         self._lookup_sent: dict[str, float] = {}
         self._lookup_reason: dict[str, str] = {}
-        self._in: dict[str, _Incoming] = {}
+        self._in: dict[str, Incoming] = {}
         self._last_heartbeat = 0.0
         self._held: dict[str, tuple[Allocation, MoveGate]] = {}  # owner thread only
         self._reports = ReportBoard()
-        self._quarantine: dict[str, int] = {}  # request id -> pages, of quarantined requests
-        self._stuck: set[str] = set()
-        self._stats_lock = threading.Lock()
+        self._quarantine = Quarantine()
+        self._releasable: list[str] = []  # caller-owned requests out of quarantine, owner thread only
         self._bootstrap = self._ctx.socket(zmq.DEALER)
         self._bootstrap.linger = 0
         self._bootstrap.connect(bootstrap)
@@ -178,38 +122,55 @@ class DecodeReceiver(Agent):
 
     # --- owner API -------------------------------------------------------------------
 
-    def request(self, request_id: str, prefill_engine: str, seq_len: int, checksum: bool | None = None) -> Allocation:
-        """Reserve pages (and a state slot) for ``seq_len`` tokens and ask for their KV.
+    def request(
+        self,
+        request_id: str,
+        prefill_engine: str,
+        seq_len: int,
+        checksum: bool | None = None,
+        reserved: Allocation | None = None,
+    ) -> Allocation:
+        """Ask for the KV (and state) of ``seq_len`` tokens, written into ``reserved`` (pages and slot
+        the caller holds: ``caller_owned``) or into pages and a slot reserved here.
 
-        Raises (nothing reserved) when memory is short or the id is in use. Follow the
-        request with ``poll``/``wait``; on Success the pages belong to the caller.
+        Raises (nothing reserved) when memory is short, the id is in use or ``reserved`` does not
+        fit ``seq_len``. Follow the request with ``poll``/``wait``; on Success the pages belong to
+        the caller. On failure a caller-owned reservation comes back from ``take_releasable`` once
+        no writer can touch it any more; one reserved here is freed here.
         """
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} is already in flight on this decode rank")
         if seq_len < 1:
             raise ValueError(f"request {request_id!r}: seq_len must be >= 1, got {seq_len}")
-        pages = self.mem.alloc_pages(num_pages(seq_len, self.mem.page_size))
-        slot = None
-        try:
-            if self.mem.slot_pools:
-                slot = int(self.mem.alloc_state(1)[0])
-            gate = self.mem.pin(pages=pages, slots=None if slot is None else [slot])
-        except BaseException:
-            self.mem.free_pages(pages)
-            if slot is not None:
-                self.mem.free_state([slot])
-            raise
-        alloc = Allocation(pages, slot)
+        need = num_pages(seq_len, self.mem.page_size)
+        if reserved is not None:
+            if reserved.pages.size != need or (reserved.slot is None) != (not self.mem.slot_pools):
+                raise ValueError(
+                    f"request {request_id!r}: {seq_len} tokens need {need} pages"
+                    f"{' and a state slot' if self.mem.slot_pools else ''}; the reservation holds "
+                    f"{reserved.pages.size} pages and slot {reserved.slot}"
+                )
+            alloc = Allocation(reserved.pages, reserved.slot, caller_owned=True)
+            gate = self.mem.pin(pages=alloc.pages, slots=None if alloc.slot is None else [alloc.slot])
+        else:
+            alloc, gate = reserve_here(self.mem, need)
         self._held[request_id] = (alloc, gate)
         self._reports.publish(RequestStatus(request_id))  # no stale report of an earlier use of the id
-        cells = {n: c.tolist() for n, c in memory_cells(self.mem, pages, slot).items()}
+        cells = {n: c.tolist() for n, c in memory_cells(self.mem, alloc.pages, alloc.slot).items()}
         use_crc = self.checksum if checksum is None else checksum
         self.call_soon(partial(self._start_request, request_id, prefill_engine, seq_len, cells, use_crc))
         return alloc
 
+    def take_releasable(self) -> list[str]:
+        """Caller-owned requests that failed and are out of quarantine (no writer can touch their
+        pages any more) since the last call: free their reservations now."""
+        out, self._releasable = self._releasable, []
+        return out
+
     def poll(self) -> list[StatusReport]:
         """Requests that finished since the last call. Frees the pages of failed requests
-        once they are out of quarantine; unpins the pages of successful ones."""
+        once they are out of quarantine (caller-owned ones: ``take_releasable``); unpins the
+        pages of successful ones."""
         reports = []
         while not self.events.empty():
             kind, request_id, payload = self.events.get()
@@ -219,7 +180,9 @@ class DecodeReceiver(Agent):
                 continue
             alloc, gate = self._held.pop(request_id)
             gate.release()
-            if kind is EventKind.FREE:
+            if kind is EventKind.FREE and alloc.caller_owned:
+                self._releasable.append(request_id)
+            elif kind is EventKind.FREE:
                 self.mem.free_pages(alloc.pages)
                 if alloc.slot is not None:
                     self.mem.free_state([alloc.slot])
@@ -247,8 +210,7 @@ class DecodeReceiver(Agent):
         return len(self._held)
 
     def stats(self) -> ReceiverStats:
-        with self._stats_lock:
-            quarantined, pages, stuck = len(self._quarantine), sum(self._quarantine.values()), len(self._stuck)
+        quarantined, pages, stuck = self._quarantine.counts()
         return ReceiverStats(len(self._held), quarantined, pages, stuck, self.auth_failures, len(self.rejected))
 
     def status(self, request_id: str) -> StatusReport | None:
@@ -260,7 +222,7 @@ class DecodeReceiver(Agent):
     # --- I/O thread: request start ----------------------------------------------------
 
     def _start_request(self, rid: str, engine: str, seq_len: int, cells: dict[str, list[int]], checksum: bool) -> None:
-        inc = _Incoming(
+        inc = Incoming(
             RequestStatus(rid),
             engine,
             seq_len,
@@ -313,7 +275,7 @@ class DecodeReceiver(Agent):
             if not inc.status.terminal:
                 self._dispatch(inc)
 
-    def _connect(self, reply: LookupReply) -> dict[Rank, _Source]:
+    def _connect(self, reply: LookupReply) -> dict[Rank, Source]:
         """Check every prefill rank against this rank's layout, then say hello."""
         prefills = [r.buffers for r in reply.ranks]
         check_prefill_group(prefills)
@@ -326,14 +288,14 @@ class DecodeReceiver(Agent):
                     f"{self.rank} uses {self.transport.name!r}; start both with the same transport"
                 )
             pairs = pair_entries(reg.buffers, self.buffers)
-            sources[reg.rank] = _Source(reg, Route(reg.buffers, self.buffers, pairs))
+            sources[reg.rank] = Source(reg, Route(reg.buffers, self.buffers, pairs))
         now = time.monotonic()
         for source in sources.values():
             source.last_seen = now
             self.post(source.reg.endpoint, self._hello)
         return sources
 
-    def _dispatch(self, inc: _Incoming) -> None:
+    def _dispatch(self, inc: Incoming) -> None:
         """Plan this rank's side of every leg, then ask every prefill rank."""
         now = time.monotonic()
         sources = self._engines[inc.engine]
@@ -341,7 +303,7 @@ class DecodeReceiver(Agent):
         try:
             for rank, source in sources.items():
                 plan = source.route.plan(inc.seq_len, None, dst)
-                inc.legs[rank] = _Leg(source, plan, now)
+                inc.legs[rank] = Leg(source, plan, now)
         except TransferError as exc:
             inc.legs.clear()
             self._fail(inc, str(exc))
@@ -418,7 +380,7 @@ class DecodeReceiver(Agent):
         self._release_if_quiet(inc)
         self._publish(inc)
 
-    def _maybe_succeed(self, inc: _Incoming) -> None:
+    def _maybe_succeed(self, inc: Incoming) -> None:
         if inc.status.terminal or any(g.status is not LegStatus.SUCCESS for g in inc.legs.values()):
             return
         if not inc.checksum:
@@ -427,7 +389,7 @@ class DecodeReceiver(Agent):
             inc.verifying = True
             self.submit(partial(self._verify, inc))
 
-    def _verify(self, inc: _Incoming) -> None:
+    def _verify(self, inc: Incoming) -> None:
         """Worker thread: checksum the bytes that landed, leg by leg."""
         error = ""
         for rank, leg in inc.legs.items():
@@ -441,23 +403,23 @@ class DecodeReceiver(Agent):
                 break
         self.call_soon(partial(self._verified, inc, error))
 
-    def _verified(self, inc: _Incoming, error: str) -> None:
+    def _verified(self, inc: Incoming, error: str) -> None:
         if error:
             self._fail(inc, error)
         else:
             self._succeed(inc)
 
-    def _succeed(self, inc: _Incoming) -> None:
+    def _succeed(self, inc: Incoming) -> None:
         if inc.status.advance(Phase.SUCCESS):
             inc.status.nbytes = sum(g.plan.nbytes for g in inc.legs.values())
             inc.status.ops = sum(g.plan.num_ops for g in inc.legs.values())
             rid = inc.status.request_id
             self.events.put((EventKind.KEEP, rid, None))
-            self.events.put((EventKind.DONE, rid, inc.status.report(_legs(inc))))
+            self.events.put((EventKind.DONE, rid, inc.status.report(legs_report(inc))))
             self._publish(inc)
             del self._in[rid]
 
-    def _fail(self, inc: _Incoming, reason: str) -> None:
+    def _fail(self, inc: Incoming, reason: str) -> None:
         if not inc.status.fail(reason):
             return
         rid = inc.status.request_id
@@ -467,54 +429,26 @@ class DecodeReceiver(Agent):
             if not leg.status.terminal:
                 self.post(leg.source.reg.endpoint, abort)
         inc.quarantine_until = time.monotonic() + self.quarantine_s
-        with self._stats_lock:
-            self._quarantine[rid] = num_pages(inc.seq_len, self.mem.page_size)
-        self.events.put((EventKind.DONE, rid, inc.status.report(_legs(inc))))
+        self._quarantine.add(rid, num_pages(inc.seq_len, self.mem.page_size))
+        self.events.put((EventKind.DONE, rid, inc.status.report(legs_report(inc))))
         self._release_if_quiet(inc)
         self._publish(inc)
 
-    def _release_if_quiet(self, inc: _Incoming, now: float | None = None) -> None:
+    def _release_if_quiet(self, inc: Incoming, now: float | None = None) -> None:
         """Free a failed request's pages once no prefill rank can still write into them:
         each acknowledged (its leg ended) or its process is proven gone."""
-        if inc.quarantine_until is None:
-            return
         now = time.monotonic() if now is None else now
-        rid = inc.status.request_id
-        silent = [g.source.reg for g in inc.legs.values() if not g.status.terminal]
-        if silent:
-            if now < inc.next_check:
-                return
-            inc.next_check = now + LIVENESS_CHECK_S
-            alive = [reg for reg in silent if not liveness.gone(reg.process)]
-            if alive:
-                if now > inc.quarantine_until and not inc.stuck:
-                    inc.stuck = True
-                    with self._stats_lock:
-                        self._stuck.add(rid)
-                    log.warning(
-                        "%s: %s still quarantined after %.1f s: prefill %s neither acknowledged stop nor "
-                        "exited; its pages stay reserved",
-                        self.rank,
-                        rid,
-                        self.quarantine_s,
-                        ", ".join(str(reg.rank) for reg in alive),
-                    )
-                return
-            log.info("%s: %s: every silent writer exited; releasing its pages", self.rank, rid)
-        inc.quarantine_until = None
-        with self._stats_lock:
-            self._quarantine.pop(rid, None)
-            self._stuck.discard(rid)
-        self._in.pop(rid, None)
-        self.events.put((EventKind.FREE, rid, None))
+        if self._quarantine.over(inc, now, self.quarantine_s, str(self.rank)):
+            self._in.pop(inc.status.request_id, None)
+            self.events.put((EventKind.FREE, inc.status.request_id, None))
 
     def _abort(self, request_id: str, reason: str) -> None:
         inc = self._in.get(request_id)
         if inc is not None:
             self._fail(inc, reason)
 
-    def _publish(self, inc: _Incoming) -> None:
-        self._reports.publish(inc.status, _legs(inc))
+    def _publish(self, inc: Incoming) -> None:
+        self._reports.publish(inc.status, legs_report(inc))
 
     def tick(self, now: float) -> None:
         for engine, waiting in list(self._waiting.items()):

@@ -17,8 +17,8 @@ Invariants:
   that said hello. A ``Hello`` whose endpoint is not ``tcp://host:port`` is refused; one
   whose session the transport refuses (``Transport.check_session``: e.g. a shm path
   outside hybridkv's own files) makes the rank unservable before anything is opened.
-- The request's pages and slot are pinned (memory move gate) from ``send`` until the owner
-  collects the finished request with ``poll``; the gate is never released while a leg may
+- The request's pages and slot are pinned (memory move gate: the owner's, or one of its own)
+  from ``send`` until the owner collects the finished request with ``poll``; no gate is released while a leg may
   still read them.
 - Every decode rank of the requesting engine sends a request, even one this rank feeds
   nothing (it gets a zero-op success): the request succeeds here only when all of them
@@ -37,7 +37,7 @@ from functools import partial
 
 import numpy as np
 
-from hybridkv.memory import MoveGate, UnifiedMemory
+from hybridkv.memory import GateStatus, MoveGate, UnifiedMemory
 from hybridkv.transfer.agent import Agent, EventKind, check_endpoint, log
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.bootstrap import bootstrap_call
@@ -143,7 +143,7 @@ class PrefillSender(Agent):
         self._out: dict[str, _Outgoing] = {}
         self._finished: dict[str, tuple[float, str]] = {}  # request id -> (when, how it ended)
         self._last_heartbeat = 0.0
-        self._gates: dict[str, MoveGate] = {}  # owner thread only
+        self._gates: dict[str, MoveGate | None] = {}  # owner thread only; None: the owner pinned
         self._reports = ReportBoard()
         self._stage: SourceStaging | None = None  # the worker thread's, once built
         try:
@@ -164,10 +164,14 @@ class PrefillSender(Agent):
 
     # --- owner API -------------------------------------------------------------------
 
-    def send(self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int) -> None:
+    def send(
+        self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int, pinned: MoveGate | None = None
+    ) -> None:
         """Hand over a finished request: its virtual pages (in order) and state slot.
 
-        The pages and slot are pinned until ``poll`` returns the request's final status.
+        The pages and slot are pinned until ``poll`` returns the request's final status: by
+        ``pinned``, the owner's own pin of them (e.g. ``KVManager.pin``: the owner unpins after
+        ``poll``), or by a pin taken and released here.
         """
         if request_id in self._gates:
             raise ValueError(f"request {request_id!r} was already sent")
@@ -184,8 +188,14 @@ class PrefillSender(Agent):
                 f"recurrent state, so pass {'a' if self.mem.slot_pools else 'no'} state slot"
             )
         pages = pages[:need]
-        gate = self.mem.pin(pages=pages, slots=None if slot is None else [slot])
-        self._gates[request_id] = gate
+        slots = [] if slot is None else [slot]
+        if pinned is not None:
+            held = pinned.status is GateStatus.PINNING
+            if not held or not (np.isin(pages, pinned.pages).all() and np.isin(slots, pinned.slots).all()):
+                raise PlanError(f"send {request_id!r}: the owner's pin does not hold every page and slot sent")
+            self._gates[request_id] = None
+        else:
+            self._gates[request_id] = self.mem.pin(pages=pages, slots=slots or None)
         cells = memory_cells(self.mem, pages, slot)
         self.call_soon(partial(self._on_input, request_id, cells, seq_len))
 

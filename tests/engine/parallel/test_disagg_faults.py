@@ -15,10 +15,11 @@
   finishes with the single-process engine's tokens; every surviving worker ends with the live
   pages and slots it started with; no process (killed, restarted or not) and no shared-memory
   file outlives the server.
-- A prompt that fits on no prefill stage beside a request whose KV is still held fails at once
-  with "prefill memory is full" (no worker dies); the next request is served token-exact.
-- Decode requests that outgrow the decode memory together: the newest fails with "decode memory
-  is full", the others finish token-exact; no worker dies, nothing leaks.
+- A prompt that fits on no prefill stage beside a request whose KV is still held waits (no worker
+  dies) until that request's memory comes back, then is served token-exact.
+- Decode requests that outgrow the decode memory together: the decode engine retracts the newest
+  running request and prefills it again locally later; every request finishes token-exact (greedy
+  and seeded sampling); no worker dies, nothing leaks.
 - An engine lost (its restarts used up: ``restarts=0`` and a decode rank SIGKILLed): every request
   not finished, and every later one, fails with the death line; the surviving prefill engine holds
   nothing; ``close`` still stops and reaps every process and unlinks every shared-memory file.
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,14 +36,18 @@ import pytest
 
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.engine.disagg.config import check_layout
+from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import Live
-from hybridkv.engine.disagg.server import _ProbeCall
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
-from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone
+from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settled
 
 BASE = prompt(11, 13)
 PROMPTS = [tuple(BASE + prompt(20 + i, 3 + i)) for i in range(8)]
+GREEDY = SamplingParams(MAX_NEW, ignore_eos=True)  # as many tokens as the reference ``serve`` computes
 
 
 def children() -> set[int]:
@@ -57,17 +61,6 @@ def children() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             out.add(int(stat.parent.name))
     return out
-
-
-def settled(server: PDServer, wait_s: float = 15.0) -> list[WorkerState]:
-    """Probe every live worker until each is idle and holds exactly what it held before its first request
-    (a failed transfer's pages are freed once its writers are proven gone: not at once)."""
-    end = time.monotonic() + wait_s
-    while True:
-        states = server.probe(timeout_s=60)
-        if all(w.requests == 0 and w.live == w.live_before for w in states) or time.monotonic() > end:
-            return states
-        time.sleep(0.1)
 
 
 def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) -> None:
@@ -118,6 +111,7 @@ def test_submit_after_the_router_died_raises_naming_router_error() -> None:
     server._lock = threading.Lock()
     server._stopping = False
     server._requests = []
+    server.vocab_size = 16
     server.router_error = "Traceback (most recent call last):\nKeyError: 'request-3.p0.a1'"
     server._thread = None
     with pytest.raises(RuntimeError, match=r"router thread is dead \(KeyError: 'request-3.p0.a1'\).*router_error"):
@@ -150,12 +144,13 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     )
     results, probes = [], []
     with PDServer(config) as server:
-        with pytest.raises(ValueError, match="exceeds max_context 256"):
+        with pytest.raises(ValueError, match="exceeds the context of 256 tokens"):
             server.submit(list(range(255)), MAX_NEW)
         for wave in ([0, 1, 2], [3, 4], [5, 6, 7]):
-            handles = [server.submit(PROMPTS[i], MAX_NEW) for i in wave]
+            handles = [server.submit(PROMPTS[i], GREEDY) for i in wave]
             results += [server.result(h, timeout_s=120) for h in handles]
             probes.append(settled(server))
+        metrics = server.metrics()
     single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
 
     killed_prefill, killed_decode = server.deaths
@@ -166,6 +161,7 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     assert results[3].cached_tokens > 0  # its retry hit the prefill cache its first attempt filled
     stalled = results[5]
     assert stalled.status == FAILED and "timed out after 2.0 s" in stalled.reason, stalled
+    assert stalled.transfer_failed and metrics["transfer_failures"] == 1, metrics  # the stall, counted once
     assert stalled.output_ids == [] and stalled.timing is None
     for r in results:
         if r.index != 5:
@@ -191,14 +187,13 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     assert len(server.shm_paths()) == 4 and not any(Path(p).exists() for p in server.shm_paths())
 
 
-def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(tmp_path: Path) -> None:
+def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_their_memory(tmp_path: Path) -> None:
     # a 40 kB budget per prefill process (pages and state checkpoints share its slabs): request 0's
     # 55-token prompt stays pinned while its KV is held back past the decode timeout, so request 1
-    # (55 tokens more) fits on no stage and fails at once; request 2, after the first two ended, fits
-    # (request 0's KV is held back for 60 s: its pages are released when the router aborts it, not
-    # when the hold ends, or request 2 would not fit either)
+    # (55 tokens more) fits on no stage beside it: it waits (retracted, not failed) until the router
+    # aborts request 0 and its pages come back, then it is served token-exact
     hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
-    prompts = [tuple(prompt(40 + i, 55)) for i in range(3)]
+    prompts = [tuple(prompt(40 + i, 55)) for i in range(2)]
     config = PDConfig(
         str(tmp_path),
         max_new=MAX_NEW,
@@ -212,26 +207,24 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_fails_alone(t
         faults=(Fault("stall-transfer", 0, delay_s=60.0),),
     )
     with PDServer(config) as server:
-        first = server.generate(prompts[:2], MAX_NEW)
-        settled(server)  # request 0's pages are freed on both sides once its legs are acknowledged: not at once
-        last = server.result(server.submit(prompts[2], MAX_NEW), timeout_s=120)
+        first, second = server.generate(prompts, GREEDY)
         states = settled(server)
-    assert [r.status for r in first] == [FAILED] * 2
-    assert "timed out after 2.0 s" in first[0].reason, first[0]
-    assert "prefill memory is full: a prompt of 55 tokens" in first[1].reason, first[1]
-    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(prompts[2])], CHUNK, MAX_NEW)
-    assert last.status == FINISHED and last.output_ids == single[0].tokens, last
+    assert first.status == FAILED and "timed out after 2.0 s" in first.reason, first
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(prompts[1])], CHUNK, MAX_NEW)
+    assert second.status == FINISHED and second.output_ids == single[0].tokens, second
+    assert second.timing is not None and second.timing.ttft_s > 1.5  # it waited for request 0's memory
     assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
     assert all(gone(pid) for pid in server.pids())
 
 
-def test_a_full_decode_memory_fails_the_newest_running_request_and_the_others_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_full_decode_memory_retracts_and_every_output_stays_exact(tmp_path: Path, temperature: float) -> None:
     # a 40 kB budget per decode TP rank: three 20-token prompts that each grow by 40 tokens outgrow it
-    # together, so the decode ranks drop the newest running request (or cannot reserve a later one)
-    # and finish the others
+    # together, so the decode ranks retract the newest running request (it is prefilled again locally
+    # from its prompt and the tokens it has) and every request finishes with the single engine's tokens
     hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     prompts = [tuple(prompt(60 + i, 20)) for i in range(3)]
-    max_new = 40
+    params = [SamplingParams(40, temperature, seed=7 + i, ignore_eos=True) for i in range(3)]
     config = PDConfig(
         str(tmp_path),
         prefill_pp=2,
@@ -242,15 +235,16 @@ def test_a_full_decode_memory_fails_the_newest_running_request_and_the_others_fi
         max_context=64,
     )
     with PDServer(config) as server:
-        results = server.generate(prompts, max_new)
+        results = [
+            server.result(h, timeout_s=120) for h in [server.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+        ]
         states = settled(server)
-    failed = [r for r in results if r.status == FAILED]
-    assert failed and all("decode memory is full" in r.reason for r in failed), results
-    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in prompts], CHUNK, max_new)
-    for r in results:
-        if r.status == FINISHED:
-            assert r.output_ids == single[r.index].tokens, r
-    assert len(failed) < len(results)
+    hf = hf_model("tiny-qwen3-next")
+    single = Engine(hf.config, hf, gpu_memory=2_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=64)
+    want = single.generate([list(p) for p in prompts], params)
+    assert [r.status for r in results] == [FINISHED] * 3, results
+    assert [r.output_ids for r in results] == [o.output_ids for o in want]
+    assert sum(r.retractions for r in results) > 0, results
     assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
 
 
@@ -275,16 +269,16 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
         faults=(Fault("kill-decode", 1, rank=1),),
     )
     with PDServer(config) as server:
-        first = server.result(server.submit(PROMPTS[0], MAX_NEW), timeout_s=120)
-        lost = server.generate(PROMPTS[1:3], MAX_NEW)
-        late = server.result(server.submit(PROMPTS[3], MAX_NEW), timeout_s=120)
+        first = server.result(server.submit(PROMPTS[0], GREEDY), timeout_s=120)
+        lost = server.generate(PROMPTS[1:3], GREEDY)
+        late = server.result(server.submit(PROMPTS[3], GREEDY), timeout_s=120)
         states = settled(server)
         started = set(server.pids())
     single = serve(make_runner("tiny-qwen3-next", PAGE), [list(PROMPTS[0])], CHUNK, MAX_NEW)
     assert first.status == FINISHED and first.output_ids == single[0].tokens, first
     (death,) = server.deaths
     assert death.startswith("decode TP rank 1") and "killed by SIGKILL" in death, death
-    assert server.lost == {"decode": death}
+    assert server.lost == {Role.DECODE: death}
     for r in [*lost, late]:
         assert r.status == FAILED and r.reason == f"the decode engine is lost: {death}", r
         assert r.output_ids == [] and r.timing is None
@@ -305,13 +299,13 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
 def test_a_late_answer_to_a_timed_out_probe_does_not_count_toward_the_next() -> None:
     # the router's Live handling alone: probe 1 timed out, probe 2 is open and expects one answer;
     # probe 1's late Live is dropped, probe 2's ends it and clears the open probe
-    server = PDServer.__new__(PDServer)
+    probes = Probes()
     procs = SimpleNamespace(pids=[4242])
     engine = SimpleNamespace(before={0: (3, 1)}, names=["decode TP rank 0"], epoch=0, procs=procs)
-    call = _ProbeCall(expected=1, seq=2)
-    server._probe = call
-    server._on_event(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
-    assert call.states == [] and not call.done.is_set() and server._probe is call
-    server._on_event(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
-    assert call.done.is_set() and server._probe is None
+    call = ProbeCall(expected=1, seq=2)
+    probes.open = call
+    probes.answer(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
+    assert call.states == [] and not call.done.is_set() and probes.open is call
+    probes.answer(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
+    assert call.done.is_set() and probes.open is None
     assert call.states == [WorkerState("decode TP rank 0", 0, 4242, (3, 1), (3, 1), 0)]

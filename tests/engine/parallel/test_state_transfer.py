@@ -67,8 +67,8 @@ def _transferred(name: str) -> tuple[dict[str, np.ndarray], list[dict[str, np.nd
         try:
             dec_alloc = RequestAllocator(dec_mem, prefix_cache=False)
             dreq = dec_alloc.new()
-            dec_alloc.admit(dreq, IDS, len(IDS), len(IDS), 0, force=True)
-            dec_alloc.extend([dreq], [len(IDS)])
+            dec_alloc.admit(dreq, IDS, len(IDS), len(IDS), 0, True)
+            dec_alloc.extend([dreq], [dreq.length + len(IDS)])
             assert dreq.slot is not None
             dec_bufs = buffer_set_from_memory(dec_mem)
             dst = memory_cells(dec_mem, dreq.token_locs[::PAGE] // PAGE, dreq.slot)

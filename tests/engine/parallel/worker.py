@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridkv.engine.allocator import RequestAllocator, RequestMemory
+from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.parallel import ShardRunner, StageGroups, launch
 from hybridkv.engine.runner import ModelRunner
@@ -96,11 +96,11 @@ def prefill(runner: ModelRunner | ShardRunner, ids: list[int], chunk: int) -> tu
     """Prefill ``ids`` as one request in chunks of ``chunk``; the request stays allocated."""
     alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
-    alloc.admit(req, ids, len(ids), chunk, 0, force=True)
+    assert alloc.admit(req, ids, len(ids), chunk, 0, True) is Admission.ADMITTED
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
         prefix = req.length
-        alloc.extend([req], [len(piece)])
+        alloc.extend([req], [req.length + len(piece)])
         runner.forward(ForwardBatch.build([piece], [prefix], [req.token_locs], [req.slot], [req.fresh]))
         alloc.mark_computed([req])
     return alloc, req

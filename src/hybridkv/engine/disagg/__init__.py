@@ -1,18 +1,18 @@
 """Disaggregated serving: a router, a prefill engine (PP x TP processes) and a decode engine (TP processes)."""
 
 from hybridkv.engine.disagg.config import Fault, PDConfig, check_layout
+from hybridkv.engine.disagg.engines import PDStartError
 from hybridkv.engine.disagg.pd import PDResult, run_pd
-from hybridkv.engine.disagg.server import (
+from hybridkv.engine.disagg.results import (
     FAILED,
     FINISHED,
     PDRank,
-    PDServer,
-    PDStartError,
     RequestResult,
     RequestTiming,
     StageTiming,
     WorkerState,
 )
+from hybridkv.engine.disagg.server import PDServer
 
 __all__ = [
     "FAILED",

@@ -18,6 +18,7 @@ workers with real signals and real timeouts (never simulated outcomes):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.registry import text_config
@@ -27,13 +28,21 @@ from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
 
-FAULT_KINDS = ("kill-prefill", "kill-decode", "stall-transfer")
 TRANSPORTS = ("shm", "mooncake")
+
+
+class FaultKind(StrEnum):
+    KILL_PREFILL = "kill-prefill"
+    KILL_DECODE = "kill-decode"
+    STALL_TRANSFER = "stall-transfer"
+
+
+FAULT_KINDS = tuple(k.value for k in FaultKind)
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # one of FAULT_KINDS
+    kind: FaultKind | str  # a FaultKind or its name (stored as the FaultKind)
     request: int  # index of the submitted request (0-based, in submission order) it hits
     rank: int = 0  # kill-prefill: the PP stage; kill-decode: the decode TP rank
     delay_s: float = 1.0  # kill-prefill: per write; stall-transfer: how long the KV is held back
@@ -41,12 +50,13 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
+        object.__setattr__(self, "kind", FaultKind(self.kind))  # its str() is its name: messages say kill-decode
         if self.request < 0:
-            raise ValueError(f"fault {self.kind!r}: request {self.request} is negative; use a submission index >= 0")
+            raise ValueError(f"fault '{self.kind}': request {self.request} is negative; use a submission index >= 0")
         if self.rank < 0:
-            raise ValueError(f"fault {self.kind!r}: rank {self.rank} is negative; use a rank >= 0")
+            raise ValueError(f"fault '{self.kind}': rank {self.rank} is negative; use a rank >= 0")
         if self.delay_s < 0:
-            raise ValueError(f"fault {self.kind!r}: delay_s {self.delay_s} is negative; use a delay >= 0")
+            raise ValueError(f"fault '{self.kind}': delay_s {self.delay_s} is negative; use a delay >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,8 @@ class PDConfig:
     timeout_s: float = 60.0  # per collective, per start-up, per prefill-side transfer
     transfer_timeout_s: float = 30.0  # decode side: reservation -> every stage's KV landed
     restarts: int = 1  # how often the router restarts a dead engine before reporting it lost
+    max_running: int = 64  # requests per engine step batch (prefill and decode)
+    checkpoints: str | None = None  # the prefill engine's state checkpoint placement (None: the engine default)
     faults: tuple[Fault, ...] = ()
 
     @property
@@ -122,7 +134,7 @@ def check_faults(config: PDConfig) -> None:
         if size is not None and f.rank >= size:
             what = "prefill_pp" if f.kind == "kill-prefill" else "decode_tp"
             raise ValueError(
-                f"fault {f.kind!r} on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
+                f"fault '{f.kind}' on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
                 f"use a rank in 0..{size - 1} or raise {what}"
             )
         if f.request in seen:

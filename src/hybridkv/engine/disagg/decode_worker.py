@@ -1,96 +1,59 @@
-"""One decode TP rank of a disaggregated server: reserve, receive, then decode in continuous batches.
+"""One decode TP rank of a disaggregated server: a ``Scheduler`` in the decode role + a receiver.
 
-Only TP rank 0 reads commands (``Reserve`` / ``Decode`` / ``Abort`` / ``Stop``) from the
-router; at every step boundary it broadcasts what it read to its TP peers, so every rank
-applies the same commands at the same step. ``Reserve`` asks the prefill engine for the
-request's KV (``DecodeReceiver.request``: pages and slot reserved, the transfer timer
-starts); once a request's first token is known (``Decode``), the ranks agree each step, by
-one all-reduce, whether every rank holds every prefill rank's KV (then all adopt it and it
-joins the running batch) or any rank's transfer failed (then all drop it: ``Failed`` with
-the failing rank's reason). Every running request decodes one token per step, all in one
-batch (TP all-reduce inside the layers); a request ends after ``max_new`` tokens.
+``Reserve`` queues a request (its prompt and ``SamplingParams``); the scheduler reserves its
+memory through ``KVManager`` (a RECEIVING handle nothing can read, match or evict) on every
+rank or on none, in arrival order, as soon as it fits, and the receiver asks the prefill engine
+for its KV into exactly those pages and that slot. Once its first token is known (``Decode``),
+the ranks agree each step, by one all-reduce, whether every rank holds every prefill rank's
+KV (then ``received``: it joins the running batch) or any rank's transfer failed (then every
+rank drops it: ``Failed`` with the failing rank's reason). Running requests decode in
+continuous batches with their sampling parameters, EOS and stop ids; when the batch cannot grow
+the newest request is retracted and later prefilled again locally from its prompt and the
+tokens it has (its output stays exact). World rank 0 streams each step's tokens (``Tokens``);
+every rank reports ``Done`` (the router checks that they agree).
 
 Invariants:
 - A request decodes only after every decode rank got Success from every prefill rank.
-- The TP ranks' memories are equal (same plan, same shard sizes) and apply the same commands
-  in the same order, so a reservation fails on every rank or on none, and so does a step's
-  growth: when the running batch cannot grow by one token, every rank drops its newest
-  request (``Failed``: decode memory is full) and steps without it.
-- Every reservation ends in exactly one of: adopted then retracted (finished or aborted),
-  or failed in the receiver (its pages quarantined until every writer stopped or is proven
-  gone, then freed by ``poll``). At ``Stop`` the rank drains (bounded), checks
-  ``mem.verify()`` and reports live (pages, slots) before and after.
-- An idle leader still broadcasts every ``IDLE_S`` seconds, well inside the collective
-  timeout, so an idle engine never times out.
+- One owner, one free path: a reservation is released only through the scheduler (a failed
+  transfer's pages once the receiver says no writer can touch them: ``take_releasable``).
+- Every memory-dependent decision (reservation, admission, growth) is agreed over the TP ranks.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from multiprocessing.connection import Connection
 
-import torch
-import torch.distributed as dist
-
-from hybridkv.engine.allocator import RequestAllocator, RequestMemory
-from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.disagg.config import WorkerArgs, transport_options
-from hybridkv.engine.disagg.prefill_worker import live
-from hybridkv.engine.disagg.protocol import (
-    Abort,
-    Admitted,
-    Command,
-    Decode,
-    Done,
-    Failed,
-    Live,
-    Probe,
-    Ready,
-    Report,
-    Reserve,
-    Stop,
-)
-from hybridkv.engine.engine import engine_spec
+from hybridkv.engine.disagg.protocol import Abort, Admitted, Command, Decode, Done, Failed, Reserve, Tokens
+from hybridkv.engine.disagg.worker import Worker
+from hybridkv.engine.engine import engine_spec, eos_ids
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
 from hybridkv.engine.registry import text_config
+from hybridkv.engine.request import FinishReason
+from hybridkv.engine.scheduler import Request, Role, choose_step_tokens
 from hybridkv.engine.weights import read_config
-from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import Allocation, DecodeReceiver, Phase, SharedBuffer, make_transport, shared_memory
 from hybridkv.transfer.auth import ClusterKey
 
-IDLE_S = 0.05
 
+class DecodeRank(Worker):
+    role = Role.DECODE
 
-@dataclass
-class _Pending:
-    seq_len: int
-    alloc: Allocation
-    first: int | None = None
-    max_new: int = 0
-
-
-@dataclass
-class _Running:
-    tid: str
-    req: RequestMemory
-    max_new: int
-    nbytes: int  # received by this rank
-    tokens: list[int] = field(default_factory=list)
-
-
-class _Rank:
     def __init__(self, rank: int, conn: Connection, args: WorkerArgs) -> None:
-        self.rank, self.conn, self.args = rank, conn, args
         c = args.config
+        super().__init__(rank, conn, args, c.decode_tp)
         groups = StageGroups.create(Parallel(tp_size=c.decode_tp), range(c.decode_tp), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
-        self.groups = groups
-        spec = engine_spec(text_config(read_config(c.model_dir)))
-        shard = ShardSpec(spec, self.groups.parallel, 0, rank)
+        config = text_config(read_config(c.model_dir))
+        spec = engine_spec(config)
+        self.eos = eos_ids(config)
+        shard = ShardSpec(spec, groups.parallel, 0, rank)
         hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
         self.shared: SharedBuffer | None = None
         if c.transport == "shm":
@@ -99,19 +62,17 @@ class _Rank:
         else:
             self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
             self.link = make_transport(c.transport, None, **transport_options(c.transport))
-        self.runner = ShardRunner(
-            c.model_dir, c.model_dir, self.groups.parallel, 0, rank, self.groups, spec=spec, mem=self.mem
-        )
+        self.runner = ShardRunner(c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, spec=spec, mem=self.mem)
         key = ClusterKey.from_hex(args.key_hex, "decode worker")
         self.receiver = DecodeReceiver(
             self.mem, args.engine, args.bootstrap, self.link, key=key, timeout_s=c.transfer_timeout_s
         )
         self.alloc = RequestAllocator(self.mem, prefix_cache=False)
-        self.before = live(self.mem)
-        self.pending: dict[str, _Pending] = {}
-        self.running: list[_Running] = []
-        self.nbytes = 0
-        self.requests = 0
+        self.sched = self.scheduler()
+        self.unreserved: deque[tuple[Request, str]] = deque()  # (request, prefill engine), waiting for memory
+        self.first: dict[str, int] = {}
+        self.received: dict[str, int] = {}  # tid -> bytes this rank received for it
+        self.transfer_failed: set[str] = set()  # dropped for a failed transfer: the failing rank said why
 
     def close(self) -> None:
         self.receiver.close()
@@ -119,154 +80,149 @@ class _Rank:
         if self.shared is not None:
             self.shared.close()
 
-    def serve(self) -> None:
-        self.conn.send(Ready(os.getpid(), self.shared.path if self.shared is not None else "", self.before))
-        while True:
-            commands = self.commands()
-            if any(isinstance(c, Stop) for c in commands):
-                break
-            for command in commands:
-                self.apply(command)
-            self.receiver.poll()
-            self.admit()
-            self.step()
-        self.drain()
+    def poll_s(self) -> float:
+        return 0.002 if self.unreserved and not self.sched.has_work() else super().poll_s()
 
-    def commands(self) -> list[Command]:
-        """What the leader read since the last step, on every rank."""
-        out: list[Command] = []
-        if self.rank == 0:
-            wait = 0.0 if self.running else (0.002 if self.pending else IDLE_S)
-            if self.conn.poll(wait):
-                while self.conn.poll(0):
-                    out.append(self.conn.recv())
-        if self.args.config.decode_tp == 1:
-            return out
-        box: list[object] = [out]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
+    def held_requests(self) -> int:
+        return len(self.sched.running) + len(self.sched.holding) + len(self.sched.waiting)
+
+    # --- commands -------------------------------------------------------------------------
 
     def apply(self, command: Command) -> None:
-        if isinstance(command, Probe):
-            self.receiver.poll()
-            self.conn.send(Live(command.seq, live(self.mem), self.receiver.held + len(self.running)))
-        elif isinstance(command, Reserve):
-            try:
-                got = self.receiver.request(command.tid, command.prefill_engine, command.seq_len)
-            except OutOfMemory as exc:  # nothing reserved
-                reason = f"decode memory is full: TP rank {self.rank} cannot reserve {command.seq_len} tokens ({exc})"
-                self.conn.send(Failed(command.tid, reason))
-                return
-            self.pending[command.tid] = _Pending(command.seq_len, got)
-        elif isinstance(command, Decode) and command.tid in self.pending:
-            p = self.pending[command.tid]
-            p.first, p.max_new = command.first, command.max_new
+        if isinstance(command, Reserve):
+            req = self.request(command.tid, command.ids, command.params)
+            self.unreserved.append((req, command.prefill_engine))
+        elif isinstance(command, Decode):
+            self.first[command.tid] = command.first
         elif isinstance(command, Abort):
-            if command.tid in self.pending:
-                del self.pending[command.tid]
-                self.receiver.abort(command.tid, command.reason)
-            for r in [r for r in self.running if r.tid == command.tid]:
-                self.running.remove(r)
-                self.alloc.retract(r.req)
+            self.abort(command.tid, command.reason)
+
+    def abort(self, tid: str, reason: str) -> None:
+        self.first.pop(tid, None)
+        for entry in self.unreserved:
+            if entry[0].rid == tid:
+                self.unreserved.remove(entry)
+                return
+        if tid in self.sched.holding:
+            self.receiver.abort(tid, reason)  # released once no writer can touch its pages
+            self.transfer_failed.add(tid)
+        else:
+            self.sched.abort(tid, reason)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self.reserve()
+        self.admit()
+        step = self.sched.next_step()
+        if step is not None:
+            logits = self.runner.forward(step.batch)
+            tokens = choose_step_tokens(step, logits)
+            self.sched.complete(step, tokens)
+            chosen = tuple((str(r.rid), t) for r, t in zip(step.reqs, tokens, strict=True) if t is not None)
+            if self.rank == 0 and chosen:
+                self.conn.send(Tokens(chosen))
+        self.report_finished()
+
+    def reserve(self) -> None:
+        """Reserve memory for queued requests in arrival order, while they fit on every rank."""
+        while self.unreserved:
+            req, engine = self.unreserved[0]
+            if not self.sched.reserve(req):
+                if not self.sched.alone_in_memory:
+                    return  # it fits once running requests end
+                self.unreserved.popleft()
+                if self.rank == 0:
+                    self.conn.send(
+                        Failed(
+                            str(req.rid),
+                            f"decode memory is full: a prompt of {len(req.prompt)} tokens does not fit the "
+                            f"decode memory budget even alone; raise gpu_memory",
+                        )
+                    )
+                continue
+            self.unreserved.popleft()
+            h = req.mem.handle
+            assert h is not None
+            self.receiver.request(str(req.rid), engine, len(req.prompt), reserved=Allocation(h.pages, h.state_slot))
 
     def admit(self) -> None:
-        """Agree with the TP peers on which transfers ended, then adopt (all succeeded) or drop them."""
-        ready = [tid for tid, p in self.pending.items() if p.first is not None]
+        """Agree with the TP peers on which transfers ended, then run (all succeeded) or drop them."""
+        ready = [t for t in map(str, self.sched.holding) if t in self.first and t not in self.transfer_failed]
+        reports = [self.receiver.status(tid) for tid in ready]
+        self.collect()  # after reading: every status read has had its pages unpinned or quarantined
         if not ready:
             return
-        reports = [self.receiver.status(tid) for tid in ready]
-        flags = torch.tensor(
-            [
-                [
-                    int(r is not None and r.phase is Phase.SUCCESS),
-                    int(r is not None and r.phase is Phase.FAILED),
-                    r.nbytes if r is not None and r.phase is Phase.SUCCESS else 0,
-                ]
-                for r in reports
-            ],
-            dtype=torch.int64,
-        )
-        if self.args.config.decode_tp > 1:
-            dist.all_reduce(flags)
-        for tid, report, (ok, failed, nbytes) in zip(ready, reports, flags.tolist(), strict=True):
-            p = self.pending[tid]
+        flags: list[int] = []
+        for r in reports:
+            flags += [int(r is not None and r.phase is Phase.SUCCESS), -int(r is not None and r.phase is Phase.FAILED)]
+        agreed = self.agree.min(flags)
+        for k, (tid, report) in enumerate(zip(ready, reports, strict=True)):
+            ok, failed = agreed[2 * k], -agreed[2 * k + 1]
             if failed:
-                del self.pending[tid]
-                if report is not None and report.phase is Phase.SUCCESS:
-                    req = self.alloc.new()  # the KV landed here: adopt it to free it through the allocator
-                    self.alloc.adopt(req, p.alloc.pages, p.seq_len, p.alloc.slot)
-                    self.alloc.retract(req)
-                elif report is not None and report.phase is Phase.FAILED:
-                    self.conn.send(Failed(tid, f"decode TP rank {self.rank}: {report.reason}"))
+                self.first.pop(tid)
+                self.transfer_failed.add(tid)
+                if report is not None and report.phase is Phase.FAILED:
+                    self.conn.send(Failed(tid, f"decode TP rank {self.rank}: {report.reason}", transfer=True))
+                elif report is not None and report.phase is Phase.SUCCESS:
+                    self.sched.drop(tid, "another decode TP rank's transfer failed")  # nothing writes here any more
                 else:
                     self.receiver.abort(tid, "another decode TP rank's transfer failed")
-            elif ok == self.args.config.decode_tp:
-                del self.pending[tid]
-                req = self.alloc.new()
-                self.alloc.adopt(req, p.alloc.pages, p.seq_len, p.alloc.slot)
-                self.nbytes += report.nbytes if report is not None else 0
+            elif ok:
+                assert report is not None
+                self.received[tid] = report.nbytes
+                self.nbytes += report.nbytes
                 self.requests += 1
                 if self.rank == 0:
-                    self.conn.send(Admitted(tid, time.monotonic(), nbytes))
-                got = report.nbytes if report is not None else 0
-                self.running.append(_Running(tid, req, p.max_new, got, [p.first]))  # type: ignore[list-item]
-        self.finish()
+                    self.conn.send(Admitted(tid, time.monotonic(), report.nbytes))
+                self.sched.received(tid, self.first.pop(tid))
 
-    def step(self) -> None:
-        while self.running:
-            reqs = [r.req for r in self.running]
-            prefix = [r.length for r in reqs]
-            try:
-                self.alloc.extend(reqs, [1] * len(reqs))
-                break
-            except OutOfMemory as exc:  # nothing grew: give up the newest request, try again without it
-                newest = self.running.pop()
-                self.alloc.retract(newest.req)
-                reason = (
-                    f"decode memory is full: TP rank {self.rank} cannot grow {len(reqs)} running requests by "
-                    f"one token ({exc}); retry later or raise gpu_memory"
-                )
-                self.conn.send(Failed(newest.tid, reason))
-        if not self.running:
-            return
-        has_state = self.alloc.has_state
-        batch = ForwardBatch.build(
-            [r.tokens[-1:] for r in self.running],
-            prefix,
-            [r.token_locs for r in reqs],
-            [r.slot or 0 for r in reqs] if has_state else None,
-            [r.fresh for r in reqs] if has_state else None,
-        )
-        logits = self.runner.forward(batch)
-        self.alloc.mark_computed(reqs)
-        for r, token in zip(self.running, torch.argmax(logits, dim=-1).tolist(), strict=True):
-            r.tokens.append(int(token))
-        self.finish()
+    def collect(self) -> None:
+        """The receiver's finished requests: unpin the successful, drop the failed ones once no
+        writer can touch their pages, and those given up whose KV landed anyway (an abort that came
+        after the transfer succeeded frees nothing in the receiver)."""
+        given_up = [t for t in map(str, self.sched.holding) if t in self.transfer_failed]
+        landed = [t for t in given_up if self._phase(t) is Phase.SUCCESS]  # read before poll: unpinned by it
+        self.receiver.poll()
+        for tid in self.receiver.take_releasable():
+            self.sched.drop(tid, "its transfer failed")
+        for tid in landed:
+            self.sched.drop(tid, "given up")
 
-    def finish(self) -> None:
-        for r in [r for r in self.running if len(r.tokens) >= r.max_new]:
-            self.running.remove(r)
-            self.alloc.retract(r.req)
-            self.conn.send(Done(r.tid, tuple(r.tokens), time.monotonic(), r.nbytes))
+    def report_finished(self) -> None:
+        for req in self.sched.take_finished():
+            tid = str(req.rid)
+            nbytes = self.received.pop(tid, 0)
+            if tid in self.transfer_failed:
+                self.transfer_failed.discard(tid)
+            elif req.finish_reason is FinishReason.ERROR:
+                if self.rank == 0:
+                    self.conn.send(Failed(tid, req.error or "failed"))
+            elif req.finish_reason is not FinishReason.ABORT:
+                at = time.monotonic()
+                self.conn.send(Done(tid, tuple(req.output), str(req.finish_reason), at, nbytes, req.retractions))
+
+    def _phase(self, tid: str) -> Phase | None:
+        report = self.receiver.status(tid)
+        return None if report is None else report.phase
 
     def drain(self) -> None:
-        for tid in list(self.pending):
-            del self.pending[tid]
-            self.receiver.abort(tid, "the server is stopping")
-        for r in self.running:
-            self.alloc.retract(r.req)
-        self.running.clear()
+        self.unreserved.clear()
+        for rid in list(self.sched.holding):
+            self.receiver.abort(str(rid), "the server is stopping")
+            self.transfer_failed.add(str(rid))
+        for req in [*self.sched.waiting, *self.sched.running]:
+            self.sched.abort(req.rid, "the server is stopping")
         end = time.monotonic() + self.args.config.timeout_s
-        while self.receiver.held and time.monotonic() < end:
-            self.receiver.poll()
+        while self.sched.holding and time.monotonic() < end:
+            self.collect()
             time.sleep(0.002)
-        self.mem.verify()
-        self.conn.send(Report(self.before, live(self.mem), self.nbytes, self.requests))
+        self.sched.take_finished()
 
 
 def decode_main(rank: int, conn: Connection, args: WorkerArgs) -> None:
-    worker = _Rank(rank, conn, args)
+    worker = DecodeRank(rank, conn, args)
     try:
-        worker.serve()
+        worker.serve(worker.shared.path if worker.shared is not None else "")
     finally:
         worker.close()

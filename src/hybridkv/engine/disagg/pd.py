@@ -11,15 +11,18 @@ Every process the server started is gone when it returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.engine.disagg.config import PDConfig
-from hybridkv.engine.disagg.server import PDRank, PDServer, RequestResult, RequestTiming
+from hybridkv.engine.disagg.results import PDRank, RequestResult, RequestTiming
+from hybridkv.engine.disagg.server import PDServer
+from hybridkv.engine.request import SamplingParams
 
 
 @dataclass(frozen=True)
 class PDResult:
-    output_ids: list[list[int]]  # per prompt, greedy, ``max_new`` tokens ([] when the request failed)
+    output_ids: list[list[int]]  # per prompt ([] when the request failed)
     ranks: list[PDRank]  # every worker that stopped cleanly
     timings: list[RequestTiming | None]  # per prompt, input order (None when failed)
     requests: list[RequestResult]  # per prompt: status, reason, cached tokens, bytes
@@ -28,12 +31,23 @@ class PDResult:
     shm_files: list[str]  # every decode rank's shared-memory file (all unlinked by then)
 
 
-def run_pd(config: PDConfig) -> PDResult:
-    """Serve ``config.prompts`` disaggregated, all submitted at once."""
+def run_pd(
+    config: PDConfig, params: SamplingParams | Sequence[SamplingParams] | None = None, *, alone_first: int = 0
+) -> PDResult:
+    """Serve ``config.prompts`` disaggregated with ``params`` (one for all or one per prompt; default:
+    ``config.max_new`` tokens, greedy, ending at EOS): the first ``alone_first`` one at a time (each in
+    the prefill prefix cache when the next comes: prompts submitted together are prefilled together,
+    so none of them hits another), then the rest at once."""
     if not config.prompts or not all(config.prompts):
         raise ValueError("run_pd needs at least one prompt, each of at least one token")
+    each = [params] * len(config.prompts) if params is None or isinstance(params, SamplingParams) else list(params)
+    if len(each) != len(config.prompts):
+        raise ValueError(f"{len(each)} sampling params for {len(config.prompts)} prompts; give one or one per prompt")
     with PDServer(config) as server:
-        results = server.generate(config.prompts, config.max_new)
+        results = [server.result(server.submit(config.prompts[i], each[i])) for i in range(alone_first)]
+        rest = zip(config.prompts[alone_first:], each[alone_first:], strict=True)
+        handles = [server.submit(p, q) for p, q in rest]
+        results += [server.result(h) for h in handles]
     return PDResult(
         [r.output_ids for r in results],
         server.ranks,

@@ -1,285 +1,248 @@
-"""One prefill rank (PP stage x TP rank) of a disaggregated server: prefill, then hand over to the sender.
+"""One prefill rank (PP stage x TP rank) of a disaggregated server: a ``Scheduler`` in the prefill role + a sender.
 
-Every rank of the prefill world reads the same command stream (``Prefill`` / ``Abort`` /
-``Probe`` / ``Stop``) from its pipe and runs requests one at a time in that order, so every
-chunk's collectives (stage-to-stage hidden states, TP all-reduce) line up.
-
-Per request: every rank matches the prompt in its own prefix cache and the world agrees on
-the shortest hit (an all-reduce MIN, repeated until every rank matches exactly that long:
-stages hold other pools, so their hits may differ); prefill computes from there in chunks
-(ending where any rank wants a state checkpoint: every rank cuts the same chunks). As soon
-as a stage has run its layers over the last chunk, it hands the request's *whole* KV/state
-(cached pages included; the plan sends what the decode side needs: every page of
-full-history pools, the window's pages of sliding ones, the slot of recurrent state) to its
-sender, so its transfer overlaps the later stages' compute; only then do the ranks take the
-first token from the last stage's logits (one broadcast per request, none per chunk). World
-rank 0 reports ``Started`` (with the agreed hit) and ``First``; every rank reports ``Sent``
-(with its compute and send windows).
+Every rank runs the same scheduler (``Role.PREFILL``) over its own memory and prefix cache:
+prompt chunks of several requests are batched per step within the token budget; hits,
+admissions and allocations are agreed over the engine's world (``WorldAgreement``: stages hold
+other pools). As soon as a stage has run its layers over a request's last chunk, the request
+is handed off: the rank pins its *whole* KV/state through ``KVManager.pin`` (cached pages
+included; the plan sends what the decode side needs) and gives it to its sender, so the
+transfer overlaps the later stages' compute. Then the last stage's logits of the requests that
+ended their prompt this step are broadcast (one broadcast per such step, none per chunk) and
+every rank chooses their first tokens with their ``SamplingParams`` (as a single engine would).
+World rank 0 reports ``Started`` (with the agreed hit, when a request is first scheduled),
+``First`` and the failures; every rank reports ``Sent`` (its compute and send windows).
 
 Invariants:
-- A request starts only when every rank can hold its whole prompt (free or evictable pages;
-  an all-reduce MIN of each rank's answer); otherwise every rank drops it and rank 0 reports
-  ``Failed`` (memory full), so no rank runs out of memory mid-prefill with its peers waiting.
-- A request's pages and slot are held from admission until its sender reports it finished
-  (success or failure); then ``finish`` caches its prompt (pages and checkpoints: the KV is
-  valid whatever the transfer did) and releases the rest. Windows are not trimmed while the
-  sender may read them (``mark_computed`` is never called here).
-- At ``Stop`` the rank waits (bounded) for its sender's outstanding requests, empties its
-  cache, checks ``mem.verify()`` and reports live (pages, slots) before and after.
+- A handed-off request's pages and slot stay held and pinned until its sender reported it
+  finished (success or failure); then ``release_sent`` caches its prompt (pages and checkpoints:
+  the KV is valid whatever the transfer did) and releases the rest. Windows are not trimmed on
+  a prefill engine (the sender reads the prompt's whole window).
+- A request that cannot fit even alone fails alone (``Failed``); one that waits for memory
+  held by senders waits.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from hybridkv.cache import PAGE_NEED
-from hybridkv.engine.allocator import RequestAllocator, RequestMemory
-from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.disagg.config import WorkerArgs, transport_options
-from hybridkv.engine.disagg.protocol import (
-    Abort,
-    Failed,
-    First,
-    Live,
-    Prefill,
-    Probe,
-    Ready,
-    Report,
-    Sending,
-    Sent,
-    Started,
-    Stop,
-)
+from hybridkv.cache.placement import engine_default
+from hybridkv.engine.allocator import RequestAllocator
+from hybridkv.engine.disagg.config import FaultKind, WorkerArgs, transport_options
+from hybridkv.engine.disagg.protocol import Abort, Command, Failed, First, Prefill, Sending, Sent, Started
+from hybridkv.engine.disagg.worker import Worker
+from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
-from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.engine.request import FinishReason
+from hybridkv.engine.sampling import NON_FINITE
+from hybridkv.engine.scheduler import Request, Role, Step, choose_step_tokens
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.transport.drills import Throttled
 
 
-def live(mem: UnifiedMemory) -> tuple[int, int]:
-    return int(mem.pages.capacity - mem.pages.free_count), int(mem.slots.capacity - mem.slots.free_count)
-
-
-def batch_of(req: RequestMemory, ids: list[int], prefix: int) -> ForwardBatch:
-    if req.slot is None:
-        return ForwardBatch.build([ids], [prefix], [req.token_locs], None, None)
-    return ForwardBatch.build([ids], [prefix], [req.token_locs], [req.slot], [req.fresh])
-
-
-def _agreed(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t[0])
-
-
 @dataclass
-class _Held:
-    """A prefilled request whose sender has not finished: its memory and stamps."""
+class _Stamps:
+    """When this rank computed a request and handed it to its sender (``time.monotonic``)."""
 
-    req: RequestMemory
-    ids: tuple[int, ...]
-    computed: tuple[float, float]  # prefill of this request on this rank: started, last chunk done
-    handed: float = 0.0  # when it went to the sender (0: not yet)
+    started: float = 0.0  # first scheduled
+    computed: float = 0.0  # its last chunk ran on this stage
+    handed: float = 0.0
 
 
-class _Rank:
+class PrefillRank(Worker):
+    role = Role.PREFILL
+
     def __init__(self, rank: int, conn: Connection, args: WorkerArgs) -> None:
-        self.rank, self.conn, self.args = rank, conn, args
         c = args.config
+        super().__init__(rank, conn, args, c.prefill_pp * c.prefill_tp)
         layout = Parallel(pp_size=c.prefill_pp, tp_size=c.prefill_tp)
-        groups = StageGroups.create(layout, range(c.prefill_pp * c.prefill_tp), c.timeout_s)
+        groups = StageGroups.create(layout, range(self.size), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
         self.groups = groups
         self.runner = ShardRunner(
             c.model_dir,
             c.model_dir,
-            self.groups.parallel,
-            self.groups.pp_rank,
-            self.groups.tp_rank,
-            self.groups,
+            groups.parallel,
+            groups.pp_rank,
+            groups.tp_rank,
+            groups,
             gpu_memory=c.gpu_memory,
             page_size=c.page_size,
             chunk_size=c.chunk,
             max_context=c.max_context,
         )
+        self.eos = eos_ids(self.runner.config)
         self.mem = self.runner.mem
-        self.alloc = RequestAllocator(self.mem, prefix_cache=c.prefix_cache)
-        self.before = live(self.mem)
+        self.alloc = RequestAllocator(
+            self.mem, prefix_cache=c.prefix_cache, checkpoints=c.checkpoints or engine_default(c.chunk, c.page_size)
+        )
+        self.sched = self.scheduler()
         inner = make_transport(c.transport, None, **transport_options(c.transport))
         self.throttle: Throttled | None = None
         self.transport: Transport = inner
-        if any(f.kind == "kill-prefill" for f in c.faults):  # writes slowed: the kill lands mid-transfer
+        if any(f.kind is FaultKind.KILL_PREFILL for f in c.faults):  # writes slowed: the kill lands mid-transfer
             self.throttle = self.transport = Throttled(inner, 0.0)
         key = ClusterKey.from_hex(args.key_hex, "prefill worker")
         self.sender = PrefillSender(
             self.mem, args.engine, args.bootstrap, self.transport, key=key, timeout_s=c.timeout_s
         )
-        self.held: dict[str, _Held] = {}
+        self.stamps: dict[str, _Stamps] = {}
+        self.faults: dict[str, Prefill] = {}
         self.delayed: dict[str, float] = {}  # tid -> when to hand it to the sender (stall-transfer)
-        self.nbytes = 0
-        self.requests = 0
 
     def close(self) -> None:
         self.sender.close()
         self.transport.close()
 
-    def serve(self) -> None:
-        self.conn.send(Ready(os.getpid(), "", self.before))
-        while True:
-            busy = bool(self.held)
-            if self.conn.poll(0.002 if busy else 0.05):
-                cmd = self.conn.recv()
-                if isinstance(cmd, Stop):
-                    break
-                if isinstance(cmd, Prefill):
-                    self.prefill(cmd)
-                elif isinstance(cmd, Abort):
-                    self.abort(cmd)
-                elif isinstance(cmd, Probe):
-                    pages, slots = live(self.mem)
-                    cache = self.alloc.cache
-                    held = len(self.held)
-                    self.conn.send(Live(cmd.seq, (pages - cache.cached_pages, slots - cache.num_checkpoints), held))
-            self.progress()
-        self.drain()
+    def held_live(self) -> tuple[int, int]:
+        pages, slots = super().held_live()
+        cache = self.alloc.cache
+        return pages - cache.cached_pages, slots - cache.num_checkpoints
 
-    def prefill(self, cmd: Prefill) -> None:
-        started = time.monotonic()
-        ids = list(cmd.ids)
-        req = self.alloc.new()
-        cap = len(ids) - 1  # one token is always computed, for the first token's logits
-        while True:
-            local = self.alloc.kvm.match(np.asarray(ids[:cap], dtype=np.int64)).length if cap else 0
-            agreed = _agreed(local)
-            if agreed == cap:
-                break
-            cap = agreed
-        if not _agreed(int(self.admit(req, ids, cap))):
-            self.alloc.retract(req)
-            if self.rank == 0:
-                self.conn.send(
-                    Failed(
-                        cmd.tid,
-                        f"prefill memory is full: a prompt of {len(ids)} tokens does not fit on every prefill "
-                        f"rank beside the {len(self.held)} requests still being sent; retry later or raise gpu_memory",
-                    )
-                )
-            return
-        if self.rank == 0:
-            self.conn.send(Started(cmd.tid, started, req.length))
-        wanted: list[tuple[int, ...]] = [()] * dist.get_world_size()
-        dist.all_gather_object(wanted, req.wanted)  # stages without recurrent layers want none: take every rank's
-        ends = sorted(set().union(*wanted))
-        start = req.length
-        while start < len(ids):
-            span = min(self.args.config.chunk, len(ids) - start)
-            for p in ends:  # end the chunk where a state checkpoint is wanted (on any rank)
-                if start < p < start + span:
-                    span = p - start
-                    break
-            self.alloc.extend([req], [span])
-            out = self.runner.run_stage(batch_of(req, ids[start : start + span], start))
-            req.fresh = False  # window pages stay until the sender finished
-            self.alloc.chunk_done(req, ids)
-            start += span
-            self.progress()  # earlier requests' senders may have finished: report them now
-        computed = time.monotonic()
-        self.held[cmd.tid] = _Held(req, cmd.ids, (started, computed))
-        self.requests += 1
-        # this stage's KV/state is complete: send it while the later stages still compute
-        if cmd.fault == "stall-transfer":
-            self.delayed[cmd.tid] = time.monotonic() + cmd.delay_s
-        else:
-            if cmd.fault == "kill-prefill" and self.throttle is not None:
-                self.throttle.delay_s = cmd.delay_s
-            self.hand_over(cmd.tid)
-        runner = self.runner
-        logits = out if runner.last else torch.empty(1, runner.model.vocab_size, dtype=runner.dtype)
-        self.groups.broadcast_from_last(logits.contiguous())
-        if self.rank == 0:
-            self.conn.send(First(cmd.tid, int(torch.argmax(logits[0])), time.monotonic()))
+    def held_requests(self) -> int:
+        return len(self.sched.running) + len(self.sched.holding)
 
-    def admit(self, req: RequestMemory, ids: list[int], cap: int) -> bool:
-        """Admit ``req`` at the agreed hit ``cap`` if every page its prompt needs is free or evictable
-        (pages the senders still read are neither); False (nothing held) otherwise."""
-        try:
-            self.alloc.admit(req, ids[: cap + 1], len(ids), self.args.config.chunk, 0, force=True)
-        except OutOfMemory:
-            return False
-        need = req.live.pages_needed(len(ids))
-        short = need - self.mem.available_pages()
-        if short > 0:
-            self.alloc.kvm.evict({PAGE_NEED: short})
-        return need <= self.mem.available_pages()
+    # --- commands -------------------------------------------------------------------------
 
-    def hand_over(self, tid: str) -> None:
-        if tid not in self.held:  # its decode side gave up and the sender already reported it
-            return
-        held = self.held[tid]
-        held.handed = time.monotonic()
-        self.sender.send(tid, held.req.live.pages, held.req.slot, held.req.length)
-        self.conn.send(Sending(tid))
+    def apply(self, command: Command) -> None:
+        if isinstance(command, Prefill):
+            req = self.request(command.tid, command.ids, command.params)
+            req.namespace = command.salt
+            self.sched.add(req)
+            self.stamps[command.tid] = _Stamps()
+            if command.fault is not None:
+                self.faults[command.tid] = command
+        elif isinstance(command, Abort):
+            self.abort(command)
 
     def abort(self, cmd: Abort) -> None:
-        if cmd.tid in self.delayed:  # held back (stall-transfer): never handed to the sender, release it now
+        if self.sched.abort(cmd.tid, cmd.reason) is not None:  # not handed off yet: released now
+            self.stamps.pop(cmd.tid, None)
+        elif cmd.tid in self.delayed:  # held back (stall-transfer): never handed to the sender, release it now
             del self.delayed[cmd.tid]
             self.sender.abort(cmd.tid, cmd.reason)  # a decode rank that already asked for it hears at once
-            held = self.held.pop(cmd.tid)
-            self.alloc.finish(held.req, held.ids)
+            stamps = self.stamps[cmd.tid]
             now = time.monotonic()
-            self.conn.send(
-                Sent(cmd.tid, False, f"aborted before it was sent: {cmd.reason}", 0, 0, held.computed, (now, now))
-            )
-        elif cmd.tid in self.held:
+            why = f"aborted before it was sent: {cmd.reason}"
+            self.release(cmd.tid, Sent(cmd.tid, False, why, 0, 0, (stamps.started, stamps.computed), (now, now)))
+        elif cmd.tid in self.sched.holding:
             self.sender.abort(cmd.tid, cmd.reason)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        step = self.sched.next_step()
+        if step is not None:
+            self.run(step)
+        for req in self.sched.take_finished():
+            self.stamps.pop(str(req.rid), None)
+            if self.rank == 0 and req.finish_reason is FinishReason.ERROR:
+                self.conn.send(Failed(str(req.rid), req.error or "failed"))
+        self.progress()
+
+    def run(self, step: Step) -> None:
+        now = time.monotonic()
+        for req in step.reqs:
+            stamps = self.stamps[str(req.rid)]
+            if not stamps.started:  # first scheduled: the router reserves its decode memory now
+                stamps.started = now
+                hit = req.mem.hit
+                if self.rank == 0:
+                    self.conn.send(Started(str(req.rid), now, 0 if hit is None else hit.cached_tokens))
+        out = self.runner.run_stage(step.batch)
+        self.sched.computed(step)
+        handed = self.sched.take_handoffs()
+        for req in handed:  # this stage's KV/state is complete: send it while the later stages still compute
+            self.stamps[str(req.rid)].computed = time.monotonic()
+            self.hand_off(req)
+        if not step.ending:
+            return
+        runner = self.runner
+        rows = len(step.ending)
+        logits = out[step.ending] if runner.last else torch.empty(rows, runner.model.vocab_size, dtype=runner.dtype)
+        if self.size > 1:
+            self.groups.broadcast_from_last(logits.contiguous())
+        tokens = choose_step_tokens(step, logits)
+        self.sched.chosen(step, tokens)
+        if self.rank != 0:
+            return
+        at = time.monotonic()
+        for req in handed:
+            if req.finish_reason is FinishReason.ERROR:
+                self.conn.send(Failed(str(req.rid), req.error or "failed"))
+            else:
+                assert req.tokens[-1] != NON_FINITE
+                self.conn.send(First(str(req.rid), req.tokens[-1], at))
+
+    def hand_off(self, req: Request) -> None:
+        tid = str(req.rid)
+        fault = self.faults.pop(tid, None)
+        f = None if fault is None else fault.fault
+        if f is not None and f.kind is FaultKind.STALL_TRANSFER:
+            self.delayed[tid] = time.monotonic() + f.delay_s
+            return
+        if f is not None and f.kind is FaultKind.KILL_PREFILL and self.throttle is not None:
+            self.throttle.delay_s = f.delay_s if self.rank == f.rank * self.args.config.prefill_tp else 0.0
+        self.send(req)
+
+    def send(self, req: Request) -> None:
+        tid = str(req.rid)
+        self.stamps[tid].handed = time.monotonic()
+        h = req.mem.live
+        gate = self.alloc.kvm.pin(h)
+        self.sender.send(tid, h.pages, h.state_slot, h.seq_len, pinned=gate)
+        self.conn.send(Sending(tid))
 
     def progress(self) -> None:
         now = time.monotonic()
         for tid, at in list(self.delayed.items()):
             if now >= at:
                 del self.delayed[tid]
-                self.hand_over(tid)
+                self.send(self.sched.holding[tid])
         for report in self.sender.poll():
-            held = self.held.pop(report.request_id, None)
-            if held is None:
+            tid = report.request_id
+            if tid not in self.sched.holding:
                 continue
-            self.delayed.pop(report.request_id, None)
-            self.alloc.finish(held.req, held.ids)
-            ok = report.phase is Phase.SUCCESS
+            self.delayed.pop(tid, None)
             self.nbytes += report.nbytes
+            self.requests += 1
+            stamps = self.stamps[tid]
             done = report.finished_at or time.monotonic()  # the sender's end, not when this loop saw it
-            sending = (held.handed or done, max(done, held.handed))
-            self.conn.send(
-                Sent(report.request_id, ok, report.reason, report.nbytes, report.ops, held.computed, sending)
-            )
+            sending = (stamps.handed or done, max(done, stamps.handed))
+            ok = report.phase is Phase.SUCCESS
+            compute = (stamps.started, stamps.computed)
+            self.release(tid, Sent(tid, ok, report.reason, report.nbytes, report.ops, compute, sending))
+
+    def release(self, tid: str, sent: Sent) -> None:
+        """Its sender is done with it: unpin, cache the prompt, release the rest, report."""
+        self.alloc.kvm.unpin(self.sched.holding[tid].mem.live)
+        self.sched.release_sent(tid)
+        self.stamps.pop(tid, None)
+        self.conn.send(sent)
 
     def drain(self) -> None:
         for tid in list(self.delayed):
             del self.delayed[tid]
-            self.hand_over(tid)  # its decode side has long given up: the sender fails it at once
-        for tid in self.held:
-            self.sender.abort(tid, "the server is stopping")
+            self.send(self.sched.holding[tid])  # its decode side has long given up: the sender fails it at once
+        for rid in self.sched.holding:
+            self.sender.abort(str(rid), "the server is stopping")
+        for req in [*self.sched.waiting, *self.sched.running]:
+            self.sched.abort(req.rid, "the server is stopping")
         end = time.monotonic() + self.args.config.timeout_s
-        while self.held and time.monotonic() < end:
+        while self.sched.holding and time.monotonic() < end:
             self.progress()
             time.sleep(0.002)
         self.alloc.clear_cache()
-        self.mem.verify()
-        self.conn.send(Report(self.before, live(self.mem), self.nbytes, self.requests))
 
 
 def prefill_main(rank: int, conn: Connection, args: WorkerArgs) -> None:
-    worker = _Rank(rank, conn, args)
+    worker = PrefillRank(rank, conn, args)
     try:
         worker.serve()
     finally:

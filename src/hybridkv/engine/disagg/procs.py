@@ -9,7 +9,9 @@ one never breaks a collective of the other.
 
 Invariants:
 - A worker that raises sends ``Crash`` (its traceback) on its pipe and exits with code 1; one
-  whose launcher dies exits by itself within a second (it watches its parent id).
+  whose launcher dies exits by itself within a second (it watches its parent id). A worker
+  exits at once when its main returns (``os._exit`` after closing its world and pipe: no
+  interpreter finalization).
 - ``close`` asks nothing: it gives each process ``grace_s`` to exit, then terminates, then
   kills, and joins every one of them; afterwards no process of the engine is alive and every
   pipe end of the launcher is closed. ``kill`` sends a real signal to one rank.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -46,6 +49,7 @@ def _child(
     args: tuple[Any, ...],
 ) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    code = 0
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -54,11 +58,16 @@ def _child(
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send(Crash(traceback.format_exc()))
-        raise SystemExit(1) from None  # the launcher has the traceback: exit 1, print nothing
+        code = 1  # the launcher has the traceback: exit 1, print nothing
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+    # everything the worker owns is closed and reported: skip the interpreter's finalization, whose last
+    # garbage collection over torch's and the model's objects takes seconds (a stop or restart waited for it)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class EngineProcs:

@@ -1,17 +1,20 @@
 """The router <-> worker messages of a disaggregated server (pickled over one pipe per worker).
 
-Commands go router -> worker: every prefill rank gets the same ``Prefill`` / ``Abort`` /
-``Probe`` / ``Stop`` stream (so every rank of the prefill world runs the same schedule); the
-decode engine's TP rank 0 alone gets ``Reserve`` / ``Decode`` / ``Abort`` / ``Probe`` / ``Stop``
-and broadcasts them to its TP peers at a step boundary. Every rank answers a ``Probe`` with a
-``Live`` carrying the probe's ``seq``. Events go worker -> router. ``tid`` is a
-transfer id: unique per request and engine epoch, the id the transfer layer sees.
-Stamps are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of a host).
+Commands go router -> an engine's world rank 0, which broadcasts what it read to every rank
+of its engine at a step boundary, so every rank applies the same commands at the same step:
+the prefill engine gets ``Prefill`` / ``Abort`` / ``Probe`` / ``Stop``, the decode engine
+``Reserve`` / ``Decode`` / ``Abort`` / ``Probe`` / ``Stop``. Every rank answers a ``Probe`` with
+a ``Live`` carrying the probe's ``seq``. Events go worker -> router. ``tid`` is a transfer id:
+unique per request and engine epoch, the id the transfer layer sees. Stamps are
+``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of a host).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hybridkv.engine.disagg.config import Fault
+from hybridkv.engine.request import SamplingParams
 
 # --- commands ------------------------------------------------------------------------
 
@@ -20,22 +23,23 @@ from dataclasses import dataclass
 class Prefill:
     tid: str
     ids: tuple[int, ...]
-    fault: str = ""  # "" or a Fault kind that concerns this rank for this request
-    delay_s: float = 0.0
+    params: SamplingParams  # the first token is chosen with them, as a single engine would
+    fault: Fault | None = None  # a deliberate fault of this request (each rank applies its part)
+    salt: str | None = None  # its prefix-cache namespace
 
 
 @dataclass(frozen=True)
 class Reserve:
     tid: str
-    seq_len: int
+    ids: tuple[int, ...]  # the prompt: its KV arrives by transfer (and it is computed again if retracted)
+    params: SamplingParams
     prefill_engine: str  # the bootstrap name of the prefill engine's epoch that computes it
 
 
 @dataclass(frozen=True)
 class Decode:
     tid: str
-    first: int  # the first token (prefill's greedy pick)
-    max_new: int
+    first: int  # the first token, chosen by the prefill engine
 
 
 @dataclass(frozen=True)
@@ -113,17 +117,27 @@ class Admitted:
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """Decode rank 0, after each step: the tokens it chose, ``(tid, token)`` in order."""
+
+    chosen: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
 class Done:
     tid: str
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # every output token, the first included
+    finish_reason: str  # a FinishReason
     at: float
     nbytes: int  # KV/state bytes this decode rank received for it
+    retractions: int  # times the decode engine retracted it (then prefilled it again locally)
 
 
 @dataclass(frozen=True)
 class Failed:
     tid: str
     reason: str
+    transfer: bool = False  # the transfer layer failed it (timeout, peer, checksum, layout)
 
 
 @dataclass(frozen=True)
@@ -141,4 +155,4 @@ class Crash:
     traceback: str
 
 
-Event = Ready | Live | Started | First | Sending | Sent | Admitted | Done | Failed | Report | Crash
+Event = Ready | Live | Started | First | Sending | Sent | Admitted | Tokens | Done | Failed | Report | Crash

@@ -35,6 +35,7 @@ from hybridkv.engine.step import build_step
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
+from hybridkv.memory.host import check_fits
 from hybridkv.spec import ModelSpec, Parallel, ShardSpec
 
 Weights = Mapping[str, torch.Tensor] | str | Path
@@ -84,6 +85,8 @@ class ShardRunner:
                 f"the memory given is for {mem.shard.describe()}, this runner is {self.shard.describe()}: "
                 "build the memory from the runner's ShardSpec"
             )
+        if mem is None:  # a budget the host cannot hold: a user error, before allocating
+            check_fits(parse_bytes(gpu_memory), device, f"the memory of {self.shard.describe()}", "lower gpu_memory")
         self.mem = mem or UnifiedMemory.create(
             self.shard,
             parse_bytes(gpu_memory),

@@ -1,0 +1,357 @@
+"""``hybridkv bench serve``: load on ``hybridkv serve`` over HTTP next to the engine driven directly, same run.
+
+Workload: the scaled-down Mooncake conversations of ``bench engine`` (``conversation_prompts``:
+requests of whole conversations, sharing prefixes), in arrival order, arriving as a Poisson
+process at ``request_rate`` per second (seeded; ``inf``: all at once); greedy, exactly
+``max_new_tokens`` each (``ignore_eos``).
+
+Two sides per round, rounds alternating, on the same arrival schedule:
+- ``engine``: an ``Engine`` in this process with the server's sizing, driven by a loop that
+  submits each request at its arrival time and steps while it has work (the cache is cleared
+  before each round);
+- ``http``: a ``hybridkv serve`` subprocess (started here on 127.0.0.1, or ``url``) driven by an
+  asyncio httpx client that sends each request at its arrival time as a streaming
+  ``POST /generate`` (each round its own ``cache_salt``, so no round hits another's cache).
+
+With ``disaggregated`` (extra ``hybridkv serve`` options: ``--disaggregated`` and its layout), a third
+side per round, ``pd``: a ``hybridkv serve --disaggregated`` subprocess with the same sizing (its budget
+per worker process), driven like ``http`` on the same schedule; rounds alternate engine, http, pd. Its
+``exact`` counts requests whose tokens equal the engine's; its CPU is not counted (the workers are
+processes of their own, outside the server's ``/metrics``).
+
+``overhead``: each of the first ``alone`` requests served alone, once by the engine and right
+after by the server (so both run under the same machine load), each in a cache namespace of its
+own: HTTP end-to-end minus the engine's, p50 / p99 (goal: p50 <= 2 ms). Wall times on a shared
+machine are noisy, so the CPU is counted too (from the server's ``/metrics``, independent of how
+loaded the machine is; the client's CPU is not counted): ``http_cpu_ms``, what the server process
+used besides its engine thread, per request; ``engine_thread_cpu_ms``, its engine thread, against
+``engine_cpu_ms``, the engine driven directly (the difference: what sharing the process costs the
+engine). (Under load the two
+sides batch differently, so their latencies are compared per side, not per request.)
+
+Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
+between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
+p99 in ms; request and output-token throughput (over first arrival -> last end); prefix-cache
+hit rate (cached over prompt tokens); and ``exact``: requests whose HTTP tokens equal the
+engine's; ``cpu_s``: CPU seconds of the engine loop / of the whole server process, and for the
+server ``engine_thread_cpu_s``, its engine thread's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from hybridkv.bench.engine import conversation_prompts
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.random_models import build_random, quiet_transformers
+from hybridkv.engine.request import SamplingParams
+
+GOAL_OVERHEAD_MS = 2.0
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Trace:
+    """One request's times (``perf_counter`` seconds) on one side."""
+
+    arrival: float
+    chunks: list[float] = field(default_factory=list)  # when tokens arrived (one stamp per chunk / step)
+    end: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Offsets (seconds from the start) of ``n`` Poisson arrivals at ``rate`` per second."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
+
+
+def drive_engine(
+    engine: Engine, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str | None = None
+) -> list[Trace]:
+    """Each prompt submitted at its offset from now, stepped to the end (``salt``: their cache namespace)."""
+    params = SamplingParams(max_new, 0.0, ignore_eos=True)
+    start = time.perf_counter()
+    traces = [Trace(start + o) for o in offsets]
+    index: dict[Any, int] = {}
+    nxt = 0
+    while nxt < len(prompts) or engine.has_work():
+        now = time.perf_counter()
+        while nxt < len(prompts) and traces[nxt].arrival <= now:
+            index[engine.submit(prompts[nxt], params, salt=salt)] = nxt
+            nxt += 1
+        if not engine.has_work():
+            time.sleep(max(0.0, traces[nxt].arrival - time.perf_counter()))
+            continue
+        got = engine.step()
+        now = time.perf_counter()
+        for rid, token in got.tokens:
+            t = traces[index[rid]]
+            t.tokens.append(token)
+            t.chunks.append(now)
+        for out in got.finished:
+            t = traces[index.pop(out.rid)]
+            t.end, t.cached = now, out.cached_tokens
+            if out.error is not None:
+                raise RuntimeError(f"the engine failed request {out.rid}: {out.error}")
+    return traces
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    headers: dict[str, str]
+
+
+async def _one(client: httpx.AsyncClient, target: Target, body: dict[str, Any], trace: Trace) -> None:
+    await asyncio.sleep(max(0.0, trace.arrival - time.perf_counter()))
+    async with client.stream("POST", f"{target.url}/generate", json=body, headers=target.headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"the server answered {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if len(chunk["output_ids"]) > len(trace.tokens):
+                trace.tokens = chunk["output_ids"]
+                trace.chunks.append(now)
+            if chunk["meta_info"]["finish_reason"] is not None:
+                trace.end, trace.cached = now, chunk["meta_info"]["cached_tokens"]
+
+
+def _body(prompt: list[int], max_new: int, salt: str) -> dict[str, Any]:
+    sampling = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+    return {"input_ids": prompt, "sampling_params": sampling, "stream": True, "cache_salt": salt}
+
+
+async def _load(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+        await client.get(f"{target.url}/health")  # one connection up before the clock starts
+        start = time.perf_counter()
+        traces = [Trace(start + o) for o in offsets]
+        await asyncio.gather(
+            *[_one(client, target, _body(p, max_new, salt), t) for p, t in zip(prompts, traces, strict=True)]
+        )
+    return traces
+
+
+def drive_http(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
+    """Each prompt streamed at its offset from now, concurrently (``salt``: their cache namespace)."""
+    return asyncio.run(_load(target, prompts, offsets, max_new, salt))
+
+
+def server_cpu(target: Target) -> tuple[float, float]:
+    """The server's CPU seconds so far: its whole process, and its engine thread (from ``/metrics``)."""
+    text = httpx.get(f"{target.url}/metrics", headers=target.headers, timeout=60).text
+    found = {}
+    for name in ("process_cpu_seconds_total", "hybridkv_engine_thread_cpu_seconds_total"):
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"{target.url}/metrics has no {name}")
+        found[name] = float(match.group(1))
+    return found["process_cpu_seconds_total"], found["hybridkv_engine_thread_cpu_seconds_total"]
+
+
+@dataclass
+class Cpu:
+    """CPU seconds over one phase: the engine driven here, the server process, its engine thread."""
+
+    engine: float = 0.0
+    server: float = 0.0
+    server_engine: float = 0.0
+
+    def add_server(self, before: tuple[float, float], after: tuple[float, float]) -> None:
+        self.server += after[0] - before[0]
+        self.server_engine += after[1] - before[1]
+
+
+async def _one_by_one(
+    engine: Engine, target: Target, prompts: list[list[int]], max_new: int
+) -> tuple[list[float], Cpu]:
+    overhead, cpu = [], Cpu()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await client.get(f"{target.url}/health")
+        before = server_cpu(target)  # once around the phase: process CPU counts 10 ms clock ticks
+        for i, prompt in enumerate(prompts):
+            salt = f"alone-{i}-{time.time_ns()}"  # a namespace of its own: both sides compute it in full
+            start = time.thread_time()
+            (direct,) = drive_engine(engine, [prompt], [0.0], max_new, salt)
+            cpu.engine += time.thread_time() - start
+            http = Trace(time.perf_counter())
+            await _one(client, target, _body(prompt, max_new, salt), http)
+            if http.tokens != direct.tokens:
+                raise RuntimeError(f"request {i}: HTTP tokens differ from the engine's")
+            overhead.append((http.end - http.arrival) - (direct.end - direct.arrival))
+        cpu.add_server(before, server_cpu(target))
+    return overhead, cpu
+
+
+def one_by_one(engine: Engine, target: Target, prompts: list[list[int]], max_new: int) -> tuple[list[float], Cpu]:
+    """Per request, alone on both sides, engine then HTTP back to back (same machine load)."""
+    return asyncio.run(_one_by_one(engine, target, prompts, max_new))
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None}
+    a = np.asarray(values) * 1e3
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3)}
+
+
+def summarize(traces: list[Trace], prompts: list[list[int]]) -> dict[str, Any]:
+    ttft = [t.chunks[0] - t.arrival for t in traces]
+    tpot = [(t.end - t.chunks[0]) / (len(t.tokens) - 1) for t in traces if len(t.tokens) > 1]
+    itl = [b - a for t in traces for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
+    e2e = [t.end - t.arrival for t in traces]
+    span = max(t.end for t in traces) - min(t.arrival for t in traces)
+    return {
+        "ttft_ms": _ms(ttft),
+        "tpot_ms": _ms(tpot),
+        "itl_ms": _ms(itl),
+        "e2e_ms": _ms(e2e),
+        "requests_per_s": round(len(traces) / span, 2),
+        "output_tokens_per_s": round(sum(len(t.tokens) for t in traces) / span, 1),
+        "prefix_hit_rate": round(sum(t.cached for t in traces) / sum(map(len, prompts)), 4),
+    }
+
+
+@contextmanager
+def served(args: list[str]) -> Iterator[str]:
+    """A ``hybridkv serve`` subprocess on 127.0.0.1 (any free port); its URL. SIGTERM and reaped on exit."""
+    cmd = [sys.executable, "-m", "hybridkv", "serve", "--host", "127.0.0.1", "--port", "0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+            line = proc.stdout.readline() if ready else ""  # the listening line, or EOF if it failed
+            found = re.search(r"listening on (http://\S+)", line)
+            if found is None:
+                proc.kill()
+                proc.wait(timeout=30)
+                err.seek(0)
+                why = err.read().strip()[-500:] or f"no listening line within {START_TIMEOUT_S} s"
+                raise RuntimeError(f"hybridkv serve did not start: {why}")
+            yield found.group(1)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=30)
+
+
+def run(
+    model: str = "tiny-qwen3-next",
+    requests: int = 64,
+    max_new_tokens: int = 16,
+    request_rate: float = 8.0,
+    rounds: int = 2,
+    alone: int = 16,
+    block_tokens: int = 4,
+    gpu_memory: str = "256MiB",
+    page_size: int = 16,
+    chunk_size: int = 64,
+    seed: int = 0,
+    url: str | None = None,
+    api_key: str | None = None,
+    disaggregated: list[str] | None = None,
+) -> dict[str, Any]:
+    prompts = conversation_prompts(requests, block_tokens)
+    offsets = arrivals(requests, request_rate, seed)
+    sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size}
+    with quiet_transformers():
+        weights, config = build_random(model)
+    engine = Engine(config, weights, **sizing)  # type: ignore[arg-type]
+    engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
+    args = ["--random", model, "--gpu-memory", gpu_memory, "--page-size", str(page_size)]
+    args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
+    headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
+    per_round: list[dict[str, Any]] = []
+    with ExitStack() as servers:
+        target = Target(servers.enter_context(_server(url, args)), headers)
+        drive_http(target, prompts[:2], [0.0, 0.0], 2, "warm-up")
+        overhead, solo = one_by_one(engine, target, prompts[:alone], max_new_tokens)
+        pd = None  # started after the overhead phase: its idle workers do not load the machine during it
+        if disaggregated is not None:
+            pd = Target(servers.enter_context(served([*args, *disaggregated])), {})
+            drive_http(pd, prompts[:2], [0.0, 0.0], 2, "warm-up")
+        for r in range(rounds):
+            engine.clear_cache()
+            cpu = Cpu()
+            start = time.thread_time()
+            direct = drive_engine(engine, prompts, offsets, max_new_tokens)
+            cpu.engine = time.thread_time() - start
+            before = server_cpu(target)
+            http = drive_http(target, prompts, offsets, max_new_tokens, f"round-{r}-{time.time_ns()}")
+            cpu.add_server(before, server_cpu(target))
+            per_round.append(
+                {
+                    "engine": {**summarize(direct, prompts), "cpu_s": round(cpu.engine, 3)},
+                    "http": {
+                        **summarize(http, prompts),
+                        "cpu_s": round(cpu.server, 3),
+                        "engine_thread_cpu_s": round(cpu.server_engine, 3),
+                    },
+                    "exact": sum(h.tokens == d.tokens for h, d in zip(http, direct, strict=True)),
+                }
+            )
+            if pd is not None:
+                split = drive_http(pd, prompts, offsets, max_new_tokens, f"round-{r}-{time.time_ns()}")
+                per_round[-1]["pd"] = {**summarize(split, prompts), "cpu_s": None}
+                per_round[-1]["pd_exact"] = sum(p.tokens == d.tokens for p, d in zip(split, direct, strict=True))
+    lengths = [len(p) for p in prompts]
+    over = _ms(overhead)
+    n = len(overhead)
+    return {
+        "model": model,
+        "requests": requests,
+        "request_rate": request_rate,
+        "rounds": rounds,
+        "alone": n,
+        "max_new_tokens": max_new_tokens,
+        "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
+        "server": url or "hybridkv serve subprocess on 127.0.0.1",
+        "disaggregated": None if disaggregated is None else " ".join(disaggregated),
+        "per_round": per_round,
+        "overhead_ms": over,
+        "http_cpu_ms": round(1e3 * (solo.server - solo.server_engine) / n, 3),
+        "engine_thread_cpu_ms": round(1e3 * solo.server_engine / n, 3),
+        "engine_cpu_ms": round(1e3 * solo.engine / n, 3),
+        "goal_overhead_ms": GOAL_OVERHEAD_MS,
+        "goal_met": over["p50"] is not None and over["p50"] <= GOAL_OVERHEAD_MS,
+    }
+
+
+@contextmanager
+def _server(url: str | None, args: list[str]) -> Iterator[str]:
+    if url is not None:
+        yield url.rstrip("/")
+        return
+    with served(args) as base:
+        yield base

@@ -1,0 +1,381 @@
+"""``hybridkv serve``: the HTTP server (``hybridkv.server``) over one engine, until SIGTERM; and
+``hybridkv bench serve``: load on it next to the engine driven directly (``hybridkv.bench.serve``).
+
+``--disaggregated`` serves through the PD server (``hybridkv.engine.disagg.PDServer``: a prefill
+engine of ``--prefill-pp`` x ``--prefill-tp`` processes hands KV and state over ``--transport`` to
+a decode engine of ``--decode-tp`` processes; ``--gpu-memory`` is per process); ``--random`` saves
+the tiny model to a temporary directory that lives as long as the server. ``--fault
+KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for demos and tests) puts a deliberate fault on the
+request submitted ``REQUEST``-th (0-based): ``kill-prefill``, ``kill-decode``, ``stall-transfer``
+(``engine.disagg.Fault``).
+
+Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
+``--random``, a model the engine cannot load or a budget below one request's floor, bad option
+values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
+that cannot be bound, a PD option without ``--disaggregated``, a layout the model cannot be split
+into (``check_layout``), a bad ``--fault``, a ``--store-master`` no master answers at, and tier options
+(``--host-memory``, ``--store``) with ``--disaggregated`` or ``--no-prefix-cache``. Prints
+``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0 after a
+graceful shutdown (SIGTERM or SIGINT), with every worker process reaped and every shared-memory file
+unlinked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from hybridkv.cli.app import app, bench_app
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    HOST_MEMORY,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
+    byte_size,
+    engine_checkpoints,
+    positive_finite,
+    random_model,
+    tier_options,
+    transport_option,
+)
+from hybridkv.engine.random_models import tiny_names
+
+if TYPE_CHECKING:
+    from hybridkv.engine.disagg import Fault
+    from hybridkv.engine.engine import Engine
+    from hybridkv.server import PDBackend
+
+API_KEY_ENV = "HYBRIDKV_API_KEY"
+
+
+def _transport(value: str | None) -> str | None:
+    return None if value is None else transport_option(value)
+
+
+@app.command()
+def serve(
+    model: Path = typer.Option(
+        None, "--model", exists=True, file_okay=False, help="Directory with config.json + *.safetensors."
+    ),
+    random: str = typer.Option(
+        None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (only this one)."),
+    port: int = typer.Option(30000, "--port", min=0, max=65535, help="Port (0: any free port, printed)."),
+    api_key: str = typer.Option(
+        None, "--api-key", help=f"Require 'Authorization: Bearer KEY' on all but /health (or set ${API_KEY_ENV})."
+    ),
+    tokenizer: Path = typer.Option(
+        None, "--tokenizer", exists=True, file_okay=False, help="A saved tokenizer: accept text prompts."
+    ),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    max_running: int = typer.Option(64, "--max-running", min=1, help="Requests in one batch, at most."),
+    max_context: int = typer.Option(None, "--max-context", min=2, help="Prompt + new tokens (default: the model's)."),
+    max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
+    checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
+    max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
+    shutdown_timeout: float = typer.Option(
+        30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
+    ),
+    disaggregated: bool = typer.Option(False, "--disaggregated", help="Serve through the PD server."),
+    prefill_pp: int = typer.Option(None, "--prefill-pp", min=1, help="Prefill pipeline stages (PD; default 2)."),
+    prefill_tp: int = typer.Option(None, "--prefill-tp", min=1, help="Prefill TP ranks per stage (PD; default 1)."),
+    decode_tp: int = typer.Option(None, "--decode-tp", min=1, help="Decode TP ranks (PD; default 2)."),
+    transport: str = typer.Option(
+        None, "--transport", callback=_transport, help="KV/state transport: shm or mooncake (PD; default shm)."
+    ),
+    transfer_timeout: float = typer.Option(
+        None, "--transfer-timeout", callback=positive_finite, help="PD: seconds for a request's KV to land (30)."
+    ),
+    fault: list[str] = typer.Option(
+        None, "--fault", hidden=True, help="PD: KIND:REQUEST[:RANK[:DELAY]], a deliberate fault (demos, tests)."
+    ),
+) -> int:
+    """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
+    from hybridkv.memory import parse_bytes
+    from hybridkv.server import Backend, EngineBackend, ServerConfig, Tokenizer, bind
+    from hybridkv.server import serve as run_server
+
+    if (model is None) == (random is None):
+        raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
+    pd_given = {
+        "--prefill-pp": prefill_pp,
+        "--prefill-tp": prefill_tp,
+        "--decode-tp": decode_tp,
+        "--transport": transport,
+        "--transfer-timeout": transfer_timeout,
+        "--fault": fault or None,
+    }
+    stray = [name for name, value in pd_given.items() if value is not None]
+    if stray and not disaggregated:
+        raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
+    layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
+    faults = parse_faults(fault or [])
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    tiered = host_memory is not None or store != "none"
+    if tiered and disaggregated:
+        raise typer.BadParameter(
+            "the disaggregated engines keep no tiers below the device yet: drop --host-memory/--store",
+            param_hint="--host-memory/--store",
+        )
+    if tiered and no_prefix_cache:
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    config = ServerConfig(
+        api_key=key,
+        max_body_bytes=parse_bytes(max_body),
+        tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
+    )
+    name = random if random is not None else Path(model).name
+    sizing = (gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints)
+    with contextlib.ExitStack() as stack:
+        sock = bind(host, port)  # before the model loads: a taken port fails at once
+        stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
+        if disaggregated:
+            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, *sizing)
+        else:
+            engine = build_engine(model, random, *sizing, tiers)
+            stack.callback(engine.close)  # its tiers: the store client, a master it started
+            backend = EngineBackend(engine, name, gpu_memory, max_queued)
+        code = run_server(backend, config, sock, shutdown_timeout)
+    return code
+
+
+@dataclass(frozen=True)
+class PDLayout:
+    prefill_pp: int
+    prefill_tp: int
+    decode_tp: int
+    transport: str
+    transfer_timeout_s: float
+
+
+def parse_faults(values: list[str]) -> tuple[Fault, ...]:
+    """``--fault KIND:REQUEST[:RANK[:DELAY]]`` values as ``Fault``s (``typer.BadParameter`` naming the bad one)."""
+    from hybridkv.engine.disagg import Fault
+    from hybridkv.engine.disagg.config import FAULT_KINDS
+
+    faults = []
+    for value in values:
+        parts = value.split(":")
+        try:
+            if not 2 <= len(parts) <= 4:
+                raise ValueError("give KIND:REQUEST[:RANK[:DELAY]]")
+            kind, request, rank, delay = [*parts, "0", "1.0"][:4]
+            if not (request.isdigit() and rank.isdigit()):
+                raise ValueError("REQUEST and RANK are integers >= 0")
+            if not math.isfinite(float(delay)):
+                raise ValueError(f"DELAY {delay!r} is not a finite number of seconds")
+            faults.append(Fault(kind, int(request), int(rank), float(delay)))
+        except ValueError as exc:
+            raise typer.BadParameter(
+                f"{value!r}: {exc} (KIND one of {', '.join(FAULT_KINDS)}; REQUEST the 0-based submission index)",
+                param_hint="--fault",
+            ) from None
+    return tuple(faults)
+
+
+def build_pd_backend(
+    stack: contextlib.ExitStack,
+    model: Path | None,
+    random: str | None,
+    name: str,
+    layout: PDLayout,
+    faults: tuple[Fault, ...],
+    max_queued: int,
+    gpu_memory: str,
+    page_size: int,
+    chunk_size: int,
+    max_running: int,
+    max_context: int | None,
+    prefix_cache: bool,
+    checkpoints: str | None,
+) -> PDBackend:
+    """A started ``PDServer`` behind a ``PDBackend`` (which closes it); a ``--random`` model is saved to a
+    temporary directory ``stack`` removes once the server is done."""
+    from hybridkv.engine.disagg import PDConfig, PDServer
+    from hybridkv.engine.engine import engine_spec
+    from hybridkv.engine.registry import text_config
+    from hybridkv.engine.weights import read_config
+    from hybridkv.memory import parse_bytes
+    from hybridkv.server import PDBackend
+
+    if random is None:
+        model_dir = str(model)
+    else:
+        from hybridkv.engine.random_models import save_random
+
+        model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridkv-serve-"))
+        save_random(random, model_dir)
+    context = max_context or engine_spec(text_config(read_config(model_dir))).max_context
+    config = PDConfig(
+        model_dir,
+        prefill_pp=layout.prefill_pp,
+        prefill_tp=layout.prefill_tp,
+        decode_tp=layout.decode_tp,
+        transport=layout.transport,
+        page_size=page_size,
+        chunk=chunk_size,
+        gpu_memory=parse_bytes(gpu_memory),
+        max_context=context,
+        prefix_cache=prefix_cache,
+        transfer_timeout_s=layout.transfer_timeout_s,
+        max_running=max_running,
+        checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        faults=faults,
+    )
+    server = PDServer(config)  # checks the layout first: nothing starts on a mismatch
+    return PDBackend(server, name, f"{gpu_memory} per worker process", max_queued)
+
+
+def build_engine(
+    model: Path | None,
+    random: str | None,
+    gpu_memory: str,
+    page_size: int,
+    chunk_size: int,
+    max_running: int,
+    max_context: int | None,
+    prefix_cache: bool,
+    checkpoints: str | None,
+    tiers: dict[str, Any] | None = None,
+) -> Engine:
+    from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
+
+    if random is None:
+        source, weights = model, None
+    else:
+        from hybridkv.engine.random_models import build_random
+
+        weights, source = build_random(random)
+    return Engine(
+        source,
+        weights,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        max_running=max_running,
+        max_context=max_context,
+        prefix_cache=prefix_cache,
+        checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        **(tiers or {}),
+    )
+
+
+def _rate(value: float) -> float:
+    if math.isnan(value) or value <= 0:
+        raise typer.BadParameter(f"{value} must be above 0 requests per second (inf: all at once)")
+    return value
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
+    requests: int = typer.Option(64, "--requests", min=1),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    request_rate: float = typer.Option(8.0, "--request-rate", callback=_rate, help="Poisson arrivals per second."),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="Rounds under load, engine and HTTP alternating."),
+    alone: int = typer.Option(16, "--alone", min=1, help="Requests served alone by both, for the HTTP overhead."),
+    block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
+    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
+    page_size: int = typer.Option(16, "--page-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
+    url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
+    api_key: str = typer.Option(None, "--api-key", help=f"Its API key (or set ${API_KEY_ENV})."),
+    disaggregated: bool = typer.Option(
+        False, "--disaggregated", help="Also hybridkv serve --disaggregated (its own subprocess), same requests."
+    ),
+    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (--disaggregated)."),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill TP ranks per stage (--disaggregated)."),
+    decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode TP ranks (--disaggregated)."),
+    transport: str = typer.Option(
+        "shm", "--transport", callback=transport_option, help="shm or mooncake (--disaggregated)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
+    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request;
+    with --disaggregated, against hybridkv serve --disaggregated too, on the same requests."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hybridkv.bench.serve import run
+
+    pd_args = None
+    if disaggregated:
+        if url is not None:
+            raise typer.BadParameter("--url loads a running server; --disaggregated starts its own", param_hint="--url")
+        pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
+        pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]
+
+    report = run(
+        model,
+        requests,
+        max_new_tokens,
+        request_rate,
+        rounds,
+        alone,
+        block_tokens,
+        gpu_memory,
+        page_size,
+        chunk_size,
+        seed,
+        url,
+        api_key or os.environ.get(API_KEY_ENV),
+        pd_args,
+    )
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    lengths = report["prompt_tokens"]
+    table = Table(
+        title=f"{model}: {requests} requests at {request_rate}/s, prompts {lengths['min']}-{lengths['max']} tokens "
+        f"(mean {lengths['mean']}), {max_new_tokens} new each, greedy"
+    )
+    cols = ["round", "side", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"]
+    for col in (*cols, "req/s", "tok/s", "prefix hits", "CPU s", "exact"):
+        table.add_column(col, justify="right")
+    exact = {"engine": None, "http": "exact", "pd": "pd_exact"}
+    for r, row in enumerate(report["per_round"]):
+        for side in [side for side in exact if side in row]:
+            s = row[side]
+            key = exact[side]
+            table.add_row(
+                str(r),
+                side,
+                *(f"{s[k]['p50']}/{s[k]['p99']}" for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")),
+                f"{s['requests_per_s']}",
+                f"{s['output_tokens_per_s']}",
+                f"{100 * s['prefix_hit_rate']:.1f}%",
+                "" if s["cpu_s"] is None else f"{s['cpu_s']:.2f}",
+                "" if key is None else f"{row[key]}/{requests}",
+            )
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    if pd_args is not None:
+        console.print(f"pd: hybridkv serve {' '.join(pd_args)} (--gpu-memory per worker process; CPU not counted)")
+    o = report["overhead_ms"]
+    met = "met" if report["goal_met"] else "NOT met"
+    console.print(
+        f"HTTP overhead per request ({report['alone']} requests alone, streamed, {max_new_tokens} tokens each; "
+        f"HTTP e2e - engine e2e): p50 {o['p50']} ms, p99 {o['p99']} ms; goal p50 <= {report['goal_overhead_ms']} ms "
+        f"{met}.\nCPU per request: HTTP side of the server {report['http_cpu_ms']} ms; its engine thread "
+        f"{report['engine_thread_cpu_ms']} ms vs the engine driven directly {report['engine_cpu_ms']} ms"
+    )

@@ -1,0 +1,245 @@
+"""What a disaggregated server reports per request and per worker, and the router's record of a request.
+
+``RequestResult`` is a request's outcome: tokens, ``finished`` / ``failed`` with a reason, the
+finish reason, the prefix-cache hit, the bytes moved and ``RequestTiming``. ``RouterRequest`` is
+the router's mutable record of one request while it is open; its ``phase`` only moves forward
+within an attempt (QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED, or FAILED from
+anywhere); a retry after an engine death starts the next attempt at QUEUED.
+
+Invariants: a request's tokens reach its ``on_token`` callback once each, in order, whatever the
+number of attempts (a retry computes the same tokens: greedy, or seeded per position; the ones
+already streamed are not streamed again); its ``on_done`` is called exactly once, with its result.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hybridkv.engine.disagg.protocol import Done, Sent
+from hybridkv.engine.request import SamplingParams
+
+FINISHED = "finished"
+FAILED = "failed"
+ABORTED = "aborted"
+"""How the reason of a request ended by ``PDServer.abort`` starts (its finish reason is ``abort``)."""
+
+
+class Phase(Enum):
+    QUEUED = "queued"  # submitted, or re-routed after an engine death
+    PREFILLING = "prefilling"  # the prefill engine scheduled it (its decode memory is being reserved)
+    TRANSFERRING = "transferring"  # its first token is known; its KV/state is on the way
+    DECODING = "decoding"  # every decode rank holds its KV/state
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request's seconds; ``queue + prefill`` is the TTFT, ``transfer`` and ``decode`` follow it."""
+
+    queue_s: float  # submitted -> prefill starts it
+    prefill_s: float  # -> the first token
+    transfer_s: float  # -> every decode rank holds every prefill rank's KV/state
+    decode_s: float  # -> the slowest decode rank has the last token
+    ttft_s: float  # submitted -> first token
+    tpot_s: float  # decode seconds per token after the first (0 when only one token)
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """One prefill rank's part of a request (``time.monotonic`` stamps, one clock per host)."""
+
+    pp: int
+    tp: int
+    compute: tuple[float, float]  # its prefill of the request: first scheduled, last chunk done
+    send: tuple[float, float]  # handed to its sender -> the sender finished (every decode rank's leg)
+    nbytes: int  # bytes it wrote, to every decode rank
+    ops: int  # write ops it submitted for them (contiguous runs; a TP-sliced page gives one per token)
+    ok: bool
+    reason: str = ""  # why its sender failed ("" when ok)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    index: int  # submission order
+    output_ids: list[int]  # every output token ([] when failed)
+    status: str  # FINISHED or FAILED
+    reason: str  # why it failed ("" when finished)
+    timing: RequestTiming | None  # None when failed
+    cached_tokens: int  # the prefill-side prefix-cache hit
+    transfer_bytes: int  # KV/state bytes every decode rank received, summed
+    attempts: int  # 1, or 2 when an engine died holding it and it was computed again
+    notes: tuple[str, ...]  # the deaths that re-routed or retried it
+    stages: tuple[StageTiming, ...] = ()  # per prefill rank (stage, TP rank) of its last attempt
+    decode_bytes: tuple[int, ...] = ()  # bytes each decode TP rank received (finished requests)
+    finish_reason: str = "error"  # a FinishReason: length, eos, stop, abort or error
+    retractions: int = 0  # times the decode engine retracted it (and prefilled it again locally)
+    prompt_tokens: int = 0
+    transfer_failed: bool = False  # the transfer layer failed it
+
+
+@dataclass(frozen=True)
+class PDRank:
+    """What one worker reported when it stopped (a worker that died reports nothing)."""
+
+    role: str  # "prefill" or "decode"
+    index: int  # PP stage (prefill) or TP rank (decode)
+    tp: int  # TP rank inside the stage (prefill; decode: ``index``)
+    epoch: int  # 0, then one more per restart of its engine
+    pid: int
+    live_before: tuple[int, int]  # (pages, slots) live before the first request
+    live_after: tuple[int, int]  # and after draining: equal when nothing leaked
+    transfer_bytes: int
+    requests: int
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One live worker's answer to ``PDServer.probe``: ``live == live_before`` and ``requests == 0``
+    when it is idle and holds nothing (the prefill prefix cache's pages and checkpoints excluded)."""
+
+    name: str  # e.g. "prefill stage 1 TP rank 0"
+    epoch: int
+    pid: int
+    live_before: tuple[int, int]  # (pages, slots) live before its first request
+    live: tuple[int, int]  # (pages, slots) live now, less what the prefill prefix cache holds
+    requests: int  # requests holding memory there now
+
+
+@dataclass
+class RouterRequest:
+    index: int
+    ids: tuple[int, ...]
+    params: SamplingParams
+    submitted: float
+    on_token: Callable[[int], None] | None = None
+    on_done: Callable[[RequestResult], None] | None = None
+    salt: str | None = None  # its prefix-cache namespace on the prefill engine
+    done: threading.Event = field(default_factory=threading.Event)
+    phase: Phase = Phase.QUEUED
+    tid: str = ""
+    prefill_epoch: int = -1
+    decode_epoch: int = -1  # the decode engine it was reserved on (-1: not yet)
+    started: float = 0.0
+    cached: int = 0
+    first_at: float = 0.0
+    sent: dict[int, Sent] = field(default_factory=dict)  # prefill rank -> how its sender ended
+    admitted: float = 0.0
+    finals: dict[int, Done] = field(default_factory=dict)  # decode rank -> its tokens
+    seen: int = 0  # output tokens of this attempt so far
+    streamed: int = 0  # output tokens handed to ``on_token`` so far, over every attempt
+    attempts: int = 1  # 2 once retried after an engine died holding it
+    reasons: list[str] = field(default_factory=list)  # why it was re-routed or retried
+    result: RequestResult | None = None
+
+    def restart(self, tid: str, prefill_epoch: int) -> None:
+        """A new attempt (first, re-routed or retried) on the prefill engine ``prefill_epoch``."""
+        self.tid, self.prefill_epoch, self.decode_epoch = tid, prefill_epoch, -1
+        self.phase = Phase.QUEUED
+        self.started = self.first_at = self.admitted = 0.0
+        self.seen = 0
+        self.sent.clear()
+        self.finals.clear()
+
+    def token(self, token: int) -> None:
+        """The attempt's next output token: streamed unless an earlier attempt streamed it."""
+        self.seen += 1
+        if self.seen > self.streamed:
+            self.streamed = self.seen
+            if self.on_token is not None:
+                self.on_token(token)
+
+    def timing(self, last: float) -> RequestTiming:
+        """Its seconds, the slowest decode rank's last token at ``last``."""
+        decode_s = max(0.0, last - self.admitted)
+        n = len(next(iter(self.finals.values())).tokens) if self.finals else 1
+        return RequestTiming(
+            queue_s=max(0.0, self.started - self.submitted),
+            prefill_s=max(0.0, self.first_at - self.started),
+            transfer_s=max(0.0, self.admitted - self.first_at),
+            decode_s=decode_s,
+            ttft_s=max(0.0, self.first_at - self.submitted),
+            tpot_s=decode_s / (n - 1) if n > 1 else 0.0,
+        )
+
+    def complete(self, prefill_tp: int) -> str:
+        """Finish with the decode ranks' tokens (the empty string), or why it cannot (they disagree)."""
+        outputs = {(done.tokens, done.finish_reason) for done in self.finals.values()}
+        if len(outputs) != 1:
+            return f"decode ranks disagree on the tokens: {sorted(outputs)}"
+        (tokens, finish_reason) = outputs.pop()
+        for token in tokens[self.seen :]:  # what the streamed ``Tokens`` did not carry
+            self.token(token)
+        stages = tuple(
+            StageTiming(k // prefill_tp, k % prefill_tp, s.computed, s.sending, s.nbytes, s.ops, s.ok, s.reason)
+            for k, s in sorted(self.sent.items())
+        )
+        decode_bytes = tuple(self.finals[k].nbytes for k in sorted(self.finals))
+        self.phase = Phase.FINISHED
+        self.result = RequestResult(
+            self.index,
+            list(tokens),
+            FINISHED,
+            "",
+            self.timing(max(done.at for done in self.finals.values())),
+            self.cached,
+            sum(decode_bytes),
+            self.attempts,
+            tuple(self.reasons),
+            stages,
+            decode_bytes,
+            finish_reason,
+            next(iter(self.finals.values())).retractions,
+            len(self.ids),
+        )
+        self._ended()
+        return ""
+
+    def _ended(self) -> None:
+        self.done.set()
+        if self.on_done is not None and self.result is not None:
+            self.on_done(self.result)
+
+    def fail(self, reason: str, transfer: bool = False) -> None:
+        """End it failed with ``reason`` (``transfer``: the transfer layer's); a request ends once: later
+        calls change nothing."""
+        if self.result is None:
+            self.phase = Phase.FAILED
+            aborted = reason.startswith(ABORTED)
+            self.result = RequestResult(
+                self.index,
+                [],
+                FAILED,
+                reason,
+                None,
+                self.cached,
+                0,
+                self.attempts,
+                tuple(self.reasons),
+                finish_reason="abort" if aborted else "error",
+                prompt_tokens=len(self.ids),
+                transfer_failed=transfer,
+            )
+            self._ended()
+
+
+def request_metrics(requests: list[RouterRequest]) -> dict[str, Any]:
+    """Requests per phase and the ended ones' outcomes (host figures)."""
+    phases = {p.value: 0 for p in Phase}
+    for r in requests:
+        phases[r.phase.value] += 1
+    done = [r.result for r in requests if r.result is not None]
+    return {
+        "requests": len(requests),
+        "phases": phases,
+        "finished": sum(r.status == FINISHED for r in done),
+        "failed": sum(r.status == FAILED for r in done),
+        "transfer_bytes": sum(r.transfer_bytes for r in done),
+        "transfer_failures": sum(r.transfer_failed for r in done),
+        "cached_tokens": sum(r.cached_tokens for r in done),
+        "retractions": sum(r.retractions for r in done),
+    }

@@ -1,0 +1,140 @@
+"""What a client asks of the engine: token ids and ``SamplingParams``, validated at the edge.
+
+``SamplingParams`` is the one description of how a request's tokens are chosen and when it
+ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
+``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off), ``seed``,
+``stop_token_ids`` and ``ignore_eos``. ``check_request`` is the one validation every entry
+point runs before a request is queued; its ``RequestError`` names the offending field.
+
+Invariants:
+- A ``SamplingParams`` holds only values the engine can serve: ``check`` raises
+  ``RequestError`` (field named) for anything else, at construction.
+- A request ends for exactly one ``FinishReason``: ``length`` (max_new_tokens reached),
+  ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
+  ``stop_token_ids``; the stop token is part of the output, as EOS is), ``abort`` (a client
+  gave up) or ``error`` (it could not be served; ``error`` says why).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(ValueError):
+    """A request the engine refuses as given; ``field`` names the part to change."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+def _int(value: object, name: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise RequestError(name, f"must be an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise RequestError(name, f"must be {bound}, got {v}")
+    return v
+
+
+def _float(value: object, name: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise RequestError(name, f"must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise RequestError(name, f"must be a finite number in {bound}, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    """None: the engine picks one per request (``Engine.generate``: its ``seed`` + the index)."""
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _int(self.max_new_tokens, "max_new_tokens", 1)
+        _float(self.temperature, "temperature", 0.0, 100.0)
+        _float(self.top_p, "top_p", 0.0, 1.0, lo_open=True)
+        _int(self.top_k, "top_k", 0)
+        if self.seed is not None:
+            _int(self.seed, "seed", 0, MAX_SEED)
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        if isinstance(self.stop_token_ids, str | bytes) or not isinstance(self.stop_token_ids, Iterable):
+            raise RequestError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        stops = tuple(_int(t, "stop_token_ids", 0) for t in self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def stops(self, eos: frozenset[int]) -> frozenset[int]:
+        """The token ids that end the request: the model's EOS ids (unless ``ignore_eos``) and the stop ids."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos)
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        """The same parameters with ``seed`` where none was given."""
+        if self.seed is not None:
+            return self
+        return SamplingParams(
+            self.max_new_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            seed % (MAX_SEED + 1),
+            self.stop_token_ids,
+            self.ignore_eos,
+        )
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> list[int]:
+    """The prompt as a list of ints, or ``RequestError`` naming what makes it unservable: not a
+    list of ints, empty, ids outside ``[0, vocab_size)`` (stop ids too), or prompt + max new
+    tokens beyond ``max_context``."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
+        raise RequestError("input_ids", f"must be a list of token ids, got {type(prompt).__name__}")
+    odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+    if odd:
+        raise RequestError("input_ids", f"must be a flat list of integer token ids, got {odd[:3]!r}")
+    if len(prompt) == 0:
+        raise RequestError("input_ids", "empty prompt: give at least one token")
+    outside = [int(t) for t in prompt if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError("input_ids", f"token ids {outside[:5]} outside the vocabulary [0, {vocab_size})")
+    ids = np.asarray(prompt, dtype=np.int64)
+    stops = [t for t in params.stop_token_ids if t >= vocab_size]
+    if stops:
+        raise RequestError("stop_token_ids", f"ids {stops[:5]} outside the vocabulary [0, {vocab_size})")
+    if ids.size + params.max_new_tokens > max_context:
+        raise RequestError(
+            "max_new_tokens",
+            f"prompt of {ids.size} tokens + {params.max_new_tokens} new exceeds the context of {max_context} "
+            "tokens; shorten the prompt or lower max_new_tokens",
+        )
+    return [int(t) for t in ids]

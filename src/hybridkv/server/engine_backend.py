@@ -1,0 +1,221 @@
+"""EngineBackend: one single-process ``Engine`` owned by one background thread.
+
+Any thread submits, aborts or asks for metrics through a bounded inbox; the engine thread drains
+the inbox between steps (so the engine is only ever touched by it), steps while it has work and
+sleeps on a condition variable when idle. Tokens and ends go to each request's ``Sink`` right after
+the step that produced them.
+
+Invariants:
+- Open requests (submitted, not yet ended) never exceed ``max_running + max_queued``: one more is
+  refused with ``QueueFull`` before anything is queued.
+- Every ticket handed out ends exactly once through its sink (finished, aborted, failed, or
+  aborted by ``close``); a ticket's engine request id is known only to the engine thread.
+- An exception out of ``Engine.step`` is a bug: every open request fails with it, the backend is
+  ``broken`` (new submits raise ``BackendClosed``), and the thread exits; the traceback goes to
+  the server log, never to a client.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
+from hybridkv.server.backend import BackendClosed, Finished, ModelInfo, QueueFull, Sink
+
+
+@dataclass
+class _Submit:
+    ticket: int
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+    salt: str | None
+
+
+@dataclass
+class _Abort:
+    ticket: int
+    reason: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: Future[Any]
+
+
+@dataclass
+class _Open:
+    ticket: int
+    sink: Sink
+    prompt_tokens: int
+
+
+class EngineBackend:
+    def __init__(self, engine: Engine, name: str, memory_budget: str, max_queued: int = 256):
+        self.engine = engine
+        self.info = ModelInfo(name, engine.vocab_size, engine.max_context, memory_budget, engine.eos)
+        self.capacity = engine.max_running + max_queued
+        self.broken: str | None = None
+        self._cond = threading.Condition()
+        self._inbox: deque[_Submit | _Abort | _Call] = deque()
+        self._open_count = 0  # tickets handed out and not ended (under _cond)
+        self._next_ticket = 0
+        self._closing = False
+        self._stopped = False
+        self._open: dict[Hashable, _Open] = {}  # engine rid -> request (engine thread only)
+        self._rid_of: dict[int, Hashable] = {}  # ticket -> engine rid (engine thread only)
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._thread.start()
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
+        ids = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
+        with self._cond:
+            if self._closing or self.broken is not None:
+                raise BackendClosed(self.broken or "the server is shutting down")
+            if self._open_count >= self.capacity:
+                raise QueueFull(f"{self._open_count} requests are open, the most this server queues; retry later")
+            self._open_count += 1
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._inbox.append(_Submit(ticket, ids, params, sink, salt))
+            self._cond.notify()
+        return ticket
+
+    def abort(self, ticket: int, reason: str) -> None:
+        with self._cond:
+            self._inbox.append(_Abort(ticket, reason))
+            self._cond.notify()
+
+    def call(self, fn: Callable[[Engine], Any], timeout_s: float = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps; its result (or its exception)."""
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._stopped:
+                raise BackendClosed(self.broken or "the engine thread has stopped")
+            self._inbox.append(_Call(fn, future))
+            self._cond.notify()
+        return future.result(timeout_s)
+
+    def health(self) -> str | None:
+        return self.broken or ("the server is shutting down" if self._closing else None)
+
+    def metrics(self) -> dict[str, Any]:
+        return self.call(_engine_metrics)
+
+    def close(self, timeout_s: float) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            print(f"hybridkv: the engine thread did not stop within {timeout_s} s", file=sys.stderr)
+
+    # --- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not engine.has_work() and not self._closing:
+                        self._cond.wait()
+                    items = list(self._inbox)
+                    self._inbox.clear()
+                    closing = self._closing
+                for item in items:
+                    self._take(item)
+                if closing:
+                    for rid in list(self._open):
+                        self._end(engine.abort(rid, "the server shut down"))
+                    return
+                if engine.has_work():
+                    got = engine.step()
+                    for rid, token in got.tokens:
+                        self._open[rid].sink.on_token(token)
+                    for out in got.finished:
+                        self._end(out)
+        except Exception as exc:  # a bug in the engine: fail everyone, refuse the rest
+            traceback.print_exc(file=sys.stderr)
+            self.broken = f"the engine failed ({type(exc).__name__}: {exc}); restart the server"
+            for rid in list(self._open):
+                self._fail(rid, self.broken)
+        finally:
+            with self._cond:
+                self._stopped = True
+                items = list(self._inbox)
+                self._inbox.clear()
+            for item in items:  # what came in after the last drain: refused or answered
+                if isinstance(item, _Submit):
+                    item.sink.on_finish(Finished([], FinishReason.ABORT, "the server shut down", len(item.prompt), 0))
+                    self._release()
+                elif isinstance(item, _Call):
+                    item.future.set_exception(BackendClosed(self.broken or "the engine thread has stopped"))
+
+    def _take(self, item: _Submit | _Abort | _Call) -> None:
+        engine = self.engine
+        if isinstance(item, _Submit):
+            try:
+                rid = engine.submit(item.prompt, item.params, salt=item.salt)
+            except RequestError as exc:  # checked at submit already: only a racing change could get here
+                item.sink.on_finish(Finished([], FinishReason.ERROR, str(exc), len(item.prompt), 0))
+                self._release()
+                return
+            self._open[rid] = _Open(item.ticket, item.sink, len(item.prompt))
+            self._rid_of[item.ticket] = rid
+        elif isinstance(item, _Abort):
+            open_rid = self._rid_of.get(item.ticket)
+            if open_rid is not None:
+                self._end(engine.abort(open_rid, item.reason))
+        else:
+            try:
+                item.future.set_result(item.fn(engine))
+            except Exception as exc:
+                item.future.set_exception(exc)
+
+    def _end(self, out: Output | None) -> None:
+        if out is None or out.rid not in self._open:
+            return
+        req = self._open.pop(out.rid)
+        del self._rid_of[req.ticket]
+        req.sink.on_finish(
+            Finished(
+                list(out.output_ids),
+                out.finish_reason,
+                out.error,
+                out.prompt_tokens,
+                out.cached_tokens,
+                out.cached_tokens_details,
+            )
+        )
+        self._release()
+
+    def _fail(self, rid: Hashable, reason: str) -> None:
+        req = self._open.pop(rid)
+        del self._rid_of[req.ticket]
+        req.sink.on_finish(Finished([], FinishReason.ERROR, reason, req.prompt_tokens, 0))
+        self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._open_count -= 1
+
+
+def _engine_metrics(engine: Engine) -> dict[str, Any]:
+    m = engine.metrics()
+    m["engine_thread_cpu_s"] = time.thread_time()  # runs on the engine thread
+    m["cached_states"] = engine.cache.num_checkpoints
+    m["held_pages"] = m["live_pages"] - m["cached_pages"]
+    m["held_slots"] = m["live_slots"] - m["cached_states"]
+    return m

@@ -1,0 +1,167 @@
+"""Generation: one HTTP request's prompts in a backend, bridged from the backend's thread to asyncio.
+
+The backend calls each prompt's sink from its own thread; the sink stamps the time and hands the
+event to the event loop through the loop's ``LoopPost``: one ``call_soon_threadsafe`` wake-up per
+burst (a step's tokens for every request), not per token, so the loop thread takes the GIL from the
+engine thread once per step. ``updates`` yields, per wake-up, every prompt's new tokens and its end
+together, so a stream sends one chunk for a token and the end that came with it, and a slow client
+gets several tokens per chunk.
+
+Invariants:
+- ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
+- Every submitted prompt ends exactly once (``finished[i]``); ``abort`` ends the open ones (the
+  backend releases their memory) and is a no-op for ended ones, so a disconnect at any moment
+  leaves nothing held.
+- Timings are ``perf_counter`` stamps taken in the backend's thread as the token is handed over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from hybridkv.engine.request import RequestError, SamplingParams
+from hybridkv.server.backend import Backend, Finished
+
+
+@dataclass
+class Progress:
+    """One prompt's state as the loop sees it."""
+
+    tokens: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    last_at: float | None = None
+    finished: Finished | None = None
+    finished_at: float | None = None
+
+
+@dataclass
+class Update:
+    index: int
+    new_tokens: list[int]
+    finished: Finished | None
+
+
+Event = tuple[int, int | None, Finished | None, float]  # prompt index, token, end, perf_counter stamp
+
+
+class LoopPost:
+    """Events from other threads into one event loop's generation queues, one wake-up per burst."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these any more
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            burst = list(self._pending)
+            self._pending.clear()
+            self._scheduled = False
+        for queue, event in burst:
+            queue.put_nowait(event)
+
+
+class PromptRefused(Exception):
+    """The backend refused prompt ``index`` of a request (``error`` names the field)."""
+
+    def __init__(self, index: int, error: RequestError):
+        super().__init__(str(error))
+        self.index = index
+        self.error = error
+
+
+class _Sink:
+    def __init__(self, gen: Generation, index: int):
+        self.gen = gen
+        self.index = index
+
+    def on_token(self, token: int) -> None:
+        self.gen.post(self.index, token, None)
+
+    def on_finish(self, result: Finished) -> None:
+        self.gen.post(self.index, None, result)
+
+
+class Generation:
+    def __init__(self, backend: Backend, post: LoopPost, prompts: list[list[int]]):
+        self.backend = backend
+        self.loop_post = post
+        self.prompts = prompts
+        self.arrived = time.perf_counter()
+        self.progress = [Progress() for _ in prompts]
+        self.tickets: list[int] = []
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._open = len(prompts)
+
+    def start(self, params: list[SamplingParams], salt: str | None) -> None:
+        """Submit every prompt; on a refusal (``PromptRefused``, ``QueueFull``, ``BackendClosed``) abort
+        what was submitted and re-raise."""
+        try:
+            for i, (prompt, p) in enumerate(zip(self.prompts, params, strict=True)):
+                try:
+                    self.tickets.append(self.backend.submit(prompt, p, _Sink(self, i), salt))
+                except RequestError as exc:
+                    raise PromptRefused(i, exc) from None
+        except BaseException:
+            self.abort("another prompt of the same request was refused")
+            raise
+
+    def post(self, index: int, token: int | None, finished: Finished | None) -> None:
+        """From the backend's thread: hand one event to the loop (dropped once the loop is closed)."""
+        self.loop_post.post(self._events, (index, token, finished, time.perf_counter()))
+
+    def abort(self, reason: str) -> None:
+        for i, ticket in enumerate(self.tickets):
+            if self.progress[i].finished is None:
+                self.backend.abort(ticket, reason)
+
+    @property
+    def done(self) -> bool:
+        return self._open == 0
+
+    def _apply(self, index: int, token: int | None, finished: Finished | None, at: float) -> None:
+        p = self.progress[index]
+        if token is not None:
+            p.tokens.append(token)
+            p.first_at = p.first_at or at
+            p.last_at = at
+        if finished is not None:
+            p.finished = finished
+            p.finished_at = at
+            self._open -= 1
+
+    async def updates(self) -> AsyncIterator[list[Update]]:
+        """Until every prompt ended: per wake-up, what changed (one ``Update`` per prompt that changed)."""
+        while not self.done:
+            events = [await self._events.get()]
+            while not self._events.empty():
+                events.append(self._events.get_nowait())
+            changed: dict[int, Update] = {}
+            for index, token, finished, at in events:
+                self._apply(index, token, finished, at)
+                up = changed.setdefault(index, Update(index, [], None))
+                if token is not None:
+                    up.new_tokens.append(token)
+                if finished is not None:
+                    up.finished = finished
+            yield list(changed.values())
+
+    async def wait(self) -> None:
+        async for _ in self.updates():
+            pass

@@ -1,0 +1,167 @@
+"""``/metrics``: the backend's figures and the server's latency histograms as Prometheus text.
+
+Each scrape asks the backend for one ``metrics()`` snapshot (``hybridkv.server.backend`` lists the
+keys) and exports what it holds: gauges for what is true now (requests running and waiting,
+cells per pool and state, pages and slots live / cached / held by requests), counters for the
+cumulative figures (prefix-cache hit tokens per component, evictions, retractions, transfer
+bytes and failures for PD, CPU of the engine thread); for PD also open requests per phase,
+worker deaths, engine restarts and per worker the pages and slots it holds (``hybridkv_pd_*``);
+plus the process's own figures (``process_cpu_seconds_total``, memory, file descriptors). The
+server observes TTFT, TPOT and end-to-end latency per request into histograms as each request ends.
+
+Invariant: one ``CollectorRegistry`` per app (no process-global state), so several servers in one
+process (tests) never share or double-register series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "hybridkv_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+GAUGES = {
+    "running": ("num_requests_running", "Requests in the engine's running batch."),
+    "waiting": ("num_requests_waiting", "Requests queued in the engine, not yet admitted."),
+    "live_pages": ("live_pages", "Virtual KV pages in use (requests and prefix cache)."),
+    "live_slots": ("live_slots", "Recurrent-state slots in use (requests and prefix cache)."),
+    "cached_pages": ("cached_pages", "KV pages the prefix cache keeps."),
+    "cached_states": ("cached_states", "State checkpoints the prefix cache keeps."),
+    "held_pages": ("request_pages", "KV pages held by open requests (live minus cached)."),
+    "held_slots": ("request_slots", "State slots held by open requests (live minus cached)."),
+    "probe_ok": ("pd_probe_ok", "1 when every live PD worker answered this scrape's probe (its figures are current)."),
+}
+COUNTERS = {
+    "requests": ("engine_requests", "Requests the engine accepted."),
+    "aborted": ("engine_aborted_requests", "Requests aborted (client gone, abort_request, shutdown)."),
+    "errors": ("engine_failed_requests", "Requests that failed in the engine."),
+    "steps": ("engine_steps", "Engine steps (forward passes)."),
+    "retractions": ("retractions", "Requests retracted under memory pressure."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens accepted."),
+    "cached_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+    "evicted_pages": ("evicted_pages", "KV pages evicted from the prefix cache."),
+    "evicted_states": ("evicted_states", "State checkpoints evicted from the prefix cache."),
+    "transfer_bytes": ("transfer_bytes", "KV and state bytes moved prefill -> decode (PD)."),
+    "transfer_failures": ("transfer_failures", "Failed prefill -> decode transfers (PD)."),
+    "deaths": ("pd_worker_deaths", "PD worker processes that died while serving."),
+    "engine_thread_cpu_s": (
+        "engine_thread_cpu_seconds",
+        "CPU seconds of the engine thread (the rest of process_cpu_seconds is the HTTP side).",
+    ),
+}
+HIT_COMPONENTS = {"hit_full_tokens": "full", "hit_window_tokens": "window", "hit_checkpoint_tokens": "checkpoint"}
+
+
+class _BackendCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.snapshot()
+        for key, (name, doc) in GAUGES.items():
+            if key in m:
+                yield GaugeMetricFamily(PREFIX + name, doc, value=m[key])
+        if "pools" in m:
+            cells = GaugeMetricFamily(
+                PREFIX + "pool_cells",
+                "Cells per memory pool and state (cached: window cells kept).",
+                labels=["pool", "state"],
+            )
+            for pool, counts in m["pools"].items():
+                for state, value in counts.items():
+                    cells.add_metric([pool, state], value)
+            yield cells
+        for key, (name, doc) in COUNTERS.items():
+            if key in m:
+                yield CounterMetricFamily(PREFIX + name, doc, value=m[key])
+        hits = CounterMetricFamily(
+            PREFIX + "prefix_cache_component_hit_tokens",
+            "Prompt tokens matched per cache component at first admission.",
+            labels=["component"],
+        )
+        for key, component in HIT_COMPONENTS.items():
+            if key in m:
+                hits.add_metric([component], m[key])
+        yield hits
+        yield from _pd_families(m)
+
+
+def _pd_families(m: dict[str, Any]) -> Iterator[Metric]:
+    """The PD server's labelled figures: open requests per phase, restarts per engine, and per worker
+    (``name``, ``epoch``) the pages and slots it holds now and held before its first request."""
+    if "phases" in m:
+        phases = GaugeMetricFamily(PREFIX + "pd_requests", "Open PD requests per phase.", labels=["phase"])
+        for phase, n in m["phases"].items():
+            phases.add_metric([phase], n)
+        yield phases
+    if "restarts" in m:
+        restarts = CounterMetricFamily(
+            PREFIX + "pd_engine_restarts", "Restarts of a PD engine after a worker died.", labels=["engine"]
+        )
+        for engine, n in m["restarts"].items():
+            restarts.add_metric([engine], n)
+        yield restarts
+    if "workers" in m:
+        labels = ["worker", "epoch", "state"]
+        pages = GaugeMetricFamily(
+            PREFIX + "pd_worker_pages",
+            "KV pages of a PD worker outside the prefill prefix cache: live now, and before its first request.",
+            labels=labels,
+        )
+        slots = GaugeMetricFamily(
+            PREFIX + "pd_worker_slots", "State slots of a PD worker, like pd_worker_pages.", labels=labels
+        )
+        held = GaugeMetricFamily(
+            PREFIX + "pd_worker_requests", "Requests holding memory on a PD worker.", labels=["worker", "epoch"]
+        )
+        for w in m["workers"]:
+            who = [w["worker"], str(w["epoch"])]
+            for state in ("live", "before"):
+                pages.add_metric([*who, state], w[f"{state}_pages"])
+                slots.add_metric([*who, state], w[f"{state}_slots"])
+            held.add_metric(who, w["requests"])
+        yield from (pages, slots, held)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_BackendCollector(snapshot))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, open fds
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival -> first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean seconds per token after the first, per request.",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival -> end.", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.finished = Counter(
+            PREFIX + "requests_finished", "Requests ended, by finish reason.", ["finish_reason"], registry=self.registry
+        )
+
+    def observe(
+        self, arrived: float, first_at: float | None, last_at: float | None, tokens: int, ended_at: float, reason: str
+    ) -> None:
+        if first_at is not None:
+            self.ttft.observe(first_at - arrived)
+            if tokens > 1 and last_at is not None:
+                self.tpot.observe((last_at - first_at) / (tokens - 1))
+        self.e2e.observe(ended_at - arrived)
+        self.finished.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

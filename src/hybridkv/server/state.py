@@ -1,0 +1,126 @@
+"""What every endpoint shares: the backend, the config, the metrics, and the open requests by id.
+
+``ServerState.start`` is the one way a handler turns validated prompts into a running
+``Generation`` (refusals become ``ApiError``: 400 naming the field, 503 with ``Retry-After`` for a
+full queue or a closing backend); ``ServerState.drive`` is the one way it follows one to its end
+while watching the client, so every endpoint aborts on disconnect and accounts its latencies alike.
+
+Invariants:
+- An id is registered (``/abort_request`` finds it) from ``start`` until the generation ended or
+  its handler left; ids of open requests are unique.
+- A handler that leaves before its generation ended (client gone, error, cancellation) aborts
+  it: the backend releases every page and slot it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from hybridkv.engine.request import SamplingParams
+from hybridkv.server.backend import Backend, BackendClosed, QueueFull
+from hybridkv.server.generation import Generation, LoopPost, PromptRefused, Update
+from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.schemas import ApiError, named
+from hybridkv.server.text import Tokenizer
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_body_bytes: int = 16 * MIB
+    tokenizer: Tokenizer | None = None
+
+
+class ServerState:
+    def __init__(self, backend: Backend, config: ServerConfig):
+        self.backend = backend
+        self.config = config
+        self.info = backend.info
+        self.metrics = ServerMetrics(backend.metrics)
+        self.open: dict[str, tuple[Generation, list[int]]] = {}
+        self._post: LoopPost | None = None  # the serving loop's (made on the first request, in it)
+
+    def new_id(self, prefix: str = "") -> str:
+        return prefix + uuid.uuid4().hex
+
+    def start(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        salt: str | None,
+        ids: dict[str, list[int]],
+        fields: dict[str, str],
+        batch: bool,
+    ) -> Generation:
+        """Submit ``prompts`` as one generation registered under ``ids`` (id -> prompt indices)."""
+        taken = [i for i in ids if i in self.open]
+        if taken:
+            raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
+        loop = asyncio.get_running_loop()
+        if self._post is None or self._post.loop is not loop:
+            self._post = LoopPost(loop)
+        gen = Generation(self.backend, self._post, prompts)
+        try:
+            gen.start(params, salt)
+        except PromptRefused as exc:
+            raise named(exc.error, fields, exc.index if batch else None) from None
+        except QueueFull as exc:
+            raise ApiError(503, str(exc), None, {"Retry-After": str(exc.retry_after_s)}) from None
+        except BackendClosed as exc:
+            raise ApiError(503, f"not serving: {exc}", None, {"Retry-After": "5"}) from None
+        for rid, indices in ids.items():
+            self.open[rid] = (gen, indices)
+        return gen
+
+    async def drive(self, request: Request, gen: Generation, ids: Sequence[str]) -> AsyncIterator[list[Update]]:
+        """``gen``'s updates until it ended; aborts it when the client disconnects or the caller leaves early."""
+        watcher = asyncio.ensure_future(_abort_on_disconnect(request, gen))
+        try:
+            async for updates in gen.updates():
+                for up in updates:
+                    if up.finished is not None:
+                        p = gen.progress[up.index]
+                        assert p.finished_at is not None
+                        self.metrics.observe(
+                            gen.arrived, p.first_at, p.last_at, len(p.tokens), p.finished_at, up.finished.finish_reason
+                        )
+                yield updates
+        finally:
+            watcher.cancel()
+            if not gen.done:
+                gen.abort("the client went away")
+            for rid in ids:
+                self.open.pop(rid, None)
+
+    def abort_all(self, reason: str) -> list[str]:
+        """Abort every open request; their ids."""
+        ids = list(self.open)
+        for gen in {id(g): g for g, _ in self.open.values()}.values():
+            gen.abort(reason)
+        return ids
+
+    def abort(self, rid: str) -> bool:
+        """Abort the open request ``rid`` (all its prompts, or the one it names in a batch)."""
+        got = self.open.get(rid)
+        if got is None:
+            return False
+        gen, indices = got
+        for i in indices:
+            if i < len(gen.tickets) and gen.progress[i].finished is None:
+                self.backend.abort(gen.tickets[i], "aborted by /abort_request")
+        return True
+
+
+async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.abort("the client disconnected")
+            return

@@ -1,0 +1,59 @@
+"""``hybridkv bench serve``: real ``hybridkv serve`` subprocesses (single-process and ``--disaggregated``) against
+the engine, same requests, exact."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridkv.bench.serve import arrivals
+from hybridkv.cli import app, main
+from hybridkv.server.run import bind
+
+
+def test_arrivals_are_seeded_poisson_offsets() -> None:
+    a = arrivals(200, 10.0, seed=3)
+    assert a[0] == 0.0 and a == sorted(a) and a == arrivals(200, 10.0, seed=3)
+    assert 10 < a[-1] < 30  # ~ 199 gaps of 0.1 s
+    assert arrivals(4, math.inf, 0) == [0.0] * 4
+
+
+def test_listening_socket_is_tcp_with_nodelay() -> None:
+    sock = bind("127.0.0.1", 0)  # without TCP_NODELAY every response waited for a delayed ACK (~40 ms)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()
+
+
+def test_bench_serve_json_is_exact_and_complete() -> None:
+    args = ["bench", "serve", "--requests", "6", "--max-new-tokens", "3", "--rounds", "1", "--alone", "2"]
+    args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2"]
+    result = CliRunner().invoke(app, [*args, "--request-rate", "inf", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    (row,) = report["per_round"]
+    assert row["exact"] == 6  # every HTTP request gave the engine's tokens
+    assert row["pd_exact"] == 6  # and every request of the disaggregated server
+    assert report["disaggregated"] == "--disaggregated --prefill-pp 2 --prefill-tp 1 --decode-tp 2 --transport shm"
+    assert row["pd"]["cpu_s"] is None
+    for side in ("engine", "http", "pd"):
+        s = row[side]
+        assert s["ttft_ms"]["p50"] > 0 and s["e2e_ms"]["p99"] >= s["e2e_ms"]["p50"]
+        assert s["output_tokens_per_s"] > 0 and 0 <= s["prefix_hit_rate"] < 1
+    assert report["alone"] == 2 and report["overhead_ms"]["p50"] is not None
+    # CPU from the server's /metrics (process CPU counts 10 ms ticks: over 2 requests only the sign is noise)
+    assert isinstance(report["http_cpu_ms"], float) and report["engine_thread_cpu_ms"] > 0 < report["engine_cpu_ms"]
+    assert row["http"]["engine_thread_cpu_s"] > 0 and row["http"]["cpu_s"] > 0
+
+
+def test_bench_serve_refuses_url_with_disaggregated(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--disaggregated"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--url loads a running server; --disaggregated starts its own" in err
