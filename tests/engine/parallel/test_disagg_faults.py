@@ -20,6 +20,12 @@
 - Decode requests that outgrow the decode memory together: the decode engine retracts the newest
   running request and prefills it again locally later; every request finishes token-exact (greedy
   and seeded sampling); no worker dies, nothing leaks.
+- A poison request (``crash-prefill``: prefill stage 1 raises whenever it computes request 1), submitted
+  with two others over Mooncake: the three present at the first death are computed again one at a
+  time, alone; the poison request dies a second time alone and fails alone "quarantined: ..." with
+  both deaths; the others finish token-exact; the engine is not lost (the quarantine explains both
+  deaths). Then a decode rank SIGKILLed mid-request: the prefill ranks' Mooncake lines about the dead
+  peer are counted log records on ``hybridkv.transfer.mooncake``, none reaches stderr raw.
 - An engine lost (its restarts used up: ``restarts=0`` and a decode rank SIGKILLed): every request
   not finished, and every later one, fails with the death line; the surviving prefill engine holds
   nothing; ``close`` still stops and reaps every process and unlinks every shared-memory file.
@@ -27,7 +33,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +45,7 @@ import pytest
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.engine.disagg.config import check_layout
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
+from hybridkv.engine.disagg.procs import forkserver_threads
 from hybridkv.engine.disagg.protocol import Live
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import SamplingParams
@@ -246,6 +255,57 @@ def test_a_full_decode_memory_retracts_and_every_output_stays_exact(tmp_path: Pa
     assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
 
 
+def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank_are_counted_not_printed(
+    tmp_path: Path, capfd, caplog
+) -> None:
+    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    faults = (Fault("crash-prefill", 1, rank=1), Fault("kill-decode", 3, rank=1))
+    config = PDConfig(
+        str(tmp_path),
+        max_new=MAX_NEW,
+        prefill_pp=2,
+        decode_tp=2,
+        transport="mooncake",
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=3_000_000,
+        faults=faults,
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridkv.transfer.mooncake"), PDServer(config) as server:
+        assert forkserver_threads() == 1  # the workers' forkserver runs no thread: forking it is safe
+        first = server.generate(PROMPTS[:3], GREEDY)
+        states = [settled(server)]
+        second = server.generate(PROMPTS[3:5], GREEDY)
+        states.append(settled(server))
+        metrics = server.metrics()
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in PROMPTS[:5]], CHUNK, MAX_NEW)
+
+    crashed, again, killed = server.deaths
+    for death in (crashed, again):
+        assert death.startswith("prefill stage 1 TP rank 0") and "exit code 1" in death, death
+        assert "RuntimeError: deliberate fault crash-prefill: prefill stage 1 computes request-1." in death
+    assert killed.startswith("decode TP rank 1") and "killed by SIGKILL" in killed
+    poison = first[1]
+    assert poison.status == FAILED and poison.output_ids == [] and poison.finish_reason == "error", poison
+    assert poison.reason == f"quarantined: the prefill engine died twice while it held this request: {crashed}; {again}"
+    innocent = [first[0], first[2], *second]
+    for r in innocent:
+        assert r.status == FINISHED and r.output_ids == single[r.index].tokens, r
+    assert any(r.notes == (crashed,) for r in first[::2]), first  # present at the first death, computed again alone
+    assert server.lost == {}
+    assert metrics["restarts"] == {"prefill": 2, "decode": 1} and metrics["quarantined"] == 1
+    for wave in states:
+        assert all(w.requests == 0 and w.live == w.live_before for w in wave), wave
+    assert all(r.live_after == r.live_before for r in server.ranks)
+    assert all(gone(pid) for pid in server.pids())
+
+    assert metrics["mooncake_log_lines"] > 0  # the prefill ranks' writes to the killed decode rank
+    err = capfd.readouterr().err
+    assert not re.search(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", err, re.MULTILINE), err
+    shown = [r.getMessage() for r in caplog.records if r.name == "hybridkv.transfer.mooncake"]
+    assert shown and all(": mooncake: " in line for line in shown), shown
+
+
 def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_close_reaps_everything(
     tmp_path: Path,
 ) -> None:
@@ -289,8 +349,8 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
         ("prefill", 1, True),
     ]
     assert len(started) == 4 and all(gone(pid) for pid in started)
-    left = children() - before  # multiprocessing's resource tracker (started by the first spawn) may stay
-    assert all("resource_tracker" in Path(f"/proc/{pid}/cmdline").read_text() for pid in left), left
+    left = children() - before  # multiprocessing's resource tracker and the workers' forkserver may stay
+    assert all(re.search("resource_tracker|forkserver", Path(f"/proc/{pid}/cmdline").read_text()) for pid in left), left
     assert len(server.shm_paths()) == 2 and not any(Path(p).exists() for p in server.shm_paths())
 
 
