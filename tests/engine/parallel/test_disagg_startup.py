@@ -223,3 +223,25 @@ def test_serve_pd_refuses_a_model_dir_without_weights_in_one_line(saved: Path, t
     assert main(["serve-pd", "--model", str(model), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no *.safetensors files" in err and err.count("\n") == 1, err
+
+
+FORKSERVER_CHECK = """
+import os
+from hybridkv.engine.disagg.procs import context, forkserver_threads
+ctx = context()
+p = ctx.Process(target=os.getpid)  # served once the forkserver has imported everything it preloads
+p.start()
+p.join(120)
+print(p.exitcode, forkserver_threads())
+"""
+
+
+def test_the_forkserver_runs_no_thread_between_forks_even_with_blas_threads_unlimited() -> None:
+    # forking a process that runs threads is unsafe: after what it preloads (numpy's OpenBLAS starts a thread
+    # server at import unless OMP/OPENBLAS_NUM_THREADS say 1, and stops it before a fork) the forkserver must
+    # be single-threaded whenever it forks a worker (a preloaded module that starts threads fails this)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    run = subprocess.run(
+        [sys.executable, "-c", FORKSERVER_CHECK], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0 and run.stdout.split() == ["0", "1"], (run.stdout, run.stderr[-2000:])

@@ -10,10 +10,11 @@ breaks a collective of the other.
 Processes come from a forkserver (``multiprocessing``'s, one per launcher process, started at
 the first launch) that has imported torch, transformers' config classes and the worker
 modules once (``PRELOAD``): a launch or a restart forks a ready interpreter instead of
-importing them again in every worker. Fork safety: the forkserver runs no thread (importing
-those modules starts none; ``forkserver_threads`` checks it), and everything with threads or
-sockets (gloo, the transfer agents, Mooncake) is created in the worker, after the fork. The
-forkserver's environment is the launcher's at the first launch.
+importing them again in every worker. Fork safety: the forkserver runs no thread when it forks
+(``forkserver_threads``; the one thread those imports start, numpy's OpenBLAS server, is stopped
+by OpenBLAS itself before every fork), and everything with threads or sockets (gloo, the
+transfer agents, Mooncake, whose import alone starts threads) is created in the worker, after
+the fork. The forkserver's environment, and so the workers', is the launcher's at the first launch.
 
 Invariants:
 - A worker's fd 2 is the write end of its pipe in ``logs`` (``WorkerLog``): the launcher reads
