@@ -43,7 +43,8 @@ def test_bench_engine_json_is_exact_and_reports_both_goals() -> None:
     # ... the chunks of an earlier request still in prefill: the engine's default checkpoints every chunk for them
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
+    assert result.stderr.startswith("hybridkv bench engine: max context "), result.stderr  # sizing, at start
     (row,) = report["models"]
     assert row["model"] == "tiny-qwen3-next" and row["exact"] == 6 and row["tokens"] == 18
     assert 0 < row["hybridkv_share"] < 1 and row["hybridkv_calls"] > row["steps"] > 0

@@ -143,17 +143,19 @@ def bench_model(
     name: str,
     prompts: list[list[int]],
     max_new_tokens: int,
-    gpu_memory: str,
+    gpu_memory: str | int,
     page_size: int,
     chunk_size: int,
     prefix_cache: bool = True,
     checkpoints: str | None = None,
+    max_context: int | None = None,
 ) -> dict[str, Any]:
     hf, config = build_random(name)
     engine = Engine(
         config,
         hf,
         gpu_memory=gpu_memory,
+        max_context=max_context,
         page_size=page_size,
         chunk_size=chunk_size,
         prefix_cache=prefix_cache,
@@ -210,27 +212,36 @@ def bench_model(
     }
 
 
+def bench_prompts(requests: int, block_tokens: int, max_new_tokens: int) -> list[list[int]]:
+    """The benchmark's prompts (``conversation_prompts``, each short enough for ``max_new_tokens`` more within
+    the tiny models' context)."""
+    return conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
+
+
 def run(
     models: list[str] | None = None,
     requests: int = 64,
     max_new_tokens: int = 16,
     block_tokens: int = 4,
-    gpu_memory: str = "256MiB",
+    gpu_memory: str | int = "256MiB",
     page_size: int = 16,
     chunk_size: int = 64,
     prefix_cache: bool = True,
     checkpoints: str | None = None,
+    max_context: int | None = None,
 ) -> dict[str, Any]:
     models = models or tiny_names()
     checkpoints = checkpoints or engine_default(chunk_size, page_size)
     unknown = sorted(set(models) - set(tiny_names()))
     if unknown:
         raise ValueError(f"unknown models {unknown}; choose from {tiny_names()}")
-    prompts = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
+    prompts = bench_prompts(requests, block_tokens, max_new_tokens)
     lengths = [len(p) for p in prompts]
     with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
         rows = [
-            bench_model(m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache, checkpoints)
+            bench_model(
+                m, prompts, max_new_tokens, gpu_memory, page_size, chunk_size, prefix_cache, checkpoints, max_context
+            )
             for m in models
         ]
     return {

@@ -59,6 +59,14 @@ PROMPTS = [tuple(BASE + prompt(20 + i, 3 + i)) for i in range(8)]
 GREEDY = SamplingParams(MAX_NEW, ignore_eos=True)  # as many tokens as the reference ``serve`` computes
 
 
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> Path:
+    """tiny-qwen3-next saved once for this module's servers (read-only for them)."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-next")
+    hf_model("tiny-qwen3-next").save_pretrained(path)
+    return path
+
+
 def children() -> set[int]:
     """Process ids whose parent is this process."""
     me, out = os.getpid(), set()
@@ -72,10 +80,9 @@ def children() -> set[int]:
     return out
 
 
-def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) -> None:
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+def test_a_layout_mismatch_is_refused_before_any_process_starts(qwen3_next: Path) -> None:
     before = children()
-    config = PDConfig(str(tmp_path), page_size=PAGE, decode_page_size=8, gpu_memory=3_000_000)
+    config = PDConfig(str(qwen3_next), page_size=PAGE, decode_page_size=8, gpu_memory=3_000_000)
     with pytest.raises(LayoutMismatch) as err:
         PDServer(config)
     says = str(err.value)
@@ -132,16 +139,15 @@ def test_submit_after_the_router_died_raises_naming_router_error() -> None:
 
 
 def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_requests_exact(
-    tmp_path: Path,
+    qwen3_next: Path,
 ) -> None:
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     faults = (
         Fault("kill-prefill", 1, rank=1, delay_s=5.0),
         Fault("kill-decode", 3, rank=1),
         Fault("stall-transfer", 5, delay_s=3.0),
     )
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
@@ -194,15 +200,14 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     assert len(server.shm_paths()) == 4 and not any(Path(p).exists() for p in server.shm_paths())
 
 
-def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_their_memory(tmp_path: Path) -> None:
+def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_their_memory(qwen3_next: Path) -> None:
     # a 40 kB budget per prefill process (pages and state checkpoints share its slabs): request 0's
     # 55-token prompt stays pinned while its KV is held back past the decode timeout, so request 1
     # (55 tokens more) fits on no stage beside it: it waits (retracted, not failed) until the router
     # aborts request 0 and its pages come back, then it is served token-exact
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     prompts = [tuple(prompt(40 + i, 55)) for i in range(2)]
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
@@ -224,16 +229,14 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_the
     assert all(gone(pid) for pid in server.pids())
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_full_decode_memory_retracts_and_every_output_stays_exact(tmp_path: Path, temperature: float) -> None:
+def test_a_full_decode_memory_retracts_and_every_output_stays_exact(qwen3_next: Path) -> None:
     # a 40 kB budget per decode TP rank: three 20-token prompts that each grow by 40 tokens outgrow it
     # together, so the decode ranks retract the newest running request (it is prefilled again locally
-    # from its prompt and the tokens it has) and every request finishes with the single engine's tokens
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    # from its prompt and the tokens it has) and every request finishes with the single engine's tokens;
+    # greedy, then seeded sampling, on one server
     prompts = [tuple(prompt(60 + i, 20)) for i in range(3)]
-    params = [SamplingParams(40, temperature, seed=7 + i, ignore_eos=True) for i in range(3)]
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         prefill_pp=2,
         decode_tp=2,
         page_size=PAGE,
@@ -241,27 +244,28 @@ def test_a_full_decode_memory_retracts_and_every_output_stays_exact(tmp_path: Pa
         gpu_memory=40_000,
         max_context=64,
     )
-    with PDServer(config) as server:
-        results = [
-            server.result(h, timeout_s=120) for h in [server.submit(p, q) for p, q in zip(prompts, params, strict=True)]
-        ]
-        states = settled(server)
     hf = hf_model("tiny-qwen3-next")
     single = Engine(hf.config, hf, gpu_memory=2_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=64)
-    want = single.generate([list(p) for p in prompts], params)
-    assert [r.status for r in results] == [FINISHED] * 3, results
-    assert [r.output_ids for r in results] == [o.output_ids for o in want]
-    assert sum(r.retractions for r in results) > 0, results
-    assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
+    with PDServer(config) as server:
+        for temperature in (0.0, 1.0):
+            params = [SamplingParams(40, temperature, seed=7 + i, ignore_eos=True) for i in range(3)]
+            handles = [server.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+            results = [server.result(h, timeout_s=120) for h in handles]
+            states = settled(server)
+            want = single.generate([list(p) for p in prompts], params)
+            assert [r.status for r in results] == [FINISHED] * 3, results
+            assert [r.output_ids for r in results] == [o.output_ids for o in want], temperature
+            assert sum(r.retractions for r in results) > 0, results
+            assert all(w.requests == 0 and w.live == w.live_before for w in states), states
+    assert server.deaths == []
 
 
 def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank_are_counted_not_printed(
-    tmp_path: Path, capfd, caplog
+    qwen3_next: Path, capfd, caplog
 ) -> None:
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     faults = (Fault("crash-prefill", 1, rank=1), Fault("kill-decode", 3, rank=1))
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
@@ -307,16 +311,15 @@ def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank
 
 
 def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_close_reaps_everything(
-    tmp_path: Path,
+    qwen3_next: Path,
 ) -> None:
     # restarts=0: the first decode death loses the decode engine. Request 0 finishes before; decode TP
     # rank 1 is SIGKILLed at request 1's first token while request 2 is queued or prefilling beside it:
     # both fail with the death line, so does a request submitted afterwards; the prefill engine, still
     # alive, holds nothing once its legs to the dead engine are aborted; close() reaps every process
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     before = children()
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
