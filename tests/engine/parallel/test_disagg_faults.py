@@ -45,9 +45,9 @@ import pytest
 from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.engine.disagg.config import check_layout
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
-from hybridkv.engine.disagg.procs import forkserver_threads
 from hybridkv.engine.disagg.protocol import Live
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.parallel.forkserver import forkserver_threads
 from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import LayoutMismatch

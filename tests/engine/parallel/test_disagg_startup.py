@@ -31,9 +31,10 @@ import pytest
 from hybridkv.cli import main
 from hybridkv.engine.disagg import PDConfig, PDServer, PDStartError
 from hybridkv.engine.disagg.engines import EngineState, await_ready
-from hybridkv.engine.disagg.procs import EngineProcs, forkserver_pid
+from hybridkv.engine.disagg.procs import EngineProcs
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.models.base import WeightError
+from hybridkv.engine.parallel.forkserver import forkserver_pid
 from hybridkv.engine.scheduler import Role
 from tests.engine.harness import hf_model
 from tests.engine.parallel.test_disagg import CHUNK, PAGE, gone
@@ -227,7 +228,7 @@ def test_serve_pd_refuses_a_model_dir_without_weights_in_one_line(saved: Path, t
 
 FORKSERVER_CHECK = """
 import os
-from hybridkv.engine.disagg.procs import context, forkserver_threads
+from hybridkv.engine.parallel.forkserver import context, forkserver_threads
 ctx = context()
 p = ctx.Process(target=os.getpid)  # served once the forkserver has imported everything it preloads
 p.start()

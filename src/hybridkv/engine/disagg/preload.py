@@ -1,9 +1,9 @@
-"""What the engine forkserver imports once, before it forks any worker (``procs.PRELOAD``).
+"""What the engine forkserver imports once, before it forks any worker (``parallel.forkserver.PRELOAD``).
 
 The worker modules (torch, the models, the transfer layer) and the ``transformers`` config
 classes of every architecture the engine serves (``read_config`` parses ``config.json`` with
 them): each worker of a launch or a restart starts with them imported. Importing them starts no
-thread (the forkserver must stay single-threaded to fork safely: ``procs.forkserver_threads``).
+thread (the forkserver must stay single-threaded to fork safely: ``parallel.forkserver.forkserver_threads``).
 """
 
 from __future__ import annotations

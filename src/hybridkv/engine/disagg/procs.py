@@ -7,20 +7,15 @@ take it between choosing and binding), and runs ``main(r, conn, *args)`` where `
 end of a duplex pipe to the launcher. Two engines never share a world, so a death in one never
 breaks a collective of the other.
 
-Processes come from a forkserver (``multiprocessing``'s, one per launcher process, started at
-the first launch) that has imported torch, transformers' config classes and the worker
-modules once (``PRELOAD``): a launch or a restart forks a ready interpreter instead of
-importing them again in every worker. Fork safety: the forkserver runs no thread when it forks
-(``forkserver_threads``; the one thread those imports start, numpy's OpenBLAS server, is stopped
-by OpenBLAS itself before every fork), and everything with threads or sockets (gloo, the
-transfer agents, Mooncake, whose import alone starts threads) is created in the worker, after
-the fork. The forkserver's environment, and so the workers', is the launcher's at the first launch.
+Processes come from the engine forkserver (``parallel.forkserver``: torch, transformers' config
+classes and the worker modules imported once): a launch or a restart forks a ready interpreter
+instead of importing them again in every worker.
 
 Invariants:
 - A worker's fd 2 is the write end of its pipe in ``logs`` (``WorkerLog``): the launcher reads
   what it writes there, whatever wrote it (Python or a C++ library).
 - A worker that raises sends ``Crash`` (its traceback) on its pipe and exits with code 1; one
-  whose launcher dies exits by itself (it watches the launcher's end of its start pipe).
+  whose launcher dies exits by itself (``watch_launcher``).
 - ``close`` asks nothing: it gives each process ``grace_s`` to exit, then terminates, then
   kills, and joins every one of them; afterwards no process of the engine is alive and every
   pipe end of the launcher is closed. ``kill`` sends a real signal to one rank.
@@ -31,58 +26,24 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing import forkserver
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
 
 from hybridkv.engine.disagg.protocol import Command, Crash
 from hybridkv.engine.disagg.worker_log import WorkerLog
+from hybridkv.engine.parallel.forkserver import context, watch_launcher
 from hybridkv.engine.parallel.groups import backend_for
 
-PRELOAD = ["hybridkv.engine.disagg.preload"]
-"""What the forkserver imports once, before it forks any worker (see ``preload``)."""
 EXIT_WAIT_S = 5.0
 """How long ``exit_reason`` waits for a process whose sentinel fired to be reaped."""
-
-
-def context() -> Any:
-    """The forkserver context every engine process comes from (preloading ``PRELOAD``)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def forkserver_pid() -> int | None:
-    """The forkserver's process id, once one was started in this process."""
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
-
-
-def forkserver_threads() -> int:
-    """Threads of the forkserver (1 when fork-safe; 0 when none runs)."""
-    pid = forkserver_pid()
-    if pid is None:
-        return 0
-    try:
-        return len(os.listdir(f"/proc/{pid}/task"))
-    except FileNotFoundError:
-        return 0
-
-
-def _watch_launcher() -> None:
-    """Exit at once when the launcher is gone (its end of the start pipe closes with it)."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        wait([parent.sentinel])
-    os._exit(1)
 
 
 def _child(
@@ -97,7 +58,7 @@ def _child(
 ) -> None:
     os.dup2(log.fileno(), 2)  # everything written to fd 2 goes to the launcher's WorkerLog
     log.close()
-    threading.Thread(target=_watch_launcher, daemon=True, name="launcher-watch").start()
+    threading.Thread(target=watch_launcher, daemon=True, name="launcher-watch").start()
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
