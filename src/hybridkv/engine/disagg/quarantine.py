@@ -14,12 +14,14 @@ The rule (``PDServer`` applies it at every death of an engine; "role": prefill o
   queue). So a suspect's second death has it alone present: only the request whose processing
   kills an engine is quarantined, never the requests that shared the engine with it. (Cost: after
   a death, its requests are computed again one by one before new ones start.)
-- Budget: a death counts against the role's ``restarts`` unless a quarantined request was present
-  at it; the engine is lost when a death brings the counted deaths of its role above ``restarts``.
-  A poison request thus spends one restart at its first death and gives it back when it is
-  quarantined at its second (``restarts=0``: the first death loses the engine, as before).
+- Budget: a death counts against the role's ``restarts`` unless a request quarantined for that
+  role's deaths was present at it; the engine is lost when a death brings the counted deaths of
+  its role above ``restarts``. A poison request thus spends one restart at its first death and
+  gives it back when it is quarantined at its second (``restarts=0``: the first death loses the
+  engine, as before).
 - A death of an epoch that had not started implicates no request (none was processed there): its
-  requests are dispatched again as they were, and the death counts.
+  requests go back to the front of the line they came from (a suspect stays a suspect), and the
+  death counts.
 Invariant: a request is quarantined at most once, and only at a death it was present at.
 """
 
@@ -45,6 +47,7 @@ class Quarantine:
     def __init__(self) -> None:
         self.deaths: list[Death] = []
         self.quarantined: set[int] = set()
+        self._quarantined_by: dict[Role, set[int]] = {Role.PREFILL: set(), Role.DECODE: set()}  # role -> requests
         self.suspects: deque[int] = deque()  # submission indices, retried in this order, one at a time
         self.queue: deque[int] = deque()  # the other requests to dispatch, in order
         self._held: dict[tuple[int, Role], list[str]] = {}  # (request, role) -> the deaths it was present at
@@ -68,6 +71,7 @@ class Quarantine:
             seen.append(why)
             if len(seen) >= 2:
                 self.quarantined.add(index)
+                self._quarantined_by[role].add(index)
                 failed[index] = (
                     f"{QUARANTINED}: the {role.value} engine died twice while it held this request: {'; '.join(seen)}"
                 )
@@ -78,10 +82,17 @@ class Quarantine:
                 self.suspects.remove(index)
         return failed
 
+    def requeue(self, index: int) -> None:
+        """Put a request that a death did not implicate back at the front of its line: the suspects' if it was
+        present at an earlier death, else the queue's."""
+        held = any(i == index for i, _ in self._held)
+        (self.suspects if held else self.queue).appendleft(index)
+
     def counted(self, role: Role) -> int:
-        """Deaths of the ``role`` engine that count against its restart budget (no quarantined request
-        was present at them)."""
-        return sum(1 for d in self.deaths if d.role is role and not d.present & self.quarantined)
+        """Deaths of the ``role`` engine that count against its restart budget (no request quarantined for
+        deaths of that engine was present at them)."""
+        explained = self._quarantined_by[role]
+        return sum(1 for d in self.deaths if d.role is role and not d.present & explained)
 
     def clear(self) -> None:
         """Forget what waits (an engine is lost: every open request fails)."""

@@ -35,7 +35,7 @@ Faults (the rule in full: ``quarantine``):
   request present at a second death of the same engine is the only one present: it fails alone,
   "quarantined: the prefill engine died twice while it held this request: <death>; <death>"; a
   poison request (one whose processing crashes a worker) never takes the others down with it.
-- a death counts against the engine's ``restarts`` unless a quarantined request was present at it;
+- a death counts against the engine's ``restarts`` unless a request quarantined for its deaths was there;
   when the counted deaths exceed ``restarts`` the engine is lost (``lost``): every request not
   finished, and every new one, fails with the reason.
 - a transfer timeout (decode side) or any other transfer failure ends that request ``failed``
@@ -485,7 +485,7 @@ class PDServer:
             if req.index in failed:
                 self._fail(req, failed[req.index])
             elif not started:
-                self._quarantine.queue.appendleft(req.index)  # not implicated: dispatched again as it was
+                self._quarantine.requeue(req.index)  # not implicated: dispatched again as it was
         if self._stopping:
             return
         if self._quarantine.counted(e.role) > self.config.restarts:
