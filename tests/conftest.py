@@ -1,10 +1,22 @@
-"""Shared test fixtures: hypothesis profiles and the host-sync counter."""
+"""Shared test fixtures: hypothesis profiles, and one ``mooncake_master`` on loopback for the
+whole session (the tier and engine tests share it; a test that kills a master starts its own)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from hybridkv.tiers import MooncakeMaster
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    with MooncakeMaster() as master:
+        yield master
+
 
 settings.register_profile(
     "ci",

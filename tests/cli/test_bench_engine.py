@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from hybridkv.bench.engine import CallTimer, conversation_prompts
+from hybridkv.bench.engine import CallTimer, conversation_prompts, hybridkv_classes
 from hybridkv.cli import app
 
 
@@ -21,33 +21,60 @@ def test_conversation_prompts_share_the_trace_blocks_as_token_prefixes() -> None
     assert {tuple(p[:4]) for p in prompts} == {tuple(prompts[0][:4])}  # block 0: the system prompt
 
 
-def test_call_timer_counts_outermost_calls_only() -> None:
+def test_call_timer_counts_outermost_calls_and_properties() -> None:
     class Inner:
         def outer(self) -> int:
-            return self.inner() + self.inner()
+            return self.inner() + self.inner() + self.size
 
         def inner(self) -> int:
             return 1
 
+        @property
+        def size(self) -> int:
+            return self.inner()
+
     timer = CallTimer()
     with timer.patch(Inner):
-        assert Inner().outer() == 2
+        assert Inner().outer() == 3
         assert Inner().inner() == 1
-    assert timer.calls == 2 and timer.seconds > 0
-    assert "timed" not in repr(Inner.outer)  # restored
+        assert Inner().size == 1
+    assert timer.calls == 3 and timer.seconds >= 0
+    assert set(timer.by_name) == {"Inner.outer", "Inner.inner", "Inner.size"}
+    assert "timed" not in repr(Inner.outer) and isinstance(vars(Inner)["size"], property)  # restored
 
 
-def test_bench_engine_json_is_exact_and_reports_both_goals() -> None:
+def test_the_hybridkv_share_times_every_memory_and_cache_class() -> None:
+    names = {c.__name__ for c in hybridkv_classes()}
+    assert {"UnifiedMemory", "SubPool", "HybridRadixCache", "KVManager", "KVHandle", "RequestAllocator"} <= names
+    assert not any(issubclass(c, BaseException) for c in hybridkv_classes())
+
+
+def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> None:
     args = ["bench", "engine", "--model", "tiny-qwen3-next", "--requests", "6", "--max-new-tokens", "3", "--json"]
     args += ["--chunk-size", "8", "--page-size", "4"]  # small chunks: later requests start after earlier ones cached
     # ... the chunks of an earlier request still in prefill: the engine's default checkpoints every chunk for them
+    args += ["--rounds", "1", "--padded-batch", "4"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert result.stderr.startswith("hybridkv bench engine: max context "), result.stderr  # sizing, at start
     (row,) = report["models"]
-    assert row["model"] == "tiny-qwen3-next" and row["exact"] == 6 and row["tokens"] == 18
-    assert 0 < row["hybridkv_share"] < 1 and row["hybridkv_calls"] > row["steps"] > 0
-    assert row["speedup"] > 0 and isinstance(row["speedup_met"], bool) and isinstance(row["share_met"], bool)
-    assert row["prefix_cache"] and 0 < row["prefix_hit_rate"] < 1 and row["cached_tokens"] > 0
+    assert row["model"] == "tiny-qwen3-next" and row["tokens"] == 18
+    runs = row["contenders"]
+    assert set(runs) == {"engine", "hf_one_by_one", "hf_padded_all", "hf_padded_4"}
+    assert "linear_attention" in row["not_run"]["hf_continuous"]  # transformers' continuous batching refuses it
+    assert runs["engine"]["exact"] == 6 and runs["hf_one_by_one"]["exact"] == 6  # the oracle is itself
+    for r in runs.values():
+        assert r["cpu_s"] > 0 and r["computed_tokens"] > 0 and r["tokens_per_cpu_s"] > 0
+    # padding: one batch of 6 pads every prompt to the longest; batches of 4 pad less; one by one not at all
+    assert runs["hf_padded_all"]["computed_tokens"] > runs["hf_padded_4"]["computed_tokens"]
+    assert runs["hf_padded_4"]["computed_tokens"] > runs["hf_one_by_one"]["computed_tokens"]
+    assert runs["engine"]["computed_tokens"] < runs["hf_one_by_one"]["computed_tokens"]  # prefix hits
+    eng = runs["engine"]
+    assert 0 < eng["hybridkv_share"] < 1 and eng["hybridkv_calls"] > eng["steps"] > 0
+    assert eng["prefix_hit_rate"] > 0 and eng["cached_tokens"] > 0
+    assert row["strongest_baseline"] in runs and row["cheapest_padded"] in ("hf_padded_all", "hf_padded_4")
+    assert (
+        isinstance(row["speedup_met"], bool) and isinstance(row["cpu_met"], bool) and isinstance(row["share_met"], bool)
+    )
     assert report["checkpoints"] == "interval:8,prompt-aligned,branch,end"  # the default, resolved

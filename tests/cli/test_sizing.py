@@ -7,8 +7,8 @@
 - The rule: the work's context, else the default capped by the model's maximum; ``--max-context``
   above the model's maximum is refused; the default budget is doubled until one request of the
   context fits every rank (and no smaller power of two of it would), a given one is checked.
-- ``generate``, ``serve-pd``, ``bench engine`` and ``bench pd`` take the same four sizing options
-  with the same defaults.
+- ``generate``, ``serve-pd``, ``serve``, ``bench engine``, ``bench pd`` and ``bench serve`` take the
+  same four sizing options with the same defaults.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def _options(path: list[str]) -> dict[str, object]:
     return {opt: p.default for p in command.params for opt in p.opts if p.param_type_name == "option"}
 
 
-@pytest.mark.parametrize("path", [["generate"], ["serve-pd"], ["bench", "engine"], ["bench", "pd"]])
+@pytest.mark.parametrize(
+    "path", [["generate"], ["serve-pd"], ["serve"], ["bench", "engine"], ["bench", "pd"], ["bench", "serve"]]
+)
 def test_every_command_that_builds_an_engine_takes_the_same_sizing_options(path: list[str]) -> None:
     options = _options(path)
     sizing = {k: options.get(k, "missing") for k in ("--gpu-memory", "--max-context", "--page-size", "--chunk-size")}

@@ -47,3 +47,38 @@ def test_a_model_with_recurrent_layers_needs_state_slots() -> None:
     with pytest.raises(BatchError, match="give every request a state slot"):
         runner.forward(ForwardBatch.build([[1, 2, 3]], [0], [locs]))
     runner.mem.free(locs)
+
+
+def test_page_rows_give_the_same_step_as_token_locations() -> None:
+    """``from_pages`` (a scheduler's page rows) and ``build`` (per-token locations) describe the same step."""
+    import torch
+
+    from hybridkv.engine.allocator import Admission, RequestAllocator
+
+    runner = make_runner("tiny-qwen3-next", 4)
+    alloc = RequestAllocator(runner.mem, prefix_cache=False)
+    prompts = [list(range(3, 12)), list(range(20, 26))]
+    reqs = [alloc.new() for _ in prompts]
+    for req, ids in zip(reqs, prompts, strict=True):
+        assert alloc.admit(req, ids, len(ids), 16, 0, True) is Admission.ADMITTED
+    alloc.extend(reqs, [len(p) for p in prompts])
+    slots, fresh = [r.slot for r in reqs], [r.fresh for r in reqs]
+    by_locs = ForwardBatch.build(prompts, [0, 0], [r.token_locs for r in reqs], slots, fresh)
+    pages = [r.live.pages for r in reqs]
+    by_pages = ForwardBatch.from_pages(prompts, [0, 0], pages, runner.mem.page_size, slots, fresh)
+    first = runner.forward(by_locs)
+    again = runner.forward(by_pages)  # the same state slots, still fresh: the same computation
+    assert torch.equal(first, again)
+    for r in reqs:
+        alloc.retract(r)
+    runner.mem.verify()
+
+
+def test_page_rows_that_cannot_hold_the_context_are_refused() -> None:
+    with pytest.raises(BatchError, match="request 0: 1 pages of 4 tokens cannot hold a context of 6"):
+        ForwardBatch.from_pages([[1, 2]], [4], [np.array([3])], 4)
+    with pytest.raises(BatchError, match="one of the two"):
+        ForwardBatch(np.array([1]), np.array([0]), np.array([1]), None)
+    batch = ForwardBatch.from_pages([[1, 2]], [0], [np.array([3])], 4)
+    with pytest.raises(BatchError, match="page rows of 4 tokens a page for a memory of 16"):
+        batch.page_table(16)

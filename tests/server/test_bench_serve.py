@@ -1,4 +1,5 @@
-"""``hybridkv bench serve``: a real ``hybridkv serve`` subprocess against the engine, same requests, exact."""
+"""``hybridkv bench serve``: real ``hybridkv serve`` subprocesses (single-process and ``--disaggregated``) against
+the engine, same requests, exact."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import json
 import math
 import socket
 
+import pytest
 from typer.testing import CliRunner
 
 from hybridkv.bench.serve import arrivals
-from hybridkv.cli import app
+from hybridkv.cli import app, main
 from hybridkv.server.run import bind
 
 
@@ -32,12 +34,19 @@ def test_listening_socket_is_tcp_with_nodelay() -> None:
 
 def test_bench_serve_json_is_exact_and_complete() -> None:
     args = ["bench", "serve", "--requests", "6", "--max-new-tokens", "3", "--rounds", "1", "--alone", "2"]
+    args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2"]
     result = CliRunner().invoke(app, [*args, "--request-rate", "inf", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
+    # one sizing story (cli/sizing.py): the context from the work, the budget per process of either server
+    assert result.stderr.startswith("hybridkv bench serve: max context "), result.stderr
+    assert "longest prompt" in result.stderr and "--gpu-memory 32.00 MiB per process" in result.stderr
     (row,) = report["per_round"]
     assert row["exact"] == 6  # every HTTP request gave the engine's tokens
-    for side in ("engine", "http"):
+    assert row["pd_exact"] == 6  # and every request of the disaggregated server
+    assert report["disaggregated"] == "--disaggregated --prefill-pp 2 --prefill-tp 1 --decode-tp 2 --transport shm"
+    assert row["pd"]["cpu_s"] is None
+    for side in ("engine", "http", "pd"):
         s = row[side]
         assert s["ttft_ms"]["p50"] > 0 and s["e2e_ms"]["p99"] >= s["e2e_ms"]["p50"]
         assert s["output_tokens_per_s"] > 0 and 0 <= s["prefix_hit_rate"] < 1
@@ -45,3 +54,9 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     # CPU from the server's /metrics (process CPU counts 10 ms ticks: over 2 requests only the sign is noise)
     assert isinstance(report["http_cpu_ms"], float) and report["engine_thread_cpu_ms"] > 0 < report["engine_cpu_ms"]
     assert row["http"]["engine_thread_cpu_s"] > 0 and row["http"]["cpu_s"] > 0
+
+
+def test_bench_serve_refuses_url_with_disaggregated(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--disaggregated"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--url loads a running server; --disaggregated starts its own" in err

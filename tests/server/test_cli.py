@@ -18,7 +18,16 @@ from hybridkv.cli import main
         (["--random", "tiny-qwen3-next", "--gpu-memory", "lots"], "--gpu-memory"),
         (["--random", "tiny-qwen3-next", "--shutdown-timeout", "nan"], "--shutdown-timeout"),
         (["--random", "tiny-qwen3-next", "--tokenizer", "/nonexistent"], "--tokenizer"),
-        (["--random", "tiny-qwen3-next", "--disaggregated"], "not wired into the HTTP server yet"),
+        (
+            ["--random", "tiny-qwen3-next", "--decode-tp", "2"],
+            "--decode-tp configures the PD server: add --disaggregated",
+        ),
+        (["--random", "tiny-qwen3-next", "--disaggregated", "--transport", "pigeon"], "unknown transport 'pigeon'"),
+        (["--random", "tiny-qwen3-next", "--disaggregated", "--fault", "explode:1"], "unknown fault 'explode'"),
+        (["--random", "tiny-qwen3-next", "--disaggregated", "--fault", "kill-decode:x"], "'kill-decode:x'"),
+        # refused by the layout check, before any process starts
+        (["--random", "tiny-qwen3-next", "--disaggregated", "--fault", "kill-decode:0:5"], "rank 5 does not exist"),
+        (["--random", "tiny-qwen3-next", "--disaggregated", "--prefill-pp", "64"], "64"),
     ],
 )
 def test_bad_options_are_one_error_line(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:

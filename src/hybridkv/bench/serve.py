@@ -13,6 +13,12 @@ Two sides per round, rounds alternating, on the same arrival schedule:
   asyncio httpx client that sends each request at its arrival time as a streaming
   ``POST /generate`` (each round its own ``cache_salt``, so no round hits another's cache).
 
+With ``disaggregated`` (extra ``hybridkv serve`` options: ``--disaggregated`` and its layout), a third
+side per round, ``pd``: a ``hybridkv serve --disaggregated`` subprocess with the same sizing (its budget
+per worker process), driven like ``http`` on the same schedule; rounds alternate engine, http, pd. Its
+``exact`` counts requests whose tokens equal the engine's; its CPU is not counted (the workers are
+processes of their own, outside the server's ``/metrics``).
+
 ``overhead``: each of the first ``alone`` requests served alone, once by the engine and right
 after by the server (so both run under the same machine load), each in a cache namespace of its
 own: HTTP end-to-end minus the engine's, p50 / p99 (goal: p50 <= 2 ms). Wall times on a shared
@@ -45,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,28 +274,35 @@ def run(
     rounds: int = 2,
     alone: int = 16,
     block_tokens: int = 4,
-    gpu_memory: str = "256MiB",
+    gpu_memory: int | str = "256MiB",
     page_size: int = 16,
     chunk_size: int = 64,
     seed: int = 0,
     url: str | None = None,
     api_key: str | None = None,
+    disaggregated: list[str] | None = None,
+    max_context: int | None = None,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
-    sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size}
+    sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size, "max_context": max_context}
     with quiet_transformers():
         weights, config = build_random(model)
     engine = Engine(config, weights, **sizing)  # type: ignore[arg-type]
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
-    args = ["--random", model, "--gpu-memory", gpu_memory, "--page-size", str(page_size)]
+    args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
+    args += [] if max_context is None else ["--max-context", str(max_context)]
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
-    with _server(url, args) as base:
-        target = Target(base, headers)
+    with ExitStack() as servers:
+        target = Target(servers.enter_context(_server(url, args)), headers)
         drive_http(target, prompts[:2], [0.0, 0.0], 2, "warm-up")
         overhead, solo = one_by_one(engine, target, prompts[:alone], max_new_tokens)
+        pd = None  # started after the overhead phase: its idle workers do not load the machine during it
+        if disaggregated is not None:
+            pd = Target(servers.enter_context(served([*args, *disaggregated])), {})
+            drive_http(pd, prompts[:2], [0.0, 0.0], 2, "warm-up")
         for r in range(rounds):
             engine.clear_cache()
             cpu = Cpu()
@@ -310,6 +323,10 @@ def run(
                     "exact": sum(h.tokens == d.tokens for h, d in zip(http, direct, strict=True)),
                 }
             )
+            if pd is not None:
+                split = drive_http(pd, prompts, offsets, max_new_tokens, f"round-{r}-{time.time_ns()}")
+                per_round[-1]["pd"] = {**summarize(split, prompts), "cpu_s": None}
+                per_round[-1]["pd_exact"] = sum(p.tokens == d.tokens for p, d in zip(split, direct, strict=True))
     lengths = [len(p) for p in prompts]
     over = _ms(overhead)
     n = len(overhead)
@@ -322,6 +339,7 @@ def run(
         "max_new_tokens": max_new_tokens,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",
+        "disaggregated": None if disaggregated is None else " ".join(disaggregated),
         "per_round": per_round,
         "overhead_ms": over,
         "http_cpu_ms": round(1e3 * (solo.server - solo.server_engine) / n, 3),

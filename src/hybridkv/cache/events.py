@@ -82,14 +82,16 @@ def root_hash(namespace: Hashable) -> int:
 
 
 def chain_hashes(parent_hash: int, key: np.ndarray, page_size: int) -> list[int]:
-    """Chained hashes of the pages of ``key`` (int64 tokens, a whole number of pages)."""
+    """Chained hashes of the pages of ``key`` (int64 tokens, a whole number of pages): page
+    ``i`` is ``_digest(name of page i-1 || its tokens)``, chained on the digest bytes."""
     out = []
-    h = parent_hash
+    prev = parent_hash.to_bytes(_DIGEST, "little")
     data = np.ascontiguousarray(key, dtype="<i8").tobytes()
     step = page_size * 8
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
     for off in range(0, len(data), step):
-        h = _digest(h.to_bytes(_DIGEST, "little") + data[off : off + step])
-        out.append(h)
+        prev = blake2b(prev + data[off : off + step], digest_size=_DIGEST).digest()
+        out.append(from_bytes(prev, "little"))
     return out
 
 

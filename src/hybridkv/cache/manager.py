@@ -251,6 +251,24 @@ class KVManager:
                 freed += int(pages.size)
         return freed
 
+    def discard_windows(self, handle: KVHandle) -> int:
+        """Free at once (never window-cache) each window pool's cells of the own pages before
+        its window at ``seq_len``: cells that hold no computed bytes (pages restored from a tier
+        below, which brings back only the window before the restored end; cached, such a cell
+        would make a later hit inside that span read garbage). Returns how many were freed."""
+        handle = _handle(handle, "discard_windows")
+        handle.check_running("discard_windows")
+        freed = 0
+        for i, pool in enumerate(handle.windows):
+            first = pool.page_span(handle.seq_len, self.page_size)[0]
+            lo = max(handle.released[i], handle.cached)
+            if first > lo:
+                pages = handle.pages[lo:first]  # never window-cached: released marks what was
+                self.mem.free_window_pages(pages, pool)
+                handle.released[i] = first
+                freed += int(pages.size)
+        return freed
+
     def checkpoint(self, handle: KVHandle) -> int:
         """Copy the running state now (after ``seq_len`` tokens, page-aligned) into a new
         checkpoint slot; the next insert caches it."""

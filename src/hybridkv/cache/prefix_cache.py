@@ -43,7 +43,7 @@ from hybridkv.cache.locks import CacheLock, LockTable
 from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy, RecomputeCost, make_policy
 from hybridkv.cache.radix import RadixTree, Walk
-from hybridkv.cache.residency import Residency
+from hybridkv.cache.residency import Residency, ResidencyHook
 from hybridkv.cache.rules import HitRules, Need
 from hybridkv.memory import UnifiedMemory
 
@@ -332,6 +332,17 @@ class HybridRadixCache:
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
 
+    def set_residency_hook(self, hook: ResidencyHook | None) -> None:
+        """Tell ``hook`` (storage tiers below the device) what the tree stores and evicts
+        (``residency.ResidencyHook``); None detaches it. Attaching only on an empty tree:
+        every node must carry its page names from its insert on."""
+        if hook is not None and self.tree.num_nodes:
+            raise CacheError(
+                f"set_residency_hook: the tree holds {self.tree.num_nodes} nodes already; set the hook "
+                "before the first insert (nodes inserted before it carry no page names)"
+            )
+        self.residency.hook = hook
+
     def evict(self, needs: Mapping[Need, int], *, for_slabs: bool = False) -> dict[Need, int]:
         """See ``Evictor.evict``: cells freed per pool (and whole pages under ``PAGE_NEED``)."""
         if not isinstance(for_slabs, bool):
@@ -343,7 +354,7 @@ class HybridRadixCache:
     def _root(self, namespace: Hashable) -> Node:
         root = self.tree.find_root(namespace)
         if root is None:
-            hashes = [root_hash(namespace)] if self.events.enabled else None  # refuses an unnameable key first
+            hashes = [root_hash(namespace)] if self.residency.names_pages else None  # refuses an unnameable key first
             root = self.tree.add_root(namespace)
             root.hashes = hashes
         return root

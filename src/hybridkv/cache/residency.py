@@ -17,11 +17,15 @@ Invariants (``check_tree`` proves them):
   (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
   it once (window pages, then pages, then slots: an order that is always valid).
+- A ``ResidencyHook`` (storage tiers below the device) hears every component the tree
+  stores, after the change, and every component it evicts, *before* the change, while the
+  bytes are still live; with a hook (or events) every node carries its chained page names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -35,7 +39,21 @@ from hybridkv.cache.window_cache import WindowCache
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
 
-__all__ = ["PAGE_NEED", "CacheCounters", "Release", "Residency"]
+__all__ = ["PAGE_NEED", "CacheCounters", "Release", "Residency", "ResidencyHook"]
+
+
+class ResidencyHook(Protocol):
+    """What a storage tier below the device hears from the tree. ``pool`` is None for full KV
+    (every full-history pool), a window pool's id, or the state pool's id for a checkpoint."""
+
+    def stored(self, node: Node, kind: ComponentKind, pool: PoolId | None) -> None:
+        """``node``'s component ``kind`` is cached now (a new leaf's pages and windows, or a
+        checkpoint attached at its end)."""
+
+    def evicting(self, node: Node, kind: ComponentKind, pool: PoolId | None) -> None:
+        """``node``'s component is about to be evicted: its pages (every full page, or the
+        window cells still resident in ``pool``) or its checkpoint slot are still live and
+        unchanged; they are freed once the eviction flushes."""
 
 
 @dataclass
@@ -79,6 +97,8 @@ class Residency:
         self.tree = tree
         self.rules = rules
         self.events = events
+        self.hook: ResidencyHook | None = None
+        """Storage tiers' hook (``HybridRadixCache.set_residency_hook``)."""
         self.counters = CacheCounters(
             tombstoned={w.pool_id: 0 for w in rules.windows}, reclaimed={w.pool_id: 0 for w in rules.windows}
         )
@@ -118,20 +138,31 @@ class Residency:
             count = node.window_resident[w.index] = w.count(pages)
             if count:
                 self.window_nodes[w.index].add(node)
-        if self.events.enabled:
+        if self.names_pages:
             parent = node.parent
             assert parent is not None and parent.hashes is not None
             node.hashes = chain_hashes(parent.hashes[-1], node.key, self.tree.page_size)
+        if self.events.enabled:
             every = np.arange(pages.size)
             for label in self.rules.full.labels:
                 self.emit(EventKind.STORED, label, ComponentKind.FULL_KV, node, every, with_tokens=True)
             for w in self.rules.windows:
                 self.emit(EventKind.STORED, w.label, w.kind, node, np.flatnonzero(w.pool.resident(pages)))
         self.refresh(node)
+        if self.hook is not None:
+            self.hook.stored(node, ComponentKind.FULL_KV, None)
+            for w in self.rules.windows:
+                if node.window_resident[w.index]:
+                    self.hook.stored(node, w.kind, w.pool_id)
 
     def remove_leaf(self, node: Node, freed: list[int], release: Release) -> None:
         """Evict a whole leaf: its pages leave every pool, its checkpoint goes too. ``freed``
         is indexed by need slot (``HitRules.need_keys``)."""
+        if self.hook is not None:
+            for w in self.rules.windows:
+                if node.window_resident[w.index]:
+                    self.hook.evicting(node, w.kind, w.pool_id)
+            self.hook.evicting(node, ComponentKind.FULL_KV, None)
         if self.events.enabled:
             for w in self.rules.windows:
                 if node.window_resident[w.index]:  # not tombstoned earlier in this eviction
@@ -162,6 +193,8 @@ class Residency:
     def tombstone(self, node: Node, w: WindowRule, release: Release) -> int:
         """Evict a node's window pages in pool ``w`` (its full KV stays); returns how many."""
         count = node.window_resident[w.index]
+        if self.hook is not None:
+            self.hook.evicting(node, w.kind, w.pool_id)
         whole = count == node.pages.size  # every page resident: no table read needed
         gone = node.pages if whole else node.pages[w.pool.resident(node.pages)]
         release.window.setdefault(w.pool_id, []).append(gone)
@@ -207,6 +240,8 @@ class Residency:
         self.refresh(node)
         if self.events.enabled:
             self.emit_checkpoint(EventKind.STORED, node)
+        if self.hook is not None:
+            self.hook.stored(node, ComponentKind.CHECKPOINT, self.mem.slot_pools[0].pool_id)
 
     def drop_checkpoint(self, node: Node) -> int:
         """Take the checkpoint off ``node``; returns its slot (the caller frees it)."""
@@ -215,6 +250,8 @@ class Residency:
         return slot
 
     def _take_checkpoint(self, node: Node) -> int:
+        if self.hook is not None:
+            self.hook.evicting(node, ComponentKind.CHECKPOINT, self.mem.slot_pools[0].pool_id)
         if self.events.enabled:
             self.emit_checkpoint(EventKind.REMOVED, node)
         slot = node.checkpoint
@@ -224,6 +261,11 @@ class Residency:
         return slot
 
     # --- events ---------------------------------------------------------------------------
+
+    @property
+    def names_pages(self) -> bool:
+        """Nodes carry chained page names (``Node.hashes``): for events, or for a hook."""
+        return self.events.enabled or self.hook is not None
 
     def emit(
         self,

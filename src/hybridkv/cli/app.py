@@ -2,7 +2,7 @@
 
 Invariants (``main``):
 - A user error — a bad option (click's usage errors), or an input the library refuses with one
-  of its own errors (``ValueError`` family, ``OSError``, memory / transfer / replay refusals) —
+  of its own errors (``ValueError`` family, ``OSError``, memory / transfer / replay / tier refusals) —
   prints exactly one line ``error: ...`` on stderr and exits 2. No traceback, unless
   ``--debug`` is given (anywhere on the command line), which re-raises.
 - Anything else is a bug: one line naming the exception type, exit 1 (``--debug`` shows it).
@@ -17,6 +17,7 @@ import typer
 
 from hybridkv.memory.errors import MemoryPoolError
 from hybridkv.replay.simulator import ReplayError
+from hybridkv.tiers import TierError
 from hybridkv.transfer.errors import TransferError
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     MemoryPoolError,
     ReplayError,
     TransferError,
+    TierError,
 )
 DEBUG_FLAG = "--debug"
 

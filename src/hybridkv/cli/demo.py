@@ -1,26 +1,28 @@
-"""``hybridkv demo`` (``make demo``): a tiny random Qwen3-Next served disaggregated, token-exact against transformers.
+"""``hybridkv demo`` (``make demo``): a tiny random Qwen3-Next served over HTTP by ``hybridkv serve --disaggregated``,
+token-exact against transformers.
 
-The default run: 2 pipeline-stage prefill processes hand KV and GDN state over the Mooncake
-transfer engine (TCP) to 2 tensor-parallel decode processes (``engine.disagg.run_pd``), six
-shared-prefix requests submitted at once, with one deliberate fault on request ``FAULT_REQUEST``
-(``--fault``): ``kill-prefill`` (default) SIGKILLs prefill stage 1 while it sends that request,
-``kill-decode`` SIGKILLs decode TP rank 1 while it holds it (either engine restarts and the
-request is computed again), ``stall-transfer`` holds its KV back past the decode side's transfer
-timeout (it ends Failed). Per request: its tokens next to ``transformers``' greedy tokens, its
-status and a verdict, then its prefix-cache hit, bytes moved and timings.
+The default run: ``hybridkv serve --disaggregated`` (a real server process, ``cli.demo_serve``) whose
+2 pipeline-stage prefill processes hand KV and GDN state over the Mooncake transfer engine (TCP) to 2
+tensor-parallel decode processes; an httpx client streams six shared-prefix requests (the first two
+alone, then the rest concurrently), with one deliberate fault on request ``FAULT_REQUEST`` (the
+server's ``--fault``; ``--fault`` here): ``kill-prefill`` (default) SIGKILLs prefill stage 1 while it
+sends that request, ``kill-decode`` SIGKILLs decode TP rank 1 while it holds it (either engine
+restarts and the request is computed again), ``stall-transfer`` holds its KV back past the decode
+side's transfer timeout (it ends failed). Per request: its tokens as the client got them next to
+``transformers``' greedy tokens, its status and a verdict, then its prefix-cache hit, TTFT and
+end-to-end latency as the client saw them; then the server's ``/metrics`` figures.
 
 A verdict is right when a request finished with ``transformers``' tokens, except the stalled
-request, which must end Failed, and a killed-engine request, which must also show its second
-attempt (the fault landed). The command exits 1 unless every verdict is right. ``--all`` first
-runs the earlier sections (the planner on real models, a replay of the Mooncake trace, a
+request, which must end failed, and a killed-engine request, whose fault must also show in
+``/metrics`` (one worker death, one restart of its engine). The command exits 1 unless every
+verdict is right and every worker holds again what it held before the first request. ``--all``
+first runs the earlier sections (the planner on real models, a replay of the Mooncake trace, a
 byte-checked multi-process transfer, the single-process engine); their checks count too.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +36,7 @@ from hybridkv.cli.params import transport_option
 from hybridkv.memory import format_bytes
 
 if TYPE_CHECKING:
-    from hybridkv.engine.disagg import RequestResult
+    from hybridkv.cli.demo_serve import Served
 
 PD_MODEL = "tiny-qwen3-next"
 PD_PREFIX = 40
@@ -73,19 +75,22 @@ def demo(
     ),
     gpu_memory: str = typer.Option("80GiB", "--gpu-memory", help="The planner's GPU (--all)."),
 ) -> None:
-    """A tiny random Qwen3-Next served disaggregated: 2 PP prefill processes -> decode TP 2 processes over
-    Mooncake, one deliberate fault, every request's tokens next to transformers' with a verdict, and its
-    timings. Exits 1 unless every verdict is right. ``--all`` first runs the earlier sections."""
+    """A tiny random Qwen3-Next behind hybridkv serve --disaggregated (2 PP prefill processes -> decode TP 2
+    processes over Mooncake), driven over HTTP, one deliberate fault, every request's tokens next to
+    transformers' with a verdict, and the server's /metrics. Exits 1 unless every verdict is right.
+    ``--all`` first runs the earlier sections."""
     console = Console(width=max(Console().width, 150))
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     if all_sections:
         report.update(earlier_sections(console, out, gpu_memory))
-        console.rule("5. Disaggregated serving: 2 PP prefill processes -> decode TP 2 processes, vs transformers")
+        console.rule(
+            "5. hybridkv serve --disaggregated: 2 PP prefill processes -> decode TP 2, over HTTP, vs transformers"
+        )
     pd = report["pd"] = pd_section(console, requests, transport, fault)
     (out / "demo.json").write_text(json.dumps(report, indent=1))
     console.print(f"report: {out / 'demo.json'}")
-    verdicts = [r["right"] for r in pd["requests"]]
+    verdicts = [r["right"] for r in pd["requests"]] + [pd["released"]]
     if all_sections:
         verdicts += [report["pd_transfer"]["ok"], *(r["match"] for r in report["engine"]["requests"])]
     if not all(verdicts):
@@ -118,124 +123,172 @@ def reference_tokens(hf: Any, prompts: list[list[int]], max_new: int) -> list[li
 
 
 def pd_section(console: Console, requests: int, transport: str, fault: str) -> dict[str, Any]:
-    """Serve ``pd_prompts(requests)`` with ``run_pd`` (PP 2 -> TP 2, pages of 16, prefill chunks of 16, the
-    prefill prefix cache on, ``fault`` on request ``FAULT_REQUEST``) and with ``transformers``; print a row per
-    request: tokens side by side, status, verdict; then cache hit, bytes moved, timings."""
+    """Serve ``pd_prompts(requests)`` through ``hybridkv serve --disaggregated`` (PP 2 -> TP 2, pages of 16,
+    prefill chunks of 16, the prefill prefix cache on, ``fault`` on request ``FAULT_REQUEST``) streamed by an
+    HTTP client, and with ``transformers``; print a row per request: tokens side by side, status, verdict;
+    then its cache hit and latencies as the client saw them, and the server's ``/metrics`` figures."""
     import tempfile
 
-    from hybridkv.engine.disagg import FINISHED, Fault, PDConfig, run_pd
+    from hybridkv.cli import demo_serve
     from hybridkv.engine.random_models import quiet_transformers, save_random
-    from hybridkv.engine.request import SamplingParams
 
     prompts = pd_prompts(requests)
-    faults: tuple[Fault, ...] = ()
-    timeout = 30.0
+    faults: list[str] = []
+    timeout = None
     if fault == "stall-transfer":
-        faults, timeout = (Fault(fault, FAULT_REQUEST, delay_s=STALL_TIMEOUT_S + 2),), STALL_TIMEOUT_S
-    elif fault != "none":
-        faults = (Fault(fault, FAULT_REQUEST, rank=1, delay_s=5.0),)  # kill-prefill: its writes slowed, killed mid-way
+        faults, timeout = [f"{fault}:{FAULT_REQUEST}:0:{STALL_TIMEOUT_S + 2}"], STALL_TIMEOUT_S
+    elif fault != "none":  # kill-prefill: stage 1's writes slowed (5 s each), killed mid-way; kill-decode: rank 1
+        faults = [f"{fault}:{FAULT_REQUEST}:1:5"]
     with tempfile.TemporaryDirectory(prefix="hybridkv-demo-") as model_dir:
         hf = save_random(PD_MODEL, model_dir)
-        config = PDConfig(
-            model_dir,
-            tuple(map(tuple, prompts)),
-            PD_MAX_NEW,
-            prefill_pp=2,
-            decode_tp=2,
-            transport=transport,
-            chunk=16,
-            transfer_timeout_s=timeout,
-            faults=faults,
-        )
-        started = time.monotonic()
         # as many tokens as the reference; the requests before the faulted one alone, one at a time (the later
         # ones hit their prefix in the prefill cache), then the rest at once
-        result = run_pd(config, SamplingParams(PD_MAX_NEW, ignore_eos=True), alone_first=FAULT_REQUEST)
-        wall = time.monotonic() - started
+        run = demo_serve.serve_requests(model_dir, prompts, PD_MAX_NEW, FAULT_REQUEST, transport, faults, timeout)
     with quiet_transformers():
         reference = reference_tokens(hf, prompts, PD_MAX_NEW)
+    m = run.metrics
+    landed = _fault_landed(fault, m)
     tokens = Table(
-        title=f"{PD_MODEL}: prefill PP {config.prefill_pp} (one process per stage) -> decode TP {config.decode_tp} "
-        f"(one process per rank) over {transport}, {PD_MAX_NEW} greedy tokens each, vs transformers generate; "
-        f"fault on request {FAULT_REQUEST}: {fault}"
+        title=f"{PD_MODEL} behind hybridkv serve --disaggregated: prefill PP 2 (one process per stage) -> decode "
+        f"TP 2 (one process per rank) over {transport}, {len(prompts)} requests streamed over HTTP, {PD_MAX_NEW} "
+        f"greedy tokens each, vs transformers generate; fault on request {FAULT_REQUEST}: {fault}"
     )
-    for col in ("request", "prompt tokens", "disaggregated", "transformers", "status", "verdict"):
+    for col in ("request", "prompt tokens", "served (HTTP)", "transformers", "status", "verdict"):
         tokens.add_column(col, no_wrap=True)
-    timings = Table(title="per request: prefill prefix-cache hit, bytes moved to both decode ranks, ms")
-    for col in ("request", "cached", "moved", "queue", "prefill", "transfer", "decode", "TTFT", "TPOT"):
-        timings.add_column(col, justify="left" if col == "request" else "right")
+    latency = Table(title="per request, as the client saw it: prefill prefix-cache hit, ms")
+    for col in ("request", "cached", "TTFT", "end to end"):
+        latency.add_column(col, justify="left" if col == "request" else "right")
     rows: list[dict[str, Any]] = []
-    for i, (ids, req, ref) in enumerate(zip(prompts, result.requests, reference, strict=True)):
-        expected, verdict = _verdict(req, ref, fault if i == FAULT_REQUEST else "none")
+    for i, (ids, req, ref) in enumerate(zip(prompts, run.requests, reference, strict=True)):
+        expected, verdict = _verdict(req, ref, fault if i == FAULT_REQUEST else "none", landed)
+        status = _status(req)
         rows.append(
             {
                 "prompt_tokens": len(ids),
-                "pd": req.output_ids,
+                "pd": req.tokens,
                 "transformers": ref,
-                "status": req.status,
-                "reason": req.reason,
-                "attempts": req.attempts,
-                "notes": list(req.notes),
+                "status": status,
+                "reason": req.message,
                 "expected": expected,
                 "right": verdict is None,
-                "match": req.output_ids == ref,
+                "match": req.tokens == ref,
                 "cached_tokens": req.cached_tokens,
-                "bytes": req.transfer_bytes,
-                "timings": None if req.timing is None else {k: round(v, 6) for k, v in asdict(req.timing).items()},
+                "ttft_s": req.ttft_s,
+                "e2e_s": round(req.e2e_s, 6),
             }
         )
-        status = req.status + (f", attempt {req.attempts}" if req.attempts > 1 else "")
         shown = f"[green]{expected}[/]" if verdict is None else f"[red]{escape(verdict)}[/]"
         tokens.add_row(
-            str(i), _describe(i, prompts), " ".join(map(str, req.output_ids)), " ".join(map(str, ref)), status, shown
+            str(i), _describe(i, prompts), " ".join(map(str, req.tokens)), " ".join(map(str, ref)), status, shown
         )
-        t = req.timing
-        spans = (
-            ("-",) * 6
-            if t is None
-            else tuple(f"{v * 1e3:.1f}" for v in (t.queue_s, t.prefill_s, t.transfer_s, t.decode_s, t.ttft_s, t.tpot_s))
-        )
-        timings.add_row(str(i), str(req.cached_tokens), format_bytes(req.transfer_bytes), *spans)
+        ttft = "-" if req.ttft_s is None else f"{req.ttft_s * 1e3:.1f}"
+        latency.add_row(str(i), str(req.cached_tokens), ttft, f"{req.e2e_s * 1e3:.1f}")
     console.print(tokens)
     for i, r in enumerate(rows):
-        what = "computed again after" if r["attempts"] > 1 else "waited for the restarted engine after"
-        for note in r["notes"]:
-            console.print(f"  request {i} {what}: {escape(note)}")
         if r["reason"]:
             console.print(f"  request {i} {r['status']}: {escape(r['reason'])}")
-    console.print(timings)
-    finished = [r for r in rows if r["status"] == FINISHED]
+    if fault in ("kill-prefill", "kill-decode"):
+        engine = fault.removeprefix("kill-")
+        console.print(
+            f"  fault {fault} on request {FAULT_REQUEST}: "
+            + (f"one worker died, the {engine} engine restarted (/metrics)" if landed is None else f"[red]{landed}[/]")
+        )
+    console.print(latency)
+    figures = server_figures(m)
+    released = figures["pages held by requests"] == 0 and figures["slots held by requests"] == 0
+    console.print(_figures_table(figures, m))
+    finished = [r for r in rows if r["status"] == "finished"]
     console.print(
         f"{sum(r['match'] for r in finished)}/{len(finished)} finished requests token-exact against transformers, "
-        f"{sum(r['right'] for r in rows)}/{len(rows)} verdicts right; {format_bytes(sum(r['bytes'] for r in rows))} "
-        f"of KV and GDN state moved prefill -> decode; {len(result.pids)} processes started "
-        f"({len(result.deaths)} killed), {wall:.1f} s including start-up"
+        f"{sum(r['right'] for r in rows)}/{len(rows)} verdicts right; "
+        f"{format_bytes(int(figures['KV + state bytes moved prefill -> decode']))} of KV and GDN state moved "
+        f"prefill -> decode; {run.wall_s:.1f} s including the server's start-up and shutdown"
     )
+    held = "every page and slot back on every worker" if released else "[red]NOT every page and slot back[/]"
+    console.print(f"memory after the run: {held} (/metrics: pages and slots held by requests)")
     return {
         "model": PD_MODEL,
-        "prefill_pp": config.prefill_pp,
-        "decode_tp": config.decode_tp,
+        "prefill_pp": 2,
+        "decode_tp": 2,
         "transport": transport,
-        "fault": {"kind": fault, "request": FAULT_REQUEST},
-        "deaths": result.deaths,
+        "fault": {"kind": fault, "request": FAULT_REQUEST, "landed": landed is None},
+        "server": "hybridkv serve " + " ".join(demo_serve.server_args("MODEL_DIR", transport, faults, timeout)),
+        "metrics": figures,
+        "released": released,
         "requests": rows,
     }
 
 
-def _verdict(req: RequestResult, reference: list[int], fault: str) -> tuple[str, str | None]:
-    """What ``req`` should have ended as under ``fault`` (on it, or "none"), and why it did not (None: it did)."""
-    from hybridkv.engine.disagg import FAILED, FINISHED
+def _status(req: Served) -> str:
+    return {"length": "finished", "stop": "finished", "abort": "aborted", "error": "failed"}.get(req.finish, "no end")
 
+
+def _fault_landed(fault: str, m: dict[str, float]) -> str | None:
+    """None when a kill fault killed exactly one worker of its engine and that engine restarted once (or there was
+    no kill fault); else what the server's /metrics show instead."""
+    if fault not in ("kill-prefill", "kill-decode"):
+        return None
+    engine = fault.removeprefix("kill-")
+    deaths = m.get("hybridkv_pd_worker_deaths_total", 0)
+    restarts = m.get(f'hybridkv_pd_engine_restarts_total{{engine="{engine}"}}', 0)
+    if deaths == 1 and restarts == 1:
+        return None
+    return f"the fault did not land as intended ({deaths:.0f} worker deaths, {restarts:.0f} {engine} restarts)"
+
+
+def _verdict(req: Served, reference: list[int], fault: str, landed: str | None) -> tuple[str, str | None]:
+    """What ``req`` should have ended as under ``fault`` (on it, or "none"), and why it
+    did not (None: it did); ``landed``: why a kill fault did not land (None: it did)."""
+    status = _status(req)
     if fault == "stall-transfer":
-        return "Failed as intended", None if req.status == FAILED else f"{req.status}, but its transfer was stalled"
+        return "Failed as intended", None if status == "failed" else f"{status}, but its transfer was stalled"
     expected = "match" if fault == "none" else "recovered, match"
-    if req.status != FINISHED:
-        return expected, f"{req.status}: {req.reason}"
-    if req.output_ids != reference:
+    if status != "finished":
+        return expected, f"{status}: {req.message}"
+    if req.tokens != reference:
         return expected, "MISMATCH"
-    if fault != "none" and req.attempts < 2:
-        return expected, f"match, but the {fault} fault did not land (one attempt)"
+    if fault != "none" and landed is not None:
+        return expected, "match, but the fault did not land"
     return expected, None
+
+
+FIGURES = {  # what the demo shows of /metrics: label -> series
+    "requests served": "hybridkv_engine_requests_total",
+    "prompt tokens": "hybridkv_prompt_tokens_total",
+    "prompt tokens from the prefill prefix cache": "hybridkv_prefix_cache_hit_tokens_total",
+    "KV + state bytes moved prefill -> decode": "hybridkv_transfer_bytes_total",
+    "failed transfers": "hybridkv_transfer_failures_total",
+    "failed requests": "hybridkv_engine_failed_requests_total",
+    "worker deaths": "hybridkv_pd_worker_deaths_total",
+    "prefill engine restarts": 'hybridkv_pd_engine_restarts_total{engine="prefill"}',
+    "decode engine restarts": 'hybridkv_pd_engine_restarts_total{engine="decode"}',
+    "pages held by requests": "hybridkv_request_pages",
+    "slots held by requests": "hybridkv_request_slots",
+}
+
+
+def server_figures(m: dict[str, float]) -> dict[str, float]:
+    """The ``FIGURES`` of a /metrics scrape (-1 for a series it lacks) and the mean TTFT the server observed."""
+    out = {label: m.get(series, -1.0) for label, series in FIGURES.items()}
+    count = m.get("hybridkv_time_to_first_token_seconds_count", 0)
+    out["mean TTFT (s)"] = round(m.get("hybridkv_time_to_first_token_seconds_sum", 0) / count, 4) if count else -1
+    return out
+
+
+def _figures_table(figures: dict[str, float], m: dict[str, float]) -> Table:
+    table = Table(title="the server's /metrics after the run (hybridkv_*; pages / slots per worker: now vs before)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for label, value in figures.items():
+        table.add_row(label, format_bytes(int(value)) if "bytes" in label else f"{value:g}")
+    for key, value in sorted(m.items()):
+        if key.startswith("hybridkv_pd_worker_pages{") and 'state="live"' in key:
+            worker = key.split('worker="', 1)[1].rstrip('"}')
+            before = m.get(key.replace('state="live"', 'state="before"'), -1)
+            slots = m.get(key.replace("_pages{", "_slots{"), -1)
+            slots_before = m.get(key.replace("_pages{", "_slots{").replace('state="live"', 'state="before"'), -1)
+            table.add_row(worker, f"{value:g}/{before:g} pages, {slots:g}/{slots_before:g} slots")
+    return table
 
 
 def _describe(i: int, prompts: list[list[int]]) -> str:

@@ -7,15 +7,19 @@ Which errors are whose:
   and every prompt the engine would refuse (``Engine.check``: empty, ids outside the vocabulary,
   prompt + ``--max-new-tokens`` beyond ``--max-context``; the message names the file line), a
   budget below one request's floor, and bad option values (typer ``min=``, ``cli/params.py``).
+  A file is checked as a whole, so a bad line costs nothing but the model load. Tier options that
+  do not fit together (``--store-master`` without ``--store mooncake``, tiers with
+  ``--no-prefix-cache``) and a ``--store-master`` no master answers at are refused the same way.
 - Sizing (``cli/sizing.py``, the same for every command): the max context is the longest prompt +
   ``--max-new-tokens`` unless ``--max-context`` says otherwise, the budget the default or what that
   context needs; printed as one line on stderr at start.
-  A file is checked as a whole, so a bad line costs nothing but the model load.
 - Reported per request while the others finish (``error`` in the output, exit 0): what only
   happens while serving, i.e. a request that does not fit the memory budget even alone.
 
 Output (``--json``): one object; ``requests`` in input order, each ``output_ids``,
-``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``) and ``error`` (null when none); ``totals``.
+``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``), ``error`` (null when none),
+``cached_tokens`` and ``cached_tokens_details`` {device, host, storage}; ``totals``.
+``--host-memory`` and ``--store mooncake`` put tiers below the device (``hybridkv.engine.tiered``).
 Sampling (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``, ``--stop-token-id``, ``--ignore-eos``)
 is the same for ``serve-pd``: the same file gives the same tokens there.
 """
@@ -34,17 +38,22 @@ import typer
 from hybridkv.cli.app import app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
+    HOST_MEMORY,
     IGNORE_EOS,
     SEED,
     STOP_TOKEN_IDS,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
     TEMPERATURE,
     TOP_K,
     TOP_P,
     engine_checkpoints,
     random_model,
     request_params,
+    tier_options,
 )
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, size
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Sizing, size
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -121,6 +130,10 @@ def generate(
         False, "--no-prefix-cache", help="Compute every prompt in full (no prefix-cache hits between requests)."
     ),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
@@ -128,6 +141,9 @@ def generate(
 
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    if no_prefix_cache and (host_memory is not None or store != "none"):
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
     checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
     source, weights, config = model_source(model, random)
     sizing = size(
@@ -149,7 +165,23 @@ def generate(
         chunk_size=chunk_size,
         prefix_cache=not no_prefix_cache,
         checkpoints=checkpoints,
+        **tiers,
     )
+    try:
+        _serve_file(engine, sizing, prompts, lines, params, max_new_tokens, as_json)
+    finally:
+        engine.close()
+
+
+def _serve_file(
+    engine: Any,
+    sizing: Sizing,
+    prompts: Path,
+    lines: list[tuple[int, list[int]]],
+    params: list[Any],
+    max_new_tokens: int,
+    as_json: bool,
+) -> None:
     bad = [(n, why) for n, ids in lines if (why := engine.check(ids, max_new_tokens)) is not None]
     if bad:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
@@ -179,6 +211,9 @@ def generate(
         "steps": engine.stats["steps"],
         "retractions": engine.stats["retractions"],
         "cached_tokens": sum(o.cached_tokens for o in outs),
+        "cached_tokens_details": {
+            k: sum(o.cached_tokens_details[k] for o in outs) for k in ("device", "host", "storage")
+        },
     }
     if as_json:
         requests = [
@@ -187,6 +222,7 @@ def generate(
                 "finish_reason": o.finish_reason,
                 "error": o.error,
                 "cached_tokens": o.cached_tokens,
+                "cached_tokens_details": o.cached_tokens_details,
             }
             for o in outs
         ]

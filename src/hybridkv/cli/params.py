@@ -108,3 +108,40 @@ def request_params(
         ]
     except RequestError as exc:
         raise typer.BadParameter(str(exc), param_hint=f"--{exc.field.replace('_', '-')}") from None
+
+
+# --- tiers below the device: one set of options for every command that runs an engine ------------
+
+HOST_MEMORY = typer.Option(
+    None, "--host-memory", callback=byte_size, help="Host memory below the device for evicted KV and state (e.g. 4GiB)."
+)
+STORE = typer.Option(
+    "none",
+    "--store",
+    help="A store below host memory: none or mooncake (the Mooncake Store; a master is started on 127.0.0.1 unless "
+    "--store-master names one).",
+)
+STORE_MASTER = typer.Option(None, "--store-master", help="host:port of an existing mooncake_master (--store mooncake).")
+STORE_MEMORY = typer.Option(
+    "256MiB", "--store-memory", callback=byte_size, help="Memory this process mounts into the Mooncake Store."
+)
+
+
+def tier_options(host_memory: str | None, store: str, store_master: str | None, store_memory: str) -> dict[str, Any]:
+    """The engine's tier keyword arguments (``Engine(host_memory=, store=, ...)``); ``typer.BadParameter``
+    naming an option that is malformed or does not fit the others."""
+    if store not in ("none", "mooncake"):
+        raise typer.BadParameter(f"--store takes none or mooncake, got {store!r}", param_hint="--store")
+    if store_master is not None:
+        host, _, port = store_master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise typer.BadParameter(
+                f"--store-master takes host:port of a mooncake_master, got {store_master!r}",
+                param_hint="--store-master",
+            )
+        if store != "mooncake":
+            raise typer.BadParameter("--store-master names a mooncake_master: it needs --store mooncake")
+    size = parse_bytes(store_memory)
+    if store == "mooncake" and size < 16 << 20:
+        raise typer.BadParameter(f"--store-memory must be at least 16MiB (Mooncake's floor), got {store_memory}")
+    return {"host_memory": host_memory, "store": store, "store_master": store_master, "store_memory": size}

@@ -4,7 +4,7 @@ rate, evictions, concurrency and the pool split."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -15,6 +15,11 @@ from hybridkv.cache import POLICIES, CheckpointPlacement, PlacementError
 from hybridkv.cache.placement import DEFAULT
 from hybridkv.cli.app import app
 from hybridkv.cli.params import byte_size, positive_finite
+from hybridkv.replay.simulator import ReplayError
+from hybridkv.tiers import TierError
+
+if TYPE_CHECKING:
+    from hybridkv.replay.tiered import TierConfig
 
 
 def _cache_tokens(text: str) -> int | None:
@@ -44,6 +49,58 @@ def _memories(text: str) -> list[str]:
     for size in sizes:
         byte_size(size)  # refuses a bad size with a BadParameter naming it
     return sizes
+
+
+def _store_master(value: str | None) -> str | None:
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise typer.BadParameter(f"--store-master takes host:port of a mooncake_master, got {value!r}")
+    return value
+
+
+def _tiers(
+    host_memory: str | None,
+    store: str,
+    store_memory: str | None,
+    store_master: str | None,
+    write_policy: str,
+    window_stride: int,
+    page_size: int,
+    host_gbps: float,
+    store_gbps: float,
+) -> TierConfig | None:
+    """The tier layer the options ask for (None: the device only); ``typer.BadParameter`` naming
+    an option that does not fit the others."""
+    from hybridkv.replay.tiered import STORES, TierConfig
+
+    if store not in STORES:
+        raise typer.BadParameter(f"--store takes one of {', '.join(STORES)}, got {store!r}")
+    if write_policy not in ("back", "through"):
+        raise typer.BadParameter(f"--write-policy takes back or through, got {write_policy!r}")
+    if store == "none" and (store_memory is not None or store_master is not None):
+        raise typer.BadParameter("--store-memory and --store-master need --store sim or mooncake")
+    if store_master is not None and store != "mooncake":
+        raise typer.BadParameter("--store-master names a mooncake_master: it needs --store mooncake")
+    if window_stride % page_size:
+        raise typer.BadParameter(
+            f"--window-stride must be a multiple of the page size {page_size}, got {window_stride}"
+        )
+    if host_memory is None and store == "none":
+        if window_stride:
+            raise typer.BadParameter("--window-stride needs tiers below the device (--host-memory or --store)")
+        return None
+    return TierConfig(
+        host_memory=host_memory,
+        store=store,
+        store_memory=store_memory,
+        store_master=store_master,
+        write_policy=write_policy,
+        window_stride=window_stride,
+        host_bandwidth=host_gbps * 1e9,
+        store_bandwidth=store_gbps * 1e9,
+    )
 
 
 def _placements(specs: list[str], page_size: int) -> list[str]:
@@ -86,6 +143,45 @@ def replay(
         25.0, "--decode-step-ms", callback=positive_finite, help="Simulated time of one decode step."
     ),
     max_running: int = typer.Option(128, "--max-running", min=1, help="Most requests decoding at once."),
+    host_memory: str = typer.Option(
+        None,
+        "--host-memory",
+        callback=byte_size,
+        help="Host memory below the device for KV and state (e.g. 512GiB): what the device evicts goes there.",
+    ),
+    store: str = typer.Option(
+        "none",
+        "--store",
+        help="A store below host memory: none, sim (simulated, sizes only: for sweeps) or mooncake (the real "
+        "Mooncake Store; a master is started on 127.0.0.1 unless --store-master names one).",
+    ),
+    store_memory: str = typer.Option(
+        None,
+        "--store-memory",
+        callback=byte_size,
+        help="The store's capacity: sim: default unbounded; mooncake: the segment this client mounts (default 1GiB).",
+    ),
+    store_master: str = typer.Option(
+        None, "--store-master", callback=_store_master, help="host:port of an existing mooncake_master."
+    ),
+    write_policy: str = typer.Option(
+        "back",
+        "--write-policy",
+        help="back: write on device eviction (host evictions go to the store); through: at once.",
+    ),
+    window_stride: int = typer.Option(
+        0,
+        "--window-stride",
+        min=0,
+        help="Sliding-window pages written below the device: before each cached node's end, and before every "
+        "multiple of this many tokens (0: node ends only).",
+    ),
+    host_gbps: float = typer.Option(
+        25.0, "--host-gbps", callback=positive_finite, help="Host memory -> device bandwidth for load-back time, GB/s."
+    ),
+    store_gbps: float = typer.Option(
+        10.0, "--store-gbps", callback=positive_finite, help="Store -> device bandwidth for load-back time, GB/s."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: str = typer.Option(
         None,
@@ -111,6 +207,9 @@ def replay(
     policies = _policies(policy)
     placements = _placements(checkpoints, page_size)
     cap = _cache_tokens(cache_tokens)
+    tiers = _tiers(
+        host_memory, store, store_memory, store_master, write_policy, window_stride, page_size, host_gbps, store_gbps
+    )
     workload = load_workload(trace, limit=limit)
     engine = EngineModel(prefill_tokens_per_s=prefill_tps, decode_step_s=decode_step_ms / 1000, max_running=max_running)
     reports = []
@@ -118,9 +217,20 @@ def replay(
     runs = [(m, p, c) for m in memories for p in policies for c in placements]
     for memory, name, placement in runs:
         config = ReplayConfig(
-            model, memory, page_size, name, cap, max_checkpoints_per_path, checkpoints=placement, engine=engine
+            model,
+            memory,
+            page_size,
+            name,
+            cap,
+            max_checkpoints_per_path,
+            checkpoints=placement,
+            engine=engine,
+            tiers=tiers,
         )
-        sim = Simulator(workload, config)
+        try:
+            sim = Simulator(workload, config)
+        except TierError as exc:  # e.g. no mooncake_master at --store-master
+            raise ReplayError(str(exc)) from None
         with Progress(
             TextColumn(f"replay [{memory} {name} {placement}]"),
             BarColumn(),
@@ -195,5 +305,36 @@ def _print_replay(out: dict[str, Any]) -> None:
             f"{sp['simulated_s_per_wall_s']:,.0f}",
         )
     console.print(table)
+    if any("tiers" in r for r in out["runs"]):
+        _print_tiers(out)
     if "plot" in out:
         console.print(f"plot: {out['plot']}")
+
+
+def _print_tiers(out: dict[str, Any]) -> None:
+    console = Console(width=max(Console().width, 120))
+    table = Table(title="tiers below the device: hit rate by where each component came from")
+    cols = ("memory", "tiers", "hit (device only)", "component", "device", "host", "store")
+    for col in (*cols, "GB loaded host/store", "load s (per restored token)", "misses"):
+        table.add_column(col)
+    for r in out["runs"]:
+        t = r.get("tiers")
+        if not t:
+            continue
+        loaded = t["bytes_loaded"]
+        first = True
+        for comp, split in t["hit_rate_by_component_and_tier"].items():
+            table.add_row(
+                str(r["gpu_memory"]) if first else "",
+                t["config"] if first else "",
+                f"[bold]{t['hit_rate']:.4f}[/] ({t['device_hit_rate']:.4f})" if first else "",
+                comp,
+                f"{split['device']:.4f}",
+                f"{split['host']:.4f}",
+                f"{split['store']:.4f}",
+                f"{loaded.get('host', 0) / 1e9:,.1f} / {loaded.get('store', 0) / 1e9:,.1f}" if first else "",
+                f"{t['load_seconds']:.2f} ({t['load_seconds_per_restored_token'] * 1e6:.2f} us)" if first else "",
+                ", ".join(f"{k} {v}" for k, v in t["misses"].items()) or "none" if first else "",
+            )
+            first = False
+    console.print(table)

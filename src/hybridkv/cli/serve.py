@@ -1,32 +1,72 @@
 """``hybridkv serve``: the HTTP server (``hybridkv.server``) over one engine, until SIGTERM; and
 ``hybridkv bench serve``: load on it next to the engine driven directly (``hybridkv.bench.serve``).
 
+``--disaggregated`` serves through the PD server (``hybridkv.engine.disagg.PDServer``: a prefill
+engine of ``--prefill-pp`` x ``--prefill-tp`` processes hands KV and state over ``--transport`` to
+a decode engine of ``--decode-tp`` processes); ``--random`` saves the tiny model to a temporary
+directory that lives as long as the server. ``--fault KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for
+demos and tests) puts a deliberate fault on the request submitted ``REQUEST``-th (0-based):
+``kill-prefill``, ``crash-prefill``, ``kill-decode``, ``stall-transfer`` (``engine.disagg.Fault``).
+
+Sizing (``cli/sizing.py``, the same for every command): ``--gpu-memory`` (per process), ``--max-context``
+(default: 4096 tokens, never above the model's maximum; the work is not known in advance),
+``--page-size``, ``--chunk-size``; the default budget is what one request of that context needs on
+every process (at least 256 MiB). Printed as one line on stderr before the server listens.
+
 Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
-``--random``, a model the engine cannot load or a budget below one request's floor, bad option
+``--random``, a model the engine cannot load, a ``--max-context`` above the model's maximum or a
+``--gpu-memory`` below one request's floor or above what the host holds, bad option
 values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
-that cannot be bound, and ``--disaggregated`` (its backend is not wired into the server yet).
-Prints ``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0
-after a graceful shutdown (SIGTERM or SIGINT).
+that cannot be bound, a PD option without ``--disaggregated``, a layout the model cannot be split
+into (``check_layout``), a bad ``--fault``, a ``--store-master`` no master answers at, and tier options
+(``--host-memory``, ``--store``) with ``--disaggregated`` or ``--no-prefix-cache``. Prints
+``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0 after a
+graceful shutdown (SIGTERM or SIGINT), with every worker process reaped and every shared-memory file
+unlinked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from hybridkv.cli.app import app, bench_app
-from hybridkv.cli.params import CHECKPOINTS_HELP, byte_size, engine_checkpoints, positive_finite, random_model
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    HOST_MEMORY,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
+    byte_size,
+    engine_checkpoints,
+    positive_finite,
+    random_model,
+    tier_options,
+    transport_option,
+)
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.engine.random_models import tiny_names
+from hybridkv.memory import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
+    from hybridkv.engine.disagg import Fault
     from hybridkv.engine.engine import Engine
+    from hybridkv.server import PDBackend
+    from hybridkv.spec import ModelSpec
 
 API_KEY_ENV = "HYBRIDKV_API_KEY"
+
+
+def _transport(value: str | None) -> str | None:
+    return None if value is None else transport_option(value)
 
 
 @app.command()
@@ -45,66 +85,201 @@ def serve(
     tokenizer: Path = typer.Option(
         None, "--tokenizer", exists=True, file_okay=False, help="A saved tokenizer: accept text prompts."
     ),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     max_running: int = typer.Option(64, "--max-running", min=1, help="Requests in one batch, at most."),
-    max_context: int = typer.Option(None, "--max-context", min=2, help="Prompt + new tokens (default: the model's)."),
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
     shutdown_timeout: float = typer.Option(
         30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
     ),
     disaggregated: bool = typer.Option(False, "--disaggregated", help="Serve through the PD server."),
-    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (--disaggregated)."),
-    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill TP ranks per stage (--disaggregated)."),
-    decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode TP ranks (--disaggregated)."),
-    transport: str = typer.Option("shm", "--transport", help="shm or mooncake (--disaggregated)."),
+    prefill_pp: int = typer.Option(None, "--prefill-pp", min=1, help="Prefill pipeline stages (PD; default 2)."),
+    prefill_tp: int = typer.Option(None, "--prefill-tp", min=1, help="Prefill TP ranks per stage (PD; default 1)."),
+    decode_tp: int = typer.Option(None, "--decode-tp", min=1, help="Decode TP ranks (PD; default 2)."),
+    transport: str = typer.Option(
+        None, "--transport", callback=_transport, help="KV/state transport: shm or mooncake (PD; default shm)."
+    ),
+    transfer_timeout: float = typer.Option(
+        None, "--transfer-timeout", callback=positive_finite, help="PD: seconds for a request's KV to land (30)."
+    ),
+    fault: list[str] = typer.Option(
+        None, "--fault", hidden=True, help="PD: KIND:REQUEST[:RANK[:DELAY]], a deliberate fault (demos, tests)."
+    ),
 ) -> int:
     """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
-    from hybridkv.memory import parse_bytes
-    from hybridkv.server import EngineBackend, ServerConfig, Tokenizer, bind
+    from hybridkv.server import Backend, EngineBackend, ServerConfig, Tokenizer, bind
     from hybridkv.server import serve as run_server
 
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
-    if disaggregated:
+    pd_given = {
+        "--prefill-pp": prefill_pp,
+        "--prefill-tp": prefill_tp,
+        "--decode-tp": decode_tp,
+        "--transport": transport,
+        "--transfer-timeout": transfer_timeout,
+        "--fault": fault or None,
+    }
+    stray = [name for name, value in pd_given.items() if value is not None]
+    if stray and not disaggregated:
+        raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
+    layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
+    faults = parse_faults(fault or [])
+    tiers = tier_options(host_memory, store, store_master, store_memory)
+    tiered = host_memory is not None or store != "none"
+    if tiered and disaggregated:
         raise typer.BadParameter(
-            "the disaggregated backend is not wired into the HTTP server yet; serve without --disaggregated "
-            "(or use `hybridkv serve-pd` for a prompts file)",
-            param_hint="--disaggregated",
+            "the disaggregated engines keep no tiers below the device yet: drop --host-memory/--store",
+            param_hint="--host-memory/--store",
         )
+    if tiered and no_prefix_cache:
+        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
     key = api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(
         api_key=key,
         max_body_bytes=parse_bytes(max_body),
         tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
     )
-    sock = bind(host, port)  # before the model loads: a taken port fails at once
-    try:
-        engine = build_engine(
-            model, random, gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints
-        )
-    except BaseException:
-        sock.close()
-        raise
     name = random if random is not None else Path(model).name
-    backend = EngineBackend(engine, name, gpu_memory, max_queued)
-    return run_server(backend, config, sock, shutdown_timeout)
+    processes = Layout(layout.prefill_pp, layout.prefill_tp, layout.decode_tp) if disaggregated else Layout()
+    command = "serve --disaggregated" if disaggregated else "serve"
+    sized = size(
+        command,
+        model_spec(model, random),
+        max_context=max_context,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        layout=processes,
+    )
+    engine_args = (sized, page_size, chunk_size, max_running, not no_prefix_cache, checkpoints)
+    with contextlib.ExitStack() as stack:
+        sock = bind(host, port)  # before the model loads: a taken port fails at once
+        stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
+        if disaggregated:
+            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, *engine_args)
+        else:
+            engine = build_engine(model, random, *engine_args, tiers)
+            stack.callback(engine.close)  # its tiers: the store client, a master it started
+            backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued)
+        sized.announce()
+        code = run_server(backend, config, sock, shutdown_timeout)
+    return code
+
+
+def model_spec(model: Path | None, random: str | None) -> ModelSpec:
+    """The spec of ``--model DIR`` (its config.json, checked) or ``--random NAME``, before any weights load."""
+    from hybridkv.engine.engine import engine_spec
+
+    if random is not None:
+        from hybridkv.engine.random_models import random_config
+
+        return engine_spec(random_config(random))
+    from hybridkv.engine.weights import read_config
+
+    return engine_spec(read_config(str(model)))
+
+
+@dataclass(frozen=True)
+class PDLayout:
+    prefill_pp: int
+    prefill_tp: int
+    decode_tp: int
+    transport: str
+    transfer_timeout_s: float
+
+
+def parse_faults(values: list[str]) -> tuple[Fault, ...]:
+    """``--fault KIND:REQUEST[:RANK[:DELAY]]`` values as ``Fault``s (``typer.BadParameter`` naming the bad one)."""
+    from hybridkv.engine.disagg import Fault
+    from hybridkv.engine.disagg.config import FAULT_KINDS
+
+    faults = []
+    for value in values:
+        parts = value.split(":")
+        try:
+            if not 2 <= len(parts) <= 4:
+                raise ValueError("give KIND:REQUEST[:RANK[:DELAY]]")
+            kind, request, rank, delay = [*parts, "0", "1.0"][:4]
+            if not (request.isdigit() and rank.isdigit()):
+                raise ValueError("REQUEST and RANK are integers >= 0")
+            if not math.isfinite(float(delay)):
+                raise ValueError(f"DELAY {delay!r} is not a finite number of seconds")
+            faults.append(Fault(kind, int(request), int(rank), float(delay)))
+        except ValueError as exc:
+            raise typer.BadParameter(
+                f"{value!r}: {exc} (KIND one of {', '.join(FAULT_KINDS)}; REQUEST the 0-based submission index)",
+                param_hint="--fault",
+            ) from None
+    return tuple(faults)
+
+
+def build_pd_backend(
+    stack: contextlib.ExitStack,
+    model: Path | None,
+    random: str | None,
+    name: str,
+    layout: PDLayout,
+    faults: tuple[Fault, ...],
+    max_queued: int,
+    sized: Sizing,
+    page_size: int,
+    chunk_size: int,
+    max_running: int,
+    prefix_cache: bool,
+    checkpoints: str | None,
+) -> PDBackend:
+    """A started ``PDServer`` behind a ``PDBackend`` (which closes it); a ``--random`` model is saved to a
+    temporary directory ``stack`` removes once the server is done."""
+    from hybridkv.engine.disagg import PDConfig, PDServer
+    from hybridkv.server import PDBackend
+
+    if random is None:
+        model_dir = str(model)
+    else:
+        from hybridkv.engine.random_models import save_random
+
+        model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridkv-serve-"))
+        save_random(random, model_dir)
+    config = PDConfig(
+        model_dir,
+        prefill_pp=layout.prefill_pp,
+        prefill_tp=layout.prefill_tp,
+        decode_tp=layout.decode_tp,
+        transport=layout.transport,
+        page_size=page_size,
+        chunk=chunk_size,
+        gpu_memory=sized.gpu_memory,
+        max_context=sized.max_context,
+        prefix_cache=prefix_cache,
+        transfer_timeout_s=layout.transfer_timeout_s,
+        max_running=max_running,
+        checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        faults=faults,
+    )
+    server = PDServer(config)  # checks the layout first: nothing starts on a mismatch
+    return PDBackend(server, name, f"{format_bytes(sized.gpu_memory)} per worker process", max_queued)
 
 
 def build_engine(
     model: Path | None,
     random: str | None,
-    gpu_memory: str,
+    sized: Sizing,
     page_size: int,
     chunk_size: int,
     max_running: int,
-    max_context: int | None,
     prefix_cache: bool,
     checkpoints: str | None,
+    tiers: dict[str, Any] | None = None,
 ) -> Engine:
     from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
 
@@ -117,13 +292,14 @@ def build_engine(
     return Engine(
         source,
         weights,
-        gpu_memory=gpu_memory,
+        gpu_memory=sized.gpu_memory,
         page_size=page_size,
         chunk_size=chunk_size,
         max_running=max_running,
-        max_context=max_context,
+        max_context=sized.max_context,
         prefix_cache=prefix_cache,
         checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        **(tiers or {}),
     )
 
 
@@ -142,20 +318,62 @@ def bench_serve(
     rounds: int = typer.Option(2, "--rounds", min=1, help="Rounds under load, engine and HTTP alternating."),
     alone: int = typer.Option(16, "--alone", min=1, help="Requests served alone by both, for the HTTP overhead."),
     block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
     url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
     api_key: str = typer.Option(None, "--api-key", help=f"Its API key (or set ${API_KEY_ENV})."),
+    disaggregated: bool = typer.Option(
+        False, "--disaggregated", help="Also hybridkv serve --disaggregated (its own subprocess), same requests."
+    ),
+    prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages (--disaggregated)."),
+    prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill TP ranks per stage (--disaggregated)."),
+    decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode TP ranks (--disaggregated)."),
+    transport: str = typer.Option(
+        "shm", "--transport", callback=transport_option, help="shm or mooncake (--disaggregated)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
-    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request."""
+    driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request;
+    with --disaggregated, against hybridkv serve --disaggregated too, on the same requests."""
     from rich.console import Console
     from rich.table import Table
 
+    from hybridkv.bench.engine import conversation_prompts
     from hybridkv.bench.serve import run
+
+    pd_args = None
+    if disaggregated:
+        if url is not None:
+            raise typer.BadParameter("--url loads a running server; --disaggregated starts its own", param_hint="--url")
+        pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
+        pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]
+    lengths = [len(p) for p in conversation_prompts(requests, block_tokens)]
+    # one budget for the engine, hybridkv serve and (per worker process) hybridkv serve --disaggregated: the
+    # largest any of them needs; on a tie the disaggregated line is printed (its budget is per process)
+    layouts = ([Layout(prefill_pp, prefill_tp, decode_tp)] if disaggregated else []) + [Layout()]
+    spec = model_spec(None, model)
+    sized = max(
+        (
+            size(
+                "bench serve",
+                spec,
+                prompt_lengths=lengths,
+                max_new_tokens=max_new_tokens,
+                max_context=max_context,
+                gpu_memory=gpu_memory,
+                page_size=page_size,
+                chunk_size=chunk_size,
+                layout=layout,
+            )
+            for layout in layouts
+        ),
+        key=lambda s: s.gpu_memory,
+    )
+    sized.announce()
 
     report = run(
         model,
@@ -165,12 +383,14 @@ def bench_serve(
         rounds,
         alone,
         block_tokens,
-        gpu_memory,
+        sized.gpu_memory,
         page_size,
         chunk_size,
         seed,
         url,
         api_key or os.environ.get(API_KEY_ENV),
+        pd_args,
+        sized.max_context,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -183,9 +403,11 @@ def bench_serve(
     cols = ["round", "side", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"]
     for col in (*cols, "req/s", "tok/s", "prefix hits", "CPU s", "exact"):
         table.add_column(col, justify="right")
+    exact = {"engine": None, "http": "exact", "pd": "pd_exact"}
     for r, row in enumerate(report["per_round"]):
-        for side in ("engine", "http"):
+        for side in [side for side in exact if side in row]:
             s = row[side]
+            key = exact[side]
             table.add_row(
                 str(r),
                 side,
@@ -194,10 +416,12 @@ def bench_serve(
                 f"{s['output_tokens_per_s']}",
                 f"{100 * s['prefix_hit_rate']:.1f}%",
                 "" if s["cpu_s"] is None else f"{s['cpu_s']:.2f}",
-                f"{row['exact']}/{requests}" if side == "http" else "",
+                "" if key is None else f"{row[key]}/{requests}",
             )
     console = Console(width=max(Console().width, 150))
     console.print(table)
+    if pd_args is not None:
+        console.print(f"pd: hybridkv serve {' '.join(pd_args)} (--gpu-memory per worker process; CPU not counted)")
     o = report["overhead_ms"]
     met = "met" if report["goal_met"] else "NOT met"
     console.print(

@@ -14,6 +14,12 @@ its end when the placement wants one there and the end is page-aligned) and rele
 rest; ``retract`` releases (what was inserted stays cached). With ``prefix_cache=False``
 nothing is matched or inserted: the same path, without hits.
 
+With tiers below the device (``EngineTiers``: host memory, the Mooncake Store), ``new`` plans
+a request's hit across them and starts the store's reads while it waits; ``admit`` re-plans
+when the device hit moved, reserves the pages up to the restored end and copies the pieces
+in (``EngineTiers.restore``): computation starts at the restored end, or at the device hit
+when an object was missing (a miss with a reason, never garbage).
+
 A disaggregated decode engine ``reserve``s a request's memory (a RECEIVING handle of the
 manager) while its KV and state arrive by transfer and calls ``received`` once they landed;
 a reservation that will not run is released by ``retract`` like any other: one owner, one free
@@ -40,8 +46,10 @@ import numpy as np
 from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.cache.placement import DEFAULT
 from hybridkv.engine.agreement import ALONE, Agreement
+from hybridkv.engine.tiered import EngineTiers
 from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import KindTag
+from hybridkv.tiers import Fetched
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
 
@@ -66,10 +74,24 @@ class CacheHit:
     """Longest match valid for full KV and every window pool."""
     checkpoint: int
     """Deepest state checkpoint on the full-KV match (0 without recurrent layers)."""
+    host: int = 0
+    """Tokens of ``cached_tokens`` whose full KV came back from host memory (restored at admission)."""
+    storage: int = 0
+    """Tokens of ``cached_tokens`` whose full KV came back from the store (the Mooncake Store)."""
 
     @classmethod
-    def of(cls, m: MatchResult) -> CacheHit:
-        return cls(m.length, m.full_length, m.window_length, m.checkpoint_length)
+    def of(cls, m: MatchResult, details: dict[str, int] | None = None) -> CacheHit:
+        """The device ``m``'s hit; with ``details`` (``EngineTiers.details``) a hit restored
+        beyond it from the tiers below."""
+        if details is None:
+            return cls(m.length, m.full_length, m.window_length, m.checkpoint_length)
+        total = sum(details.values())
+        return cls(total, m.full_length, m.window_length, m.checkpoint_length, details["host"], details["storage"])
+
+    @property
+    def details(self) -> dict[str, int]:
+        """``cached_tokens`` by where their full KV came from (the server's ``cached_tokens_details``)."""
+        return {"device": self.cached_tokens - self.host - self.storage, "host": self.host, "storage": self.storage}
 
 
 @dataclass
@@ -83,6 +105,8 @@ class RequestMemory:
     """The first admission's hit (kept across retractions)."""
     cached_tokens: int = 0
     """Tokens taken from the cache over every admission."""
+    fetched: Fetched | None = None
+    """With tiers: the cross-tier hit planned while it waits (store reads under way)."""
 
     @property
     def length(self) -> int:
@@ -123,10 +147,18 @@ class RequestAllocator:
         self.model_has_state = bool(mem.shard.model.layer_ids(KindTag.LINEAR))
         """Some rank of the model's layout holds recurrent state (this one may not: a PP stage)."""
         self.page_size = mem.page_size
+        self.tiers: EngineTiers | None = None
+        """Tiers below the device (host memory, a store), set by the engine before any request;
+        only a single-process engine has them (``admit`` with ``ALONE``)."""
 
-    def new(self, namespace: Hashable = None) -> RequestMemory:
-        """A request holding nothing yet (its handle comes with ``admit``)."""
-        return RequestMemory(namespace=namespace)
+    def new(self, namespace: Hashable = None, tokens: Sequence[int] | None = None) -> RequestMemory:
+        """A request holding nothing yet (its handle comes with ``admit``). With tiers and its
+        ``tokens``, its hit across the tiers is planned now and the store's reads start while it waits."""
+        req = RequestMemory(namespace=namespace)
+        if self.tiers is not None and self.prefix_cache and tokens is not None:
+            key = np.asarray(tokens[:-1], dtype=np.int64)
+            req.fetched = self.tiers.plan(key, namespace, self.kvm.match(key, namespace))
+        return req
 
     def admit(
         self,
@@ -144,9 +176,15 @@ class RequestAllocator:
         (nothing else holds memory): admit whenever the slot fits (the step's allocation
         decides), ``TOO_BIG`` when even the slot does not. Every rank of ``agree`` admits at the
         same hit length or refuses alike. Refused: nothing held."""
-        kvm = self.kvm
+        kvm, tiers = self.kvm, self.tiers
         key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
         match, branch_at = self._agreed_match(key, req.namespace, agree)
+        fetched = None
+        if tiers is not None and self.prefix_cache:
+            if agree is not ALONE:
+                raise RuntimeError("tiers below the device serve a single-process engine only")
+            fetched = req.fetched = tiers.current(req.fetched, key, req.namespace, match)
+        start = match.length if fetched is None else fetched.plan.tokens
         handle: KVHandle | None = None
         got = Admission.ADMITTED
         try:
@@ -154,7 +192,6 @@ class RequestAllocator:
         except OutOfMemory:
             got = Admission.TOO_BIG if alone else Admission.REFUSED
         if handle is not None:
-            start = match.length
             need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
             short = need - self.mem.available_pages()
             if short > 0:
@@ -167,13 +204,23 @@ class RequestAllocator:
                 kvm.release(handle)
             return got
         assert handle is not None
+        start, details = match.length, None
+        if fetched is not None:
+            assert tiers is not None
+            req.fetched = None
+            try:
+                handle, start = tiers.restore(handle, match, fetched)
+            except OutOfMemory:  # fell back, released, and no room to admit again: nothing held
+                return Admission.TOO_BIG if alone else Admission.REFUSED
+            details = tiers.details(fetched, start)
+            branch_at = tiers.branch_at(fetched, start, branch_at)
         req.handle = handle
         req.fresh = self.has_state and handle.state_from_zero
         if req.hit is None:
-            req.hit = CacheHit.of(match)
-        req.cached_tokens += match.length
+            req.hit = CacheHit.of(match, details)
+        req.cached_tokens += start
         if self.prefix_cache and self.model_has_state:  # every rank cuts the same chunks, with state or not
-            req.wanted = kvm.placement.prefill(branch_at, prompt_len, match.length)
+            req.wanted = kvm.placement.prefill(branch_at, prompt_len, start)
         else:
             req.wanted = ()
         return got
@@ -243,6 +290,10 @@ class RequestAllocator:
         if req.handle is not None:
             self.kvm.release(req.handle)
             req.handle = None
+        if req.fetched is not None:
+            assert self.tiers is not None
+            self.tiers.cancel(req.fetched)
+            req.fetched = None
         req.fresh, req.wanted = True, ()
 
     def _checkpoint(self, h: KVHandle) -> None:

@@ -16,6 +16,13 @@ long as the engine: a prompt that shares a cached prefix (in its cache salt's na
 starts computing at the hit's end; each output reports its ``cached_tokens`` and the hit per
 component.
 
+With ``host_memory`` and/or ``store`` (``mooncake``: the Mooncake Store; a loopback master is
+started unless ``store_master`` names one) the cache has tiers below it (``EngineTiers``):
+what the device evicts is written back to host memory, what host memory evicts to the store,
+and a request's hit is the longest prefix whose every component (full KV, windows, state) is
+on some tier, restored before it computes. Outputs split ``cached_tokens`` into
+``cached_tokens_details`` {device, host, storage}. ``close`` stops the tiers (and the master).
+
 Invariants:
 - Bad requests are refused at ``submit`` (``check_request``) and never reach the scheduler.
 - When ``has_work()`` is False no request holds memory: the memory holds only what the cache
@@ -38,9 +45,11 @@ from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens
+from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
 from hybridkv.spec import ModelSpec, ShardSpec, dtype_name, from_hf_config
+from hybridkv.tiers import StorageTier
 
 
 def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
@@ -67,6 +76,11 @@ class Output:
     """The first admission's match per component (full / window / checkpoint lengths)."""
     rid: Hashable = None
     prompt_tokens: int = 0
+
+    @property
+    def cached_tokens_details(self) -> dict[str, int]:
+        """``cached_tokens`` by where they came from: the device, host memory or the store."""
+        return dict(ZERO_DETAILS) if self.hit is None else self.hit.details
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,11 @@ class Engine:
         prefix_cache: bool = True,
         cache_policy: str = "lru",
         checkpoints: str | None = None,
+        host_memory: int | str | None = None,
+        store: str | StorageTier | None = None,
+        store_master: str | None = None,
+        store_memory: int | str = "256MiB",
+        tier_policy: str = "back",
     ):
         """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
@@ -103,7 +122,11 @@ class Engine:
         ``checkpoints``: where requests store recurrent-state checkpoints for later hits, a
         placement spec (``hybridkv.cache.placement``: none, interval:N, prompt-aligned[:K],
         branch, end; default ``engine_default``: every page-aligned chunk end, the prompt end,
-        the branch point, the sequence end); prefill chunks end at the positions it asks for."""
+        the branch point, the sequence end); prefill chunks end at the positions it asks for.
+        ``host_memory`` (bytes or e.g. "4GiB"), ``store`` (``none``, ``mooncake`` or a
+        ``StorageTier``), ``store_master`` (host:port; None starts one on loopback),
+        ``store_memory`` (the segment a Mooncake client mounts) and ``tier_policy`` (``back``:
+        written on eviction; ``through``: at once): the tiers below the device (``EngineTiers``)."""
         config = spec_or_config
         if isinstance(config, ModelSpec):
             raise TypeError(
@@ -148,6 +171,18 @@ class Engine:
             cache_policy=cache_policy,
             checkpoints=checkpoints or engine_default(chunk_size, page_size),
         )
+        if not prefix_cache and (host_memory is not None or store not in (None, "none")):
+            raise ValueError("tiers below the device hold what the prefix cache evicts: they need prefix_cache=True")
+        self.tiers = EngineTiers.build(
+            self.alloc.kvm,
+            chunk_size,
+            host_memory=host_memory,
+            store=store,
+            store_master=store_master,
+            store_memory=store_memory,
+            policy=tier_policy,
+        )
+        self.alloc.tiers = self.tiers
         self.sched = Scheduler(self.alloc, self.chunk_size, self.max_running, self.max_step_tokens)
         self.stats = dict.fromkeys(
             [
@@ -156,6 +191,9 @@ class Engine:
                 "forward_tokens",
                 "prompt_tokens",
                 "cached_tokens",
+                "cached_tokens_device",
+                "cached_tokens_host",
+                "cached_tokens_storage",
                 "resumed_cached_tokens",
                 "hit_full_tokens",
                 "hit_window_tokens",
@@ -176,9 +214,19 @@ class Engine:
     def vocab_size(self) -> int:
         return int(self.runner.model.vocab_size)
 
-    def clear_cache(self) -> None:
-        """Evict everything the prefix cache holds (call it while no request runs)."""
+    def clear_cache(self, host: bool = False) -> None:
+        """Evict everything the prefix cache holds (call it while no request runs): with tiers,
+        written back below. ``host``: empty host memory too, into the store below it."""
         self.alloc.clear_cache()
+        if self.tiers is not None:
+            if host:
+                self.tiers.clear_host()
+            self.tiers.hierarchy.reap(wait=True)
+
+    def close(self) -> None:
+        """Stop the tiers below the device (their store client, a master started here); idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check(self, prompt: Sequence[int], max_new: int) -> str | None:
         """Why the engine cannot serve ``prompt`` with ``max_new`` new tokens (None: it can)."""
@@ -218,6 +266,8 @@ class Engine:
     def step(self) -> StepOutput:
         """One scheduler step: admit, allocate, forward, choose tokens; what it produced."""
         out = StepOutput()
+        if self.tiers is not None:
+            self.tiers.step()
         retractions = self.sched.retractions
         step = self.sched.next_step()
         self.stats["retractions"] += self.sched.retractions - retractions
@@ -240,6 +290,8 @@ class Engine:
         self.stats["cached_tokens"] += cached
         self.stats["resumed_cached_tokens"] += req.mem.cached_tokens - cached
         if hit is not None:
+            for where, n in hit.details.items():
+                self.stats[f"cached_tokens_{where}"] += n
             self.stats["hit_full_tokens"] += hit.full
             self.stats["hit_window_tokens"] += hit.window
             self.stats["hit_checkpoint_tokens"] += hit.checkpoint
@@ -266,6 +318,7 @@ class Engine:
             "evicted_pages": cache["evicted_pages"],
             "evicted_states": cache["evicted_states"],
             **self.stats,
+            **({} if self.tiers is None else {"tiers": self.tiers.metrics()}),
         }
 
     # --- batch API ------------------------------------------------------------------------

@@ -140,7 +140,7 @@ class Scheduler:
     # --- requests in and out ----------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        req.mem = self.alloc.new(req.namespace)
+        req.mem = self.alloc.new(req.namespace, req.tokens)  # with tiers: its restore is planned now
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -160,6 +160,7 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                self.alloc.retract(req.mem)  # a planned restore's pins
                 return self._end(req, FinishReason.ABORT, reason)
         for req in self.running:
             if req.rid == rid:
@@ -284,10 +285,11 @@ class Scheduler:
         prefix = [r.computed for r in reqs]
         handles = [r.mem.live for r in reqs]
         has_state = self.alloc.has_state
-        return ForwardBatch.build(
+        return ForwardBatch.from_pages(
             [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
             prefix,
-            [h.token_locs(0, p + s) for h, p, s in zip(handles, prefix, spans, strict=True)],
+            [h.pages for h in handles],
+            self.alloc.page_size,
             [h.state_slot or 0 for h in handles] if has_state else None,
             [r.mem.fresh for r in reqs] if has_state else None,
         )

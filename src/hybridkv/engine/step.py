@@ -1,171 +1,252 @@
-"""StepContext: one step's device-side index tensors, built once from a ForwardBatch.
+"""StepContext: one step's index tensors, masks and pool I/O, built once from a ForwardBatch.
 
-Every layer of a step reads the same context: the flat new tokens ``T``, their padded
-per-request layout ``(R, Q)`` (``Q`` = longest new span), and for each token pool the
-physical slots to write the new K/V to (``writes``) and the padded ``(R, L)`` slots to
-gather each request's visible context from. Pools that release history (sliding windows) gather only
-the positions some new token can still see (``>= first_needed(prefix + 1)``, the pool id's
-rule), so tokens that left the window may be tombstoned. ``groups`` lays the same requests
-out again in two padded groups, the one-token decodes and the longer spans, so that
-attention does not pad a decode's one query to the longest prefill chunk of the step (one
-group when the step has one kind).
+Step order. A step lays its requests out decodes first (one new token each), then the longer
+spans, each kind in the batch's order; its flat tokens (``input_ids``, ``positions``, every
+hidden state of the step) follow that order. ``last_index[i]`` is the flat index of the batch's
+request ``i``'s last new token, so logits come back in the batch's order. ``groups`` are the
+two kinds (one group when the step has one kind), each a contiguous range of step rows and
+flat tokens, padded apart: a decode's one query is never padded to the longest chunk.
+
+Attention of a group reads, per token pool, the columns of its requests' pages from the page
+of the earliest position a new token can see (``first_needed(prefix + 1)``, the pool id's
+rule) to one spare column past the longest row (``GroupKeys``): gathered once per group for
+every layer of the pool, the step's new entries put in by each layer as it computes them
+(never read back from the pool; the pool gets them once, at the end of the step: ``flush``).
+Each group and pool has one additive mask ``(R', 1, Q', W)``, built here: 0 where query ``q``
+sees column ``c`` (causal, the pool's history rule, e.g. a sliding window), ``-inf``
+elsewhere (padding, slots after a row's last token). State pools: every row's state cell is
+gathered once (``StateIO``) and written back once.
 
 Invariants:
-- Physical ids are produced here, from one ``translate`` per pool and one ``page_cells``
-  for the state pool, after every allocation of the step; they are valid for this step
-  only (compaction may move cells between steps).
-- Padded queries repeat their request's last real position and padded keys point at the
-  sink cell with position -1; masks hide padded keys, callers drop padded queries. No host
-  read of a device tensor happens here.
+- Physical ids come from one ``page_cells`` per pool and step (token pools: every group's
+  pages at once; the new tokens' cells are taken from them), after every allocation of the
+  step; they are valid for this step only (compaction may move cells between steps).
+- Padded queries repeat their request's last real new token; every query sees at least its own
+  key. Nothing here reads a device tensor on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.pool_io import GroupKeys, StateIO, TokenIO, TokenLayout, pool_layouts
 from hybridkv.memory import UnifiedMemory
-from hybridkv.spec import RECURRENT_POOL, PoolId
+from hybridkv.spec import PoolId
 
 
 @dataclass(frozen=True)
-class WriteSlots:
-    """Where one token pool's layers write the step's new K/V: a cell and an offset per new token."""
+class Group:
+    """Some of the step's requests (a contiguous range of rows and tokens) as a padded ``(R', Q')`` batch."""
 
-    cell: torch.Tensor  # (T,)
-    offset: torch.Tensor  # (T,)
-
-
-@dataclass(frozen=True)
-class PoolIndex:
-    """Which slots each request of a padded group reads from one token pool."""
-
-    read_cell: torch.Tensor  # (R, L)
-    read_offset: torch.Tensor  # (R, L)
-    key_valid: torch.Tensor  # (R, L) bool: a real context token, not padding
-    visible: torch.Tensor  # (R, 1, Q, L) bool: query q may attend key l
-
-
-@dataclass(frozen=True)
-class Padded:
-    """Some of the step's requests as a padded ``(R', Q')`` batch of queries and ``(R', L)`` of keys."""
-
-    rows: torch.Tensor  # (R',) which of the step's requests, in order
-    lengths: torch.Tensor  # (R',) their new-token counts
-    query_index: torch.Tensor  # (R', Q') flat index of each padded query (padding repeats the last)
-    flat_index: torch.Tensor  # (T',) the flat tokens of these requests, in order
-    from_padded: torch.Tensor  # (T',) their rows in the (R' * Q') padded layout
-    pools: dict[PoolId, PoolIndex]
+    rows: slice  # step rows [a, b)
+    tokens: slice  # flat tokens [a, b)
+    width: int  # Q': the longest new span of the group
+    lengths: torch.Tensor  # (R',) new tokens per row
+    query_index: torch.Tensor | None  # (R', Q') flat index of each padded query; None when Q' = 1
+    from_padded: torch.Tensor | None  # (T',) each token's row of the (R' * Q') layout; None when Q' = 1
 
     @property
     def decode_only(self) -> bool:
-        """Every request of the group adds one token (a host fact: the padded width)."""
-        return self.query_index.shape[1] == 1
+        """Every request of the group adds one token."""
+        return self.width == 1
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat ``(T, ...)`` -> padded ``(R', Q', ...)``; padded rows repeat the last real token."""
+        if self.query_index is None:
+            return x[self.tokens].unsqueeze(1)
         return x[self.query_index]
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """Padded ``(R', Q', ...)`` -> ``(T', ...)``, the rows of ``flat_index``."""
-        return x.reshape(-1, *x.shape[2:])[self.from_padded]
+        """Padded ``(R', Q', ...)`` -> the group's flat ``(T', ...)``."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat if self.from_padded is None else flat[self.from_padded]
 
 
 @dataclass(frozen=True)
 class StepContext:
-    input_ids: torch.Tensor  # (T,)
+    input_ids: torch.Tensor  # (T,) in step order
     positions: torch.Tensor  # (T,)
-    last_index: torch.Tensor  # (R,) flat index of each request's last new token
-    writes: dict[PoolId, WriteSlots]  # per token pool, where the new K/V go
-    groups: tuple[Padded, ...]  # decodes and longer spans apart (or the one group)
-    state_cells: torch.Tensor | None  # (R,) state-pool cells
-    fresh_state: torch.Tensor | None  # (R,) bool
+    last_index: torch.Tensor  # (R,) flat index of each batch request's last new token
+    groups: tuple[Group, ...]  # decodes, then longer spans (or the one kind)
+    tokens: dict[PoolId, TokenIO]  # per token pool
+    states: dict[PoolId, StateIO]  # per state pool (stateful steps)
+    pool_of: dict[int, PoolId]  # layer id -> its pool
+    spans: list[slice]  # each group's flat tokens
+
+    def token_io(self, layer_id: int) -> TokenIO:
+        """The I/O of the token pool holding ``layer_id``'s entries."""
+        return self.tokens[self.pool_of[layer_id]]
+
+    def state_io(self, layer_id: int) -> StateIO:
+        """The I/O of the state pool holding ``layer_id``'s state."""
+        try:
+            return self.states[self.pool_of[layer_id]]
+        except KeyError:
+            raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots") from None
+
+    def flush(self) -> None:
+        """Write the step's new K/V and updated states to their pools (once, after every layer ran)."""
+        for io in self.tokens.values():
+            io.flush()
+        for state in self.states.values():
+            state.flush()
+
+
+def _arange_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concat(arange(s, s + n) for s, n)`` without a Python loop."""
+    total = int(lengths.sum())
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total)
 
 
 @dataclass(frozen=True)
-class _PoolSlots:
-    """One pool's translated slots: new tokens (T,), and every request's visible context, flat."""
+class _Rows:
+    """The step's requests in step order (host arrays)."""
 
-    pool_id: PoolId
-    write: torch.Tensor
-    read: torch.Tensor
-    first: np.ndarray  # (R,) first visible position of each request
-    read_start: np.ndarray  # (R,) where each request's visible context starts in ``read``
+    pre: np.ndarray
+    ext: np.ndarray
+    page_base: np.ndarray  # where each row's pages start in the step's page table
+    tok_start: np.ndarray  # each row's first flat token (step order)
+
+
+Dev = Callable[[np.ndarray], torch.Tensor]
+
+
+def _group(rows: _Rows, a: int, b: int, dev: Dev) -> Group:
+    ext, start = rows.ext[a:b], rows.tok_start[a:b]
+    r, q = b - a, int(ext.max())
+    query_index = from_padded = None
+    if q > 1:
+        query_index = dev(start[:, None] + np.minimum(np.arange(q), ext[:, None] - 1))
+        from_padded = dev(np.repeat(np.arange(r) * q, ext) + _arange_runs(np.zeros(r, dtype=np.int64), ext))
+    tokens = slice(int(start[0]), int(start[-1] + ext[-1]))
+    return Group(slice(a, b), tokens, q, dev(ext), query_index, from_padded)
+
+
+@dataclass(frozen=True)
+class _KeysPlan:
+    """One group's keys in one token pool, on the host (see ``GroupKeys``)."""
+
+    virtual: np.ndarray  # (R', P) virtual page ids, 0 (the sink) past each row's pages
+    new_cells: np.ndarray  # (T',) each new token's entry in ``virtual`` (flat)
+    new_offsets: np.ndarray  # (T',) and its slot in the page
+    new_rows: np.ndarray  # (T',) its row
+    new_cols: np.ndarray  # (T',) and column
+    zero_rows: np.ndarray  # slots after each row's last token in its last page
+    zero_cols: np.ndarray
+    mask: np.ndarray  # (R', 1, Q', W)
+    spare: np.ndarray  # (R', 1, 1, W)
+
+
+def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _KeysPlan:
+    """Rows ``[a, b)``'s keys in one token pool: columns from the page of the earliest position a new token sees
+    to one spare column past the longest row."""
+    pre, ext = rows.pre[a:b], rows.ext[a:b]
+    seq = pre + ext
+    r, q = b - a, int(ext.max())
+    first_page = pool_id.first_needed(pre + 1) // ps
+    base = first_page * ps
+    pages = -(-seq // ps) - first_page  # the row's pages from its first visible one
+    width = -(-(int((seq - base).max()) + 1) // ps)  # pages per row: one column past the longest row is spare
+    key_pos = base[:, None] + np.arange(width * ps)  # (R', W)
+    query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R', Q')
+    visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+    if pool_id.releases_history:
+        visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
+    col = np.arange(width)
+    real = col[None, :] < pages[:, None]
+    virtual = np.where(real, table[np.where(real, (rows.page_base[a:b] + first_page)[:, None] + col, 0)], 0)
+    new_rows = np.repeat(np.arange(r), ext)
+    new_cols = _arange_runs(pre - base, ext)
+    tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
+    spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
+    spare[np.arange(r), 0, 0, seq - base] = 1.0
+    return _KeysPlan(
+        virtual,
+        new_rows * width + new_cols // ps,
+        new_cols % ps,
+        new_rows,
+        new_cols,
+        np.repeat(np.arange(r), tail),
+        _arange_runs(seq - base, tail),
+        np.where(visible, np.float32(0), np.float32(-np.inf))[:, None],
+        spare,
+    )
+
+
+def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, dev: Dev) -> TokenIO:
+    """The pool's I/O for the step: one ``page_cells`` for every group's pages, one gather per group."""
+    sizes = [p.virtual.size for p in plans]
+    cells = mem.page_cells(np.concatenate([p.virtual.reshape(-1) for p in plans]), layout.pool_id)
+    keys = []
+    for g, (plan, part) in enumerate(zip(plans, torch.split(cells, sizes), strict=True)):
+        entries = TokenIO.gather(layout, g, part, plan.virtual.shape[0], dev(plan.zero_rows), dev(plan.zero_cols))
+        keys.append(
+            GroupKeys(
+                entries,
+                dev(plan.new_rows),
+                dev(plan.new_cols),
+                dev(plan.mask),
+                dev(plan.spare),
+                part[dev(plan.new_cells)],
+                dev(plan.new_offsets),
+            )
+        )
+    return TokenIO(layout, keys)
 
 
 def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) -> StepContext:
-    pre, ext = batch.prefix_lens, batch.extend_lens
-    seq = pre + ext
-    starts = np.cumsum(ext) - ext
-    new_locs = np.concatenate([locs[p:] for locs, p in zip(batch.token_locs, pre, strict=True)])
-
     def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
-    slots: dict[PoolId, _PoolSlots] = {}
-    for pool in mem.token_pools:
-        rule = pool.pool_id
-        first = rule.first_needed(pre + 1)  # what the step's first query sees
-        read_locs = np.concatenate([locs[f:] for locs, f in zip(batch.token_locs, first, strict=True)])
-        translated = mem.translate(np.concatenate([new_locs, read_locs]), rule)
-        lengths = seq - first
-        slots[rule] = _PoolSlots(
-            rule, translated[: new_locs.size], translated[new_locs.size :], first, np.cumsum(lengths) - lengths
-        )
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
     ps = mem.page_size
+    ext_b, pre_b = batch.extend_lens, batch.prefix_lens
+    table, page_base_b = batch.page_table(ps)
+    decodes = ext_b == 1
+    n_dec = int(decodes.sum())
+    order = np.concatenate([np.flatnonzero(decodes), np.flatnonzero(~decodes)]) if 0 < n_dec < ext_b.size else None
+    tok_base_b = np.cumsum(ext_b) - ext_b
+    if order is None:
+        pre, ext, page_base, tok_src = pre_b, ext_b, page_base_b, tok_base_b
+    else:
+        pre, ext, page_base, tok_src = pre_b[order], ext_b[order], page_base_b[order], tok_base_b[order]
+    tok_start = np.cumsum(ext) - ext
+    rows = _Rows(pre, ext, page_base, tok_start)
+    positions = _arange_runs(pre, ext)
+    input_ids = batch.input_ids if order is None else batch.input_ids[_arange_runs(tok_src, ext)]
+    if order is None:
+        last = tok_start + ext - 1
+    else:
+        last = np.empty_like(tok_start)
+        last[order] = tok_start + ext - 1
 
-    def layout(rows: np.ndarray) -> Padded:
-        e, p, s, st = ext[rows], pre[rows], seq[rows], starts[rows]
-        r, q = rows.size, int(e.max())
-        cols = np.minimum(np.arange(q), e[:, None] - 1)
-        query_pos = p[:, None] + cols
-        flat = np.concatenate([np.arange(a, a + n) for a, n in zip(st, e, strict=True)])
-        local = np.repeat(np.arange(r), e)
-        from_padded = local * q + (np.arange(local.size) - (np.cumsum(e) - e)[local])
-        pools: dict[PoolId, PoolIndex] = {}
-        for pool_id, sl in slots.items():
-            first = sl.first[rows]
-            width = int((s - first).max())
-            key_pos = first[:, None] + np.arange(width)
-            key_valid = key_pos < s[:, None]
-            src = (sl.read_start[rows][:, None] + np.arange(width))[key_valid]
-            grid = torch.zeros(r * width, dtype=torch.int64, device=device)
-            grid[dev(np.flatnonzero(key_valid.reshape(-1)))] = sl.read[dev(src)]
-            grid = grid.view(r, width)
-            kp = np.where(key_valid, key_pos, -1)
-            visible = (kp[:, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]
-            if sl.pool_id.releases_history:
-                visible &= kp[:, None, :] >= sl.pool_id.first_needed(query_pos + 1)[:, :, None]
-            pools[pool_id] = PoolIndex(
-                read_cell=torch.div(grid, ps, rounding_mode="floor"),
-                read_offset=grid % ps,
-                key_valid=dev(key_valid),
-                visible=dev(visible[:, None]),
-            )
-        return Padded(dev(rows), dev(e), dev(st[:, None] + cols), dev(flat), dev(from_padded), pools)
-
-    decodes = ext == 1
-    groups: tuple[Padded, ...] = (layout(np.arange(ext.size)),)
-    if decodes.any() and not decodes.all():
-        groups = (layout(np.flatnonzero(decodes)), layout(np.flatnonzero(~decodes)))
-    writes = {
-        pool_id: WriteSlots(torch.div(sl.write, ps, rounding_mode="floor"), sl.write % ps)
-        for pool_id, sl in slots.items()
+    layouts = pool_layouts(mem)
+    bounds = [(0, ext.size)] if order is None else [(0, n_dec), (n_dec, ext.size)]
+    groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
+    tokens = {
+        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps) for a, b in bounds], mem, dev)
+        for pool_id, layout in layouts.tokens.items()
     }
-    state_cells = fresh = None
-    if batch.state_slots is not None and batch.fresh_state is not None and mem.slot_pools:
-        state_cells = mem.page_cells(batch.state_slots, RECURRENT_POOL)
-        fresh = dev(batch.fresh_state)
+    states = {}
+    if batch.state_slots is not None and batch.fresh_state is not None:
+        slots_o = batch.state_slots if order is None else batch.state_slots[order]
+        fresh_rows = np.flatnonzero(batch.fresh_state if order is None else batch.fresh_state[order])
+        fresh = dev(fresh_rows) if fresh_rows.size else None
+        for pool_id, state_layout in layouts.states.items():
+            states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh)
     return StepContext(
-        input_ids=dev(batch.input_ids),
-        positions=dev(batch.positions),
-        last_index=dev(starts + ext - 1),
-        writes=writes,
+        input_ids=dev(input_ids),
+        positions=dev(positions),
+        last_index=dev(last),
         groups=groups,
-        state_cells=state_cells,
-        fresh_state=fresh,
+        tokens=tokens,
+        states=states,
+        pool_of=layouts.pool_of,
+        spans=[g.tokens for g in groups],
     )

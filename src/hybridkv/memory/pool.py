@@ -271,6 +271,8 @@ class SubPool:
         if not self.arena.has_data or src.size == 0:
             return
         grid = self.arena.cell_grid(self.grid_cells, self.cell_bytes)
+        if self.cell_bytes % 8 == 0 and grid.data_ptr() % 8 == 0:
+            grid = grid.view(torch.int64)  # whole-cell copies in words: several times faster than in bytes
         dev = grid.device
         grid.index_copy_(0, to_index(dst, dev), grid.index_select(0, to_index(src, dev)))
 

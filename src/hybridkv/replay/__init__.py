@@ -1,4 +1,5 @@
-"""Replay real request traces through memory + prefix cache, tables only (no model compute)."""
+"""Replay real request traces through memory + prefix cache, tables only (no model compute),
+optionally with host memory and a store below the device (``TierConfig``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hybridkv.replay.simulator import (
     Simulator,
     simulate,
 )
+from hybridkv.replay.tiered import TierConfig
 from hybridkv.replay.workload import ReplayRequest, Workload, load_workload
 from hybridkv.traces import MOONCAKE_TRACE
 
@@ -40,6 +42,7 @@ __all__ = [
     "ReplayRequest",
     "ReplayResult",
     "Simulator",
+    "TierConfig",
     "Workload",
     "build_report",
     "compare",

@@ -83,6 +83,8 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
             "steps": res.steps,
         },
     }
+    if res.tiers:
+        report["tiers"] = res.tiers
     if with_timeline:
         report["timeline"] = res.timeline
     return report

@@ -47,6 +47,7 @@ import numpy as np
 from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVHandle, KVManager
 from hybridkv.cache.placement import DEFAULT
 from hybridkv.memory import OutOfMemory, UnifiedMemory, parse_bytes
+from hybridkv.replay.tiered import ReplayTiers, TierConfig
 from hybridkv.replay.workload import ReplayRequest, Workload
 from hybridkv.spec import ShardSpec, get_preset
 
@@ -88,6 +89,8 @@ class ReplayConfig:
     """Samples of the pool split over the trace's time span."""
     verify_every: int = 0
     """Run ``mem.verify()`` and ``cache.check()`` every N steps (0: only at the end)."""
+    tiers: TierConfig | None = None
+    """Host memory and/or a store below the device (``tiered.py``); None: the device only."""
 
 
 @dataclass
@@ -114,6 +117,8 @@ class ReplayResult:
     requests: int = 0
     input_tokens: int = 0
     hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    """Tokens of the device's own hits (``hit_tokens`` less what tiers below restored)."""
     full_hit_tokens: int = 0
     window_hit_tokens: int = 0
     window_hit_tokens_each: dict[str, int] = field(default_factory=dict)
@@ -144,6 +149,8 @@ class ReplayResult:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     hits: dict[int, int] = field(default_factory=dict)
     """Tokens hit per request id (at its first admission)."""
+    tiers: dict[str, Any] = field(default_factory=dict)
+    """The tier layer's report (``ReplayTiers.report``), when the replay has tiers."""
 
 
 class Simulator:
@@ -169,6 +176,7 @@ class Simulator:
         self.kvm = KVManager(self.cache, config.checkpoints)
         self.ps = config.page_size
         self.chunk = self.mem.plan.chunk_tokens
+        self.tiers = ReplayTiers(self.kvm, config.tiers, self.chunk) if config.tiers is not None else None
         self.result = ReplayResult(config, workload.name, spec.name, pools=tuple(str(p) for p in self.mem.pools))
         self._window_labels = tuple(w.label for w in self.cache.rules.windows)
         self.result.window_hit_tokens_each = dict.fromkeys(self._window_labels, 0)
@@ -210,6 +218,8 @@ class Simulator:
             prefilled = self._admit(waiting, running)
             generated = self._decode(running, waiting) if running else 0
             self.clock += prefilled / self.engine.prefill_tokens_per_s + generated * self.engine.decode_step_s
+            if self.tiers is not None:
+                self.clock += self.tiers.take_seconds()
             for r in [r for r in running if r.generated >= r.req.output_length]:
                 running.remove(r)
                 self._finish(r)
@@ -237,6 +247,9 @@ class Simulator:
         res.wall_seconds = time.perf_counter() - started
         res.cache = self.cache.stats()
         res.memory = self.mem.stats().as_dict()
+        if self.tiers is not None:
+            res.tiers = self.tiers.report(res.input_tokens, res.hit_tokens, res.device_hit_tokens)
+            self.tiers.close()
         return res
 
     def verify(self) -> None:
@@ -277,12 +290,27 @@ class Simulator:
         without them (counted as skipped)."""
         kvm = self.kvm
         tokens = req.input_ids()
-        match = kvm.match(tokens[: req.input_length - 1])
+        prefix = tokens[: req.input_length - 1]
+        match = kvm.match(prefix)
+        tiers = self.tiers
+        fetched = tiers.plan(match, prefix) if tiers is not None else None
         try:
             kv = kvm.admit(match)
         except OutOfMemory:
+            if tiers is not None and fetched is not None:
+                tiers.cancel(fetched)
             return None
-        wanted = kvm.wanted_checkpoints(kv, req.input_length)
+        start = match.length
+        if tiers is not None and fetched is not None:
+            try:
+                kv, start = tiers.restore(kv, match, fetched)
+            except OutOfMemory:
+                kvm.release(kv)
+                return None
+        if tiers is not None and fetched is not None:
+            wanted = tiers.wanted_checkpoints(kv, fetched, req.input_length)
+        else:
+            wanted = kvm.wanted_checkpoints(kv, req.input_length)
         if not with_checkpoints:
             self.result.checkpoints_skipped += len(wanted)
         ends = deque(wanted)
@@ -290,7 +318,7 @@ class Simulator:
             if with_checkpoints:
                 for at in wanted:
                     kvm.reserve_checkpoint(kv, at)
-            pos = match.length
+            pos = start
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
                 if ends and ends[0] <= nxt:  # a chunk ends where a checkpoint is wanted
@@ -303,21 +331,24 @@ class Simulator:
             return None
         kvm.insert(kv, tokens)
         self._cap_cache()
-        computed = req.input_length - match.length
+        computed = req.input_length - start
         res = self.result
         res.prefill_tokens += computed
-        res.recomputed_tokens += match.full_length - match.length
+        res.recomputed_tokens += max(0, match.full_length - start)
         if req.rid not in self._admitted:  # hits count once: a retracted request hits its own prompt
             self._admitted.add(req.rid)
             res.requests += 1
             res.input_tokens += req.input_length
-            res.hit_tokens += match.length
+            res.hit_tokens += start
+            res.device_hit_tokens += match.length
+            if tiers is not None and fetched is not None:
+                tiers.record(fetched, start)
             res.full_hit_tokens += match.full_length
             res.window_hit_tokens += match.window_length
             for label, n in zip(self._window_labels, match.window_lengths, strict=True):
                 res.window_hit_tokens_each[label] += n
             res.checkpoint_hit_tokens += match.checkpoint_length
-            res.hits[req.rid] = match.length
+            res.hits[req.rid] = start
         return _Running(req, kv, tokens), computed
 
     # --- decode ---------------------------------------------------------------------------

@@ -20,7 +20,10 @@ Invariants every backend keeps:
   ``errors``, ``retractions``, ``prompt_tokens``, ``cached_tokens``, ``hit_full_tokens``,
   ``hit_window_tokens``, ``hit_checkpoint_tokens``, ``engine_thread_cpu_s`` (CPU seconds of the
 thread that runs the engine), and for PD ``transfer_bytes``,
-  ``transfer_failures``. A key a backend lacks is not exported.
+  ``transfer_failures``, ``deaths``, ``probe_ok``, ``phases`` ({phase: open requests}),
+  ``restarts`` ({engine: n}) and ``workers`` (per worker: ``worker``, ``epoch``, ``pid``,
+  ``live_pages``, ``live_slots``, ``before_pages``, ``before_slots``, ``requests``). A key a
+  backend lacks is not exported.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Finished:
     error: str | None
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    cached_tokens_details: dict[str, int] | None = None
+    """``cached_tokens`` by where they came from {device, host, storage} (None: the backend does not say)."""
 
 
 class Sink(Protocol):

@@ -190,7 +190,14 @@ class EngineBackend:
         req = self._open.pop(out.rid)
         del self._rid_of[req.ticket]
         req.sink.on_finish(
-            Finished(list(out.output_ids), out.finish_reason, out.error, out.prompt_tokens, out.cached_tokens)
+            Finished(
+                list(out.output_ids),
+                out.finish_reason,
+                out.error,
+                out.prompt_tokens,
+                out.cached_tokens,
+                out.cached_tokens_details,
+            )
         )
         self._release()
 

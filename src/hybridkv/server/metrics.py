@@ -4,9 +4,10 @@ Each scrape asks the backend for one ``metrics()`` snapshot (``hybridkv.server.b
 keys) and exports what it holds: gauges for what is true now (requests running and waiting,
 cells per pool and state, pages and slots live / cached / held by requests), counters for the
 cumulative figures (prefix-cache hit tokens per component, evictions, retractions, transfer
-bytes and failures for PD, CPU of the engine thread), plus the process's own figures
-(``process_cpu_seconds_total``, memory, file descriptors). The server observes TTFT, TPOT and
-end-to-end latency per request into histograms as each request ends.
+bytes and failures for PD, CPU of the engine thread); for PD also open requests per phase,
+worker deaths, engine restarts and per worker the pages and slots it holds (``hybridkv_pd_*``);
+plus the process's own figures (``process_cpu_seconds_total``, memory, file descriptors). The
+server observes TTFT, TPOT and end-to-end latency per request into histograms as each request ends.
 
 Invariant: one ``CollectorRegistry`` per app (no process-global state), so several servers in one
 process (tests) never share or double-register series.
@@ -34,6 +35,7 @@ GAUGES = {
     "cached_states": ("cached_states", "State checkpoints the prefix cache keeps."),
     "held_pages": ("request_pages", "KV pages held by open requests (live minus cached)."),
     "held_slots": ("request_slots", "State slots held by open requests (live minus cached)."),
+    "probe_ok": ("pd_probe_ok", "1 when every live PD worker answered this scrape's probe (its figures are current)."),
 }
 COUNTERS = {
     "requests": ("engine_requests", "Requests the engine accepted."),
@@ -47,6 +49,7 @@ COUNTERS = {
     "evicted_states": ("evicted_states", "State checkpoints evicted from the prefix cache."),
     "transfer_bytes": ("transfer_bytes", "KV and state bytes moved prefill -> decode (PD)."),
     "transfer_failures": ("transfer_failures", "Failed prefill -> decode transfers (PD)."),
+    "deaths": ("pd_worker_deaths", "PD worker processes that died while serving."),
     "engine_thread_cpu_s": (
         "engine_thread_cpu_seconds",
         "CPU seconds of the engine thread (the rest of process_cpu_seconds is the HTTP side).",
@@ -86,6 +89,44 @@ class _BackendCollector(Collector):
             if key in m:
                 hits.add_metric([component], m[key])
         yield hits
+        yield from _pd_families(m)
+
+
+def _pd_families(m: dict[str, Any]) -> Iterator[Metric]:
+    """The PD server's labelled figures: open requests per phase, restarts per engine, and per worker
+    (``name``, ``epoch``) the pages and slots it holds now and held before its first request."""
+    if "phases" in m:
+        phases = GaugeMetricFamily(PREFIX + "pd_requests", "Open PD requests per phase.", labels=["phase"])
+        for phase, n in m["phases"].items():
+            phases.add_metric([phase], n)
+        yield phases
+    if "restarts" in m:
+        restarts = CounterMetricFamily(
+            PREFIX + "pd_engine_restarts", "Restarts of a PD engine after a worker died.", labels=["engine"]
+        )
+        for engine, n in m["restarts"].items():
+            restarts.add_metric([engine], n)
+        yield restarts
+    if "workers" in m:
+        labels = ["worker", "epoch", "state"]
+        pages = GaugeMetricFamily(
+            PREFIX + "pd_worker_pages",
+            "KV pages of a PD worker outside the prefill prefix cache: live now, and before its first request.",
+            labels=labels,
+        )
+        slots = GaugeMetricFamily(
+            PREFIX + "pd_worker_slots", "State slots of a PD worker, like pd_worker_pages.", labels=labels
+        )
+        held = GaugeMetricFamily(
+            PREFIX + "pd_worker_requests", "Requests holding memory on a PD worker.", labels=["worker", "epoch"]
+        )
+        for w in m["workers"]:
+            who = [w["worker"], str(w["epoch"])]
+            for state in ("live", "before"):
+                pages.add_metric([*who, state], w[f"{state}_pages"])
+                slots.add_metric([*who, state], w[f"{state}_slots"])
+            held.add_metric(who, w["requests"])
+        yield from (pages, slots, held)
 
 
 class ServerMetrics:

@@ -6,7 +6,8 @@
 ``stop_token_ids``, ``ignore_eos``), ``stream``, ``rid`` (ids for ``/abort_request``; one per
 prompt in a batch) and ``cache_salt``. Every answer (each element of a batch) has ``text``,
 ``output_ids`` and ``meta_info`` {``id``, ``prompt_tokens``, ``completion_tokens``,
-``cached_tokens``, ``finish_reason``, ``e2e_latency``}; ``finish_reason`` is SGLang's object
+``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
+``cached_tokens_details`` {``device``, ``host``, ``storage``}}; ``finish_reason`` is SGLang's object
 (``{"type": "length", "length": n}``, ``{"type": "stop", "matched": id}``, ``{"type": "abort",
 "message": ...}``) and null in a stream until the prompt ended. A stream sends, as SGLang does by
 default, the cumulative ``output_ids`` and ``text`` of one prompt per chunk (``index``: its place in
@@ -105,6 +106,8 @@ def _answer(gen: Generation, i: int, rid: str, text: TextStream) -> dict[str, An
         "finish_reason": _finish_reason(p),
         "e2e_latency": None if p.finished_at is None else p.finished_at - gen.arrived,
     }
+    if f is not None and f.cached_tokens_details is not None:  # where the cached tokens came from
+        meta["cached_tokens_details"] = f.cached_tokens_details
     return {"text": text.text, "output_ids": list(p.tokens), "meta_info": meta}
 
 

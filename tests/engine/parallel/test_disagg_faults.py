@@ -165,6 +165,7 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
             handles = [server.submit(PROMPTS[i], GREEDY) for i in wave]
             results += [server.result(h, timeout_s=120) for h in handles]
             probes.append(settled(server))
+        metrics = server.metrics()
     single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
 
     killed_prefill, killed_decode = server.deaths
@@ -175,6 +176,7 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     assert results[3].cached_tokens > 0  # its retry hit the prefill cache its first attempt filled
     stalled = results[5]
     assert stalled.status == FAILED and "timed out after 2.0 s" in stalled.reason, stalled
+    assert stalled.transfer_failed and metrics["transfer_failures"] == 1, metrics  # the stall, counted once
     assert stalled.output_ids == [] and stalled.timing is None
     for r in results:
         if r.index != 5:

@@ -62,13 +62,13 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
-        object.__setattr__(self, "kind", FaultKind(self.kind))
+        object.__setattr__(self, "kind", FaultKind(self.kind))  # its str() is its name: messages say kill-decode
         if self.request < 0:
-            raise ValueError(f"fault {self.kind!r}: request {self.request} is negative; use a submission index >= 0")
+            raise ValueError(f"fault '{self.kind}': request {self.request} is negative; use a submission index >= 0")
         if self.rank < 0:
-            raise ValueError(f"fault {self.kind!r}: rank {self.rank} is negative; use a rank >= 0")
+            raise ValueError(f"fault '{self.kind}': rank {self.rank} is negative; use a rank >= 0")
         if self.delay_s < 0:
-            raise ValueError(f"fault {self.kind!r}: delay_s {self.delay_s} is negative; use a delay >= 0")
+            raise ValueError(f"fault '{self.kind}': delay_s {self.delay_s} is negative; use a delay >= 0")
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def check_faults(config: PDConfig) -> None:
         size = {"prefill_pp": config.prefill_pp, "decode_tp": config.decode_tp}[what]
         if f.kind is not FaultKind.STALL_TRANSFER and f.rank >= size:
             raise ValueError(
-                f"fault {f.kind!r} on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
+                f"fault '{f.kind}' on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
                 f"use a rank in 0..{size - 1} or raise {what}"
             )
         if f.request in seen:

@@ -163,7 +163,7 @@ class DecodeRank(Worker):
                 self.first.pop(tid)
                 self.transfer_failed.add(tid)
                 if report is not None and report.phase is Phase.FAILED:
-                    self.conn.send(Failed(tid, f"decode TP rank {self.rank}: {report.reason}"))
+                    self.conn.send(Failed(tid, f"decode TP rank {self.rank}: {report.reason}", transfer=True))
                 elif report is not None and report.phase is Phase.SUCCESS:
                     self.sched.drop(tid, "another decode TP rank's transfer failed")  # nothing writes here any more
                 else:

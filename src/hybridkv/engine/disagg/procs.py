@@ -15,7 +15,8 @@ Invariants:
 - A worker's fd 2 is the write end of its pipe in ``logs`` (``WorkerLog``): the launcher reads
   what it writes there, whatever wrote it (Python or a C++ library).
 - A worker that raises sends ``Crash`` (its traceback) on its pipe and exits with code 1; one
-  whose launcher dies exits by itself (``watch_launcher``).
+  whose launcher dies exits by itself (``watch_launcher``). A worker exits at once when its main
+  returns (``os._exit`` after closing its world and pipe: no interpreter finalization).
 - ``close`` asks nothing: it gives each process ``grace_s`` to exit, then terminates, then
   kills, and joins every one of them; afterwards no process of the engine is alive and every
   pipe end of the launcher is closed. ``kill`` sends a real signal to one rank.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -59,6 +61,7 @@ def _child(
     os.dup2(log.fileno(), 2)  # everything written to fd 2 goes to the launcher's WorkerLog
     log.close()
     threading.Thread(target=watch_launcher, daemon=True, name="launcher-watch").start()
+    code = 0
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -67,11 +70,16 @@ def _child(
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send(Crash(traceback.format_exc()))
-        raise SystemExit(1) from None  # the launcher has the traceback: exit 1, print nothing
+        code = 1  # the launcher has the traceback: exit 1, print nothing
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+    # everything the worker owns is closed and reported: skip the interpreter's finalization, whose last
+    # garbage collection over torch's and the model's objects takes seconds (a stop or restart waited for it)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class EngineProcs:

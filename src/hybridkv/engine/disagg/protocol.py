@@ -137,6 +137,7 @@ class Done:
 class Failed:
     tid: str
     reason: str
+    transfer: bool = False  # the transfer layer failed it (timeout, peer, checksum, layout)
 
 
 @dataclass(frozen=True)

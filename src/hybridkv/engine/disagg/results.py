@@ -80,6 +80,7 @@ class RequestResult:
     finish_reason: str = "error"  # a FinishReason: length, eos, stop, abort or error
     retractions: int = 0  # times the decode engine retracted it (and prefilled it again locally)
     prompt_tokens: int = 0
+    transfer_failed: bool = False  # the transfer layer failed it
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,9 @@ class RouterRequest:
         if self.on_done is not None and self.result is not None:
             self.on_done(self.result)
 
-    def fail(self, reason: str) -> None:
-        """End it failed with ``reason`` (a request ends once: later calls change nothing)."""
+    def fail(self, reason: str, transfer: bool = False) -> None:
+        """End it failed with ``reason`` (``transfer``: the transfer layer's); a request ends once: later
+        calls change nothing."""
         if self.result is None:
             self.phase = Phase.FAILED
             aborted = reason.startswith(ABORTED)
@@ -229,6 +231,7 @@ class RouterRequest:
                 tuple(self.reasons),
                 finish_reason="abort" if aborted else "error",
                 prompt_tokens=len(self.ids),
+                transfer_failed=transfer,
             )
             self._ended()
 
@@ -245,7 +248,7 @@ def request_metrics(requests: list[RouterRequest]) -> dict[str, Any]:
         "finished": sum(r.status == FINISHED for r in done),
         "failed": sum(r.status == FAILED for r in done),
         "transfer_bytes": sum(r.transfer_bytes for r in done),
-        "transfer_failures": sum(r.status == FAILED and "transfer" in r.reason for r in done),
+        "transfer_failures": sum(r.transfer_failed for r in done),
         "cached_tokens": sum(r.cached_tokens for r in done),
         "retractions": sum(r.retractions for r in done),
     }

@@ -432,7 +432,7 @@ class PDServer:
             req.finals[r] = msg
             self._maybe_complete(req)
         elif isinstance(msg, Failed):
-            self._fail(req, msg.reason)
+            self._fail(req, msg.reason, msg.transfer)
             self._abort_everywhere(req, msg.reason)
 
     def _abort_everywhere(self, req: RouterRequest, reason: str) -> None:
@@ -456,9 +456,9 @@ class PDServer:
         if error:
             self._fail(req, error)
 
-    def _fail(self, req: RouterRequest, reason: str) -> None:
+    def _fail(self, req: RouterRequest, reason: str, transfer: bool = False) -> None:
         self._in_flight.discard(req.index)
-        req.fail(reason)
+        req.fail(reason, transfer)
 
     def _on_death(self, e: EngineState, r: int) -> None:
         crash = e.crash.get(r, "").strip().splitlines()

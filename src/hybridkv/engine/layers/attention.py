@@ -1,14 +1,16 @@
 """Paged GQA attention over UnifiedMemory: full or sliding-window, with the variants the served models use.
 
-Per step: project, (q/k norm), RoPE, write the new K/V into this layer's pool view at the
-step's physical slots, gather each request's visible context back from the pool, and
-attend with padded batched tensors: queries ``(R, kv_heads, group, Q, D)`` against keys
-``(R, kv_heads, L, D)``, masked by the step's causal (and window) mask; one-token decodes
-and longer spans attend as two padded groups (``ctx.groups``).
+Per step: project, (q/k norm), RoPE, put the new K/V into the step's gathered context of
+this layer's pool (``pool_io``: every layer's context pages were gathered once for the step;
+the pool gets the new K/V once, at the end of the step), and attend through
+``scaled_dot_product_attention``: queries ``(R, heads, Q, D)`` against keys ``(R, kv_heads,
+W, D)`` with the step's additive mask (causal, the pool's window, padding; built once per
+step); one-token decodes and longer spans attend as two padded groups (``ctx.groups``).
 
 Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
-dropped), output gate (Qwen3-Next: ``q_proj`` yields query and gate per head, the output
-is multiplied by ``sigmoid(gate)``), q/k RMS norms, logit soft-capping, query scaling.
+dropped: a spare zero key of each row whose mask entry is the sink), output gate (Qwen3-Next:
+``q_proj`` yields query and gate per head, the output is multiplied by ``sigmoid(gate)``),
+q/k RMS norms, query scaling.
 
 Tensor parallel (``tp``): the rank holds its query heads and the KV heads
 ``Parallel.kv_head_range`` gives it (a GQA head replicated on several ranks when TP > KV
@@ -25,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import apply_rope
+from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
@@ -46,7 +49,6 @@ class PagedAttention(nn.Module):
         qk_norm_eps: float | None = None,
         output_gate: bool = False,
         sinks: bool = False,
-        softcap: float | None = None,
         tp: TensorParallel = SINGLE,
     ):
         super().__init__()
@@ -55,7 +57,7 @@ class PagedAttention(nn.Module):
         q_heads, kv_range = tp.split(heads, f"layer {layer_id} query heads"), tp.kv_heads(kv_heads)
         self.layer_id, self.head_dim = layer_id, head_dim
         self.heads, self.kv_heads = q_heads[1] - q_heads[0], kv_range[1] - kv_range[0]
-        self.scaling, self.softcap, self.output_gate = scaling, softcap, output_gate
+        self.scaling, self.output_gate = scaling, output_gate
         q_width = head_dim * (2 if output_gate else 1)  # per head: query (and its gate) side by side
         self.q_proj = nn.Linear(hidden, self.heads * q_width, bias=bias)
         self.k_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
@@ -75,9 +77,7 @@ class PagedAttention(nn.Module):
         """Per-token shapes this layer reads and writes in its pool."""
         return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q = self.q_proj(x)
         gate = None
@@ -89,37 +89,24 @@ class PagedAttention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
 
-        pool = mem.pool_of_layer(self.layer_id).pool_id
-        k_pool, v_pool = mem.view(self.layer_id, "k"), mem.view(self.layer_id, "v")
-        write = ctx.writes[pool]
-        k_pool[write.cell, write.offset] = k.to(k_pool.dtype)
-        v_pool[write.cell, write.offset] = v.to(v_pool.dtype)
-        out = q.new_empty(t, self.heads * d)
-        for group in ctx.groups:  # decodes apart from longer spans: no query padded to the longest chunk
-            index = group.pools[pool]
-            keys = k_pool[index.read_cell, index.read_offset].to(x.dtype)  # (R', L, kv, D)
-            values = v_pool[index.read_cell, index.read_offset].to(x.dtype)
-            values = torch.where(index.key_valid[:, :, None, None], values, 0.0)  # padding reads the sink
-            out[group.flat_index] = group.unpad(self._attend(group.pad(q), keys, values, index.visible))
+        io = ctx.token_io(self.layer_id)
+        span = io.layout.span(self.layer_id, ("k", "v"))
+        entries = io.write(span, torch.stack((k, v), dim=1), ctx.spans)  # per group: (2, R', W, kv, D)
+        outs = []
+        for group, keys, kv in zip(ctx.groups, io.groups, entries, strict=True):
+            mask = keys.mask if self.sinks is None else keys.with_sinks(self.sinks)
+            out = self._attend(group.pad(q).transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask)
+            outs.append(group.unpad(out.transpose(1, 2)))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        r, nq = q.shape[:2]
-        group = self.heads // self.kv_heads
-        q = q.view(r, nq, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)  # (R, kv, g, Q, D)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # (R, kv, L, D)
-        scores = torch.einsum("rkgqd,rkld->rkgql", q, keys) * self.scaling
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        if self.sinks is not None:
-            sink = self.sinks.view(1, self.kv_heads, group, 1, 1).expand(r, -1, -1, nq, 1).to(scores.dtype)
-            probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
-        else:
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        out = torch.einsum("rkgql,rkld->rqkgd", probs.to(values.dtype), values)
-        return out.reshape(r, nq, self.heads * self.head_dim)
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries ``(R, heads, Q, D)`` over keys and values ``(R, kv, W, D)`` with the additive ``mask``
+        (``(R, 1 or heads, Q, W)``) -> ``(R, heads, Q, D)``."""
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=cast(mask, q.dtype), scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+        )

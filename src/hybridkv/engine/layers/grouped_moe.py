@@ -6,9 +6,9 @@ scores); the chosen experts weigh in with their *uncorrected* scores, renormalis
 ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``. A shared expert always adds
 its output.
 
-Invariants: routing is computed in fp32 like the reference; experts run densely (every
-expert on every token, weighted by a ``(T, E)`` matrix that is zero off each token's
-top-k), so there is no per-expert Python loop and no host sync; names of parameters equal
+Invariants: routing is computed in fp32 like the reference; experts are routed
+(``routing.Routing``: each token through its top-k experts only, grouped by expert), with no
+per-expert Python loop and no host sync; names of parameters equal
 transformers' ``state_dict`` (``gate.weight``, ``gate.e_score_correction_bias``,
 ``experts.gate_up_proj`` / ``experts.up_proj``, ``experts.down_proj``, ``shared_experts.*``);
 checkpoints that store one tensor per expert are stacked by ``fuse_expert_weights``.
@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast, f32
+from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.models.base import WeightError
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
@@ -43,9 +45,9 @@ class GroupLimitedRouter(nn.Module):
         self.num_experts, self.top_k, self.n_group, self.topk_group = num_experts, top_k, n_group, topk_group
         self.norm, self.scale = norm, scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Dense routing weights ``(T, E)`` (fp32), zero outside each token's top-k."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Each token's top-k experts and their weights (fp32)."""
+        scores = F.linear(f32(x), f32(self.weight)).sigmoid()
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -57,12 +59,12 @@ class GroupLimitedRouter(nn.Module):
         weights = scores.gather(1, index)
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * self.scale
-        return torch.zeros_like(scores).scatter(1, index, weights)
+        return Routing.of(index, weights * self.scale, self.num_experts)
 
 
-class DenseExperts(nn.Module):
-    """``E`` expert MLPs run on every token: gated (``act(gate) * up``, Kimi) or plain (``act(up)``, Nemotron-H)."""
+class RoutedExperts(nn.Module):
+    """``E`` expert MLPs, each on the tokens routed to it: gated (``act(gate) * up``, Kimi) or plain (``act(up)``,
+    Nemotron-H)."""
 
     def __init__(
         self,
@@ -86,15 +88,16 @@ class DenseExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
         tp.param(self, "down_proj", 2, [mine], intermediate)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x (T, H)``, routing ``weights (T, E)`` -> ``(T, H)`` in ``weights``' dtype."""
+    def forward(self, x: torch.Tensor, route: Routing) -> torch.Tensor:
+        """``x (T, H)`` -> ``(T, H)`` in the routing weights' dtype."""
+        rows = route.gather(x)
         if self.gated:
-            gate, up = torch.einsum("th,eih->tei", x, self.gate_up_proj).chunk(2, dim=-1)
+            gate, up = route.matmul(rows, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
             inner = self.act(gate) * up
         else:
-            inner = self.act(torch.einsum("th,eih->tei", x, self.up_proj))
-        out = torch.einsum("tei,ehi->teh", inner, self.down_proj)
-        return torch.einsum("teh,te->th", out.to(weights.dtype), weights)
+            inner = self.act(route.matmul(rows, self.up_proj.transpose(1, 2)))
+        out = route.matmul(inner, self.down_proj.transpose(1, 2))
+        return route.combine(cast(out, route.weight.dtype), x.shape[0])
 
 
 class GroupLimitedMoE(nn.Module):
@@ -103,7 +106,7 @@ class GroupLimitedMoE(nn.Module):
     def __init__(
         self,
         router: GroupLimitedRouter,
-        experts: DenseExperts,
+        experts: RoutedExperts,
         shared_experts: nn.Module,
         latent: tuple[nn.Module, nn.Linear] | None = None,
         tp: TensorParallel = SINGLE,
@@ -118,7 +121,7 @@ class GroupLimitedMoE(nn.Module):
                 tp.zeros_off_rank0(latent[1], "bias")  # applied to a partial sum: its bias once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.experts(self.fc1_latent_proj(x), self.gate(x)).to(x.dtype)
+        routed = cast(self.experts(self.fc1_latent_proj(x), self.gate(x)), x.dtype)
         return self.fc2_latent_proj(routed) + self.shared_experts(x)
 
 

@@ -3,10 +3,11 @@
 Per step: q, k, v projections -> causal conv (continuing each request's conv window) ->
 KDA (continuing its recurrent matrix) with a per-channel forget gate ``g`` and a per-head
 ``beta``; a sigmoid-gated RMS norm per head; ``o_proj``. The two state tensors live only in
-the memory's state pool: the conv window as one tensor per component, ``mem.view(layer_id,
-"conv_q" / "conv_k" / "conv_v")`` ``(cells, heads * head_dim, kernel - 1)``, and
-``mem.view(layer_id, "recurrent_state")`` ``(cells, heads, head_dim, head_dim)``, indexed by
-the step's state cells; a request with ``fresh_state`` starts from zeros.
+the memory's state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k`` /
+``conv_v`` ``(heads * head_dim, kernel - 1)`` per request (adjacent in the cell: one q|k|v
+window), and ``recurrent_state`` ``(heads, head_dim, head_dim)``; the layer reads and updates
+them in the step's gathered state cells (``ctx.state_io``: gathered once per step, zero where
+a state starts fresh, written back once).
 
 Tensor parallel (``tp``): the rank holds its heads: its rows of q/k/v, ``f_b_proj``,
 ``b_proj`` and ``g_b_proj``, its entries of ``dt_bias`` / ``A_log``, its own q, k and v
@@ -22,15 +23,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
+from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
-from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
-KDA_CHUNK = 16
+KDA_CHUNK = 8  # measured fastest on the engine's chunks (its per-channel decay tensor grows with the chunk)
 
 
 class ForgetGate(nn.Module):
@@ -45,10 +47,10 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))  # the checkpoint's shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.heads, self.head_dim)
+        g = (f32(self.f_b_proj(self.f_a_proj(x))) + f32(self.dt_bias)).view(-1, self.heads, self.head_dim)
         # The reference's softplus with an explicit overflow guard (not F.softplus's threshold form).
         g = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
-        return -torch.exp(self.A_log.float().view(self.heads, 1)) * g
+        return -torch.exp(f32(self.A_log).view(self.heads, 1)) * g
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -60,9 +62,8 @@ class SigmoidGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
-        return (h * torch.sigmoid(gate.float())).to(x.dtype)
+        h = F.rms_norm(f32(x), (x.shape[-1],), f32(self.weight), self.eps)
+        return cast(h * torch.sigmoid(f32(gate)), x.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -109,13 +110,17 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
-        out = x.new_empty(t, self.heads, self.head_dim)
+        io = ctx.state_io(self.layer_id)
+        windows = io.view(self.layer_id, tuple(self.conv_parts))
+        states = io.view(self.layer_id, ("recurrent_state",))
+        outs = []
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
-            (state,) = read_states(mem, self.layer_id, ("recurrent_state",), ctx, group.rows)
-            out[group.flat_index], window, state = self._mix(mixed, g, beta, window, state, group)
-            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
-            write_states(mem, self.layer_id, ctx, group.rows, recurrent_state=state)
+            window, state = windows[group.rows], states[group.rows]
+            part, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
+            window.copy_(new_window)
+            state.copy_(new_state)
+            outs.append(part)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(t, self.size))
 
@@ -126,12 +131,12 @@ class KimiDeltaAttention(nn.Module):
         beta: torch.Tensor,
         window: torch.Tensor,
         state: torch.Tensor,
-        group: Padded,
+        group: Group,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv + KDA for one group: ``(out (T', heads, head_dim), new window, new state)``."""
         heads, dim, weight = self.heads, self.head_dim, self.conv1d.weight.squeeze(1)
         if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
-            index = group.flat_index
+            index = group.tokens
             conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
             t = conv.shape[0]
             q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))
@@ -140,8 +145,8 @@ class KimiDeltaAttention(nn.Module):
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
         r, nq = conv.shape[:2]
         q, k, v = (part.reshape(r, nq, heads, dim) for part in torch.split(conv, self.size, dim=-1))
-        # Chunks of 16: the chunk's triangular solve is a loop of chunk - 1 steps and every span is
-        # padded to a whole chunk, so short engine chunks cost far less than at 64 (same result
-        # within fp32 rounding: the chunk-split invariance tests of the op).
+        # Short chunks: the intra-chunk decay tensor is (chunk x chunk x head_dim) per chunk and every span is
+        # padded to a whole chunk, so the engine's short spans cost far less than at 64 (same result within
+        # fp32 rounding: the chunk-split invariance tests of the op).
         out, state = kda_prefill(q, k, v, group.pad(g), group.pad(beta), state, group.lengths, chunk_size=KDA_CHUNK)
         return group.unpad(out), window, state

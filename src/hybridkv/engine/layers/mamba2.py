@@ -3,10 +3,11 @@
 Per step: ``in_proj`` -> gate ``z`` | conv input ``x|B|C`` | time step ``dt``; the causal
 conv continues each request's conv window; the SSD scan continues its SSM state; a
 group-wise RMS norm of ``y * silu(z)``; ``out_proj``. The state lives only in the memory's
-state pool: the conv window as one tensor per component, ``mem.view(layer_id, "conv_x" /
-"conv_B" / "conv_C")`` ``(cells, channels, kernel - 1)``, and ``mem.view(layer_id,
-"ssm_state")`` ``(cells, heads, head_dim, ssm_state_size)``, indexed by the step's state
-cells; a request with ``fresh_state`` starts from zeros.
+state pool: the conv window as one tensor per component, ``conv_x`` / ``conv_B`` / ``conv_C``
+``(channels, kernel - 1)`` per request (adjacent in the cell: read as one x|B|C window), and
+``ssm_state`` ``(heads, head_dim, ssm_state_size)``; the layer reads and updates them in the
+step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
+starts fresh, written back once).
 
 Tensor parallel (``tp``): the rank holds its heads and its B/C groups (both split evenly):
 its rows of ``in_proj`` (its parts of ``z``, ``x``, ``B``, ``C`` and ``dt``), its conv
@@ -28,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.gdn import read_conv, read_states, write_conv, write_states
+from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
-from hybridkv.engine.step import Padded, StepContext
+from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
@@ -44,10 +45,9 @@ class GroupedGatedRMSNorm(nn.Module):
         self.group_size, self.eps = group_size, eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
-        grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(h.shape).to(x.dtype)
+        h = f32(x) * F.silu(f32(gate))
+        grouped = F.rms_norm(h.view(*h.shape[:-1], -1, self.group_size), (self.group_size,), None, self.eps)
+        return self.weight * cast(grouped.view(h.shape), x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -100,23 +100,27 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         gate, xbc, dt = torch.split(self.in_proj(x), [self.inner, self.conv_dim, self.heads], dim=-1)
-        y = x.new_empty(x.shape[0], self.inner, dtype=torch.float32)
+        io = ctx.state_io(self.layer_id)
+        windows = io.view(self.layer_id, tuple(self.conv_parts))
+        states = io.view(self.layer_id, ("ssm_state",))
+        ys = []
         for group in ctx.groups:  # one-token spans apart from longer ones
-            window = read_conv(mem, self.layer_id, self.conv_parts, ctx, group.rows)
-            (state,) = read_states(mem, self.layer_id, ("ssm_state",), ctx, group.rows)
-            y[group.flat_index], window, state = self._mix(xbc, dt, window, state, group)
-            write_conv(mem, self.layer_id, ctx, group.rows, self.conv_parts, window)
-            write_states(mem, self.layer_id, ctx, group.rows, ssm_state=state)
-        return self.out_proj(self.norm(y, gate).to(x.dtype))
+            window, state = windows[group.rows], states[group.rows]
+            out, new_window, new_state = self._mix(xbc, dt, window, state, group)
+            window.copy_(new_window)
+            state.copy_(new_state)
+            ys.append(out)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        return self.out_proj(cast(self.norm(y, gate), x.dtype))
 
     def _mix(
-        self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Padded
+        self, xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, group: Group
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv + SSD scan for one group: ``(y (T', inner) fp32, new window, new state)``."""
-        weight, A = self.conv1d.weight.squeeze(1), -torch.exp(self.A_log.float())
+        weight, A = self.conv1d.weight.squeeze(1), -torch.exp(f32(self.A_log))
         sizes = [self.inner, self.groups * self.state_size, self.groups * self.state_size]
         if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
-            index = group.flat_index
+            index = group.tokens
             conv, window = causal_conv1d_decode(xbc[index], window, weight, self.conv1d.bias, self.activation)
             xs, B, C = torch.split(conv, sizes, dim=-1)
             t = conv.shape[0]

@@ -2,12 +2,11 @@
 
 Per token the memory keeps one latent ``[kv_a_layernorm(c_kv) | k_rope]`` of
 ``kv_lora_rank + qk_rope_head_dim`` elements, shared by every head
-(``mem.view(layer_id, "latent")`` ``(cells, page_size, 1, rank + rope)``). Per step: write the
-new tokens' latents at the step's physical slots, gather each request's context latents
-back, expand them with ``kv_b_proj`` into per-head ``k_nope`` and ``v`` (the same
-arithmetic as the reference's non-absorbed path), append the shared rope key, and attend
-with the step's causal mask; one-token spans and longer ones attend as two padded groups
-(``ctx.groups``).
+(``mem.view(layer_id, "latent")`` ``(cells, page_size, 1, rank + rope)``). Per step: put the
+new tokens' latents in the step's gathered context (``pool_io``; the pool gets them at the end
+of the step) and attend in the absorbed form (``kv_b_proj`` folded into the queries and the
+output: the reference's non-absorbed arithmetic up to summation order) with the step's mask;
+one-token spans and longer ones attend as two padded groups (``ctx.groups``).
 
 Tensor parallel (``tp``): the latent is replicated (every rank computes and stores all
 of it); the rank holds its query heads: its rows of the query and ``kv_b_proj``
@@ -15,7 +14,7 @@ projections and its columns of ``o_proj``, so the output is its partial sum.
 
 Invariants: K/V exist only as latents in the pool; the rope part is rotated (rotate-half)
 before it is stored, by the model's rope (Kimi-Linear's MLA is NoPE: a zero-width rope
-leaves it unchanged); padded context slots are zeroed before use.
+leaves it unchanged); unwritten context slots are zero and masked.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import apply_rope
+from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
@@ -72,35 +72,36 @@ class PagedMLA(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
         return q.view(x.shape[0], self.heads, self.qk_dim)
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         q = self._query(x)
         q_nope, q_rope = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope)], dim=-1)
         c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], rope)[:, 0]], dim=-1)
 
-        pool_name = mem.pool_of_layer(self.layer_id).pool_id
-        pool = mem.view(self.layer_id, "latent")
-        write = ctx.writes[pool_name]
-        pool[write.cell, write.offset] = latent[:, None].to(pool.dtype)
-        out = x.new_empty(x.shape[0], self.heads * self.v_dim)
-        for group in ctx.groups:  # one-token spans apart from longer ones: no query padded to the longest
-            index = group.pools[pool_name]
-            context = pool[index.read_cell, index.read_offset][:, :, 0].to(x.dtype)  # (R', L, rank + rope)
-            context = torch.where(index.key_valid[:, :, None], context, 0.0)  # padding reads the sink
-            out[group.flat_index] = group.unpad(self._attend(group.pad(q), context, index.visible))
-        return self.o_proj(out)
+        io = ctx.token_io(self.layer_id)
+        span = io.layout.span(self.layer_id, ("latent",))
+        entries = io.write(span, latent[:, None, None], ctx.spans)  # per group: (1, R', W, 1, rank + rope)
+        outs = []
+        for group, keys, latents in zip(ctx.groups, io.groups, entries, strict=True):
+            out = self._attend(group.pad(q), cast(latents[0, :, :, 0], x.dtype), cast(keys.mask, x.dtype))
+            outs.append(group.unpad(out))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
-    def _attend(self, q: torch.Tensor, context: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Queries ``(R', Q', heads, qk)`` over context latents ``(R', L, rank + rope)`` -> ``(R', Q', heads * v)``."""
-        c_ctx, k_rope_ctx = torch.split(context, [self.rank, self.rope_dim], dim=-1)
-        r, length = context.shape[:2]
-        kv = self.kv_b_proj(c_ctx).view(r, length, self.heads, self.nope_dim + self.v_dim)
-        k_nope, values = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
-        keys = torch.cat([k_nope, k_rope_ctx[:, :, None].expand(r, length, self.heads, self.rope_dim)], dim=-1)
-        scores = torch.einsum("rqhd,rlhd->rhql", q, keys) * self.scaling
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.einsum("rhql,rlhd->rqhd", probs, values).reshape(r, -1, self.heads * self.v_dim)
+    def _attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries ``(R', Q', heads, qk)`` over key latents ``(R', W, rank + rope)`` -> ``(R', Q', heads * v)``.
+
+        Absorbed form: ``q_nope . (W_k c) = (W_k^T q_nope) . c`` and ``p @ (W_v c) = W_v (p @ c)``, so the
+        context's latents are never expanded per head; one multi-query attention over the latents themselves
+        (each latent is its own value: the value's rope part is computed and dropped, for one kernel with
+        equal head dims)."""
+        q_nope, q_rope = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
+        weight = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.rank)
+        w_k, w_v = torch.split(weight, [self.nope_dim, self.v_dim], dim=1)
+        query = torch.cat((torch.einsum("rqhn,hnc->rqhc", q_nope, w_k), q_rope), dim=-1)
+        keys = latents[:, None]  # one key (and value) head shared by every query head
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), keys, keys, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads > 1
+        )
+        out = torch.einsum("rhqc,hvc->rqhv", out[..., : self.rank], w_v)
+        return out.reshape(out.shape[0], out.shape[1], self.heads * self.v_dim)

@@ -1,9 +1,8 @@
 """Feed-forward blocks: a gated MLP, and mixture-of-experts with top-k routers.
 
-MoE experts run densely: every expert on every token, combined with routing weights that
-are zero outside each token's top-k. For the small expert counts the engine serves this is
-one batched einsum with no per-expert Python loop and no host sync (no ``nonzero`` to find
-which tokens an expert got); the unrouted products are multiplied by exact zeros.
+MoE experts are routed (``routing.Routing``): each token runs through its top-k experts only,
+grouped by expert into one ``grouped_mm`` per projection, with no per-expert Python loop and
+no host sync.
 
 Tensor parallel (``tp``): every MLP and expert keeps its columns of the intermediate size
 (rows of gate/up, columns of down); routers and the shared-expert gate are replicated; the
@@ -18,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.cast import cast
+from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -52,12 +53,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _dense_weights(top_weights: torch.Tensor, top_index: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``(T, k)`` routing weights of the chosen experts -> ``(T, E)`` with zeros elsewhere."""
-    dense = torch.zeros(top_weights.shape[0], num_experts, dtype=top_weights.dtype, device=top_weights.device)
-    return dense.scatter(1, top_index, top_weights)
 
 
 class SoftmaxTopKMoE(nn.Module):
@@ -95,10 +90,9 @@ class SoftmaxTopKMoE(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        weights = _dense_weights(top.to(x.dtype), index, self.num_experts)
-        gate, up = torch.einsum("th,eih->tei", x, self.gate_up_proj).chunk(2, dim=-1)
-        out = torch.einsum("tei,ehi->teh", self.act(gate) * up, self.down_proj)
-        routed = torch.einsum("teh,te->th", out, weights)
+        route = Routing.of(index, cast(top, x.dtype), self.num_experts)
+        gate, up = route.matmul(route.gather(x), self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        routed = route.combine(route.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2)), x.shape[0])
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -135,10 +129,9 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, index = torch.topk(self.router(x), self.top_k, dim=-1)
-        weights = _dense_weights(F.softmax(top, dim=1, dtype=top.dtype), index, self.num_experts)
-        gate_up = torch.einsum("th,ehi->tei", x, self.gate_up_proj) + self.gate_up_proj_bias
+        route = Routing.of(index, F.softmax(top, dim=1, dtype=top.dtype), self.num_experts)
+        gate_up = route.matmul(route.gather(x), self.gate_up_proj, self.gate_up_proj_bias)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        out = torch.einsum("tei,eih->teh", glu, self.down_proj) + self.down_proj_bias
-        return torch.einsum("teh,te->th", out, weights)
+        return route.combine(route.matmul(glu, self.down_proj, self.down_proj_bias), x.shape[0])

@@ -1,8 +1,8 @@
 """NoRope: the rope of a model whose attention has no positional encoding (NoPE).
 
-Nemotron-H's attention and Kimi-Linear's MLA apply no rotary embedding. The shared model
-frame hands every attention layer ``(cos, sin)``; a zero-width pair rotates no dimension,
-so ``apply_rope`` returns q and k unchanged.
+Nemotron-H's attention and Kimi-Linear's MLA apply no rotary embedding; the shared model
+frame hands every attention layer its rope's tables, and ``NO_ROTATION`` leaves q and k
+unchanged (``apply_rope`` returns them as they are).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.engine.layers.rope import NO_ROTATION, RopeTables
+
 
 class NoRope(nn.Module):
     rotary_dim = 0
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: ``(T, 0)``."""
-        empty = torch.empty(positions.shape[0], 0, dtype=torch.float32, device=positions.device)
-        return empty, empty
+    def forward(self, positions: torch.Tensor) -> RopeTables:
+        return NO_ROTATION

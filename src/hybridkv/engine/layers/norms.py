@@ -1,13 +1,31 @@
 """RMS norms: plain (``w * x``), offset (``(1 + w) * x``, Gemma / Qwen3-Next) and gated (GDN/KDA output).
 
-All normalise in fp32 and cast back to the input dtype, as the reference implementations do.
+All normalise in fp32 and cast back to the input dtype, as the reference implementations do,
+through torch's fused ``rms_norm``. An offset norm's scale ``1 + w`` is derived from the
+weight once and again only after the weight changed (``derived``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridkv.engine.layers.cast import cast, f32
+
+
+def derived(
+    owner: nn.Module, name: str, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``make(source)``, kept on ``owner`` under ``name`` until ``source`` changes (a load writes it in place:
+    its version moves; a conversion replaces it: its storage moves)."""
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != source._version or cached[1] != source.data_ptr():
+        with torch.no_grad():
+            cached = owner.__dict__[name] = (source._version, source.data_ptr(), make(source))
+    return cached[2]
 
 
 class RMSNorm(nn.Module):
@@ -16,13 +34,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.shape = (dim,)
+
+    def scale(self) -> torch.Tensor:
+        """The fp32 factor after normalising: ``w`` or ``1 + w``."""
+        if self.offset:
+            return derived(self, "_scale", self.weight, lambda w: 1.0 + w.float())
+        return f32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return (self.weight * h).to(x.dtype)
+        scale = self.scale()
+        if x.dtype == torch.float32:  # the common case: no casts to dispatch
+            return F.rms_norm(x, self.shape, scale, self.eps)
+        return F.rms_norm(x.float(), self.shape, scale, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -32,9 +56,8 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.shape = (dim,)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        h = self.weight * cast(F.rms_norm(f32(x), self.shape, None, self.eps), x.dtype)
+        return cast(h * F.silu(f32(gate)), x.dtype)

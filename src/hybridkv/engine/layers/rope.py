@@ -3,16 +3,20 @@
 Invariants: the inverse frequencies and the cos/sin scaling equal ``transformers``' rope
 init functions for the supported types (computed on the CPU at construction, also when the model
 is built on the meta device: they are not weights); a partial rotary factor rotates only the first
-``rotary_dim`` dims of each head (Qwen3-Next); cos/sin are computed in fp32 from positions.
+``rotary_dim`` dims of each head (Qwen3-Next); cos/sin are computed in fp32 from positions, once per
+step and rope (``RopeTables``), and applied in three ops per tensor.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from hybridkv.engine.layers.cast import cast
 
 
 def _yarn(params: dict[str, Any], dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
@@ -44,13 +48,27 @@ def _yarn(params: dict[str, Any], dim: int, base: float, max_pos: int) -> tuple[
     return inv_freq, float(attention)
 
 
+@dataclass(frozen=True)
+class RopeTables:
+    """One step's rotation for one rope, full head width: ``x * cos + x[..., perm] * sin`` rotates the first
+    ``rotary_dim`` dims of each head (rotate-half layout) and keeps the others (``cos`` 1, ``sin`` 0 there).
+    ``perm`` None: no rotation (NoPE)."""
+
+    cos: torch.Tensor | None  # (T, 1, head_dim)
+    sin: torch.Tensor | None  # (T, 1, head_dim), -sin on the first half of the rotary dims
+    perm: torch.Tensor | None  # (head_dim,) the rotate-half partner of each dim
+
+
+NO_ROTATION = RopeTables(None, None, None)
+
+
 class Rope(nn.Module):
     def __init__(self, params: dict[str, Any], head_dim: int, max_position_embeddings: int):
         super().__init__()
         kind = params.get("rope_type", "default")
         base = float(params["rope_theta"])
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        self.rotary_dim = dim
+        self.rotary_dim, self.head_dim = dim, head_dim
         with torch.device("cpu"):  # computed, not loaded: real values even in a model built on meta
             if kind in ("default", "linear"):
                 inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -61,21 +79,26 @@ class Rope(nn.Module):
                 inv_freq, scaling = _yarn(params, dim, base, max_position_embeddings)
             else:
                 raise ValueError(f"rope_type {kind!r} is not supported by the engine (default, linear, yarn)")
+            half = dim // 2
+            perm = torch.cat([torch.arange(half, dim), torch.arange(half), torch.arange(dim, head_dim)])
         self.scaling = scaling
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.perm = nn.Buffer(perm, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: ``(T, rotary_dim)`` for flat positions ``(T,)``."""
+    def forward(self, positions: torch.Tensor) -> RopeTables:
+        """The rotation of flat positions ``(T,)``."""
         freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling  # (T, rotary_dim / 2)
+        rest = self.head_dim - self.rotary_dim
+        ones, zeros = cos.new_ones(cos.shape[0], rest), cos.new_zeros(cos.shape[0], rest)
+        full_cos = torch.cat((cos, cos, ones), dim=-1)
+        full_sin = torch.cat((-sin, sin, zeros), dim=-1)
+        return RopeTables(full_cos[:, None], full_sin[:, None], self.perm)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(T, heads, head_dim)``'s first ``cos.shape[-1]`` dims (rotate-half layout)."""
-    rd = cos.shape[-1]
-    rot, rest = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate ``x`` ``(T, heads, head_dim)`` by ``rope`` (unchanged without rotation)."""
+    if rope.perm is None or rope.cos is None or rope.sin is None:
+        return x
+    rotated = x.index_select(-1, rope.perm)
+    return torch.addcmul(x * cast(rope.cos, x.dtype), rotated, cast(rope.sin, x.dtype))

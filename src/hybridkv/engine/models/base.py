@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hybridkv.engine.layers.rope import RopeTables
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collect_parts, component_part
 from hybridkv.memory import UnifiedMemory
@@ -56,11 +57,9 @@ class Fused:
 
 
 class Block(nn.Module):
-    """One decoder layer: ``forward(x, ctx, mem, cos, sin) -> x``."""
+    """One decoder layer: ``forward(x, ctx, mem, rope) -> x``."""
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -169,8 +168,8 @@ class CausalLM(nn.Module):
             x = hidden
         rope = {name: r(ctx.positions) for name, r in self.ropes.items()}
         for layer, rope_name in zip(self.layers.values(), self.layer_rope, strict=True):
-            cos, sin = rope[rope_name]
-            x = layer(x, ctx, mem, cos, sin)
+            x = layer(x, ctx, mem, rope[rope_name])
+        ctx.flush()  # the step's new K/V and states, into their pools once
         if not self.last:
             return x
         return self.logits(self.final_norm(x[ctx.last_index]))

@@ -3,7 +3,9 @@
 Block: ``x + post_attn_norm(attn(input_norm(x)))`` then ``x + post_ff_norm(mlp(pre_ff_norm(x)))``;
 norms are ``(1 + w)`` RMS norms, embeddings are scaled by ``sqrt(hidden)``, q/k heads are
 RMS-normed, sliding layers use the ``sliding_attention`` rope, full layers the
-``full_attention`` one; optional attention and final logit soft-capping.
+``full_attention`` one; optional final logit soft-capping. ``attn_logit_softcapping`` is a
+config field Gemma 3 keeps but does not apply (transformers 5.23.0's Gemma 3 attention
+ignores it, and so does this one).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.mlp import GatedMLP
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.layers.rope import Rope, RopeTables
 from hybridkv.engine.models.base import Block, CausalLM
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -36,7 +38,6 @@ class Gemma3Block(Block):
             scaling=config.query_pre_attn_scalar**-0.5,
             bias=config.attention_bias,
             qk_norm_eps=eps,
-            softcap=config.attn_logit_softcapping,
             tp=tp,
         )
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_activation, tp=tp)
@@ -45,10 +46,8 @@ class Gemma3Block(Block):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=True)
         self.post_feedforward_layernorm = RMSNorm(h, eps, offset=True)
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        attn = self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
+        attn = self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, rope))
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.tp.reduce(self.mlp(self.pre_feedforward_layernorm(x))))
 

@@ -13,7 +13,7 @@ import torch
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.mlp import GptOssMoE
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.layers.rope import Rope, RopeTables
 from hybridkv.engine.models.base import Block, CausalLM
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -48,10 +48,8 @@ class GptOssBlock(Block):
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, cos, sin))
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
+        x = x + self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, rope))
         return x + self.tp.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.engine.layers.grouped_moe import DenseExperts, GroupLimitedMoE, GroupLimitedRouter, fuse_expert_weights
+from hybridkv.engine.layers.grouped_moe import GroupLimitedMoE, GroupLimitedRouter, RoutedExperts, fuse_expert_weights
 from hybridkv.engine.layers.kda import KimiDeltaAttention
 from hybridkv.engine.layers.mla import PagedMLA
 from hybridkv.engine.layers.mlp import GatedMLP, activation
 from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import RopeTables
 from hybridkv.engine.models.base import Block, CausalLM, Fused, WeightError
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -38,7 +39,7 @@ def _moe(config: Any, tp: TensorParallel) -> GroupLimitedMoE:
         config.norm_topk_prob,
         config.routed_scaling_factor,
     )
-    experts = DenseExperts(h, inter, config.num_local_experts, activation(config.hidden_act), gated=True, tp=tp)
+    experts = RoutedExperts(h, inter, config.num_local_experts, activation(config.hidden_act), gated=True, tp=tp)
     shared = GatedMLP(h, inter * config.n_shared_experts, config.hidden_act, tp=tp)
     return GroupLimitedMoE(router, experts, shared, tp=tp)
 
@@ -59,11 +60,9 @@ class KimiLinearBlock(Block):
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         h = self.input_layernorm(x)
-        mixed = self.self_attn(h, ctx, mem) if self.linear else self.self_attn(h, ctx, mem, cos, sin)
+        mixed = self.self_attn(h, ctx, mem) if self.linear else self.self_attn(h, ctx, mem, rope)
         x = x + self.tp.reduce(mixed)
         return x + self.tp.reduce(self.mlp(self.post_attention_layernorm(x)))
 

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from hybridkv.engine.layers.attention import PagedAttention
-from hybridkv.engine.layers.grouped_moe import DenseExperts, GroupLimitedMoE, GroupLimitedRouter, fuse_expert_weights
+from hybridkv.engine.layers.grouped_moe import GroupLimitedMoE, GroupLimitedRouter, RoutedExperts, fuse_expert_weights
 from hybridkv.engine.layers.mamba2 import Mamba2Mixer
 from hybridkv.engine.layers.mlp import activation
 from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.rope import RopeTables
 from hybridkv.engine.models.base import Block, CausalLM, Fused
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -55,7 +56,7 @@ def _moe(config: Any, tp: TensorParallel) -> GroupLimitedMoE:
         config.norm_topk_prob,
         config.routed_scaling_factor,
     )
-    experts = DenseExperts(
+    experts = RoutedExperts(
         h if latent is None else latent,
         config.moe_intermediate_size,
         config.n_routed_experts,
@@ -102,14 +103,12 @@ class NemotronHBlock(Block):
                 "(known: linear_attention, full_attention, mlp, moe)"
             )
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         h = self.norm(x)
         if self.kind == "linear_attention":
             return x + self.tp.reduce(self.mixer(h, ctx, mem))
         if self.kind == "full_attention":
-            return x + self.tp.reduce(self.mixer(h, ctx, mem, cos, sin))
+            return x + self.tp.reduce(self.mixer(h, ctx, mem, rope))
         return x + self.tp.reduce(self.mixer(h))
 
 

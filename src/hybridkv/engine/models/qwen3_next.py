@@ -19,7 +19,7 @@ from hybridkv.engine.layers.gdn import GatedDeltaNet
 from hybridkv.engine.layers.grouped_moe import fuse_expert_weights
 from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
 from hybridkv.engine.layers.norms import RMSNorm
-from hybridkv.engine.layers.rope import Rope
+from hybridkv.engine.layers.rope import Rope, RopeTables
 from hybridkv.engine.models.base import Block, CausalLM, Fused
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -71,14 +71,12 @@ class Qwen3NextBlock(Block):
         self.input_layernorm = RMSNorm(h, eps, offset=True)
         self.post_attention_layernorm = RMSNorm(h, eps, offset=True)
 
-    def forward(
-        self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             x = x + self.tp.reduce(self.linear_attn(h, ctx, mem))
         elif self.self_attn is not None:
-            x = x + self.tp.reduce(self.self_attn(h, ctx, mem, cos, sin))
+            x = x + self.tp.reduce(self.self_attn(h, ctx, mem, rope))
         return x + self.tp.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 

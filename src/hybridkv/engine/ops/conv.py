@@ -55,16 +55,21 @@ def causal_conv1d_prefill(
             f"causal conv1d: window shape {tuple(window.shape)} does not match inputs {tuple(x.shape)} and "
             f"kernel {kernel}: expected {(batch, channels, kernel - 1)}"
         )
-    full = torch.cat([window.to(weight.dtype), x.transpose(1, 2).to(weight.dtype)], dim=-1)
-    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=channels)
-    out = _activate(out, activation).transpose(1, 2).to(x.dtype)
+    # time-major, one fused multiply-add per tap: a depthwise conv this small costs more as a conv call
+    full = torch.cat([window.transpose(1, 2).to(weight.dtype), x.to(weight.dtype)], dim=1)  # [batch, k-1+seq, ch]
+    out = full[:, :seq] * weight[:, 0]
+    for tap in range(1, kernel):
+        out = torch.addcmul(out, full[:, tap : tap + seq], weight[:, tap])
+    if bias is not None:
+        out = out + bias
+    out = _activate(out, activation).to(x.dtype)
     if lengths is None:
-        new_window = full[:, :, seq:]
+        new_window = full[:, seq:]
     else:
         # Row b's last kernel-1 inputs sit at positions lengths[b] .. lengths[b] + kernel - 2 of `full`.
         index = lengths[:, None] + torch.arange(kernel - 1, device=x.device)[None, :]
-        new_window = torch.gather(full, 2, index[:, None, :].expand(batch, channels, kernel - 1))
-    return out, new_window.to(window.dtype).contiguous()
+        new_window = torch.gather(full, 1, index[:, :, None].expand(batch, kernel - 1, channels))
+    return out, new_window.transpose(1, 2).to(window.dtype)
 
 
 def causal_conv1d_decode(
@@ -83,5 +88,7 @@ def causal_conv1d_decode(
             f"kernel {kernel}: expected {(batch, channels, kernel - 1)}"
         )
     full = torch.cat([window.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)
-    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=channels)[:, :, 0]
-    return _activate(out, activation).to(x.dtype), full[:, :, 1:].to(window.dtype).contiguous()
+    out = (full * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    return _activate(out, activation).to(x.dtype), full[:, :, 1:].to(window.dtype)

@@ -4,8 +4,9 @@ The recurrent state of a request is ``S [heads, dk, dv]`` (fp32). Per token, wit
 L2-normalised and ``q`` scaled by ``dk ** -0.5``:
 ``S = diag(exp(g)) S;  S += k ⊗ beta * (v - kᵀS);  o = qᵀS`` where ``g [dk]`` is per key channel.
 Invariants:
-- the arithmetic mirrors transformers 5.23.0's ``chunk_kimi_delta_attention`` (prefill, incl.
-  its forward-substitution inverse) and ``recurrent_kimi_delta_attention`` (decode);
+- the arithmetic mirrors transformers 5.23.0's ``chunk_kimi_delta_attention`` (prefill; its row-by-row
+  forward-substitution inverse is one triangular solve here) and ``recurrent_kimi_delta_attention``
+  (decode);
 - ``lengths`` right-pads a batch of unequal chunks: padded positions get ``beta = 0`` and
   ``g = 0``, which leaves the state untouched;
 - splitting a sequence at any boundaries and carrying the state equals one pass within fp32
@@ -73,17 +74,14 @@ def kda_prefill(
     num_chunks = g.shape[2]
 
     g = g.cumsum(dim=-2)
-    upper_incl = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), diagonal=0)
     upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), diagonal=1)
     decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp().float()
-    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper_incl, 0)
-    for i in range(1, chunk_size):
-        row = attn[..., i, :i].clone()
-        sub = attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    attn = attn + torch.eye(chunk_size, dtype=attn.dtype, device=attn.device)
-    v = attn @ v_beta
-    k_cumdecay = attn @ (k_beta * g.exp())
+    # The reference inverts (I + L), L the strictly lower k_beta . k decay products, by forward substitution one
+    # row at a time; one unit-triangular solve does the same (up to summation order) for both right-hand sides.
+    lower = (k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1)
+    rhs = torch.cat([v_beta, k_beta * g.exp()], dim=-1)
+    solved = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    v, k_cumdecay = torch.split(solved, [dv, dk], dim=-1)
 
     s = state.to(v)
     out = torch.zeros_like(v)

@@ -1,0 +1,62 @@
+"""Routed experts: each token's top-k experts run on that token only, grouped by expert.
+
+``Routing.of(index, weights, num_experts)`` sorts the ``T * k`` (token, expert) pairs by expert
+(stable: a token's pairs keep their order), so every expert's tokens are one contiguous run
+and one ``grouped_mm`` per projection computes every expert's matmul on its own tokens; the
+routed outputs are weighted and summed back per token with one ``index_add_``.
+
+Invariants: no host read of a device tensor (the runs' ends come from ``searchsorted`` on the
+device, never from counting on the host); experts no token chose cost nothing; each token's
+output is the sum over its chosen experts, in expert order, of ``weight * expert(x)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.layers.cast import cast
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every stride but the unit one a multiple of 16 bytes (what ``grouped_mm`` requires)."""
+    return all((stride * t.element_size()) % 16 == 0 for t in tensors for stride in t.stride() if stride != 1)
+
+
+@dataclass(frozen=True)
+class Routing:
+    token: torch.Tensor  # (N,) the token of each routed pair, pairs sorted by expert
+    expert: torch.Tensor  # (N,) its expert (ascending)
+    weight: torch.Tensor  # (N,) its routing weight
+    ends: torch.Tensor  # (E,) int32: expert e's pairs are [ends[e - 1], ends[e])
+
+    @classmethod
+    def of(cls, index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
+        """``index``, ``weights``: ``(T, k)`` each token's chosen experts and their weights."""
+        k = index.shape[1]
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert = flat[order]
+        bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=expert.dtype)
+        ends = torch.searchsorted(expert, bounds).to(torch.int32)
+        return cls(order // k, expert, weights.reshape(-1)[order], ends)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``(T, H)`` -> ``(N, H)``: each pair's token's row."""
+        return x[self.token]
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Each pair's row ``(N, in)`` times its expert's ``weight[e]`` ``(in, out)`` (+ ``bias[e]``): ``(N, out)``."""
+        weight = cast(weight, x.dtype)
+        if _aligned(x, weight):
+            out = F.grouped_mm(x, weight, offs=self.ends)
+        else:  # grouped_mm needs 16-byte aligned strides: odd sizes take each pair's expert weight instead
+            out = torch.bmm(x.unsqueeze(1), weight[self.expert]).squeeze(1)
+        return out if bias is None else out + cast(bias[self.expert], out.dtype)
+
+    def combine(self, y: torch.Tensor, tokens: int) -> torch.Tensor:
+        """``(N, H)`` routed outputs -> ``(tokens, H)``: each token's weighted sum over its experts."""
+        out = y.new_zeros(tokens, y.shape[1])
+        return out.index_add_(0, self.token, y * cast(self.weight[:, None], y.dtype))

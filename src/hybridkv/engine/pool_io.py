@@ -1,0 +1,280 @@
+"""Pool I/O of a step: one gather and one scatter per memory pool per step, not one per layer.
+
+A pool's cell holds an entry of every layer the pool serves (``memory.layout``). ``PoolLayouts``
+reads that layout once per memory and exposes each pool as one tensor over the whole grid:
+- a token pool as ``(cells, slots, page_size, *shape)``: every layer keeps the same number of
+  same-shaped entries per token (K and V, or one MLA latent), its slots side by side;
+- a state pool as raw cell bytes ``(cells, cell_bytes)``, with each (layer, tensor)'s byte
+  range, dtype and per-request shape.
+
+Per step, ``TokenIO`` gathers the context pages of a padded group of requests for every layer
+of the pool at once (``index_select``), collects each layer's new entries, and writes them
+all with one indexed store at ``flush``; ``StateIO`` gathers every request's state cell once
+(zeros where a state starts fresh), lets the layers read and update typed views of it in
+place, and writes the cells back once at ``flush``.
+
+Invariants:
+- A pool whose layers do not fit one uniform grid of slots, or whose named state tensors are
+  not adjacent with one dtype, is refused with the layers and tensors named (``LayoutError``).
+- Physical cells are the step's (valid for this step only); nothing here reads a device
+  tensor on the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.engine.layers.cast import cast
+from hybridkv.memory import UnifiedMemory
+from hybridkv.memory.pool import SubPool
+from hybridkv.spec import IdSpace, PoolId
+
+
+class LayoutError(ValueError):
+    """A pool whose cell layout the step's one-gather I/O cannot address."""
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """One token pool: ``grid`` ``(cells, slots, page_size, *shape)``, ``slot[(layer, tensor)]`` its slot."""
+
+    pool_id: PoolId
+    grid: torch.Tensor
+    slot: dict[tuple[int, str], int]
+    spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
+    workspaces: dict[int, torch.Tensor] = field(default_factory=dict)
+    zero: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", self.grid.new_zeros(()))
+
+    @property
+    def slots(self) -> int:
+        return self.grid.shape[1]
+
+    def workspace(self, key: int, numel: int) -> torch.Tensor:
+        """A reused buffer of at least ``numel`` elements (big fresh allocations cost page faults every step);
+        what it held before is garbage. One per ``key``: buffers alive in the same step need different keys."""
+        buf = self.workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.workspaces[key] = self.grid.new_empty(numel + numel // 4)
+        return buf[:numel]
+
+    def span(self, layer_id: int, names: tuple[str, ...]) -> slice:
+        """The slots of ``layer_id``'s ``names`` (adjacent, in that order)."""
+        key = (layer_id, names)
+        found = self.spans.get(key)
+        if found is None:
+            try:
+                first = self.slot[(layer_id, names[0])]
+                adjacent = all(self.slot[(layer_id, n)] == first + i for i, n in enumerate(names))
+            except KeyError:
+                raise LayoutError(f"pool {self.pool_id}: layer {layer_id} keeps no {names} entries") from None
+            if not adjacent:
+                raise LayoutError(f"pool {self.pool_id}: layer {layer_id}'s {names} are not adjacent slots of a cell")
+            found = self.spans[key] = slice(first, first + len(names))
+        return found
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    offset: int  # bytes into the cell
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per request
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """One state pool: ``grid`` ``(cells, cell_words)``, the cells as the widest integers that tile them (whole-cell
+    copies move words, not bytes: several times faster), ``entries[(layer, tensor)]`` where each tensor sits."""
+
+    pool_id: PoolId
+    grid: torch.Tensor
+    entries: dict[tuple[int, str], StateEntry]
+    joined: dict[tuple[int, tuple[str, ...]], StateEntry] = field(default_factory=dict)
+
+    def entry(self, layer_id: int, names: tuple[str, ...]) -> StateEntry:
+        """``names`` of ``layer_id`` as one entry: adjacent byte ranges, one dtype, joined along their first dim."""
+        key = (layer_id, names)
+        found = self.joined.get(key)
+        if found is None:
+            try:
+                parts = [self.entries[(layer_id, n)] for n in names]
+            except KeyError:
+                raise LayoutError(f"pool {self.pool_id}: layer {layer_id} keeps no state {names}") from None
+            first = parts[0]
+            for a, b, name in zip(parts, parts[1:], names[1:], strict=False):
+                if b.offset != a.offset + a.nbytes or b.dtype != a.dtype or b.shape[1:] != a.shape[1:]:
+                    raise LayoutError(
+                        f"pool {self.pool_id}: layer {layer_id}'s state {name} does not follow {names[0]}.. "
+                        "in the cell with the same dtype and trailing dims; read them apart"
+                    )
+            shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+            found = StateEntry(first.offset, sum(p.nbytes for p in parts), first.dtype, shape)
+            self.joined[key] = found
+        return found
+
+
+@dataclass(frozen=True)
+class PoolLayouts:
+    tokens: dict[PoolId, TokenLayout]
+    states: dict[PoolId, StateLayout]
+    pool_of: dict[int, PoolId]  # layer id -> the pool holding its entries
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[UnifiedMemory, PoolLayouts] = weakref.WeakKeyDictionary()
+
+
+def pool_layouts(mem: UnifiedMemory) -> PoolLayouts:
+    """The layouts of ``mem``'s pools (read once per memory; the grid never changes)."""
+    found = _LAYOUTS.get(mem)
+    if found is None:
+        found = _LAYOUTS[mem] = PoolLayouts(
+            {p.pool_id: _token_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.PAGE},
+            {p.pool_id: _state_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.SLOT},
+            {layer: p.pool_id for p in mem.pools.values() for layer in p.layout.layer_ids},
+        )
+    return found
+
+
+def _token_layout(pool: SubPool) -> TokenLayout:
+    segments = sorted(pool.layout.segments, key=lambda s: s.offset)
+    first = segments[0]
+    shape, dtype, entry = tuple(first.shape), first.dtype, first.nbytes
+    odd = [
+        f"layer {s.layer_id} {s.tensor} {tuple(s.shape)} {s.dtype}"
+        for s in segments
+        if (tuple(s.shape), s.dtype) != (shape, dtype)
+    ]
+    if odd:
+        raise LayoutError(
+            f"pool {pool.pool_id}: every layer must keep {shape} {dtype} entries per page like layer "
+            f"{first.layer_id} {first.tensor}, but {', '.join(odd)} differ"
+        )
+    slot = {}
+    for i, s in enumerate(segments):
+        if s.offset != first.offset + i * entry:
+            raise LayoutError(f"pool {pool.pool_id}: layer {s.layer_id} {s.tensor} is not slot {i} of the cell")
+        slot[(s.layer_id, s.tensor)] = i
+    page, inner = shape[0], shape[1:]
+    grid_shape = (pool.grid_cells, len(segments), page, *inner)
+    grid = pool.arena.strided_view(dtype, pool.grid_cells, pool.cell_bytes, first.offset, grid_shape[1:])
+    return TokenLayout(pool.pool_id, grid, slot)
+
+
+def _state_layout(pool: SubPool) -> StateLayout:
+    grid = pool.arena.cell_grid(pool.grid_cells, pool.cell_bytes)
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if pool.cell_bytes % w.itemsize == 0)
+    if grid.data_ptr() % word.itemsize == 0:
+        grid = grid.view(word)
+    entries = {}
+    for s in pool.layout.segments:
+        entries[(s.layer_id, s.tensor)] = StateEntry(s.offset, s.nbytes, s.dtype, tuple(s.shape))
+    return StateLayout(pool.pool_id, grid, entries)
+
+
+@dataclass(frozen=True)
+class GroupKeys:
+    """A padded group's keys in one token pool: every layer's entries of the group's pages, as columns.
+
+    Row ``r``'s column ``c`` holds position ``first_page[r] * page_size + c``: gathered entries where the
+    position is older than the step; the step's new tokens once each layer wrote its entries there; zeros
+    after the row's last token (its last page's tail, the padding page: stale or never written slots may
+    hold any bytes, NaN included, and a masked key must still be finite).
+    """
+
+    entries: torch.Tensor  # (slots, R', W, *shape)
+    rows: torch.Tensor  # (T',) each new token's row
+    cols: torch.Tensor  # (T',) and column
+    mask: torch.Tensor  # (R', 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
+    spare: torch.Tensor  # (R', 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
+    cell: torch.Tensor  # (T',) the pool cell of each new token
+    offset: torch.Tensor  # (T',) and its slot in the cell's page
+    _sinks: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def with_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
+        """``(R', heads, Q', W)``: the mask plus one more key per row and head, the spare zero column, whose logit
+        is ``sinks[head]`` (gpt-oss's attention sinks: its zero value adds nothing but joins the softmax)."""
+        base = self._sinks.get("base")
+        if base is None:
+            base = self._sinks["base"] = torch.where(self.spare.bool(), 0.0, self.mask)
+        return base + self.spare * cast(sinks.view(1, -1, 1, 1), base.dtype)
+
+
+class TokenIO:
+    """One token pool in one step: the groups' keys gathered once, new entries written in, stored once."""
+
+    def __init__(self, layout: TokenLayout, groups: list[GroupKeys]):
+        self.layout = layout
+        self.groups = groups
+        self.written: set[int] = set()
+
+    @staticmethod
+    def gather(
+        layout: TokenLayout, key: int, cells: torch.Tensor, rows: int, zero_rows: torch.Tensor, zero_cols: torch.Tensor
+    ) -> torch.Tensor:
+        """Every layer's entries of the pages ``cells`` (``rows`` requests' ``P`` pages each, flat, row-major; the
+        padding page is the sink, cell 0, zeroed here first): ``(slots, rows, P * page_size, *shape)``, also zero
+        at ``(zero_rows, zero_cols)`` (the slots after each row's last token in its last page)."""
+        grid = layout.grid
+        grid[0].zero_()
+        slots, n = grid.shape[1], cells.numel()
+        out = layout.workspace(key, slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
+        for s in range(slots):  # one contiguous copy per page and slot: far cheaper than a strided gather
+            torch.index_select(grid[:, s], 0, cells, out=out[s])
+        out = out.view(slots, rows, -1, *grid.shape[3:])
+        out.movedim(0, 2).index_put_((zero_rows, zero_cols), layout.zero)  # a device zero: no host scalar copied in
+        return out
+
+    def write(self, span: slice, new: torch.Tensor, tokens: list[slice]) -> list[torch.Tensor]:
+        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every group's keys;
+        returns each group's ``(len(span), R', W, *shape)`` keys. The pool gets them at ``flush``."""
+        out = []
+        for keys, part in zip(self.groups, tokens, strict=True):
+            entries = keys.entries[span]
+            entries[:, keys.rows, keys.cols] = cast(new[part].movedim(1, 0), entries.dtype)
+            out.append(entries)
+        self.written.update(range(span.start, span.stop))
+        return out
+
+    def flush(self) -> None:
+        layout = self.layout
+        if not self.written:
+            return
+        if len(self.written) != layout.slots:
+            missing = sorted(set(range(layout.slots)) - self.written)
+            raise LayoutError(f"pool {layout.pool_id}: the step wrote no new entries in slots {missing}")
+        for keys in self.groups:
+            new = keys.entries[:, keys.rows, keys.cols]  # (slots, T', *shape)
+            layout.grid.movedim(1, 2).index_put_((keys.cell, keys.offset), new.movedim(0, 1))
+        self.written.clear()
+
+
+class StateIO:
+    """The state pool in one step: every request's cell gathered once, updated in place, written back once."""
+
+    def __init__(self, layout: StateLayout, cells: torch.Tensor, fresh: torch.Tensor | None):
+        """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does."""
+        self.layout, self.cells = layout, cells
+        self.rows = layout.grid.index_select(0, cells)
+        if fresh is not None:
+            self.rows.index_fill_(0, fresh, 0)
+        self.bytes = self.rows.view(torch.uint8)
+        self.views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+
+    def view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:
+        """``(R, *shape)`` typed view of ``names`` (joined along their first dim) for every request of the step."""
+        key = (layer_id, names)
+        found = self.views.get(key)
+        if found is None:
+            e = self.layout.entry(layer_id, names)
+            raw = self.bytes[:, e.offset : e.offset + e.nbytes]
+            found = self.views[key] = raw.view(e.dtype).view(self.rows.shape[0], *e.shape)
+        return found
+
+    def flush(self) -> None:
+        self.layout.grid.index_copy_(0, self.cells, self.rows)

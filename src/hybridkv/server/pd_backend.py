@@ -1,0 +1,195 @@
+"""PDBackend: a disaggregated ``PDServer`` (a router thread, prefill and decode worker processes) as a ``Backend``.
+
+The PD server's router thread is the backend's thread: it calls each request's ``on_token`` and
+``on_done``, which go straight to the request's ``Sink``. A ticket is the PD server's handle.
+
+Invariants:
+- Open requests (submitted, not yet ended) never exceed ``max_running + max_queued``: one more is
+  refused with ``QueueFull`` before the PD server sees it; a refusal of the PD server itself
+  (``RequestError`` naming the field, a dead router: ``BackendClosed``) leaves nothing counted.
+- Every ticket ends exactly once through its sink: from the router's ``on_done`` (finished,
+  failed, aborted), or from ``close`` for one the router could not end (it was stuck); one lock
+  decides which, so a late ``on_done`` changes nothing.
+- ``health`` is None while the router runs and neither engine is lost; else the router's error or
+  the lost engine's reason (the PD server fails every request from then on, so new ones are
+  refused at once with ``BackendClosed``).
+- ``metrics``: the router's figures (requests per phase, outcomes, prefix-cache hit tokens,
+  transfer bytes and failures, retractions, worker deaths, restarts per engine) and what every
+  live worker holds now (``probe``: pages and slots outside the prefill prefix cache, against
+  what it held before its first request; requests holding memory), summed into ``held_pages`` /
+  ``held_slots``. A probe that gets no answer within ``probe_timeout_s`` (an engine restarting)
+  leaves the worker figures out and says so (``probe_ok`` 0), never blocks a scrape for long.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.engine.disagg import PDServer, RequestResult
+from hybridkv.engine.engine import eos_ids
+from hybridkv.engine.registry import text_config
+from hybridkv.engine.request import FinishReason, RequestError, SamplingParams
+from hybridkv.engine.weights import read_config
+from hybridkv.server.backend import BackendClosed, Finished, ModelInfo, QueueFull, Sink
+
+IN_FLIGHT = ("prefilling", "transferring", "decoding")  # PD phases of a running request ("queued": waiting)
+
+
+@dataclass
+class _Open:
+    sink: Sink
+    prompt_tokens: int
+    ticket: int | None = None  # known once submit returned
+    ended: bool = False
+
+
+class PDBackend:
+    def __init__(
+        self, server: PDServer, name: str, memory_budget: str, max_queued: int = 256, probe_timeout_s: float = 5.0
+    ):
+        """``server``: a started ``PDServer`` (this backend closes it); ``memory_budget``: its budget per
+        worker process, as given."""
+        self.server = server
+        config = server.config
+        eos = eos_ids(text_config(read_config(config.model_dir)))
+        self.info = ModelInfo(name, server.vocab_size, config.max_context, memory_budget, eos)
+        self.capacity = config.max_running + max_queued
+        self.probe_timeout_s = probe_timeout_s
+        self._cond = threading.Condition()
+        self._open: dict[int, _Open] = {}  # ticket -> request, once submit returned (under _cond)
+        self._open_count = 0  # tickets handed out (or being handed out) and not ended (under _cond)
+        self._closing = False
+        self._counts = {"aborted": 0, "errors": 0, "prompt_tokens": 0}
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
+        with self._cond:
+            why = self.health()
+            if why is not None:
+                raise BackendClosed(why)
+            if self._open_count >= self.capacity:
+                raise QueueFull(f"{self._open_count} requests are open, the most this server queues; retry later")
+            self._open_count += 1
+        req = _Open(sink, len(prompt))
+        try:
+            ticket = self.server.submit(
+                prompt, params, on_token=sink.on_token, on_done=lambda result: self._done(req, result), salt=salt
+            )
+        except RequestError:
+            self._release()
+            raise
+        except RuntimeError as exc:  # the PD server is closed or its router is dead
+            self._release()
+            raise BackendClosed(str(exc)) from None
+        with self._cond:
+            self._counts["prompt_tokens"] += len(prompt)
+            req.ticket = ticket
+            if not req.ended:
+                self._open[ticket] = req
+        return ticket
+
+    def abort(self, ticket: int, reason: str) -> None:
+        self.server.abort(ticket, reason)
+
+    def health(self) -> str | None:
+        server = self.server
+        if server.router_error:
+            last = server.router_error.strip().splitlines()[-1]
+            return f"the PD router failed ({last}); restart the server"
+        if server.lost:
+            lost = "; ".join(f"the {role.value} engine is lost: {why}" for role, why in server.lost.items())
+            return f"{lost}; restart the server"
+        return "the server is shutting down" if self._closing else None
+
+    def metrics(self) -> dict[str, Any]:
+        pd = self.server.metrics()
+        phases: dict[str, int] = pd["phases"]
+        with self._cond:
+            counts = dict(self._counts)
+        m: dict[str, Any] = {
+            "running": sum(phases[p] for p in IN_FLIGHT),
+            "waiting": phases["queued"],
+            "phases": {p: phases[p] for p in ("queued", *IN_FLIGHT)},
+            "requests": pd["requests"],
+            **counts,
+            "cached_tokens": pd["cached_tokens"],
+            "retractions": pd["retractions"],
+            "transfer_bytes": pd["transfer_bytes"],
+            "transfer_failures": pd["transfer_failures"],
+            "deaths": pd["deaths"],
+            "restarts": pd["restarts"],
+        }
+        try:
+            states = self.server.probe(self.probe_timeout_s)
+        except TimeoutError:
+            m["probe_ok"] = 0
+            return m
+        m["probe_ok"] = 1
+        m["workers"] = [
+            {
+                "worker": w.name,
+                "epoch": w.epoch,
+                "pid": w.pid,
+                "live_pages": w.live[0],
+                "live_slots": w.live[1],
+                "before_pages": w.live_before[0],
+                "before_slots": w.live_before[1],
+                "requests": w.requests,
+            }
+            for w in states
+        ]
+        m["held_pages"] = sum(w.live[0] - w.live_before[0] for w in states)
+        m["held_slots"] = sum(w.live[1] - w.live_before[1] for w in states)
+        return m
+
+    def close(self, timeout_s: float) -> None:
+        """Abort every open request, wait (up to ``timeout_s``) for the router to end them, then close the PD
+        server (every worker stopped and reaped, every shm file unlinked); a request the router did not end
+        ends here, aborted."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            tickets = list(self._open)
+        for ticket in tickets:
+            self.server.abort(ticket, "the server shut down")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._open_count and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+        try:
+            self.server.close()
+        except RuntimeError as exc:  # its router was stuck: its workers are reaped anyway
+            print(f"hybridkv: {exc}", file=sys.stderr)
+        with self._cond:
+            left = list(self._open.values())
+        for req in left:
+            self._end(req, Finished([], FinishReason.ABORT, "the server shut down", req.prompt_tokens, 0))
+
+    # --- the router thread ------------------------------------------------------------------
+
+    def _done(self, req: _Open, result: RequestResult) -> None:
+        reason, error = FinishReason(result.finish_reason), result.reason or None
+        self._end(req, Finished(result.output_ids, reason, error, result.prompt_tokens, result.cached_tokens))
+
+    def _end(self, req: _Open, finished: Finished) -> None:
+        with self._cond:
+            if req.ended:
+                return
+            req.ended = True
+            if req.ticket is not None:
+                del self._open[req.ticket]
+            if finished.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                self._counts["aborted" if finished.finish_reason is FinishReason.ABORT else "errors"] += 1
+        req.sink.on_finish(finished)
+        self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._open_count -= 1
+            self._cond.notify_all()

@@ -1,0 +1,93 @@
+"""The step's pool I/O: one gather and one store per pool, stale bytes never reach a result, layouts checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.engine.pool_io import LayoutError, pool_layouts
+from tests.engine.harness import hf_reference, make_runner, prompt, serve
+from tests.engine.test_exact import ATOL
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-kimi-linear"])
+def test_stale_bytes_are_nan_and_serving_stays_exact(name: str) -> None:
+    """Every arena byte starts as 0xFF (a NaN in every float format): slots past a request's last token, the
+    padding page and never-written cells must not reach attention (a masked NaN key still poisons softmax)."""
+    runner = make_runner(name, 16)
+    runner.mem.arena.buffer.fill_(0xFF)
+    prompts = [prompt(40 + n, n) for n in (3, 17, 30)]
+    served = serve(runner, prompts, 7, max_new=4)
+    for ids, got in zip(prompts, served, strict=True):
+        tokens, logits = hf_reference(name, tuple(ids), 4)
+        assert got.tokens[: len(tokens)] == tokens
+        diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False))
+        assert diff < ATOL, f"{name}: logits differ by {diff}"
+
+
+def test_a_token_pool_is_one_grid_of_slots_per_layer() -> None:
+    runner = make_runner("tiny-gemma3", 4)
+    layouts = pool_layouts(runner.mem)
+    assert pool_layouts(runner.mem) is layouts  # read once per memory
+    for pool_id, layout in layouts.tokens.items():
+        layers = runner.mem.layout(pool_id).layer_ids
+        assert layout.slots == 2 * len(layers)
+        for layer in layers:
+            span = layout.span(layer, ("k", "v"))
+            k = runner.mem.view(layer, "k")
+            assert layout.grid[:, span.start].data_ptr() == k.data_ptr()  # the same bytes as the layer's view
+            assert torch.equal(layout.grid[5, span.start + 1], runner.mem.view(layer, "v")[5])
+        with pytest.raises(LayoutError, match="keeps no"):
+            layout.span(99, ("k", "v"))
+        with pytest.raises(LayoutError, match="not adjacent"):
+            layout.span(layers[0], ("v", "k"))
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next"])
+def test_compiled_blocks_stay_exact(name: str) -> None:
+    """The optional compiled path (traced by dynamo; the "eager" backend skips inductor's slow code generation)
+    keeps the memory-reading mixers eager and gives transformers' tokens; compiling twice is refused."""
+    from hybridkv.engine.compiled import compile_blocks
+
+    runner = make_runner(name, 16)
+    compile_blocks(runner.model, backend="eager")
+    with pytest.raises(ValueError, match="compiled already"):
+        compile_blocks(runner.model, backend="eager")
+    prompts = [prompt(60 + n, n) for n in (5, 19)]
+    served = serve(runner, prompts, 7, max_new=3)
+    for ids, got in zip(prompts, served, strict=True):
+        tokens, logits = hf_reference(name, tuple(ids), 3)
+        assert got.tokens[: len(tokens)] == tokens
+        assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL
+
+
+def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
+    """Gemma 3 configs carry ``attn_logit_softcapping`` but transformers' Gemma 3 never applies it: neither does
+    the engine (capping the logits moved them by 0.055 here)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridkv.engine.engine import engine_spec
+    from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
+    from hybridkv.engine.runner import ModelRunner
+    from hybridkv.engine.weights import from_hf_model
+    from hybridkv.memory import UnifiedMemory
+    from hybridkv.spec import ShardSpec
+
+    model_type, overrides = TINY_CONFIGS["tiny-gemma3"]
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, max_position_embeddings=512, **overrides, attn_logit_softcapping=2.0
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    spec = engine_spec(config, torch.float32)
+    mem = UnifiedMemory.create(ShardSpec.whole(spec), 4_000_000, page_size=4, max_context=256, chunk_tokens=64)
+    runner = ModelRunner(from_hf_model(hf), mem)
+    prompts = [prompt(70 + n, n) for n in (6, 21)]
+    served = serve(runner, prompts, 5, max_new=3)
+    for ids, got in zip(prompts, served, strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False, eos_token_id=None)
+            logits = hf(out).logits[0, len(ids) - 1 :]
+        assert got.tokens == out[0, len(ids) :].tolist()
+        assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL

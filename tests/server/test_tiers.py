@@ -1,0 +1,86 @@
+"""``/generate`` over an engine with host memory below its device: ``meta_info.cached_tokens_details``
+says where the cached tokens came from, and a prefix restored from host memory gives the tokens
+``Engine.generate`` gives."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hybridkv.cli import main
+from tests.server.conftest import MODEL, shared_prefix_prompts
+from tests.server.test_shutdown import children
+
+
+def test_cached_tokens_details_split_device_and_host(start_server: Any, make_engine: Any) -> None:
+    server = start_server(engine={"host_memory": "8MiB"})
+    family = shared_prefix_prompts(3, groups=1, prefix=80, seed=5)
+    reference = [o.output_ids for o in make_engine().generate(family, 4)]
+
+    def generate(ids: list[int]) -> dict[str, Any]:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = generate(family[0])
+    assert first["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
+    second = generate(family[1])
+    assert second["meta_info"]["cached_tokens_details"] == {"device": 64, "host": 0, "storage": 0}
+    server.backend.call(lambda engine: engine.clear_cache())  # the device's cache goes to host memory
+    third = generate(family[2])
+    assert third["meta_info"]["cached_tokens"] == 80  # the second one checkpointed the branch point
+    assert third["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 80, "storage": 0}
+    assert [a["output_ids"] for a in (first, second, third)] == reference
+
+
+def test_serve_with_a_mooncake_store_starts_and_stops_its_master(tmp_path: Path) -> None:
+    out, err = (tmp_path / "out").open("w+"), (tmp_path / "err").open("w+")
+    cmd = [sys.executable, "-m", "hybridkv", "serve", "--random", MODEL, "--port", "0", "--gpu-memory", "64MiB"]
+    cmd += ["--host-memory", "8MiB", "--store", "mooncake", "--shutdown-timeout", "2"]
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None:
+            assert proc.poll() is None, (tmp_path / "err").read_text()
+            assert time.monotonic() < deadline, "the server did not start"
+            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", (tmp_path / "out").read_text())
+            url = found.group(1) if found else None
+            time.sleep(0.1)
+        body = {"input_ids": list(range(5, 40)), "sampling_params": {"max_new_tokens": 3}}
+        answer = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+        assert answer["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
+        masters = children(proc.pid)
+        assert len(masters) == 1 and Path(f"/proc/{masters[0]}/comm").read_text().strip() == "mooncake_master"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "err").read_text()
+        stat = Path(f"/proc/{masters[0]}/stat")
+        assert not stat.exists() or stat.read_text().split()[2] == "Z"  # gone (or a zombie awaiting its reaper)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--store-master", "127.0.0.1:9"], "it needs --store mooncake"),
+        (["--store", "s3"], "--store takes none or mooncake"),
+        (["--host-memory", "1MiB", "--no-prefix-cache"], "drop --no-prefix-cache"),
+    ],
+)
+def test_bad_tier_options_are_one_error_line(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--random", MODEL, "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and says in err
