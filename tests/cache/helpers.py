@@ -18,12 +18,16 @@ BUDGETS = {
     "tiny-swa2-state": 200_000,
     "tiny-kda-mla": 60_000,
 }
+FLOORS = {"tiny-gdn": 78_336, "tiny-swa2-state": 126_208, "tiny-kda-mla": 39_168}
+"""The least budget ``small_memory`` (page size 4) accepts: one 64-token request fits
+(``test_stateful.test_floors_are_the_floors`` proves it)."""
 
 
-def small_memory(preset: str, page_size: int = 4, budget: int | None = None) -> UnifiedMemory:
+def small_memory(preset: str, page_size: int = 4, budget: int | None = None, device: str = "cpu") -> UnifiedMemory:
     return UnifiedMemory.create(
         ShardSpec.whole(get_preset(preset)),
         budget or BUDGETS[preset],
+        device,
         page_size=page_size,
         max_context=64,
         chunk_tokens=16,

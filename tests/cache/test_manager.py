@@ -9,7 +9,7 @@ import pytest
 from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, KVManager
 from hybridkv.cache.handle import HandleStatus
 from hybridkv.memory import GateStatus, OutOfMemory, PinnedError
-from tests.cache.helpers import small_memory
+from tests.cache.helpers import FLOORS, small_memory
 
 PS = 4
 
@@ -134,3 +134,77 @@ def test_a_reserved_handle_is_unreadable_until_received_then_runs_and_caches():
     assert mem.pages.live_count == 0 and mem.slots.live_count == 0
     mem.verify()
     cache.check()
+
+
+def test_a_lone_request_gives_up_its_own_checkpoints_before_its_pages():
+    """At the feasibility floor a request that reserved a checkpoint at every page (the
+    replay's way) still grows to the full context: its reserved checkpoints are freed, and
+    counted, once nothing else is left to evict; a refusal of more than the budget gives
+    up the same (an optimisation) and changes nothing else."""
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS, FLOORS["tiny-gdn"])), "interval:4")
+    mem, cache = kvm.mem, kvm.cache
+    served(kvm, 1, 40)  # the cache holds pages and checkpoints too
+    toks = np.arange(64)
+    kv = kvm.admit(kvm.match(toks[:-1]))
+    for at in kvm.wanted_checkpoints(kv, 64):
+        try:
+            kvm.reserve_checkpoint(kv, at)
+        except OutOfMemory:
+            break
+    reserved = len(kv.checkpoints)
+    assert reserved >= 2
+    kvm.extend(kv, 64)
+    given_up = cache.counters.given_up_checkpoints
+    assert 0 < given_up <= reserved and len(kv.checkpoints) == reserved - given_up
+    assert cache.stats()["given_up_states"] == given_up
+    assert mem.slots.live_count == 1 + len(kv.checkpoints) + cache.num_checkpoints
+    mem.verify()
+    cache.check()
+    with pytest.raises(OutOfMemory):
+        kvm.extend(kv, 10**6)
+    assert kv.seq_len == 64 and not kv.checkpoints
+    kvm.finish(kv, toks)
+    kvm.evict({PAGE_NEED: mem.pages.capacity})
+    assert mem.pages.live_count == 0 and mem.slots.live_count == 0
+
+
+def test_a_running_request_short_of_memory_lets_go_of_its_hit_s_checkpoint():
+    """At the floor a state slot is a whole slab and the hit's pages fill the rest: a request that
+    hits a checkpoint has no room to fork it, so it runs on the checkpoint itself (out of the
+    cache). A request that can fork keeps the hit's checkpoint locked (safe from eviction and
+    the path cap) until its own pages are refused: then it lets go and the cache evicts it."""
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-kda-mla", PS, FLOORS["tiny-kda-mla"])), "end")
+    mem, cache = kvm.mem, kvm.cache
+    state = cache.rules.checkpoint.pool_id
+    toks = 1000 + np.arange(64)
+    slot = int(mem.alloc_state(1)[0])  # the cache holds 32 tokens and their checkpoint: one slab each
+    cache.insert(toks[:32], mem.alloc_pages(8), checkpoints={32: slot})
+    kv = kvm.admit(kvm.match(toks[:-1]))  # no room for a copy: the checkpoint becomes its state
+    assert kv.cached == 8 and not kv.state_from_zero and kv.state_slot == slot
+    assert cache.num_checkpoints == 0 and kv.lock.checkpoint_node is None
+    kvm.extend(kv, 64)
+    kvm.finish(kv, toks[:60])
+    cache.check()
+    mem.verify()
+
+    kvm = KVManager(HybridRadixCache(small_memory("tiny-gdn", PS, FLOORS["tiny-gdn"])), "end")
+    mem, cache = kvm.mem, kvm.cache
+    state = cache.rules.checkpoint.pool_id
+    first = kvm.admit(kvm.match(toks[:32]))
+    kvm.extend(first, 32)
+    slot = kvm.reserve_checkpoint(first, kvm.finish_checkpoint(first))
+    kvm.finish(first, toks[:32])
+    kv = kvm.admit(kvm.match(toks[:-1]))  # a spare slab: room for the fork
+    assert kv.cached == 8 and kv.state_slot != slot and kv.lock.node.checkpoint_lock == 1
+    assert cache.evict({state: 1}) == {}, "a running request's lock keeps its hit's checkpoint"
+    kvm.extend(kv, 48)
+    other = mem.alloc_pages(mem.available_pages())  # someone else takes what is left
+    kvm.extend(kv, 64)  # its own pages need the checkpoint's slab now
+    assert kv.lock.checkpoint_node is None and cache.num_checkpoints == 0
+    assert cache.counters.evicted_checkpoints == 1 and kvm.match(toks[:32]).full_length == 32
+    cache.check()
+    mem.verify()
+    mem.free_pages(other)
+    kvm.finish(kv, toks)
+    kvm.evict({PAGE_NEED: mem.pages.capacity})
+    assert mem.pages.live_count == 0 and mem.slots.live_count == 0

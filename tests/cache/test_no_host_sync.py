@@ -1,27 +1,29 @@
 """The cache's hot path (match, lock, insert with dedupe and window recovery, window-cached
 release and its reclaim under pressure, evict, fork) never reads device memory: its ids live
-on the host."""
+on the host (on ``HYBRIDKV_TEST_DEVICE``, ``tests/devices.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hybridkv.cache import HybridRadixCache, KVManager
-from hybridkv.host_sync import HostSyncCounter
 from tests.cache.helpers import small_memory
+from tests.devices import device, no_host_sync
 
 PS = 4
 
 
+@pytest.mark.host_sync
 def test_hot_path_makes_no_host_sync():
-    cache = HybridRadixCache(small_memory("tiny-swa2-state", PS), policy="cost")
+    cache = HybridRadixCache(small_memory("tiny-swa2-state", PS, device=device()), policy="cost")
     kvm = KVManager(cache)
     mem = cache.mem
     rules = cache.rules
     assert rules.checkpoint is not None
     needs = {rules.windows[0].pool_id: 3, rules.checkpoint.pool_id: 2, rules.full.pools[0]: 2}
     rng = np.random.default_rng(0)
-    with HostSyncCounter() as syncs:
+    with no_host_sync() as syncs:
         for i in range(40):
             toks = np.concatenate([np.arange(16), rng.integers(0, 3, size=int(rng.integers(4, 24)))])
             match = kvm.match(toks, i % 2)

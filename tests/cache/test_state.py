@@ -145,3 +145,23 @@ def test_checkpoint_above_another_keeps_cost_keys_consistent():
     # per byte, the checkpoint at 8 saves 8 tokens, the one at 24 the 16 tokens since 8
     assert cache.match_prefix(toks[:8]).length == 0
     assert cache.match_prefix(toks).checkpoint == deep[24]
+
+
+def test_each_node_counts_the_checkpoints_below_it(cache):
+    """The cap reads ``checkpoints_below`` instead of walking the subtree: kept through
+    attaches, splits (a checkpoint inside a node) and evictions, and the check recounts it."""
+    base = np.arange(32)
+    put(cache, base, at=[8, 32])
+    put(cache, np.concatenate([base[:16], 100 + np.arange(16)]), at=[16, 24, 32])  # splits at 16
+    put(cache, base, at=[24])  # a checkpoint inside the first path: splits there
+    path = cache.match_prefix(base).node.path()
+    assert [n.end for n in path] == [8, 16, 24, 32]
+    assert [n.checkpoints_below for n in path] == [3, 2, 1, 0]  # via the branch: 16, 24, 32
+    state = cache.rules.checkpoint.pool_id
+    while cache.num_checkpoints:
+        cache.evict({state: 1})
+        cache.check()  # recounts every node bottom-up
+    assert all(n.checkpoints_below == 0 and not n.below_counts for _, n in cache.tree.nodes())
+    path[0].checkpoints_below = 5
+    with pytest.raises(AssertionError, match="deepest path below, counted 5"):
+        cache.check()

@@ -9,7 +9,9 @@ After every step: ``mem.verify()``, ``cache.check()`` (window-cached cells count
 own category by both), every running request still holds every page it needs (full KV, and
 each window's span), and the event-fed oracle equals the tree. Every match must equal the
 event oracle's longest valid hit, never exceed what was ever inserted, and equal it while
-nothing was evicted.
+nothing was evicted. A request alone (nothing running) of up to ``max_context`` tokens, with
+checkpoints reserved up front (the replay) or taken and inserted chunk by chunk (the engine),
+always fits, whatever the cache holds, also at the feasibility floor (issue 19, item 9).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from hybridkv.cache import (
     KVManager,
     LockError,
 )
-from hybridkv.memory import OutOfMemory
-from tests.cache.helpers import assert_oracle_matches_tree, oracle_for, small_memory, tree_snapshot
+from hybridkv.memory import LayoutError, OutOfMemory
+from tests.cache.helpers import FLOORS, assert_oracle_matches_tree, oracle_for, small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
 
+MAX_CONTEXT = 64
+"""The longest request ``small_memory`` sizes for."""
 STEMS = ((), (1,) * 8, (1,) * 8 + (2,) * 8, (3,) * 12, (1,) * 8 + (2,) * 4 + (0,) * 6)
 NAMESPACES = (None, "tenant-b")
 tokens_st = st.tuples(st.sampled_from(STEMS), st.lists(st.integers(0, 3), max_size=14)).map(
@@ -58,10 +62,12 @@ class CacheMachine(RuleBasedStateMachine):
     page_size = 4
     cap = 8
     placement = "prompt-aligned,branch,end"
+    budget: int | None = None
+    """Bytes of the memory (None: the preset's ``BUDGETS`` entry)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.mem = small_memory(self.preset, self.page_size)
+        self.mem = small_memory(self.preset, self.page_size, self.budget)
         self.cache = HybridRadixCache(self.mem, policy=self.policy, max_checkpoints_per_path=self.cap, events=True)
         self.kvm = KVManager(self.cache, self.placement)
         self.exact = oracle_for(self.cache)
@@ -230,6 +236,47 @@ class CacheMachine(RuleBasedStateMachine):
         if pages is not None:
             self.mem.free_pages(pages)
 
+    @precondition(lambda self: not self.running)
+    @rule(
+        tokens=tokens_st,
+        extra=st.lists(st.integers(0, 3), min_size=MAX_CONTEXT, max_size=MAX_CONTEXT),
+        length=st.sampled_from([MAX_CONTEXT, MAX_CONTEXT - 1, 40, 17]),
+        chunk=st.sampled_from([4, 8, 16]),
+        engine_style=st.booleans(),
+    )
+    def lone_request_fits(self, tokens, extra, length, chunk, engine_style):
+        """Alone, a request that fits the budget never runs out of memory: its checkpoints and
+        the cache's give way (the engine's flow: a checkpoint at each wanted chunk end, inserted
+        at once; or the replay's: every wanted checkpoint reserved at admission)."""
+        toks = (tokens + tuple(extra))[:length]
+        arr = np.asarray(toks, dtype=np.int64)
+        kvm, ps = self.kvm, self.page_size
+        kv = kvm.admit(kvm.match(arr[:-1]))  # never OutOfMemory alone
+        wanted = kvm.wanted_checkpoints(kv, length)
+        if not engine_style:
+            for at in wanted:
+                with contextlib.suppress(OutOfMemory):  # an optimisation: it goes on without it
+                    kvm.reserve_checkpoint(kv, at)
+        pos = kv.seq_len
+        while pos < length:
+            nxt = min(length, pos + chunk, *(p for p in wanted if p > pos))
+            kvm.extend(kv, nxt)  # never OutOfMemory alone
+            kvm.release_windows([kv])
+            pos = nxt
+            if engine_style and pos in wanted and pos > kv.cached * ps and pos not in kv.checkpoints:
+                with contextlib.suppress(OutOfMemory):
+                    kvm.checkpoint(kv)
+            if engine_style and pos // ps > kv.cached:
+                self._insert(Running(toks[:pos], None, kv), final=False)
+        at = kvm.finish_checkpoint(kv)
+        if at is not None:
+            with contextlib.suppress(OutOfMemory):
+                kvm.reserve_checkpoint(kv, at)
+        self._insert(Running(toks, None, kv), final=True)
+        self.released_locks.append(kv.lock)
+        kvm.release(kv)
+        self.released.append(kv)
+
     @rule(tokens=tokens_st, namespace=st.sampled_from(NAMESPACES))
     def match_only(self, tokens, namespace):
         self.check_match(tokens, namespace, self.cache.match_prefix(list(tokens), namespace))
@@ -304,8 +351,10 @@ class CacheMachine(RuleBasedStateMachine):
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
 
 
-def _machine(preset: str, policy: str, cap: int = 8, placement: str = CacheMachine.placement) -> type[CacheMachine]:
-    attrs = {"preset": preset, "policy": policy, "cap": cap, "placement": placement}
+def _machine(
+    preset: str, policy: str, cap: int = 8, placement: str = CacheMachine.placement, budget: int | None = None
+) -> type[CacheMachine]:
+    attrs = {"preset": preset, "policy": policy, "cap": cap, "placement": placement, "budget": budget}
     return type(f"Machine_{preset}_{policy}", (CacheMachine,), attrs)
 
 
@@ -320,3 +369,22 @@ TestPlacementInterval = SETTINGS(_machine("tiny-gdn", "cost", cap=3, placement="
 TestPlacementAligned = SETTINGS(_machine("tiny-swa2-state", "lru", placement="prompt-aligned:8,end")).TestCase
 TestPlacementBranch = SETTINGS(_machine("tiny-kda-mla", "lfu", cap=2, placement="branch")).TestCase
 TestPlacementAll = SETTINGS(_machine("tiny-gdn", "lru", placement="interval:4,prompt-aligned:8,branch,end")).TestCase
+
+
+@pytest.mark.parametrize("preset", sorted(FLOORS))
+def test_floors_are_the_floors(preset: str) -> None:
+    small_memory(preset, budget=FLOORS[preset])
+    with pytest.raises(LayoutError, match="Raise the budget"):
+        small_memory(preset, budget=FLOORS[preset] - 64)
+
+
+# at the feasibility floor (``FLOORS``): one request of MAX_CONTEXT tokens fits, little more
+TestFloorGdnInterval = SETTINGS(
+    _machine("tiny-gdn", "lru", placement="interval:4,end", budget=FLOORS["tiny-gdn"])
+).TestCase
+TestFloorKdaMla = SETTINGS(
+    _machine("tiny-kda-mla", "cost", placement="interval:8", budget=FLOORS["tiny-kda-mla"])
+).TestCase
+TestFloorSwa2State = SETTINGS(
+    _machine("tiny-swa2-state", "lru", placement="interval:4,branch,end", budget=FLOORS["tiny-swa2-state"])
+).TestCase

@@ -91,7 +91,7 @@ def test_window_cached_cells_are_the_cache_s_until_it_drops_them(cache):
     with pytest.raises(InvalidIds, match="already held"):
         mem.hold_window_pages(parked[:1], W, by=cache.residency)
     checked(cache)
-    marks = mem._window_held[W]
+    marks = mem.window_holds.marks[W]
     marks[kv.pages[5]] = True  # a mark behind the counters' back
     with pytest.raises(AssertionError, match="window-cached cells"):
         mem.verify()

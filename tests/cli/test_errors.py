@@ -55,6 +55,8 @@ BAD_INPUTS += [
     (["bench", "transfer", "--reps", "0"], "--reps"),
     (["bench", "transfer", "--batch", "0"], "--batch"),
     (["bench", "transfer", "--transport", "nixl"], "unknown transport"),
+    (["bench", "memory", "--device", "tpu"], "'tpu' is not a device here; use one of meta, cpu, cuda"),
+    (["bench", "engine", "--device", "meta"], "'meta' is not a device here; use one of cpu, cuda"),
 ]
 
 # serve-pd (issue 11): ranges, transport and files refused before any process starts

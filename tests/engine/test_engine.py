@@ -13,8 +13,8 @@ import pytest
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.engine import Engine, Output
-from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import LayoutError, OutOfMemory
+from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 
 MODELS = ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next"]
@@ -22,9 +22,9 @@ ALL_MODELS = [*MODELS, "tiny-nemotron-h", "tiny-kimi-linear"]
 PROMPTS = [prompt(200 + i, 3 + 4 * i) for i in range(18)]
 
 
-def _engine(name: str, budget: int, page_size: int) -> Engine:
+def _engine(name: str, budget: int, page_size: int, device: str = "cpu") -> Engine:
     hf = hf_model(name)
-    return Engine(hf.config, hf, gpu_memory=budget, page_size=page_size, chunk_size=7, max_context=96)
+    return Engine(hf.config, hf, gpu_memory=budget, page_size=page_size, chunk_size=7, max_context=96, device=device)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -118,12 +118,14 @@ def test_generation_stops_at_eos() -> None:
         assert (out.finish_reason == "eos") == (out.output_ids[-1:] == [1])
 
 
+@pytest.mark.host_sync
 @pytest.mark.parametrize("name", ALL_MODELS)
-def test_the_only_host_read_is_the_sampled_tokens(name: str) -> None:
+def test_the_only_host_read_is_the_sampled_tokens(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Memory calls, id translation and every layer's forward read nothing back from the device;
     choosing the next tokens reads them once per step (one ``tolist``)."""
-    engine = _engine(name, 150_000, 4)
-    with HostSyncCounter() as counter:
+    engine = _engine(name, 150_000, 4, device())
+    sampling_may_sync(monkeypatch)
+    with no_host_sync() as counter:
         engine.generate(PROMPTS, 8)
     assert engine.stats["retractions"] > 0
     assert set(counter.counts) == {"tolist"}

@@ -18,7 +18,7 @@ import torch
 import hybridkv.engine.scheduler as scheduler_module
 from hybridkv.engine.engine import Engine, Output
 from hybridkv.engine.request import SamplingParams
-from hybridkv.host_sync import HostSyncCounter
+from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 from tests.engine.test_exact import ATOL
 
@@ -231,13 +231,15 @@ def test_memory_and_cache_hold_before_every_step(monkeypatch: pytest.MonkeyPatch
     assert [o.output_ids for o in outs] == [hf_reference("tiny-qwen3-next", tuple(p), 6)[0] for p in MIXED]
 
 
+@pytest.mark.host_sync
 @pytest.mark.parametrize("name", ALL_MODELS)
-def test_no_host_sync_in_the_cached_path(name: str) -> None:
+def test_no_host_sync_in_the_cached_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Matching, admitting, forking checkpoints, inserting, evicting and releasing read nothing back
     from the device: the only host read is the sampled tokens (one ``tolist`` a step)."""
-    engine = _engine(name, 300_000, 4)
+    engine = _engine(name, 300_000, 4, device=device())
     engine.generate(MIXED[:4], 2)  # the group prefixes, cached
-    with HostSyncCounter() as counter:
+    sampling_may_sync(monkeypatch)
+    with no_host_sync() as counter:
         engine.generate(MIXED, 6)
     assert engine.stats["cached_tokens"] > 0 and engine.cache.stats()["evicted_pages"] > 0
     assert set(counter.counts) == {"tolist"}

@@ -80,5 +80,5 @@ def test_directory_without_weights_or_config(tmp_path: Path) -> None:
 
 def test_registry_names_every_architecture() -> None:
     assert {"gemma3_text", "gpt_oss", "qwen3_next"} <= set(architectures())
-    with pytest.raises(KeyError, match="no model for model_type 'llama'"):
+    with pytest.raises(KeyError, match=r"unknown engine architecture \(model_type\) 'llama'; known: gemma3_text"):
         model_class("llama")

@@ -3,7 +3,9 @@
 ``HostSyncCounter`` counts every torch call that would block the host on a GPU (``.item()``,
 ``.tolist()``, ``bool(tensor)``, ``torch.unique``, ``nonzero``, scalar tensor assignment,
 ``.cpu()``/``.numpy()``...). The hot path runs under it and must count zero. On a machine
-with CUDA the same calls also run under ``torch.cuda.set_sync_debug_mode("error")``.
+with CUDA the same calls also run under ``torch.cuda.set_sync_debug_mode("error")``
+(``test_hot_path_on_cuda_under_sync_debug_mode``; and every ``host_sync`` test with
+``HYBRIDKV_TEST_DEVICE=cuda``, ``tests/devices.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import FULL_POOL, ShardSpec, get_preset
+from tests.devices import device, no_host_sync
 
 
 def hot_path(mem: UnifiedMemory) -> None:
@@ -64,11 +67,17 @@ def hot_path(mem: UnifiedMemory) -> None:
     mem.flush_tables()
 
 
+@pytest.mark.host_sync
 def test_hot_path_counts_zero_host_syncs():
     mem = UnifiedMemory.create(
-        ShardSpec.whole(get_preset("tiny-swa2-state")), 120_000, page_size=2, max_context=16, chunk_tokens=8
+        ShardSpec.whole(get_preset("tiny-swa2-state")),
+        120_000,
+        device(),
+        page_size=2,
+        max_context=16,
+        chunk_tokens=8,
     )
-    with HostSyncCounter() as counter:
+    with no_host_sync() as counter:
         hot_path(mem)
     assert mem.stats().bytes_moved > 0, "the scenario was meant to exercise compaction"
     assert counter.total == 0, f"host syncs on the hot path: {dict(counter.counts)}"
@@ -89,6 +98,7 @@ def test_the_counter_sees_each_kind_of_sync():
     assert counter.counts["nonzero"] == 1 and counter.counts["scalar __setitem__"] == 1
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_hot_path_on_cuda_under_sync_debug_mode():
     mem = UnifiedMemory.create(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -168,3 +168,52 @@ class ReclaimMachine(RuleBasedStateMachine):
 
 ReclaimMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=60, deadline=None)
 TestReclaimMachine = ReclaimMachine.TestCase
+
+
+def test_a_slab_with_no_whole_cell_of_the_pool_short_is_reclaimed_for_its_straddlers():
+    """Full cells of 8 KiB on 12.75 KiB slabs all but straddle: slab 6 holds no whole one. The
+    state pool's spare slab 6 sits beside the full pool's slab 5, and the one state slot
+    left (slab 7) is pinned: the only bytes to be had are slab 6, worth the cell straddling
+    5-6. The plan used to count whole cells only and refused; now it takes slab 6, moving
+    nothing."""
+    mem = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-gdn")), 13056 * 9, page_size=16, max_context=64, chunk_tokens=16
+    )
+    assert mem.arena.num_slabs == 8 and mem.arena.slab_bytes == 13056
+    kept = mem.alloc_state(1)
+    pages = [mem.alloc_pages(2)]
+    spare = mem.alloc_state(1)
+    while True:
+        try:
+            pages.append(mem.alloc_pages(1))
+        except OutOfMemory:
+            break
+    mem.free_state(spare)
+    assert mem.arena.owner.tolist() == [0, 0, 0, 0, 0, 0, 1, 1] and mem.arena.slab_live[6] == 0
+    moved = mem.stats().bytes_moved
+    with mem.pin(slots=kept):
+        pages.append(mem.alloc_pages(1))
+    assert mem.arena.owner[6] == 0 and mem.stats().bytes_moved == moved
+    mem.verify()
+    mem.free_pages(np.concatenate(pages))
+    mem.free_state(kept)
+    mem.verify()
+
+
+@settings(max_examples=80, deadline=None)
+@given(owner=st.lists(st.sampled_from([-1, 0, 1]), min_size=8, max_size=8), planned=st.sets(st.integers(0, 7)))
+def test_cells_gained_counts_what_acquiring_the_slab_makes_usable(owner, planned):
+    """Brute force over every cell touching the slab: both of its slabs exist and are the slab
+    itself, the pool's, or planned for it."""
+    mem = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-gdn")), 13056 * 9, page_size=16, max_context=64, chunk_tokens=16
+    )
+    mem.arena.owner[:] = owner  # a picture of ownership only: nothing is allocated
+    for pool in mem.pools.values():
+        for slab in range(mem.arena.num_slabs):
+            cells = [c for c in range(pool.grid_cells) if slab in (pool.cell_lo[c], pool.cell_hi[c])]
+            want = sum(
+                all(0 <= s < 8 and (s == slab or owner[s] == pool.index or s in planned) for s in (lo, hi))
+                for lo, hi in ((int(pool.cell_lo[c]), int(pool.cell_hi[c])) for c in cells)
+            )
+            assert pool.cells_gained(slab, planned) == want, (pool.pool_id, slab)

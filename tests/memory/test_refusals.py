@@ -16,7 +16,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.memory import InvalidIds, UnifiedMemory
+from hybridkv.memory import InvalidIds, OutOfMemory, UnifiedMemory
 from hybridkv.spec import FULL_POOL, RECURRENT_POOL, PoolId, ShardSpec, WindowPool, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -233,3 +233,39 @@ def test_a_shared_last_page_in_any_batch_is_refused(data, lengths, decode):
     out = mem.alloc_decode(seq + 1, np.array([r[-1] for r in rows], dtype=np.int64))
     assert np.unique(out).size == out.size
     mem.verify()
+
+
+# --- issue 19, item 10: a refusal moves no hint ------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [250, 60, 200])
+def test_a_refused_allocation_leaves_every_hint_as_it_was(mem, count):
+    """A refusal for want of slabs takes free slabs tentatively and hands them back: the
+    pools' slab hints (``last_slab``: where the next slab is sought) stay where they were, so
+    later allocations stay beside the pools' slabs instead of scattering from the far end."""
+    held = mem.alloc_pages(3)
+    state = mem.alloc_state(2)
+    before = snapshot(mem)
+    hints = {str(p.pool_id): p.last_slab for p in mem.pools.values()}
+    with pytest.raises(OutOfMemory, match="short of cells"):
+        mem.alloc_pages(count)
+    assert {str(p.pool_id): p.last_slab for p in mem.pools.values()} == hints
+    assert_unchanged(before, mem)
+    twin = _memory()  # the same calls without the refusal: everything after it is the same too
+    twin.alloc_pages(3)
+    twin.alloc_state(2)
+    more = mem.alloc_pages(40)
+    assert np.array_equal(more, twin.alloc_pages(40))
+    mine, theirs = snapshot(mem), snapshot(twin)
+    assert not [k for k in mine if k != "bytes" and not np.array_equal(mine[k], theirs[k])]
+    mem.free_pages(np.concatenate([held, more]))
+    mem.free_state(state)
+    mem.verify()
+
+
+def test_a_refused_state_allocation_leaves_every_hint_as_it_was(mem):
+    mem.alloc_pages(3)
+    before = snapshot(mem)
+    with pytest.raises(OutOfMemory):
+        mem.alloc_state(mem.slots.free_count)
+    assert_unchanged(before, mem)

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridkv.cli import main
 from tests.server.conftest import MODEL, shared_prefix_prompts
@@ -41,6 +42,17 @@ def test_cached_tokens_details_split_device_and_host(start_server: Any, make_eng
     assert third["meta_info"]["cached_tokens"] == 80  # the second one checkpointed the branch point
     assert third["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 80, "storage": 0}
     assert [a["output_ids"] for a in (first, second, third)] == reference
+    scraped = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        for sample in family.samples
+    }
+    tier = "hybridkv_tier_"
+    assert scraped[(tier + "loaded_bytes_total", (("tier", "host"),))] > 0
+    assert scraped[(tier + "written_bytes_total", (("tier", "host"),))] > 0
+    assert scraped[(tier + "restored_requests_total", ())] == 1
+    assert scraped[(tier + "restored_tokens_total", ())] == 80
+    assert scraped[(tier + "host_used_bytes", ())] > 0
 
 
 def test_serve_with_a_mooncake_store_starts_and_stops_its_master(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ def test_refuses_ranges_outside_the_buffer():
     assert checksum_ranges(buf, [], []) == 0 == checksum(buf)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_tensors_give_the_host_value():
     rng = np.random.default_rng(4)

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.host_sync import HostSyncCounter
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import KindTag, ModelSpec, Parallel, ShardSpec, WindowPool, get_preset
 from hybridkv.testing.harness import variant
@@ -26,6 +25,7 @@ from hybridkv.transfer import (
 from hybridkv.transfer import plan as plan_module
 from hybridkv.transfer.auth import MAC_BYTES, ClusterKey, Gate, Seal
 from hybridkv.transfer.messages import Hello, Rank
+from tests.devices import device, no_host_sync
 
 BASE = 1 << 40
 
@@ -254,11 +254,12 @@ def test_window_pages_and_one_state_slot_only():
     assert touched["state"] == {int(dst["state"][0])}
 
 
+@pytest.mark.host_sync
 def test_planning_never_reads_device_memory():
-    pre_mem, dec_mem = memory("tiny-swa2-state", device="cpu"), memory("tiny-swa2-state", device="cpu")
+    pre_mem, dec_mem = memory("tiny-swa2-state", device=device()), memory("tiny-swa2-state", device=device())
     pages, dpages = pre_mem.alloc_pages(5), dec_mem.alloc_pages(5)
     slot, dslot = int(pre_mem.alloc_state(1)[0]), int(dec_mem.alloc_state(1)[0])
-    with HostSyncCounter() as counter:
+    with no_host_sync() as counter:
         pre, dec = buffer_set_from_memory(pre_mem), buffer_set_from_memory(dec_mem)
         plan = build_plan(
             pre,

@@ -411,7 +411,9 @@ def run(
     max_step_tokens: int | None = None,
     compile_blocks: bool = False,
     max_context: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
+    """``device``: where the engine's weights and memory live (``transformers`` runs on the CPU)."""
     models = models or tiny_names()
     checkpoints = checkpoints or engine_default(chunk_size, page_size)
     unknown = sorted(set(models) - set(tiny_names()))
@@ -427,6 +429,7 @@ def run(
         "checkpoints": checkpoints,
         "max_step_tokens": max_step_tokens,
         "max_context": max_context,
+        "device": device,
     }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -448,6 +451,7 @@ def run(
         "max_step_tokens": max_step_tokens or 4 * chunk_size,
         "prefix_cache": prefix_cache,
         "checkpoints": checkpoints,
+        "device": device,
         "rounds": rounds,
         "padded_batch": padded_batch,
         "compile_blocks": compile_blocks,

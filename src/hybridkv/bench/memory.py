@@ -13,7 +13,10 @@ these a model needs is read from its pools, not from the config name.
 Each configuration runs three passes over the same trace: a sizing pass (peak cells per
 pool, checked against the trace's published peak), a timed pass of hybridkv and of the
 static-pool baseline side by side, and a counted pass of both under ``HostSyncCounter``.
-The unified arena is tables-only (``meta``): the allocator's work is the same, no bytes.
+The unified arena is tables-only (``meta``, the default): the allocator's work is the same,
+no bytes. With ``device`` ``cpu`` or ``cuda`` the timed and counted passes run on a real arena
+and device tables there, and the baseline's tensors live on that device too (the sizing pass
+stays tables-only).
 """
 
 from __future__ import annotations
@@ -86,41 +89,45 @@ class UnifiedAllocator:
 
 
 class BaselineAllocator:
-    """Adapts the static-pool baseline to host arrays (zero-copy on the CPU)."""
+    """Adapts the static-pool baseline to host arrays (zero-copy on the CPU; on another device
+    its inputs are copied there and its outputs back, as an engine would)."""
 
-    def __init__(self, alloc: StaticAllocator, counter: HostSyncCounter | None):
+    def __init__(self, alloc: StaticAllocator, counter: HostSyncCounter | None, device: str = "cpu"):
         self.alloc = alloc
         self.counter = counter
+        self.device = torch.device(device)
+
+    def _in(self, arr: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(arr).to(self.device)
 
     def _out(self, tensor: torch.Tensor) -> np.ndarray:
         if self.counter is not None:  # the driver's own conversion is not the allocator's sync
             self.counter.counting = False
-            out = tensor.numpy()
+            out = tensor.cpu().numpy()
             self.counter.counting = True
             return out
-        return tensor.numpy()
+        return tensor.cpu().numpy()
 
     def extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy
-        return self._out(self.alloc.alloc_extend(t(prefix), t(seq), t(last)))
+        return self._out(self.alloc.alloc_extend(self._in(prefix), self._in(seq), self._in(last)))
 
     def decode(self, seq: np.ndarray, last: np.ndarray) -> np.ndarray:
-        return self._out(self.alloc.alloc_decode(torch.from_numpy(seq), torch.from_numpy(last)))
+        return self._out(self.alloc.alloc_decode(self._in(seq), self._in(last)))
 
     def free_row(self, locs: np.ndarray) -> None:
-        self.alloc.free_segment(torch.from_numpy(locs))
+        self.alloc.free_segment(self._in(locs))
 
     def free_group(self) -> AbstractContextManager[None]:
         return nullcontext()
 
     def free_window(self, pages: np.ndarray) -> None:
-        self.alloc.free_window(torch.from_numpy(pages))
+        self.alloc.free_window(self._in(pages))
 
     def alloc_state(self, count: int) -> np.ndarray:
         return self._out(self.alloc.alloc_state(count))
 
     def free_state(self, slots: np.ndarray) -> None:
-        self.alloc.free_state(torch.from_numpy(slots))
+        self.alloc.free_state(self._in(slots))
 
     def step_done(self) -> None:
         """The baseline's tables already live on the device."""
@@ -265,13 +272,13 @@ def replay(
     return result
 
 
-def _make_memory(model: str, page_size: int, budget: int) -> UnifiedMemory:
+def _make_memory(model: str, page_size: int, budget: int, device: str = "meta") -> UnifiedMemory:
     shard = ShardSpec.whole(get_preset(model))
     plan = plan_memory(shard, budget, MemoryHints(page_size=page_size, max_context=8192, chunk_tokens=8192))
-    return UnifiedMemory(plan, device="meta")
+    return UnifiedMemory(plan, device=device)
 
 
-def run_config(name: str, trace: dict[str, Any], page_size: int) -> dict[str, Any]:
+def run_config(name: str, trace: dict[str, Any], page_size: int, device: str = "meta") -> dict[str, Any]:
     model = CONFIGS[name]
     shard = ShardSpec.whole(get_preset(model))
     layouts = {
@@ -305,16 +312,18 @@ def run_config(name: str, trace: dict[str, Any], page_size: int) -> dict[str, An
     }
     for counted in (False, True):
         counter = HostSyncCounter() if counted else None
-        mem = _make_memory(model, page_size, budget)
+        mem = _make_memory(model, page_size, budget, device)
+        base_device = "cpu" if device == "meta" else device
         baseline = StaticAllocator(
             cells[FULL_POOL],
             page_size,
             swa_pages=cells[window] if window is not None else 0,
             state_slots=cells.get(RECURRENT_POOL, 0),
+            device=base_device,
         )
         runs: dict[str, Allocator] = {
             "hybridkv": UnifiedAllocator(mem),
-            "static_baseline": BaselineAllocator(baseline, counter),
+            "static_baseline": BaselineAllocator(baseline, counter, base_device),
         }
         for label, allocator in runs.items():
             if counter is None:
@@ -336,7 +345,10 @@ def run_config(name: str, trace: dict[str, Any], page_size: int) -> dict[str, An
     return results
 
 
-def run(trace_path: str = PEER_TRACE, page_size: int = 16, configs: list[str] | None = None) -> dict[str, Any]:
+def run(
+    trace_path: str = PEER_TRACE, page_size: int = 16, configs: list[str] | None = None, device: str = "meta"
+) -> dict[str, Any]:
+    """``device``: ``meta`` (tables only), ``cpu`` or ``cuda`` (see the module docstring)."""
     torch.set_num_threads(1)
     trace = load_peer_trace(trace_path)
     chosen = configs or list(CONFIGS)
@@ -347,5 +359,6 @@ def run(trace_path: str = PEER_TRACE, page_size: int = 16, configs: list[str] | 
         "trace": str(trace_path),
         "page_size": page_size,
         "torch_threads": torch.get_num_threads(),
-        "configs": {name: run_config(name, trace, page_size) for name in chosen},
+        "device": device,
+        "configs": {name: run_config(name, trace, page_size, device) for name in chosen},
     }

@@ -54,9 +54,9 @@ class StaticAllocator:
         pages = self._new_pages(int(new_per.sum().item()))
         counts = seq - prefix
         total = int(counts.sum().item())
-        req = torch.repeat_interleave(torch.arange(seq.numel()), counts, output_size=total)
+        req = torch.repeat_interleave(torch.arange(seq.numel(), device=seq.device), counts, output_size=total)
         starts = torch.cumsum(counts, 0) - counts
-        pos = prefix[req] + torch.arange(total) - starts[req]
+        pos = prefix[req] + torch.arange(total, device=seq.device) - starts[req]
         page_index = pos // ps - old[req]
         first_new = torch.cumsum(new_per, 0) - new_per
         fresh = page_index >= 0

@@ -52,6 +52,15 @@ def check_tree(cache: HybridRadixCache) -> None:
                 nodes.append(child)
                 stack.append((child, count))
 
+    for n in reversed(nodes):  # children after their parents in ``nodes``: count bottom-up
+        through = [c.checkpoints_below + (c.checkpoint >= 0) for c in n.children.values()]
+        if max(through, default=0) != n.checkpoints_below:
+            _fail(
+                f"{n}: {max(through, default=0)} checkpoints on its deepest path below, counted {n.checkpoints_below}"
+            )
+        counts = {k: through.count(k) for k in set(through) if k} if len(through) > 1 else None
+        if counts != n.below_counts:
+            _fail(f"{n}: children add {counts} checkpoints to their paths, counted {n.below_counts}")
     if len(nodes) != cache.num_nodes:
         _fail(f"num_nodes {cache.num_nodes} but {len(nodes)} nodes in the tree")
     pages = np.concatenate([n.pages for n in nodes]) if nodes else np.empty(0, dtype=np.int64)

@@ -7,7 +7,8 @@ A checkpoint given for position ``pos`` sits on the node ending at ``pos`` (spli
 needed). One already there wins: the new slot is not kept. A path holding more than
 ``max_per_path`` checkpoints drops the least valuable unlocked, unpinned ones above the new
 one (non-branching nodes first, then least recently used); when those are not enough, the
-new slot is not kept.
+new slot is not kept. The most checkpoints on a path below a node is the node's own count
+(``Node.checkpoints_below``, kept by ``Residency``): the cap never walks a subtree.
 
 Invariant: no root-to-leaf path holds more than ``max_per_path`` checkpoints. Slots not
 kept are returned to the caller, who owns them; dropped cached checkpoints are freed here
@@ -91,7 +92,7 @@ class CheckpointCap:
     def _make_room(self, node: Node) -> bool:
         """Drop checkpoints above ``node`` so its paths stay within the cap; False if locked."""
         above = [a for a in node.path()[:-1] if a.checkpoint >= 0]
-        excess = len(above) + 1 + _most_below(node) - self.max_per_path
+        excess = len(above) + 1 + node.checkpoints_below - self.max_per_path
         if excess <= 0:
             return True
         counters = self.residency.counters
@@ -117,15 +118,3 @@ def _nearest_below(node: Node) -> list[Node]:
         else:
             stack.extend(n.children.values())
     return out
-
-
-def _most_below(node: Node) -> int:
-    """Most checkpoints on any path strictly below ``node``."""
-    best = 0
-    stack = [(c, 0) for c in node.children.values()]
-    while stack:
-        n, above = stack.pop()
-        count = above + (n.checkpoint >= 0)
-        best = max(best, count)
-        stack.extend((c, count) for c in n.children.values())
-    return best

@@ -17,7 +17,10 @@ component's pass therefore evicts whole leaves until they gave back its shortfal
 rounded up to whole slabs; the allocator's broker hands it the slabs that frees (or
 compacts the donor to empty them). Likewise a full-history pool still short once no
 unlocked leaf is left gets the bytes of tree window cells outside every window lock (the
-nodes a running request locks keep their full KV, not their windows behind its lock's).
+nodes a running request locks keep their full KV, not their windows behind its lock's),
+and then of unlocked cached checkpoints (a running request short of memory first lets go
+of the one its lock holds, ``KVManager``: alone, its own path's checkpoints give way to its
+KV, so a request that fits the budget alone fits).
 
 Invariants:
 - Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
@@ -98,6 +101,8 @@ class Evictor:
             self._evict_leaves(-(-short // slab) * slab, freed, release, per_slot)
         if for_slabs and rules.windows:
             self._tombstone_for_bytes(want, freed, release)
+        if for_slabs and rules.checkpoint is not None:
+            self._drop_checkpoints_for_bytes(want, freed, release)
         release.flush(self.mem, self.residency)
         return {k: v for k, v in zip(keys, freed, strict=True) if v}
 
@@ -118,6 +123,24 @@ class Evictor:
             before = freed[w.slot]
             self._evict_windows(w, before + -(-short // w.cell_bytes), freed, release)
             short -= (freed[w.slot] - before) * w.cell_bytes
+
+    def _drop_checkpoints_for_bytes(self, want: list[int], freed: list[int], release: Release) -> None:
+        """A page pool still short after the leaves and the windows (every leaf left is locked,
+        e.g. by the one running request's own path): unlocked cached checkpoints on locked
+        paths, in bytes rounded up to whole slabs (the broker compacts the state pool's holes
+        into slabs for the pool short)."""
+        rules = self.rules
+        rule = rules.checkpoint
+        assert rule is not None
+        short = sum(
+            max(0, want[s] - freed[s]) * b for s, b in zip(rules.full.slots, rules.full.pools_bytes, strict=True)
+        )
+        short += sum(max(0, want[w.slot] - freed[w.slot]) * w.cell_bytes for w in rules.windows)
+        if short <= 0:
+            return
+        slab = self.mem.arena.slab_bytes
+        whole_slabs = -(-short // slab) * slab
+        self._evict_checkpoints(freed[rule.slot] + -(-whole_slabs // rule.cell_bytes), freed, release)
 
     def _reclaim_window_cached(self, want: list[int], freed: list[int], release: Release, for_slabs: bool) -> bool:
         """Reclaim window-cached cells: each window need from its own pool; for an allocator's

@@ -2,7 +2,9 @@
 
 A lock on a hit ending at ``node.end`` counts on full KV of every node on the path, on the
 window of the nodes covering the ``max_window`` tokens before the end (whole nodes), and on
-the checkpoint at ``node`` (if it has one).
+the checkpoint at ``node`` (if it has one; a holder that forked the checkpoint may give that
+part up alone with ``unlock_checkpoint``: a running request needs its own state slot, not
+the cached copy).
 
 Invariants (``check_tree`` proves them):
 - Every node's counts equal what the open ``CacheLock`` handles took; nothing counted is
@@ -78,6 +80,14 @@ class LockTable:
             handle.checkpoint_node.checkpoint_lock -= 1
         handle.active = False
         self.open.discard(handle)
+
+    def unlock_checkpoint(self, handle: CacheLock) -> None:
+        """Give back only the checkpoint part of an open lock (nothing when it holds none)."""
+        if handle not in self.open:
+            raise LockError(f"unlock_checkpoint: this lock on {handle.node} is not open in this cache")
+        if handle.checkpoint_node is not None:
+            handle.checkpoint_node.checkpoint_lock -= 1
+            handle.checkpoint_node = None
 
     @staticmethod
     def split(upper: Node, lower: Node) -> None:

@@ -18,8 +18,14 @@ Allocation with eviction (``alloc_pages`` / ``alloc_state`` / ``fork_state``, an
 above that allocates): on ``OutOfMemory`` the cache evicts what the allocator says it is
 short of and the call is retried; ``OutOfMemory`` reaches the caller only once nothing
 unlocked and unpinned is left to evict for it: a pool whose own component has nothing left
-(windows all tombstoned, no checkpoint) gets slab bytes from whole leaves. Such a refusal leaves every handle as it
-was (the cache may have evicted).
+(windows all tombstoned, no checkpoint) gets slab bytes from whole leaves, tree windows and
+cached checkpoints. Before a refusal of a request's pages (``extend``, ``extend_batch``)
+reaches the caller, the requests' own checkpoints are given up and it is tried again: those
+not inserted yet are freed (counted in ``given_up_states``), and their locks stop holding
+the cached checkpoint at their end (a running request runs on its own fork of it), so the
+cache may evict it: a request that fits the budget alone never fails for its checkpoints.
+Such a refusal leaves every handle as it was but for those checkpoints (the cache may have
+evicted).
 
 Window pages that leave a request's window become window-cached (``park_windows``, the
 default): the cache holds their window cells, reclaimed first when memory is short; the
@@ -30,7 +36,8 @@ at once (a manager whose requests never insert).
 Invariants:
 - Every page, slot and lock a handle holds is given back exactly once, by ``release``
   (``finish`` ends with it); duplicates an insert did not keep are freed by that insert.
-- A refused call (``CacheError``) changes no handle, the tree or the pools.
+- A refused call (``CacheError``) changes no handle, the tree or the pools; a refused
+  allocation (``OutOfMemory``) changes no handle but for its given-up checkpoints.
 """
 
 from __future__ import annotations
@@ -135,6 +142,36 @@ class KVManager:
                 if not any(self.evict(self._needs(exc, fallback)).values()):
                     raise
 
+    def _alloc_for(self, handles: list[KVHandle], count: int) -> np.ndarray:
+        """``alloc_pages`` for ``handles``' growth; refused even after eviction, their own
+        checkpoints are given up and it is tried once more."""
+        try:
+            return self.alloc_pages(count)
+        except OutOfMemory as exc:
+            if set(exc.short) == {IdSpace.PAGE} or not self._give_up_checkpoints(handles):
+                raise  # short of page ids (no bytes help), or nothing to give up
+        return self.alloc_pages(count)
+
+    def _give_up_checkpoints(self, handles: list[KVHandle]) -> int:
+        """Free the handles' unpinned checkpoints that no insert cached yet (an optimisation
+        the request goes on without) and let go of the cached checkpoints their locks hold
+        (evictable then); returns how many of either."""
+        pins = self.mem.gates.slot_pins
+        slots = []
+        unlocked = 0
+        for h in handles:
+            for at, slot in list(h.checkpoints.items()):
+                if not pins[slot]:
+                    slots.append(slot)
+                    del h.checkpoints[at]
+            if h.lock.checkpoint_node is not None:
+                self.cache.unlock_checkpoint(h.lock)
+                unlocked += 1
+        if slots:
+            self.mem.free_state(np.asarray(slots, dtype=np.int64))
+            self.cache.counters.given_up_checkpoints += len(slots)
+        return len(slots) + unlocked
+
     def _needs(self, exc: OutOfMemory, fallback: dict[Need, int]) -> dict[Need, int]:
         """What to evict for a refused allocation: pools short of cells by pool id; virtual
         id spaces by the memory's own id-space objects (pages: whole pages; slots: the state
@@ -159,8 +196,9 @@ class KVManager:
 
     def admit(self, match: MatchResult, namespace: Hashable = None) -> KVHandle:
         """Lock ``match`` for a new request; with recurrent layers, give it a running state
-        slot: a fork of the hit's checkpoint, or a fresh slot when the hit has none (its state
-        starts from zero). On ``OutOfMemory`` nothing is held."""
+        slot: a fork of the hit's checkpoint (with no room for the copy even after eviction,
+        the checkpoint itself, out of the cache), or a fresh slot when the hit has none (its
+        state starts from zero). On ``OutOfMemory`` nothing is held."""
         if not isinstance(match, MatchResult):
             raise CacheError(f"admit: expected a MatchResult from match(), got {type(match).__name__}")
         lock = self.cache.lock(match.node)
@@ -172,9 +210,12 @@ class KVManager:
                 else:
                     handle.state_slot = int(self.alloc_state(1)[0])
             except OutOfMemory:
-                self.cache.unlock(lock)
-                handle.status = HandleStatus.RELEASED
-                raise
+                slot = self.cache.take_checkpoint(lock) if match.checkpoint is not None else None
+                if slot is None:
+                    self.cache.unlock(lock)
+                    handle.status = HandleStatus.RELEASED
+                    raise
+                handle.state_slot = slot
         return handle
 
     def reserve(self, seq_len: int, namespace: Hashable = None) -> KVHandle:
@@ -211,7 +252,7 @@ class KVManager:
         if new_len < handle.seq_len:
             raise CacheError(f"extend: a request of {handle.seq_len} tokens cannot shrink to {new_len}")
         before = handle.n_pages
-        handle.grow(new_len, self.alloc_pages(handle.pages_needed(new_len)))
+        handle.grow(new_len, self._alloc_for([handle], handle.pages_needed(new_len)))
         return handle.pages[before:]
 
     def extend_batch(self, handles: Sequence[KVHandle], new_lens: Sequence[int]) -> None:
@@ -226,7 +267,7 @@ class KVManager:
             if n < h.seq_len:
                 raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
             needs.append(h.pages_needed(n))
-        pages = self.alloc_pages(sum(needs))
+        pages = self._alloc_for(handles, sum(needs))
         at = 0
         for h, n, need in zip(handles, new_lens, needs, strict=True):
             h.grow(n, pages[at : at + need])

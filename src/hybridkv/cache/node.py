@@ -12,7 +12,11 @@ Invariants (``check_tree`` proves them):
 - A parent keys each child by the bytes of the child's first page.
 - ``window_resident[i]`` counts this node's pages resident in window pool ``i`` (the rest
   are tombstones); ``checkpoint`` is the slot of the recurrent-state checkpoint taken after
-  ``end`` tokens (or ``NO_CHECKPOINT``).
+  ``end`` tokens (or ``NO_CHECKPOINT``); ``checkpoints_below`` is the most checkpoints on
+  any path strictly below the node; ``below_counts``, for a node with two children or more,
+  how many children add each positive count to the paths through them (None with fewer:
+  one child's count is the node's). Both are kept by ``Residency`` as checkpoints come and
+  go, leaves come and go and nodes split; not for roots, which never hold a checkpoint.
 - Lock counts (``lock`` for full KV, ``window_lock``, ``checkpoint_lock``) equal what the
   open ``CacheLock`` handles took (see ``locks.LockTable``).
 """
@@ -28,8 +32,10 @@ NO_CHECKPOINT = -1
 
 class Node:
     __slots__ = (
+        "below_counts",
         "checkpoint",
         "checkpoint_lock",
+        "checkpoints_below",
         "children",
         "clock",
         "dead",
@@ -74,6 +80,8 @@ class Node:
         self.window_lock = 0
         self.checkpoint = NO_CHECKPOINT
         self.checkpoint_lock = 0
+        self.checkpoints_below = 0
+        self.below_counts: dict[int, int] | None = None
         self.window_resident = [0] * windows
         self.last_access = 0
         self.hits = 0

@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridkv.registry import Registry
+
 NONE = "none"
 DEFAULT = "prompt-aligned,branch,end"
 """Today's placement: the prompt end and the sequence end (page-aligned), and the branch point."""
@@ -110,13 +112,12 @@ def _no_arg(name: str, part: Part) -> Callable[[str | None, int], Part]:
     return make
 
 
-PLACEMENTS: dict[str, Callable[[str | None, int], Part]] = {
-    "interval": lambda arg, ps: Interval(_unit("interval", arg, ps, None)),
-    "prompt-aligned": lambda arg, ps: PromptAligned(_unit("prompt-aligned", arg, ps, ps)),
-    "branch": _no_arg("branch", Branch()),
-    "end": _no_arg("end", End()),
-}
+PLACEMENTS = Registry[Callable[[str | None, int], Part]]("checkpoint placement")
 """Each placement part by name: (its argument or None, the page size) -> the part."""
+PLACEMENTS.add("interval", lambda arg, ps: Interval(_unit("interval", arg, ps, None)))
+PLACEMENTS.add("prompt-aligned", lambda arg, ps: PromptAligned(_unit("prompt-aligned", arg, ps, ps)))
+PLACEMENTS.add("branch", _no_arg("branch", Branch()))
+PLACEMENTS.add("end", _no_arg("end", End()))
 
 
 @dataclass(frozen=True)

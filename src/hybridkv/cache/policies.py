@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hybridkv.cache.rules import ComponentKind, WindowRule
+from hybridkv.registry import Registry
 from hybridkv.spec import LayerKind, ShardSpec
 
 if TYPE_CHECKING:
@@ -148,11 +149,9 @@ class CostAware(Policy):
         return node.clock + max(1, node.hits) * saved / max(1, nbytes)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRU, LFU, PriorityPolicy, CostAware)}
+POLICIES = Registry[type[Policy]]("eviction policy", {p.name: p for p in (LRU, LFU, PriorityPolicy, CostAware)})
 
 
 def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    """A fresh policy by name; ``UnknownName`` (a ``ValueError``) names the known ones."""
+    return POLICIES[name]()

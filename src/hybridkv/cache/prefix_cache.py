@@ -305,8 +305,9 @@ class HybridRadixCache:
     def lock(self, node: Node) -> CacheLock:
         """Protect a hit ending at ``node.end``: full KV on the path, the window before it
         (the node where the window starts is split there first), the checkpoint at ``node``
-        (if any). Give it back with ``unlock``. A root (an empty hit) protects nothing: its
-        lock is valid whether or not the root is in the tree."""
+        (if any; ``unlock_checkpoint`` lets go of it alone). Give it back with ``unlock``. A
+        root (an empty hit) protects nothing: its lock is valid whether or not the root is in
+        the tree."""
         if not isinstance(node, Node):
             raise LockError(f"lock: expected a Node from match_prefix or insert, got {type(node).__name__}")
         if not node.is_root and not self.tree.contains(node):
@@ -331,6 +332,24 @@ class HybridRadixCache:
 
     def unlock(self, handle: CacheLock) -> None:
         self.locks.unlock(handle)
+
+    def unlock_checkpoint(self, handle: CacheLock) -> None:
+        """Give back only the checkpoint part of ``handle`` (a running request that forked it
+        and is short of memory): full KV and window stay locked; the checkpoint may be evicted."""
+        if not isinstance(handle, CacheLock):
+            raise LockError(f"unlock_checkpoint: expected a CacheLock from lock(), got {type(handle).__name__}")
+        self.locks.unlock_checkpoint(handle)
+
+    def take_checkpoint(self, lock: CacheLock) -> int | None:
+        """Hand the checkpoint ``lock`` holds to its holder as its own slot (a request with no
+        room to fork it: it runs on the checkpoint itself), out of the cache (counted as
+        evicted); None, nothing changed, when another lock or a move gate holds it too."""
+        node = lock.checkpoint_node
+        if node is None or not lock.active or node.checkpoint_lock != 1 or self.mem.gates.slot_pins[node.checkpoint]:
+            return None
+        self.locks.unlock_checkpoint(lock)
+        self.counters.evicted_checkpoints += 1
+        return self.residency.drop_checkpoint(node)
 
     def set_residency_hook(self, hook: ResidencyHook | None) -> None:
         """Tell ``hook`` (storage tiers below the device) what the tree stores and evicts
@@ -399,6 +418,7 @@ class HybridRadixCache:
             "reclaimed_window_cached_pages": {str(pool): n for pool, n in c.reclaimed.items()},
             "evicted_states": c.evicted_checkpoints,
             "capped_states": c.capped_checkpoints,
+            "given_up_states": c.given_up_checkpoints,
         }
 
     def check(self) -> None:

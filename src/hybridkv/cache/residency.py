@@ -15,6 +15,12 @@ Invariants (``check_tree`` proves them):
   (not the tree's yet): see ``window_cache.py``.
 - ``window_nodes[i]`` is the set of nodes with a page resident in window pool ``i``
   (``node.window_resident[i] > 0``); ``checkpoint_nodes`` the nodes with a checkpoint.
+- ``node.checkpoints_below`` (every non-root node) is the most checkpoints on a path strictly
+  below it, and ``node.below_counts`` (nodes with two children or more) how many children
+  add each positive count: updated up the path when a checkpoint comes or goes (each level
+  stops as soon as its value does not change; a one-child level is a plain copy), built when
+  a node gains its second child, dropped when it is down to one, and copied into the upper
+  half of a split, so the cap per path (``checkpoints.py``) never walks a subtree.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
   it once (window pages, then pages, then slots: an order that is always valid).
 - A ``ResidencyHook`` (storage tiers below the device) hears every component the tree
@@ -89,6 +95,8 @@ class CacheCounters:
     """Window-cached cells (of running requests' pages) freed by eviction, per window pool."""
     evicted_checkpoints: int = 0
     capped_checkpoints: int = 0
+    given_up_checkpoints: int = 0
+    """A running request's own checkpoints (not inserted yet) freed so that its pages fit."""
 
 
 class Residency:
@@ -131,6 +139,11 @@ class Residency:
 
     def add_leaf(self, node: Node) -> None:
         """A leaf the tree just added: its pages are the cache's now."""
+        parent = node.parent
+        if parent is not None and parent.parent is not None and len(parent.children) == 2:
+            other = next(c for c in parent.children.values() if c is not node)  # the leaf adds 0
+            through = other.checkpoints_below + (other.checkpoint >= 0)
+            parent.below_counts = {through: 1} if through else {}
         pages = node.pages
         self.owned[pages] = True
         self.cached_pages += pages.size
@@ -175,9 +188,12 @@ class Residency:
         if self.events.enabled:
             for label in self.rules.full.labels:
                 self.emit(EventKind.REMOVED, label, ComponentKind.FULL_KV, node, np.arange(node.pages.size))
+        parent = node.parent
         new_leaf = self.tree.remove_leaf(node)
         if new_leaf is not None:
             self.refresh(new_leaf)
+        if parent is not None and len(parent.children) < 2:  # the leaf added nothing to its paths
+            parent.below_counts = None
         n = node.pages.size
         for slot in self.rules.full.slots:
             freed[slot] += n
@@ -216,7 +232,9 @@ class Residency:
             self.emit(EventKind.STORED, w.label, w.kind, node, local)
 
     def split(self, upper: Node, lower: Node) -> None:
-        """Divide window counts and event names between the halves of a split node."""
+        """Divide window counts and event names between the halves of a split node; the upper
+        half sees every path below through the lower one."""
+        upper.checkpoints_below = lower.checkpoints_below + (lower.checkpoint >= 0)  # its one child's
         if lower.hashes is not None:
             kp = upper.pages.size
             upper.hashes, lower.hashes = lower.hashes[:kp], lower.hashes[kp:]
@@ -235,6 +253,7 @@ class Residency:
 
     def attach_checkpoint(self, node: Node, slot: int) -> None:
         node.checkpoint = slot
+        _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
         self.owned_slots[slot] = True
         self.checkpoint_nodes.add(node)
         self.refresh(node)
@@ -258,6 +277,7 @@ class Residency:
         self.owned_slots[slot] = False
         self.checkpoint_nodes.discard(node)
         node.checkpoint = NO_CHECKPOINT
+        _count_up(node, node.checkpoints_below + 1, node.checkpoints_below)
         return slot
 
     # --- events ---------------------------------------------------------------------------
@@ -291,3 +311,31 @@ class Residency:
         self.events.emit(
             CacheEvent(kind, self.rules.checkpoint.label, ComponentKind.CHECKPOINT, node.namespace, (node.hashes[-1],))
         )
+
+
+def _count_up(node: Node, before: int, after: int) -> None:
+    """``node`` now adds ``after`` checkpoints to the paths through it (``before`` until now):
+    bring ``below_counts`` and ``checkpoints_below`` of its ancestors up to date, stopping at
+    the first whose maximum does not change. A level costs O(1), or the number of distinct
+    counts below it (at most the cap per path) when its maximum drops."""
+    parent = node.parent
+    while parent is not None and parent.parent is not None and before != after:
+        counts = parent.below_counts
+        old = parent.checkpoints_below
+        if counts is None:  # one child: its count is the parent's
+            new = after
+        else:
+            if before:
+                if counts[before] == 1:
+                    del counts[before]
+                else:
+                    counts[before] -= 1
+            if after:
+                counts[after] = counts.get(after, 0) + 1
+            new = after if after > old else old if old in counts else max(counts, default=0)
+        if new == old:
+            return
+        parent.checkpoints_below = new
+        has = parent.checkpoint >= 0
+        before, after = old + has, new + has
+        parent = parent.parent

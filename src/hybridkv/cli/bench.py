@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import bench_app
-from hybridkv.cli.params import CHECKPOINTS_HELP, engine_checkpoints, random_model, transport_option
+from hybridkv.cli.params import CHECKPOINTS_HELP, device_option, engine_checkpoints, random_model, transport_option
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.memory import format_bytes
 from hybridkv.traces import PEER_TRACE
@@ -31,12 +31,18 @@ def bench_memory(
     ),
     page_size: int = typer.Option(16, "--page-size", min=1),
     config: list[str] = typer.Option(None, "--config", help="full, full+swa, full+state (repeatable)."),
+    device: str = typer.Option(
+        "meta",
+        "--device",
+        callback=device_option(("meta", "cpu", "cuda")),
+        help="meta: tables only; cpu or cuda: a real arena and the baseline's tensors there.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Calls/s, p50/p99 per op and host syncs, side by side with a static-pool baseline."""
     from hybridkv.bench.memory import run
 
-    report = run(trace, page_size, config)
+    report = run(trace, page_size, config, device)
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -178,6 +184,12 @@ def bench_engine(
     ),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
+    device: str = typer.Option(
+        "cpu",
+        "--device",
+        callback=device_option(("cpu", "cuda")),
+        help="Where the engine's weights and memory live (transformers runs on the CPU).",
+    ),
     rounds: int = typer.Option(3, "--rounds", min=1, max=50, help="Alternating rounds; each contender's best is kept."),
     padded_batch: int = typer.Option(16, "--padded-batch", min=1, help="Requests per left-padded generate batch."),
     compile_blocks: bool = typer.Option(
@@ -198,7 +210,17 @@ def bench_engine(
     lengths = [len(p) for p in bench_prompts(requests, block_tokens, max_new_tokens)]
     sizing = max(
         (
-            _size_tiny("bench engine", m, lengths, max_new_tokens, max_context, gpu_memory, page_size, chunk_size)
+            _size_tiny(
+                "bench engine",
+                m,
+                lengths,
+                max_new_tokens,
+                max_context,
+                gpu_memory,
+                page_size,
+                chunk_size,
+                device=device,
+            )
             for m in models
         ),
         key=lambda s: s.gpu_memory,
@@ -219,6 +241,7 @@ def bench_engine(
         max_step_tokens,
         compile_blocks,
         sizing.max_context,
+        device,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -273,8 +296,9 @@ def _size_tiny(
     page_size: int,
     chunk_size: int,
     layout: Layout | None = None,
+    device: str = "cpu",
 ) -> Sizing:
-    """``size`` for the tiny random model ``name`` serving prompts of ``lengths``."""
+    """``size`` for the tiny random model ``name`` serving prompts of ``lengths`` on ``device``."""
     from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.random_models import random_config
 
@@ -289,6 +313,7 @@ def _size_tiny(
         page_size=page_size,
         chunk_size=chunk_size,
         layout=layout,
+        device=device,
     )
 
 

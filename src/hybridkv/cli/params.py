@@ -8,6 +8,7 @@ naming the option, the value and the accepted range (the CLI's error path prints
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -47,6 +48,26 @@ def transport_option(value: str) -> str:
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value
+
+
+def device_option(allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """A ``--device`` callback: one of ``allowed`` device types (``cuda:N`` for ``cuda``), and
+    CUDA only where torch sees it."""
+
+    def check(value: str) -> str:
+        import torch
+
+        try:
+            kind = torch.device(value).type
+        except (RuntimeError, TypeError):
+            kind = ""
+        if kind not in allowed:
+            raise typer.BadParameter(f"{value!r} is not a device here; use one of {', '.join(allowed)}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise typer.BadParameter(f"{value!r}: torch sees no CUDA device on this machine")
+        return value
+
+    return check
 
 
 def random_model(value: str | None) -> str | None:

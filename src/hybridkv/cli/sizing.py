@@ -12,7 +12,8 @@ The rule (``size``):
 - the budget is ``--gpu-memory`` when given; else ``DEFAULT_GPU_MEMORY``, doubled until one
   request of the max context fits on every rank (the memory plan's feasibility floor), so the
   default always fits the context it is sized for;
-- the host must hold the budget of one process (``memory.host.check_fits``).
+- the device must hold the budget of one process (``memory.host.check_fits``; ``device``: the
+  host's memory for the CPU engines every command but ``bench engine --device cuda`` runs).
 Every command prints the outcome once, at start, as one line on stderr (``Sizing.line``), e.g.
 ``hybridkv generate: max context 1,234 tokens (longest prompt 1,218 + 16 new); --gpu-memory 256.00 MiB
 per process (one 1,234-token request needs 2.25 MiB)``.
@@ -100,9 +101,10 @@ def size(
     page_size: int = 16,
     chunk_size: int = 64,
     layout: Layout | None = None,
+    device: str = "cpu",
 ) -> Sizing:
-    """The max context and per-process budget of ``command`` serving ``spec`` (the module's rule);
-    ``prompt_lengths``: the work's prompts when the command knows them."""
+    """The max context and per-process budget of ``command`` serving ``spec`` on ``device`` (the module's
+    rule); ``prompt_lengths``: the work's prompts when the command knows them."""
     model_max = spec.max_context
     if max_context is not None:
         if max_context > model_max:
@@ -122,7 +124,7 @@ def size(
     plans: list[MemoryPlan] | None
     if gpu_memory is not None:
         budget = parse_bytes(gpu_memory)
-        _check_host(budget, f"--gpu-memory {gpu_memory}")
+        _check_fits(budget, f"--gpu-memory {gpu_memory}", device)
         try:
             plans = [_plan(shard, budget, page, context, chunk_size) for shard, page in shards]
         except LayoutError as exc:
@@ -139,7 +141,7 @@ def size(
                     param_hint="--max-context",
                 )
         given = "--gpu-memory (default)" if budget == DEFAULT_GPU_MEMORY else "--gpu-memory (sized)"
-        _check_host(budget, f"{given} {format_bytes(budget)}")
+        _check_fits(budget, f"{given} {format_bytes(budget)}", device)
     assert plans is not None
     need = max(_need(plan) for plan in plans)
     per = " per process" if len(shards) > 1 else ""
@@ -150,9 +152,9 @@ def size(
     return Sizing(context, budget, line)
 
 
-def _check_host(budget: int, what: str) -> None:
+def _check_fits(budget: int, what: str, device: str) -> None:
     try:
-        check_fits(budget, "cpu", what, "give a smaller --gpu-memory or --max-context")
+        check_fits(budget, device, what, "give a smaller --gpu-memory or --max-context")
     except LayoutError as exc:
         raise typer.BadParameter(str(exc), param_hint="--gpu-memory") from None
 

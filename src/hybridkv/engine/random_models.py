@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from hybridkv.registry import Registry
+
 SEED = 1234
 VOCAB = 256
 CONTEXT = 512  # max_position_embeddings of every tiny model
 
-TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+_TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen3-next": (
         "qwen3_next",
         dict(
@@ -142,6 +144,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+TINY_CONFIGS = Registry("tiny random model", _TINY_TABLE)
+
 
 def tiny_names() -> list[str]:
     return list(TINY_CONFIGS)
@@ -151,10 +155,7 @@ def random_config(name: str) -> Any:
     """The ``transformers`` config of the tiny random model ``name`` (no weights built)."""
     from transformers import AutoConfig
 
-    try:
-        model_type, overrides = TINY_CONFIGS[name]
-    except KeyError:
-        raise KeyError(f"no tiny random model {name!r}; known: {tiny_names()}") from None
+    model_type, overrides = TINY_CONFIGS[name]  # UnknownName (a KeyError) names the known ones
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=CONTEXT, **overrides)
     config._attn_implementation = "eager"
     return config

@@ -9,25 +9,28 @@ import importlib
 from typing import Any
 
 from hybridkv.engine.models.base import CausalLM
+from hybridkv.registry import Registry
 
-_MODELS: dict[str, str] = {
-    "gemma3_text": "hybridkv.engine.models.gemma3:Gemma3",
-    "gpt_oss": "hybridkv.engine.models.gpt_oss:GptOss",
-    "kimi_linear": "hybridkv.engine.models.kimi_linear:KimiLinear",
-    "nemotron_h": "hybridkv.engine.models.nemotron_h:NemotronH",
-    "qwen3_next": "hybridkv.engine.models.qwen3_next:Qwen3Next",
-}
+_MODELS = Registry[str](
+    "engine architecture (model_type)",
+    {
+        "gemma3_text": "hybridkv.engine.models.gemma3:Gemma3",
+        "gpt_oss": "hybridkv.engine.models.gpt_oss:GptOss",
+        "kimi_linear": "hybridkv.engine.models.kimi_linear:KimiLinear",
+        "nemotron_h": "hybridkv.engine.models.nemotron_h:NemotronH",
+        "qwen3_next": "hybridkv.engine.models.qwen3_next:Qwen3Next",
+    },
+)
+"""``model_type`` -> ``module:Class``, imported when first used."""
 
 
 def architectures() -> list[str]:
-    return sorted(_MODELS)
+    return _MODELS.names()
 
 
 def model_class(model_type: str) -> type[CausalLM]:
-    try:
-        module, name = _MODELS[model_type].split(":")
-    except KeyError:
-        raise KeyError(f"the engine has no model for model_type {model_type!r}; known: {architectures()}") from None
+    """The model class of ``model_type``; ``UnknownName`` (a ``KeyError``) names the known ones."""
+    module, name = _MODELS[model_type].split(":")
     cls: type[CausalLM] = getattr(importlib.import_module(module), name)
     return cls
 

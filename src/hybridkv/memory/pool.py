@@ -70,8 +70,6 @@ class SubPool:
         self.slab_first = np.searchsorted(self.cell_lo, np.arange(nslabs + 1), side="left")
         # second slab a cell touches, or the dummy bin ``nslabs`` when it lies in one slab
         self.cell_next = np.where(self.cell_hi != self.cell_lo, self.cell_hi, nslabs)
-        whole = (self.cell_lo == self.cell_hi) & (self.cell_lo >= 0) & (self.cell_lo < nslabs)
-        self.whole_cells_in_slab = np.bincount(self.cell_lo[whole], minlength=nslabs)
         self.status = np.zeros(self.grid_cells, dtype=np.int8)  # CellStatus per grid cell
         self._stack = np.empty(self.grid_cells, dtype=np.int64)
         self.free_count = 0
@@ -149,6 +147,25 @@ class SubPool:
         self._stack[: kept.size] = kept
         self.free_count = kept.size
         self.arena.owner[slab] = FREE_SLAB
+
+    def cells_gained(self, slab: int, planned: set[int]) -> int:
+        """Cells ``acquire_slab(slab)`` would make usable once the ``planned`` slabs (acquired
+        before it) are this pool's too: every cell touching it whose other slab, if any, the
+        pool owns or plans to own (a cell larger than half a slab often straddles two). A cell
+        touches at most two slabs, so only the first and the last cell touching ``slab`` can
+        lie partly outside it: O(1)."""
+        a, b = self._touching(slab)
+        if a == b:
+            return 0
+        owner, nslabs = self.arena.owner, self.arena.num_slabs
+
+        def ours(cell: int) -> bool:
+            for s in (int(self.cell_lo[cell]), int(self.cell_hi[cell])):
+                if not 0 <= s < nslabs or (s != slab and owner[s] != self.index and s not in planned):
+                    return False
+            return True
+
+        return b - a - (not ours(a)) - (b - a > 1 and not ours(b - 1))
 
     def owned_slabs(self) -> np.ndarray:
         return np.flatnonzero(self.arena.owner == self.index)

@@ -3,11 +3,15 @@
 A pool short of cells gets them, in this order: holes in its own slabs (nothing to do),
 free slabs (preferring one next to a slab it owns, so edge cells become usable), then
 slabs reclaimed from other pools by compaction: the live cells of a sparse slab move into
-holes of their own pool elsewhere, and the emptied slab changes owner.
+holes of their own pool elsewhere, and the emptied slab changes owner. A reclaimed slab is
+worth the cells it makes usable (``SubPool.cells_gained``): those inside it and those
+straddling into a slab the receiver owns or is given in the same plan, so a pool whose
+cells are larger than half a slab (every cell straddles) is served too.
 
 Invariants:
 - Decide, then act: a reservation that cannot be met is refused before any byte moves, and
-  the slabs it tentatively took are handed back, so a refused call changes nothing.
+  the slabs it tentatively took are handed back (the pools' ``last_slab`` hints restored),
+  so a refused call changes nothing, hints included.
 - A reclaim plan never leaves the donor pool short of what the same call needs from it,
   never moves a pinned id, and never moves cells into a slab it is about to empty. The
   plan's arithmetic is exact because only the planned slabs change owner while it runs: a
@@ -56,6 +60,7 @@ class SlabBroker:
         donors' slabs its moves left empty (kept until ``take`` has taken its cells)."""
         taken: list[tuple[SubPool, int]] = []
         emptied: list[tuple[SubPool, np.ndarray]] = []
+        hints = [pool.last_slab for pool in self.pools]
         for pool, need in needs.items():
             while pool.free_count < need:
                 slab = self._free_slab_for(pool)
@@ -70,6 +75,8 @@ class SlabBroker:
         if plan is None:
             for pool, slab in reversed(taken):
                 pool.release_slab(slab)
+            for pool, hint in zip(self.pools, hints, strict=True):
+                pool.last_slab = hint  # the slabs went back: so does where the next is sought
             short: dict[PoolId | IdSpace, int] = {
                 p.pool_id: n - p.free_count for p, n in needs.items() if p.free_count < n
             }
@@ -117,20 +124,29 @@ class SlabBroker:
         plan: list[tuple[int, SubPool, SubPool]] = []
         used: set[int] = set()
         for receiver, deficit in deficits.items():
-            for slab in order:
-                if deficit <= 0:
-                    break
-                donor = self.pools[owner[slab]]
-                if slab in used or donor is receiver or receiver.whole_cells_in_slab[slab] == 0:
-                    continue
-                cells = donor.live_cells_touching(slab)
-                lost = cells.size + donor.free_cells_touching(slab)
-                if spare[donor] < lost or self._pinned(donor, cells):
-                    continue
-                spare[donor] -= lost
-                used.add(slab)
-                plan.append((slab, donor, receiver))
-                deficit -= int(receiver.whole_cells_in_slab[slab])
+            planned: set[int] = set()  # this receiver's slabs so far: cells straddling into them count
+            progress = True
+            while deficit > 0 and progress:  # again while a slab taken made a neighbour worth taking
+                progress = False
+                for slab in order:
+                    if deficit <= 0:
+                        break
+                    donor = self.pools[owner[slab]]
+                    if slab in used or donor is receiver:
+                        continue
+                    gained = receiver.cells_gained(slab, planned)
+                    if not gained:
+                        continue
+                    cells = donor.live_cells_touching(slab)
+                    lost = cells.size + donor.free_cells_touching(slab)
+                    if spare[donor] < lost or self._pinned(donor, cells):
+                        continue
+                    spare[donor] -= lost
+                    used.add(slab)
+                    planned.add(slab)
+                    plan.append((slab, donor, receiver))
+                    deficit -= gained
+                    progress = True
             if deficit > 0:
                 return None
         return plan

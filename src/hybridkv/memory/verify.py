@@ -74,8 +74,8 @@ def _verify_window_held(mem: UnifiedMemory) -> None:
             if bad.any():
                 _fail(f"page {int(held[np.argmax(bad)])} is window-cached in {pool.pool_id} but {why}")
         total += held.size
-    if total != mem._window_held_total:
-        _fail(f"window-cached cells: {total} marked, total counter {mem._window_held_total}")
+    if total != mem.window_holds.total:
+        _fail(f"window-cached cells: {total} marked, total counter {mem.window_holds.total}")
 
 
 def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:

@@ -64,6 +64,7 @@ def build_report(res: ReplayResult, with_timeline: bool = True) -> dict[str, Any
             "peak_bytes": res.peak_checkpoint_slots * res.state_slot_bytes,
             "end_bytes": res.end_checkpoint_slots * res.state_slot_bytes,
             "skipped": res.checkpoints_skipped,
+            "given_up": cache.get("given_up_states", 0),
         },
         "recomputed_tokens": res.recomputed_tokens,
         "retractions": res.retractions,

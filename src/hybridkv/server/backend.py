@@ -22,8 +22,8 @@ Invariants every backend keeps:
 thread that runs the engine), and for PD ``transfer_bytes``,
   ``transfer_failures``, ``deaths``, ``probe_ok``, ``phases`` ({phase: open requests}),
   ``restarts`` ({engine: n}) and ``workers`` (per worker: ``worker``, ``epoch``, ``pid``,
-  ``live_pages``, ``live_slots``, ``before_pages``, ``before_slots``, ``requests``). A key a
-  backend lacks is not exported.
+  ``live_pages``, ``live_slots``, ``before_pages``, ``before_slots``, ``requests``); with tiers
+  below the device, ``tiers`` (``TieredCache.metrics``). A key a backend lacks is not exported.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ cells per pool and state, pages and slots live / cached / held by requests), cou
 cumulative figures (prefix-cache hit tokens per component, evictions, retractions, transfer
 bytes and failures for PD, CPU of the engine thread); for PD also open requests per phase,
 worker deaths, engine restarts and per worker the pages and slots it holds (``hybridkv_pd_*``);
+with tiers below the device, bytes written and loaded per tier, hit tokens per component and tier,
+misses by reason, host usage and whether the store is up (``hybridkv_tier_*``);
 plus the process's own figures (``process_cpu_seconds_total``, memory, file descriptors). The
 server observes TTFT, TPOT and end-to-end latency per request into histograms as each request ends.
 
@@ -90,6 +92,8 @@ class _BackendCollector(Collector):
                 hits.add_metric([component], m[key])
         yield hits
         yield from _pd_families(m)
+        if "tiers" in m:
+            yield from _tier_families(m["tiers"])
 
 
 def _pd_families(m: dict[str, Any]) -> Iterator[Metric]:
@@ -127,6 +131,76 @@ def _pd_families(m: dict[str, Any]) -> Iterator[Metric]:
                 slots.add_metric([*who, state], w[f"{state}_slots"])
             held.add_metric(who, w["requests"])
         yield from (pages, slots, held)
+
+
+def _labelled(
+    family: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str, label: str, values: dict[str, Any]
+) -> Metric:
+    metric = family(PREFIX + name, doc, labels=[label])
+    for key, value in values.items():
+        metric.add_metric([key], value)
+    return metric
+
+
+def _tier_families(t: dict[str, Any]) -> Iterator[Metric]:
+    """The engine's tiers below the device (``TieredCache.metrics``)."""
+    yield _labelled(CounterMetricFamily, "tier_written_bytes", "Bytes written to a tier.", "tier", t["written_bytes"])
+    yield _labelled(
+        CounterMetricFamily,
+        "tier_write_refused",
+        "Objects a tier refused (full, down, error).",
+        "tier",
+        t["write_refused"],
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        "tier_loaded_bytes",
+        "Bytes restored to the device, by the tier they came from.",
+        "tier",
+        t["loaded_bytes"],
+    )
+    yield _labelled(
+        CounterMetricFamily, "tier_misses", "Planned loads a tier did not serve, by reason.", "reason", t["misses"]
+    )
+    hits = CounterMetricFamily(
+        PREFIX + "tier_hit_tokens",
+        "Hit tokens per cache component and the tier they came from.",
+        labels=["component", "tier"],
+    )
+    for component, by_tier in t["hit_tokens"].items():
+        for tier, n in by_tier.items():
+            hits.add_metric([component, tier], n)
+    yield hits
+    yield CounterMetricFamily(
+        PREFIX + "tier_restored_tokens",
+        "Prompt tokens restored from the tiers beyond the device's hit.",
+        value=t["restored_tokens"],
+    )
+    yield CounterMetricFamily(
+        PREFIX + "tier_restored_requests",
+        "Requests that restored a prefix from the tiers.",
+        value=t["restored_requests"],
+    )
+    yield CounterMetricFamily(
+        PREFIX + "tier_fallbacks",
+        "Restores that fell back to the device hit (an object was missing).",
+        value=t["fallbacks"],
+    )
+    if "host" in t:
+        host = t["host"]
+        yield GaugeMetricFamily(PREFIX + "tier_host_used_bytes", "Bytes the host tier holds.", value=host["used_bytes"])
+        yield GaugeMetricFamily(
+            PREFIX + "tier_host_budget_bytes", "The host tier's budget.", value=host["budget_bytes"]
+        )
+        yield CounterMetricFamily(
+            PREFIX + "tier_host_evictions", "Objects the host tier evicted.", value=host["evictions"]
+        )
+    if "store" in t:
+        yield GaugeMetricFamily(
+            PREFIX + "tier_store_up",
+            "1 while the Mooncake Store answers, 0 while it is down.",
+            value=int(t["store"]["up"]),
+        )
 
 
 class ServerMetrics:

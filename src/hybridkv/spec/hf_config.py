@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.registry import Registry
 from hybridkv.spec.hf_schema import HFConfigError, check_fields, read_config_json
 from hybridkv.spec.layers import (
     MLA,
@@ -326,7 +327,7 @@ _GEMMA3 = _Arch(
     {"full_attention": _full, "sliding_attention": _sliding},
 )
 
-_ARCHITECTURES: dict[str, _Arch] = {
+_ARCHITECTURE_TABLE: dict[str, _Arch] = {
     "qwen3_next": _GDN_HYBRID,
     "qwen3_5_text": _GDN_HYBRID,
     "qwen3_5_moe_text": _GDN_HYBRID,
@@ -356,7 +357,8 @@ _ARCHITECTURES: dict[str, _Arch] = {
         head_dim_from_hidden=True,
     ),
 }
-_ARCHITECTURES["minimax_m1"] = _ARCHITECTURES["minimax"]
+_ARCHITECTURES = Registry("Hugging Face architecture (model_type)", _ARCHITECTURE_TABLE)
+_ARCHITECTURES.add("minimax_m1", _ARCHITECTURES["minimax"])
 
 _WRAPPERS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 """Multimodal configs whose ``text_config`` holds the language model, with its ``model_type``."""

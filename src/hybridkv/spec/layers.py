@@ -28,30 +28,31 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from hybridkv.registry import Registry
 from hybridkv.spec.pools import FULL_POOL, MLA_POOL, RECURRENT_POOL, IdSpace, PoolId, WindowPool
 
 if TYPE_CHECKING:
     from hybridkv.spec.parallel import Parallel
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+_DTYPES = Registry[torch.dtype](
+    "dtype",
+    {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "float8_e5m2": torch.float8_e5m2,
+        "int8": torch.int8,
+        "uint8": torch.uint8,
+    },
+)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a config dtype name (``"bfloat16"``) to a torch dtype; unknown names raise."""
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+    return _DTYPES[name]  # UnknownName (a ValueError) naming the known dtypes
 
 
 def dtype_name(dtype: torch.dtype) -> str:

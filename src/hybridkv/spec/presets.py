@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.registry import Registry, UnknownName
 from hybridkv.spec.layers import (
     MLA,
     FullAttention,
@@ -31,10 +32,6 @@ from hybridkv.spec.layers import (
     parse_dtype,
 )
 from hybridkv.spec.model import Layer, ModelSpec
-
-_ATTENTION_KINDS = {"full_attention", "sliding_attention", "mla"}
-_LINEAR_KINDS = {"gated_deltanet", "kda", "mamba1", "mamba2", "lightning"}
-_NO_CACHE_KINDS = {"mlp_only"}
 
 
 class PresetError(ValueError):
@@ -86,31 +83,49 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
     return spec
 
 
-def _kind_from_record(name: str, kind_name: str, record: dict[str, Any]) -> LayerKind:
-    def section(key: str) -> dict[str, Any]:
-        value = record.get(key)
-        if not isinstance(value, dict):
-            raise PresetError(f"preset {name!r}: layers of kind {kind_name!r} need a {key!r} section")
-        return value
+_KindReader = Callable[[str, str, dict[str, Any]], LayerKind]
+"""(preset name, kind name, the record's section for the kind) -> the layer kind."""
 
-    if kind_name == "full_attention":
-        s = section("full_attention")
-        return FullAttention(s["num_kv_heads"], s["head_dim"], s["v_head_dim"])
-    if kind_name == "sliding_attention":
-        s = section("swa")
-        return SlidingWindow(s["window"], s["num_kv_heads"], s["head_dim"], s["v_head_dim"])
-    if kind_name == "mla":
-        s = section("mla")
-        return MLA(s["kv_lora_rank"], s["qk_rope_head_dim"], s["num_heads"], s["v_head_dim"])
-    if kind_name in _LINEAR_KINDS:
-        s = section("linear")
-        return Linear(kind_name, tuple(_state_from_record(name, t) for t in s["state_tensors_per_layer"]))
-    if kind_name in _NO_CACHE_KINDS:
-        return NoCache()
-    raise PresetError(
-        f"preset {name!r}: unknown layer kind {kind_name!r}; known: "
-        f"{sorted(_ATTENTION_KINDS | _LINEAR_KINDS | _NO_CACHE_KINDS)}"
-    )
+
+def _full(_: str, kind: str, s: dict[str, Any]) -> LayerKind:
+    return FullAttention(s["num_kv_heads"], s["head_dim"], s["v_head_dim"])
+
+
+def _sliding(_: str, kind: str, s: dict[str, Any]) -> LayerKind:
+    return SlidingWindow(s["window"], s["num_kv_heads"], s["head_dim"], s["v_head_dim"])
+
+
+def _mla(_: str, kind: str, s: dict[str, Any]) -> LayerKind:
+    return MLA(s["kv_lora_rank"], s["qk_rope_head_dim"], s["num_heads"], s["v_head_dim"])
+
+
+def _linear(name: str, kind: str, s: dict[str, Any]) -> LayerKind:
+    return Linear(kind, tuple(_state_from_record(name, t) for t in s["state_tensors_per_layer"]))
+
+
+def _no_cache(_: str, kind: str, s: dict[str, Any]) -> LayerKind:
+    return NoCache()
+
+
+_KINDS = Registry[tuple[str | None, _KindReader]]("layer kind")
+"""Each layer kind a preset record names: the record section it reads (None: none) and its reader."""
+_KINDS.add("full_attention", ("full_attention", _full))
+_KINDS.add("sliding_attention", ("swa", _sliding))
+_KINDS.add("mla", ("mla", _mla))
+for _kind in ("gated_deltanet", "kda", "mamba1", "mamba2", "lightning"):
+    _KINDS.add(_kind, ("linear", _linear))
+_KINDS.add("mlp_only", (None, _no_cache))
+
+
+def _kind_from_record(name: str, kind_name: str, record: dict[str, Any]) -> LayerKind:
+    try:
+        key, read = _KINDS[kind_name]
+    except UnknownName as exc:
+        raise PresetError(f"preset {name!r}: {exc}") from None
+    section = record.get(key) if key is not None else {}
+    if not isinstance(section, dict):
+        raise PresetError(f"preset {name!r}: layers of kind {kind_name!r} need a {key!r} section")
+    return read(name, kind_name, section)
 
 
 def _state_from_record(name: str, tensor: dict[str, Any]) -> StateTensor:

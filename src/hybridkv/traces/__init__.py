@@ -30,13 +30,14 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from hybridkv.registry import Registry
+
 _DATA = resources.files("hybridkv.traces").joinpath("data")
 PEER_TRACE = "peer"
 MOONCAKE_TRACE = "mooncake-conversation"
-TRACES: dict[str, Traversable] = {
-    PEER_TRACE: _DATA.joinpath("peer_trace.json.gz"),
-    MOONCAKE_TRACE: _DATA.joinpath("mooncake_conversation_trace.jsonl.gz"),
-}
+TRACES = Registry[Traversable]("built-in trace")
+TRACES.add(PEER_TRACE, _DATA.joinpath("peer_trace.json.gz"))
+TRACES.add(MOONCAKE_TRACE, _DATA.joinpath("mooncake_conversation_trace.jsonl.gz"))
 MOONCAKE_BLOCK_TOKENS = 512
 
 MAX_REQUEST_TOKENS = 1 << 24  # 16M tokens: above any model's context, small enough to materialize

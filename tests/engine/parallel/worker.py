@@ -31,6 +31,8 @@ class Job:
     chunk: int
     max_new: int
     page_size: int
+    device: str = "cpu"
+    """Where the rank's weights and memory live (``cuda``: the world is nccl, ``launch(device=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
             page_size=job.page_size,
             chunk_size=64,
             max_context=256,
+            device=job.device,
         )
         mem = runner.mem
         shapes = {}
@@ -80,7 +83,7 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
                 groups.pp_rank,
                 groups.tp_rank,
                 [s.tokens for s in served],
-                [torch.stack(s.logits).numpy() for s in served],
+                [torch.stack(s.logits).cpu().numpy() for s in served],
                 shapes,
                 before,
                 live_counts(mem),

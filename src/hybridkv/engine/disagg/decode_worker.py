@@ -17,6 +17,8 @@ Invariants:
 - One owner, one free path: a reservation is released only through the scheduler (a failed
   transfer's pages once the receiver says no writer can touch them: ``take_releasable``).
 - Every memory-dependent decision (reservation, admission, growth) is agreed over the TP ranks.
+- ``holding`` changes only by agreed decisions (a transfer failed on one rank stays held there until
+  the ranks agree on it), so every rank takes part in the same agreements.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class DecodeRank(Worker):
         self.first: dict[str, int] = {}
         self.received: dict[str, int] = {}  # tid -> bytes this rank received for it
         self.transfer_failed: set[str] = set()  # dropped for a failed transfer: the failing rank said why
+        self.released: set[str] = set()  # failed here and out of quarantine, not yet agreed: still held
 
     def close(self) -> None:
         self.receiver.close()
@@ -184,7 +187,9 @@ class DecodeRank(Worker):
         given_up = [t for t in map(str, self.sched.holding) if t in self.transfer_failed]
         landed = [t for t in given_up if self._phase(t) is Phase.SUCCESS]  # read before poll: unpinned by it
         self.receiver.poll()
-        for tid in self.receiver.take_releasable():
+        self.released.update(self.receiver.take_releasable())
+        for tid in [t for t in self.released if t in self.transfer_failed]:  # the others: not agreed yet
+            self.released.discard(tid)
             self.sched.drop(tid, "its transfer failed")
         for tid in landed:
             self.sched.drop(tid, "given up")

@@ -8,9 +8,7 @@ ends once; ``register``, ``session``, ``close``; ``devices`` it can move), add i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
-
+from hybridkv.registry import Registry
 from hybridkv.transfer.shared import SharedBuffer
 from hybridkv.transfer.transport.base import (
     Completion,
@@ -23,20 +21,14 @@ from hybridkv.transfer.transport.base import (
 from hybridkv.transfer.transport.mooncake import MooncakeTransport
 from hybridkv.transfer.transport.shm import ShmTransport
 
-TRANSPORTS: Mapping[TransportName, type[Transport]] = MappingProxyType(
-    {
-        TransportName.SHM: ShmTransport,
-        TransportName.MOONCAKE: MooncakeTransport,
-    }
-)
+TRANSPORTS = Registry[type[Transport]]("transport")
+TRANSPORTS.add(TransportName.SHM, ShmTransport)
+TRANSPORTS.add(TransportName.MOONCAKE, MooncakeTransport)
 
 
 def transport_class(name: str) -> type[Transport]:
     """The transport class called ``name``; ``ValueError`` naming the known ones otherwise."""
-    try:
-        return TRANSPORTS[TransportName(name)]
-    except ValueError:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}") from None
+    return TRANSPORTS[name]  # UnknownName (a ValueError) names the known ones
 
 
 def make_transport(name: str, shared: SharedBuffer | None = None, **options: object) -> Transport:
