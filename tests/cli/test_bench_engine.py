@@ -56,7 +56,8 @@ def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> No
     args += ["--rounds", "1", "--padded-batch", "4"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
+    assert result.stderr.startswith("hybridkv bench engine: max context "), result.stderr  # sizing, at start
     (row,) = report["models"]
     assert row["model"] == "tiny-qwen3-next" and row["tokens"] == 18
     runs = row["contenders"]

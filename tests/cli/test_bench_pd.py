@@ -23,7 +23,9 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
     args = ["bench", "pd", "--model", "tiny-gemma3", "--requests", "3", "--max-new-tokens", "3", "--page-size", "4"]
     result = CliRunner().invoke(app, [*args, "--chunk-size", "16", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
+    sizing = result.stderr.splitlines()[0]
+    assert sizing.startswith("hybridkv bench pd: max context ") and "per process" in sizing, result.stderr
     assert report["requests"] == 3 and report["prefill_pp"] == 2 and report["decode_tp"] == 2
     rows = report["per_request"]
     assert len(rows) == 3

@@ -98,7 +98,7 @@ def _bad_cases(tmp: Path) -> list[tuple[list[str], str]]:
         ([*RANDOM, "--prompts", str(good), "--gpu-memory", "lots"], "cannot read 'lots'"),
         ([*RANDOM, "--prompts", str(good), "--checkpoints", "interval:6"], "positive multiple of the page size 16"),
         ([*RANDOM, "--prompts", str(good), "--checkpoints", "often"], "unknown checkpoint placement 'often'"),
-        ([*RANDOM, "--prompts", str(good), "--gpu-memory", "20KiB"], "one request of 512 tokens needs"),
+        ([*RANDOM, "--prompts", str(good), "--gpu-memory", "20KiB"], "one request of 7 tokens needs"),
     ]
     for name, (text, says) in BAD_FILES.items():
         (tmp / name).write_bytes(text.encode("utf-8", "surrogateescape"))

@@ -37,7 +37,10 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2"]
     result = CliRunner().invoke(app, [*args, "--request-rate", "inf", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
+    # one sizing story (cli/sizing.py): the context from the work, the budget per process of either server
+    assert result.stderr.startswith("hybridkv bench serve: max context "), result.stderr
+    assert "longest prompt" in result.stderr and "--gpu-memory 32.00 MiB per process" in result.stderr
     (row,) = report["per_round"]
     assert row["exact"] == 6  # every HTTP request gave the engine's tokens
     assert row["pd_exact"] == 6  # and every request of the disaggregated server

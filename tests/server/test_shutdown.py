@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from hybridkv.engine.random_models import save_random
 from tests.server.conftest import MODEL
 
 SHUTDOWN_TIMEOUT = 2
@@ -34,12 +35,19 @@ def children(pid: int) -> list[int]:
 
 
 def descendants(pid: int) -> dict[int, str]:
-    """Every process below ``pid``: its command line."""
+    """Every process below ``pid``: its command line, after its parent's id (``PPID: ``)."""
     found = {}
     for child in children(pid):
-        found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        found[child] = f"{pid}: " + Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         found |= descendants(child)
     return found
+
+
+def workers(procs: dict[int, str]) -> list[int]:
+    """The engine workers among ``procs`` (``descendants``): forked by the engine forkserver, a forkserver's
+    children."""
+    forkservers = {pid for pid, cmd in procs.items() if "forkserver" in cmd}
+    return [pid for pid, cmd in procs.items() if int(cmd.split(":", 1)[0]) in forkservers]
 
 
 def alive(pid: int) -> bool:
@@ -59,11 +67,11 @@ def shm_files(pids: dict[int, str]) -> set[str]:
 
 
 def serve_and_sigterm(
-    tmp_path: Path, args: list[str]
+    tmp_path: Path, args: list[str], long_new: int = 480
 ) -> tuple[int, float, dict[int, Any], str, dict[int, str], set[str]]:
-    """``hybridkv serve ARGS``; 4 streams (3 short, 1 long) in flight, then SIGTERM. Its exit code, how long it
-    took to exit, each stream's last chunk, the server's stderr, its descendant processes and their shm files
-    (both as they were before the signal)."""
+    """``hybridkv serve ARGS``; 4 streams (3 short, 1 long: ``long_new`` tokens) in flight, then SIGTERM. Its exit
+    code, how long it took to exit, each stream's last chunk, the server's stderr, its descendant processes and
+    their shm files (both as they were before the signal)."""
     out, err = (tmp_path / "out").open("w+"), (tmp_path / "err").open("w+")
     cmd = [sys.executable, "-m", "hybridkv", "serve", "--port", "0", *args]
     cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
@@ -93,7 +101,7 @@ def serve_and_sigterm(
                 last = {"cut": type(exc).__name__}
             ends[i] = last
 
-        threads = [threading.Thread(target=stream, args=(i, 20 if i else 480), daemon=True) for i in range(4)]
+        threads = [threading.Thread(target=stream, args=(i, 20 if i else long_new), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
         started.wait()  # every request is streaming
@@ -128,19 +136,30 @@ def check_clean_exit(code: int, took: float, ends: dict[int, Any], stderr: str, 
 
 
 def test_sigterm_with_requests_in_flight_exits_cleanly(tmp_path: Path) -> None:
-    code, took, ends, stderr, procs, _ = serve_and_sigterm(tmp_path, ["--random", MODEL, "--gpu-memory", "64MiB"])
+    # a model allowing 8k tokens, so the long request outlasts --shutdown-timeout however fast the engine decodes
+    model = tmp_path / "model"
+    save_random(MODEL, str(model))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    args = ["--model", str(model), "--gpu-memory", "64MiB"]
+    code, took, ends, stderr, procs, _ = serve_and_sigterm(tmp_path, args, long_new=4000)
     assert procs == {}
     check_clean_exit(code, took, ends, stderr, SHUTDOWN_TIMEOUT + 15)
+    # the one sizing story (cli/sizing.py): the work is unknown, so the default context (below the model's 8192)
+    assert "hybridkv serve: max context 4,096 tokens (the default, 4,096, page 16, chunk 64)" in stderr, stderr
+    assert "--gpu-memory 64.00 MiB (one 4,096-token request needs" in stderr, stderr
 
 
 def test_sigterm_on_the_disaggregated_server_reaps_every_worker_and_unlinks_every_shm_file(tmp_path: Path) -> None:
     args = ["--disaggregated", "--random", MODEL, "--prefill-pp", "2", "--decode-tp", "2", "--transport", "shm"]
     code, took, ends, stderr, procs, shm = serve_and_sigterm(tmp_path, [*args, "--gpu-memory", "16MiB"])
-    workers = [pid for pid, cmd in procs.items() if "spawn_main" in cmd]
-    assert len(workers) == 4 and len(shm) == 2  # 2 prefill stages, 2 decode ranks; 2 decode arenas
+    forked = workers(procs)
+    assert len(forked) == 4 and len(shm) == 2, procs  # 2 prefill stages, 2 decode ranks; 2 decode arenas
     check_clean_exit(code, took, ends, stderr, SHUTDOWN_TIMEOUT + 40)
+    assert "hybridkv serve --disaggregated: max context 512 tokens" in stderr, stderr
+    assert "--gpu-memory 16.00 MiB per process" in stderr, stderr
     # reaped before the server exited: gone now (a worker left to notice its parent's death takes up to 1 s)
-    assert [pid for pid in workers if alive(pid)] == []
+    assert [pid for pid in forked if alive(pid)] == []
     assert [path for path in shm if Path(path).exists()] == []
     deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once its pipe closes
     while any(alive(pid) for pid in procs) and time.monotonic() < deadline:

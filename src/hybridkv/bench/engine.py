@@ -390,12 +390,18 @@ def bench_model(
     }
 
 
+def bench_prompts(requests: int, block_tokens: int, max_new_tokens: int) -> list[list[int]]:
+    """The benchmark's prompts (``conversation_prompts``, each short enough for ``max_new_tokens`` more within
+    the tiny models' context)."""
+    return conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
+
+
 def run(
     models: list[str] | None = None,
     requests: int = 64,
     max_new_tokens: int = 16,
     block_tokens: int = 4,
-    gpu_memory: str = "256MiB",
+    gpu_memory: str | int = "256MiB",
     page_size: int = 16,
     chunk_size: int = 64,
     prefix_cache: bool = True,
@@ -404,6 +410,7 @@ def run(
     padded_batch: int = 16,
     max_step_tokens: int | None = None,
     compile_blocks: bool = False,
+    max_context: int | None = None,
     device: str = "cpu",
 ) -> dict[str, Any]:
     """``device``: where the engine's weights and memory live (``transformers`` runs on the CPU)."""
@@ -412,7 +419,7 @@ def run(
     unknown = sorted(set(models) - set(tiny_names()))
     if unknown:
         raise ValueError(f"unknown models {unknown}; choose from {tiny_names()}")
-    prompts = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
+    prompts = bench_prompts(requests, block_tokens, max_new_tokens)
     lengths = [len(p) for p in prompts]
     engine_args = {
         "gpu_memory": gpu_memory,
@@ -421,6 +428,7 @@ def run(
         "prefix_cache": prefix_cache,
         "checkpoints": checkpoints,
         "max_step_tokens": max_step_tokens,
+        "max_context": max_context,
         "device": device,
     }
     threads = torch.get_num_threads()

@@ -177,12 +177,23 @@ def _throughput(prompts: list[list[int]], cached: list[int], ttft: list[float]) 
     return (sum(map(len, prompts)) - sum(cached)) / max(ttft)
 
 
-def _single_process(
-    model_dir: str, prompts: list[list[int]], params: SamplingParams, page_size: int, chunk: int, prefix_cache: bool
-) -> _Side:
-    """The single-process engine on the same requests: a prefill-only burst (its throughput), then on a fresh
-    cache a burst (all at once), then each again alone."""
-    engine = Engine(model_dir, gpu_memory="64MiB", page_size=page_size, chunk_size=chunk, prefix_cache=prefix_cache)
+def pd_prompts(requests: int, block_tokens: int, max_new_tokens: int) -> list[list[int]]:
+    """Every prompt the benchmark serves (``WARM_UP`` first, then the measured ones): what it is sized for."""
+    measured = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
+    return [list(p) for p in WARM_UP] + measured
+
+
+def _single_process(model_dir: str, prompts: list[list[int]], params: SamplingParams, config: PDConfig) -> _Side:
+    """The single-process engine on the same requests, sized as each disaggregated process: a prefill-only burst
+    (its throughput), then on a fresh cache a burst (all at once), then each again alone."""
+    engine = Engine(
+        model_dir,
+        gpu_memory=config.gpu_memory,
+        max_context=config.max_context,
+        page_size=config.page_size,
+        chunk_size=config.chunk,
+        prefix_cache=config.prefix_cache,
+    )
     engine.generate([list(p) for p in WARM_UP], 2)
     first: dict[int, float] = {}
 
@@ -260,13 +271,17 @@ def run(
     page_size: int = 16,
     chunk_size: int = 64,
     prefix_cache: bool = True,
+    *,
+    gpu_memory: int,
+    max_context: int,
 ) -> dict[str, Any]:
-    """Serve the same requests disaggregated and in one process; the report's keys are the module doc's measures."""
+    """Serve the same requests disaggregated and in one process; the report's keys are the module doc's measures.
+    ``gpu_memory`` (per process, both sides) and ``max_context``: the command's sizing (``cli/sizing.py``) for the
+    prompts of ``pd_prompts``."""
     if model not in tiny_names():
         raise ValueError(f"unknown model {model!r}; choose one of {tiny_names()}")
-    prompts = conversation_prompts(requests, block_tokens, max_tokens=CONTEXT - max_new_tokens)
+    prompts = pd_prompts(requests, block_tokens, max_new_tokens)[len(WARM_UP) :]
     lengths = [len(p) for p in prompts]
-    context = -(-(max(lengths) + max_new_tokens) // page_size) * page_size
     params = SamplingParams(max_new_tokens, ignore_eos=True)  # both sides compute every token
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-pd-") as model_dir:
         save_random(model, model_dir)
@@ -278,13 +293,13 @@ def run(
             transport=transport,
             page_size=page_size,
             chunk=chunk_size,
-            max_context=context,
+            max_context=max_context,
             prefix_cache=prefix_cache,
-            gpu_memory=64 * 2**20,
+            gpu_memory=gpu_memory,
         )
         pd, result = _disaggregated(config, prompts, params)
         with quiet_transformers():
-            single = _single_process(model_dir, prompts, params, page_size, chunk_size, prefix_cache)
+            single = _single_process(model_dir, prompts, params, config)
         expected = [spec_bytes(model_dir, decode_tp, page_size, n) for n in lengths]
     computing = [(st.pp, st.compute) for req in result.requests for st in req.stages]
     origin = min(c[0] for _, c in computing)

@@ -274,23 +274,25 @@ def run(
     rounds: int = 2,
     alone: int = 16,
     block_tokens: int = 4,
-    gpu_memory: str = "256MiB",
+    gpu_memory: int | str = "256MiB",
     page_size: int = 16,
     chunk_size: int = 64,
     seed: int = 0,
     url: str | None = None,
     api_key: str | None = None,
     disaggregated: list[str] | None = None,
+    max_context: int | None = None,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
-    sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size}
+    sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size, "max_context": max_context}
     with quiet_transformers():
         weights, config = build_random(model)
     engine = Engine(config, weights, **sizing)  # type: ignore[arg-type]
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
-    args = ["--random", model, "--gpu-memory", gpu_memory, "--page-size", str(page_size)]
+    args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
+    args += [] if max_context is None else ["--max-context", str(max_context)]
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
     with ExitStack() as servers:

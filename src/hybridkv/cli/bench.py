@@ -17,14 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import bench_app
-from hybridkv.cli.params import (
-    CHECKPOINTS_HELP,
-    device_option,
-    engine_checkpoints,
-    host_budget,
-    random_model,
-    transport_option,
-)
+from hybridkv.cli.params import CHECKPOINTS_HELP, device_option, engine_checkpoints, random_model, transport_option
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.memory import format_bytes
 from hybridkv.traces import PEER_TRACE
 from hybridkv.transfer import TransportName
@@ -181,9 +175,10 @@ def bench_engine(
     requests: int = typer.Option(64, "--requests", min=1),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
     block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=host_budget),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     max_step_tokens: int | None = typer.Option(
         None, "--max-step-tokens", min=1, help="Engine step token budget (default: 4 x chunk size)."
     ),
@@ -204,15 +199,39 @@ def bench_engine(
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers (one by one, left-padded
     batches with sdpa, continuous batching), alternating rounds in one run."""
-    from hybridkv.bench.engine import run
+    from hybridkv.bench.engine import bench_prompts, run
+    from hybridkv.engine.random_models import tiny_names
 
     checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
+    models = model or tiny_names()
+    unknown = sorted(set(models) - set(tiny_names()))
+    if unknown:
+        raise typer.BadParameter(f"unknown models {unknown}; choose from {tiny_names()}", param_hint="--model")
+    lengths = [len(p) for p in bench_prompts(requests, block_tokens, max_new_tokens)]
+    sizing = max(
+        (
+            _size_tiny(
+                "bench engine",
+                m,
+                lengths,
+                max_new_tokens,
+                max_context,
+                gpu_memory,
+                page_size,
+                chunk_size,
+                device=device,
+            )
+            for m in models
+        ),
+        key=lambda s: s.gpu_memory,
+    )
+    sizing.announce()
     report = run(
-        model or None,
+        models,
         requests,
         max_new_tokens,
         block_tokens,
-        gpu_memory,
+        sizing.gpu_memory,
         page_size,
         chunk_size,
         not no_prefix_cache,
@@ -221,6 +240,7 @@ def bench_engine(
         padded_batch,
         max_step_tokens,
         compile_blocks,
+        sizing.max_context,
         device,
     )
     if as_json:
@@ -266,6 +286,37 @@ def bench_engine(
         )
 
 
+def _size_tiny(
+    command: str,
+    name: str,
+    lengths: list[int],
+    max_new_tokens: int,
+    max_context: int | None,
+    gpu_memory: str | None,
+    page_size: int,
+    chunk_size: int,
+    layout: Layout | None = None,
+    device: str = "cpu",
+) -> Sizing:
+    """``size`` for the tiny random model ``name`` serving prompts of ``lengths`` on ``device``."""
+    from hybridkv.engine.engine import engine_spec
+    from hybridkv.engine.random_models import random_config
+
+    spec = engine_spec(random_config(name))
+    return size(
+        command,
+        spec,
+        prompt_lengths=lengths,
+        max_new_tokens=max_new_tokens,
+        max_context=max_context,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        layout=layout,
+        device=device,
+    )
+
+
 @bench_app.command("pd")
 def bench_pd(
     model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
@@ -276,15 +327,23 @@ def bench_pd(
     prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Tensor-parallel ranks per prefill stage."),
     decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode tensor-parallel ranks."),
     block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve both sides without one."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Disaggregated serving vs single-process serving of the same requests: bytes vs the spec, transfer
     seconds and GB/s, overlap of transfer and prefill compute, TTFT ratio."""
-    from hybridkv.bench.pd import run
+    from hybridkv.bench.pd import pd_prompts, run
 
+    lengths = [len(p) for p in pd_prompts(requests, block_tokens, max_new_tokens)]
+    layout = Layout(prefill_pp, prefill_tp, decode_tp)
+    sizing = _size_tiny(
+        "bench pd", model, lengths, max_new_tokens, max_context, gpu_memory, page_size, chunk_size, layout
+    )
+    sizing.announce()
     report = run(
         model,
         requests,
@@ -297,6 +356,8 @@ def bench_pd(
         page_size,
         chunk_size,
         not no_prefix_cache,
+        gpu_memory=sizing.gpu_memory,
+        max_context=sizing.max_context,
     )
     if as_json:
         typer.echo(json.dumps(report))

@@ -5,11 +5,14 @@ Which errors are whose:
   ``--model`` directory or ``--prompts`` file, a model directory without ``config.json`` or
   ``*.safetensors`` or with weights that do not fit, a line that is not ``{"prompt_ids": [int, ...]}``,
   and every prompt the engine would refuse (``Engine.check``: empty, ids outside the vocabulary,
-  prompt + ``--max-new-tokens`` beyond the context; the message names the file line), a budget
-  below one request's floor, and bad option values (typer ``min=``, ``cli/params.py``).
+  prompt + ``--max-new-tokens`` beyond ``--max-context``; the message names the file line), a
+  budget below one request's floor, and bad option values (typer ``min=``, ``cli/params.py``).
   A file is checked as a whole, so a bad line costs nothing but the model load. Tier options that
   do not fit together (``--store-master`` without ``--store mooncake``, tiers with
   ``--no-prefix-cache``) and a ``--store-master`` no master answers at are refused the same way.
+- Sizing (``cli/sizing.py``, the same for every command): the max context is the longest prompt +
+  ``--max-new-tokens`` unless ``--max-context`` says otherwise, the budget the default or what that
+  context needs; printed as one line on stderr at start.
 - Reported per request while the others finish (``error`` in the output, exit 0): what only
   happens while serving, i.e. a request that does not fit the memory budget even alone.
 
@@ -46,11 +49,11 @@ from hybridkv.cli.params import (
     TOP_K,
     TOP_P,
     engine_checkpoints,
-    host_budget,
     random_model,
     request_params,
     tier_options,
 )
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Sizing, size
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -86,37 +89,19 @@ def read_prompts(path: Path) -> list[tuple[int, list[int]]]:
     return prompts
 
 
-def _engine(
-    model: Path | None,
-    random: str | None,
-    gpu_memory: str,
-    page_size: int,
-    chunk_size: int,
-    prefix_cache: bool,
-    checkpoints: str | None = None,
-    tiers: dict[str, Any] | None = None,
-) -> Any:
-    from hybridkv.engine.engine import Engine
-
+def model_source(model: Path | None, random: str | None) -> tuple[Any, Any, Any]:
+    """``(source, weights, config)`` of ``--model DIR`` or ``--random NAME`` (exactly one): what ``Engine`` takes,
+    and the model's ``transformers`` config."""
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
     if random is None:
-        source, weights = model, None
-    else:
-        from hybridkv.engine.random_models import build_random
+        from hybridkv.engine.weights import read_config
 
-        weights, source = build_random(random)
-    checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
-    return Engine(
-        source,
-        weights,
-        gpu_memory=gpu_memory,
-        page_size=page_size,
-        chunk_size=chunk_size,
-        prefix_cache=prefix_cache,
-        checkpoints=checkpoints,
-        **(tiers or {}),
-    )
+        return model, None, read_config(model)  # type: ignore[arg-type]
+    from hybridkv.engine.random_models import build_random
+
+    weights, config = build_random(random)
+    return config, weights, config
 
 
 @app.command()
@@ -131,9 +116,10 @@ def generate(
         None, "--random", callback=random_model, help=f"A tiny random model: {', '.join(tiny_names())}."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=host_budget, help="Memory budget (K/V + state)."),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     temperature: float = TEMPERATURE,
     top_p: float = TOP_P,
     top_k: int = TOP_K,
@@ -151,20 +137,45 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
+    from hybridkv.engine.engine import Engine, engine_spec
+
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
     tiers = tier_options(host_memory, store, store_master, store_memory)
     if no_prefix_cache and (host_memory is not None or store != "none"):
         raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
-    engine = _engine(model, random, gpu_memory, page_size, chunk_size, not no_prefix_cache, checkpoints, tiers)
+    checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
+    source, weights, config = model_source(model, random)
+    sizing = size(
+        "generate",
+        engine_spec(config),
+        prompt_lengths=[len(ids) for _, ids in lines],
+        max_new_tokens=max_new_tokens,
+        max_context=max_context,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+    )
+    engine = Engine(
+        source,
+        weights,
+        gpu_memory=sizing.gpu_memory,
+        max_context=sizing.max_context,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        prefix_cache=not no_prefix_cache,
+        checkpoints=checkpoints,
+        **tiers,
+    )
     try:
-        _serve_file(engine, prompts, lines, params, max_new_tokens, as_json)
+        _serve_file(engine, sizing, prompts, lines, params, max_new_tokens, as_json)
     finally:
         engine.close()
 
 
 def _serve_file(
     engine: Any,
+    sizing: Sizing,
     prompts: Path,
     lines: list[tuple[int, list[int]]],
     params: list[Any],
@@ -175,6 +186,7 @@ def _serve_file(
     if bad:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
         raise PromptFileError(f"{prompts}:{bad[0][0]}: {bad[0][1]}{more}")
+    sizing.announce()
 
     ids = [p for _, p in lines]
     start = time.perf_counter()

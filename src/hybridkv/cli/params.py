@@ -15,8 +15,7 @@ import typer
 
 from hybridkv.cache import CheckpointPlacement, PlacementError
 from hybridkv.cache.placement import engine_default
-from hybridkv.memory import LayoutError, format_bytes, parse_bytes
-from hybridkv.memory.host import check_fits
+from hybridkv.memory import format_bytes, parse_bytes
 from hybridkv.transfer.transport import transport_class
 
 MAX_DEVICE_BYTES = 2**50  # 1 PiB: far above any device, low enough that page tables fit in host memory
@@ -32,18 +31,6 @@ def byte_size(value: str | None) -> str | None:
         raise typer.BadParameter(str(exc)) from None
     if not 0 < size <= MAX_DEVICE_BYTES:
         raise typer.BadParameter(f"{value!r} must be more than 0 B and at most {format_bytes(MAX_DEVICE_BYTES)}")
-    return value
-
-
-def host_budget(value: str | None) -> str | None:
-    """A budget the engine allocates on this host (the CPU): a ``byte_size`` the host can hold now
-    (``memory.host.check_fits``), refused before anything is allocated."""
-    value = byte_size(value)
-    if value is not None:
-        try:
-            check_fits(parse_bytes(value), "cpu", f"--gpu-memory {value}", "give a smaller --gpu-memory")
-        except LayoutError as exc:
-            raise typer.BadParameter(str(exc)) from None
     return value
 
 

@@ -3,14 +3,19 @@
 
 ``--disaggregated`` serves through the PD server (``hybridkv.engine.disagg.PDServer``: a prefill
 engine of ``--prefill-pp`` x ``--prefill-tp`` processes hands KV and state over ``--transport`` to
-a decode engine of ``--decode-tp`` processes; ``--gpu-memory`` is per process); ``--random`` saves
-the tiny model to a temporary directory that lives as long as the server. ``--fault
-KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for demos and tests) puts a deliberate fault on the
-request submitted ``REQUEST``-th (0-based): ``kill-prefill``, ``kill-decode``, ``stall-transfer``
-(``engine.disagg.Fault``).
+a decode engine of ``--decode-tp`` processes); ``--random`` saves the tiny model to a temporary
+directory that lives as long as the server. ``--fault KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for
+demos and tests) puts a deliberate fault on the request submitted ``REQUEST``-th (0-based):
+``kill-prefill``, ``crash-prefill``, ``kill-decode``, ``stall-transfer`` (``engine.disagg.Fault``).
+
+Sizing (``cli/sizing.py``, the same for every command): ``--gpu-memory`` (per process), ``--max-context``
+(default: 4096 tokens, never above the model's maximum; the work is not known in advance),
+``--page-size``, ``--chunk-size``; the default budget is what one request of that context needs on
+every process (at least 256 MiB). Printed as one line on stderr before the server listens.
 
 Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
-``--random``, a model the engine cannot load or a budget below one request's floor, bad option
+``--random``, a model the engine cannot load, a ``--max-context`` above the model's maximum or a
+``--gpu-memory`` below one request's floor or above what the host holds, bad option
 values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
 that cannot be bound, a PD option without ``--disaggregated``, a layout the model cannot be split
 into (``check_layout``), a bad ``--fault``, a ``--store-master`` no master answers at, and tier options
@@ -47,12 +52,15 @@ from hybridkv.cli.params import (
     tier_options,
     transport_option,
 )
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.engine.random_models import tiny_names
+from hybridkv.memory import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from hybridkv.engine.disagg import Fault
     from hybridkv.engine.engine import Engine
     from hybridkv.server import PDBackend
+    from hybridkv.spec import ModelSpec
 
 API_KEY_ENV = "HYBRIDKV_API_KEY"
 
@@ -77,11 +85,11 @@ def serve(
     tokenizer: Path = typer.Option(
         None, "--tokenizer", exists=True, file_okay=False, help="A saved tokenizer: accept text prompts."
     ),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size, help="Memory budget (K/V + state)."),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     max_running: int = typer.Option(64, "--max-running", min=1, help="Requests in one batch, at most."),
-    max_context: int = typer.Option(None, "--max-context", min=2, help="Prompt + new tokens (default: the model's)."),
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
@@ -108,7 +116,6 @@ def serve(
     ),
 ) -> int:
     """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
-    from hybridkv.memory import parse_bytes
     from hybridkv.server import Backend, EngineBackend, ServerConfig, Tokenizer, bind
     from hybridkv.server import serve as run_server
 
@@ -143,18 +150,43 @@ def serve(
         tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
     )
     name = random if random is not None else Path(model).name
-    sizing = (gpu_memory, page_size, chunk_size, max_running, max_context, not no_prefix_cache, checkpoints)
+    processes = Layout(layout.prefill_pp, layout.prefill_tp, layout.decode_tp) if disaggregated else Layout()
+    command = "serve --disaggregated" if disaggregated else "serve"
+    sized = size(
+        command,
+        model_spec(model, random),
+        max_context=max_context,
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        layout=processes,
+    )
+    engine_args = (sized, page_size, chunk_size, max_running, not no_prefix_cache, checkpoints)
     with contextlib.ExitStack() as stack:
         sock = bind(host, port)  # before the model loads: a taken port fails at once
         stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
         if disaggregated:
-            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, *sizing)
+            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, *engine_args)
         else:
-            engine = build_engine(model, random, *sizing, tiers)
+            engine = build_engine(model, random, *engine_args, tiers)
             stack.callback(engine.close)  # its tiers: the store client, a master it started
-            backend = EngineBackend(engine, name, gpu_memory, max_queued)
+            backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued)
+        sized.announce()
         code = run_server(backend, config, sock, shutdown_timeout)
     return code
+
+
+def model_spec(model: Path | None, random: str | None) -> ModelSpec:
+    """The spec of ``--model DIR`` (its config.json, checked) or ``--random NAME``, before any weights load."""
+    from hybridkv.engine.engine import engine_spec
+
+    if random is not None:
+        from hybridkv.engine.random_models import random_config
+
+        return engine_spec(random_config(random))
+    from hybridkv.engine.weights import read_config
+
+    return engine_spec(read_config(str(model)))
 
 
 @dataclass(frozen=True)
@@ -199,21 +231,16 @@ def build_pd_backend(
     layout: PDLayout,
     faults: tuple[Fault, ...],
     max_queued: int,
-    gpu_memory: str,
+    sized: Sizing,
     page_size: int,
     chunk_size: int,
     max_running: int,
-    max_context: int | None,
     prefix_cache: bool,
     checkpoints: str | None,
 ) -> PDBackend:
     """A started ``PDServer`` behind a ``PDBackend`` (which closes it); a ``--random`` model is saved to a
     temporary directory ``stack`` removes once the server is done."""
     from hybridkv.engine.disagg import PDConfig, PDServer
-    from hybridkv.engine.engine import engine_spec
-    from hybridkv.engine.registry import text_config
-    from hybridkv.engine.weights import read_config
-    from hybridkv.memory import parse_bytes
     from hybridkv.server import PDBackend
 
     if random is None:
@@ -223,7 +250,6 @@ def build_pd_backend(
 
         model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridkv-serve-"))
         save_random(random, model_dir)
-    context = max_context or engine_spec(text_config(read_config(model_dir))).max_context
     config = PDConfig(
         model_dir,
         prefill_pp=layout.prefill_pp,
@@ -232,8 +258,8 @@ def build_pd_backend(
         transport=layout.transport,
         page_size=page_size,
         chunk=chunk_size,
-        gpu_memory=parse_bytes(gpu_memory),
-        max_context=context,
+        gpu_memory=sized.gpu_memory,
+        max_context=sized.max_context,
         prefix_cache=prefix_cache,
         transfer_timeout_s=layout.transfer_timeout_s,
         max_running=max_running,
@@ -241,17 +267,16 @@ def build_pd_backend(
         faults=faults,
     )
     server = PDServer(config)  # checks the layout first: nothing starts on a mismatch
-    return PDBackend(server, name, f"{gpu_memory} per worker process", max_queued)
+    return PDBackend(server, name, f"{format_bytes(sized.gpu_memory)} per worker process", max_queued)
 
 
 def build_engine(
     model: Path | None,
     random: str | None,
-    gpu_memory: str,
+    sized: Sizing,
     page_size: int,
     chunk_size: int,
     max_running: int,
-    max_context: int | None,
     prefix_cache: bool,
     checkpoints: str | None,
     tiers: dict[str, Any] | None = None,
@@ -267,11 +292,11 @@ def build_engine(
     return Engine(
         source,
         weights,
-        gpu_memory=gpu_memory,
+        gpu_memory=sized.gpu_memory,
         page_size=page_size,
         chunk_size=chunk_size,
         max_running=max_running,
-        max_context=max_context,
+        max_context=sized.max_context,
         prefix_cache=prefix_cache,
         checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
         **(tiers or {}),
@@ -293,9 +318,10 @@ def bench_serve(
     rounds: int = typer.Option(2, "--rounds", min=1, help="Rounds under load, engine and HTTP alternating."),
     alone: int = typer.Option(16, "--alone", min=1, help="Requests served alone by both, for the HTTP overhead."),
     block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
-    gpu_memory: str = typer.Option("256MiB", "--gpu-memory", callback=byte_size),
-    page_size: int = typer.Option(16, "--page-size", min=1),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
     url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
     api_key: str = typer.Option(None, "--api-key", help=f"Its API key (or set ${API_KEY_ENV})."),
@@ -316,6 +342,7 @@ def bench_serve(
     from rich.console import Console
     from rich.table import Table
 
+    from hybridkv.bench.engine import conversation_prompts
     from hybridkv.bench.serve import run
 
     pd_args = None
@@ -324,6 +351,29 @@ def bench_serve(
             raise typer.BadParameter("--url loads a running server; --disaggregated starts its own", param_hint="--url")
         pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
         pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]
+    lengths = [len(p) for p in conversation_prompts(requests, block_tokens)]
+    # one budget for the engine, hybridkv serve and (per worker process) hybridkv serve --disaggregated: the
+    # largest any of them needs; on a tie the disaggregated line is printed (its budget is per process)
+    layouts = ([Layout(prefill_pp, prefill_tp, decode_tp)] if disaggregated else []) + [Layout()]
+    spec = model_spec(None, model)
+    sized = max(
+        (
+            size(
+                "bench serve",
+                spec,
+                prompt_lengths=lengths,
+                max_new_tokens=max_new_tokens,
+                max_context=max_context,
+                gpu_memory=gpu_memory,
+                page_size=page_size,
+                chunk_size=chunk_size,
+                layout=layout,
+            )
+            for layout in layouts
+        ),
+        key=lambda s: s.gpu_memory,
+    )
+    sized.announce()
 
     report = run(
         model,
@@ -333,13 +383,14 @@ def bench_serve(
         rounds,
         alone,
         block_tokens,
-        gpu_memory,
+        sized.gpu_memory,
         page_size,
         chunk_size,
         seed,
         url,
         api_key or os.environ.get(API_KEY_ENV),
         pd_args,
+        sized.max_context,
     )
     if as_json:
         typer.echo(json.dumps(report))

@@ -10,12 +10,17 @@ prefill, transfer, decode, TTFT, TPOT, seconds; null when failed). The same samp
 so the same file gives ``generate``'s tokens. KV/state move over ``shm`` or ``mooncake`` (TCP on
 127.0.0.1).
 
+Sizing (``cli/sizing.py``, the same for every command): the max context is the longest prompt +
+``--max-new-tokens`` unless ``--max-context`` says otherwise; ``--gpu-memory`` is per process, by
+default what that context needs on every rank (at least 256 MiB); printed as one line on stderr.
+
 Refused before any process starts, one ``error:`` line, exit 2: a missing ``--prompts`` file or
 ``--model`` directory, a bad prompt line, ids outside the vocabulary or a prompt + ``--max-new-tokens``
 beyond ``--max-context`` (the message names the file line), ``--prefill-pp`` / ``--prefill-tp`` /
 ``--decode-tp`` / ``--max-new-tokens`` below 1, a layout the model cannot be split into or a decode
 layout that does not pair with the prefill one (``check_layout``: e.g. ``--decode-page-size`` other
-than ``--page-size``), and an unknown transport.
+than ``--page-size``), a checkpoint some rank cannot load (checked from the files' headers), and an
+unknown transport.
 """
 
 from __future__ import annotations
@@ -37,16 +42,16 @@ from hybridkv.cli.params import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    host_budget,
     random_model,
     request_params,
     transport_option,
 )
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, size
 from hybridkv.engine.random_models import tiny_names
 
 
 def _check_prompts(
-    prompts: Path, lines: list[tuple[int, list[int]]], params: list[Any], vocab: int, context: int
+    prompts: Path, lines: list[tuple[int, list[int]]], params: list[Any], vocab: int, context: int, given: bool
 ) -> None:
     from hybridkv.engine.request import RequestError, check_request
 
@@ -54,7 +59,8 @@ def _check_prompts(
         try:
             check_request(ids, p, vocab, context)
         except RequestError as exc:
-            why = str(exc).split(": ", 1)[1].replace("the context of", "--max-context")
+            why = str(exc).split(": ", 1)[1]
+            why = why.replace("the context of", "--max-context") if given else why
             raise PromptFileError(f"{prompts}:{lineno}: {why}") from None
 
 
@@ -82,20 +88,20 @@ def serve_pd(
     seed: int = SEED,
     stop_token_ids: list[int] | None = STOP_TOKEN_IDS,
     ignore_eos: bool = IGNORE_EOS,
-    gpu_memory: str = typer.Option("8MiB", "--gpu-memory", callback=host_budget, help="K/V + state per process."),
-    page_size: int = typer.Option(16, "--page-size", min=1),
+    gpu_memory: str | None = GPU_MEMORY,
+    max_context: int | None = MAX_CONTEXT,
+    page_size: int = PAGE_SIZE,
     decode_page_size: int = typer.Option(
         None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."
     ),
-    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens."),
-    max_context: int = typer.Option(256, "--max-context", min=2, help="Prompt + new tokens, at most."),
+    chunk_size: int = CHUNK_SIZE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Serve every prompt of a file through PP prefill processes and TP decode processes."""
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, run_pd
+    from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.registry import text_config
     from hybridkv.engine.weights import read_config
-    from hybridkv.memory import parse_bytes
 
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
@@ -109,9 +115,20 @@ def serve_pd(
             model_dir = tmp
         else:
             model_dir = str(model)
-        config_json = read_config(model_dir)
-        text = text_config(config_json)
-        _check_prompts(prompts, lines, params, int(text.vocab_size), max_context)
+        text = text_config(read_config(model_dir))
+        layout = Layout(prefill_pp, prefill_tp, decode_tp, decode_page_size)
+        sizing = size(
+            "serve-pd",
+            engine_spec(text),
+            prompt_lengths=[len(ids) for _, ids in lines],
+            max_new_tokens=max_new_tokens,
+            max_context=max_context,
+            gpu_memory=gpu_memory,
+            page_size=page_size,
+            chunk_size=chunk_size,
+            layout=layout,
+        )
+        _check_prompts(prompts, lines, params, int(text.vocab_size), sizing.max_context, max_context is not None)
         config = PDConfig(
             model_dir,
             tuple(tuple(ids) for _, ids in lines),
@@ -123,10 +140,11 @@ def serve_pd(
             page_size=page_size,
             decode_page_size=decode_page_size,
             chunk=chunk_size,
-            gpu_memory=parse_bytes(gpu_memory),
-            max_context=max_context,
+            gpu_memory=sizing.gpu_memory,
+            max_context=sizing.max_context,
         )
         check_layout(config)
+        sizing.announce()
         result = run_pd(config, params)
     name = random if random is not None else str(model)
     outs = [(r.output_ids, r.finish_reason) if r.status == FINISHED else ([], "error") for r in result.requests]

@@ -151,13 +151,21 @@ def tiny_names() -> list[str]:
     return list(TINY_CONFIGS)
 
 
-def build_random(name: str) -> tuple[Any, Any]:
-    """``(hf_model, hf_config)`` of a tiny random model, identical in every process."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def random_config(name: str) -> Any:
+    """The ``transformers`` config of the tiny random model ``name`` (no weights built)."""
+    from transformers import AutoConfig
 
     model_type, overrides = TINY_CONFIGS[name]  # UnknownName (a KeyError) names the known ones
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=CONTEXT, **overrides)
     config._attn_implementation = "eager"
+    return config
+
+
+def build_random(name: str) -> tuple[Any, Any]:
+    """``(hf_model, hf_config)`` of a tiny random model, identical in every process."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(name)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()

@@ -140,16 +140,10 @@ def _place(
             model.get_submodule(owner)._parameters[leaf] = nn.Parameter(value, requires_grad=param.requires_grad)
 
 
-def read_safetensors(directory: str | Path, model: CausalLM | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of ``directory/*.safetensors`` (a name in two files is an error).
-
-    Every file's header is checked first (``safetensors_header``). With ``model`` (a stage / TP
-    shard): only the tensors it loads, and of a sharded parameter only its part (read range by
-    range, never the whole tensor); their declared shapes are matched against ``model`` before any
-    data is read. The bytes to read must fit in host memory.
-    """
-    from safetensors import SafetensorError, safe_open
-
+def _wanted(directory: str | Path, model: CausalLM | None) -> dict[str, tuple[Path, TensorInfo, Part | None]]:
+    """What a read of ``directory`` for ``model`` takes: per checkpoint name, its file, header entry and the
+    part of it ``model`` holds (None: all of it). Every file's header is checked; with ``model`` the declared
+    shapes are matched against it (``WeightError`` naming the weights) before anything is read."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise WeightError(f"{directory}: no *.safetensors files")
@@ -166,6 +160,28 @@ def read_safetensors(directory: str | Path, model: CausalLM | None = None) -> di
                 wanted[name] = (path, info, part)
     if model is not None:
         check_weights(model, {name: _meta_part(info, part) for name, (_, info, part) in wanted.items()})
+    return wanted
+
+
+def check_safetensors(directory: str | Path, model: CausalLM) -> int:
+    """The bytes ``read_safetensors(directory, model)`` would read; ``WeightError`` naming the file or the
+    weights unless every header is sound and declares exactly the names and shapes ``model`` (a stage / TP
+    shard, e.g. built on the meta device) loads. Reads headers only: no tensor data."""
+    return sum(_meta_part(info, part).nbytes for _, info, part in _wanted(directory, model).values())
+
+
+def read_safetensors(directory: str | Path, model: CausalLM | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of ``directory/*.safetensors`` (a name in two files is an error).
+
+    Every file's header is checked first (``safetensors_header``). With ``model`` (a stage / TP
+    shard): only the tensors it loads, and of a sharded parameter only its part (read range by
+    range, never the whole tensor); their declared shapes are matched against ``model`` before any
+    data is read (``check_safetensors``). The bytes to read must fit in host memory.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    wanted = _wanted(directory, model)
+    files = sorted({path for path, _, _ in wanted.values()})
     nbytes = sum(_meta_part(info, part).nbytes for _, info, part in wanted.values())
     check_fits(nbytes, "cpu", f"reading the weights of {directory}", "free host memory or use a smaller model")
     tensors: dict[str, torch.Tensor] = {}

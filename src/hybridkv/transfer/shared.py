@@ -57,11 +57,13 @@ def _unlink(path: str) -> None:
 class SharedBuffer:
     """A ``/dev/shm`` arena of ``nbytes`` bytes behind a checked header, mapped as one uint8 tensor."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, token: str | None = None) -> None:
+        """``token``: the arena's name, chosen by whoever must be able to unlink the file even if this
+        process dies before it reports it (32 random hex digits; default: fresh ones)."""
         if nbytes <= 0:
             raise ValueError(f"shared buffer needs a positive size, got {nbytes}")
         self.nbytes = nbytes
-        self.token = secrets.token_hex(16)
+        self.token = token or secrets.token_hex(16)
         self.path = shm_path(self.token)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -112,8 +114,10 @@ def open_shared(token: str, nbytes: int) -> tuple[mmap.mmap, int]:
         os.close(fd)
 
 
-def shared_memory(shard: ShardSpec, budget: int | str, **hints: object) -> tuple[UnifiedMemory, SharedBuffer]:
-    """A CPU ``UnifiedMemory`` whose arena lives in a ``SharedBuffer``."""
+def shared_memory(
+    shard: ShardSpec, budget: int | str, token: str | None = None, **hints: object
+) -> tuple[UnifiedMemory, SharedBuffer]:
+    """A CPU ``UnifiedMemory`` whose arena lives in a ``SharedBuffer`` (named ``token`` when given)."""
     plan = plan_memory(shard, parse_bytes(budget), MemoryHints(**hints))  # type: ignore[arg-type]
-    shared = SharedBuffer(plan.budget_bytes)
+    shared = SharedBuffer(plan.budget_bytes, token)
     return UnifiedMemory(plan, "cpu", buffer=shared.tensor), shared

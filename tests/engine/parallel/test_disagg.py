@@ -107,16 +107,32 @@ def save_with_reachable_eos(name: str, path: Path) -> int:
     return stop
 
 
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory):
+    """Per model name, built once for every layout that serves it: its saved directory (with an EOS its greedy
+    outputs reach), the mixed requests' ``SamplingParams`` and the single-process engine's outputs for them."""
+    built: dict[str, tuple[Path, list[SamplingParams], list]] = {}
+
+    def get(name: str) -> tuple[Path, list[SamplingParams], list]:
+        if name not in built:
+            path = tmp_path_factory.mktemp(name)
+            params = mixed_params(save_with_reachable_eos(name, path))
+            single = Engine(path, gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96)
+            built[name] = (path, params, single.generate([list(p) for p in MIXED], params))
+        return built[name]
+
+    return get
+
+
 @pytest.mark.parametrize(("name", "pp", "ptp", "tp", "transport"), LAYOUTS)
 def test_sixteen_concurrent_mixed_requests_equal_the_single_engine_on_every_layout(
-    name: str, pp: int, ptp: int, tp: int, transport: str, tmp_path: Path
+    name: str, pp: int, ptp: int, tp: int, transport: str, mixed_model
 ) -> None:
     """Greedy, seeded sampling (top-k/top-p too), EOS and stop ids: the disaggregated server ends and samples every
     request inside its one scheduler exactly as ``Engine`` does; prefills are batched across requests."""
-    stop = save_with_reachable_eos(name, tmp_path)
-    params = mixed_params(stop)
+    model_dir, params, want = mixed_model(name)
     config = PDConfig(
-        str(tmp_path),
+        str(model_dir),
         prefill_pp=pp,
         prefill_tp=ptp,
         decode_tp=tp,
@@ -141,8 +157,6 @@ def test_sixteen_concurrent_mixed_requests_equal_the_single_engine_on_every_layo
         states = settled(server)
     assert aborted.finish_reason == "abort" and aborted.reason == "aborted: test" and aborted.output_ids == []
     assert sorted(r.index for r in ended) == handles and all(r is results[r.index] for r in ended)
-    single = Engine(tmp_path, gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96)
-    want = single.generate([list(p) for p in MIXED], params)
     assert [r.status for r in results] == [FINISHED] * len(MIXED), [r.reason for r in results]
     assert [r.output_ids for r in results] == [o.output_ids for o in want]
     assert [r.finish_reason for r in results] == [o.finish_reason for o in want]
@@ -224,6 +238,10 @@ def test_serve_pd_cli_prints_generates_output_ids_with_status_and_timings(tmp_pa
     out, err = capsys.readouterr()
     served = json.loads(out)
     assert "Writing" not in err, err
+    (sizing,) = [line for line in err.splitlines() if line.startswith("hybridkv serve-pd:")]
+    longest = max(map(len, PROMPTS[:3]))
+    assert f"max context {longest + MAX_NEW} tokens (longest prompt {longest} + {MAX_NEW} new" in sizing, sizing
+    assert "--gpu-memory (default) 256.00 MiB per process" in sizing, sizing
     assert served["model"] == "tiny-qwen3-next" and served["totals"]["requests"] == 3
     assert served["totals"]["errors"] == 0 and served["totals"]["transport"] == "mooncake"
     assert [r["output_ids"] for r in served["requests"]] == [r["output_ids"] for r in generated["requests"]]

@@ -20,6 +20,12 @@
 - Decode requests that outgrow the decode memory together: the decode engine retracts the newest
   running request and prefills it again locally later; every request finishes token-exact (greedy
   and seeded sampling); no worker dies, nothing leaks.
+- A poison request (``crash-prefill``: prefill stage 1 raises whenever it computes request 1), submitted
+  with two others over Mooncake: the three present at the first death are computed again one at a
+  time, alone; the poison request dies a second time alone and fails alone "quarantined: ..." with
+  both deaths; the others finish token-exact; the engine is not lost (the quarantine explains both
+  deaths). Then a decode rank SIGKILLed mid-request: the prefill ranks' Mooncake lines about the dead
+  peer are counted log records on ``hybridkv.transfer.mooncake``, none reaches stderr raw.
 - An engine lost (its restarts used up: ``restarts=0`` and a decode rank SIGKILLed): every request
   not finished, and every later one, fails with the death line; the surviving prefill engine holds
   nothing; ``close`` still stops and reaps every process and unlinks every shared-memory file.
@@ -27,7 +33,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +47,7 @@ from hybridkv.engine.disagg.config import check_layout
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import Live
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.parallel.forkserver import forkserver_threads
 from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import LayoutMismatch
@@ -48,6 +57,14 @@ from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settle
 BASE = prompt(11, 13)
 PROMPTS = [tuple(BASE + prompt(20 + i, 3 + i)) for i in range(8)]
 GREEDY = SamplingParams(MAX_NEW, ignore_eos=True)  # as many tokens as the reference ``serve`` computes
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> Path:
+    """tiny-qwen3-next saved once for this module's servers (read-only for them)."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-next")
+    hf_model("tiny-qwen3-next").save_pretrained(path)
+    return path
 
 
 def children() -> set[int]:
@@ -63,10 +80,9 @@ def children() -> set[int]:
     return out
 
 
-def test_a_layout_mismatch_is_refused_before_any_process_starts(tmp_path: Path) -> None:
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+def test_a_layout_mismatch_is_refused_before_any_process_starts(qwen3_next: Path) -> None:
     before = children()
-    config = PDConfig(str(tmp_path), page_size=PAGE, decode_page_size=8, gpu_memory=3_000_000)
+    config = PDConfig(str(qwen3_next), page_size=PAGE, decode_page_size=8, gpu_memory=3_000_000)
     with pytest.raises(LayoutMismatch) as err:
         PDServer(config)
     says = str(err.value)
@@ -123,16 +139,15 @@ def test_submit_after_the_router_died_raises_naming_router_error() -> None:
 
 
 def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_requests_exact(
-    tmp_path: Path,
+    qwen3_next: Path,
 ) -> None:
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     faults = (
         Fault("kill-prefill", 1, rank=1, delay_s=5.0),
         Fault("kill-decode", 3, rank=1),
         Fault("stall-transfer", 5, delay_s=3.0),
     )
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
@@ -187,15 +202,14 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     assert len(server.shm_paths()) == 4 and not any(Path(p).exists() for p in server.shm_paths())
 
 
-def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_their_memory(tmp_path: Path) -> None:
+def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_their_memory(qwen3_next: Path) -> None:
     # a 40 kB budget per prefill process (pages and state checkpoints share its slabs): request 0's
     # 55-token prompt stays pinned while its KV is held back past the decode timeout, so request 1
     # (55 tokens more) fits on no stage beside it: it waits (retracted, not failed) until the router
     # aborts request 0 and its pages come back, then it is served token-exact
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     prompts = [tuple(prompt(40 + i, 55)) for i in range(2)]
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
@@ -217,16 +231,14 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_the
     assert all(gone(pid) for pid in server.pids())
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_full_decode_memory_retracts_and_every_output_stays_exact(tmp_path: Path, temperature: float) -> None:
+def test_a_full_decode_memory_retracts_and_every_output_stays_exact(qwen3_next: Path) -> None:
     # a 40 kB budget per decode TP rank: three 20-token prompts that each grow by 40 tokens outgrow it
     # together, so the decode ranks retract the newest running request (it is prefilled again locally
-    # from its prompt and the tokens it has) and every request finishes with the single engine's tokens
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
+    # from its prompt and the tokens it has) and every request finishes with the single engine's tokens;
+    # greedy, then seeded sampling, on one server
     prompts = [tuple(prompt(60 + i, 20)) for i in range(3)]
-    params = [SamplingParams(40, temperature, seed=7 + i, ignore_eos=True) for i in range(3)]
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         prefill_pp=2,
         decode_tp=2,
         page_size=PAGE,
@@ -234,31 +246,82 @@ def test_a_full_decode_memory_retracts_and_every_output_stays_exact(tmp_path: Pa
         gpu_memory=40_000,
         max_context=64,
     )
-    with PDServer(config) as server:
-        results = [
-            server.result(h, timeout_s=120) for h in [server.submit(p, q) for p, q in zip(prompts, params, strict=True)]
-        ]
-        states = settled(server)
     hf = hf_model("tiny-qwen3-next")
     single = Engine(hf.config, hf, gpu_memory=2_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=64)
-    want = single.generate([list(p) for p in prompts], params)
-    assert [r.status for r in results] == [FINISHED] * 3, results
-    assert [r.output_ids for r in results] == [o.output_ids for o in want]
-    assert sum(r.retractions for r in results) > 0, results
-    assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
+    with PDServer(config) as server:
+        for temperature in (0.0, 1.0):
+            params = [SamplingParams(40, temperature, seed=7 + i, ignore_eos=True) for i in range(3)]
+            handles = [server.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+            results = [server.result(h, timeout_s=120) for h in handles]
+            states = settled(server)
+            want = single.generate([list(p) for p in prompts], params)
+            assert [r.status for r in results] == [FINISHED] * 3, results
+            assert [r.output_ids for r in results] == [o.output_ids for o in want], temperature
+            assert sum(r.retractions for r in results) > 0, results
+            assert all(w.requests == 0 and w.live == w.live_before for w in states), states
+    assert server.deaths == []
+
+
+def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank_are_counted_not_printed(
+    qwen3_next: Path, capfd, caplog
+) -> None:
+    faults = (Fault("crash-prefill", 1, rank=1), Fault("kill-decode", 3, rank=1))
+    config = PDConfig(
+        str(qwen3_next),
+        max_new=MAX_NEW,
+        prefill_pp=2,
+        decode_tp=2,
+        transport="mooncake",
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=3_000_000,
+        faults=faults,
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridkv.transfer.mooncake"), PDServer(config) as server:
+        assert forkserver_threads() == 1  # the workers' forkserver runs no thread: forking it is safe
+        first = server.generate(PROMPTS[:3], GREEDY)
+        states = [settled(server)]
+        second = server.generate(PROMPTS[3:5], GREEDY)
+        states.append(settled(server))
+        metrics = server.metrics()
+    single = serve(make_runner("tiny-qwen3-next", PAGE), [list(p) for p in PROMPTS[:5]], CHUNK, MAX_NEW)
+
+    crashed, again, killed = server.deaths
+    for death in (crashed, again):
+        assert death.startswith("prefill stage 1 TP rank 0") and "exit code 1" in death, death
+        assert "RuntimeError: deliberate fault crash-prefill: prefill stage 1 computes request-1." in death
+    assert killed.startswith("decode TP rank 1") and "killed by SIGKILL" in killed
+    poison = first[1]
+    assert poison.status == FAILED and poison.output_ids == [] and poison.finish_reason == "error", poison
+    assert poison.reason == f"quarantined: the prefill engine died twice while it held this request: {crashed}; {again}"
+    innocent = [first[0], first[2], *second]
+    for r in innocent:
+        assert r.status == FINISHED and r.output_ids == single[r.index].tokens, r
+    assert any(r.notes == (crashed,) for r in first[::2]), first  # present at the first death, computed again alone
+    assert server.lost == {}
+    assert metrics["restarts"] == {"prefill": 2, "decode": 1} and metrics["quarantined"] == 1
+    for wave in states:
+        assert all(w.requests == 0 and w.live == w.live_before for w in wave), wave
+    assert all(r.live_after == r.live_before for r in server.ranks)
+    assert all(gone(pid) for pid in server.pids())
+
+    assert metrics["mooncake_log_lines"] > 0  # the prefill ranks' writes to the killed decode rank
+    err = capfd.readouterr().err
+    assert not re.search(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", err, re.MULTILINE), err
+    shown = [r.getMessage() for r in caplog.records if r.name == "hybridkv.transfer.mooncake"]
+    assert shown and all(": mooncake: " in line for line in shown), shown
 
 
 def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_close_reaps_everything(
-    tmp_path: Path,
+    qwen3_next: Path,
 ) -> None:
     # restarts=0: the first decode death loses the decode engine. Request 0 finishes before; decode TP
     # rank 1 is SIGKILLed at request 1's first token while request 2 is queued or prefilling beside it:
     # both fail with the death line, so does a request submitted afterwards; the prefill engine, still
     # alive, holds nothing once its legs to the dead engine are aborted; close() reaps every process
-    hf_model("tiny-qwen3-next").save_pretrained(tmp_path)
     before = children()
     config = PDConfig(
-        str(tmp_path),
+        str(qwen3_next),
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
@@ -291,8 +354,8 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
         ("prefill", 1, True),
     ]
     assert len(started) == 4 and all(gone(pid) for pid in started)
-    left = children() - before  # multiprocessing's resource tracker (started by the first spawn) may stay
-    assert all("resource_tracker" in Path(f"/proc/{pid}/cmdline").read_text() for pid in left), left
+    left = children() - before  # multiprocessing's resource tracker and the workers' forkserver may stay
+    assert all(re.search("resource_tracker|forkserver", Path(f"/proc/{pid}/cmdline").read_text()) for pid in left), left
     assert len(server.shm_paths()) == 2 and not any(Path(p).exists() for p in server.shm_paths())
 
 

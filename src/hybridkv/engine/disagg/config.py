@@ -4,6 +4,11 @@
 prefill rank (PP x TP) and decode rank (TP) can be built and that every decode rank pairs
 with every prefill rank for the transfer (same model, dtype, page size, pool ids, shapes:
 ``pair_entries``); a mismatch raises ``LayoutMismatch`` naming both sides and what to change.
+It also checks the model directory as every rank will load it, from the checkpoint files'
+headers only (``check_checkpoint``: a missing, truncated or foreign ``*.safetensors`` file, a
+missing, unexpected or misshapen weight of any stage or TP part): a ``WeightError`` here, not a
+worker's traceback after every process started. (Values, e.g. NaN weights, are read only by
+the workers: one line, ``PDStartError``.)
 
 ``Fault`` entries are deliberate faults for tests and demos, applied by the router and the
 workers with real signals and real timeouts (never simulated outcomes):
@@ -12,17 +17,23 @@ workers with real signals and real timeouts (never simulated outcomes):
 - ``kill-decode``: decode TP rank ``rank`` is SIGKILLed as soon as request ``request`` has its
   first token (the decode engine holds it);
 - ``stall-transfer``: every prefill rank holds request ``request``'s KV for ``delay_s`` before
-  sending it, so the decode side's ``transfer_timeout_s`` expires first.
+  sending it, so the decode side's ``transfer_timeout_s`` expires first;
+- ``crash-prefill``: prefill stage ``rank`` (TP rank 0) raises while it computes request
+  ``request``, on every attempt (a poison request: the router quarantines it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+import torch
 
 from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.weights import read_config
+from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
+from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
@@ -35,6 +46,7 @@ class FaultKind(StrEnum):
     KILL_PREFILL = "kill-prefill"
     KILL_DECODE = "kill-decode"
     STALL_TRANSFER = "stall-transfer"
+    CRASH_PREFILL = "crash-prefill"
 
 
 FAULT_KINDS = tuple(k.value for k in FaultKind)
@@ -44,7 +56,7 @@ FAULT_KINDS = tuple(k.value for k in FaultKind)
 class Fault:
     kind: FaultKind | str  # a FaultKind or its name (stored as the FaultKind)
     request: int  # index of the submitted request (0-based, in submission order) it hits
-    rank: int = 0  # kill-prefill: the PP stage; kill-decode: the decode TP rank
+    rank: int = 0  # kill-prefill, crash-prefill: the PP stage; kill-decode: the decode TP rank
     delay_s: float = 1.0  # kill-prefill: per write; stall-transfer: how long the KV is held back
 
     def __post_init__(self) -> None:
@@ -95,6 +107,7 @@ class WorkerArgs:
     engine: str  # this epoch's bootstrap name
     bootstrap: str
     key_hex: str
+    shm_tokens: tuple[str, ...] = ()  # decode ranks over shm: each rank's arena token (the router unlinks them)
 
 
 def check_layout(config: PDConfig) -> None:
@@ -108,7 +121,8 @@ def check_layout(config: PDConfig) -> None:
     if config.transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {config.transport!r}; known: {', '.join(TRANSPORTS)}")
     check_faults(config)
-    spec = engine_spec(text_config(read_config(config.model_dir)))
+    hf_config = read_config(config.model_dir)
+    spec = engine_spec(text_config(hf_config))
     prefill_layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
     prefills = [
         buffer_set_from_memory(_memory(ShardSpec(spec, prefill_layout, stage, tp), config.page_size, config))
@@ -122,17 +136,40 @@ def check_layout(config: PDConfig) -> None:
         check_coverage(decode, prefills)
         for prefill in prefills:
             pair_entries(prefill, decode)
+    check_checkpoint(config, hf_config)
+
+
+def check_checkpoint(config: PDConfig, hf_config: Any) -> None:
+    """``WeightError`` (naming the file or weights) unless every prefill rank (PP stage x TP rank) and
+    every decode rank (TP rank) finds its part of the checkpoint, from the files' headers alone: the
+    engine's model of each shard is built on the meta device and matched against what the files
+    declare (``check_safetensors``); no tensor data is read, nothing the size of the model allocated."""
+    spec = engine_spec(text_config(hf_config))
+    layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
+    shards: set[tuple[tuple[int, int] | None, int, int]] = {
+        (ShardSpec(spec, layout, s, t).bounds, config.prefill_tp, t)
+        for s in range(config.prefill_pp)
+        for t in range(config.prefill_tp)
+    }
+    shards |= {(None, config.decode_tp, t) for t in range(config.decode_tp)}
+    for layers, tp_size, tp_rank in sorted(shards, key=str):
+        tp = TensorParallel(tp_size, tp_rank, _never_reduce) if tp_size > 1 else SINGLE
+        check_safetensors(config.model_dir, empty_model(hf_config, layers, tp))
+
+
+def _never_reduce(partial: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("a model built to check a checkpoint never runs")
 
 
 def check_faults(config: PDConfig) -> None:
     """Raise ``ValueError`` naming the fault and the allowed range unless every fault's rank exists
-    (kill-prefill: a PP stage < ``prefill_pp``; kill-decode: a decode TP rank < ``decode_tp``) and no
+    (kill-prefill, crash-prefill: a PP stage < ``prefill_pp``; kill-decode: a decode TP rank < ``decode_tp``) and no
     two faults hit the same request (the router applies one fault per request)."""
     seen: set[int] = set()
     for f in config.faults:
-        size = {"kill-prefill": config.prefill_pp, "kill-decode": config.decode_tp}.get(f.kind)
-        if size is not None and f.rank >= size:
-            what = "prefill_pp" if f.kind == "kill-prefill" else "decode_tp"
+        what = "decode_tp" if f.kind is FaultKind.KILL_DECODE else "prefill_pp"
+        size = {"prefill_pp": config.prefill_pp, "decode_tp": config.decode_tp}[what]
+        if f.kind is not FaultKind.STALL_TRANSFER and f.rank >= size:
             raise ValueError(
                 f"fault '{f.kind}' on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
                 f"use a rank in 0..{size - 1} or raise {what}"

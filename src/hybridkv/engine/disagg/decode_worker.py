@@ -59,7 +59,7 @@ class DecodeRank(Worker):
         hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
         self.shared: SharedBuffer | None = None
         if c.transport == "shm":
-            self.mem, self.shared = shared_memory(shard, c.gpu_memory, **hints)
+            self.mem, self.shared = shared_memory(shard, c.gpu_memory, args.shm_tokens[rank], **hints)
             self.link = make_transport("shm", self.shared)
         else:
             self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]

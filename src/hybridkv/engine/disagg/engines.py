@@ -1,12 +1,16 @@
 """The router's view of one engine epoch: its processes, their readiness, reports and crashes.
 
-``launch(role, epoch, args)`` starts the prefill engine (PP x TP ``prefill_main`` processes)
-or the decode engine (TP ``decode_main`` processes) as a new epoch, each its own
+``launch(role, epoch, args, logs)`` starts the prefill engine (PP x TP ``prefill_main``
+processes) or the decode engine (TP ``decode_main`` processes) as a new epoch, each its own
 ``torch.distributed`` world; ``await_ready`` blocks (bounded) until every worker of the given
-engines said ``Ready``, raising ``PDStartError`` with the worker's traceback or exit reason.
-Commands go to world rank 0 of an engine (``leader``), which broadcasts them to its peers.
+engines said ``Ready``, raising ``PDStartError``: "<worker> failed to start: <its exception
+line>" (the whole traceback in ``.traceback``) or "<worker> died while starting (killed by
+SIGKILL)". Commands go to world rank 0 of an engine (``leader``), which broadcasts them.
 
-Invariant: an engine that died is ``dead``; its processes are reaped by whoever marks it so.
+Invariants:
+- An engine that died is ``dead``; its processes are reaped by whoever marks it so.
+- ``shm`` names every session file the epoch's decode ranks may create (``WorkerArgs.shm_tokens``),
+  from launch on: whoever ends an epoch, started or not, unlinks them all (``unlink_all``).
 """
 
 from __future__ import annotations
@@ -21,15 +25,22 @@ from multiprocessing.connection import wait
 from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.decode_worker import decode_main
 from hybridkv.engine.disagg.prefill_worker import prefill_main
-from hybridkv.engine.disagg.procs import EngineProcs, exit_reason
+from hybridkv.engine.disagg.procs import EngineProcs
 from hybridkv.engine.disagg.protocol import Command, Crash, Ready, Report
 from hybridkv.engine.disagg.results import PDRank
+from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import TransferError
+from hybridkv.transfer.shared import shm_path
 
 
 class PDStartError(TransferError):
-    """An engine did not come up: the message holds its workers' tracebacks or exit codes."""
+    """An engine did not come up: the message names the worker and why (its exception line or how it
+    ended); ``traceback`` holds the worker's whole traceback when it raised."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
 @dataclass
@@ -90,15 +101,16 @@ def unlink_all(paths: Iterable[str]) -> None:
                 os.unlink(path)
 
 
-def launch(role: Role, epoch: int, args: WorkerArgs) -> EngineState:
+def launch(role: Role, epoch: int, args: WorkerArgs, logs: WorkerLog) -> EngineState:
     c = args.config
     if role is Role.PREFILL:
-        procs = EngineProcs(args.engine, prefill_main, c.prefill_pp * c.prefill_tp, (args,), c.timeout_s)
         names = [f"prefill stage {s} TP rank {t}" for s in range(c.prefill_pp) for t in range(c.prefill_tp)]
+        procs = EngineProcs(args.engine, prefill_main, len(names), (args,), c.timeout_s, logs, names)
     else:
-        procs = EngineProcs(args.engine, decode_main, c.decode_tp, (args,), c.timeout_s)
         names = [f"decode TP rank {t}" for t in range(c.decode_tp)]
-    return EngineState(role, epoch, procs, names)
+        procs = EngineProcs(args.engine, decode_main, len(names), (args,), c.timeout_s, logs, names)
+    shm = {rank: shm_path(token) for rank, token in enumerate(args.shm_tokens)}
+    return EngineState(role, epoch, procs, names, shm=shm)
 
 
 def engine_name(role: Role, epoch: int) -> str:
@@ -126,8 +138,30 @@ def await_ready(engines: list[EngineState], timeout_s: float) -> None:
                 if isinstance(msg, Ready):
                     e.on_ready(r, msg)
                 elif isinstance(msg, Crash):
-                    raise PDStartError(f"{e.names[r]} failed to start:\n{msg.traceback}")
+                    raise PDStartError(f"{e.names[r]} failed to start: {crash_line(msg.traceback)}", msg.traceback)
             elif obj in sentinels:
                 e, r = sentinels[obj]
-                code = e.procs.procs[r].exitcode
-                raise PDStartError(f"{e.names[r]} died while starting ({exit_reason(code)})")
+                crash = _last_crash(e, r)
+                if crash:
+                    raise PDStartError(f"{e.names[r]} failed to start: {crash_line(crash)}", crash)
+                raise PDStartError(f"{e.names[r]} died while starting ({e.procs.exit_reason(r)})")
+
+
+def crash_line(traceback: str) -> str:
+    """The exception line of a worker's traceback (its last non-empty line)."""
+    lines = [line for line in traceback.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no traceback)"
+
+
+def _last_crash(e: EngineState, r: int) -> str:
+    """The ``Crash`` a worker whose sentinel fired sent before it exited, if any."""
+    conn = e.procs.conns[r]
+    crash = ""
+    with contextlib.suppress(EOFError, OSError):
+        while conn.poll(0):
+            msg = conn.recv()
+            if isinstance(msg, Crash):
+                crash = msg.traceback
+            elif isinstance(msg, Ready):
+                e.on_ready(r, msg)
+    return crash

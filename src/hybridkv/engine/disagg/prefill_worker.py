@@ -149,6 +149,7 @@ class PrefillRank(Worker):
     def run(self, step: Step) -> None:
         now = time.monotonic()
         for req in step.reqs:
+            self.crash_if_poison(str(req.rid))
             stamps = self.stamps[str(req.rid)]
             if not stamps.started:  # first scheduled: the router reserves its decode memory now
                 stamps.started = now
@@ -179,6 +180,13 @@ class PrefillRank(Worker):
             else:
                 assert req.tokens[-1] != NON_FINITE
                 self.conn.send(First(str(req.rid), req.tokens[-1], at))
+
+    def crash_if_poison(self, tid: str) -> None:
+        """The ``crash-prefill`` fault: its stage raises while it computes the request (every attempt)."""
+        fault = self.faults.get(tid)
+        f = None if fault is None else fault.fault
+        if f is not None and f.kind is FaultKind.CRASH_PREFILL and self.rank == f.rank * self.args.config.prefill_tp:
+            raise RuntimeError(f"deliberate fault crash-prefill: prefill stage {f.rank} computes {tid}")
 
     def hand_off(self, req: Request) -> None:
         tid = str(req.rid)

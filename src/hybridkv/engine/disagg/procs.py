@@ -1,20 +1,27 @@
 """EngineProcs: one engine's worker processes, in a ``torch.distributed`` world of their own.
 
-``EngineProcs(name, main, size, args)`` spawns ``size`` processes; process ``r`` joins a
-world of ``size`` ranks (gloo on CPU) through a ``TCPStore`` the launcher itself serves on
-127.0.0.1 at a port the OS gave it (held from before the first spawn: no other world can
-take it between choosing and binding), and runs ``main(r, conn, *args)`` where ``conn`` is
-its end of a duplex pipe to the launcher. Two engines never share a world, so a death in
-one never breaks a collective of the other.
+``EngineProcs(name, main, size, args, timeout_s, logs)`` starts ``size`` processes; process ``r``
+joins a world of ``size`` ranks (gloo on CPU) through a ``TCPStore`` the launcher itself serves
+on 127.0.0.1 at a port the OS gave it (held from before the first start: no other world can
+take it between choosing and binding), and runs ``main(r, conn, *args)`` where ``conn`` is its
+end of a duplex pipe to the launcher. Two engines never share a world, so a death in one never
+breaks a collective of the other.
+
+Processes come from the engine forkserver (``parallel.forkserver``: torch, transformers' config
+classes and the worker modules imported once): a launch or a restart forks a ready interpreter
+instead of importing them again in every worker.
 
 Invariants:
+- A worker's fd 2 is the write end of its pipe in ``logs`` (``WorkerLog``): the launcher reads
+  what it writes there, whatever wrote it (Python or a C++ library).
 - A worker that raises sends ``Crash`` (its traceback) on its pipe and exits with code 1; one
-  whose launcher dies exits by itself within a second (it watches its parent id). A worker
-  exits at once when its main returns (``os._exit`` after closing its world and pipe: no
-  interpreter finalization).
+  whose launcher dies exits by itself (``watch_launcher``). A worker exits at once when its main
+  returns (``os._exit`` after closing its world and pipe: no interpreter finalization).
 - ``close`` asks nothing: it gives each process ``grace_s`` to exit, then terminates, then
   kills, and joins every one of them; afterwards no process of the engine is alive and every
   pipe end of the launcher is closed. ``kill`` sends a real signal to one rank.
+- ``exit_reason`` joins a process (bounded) before it reads its exit code: a process whose
+  sentinel fired is reported by how it ended, never as still running while it is exiting.
 """
 
 from __future__ import annotations
@@ -31,11 +38,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybridkv.engine.disagg.protocol import Command, Crash
+from hybridkv.engine.disagg.worker_log import WorkerLog
+from hybridkv.engine.parallel.forkserver import context, watch_launcher
 from hybridkv.engine.parallel.groups import backend_for
-from hybridkv.engine.parallel.launch import _exit_with_parent
+
+EXIT_WAIT_S = 5.0
+"""How long ``exit_reason`` waits for a process whose sentinel fired to be reaped."""
 
 
 def _child(
@@ -45,10 +55,12 @@ def _child(
     port: int,
     timeout_s: float,
     conn: Connection,
-    parent: int,
+    log: Connection,
     args: tuple[Any, ...],
 ) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    os.dup2(log.fileno(), 2)  # everything written to fd 2 goes to the launcher's WorkerLog
+    log.close()
+    threading.Thread(target=watch_launcher, daemon=True, name="launcher-watch").start()
     code = 0
     try:
         timeout = timedelta(seconds=timeout_s)
@@ -72,9 +84,16 @@ def _child(
 
 class EngineProcs:
     def __init__(
-        self, name: str, main: Callable[..., None], size: int, args: tuple[Any, ...], timeout_s: float
+        self,
+        name: str,
+        main: Callable[..., None],
+        size: int,
+        args: tuple[Any, ...],
+        timeout_s: float,
+        logs: WorkerLog,
+        names: list[str] | None = None,
     ) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.store: dist.TCPStore | None = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = self.store.port
         self.name = name
@@ -83,13 +102,17 @@ class EngineProcs:
         try:
             for rank in range(size):
                 mine, theirs = ctx.Pipe(duplex=True)
+                log = logs.pipe(names[rank] if names else f"{name} rank {rank}")
                 proc = ctx.Process(
                     target=_child,
-                    args=(main, rank, size, port, timeout_s, theirs, os.getpid(), args),
+                    args=(main, rank, size, port, timeout_s, theirs, log, args),
                     name=f"hybridkv-{name}-{rank}",
                 )
-                proc.start()
-                theirs.close()
+                try:
+                    proc.start()
+                finally:
+                    theirs.close()
+                    log.close()
                 self.conns.append(mine)
                 self.procs.append(proc)
         except BaseException:
@@ -108,6 +131,10 @@ class EngineProcs:
     def kill(self, rank: int) -> None:
         os.kill(self.procs[rank].pid, signal.SIGKILL)
 
+    def exit_reason(self, rank: int) -> str:
+        """How rank ``rank`` ended (``exit_reason``), once its sentinel fired."""
+        return exit_reason(self.procs[rank])
+
     def close(self, grace_s: float) -> None:
         for p in self.procs:
             p.join(timeout=grace_s)
@@ -124,10 +151,13 @@ class EngineProcs:
         self.store = None  # stops serving the world's rendezvous
 
 
-def exit_reason(code: int | None) -> str:
-    """``exit code 1`` or ``killed by SIGKILL`` for a process's exit code."""
+def exit_reason(proc: Any, wait_s: float = EXIT_WAIT_S) -> str:
+    """``exit code 1`` or ``killed by SIGKILL`` for a process that ended, joined first (at most ``wait_s``:
+    its sentinel can fire a moment before its exit code can be read); ``still running`` only if it did not end."""
+    proc.join(wait_s)
+    code = proc.exitcode
     if code is None:
-        return "still running"
+        return f"still running after {wait_s:.0f} s"
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"

@@ -21,6 +21,7 @@ from typing import Any
 
 from hybridkv.engine.disagg.protocol import Done, Sent
 from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.scheduler import Role
 
 FINISHED = "finished"
 FAILED = "failed"
@@ -72,7 +73,7 @@ class RequestResult:
     timing: RequestTiming | None  # None when failed
     cached_tokens: int  # the prefill-side prefix-cache hit
     transfer_bytes: int  # KV/state bytes every decode rank received, summed
-    attempts: int  # 1, or 2 when an engine died holding it and it was computed again
+    attempts: int  # 1, plus one per engine death that held it after it started (it was computed again)
     notes: tuple[str, ...]  # the deaths that re-routed or retried it
     stages: tuple[StageTiming, ...] = ()  # per prefill rank (stage, TP rank) of its last attempt
     decode_bytes: tuple[int, ...] = ()  # bytes each decode TP rank received (finished requests)
@@ -132,7 +133,7 @@ class RouterRequest:
     finals: dict[int, Done] = field(default_factory=dict)  # decode rank -> its tokens
     seen: int = 0  # output tokens of this attempt so far
     streamed: int = 0  # output tokens handed to ``on_token`` so far, over every attempt
-    attempts: int = 1  # 2 once retried after an engine died holding it
+    attempts: int = 1  # + 1 per retry after an engine died holding it
     reasons: list[str] = field(default_factory=list)  # why it was re-routed or retried
     result: RequestResult | None = None
 
@@ -144,6 +145,14 @@ class RouterRequest:
         self.seen = 0
         self.sent.clear()
         self.finals.clear()
+
+    def held_by(self, role: Role, epoch: int, size: int) -> bool:
+        """Whether the engine ``role`` of ``epoch`` (``size`` ranks) holds this attempt: prefill, dispatched to
+        it and its KV/state not landed on the decode side; decode, reserved on it."""
+        if role is Role.DECODE:
+            return self.decode_epoch == epoch
+        landed = self.admitted or (len(self.sent) == size and all(sent.ok for sent in self.sent.values()))
+        return self.prefill_epoch == epoch and not landed
 
     def token(self, token: int) -> None:
         """The attempt's next output token: streamed unless an earlier attempt streamed it."""

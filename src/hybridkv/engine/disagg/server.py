@@ -7,11 +7,13 @@ moved and ``RequestTiming`` (queue, prefill, transfer, decode, TTFT, TPOT). ``pr
 live worker what it holds now (``WorkerState``: live pages and slots outside the prefill prefix
 cache vs before its first request, requests holding memory), so a leak shows while serving.
 
-The constructor checks the layout (``check_layout``: nothing starts on a mismatch), starts the
-transfer bootstrap (a fresh cluster key), and launches two ``EngineProcs``: the prefill engine
-(PP x TP processes, ``prefill_worker``) and the decode engine (TP processes, ``decode_worker``),
-then waits for every worker's ``Ready``. The router thread owns every pipe and supervises
-every process (pipes and process sentinels in one ``multiprocessing.connection.wait``).
+The constructor checks the layout and the checkpoint's headers for every rank (``check_layout``:
+nothing starts on a mismatch or a checkpoint that cannot load), starts the transfer bootstrap (a
+fresh cluster key), and launches two ``EngineProcs``: the prefill engine (PP x TP processes,
+``prefill_worker``) and the decode engine (TP processes, ``decode_worker``), then waits for every
+worker's ``Ready``; a failed start stops every process it started and unlinks every session file
+a decode rank may have created (the router names them). The router thread owns every pipe and
+supervises every process (pipes and process sentinels in one ``multiprocessing.connection.wait``).
 
 A request: ``Prefill`` to the prefill engine (its world rank 0 broadcasts commands to its peers;
 the engine batches the chunks of several requests per step) -> ``Started`` (the prefix-cache hit)
@@ -23,23 +25,25 @@ decode rank got every prefill rank's KV/state (``Admitted``) and streams each st
 ``max_new_tokens`` ends it. ``submit(..., on_token=f)`` calls ``f`` with each output token in
 order, from the router thread.
 
-Faults. An engine death is retried once, a transfer failure is not:
-- a prefill process dies: its engine's remaining processes are killed and reaped and the
-  engine restarts as a new epoch (new processes, new bootstrap name). Every request it held
-  and had not fully sent is computed again from its prompt on the new epoch (``attempts`` 2);
-  the decode side aborts the old reservation (its pages are freed once the dead writer is
-  proven gone). Requests it had not started are simply re-routed (no attempt spent).
-- a decode process dies: the same for the decode engine (its shared-memory files unlinked);
-  every request reserved on it and not done is computed again (prefill again, on the
-  prefill engine, whose prefix cache now holds it) and decoded on the new epoch; the prefill
-  senders abort the old legs and release their pages.
-- a request whose retry is hit by a death again ends ``failed`` with both reasons.
+Faults (the rule in full: ``quarantine``):
+- a process dies: its engine's other processes are killed and reaped (a decode engine's shm files
+  unlinked) and the engine restarts as a new epoch (new processes, new bootstrap name). Every open
+  request *present* there (prefill: dispatched to it and its KV not landed; decode: reserved on it)
+  is a suspect: computed again from its prompt (``attempts`` + 1, the death in ``notes``; the other
+  engine aborts its reservation or its legs, and frees their pages once no writer can touch them).
+- suspects are retried one at a time, each alone in the server (new requests wait meanwhile), so a
+  request present at a second death of the same engine is the only one present: it fails alone,
+  "quarantined: the prefill engine died twice while it held this request: <death>; <death>"; a
+  poison request (one whose processing crashes a worker) never takes the others down with it.
+- a death counts against the engine's ``restarts`` unless a request quarantined for its deaths was there;
+  when the counted deaths exceed ``restarts`` the engine is lost (``lost``): every request not
+  finished, and every new one, fails with the reason.
 - a transfer timeout (decode side) or any other transfer failure ends that request ``failed``
   with the transfer layer's reason; nothing else is affected. (A prompt that does not fit beside
   the requests being sent or decoded waits for their memory; one that fits on no rank even alone
   fails alone.)
-- after ``restarts`` restarts of an engine it is reported lost (``lost``): every request not
-  finished, and every new one, fails with the reason.
+Workers' stderr goes through ``WorkerLog``: Mooncake's own log lines (e.g. refused connections to a
+killed decode rank) become counted log records on ``hybridkv.transfer.mooncake`` (``metrics``).
 Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
 its memory and reports its live pages and slots), then reaps every process (terminate, then
 kill), closes every pipe and the bootstrap: no process of the server outlives ``close``.
@@ -50,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import secrets
 import threading
 import time
 import traceback
@@ -60,7 +65,6 @@ from typing import Any
 from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, check_layout
 from hybridkv.engine.disagg.engines import EngineState, PDStartError, await_ready, engine_name, launch, unlink_all
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
-from hybridkv.engine.disagg.procs import exit_reason
 from hybridkv.engine.disagg.protocol import (
     Abort,
     Admitted,
@@ -81,6 +85,7 @@ from hybridkv.engine.disagg.protocol import (
     Stop,
     Tokens,
 )
+from hybridkv.engine.disagg.quarantine import Quarantine
 from hybridkv.engine.disagg.results import (
     ABORTED,
     FAILED,
@@ -92,12 +97,14 @@ from hybridkv.engine.disagg.results import (
     WorkerState,
     request_metrics,
 )
+from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.request import SamplingParams, check_request
 from hybridkv.engine.scheduler import Role
 from hybridkv.engine.weights import read_config
 from hybridkv.transfer import BootstrapServer
 from hybridkv.transfer.auth import ClusterKey
+from hybridkv.transfer.shared import shm_path
 
 __all__ = ["FAILED", "FINISHED", "PDServer", "PDStartError"]
 
@@ -123,16 +130,20 @@ class PDServer:
         self._restarts = {Role.PREFILL: 0, Role.DECODE: 0}
         self._retired: list[EngineState] = []
         self._faults = {f.request: f for f in config.faults}
+        self._quarantine = Quarantine()
+        self._in_flight: set[int] = set()  # dispatched and not ended
+        self._session_files: list[str] = []  # every decode rank's shm arena, named before its process starts
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.prefill: EngineState | None = None
         self.decode: EngineState | None = None
+        self.logs = WorkerLog()
         try:
             self.prefill = self._launch(Role.PREFILL, 0)
             self.decode = self._launch(Role.DECODE, 0)
             await_ready([self.prefill, self.decode], config.timeout_s * 2)
         except BaseException:
-            self._shutdown()
+            self._shutdown(0.0)  # a failed start: nothing to drain
             raise
         self._thread = threading.Thread(target=self._route, name="pd-router", daemon=True)
         self._thread.start()
@@ -208,11 +219,13 @@ class PDServer:
             **request_metrics(list(self._requests)),
             "deaths": len(self.deaths),
             "restarts": {role.value: n for role, n in self._restarts.items()},
+            "quarantined": len(self._quarantine.quarantined),
+            "mooncake_log_lines": self.logs.total,
         }
 
     def shm_paths(self) -> list[str]:
         """The shared-memory files of every decode rank this server started (unlinked by ``close``)."""
-        return [path for e in self._engines() for path in e.shm.values() if path]
+        return list(self._session_files)
 
     def pids(self) -> list[int]:
         """Every worker process this server started (also dead and restarted ones)."""
@@ -255,13 +268,19 @@ class PDServer:
     # --- engines ---------------------------------------------------------------------
 
     def _launch(self, role: Role, epoch: int) -> EngineState:
-        return launch(role, epoch, WorkerArgs(self.config, engine_name(role, epoch), self.boot.address, self.key.hex))
+        c = self.config
+        shm = role is Role.DECODE and c.transport == "shm"
+        tokens = tuple(secrets.token_hex(16) for _ in range(c.decode_tp)) if shm else ()
+        self._session_files += [shm_path(token) for token in tokens]
+        args = WorkerArgs(c, engine_name(role, epoch), self.boot.address, self.key.hex, tokens)
+        return launch(role, epoch, args, self.logs)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, grace_s: float = 5.0) -> None:
         for e in self._engines():
-            e.procs.close(5.0 if not e.dead else 0.0)
-            unlink_all(e.shm.values())
+            e.procs.close(grace_s if not e.dead else 0.0)
+        unlink_all(self._session_files)
         self.boot.close()
+        self.logs.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -313,6 +332,7 @@ class PDServer:
                     self._drain(e, r)  # what it said before it exited (a Report, a Crash)
                     if not e.dead and not (self._stopping and r in e.reports):
                         self._on_death(e, r)
+            self._pump()
         self._collect_reports()
         with self._lock:  # _stopping is set: submit refuses, so this loop sees every request
             for req in self._requests:
@@ -340,7 +360,13 @@ class PDServer:
                         self._fail(req, reason)
                         self._abort_everywhere(req, reason)
             elif item is not None:
-                self._dispatch(item)
+                self._quarantine.queue.append(item.index)
+
+    def _pump(self) -> None:
+        """Dispatch what may go now (``Quarantine.next``: a suspect goes alone, the others wait for it)."""
+        while not self._stopping and (index := self._quarantine.next(bool(self._in_flight))) is not None:
+            if self._requests[index].result is None:
+                self._dispatch(self._requests[index])
 
     def _dispatch(self, req: RouterRequest) -> None:
         if self.lost:
@@ -350,9 +376,14 @@ class PDServer:
         p = self.prefill
         req.restart(f"request-{req.index}.p{p.epoch}.a{req.attempts}", p.epoch)
         self._tids[req.tid] = req
-        fault = self._faults.get(req.index) if req.attempts == 1 else None
-        if fault is not None and fault.kind is FaultKind.KILL_DECODE:
-            fault = None  # the router applies it itself, on the first token
+        self._in_flight.add(req.index)
+        fault = self._faults.get(req.index)
+        if (
+            fault is not None
+            and fault.kind is not FaultKind.CRASH_PREFILL
+            and (fault.kind is FaultKind.KILL_DECODE or req.attempts > 1)
+        ):
+            fault = None  # kill-decode: applied by the router, at the first token; crash-prefill: every attempt
         p.leader(Prefill(req.tid, req.ids, req.params, fault, req.salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
@@ -421,49 +452,45 @@ class PDServer:
 
     def _complete(self, req: RouterRequest) -> None:
         error = req.complete(self.config.prefill_tp)
+        self._in_flight.discard(req.index)
         if error:
             self._fail(req, error)
 
     def _fail(self, req: RouterRequest, reason: str, transfer: bool = False) -> None:
+        self._in_flight.discard(req.index)
         req.fail(reason, transfer)
 
     def _on_death(self, e: EngineState, r: int) -> None:
-        e.procs.procs[r].join(1.0)  # its sentinel fired: it exited, collect the code
-        code = e.procs.procs[r].exitcode
         crash = e.crash.get(r, "").strip().splitlines()
-        why = f"{e.names[r]} (pid {e.procs.pids[r]}, epoch {e.epoch}) died: {exit_reason(code)}"
+        why = f"{e.names[r]} (pid {e.procs.pids[r]}, epoch {e.epoch}) died: {e.procs.exit_reason(r)}"
         if crash:
             why += f" ({crash[-1]})"
         self.deaths.append(why)
+        started = len(e.ready) == e.size
         e.dead = True
         e.procs.close(0.0)  # its peers' collectives are broken: end them all now
         unlink_all(e.shm.values())
         self._retired.append(e)
         survivor = self.decode if e.role is Role.PREFILL else self.prefill
         assert survivor is not None
-        retry = []
-        for req in self._requests:
-            if req.result is not None or not req.tid:
-                continue
-            if e.role is Role.PREFILL:
-                landed = req.admitted or (len(req.sent) == e.size and all(sent.ok for sent in req.sent.values()))
-                held = req.prefill_epoch == e.epoch and not landed
-            else:
-                held = req.decode_epoch == e.epoch
-            if not held:
-                continue
+        present = [r for r in self._requests if r.result is None and r.tid and r.held_by(e.role, e.epoch, e.size)]
+        for req in present:
+            self._in_flight.discard(req.index)
             if req.started:  # the other engine may hold its reservation or its legs: end them
                 survivor.leader(Abort(req.tid, why))
-                if req.attempts >= 2:
-                    self._fail(req, f"{why} (on its retry)")
-                    continue
                 req.attempts += 1
             req.reasons.append(why)
-            retry.append(req)
+        failed = self._quarantine.record(e.role, why, [req.index for req in present], started)
+        for req in present:
+            if req.index in failed:
+                self._fail(req, failed[req.index])
+            elif not started:
+                self._quarantine.requeue(req.index)  # not implicated: dispatched again as it was
         if self._stopping:
             return
-        if self._restarts[e.role] >= self.config.restarts:
+        if self._quarantine.counted(e.role) > self.config.restarts:
             self.lost[e.role] = why
+            self._quarantine.clear()
             for req in self._requests:
                 self._fail(req, f"the {e.role.value} engine is lost: {why}")
             return
@@ -473,8 +500,6 @@ class PDServer:
             self.prefill = fresh
         else:
             self.decode = fresh
-        for req in retry:
-            self._dispatch(req)
         for req in self._requests:  # landed requests that waited only for the dead engine's Sent
             if req.result is None and req.finals:
                 self._maybe_complete(req)

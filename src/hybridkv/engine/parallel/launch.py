@@ -1,4 +1,6 @@
-"""launch: run ``fn(rank, *args)`` in ``world_size`` spawned processes joined into one ``torch.distributed`` world.
+"""launch: run ``fn(rank, *args)`` in ``world_size`` processes joined into one ``torch.distributed`` world.
+
+The processes come from the engine forkserver (``parallel.forkserver``: its imports done once).
 
 Invariants:
 - Every child joins the world (``init_world``, backend from ``device``, TCP on 127.0.0.1 at a
@@ -8,15 +10,14 @@ Invariants:
   child raised: every child's traceback) or ``LaunchTimeout`` (no result within
   ``timeout_s``); in every case, including an exception in the caller's thread, every child
   has been terminated (then killed) and joined before ``launch`` returns or raises: no
-  orphans. A child whose parent dies without reaping it (SIGKILL) exits by itself within a
-  second (it watches its parent id).
+  orphans. A child whose launcher dies without reaping it (SIGKILL) exits by itself at once
+  (``watch_launcher``).
 - Results travel through a queue, so they must pickle; return plain data (lists, numpy),
   not tensors (a tensor's shared storage would outlive its child).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import socket
 import threading
@@ -26,8 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from hybridkv.engine.parallel.forkserver import context, watch_launcher
 from hybridkv.engine.parallel.groups import DEFAULT_TIMEOUT_S, init_world
 
 
@@ -52,12 +53,6 @@ def free_port() -> int:
         return port
 
 
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def _child(
     fn: Callable[..., Any],
     rank: int,
@@ -67,9 +62,8 @@ def _child(
     timeout_s: float,
     args: tuple[Any, ...],
     results: Any,
-    parent: int,
 ) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    threading.Thread(target=watch_launcher, daemon=True, name="launcher-watch").start()
     try:
         init_world(rank, world_size, port, device, timeout_s)
         results.put((rank, True, fn(rank, *args)))
@@ -94,14 +88,14 @@ def launch(
     ``fn`` must be importable by name (a module-level function). ``timeout_s`` bounds the
     whole launch; ``collective_timeout_s`` (default: ``timeout_s``) each collective.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
     coll = timeout_s if collective_timeout_s is None else collective_timeout_s
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, device, coll, args, results, os.getpid()),
+            args=(fn, rank, world_size, port, device, coll, args, results),
             name=f"hybridkv-rank{rank}",
         )
         for rank in range(world_size)
