@@ -142,6 +142,9 @@ class KVHandle:
             raise CacheError(
                 f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
             )
+        if need == 0:  # most decode steps: the last page has room
+            self.seq_len = new_len
+            return
         n = self.n_pages
         end = n + need
         if not self._own_row:  # the first growth: the row becomes the request's own array
