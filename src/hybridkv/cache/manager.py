@@ -293,8 +293,9 @@ class KVManager:
         per_pool = zip(*(h.window_release() for h in handles), strict=True)
         freed = 0
         for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
-            pages = np.concatenate(parts)
-            if pages.size:
+            left = [p for p in parts if p.size]
+            if left:
+                pages = np.concatenate(left) if len(left) > 1 else left[0]
                 if self.park_windows:
                     self._window_cache.hold(pages, w)
                 else:
