@@ -35,6 +35,9 @@ from hybridkv.cache.prefix_cache import MatchResult
 from hybridkv.memory import MoveGate
 from hybridkv.spec import PoolId
 
+_NO_PAGES = np.empty(0, dtype=np.int64)
+_NO_PAGES.flags.writeable = False
+
 
 class HandleStatus(Enum):
     RECEIVING = "receiving"
@@ -142,6 +145,9 @@ class KVHandle:
             raise CacheError(
                 f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
             )
+        if need == 0:  # most decode steps: the last page has room
+            self.seq_len = new_len
+            return
         n = self.n_pages
         end = n + need
         if not self._own_row:  # the first growth: the row becomes the request's own array
@@ -160,11 +166,12 @@ class KVHandle:
         """Own pages that just left each window pool's window (one array per pool); marks
         them released."""
         out = []
+        seq_len, ps, cached, released = self.seq_len, self.page_size, self.cached, self.released
         for i, pool in enumerate(self.windows):
-            first_needed = pool.page_span(self.seq_len, self.page_size)[0]
-            lo = max(self.released[i], self.cached)
+            first_needed = pool.first_needed(seq_len) // ps  # page_span's first page
+            lo = released[i] if released[i] > cached else cached
             if first_needed <= lo:
-                out.append(self._row[:0])
+                out.append(_NO_PAGES)
                 continue
             idx = np.arange(lo, first_needed)
             k0, k1 = self.keep[i]

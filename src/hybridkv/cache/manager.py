@@ -58,6 +58,7 @@ from hybridkv.memory.gates import DoneEvent
 from hybridkv.spec import IdSpace
 
 T = TypeVar("T")
+_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 def _handle(handle: object, what: str) -> KVHandle:
@@ -103,6 +104,11 @@ class KVManager:
     @property
     def has_state(self) -> bool:
         return self._state_pool is not None
+
+    @property
+    def has_windows(self) -> bool:
+        """Some pool releases history (``release_windows`` has work)."""
+        return bool(self._windows)
 
     # --- allocation with eviction ---------------------------------------------------------
 
@@ -260,14 +266,18 @@ class KVManager:
         handles = _handles(handles, "extend_batch")
         if not isinstance(new_lens, Sequence) or len(new_lens) != len(handles):
             raise CacheError(f"extend_batch: need one new length per handle ({len(handles)}), got {new_lens!r}")
-        new_lens = [integer(n, "extend_batch new_lens") for n in new_lens]
+        if not all(type(n) is int for n in new_lens):
+            new_lens = [integer(n, "extend_batch new_lens") for n in new_lens]
         needs = []
+        running = HandleStatus.RUNNING
         for h, n in zip(handles, new_lens, strict=True):
-            h.check_running("extend")
+            if h.status is not running:
+                h.check_running("extend")
             if n < h.seq_len:
                 raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
             needs.append(h.pages_needed(n))
-        pages = self._alloc_for(handles, sum(needs))
+        total = sum(needs)
+        pages = self._alloc_for(handles, total) if total else _NO_PAGES
         at = 0
         for h, n, need in zip(handles, new_lens, needs, strict=True):
             h.grow(n, pages[at : at + need])
@@ -283,8 +293,9 @@ class KVManager:
         per_pool = zip(*(h.window_release() for h in handles), strict=True)
         freed = 0
         for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
-            pages = np.concatenate(parts)
-            if pages.size:
+            left = [p for p in parts if p.size]
+            if left:
+                pages = np.concatenate(left) if len(left) > 1 else left[0]
                 if self.park_windows:
                     self._window_cache.hold(pages, w)
                 else:

@@ -38,7 +38,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -107,6 +107,22 @@ class RequestMemory:
     """Tokens taken from the cache over every admission."""
     fetched: Fetched | None = None
     """With tiers: the cross-tier hit planned while it waits (store reads under way)."""
+    _ids: np.ndarray = field(default_factory=lambda: _NO_TOKENS, repr=False)
+    _known: int = 0
+
+    def ids(self, tokens: Sequence[int], end: int) -> np.ndarray:
+        """``tokens[:end]`` as int64 ids: a view of a copy kept with the request, to which only
+        tokens not seen before are converted (a request's tokens only grow, by appending).
+        Never written below ``_known``: views handed out stay valid."""
+        known = self._known
+        if end > known:
+            if end > self._ids.size:
+                grown = np.empty(max(end, 2 * self._ids.size, 64), dtype=np.int64)
+                grown[:known] = self._ids[:known]
+                self._ids = grown
+            self._ids[known:end] = tokens[known:end]
+            self._known = end
+        return self._ids[:end]
 
     @property
     def length(self) -> int:
@@ -156,7 +172,7 @@ class RequestAllocator:
         ``tokens``, its hit across the tiers is planned now and the store's reads start while it waits."""
         req = RequestMemory(namespace=namespace)
         if self.tiers is not None and self.prefix_cache and tokens is not None:
-            key = np.asarray(tokens[:-1], dtype=np.int64)
+            key = req.ids(tokens, len(tokens) - 1)
             req.fetched = self.tiers.plan(key, namespace, self.kvm.match(key, namespace))
         return req
 
@@ -177,7 +193,7 @@ class RequestAllocator:
         decides), ``TOO_BIG`` when even the slot does not. Every rank of ``agree`` admits at the
         same hit length or refuses alike. Refused: nothing held."""
         kvm, tiers = self.kvm, self.tiers
-        key = np.asarray(tokens[:-1], dtype=np.int64) if self.prefix_cache else _NO_TOKENS
+        key = req.ids(tokens, len(tokens) - 1) if self.prefix_cache else _NO_TOKENS
         match, branch_at = self._agreed_match(key, req.namespace, agree)
         fetched = None
         if tiers is not None and self.prefix_cache:
@@ -261,7 +277,7 @@ class RequestAllocator:
         unless ``release_windows`` is False: a prefill engine's sender reads the whole prompt's KV)."""
         for req in reqs:
             req.fresh = False
-        if release_windows:
+        if release_windows and self.kvm.has_windows:
             self.kvm.release_windows([r.live for r in reqs])
 
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
@@ -271,7 +287,7 @@ class RequestAllocator:
         if end in req.wanted and self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
             self._checkpoint(h)
         if self.prefix_cache and end // self.page_size > h.cached:
-            self.kvm.insert(h, np.asarray(tokens[:end], dtype=np.int64))
+            self.kvm.insert(h, req.ids(tokens, end))
 
     def finish(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """Cache the finished sequence, its state checkpointed at the end when the placement
@@ -283,7 +299,7 @@ class RequestAllocator:
             return
         if self.kvm.finish_checkpoint(h) == h.seq_len:
             self._checkpoint(h)
-        self.kvm.finish(h, np.asarray(tokens[: h.seq_len], dtype=np.int64))
+        self.kvm.finish(h, req.ids(tokens, h.seq_len))
 
     def retract(self, req: RequestMemory) -> None:
         """Give back what the request holds; what it inserted stays cached for its resumption."""

@@ -238,37 +238,46 @@ class Scheduler:
         """Fresh pages ``req`` needs for its next span."""
         return req.mem.live.pages_needed(req.computed + self._span(req, budget))
 
-    def _admit(self, budget: int) -> None:
+    def _spans(self, reqs: list[Request]) -> list[int]:
+        """Each request's span this step, in order, within ``max_step_tokens``."""
+        spans, left = [], self.max_step_tokens
+        for req in reqs:
+            span = self._span(req, left)
+            spans.append(span)
+            left -= span
+        return spans
+
+    def _admit(self, budget: int) -> list[int]:
+        """Admit waiting requests into ``budget`` tokens of the step; the spans of those admitted."""
         taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
+        spans: list[int] = []
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
             alone = self.alone_in_memory
             got = self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, alone, self.agree)
             if got is Admission.REFUSED:
-                return
+                break
             self.waiting.popleft()
             if got is Admission.TOO_BIG:
                 self._fail_alone(req, "its first chunk and state slot do not fit")
                 continue
             req.computed = req.mem.length
             self.running.append(req)
-            taken += self._step_pages(req, budget)
-            budget -= self._span(req, budget)
+            span = self._span(req, budget)
+            taken += req.mem.live.pages_needed(req.computed + span)
+            budget -= span
+            spans.append(span)
+        return spans
 
     def next_step(self) -> Step | None:
         """Pick this step's requests and spans and allocate their memory (retracting when short)."""
-        budget = self.max_step_tokens
-        for req in self.running:  # what the running requests take of this step: admit into the rest
-            budget -= self._span(req, budget)
-        self._admit(budget)
+        spans = self._spans(self.running)
+        budget = self.max_step_tokens - sum(spans)  # what the running requests leave of this step
+        if self.waiting and len(self.running) < self.max_running and budget > 0:
+            spans += self._admit(budget)
         while self.running:
-            reqs, spans, left = [], [], self.max_step_tokens
-            for req in self.running:
-                span = self._span(req, left)
-                if span > 0:
-                    reqs.append(req)
-                    spans.append(span)
-                    left -= span
+            reqs = [r for r, s in zip(self.running, spans, strict=True) if s > 0]
+            spans = [s for s in spans if s > 0]
             short = ""
             try:
                 self.alloc.extend([r.mem for r in reqs], [r.computed + s for r, s in zip(reqs, spans, strict=True)])
@@ -276,6 +285,7 @@ class Scheduler:
                 short = str(exc)
             if not self.agree.min([0 if short else 1])[0]:
                 self._retract_newest(short or "another rank of this engine is out of memory")
+                spans = self._spans(self.running)
                 continue
             ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
             return Step(reqs, spans, self._batch(reqs, spans), ending)

@@ -75,6 +75,8 @@ def select(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     indexing would wrap a negative id to the end of the table). The check runs where the
     table lives: a CPU table raises ``IndexError`` at once; on a GPU an out-of-range id is a
     device-side assert (the process stops; it never reads another request's entries)."""
+    if index.dim() == 1:
+        return table.index_select(0, index)
     return table.index_select(0, index.reshape(-1)).view(index.shape)
 
 

@@ -58,6 +58,7 @@ class SubPool:
         self.cell_bytes = cell
         self.grid_cells = arena.nbytes // cell
         self._views: dict[tuple[int, str], torch.Tensor] = {}
+        self._copy_grid: torch.Tensor | None = None
         slab, sink, nslabs = arena.slab_bytes, arena.sink_bytes, arena.num_slabs
         starts = np.arange(self.grid_cells, dtype=np.int64) * cell
         lo = (starts - sink) // slab
@@ -292,11 +293,14 @@ class SubPool:
 
     def copy_cells(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy whole cells (every layer's bytes) ``src[i] -> dst[i]``; asynchronous on GPU."""
-        if not self.arena.has_data or src.size == 0:
+        if src.size == 0 or not self.arena.has_data:
             return
-        grid = self.arena.cell_grid(self.grid_cells, self.cell_bytes)
-        if self.cell_bytes % 8 == 0 and grid.data_ptr() % 8 == 0:
-            grid = grid.view(torch.int64)  # whole-cell copies in words: several times faster than in bytes
+        grid = self._copy_grid
+        if grid is None:  # built once, like the views
+            grid = self.arena.cell_grid(self.grid_cells, self.cell_bytes)
+            if self.cell_bytes % 8 == 0 and grid.data_ptr() % 8 == 0:
+                grid = grid.view(torch.int64)  # whole-cell copies in words: several times faster than in bytes
+            self._copy_grid = grid
         dev = grid.device
         grid.index_copy_(0, to_index(dst, dev), grid.index_select(0, to_index(src, dev)))
 

@@ -182,13 +182,18 @@ class UnifiedMemory(TokenApi, WindowApi):
         if not self.token_pools:
             return self.pages.free_count
         free_slabs = self.arena.free_slabs
-        per_slab = [max(1, self.plan.min_cells_per_slab(p.layout)) for p in self.token_pools]
+        pools = self.token_pools
+        per_slab = [max(1, self.plan.min_cells_per_slab(p.layout)) for p in pools]
 
         def fits(k: int) -> bool:
-            need = sum(-(-max(0, k - p.free_count) // n) for p, n in zip(self.token_pools, per_slab, strict=True))
+            need = sum(-(-max(0, k - p.free_count) // n) for p, n in zip(pools, per_slab, strict=True))
             return need <= free_slabs
 
-        lo, hi = 0, self.pages.free_count
+        # each pool alone bounds k (its free cells and every free slab); often that bound fits them all
+        hi = min(self.pages.free_count, *(p.free_count + free_slabs * n for p, n in zip(pools, per_slab, strict=True)))
+        if fits(hi):
+            return hi
+        lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
@@ -320,8 +325,11 @@ class UnifiedMemory(TokenApi, WindowApi):
         self._check_slot_pools("fork_state")
         src = host_ids(slots, "fork_state")
         self.slots.check_live(src, "fork_state")
-        with self.pin(slots=src):  # compaction while reserving must not move the sources
-            new = self.alloc_state(src.size)
+        if all(pool.free_count >= src.size for pool in self.slot_pools):
+            new = self.alloc_state(src.size)  # free cells at hand: no compaction, nothing moves
+        else:
+            with self.pin(slots=src):  # compaction while reserving must not move the sources
+                new = self.alloc_state(src.size)
         for pool in self.slot_pools:
             pool.copy_cells(pool.v2p[src], pool.v2p[new])
         return new
@@ -367,7 +375,8 @@ class UnifiedMemory(TokenApi, WindowApi):
             index = pages.to(device=v2p.device, dtype=torch.int64, non_blocking=True)
         else:
             arr = host_ids(pages, "page_cells")
-            check_range(arr, v2p.numel(), f"page_cells in {pool}", noun)
+            if v2p.device.type != "cpu":  # a CPU table's lookup refuses bad ids itself (below)
+                check_range(arr, v2p.numel(), f"page_cells in {pool}", noun)
             index = to_index(arr, v2p.device)
         try:
             return select(v2p, index)
