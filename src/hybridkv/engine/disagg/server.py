@@ -276,6 +276,10 @@ class PDServer:
         return launch(role, epoch, args, self.logs)
 
     def _shutdown(self, grace_s: float = 5.0) -> None:
+        if self.router_error and self._thread is not None and not self._thread.is_alive():
+            for e in self._engines():  # the failed router sent no Stop: its live workers stop now, not at the grace
+                if not e.dead:
+                    e.leader(Stop())
         for e in self._engines():
             e.procs.close(grace_s if not e.dead else 0.0)
         unlink_all(self._session_files)
