@@ -28,6 +28,11 @@ from hybridkv.server.backend import Backend
 from hybridkv.server.state import ServerConfig, ServerState
 
 BACKSTOP_S = 5  # uvicorn cancels what is still running this long after the requests were aborted
+SWITCH_INTERVAL_S = 0.0005
+"""The foreground server's GIL switch interval (Python's default: 5 ms). The engine thread and the
+event loop take turns on the GIL; at 5 ms a streamed token or a new request can wait a whole
+interval. Measured (bench serve, 16 requests alone, alternating runs): overhead p50 10.6 / 11.6 ms
+at 0.5 ms vs 15.3 / 15.4 ms at 5 ms."""
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -122,6 +127,7 @@ def serve(backend: Backend, config: ServerConfig, sock: socket.socket, shutdown_
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, remember)
     print(f"hybridkv serve: listening on {server.url} (model {backend.info.name})", flush=True)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the whole process is this server
     server.run()
     names = ", ".join(signal.Signals(s).name for s in dict.fromkeys(got)) or "no signal"
     print(f"hybridkv serve: shut down ({names})", file=sys.stderr, flush=True)
