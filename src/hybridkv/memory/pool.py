@@ -237,7 +237,7 @@ class SubPool:
         cell (``settle`` them once the caller no longer counts on their free cells)."""
         self.status[cells] = FREE
         self._push(cells)
-        touched = self._add_live(cells, -1)
+        touched = np.flatnonzero(self._add_live(cells, -1))  # sorted, each slab once
         self.live_count -= cells.size
         return touched[self.arena.slab_live[touched] == 0]
 
@@ -255,23 +255,16 @@ class SubPool:
                 self.release_slab(int(slab))
 
     def _add_live(self, cells: np.ndarray, delta: int) -> np.ndarray:
-        """Add ``delta`` to the live count of every slab the cells touch; returns those slabs
-        (sorted, each once). A few cells (a state slot, a page) cost no pass over every slab."""
+        """Add ``delta`` to the live count of every slab the cells touch; returns how many of
+        the cells touch each slab."""
         nslabs = self.arena.num_slabs
         touched = np.concatenate([self.cell_lo[cells], self.cell_next[cells]])
-        if touched.size * 16 < nslabs:
-            slabs, counts = np.unique(touched, return_counts=True)
-            if slabs.size and slabs[-1] == nslabs:  # the "no second slab" marker
-                slabs, counts = slabs[:-1], counts[:-1]
-        else:
-            per_slab = np.bincount(touched, minlength=nslabs + 1)[:nslabs]
-            slabs = np.flatnonzero(per_slab)
-            counts = per_slab[slabs]
+        counts = np.bincount(touched, minlength=nslabs + 1)[:nslabs]
         if delta > 0:
-            self.arena.slab_live[slabs] += counts
+            self.arena.slab_live += counts
         else:
-            self.arena.slab_live[slabs] -= counts
-        return slabs
+            self.arena.slab_live -= counts
+        return counts
 
     # --- tables ----------------------------------------------------------------------------
 
