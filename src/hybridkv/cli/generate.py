@@ -141,9 +141,7 @@ def generate(
 
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
-    tiers = tier_options(host_memory, store, store_master, store_memory)
-    if no_prefix_cache and (host_memory is not None or store != "none"):
-        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
+    tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
     checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
     source, weights, config = model_source(model, random)
     sizing = size(

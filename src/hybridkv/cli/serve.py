@@ -134,15 +134,12 @@ def serve(
         raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
     layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
     faults = parse_faults(fault or [])
-    tiers = tier_options(host_memory, store, store_master, store_memory)
-    tiered = host_memory is not None or store != "none"
-    if tiered and disaggregated:
+    if disaggregated and (host_memory is not None or store != "none"):
         raise typer.BadParameter(
             "the disaggregated engines keep no tiers below the device yet: drop --host-memory/--store",
             param_hint="--host-memory/--store",
         )
-    if tiered and no_prefix_cache:
-        raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")
+    tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
     key = api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(
         api_key=key,
