@@ -270,6 +270,8 @@ def test_metrics_export_the_pd_figures(server: HttpServer) -> None:
     assert metric(text, "hybridkv_transfer_bytes_total") > 0 and metric(text, "hybridkv_transfer_failures_total") == 0
     assert metric(text, "hybridkv_prefix_cache_hit_tokens_total") >= 16 * (len(PROMPTS) - HEADS)
     assert metric(text, "hybridkv_pd_worker_deaths_total") == 0
+    assert metric(text, "hybridkv_pd_quarantined_requests_total") == 0
+    assert metric(text, "hybridkv_pd_mooncake_log_lines_total") == 0  # shm transport: no Mooncake
     assert metric(text, 'hybridkv_pd_engine_restarts_total{engine="decode"}') == 0
     for phase in ("queued", "prefilling", "transferring", "decoding"):
         assert metric(text, f'hybridkv_pd_requests{{phase="{phase}"}}') == 0

@@ -19,8 +19,8 @@ Invariants every backend keeps:
   ``evicted_pages``, ``evicted_states`` and the counters ``steps``, ``requests``, ``aborted``,
   ``errors``, ``retractions``, ``prompt_tokens``, ``cached_tokens``, ``hit_full_tokens``,
   ``hit_window_tokens``, ``hit_checkpoint_tokens``, ``engine_thread_cpu_s`` (CPU seconds of the
-thread that runs the engine), and for PD ``transfer_bytes``,
-  ``transfer_failures``, ``deaths``, ``probe_ok``, ``phases`` ({phase: open requests}),
+thread that runs the engine), and for PD ``transfer_bytes``, ``transfer_failures``, ``deaths``,
+  ``quarantined``, ``mooncake_log_lines``, ``probe_ok``, ``phases`` ({phase: open requests}),
   ``restarts`` ({engine: n}) and ``workers`` (per worker: ``worker``, ``epoch``, ``pid``,
   ``live_pages``, ``live_slots``, ``before_pages``, ``before_slots``, ``requests``); with tiers
   below the device, ``tiers`` (``TieredCache.metrics``). A key a backend lacks is not exported.

@@ -52,6 +52,11 @@ COUNTERS = {
     "transfer_bytes": ("transfer_bytes", "KV and state bytes moved prefill -> decode (PD)."),
     "transfer_failures": ("transfer_failures", "Failed prefill -> decode transfers (PD)."),
     "deaths": ("pd_worker_deaths", "PD worker processes that died while serving."),
+    "quarantined": (
+        "pd_quarantined_requests",
+        "PD requests failed alone for being present at two deaths of an engine.",
+    ),
+    "mooncake_log_lines": ("pd_mooncake_log_lines", "Mooncake's own log lines from PD workers, routed to logging."),
     "engine_thread_cpu_s": (
         "engine_thread_cpu_seconds",
         "CPU seconds of the engine thread (the rest of process_cpu_seconds is the HTTP side).",

@@ -123,6 +123,8 @@ class PDBackend:
             "transfer_failures": pd["transfer_failures"],
             "deaths": pd["deaths"],
             "restarts": pd["restarts"],
+            "quarantined": pd["quarantined"],
+            "mooncake_log_lines": pd["mooncake_log_lines"],
         }
         try:
             states = self.server.probe(self.probe_timeout_s)
