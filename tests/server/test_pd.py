@@ -122,6 +122,10 @@ async def _stream_httpx(client: httpx.AsyncClient, url: str, ids: list[int]) -> 
             if line.startswith("data: {"):
                 last = json.loads(line.removeprefix("data: "))
     meta = last["meta_info"]
+    path = meta["disaggregated"]  # a PD request's path: one attempt, its KV moved, each phase timed
+    assert path["attempts"] == 1 and path["transfer_bytes"] > 0, path
+    assert set(path["timing"]) == {"queue_s", "prefill_s", "transfer_s", "decode_s"}
+    assert all(v >= 0 for v in path["timing"].values()), path
     kind = meta["finish_reason"]["type"]
     return last["output_ids"], ("length" if kind == "length" else kind), meta["cached_tokens"]
 

@@ -68,6 +68,10 @@ class Finished:
     cached_tokens: int  # prompt tokens served from the prefix cache
     cached_tokens_details: dict[str, int] | None = None
     """``cached_tokens`` by where they came from {device, host, storage} (None: the backend does not say)."""
+    disaggregated: dict[str, Any] | None = None
+    """A PD request's path: ``attempts`` (1, plus one per engine death that made it run again),
+    ``retractions``, ``transfer_bytes`` (every decode rank's, summed) and ``timing`` (``queue_s``,
+    ``prefill_s``, ``transfer_s``, ``decode_s``; null when it failed); None from a single engine."""
 
 
 class Sink(Protocol):

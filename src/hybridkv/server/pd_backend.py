@@ -177,7 +177,18 @@ class PDBackend:
 
     def _done(self, req: _Open, result: RequestResult) -> None:
         reason, error = FinishReason(result.finish_reason), result.reason or None
-        self._end(req, Finished(result.output_ids, reason, error, result.prompt_tokens, result.cached_tokens))
+        t = result.timing
+        path = {
+            "attempts": result.attempts,
+            "retractions": result.retractions,
+            "transfer_bytes": result.transfer_bytes,
+            "timing": None
+            if t is None
+            else {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s},
+        }
+        self._end(
+            req, Finished(result.output_ids, reason, error, result.prompt_tokens, result.cached_tokens, None, path)
+        )
 
     def _end(self, req: _Open, finished: Finished) -> None:
         with self._cond:

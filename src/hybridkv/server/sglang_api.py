@@ -7,7 +7,8 @@
 prompt in a batch) and ``cache_salt``. Every answer (each element of a batch) has ``text``,
 ``output_ids`` and ``meta_info`` {``id``, ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
-``cached_tokens_details`` {``device``, ``host``, ``storage``}}; ``finish_reason`` is SGLang's object
+``cached_tokens_details`` {``device``, ``host``, ``storage``}, from the PD server ``disaggregated``
+{``attempts``, ``retractions``, ``transfer_bytes``, ``timing``}}; ``finish_reason`` is SGLang's object
 (``{"type": "length", "length": n}``, ``{"type": "stop", "matched": id}``, ``{"type": "abort",
 "message": ...}``) and null in a stream until the prompt ended. A stream sends, as SGLang does by
 default, the cumulative ``output_ids`` and ``text`` of one prompt per chunk (``index``: its place in
@@ -108,6 +109,8 @@ def _answer(gen: Generation, i: int, rid: str, text: TextStream) -> dict[str, An
     }
     if f is not None and f.cached_tokens_details is not None:  # where the cached tokens came from
         meta["cached_tokens_details"] = f.cached_tokens_details
+    if f is not None and f.disaggregated is not None:  # a PD request's attempts, bytes and phase times
+        meta["disaggregated"] = f.disaggregated
     return {"text": text.text, "output_ids": list(p.tokens), "meta_info": meta}
 
 
