@@ -36,7 +36,12 @@ def test_a_token_pool_is_one_grid_of_slots_per_layer() -> None:
             span = layout.span(layer, ("k", "v"))
             k = runner.mem.view(layer, "k")
             assert layout.grid[:, span.start].data_ptr() == k.data_ptr()  # the same bytes as the layer's view
-            assert torch.equal(layout.grid[5, span.start + 1], runner.mem.view(layer, "v")[5])
+            v = runner.mem.view(layer, "v")
+            assert layout.grid[5, span.start + 1].data_ptr() == v[5].data_ptr()  # v's cell 5 is the next slot
+            assert (
+                layout.grid[5, span.start + 1].shape == v[5].shape
+                and layout.grid[5, span.start + 1].stride() == v[5].stride()
+            )
         with pytest.raises(LayoutError, match="keeps no"):
             layout.span(99, ("k", "v"))
         with pytest.raises(LayoutError, match="not adjacent"):
