@@ -26,7 +26,7 @@ from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.decode_worker import decode_main
 from hybridkv.engine.disagg.prefill_worker import prefill_main
 from hybridkv.engine.disagg.procs import EngineProcs
-from hybridkv.engine.disagg.protocol import Command, Crash, Ready, Report
+from hybridkv.engine.disagg.protocol import Command, Crash, Ready, Report, Stop
 from hybridkv.engine.disagg.results import PDRank
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.scheduler import Role
@@ -67,6 +67,20 @@ class EngineState:
     def leader(self, command: Command) -> None:
         """Send ``command`` to world rank 0 (it broadcasts to the others at its next step)."""
         self.procs.send(0, command)
+
+    def retire(self) -> None:
+        """A worker died: end every process now (its peers' collectives are broken) and unlink its
+        shm files."""
+        self.dead = True
+        self.procs.close(0.0)
+        unlink_all(self.shm.values())
+
+    def stop(self, grace_s: float, tell: bool) -> None:
+        """Reap every process, waiting ``grace_s`` for a live engine to stop by itself; ``tell``: send
+        it ``Stop`` first (nobody else will: the router that would have is gone)."""
+        if tell and not self.dead:
+            self.leader(Stop())
+        self.procs.close(0.0 if self.dead else grace_s)
 
     def on_ready(self, rank: int, msg: Ready) -> None:
         self.ready.add(rank)

@@ -25,23 +25,13 @@ decode rank got every prefill rank's KV/state (``Admitted``) and streams each st
 ``max_new_tokens`` ends it. ``submit(..., on_token=f)`` calls ``f`` with each output token in
 order, from the router thread.
 
-Faults (the rule in full: ``quarantine``):
-- a process dies: its engine's other processes are killed and reaped (a decode engine's shm files
-  unlinked) and the engine restarts as a new epoch (new processes, new bootstrap name). Every open
-  request *present* there (prefill: dispatched to it and its KV not landed; decode: reserved on it)
-  is a suspect: computed again from its prompt (``attempts`` + 1, the death in ``notes``; the other
-  engine aborts its reservation or its legs, and frees their pages once no writer can touch them).
-- suspects are retried one at a time, each alone in the server (new requests wait meanwhile), so a
-  request present at a second death of the same engine is the only one present: it fails alone,
-  "quarantined: the prefill engine died twice while it held this request: <death>; <death>"; a
-  poison request (one whose processing crashes a worker) never takes the others down with it.
-- a death counts against the engine's ``restarts`` unless a request quarantined for its deaths was there;
-  when the counted deaths exceed ``restarts`` the engine is lost (``lost``): every request not
-  finished, and every new one, fails with the reason.
-- a transfer timeout (decode side) or any other transfer failure ends that request ``failed``
-  with the transfer layer's reason; nothing else is affected. (A prompt that does not fit beside
-  the requests being sent or decoded waits for their memory; one that fits on no rank even alone
-  fails alone.)
+Faults: a process that dies takes its engine down (the other processes killed and reaped, a decode
+engine's shm files unlinked) and the engine restarts as a new epoch; the open requests it held are
+computed again, one at a time and alone, so a request present at two deaths of an engine fails alone
+and a poison request never takes the others with it; past ``restarts`` counted deaths the engine is
+lost and every open and new request fails with the reason (the rule in full: ``quarantine``). A
+transfer failure (a decode-side timeout included) fails that request alone; a prompt that does not
+fit beside the requests in flight waits for their memory, one that fits on no rank alone fails.
 Workers' stderr goes through ``WorkerLog``: Mooncake's own log lines (e.g. refused connections to a
 killed decode rank) become counted log records on ``hybridkv.transfer.mooncake`` (``metrics``).
 Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
@@ -276,12 +266,9 @@ class PDServer:
         return launch(role, epoch, args, self.logs)
 
     def _shutdown(self, grace_s: float = 5.0) -> None:
-        if self.router_error and self._thread is not None and not self._thread.is_alive():
-            for e in self._engines():  # the failed router sent no Stop: its live workers stop now, not at the grace
-                if not e.dead:
-                    e.leader(Stop())
+        router_failed = bool(self.router_error) and self._thread is not None and not self._thread.is_alive()
         for e in self._engines():
-            e.procs.close(grace_s if not e.dead else 0.0)
+            e.stop(grace_s, tell=router_failed)
         unlink_all(self._session_files)
         self.boot.close()
         self.logs.close()
@@ -471,9 +458,7 @@ class PDServer:
             why += f" ({crash[-1]})"
         self.deaths.append(why)
         started = len(e.ready) == e.size
-        e.dead = True
-        e.procs.close(0.0)  # its peers' collectives are broken: end them all now
-        unlink_all(e.shm.values())
+        e.retire()
         self._retired.append(e)
         survivor = self.decode if e.role is Role.PREFILL else self.prefill
         assert survivor is not None
