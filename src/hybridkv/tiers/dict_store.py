@@ -11,13 +11,12 @@ Invariant: ``used_bytes`` is the sum of the held frames' sizes and never exceeds
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import torch
 
 from hybridkv.tiers.base import PutStatus, StorageTier, TierError
 from hybridkv.tiers.framing import MissReason
+from hybridkv.tiers.lru import LruFrames
 
 
 class DictStore(StorageTier):
@@ -27,55 +26,42 @@ class DictStore(StorageTier):
             raise TierError(f"DictStore capacity must be a byte count >= 0 or None, got {capacity!r}")
         self.name = name
         self.capacity = capacity
-        self._objects: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.used_bytes = 0
+        self._frames = LruFrames()
         self.silent_evictions = 0
         """Objects this store dropped on its own to make room (no caller was told)."""
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._frames)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._frames.used_bytes
 
     def _write(self, keys: list[str], frames: list[torch.Tensor], label: str) -> list[PutStatus]:
         out = []
-        objects, cap = self._objects, self.capacity
+        held, cap = self._frames, self.capacity
         for key, frame in zip(keys, frames, strict=True):
-            if key in objects:
-                objects.move_to_end(key)
+            if held.touch(key):
                 out.append(PutStatus.KEPT)
                 continue
             size = frame.numel()
             if cap is not None and size > cap:
                 out.append(PutStatus.REFUSED)
                 continue
-            while cap is not None and self.used_bytes + size > cap:
-                _, old = objects.popitem(last=False)
-                self.used_bytes -= old.numel()
+            while cap is not None and held.used_bytes + size > cap:
+                held.pop_oldest()
                 self.silent_evictions += 1
-            objects[key] = frame if frame.device.type == "meta" else frame.clone()
-            self.used_bytes += size
+            held.add(key, frame if frame.device.type == "meta" else frame.clone(), label)
             out.append(PutStatus.STORED)
         return out
 
     def _read(self, keys: list[str], frame_bytes: list[int]) -> list[torch.Tensor | MissReason]:
-        out: list[torch.Tensor | MissReason] = []
-        objects = self._objects
-        for key in keys:
-            frame = objects.get(key)
-            if frame is None:
-                out.append(MissReason.ABSENT)
-                continue
-            objects.move_to_end(key)
-            out.append(frame if frame.device.type == "meta" else frame.clone())
-        return out
+        return [
+            f if isinstance(f, MissReason) or f.device.type == "meta" else f.clone() for f in self._frames.read(keys)
+        ]
 
     def _exists(self, keys: list[str]) -> np.ndarray:
-        return np.array(list(map(self._objects.__contains__, keys)), dtype=bool)
+        return self._frames.holds(keys)
 
     def _remove(self, keys: list[str]) -> int:
-        n = 0
-        for key in keys:
-            frame = self._objects.pop(key, None)
-            if frame is not None:
-                self.used_bytes -= frame.numel()
-                n += 1
-        return n
+        return self._frames.remove(keys)

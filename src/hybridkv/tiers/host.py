@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +30,7 @@ import torch
 from hybridkv.memory import parse_bytes
 from hybridkv.tiers.base import PutStatus, StorageTier, TierError
 from hybridkv.tiers.framing import MissReason, meta_frame
+from hybridkv.tiers.lru import LruFrames
 
 EvictSink = Callable[[list[str], list[torch.Tensor], list[str]], None]
 """Told the keys, frames and labels the host evicted (in LRU order); it owns the frames now."""
@@ -70,13 +71,19 @@ class HostTier(StorageTier):
                 else "pageable host buffers (pin=False)"
             )
         self.on_evict = on_evict
-        self._objects: OrderedDict[str, tuple[torch.Tensor, str]] = OrderedDict()
-        self.used_bytes = 0
-        self.bytes_by_label: Counter[str] = Counter()
+        self._frames = LruFrames()
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._frames)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._frames.used_bytes
+
+    @property
+    def bytes_by_label(self) -> Counter[str]:
+        return self._frames.bytes_by_label
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A frame buffer of ``nbytes`` for a coming put (pinned when the tier pins); not
@@ -87,10 +94,8 @@ class HostTier(StorageTier):
 
     def touch(self, keys: list[str]) -> None:
         """Mark held ``keys`` most recently used (a planned load: keep them)."""
-        objects = self._objects
         for key in keys:
-            if key in objects:
-                objects.move_to_end(key)
+            self._frames.touch(key)
 
     def clear(self) -> int:
         """Evict every object, least recently used first, exactly as an eviction for room does
@@ -108,73 +113,47 @@ class HostTier(StorageTier):
         if any(f.is_meta != meta for f in frames):
             raise TierError(f"host tier on {self.device} got a frame on another device")
         out = []
-        objects, budget = self._objects, self.budget
+        held, budget = self._frames, self.budget
         gone: tuple[list[str], list[torch.Tensor], list[str]] = ([], [], [])
-        stored = 0
         for key, frame in zip(keys, frames, strict=True):
-            if key in objects:
-                objects.move_to_end(key)
+            if held.touch(key):
                 out.append(PutStatus.KEPT)
                 continue
             size = frame.numel()
             if size > budget:
                 out.append(PutStatus.REFUSED)
                 continue
-            if self.used_bytes + size > budget:
+            if held.used_bytes + size > budget:
                 self._make_room(size, gone)
-            objects[key] = (frame, label)
-            self.used_bytes += size
-            stored += size
+            held.add(key, frame, label)
             out.append(PutStatus.STORED)
-        self.bytes_by_label[label] += stored
         if gone[0] and self.on_evict is not None:
             self.on_evict(*gone)
         return out
 
     def _make_room(self, size: int, gone: tuple[list[str], list[torch.Tensor], list[str]]) -> None:
-        objects = self._objects
-        while self.used_bytes + size > self.budget:
-            key, (old, label) = objects.popitem(last=False)
-            n = old.numel()
-            self.used_bytes -= n
-            self.bytes_by_label[label] -= n
+        while self._frames.used_bytes + size > self.budget:
+            key, old, label = self._frames.pop_oldest()
             self.evictions += 1
             gone[0].append(key)
             gone[1].append(old)
             gone[2].append(label)
 
     def _read(self, keys: list[str], frame_bytes: list[int]) -> list[torch.Tensor | MissReason]:
-        out: list[torch.Tensor | MissReason] = []
-        objects = self._objects
-        for key in keys:
-            held = objects.get(key)
-            if held is None:
-                out.append(MissReason.ABSENT)
-                continue
-            objects.move_to_end(key)
-            out.append(held[0])
-        return out
+        return self._frames.read(keys)
 
     def _exists(self, keys: list[str]) -> np.ndarray:
-        return np.array(list(map(self._objects.__contains__, keys)), dtype=bool)
+        return self._frames.holds(keys)
 
     def _remove(self, keys: list[str]) -> int:
-        n = 0
-        for key in keys:
-            held = self._objects.pop(key, None)
-            if held is not None:
-                size = held[0].numel()
-                self.used_bytes -= size
-                self.bytes_by_label[held[1]] -= size
-                n += 1
-        return n
+        return self._frames.remove(keys)
 
     def usage(self) -> dict[str, object]:
         return {
             "budget_bytes": self.budget,
             "used_bytes": self.used_bytes,
             "bytes_by_component": {k: v for k, v in self.bytes_by_label.items() if v},
-            "objects": len(self._objects),
+            "objects": len(self._frames),
             "evictions": self.evictions,
             "pinned": self.pinned,
             "pin_note": self.pin_note,
