@@ -88,6 +88,11 @@ def test_the_module_runs_a_master_until_terminated():
         ready = line.startswith("mooncake_master at 127.0.0.1:")
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=20)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # nothing outlives the test (its master dies with it: PR_SET_PDEATHSIG)
+            proc.communicate(timeout=10)
+            raise
     assert ready, (line, err)
     assert proc.returncode == 0, err

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
+import time
 
 from hybridkv.tiers.base import TierError
 from hybridkv.tiers.master import LOOPBACK, MooncakeMaster
@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rpc-port", type=int, default=None, help="RPC port (default: a free one)")
     parser.add_argument("--metrics-port", type=int, default=None, help="metrics port (default: a free one)")
     args = parser.parse_args(argv)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    stopping: list[int] = []  # the handler only appends: a lock taken in a signal handler (Event.set) can
+    # deadlock against the same thread waiting on it (seen: SIGTERM during Event.wait's re-acquire)
+    signal.signal(signal.SIGTERM, lambda sig, _: stopping.append(sig))
     master = MooncakeMaster(rpc_port=args.rpc_port, metrics_port=args.metrics_port)
     try:
         master.start()
@@ -31,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mooncake_master at {master.address} (metrics {LOOPBACK}:{master.metrics_port}, log {master.log_path})")
     sys.stdout.flush()
     try:
-        while master.running and not done.wait(0.5):
-            pass
+        while master.running and not stopping:
+            time.sleep(0.1)
     except KeyboardInterrupt:
         pass
     finally:
