@@ -9,7 +9,8 @@ recurrent state, outputs and timing are left out, so every figure is an upper bo
 ``hybridkv replay`` can reach with that many bytes of device + host memory), and prints, per
 capacity, the hit rate (hit tokens over prompt tokens; a hit is the longest run of leading
 blocks present) of:
-- ``lru``: evict the least recently used block (what the device, host and store tiers do);
+- ``lru``: evict the least recently used block, a prompt's tail before its head (a radix cache's
+  leaves first: what the device, host and store tiers do);
 - ``belady``: evict the block used again farthest in the future (offline optimal per block:
   a bound no online policy can beat without knowing the future);
 - ``unbounded``: nothing evicted.
@@ -43,7 +44,7 @@ def lru_hits(requests: list[MooncakeRequest], capacity_blocks: int) -> int:
     hits = 0
     for request in requests:
         hits += hit_tokens(request, cache)
-        for block in request.hash_ids:
+        for block in reversed(request.hash_ids):  # a prompt's head last: its tail blocks leave first
             cache[block] = None
             cache.move_to_end(block)
         while len(cache) > capacity_blocks:
