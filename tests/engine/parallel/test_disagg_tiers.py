@@ -13,12 +13,14 @@ workers: nothing outlives the servers.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from hybridkv.cli import main
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, RequestResult
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import SamplingParams
@@ -53,7 +55,7 @@ def config(path: Path, **tiers: object) -> PDConfig:
     )
 
 
-def served(server: PDServer, ids: tuple[int, ...], salt: str) -> RequestResult:
+def served(server: PDServer, ids: tuple[int, ...], salt: str | None) -> RequestResult:
     r = server.result(server.submit(ids, SamplingParams(NEW, ignore_eos=True), salt=salt), timeout_s=120)
     assert r.status == FINISHED, r.reason
     assert r.output_ids == hf_reference(NAME, ids, NEW)[0], "tokens differ from transformers"
@@ -96,17 +98,23 @@ def test_an_evicted_prefix_comes_back_from_host_memory_then_from_the_store(first
     assert (m["cached_tokens_host"], m["cached_tokens_storage"]) == (40, 40)
 
 
-def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, model_dir):
+def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, model_dir, tmp_path, capsys):
     server, _ = first
-    salt = uuid.uuid4().hex
+    salt = None  # serve-pd's prompts carry no cache salt (the first test's salt keeps its objects apart)
     assert served(server, tuple(A), salt).cached_tokens == 0
     server.clear_cache(host=True)  # A's pages and states: in the store only
     assert server.master is not None
-    with PDServer(config(model_dir, store_master=server.master.address)) as second:
-        assert second.master is None  # a client of the first's master
-        shared = served(second, turn(4), salt)
-        assert shared.cached_tokens_details == {"device": 0, "host": 0, "storage": 40}
-    assert all(gone(pid) for pid in second.pids())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": list(turn(4))}) + "\n")
+    args = ["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), "--prefill-pp", "2"]
+    args += ["--decode-tp", "1", "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--max-new-tokens", str(NEW)]
+    args += ["--ignore-eos", "--store", "mooncake", "--store-master", server.master.address, "--json"]
+    args += ["--store-memory", "32MiB"]
+    # the second server (serve-pd: a PDServer of the same layout, a client of the first's master)
+    assert main(args) == 0, capsys.readouterr().err
+    (shared,) = json.loads(capsys.readouterr().out)["requests"]
+    assert shared["output_ids"] == hf_reference(NAME, turn(4), NEW)[0]
+    assert shared["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 40}, shared
     other = Engine(
         model_dir,
         gpu_memory=400_000,
@@ -125,3 +133,21 @@ def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, mo
         assert other.tiers is not None and not other.tiers.hierarchy.counters.misses
     finally:
         other.close()
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        (["--store", "disk"], "--store takes none or mooncake"),
+        (["--store-master", "127.0.0.1:5"], "it needs --store mooncake"),
+        (["--store", "mooncake", "--store-memory", "1MiB"], "at least 16MiB"),
+        (["--store", "mooncake", "--store-master", "127.0.0.1:9"], "no mooncake_master answers at 127.0.0.1:9"),
+    ],
+)
+def test_bad_tier_options_of_serve_pd_are_one_error_line(tiers, message, model_dir, tmp_path, capsys) -> None:
+    """Refused before any worker starts (nothing to reap): one ``error:`` line, exit 2."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": A}) + "\n")
+    assert main(["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), *tiers]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("hybridkv serve-pd:")]
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err  # (the sizing line aside)

@@ -25,6 +25,7 @@ workers with real signals and real timeouts (never simulated outcomes):
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -214,6 +215,13 @@ def with_store_master(config: PDConfig) -> tuple[PDConfig, MooncakeMaster | None
     """``config`` with its store's master named: one started on 127.0.0.1 (the caller stops it)
     when the config asks for the Mooncake Store and names none. Every prefill rank of every epoch
     is a client of this one master."""
+    if config.store_master is not None:
+        host, _, port = config.store_master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5.0).close()
+        except (OSError, ValueError) as exc:
+            why = f"no mooncake_master answers at {config.store_master} ({exc})"
+            raise ValueError(f"{why}: start one there, or drop store_master to have the router start one") from None
     if config.store != "mooncake" or config.store_master is not None:
         return config, None
     master = MooncakeMaster().start()
