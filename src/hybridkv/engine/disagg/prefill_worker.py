@@ -278,7 +278,7 @@ def prefill_tiers(alloc: RequestAllocator, c: PDConfig) -> EngineTiers | None:
         return None
     if c.store != "none" and c.store_master is None:
         raise ValueError("a prefill rank's store needs the master the router started or was given (store_master)")
-    return EngineTiers.build(
+    tiers = EngineTiers.build(
         alloc.kvm,
         c.chunk,
         host_memory=c.host_memory,
@@ -287,6 +287,14 @@ def prefill_tiers(alloc: RequestAllocator, c: PDConfig) -> EngineTiers | None:
         store_memory=c.store_memory,
         policy=c.tier_policy,
     )
+    assert tiers is not None
+    h = tiers.hierarchy
+    bound = min(h.timeout_s, c.timeout_s / 4)  # a rank's wait on its store stays well inside its peers' collectives
+    h.timeout_s = bound
+    for tier in (h.host, h.store):
+        if tier is not None:
+            tier.timeout_s = min(tier.timeout_s, bound)
+    return tiers
 
 
 def prefill_main(rank: int, conn: Connection, args: WorkerArgs) -> None:
