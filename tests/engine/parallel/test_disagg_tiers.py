@@ -18,12 +18,19 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hybridkv.cli import main
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, RequestResult
-from hybridkv.engine.engine import Engine
+from hybridkv.engine.engine import Engine, engine_spec
+from hybridkv.engine.registry import text_config
 from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.weights import read_config
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import Parallel, ShardSpec
+from hybridkv.tiers import KeySpace, MooncakeStoreTier
+from hybridkv.tiers.framing import HEADER
 from tests.engine.harness import hf_model, hf_reference, prompt
 from tests.engine.parallel.test_disagg import gone
 
@@ -133,6 +140,39 @@ def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, mo
         assert other.tiers is not None and not other.tiers.hierarchy.counters.misses
     finally:
         other.close()
+
+
+def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_dir):
+    """Stage 1's objects of a stored prefix damaged through the store's own API (read, flip a byte,
+    upsert): stage 1 misses at the copy, stage 0 (whose objects are intact) falls back with it, the
+    request computes the whole prompt, tokens exact; then both store it again."""
+    server, _ = first
+    salt = uuid.uuid4().hex
+    assert served(server, tuple(A), salt).cached_tokens == 0
+    server.clear_cache(host=True)  # into the store
+    spec = engine_spec(text_config(read_config(str(model_dir))))
+    shard = ShardSpec(spec, Parallel(pp_size=2), 1, 0)
+    keys = KeySpace.of(UnifiedMemory.create(shard, 400_000, page_size=PAGE, max_context=96, chunk_tokens=CHUNK))
+    names = keys.page_names(np.asarray(A[:40]), salt)
+    assert server.master is not None
+    client = MooncakeStoreTier(server.master.address, segment_bytes=16 << 20)
+    try:
+        raw = client._store  # the Mooncake client itself
+        damaged = 0
+        for pool in keys.prefixes:
+            for key in keys.keys(pool, names):
+                blob = raw.get(key)
+                if blob:
+                    blob = bytearray(blob)
+                    blob[HEADER + 1] ^= 0x40
+                    assert raw.upsert(key, bytes(blob)) == 0
+                    damaged += 1
+        assert damaged > 0  # stage 1's pages (and the state after 40 tokens) were in the store
+        out = served(server, turn(6), salt)
+        assert out.cached_tokens == 0  # no stage restored, though stage 0's objects were intact
+        assert served(server, turn(7), salt).cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(
