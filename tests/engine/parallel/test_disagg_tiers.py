@@ -7,8 +7,10 @@ comes back from host memory; host memory emptied too (into the store), it comes 
 store; every time the tokens are transformers'. A second server of the same layout, a client of
 the first's master, serves the first's prefix from the store (hit > 0, exact); a single-process
 engine of another layout (PP 1) on the same master and the same cache salt reads nothing of it
-(hit 0, no miss: its keys never name the PP 2 shards' objects, exact). The router's master, the
-workers: nothing outlives the servers.
+(hit 0, no miss: its keys never name the PP 2 shards' objects, exact). Stage 1's stored objects
+damaged through the store's API: stage 1 misses, stage 0 falls back with it, the request recomputes
+(exact). Bad tier options of ``serve-pd``: one error line. The router's master, the workers: nothing
+outlives the servers.
 """
 
 from __future__ import annotations
