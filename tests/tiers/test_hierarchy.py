@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import PAGE_NEED
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.tiers import DictStore, HostTier, KeySpace, PutStatus, TierError, TierHierarchy, Where
 from hybridkv.tiers.framing import HEADER
-from tests.tiers.helpers import new_cache, serve, tiny_memory, view_bytes
+from tests.tiers.helpers import new_cache, serve, tiny_memory, tiny_spec, view_bytes
 
 TOKENS = np.arange(40, dtype=np.int64)
 NEXT = np.concatenate([TOKENS, np.arange(100, 107)])  # a next turn's prefix: a hit may end at 40
@@ -231,3 +233,21 @@ def test_writes_a_tier_finishes_at_once_are_never_a_backlog():
     cache.evict({PAGE_NEED: 10_000})
     assert not tiers.counters.write_refused and tiers.pending_bytes == 0
     assert tiers.counters.written_objects["dict"] == len(store) > 10
+
+
+def test_pipeline_stages_never_share_keys():
+    """A disaggregated prefill engine's PP stages (x TP ranks) and a single engine: no prefix in common;
+    the same shard built twice names the same prefixes (what lets two servers of one layout share)."""
+    spec = tiny_spec("tiny-qwen3-next")
+
+    def prefixes(pp: int, tp: int, stage: int, rank: int) -> set[str]:
+        shard = ShardSpec(spec, Parallel(pp_size=pp, tp_size=tp), stage, rank)
+        mem = UnifiedMemory.create(shard, 400_000, page_size=4, max_context=128, chunk_tokens=16)
+        return set(KeySpace.of(mem).prefixes.values())
+
+    seen = set(KeySpace.of(tiny_memory("tiny-qwen3-next")).prefixes.values())
+    for pp, tp, stage, rank in [(2, 1, 0, 0), (2, 1, 1, 0), (2, 2, 0, 0), (2, 2, 0, 1), (2, 2, 1, 1), (3, 1, 0, 0)]:
+        mine = prefixes(pp, tp, stage, rank)
+        assert mine and not mine & seen, (pp, tp, stage, rank)
+        assert prefixes(pp, tp, stage, rank) == mine
+        seen |= mine

@@ -19,7 +19,8 @@ Refused before anything listens, one ``error:`` line, exit 2: not exactly one of
 values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
 that cannot be bound, a PD option without ``--disaggregated``, a layout the model cannot be split
 into (``check_layout``), a bad ``--fault``, a ``--store-master`` no master answers at, and tier options
-(``--host-memory``, ``--store``) with ``--disaggregated`` or ``--no-prefix-cache``. Prints
+(``--host-memory``, ``--store``) with ``--no-prefix-cache``. With ``--disaggregated`` the tiers sit below
+every prefill rank (``--host-memory`` and ``--store-memory`` per rank, one master for all). Prints
 ``hybridkv serve: listening on http://HOST:PORT ...`` once it accepts connections; exits 0 after a
 graceful shutdown (SIGTERM or SIGINT), with every worker process reaped and every shared-memory file
 unlinked.
@@ -134,11 +135,6 @@ def serve(
         raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
     layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
     faults = parse_faults(fault or [])
-    if disaggregated and (host_memory is not None or store != "none"):
-        raise typer.BadParameter(
-            "the disaggregated engines keep no tiers below the device yet: drop --host-memory/--store",
-            param_hint="--host-memory/--store",
-        )
     tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
     key = api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(
@@ -163,7 +159,8 @@ def serve(
         sock = bind(host, port)  # before the model loads: a taken port fails at once
         stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
         if disaggregated:
-            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, *engine_args)
+            pd = (stack, model, random, name, layout, faults, max_queued, *engine_args)
+            backend: Backend = build_pd_backend(*pd, tiers=tiers)
         else:
             engine = build_engine(model, random, *engine_args, tiers)
             stack.callback(engine.close)  # its tiers: the store client, a master it started
@@ -234,9 +231,12 @@ def build_pd_backend(
     max_running: int,
     prefix_cache: bool,
     checkpoints: str | None,
+    tiers: dict[str, Any] | None = None,
 ) -> PDBackend:
     """A started ``PDServer`` behind a ``PDBackend`` (which closes it); a ``--random`` model is saved to a
-    temporary directory ``stack`` removes once the server is done."""
+    temporary directory ``stack`` removes once the server is done. ``tiers``: ``tier_options``' answer,
+    the tiers below every prefill rank (one Mooncake master for all, started by the router unless named)."""
+    from hybridkv.cli.serve_pd import pd_tiers
     from hybridkv.engine.disagg import PDConfig, PDServer
     from hybridkv.server import PDBackend
 
@@ -262,6 +262,7 @@ def build_pd_backend(
         max_running=max_running,
         checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
         faults=faults,
+        **pd_tiers(tiers or {}),
     )
     server = PDServer(config)  # checks the layout first: nothing starts on a mismatch
     return PDBackend(server, name, f"{format_bytes(sized.gpu_memory)} per worker process", max_queued)

@@ -20,7 +20,10 @@ beyond ``--max-context`` (the message names the file line), ``--prefill-pp`` / `
 ``--decode-tp`` / ``--max-new-tokens`` below 1, a layout the model cannot be split into or a decode
 layout that does not pair with the prefill one (``check_layout``: e.g. ``--decode-page-size`` other
 than ``--page-size``), a checkpoint some rank cannot load (checked from the files' headers), and an
-unknown transport.
+unknown transport, and tier options that do not fit together (``tier_options``).
+
+``--host-memory`` / ``--store mooncake`` put tiers below every prefill rank (``pd_tiers``); the JSON
+says per request where its cached tokens came from (``cached_tokens_details``: device, host, storage).
 """
 
 from __future__ import annotations
@@ -36,18 +39,35 @@ import typer
 from hybridkv.cli.app import app
 from hybridkv.cli.generate import PromptFileError, read_prompts
 from hybridkv.cli.params import (
+    HOST_MEMORY,
     IGNORE_EOS,
     SEED,
     STOP_TOKEN_IDS,
+    STORE,
+    STORE_MASTER,
+    STORE_MEMORY,
     TEMPERATURE,
     TOP_K,
     TOP_P,
     random_model,
     request_params,
+    tier_options,
     transport_option,
 )
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, size
 from hybridkv.engine.random_models import tiny_names
+
+
+def pd_tiers(tiers: dict[str, Any]) -> dict[str, Any]:
+    """``tier_options``' answer as ``PDConfig`` fields: the tiers below every prefill rank (``--host-memory``
+    and ``--store-memory`` per rank; with ``--store mooncake`` one master for all, started on 127.0.0.1 by
+    the router unless ``--store-master`` names one)."""
+    from hybridkv.memory import parse_bytes
+
+    if not tiers:
+        return {}
+    host = tiers["host_memory"]
+    return {**tiers, "host_memory": None if host is None else parse_bytes(host)}
 
 
 def _check_prompts(
@@ -95,6 +115,10 @@ def serve_pd(
         None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."
     ),
     chunk_size: int = CHUNK_SIZE,
+    host_memory: str | None = HOST_MEMORY,
+    store: str = STORE,
+    store_master: str | None = STORE_MASTER,
+    store_memory: str = STORE_MEMORY,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Serve every prompt of a file through PP prefill processes and TP decode processes."""
@@ -105,6 +129,7 @@ def serve_pd(
 
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
+    tiers = pd_tiers(tier_options(host_memory, store, store_master, store_memory))
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
     with tempfile.TemporaryDirectory(prefix="hybridkv-serve-pd-") as tmp:
@@ -142,6 +167,7 @@ def serve_pd(
             chunk=chunk_size,
             gpu_memory=sizing.gpu_memory,
             max_context=sizing.max_context,
+            **tiers,
         )
         check_layout(config)
         sizing.announce()
@@ -156,6 +182,7 @@ def serve_pd(
                 "status": r.status,
                 "error": r.reason or None,
                 "cached_tokens": r.cached_tokens,
+                "cached_tokens_details": r.cached_tokens_details,
                 "transfer_bytes": r.transfer_bytes,
                 "attempts": r.attempts,
                 "timings": None if r.timing is None else {k: round(v, 6) for k, v in asdict(r.timing).items()},

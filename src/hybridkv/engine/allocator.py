@@ -16,9 +16,10 @@ nothing is matched or inserted: the same path, without hits.
 
 With tiers below the device (``EngineTiers``: host memory, the Mooncake Store), ``new`` plans
 a request's hit across them and starts the store's reads while it waits; ``admit`` re-plans
-when the device hit moved, reserves the pages up to the restored end and copies the pieces
-in (``EngineTiers.restore``): computation starts at the restored end, or at the device hit
-when an object was missing (a miss with a reason, never garbage).
+when the device hit moved, agrees on the restored length with the other ranks
+(``EngineTiers.agreed``), reserves the pages up to it and copies the pieces in
+(``EngineTiers.restore``): computation starts at the restored end, or at the device hit when
+an object was missing on any rank (a miss with a reason, never garbage).
 
 A disaggregated decode engine ``reserve``s a request's memory (a RECEIVING handle of the
 manager) while its KV and state arrive by transfer and calls ``received`` once they landed;
@@ -164,8 +165,8 @@ class RequestAllocator:
         """Some rank of the model's layout holds recurrent state (this one may not: a PP stage)."""
         self.page_size = mem.page_size
         self.tiers: EngineTiers | None = None
-        """Tiers below the device (host memory, a store), set by the engine before any request;
-        only a single-process engine has them (``admit`` with ``ALONE``)."""
+        """Tiers below the device (host memory, a store), set by the engine before any request (on
+        every rank of a multi-process engine, or on none: ``admit`` agrees on the restored hit)."""
 
     def new(self, namespace: Hashable = None, tokens: Sequence[int] | None = None) -> RequestMemory:
         """A request holding nothing yet (its handle comes with ``admit``). With tiers and its
@@ -195,11 +196,10 @@ class RequestAllocator:
         kvm, tiers = self.kvm, self.tiers
         key = req.ids(tokens, len(tokens) - 1) if self.prefix_cache else _NO_TOKENS
         match, branch_at = self._agreed_match(key, req.namespace, agree)
-        fetched = None
-        if tiers is not None and self.prefix_cache:
-            if agree is not ALONE:
-                raise RuntimeError("tiers below the device serve a single-process engine only")
-            fetched = req.fetched = tiers.current(req.fetched, key, req.namespace, match)
+        fetched, full = None, 0
+        if tiers is not None and self.prefix_cache:  # every rank of ``agree`` has tiers, or none
+            fetched, full = tiers.agreed(req.fetched, key, req.namespace, match, agree)
+            req.fetched = fetched
         start = match.length if fetched is None else fetched.plan.tokens
         handle: KVHandle | None = None
         got = Admission.ADMITTED
@@ -225,11 +225,12 @@ class RequestAllocator:
             assert tiers is not None
             req.fetched = None
             try:
-                handle, start = tiers.restore(handle, match, fetched)
-            except OutOfMemory:  # fell back, released, and no room to admit again: nothing held
+                handle, start = tiers.restore(handle, match, fetched, agree)
+            except OutOfMemory:  # fell back, released, and no room to admit again on some rank: nothing held
                 return Admission.TOO_BIG if alone else Admission.REFUSED
             details = tiers.details(fetched, start)
-            branch_at = tiers.branch_at(fetched, start, branch_at)
+        if tiers is not None:
+            branch_at = tiers.branch_at(full, start, branch_at)
         req.handle = handle
         req.fresh = self.has_state and handle.state_from_zero
         if req.hit is None:

@@ -16,6 +16,13 @@ misses an object (evicted by the store on its own, a checksum or size that disag
 that went down) or finds no room falls back: the handle is released and the request
 re-admitted on its device hit, holding nothing of the failed restore, and computes the rest.
 
+On a multi-rank engine (a prefill engine's PP stages x TP ranks) every rank has its own tiers,
+keyed by its shard (``tiers.keys``), and ``agreed`` / ``restore`` take the engine's
+``Agreement``: each rank plans its longest restorable prefix, the ranks agree on the shortest
+(re-planning that prefix until every rank can restore exactly it), reserve (one "room" flag
+agreed) and copy; one rank's miss (checksum, size, evicted, tier down) makes every rank fall
+back to the agreed device hit. Every rank makes the same agreement calls whatever it found.
+
 A ``mooncake`` store without a master address starts one on loopback (``MooncakeMaster``),
 stopped by ``close``. Store keys name the model by its spec (``tiers.keys``): engines that
 share a master must serve the same weights under the same spec name.
@@ -40,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.cache import KVHandle, KVManager, MatchResult
+from hybridkv.engine.agreement import ALONE, Agreement
 from hybridkv.memory import OutOfMemory, parse_bytes
 from hybridkv.tiers import (
     Fetched,
@@ -64,8 +72,9 @@ class EngineTiers:
         self.chunk = max(chunk_tokens, kvm.page_size)
         self.master = master
         """The loopback master this engine started (None: an operator's, or no store)."""
-        self.fallbacks: dict[str, int] = {"no_room": 0}
-        """Restores given up before the copy, by reason (misses are the hierarchy's)."""
+        self.fallbacks: dict[str, int] = {"no_room": 0, "peer": 0}
+        """Restores given up, by reason: no room here, or another rank's (no room, or a miss);
+        this rank's own misses are the hierarchy's."""
 
     @classmethod
     def build(
@@ -133,10 +142,33 @@ class EngineTiers:
         if fetched is not None:
             self.hierarchy.cancel(fetched)
 
-    def restore(self, handle: KVHandle, match: MatchResult, fetched: Fetched) -> tuple[KVHandle, int]:
+    def agreed(
+        self, fetched: Fetched | None, key: np.ndarray, namespace: Hashable, match: MatchResult, agree: Agreement
+    ) -> tuple[Fetched | None, int]:
+        """The cross-tier hit every rank of ``agree`` can restore (``current``, then: agree on the
+        shortest, re-plan that prefix where a rank planned more, until all agree; a rank's shorter
+        prefix may hold no checkpoint or window at that length, so its plan may drop further), and
+        the full KV cached on every rank's tiers past it (``branch_at``). Every rank ends with the
+        same ``plan.tokens`` (None on all when the tiers add nothing to the agreed device hit)."""
+        fetched = self.current(fetched, key, namespace, match)
+        while True:
+            mine = match.length if fetched is None else fetched.plan.tokens
+            full = 0 if fetched is None else fetched.plan.full_tokens
+            shortest, longest, full = agree.min([mine, -mine, full])
+            if shortest == -longest:
+                return fetched, full
+            if mine > shortest:
+                self.cancel(fetched)
+                fetched = self.plan(key[:shortest], namespace, match)
+
+    def restore(
+        self, handle: KVHandle, match: MatchResult, fetched: Fetched, agree: Agreement = ALONE
+    ) -> tuple[KVHandle, int]:
         """Reserve ``handle``'s pages up to the planned end and copy the pieces in; the handle
-        (a new one, re-admitted on ``match``, when the restore fell back) and its hit."""
+        (a new one, re-admitted on ``match``, when the restore fell back) and its hit. Every rank
+        of ``agree`` restores, or all fall back (no room, or an object missing on any rank)."""
         kvm, plan = self.kvm, fetched.plan
+        room = 1
         try:
             pos = handle.seq_len
             while pos < plan.tokens:
@@ -144,12 +176,16 @@ class EngineTiers:
                 kvm.extend(handle, pos)
                 kvm.discard_windows(handle)
         except OutOfMemory:
+            room = 0
+        if not agree.min([room])[0]:
             self.cancel(fetched)
-            self.fallbacks["no_room"] += 1
-            return self._readmit(handle, match)
+            self.fallbacks["no_room" if not room else "peer"] += 1
+            return self._readmit(handle, match, agree)
         end = self.hierarchy.commit(fetched, handle.pages, handle.state_slot)
-        if end < plan.tokens:  # an object missing or damaged (counted by reason): recompute
-            return self._readmit(handle, match)
+        if not agree.min([int(end == plan.tokens)])[0]:  # an object missing or damaged (counted by reason): recompute
+            if end == plan.tokens:
+                self.fallbacks["peer"] += 1  # another rank missed: this one's copy is dropped with the handle
+            return self._readmit(handle, match, agree)
         if handle.state_slot is not None:
             handle.adopt_state(handle.state_slot)  # it holds the state after ``end`` tokens now
             if plan.hit.checkpoint is not Where.DEVICE:
@@ -158,14 +194,24 @@ class EngineTiers:
         self.hierarchy.record(plan, end)
         return handle, end
 
-    def _readmit(self, handle: KVHandle, match: MatchResult) -> tuple[KVHandle, int]:
+    def _readmit(self, handle: KVHandle, match: MatchResult, agree: Agreement) -> tuple[KVHandle, int]:
+        """Release ``handle`` and admit ``match`` again on every rank, or on none (``OutOfMemory``)."""
         self.kvm.release(handle)
-        return self.kvm.admit(match, handle.namespace), match.length
+        again = None
+        with contextlib.suppress(OutOfMemory):
+            again = self.kvm.admit(match, handle.namespace)
+        if not agree.min([int(again is not None)])[0]:
+            if again is not None:
+                self.kvm.release(again)
+            raise OutOfMemory(f"no room to admit the device hit of {match.length} tokens again after a restore")
+        assert again is not None
+        return again, match.length
 
-    def branch_at(self, fetched: Fetched | None, start: int, device_branch: int | None) -> int | None:
-        """Where the full KV cached on any tier ends past ``start`` (the placement's branch
-        point), or None."""
-        full = max(fetched.plan.full_tokens if fetched is not None else 0, device_branch or 0)
+    @staticmethod
+    def branch_at(full: int, start: int, device_branch: int | None) -> int | None:
+        """Where the full KV cached on any tier ends past ``start`` (``full``: what ``agreed``
+        answered; the placement's branch point), or None."""
+        full = max(full, device_branch or 0)
         return full if full > start else None
 
     @staticmethod

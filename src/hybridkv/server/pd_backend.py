@@ -187,7 +187,16 @@ class PDBackend:
             else {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s},
         }
         self._end(
-            req, Finished(result.output_ids, reason, error, result.prompt_tokens, result.cached_tokens, None, path)
+            req,
+            Finished(
+                result.output_ids,
+                reason,
+                error,
+                result.prompt_tokens,
+                result.cached_tokens,
+                result.cached_tokens_details,
+                path,
+            ),
         )
 
     def _end(self, req: _Open, finished: Finished) -> None:

@@ -24,6 +24,8 @@ workers with real signals and real timeouts (never simulated outcomes):
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -36,10 +38,13 @@ from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
+from hybridkv.tiers import MooncakeMaster
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
 
 TRANSPORTS = ("shm", "mooncake")
+STORES = ("none", "mooncake")
+POLICIES = ("back", "through")
 
 
 class FaultKind(StrEnum):
@@ -92,6 +97,16 @@ class PDConfig:
     max_running: int = 64  # requests per engine step batch (prefill and decode)
     checkpoints: str | None = None  # the prefill engine's state checkpoint placement (None: the engine default)
     faults: tuple[Fault, ...] = ()
+    host_memory: int | None = None  # bytes of host memory below each prefill rank's device (None: no host tier)
+    store: str = "none"  # "none" or "mooncake": the Mooncake Store below the prefill ranks (one master for all)
+    store_master: str | None = None  # host:port of a mooncake_master (None with a store: the router starts one)
+    store_memory: int = 32 << 20  # the segment each prefill rank's store client mounts (Mooncake's floor: 16 MiB)
+    tier_policy: str = "back"  # "back" (written on eviction) or "through" (at once)
+
+    @property
+    def tiered(self) -> bool:
+        """The prefill ranks keep tiers below the device."""
+        return self.host_memory is not None or self.store != "none"
 
     @property
     def decode_page(self) -> int:
@@ -121,6 +136,7 @@ def check_layout(config: PDConfig) -> None:
     if config.transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {config.transport!r}; known: {', '.join(TRANSPORTS)}")
     check_faults(config)
+    check_tiers(config)
     hf_config = read_config(config.model_dir)
     spec = engine_spec(text_config(hf_config))
     prefill_layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
@@ -177,6 +193,39 @@ def check_faults(config: PDConfig) -> None:
         if f.request in seen:
             raise ValueError(f"two faults hit request {f.request}; give each request at most one fault")
         seen.add(f.request)
+
+
+def check_tiers(config: PDConfig) -> None:
+    """Raise ``ValueError`` naming the option unless the prefill tiers' options fit together."""
+    if config.store not in STORES:
+        raise ValueError(f"unknown store {config.store!r}; known: {', '.join(STORES)}")
+    if config.store_master is not None and config.store != "mooncake":
+        raise ValueError("store_master names a mooncake_master: it needs store='mooncake'")
+    if config.tiered and not config.prefix_cache:
+        raise ValueError("tiers below the device hold what the prefix cache evicts: they need prefix_cache=True")
+    if config.host_memory is not None and config.host_memory <= 0:
+        raise ValueError(f"host_memory must be > 0 bytes, got {config.host_memory}")
+    if config.store != "none" and config.store_memory < 16 << 20:
+        raise ValueError(f"store_memory must be at least 16 MiB (Mooncake's floor), got {config.store_memory} bytes")
+    if config.tier_policy not in POLICIES:
+        raise ValueError(f"unknown tier_policy {config.tier_policy!r}; known: {', '.join(POLICIES)}")
+
+
+def with_store_master(config: PDConfig) -> tuple[PDConfig, MooncakeMaster | None]:
+    """``config`` with its store's master named: one started on 127.0.0.1 (the caller stops it)
+    when the config asks for the Mooncake Store and names none. Every prefill rank of every epoch
+    is a client of this one master."""
+    if config.store_master is not None:
+        host, _, port = config.store_master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5.0).close()
+        except (OSError, ValueError) as exc:
+            why = f"no mooncake_master answers at {config.store_master} ({exc})"
+            raise ValueError(f"{why}: start one there, or drop store_master to have the router start one") from None
+    if config.store != "mooncake" or config.store_master is not None:
+        return config, None
+    master = MooncakeMaster().start()
+    return dataclasses.replace(config, store_master=master.address), master
 
 
 def _memory(shard: ShardSpec, page_size: int, config: PDConfig) -> UnifiedMemory:

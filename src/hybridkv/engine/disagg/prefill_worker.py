@@ -9,7 +9,12 @@ included; the plan sends what the decode side needs) and gives it to its sender,
 transfer overlaps the later stages' compute. Then the last stage's logits of the requests that
 ended their prompt this step are broadcast (one broadcast per such step, none per chunk) and
 every rank chooses their first tokens with their ``SamplingParams`` (as a single engine would).
-World rank 0 reports ``Started`` (with the agreed hit, when a request is first scheduled),
+With ``host_memory`` / ``store`` in the config each rank keeps its own tiers below its device
+(``prefill_tiers``: its host memory, its client of the router's Mooncake master, keys of its
+shard); a hit is restored from them at the length every rank can restore (``EngineTiers.agreed``).
+``ClearCache`` empties every rank's prefix cache into its tiers. Decode ranks keep no tiers: their
+KV arrives from the prefill engine. World rank 0 reports ``Started`` (with the agreed hit and where
+its own part came from, when a request is first scheduled),
 ``First`` and the failures; every rank reports ``Sent`` (its compute and send windows).
 
 Invariants:
@@ -31,8 +36,8 @@ import torch
 
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
-from hybridkv.engine.disagg.config import FaultKind, WorkerArgs, transport_options
-from hybridkv.engine.disagg.protocol import Abort, Command, Failed, First, Prefill, Sending, Sent, Started
+from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, transport_options
+from hybridkv.engine.disagg.protocol import Abort, ClearCache, Command, Failed, First, Prefill, Sending, Sent, Started
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.parallel.groups import StageGroups
@@ -40,6 +45,7 @@ from hybridkv.engine.parallel.runner import ShardRunner
 from hybridkv.engine.request import FinishReason
 from hybridkv.engine.sampling import NON_FINITE
 from hybridkv.engine.scheduler import Request, Role, Step, choose_step_tokens
+from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
@@ -82,6 +88,7 @@ class PrefillRank(Worker):
         self.alloc = RequestAllocator(
             self.mem, prefix_cache=c.prefix_cache, checkpoints=c.checkpoints or engine_default(c.chunk, c.page_size)
         )
+        self.tiers = self.alloc.tiers = prefill_tiers(self.alloc, c)
         self.sched = self.scheduler()
         inner = make_transport(c.transport, None, **transport_options(c.transport))
         self.throttle: Throttled | None = None
@@ -97,8 +104,12 @@ class PrefillRank(Worker):
         self.delayed: dict[str, float] = {}  # tid -> when to hand it to the sender (stall-transfer)
 
     def close(self) -> None:
-        self.sender.close()
-        self.transport.close()
+        try:
+            self.sender.close()
+            self.transport.close()
+        finally:
+            if self.tiers is not None:
+                self.tiers.close()
 
     def held_live(self) -> tuple[int, int]:
         pages, slots = super().held_live()
@@ -120,6 +131,12 @@ class PrefillRank(Worker):
                 self.faults[command.tid] = command
         elif isinstance(command, Abort):
             self.abort(command)
+        elif isinstance(command, ClearCache):
+            self.alloc.clear_cache()  # what requests hold stays; the rest is written back below
+            if self.tiers is not None:
+                if command.host:
+                    self.tiers.clear_host()
+                self.tiers.hierarchy.reap(wait=True)
 
     def abort(self, cmd: Abort) -> None:
         if self.sched.abort(cmd.tid, cmd.reason) is not None:  # not handed off yet: released now
@@ -155,7 +172,8 @@ class PrefillRank(Worker):
                 stamps.started = now
                 hit = req.mem.hit
                 if self.rank == 0:
-                    self.conn.send(Started(str(req.rid), now, 0 if hit is None else hit.cached_tokens))
+                    cached, details = (0, ZERO_DETAILS) if hit is None else (hit.cached_tokens, hit.details)
+                    self.conn.send(Started(str(req.rid), now, cached, details))
         out = self.runner.run_stage(step.batch)
         self.sched.computed(step)
         handed = self.sched.take_handoffs()
@@ -246,7 +264,37 @@ class PrefillRank(Worker):
         while self.sched.holding and time.monotonic() < end:
             self.progress()
             time.sleep(0.002)
+        if self.tiers is not None:  # closed first: the cache cleared below writes nothing back
+            self.tiers.close()
+            self.tiers = None
         self.alloc.clear_cache()
+
+
+def prefill_tiers(alloc: RequestAllocator, c: PDConfig) -> EngineTiers | None:
+    """This rank's tiers below its device (None without): its own host memory and store client,
+    keyed by its shard (``tiers.keys``: its layer range, PP stage and TP rank), on the master the
+    router named."""
+    if not c.tiered:
+        return None
+    if c.store != "none" and c.store_master is None:
+        raise ValueError("a prefill rank's store needs the master the router started or was given (store_master)")
+    tiers = EngineTiers.build(
+        alloc.kvm,
+        c.chunk,
+        host_memory=c.host_memory,
+        store=c.store,
+        store_master=c.store_master,
+        store_memory=c.store_memory,
+        policy=c.tier_policy,
+    )
+    assert tiers is not None
+    h = tiers.hierarchy
+    bound = min(h.timeout_s, c.timeout_s / 4)  # a rank's wait on its store stays well inside its peers' collectives
+    h.timeout_s = bound
+    for tier in (h.host, h.store):
+        if tier is not None:
+            tier.timeout_s = min(tier.timeout_s, bound)
+    return tiers
 
 
 def prefill_main(rank: int, conn: Connection, args: WorkerArgs) -> None:

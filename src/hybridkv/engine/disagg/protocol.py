@@ -2,7 +2,7 @@
 
 Commands go router -> an engine's world rank 0, which broadcasts what it read to every rank
 of its engine at a step boundary, so every rank applies the same commands at the same step:
-the prefill engine gets ``Prefill`` / ``Abort`` / ``Probe`` / ``Stop``, the decode engine
+the prefill engine gets ``Prefill`` / ``Abort`` / ``ClearCache`` / ``Probe`` / ``Stop``, the decode engine
 ``Reserve`` / ``Decode`` / ``Abort`` / ``Probe`` / ``Stop``. Every rank answers a ``Probe`` with
 a ``Live`` carrying the probe's ``seq``. Events go worker -> router. ``tid`` is a transfer id:
 unique per request and engine epoch, the id the transfer layer sees. Stamps are
@@ -58,7 +58,12 @@ class Stop:
     pass
 
 
-Command = Prefill | Reserve | Decode | Abort | Probe | Stop
+@dataclass(frozen=True)
+class ClearCache:
+    host: bool = False  # the prefill engine empties its prefix cache (written back below); ``host``: host memory too
+
+
+Command = Prefill | Reserve | Decode | Abort | Probe | Stop | ClearCache
 
 # --- events --------------------------------------------------------------------------
 
@@ -84,6 +89,7 @@ class Started:
     tid: str
     at: float
     cached_tokens: int  # the prefix-cache hit every prefill rank agreed on
+    cached_details: dict[str, int]  # ``cached_tokens`` by where world rank 0 found its full KV: device, host, storage
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class RequestResult:
     retractions: int = 0  # times the decode engine retracted it (and prefilled it again locally)
     prompt_tokens: int = 0
     transfer_failed: bool = False  # the transfer layer failed it
+    cached_tokens_details: dict[str, int] | None = None  # ``cached_tokens`` by tier: device, host, storage
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class RouterRequest:
     decode_epoch: int = -1  # the decode engine it was reserved on (-1: not yet)
     started: float = 0.0
     cached: int = 0
+    cached_details: dict[str, int] | None = None  # ``cached`` by tier (prefill world rank 0's)
     first_at: float = 0.0
     sent: dict[int, Sent] = field(default_factory=dict)  # prefill rank -> how its sender ended
     admitted: float = 0.0
@@ -204,6 +206,7 @@ class RouterRequest:
             finish_reason,
             next(iter(self.finals.values())).retractions,
             len(self.ids),
+            cached_tokens_details=self.cached_details,
         )
         self._ended()
         return ""
@@ -232,6 +235,7 @@ class RouterRequest:
                 finish_reason="abort" if aborted else "error",
                 prompt_tokens=len(self.ids),
                 transfer_failed=transfer,
+                cached_tokens_details=self.cached_details,
             )
             self._ended()
 
@@ -250,5 +254,9 @@ def request_metrics(requests: list[RouterRequest]) -> dict[str, Any]:
         "transfer_bytes": sum(r.transfer_bytes for r in done),
         "transfer_failures": sum(r.transfer_failed for r in done),
         "cached_tokens": sum(r.cached_tokens for r in done),
+        **{
+            f"cached_tokens_{where}": sum((r.cached_tokens_details or {}).get(where, 0) for r in done)
+            for where in ("device", "host", "storage")
+        },
         "retractions": sum(r.retractions for r in done),
     }

@@ -2,41 +2,34 @@
 
 ``with PDServer(PDConfig(model_dir, prefill_pp=2, prefill_tp=1, decode_tp=2, transport="shm")) as s:
 h = s.submit(ids, SamplingParams(...)); s.result(h)`` (or ``s.generate(prompts, params)``) returns per request
-``RequestResult``: tokens, ``finished`` / ``failed`` with a reason, the prefix-cache hit, the bytes
-moved and ``RequestTiming`` (queue, prefill, transfer, decode, TTFT, TPOT). ``probe()`` asks every
-live worker what it holds now (``WorkerState``: live pages and slots outside the prefill prefix
-cache vs before its first request, requests holding memory), so a leak shows while serving.
+``RequestResult``: tokens, ``finished`` / ``failed`` with a reason, the prefix-cache hit (by tier), the
+bytes moved and ``RequestTiming``. ``probe()`` asks every live worker what it holds now (``WorkerState``).
+The constructor checks the layout and every rank's checkpoint headers (``check_layout``: nothing starts
+on a mismatch), starts the transfer bootstrap (a fresh cluster key) and, when the prefill ranks keep the
+Mooncake Store below them and no master is named, one ``mooncake_master`` on 127.0.0.1 for all of them;
+it launches the prefill engine (PP x TP processes, ``prefill_worker``) and the decode engine (TP
+processes, ``decode_worker``) and waits for every worker's ``Ready``; a failed start stops every process
+it started and unlinks every session file a decode rank may have created. The router thread owns every
+pipe and supervises every process (pipes and process sentinels in one ``multiprocessing.connection.wait``).
 
-The constructor checks the layout and the checkpoint's headers for every rank (``check_layout``:
-nothing starts on a mismatch or a checkpoint that cannot load), starts the transfer bootstrap (a
-fresh cluster key), and launches two ``EngineProcs``: the prefill engine (PP x TP processes,
-``prefill_worker``) and the decode engine (TP processes, ``decode_worker``), then waits for every
-worker's ``Ready``; a failed start stops every process it started and unlinks every session file
-a decode rank may have created (the router names them). The router thread owns every pipe and
-supervises every process (pipes and process sentinels in one ``multiprocessing.connection.wait``).
+A request: ``Prefill`` to the prefill engine (its world rank 0 broadcasts commands to its peers; the
+engine batches the chunks of several requests per step) -> ``Started`` (the hit) -> ``Reserve`` to the
+decode engine (memory reserved, its transfer timer starts) -> ``First`` (the first token, chosen with the
+request's ``SamplingParams``) -> ``Decode`` -> the decode engine runs it once every decode rank got every
+prefill rank's KV/state (``Admitted``), streams each step's tokens (``Tokens``; ``submit(...,
+on_token=f)`` calls ``f`` with each, in order, from the router thread) -> ``Done`` from every decode rank
+(they must agree) when EOS, a stop id or ``max_new_tokens`` ends it.
 
-A request: ``Prefill`` to the prefill engine (its world rank 0 broadcasts commands to its peers;
-the engine batches the chunks of several requests per step) -> ``Started`` (the prefix-cache hit)
--> ``Reserve`` to the decode engine (its memory is reserved through its ``KVManager`` and its
-transfer timer starts) -> ``First`` (the first token, chosen with the request's
-``SamplingParams``, carried by the router) -> ``Decode`` -> the decode engine runs it once every
-decode rank got every prefill rank's KV/state (``Admitted``) and streams each step's tokens
-(``Tokens``) -> ``Done`` from every decode rank (they must agree) when EOS, a stop id or
-``max_new_tokens`` ends it. ``submit(..., on_token=f)`` calls ``f`` with each output token in
-order, from the router thread.
-
-Faults: a process that dies takes its engine down (the other processes killed and reaped, a decode
+Faults: a process that dies takes its engine down (its other processes killed and reaped, a decode
 engine's shm files unlinked) and the engine restarts as a new epoch; the open requests it held are
-computed again, one at a time and alone, so a request present at two deaths of an engine fails alone
-and a poison request never takes the others with it; past ``restarts`` counted deaths the engine is
-lost and every open and new request fails with the reason (the rule in full: ``quarantine``). A
-transfer failure (a decode-side timeout included) fails that request alone; a prompt that does not
-fit beside the requests in flight waits for their memory, one that fits on no rank alone fails.
-Workers' stderr goes through ``WorkerLog``: Mooncake's own log lines (e.g. refused connections to a
-killed decode rank) become counted log records on ``hybridkv.transfer.mooncake`` (``metrics``).
+computed again, one at a time and alone, so a poison request never takes the others with it; past
+``restarts`` counted deaths the engine is lost and every open and new request fails with the reason
+(the rule: ``quarantine``). A transfer failure (a decode-side timeout included) fails that request
+alone; a prompt that does not fit beside those in flight waits for their memory, one that fits on no
+rank alone fails. Workers' stderr goes through ``WorkerLog`` (Mooncake's log lines: counted records).
 Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
 its memory and reports its live pages and slots), then reaps every process (terminate, then
-kill), closes every pipe and the bootstrap: no process of the server outlives ``close``.
+kill), closes every pipe, the bootstrap and its master: no process of the server outlives ``close``.
 """
 
 from __future__ import annotations
@@ -52,12 +45,13 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, check_layout
+from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, check_layout, with_store_master
 from hybridkv.engine.disagg.engines import EngineState, PDStartError, await_ready, engine_name, launch, unlink_all
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import (
     Abort,
     Admitted,
+    ClearCache,
     Crash,
     Decode,
     Done,
@@ -92,17 +86,20 @@ from hybridkv.engine.registry import text_config
 from hybridkv.engine.request import SamplingParams, check_request
 from hybridkv.engine.scheduler import Role
 from hybridkv.engine.weights import read_config
+from hybridkv.tiers import MooncakeMaster
 from hybridkv.transfer import BootstrapServer
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.shared import shm_path
 
 __all__ = ["FAILED", "FINISHED", "PDServer", "PDStartError"]
+_Item = RouterRequest | ProbeCall | ClearCache | tuple[int, str] | None  # what the router's inbox carries
 
 
 class PDServer:
     def __init__(self, config: PDConfig) -> None:
         check_layout(config)
         self.config = config
+        self.master: MooncakeMaster | None = None  # started here for the prefill ranks' store (with_store_master)
         text = text_config(read_config(config.model_dir))
         self.vocab_size = int(text.vocab_size)
         self.key = ClusterKey.generate()
@@ -113,7 +110,7 @@ class PDServer:
         self.router_error = ""  # the router thread's traceback, if it failed
         self._requests: list[RouterRequest] = []
         self._tids: dict[str, RouterRequest] = {}
-        self._inbox: queue.SimpleQueue[RouterRequest | ProbeCall | tuple[int, str] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._probes = Probes()
         self._lock = threading.Lock()  # submit vs the router's final failure loops (one handle each, none missed)
         self._wake_r, self._wake_w = os.pipe()
@@ -129,6 +126,7 @@ class PDServer:
         self.decode: EngineState | None = None
         self.logs = WorkerLog()
         try:
+            self.config, self.master = with_store_master(config)  # one master for every prefill rank's store
             self.prefill = self._launch(Role.PREFILL, 0)
             self.decode = self._launch(Role.DECODE, 0)
             await_ready([self.prefill, self.decode], config.timeout_s * 2)
@@ -213,6 +211,12 @@ class PDServer:
             "mooncake_log_lines": self.logs.total,
         }
 
+    def clear_cache(self, host: bool = False) -> None:
+        """Empty the prefill ranks' prefix caches (what requests hold stays), written back to their
+        tiers; ``host``: host memory too, into the store. Applied before any request submitted later."""
+        self._inbox.put(ClearCache(host))
+        self._wake()
+
     def shm_paths(self) -> list[str]:
         """The shared-memory files of every decode rank this server started (unlinked by ``close``)."""
         return list(self._session_files)
@@ -270,6 +274,8 @@ class PDServer:
         for e in self._engines():
             e.stop(grace_s, tell=router_failed)
         unlink_all(self._session_files)
+        if self.master is not None:  # after the workers: their store clients are gone
+            self.master.stop()
         self.boot.close()
         self.logs.close()
         for fd in (self._wake_r, self._wake_w):
@@ -341,7 +347,10 @@ class PDServer:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, ProbeCall):
+            if isinstance(item, ClearCache):
+                if self.prefill is not None and not self.prefill.dead:
+                    self.prefill.leader(item)
+            elif isinstance(item, ProbeCall):
                 self._probes.start(item, [e for e in (self.prefill, self.decode) if e is not None and not e.dead])
             elif isinstance(item, tuple):
                 handle, reason = item
@@ -400,6 +409,7 @@ class PDServer:
         fault = self._faults.get(req.index) if req.attempts == 1 else None
         if isinstance(msg, Started):
             req.started, req.cached, req.phase = msg.at, msg.cached_tokens, Phase.PREFILLING
+            req.cached_details = msg.cached_details
             assert self.decode is not None
             req.decode_epoch = self.decode.epoch
             self.decode.leader(Reserve(msg.tid, req.ids, req.params, e.name))

@@ -1,0 +1,195 @@
+"""Tiers below the prefill ranks of a disaggregated server: host memory and the Mooncake Store, token-exact.
+
+One server ((PP 2, TP 1) -> (TP 1), Qwen3-Next: full attention on one stage's layers, GDN state on
+both) with host memory and the Mooncake Store below every prefill rank, on a master its router
+starts: a prompt served, the prefill caches emptied (written back to host memory), the same prefix
+comes back from host memory; host memory emptied too (into the store), it comes back from the
+store; every time the tokens are transformers'. A second server of the same layout, a client of
+the first's master, serves the first's prefix from the store (hit > 0, exact); a single-process
+engine of another layout (PP 1) on the same master and the same cache salt reads nothing of it
+(hit 0, no miss: its keys never name the PP 2 shards' objects, exact). Stage 1's stored objects
+damaged through the store's API: stage 1 misses, stage 0 falls back with it, the request recomputes
+(exact). Bad tier options of ``serve-pd``: one error line. The router's master, the workers: nothing
+outlives the servers.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, RequestResult
+from hybridkv.engine.engine import Engine, engine_spec
+from hybridkv.engine.registry import text_config
+from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.weights import read_config
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import Parallel, ShardSpec
+from hybridkv.tiers import KeySpace, MooncakeStoreTier
+from hybridkv.tiers.framing import HEADER
+from tests.engine.harness import hf_model, hf_reference, prompt
+from tests.engine.parallel.test_disagg import gone
+
+NAME = "tiny-qwen3-next"
+PAGE, CHUNK, NEW = 4, 8, 5
+A = prompt(700, 41)
+
+
+def turn(seed: int, keep: int = 40) -> tuple[int, ...]:
+    """A prompt sharing ``A``'s first ``keep`` tokens (10 pages), then leaving it."""
+    tail = prompt(seed, 5)
+    tail[0] = 3 if A[keep] != 3 else 4
+    return tuple(A[:keep] + tail)
+
+
+def config(path: Path, **tiers: object) -> PDConfig:
+    return PDConfig(
+        str(path),
+        prefill_pp=2,
+        prefill_tp=1,
+        decode_tp=1,
+        page_size=PAGE,
+        chunk=CHUNK,
+        gpu_memory=3_000_000,
+        max_context=96,
+        store="mooncake",
+        store_memory=32 << 20,
+        **tiers,  # type: ignore[arg-type]
+    )
+
+
+def served(server: PDServer, ids: tuple[int, ...], salt: str | None) -> RequestResult:
+    r = server.result(server.submit(ids, SamplingParams(NEW, ignore_eos=True), salt=salt), timeout_s=120)
+    assert r.status == FINISHED, r.reason
+    assert r.output_ids == hf_reference(NAME, ids, NEW)[0], "tokens differ from transformers"
+    assert r.cached_tokens_details is not None and sum(r.cached_tokens_details.values()) == r.cached_tokens
+    return r
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(NAME)
+    hf_model(NAME).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def first(model_dir: Path) -> Iterator[tuple[PDServer, str]]:
+    """The first server (host memory and the store; its router starts the master) and its cache salt."""
+    server = PDServer(config(model_dir, host_memory=8 << 20))
+    try:
+        yield server, uuid.uuid4().hex
+    finally:
+        server.close()
+    assert server.master is not None and not server.master.running
+    assert all(gone(pid) for pid in server.pids())
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory_then_from_the_store(first):
+    server, salt = first
+    assert server.master is not None and server.config.store_master == server.master.address
+    assert served(server, tuple(A), salt).cached_tokens == 0
+    server.clear_cache()  # every prefill rank: device -> host memory
+    host = served(server, turn(1), salt)
+    assert host.cached_tokens_details == {"device": 0, "host": 40, "storage": 0}
+    server.clear_cache(host=True)  # device -> host memory -> the Mooncake Store
+    stored = served(server, turn(2), salt)
+    assert stored.cached_tokens_details == {"device": 0, "host": 0, "storage": 40}
+    again = served(server, turn(3), salt)  # restored pages and states are the devices' own again
+    assert again.cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
+    m = server.metrics()
+    assert (m["cached_tokens_host"], m["cached_tokens_storage"]) == (40, 40)
+
+
+def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, model_dir, tmp_path, capsys):
+    server, _ = first
+    salt = None  # serve-pd's prompts carry no cache salt (the first test's salt keeps its objects apart)
+    assert served(server, tuple(A), salt).cached_tokens == 0
+    server.clear_cache(host=True)  # A's pages and states: in the store only
+    assert server.master is not None
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": list(turn(4))}) + "\n")
+    args = ["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), "--prefill-pp", "2"]
+    args += ["--decode-tp", "1", "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--max-new-tokens", str(NEW)]
+    args += ["--ignore-eos", "--store", "mooncake", "--store-master", server.master.address, "--json"]
+    args += ["--store-memory", "32MiB"]
+    # the second server (serve-pd: a PDServer of the same layout, a client of the first's master)
+    assert main(args) == 0, capsys.readouterr().err
+    (shared,) = json.loads(capsys.readouterr().out)["requests"]
+    assert shared["output_ids"] == hf_reference(NAME, turn(4), NEW)[0]
+    assert shared["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 40}, shared
+    other = Engine(
+        model_dir,
+        gpu_memory=400_000,
+        page_size=PAGE,
+        chunk_size=CHUNK,
+        max_context=96,
+        store="mooncake",
+        store_master=server.master.address,
+        store_memory="32MiB",
+    )
+    try:
+        ids = turn(5)
+        out = other.generate([list(ids)], [SamplingParams(NEW, ignore_eos=True)], cache_salts=[salt])[0]
+        assert out.output_ids == hf_reference(NAME, ids, NEW)[0]
+        assert out.cached_tokens == 0
+        assert other.tiers is not None and not other.tiers.hierarchy.counters.misses
+    finally:
+        other.close()
+
+
+def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_dir):
+    """Stage 1's objects of a stored prefix damaged through the store's own API (read, flip a byte,
+    upsert): stage 1 misses at the copy, stage 0 (whose objects are intact) falls back with it, the
+    request computes the whole prompt, tokens exact; then both store it again."""
+    server, _ = first
+    salt = uuid.uuid4().hex
+    assert served(server, tuple(A), salt).cached_tokens == 0
+    server.clear_cache(host=True)  # into the store
+    spec = engine_spec(text_config(read_config(str(model_dir))))
+    shard = ShardSpec(spec, Parallel(pp_size=2), 1, 0)
+    keys = KeySpace.of(UnifiedMemory.create(shard, 400_000, page_size=PAGE, max_context=96, chunk_tokens=CHUNK))
+    names = keys.page_names(np.asarray(A[:40]), salt)
+    assert server.master is not None
+    client = MooncakeStoreTier(server.master.address, segment_bytes=16 << 20)
+    try:
+        raw = client._store  # the Mooncake client itself
+        damaged = 0
+        for pool in keys.prefixes:
+            for key in keys.keys(pool, names):
+                blob = raw.get(key)
+                if blob:
+                    blob = bytearray(blob)
+                    blob[HEADER + 1] ^= 0x40
+                    assert raw.upsert(key, bytes(blob)) == 0
+                    damaged += 1
+        assert damaged > 0  # stage 1's pages (and the state after 40 tokens) were in the store
+        out = served(server, turn(6), salt)
+        assert out.cached_tokens == 0  # no stage restored, though stage 0's objects were intact
+        assert served(server, turn(7), salt).cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        (["--store", "disk"], "--store takes none or mooncake"),
+        (["--store-master", "127.0.0.1:5"], "it needs --store mooncake"),
+        (["--store", "mooncake", "--store-memory", "1MiB"], "at least 16MiB"),
+        (["--store", "mooncake", "--store-master", "127.0.0.1:9"], "no mooncake_master answers at 127.0.0.1:9"),
+    ],
+)
+def test_bad_tier_options_of_serve_pd_are_one_error_line(tiers, message, model_dir, tmp_path, capsys) -> None:
+    """Refused before any worker starts (nothing to reap): one ``error:`` line, exit 2."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": A}) + "\n")
+    assert main(["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), *tiers]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("hybridkv serve-pd:")]
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err  # (the sizing line aside)
