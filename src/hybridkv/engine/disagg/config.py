@@ -75,6 +75,12 @@ class Fault:
         if self.delay_s < 0:
             raise ValueError(f"fault '{self.kind}': delay_s {self.delay_s} is negative; use a delay >= 0")
 
+    def sent_to_prefill(self, attempt: int) -> bool:
+        """Whether the prefill engine is told of it on this attempt of its request: crash-prefill on
+        every attempt, kill-prefill and stall-transfer on the first; kill-decode never (the router
+        applies it, at the first token)."""
+        return self.kind is FaultKind.CRASH_PREFILL or (self.kind is not FaultKind.KILL_DECODE and attempt == 1)
+
 
 @dataclass(frozen=True)
 class PDConfig:

@@ -8,9 +8,8 @@ The constructor checks the layout and every rank's checkpoint headers (``check_l
 on a mismatch), starts the transfer bootstrap (a fresh cluster key) and, when the prefill ranks keep the
 Mooncake Store below them and no master is named, one ``mooncake_master`` on 127.0.0.1 for all of them;
 it launches the prefill engine (PP x TP processes, ``prefill_worker``) and the decode engine (TP
-processes, ``decode_worker``) and waits for every worker's ``Ready``; a failed start stops every process
-it started and unlinks every session file a decode rank may have created. The router thread owns every
-pipe and supervises every process (pipes and process sentinels in one ``multiprocessing.connection.wait``).
+processes, ``decode_worker``) and waits for every worker's ``Ready`` (a failed start stops what it
+started, unlinks every session file). The router thread owns every pipe and watches every process.
 
 A request: ``Prefill`` to the prefill engine (its world rank 0 broadcasts commands to its peers; the
 engine batches the chunks of several requests per step) -> ``Started`` (the hit) -> ``Reserve`` to the
@@ -25,11 +24,11 @@ engine's shm files unlinked) and the engine restarts as a new epoch; the open re
 computed again, one at a time and alone, so a poison request never takes the others with it; past
 ``restarts`` counted deaths the engine is lost and every open and new request fails with the reason
 (the rule: ``quarantine``). A transfer failure (a decode-side timeout included) fails that request
-alone; a prompt that does not fit beside those in flight waits for their memory, one that fits on no
-rank alone fails. Workers' stderr goes through ``WorkerLog`` (Mooncake's log lines: counted records).
-Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies
-its memory and reports its live pages and slots), then reaps every process (terminate, then
-kill), closes every pipe, the bootstrap and its master: no process of the server outlives ``close``.
+alone; a prompt that does not fit beside those in flight waits, one that fits on no rank alone fails.
+Workers' stderr goes through ``WorkerLog`` (Mooncake's log lines: counted records).
+Invariants: every request ends exactly once; ``close`` stops every worker (each drains, verifies its
+memory, reports its live pages and slots), reaps every process (terminate, then kill), closes every
+pipe, the bootstrap and its master: no process of the server outlives ``close``.
 """
 
 from __future__ import annotations
@@ -100,8 +99,7 @@ class PDServer:
         check_layout(config)
         self.config = config
         self.master: MooncakeMaster | None = None  # started here for the prefill ranks' store (with_store_master)
-        text = text_config(read_config(config.model_dir))
-        self.vocab_size = int(text.vocab_size)
+        self.vocab_size = int(text_config(read_config(config.model_dir)).vocab_size)
         self.key = ClusterKey.generate()
         self.boot = BootstrapServer(key=self.key).start()
         self.ranks: list[PDRank] = []
@@ -136,8 +134,6 @@ class PDServer:
         self._thread = threading.Thread(target=self._route, name="pd-router", daemon=True)
         self._thread.start()
 
-    # --- public API ------------------------------------------------------------------
-
     def submit(
         self,
         ids: Sequence[int],
@@ -166,15 +162,14 @@ class PDServer:
                 index, tuple(checked), params.with_seed(index), time.monotonic(), on_token, on_done, salt
             )
             self._requests.append(req)
-            self._inbox.put(req)
+            self._inbox.put(req)  # under the lock: ordered against the router's final failure loops
         self._wake()
         return index
 
     def abort(self, handle: int, reason: str = "by the client") -> None:
         """End an open request: it fails (finish reason ``abort``, its reason "aborted: ``reason``") and
         both engines release what it holds."""
-        self._inbox.put((handle, f"{ABORTED}: {reason}"))
-        self._wake()
+        self._post((handle, f"{ABORTED}: {reason}"))
 
     def result(self, handle: int, timeout_s: float | None = None) -> RequestResult:
         """The request's outcome, once it ended (default wait: 4 x ``timeout_s`` of the config)."""
@@ -195,8 +190,7 @@ class PDServer:
         """What every live worker holds now (prefill ranks, then decode ranks); ``TimeoutError`` if one
         does not answer (e.g. an engine is restarting)."""
         call = ProbeCall()
-        self._inbox.put(call)
-        self._wake()
+        self._post(call)
         if not call.done.wait(timeout_s):
             raise TimeoutError(f"{call.expected - len(call.states)} workers did not answer a probe in {timeout_s} s")
         return call.states
@@ -214,8 +208,7 @@ class PDServer:
     def clear_cache(self, host: bool = False) -> None:
         """Empty the prefill ranks' prefix caches (what requests hold stays), written back to their
         tiers; ``host``: host memory too, into the store. Applied before any request submitted later."""
-        self._inbox.put(ClearCache(host))
-        self._wake()
+        self._post(ClearCache(host))
 
     def shm_paths(self) -> list[str]:
         """The shared-memory files of every decode rank this server started (unlinked by ``close``)."""
@@ -230,6 +223,11 @@ class PDServer:
         current = [e for e in (self.prefill, self.decode) if e is not None]
         return current + [e for e in self._retired if all(e is not c for c in current)]
 
+    def _post(self, item: _Item) -> None:
+        """Hand ``item`` to the router thread and wake it."""
+        self._inbox.put(item)
+        self._wake()
+
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
@@ -239,8 +237,7 @@ class PDServer:
             if self._stopping:
                 return
             self._stopping = True
-        self._inbox.put(None)
-        self._wake()
+        self._post(None)
         stuck = 0.0
         if self._thread is not None:
             self._thread.join(self.config.timeout_s * 2)
@@ -295,8 +292,7 @@ class PDServer:
             raise
 
     def _route_loop(self) -> None:
-        stop_sent = False
-        deadline = 0.0
+        stop_sent, deadline = False, 0.0
         while True:
             engines = [e for e in (self.prefill, self.decode) if e is not None and not e.dead]
             conns: dict[Connection, tuple[EngineState, int]] = {
@@ -378,13 +374,8 @@ class PDServer:
         self._tids[req.tid] = req
         self._in_flight.add(req.index)
         fault = self._faults.get(req.index)
-        if (
-            fault is not None
-            and fault.kind is not FaultKind.CRASH_PREFILL
-            and (fault.kind is FaultKind.KILL_DECODE or req.attempts > 1)
-        ):
-            fault = None  # kill-decode: applied by the router, at the first token; crash-prefill: every attempt
-        p.leader(Prefill(req.tid, req.ids, req.params, fault, req.salt))
+        sent = fault if fault is not None and fault.sent_to_prefill(req.attempts) else None
+        p.leader(Prefill(req.tid, req.ids, req.params, sent, req.salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
         if isinstance(msg, Report):
