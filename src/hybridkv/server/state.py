@@ -58,15 +58,17 @@ class ServerState:
         ids: dict[str, list[int]],
         fields: dict[str, str],
         batch: bool,
+        stream: bool,
     ) -> Generation:
-        """Submit ``prompts`` as one generation registered under ``ids`` (id -> prompt indices)."""
+        """Submit ``prompts`` as one generation registered under ``ids`` (id -> prompt indices); ``stream``:
+        the handler wants each token as it comes."""
         taken = [i for i in ids if i in self.open]
         if taken:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:
             self._post = LoopPost(loop)
-        gen = Generation(self.backend, self._post, prompts)
+        gen = Generation(self.backend, self._post, prompts, stream)
         try:
             gen.start(params, salt)
         except PromptRefused as exc:
@@ -94,10 +96,14 @@ class ServerState:
                 yield updates
         finally:
             watcher.cancel()
-            if not gen.done:
-                gen.abort("the client went away")
-            for rid in ids:
-                self.open.pop(rid, None)
+            self.release(gen, ids)
+
+    def release(self, gen: Generation, ids: Sequence[str]) -> None:
+        """``gen``'s handler is done with it: abort it if it is still open, unregister ``ids``."""
+        if not gen.done:
+            gen.abort("the client went away")
+        for rid in ids:
+            self.open.pop(rid, None)
 
     def abort_all(self, reason: str) -> list[str]:
         """Abort every open request; their ids."""
