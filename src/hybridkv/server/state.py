@@ -15,9 +15,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
@@ -43,9 +46,22 @@ class ServerState:
         self.backend = backend
         self.config = config
         self.info = backend.info
-        self.metrics = ServerMetrics(backend.metrics)
+        self.metrics = ServerMetrics(self._figures)
         self.open: dict[str, tuple[Generation, list[int]]] = {}
         self._post: LoopPost | None = None  # the serving loop's (made on the first request, in it)
+        self._loop_clock: int | None = None  # the CPU clock of the thread serving HTTP (``in_loop``)
+
+    def in_loop(self) -> None:
+        """Called on the serving loop's thread (every request that reaches the backend, every scrape):
+        from then on ``/metrics`` counts that thread's CPU."""
+        if self._loop_clock is None:
+            self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
+
+    def _figures(self) -> dict[str, Any]:
+        figures = self.backend.metrics()
+        if self._loop_clock is not None:
+            figures["http_loop_cpu_s"] = time.clock_gettime(self._loop_clock)
+        return figures
 
     def new_id(self, prefix: str = "") -> str:
         return prefix + uuid.uuid4().hex
@@ -65,6 +81,7 @@ class ServerState:
         taken = [i for i in ids if i in self.open]
         if taken:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
+        self.in_loop()
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:
             self._post = LoopPost(loop)
