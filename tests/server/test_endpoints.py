@@ -205,6 +205,9 @@ def test_metrics_models_and_health(server: Any) -> None:
         assert name in text, name
     assert metric(text, "hybridkv_e2e_request_latency_seconds_count") > 0
     assert metric(text, "hybridkv_prefix_cache_hit_tokens_total") > 0  # the shared prefixes hit
+    # the HTTP loop thread's own CPU clock: positive, and below the whole process's
+    loop_cpu = metric(text, "hybridkv_http_loop_cpu_seconds_total")
+    assert 0 < loop_cpu <= metric(text, "process_cpu_seconds_total") + 0.01
     models = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0).models.list()
     assert [m.id for m in models.data] == [MODEL]
     health = httpx.get(f"{server.url}/health", timeout=10)  # no key needed

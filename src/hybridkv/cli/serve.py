@@ -425,6 +425,7 @@ def bench_serve(
     console.print(
         f"HTTP overhead per request ({report['alone']} requests alone, streamed, {max_new_tokens} tokens each; "
         f"HTTP e2e - engine e2e): p50 {o['p50']} ms, p99 {o['p99']} ms; goal p50 <= {report['goal_overhead_ms']} ms "
-        f"{met}.\nCPU per request: HTTP side of the server {report['http_cpu_ms']} ms; its engine thread "
+        f"{met}.\nCPU per request: HTTP side of the server {report['http_cpu_ms']} ms (its event loop thread; "
+        f"the rest besides the engine {report['server_other_cpu_ms']} ms); its engine thread "
         f"{report['engine_thread_cpu_ms']} ms vs the engine driven directly {report['engine_cpu_ms']} ms"
     )

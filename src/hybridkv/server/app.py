@@ -56,6 +56,7 @@ async def models(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    state.in_loop()
     return Response(await asyncio.to_thread(state.metrics.render), media_type=PROMETHEUS_TEXT)
 
 

@@ -3,15 +3,17 @@
 The backend calls each prompt's sink from its own thread; the sink stamps the time and hands the
 event to the event loop through the loop's ``LoopPost``: one ``call_soon_threadsafe`` wake-up per
 burst (a step's tokens for every request), not per token, so the loop thread takes the GIL from the
-engine thread once per step. ``updates`` yields, per wake-up, every prompt's new tokens and its end
-together, so a stream sends one chunk for a token and the end that came with it, and a slow client
-gets several tokens per chunk.
+engine thread once per step. A generation that is not streamed wakes the loop only when a prompt
+ends (its tokens ride along with that wake-up), so the loop costs it nothing per token. ``updates``
+yields, per wake-up, every prompt's new tokens and its end together, so a stream sends one chunk for
+a token and the end that came with it, and a slow client gets several tokens per chunk.
 
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
 - Every submitted prompt ends exactly once (``finished[i]``); ``abort`` ends the open ones (the
   backend releases their memory) and is a no-op for ended ones, so a disconnect at any moment
   leaves nothing held.
+- Events of one generation reach it in the order the backend posted them (one FIFO per loop).
 - Timings are ``perf_counter`` stamps taken in the backend's thread as the token is handed over.
 """
 
@@ -21,7 +23,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -51,18 +52,19 @@ Event = tuple[int, int | None, Finished | None, float]  # prompt index, token, e
 
 
 class LoopPost:
-    """Events from other threads into one event loop's generation queues, one wake-up per burst."""
+    """Events from other threads into one event loop's generations, one wake-up per burst."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self._lock = threading.Lock()
-        self._pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self._pending: list[tuple[Generation, Event]] = []
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue[Event], event: Event) -> None:
+    def post(self, gen: Generation, event: Event, wake: bool) -> None:
+        """Queue ``event`` for ``gen``; ``wake``: deliver it soon (else with the next wake-up, any gen's)."""
         with self._lock:
-            self._pending.append((queue, event))
-            if self._scheduled:
+            self._pending.append((gen, event))
+            if self._scheduled or not wake:
                 return
             self._scheduled = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these any more
@@ -70,11 +72,10 @@ class LoopPost:
 
     def _deliver(self) -> None:
         with self._lock:
-            burst = list(self._pending)
-            self._pending.clear()
+            burst, self._pending = self._pending, []
             self._scheduled = False
-        for queue, event in burst:
-            queue.put_nowait(event)
+        for gen, event in burst:
+            gen.arrive(event)
 
 
 class PromptRefused(Exception):
@@ -99,14 +100,17 @@ class _Sink:
 
 
 class Generation:
-    def __init__(self, backend: Backend, post: LoopPost, prompts: list[list[int]]):
+    def __init__(self, backend: Backend, post: LoopPost, prompts: list[list[int]], stream: bool):
+        """``stream``: the consumer wants every token as it comes (else only the ends wake the loop)."""
         self.backend = backend
         self.loop_post = post
         self.prompts = prompts
+        self.stream = stream
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
         self.tickets: list[int] = []
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: list[Event] = []  # delivered, not yet taken by ``updates`` (loop thread only)
+        self._waiter: asyncio.Future[None] | None = None
         self._open = len(prompts)
 
     def start(self, params: list[SamplingParams], salt: str | None) -> None:
@@ -124,7 +128,14 @@ class Generation:
 
     def post(self, index: int, token: int | None, finished: Finished | None) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed)."""
-        self.loop_post.post(self._events, (index, token, finished, time.perf_counter()))
+        self.loop_post.post(self, (index, token, finished, time.perf_counter()), self.stream or finished is not None)
+
+    def arrive(self, event: Event) -> None:
+        """In the loop: one delivered event (wakes ``updates``)."""
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def abort(self, reason: str) -> None:
         for i, ticket in enumerate(self.tickets):
@@ -149,9 +160,13 @@ class Generation:
     async def updates(self) -> AsyncIterator[list[Update]]:
         """Until every prompt ended: per wake-up, what changed (one ``Update`` per prompt that changed)."""
         while not self.done:
-            events = [await self._events.get()]
-            while not self._events.empty():
-                events.append(self._events.get_nowait())
+            if not self._events:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            events, self._events = self._events, []
             changed: dict[int, Update] = {}
             for index, token, finished, at in events:
                 self._apply(index, token, finished, at)

@@ -61,6 +61,10 @@ COUNTERS = {
         "engine_thread_cpu_seconds",
         "CPU seconds of the engine thread (the rest of process_cpu_seconds is the HTTP side).",
     ),
+    "http_loop_cpu_s": (
+        "http_loop_cpu_seconds",
+        "CPU seconds of the thread serving HTTP (its event loop), exact (process_cpu_seconds counts 10 ms ticks).",
+    ),
 }
 HIT_COMPONENTS = {"hit_full_tokens": "full", "hit_window_tokens": "window", "hit_checkpoint_tokens": "checkpoint"}
 

@@ -13,13 +13,12 @@ failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the pro
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server.backend import Finished
@@ -33,21 +32,17 @@ from hybridkv.server.schemas import (
     sampling,
     token_prompts,
 )
+from hybridkv.server.sse import DONE, EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.text import TextStream
 
 FIELDS = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "sampling_params": "prompt"}
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def finish_reason(result: Finished) -> str:
     if result.finish_reason in (FinishReason.EOS, FinishReason.STOP):
         return "stop"
     return str(result.finish_reason)
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def failure(index: int, batch: bool, result: Finished) -> ApiError:
@@ -97,13 +92,13 @@ async def completions(request: Request) -> Response:
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         check_fits(prompt, p, info, f"prompt[{i}]" if batch else "prompt", "max_tokens")
     cid = state.new_id("cmpl-")
-    gen = state.start(prompts, params, body.cache_salt, {cid: list(range(len(prompts)))}, FIELDS, batch)
+    gen = state.start(prompts, params, body.cache_salt, {cid: list(range(len(prompts)))}, FIELDS, batch, body.stream)
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         events = _stream(state, request, gen, cid, head, batch, usage)
-        return StreamingResponse(events, headers=SSE_HEADERS, media_type="text/event-stream")
+        return EventStream(events, lambda: state.release(gen, [cid]))
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     async for _ in state.drive(request, gen, [cid]):
         pass
@@ -145,14 +140,15 @@ async def _stream(
     head: dict[str, Any],
     batch: bool,
     usage: bool,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[bytes, None]:
     texts = [TextStream(state.config.tokenizer) for _ in gen.prompts]
     extra = {"usage": None} if usage else {}
     async for updates in state.drive(request, gen, [cid]):
+        events = []
         for up in updates:
             ended = up.finished
             if ended is not None and ended.finish_reason is FinishReason.ERROR:
-                yield sse(failure(up.index, batch, ended).body())
+                events.append(sse(failure(up.index, batch, ended).body()))
                 continue
             choice = {
                 "index": up.index,
@@ -161,7 +157,9 @@ async def _stream(
                 "logprobs": None,
                 "finish_reason": None if ended is None else finish_reason(ended),
             }
-            yield sse({**head, "choices": [choice], **extra})
-    if usage:
-        yield sse({**head, "choices": [], "usage": _usage(gen)})
-    yield "data: [DONE]\n\n"
+            events.append(sse({**head, "choices": [choice], **extra}))
+        if gen.done:
+            if usage:
+                events.append(sse({**head, "choices": [], "usage": _usage(gen)}))
+            events.append(DONE)
+        yield b"".join(events)  # one write per wake-up

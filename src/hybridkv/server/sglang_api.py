@@ -20,15 +20,14 @@ every open request with ``abort_all``; a rid that is not open answers 404 naming
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server.generation import Generation, Progress
-from hybridkv.server.openai_api import SSE_HEADERS, sse
 from hybridkv.server.schemas import (
     AbortBody,
     ApiError,
@@ -40,6 +39,7 @@ from hybridkv.server.schemas import (
     sampling,
     token_prompts,
 )
+from hybridkv.server.sse import DONE, EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.text import TextStream
 
@@ -140,11 +140,12 @@ async def generate(request: Request) -> Response:
         check_fits(prompt, p, state.info, f"{field}[{i}]" if batch else field, f"{where}.max_new_tokens")
     rids = _rids(state, body.rid, len(prompts), batch)
     fields = _fields("sampling_params") | {"input_ids": field}
-    gen = state.start(prompts, params, body.cache_salt, {r: [i] for i, r in enumerate(rids)}, fields, batch)
+    ids = {r: [i] for i, r in enumerate(rids)}
+    gen = state.start(prompts, params, body.cache_salt, ids, fields, batch, body.stream)
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     if body.stream:
         events = _stream(state, request, gen, rids, texts, batch)
-        return StreamingResponse(events, headers=SSE_HEADERS, media_type="text/event-stream")
+        return EventStream(events, lambda: state.release(gen, rids))
     async for updates in state.drive(request, gen, rids):
         for up in updates:
             texts[up.index].push(up.new_tokens, final=up.finished is not None)
@@ -158,15 +159,18 @@ async def generate(request: Request) -> Response:
 
 async def _stream(
     state: ServerState, request: Request, gen: Generation, rids: list[str], texts: list[TextStream], batch: bool
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[bytes, None]:
     async for updates in state.drive(request, gen, rids):
+        events = []
         for up in updates:
             texts[up.index].push(up.new_tokens, final=up.finished is not None)
             chunk = _answer(gen, up.index, rids[up.index], texts[up.index])
             if batch:
                 chunk["index"] = up.index
-            yield sse(chunk)
-    yield "data: [DONE]\n\n"
+            events.append(sse(chunk))
+        if gen.done:
+            events.append(DONE)
+        yield b"".join(events)  # one write per wake-up
 
 
 async def abort_request(request: Request) -> Response:

@@ -15,9 +15,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
@@ -43,9 +46,22 @@ class ServerState:
         self.backend = backend
         self.config = config
         self.info = backend.info
-        self.metrics = ServerMetrics(backend.metrics)
+        self.metrics = ServerMetrics(self._figures)
         self.open: dict[str, tuple[Generation, list[int]]] = {}
         self._post: LoopPost | None = None  # the serving loop's (made on the first request, in it)
+        self._loop_clock: int | None = None  # the CPU clock of the thread serving HTTP (``in_loop``)
+
+    def in_loop(self) -> None:
+        """Called on the serving loop's thread (every request that reaches the backend, every scrape):
+        from then on ``/metrics`` counts that thread's CPU."""
+        if self._loop_clock is None:
+            self._loop_clock = time.pthread_getcpuclockid(threading.get_ident())
+
+    def _figures(self) -> dict[str, Any]:
+        figures = self.backend.metrics()
+        if self._loop_clock is not None:
+            figures["http_loop_cpu_s"] = time.clock_gettime(self._loop_clock)
+        return figures
 
     def new_id(self, prefix: str = "") -> str:
         return prefix + uuid.uuid4().hex
@@ -58,15 +74,18 @@ class ServerState:
         ids: dict[str, list[int]],
         fields: dict[str, str],
         batch: bool,
+        stream: bool,
     ) -> Generation:
-        """Submit ``prompts`` as one generation registered under ``ids`` (id -> prompt indices)."""
+        """Submit ``prompts`` as one generation registered under ``ids`` (id -> prompt indices); ``stream``:
+        the handler wants each token as it comes."""
         taken = [i for i in ids if i in self.open]
         if taken:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
+        self.in_loop()
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:
             self._post = LoopPost(loop)
-        gen = Generation(self.backend, self._post, prompts)
+        gen = Generation(self.backend, self._post, prompts, stream)
         try:
             gen.start(params, salt)
         except PromptRefused as exc:
@@ -94,10 +113,14 @@ class ServerState:
                 yield updates
         finally:
             watcher.cancel()
-            if not gen.done:
-                gen.abort("the client went away")
-            for rid in ids:
-                self.open.pop(rid, None)
+            self.release(gen, ids)
+
+    def release(self, gen: Generation, ids: Sequence[str]) -> None:
+        """``gen``'s handler is done with it: abort it if it is still open, unregister ``ids``."""
+        if not gen.done:
+            gen.abort("the client went away")
+        for rid in ids:
+            self.open.pop(rid, None)
 
     def abort_all(self, reason: str) -> list[str]:
         """Abort every open request; their ids."""
