@@ -13,7 +13,7 @@ from hybridkv.cli.app import main
 from hybridkv.replay import ReplayConfig, build_report, load_workload, simulate
 from hybridkv.replay.tiered import TierConfig
 from hybridkv.spec import KindTag, get_preset
-from hybridkv.traces import PEER_TRACE
+from hybridkv.traces import MOONCAKE_TRACE, PEER_TRACE
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,21 @@ def test_cli_reports_tiers_as_json(capsys):
 
 
 @pytest.mark.parametrize(
+    ("trace", "extra", "config"),
+    [
+        (MOONCAKE_TRACE, [], "host 16GiB (back, windows at ends aligned to 512)"),
+        (MOONCAKE_TRACE, ["--page-size", "48"], "host 16GiB (back)"),  # 512 is no whole number of pages
+        (MOONCAKE_TRACE, ["--window-align", "0"], "host 16GiB (back)"),
+        (PEER_TRACE, [], "host 16GiB (back)"),  # its prompts share content at any token
+    ],
+)
+def test_cli_aligns_windows_to_the_traces_blocks(capsys, trace, extra, config):
+    args = ["replay", "--trace", str(trace), "--model", "Gemma-3-27B-IT", "--gpu-memory", "16GiB", "--limit", "20"]
+    assert main([*args, "--host-memory", "16GiB", *extra, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["tiers"]["config"] == config
+
+
+@pytest.mark.parametrize(
     ("extra", "says"),
     [
         (["--store", "disk"], "--store takes one of none, sim, mooncake"),
@@ -96,6 +111,8 @@ def test_cli_reports_tiers_as_json(capsys):
         (["--store", "mooncake", "--store-master", "nohost"], "host:port"),
         (["--host-memory", "1GiB", "--window-stride", "10"], "multiple of the page size"),
         (["--window-stride", "32"], "needs tiers below the device"),
+        (["--host-memory", "1GiB", "--window-align", "10"], "multiple of the page size"),
+        (["--window-align", "32"], "needs tiers below the device"),
         (["--host-memory", "lots"], "lots"),
         (["--host-memory", "1GiB", "--write-policy", "sideways"], "back or through"),
         (["--host-memory", "1GiB", "--host-gbps", "0"], "above 0"),

@@ -217,10 +217,27 @@ def test_window_stride_writes_the_windows_before_more_boundaries(stride, pages):
     assert tiers.plan(diverging, None, 0).tokens == (16 if stride else 0)
 
 
-def test_window_stride_must_be_whole_pages():
+@pytest.mark.parametrize(("align", "pages", "hit"), [(0, {8, 9}, 0), (16, {6, 7, 8, 9}, 32), (24, {4, 5, 8, 9}, 24)])
+def test_window_align_writes_the_window_before_the_aligned_end(align, pages, hit):
+    """A 40-token node with ``window_align`` also writes the window (2 pages) before its end rounded
+    down to a multiple of it: a later prompt sharing only whole blocks of that many tokens hits there."""
+    cache, kvm = new_cache(tiny_memory("tiny-gemma3"))
+    store = DictStore()
+    tiers = TierHierarchy(cache, store=store, window_align=align)
+    serve(kvm, TOKENS, fill=1)
+    names = tiers.keys.page_names(TOKENS)
+    cache.evict({PAGE_NEED: 10_000})
+    held = store.exists(tiers.keys.keys(tiers.window_pools[0], names))
+    assert set(np.flatnonzero(held).tolist()) == pages
+    diverging = np.concatenate([TOKENS[: hit or 32], np.arange(200, 220)])
+    assert tiers.plan(diverging, None, 0).tokens == hit
+
+
+@pytest.mark.parametrize("option", ["window_stride", "window_align"])
+def test_window_boundaries_must_be_whole_pages(option):
     cache, _ = new_cache(tiny_memory("tiny-gemma3"))
-    with pytest.raises(TierError, match="multiple of the page size"):
-        TierHierarchy(cache, store=DictStore(), window_stride=6)
+    with pytest.raises(TierError, match=f"{option} must be 0 or a positive multiple of the page size"):
+        TierHierarchy(cache, store=DictStore(), **{option: 6})
 
 
 def test_writes_a_tier_finishes_at_once_are_never_a_backlog():

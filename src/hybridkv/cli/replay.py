@@ -3,6 +3,7 @@ rate, evictions, concurrency and the pool split."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,19 @@ def _store_master(value: str | None) -> str | None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise typer.BadParameter(f"--store-master takes host:port of a mooncake_master, got {value!r}")
     return value
+
+
+def _aligned(tiers: TierConfig | None, window_align: int | None, block: int, page_size: int) -> TierConfig | None:
+    """``tiers`` with windows also written at node ends aligned to ``window_align`` (None: the
+    trace's ``block`` when the page size divides it, else 0); ``typer.BadParameter`` when the
+    value does not fit the other options."""
+    if window_align is None:
+        window_align = block if block % page_size == 0 else 0
+    elif window_align % page_size:
+        raise typer.BadParameter(f"--window-align must be a multiple of the page size {page_size}, got {window_align}")
+    elif tiers is None and window_align:
+        raise typer.BadParameter("--window-align needs tiers below the device (--host-memory or --store)")
+    return dataclasses.replace(tiers, window_align=window_align) if tiers is not None else None
 
 
 def _tiers(
@@ -176,6 +190,14 @@ def replay(
         help="Sliding-window pages written below the device: before each cached node's end, and before every "
         "multiple of this many tokens (0: node ends only).",
     ),
+    window_align: int = typer.Option(
+        None,
+        "--window-align",
+        min=0,
+        help="Sliding-window pages also written before each node's end rounded down to a multiple of this many "
+        "tokens, where a later prompt's hit ends when prompts share content in whole blocks (default: the "
+        "trace's block, 512 for a Mooncake trace when the page size divides it, else 0).",
+    ),
     host_gbps: float = typer.Option(
         25.0, "--host-gbps", callback=positive_finite, help="Host memory -> device bandwidth for load-back time, GB/s."
     ),
@@ -211,6 +233,7 @@ def replay(
         host_memory, store, store_memory, store_master, write_policy, window_stride, page_size, host_gbps, store_gbps
     )
     workload = load_workload(trace, limit=limit)
+    tiers = _aligned(tiers, window_align, workload.shared_block_tokens, page_size)
     engine = EngineModel(prefill_tokens_per_s=prefill_tps, decode_step_s=decode_step_ms / 1000, max_running=max_running)
     reports = []
     console = Console(stderr=True)

@@ -59,6 +59,9 @@ class TierConfig:
     window_stride: int = 0
     """Windows written below the device: before each node's end, and (when > 0) before every
     multiple of this many tokens (``TierHierarchy.window_stride``)."""
+    window_align: int = 0
+    """And before each node's end rounded down to a multiple of this many tokens (the block
+    size a trace's prompts share content in: ``TierHierarchy.window_align``)."""
     host_bandwidth: float = 25e9
     """Bytes/s from host memory to the device (PCIe-class)."""
     store_bandwidth: float = 10e9
@@ -76,6 +79,7 @@ class TierConfig:
         if self.store != "none":
             parts.append(f"{self.store} store {self.store_memory or 'unbounded'}")
         stride = f", windows every {self.window_stride}" if self.window_stride else ""
+        stride += f", windows at ends aligned to {self.window_align}" if self.window_align else ""
         return " + ".join(parts) + f" ({self.write_policy}{stride})"
 
 
@@ -107,6 +111,7 @@ class ReplayTiers:
             host_bandwidth=config.host_bandwidth,
             store_bandwidth=config.store_bandwidth,
             window_stride=config.window_stride,
+            window_align=config.window_align,
         )
         self._charged = 0.0
 

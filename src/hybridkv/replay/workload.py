@@ -98,6 +98,9 @@ class ReplayRequest:
 class Workload:
     name: str
     requests: tuple[ReplayRequest, ...]
+    shared_block_tokens: int = 0
+    """Its prompts share content only in whole blocks of this many tokens (a Mooncake trace:
+    its hash blocks), so a hit ends on such a block's end; 0: any token."""
 
     @property
     def input_tokens(self) -> int:
@@ -138,7 +141,7 @@ def _mooncake(path: str | Path, limit: int | None) -> Workload:
         requests.append(
             ReplayRequest(rid, row.timestamp_ms / 1000.0, row.input_length, row.output_length, None, blocks)
         )
-    return Workload(f"mooncake:{trace_file(path).name}", tuple(requests))
+    return Workload(f"mooncake:{trace_file(path).name}", tuple(requests), MOONCAKE_BLOCK_TOKENS)
 
 
 def _radix(path: str | Path, limit: int | None) -> Workload:

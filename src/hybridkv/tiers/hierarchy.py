@@ -4,9 +4,11 @@
 stores and, before the bytes are freed, what it evicts. What it writes per component:
 - full KV: every page of the node, every full-history pool (one object per page and pool);
 - a window pool: only the pages of the window before a boundary where a hit may end, those
-  still resident: the node's end (a hit ends where a node ends or is split) and, with
-  ``window_stride``, every multiple of it inside the node (more hits can end below, for
-  more bytes: a stride at most the window writes every page);
+  still resident: the node's end (a hit ends where a node ends or is split); with
+  ``window_align``, the node's end rounded down to a multiple of it (where a later prompt
+  that shares content only in whole blocks of that many tokens ends its hit: a replayed
+  trace's block size); with ``window_stride``, every multiple of it inside the node (more
+  hits can end below, for more bytes: a stride at most the window writes every page);
 - a checkpoint: the slot's cell, named by the node's last page.
 
 Write policies:
@@ -91,6 +93,7 @@ class TierHierarchy:
         store_bandwidth: float = 10e9,
         timeout_s: float = 10.0,
         window_stride: int = 0,
+        window_align: int = 0,
         max_pending_bytes: int = 1 << 30,
     ):
         if host is None and store is None:
@@ -98,15 +101,9 @@ class TierHierarchy:
         if host is not None and host.on_evict is not None:
             raise TierError("this host tier already belongs to a hierarchy (its on_evict is set)")
         ps = cache.page_size
-        if (
-            isinstance(window_stride, bool)
-            or not isinstance(window_stride, int)
-            or window_stride % ps
-            or window_stride < 0
-        ):
-            raise TierError(
-                f"window_stride must be 0 or a positive multiple of the page size {ps}, got {window_stride!r}"
-            )
+        for name, value in (("window_stride", window_stride), ("window_align", window_align)):
+            if isinstance(value, bool) or not isinstance(value, int) or value % ps or value < 0:
+                raise TierError(f"{name} must be 0 or a positive multiple of the page size {ps}, got {value!r}")
         if host_bandwidth <= 0 or store_bandwidth <= 0:
             raise TierError(f"bandwidths must be > 0 B/s, got host {host_bandwidth} store {store_bandwidth}")
         self.cache = cache
@@ -119,6 +116,7 @@ class TierHierarchy:
         self.bandwidth = {Where.HOST: float(host_bandwidth), Where.STORE: float(store_bandwidth)}
         self.timeout_s = timeout_s
         self.window_stride = window_stride
+        self.window_align = window_align
         self.counters = TierCounters()
         self._pending: list[tuple[str, Ticket[list[PutStatus]], int, int]] = []
         """Unfinished writes: tier name, ticket, frame bytes, objects."""
@@ -173,12 +171,16 @@ class TierHierarchy:
             self._put(tier, pool, node.pages[local], [names[i] for i in local])
 
     def _window_pages(self, node: Node, pool: PoolId) -> np.ndarray:
-        """Indices of ``node``'s pages inside the window before a boundary: its end, and every
-        multiple of ``window_stride`` inside it. A page is needed when the first boundary at or
-        after its end still reaches back to it."""
-        ps, stride = self.keys.page_size, self.window_stride
+        """Indices of ``node``'s pages inside the window before a boundary: its end, its end
+        rounded down to a multiple of ``window_align``, and every multiple of ``window_stride``
+        inside it. A page is needed when the first boundary at or after its end still reaches
+        back to it."""
+        ps, stride, align = self.keys.page_size, self.window_stride, self.window_align
         ends = (node.start // ps + np.arange(1, node.pages.size + 1)) * ps  # each page's end position
         nxt = np.minimum(node.end, -(-ends // stride) * stride) if stride else np.full(ends.size, node.end)
+        if align:
+            aligned = node.end // align * align
+            nxt = np.where(ends <= aligned, np.minimum(nxt, aligned), nxt)
         return np.flatnonzero(np.asarray(pool.first_needed(nxt)) <= ends - ps)
 
     def _put(self, tier: StorageTier, pool: PoolId, ids: np.ndarray, names: list[int]) -> None:
