@@ -90,7 +90,7 @@ def test_cli_reports_tiers_as_json(capsys):
 @pytest.mark.parametrize(
     ("trace", "extra", "config"),
     [
-        (MOONCAKE_TRACE, [], "host 16GiB (back, windows at ends aligned to 512)"),
+        (MOONCAKE_TRACE, [], "host 16GiB (back, windows at node ends rounded down to 512)"),
         (MOONCAKE_TRACE, ["--page-size", "48"], "host 16GiB (back)"),  # 512 is no whole number of pages
         (MOONCAKE_TRACE, ["--window-align", "0"], "host 16GiB (back)"),
         (PEER_TRACE, [], "host 16GiB (back)"),  # its prompts share content at any token

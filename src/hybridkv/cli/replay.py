@@ -194,9 +194,10 @@ def replay(
         None,
         "--window-align",
         min=0,
-        help="Sliding-window pages also written before each node's end rounded down to a multiple of this many "
-        "tokens, where a later prompt's hit ends when prompts share content in whole blocks (default: the "
-        "trace's block, 512 for a Mooncake trace when the page size divides it, else 0).",
+        help="Sliding-window pages written before each node's end rounded down to a multiple of this many "
+        "tokens instead of before its end: where a later prompt's hit ends when prompts share content only in "
+        "whole blocks (default: the trace's block, 512 for a Mooncake trace when the page size divides it; 0: "
+        "node ends).",
     ),
     host_gbps: float = typer.Option(
         25.0, "--host-gbps", callback=positive_finite, help="Host memory -> device bandwidth for load-back time, GB/s."

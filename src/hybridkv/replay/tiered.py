@@ -60,8 +60,9 @@ class TierConfig:
     """Windows written below the device: before each node's end, and (when > 0) before every
     multiple of this many tokens (``TierHierarchy.window_stride``)."""
     window_align: int = 0
-    """And before each node's end rounded down to a multiple of this many tokens (the block
-    size a trace's prompts share content in: ``TierHierarchy.window_align``)."""
+    """When > 0, the window before each node's end is the one before its end rounded down to a
+    multiple of this many tokens (the blocks a trace's prompts share content in:
+    ``TierHierarchy.window_align``)."""
     host_bandwidth: float = 25e9
     """Bytes/s from host memory to the device (PCIe-class)."""
     store_bandwidth: float = 10e9
@@ -79,7 +80,7 @@ class TierConfig:
         if self.store != "none":
             parts.append(f"{self.store} store {self.store_memory or 'unbounded'}")
         stride = f", windows every {self.window_stride}" if self.window_stride else ""
-        stride += f", windows at ends aligned to {self.window_align}" if self.window_align else ""
+        stride += f", windows at node ends rounded down to {self.window_align}" if self.window_align else ""
         return " + ".join(parts) + f" ({self.write_policy}{stride})"
 
 

@@ -4,11 +4,11 @@
 stores and, before the bytes are freed, what it evicts. What it writes per component:
 - full KV: every page of the node, every full-history pool (one object per page and pool);
 - a window pool: only the pages of the window before a boundary where a hit may end, those
-  still resident: the node's end (a hit ends where a node ends or is split); with
-  ``window_align``, the node's end rounded down to a multiple of it (where a later prompt
-  that shares content only in whole blocks of that many tokens ends its hit: a replayed
-  trace's block size); with ``window_stride``, every multiple of it inside the node (more
-  hits can end below, for more bytes: a stride at most the window writes every page);
+  still resident: the node's end (a hit ends where a node ends or is split) or, with
+  ``window_align``, its end rounded down to a multiple of it (prompts that share content
+  only in whole blocks of that many tokens, as a replayed trace's, end their hits there);
+  with ``window_stride``, also every multiple of it inside the node (more hits can end
+  below, for more bytes: a stride at most the window writes every page);
 - a checkpoint: the slot's cell, named by the node's last page.
 
 Write policies:
@@ -56,6 +56,9 @@ from hybridkv.tiers.restore import Fetched, TierPlan
 class WritePolicy(StrEnum):
     BACK = "back"
     THROUGH = "through"
+
+
+NO_BOUNDARY = np.iinfo(np.int64).max
 
 
 @dataclass
@@ -171,17 +174,19 @@ class TierHierarchy:
             self._put(tier, pool, node.pages[local], [names[i] for i in local])
 
     def _window_pages(self, node: Node, pool: PoolId) -> np.ndarray:
-        """Indices of ``node``'s pages inside the window before a boundary: its end, its end
-        rounded down to a multiple of ``window_align``, and every multiple of ``window_stride``
-        inside it. A page is needed when the first boundary at or after its end still reaches
-        back to it."""
+        """Indices of ``node``'s pages inside the window before a boundary where a hit may end: its
+        end (rounded down to a multiple of ``window_align``) and every multiple of ``window_stride``
+        inside it. A page is needed when the first boundary at or after its end reaches back to it."""
         ps, stride, align = self.keys.page_size, self.window_stride, self.window_align
         ends = (node.start // ps + np.arange(1, node.pages.size + 1)) * ps  # each page's end position
-        nxt = np.minimum(node.end, -(-ends // stride) * stride) if stride else np.full(ends.size, node.end)
-        if align:
-            aligned = node.end // align * align
-            nxt = np.where(ends <= aligned, np.minimum(nxt, aligned), nxt)
-        return np.flatnonzero(np.asarray(pool.first_needed(nxt)) <= ends - ps)
+        last = node.end // align * align if align else node.end
+        nxt = np.where(ends <= last, last, NO_BOUNDARY)
+        if stride:
+            multiple = -(-ends // stride) * stride
+            nxt = np.minimum(nxt, np.where(multiple <= node.end, multiple, NO_BOUNDARY))
+        bounded = nxt != NO_BOUNDARY
+        reach = np.asarray(pool.first_needed(np.where(bounded, nxt, ends)))
+        return np.flatnonzero(bounded & (reach <= ends - ps))
 
     def _put(self, tier: StorageTier, pool: PoolId, ids: np.ndarray, names: list[int]) -> None:
         """Write the objects of pages ``ids`` (named ``names``), last page first: in an LRU
