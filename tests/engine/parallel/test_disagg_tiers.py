@@ -10,13 +10,17 @@ exact) and stores its own; a second server of the TP 2 layout (``serve-pd``) ser
 from the store (hit > 0, exact); the first server (PP 2) and a single-process engine (TP 1, PP 1)
 read nothing of the TP 2 objects (hit 0, no miss: their keys never name the TP 2 shards'
 objects, exact). Stage 1's stored objects damaged through the store's API: stage 1 misses, stage
-0 falls back with it, the request recomputes (exact). Bad tier options of ``serve-pd``: one error
+0 falls back with it, the request recomputes (exact). The router's master SIGKILLed with a prefix
+in the store: every rank's store tier goes down, requests go on from device and host memory
+(exact, in bounded time), write-backs to the store are refused; the master restarted on its ports,
+every rank's store comes back and serves a prefix again. Bad tier options of ``serve-pd``: one error
 line. The router's master, the workers: nothing outlives the servers.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,6 +193,38 @@ def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_
         assert served(server, turn(10), salt).cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
     finally:
         client.close()
+
+
+def test_a_killed_master_marks_every_ranks_store_down_requests_go_on_and_a_restart_resumes_it(first):
+    """The router's master SIGKILLed with a prefix in the store (the last test on it: its objects are
+    lost): every prefill rank's store answers down at once, the request recomputes (exact, bounded
+    time); host memory goes on serving hits; a write-back to the store is refused, not waited on; the
+    master restarted on its ports, the ranks' store clients come back and a prefix is served from the
+    store again."""
+    server, _ = first
+    salt = uuid.uuid4().hex
+    master = server.master
+    assert master is not None
+    assert served(server, tuple(A), salt).cached_tokens == 0
+    server.clear_cache(host=True)  # into the store
+    master.kill()
+    started = time.monotonic()
+    assert served(server, turn(11), salt).cached_tokens == 0  # the store held it: down, recomputed
+    server.clear_cache()  # host memory still works
+    assert served(server, turn(12), salt).cached_tokens_details == {"device": 0, "host": 40, "storage": 0}
+    server.clear_cache(host=True)  # written back to a store that is down: refused at once
+    assert served(server, turn(13), salt).cached_tokens == 0
+    assert time.monotonic() - started < 60  # nothing waited on the dead master for long
+    master.start()  # the same ports, no objects
+    deadline, seed = time.monotonic() + 60, 14
+    while time.monotonic() < deadline:  # each rank's tier probes while down; its client remounts its segment
+        server.clear_cache(host=True)
+        got = served(server, turn(seed), salt)
+        seed += 1
+        if got.cached_tokens_details["storage"]:
+            break
+        time.sleep(0.5)
+    assert got.cached_tokens_details == {"device": 0, "host": 0, "storage": 40}
 
 
 @pytest.mark.parametrize(
