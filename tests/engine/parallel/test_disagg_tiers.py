@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,6 +112,14 @@ def test_an_evicted_prefix_comes_back_from_host_memory_then_from_the_store(first
     assert again.cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
     m = server.metrics()
     assert (m["cached_tokens_host"], m["cached_tokens_storage"]) == (40, 40)
+    ranks = m["prefill_tiers"]  # every prefill rank's own tier counters, as it last sent them
+    assert sorted(ranks) == [f"prefill stage {s} TP rank 0 (epoch 0)" for s in (0, 1)]
+    for f in ranks.values():  # each restored both hits: from its host memory, then from its store objects
+        assert f["restored_requests"] == 2 and f["loaded_bytes"]["host"] > 0 and f["loaded_bytes"]["store"] > 0
+        assert f["written_bytes"]["host"] > 0 and f["written_bytes"]["mooncake"] > 0 and f["store"]["up"]
+    assert m["tier_written_bytes"] == dict(sum((Counter(f["written_bytes"]) for f in ranks.values()), Counter()))
+    assert m["tier_loaded_bytes"]["store"] == sum(f["loaded_bytes"]["store"] for f in ranks.values())
+    assert (m["tier_misses"], m["tier_fallbacks"], m["tier_store_ranks_down"]) == ({}, 0, 0)
 
 
 def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, model_dir, tmp_path, capsys):
@@ -129,6 +138,7 @@ def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, mo
         tp2.clear_cache()  # no host tier: device -> the store, under the TP 2 shards' keys
         tp2.probe(timeout_s=60)  # answered after the clear (one inbox, one leader): the objects are written
         assert served(server, turn(6, base=B), salt).cached_tokens == 0  # PP 2: none of the TP 2 shards' B
+        assert server.metrics()["tier_misses"] == {} == tp2.metrics()["tier_misses"]  # not looked up: no miss
         prompts = tmp_path / "p.jsonl"
         prompts.write_text(json.dumps({"prompt_ids": list(turn(7, base=B))}) + "\n")
         args = ["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), "--prefill-pp", "1"]
@@ -187,9 +197,14 @@ def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_
                     blob[HEADER + 1] ^= 0x40
                     assert raw.upsert(key, bytes(blob)) == 0
                     damaged += 1
-        assert damaged > 0  # stage 1's pages (and the state after 40 tokens) were in the store
+        # stage 1's pages (and the state after 40 tokens) were in the store
+        assert damaged > 0, server.metrics()
         out = served(server, turn(9), salt)
         assert out.cached_tokens == 0  # no stage restored, though stage 0's objects were intact
+        m = server.metrics()
+        stage0, stage1 = (m["prefill_tiers"][f"prefill stage {s} TP rank 0 (epoch 0)"] for s in (0, 1))
+        assert set(stage1["misses"]) == {"checksum"} and not stage0["misses"]  # the damaged stage's objects only
+        assert m["tier_misses"] == stage1["misses"] and stage0["fallbacks"] == stage1["fallbacks"] == 1
         assert served(server, turn(10), salt).cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
     finally:
         client.close()
@@ -210,11 +225,14 @@ def test_a_killed_master_marks_every_ranks_store_down_requests_go_on_and_a_resta
     master.kill()
     started = time.monotonic()
     assert served(server, turn(11), salt).cached_tokens == 0  # the store held it: down, recomputed
+    assert server.metrics()["tier_store_ranks_down"] == 2  # every rank's client saw it, on its own
     server.clear_cache()  # host memory still works
     assert served(server, turn(12), salt).cached_tokens_details == {"device": 0, "host": 40, "storage": 0}
     server.clear_cache(host=True)  # written back to a store that is down: refused at once
     assert served(server, turn(13), salt).cached_tokens == 0
     assert time.monotonic() - started < 60  # nothing waited on the dead master for long
+    down = server.metrics()
+    assert down["tier_write_refused"]["mooncake"] > 0 and down["tier_store_down_events"] >= 2
     master.start()  # the same ports, no objects
     deadline, seed = time.monotonic() + 60, 14
     while time.monotonic() < deadline:  # each rank's tier probes while down; its client remounts its segment
@@ -225,6 +243,7 @@ def test_a_killed_master_marks_every_ranks_store_down_requests_go_on_and_a_resta
             break
         time.sleep(0.5)
     assert got.cached_tokens_details == {"device": 0, "host": 0, "storage": 40}
+    assert server.metrics()["tier_store_ranks_down"] == 0
 
 
 @pytest.mark.parametrize(
