@@ -4,19 +4,25 @@ One server ((PP 2, TP 1) -> (TP 1), Qwen3-Next: full attention on one stage's la
 both) with host memory and the Mooncake Store below every prefill rank, on a master its router
 starts: a prompt served, the prefill caches emptied (written back to host memory), the same prefix
 comes back from host memory; host memory emptied too (into the store), it comes back from the
-store; every time the tokens are transformers'. A second server of the same layout, a client of
-the first's master, serves the first's prefix from the store (hit > 0, exact); a single-process
-engine of another layout (PP 1) on the same master and the same cache salt reads nothing of it
-(hit 0, no miss: its keys never name the PP 2 shards' objects, exact). Stage 1's stored objects
-damaged through the store's API: stage 1 misses, stage 0 falls back with it, the request recomputes
-(exact). Bad tier options of ``serve-pd``: one error line. The router's master, the workers: nothing
-outlives the servers.
+store; every time the tokens are transformers'. Shard keys across processes, on that master: a
+server of another layout ((PP 1, TP 2) -> (TP 1)) reads nothing of the first's prefix (hit 0,
+exact) and stores its own; a second server of the TP 2 layout (``serve-pd``) serves that prefix
+from the store (hit > 0, exact); the first server (PP 2) and a single-process engine (TP 1, PP 1)
+read nothing of the TP 2 objects (hit 0, no miss: their keys never name the TP 2 shards'
+objects, exact). Stage 1's stored objects damaged through the store's API: stage 1 misses, stage
+0 falls back with it, the request recomputes (exact). The router's master SIGKILLed with a prefix
+in the store: every rank's store tier goes down, requests go on from device and host memory
+(exact, in bounded time), write-backs to the store are refused; the master restarted on its ports,
+every rank's store comes back and serves a prefix again. Bad tier options of ``serve-pd``: one error
+line. The router's master, the workers: nothing outlives the servers.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,20 +45,21 @@ from tests.engine.parallel.test_disagg import gone
 NAME = "tiny-qwen3-next"
 PAGE, CHUNK, NEW = 4, 8, 5
 A = prompt(700, 41)
+B = prompt(701, 41)  # the TP 2 servers' prefix
 
 
-def turn(seed: int, keep: int = 40) -> tuple[int, ...]:
-    """A prompt sharing ``A``'s first ``keep`` tokens (10 pages), then leaving it."""
+def turn(seed: int, keep: int = 40, base: list[int] = A) -> tuple[int, ...]:
+    """A prompt sharing ``base``'s first ``keep`` tokens (10 pages), then leaving it."""
     tail = prompt(seed, 5)
-    tail[0] = 3 if A[keep] != 3 else 4
-    return tuple(A[:keep] + tail)
+    tail[0] = 3 if base[keep] != 3 else 4
+    return tuple(base[:keep] + tail)
 
 
-def config(path: Path, **tiers: object) -> PDConfig:
+def config(path: Path, pp: int = 2, tp: int = 1, **tiers: object) -> PDConfig:
     return PDConfig(
         str(path),
-        prefill_pp=2,
-        prefill_tp=1,
+        prefill_pp=pp,
+        prefill_tp=tp,
         decode_tp=1,
         page_size=PAGE,
         chunk=CHUNK,
@@ -105,25 +112,46 @@ def test_an_evicted_prefix_comes_back_from_host_memory_then_from_the_store(first
     assert again.cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
     m = server.metrics()
     assert (m["cached_tokens_host"], m["cached_tokens_storage"]) == (40, 40)
+    ranks = m["prefill_tiers"]  # every prefill rank's own tier counters, as it last sent them
+    assert sorted(ranks) == [f"prefill stage {s} TP rank 0 (epoch 0)" for s in (0, 1)]
+    for f in ranks.values():  # each restored both hits: from its host memory, then from its store objects
+        assert f["restored_requests"] == 2 and f["loaded_bytes"]["host"] > 0 and f["loaded_bytes"]["store"] > 0
+        assert f["written_bytes"]["host"] > 0 and f["written_bytes"]["mooncake"] > 0 and f["store"]["up"]
+    assert m["tier_written_bytes"] == dict(sum((Counter(f["written_bytes"]) for f in ranks.values()), Counter()))
+    assert m["tier_loaded_bytes"]["store"] == sum(f["loaded_bytes"]["store"] for f in ranks.values())
+    assert (m["tier_misses"], m["tier_fallbacks"], m["tier_store_ranks_down"]) == ({}, 0, 0)
 
 
 def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, model_dir, tmp_path, capsys):
+    """PP 2 stores A's prefix; a TP 2 server on the same master reads none of it and stores its own;
+    a second TP 2 server (``serve-pd``) serves it from the store; PP 2 and a TP 1 engine read nothing of it."""
     server, _ = first
     salt = None  # serve-pd's prompts carry no cache salt (the first test's salt keeps its objects apart)
     assert served(server, tuple(A), salt).cached_tokens == 0
-    server.clear_cache(host=True)  # A's pages and states: in the store only
-    assert server.master is not None
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_ids": list(turn(4))}) + "\n")
-    args = ["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), "--prefill-pp", "2"]
-    args += ["--decode-tp", "1", "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--max-new-tokens", str(NEW)]
-    args += ["--ignore-eos", "--store", "mooncake", "--store-master", server.master.address, "--json"]
-    args += ["--store-memory", "32MiB"]
-    # the second server (serve-pd: a PDServer of the same layout, a client of the first's master)
-    assert main(args) == 0, capsys.readouterr().err
-    (shared,) = json.loads(capsys.readouterr().out)["requests"]
-    assert shared["output_ids"] == hf_reference(NAME, turn(4), NEW)[0]
-    assert shared["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 40}, shared
+    server.clear_cache(host=True)  # A's pages and states of the PP 2 shards: in the store only
+    master = server.master
+    assert master is not None
+    # the TP 2 server stays up while the others read: Mooncake keeps an object in its writer's mounted segment
+    with PDServer(config(model_dir, pp=1, tp=2, store_master=master.address)) as tp2:
+        assert served(tp2, turn(4), salt).cached_tokens == 0  # the PP 2 shards' objects of A: not its keys
+        assert served(tp2, turn(5, base=B), salt).cached_tokens == 0
+        tp2.clear_cache()  # no host tier: device -> the store, under the TP 2 shards' keys
+        tp2.probe(timeout_s=60)  # answered after the clear (one inbox, one leader): the objects are written
+        assert served(server, turn(6, base=B), salt).cached_tokens == 0  # PP 2: none of the TP 2 shards' B
+        assert server.metrics()["tier_misses"] == {} == tp2.metrics()["tier_misses"]  # not looked up: no miss
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text(json.dumps({"prompt_ids": list(turn(7, base=B))}) + "\n")
+        args = ["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), "--prefill-pp", "1"]
+        args += ["--prefill-tp", "2", "--decode-tp", "1", "--page-size", str(PAGE), "--chunk-size", str(CHUNK)]
+        args += ["--max-new-tokens", str(NEW), "--ignore-eos", "--store", "mooncake", "--store-master", master.address]
+        args += ["--store-memory", "32MiB", "--json"]
+        # the second server of the TP 2 layout (serve-pd: a PDServer, a client of the same master)
+        assert main(args) == 0, capsys.readouterr().err
+        (shared,) = json.loads(capsys.readouterr().out)["requests"]
+        assert shared["output_ids"] == hf_reference(NAME, turn(7, base=B), NEW)[0]
+        assert shared["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 40}, shared
+        pids = tp2.pids()
+    assert all(gone(pid) for pid in pids)
     other = Engine(
         model_dir,
         gpu_memory=400_000,
@@ -131,14 +159,14 @@ def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, mo
         chunk_size=CHUNK,
         max_context=96,
         store="mooncake",
-        store_master=server.master.address,
+        store_master=master.address,
         store_memory="32MiB",
     )
     try:
-        ids = turn(5)
-        out = other.generate([list(ids)], [SamplingParams(NEW, ignore_eos=True)], cache_salts=[salt])[0]
-        assert out.output_ids == hf_reference(NAME, ids, NEW)[0]
-        assert out.cached_tokens == 0
+        for ids in (turn(8), turn(8, base=B)):  # A's prefix of the PP 2 shards, B's of the TP 2 shards
+            out = other.generate([list(ids)], [SamplingParams(NEW, ignore_eos=True)], cache_salts=[salt])[0]
+            assert out.output_ids == hf_reference(NAME, ids, NEW)[0]
+            assert out.cached_tokens == 0  # TP 1, PP 1: neither layout's objects
         assert other.tiers is not None and not other.tiers.hierarchy.counters.misses
     finally:
         other.close()
@@ -169,12 +197,53 @@ def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_
                     blob[HEADER + 1] ^= 0x40
                     assert raw.upsert(key, bytes(blob)) == 0
                     damaged += 1
-        assert damaged > 0  # stage 1's pages (and the state after 40 tokens) were in the store
-        out = served(server, turn(6), salt)
+        # stage 1's pages (and the state after 40 tokens) were in the store
+        assert damaged > 0, server.metrics()
+        out = served(server, turn(9), salt)
         assert out.cached_tokens == 0  # no stage restored, though stage 0's objects were intact
-        assert served(server, turn(7), salt).cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
+        m = server.metrics()
+        stage0, stage1 = (m["prefill_tiers"][f"prefill stage {s} TP rank 0 (epoch 0)"] for s in (0, 1))
+        assert set(stage1["misses"]) == {"checksum"} and not stage0["misses"]  # the damaged stage's objects only
+        assert m["tier_misses"] == stage1["misses"] and stage0["fallbacks"] == stage1["fallbacks"] == 1
+        assert served(server, turn(10), salt).cached_tokens_details == {"device": 40, "host": 0, "storage": 0}
     finally:
         client.close()
+
+
+def test_a_killed_master_marks_every_ranks_store_down_requests_go_on_and_a_restart_resumes_it(first):
+    """The router's master SIGKILLed with a prefix in the store (the last test on it: its objects are
+    lost): every prefill rank's store answers down at once, the request recomputes (exact, bounded
+    time); host memory goes on serving hits; a write-back to the store is refused, not waited on; the
+    master restarted on its ports, the ranks' store clients come back and a prefix is served from the
+    store again."""
+    server, _ = first
+    salt = uuid.uuid4().hex
+    master = server.master
+    assert master is not None
+    assert served(server, tuple(A), salt).cached_tokens == 0
+    server.clear_cache(host=True)  # into the store
+    master.kill()
+    started = time.monotonic()
+    assert served(server, turn(11), salt).cached_tokens == 0  # the store held it: down, recomputed
+    assert server.metrics()["tier_store_ranks_down"] == 2  # every rank's client saw it, on its own
+    server.clear_cache()  # host memory still works
+    assert served(server, turn(12), salt).cached_tokens_details == {"device": 0, "host": 40, "storage": 0}
+    server.clear_cache(host=True)  # written back to a store that is down: refused at once
+    assert served(server, turn(13), salt).cached_tokens == 0
+    assert time.monotonic() - started < 60  # nothing waited on the dead master for long
+    down = server.metrics()
+    assert down["tier_write_refused"]["mooncake"] > 0 and down["tier_store_down_events"] >= 2
+    master.start()  # the same ports, no objects
+    deadline, seed = time.monotonic() + 60, 14
+    while time.monotonic() < deadline:  # each rank's tier probes while down; its client remounts its segment
+        server.clear_cache(host=True)
+        got = served(server, turn(seed), salt)
+        seed += 1
+        if got.cached_tokens_details["storage"]:
+            break
+        time.sleep(0.5)
+    assert got.cached_tokens_details == {"device": 0, "host": 0, "storage": 40}
+    assert server.metrics()["tier_store_ranks_down"] == 0
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
+from typing import Any
 
 from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.decode_worker import decode_main
 from hybridkv.engine.disagg.prefill_worker import prefill_main
 from hybridkv.engine.disagg.procs import EngineProcs
-from hybridkv.engine.disagg.protocol import Command, Crash, Ready, Report, Stop
+from hybridkv.engine.disagg.protocol import Command, Crash, Event, Ready, Report, Stop, TierFigures
 from hybridkv.engine.disagg.results import PDRank
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.scheduler import Role
@@ -54,6 +55,7 @@ class EngineState:
     shm: dict[int, str] = field(default_factory=dict)
     crash: dict[int, str] = field(default_factory=dict)
     reports: dict[int, Report] = field(default_factory=dict)
+    figures: dict[int, dict[str, Any]] = field(default_factory=dict)  # a prefill rank's latest ``TierFigures``
     dead: bool = False
 
     @property
@@ -85,6 +87,21 @@ class EngineState:
     def on_ready(self, rank: int, msg: Ready) -> None:
         self.ready.add(rank)
         self.shm[rank], self.before[rank] = msg.shm_path, msg.live
+
+    def record(self, rank: int, msg: Event) -> bool:
+        """File what a worker says about itself (``Ready``, ``Report``, ``Crash``, ``TierFigures``);
+        False for any other event (the router's to handle)."""
+        if isinstance(msg, Ready):
+            self.on_ready(rank, msg)
+        elif isinstance(msg, Report):
+            self.reports[rank] = msg
+        elif isinstance(msg, Crash):
+            self.crash[rank] = msg.traceback
+        elif isinstance(msg, TierFigures):
+            self.figures[rank] = msg.figures
+        else:
+            return False
+        return True
 
     def ranks(self, prefill_tp: int) -> list[PDRank]:
         """What each worker that stopped cleanly reported."""

@@ -12,10 +12,12 @@ every rank chooses their first tokens with their ``SamplingParams`` (as a single
 With ``host_memory`` / ``store`` in the config each rank keeps its own tiers below its device
 (``prefill_tiers``: its host memory, its client of the router's Mooncake master, keys of its
 shard); a hit is restored from them at the length every rank can restore (``EngineTiers.agreed``).
-``ClearCache`` empties every rank's prefix cache into its tiers. Decode ranks keep no tiers: their
-KV arrives from the prefill engine. World rank 0 reports ``Started`` (with the agreed hit and where
-its own part came from, when a request is first scheduled),
-``First`` and the failures; every rank reports ``Sent`` (its compute and send windows).
+``ClearCache`` empties every rank's prefix cache into its tiers. Every rank sends its tier
+counters (``TierFigures``) when they changed: before each ``Sent``, after a ``ClearCache``, else
+at most every ``FIGURES_S``. Decode ranks keep no tiers: their KV arrives from the prefill engine.
+World rank 0 reports ``Started`` (with the agreed hit and where its own part came from, when a
+request is first scheduled), ``First`` and the failures; every rank reports ``Sent`` (its compute
+and send windows).
 
 Invariants:
 - A handed-off request's pages and slot stay held and pinned until its sender reported it
@@ -37,7 +39,18 @@ import torch
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, transport_options
-from hybridkv.engine.disagg.protocol import Abort, ClearCache, Command, Failed, First, Prefill, Sending, Sent, Started
+from hybridkv.engine.disagg.protocol import (
+    Abort,
+    ClearCache,
+    Command,
+    Failed,
+    First,
+    Prefill,
+    Sending,
+    Sent,
+    Started,
+    TierFigures,
+)
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.parallel.groups import StageGroups
@@ -50,6 +63,8 @@ from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.transport.drills import Throttled
+
+FIGURES_S = 1.0  # a rank's tier counters reach the router at most this often between requests
 
 
 @dataclass
@@ -102,6 +117,8 @@ class PrefillRank(Worker):
         self.stamps: dict[str, _Stamps] = {}
         self.faults: dict[str, Prefill] = {}
         self.delayed: dict[str, float] = {}  # tid -> when to hand it to the sender (stall-transfer)
+        self.figures_sent: dict[str, object] | None = None
+        self.figures_due = 0.0
 
     def close(self) -> None:
         try:
@@ -137,6 +154,7 @@ class PrefillRank(Worker):
                 if command.host:
                     self.tiers.clear_host()
                 self.tiers.hierarchy.reap(wait=True)
+                self.report_tiers(now=True)
 
     def abort(self, cmd: Abort) -> None:
         if self.sched.abort(cmd.tid, cmd.reason) is not None:  # not handed off yet: released now
@@ -162,6 +180,7 @@ class PrefillRank(Worker):
             if self.rank == 0 and req.finish_reason is FinishReason.ERROR:
                 self.conn.send(Failed(str(req.rid), req.error or "failed"))
         self.progress()
+        self.report_tiers()
 
     def run(self, step: Step) -> None:
         now = time.monotonic()
@@ -250,7 +269,18 @@ class PrefillRank(Worker):
         self.alloc.kvm.unpin(self.sched.holding[tid].mem.live)
         self.sched.release_sent(tid)
         self.stamps.pop(tid, None)
+        self.report_tiers(now=True)  # before ``Sent``: the router sees the request's restore counted when it ends
         self.conn.send(sent)
+
+    def report_tiers(self, now: bool = False) -> None:
+        """Send this rank's tier counters if they changed: ``now``, or once ``FIGURES_S`` passed."""
+        if self.tiers is None or not (now or time.monotonic() >= self.figures_due):
+            return
+        self.figures_due = time.monotonic() + FIGURES_S
+        figures = self.tiers.metrics()
+        if figures != self.figures_sent:
+            self.figures_sent = figures
+            self.conn.send(TierFigures(figures))
 
     def drain(self) -> None:
         for tid in list(self.delayed):

@@ -12,6 +12,7 @@ unique per request and engine epoch, the id the transfer layer sees. Stamps are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridkv.engine.disagg.config import Fault
 from hybridkv.engine.request import SamplingParams
@@ -157,8 +158,19 @@ class Report:
 
 
 @dataclass(frozen=True)
+class TierFigures:
+    """A prefill rank's tier counters (``EngineTiers.metrics``: bytes written and loaded per tier, misses
+    by reason, fallbacks, its host memory and store client): sent when they changed, before each ``Sent``
+    and after a ``ClearCache``, else at most once per ``FIGURES_S``. The router keeps the latest per rank."""
+
+    figures: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Crash:
     traceback: str
 
 
-Event = Ready | Live | Started | First | Sending | Sent | Admitted | Tokens | Done | Failed | Report | Crash
+Event = (
+    Ready | Live | Started | First | Sending | Sent | Admitted | Tokens | Done | Failed | Report | TierFigures | Crash
+)

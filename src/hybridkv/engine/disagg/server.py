@@ -66,6 +66,7 @@ from hybridkv.engine.disagg.protocol import (
     Sent,
     Started,
     Stop,
+    TierFigures,
     Tokens,
 )
 from hybridkv.engine.disagg.quarantine import Quarantine
@@ -80,6 +81,7 @@ from hybridkv.engine.disagg.results import (
     WorkerState,
     request_metrics,
 )
+from hybridkv.engine.disagg.tier_figures import tier_metrics
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.request import SamplingParams, check_request
@@ -196,8 +198,10 @@ class PDServer:
         return call.states
 
     def metrics(self) -> dict[str, Any]:
-        """Router-side figures (host only, no round trip): requests per phase, outcomes, bytes, deaths."""
+        """Router-side figures (host only, no round trip): requests per phase, outcomes, bytes, deaths;
+        with tiers, the prefill ranks' tier counters as they last sent them (``tier_metrics``)."""
         return {
+            **tier_metrics(self._engines(), self.config.tiered),
             **request_metrics(list(self._requests)),
             "deaths": len(self.deaths),
             "restarts": {role.value: n for role, n in self._restarts.items()},
@@ -378,20 +382,15 @@ class PDServer:
         p.leader(Prefill(req.tid, req.ids, req.params, sent, req.salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
-        if isinstance(msg, Report):
-            e.reports[r] = msg
-        elif isinstance(msg, Ready):
-            e.on_ready(r, msg)
-        elif isinstance(msg, Live):
+        if isinstance(msg, Live):
             self._probes.answer(e, r, msg)
-        elif isinstance(msg, Crash):
-            e.crash[r] = msg.traceback
         elif isinstance(msg, Tokens):
             for tid, token in msg.chosen:
                 req = self._tids.get(tid)
                 if req is not None and req.result is None and req.tid == tid:
                     req.token(token)
-        else:
+        elif not e.record(r, msg):  # Ready, Report, Crash, TierFigures: the engine's own record
+            assert not isinstance(msg, Ready | Report | Crash | TierFigures)
             req = self._tids.get(msg.tid)
             if req is not None and req.result is None and req.tid == msg.tid:  # not ended, not an earlier epoch's
                 self._on_request_event(e, r, req, msg)
