@@ -38,6 +38,7 @@ PROMPTS = shared_prefix_prompts(32)  # 4 families: PROMPTS[0..3] are the first o
 HEADS = 4
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SIZING: dict[str, Any] = dict(page_size=16, chunk=16, gpu_memory=32 << 20, max_context=256)
+TIERS: dict[str, Any] = dict(host_memory=16 << 20, tier_policy="through")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[HttpServer]:
     # restarts=0: a worker death loses its engine at once (the last test); none happens before it
-    pd = PDServer(PDConfig(str(model_dir), prefill_pp=2, decode_tp=2, transport="shm", restarts=0, **SIZING))
+    # host memory below each prefill rank, written through: /metrics carries the ranks' tier counters
+    pd = PDServer(PDConfig(str(model_dir), prefill_pp=2, decode_tp=2, transport="shm", restarts=0, **SIZING, **TIERS))
     http = HttpServer(
         PDBackend(pd, MODEL, "32MiB", max_queued=64), ServerConfig(api_key=API_KEY), bind("127.0.0.1", 0), 10
     )
@@ -277,6 +279,10 @@ def test_metrics_export_the_pd_figures(server: HttpServer) -> None:
     assert metric(text, "hybridkv_pd_quarantined_requests_total") == 0
     assert metric(text, "hybridkv_pd_mooncake_log_lines_total") == 0  # shm transport: no Mooncake
     assert metric(text, 'hybridkv_pd_engine_restarts_total{engine="decode"}') == 0
+    # each prefill rank wrote what it cached through to its host memory; nothing restored, nothing missed
+    assert metric(text, 'hybridkv_tier_written_bytes_total{tier="host"}') > 0
+    assert metric(text, "hybridkv_tier_fallbacks_total") == 0 and "hybridkv_tier_store_up" not in text
+    assert "hybridkv_tier_restored_tokens" not in text  # the router sums counters only
     for phase in ("queued", "prefilling", "transferring", "decoding"):
         assert metric(text, f'hybridkv_pd_requests{{phase="{phase}"}}') == 0
     for w in ("prefill stage 0 TP rank 0", "prefill stage 1 TP rank 0", "decode TP rank 0", "decode TP rank 1"):

@@ -152,7 +152,8 @@ def _labelled(
 
 
 def _tier_families(t: dict[str, Any]) -> Iterator[Metric]:
-    """The engine's tiers below the device (``TieredCache.metrics``)."""
+    """The tiers below the device: a single engine's (``TieredCache.metrics``) or the PD prefill
+    ranks' summed counters (``pd_backend.pd_tiers``: no hit or restored figures, no host usage)."""
     yield _labelled(CounterMetricFamily, "tier_written_bytes", "Bytes written to a tier.", "tier", t["written_bytes"])
     yield _labelled(
         CounterMetricFamily,
@@ -171,25 +172,26 @@ def _tier_families(t: dict[str, Any]) -> Iterator[Metric]:
     yield _labelled(
         CounterMetricFamily, "tier_misses", "Planned loads a tier did not serve, by reason.", "reason", t["misses"]
     )
-    hits = CounterMetricFamily(
-        PREFIX + "tier_hit_tokens",
-        "Hit tokens per cache component and the tier they came from.",
-        labels=["component", "tier"],
-    )
-    for component, by_tier in t["hit_tokens"].items():
-        for tier, n in by_tier.items():
-            hits.add_metric([component, tier], n)
-    yield hits
-    yield CounterMetricFamily(
-        PREFIX + "tier_restored_tokens",
-        "Prompt tokens restored from the tiers beyond the device's hit.",
-        value=t["restored_tokens"],
-    )
-    yield CounterMetricFamily(
-        PREFIX + "tier_restored_requests",
-        "Requests that restored a prefix from the tiers.",
-        value=t["restored_requests"],
-    )
+    if "hit_tokens" in t:  # a single engine's (the PD router sums the ranks' counters only)
+        hits = CounterMetricFamily(
+            PREFIX + "tier_hit_tokens",
+            "Hit tokens per cache component and the tier they came from.",
+            labels=["component", "tier"],
+        )
+        for component, by_tier in t["hit_tokens"].items():
+            for tier, n in by_tier.items():
+                hits.add_metric([component, tier], n)
+        yield hits
+        yield CounterMetricFamily(
+            PREFIX + "tier_restored_tokens",
+            "Prompt tokens restored from the tiers beyond the device's hit.",
+            value=t["restored_tokens"],
+        )
+        yield CounterMetricFamily(
+            PREFIX + "tier_restored_requests",
+            "Requests that restored a prefix from the tiers.",
+            value=t["restored_requests"],
+        )
     yield CounterMetricFamily(
         PREFIX + "tier_fallbacks",
         "Restores that fell back to the device hit (an object was missing).",

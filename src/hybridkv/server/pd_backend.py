@@ -126,6 +126,8 @@ class PDBackend:
             "quarantined": pd["quarantined"],
             "mooncake_log_lines": pd["mooncake_log_lines"],
         }
+        if "tier_written_bytes" in pd:  # the prefill ranks' tiers, summed (``tier_metrics``)
+            m["tiers"] = pd_tiers(pd)
         try:
             states = self.server.probe(self.probe_timeout_s)
         except TimeoutError:
@@ -215,3 +217,14 @@ class PDBackend:
         with self._cond:
             self._open_count -= 1
             self._cond.notify_all()
+
+
+def pd_tiers(pd: dict[str, Any]) -> dict[str, Any]:
+    """The prefill ranks' summed tier counters in the shape the exporter reads from a single
+    engine's tiers (``TieredCache.metrics``); the store is up while no live rank finds it down."""
+    tiers: dict[str, Any] = {
+        key: pd[f"tier_{key}"] for key in ("written_bytes", "write_refused", "loaded_bytes", "misses", "fallbacks")
+    }
+    if any("store" in rank for rank in pd["prefill_tiers"].values()):
+        tiers["store"] = {"up": pd["tier_store_ranks_down"] == 0}
+    return tiers
