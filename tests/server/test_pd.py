@@ -160,6 +160,14 @@ def test_32_concurrent_requests_equal_engine_generate_and_repeated_prefixes_hit(
     assert_nothing_held(server)
 
 
+def test_meta_info_says_which_tier_the_cached_tokens_came_from(server: HttpServer) -> None:
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(f"{server.url}/generate", json=body, headers=AUTH, timeout=60)
+    meta = r.json()["meta_info"]
+    assert meta["cached_tokens"] >= 16  # served before: the prefill ranks' devices still hold it
+    assert meta["cached_tokens_details"] == {"device": meta["cached_tokens"], "host": 0, "storage": 0}
+
+
 def test_disconnect_mid_stream_frees_both_engines(server: HttpServer) -> None:
     aborted = metric(scrape(server), "hybridkv_engine_aborted_requests_total")
     body = {"input_ids": PROMPTS[5], "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}, "stream": True}
