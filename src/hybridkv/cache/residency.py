@@ -18,7 +18,8 @@ Invariants (``check_tree`` proves them):
 - ``node.checkpoints_below`` (every non-root node) is the most checkpoints on a path strictly
   below it, and ``node.below_counts`` (nodes with two children or more) how many children
   add each positive count: updated up the path when a checkpoint comes or goes (each level
-  stops as soon as its value does not change; a one-child level is a plain copy), built when
+  stops as soon as its value does not change; a one-child level is a plain copy; a batch of
+  changes along one path, the cap's attach, is counted once at its end: ``recount_path``), built when
   a node gains its second child, dropped when it is down to one, and copied into the upper
   half of a split, so the cap per path (``checkpoints.py``) never walks a subtree.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
@@ -31,6 +32,7 @@ Invariants (``check_tree`` proves them):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Protocol
 
 import numpy as np
@@ -251,9 +253,12 @@ class Residency:
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def attach_checkpoint(self, node: Node, slot: int) -> None:
+    def attach_checkpoint(self, node: Node, slot: int, *, count: bool = True) -> None:
+        """Cache ``slot`` as ``node``'s checkpoint. ``count=False``: the ancestors' path counts
+        are left for ``recount_path`` (a batch along one path, ``CheckpointCap.attach``)."""
         node.checkpoint = slot
-        _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
+        if count:
+            _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
         self.owned_slots[slot] = True
         self.checkpoint_nodes.add(node)
         self.refresh(node)
@@ -262,13 +267,44 @@ class Residency:
         if self.hook is not None:
             self.hook.stored(node, ComponentKind.CHECKPOINT, self.mem.slot_pools[0].pool_id)
 
-    def drop_checkpoint(self, node: Node) -> int:
-        """Take the checkpoint off ``node``; returns its slot (the caller frees it)."""
-        slot = self._take_checkpoint(node)
+    def drop_checkpoint(self, node: Node, *, count: bool = True) -> int:
+        """Take the checkpoint off ``node``; returns its slot (the caller frees it).
+        ``count=False``: as for ``attach_checkpoint``."""
+        slot = self._take_checkpoint(node, count)
         self.refresh(node)
         return slot
 
-    def _take_checkpoint(self, node: Node) -> int:
+    def path_contributions(self, path: list[Node]) -> dict[Node, int]:
+        """Before a batch of uncounted changes on ``path`` (root side first): what each branching
+        node's path child adds to the paths through it, for ``recount_path``."""
+        return {n: c.checkpoints_below + (c.checkpoint >= 0) for n, c in pairwise(path) if n.below_counts is not None}
+
+    def recount_path(self, last: Node, before: dict[Node, int]) -> None:
+        """Bring the counts of ``last``'s ancestors up to date after uncounted checkpoint changes
+        on its path only (nothing below ``last`` changed; ``before`` from
+        ``path_contributions`` of the path before the changes). One walk up the path."""
+        through = last.checkpoints_below + (last.checkpoint >= 0)
+        parent = last.parent
+        while parent is not None and parent.parent is not None:
+            counts = parent.below_counts
+            if counts is None:  # one child: its count is the parent's
+                new = through
+            else:
+                old = before[parent]
+                if old != through:
+                    if old:
+                        if counts[old] == 1:
+                            del counts[old]
+                        else:
+                            counts[old] -= 1
+                    if through:
+                        counts[through] = counts.get(through, 0) + 1
+                new = max(counts, default=0)
+            parent.checkpoints_below = new
+            through = new + (parent.checkpoint >= 0)
+            parent = parent.parent
+
+    def _take_checkpoint(self, node: Node, count: bool = True) -> int:
         if self.hook is not None:
             self.hook.evicting(node, ComponentKind.CHECKPOINT, self.mem.slot_pools[0].pool_id)
         if self.events.enabled:
@@ -277,7 +313,8 @@ class Residency:
         self.owned_slots[slot] = False
         self.checkpoint_nodes.discard(node)
         node.checkpoint = NO_CHECKPOINT
-        _count_up(node, node.checkpoints_below + 1, node.checkpoints_below)
+        if count:
+            _count_up(node, node.checkpoints_below + 1, node.checkpoints_below)
         return slot
 
     # --- events ---------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""The per-path cap's work per insert grows linearly with the checkpoints it attaches, not
+with checkpoints x path depth: counted in lines of cache code executed, never timed."""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hybridkv.cache import HybridRadixCache, KVManager
+from hybridkv.memory import UnifiedMemory
+from hybridkv.spec import ShardSpec, get_preset
+
+PS = 4
+CACHE_CODE = "/hybridkv/cache/"
+
+
+def lines_run(call: Any) -> int:
+    """Lines of ``hybridkv.cache`` code that ``call()`` executes."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        if CACHE_CODE not in frame.f_code.co_filename:
+            return None  # no line events outside the cache package
+        if event == "line":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def insert_work(positions: int, cap: int) -> tuple[int, HybridRadixCache]:
+    """Lines executed by one insert of ``positions`` pages with a checkpoint at every page end,
+    below a cached prefix that already holds a checkpoint (a locked hit's, as a request's)."""
+    mem = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-gdn")), 40_000_000, "cpu", page_size=PS, max_context=4096, chunk_tokens=64
+    )
+    cache = HybridRadixCache(mem, max_checkpoints_per_path=cap)
+    kvm = KVManager(cache)
+    prefix = np.arange(8 * PS)
+    first = cache.insert(prefix, kvm.alloc_pages(8), checkpoints={8 * PS: int(kvm.alloc_state(1)[0])})
+    lock = cache.lock(first.node)
+    toks = np.arange((8 + positions) * PS)
+    row = np.concatenate([first.pages, kvm.alloc_pages(positions)])
+    slots = kvm.alloc_state(positions)
+    ckpts = {(8 + i + 1) * PS: int(s) for i, s in enumerate(slots)}
+    result: list[Any] = []
+    work = lines_run(lambda: result.append(cache.insert(toks, row, checkpoints=ckpts)))
+    mem.free_state(result[0].unused_checkpoints)
+    cache.unlock(lock)
+    cache.check()
+    mem.verify()
+    assert cache.num_checkpoints == min(cap, positions + 1)
+    return work, cache
+
+
+@pytest.mark.parametrize("cap", [4, 1000])
+def test_insert_work_is_linear_in_its_checkpoints(cap):
+    """Quadrupling the checkpoints of one insert (each one node deeper than the last) at most
+    quadruples its work, plus slack: a walk of the path per checkpoint (the cap's count of the
+    checkpoints above, the ancestors' counts, the victims) would multiply it by about 16."""
+    small, _ = insert_work(64, cap)
+    large, cache = insert_work(256, cap)
+    assert large <= 5 * small, f"{small} lines for 64 checkpoints, {large} for 256"
+    deepest = cache.match_prefix(np.arange((8 + 256) * PS)).node
+    assert deepest.end == (8 + 256) * PS and deepest.checkpoint >= 0  # the deepest is always kept
