@@ -17,9 +17,10 @@ keeps the window there. State checkpoints go where the manager's placement wants
 (``ReplayConfig.checkpoints``, ``cache/placement.py``: by default the branch point and the
 prompt's and the sequence's page-aligned ends), reserved at admission like the prompt's
 pages (a request waits for them; one that cannot fit with them even alone goes on without
-them) and at finish for the sequence end (skipped when even eviction finds no room);
-skipped ones are counted. A hit is capped at ``input_length - 1`` tokens: the engine computes
-at least one token.
+them), in one allocation and only the deepest ``max_checkpoints_per_path`` of them (the cap
+would drop the others at the insert: ``KVManager.within_cap``), and at finish for the
+sequence end (skipped when even eviction finds no room); skipped ones are counted. A hit
+is capped at ``input_length - 1`` tokens: the engine computes at least one token.
 
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
 request): allocation with eviction, window release, checkpoints, insert, release.
@@ -313,11 +314,12 @@ class Simulator:
             wanted = kvm.wanted_checkpoints(kv, req.input_length)
         if not with_checkpoints:
             self.result.checkpoints_skipped += len(wanted)
+        elif len(wanted) > self.config.max_checkpoints_per_path:
+            wanted = kvm.within_cap(wanted)
         ends = deque(wanted)
         try:
             if with_checkpoints:
-                for at in wanted:
-                    kvm.reserve_checkpoint(kv, at)
+                kvm.reserve_checkpoints(kv, wanted)
             pos = start
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
