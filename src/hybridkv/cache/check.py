@@ -114,6 +114,10 @@ def check_tree(cache: HybridRadixCache) -> None:
             if uid not in lowest or key < lowest[uid]:  # type: ignore[operator]
                 lowest[uid] = key
         waiting = {n.uid for n in heap.pending}
+        for n in heap.parked:
+            if heap.parked_at == cache.locks.unlocks and not (n.lock or n.checkpoint_lock):
+                _fail(f"{heap.component.kind.value} candidates: {n} is parked as locked but no lock holds it")
+            waiting.add(n.uid)
         for n in heap.members:
             if n.uid in waiting:
                 continue

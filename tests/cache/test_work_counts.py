@@ -1,5 +1,7 @@
-"""The per-path cap's work per insert grows linearly with the checkpoints it attaches, not
-with checkpoints x path depth: counted in lines of cache code executed, never timed."""
+"""Work that must not grow with what it does not touch, counted in lines of cache code
+executed (never timed): the per-path cap's work per insert grows linearly with the
+checkpoints it attaches, not with checkpoints x path depth; an eviction does not pop again
+the leaves running requests lock."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridkv.cache import HybridRadixCache, KVManager
+from hybridkv.cache import PAGE_NEED, HybridRadixCache, KVManager
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ShardSpec, get_preset
 
@@ -73,3 +75,44 @@ def test_insert_work_is_linear_in_its_checkpoints(cap):
     assert large <= 5 * small, f"{small} lines for 64 checkpoints, {large} for 256"
     deepest = cache.match_prefix(np.arange((8 + 256) * PS)).node
     assert deepest.end == (8 + 256) * PS and deepest.checkpoint >= 0  # the deepest is always kept
+
+
+def test_locked_leaves_are_popped_once_until_an_unlock():
+    """Many running requests lock the least recently used leaves: the first eviction skips
+    them and parks them; later evictions (no unlock in between) cost the same however many
+    are locked; an unlock brings them back, and the unlocked one is evicted in LRU order."""
+    mem = UnifiedMemory.create(
+        ShardSpec.whole(get_preset("tiny-dense")), 8_000_000, "cpu", page_size=PS, max_context=256, chunk_tokens=64
+    )
+
+    def evictions_work(locked: int) -> tuple[int, HybridRadixCache]:
+        cache = HybridRadixCache(mem)
+        kvm = KVManager(cache)
+        locks = []
+        for i in range(locked + 40):  # the locked ones first: least recently used
+            result = cache.insert(np.arange(4 * PS) + 1000 * i, kvm.alloc_pages(4))
+            if i < locked:
+                locks.append(cache.lock(result.node))
+        cache.evict({PAGE_NEED: 4})  # parks every locked leaf
+        assert len(cache.residency.full_heap.parked) == locked
+        cache.check()
+        work = lines_run(lambda: [cache.evict({PAGE_NEED: 4}) for _ in range(20)])
+        cache.check()
+        cache.unlock(locks[0])  # the least recently used leaf is evictable again: it goes first
+        cache.evict({PAGE_NEED: 4})
+        assert cache.match_prefix(np.arange(4 * PS)).length == 0 and cache.num_nodes == locked + 18
+        cache.check()
+        for lock in locks[1:]:
+            cache.unlock(lock)
+        cache.evict({PAGE_NEED: cache.cached_pages})
+        assert cache.num_nodes == 0
+        mem.verify()
+        return work, cache
+
+    few, _ = evictions_work(4)
+    many, cache = evictions_work(200)
+    assert many <= 1.5 * few, f"20 evictions: {few} lines with 4 locked leaves, {many} with 200"
+    leaf = cache.insert(np.arange(4 * PS), KVManager(cache).alloc_pages(4)).node
+    cache.residency.full_heap.park(leaf, cache.locks.unlocks)  # parked, but no lock holds it
+    with pytest.raises(AssertionError, match="parked as locked but no lock holds it"):
+        cache.check()
