@@ -116,3 +116,22 @@ def test_locked_leaves_are_popped_once_until_an_unlock():
     cache.residency.full_heap.park(leaf, cache.locks.unlocks)  # parked, but no lock holds it
     with pytest.raises(AssertionError, match="parked as locked but no lock holds it"):
         cache.check()
+
+
+def test_evicting_a_checkpointed_path_bottom_up_is_linear():
+    """A path of n nodes, each with a checkpoint, evicted one leaf at a time (as a prefill
+    short of a few pages does): every removal lowers the count of every node above it, but
+    the counts are brought up to date once, when read, so the work is O(n), not O(n^2)."""
+
+    def work(positions: int) -> int:
+        _, cache = insert_work(positions, 1000)
+        mem = cache.mem
+        total = 0
+        while cache.num_nodes > 1:  # the prefix's node stays: one leaf at a time
+            total += lines_run(lambda: cache.evict({PAGE_NEED: 1}))
+        cache.check()
+        mem.verify()
+        return total
+
+    small, large = work(64), work(256)
+    assert large <= 5 * small, f"{small} lines for a path of 64 checkpoints, {large} for 256"

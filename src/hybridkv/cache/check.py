@@ -22,6 +22,10 @@ def _fail(msg: str) -> None:
 def check_tree(cache: HybridRadixCache) -> None:
     mem, rules, ps = cache.mem, cache.rules, cache.page_size
     res = cache.residency
+    for n in res.stale:
+        if not n.dead and not cache.tree.contains(n):
+            _fail(f"{n} waits to be counted (stale) but is not in the tree")
+    res.settle()  # the counts below are exact once the dropped checkpoints are counted
     pb = ps * 8
     nodes: list[Node] = []
     for namespace, root in cache.tree.roots.items():

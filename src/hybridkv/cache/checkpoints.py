@@ -91,6 +91,7 @@ class CheckpointCap:
         as the walk passes them, the droppable ones kept in a heap ordered as the cap drops
         them, so a position costs O(log n) instead of a walk of its path."""
         residency = self.residency
+        residency.settle()
         path = last.path()
         before = residency.path_contributions(path)
         pins = self.mem.gates.slot_pins

@@ -19,7 +19,9 @@ Invariants (``check_tree`` proves them):
   below it, and ``node.below_counts`` (nodes with two children or more) how many children
   add each positive count: updated up the path when a checkpoint comes or goes (each level
   stops as soon as its value does not change; a one-child level is a plain copy; a batch of
-  changes along one path, the cap's attach, is counted once at its end: ``recount_path``), built when
+  changes along one path, the cap's attach, is counted once at its end: ``recount_path``; a
+  checkpoint dropped or a leaf removed is counted lazily, ``stale`` until ``settle``, which
+  runs before anything reads a count), built when
   a node gains its second child, dropped when it is down to one, and copied into the upper
   half of a split, so the cap per path (``checkpoints.py``) never walks a subtree.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
@@ -32,6 +34,7 @@ Invariants (``check_tree`` proves them):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 from itertools import pairwise
 from typing import Protocol
 
@@ -118,6 +121,9 @@ class Residency:
         self.cached_pages = 0
         self.window_nodes: list[set[Node]] = [set() for _ in rules.windows]
         self.checkpoint_nodes: set[Node] = set()
+        self.stale: dict[Node, int] = {}
+        """Nodes whose count of checkpoints through them dropped (a checkpoint dropped, a leaf
+        removed: dead) since their parent counted them, with the count it holds (``settle``)."""
         key = policy.key
         self.full_heap = Candidates(rules.full, key, tree.leaves)
         self.window_heaps = [Candidates(w, key, s) for w, s in zip(rules.windows, self.window_nodes, strict=True)]
@@ -143,6 +149,7 @@ class Residency:
         """A leaf the tree just added: its pages are the cache's now."""
         parent = node.parent
         if parent is not None and parent.parent is not None and len(parent.children) == 2:
+            self.settle()
             other = next(c for c in parent.children.values() if c is not node)  # the leaf adds 0
             through = other.checkpoints_below + (other.checkpoint >= 0)
             parent.below_counts = {through: 1} if through else {}
@@ -237,6 +244,8 @@ class Residency:
         """Divide window counts and event names between the halves of a split node; the upper
         half sees every path below through the lower one."""
         upper.checkpoints_below = lower.checkpoints_below + (lower.checkpoint >= 0)  # its one child's
+        if lower in self.stale:  # the parent counts the upper half now, with the lower one's old count
+            self.stale[upper] = self.stale.pop(lower)
         if lower.hashes is not None:
             kp = upper.pages.size
             upper.hashes, lower.hashes = lower.hashes[:kp], lower.hashes[kp:]
@@ -258,6 +267,7 @@ class Residency:
         are left for ``recount_path`` (a batch along one path, ``CheckpointCap.attach``)."""
         node.checkpoint = slot
         if count:
+            self.settle()
             _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
         self.owned_slots[slot] = True
         self.checkpoint_nodes.add(node)
@@ -313,9 +323,44 @@ class Residency:
         self.owned_slots[slot] = False
         self.checkpoint_nodes.discard(node)
         node.checkpoint = NO_CHECKPOINT
-        if count:
-            _count_up(node, node.checkpoints_below + 1, node.checkpoints_below)
+        if count:  # counted lazily: evictions drop many, nothing reads the counts until ``settle``
+            self.stale.setdefault(node, node.checkpoints_below + 1)
         return slot
+
+    def settle(self) -> None:
+        """Bring the counts up to date after checkpoints dropped and leaves removed (``stale``):
+        deepest first, each parent once per stale child, stopping where a count does not change.
+        Called before anything reads a count (an attach, a node gaining its second child, the
+        check), so evicting a path of n checkpoints bottom-up costs O(n), not O(n^2)."""
+        stale = self.stale
+        if not stale:
+            return
+        order = [(-n.start, n.uid, n) for n in stale]
+        heapify(order)
+        while order:
+            node = heappop(order)[2]
+            old = stale.pop(node)
+            new = 0 if node.dead else node.checkpoints_below + (node.checkpoint >= 0)
+            parent = node.parent
+            if old == new or parent is None or parent.parent is None:
+                continue
+            counts = parent.below_counts
+            if counts is None:  # one child (or none left; or a second one, being added): count them
+                count = max((c.checkpoints_below + (c.checkpoint >= 0) for c in parent.children.values()), default=0)
+            else:
+                if old:
+                    if counts[old] == 1:
+                        del counts[old]
+                    else:
+                        counts[old] -= 1
+                if new:
+                    counts[new] = counts.get(new, 0) + 1
+                count = max(counts, default=0)
+            if count != parent.checkpoints_below:
+                if parent not in stale:  # its own parent counts it with its value until now
+                    stale[parent] = parent.checkpoints_below + (parent.checkpoint >= 0)
+                    heappush(order, (-parent.start, parent.uid, parent))
+                parent.checkpoints_below = count
 
     # --- events ---------------------------------------------------------------------------
 
