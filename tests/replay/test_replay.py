@@ -10,7 +10,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hybridkv.cache import KVHandle
 from hybridkv.memory import LayoutError
 from hybridkv.replay import (
     EngineModel,
@@ -253,38 +252,9 @@ def test_a_request_that_cannot_fit_with_its_checkpoints_goes_on_without_them():
     without them (counted as skipped); every request is served and nothing leaks."""
     workload = synthetic()
     engine = EngineModel(max_running=8, decode_chunk=4, chunk_tokens=32)
-    config = ReplayConfig(
-        "tiny-gdn", 450_000, page_size=4, checkpoints="interval:4,branch", engine=engine, max_checkpoints_per_path=10**6
-    )
+    config = ReplayConfig("tiny-gdn", 450_000, page_size=4, checkpoints="interval:4,branch", engine=engine)
     sim = Simulator(workload, replace(config, verify_every=1))
     report = build_report(sim.run(), with_timeline=False)
     assert report["requests"] == len(workload.requests) and report["checkpoints"]["skipped"] > 0
     assert sim.mem.slots.live_count == sim.cache.num_checkpoints
     sim.verify()
-
-
-def test_a_request_reserves_only_the_checkpoints_the_cap_keeps():
-    """A placement that wants more checkpoints than the path cap keeps: each prefill reserves
-    only the deepest ``max_checkpoints_per_path`` (one allocation), the rest count as capped
-    without ever holding a slot; the run stays consistent after every step."""
-    workload = synthetic()
-    engine = EngineModel(max_running=8, decode_chunk=4, chunk_tokens=32)
-    config = ReplayConfig(
-        "tiny-gdn", 2_000_000, page_size=4, checkpoints="interval:4", engine=engine, max_checkpoints_per_path=3
-    )
-    sim = Simulator(workload, replace(config, verify_every=1))
-    reserved: list[tuple[int, ...]] = []
-    real = sim.kvm.reserve_checkpoints
-
-    def counted(kv: KVHandle, positions: tuple[int, ...]) -> list[int]:
-        reserved.append(tuple(positions))
-        return real(kv, positions)
-
-    sim.kvm.reserve_checkpoints = counted  # type: ignore[method-assign]  # the real call, counted
-    report = build_report(sim.run(), with_timeline=False)
-    sim.verify()
-    assert report["requests"] == len(workload.requests)
-    assert max(map(len, reserved)) == 3 and report["evictions"]["states_over_path_cap"] > 0
-    wanted = [sim.kvm.placement.prefill(None, r.input_length, 0) for r in workload.requests]
-    assert max(map(len, wanted)) > 3  # the placement wants more than the cap on some paths
-    assert all(list(p) == sorted(p) for p in reserved)

@@ -72,14 +72,6 @@ class CheckpointCap:
             )
         return ckpts
 
-    def keepable(self, positions: tuple[int, ...]) -> tuple[int, ...]:
-        """Of new checkpoint positions on one path (sorted, none cached yet), those an insert
-        can keep: at most ``max_per_path`` stay on a path, and the deepest are the ones kept,
-        since each one attached past the cap drops the least valuable above it, which among
-        the new ones is the nearest the root (a new node, never touched yet, is the least
-        recently used; with one child, it goes before a branching node)."""
-        return positions[-self.max_per_path :]
-
     def attach(self, last: Node, checkpoints: list[tuple[int, int]]) -> list[int]:
         """Attach ``(position, slot)`` pairs (sorted by position) on the path ending at ``last``;
         returns the slots not kept.

@@ -362,15 +362,6 @@ class KVManager:
         handle.checkpoints.update(zip(ats, slots, strict=True))
         return slots
 
-    def within_cap(self, positions: tuple[int, ...]) -> tuple[int, ...]:
-        """Of a request's sorted new checkpoint positions (``wanted_checkpoints``), those its
-        insert can keep on its path: the deepest ``max_checkpoints_per_path`` (``CheckpointCap.
-        keepable``). Reserving only these saves the memory (and the evictions) of slots the cap
-        would drop at once; the others count as capped."""
-        kept = self.cache.checkpoints.keepable(positions)
-        self.cache.counters.capped_checkpoints += len(positions) - len(kept)
-        return kept
-
     def wanted_checkpoints(self, handle: KVHandle, prompt_len: int) -> tuple[int, ...]:
         """Page-aligned positions past the handle's computed tokens (``seq_len``) and up to
         ``prompt_len`` where the placement wants the state stored: prefill ends a chunk at each

@@ -16,11 +16,10 @@ Hybrid rules: a request whose hit stops short of the cached full KV (``checkpoin
 keeps the window there. State checkpoints go where the manager's placement wants them
 (``ReplayConfig.checkpoints``, ``cache/placement.py``: by default the branch point and the
 prompt's and the sequence's page-aligned ends), reserved at admission like the prompt's
-pages (a request waits for them; one that cannot fit with them even alone goes on without
-them), in one allocation and only the deepest ``max_checkpoints_per_path`` of them (the cap
-would drop the others at the insert: ``KVManager.within_cap``), and at finish for the
-sequence end (skipped when even eviction finds no room); skipped ones are counted. A hit
-is capped at ``input_length - 1`` tokens: the engine computes at least one token.
+pages, in one allocation (a request waits for them; one that cannot fit with them even
+alone goes on without them), and at finish for the sequence end (skipped when even eviction
+finds no room); skipped ones are counted. A hit is capped at ``input_length - 1`` tokens:
+the engine computes at least one token.
 
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
 request): allocation with eviction, window release, checkpoints, insert, release.
@@ -314,8 +313,6 @@ class Simulator:
             wanted = kvm.wanted_checkpoints(kv, req.input_length)
         if not with_checkpoints:
             self.result.checkpoints_skipped += len(wanted)
-        elif len(wanted) > self.config.max_checkpoints_per_path:
-            wanted = kvm.within_cap(wanted)
         ends = deque(wanted)
         try:
             if with_checkpoints:
