@@ -126,6 +126,10 @@ def test_manager_refuses_misuse_of_a_request(cache):
     assert_refused(cache, CacheError, "past the cached 16 tokens", kvm.reserve_checkpoint, kv, 16)
     assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoint, kv, 22)
     assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoint, kv)  # 22 is not aligned
+    assert_refused(cache, CacheError, "repeat one", kvm.reserve_checkpoints, kv, [20, 20])
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoints, kv, [20, 22])
+    assert kv.checkpoints == {}  # a refused batch reserves none of its positions
+    assert kvm.reserve_checkpoints(kv, []) == []
     gate = kvm.pin(kv)
     assert_refused(cache, CacheError, "unpin it first", kvm.release, kv)
     kvm.unpin(kv)

@@ -16,6 +16,11 @@ Invariants (``check_tree`` proves the first):
 - Stale entries and pending nodes never outnumber members by more than ``slack``: the heap
   is rebuilt from the members when they would, so memory and pops stay proportional to the
   members.
+- ``parked`` holds popped members an eviction skipped because a lock holds them, with the lock
+  table's count of unlocks at that moment (``parked_at``): they stay out of the heap, and out
+  of every later eviction's way, until an unlock has happened since (``unpark``: they go back
+  to ``pending``). A lock count only drops on an unlock, so while the count is unchanged every
+  parked node is still locked: pops are the same as if it had stayed in the heap.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Candidates:
         self.members = members
         self.heap: list[tuple[object, int, Node]] = []
         self.pending: list[Node] = []
+        self.parked: list[Node] = []
+        self.parked_at = 0
         self._slack = slack
 
     def key(self, node: Node) -> object:
@@ -45,11 +52,27 @@ class Candidates:
         if len(self.heap) + len(self.pending) > 2 * len(self.members) + self._slack:
             self.rebuild()
 
+    def park(self, node: Node, unlocks: int) -> None:
+        """``node`` (popped) is locked: keep it out of the heap until an unlock; ``unlocks`` is
+        the lock table's count of unlocks now."""
+        self.unpark(unlocks)
+        self.parked.append(node)
+        self.parked_at = unlocks
+
+    def unpark(self, unlocks: int) -> None:
+        """The parked nodes go back (to ``pending``) if anything was unlocked since they were parked."""
+        if self.parked and unlocks != self.parked_at:
+            self.pending += self.parked
+            self.parked = []
+            if len(self.heap) + len(self.pending) > 2 * len(self.members) + self._slack:
+                self.rebuild()
+
     def rebuild(self) -> None:
         component, key = self.component, self._key
         self.heap = [(key(n, component), n.uid, n) for n in self.members]
         heapify(self.heap)
         self.pending = []
+        self.parked = []
 
     def pop(self) -> tuple[object, Node] | None:
         """The member with the smallest current key, taken out of the heap (not the set)."""

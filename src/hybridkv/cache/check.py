@@ -22,6 +22,10 @@ def _fail(msg: str) -> None:
 def check_tree(cache: HybridRadixCache) -> None:
     mem, rules, ps = cache.mem, cache.rules, cache.page_size
     res = cache.residency
+    for n in res.stale:
+        if not n.dead and not cache.tree.contains(n):
+            _fail(f"{n} waits to be counted (stale) but is not in the tree")
+    res.settle()  # the counts below are exact once the dropped checkpoints are counted
     pb = ps * 8
     nodes: list[Node] = []
     for namespace, root in cache.tree.roots.items():
@@ -114,6 +118,10 @@ def check_tree(cache: HybridRadixCache) -> None:
             if uid not in lowest or key < lowest[uid]:  # type: ignore[operator]
                 lowest[uid] = key
         waiting = {n.uid for n in heap.pending}
+        for n in heap.parked:
+            if heap.parked_at == cache.locks.unlocks and not (n.lock or n.checkpoint_lock):
+                _fail(f"{heap.component.kind.value} candidates: {n} is parked as locked but no lock holds it")
+            waiting.add(n.uid)
         for n in heap.members:
             if n.uid in waiting:
                 continue

@@ -8,7 +8,8 @@ needed). One already there wins: the new slot is not kept. A path holding more t
 ``max_per_path`` checkpoints drops the least valuable unlocked, unpinned ones above the new
 one (non-branching nodes first, then least recently used); when those are not enough, the
 new slot is not kept. The most checkpoints on a path below a node is the node's own count
-(``Node.checkpoints_below``, kept by ``Residency``): the cap never walks a subtree.
+(``Node.checkpoints_below``, kept by ``Residency``): the cap never walks a subtree, and
+one insert walks its path once, however many checkpoints it brings.
 
 Invariant: no root-to-leaf path holds more than ``max_per_path`` checkpoints. Slots not
 kept are returned to the caller, who owns them; dropped cached checkpoints are freed here
@@ -18,6 +19,7 @@ kept are returned to the caller, who owns them; dropped cached checkpoints are f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from heapq import heappop, heappush
 
 import numpy as np
 
@@ -71,38 +73,69 @@ class CheckpointCap:
         return ckpts
 
     def attach(self, last: Node, checkpoints: list[tuple[int, int]]) -> list[int]:
-        """Attach ``(position, slot)`` pairs on the path ending at ``last``; returns the slots
-        not kept."""
+        """Attach ``(position, slot)`` pairs (sorted by position) on the path ending at ``last``;
+        returns the slots not kept.
+
+        One walk down the path for the whole batch: positions go top-down, so each new
+        checkpoint's count below (``checkpoints_below``) is untouched by the ones attached or
+        dropped above it, and the ancestors' counts are brought up to date once at the end
+        (``Residency.recount_path``). The checkpoints above the current position are counted
+        as the walk passes them, the droppable ones kept in a heap ordered as the cap drops
+        them, so a position costs O(log n) instead of a walk of its path."""
+        residency = self.residency
+        residency.settle()
+        path = last.path()
+        before = residency.path_contributions(path)
+        pins = self.mem.gates.slot_pins
+        victims: list[tuple[bool, int, int, Node]] = []  # (branching, last access, start): first dropped
+        above = 0  # checkpoints on the path above the current position
+        kept: list[Node] = []
         unused: list[int] = []
+
+        def passed(n: Node) -> None:
+            nonlocal above
+            if n.checkpoint >= 0:
+                above += 1
+                if n.checkpoint_lock == 0 and not pins[n.checkpoint]:
+                    heappush(victims, (len(n.children) > 1, n.last_access, n.start, n))
+
+        i = 0
         for pos, slot in checkpoints:
-            node = last
-            while node.start >= pos:
-                assert node.parent is not None
-                node = node.parent
+            while path[i].end < pos:
+                passed(path[i])
+                i += 1
+            node = path[i]
             if node.end != pos:
-                node = self.tree.split(node, pos - node.start)
-            if node.checkpoint >= 0 or not self._make_room(node):
+                node = self.tree.split(node, pos - node.start)  # path[i] is the lower half now
+            else:
+                i += 1
+            if node.checkpoint >= 0:
                 unused.append(slot)
-                continue
-            self.residency.attach_checkpoint(node, slot)
-            for below in _nearest_below(node):
-                self.residency.refresh(below)  # their previous checkpoint moved closer: a key may drop
+            else:
+                excess = above + 1 + node.checkpoints_below - self.max_per_path
+                if excess > 0 and not self._drop_above(victims, excess):
+                    unused.append(slot)
+                else:
+                    above -= max(excess, 0)
+                    residency.attach_checkpoint(node, slot, count=False)
+                    kept.append(node)
+            passed(node)
+        residency.recount_path(last, before)
+        for node in kept:
+            if node.checkpoint >= 0:  # not dropped again by a later one
+                for below in _nearest_below(node):
+                    residency.refresh(below)  # their previous checkpoint moved closer: a key may drop
         return unused
 
-    def _make_room(self, node: Node) -> bool:
-        """Drop checkpoints above ``node`` so its paths stay within the cap; False if locked."""
-        above = [a for a in node.path()[:-1] if a.checkpoint >= 0]
-        excess = len(above) + 1 + node.checkpoints_below - self.max_per_path
-        if excess <= 0:
-            return True
+    def _drop_above(self, victims: list[tuple[bool, int, int, Node]], excess: int) -> bool:
+        """Drop the ``excess`` least valuable unlocked, unpinned checkpoints above (non-branching
+        nodes first, then least recently used, then nearest the root); False, nothing dropped,
+        if there are fewer."""
         counters = self.residency.counters
-        pins = self.mem.gates.slot_pins
-        victims = [a for a in above if a.checkpoint_lock == 0 and not pins[a.checkpoint]]
         if len(victims) < excess:
             counters.capped_checkpoints += 1
             return False
-        victims.sort(key=lambda a: (len(a.children) > 1, a.last_access))
-        slots = [self.residency.drop_checkpoint(victim) for victim in victims[:excess]]
+        slots = [self.residency.drop_checkpoint(heappop(victims)[3], count=False) for _ in range(excess)]
         self.mem.free_state(np.asarray(slots, dtype=np.int64))
         counters.capped_checkpoints += excess
         return True

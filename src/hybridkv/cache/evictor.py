@@ -24,8 +24,9 @@ KV, so a request that fits the budget alone fits).
 
 Invariants:
 - Nothing locked or pinned by a move gate is evicted; a skipped candidate goes back into
-  its heap. A window-cached cell is never a running request's needed page: only cells its
-  request released from the window are held.
+  its heap (a leaf skipped as locked waits parked until an unlock: ``Candidates.park``).
+  A window-cached cell is never a running request's needed page: only cells its request
+  released from the window are held.
 - Memory frees are batched per ``evict`` call and flushed once, in an order that is always
   valid (``Release``). A refused call (unknown or negative need) changes nothing.
 """
@@ -38,6 +39,7 @@ import numpy as np
 
 from hybridkv.cache.args import integer, mapping
 from hybridkv.cache.errors import CacheError
+from hybridkv.cache.locks import LockTable
 from hybridkv.cache.node import Node
 from hybridkv.cache.policies import Policy
 from hybridkv.cache.residency import Release, Residency
@@ -46,8 +48,9 @@ from hybridkv.memory import UnifiedMemory
 
 
 class Evictor:
-    def __init__(self, mem: UnifiedMemory, rules: HitRules, residency: Residency, policy: Policy):
+    def __init__(self, mem: UnifiedMemory, rules: HitRules, residency: Residency, policy: Policy, locks: LockTable):
         self.mem = mem
+        self.locks = locks
         self.rules = rules
         self.residency = residency
         self.policy = policy
@@ -187,7 +190,8 @@ class Evictor:
     ) -> None:
         """Evict whole leaves until ``need`` pages are freed or, given ``per_slot`` (need slot,
         cell bytes) pairs, until ``need`` bytes are freed over those pools."""
-        heap, skipped = self.residency.full_heap, []
+        heap, skipped, unlocks = self.residency.full_heap, [], self.locks.unlocks
+        heap.unpark(unlocks)
         before = list(freed) if per_slot is not None else freed
         while True:
             if per_slot is None:
@@ -199,6 +203,9 @@ class Evictor:
             if got is None:
                 break
             key, node = got
+            if node.lock or node.checkpoint_lock:
+                heap.park(node, unlocks)  # a running request's: out of every eviction's way until an unlock
+                continue
             if not self._leaf_ok(node):
                 skipped.append(node)
                 continue

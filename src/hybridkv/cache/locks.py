@@ -38,6 +38,9 @@ class LockTable:
         self.max_window = max_window
         self.checkpoints = checkpoints
         self.open: set[CacheLock] = set()
+        self.unlocks = 0
+        """How many times a lock count dropped (``unlock``, ``unlock_checkpoint``): eviction
+        candidates skipped as locked wait for it to change (``Candidates.park``)."""
 
     def lock(self, node: Node) -> CacheLock:
         """Lock a hit ending at ``node`` (the caller checked that ``node`` is in its tree)."""
@@ -80,6 +83,7 @@ class LockTable:
             handle.checkpoint_node.checkpoint_lock -= 1
         handle.active = False
         self.open.discard(handle)
+        self.unlocks += 1
 
     def unlock_checkpoint(self, handle: CacheLock) -> None:
         """Give back only the checkpoint part of an open lock (nothing when it holds none)."""
@@ -88,6 +92,7 @@ class LockTable:
         if handle.checkpoint_node is not None:
             handle.checkpoint_node.checkpoint_lock -= 1
             handle.checkpoint_node = None
+            self.unlocks += 1
 
     @staticmethod
     def split(upper: Node, lower: Node) -> None:

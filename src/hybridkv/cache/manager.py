@@ -346,6 +346,22 @@ class KVManager:
         handle.checkpoints[at] = slot
         return slot
 
+    def reserve_checkpoints(self, handle: KVHandle, positions: Sequence[int]) -> list[int]:
+        """``reserve_checkpoint`` at each of ``positions`` (distinct), with one allocation: on
+        ``OutOfMemory`` (after eviction) none is reserved."""
+        handle = _handle(handle, "reserve_checkpoints")
+        handle.check_running("reserve_checkpoints")
+        ats = [integer(at, "reserve_checkpoints at") for at in positions]
+        if len(set(ats)) != len(ats):
+            raise CacheError(f"reserve_checkpoints: positions {ats} repeat one")
+        for at in ats:
+            self._check_checkpoint(handle, at)
+        if not ats:
+            return []
+        slots = [int(s) for s in self.alloc_state(len(ats))]
+        handle.checkpoints.update(zip(ats, slots, strict=True))
+        return slots
+
     def wanted_checkpoints(self, handle: KVHandle, prompt_len: int) -> tuple[int, ...]:
         """Page-aligned positions past the handle's computed tokens (``seq_len``) and up to
         ``prompt_len`` where the placement wants the state stored: prefill ends a chunk at each

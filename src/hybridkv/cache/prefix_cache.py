@@ -146,7 +146,7 @@ class HybridRadixCache:
         self.tree = RadixTree(mem.page_size, len(self.rules.windows), self._after_split)
         self.residency = Residency(mem, self.tree, self.rules, self.policy, self.events)
         self.locks = LockTable(self.rules.max_window, self.rules.checkpoint is not None)
-        self.evictor = Evictor(mem, self.rules, self.residency, self.policy)
+        self.evictor = Evictor(mem, self.rules, self.residency, self.policy, self.locks)
         self.checkpoints = CheckpointCap(mem, self.tree, self.residency, max_checkpoints_per_path)
         self.dedupe = Dedupe(mem, self.rules, self.residency)
         self.counters = self.residency.counters

@@ -18,7 +18,10 @@ Invariants (``check_tree`` proves them):
 - ``node.checkpoints_below`` (every non-root node) is the most checkpoints on a path strictly
   below it, and ``node.below_counts`` (nodes with two children or more) how many children
   add each positive count: updated up the path when a checkpoint comes or goes (each level
-  stops as soon as its value does not change; a one-child level is a plain copy), built when
+  stops as soon as its value does not change; a one-child level is a plain copy; a batch of
+  changes along one path, the cap's attach, is counted once at its end: ``recount_path``; a
+  checkpoint dropped or a leaf removed is counted lazily, ``stale`` until ``settle``, which
+  runs before anything reads a count), built when
   a node gains its second child, dropped when it is down to one, and copied into the upper
   half of a split, so the cap per path (``checkpoints.py``) never walks a subtree.
 - Memory frees are never done here: ``Release`` collects them, and whoever evicts flushes
@@ -31,6 +34,8 @@ Invariants (``check_tree`` proves them):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
+from itertools import pairwise
 from typing import Protocol
 
 import numpy as np
@@ -116,6 +121,9 @@ class Residency:
         self.cached_pages = 0
         self.window_nodes: list[set[Node]] = [set() for _ in rules.windows]
         self.checkpoint_nodes: set[Node] = set()
+        self.stale: dict[Node, int] = {}
+        """Nodes whose count of checkpoints through them dropped (a checkpoint dropped, a leaf
+        removed: dead) since their parent counted them, with the count it holds (``settle``)."""
         key = policy.key
         self.full_heap = Candidates(rules.full, key, tree.leaves)
         self.window_heaps = [Candidates(w, key, s) for w, s in zip(rules.windows, self.window_nodes, strict=True)]
@@ -141,6 +149,7 @@ class Residency:
         """A leaf the tree just added: its pages are the cache's now."""
         parent = node.parent
         if parent is not None and parent.parent is not None and len(parent.children) == 2:
+            self.settle()
             other = next(c for c in parent.children.values() if c is not node)  # the leaf adds 0
             through = other.checkpoints_below + (other.checkpoint >= 0)
             parent.below_counts = {through: 1} if through else {}
@@ -235,6 +244,8 @@ class Residency:
         """Divide window counts and event names between the halves of a split node; the upper
         half sees every path below through the lower one."""
         upper.checkpoints_below = lower.checkpoints_below + (lower.checkpoint >= 0)  # its one child's
+        if lower in self.stale:  # the parent counts the upper half now, with the lower one's old count
+            self.stale[upper] = self.stale.pop(lower)
         if lower.hashes is not None:
             kp = upper.pages.size
             upper.hashes, lower.hashes = lower.hashes[:kp], lower.hashes[kp:]
@@ -251,9 +262,13 @@ class Residency:
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def attach_checkpoint(self, node: Node, slot: int) -> None:
+    def attach_checkpoint(self, node: Node, slot: int, *, count: bool = True) -> None:
+        """Cache ``slot`` as ``node``'s checkpoint. ``count=False``: the ancestors' path counts
+        are left for ``recount_path`` (a batch along one path, ``CheckpointCap.attach``)."""
         node.checkpoint = slot
-        _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
+        if count:
+            self.settle()
+            _count_up(node, node.checkpoints_below, node.checkpoints_below + 1)
         self.owned_slots[slot] = True
         self.checkpoint_nodes.add(node)
         self.refresh(node)
@@ -262,13 +277,44 @@ class Residency:
         if self.hook is not None:
             self.hook.stored(node, ComponentKind.CHECKPOINT, self.mem.slot_pools[0].pool_id)
 
-    def drop_checkpoint(self, node: Node) -> int:
-        """Take the checkpoint off ``node``; returns its slot (the caller frees it)."""
-        slot = self._take_checkpoint(node)
+    def drop_checkpoint(self, node: Node, *, count: bool = True) -> int:
+        """Take the checkpoint off ``node``; returns its slot (the caller frees it).
+        ``count=False``: as for ``attach_checkpoint``."""
+        slot = self._take_checkpoint(node, count)
         self.refresh(node)
         return slot
 
-    def _take_checkpoint(self, node: Node) -> int:
+    def path_contributions(self, path: list[Node]) -> dict[Node, int]:
+        """Before a batch of uncounted changes on ``path`` (root side first): what each branching
+        node's path child adds to the paths through it, for ``recount_path``."""
+        return {n: c.checkpoints_below + (c.checkpoint >= 0) for n, c in pairwise(path) if n.below_counts is not None}
+
+    def recount_path(self, last: Node, before: dict[Node, int]) -> None:
+        """Bring the counts of ``last``'s ancestors up to date after uncounted checkpoint changes
+        on its path only (nothing below ``last`` changed; ``before`` from
+        ``path_contributions`` of the path before the changes). One walk up the path."""
+        through = last.checkpoints_below + (last.checkpoint >= 0)
+        parent = last.parent
+        while parent is not None and parent.parent is not None:
+            counts = parent.below_counts
+            if counts is None:  # one child: its count is the parent's
+                new = through
+            else:
+                old = before[parent]
+                if old != through:
+                    if old:
+                        if counts[old] == 1:
+                            del counts[old]
+                        else:
+                            counts[old] -= 1
+                    if through:
+                        counts[through] = counts.get(through, 0) + 1
+                new = max(counts, default=0)
+            parent.checkpoints_below = new
+            through = new + (parent.checkpoint >= 0)
+            parent = parent.parent
+
+    def _take_checkpoint(self, node: Node, count: bool = True) -> int:
         if self.hook is not None:
             self.hook.evicting(node, ComponentKind.CHECKPOINT, self.mem.slot_pools[0].pool_id)
         if self.events.enabled:
@@ -277,8 +323,44 @@ class Residency:
         self.owned_slots[slot] = False
         self.checkpoint_nodes.discard(node)
         node.checkpoint = NO_CHECKPOINT
-        _count_up(node, node.checkpoints_below + 1, node.checkpoints_below)
+        if count:  # counted lazily: evictions drop many, nothing reads the counts until ``settle``
+            self.stale.setdefault(node, node.checkpoints_below + 1)
         return slot
+
+    def settle(self) -> None:
+        """Bring the counts up to date after checkpoints dropped and leaves removed (``stale``):
+        deepest first, each parent once per stale child, stopping where a count does not change.
+        Called before anything reads a count (an attach, a node gaining its second child, the
+        check), so evicting a path of n checkpoints bottom-up costs O(n), not O(n^2)."""
+        stale = self.stale
+        if not stale:
+            return
+        order = [(-n.start, n.uid, n) for n in stale]
+        heapify(order)
+        while order:
+            node = heappop(order)[2]
+            old = stale.pop(node)
+            new = 0 if node.dead else node.checkpoints_below + (node.checkpoint >= 0)
+            parent = node.parent
+            if old == new or parent is None or parent.parent is None:
+                continue
+            counts = parent.below_counts
+            if counts is None:  # one child (or none left; or a second one, being added): count them
+                count = max((c.checkpoints_below + (c.checkpoint >= 0) for c in parent.children.values()), default=0)
+            else:
+                if old:
+                    if counts[old] == 1:
+                        del counts[old]
+                    else:
+                        counts[old] -= 1
+                if new:
+                    counts[new] = counts.get(new, 0) + 1
+                count = max(counts, default=0)
+            if count != parent.checkpoints_below:
+                if parent not in stale:  # its own parent counts it with its value until now
+                    stale[parent] = parent.checkpoints_below + (parent.checkpoint >= 0)
+                    heappush(order, (-parent.start, parent.uid, parent))
+                parent.checkpoints_below = count
 
     # --- events ---------------------------------------------------------------------------
 

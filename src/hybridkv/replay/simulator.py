@@ -16,10 +16,10 @@ Hybrid rules: a request whose hit stops short of the cached full KV (``checkpoin
 keeps the window there. State checkpoints go where the manager's placement wants them
 (``ReplayConfig.checkpoints``, ``cache/placement.py``: by default the branch point and the
 prompt's and the sequence's page-aligned ends), reserved at admission like the prompt's
-pages (a request waits for them; one that cannot fit with them even alone goes on without
-them) and at finish for the sequence end (skipped when even eviction finds no room);
-skipped ones are counted. A hit is capped at ``input_length - 1`` tokens: the engine computes
-at least one token.
+pages, in one allocation (a request waits for them; one that cannot fit with them even
+alone goes on without them), and at finish for the sequence end (skipped when even eviction
+finds no room); skipped ones are counted. A hit is capped at ``input_length - 1`` tokens:
+the engine computes at least one token.
 
 Every step of a request's KV goes through ``KVManager`` (one ``KVHandle`` per running
 request): allocation with eviction, window release, checkpoints, insert, release.
@@ -316,8 +316,7 @@ class Simulator:
         ends = deque(wanted)
         try:
             if with_checkpoints:
-                for at in wanted:
-                    kvm.reserve_checkpoint(kv, at)
+                kvm.reserve_checkpoints(kv, wanted)
             pos = start
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
