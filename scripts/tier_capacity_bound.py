@@ -11,6 +11,8 @@ capacity, the hit rate (hit tokens over prompt tokens; a hit is the longest run 
 blocks present) of:
 - ``lru``: evict the least recently used block, a prompt's tail before its head (a radix cache's
   leaves first: what the device, host and store tiers do);
+- ``lfuda``: evict the block of least frequency plus age (LFU with dynamic aging: the age is the
+  priority of the last block evicted), a policy that keeps blocks many prompts share;
 - ``belady``: evict the block used again farthest in the future (offline optimal per block:
   a bound no online policy can beat without knowing the future);
 - ``unbounded``: nothing evicted.
@@ -23,7 +25,7 @@ import argparse
 import heapq
 import json
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from hybridkv.spec.presets import PresetError, get_preset
 from hybridkv.traces import MOONCAKE_BLOCK_TOKENS, MooncakeRequest, load_mooncake_trace
@@ -49,6 +51,25 @@ def lru_hits(requests: list[MooncakeRequest], capacity_blocks: int) -> int:
             cache.move_to_end(block)
         while len(cache) > capacity_blocks:
             cache.popitem(last=False)
+    return hits
+
+
+def lfuda_hits(requests: list[MooncakeRequest], capacity_blocks: int) -> int:
+    priority: dict[int, object] = {}  # block -> its priority (age when last used + its uses)
+    uses: Counter[int] = Counter()
+    lowest: list[tuple[float, int]] = []  # (priority, block), stale entries skipped
+    hits, age = 0, 0.0
+    for request in requests:
+        hits += hit_tokens(request, priority)
+        for block in request.hash_ids:
+            uses[block] += 1
+            priority[block] = age + uses[block]
+            heapq.heappush(lowest, (age + uses[block], block))
+        while len(priority) > capacity_blocks:
+            value, block = heapq.heappop(lowest)
+            if priority.get(block) == value:
+                del priority[block]
+                age = value
     return hits
 
 
@@ -103,6 +124,7 @@ def main() -> int:
             {
                 "gib": gib,
                 "lru": round(lru_hits(requests, blocks) / prompt, 4),
+                "lfuda": round(lfuda_hits(requests, blocks) / prompt, 4),
                 "belady": round(belady_hits(requests, blocks) / prompt, 4),
             }
         )
