@@ -300,15 +300,7 @@ class Residency:
             if counts is None:  # one child: its count is the parent's
                 new = through
             else:
-                old = before[parent]
-                if old != through:
-                    if old:
-                        if counts[old] == 1:
-                            del counts[old]
-                        else:
-                            counts[old] -= 1
-                    if through:
-                        counts[through] = counts.get(through, 0) + 1
+                _recount(counts, before[parent], through)
                 new = max(counts, default=0)
             parent.checkpoints_below = new
             through = new + (parent.checkpoint >= 0)
@@ -348,13 +340,7 @@ class Residency:
             if counts is None:  # one child (or none left; or a second one, being added): count them
                 count = max((c.checkpoints_below + (c.checkpoint >= 0) for c in parent.children.values()), default=0)
             else:
-                if old:
-                    if counts[old] == 1:
-                        del counts[old]
-                    else:
-                        counts[old] -= 1
-                if new:
-                    counts[new] = counts.get(new, 0) + 1
+                _recount(counts, old, new)
                 count = max(counts, default=0)
             if count != parent.checkpoints_below:
                 if parent not in stale:  # its own parent counts it with its value until now
@@ -407,13 +393,7 @@ def _count_up(node: Node, before: int, after: int) -> None:
         if counts is None:  # one child: its count is the parent's
             new = after
         else:
-            if before:
-                if counts[before] == 1:
-                    del counts[before]
-                else:
-                    counts[before] -= 1
-            if after:
-                counts[after] = counts.get(after, 0) + 1
+            _recount(counts, before, after)
             new = after if after > old else old if old in counts else max(counts, default=0)
         if new == old:
             return
@@ -421,3 +401,17 @@ def _count_up(node: Node, before: int, after: int) -> None:
         has = parent.checkpoint >= 0
         before, after = old + has, new + has
         parent = parent.parent
+
+
+def _recount(counts: dict[int, int], old: int, new: int) -> None:
+    """One child's contribution to ``counts`` (a multiset of the children's nonzero path counts)
+    moves from ``old`` to ``new``."""
+    if old == new:
+        return
+    if old:
+        if counts[old] == 1:
+            del counts[old]
+        else:
+            counts[old] -= 1
+    if new:
+        counts[new] = counts.get(new, 0) + 1
