@@ -338,22 +338,19 @@ class KVManager:
         """A fresh slot for the state after ``at`` tokens (page-aligned): the caller copies the
         state into it when its computation passes ``at``; the next insert reaching ``at``
         caches it."""
-        handle = _handle(handle, "reserve_checkpoint")
-        at = integer(at, "reserve_checkpoint at")
-        handle.check_running("reserve_checkpoint")
-        self._check_checkpoint(handle, at)
-        slot = int(self.alloc_state(1)[0])
-        handle.checkpoints[at] = slot
-        return slot
+        return self._reserve_checkpoints(handle, [at], "reserve_checkpoint")[0]
 
     def reserve_checkpoints(self, handle: KVHandle, positions: Sequence[int]) -> list[int]:
         """``reserve_checkpoint`` at each of ``positions`` (distinct), with one allocation: on
         ``OutOfMemory`` (after eviction) none is reserved."""
-        handle = _handle(handle, "reserve_checkpoints")
-        handle.check_running("reserve_checkpoints")
-        ats = [integer(at, "reserve_checkpoints at") for at in positions]
+        return self._reserve_checkpoints(handle, positions, "reserve_checkpoints")
+
+    def _reserve_checkpoints(self, handle: KVHandle, positions: Sequence[int], name: str) -> list[int]:
+        handle = _handle(handle, name)
+        handle.check_running(name)
+        ats = [integer(at, f"{name} at") for at in positions]
         if len(set(ats)) != len(ats):
-            raise CacheError(f"reserve_checkpoints: positions {ats} repeat one")
+            raise CacheError(f"{name}: positions {ats} repeat one")
         for at in ats:
             self._check_checkpoint(handle, at)
         if not ats:
