@@ -38,13 +38,13 @@ from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
-from hybridkv.tiers import MooncakeMaster
+from hybridkv.tiers import MooncakeMaster, WritePolicy
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
 
 TRANSPORTS = ("shm", "mooncake")
 STORES = ("none", "mooncake")
-POLICIES = ("back", "through")
+POLICIES = tuple(p.value for p in WritePolicy)
 
 
 class FaultKind(StrEnum):
