@@ -180,6 +180,7 @@ def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_
     salt = uuid.uuid4().hex
     assert served(server, tuple(A), salt).cached_tokens == 0
     server.clear_cache(host=True)  # into the store
+    server.probe()  # answered after the clear (each rank takes its commands in order)
     spec = engine_spec(text_config(read_config(str(model_dir))))
     shard = ShardSpec(spec, Parallel(pp_size=2), 1, 0)
     keys = KeySpace.of(UnifiedMemory.create(shard, 400_000, page_size=PAGE, max_context=96, chunk_tokens=CHUNK))
@@ -189,14 +190,18 @@ def test_a_damaged_object_of_one_stage_makes_every_stage_recompute(first, model_
     try:
         raw = client._store  # the Mooncake client itself
         damaged = 0
-        for pool in keys.prefixes:
-            for key in keys.keys(pool, names):
-                blob = raw.get(key)
-                if blob:
-                    blob = bytearray(blob)
-                    blob[HEADER + 1] ^= 0x40
-                    assert raw.upsert(key, bytes(blob)) == 0
-                    damaged += 1
+        deadline = time.monotonic() + 30  # clear_cache is asynchronous: the ranks' writes land soon after
+        while not damaged and time.monotonic() < deadline:
+            for pool in keys.prefixes:
+                for key in keys.keys(pool, names):
+                    blob = raw.get(key)
+                    if blob:
+                        blob = bytearray(blob)
+                        blob[HEADER + 1] ^= 0x40
+                        assert raw.upsert(key, bytes(blob)) == 0
+                        damaged += 1
+            if not damaged:
+                time.sleep(0.1)
         # stage 1's pages (and the state after 40 tokens) were in the store
         assert damaged > 0, server.metrics()
         out = served(server, turn(9), salt)
