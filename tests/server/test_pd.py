@@ -27,6 +27,7 @@ from openai import AsyncOpenAI
 
 from hybridkv.engine.disagg import PDConfig, PDServer, WorkerState
 from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.random_models import save_random
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server import Finished, HttpServer, PDBackend, QueueFull, ServerConfig, bind
@@ -297,6 +298,7 @@ def test_metrics_export_the_pd_figures(server: HttpServer) -> None:
         live = metric(text, f'hybridkv_pd_worker_pages{{epoch="0",state="live",worker="{w}"}}')
         assert live == metric(text, f'hybridkv_pd_worker_pages{{epoch="0",state="before",worker="{w}"}}')
         assert metric(text, f'hybridkv_pd_worker_requests{{epoch="0",worker="{w}"}}') == 0
+        assert metric(text, f'hybridkv_pd_worker_threads{{epoch="0",worker="{w}"}}') == worker_threads(4)
     # the router's own count: every request of this module so far ended, none failed but the aborted ones
     m = pd_of(server).metrics()
     assert m["phases"]["finished"] == m["finished"] == m["requests"] - 2 - 64 and m["failed"] == 2 + 64

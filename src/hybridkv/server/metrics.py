@@ -133,13 +133,17 @@ def _pd_families(m: dict[str, Any]) -> Iterator[Metric]:
         held = GaugeMetricFamily(
             PREFIX + "pd_worker_requests", "Requests holding memory on a PD worker.", labels=["worker", "epoch"]
         )
+        threads = GaugeMetricFamily(
+            PREFIX + "pd_worker_threads", "Intra-op CPU threads a PD worker runs.", labels=["worker", "epoch"]
+        )
         for w in m["workers"]:
             who = [w["worker"], str(w["epoch"])]
             for state in ("live", "before"):
                 pages.add_metric([*who, state], w[f"{state}_pages"])
                 slots.add_metric([*who, state], w[f"{state}_slots"])
             held.add_metric(who, w["requests"])
-        yield from (pages, slots, held)
+            threads.add_metric(who, w["threads"])
+        yield from (pages, slots, held, threads)
 
 
 def _labelled(

@@ -144,6 +144,7 @@ class PDBackend:
                 "before_pages": w.live_before[0],
                 "before_slots": w.live_before[1],
                 "requests": w.requests,
+                "threads": w.threads,
             }
             for w in states
         ]

@@ -47,6 +47,7 @@ from hybridkv.engine.disagg.config import check_layout
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import Live
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.parallel.forkserver import forkserver_threads
 from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.scheduler import Role
@@ -259,6 +260,7 @@ def test_a_full_decode_memory_retracts_and_every_output_stays_exact(qwen3_next: 
             assert [r.output_ids for r in results] == [o.output_ids for o in want], temperature
             assert sum(r.retractions for r in results) > 0, results
             assert all(w.requests == 0 and w.live == w.live_before for w in states), states
+            assert {w.threads for w in states} == {worker_threads(4)}, states  # 4 workers share this host
     assert server.deaths == []
 
 
@@ -367,8 +369,8 @@ def test_a_late_answer_to_a_timed_out_probe_does_not_count_toward_the_next() -> 
     engine = SimpleNamespace(before={0: (3, 1)}, names=["decode TP rank 0"], epoch=0, procs=procs)
     call = ProbeCall(expected=1, seq=2)
     probes.open = call
-    probes.answer(engine, 0, Live(1, (9, 9), 5))  # type: ignore[arg-type]
+    probes.answer(engine, 0, Live(1, (9, 9), 5, 1))  # type: ignore[arg-type]
     assert call.states == [] and not call.done.is_set() and probes.open is call
-    probes.answer(engine, 0, Live(2, (3, 1), 0))  # type: ignore[arg-type]
+    probes.answer(engine, 0, Live(2, (3, 1), 0, 1))  # type: ignore[arg-type]
     assert call.done.is_set() and probes.open is None
-    assert call.states == [WorkerState("decode TP rank 0", 0, 4242, (3, 1), (3, 1), 0)]
+    assert call.states == [WorkerState("decode TP rank 0", 0, 4242, (3, 1), (3, 1), 0, 1)]

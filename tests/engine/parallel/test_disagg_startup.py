@@ -171,7 +171,7 @@ def close_pipes_then_die(rank: int, conn: object, *args: object) -> None:
 
 def test_a_worker_whose_sentinel_fires_before_it_exits_is_reported_by_how_it_ended() -> None:
     logs = WorkerLog()
-    procs = EngineProcs("sentinel-test", close_pipes_then_die, 1, (), 30.0, logs, ["decode TP rank 0"])
+    procs = EngineProcs("sentinel-test", close_pipes_then_die, 1, (), 30.0, logs, ["decode TP rank 0"], 1)
     engine = EngineState(Role.DECODE, 0, procs, ["decode TP rank 0"])
     try:
         with pytest.raises(PDStartError) as err:

@@ -212,6 +212,16 @@ def test_a_collective_that_outlives_its_timeout_fails_and_the_silent_peer_is_sto
     assert len(caught.value.pids) == 2 and not any(_alive(pid) for pid in caught.value.pids)
 
 
+def test_each_rank_runs_its_share_of_the_cpus_or_what_omp_num_threads_says(monkeypatch) -> None:
+    """Two ranks on this host share its CPUs (torch's default would give each of them all the
+    cores); an explicit OMP_NUM_THREADS wins (the forkserver's own environment says 1 under make)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch(worker.intra_op_threads, 2, timeout_s=60) == [3, 3]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert launch(worker.intra_op_threads, 2, timeout_s=60) == [share, share]
+
+
 def test_a_launch_that_runs_past_its_timeout_is_stopped() -> None:
     with pytest.raises(LaunchTimeout, match=r"ranks \[0, 1\] returned nothing within 3 s") as caught:
         launch(worker.sleep_forever, 2, timeout_s=3)

@@ -150,6 +150,10 @@ def wait_for_a_silent_peer(rank: int) -> None:
         sleep_forever(rank)
 
 
+def intra_op_threads(rank: int) -> int:
+    return torch.get_num_threads()
+
+
 def sleep_forever(rank: int) -> None:
     while True:
         time.sleep(1)

@@ -30,6 +30,7 @@ from hybridkv.engine.disagg.procs import EngineProcs
 from hybridkv.engine.disagg.protocol import Command, Crash, Event, Ready, Report, Stop, TierFigures
 from hybridkv.engine.disagg.results import PDRank
 from hybridkv.engine.disagg.worker_log import WorkerLog
+from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.scheduler import Role
 from hybridkv.transfer import TransferError
 from hybridkv.transfer.shared import shm_path
@@ -134,12 +135,13 @@ def unlink_all(paths: Iterable[str]) -> None:
 
 def launch(role: Role, epoch: int, args: WorkerArgs, logs: WorkerLog) -> EngineState:
     c = args.config
+    threads = worker_threads(c.prefill_pp * c.prefill_tp + c.decode_tp)  # both engines share this host
     if role is Role.PREFILL:
         names = [f"prefill stage {s} TP rank {t}" for s in range(c.prefill_pp) for t in range(c.prefill_tp)]
-        procs = EngineProcs(args.engine, prefill_main, len(names), (args,), c.timeout_s, logs, names)
+        procs = EngineProcs(args.engine, prefill_main, len(names), (args,), c.timeout_s, logs, names, threads)
     else:
         names = [f"decode TP rank {t}" for t in range(c.decode_tp)]
-        procs = EngineProcs(args.engine, decode_main, len(names), (args,), c.timeout_s, logs, names)
+        procs = EngineProcs(args.engine, decode_main, len(names), (args,), c.timeout_s, logs, names, threads)
     shm = {rank: shm_path(token) for rank, token in enumerate(args.shm_tokens)}
     return EngineState(role, epoch, procs, names, shm=shm)
 

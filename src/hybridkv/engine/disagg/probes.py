@@ -61,7 +61,9 @@ class Probes:
         if call is None or msg.seq != call.seq:
             return
         before = e.before.get(rank, (0, 0))
-        call.states.append(WorkerState(e.names[rank], e.epoch, e.procs.pids[rank], before, msg.live, msg.requests))
+        call.states.append(
+            WorkerState(e.names[rank], e.epoch, e.procs.pids[rank], before, msg.live, msg.requests, msg.threads)
+        )
         if len(call.states) == call.expected:
             call.states.sort(key=lambda w: (not w.name.startswith("prefill"), w.name))
             self.open = None

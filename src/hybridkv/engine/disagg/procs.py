@@ -1,6 +1,7 @@
 """EngineProcs: one engine's worker processes, in a ``torch.distributed`` world of their own.
 
-``EngineProcs(name, main, size, args, timeout_s, logs)`` starts ``size`` processes; process ``r``
+``EngineProcs(name, main, size, args, timeout_s, logs, names, threads)`` starts ``size``
+processes, each running ``threads`` intra-op threads (``parallel.cpu_share``); process ``r``
 joins a world of ``size`` ranks (gloo on CPU) through a ``TCPStore`` the launcher itself serves
 on 127.0.0.1 at a port the OS gave it (held from before the first start: no other world can
 take it between choosing and binding), and runs ``main(r, conn, *args)`` where ``conn`` is its
@@ -37,6 +38,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hybridkv.engine.disagg.protocol import Command, Crash
@@ -54,6 +56,7 @@ def _child(
     size: int,
     port: int,
     timeout_s: float,
+    threads: int,
     conn: Connection,
     log: Connection,
     args: tuple[Any, ...],
@@ -62,6 +65,7 @@ def _child(
     log.close()
     threading.Thread(target=watch_launcher, daemon=True, name="launcher-watch").start()
     code = 0
+    torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
@@ -91,7 +95,8 @@ class EngineProcs:
         args: tuple[Any, ...],
         timeout_s: float,
         logs: WorkerLog,
-        names: list[str] | None = None,
+        names: list[str],
+        threads: int,
     ) -> None:
         ctx = context()
         self.store: dist.TCPStore | None = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -102,10 +107,10 @@ class EngineProcs:
         try:
             for rank in range(size):
                 mine, theirs = ctx.Pipe(duplex=True)
-                log = logs.pipe(names[rank] if names else f"{name} rank {rank}")
+                log = logs.pipe(names[rank])
                 proc = ctx.Process(
                     target=_child,
-                    args=(main, rank, size, port, timeout_s, theirs, log, args),
+                    args=(main, rank, size, port, timeout_s, threads, theirs, log, args),
                     name=f"hybridkv-{name}-{rank}",
                 )
                 try:

@@ -83,6 +83,7 @@ class Live:
     seq: int  # the ``Probe`` it answers
     live: tuple[int, int]  # (pages, slots) live, less what the prefill prefix cache holds
     requests: int  # requests holding memory here (in flight, held back, quarantined or running)
+    threads: int  # the intra-op threads this rank runs (``parallel.cpu_share``)
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class WorkerState:
     live_before: tuple[int, int]  # (pages, slots) live before its first request
     live: tuple[int, int]  # (pages, slots) live now, less what the prefill prefix cache holds
     requests: int  # requests holding memory there now
+    threads: int  # the intra-op threads it runs
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from multiprocessing.connection import Connection
 
+import torch
 import torch.distributed as dist
 
 from hybridkv.engine.agreement import ALONE, Agreement, WorldAgreement
@@ -69,7 +70,7 @@ class Worker:
                 break
             for command in commands:
                 if isinstance(command, Probe):
-                    self.conn.send(Live(command.seq, self.held_live(), self.held_requests()))
+                    self.conn.send(Live(command.seq, self.held_live(), self.held_requests(), torch.get_num_threads()))
                 else:
                     self.apply(command)
             self.tick()

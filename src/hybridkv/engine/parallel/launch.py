@@ -3,6 +3,7 @@
 The processes come from the engine forkserver (``parallel.forkserver``: its imports done once).
 
 Invariants:
+- Every child runs its share of this host's CPUs as intra-op threads (``cpu_share``).
 - Every child joins the world (``init_world``, backend from ``device``, TCP on 127.0.0.1 at a
   free port, with ``timeout_s`` on init and on every collective) before ``fn`` runs, and
   leaves it (``destroy_process_group``) after, whatever ``fn`` did.
@@ -26,8 +27,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.parallel.forkserver import context, watch_launcher
 from hybridkv.engine.parallel.groups import DEFAULT_TIMEOUT_S, init_world
 
@@ -60,10 +63,12 @@ def _child(
     port: int,
     device: str,
     timeout_s: float,
+    threads: int,
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
     threading.Thread(target=watch_launcher, daemon=True, name="launcher-watch").start()
+    torch.set_num_threads(threads)
     try:
         init_world(rank, world_size, port, device, timeout_s)
         results.put((rank, True, fn(rank, *args)))
@@ -95,7 +100,7 @@ def launch(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, device, coll, args, results),
+            args=(fn, rank, world_size, port, device, coll, worker_threads(world_size), args, results),
             name=f"hybridkv-rank{rank}",
         )
         for rank in range(world_size)
