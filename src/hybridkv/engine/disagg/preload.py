@@ -1,13 +1,16 @@
 """What the engine forkserver imports once, before it forks any worker (``parallel.forkserver.PRELOAD``).
 
-The worker modules (torch, the models, the transfer layer) and the ``transformers`` config
+The worker modules (torch, the models, the transfer layer), the ``transformers`` config
 classes of every architecture the engine serves (``read_config`` parses ``config.json`` with
-them): each worker of a launch or a restart starts with them imported. Importing them starts no
+them) and ``torch._dynamo`` (building a model on the meta device imports it at the first random
+fill of a parameter: 1.5 s in every worker otherwise): each worker of a launch or a restart
+starts with them imported. Importing them starts no
 thread (the forkserver must stay single-threaded to fork safely: ``parallel.forkserver.forkserver_threads``).
 """
 
 from __future__ import annotations
 
+import torch._dynamo  # noqa: F401  (imported for the workers: see above)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import hybridkv.engine.disagg.decode_worker
