@@ -105,11 +105,11 @@ def ssd_prefill(
     B_decay = (Bc[:, :, :, None] * decay_states.view(batch, c, groups, rep, size, 1)).view(batch, c, heads, size, n)
     states = torch.matmul(xs.transpose(-1, -2), B_decay)  # [b, c, h, p, n]
 
-    # Inter-chunk recurrence, starting from the carried state.
-    states = torch.cat([state[:, None].to(dtype=states.dtype, device=states.device), states], dim=1)
+    # Inter-chunk recurrence, starting from the carried state: [b, h, c + 1, p, n], the carried state first.
+    states = torch.cat([state[:, :, None].to(dtype=states.dtype, device=states.device), states.transpose(1, 2)], 2)
     ends = F.pad(A_cumsum[..., -1].transpose(1, 2), (1, 0))  # [b, h, c + 1]
     decay_chunk = torch.exp(_segment_sum(ends))  # [b, h, c + 1 (to), c + 1 (from)]
-    new_states = torch.matmul(decay_chunk, states.transpose(1, 2).reshape(batch, heads, c + 1, head_dim * n))
+    new_states = torch.matmul(decay_chunk, states.view(batch, heads, c + 1, head_dim * n))
     new_states = new_states.view(batch, heads, c + 1, head_dim, n)
     final_state = new_states[:, :, -1]
     starts = new_states[:, :, :-1].transpose(1, 2)  # [b, c, h, p, n]
@@ -133,16 +133,17 @@ def ssd_decode(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request: x ``[batch, heads, head_dim]``, dt ``[batch, heads]``, B, C
-    ``[batch, groups, state_size]``, state ``[batch, heads, head_dim, state_size]`` ->
-    ``(y [batch, heads, head_dim] in x's dtype, new state in state's dtype)``."""
+    ``[batch, groups, state_size]``, state ``[batch, heads, head_dim, state_size]`` (fp32) ->
+    ``(y [batch, heads, head_dim] in x's dtype, new state)``: ``state`` is updated in place (as the
+    reference's ``selective_state_update`` does) and returned."""
     batch, heads, head_dim = x.shape
     groups, state_size = B.shape[1:]
     check_state(state, (batch, heads, head_dim, state_size), "(batch, heads, head_dim, state_size)", "SSD decode")
     dt = F.softplus(dt + dt_bias.to(dt.dtype))[..., None, None]
     dA = torch.exp(dt.float() * A.float()[:, None, None])
     B = B[:, :, None, :].expand(batch, groups, heads // groups, state_size).reshape(batch, heads, 1, state_size)
-    h = state * dA + dt * B * x[..., None]
+    h = state.mul_(dA).addcmul_(dt * B, x[..., None])
     C = C[:, :, None, :].expand(batch, groups, heads // groups, state_size).reshape(batch * heads, state_size, 1)
     y = torch.bmm(h.to(C.dtype).reshape(batch * heads, head_dim, state_size), C).reshape(batch, heads, head_dim)
     y = y + x * D[:, None]
-    return y.to(x.dtype), h.to(state.dtype)
+    return y.to(x.dtype), h
