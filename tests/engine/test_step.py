@@ -96,3 +96,32 @@ def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
             logits = hf(out).logits[0, len(ids) - 1 :]
         assert got.tokens == out[0, len(ids) :].tolist()
         assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL
+
+
+def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
+    """The spare zero key column past the longest row is gathered only for a model with attention sinks (gpt-oss):
+    without them a group's keys end at its longest row's last page, and asking those keys for sinks is refused."""
+    from hybridkv.engine.allocator import Admission, RequestAllocator
+    from hybridkv.engine.batch import ForwardBatch
+    from hybridkv.engine.step import build_step
+
+    assert make_runner("tiny-gpt-oss", 16).sinks
+    runner = make_runner("tiny-gemma3", 16)
+    assert not runner.sinks
+    alloc = RequestAllocator(runner.mem, prefix_cache=False)
+    req = alloc.new()
+    ids = prompt(3, 32)  # two whole pages: a spare column would need a third
+    assert alloc.admit(req, ids, len(ids), 64, 0, True) is Admission.ADMITTED
+    alloc.extend([req], [32])
+    batch = ForwardBatch.build([ids], [0], [req.token_locs])
+    full = runner.mem.pool_of_layer(5).pool_id  # Gemma 3's sixth layer attends to the whole context
+    for sinks, width in ((False, 32), (True, 48)):
+        keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].groups[0]
+        assert keys.entries.shape[2] == width and keys.mask.shape[-1] == width
+        assert (keys.spare is not None) == sinks
+    with pytest.raises(ValueError, match="spare key column"):
+        build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].groups[0].with_sinks(
+            torch.zeros(4)
+        )
+    alloc.retract(req)
+    runner.mem.verify()

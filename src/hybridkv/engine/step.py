@@ -9,7 +9,8 @@ flat tokens, padded apart: a decode's one query is never padded to the longest c
 
 Attention of a group reads, per token pool, the columns of its requests' pages from the page
 of the earliest position a new token can see (``first_needed(prefix + 1)``, the pool id's
-rule) to one spare column past the longest row (``GroupKeys``): gathered once per group for
+rule) to the longest row, plus one spare column when a layer needs it (``sinks``: attention sinks
+join the softmax as that zero key; ``GroupKeys``): gathered once per group for
 every layer of the pool, the step's new entries put in by each layer as it computes them
 (never read back from the pool; the pool gets them once, at the end of the step: ``flush``).
 Each group and pool has one additive mask ``(R', 1, Q', W)``, built here: 0 where query ``q``
@@ -140,19 +141,19 @@ class _KeysPlan:
     zero_rows: np.ndarray  # slots after each row's last token in its last page
     zero_cols: np.ndarray
     mask: np.ndarray  # (R', 1, Q', W)
-    spare: np.ndarray  # (R', 1, 1, W)
+    spare: np.ndarray | None  # (R', 1, 1, W); None without a spare column
 
 
-def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _KeysPlan:
+def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool) -> _KeysPlan:
     """Rows ``[a, b)``'s keys in one token pool: columns from the page of the earliest position a new token sees
-    to one spare column past the longest row."""
+    to the longest row's last token (``sinks``: to one spare column past it)."""
     pre, ext = rows.pre[a:b], rows.ext[a:b]
     seq = pre + ext
     r, q = b - a, int(ext.max())
     first_page = pool_id.first_needed(pre + 1) // ps
     base = first_page * ps
     pages = -(-seq // ps) - first_page  # the row's pages from its first visible one
-    width = -(-(int((seq - base).max()) + 1) // ps)  # pages per row: one column past the longest row is spare
+    width = -(-(int((seq - base).max()) + int(sinks)) // ps)  # pages per row (a spare column past the longest)
     key_pos = base[:, None] + np.arange(width * ps)  # (R', W)
     query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R', Q')
     visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
@@ -164,8 +165,10 @@ def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, 
     new_rows = np.repeat(np.arange(r), ext)
     new_cols = _arange_runs(pre - base, ext)
     tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
-    spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
-    spare[np.arange(r), 0, 0, seq - base] = 1.0
+    spare = None
+    if sinks:
+        spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
+        spare[np.arange(r), 0, 0, seq - base] = 1.0
     return _KeysPlan(
         virtual,
         new_rows * width + new_cols // ps,
@@ -192,7 +195,7 @@ def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, d
                 dev(plan.new_rows),
                 dev(plan.new_cols),
                 dev(plan.mask),
-                dev(plan.spare),
+                None if plan.spare is None else dev(plan.spare),
                 part[dev(plan.new_cells)],
                 dev(plan.new_offsets),
             )
@@ -200,7 +203,9 @@ def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, d
     return TokenIO(layout, keys)
 
 
-def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) -> StepContext:
+def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, sinks: bool = True) -> StepContext:
+    """The step's context for ``batch`` (``sinks``: give every group's keys the spare column attention sinks use)."""
+
     def dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
         return t if device.type == "cpu" else t.to(device, non_blocking=True)
@@ -230,7 +235,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     bounds = [(0, ext.size)] if order is None else [(0, n_dec), (n_dec, ext.size)]
     groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
     tokens = {
-        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps) for a, b in bounds], mem, dev)
+        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps, sinks) for a, b in bounds], mem, dev)
         for pool_id, layout in layouts.tokens.items()
     }
     states = {}
