@@ -108,9 +108,9 @@ def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
     from hybridkv.engine.batch import ForwardBatch
     from hybridkv.engine.step import build_step
 
-    assert make_runner("tiny-gpt-oss", 16).sinks
+    assert make_runner("tiny-gpt-oss", 16).model.attention_sinks
     runner = make_runner("tiny-gemma3", 16)
-    assert not runner.sinks
+    assert not runner.model.attention_sinks
     alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
     ids = prompt(3, 32)  # two whole pages: a spare column would need a third

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from hybridkv.engine.batch import BatchError, ForwardBatch
-from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.step import build_step
 from hybridkv.memory import UnifiedMemory
@@ -61,13 +60,11 @@ class ModelRunner:
         self.mem = mem
         self.device = mem.device
         self.needs_state = bool(mem.slot_pools)
-        # attention sinks join the softmax as a spare zero key column; without them the step gathers none
-        self.sinks = any(isinstance(m, PagedAttention) and m.sinks is not None for m in model.modules())
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Last-position logits ``(R, vocab)``, one row per request of ``batch``."""
         if self.needs_state and batch.state_slots is None:
             raise BatchError("this model has recurrent layers: give every request a state slot")
-        ctx = build_step(batch, self.mem, self.device, self.sinks)
+        ctx = build_step(batch, self.mem, self.device, self.model.attention_sinks)
         return self.model(ctx, self.mem)

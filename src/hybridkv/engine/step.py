@@ -224,7 +224,7 @@ def span_groups(lengths: list[int]) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, sinks: bool = True) -> StepContext:
+def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, sinks: bool) -> StepContext:
     """The step's context for ``batch`` (``sinks``: give every group's keys the spare column attention sinks use)."""
 
     def dev(a: np.ndarray) -> torch.Tensor:
