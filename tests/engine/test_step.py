@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from hybridkv.engine.pool_io import LayoutError, pool_layouts
+from hybridkv.engine.step import StepContext
 from tests.engine.harness import hf_reference, make_runner, prompt, serve
 from tests.engine.test_exact import ATOL
 
@@ -95,4 +98,72 @@ def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
             out = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False, eos_token_id=None)
             logits = hf(out).logits[0, len(ids) - 1 :]
         assert got.tokens == out[0, len(ids) :].tolist()
+        assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL
+
+
+def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
+    """The spare zero key column past the longest row is gathered only for a model with attention sinks (gpt-oss):
+    without them a group's keys end at its longest row's last page, and asking those keys for sinks is refused."""
+    from hybridkv.engine.allocator import Admission, RequestAllocator
+    from hybridkv.engine.batch import ForwardBatch
+    from hybridkv.engine.step import build_step
+
+    assert make_runner("tiny-gpt-oss", 16).model.attention_sinks
+    runner = make_runner("tiny-gemma3", 16)
+    assert not runner.model.attention_sinks
+    alloc = RequestAllocator(runner.mem, prefix_cache=False)
+    req = alloc.new()
+    ids = prompt(3, 32)  # two whole pages: a spare column would need a third
+    assert alloc.admit(req, ids, len(ids), 64, 0, True) is Admission.ADMITTED
+    alloc.extend([req], [32])
+    batch = ForwardBatch.build([ids], [0], [req.token_locs])
+    full = runner.mem.pool_of_layer(5).pool_id  # Gemma 3's sixth layer attends to the whole context
+    for sinks, width in ((False, 32), (True, 48)):
+        keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].groups[0]
+        assert keys.entries.shape[2] == width and keys.mask.shape[-1] == width
+        assert (keys.spare is not None) == sinks
+    with pytest.raises(ValueError, match="spare key column"):
+        build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].groups[0].with_sinks(
+            torch.zeros(4)
+        )
+    alloc.retract(req)
+    runner.mem.verify()
+
+
+def test_span_groups_cut_where_the_padding_saved_pays_for_a_group() -> None:
+    from hybridkv.engine.step import SPLIT_ROWS, span_groups
+
+    assert span_groups([]) == []
+    assert span_groups([7]) == [(0, 1)]
+    assert span_groups([64, 64, 60, 48, 20]) == [(0, 5)]  # similar lengths: one group
+    assert span_groups([48, 5, 3]) == [(0, 1), (1, 3)]  # 2 * 43 padded rows saved > SPLIT_ROWS
+    lengths = [64, 36, 16, 16, 16, 12, 12, 10, 8, 8, 8, 7, 4]  # a step of the bench: tails after prefix hits
+    groups = span_groups(lengths)
+    assert groups == [(0, 2), (2, 13)]
+    cost = sum(SPLIT_ROWS + (b - a) * lengths[a] for a, b in groups)
+    assert cost < SPLIT_ROWS + len(lengths) * lengths[0]
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next", "tiny-nemotron-h"])
+def test_unequal_spans_run_as_separate_groups_and_stay_exact(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 48-token chunk and two short prompts in one step: the short ones are padded to their own longest, not to
+    48 (two groups of longer spans), and every request still gets transformers' tokens and logits."""
+    import hybridkv.engine.runner as runner_module
+
+    widths: list[list[int]] = []
+
+    def spy(*args: Any) -> StepContext:
+        ctx = build_step(*args)
+        widths.append([g.width for g in ctx.groups])
+        return ctx
+
+    build_step = runner_module.build_step
+    monkeypatch.setattr(runner_module, "build_step", spy)
+    runner = make_runner(name, 16)
+    prompts = [prompt(80 + n, n) for n in (50, 9, 5)]
+    served = serve(runner, prompts, 48, max_new=3)  # first step: spans of 48, 9 and 5 tokens
+    assert widths[0] == [48, 9]
+    for ids, got in zip(prompts, served, strict=True):
+        tokens, logits = hf_reference(name, tuple(ids), 3)
+        assert got.tokens[: len(tokens)] == tokens
         assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL

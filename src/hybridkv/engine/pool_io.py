@@ -191,7 +191,7 @@ class GroupKeys:
     rows: torch.Tensor  # (T',) each new token's row
     cols: torch.Tensor  # (T',) and column
     mask: torch.Tensor  # (R', 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
-    spare: torch.Tensor  # (R', 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
+    spare: torch.Tensor | None  # (R', 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
     cell: torch.Tensor  # (T',) the pool cell of each new token
     offset: torch.Tensor  # (T',) and its slot in the cell's page
     _sinks: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -199,6 +199,8 @@ class GroupKeys:
     def with_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
         """``(R', heads, Q', W)``: the mask plus one more key per row and head, the spare zero column, whose logit
         is ``sinks[head]`` (gpt-oss's attention sinks: its zero value adds nothing but joins the softmax)."""
+        if self.spare is None:
+            raise ValueError("attention sinks need the step's spare key column: build the step with sinks=True")
         base = self._sinks.get("base")
         if base is None:
             base = self._sinks["base"] = torch.where(self.spare.bool(), 0.0, self.mask)

@@ -66,5 +66,5 @@ class ModelRunner:
         """Last-position logits ``(R, vocab)``, one row per request of ``batch``."""
         if self.needs_state and batch.state_slots is None:
             raise BatchError("this model has recurrent layers: give every request a state slot")
-        ctx = build_step(batch, self.mem, self.device)
+        ctx = build_step(batch, self.mem, self.device, self.model.attention_sinks)
         return self.model(ctx, self.mem)

@@ -1,15 +1,18 @@
 """StepContext: one step's index tensors, masks and pool I/O, built once from a ForwardBatch.
 
-Step order. A step lays its requests out decodes first (one new token each), then the longer
-spans, each kind in the batch's order; its flat tokens (``input_ids``, ``positions``, every
-hidden state of the step) follow that order. ``last_index[i]`` is the flat index of the batch's
-request ``i``'s last new token, so logits come back in the batch's order. ``groups`` are the
-two kinds (one group when the step has one kind), each a contiguous range of step rows and
-flat tokens, padded apart: a decode's one query is never padded to the longest chunk.
+Step order. A step lays its requests out decodes first (one new token each, in the batch's
+order), then the longer spans, longest first (equal lengths in the batch's order); its flat
+tokens (``input_ids``, ``positions``, every hidden state of the step) follow that order.
+``last_index[i]`` is the flat index of the batch's request ``i``'s last new token, so logits
+come back in the batch's order. ``groups`` are contiguous ranges of step rows and flat tokens,
+each padded to its own longest span: the decodes (never padded to a chunk), then the longer
+spans cut where the padding saved is worth another group (``span_groups``): a 4-token tail is
+not padded to the 64 tokens of the step's longest chunk.
 
 Attention of a group reads, per token pool, the columns of its requests' pages from the page
 of the earliest position a new token can see (``first_needed(prefix + 1)``, the pool id's
-rule) to one spare column past the longest row (``GroupKeys``): gathered once per group for
+rule) to the longest row, plus one spare column when a layer needs it (``sinks``: attention sinks
+join the softmax as that zero key; ``GroupKeys``): gathered once per group for
 every layer of the pool, the step's new entries put in by each layer as it computes them
 (never read back from the pool; the pool gets them once, at the end of the step: ``flush``).
 Each group and pool has one additive mask ``(R', 1, Q', W)``, built here: 0 where query ``q``
@@ -140,19 +143,19 @@ class _KeysPlan:
     zero_rows: np.ndarray  # slots after each row's last token in its last page
     zero_cols: np.ndarray
     mask: np.ndarray  # (R', 1, Q', W)
-    spare: np.ndarray  # (R', 1, 1, W)
+    spare: np.ndarray | None  # (R', 1, 1, W); None without a spare column
 
 
-def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _KeysPlan:
+def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool) -> _KeysPlan:
     """Rows ``[a, b)``'s keys in one token pool: columns from the page of the earliest position a new token sees
-    to one spare column past the longest row."""
+    to the longest row's last token (``sinks``: to one spare column past it)."""
     pre, ext = rows.pre[a:b], rows.ext[a:b]
     seq = pre + ext
     r, q = b - a, int(ext.max())
     first_page = pool_id.first_needed(pre + 1) // ps
     base = first_page * ps
     pages = -(-seq // ps) - first_page  # the row's pages from its first visible one
-    width = -(-(int((seq - base).max()) + 1) // ps)  # pages per row: one column past the longest row is spare
+    width = -(-(int((seq - base).max()) + int(sinks)) // ps)  # pages per row (a spare column past the longest)
     key_pos = base[:, None] + np.arange(width * ps)  # (R', W)
     query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R', Q')
     visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
@@ -164,8 +167,10 @@ def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, 
     new_rows = np.repeat(np.arange(r), ext)
     new_cols = _arange_runs(pre - base, ext)
     tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
-    spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
-    spare[np.arange(r), 0, 0, seq - base] = 1.0
+    spare = None
+    if sinks:
+        spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
+        spare[np.arange(r), 0, 0, seq - base] = 1.0
     return _KeysPlan(
         virtual,
         new_rows * width + new_cols // ps,
@@ -192,7 +197,7 @@ def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, d
                 dev(plan.new_rows),
                 dev(plan.new_cols),
                 dev(plan.mask),
-                dev(plan.spare),
+                None if plan.spare is None else dev(plan.spare),
                 part[dev(plan.new_cells)],
                 dev(plan.new_offsets),
             )
@@ -200,7 +205,28 @@ def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, d
     return TokenIO(layout, keys)
 
 
-def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) -> StepContext:
+SPLIT_ROWS = 64
+"""A group's fixed cost in padded query rows (its per-layer attention call, padding, key gather and mask); on the
+tiny models one padded query row costs about 11 µs per step (Gemma 3: attention over ~224 keys in 2 full layers
+and ~96 in 4 sliding ones) and one more group about 0.7 ms."""
+
+
+def span_groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Contiguous groups ``[a, b)`` of spans sorted longest first, padded to their first span, that minimise the
+    padded query rows (``rows * longest``, summed) plus ``SPLIT_ROWS`` per group."""
+    best, cut = [0] * (len(lengths) + 1), [0] * (len(lengths) + 1)
+    for j in range(1, len(lengths) + 1):
+        best[j], cut[j] = min((best[i] + SPLIT_ROWS + (j - i) * lengths[i], i) for i in range(j))
+    bounds, j = [], len(lengths)
+    while j:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    return bounds[::-1]
+
+
+def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, sinks: bool) -> StepContext:
+    """The step's context for ``batch`` (``sinks``: give every group's keys the spare column attention sinks use)."""
+
     def dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
         return t if device.type == "cpu" else t.to(device, non_blocking=True)
@@ -208,9 +234,11 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
     ps = mem.page_size
     ext_b, pre_b = batch.extend_lens, batch.prefix_lens
     table, page_base_b = batch.page_table(ps)
-    decodes = ext_b == 1
-    n_dec = int(decodes.sum())
-    order = np.concatenate([np.flatnonzero(decodes), np.flatnonzero(~decodes)]) if 0 < n_dec < ext_b.size else None
+    decodes, longer = np.flatnonzero(ext_b == 1), np.flatnonzero(ext_b > 1)
+    longer = longer[np.argsort(-ext_b[longer], kind="stable")]
+    n_dec = decodes.size
+    step_order = np.concatenate([decodes, longer])
+    order = None if np.array_equal(step_order, np.arange(ext_b.size)) else step_order
     tok_base_b = np.cumsum(ext_b) - ext_b
     if order is None:
         pre, ext, page_base, tok_src = pre_b, ext_b, page_base_b, tok_base_b
@@ -227,10 +255,11 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device) ->
         last[order] = tok_start + ext - 1
 
     layouts = pool_layouts(mem)
-    bounds = [(0, ext.size)] if order is None else [(0, n_dec), (n_dec, ext.size)]
+    bounds = [(0, n_dec)] if n_dec else []
+    bounds += [(n_dec + a, n_dec + b) for a, b in span_groups(ext[n_dec:].tolist())]
     groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
     tokens = {
-        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps) for a, b in bounds], mem, dev)
+        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps, sinks) for a, b in bounds], mem, dev)
         for pool_id, layout in layouts.tokens.items()
     }
     states = {}

@@ -71,9 +71,10 @@ def test_prefill_matches_reference(seq: int, fresh: bool) -> None:
 def test_decode_matches_reference() -> None:
     inputs, params = _at(_inputs(4, 1, seed=11), 0), _params(2)
     state = _state(4, seed=12)
-    y, new_state = ssd_decode(**inputs, **params, state=state)
-    # The reference takes per-(head, channel) parameters and updates the state in place.
     ref_state = state.clone()
+    y, new_state = ssd_decode(**inputs, **params, state=state)
+    assert new_state is state  # updated in place, as the reference does
+    # The reference takes per-(head, channel) parameters and updates the state in place.
     ref_y = mamba2_selective_state_update(
         ref_state,
         inputs["x"],

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast
-from hybridkv.engine.layers.norms import RMSNorm
+from hybridkv.engine.layers.cast import cast, f32
+from hybridkv.engine.layers.norms import RMSNorm, derived
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
@@ -84,12 +84,12 @@ class PagedAttention(nn.Module):
         if self.output_gate:
             q, gate = q.view(t, self.heads, 2 * d).chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
-        q = q.reshape(t, self.heads, d)
-        k = self.k_proj(x).view(t, self.kv_heads, d)
+        qk = torch.cat((q.reshape(t, self.heads, d), self.k_proj(x).view(t, self.kv_heads, d)), dim=1)
         v = self.v_proj(x).view(t, self.kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+            qk = self._qk_norm(qk, self.q_norm, self.k_norm)
+        qk = apply_rope(qk, rope)  # queries and keys rotate alike: one rotation for both
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
 
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
@@ -103,6 +103,17 @@ class PagedAttention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def _qk_norm(self, qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
+        """Queries' and keys' RMS norms over ``(T, heads + kv_heads, D)`` in one normalisation, each head scaled by
+        its own norm's factor (what ``q_norm(q)`` and ``k_norm(k)`` compute, without the second norm's ops)."""
+        scale = derived(
+            self,
+            "_qk_scale",
+            (q_norm.weight, k_norm.weight),
+            lambda _q, _k: torch.cat((q_norm.scale().expand(self.heads, -1), k_norm.scale().expand(self.kv_heads, -1))),
+        )
+        return cast(F.rms_norm(f32(qk), q_norm.shape, None, q_norm.eps) * scale, qk.dtype)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries ``(R, heads, Q, D)`` over keys and values ``(R, kv, W, D)`` with the additive ``mask``

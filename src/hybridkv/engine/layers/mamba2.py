@@ -108,7 +108,8 @@ class Mamba2Mixer(nn.Module):
             window, state = windows[group.rows], states[group.rows]
             out, new_window, new_state = self._mix(xbc, dt, window, state, group)
             window.copy_(new_window)
-            state.copy_(new_state)
+            if new_state is not state:  # the one-token scan updates the state in place
+                state.copy_(new_state)
             ys.append(out)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return self.out_proj(cast(self.norm(y, gate), x.dtype))

@@ -17,15 +17,16 @@ from hybridkv.engine.layers.cast import cast, f32
 
 
 def derived(
-    owner: nn.Module, name: str, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]
+    owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[..., torch.Tensor]
 ) -> torch.Tensor:
-    """``make(source)``, kept on ``owner`` under ``name`` until ``source`` changes (a load writes it in place:
+    """``make(*sources)``, kept on ``owner`` under ``name`` until a source changes (a load writes it in place:
     its version moves; a conversion replaces it: its storage moves)."""
+    key = tuple((s._version, s.data_ptr()) for s in sources)
     cached = owner.__dict__.get(name)
-    if cached is None or cached[0] != source._version or cached[1] != source.data_ptr():
+    if cached is None or cached[0] != key:
         with torch.no_grad():
-            cached = owner.__dict__[name] = (source._version, source.data_ptr(), make(source))
-    return cached[2]
+            cached = owner.__dict__[name] = (key, make(*sources))
+    return cached[1]
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +40,7 @@ class RMSNorm(nn.Module):
     def scale(self) -> torch.Tensor:
         """The fp32 factor after normalising: ``w`` or ``1 + w``."""
         if self.offset:
-            return derived(self, "_scale", self.weight, lambda w: 1.0 + w.float())
+            return derived(self, "_scale", (self.weight,), lambda w: 1.0 + w.float())
         return f32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

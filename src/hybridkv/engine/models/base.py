@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.rope import RopeTables
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collect_parts, component_part
@@ -92,6 +94,12 @@ class CausalLM(nn.Module):
     @property
     def layer_ids(self) -> range:
         return range(self.start, self.end)
+
+    @functools.cached_property
+    def attention_sinks(self) -> bool:
+        """Some attention layer of this stage has sinks: its steps' keys need the spare zero column
+        (``build_step(..., sinks=True)``); without them no step gathers it."""
+        return any(isinstance(m, PagedAttention) and m.sinks is not None for m in self.modules())
 
     def final(self, norm: nn.Module) -> nn.Module:
         """The final norm on the last stage (nothing elsewhere)."""

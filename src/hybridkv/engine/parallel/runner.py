@@ -120,7 +120,7 @@ class ShardRunner:
         (not on the last). Returns the last stage's logits ``(R, vocab)``, else the hidden states sent."""
         if self.mem.slot_pools and batch.state_slots is None:
             raise BatchError(f"{self.shard.describe()} has recurrent layers: give every request a state slot")
-        ctx = build_step(batch, self.mem, self.device)
+        ctx = build_step(batch, self.mem, self.device, self.model.attention_sinks)
         hidden = None
         if not self.first:
             assert self.groups is not None
