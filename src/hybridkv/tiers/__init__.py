@@ -2,7 +2,8 @@
 
 Host memory (``HostTier``: its own byte budget, LRU, pinned where a CUDA device makes that
 worthwhile), the Mooncake Store (``MooncakeStoreTier``, a distributed store several engine
-hosts share; ``MooncakeMaster`` starts its master on loopback for tests and demos) and an
+hosts share; ``MooncakeMaster`` starts its master on loopback for tests and demos; a closed
+tier's client waits in ``mooncake_clients`` for the next tier on its master) and an
 in-process dict (``DictStore``: unit tests, and the simulated store of replay sweeps) share
 one asynchronous, batched interface (``StorageTier``). Objects are one page of one pool or
 one state checkpoint, framed with their key's digest, size and CRC-32 (``framing.py``),

@@ -14,6 +14,9 @@ engine's P2P handshake, so no HTTP metadata server is needed. Facts this module 
   wait ``MC_RPC_TIMEOUT_MS`` (-901; set here to ``rpc_timeout_ms``, default 2 s) instead of
   30 s; a restarted master is found again by the same client (its segment remounted about
   a second later; puts meanwhile answer -200), with the old objects gone;
+- a client's ``close`` joins its ping thread holding the GIL (1-2 s); ``unmount_and_free_segment``
+  of a segment mounted with ``allocate_and_mount_segment`` takes it and its objects out of the
+  store at once: ``close`` does that and pools the client (``mooncake_clients``);
 - ``setup`` without a master retries ``MC_STORE_CLIENT_SETUP_RETRIES`` times (set to 1: it
   fails in ~4 s instead of a minute);
 - the client's own handshake and TCP data listeners bind every interface whatever
@@ -42,6 +45,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from hybridkv.tiers import mooncake_clients
 from hybridkv.tiers.base import PutStatus, StorageTier, Ticket, TierError, TierTimeout
 from hybridkv.tiers.framing import MissReason, write_header
 
@@ -104,6 +108,8 @@ class MooncakeStoreTier(StorageTier):
         self.retry_s = retry_s
         self.timeout_s = timeout_s
         self._store: Any = None
+        self._segments: list[str] = []
+        self._client_key = (master, local_hostname, protocol, local_buffer_bytes)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridkv-store")
         self._lock = threading.Lock()
         self._down = False
@@ -135,27 +141,34 @@ class MooncakeStoreTier(StorageTier):
             self._next_probe = time.monotonic() + self.retry_s
 
     def _connect(self) -> bool:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        store = self._factory()
-        rc = store.setup(
-            self.local_hostname,
-            "P2PHANDSHAKE",
-            self.segment_bytes,
-            self.local_buffer_bytes,
-            self.protocol,
-            "",
-            self.master,
-        )
-        if rc != 0:
+        store = mooncake_clients.take(self._client_key)
+        if store is None:
+            store = self._factory()
+            # no segment from ``setup``: it is mounted apart, so that ``close`` can unmount it by id
+            rc = store.setup(
+                self.local_hostname, "P2PHANDSHAKE", 0, self.local_buffer_bytes, self.protocol, "", self.master
+            )
+            if rc != 0:
+                store.close()
+                self._mark_down()
+                return False
+        mounted = store.allocate_and_mount_segment(self.segment_bytes, self.protocol, "")
+        if mounted.get("ret") != 0:
             store.close()
             self._mark_down()
             return False
-        self._store = store
+        self._store, self._segments = store, list(mounted["segment_ids"])
         with self._lock:
             self._down = False
         return True
+
+    def _release(self, store: Any) -> None:
+        """Unmount this tier's segment (its objects leave the store) and pool the client for the next
+        tier (``mooncake_clients``); a client that cannot unmount is closed."""
+        if not self._down and store.unmount_and_free_segment(self._segments, 0) == 0:
+            mooncake_clients.give(self._client_key, store)
+        else:
+            store.close()
 
     def _probe(self) -> None:
         if self._store is None:
@@ -247,7 +260,7 @@ class MooncakeStoreTier(StorageTier):
         store, self._store = self._store, None
         if store is not None and self._inflight == 0:  # a worker stuck in a call keeps the client
             with contextlib.suppress(FutureTimeout):
-                self._worker.submit(store.close).result(timeout=self.timeout_s)
+                self._worker.submit(self._release, store).result(timeout=self.timeout_s)
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
