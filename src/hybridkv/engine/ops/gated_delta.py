@@ -51,52 +51,51 @@ def gated_delta_prefill(
     out_dtype = q.dtype
     batch, seq, heads_k, dk = k.shape
     heads_v, dv = v.shape[-2:]
-    rep = heads_v // heads_k
     check_state(state, (batch, heads_v, dk, dv), "(batch, heads_v, dk, dv)", "gated delta prefill")
     if lengths is not None:
         valid = length_mask(lengths, seq)
         g = g * valid[..., None]
         beta = beta * valid[..., None]
-    pad = (chunk_size - seq % chunk_size) % chunk_size
-    chunks = (seq + pad) // chunk_size
-
-    def chunked(x: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
-        """``[batch, seq, heads, *d]`` -> fp32 ``[batch, *heads, chunks, chunk_size, *d]``."""
-        x = x.to(torch.float32).movedim(1, 2)
-        if pad:
-            x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
-        return x.reshape(batch, *heads, chunks, chunk_size, *x.shape[3:])
-
-    # q and k per key head ([b, hk, c, l, d]; normalised once, not once per value head they serve), the rest per
-    # value head as [b, hk, rep, c, l, ...]: a key head's value heads share its q and k by broadcasting.
-    q = _l2norm(chunked(q, (heads_k,)))
-    k = _l2norm(chunked(k, (heads_k,)))
+    if heads_k != heads_v:
+        q = q.repeat_interleave(heads_v // heads_k, dim=2)
+        k = k.repeat_interleave(heads_v // heads_k, dim=2)
+    q, k, v, beta, g = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)
+    )
+    q = _l2norm(q)
+    k = _l2norm(k)
     q = q * q.shape[-1] ** -0.5
-    v, beta, g = chunked(v, (heads_k, rep)), chunked(beta, (heads_k, rep)), chunked(g, (heads_k, rep))
-    k_beta = k[:, :, None] * beta.unsqueeze(-1)
+
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (
+        x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)
+    )
+    g = g.reshape(g.shape[0], g.shape[1], -1, chunk_size)
+    num_chunks = g.shape[2]
 
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    cum = g.cumsum(dim=-1)
-    pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ k[:, :, None].transpose(-1, -2)) * pair_decay
-    intra = ((q @ k.transpose(-1, -2))[:, :, None] * pair_decay).view(batch, heads_v, chunks, chunk_size, chunk_size)
-    # both right-hand sides in one triangular solve (each column is solved on its own)
-    rhs = torch.cat((v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)), dim=-1)
-    solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
-    solved = solved.view(batch, heads_v, chunks, chunk_size, dv + dk)
-    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+    cum = g.cumsum(dim=3)
+    pair_decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
 
-    s = state.to(solved)
-    out = solved.new_zeros(batch, heads_v, chunks, chunk_size, dv)
-    q = (q[:, :, None] * cum.exp().unsqueeze(-1)).view(batch, heads_v, chunks, chunk_size, dk)
-    k = (k[:, :, None] * (cum[..., -1:] - cum).exp().unsqueeze(-1)).view(batch, heads_v, chunks, chunk_size, dk)
-    chunk_decay = cum[..., -1].exp().view(batch, heads_v, chunks)[..., None, None]
-    for i in range(chunks):
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(num_chunks):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
         out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
         s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
 
-    out = out.view(batch, heads_v, -1, dv)[:, :, :seq]
+    out = out.reshape(batch, heads_v, -1, dv)[:, :, :seq]
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), s
 
 
