@@ -4,8 +4,8 @@ The worker modules (torch, the models, the transfer layer), the ``transformers``
 classes of every architecture the engine serves (``read_config`` parses ``config.json`` with
 them) and ``torch._dynamo`` (building a model on the meta device imports it at the first random
 fill of a parameter: 1.5 s in every worker otherwise): each worker of a launch or a restart
-starts with them imported. Importing them starts no
-thread (the forkserver must stay single-threaded to fork safely: ``parallel.forkserver.forkserver_threads``).
+starts with them imported. Importing them starts no thread (the forkserver must stay
+single-threaded to fork safely: ``parallel.forkserver.forkserver_threads``).
 """
 
 from __future__ import annotations
