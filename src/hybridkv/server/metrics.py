@@ -79,15 +79,13 @@ class _BackendCollector(Collector):
             if key in m:
                 yield GaugeMetricFamily(PREFIX + name, doc, value=m[key])
         if "pools" in m:
-            cells = GaugeMetricFamily(
-                PREFIX + "pool_cells",
+            yield _labelled(
+                GaugeMetricFamily,
+                "pool_cells",
                 "Cells per memory pool and state (cached: window cells kept).",
-                labels=["pool", "state"],
+                ["pool", "state"],
+                m["pools"],
             )
-            for pool, counts in m["pools"].items():
-                for state, value in counts.items():
-                    cells.add_metric([pool, state], value)
-            yield cells
         for key, (name, doc) in COUNTERS.items():
             if key in m:
                 yield CounterMetricFamily(PREFIX + name, doc, value=m[key])
@@ -147,45 +145,51 @@ def _pd_families(m: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _labelled(
-    family: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str, label: str, values: dict[str, Any]
+    family: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    name: str,
+    doc: str,
+    labels: list[str],
+    values: dict[str, Any],
 ) -> Metric:
-    metric = family(PREFIX + name, doc, labels=[label])
-    for key, value in values.items():
-        metric.add_metric([key], value)
+    """One sample per leaf of ``values``, a dict nested one level per label."""
+    metric = family(PREFIX + name, doc, labels=labels)
+    rows: list[tuple[list[str], Any]] = [([], values)]
+    for _ in labels:
+        rows = [([*keys, key], value) for keys, level in rows for key, value in level.items()]
+    for keys, value in rows:
+        metric.add_metric(keys, value)
     return metric
 
 
 def _tier_families(t: dict[str, Any]) -> Iterator[Metric]:
     """The tiers below the device: a single engine's (``TieredCache.metrics``) or the PD prefill
     ranks' summed counters (``pd_backend.pd_tiers``: no hit or restored figures, no host usage)."""
-    yield _labelled(CounterMetricFamily, "tier_written_bytes", "Bytes written to a tier.", "tier", t["written_bytes"])
+    yield _labelled(CounterMetricFamily, "tier_written_bytes", "Bytes written to a tier.", ["tier"], t["written_bytes"])
     yield _labelled(
         CounterMetricFamily,
         "tier_write_refused",
         "Objects a tier refused (full, down, error).",
-        "tier",
+        ["tier"],
         t["write_refused"],
     )
     yield _labelled(
         CounterMetricFamily,
         "tier_loaded_bytes",
         "Bytes restored to the device, by the tier they came from.",
-        "tier",
+        ["tier"],
         t["loaded_bytes"],
     )
     yield _labelled(
-        CounterMetricFamily, "tier_misses", "Planned loads a tier did not serve, by reason.", "reason", t["misses"]
+        CounterMetricFamily, "tier_misses", "Planned loads a tier did not serve, by reason.", ["reason"], t["misses"]
     )
     if "hit_tokens" in t:  # a single engine's (the PD router sums the ranks' counters only)
-        hits = CounterMetricFamily(
-            PREFIX + "tier_hit_tokens",
+        yield _labelled(
+            CounterMetricFamily,
+            "tier_hit_tokens",
             "Hit tokens per cache component and the tier they came from.",
-            labels=["component", "tier"],
+            ["component", "tier"],
+            t["hit_tokens"],
         )
-        for component, by_tier in t["hit_tokens"].items():
-            for tier, n in by_tier.items():
-                hits.add_metric([component, tier], n)
-        yield hits
         yield CounterMetricFamily(
             PREFIX + "tier_restored_tokens",
             "Prompt tokens restored from the tiers beyond the device's hit.",
