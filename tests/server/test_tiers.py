@@ -53,6 +53,9 @@ def test_cached_tokens_details_split_device_and_host(start_server: Any, make_eng
     assert scraped[(tier + "restored_requests_total", ())] == 1
     assert scraped[(tier + "restored_tokens_total", ())] == 80
     assert scraped[(tier + "host_used_bytes", ())] > 0
+    hit = {labels: v for (name, labels), v in scraped.items() if name == tier + "hit_tokens_total"}
+    assert hit and all(dict(labels).keys() == {"component", "tier"} for labels in hit), hit
+    assert sum(v for labels, v in hit.items() if dict(labels)["tier"] == "host") > 0, hit
 
 
 def test_serve_with_a_mooncake_store_starts_and_stops_its_master(tmp_path: Path) -> None:
