@@ -128,8 +128,8 @@ def test_truncated_gzip_trace_is_one_error_line(tmp_path, capsys):
 
 
 def test_debug_flag_shows_the_exception():
-    with pytest.raises(ValueError, match="no preset named"):
-        main(["plan", "--model", "no-such-model", "--debug"])
+    with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
+        main(["transfer-plan", "--model", "tiny-dense", "--prefill-pp", "8", "--debug"])
 
 
 def test_no_arguments_prints_help_only(capsys):

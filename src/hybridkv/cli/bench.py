@@ -19,9 +19,9 @@ from rich.table import Table
 from hybridkv.cli.app import bench_app
 from hybridkv.cli.params import CHECKPOINTS_HELP, device_option, engine_checkpoints, random_model, transport_option
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
-from hybridkv.memory import format_bytes
+from hybridkv.engine.random_models import tiny_names
 from hybridkv.traces import PEER_TRACE
-from hybridkv.transfer import TransportName
+from hybridkv.units import format_bytes
 
 
 @bench_app.command("memory")
@@ -143,6 +143,8 @@ def bench_transfer(
     if as_json:
         typer.echo(json.dumps(report))
         return
+    from hybridkv.transfer import TransportName
+
     table = Table(title=f"transfer over {transport}: hybridkv vs {report['baseline']} (median of {reps})")
     block = TransportName(transport) is TransportName.SHM  # only shm has a block-memcpy bound
     cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio", "overhead µs"]
@@ -199,14 +201,13 @@ def bench_engine(
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers (one by one, left-padded
     batches with sdpa, continuous batching), alternating rounds in one run."""
-    from hybridkv.bench.engine import bench_prompts, run
-    from hybridkv.engine.random_models import tiny_names
-
-    checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
     models = model or tiny_names()
     unknown = sorted(set(models) - set(tiny_names()))
     if unknown:
         raise typer.BadParameter(f"unknown models {unknown}; choose from {tiny_names()}", param_hint="--model")
+    from hybridkv.bench.engine import bench_prompts, run
+
+    checkpoints = engine_checkpoints(checkpoints, chunk_size, page_size)
     lengths = [len(p) for p in bench_prompts(requests, block_tokens, max_new_tokens)]
     sizing = max(
         (

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from hybridkv.cli.app import app
 from hybridkv.cli.params import transport_option
-from hybridkv.memory import format_bytes
+from hybridkv.units import format_bytes
 
 if TYPE_CHECKING:
     from hybridkv.cli.demo_serve import Served

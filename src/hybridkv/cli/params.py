@@ -2,7 +2,9 @@
 
 Invariants: every callback returns a value the library accepts or raises ``typer.BadParameter``
 naming the option, the value and the accepted range (the CLI's error path prints it as one
-``error:`` line, exit 2). Integer ranges use typer's own ``min=``/``max=``.
+``error:`` line, exit 2). Integer ranges use typer's own ``min=``/``max=``. Names and sizes are
+checked without torch (``hybridkv.catalogue``, ``hybridkv.units``); a callback that needs the
+library imports it when it runs.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from typing import Any
 
 import typer
 
-from hybridkv.cache import CheckpointPlacement, PlacementError
-from hybridkv.cache.placement import engine_default
-from hybridkv.memory import format_bytes, parse_bytes
-from hybridkv.transfer.transport import transport_class
+from hybridkv.catalogue import PresetError, resolve_preset
+from hybridkv.engine.random_models import tiny_names
+from hybridkv.units import format_bytes, parse_bytes
 
 MAX_DEVICE_BYTES = 2**50  # 1 PiB: far above any device, low enough that page tables fit in host memory
 
@@ -43,6 +44,8 @@ def positive_finite(value: float | None) -> float | None:
 
 def transport_option(value: str) -> str:
     """A transport name the registry knows (``typer.BadParameter`` naming the known ones)."""
+    from hybridkv.transfer.transport import transport_class
+
     try:
         transport_class(value)
     except ValueError as exc:
@@ -55,25 +58,31 @@ def device_option(allowed: tuple[str, ...]) -> Callable[[str], str]:
     CUDA only where torch sees it."""
 
     def check(value: str) -> str:
-        import torch
-
-        try:
-            kind = torch.device(value).type
-        except (RuntimeError, TypeError):
-            kind = ""
-        if kind not in allowed:
+        kind, colon, index = value.partition(":")
+        if kind not in allowed or (colon and not (kind == "cuda" and index.isdigit())):
             raise typer.BadParameter(f"{value!r} is not a device here; use one of {', '.join(allowed)}")
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise typer.BadParameter(f"{value!r}: torch sees no CUDA device on this machine")
+        if kind == "cuda":
+            import torch  # only here: every other device is known without loading torch
+
+            if not torch.cuda.is_available():
+                raise typer.BadParameter(f"{value!r}: torch sees no CUDA device on this machine")
         return value
 
     return check
 
 
+def preset(value: str | None) -> str | None:
+    """A model preset's name (``hybridkv presets``; a unique part of one will do), for ``--model``."""
+    if value is not None:
+        try:
+            resolve_preset(value)
+        except PresetError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def random_model(value: str | None) -> str | None:
     """A tiny random model's name (``hybridkv.engine.random_models``), for ``--random``."""
-    from hybridkv.engine.random_models import tiny_names  # the engine imports transformers: only when asked
-
     if value is not None and value not in tiny_names():
         raise typer.BadParameter(f"{value!r} is not a tiny random model; choose one of {', '.join(tiny_names())}")
     return value
@@ -88,6 +97,8 @@ CHECKPOINTS_HELP = (
 def engine_checkpoints(value: str | None, chunk_size: int, page_size: int) -> str:
     """``--checkpoints`` for an engine: the given placement, or the engine's default for this chunk and page
     size; ``typer.BadParameter`` naming the bad part."""
+    from hybridkv.cache.placement import CheckpointPlacement, PlacementError, engine_default
+
     placement = value or engine_default(chunk_size, page_size)
     try:
         CheckpointPlacement.parse(placement, page_size)

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from hybridkv.cli.app import app
 from hybridkv.cli.params import transport_option
-from hybridkv.memory import format_bytes
+from hybridkv.units import format_bytes
 
 MAX_REQUESTS = 8
 """Good requests per model: every decode arena holds all of them at once until the byte check."""

@@ -1,30 +1,35 @@
 """Planning commands: ``hybridkv plan`` (what fits per stage and pool, unified vs static split),
 ``hybridkv presets`` and ``hybridkv transfer-plan`` (what each prefill rank sends each decode rank).
 
-The reports come from ``hybridkv.planner``; this module parses options and renders tables.
+The reports come from ``hybridkv.planner``, imported when a command runs (after its options are
+checked); this module parses options and renders tables.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import app
-from hybridkv.cli.params import byte_size
-from hybridkv.memory import format_bytes
-from hybridkv.planner import plan_report, transfer_plan_report
-from hybridkv.spec import ModelSpec, from_hf_config, get_preset
+from hybridkv.cli.params import byte_size, preset
+from hybridkv.units import format_bytes
+
+if TYPE_CHECKING:
+    from hybridkv.spec import ModelSpec
 
 MAX_RANKS = 64
 
 
 @app.command()
 def plan(
-    model: str | None = typer.Option(None, "--model", "-m", help="Preset name (see `hybridkv presets`)."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", callback=preset, help="Preset name (see `hybridkv presets`)."
+    ),
     hf_config: Path | None = typer.Option(
         None, "--hf-config", help="A Hugging Face config.json (or its folder) instead of a preset."
     ),
@@ -38,6 +43,9 @@ def plan(
     """How many tokens and concurrent requests fit per stage, unified pool vs a static split."""
     if (model is None) == (hf_config is None):
         raise typer.BadParameter("give exactly one of --model (a preset) and --hf-config (a config.json)")
+    from hybridkv.planner import plan_report
+    from hybridkv.spec import from_hf_config
+
     spec: str | ModelSpec = from_hf_config(hf_config) if hf_config is not None else str(model)
     report = plan_report(spec, gpu_memory, tp, pp, page_size, context)
     if as_json:
@@ -80,7 +88,7 @@ def plan(
 @app.command()
 def presets() -> None:
     """List the model presets: real models (published configs) and tiny test models."""
-    from hybridkv.spec import preset_names
+    from hybridkv.spec import get_preset, preset_names
 
     for name in preset_names():
         typer.echo(get_preset(name).describe())
@@ -88,7 +96,7 @@ def presets() -> None:
 
 @app.command("transfer-plan")
 def transfer_plan(
-    model: str = typer.Option(..., "--model", help="Preset name (hybridkv presets)."),
+    model: str = typer.Option(..., "--model", callback=preset, help="Preset name (hybridkv presets)."),
     prefill_pp: int = typer.Option(1, "--prefill-pp", min=1, max=MAX_RANKS),
     prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, max=MAX_RANKS),
     decode_tp: int = typer.Option(1, "--decode-tp", min=1, max=MAX_RANKS),
@@ -97,6 +105,8 @@ def transfer_plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """What each prefill rank sends each decode rank for one request: pairs, ops, bytes."""
+    from hybridkv.planner import transfer_plan_report
+
     report = transfer_plan_report(model, prefill_pp, prefill_tp, decode_tp, seq_len, page_size)
     if as_json:
         typer.echo(json.dumps(report))

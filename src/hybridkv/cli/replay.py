@@ -12,12 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from hybridkv.cache import POLICIES, CheckpointPlacement, PlacementError
-from hybridkv.cache.placement import DEFAULT
 from hybridkv.cli.app import app
-from hybridkv.cli.params import byte_size, positive_finite
-from hybridkv.replay.simulator import ReplayError
-from hybridkv.tiers import TierError
+from hybridkv.cli.params import byte_size, positive_finite, preset
 
 if TYPE_CHECKING:
     from hybridkv.replay.tiered import TierConfig
@@ -36,6 +32,8 @@ def _cache_tokens(text: str) -> int | None:
 
 
 def _policies(text: str) -> list[str]:
+    from hybridkv.cache import POLICIES
+
     names = sorted(POLICIES) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
     if unknown or not names:
@@ -117,9 +115,11 @@ def _tiers(
     )
 
 
-def _placements(specs: list[str], page_size: int) -> list[str]:
+def _placements(specs: list[str] | None, page_size: int) -> list[str]:
+    from hybridkv.cache.placement import DEFAULT, CheckpointPlacement, PlacementError
+
     try:
-        return [CheckpointPlacement.parse(s, page_size).spec for s in specs]
+        return [CheckpointPlacement.parse(s, page_size).spec for s in specs or [DEFAULT]]
     except PlacementError as exc:
         raise typer.BadParameter(f"--checkpoints: {exc}") from None
 
@@ -131,17 +131,19 @@ def replay(
         "--trace",
         help="Mooncake .jsonl(.gz), peer_trace .json(.gz) (radix part), or built-in mooncake-conversation / peer.",
     ),
-    model: str = typer.Option(..., "--model", help="Model preset name (e.g. Qwen3-Next-80B-A3B-Instruct)."),
+    model: str = typer.Option(
+        ..., "--model", callback=preset, help="Model preset name (e.g. Qwen3-Next-80B-A3B-Instruct)."
+    ),
     gpu_memory: str = typer.Option(
         ..., "--gpu-memory", help="KV budget of one device, e.g. 40GiB; a comma list sweeps (20GiB,40GiB,...)."
     ),
     page_size: int = typer.Option(16, "--page-size", min=1),
     policy: str = typer.Option("lru", "--policy", help="lru, lfu, priority, cost; comma list or 'all' to compare."),
     checkpoints: list[str] = typer.Option(
-        [DEFAULT],
+        None,
         "--checkpoints",
         help="State checkpoint placement: none, or a comma list of interval:N, prompt-aligned[:K], branch, end; "
-        "repeat the option to compare placements.",
+        "repeat the option to compare placements (default: prompt-aligned,branch,end).",
     ),
     max_checkpoints_per_path: int = typer.Option(
         8, "--max-checkpoints-per-path", min=1, help="Most state checkpoints on one root-to-leaf path."
@@ -215,6 +217,8 @@ def replay(
     """Simulate serving a trace: hit rate (overall and per component), evictions, concurrency.
 
     One run per memory size, policy and checkpoint placement."""
+    memories = _memories(gpu_memory)
+    cap = _cache_tokens(cache_tokens)
     from hybridkv.replay import (
         EngineModel,
         ReplayConfig,
@@ -224,12 +228,11 @@ def replay(
         plot_hit_vs_memory,
         plot_pool_split,
     )
-    from hybridkv.replay.simulator import Simulator
+    from hybridkv.replay.simulator import ReplayError, Simulator
+    from hybridkv.tiers import TierError
 
-    memories = _memories(gpu_memory)
     policies = _policies(policy)
     placements = _placements(checkpoints, page_size)
-    cap = _cache_tokens(cache_tokens)
     tiers = _tiers(
         host_memory, store, store_memory, store_master, write_policy, window_stride, page_size, host_gbps, store_gbps
     )

@@ -55,7 +55,7 @@ from hybridkv.cli.params import (
 )
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.engine.random_models import tiny_names
-from hybridkv.memory import format_bytes, parse_bytes
+from hybridkv.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from hybridkv.engine.disagg import Fault

@@ -18,6 +18,9 @@ Every command prints the outcome once, at start, as one line on stderr (``Sizing
 ``hybridkv generate: max context 1,234 tokens (longest prompt 1,218 + 16 new); --gpu-memory 256.00 MiB
 per process (one 1,234-token request needs 2.25 MiB)``.
 
+The library (memory plans, shards) is imported inside the functions: the commands declare these
+options before any torch import.
+
 Refused with ``typer.BadParameter`` (one ``error:`` line, exit 2): a ``--max-context`` above the
 model's maximum, a ``--gpu-memory`` below what one request of the max context needs (the memory
 plan's message: the numbers and what to change), a budget the host cannot hold (checked before
@@ -29,14 +32,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import typer
 
 from hybridkv.cli.params import MAX_DEVICE_BYTES, byte_size
-from hybridkv.memory import LayoutError, MemoryHints, format_bytes, parse_bytes, plan_memory
-from hybridkv.memory.host import check_fits
-from hybridkv.memory.sizing import MemoryPlan
-from hybridkv.spec import ModelSpec, Parallel, ShardSpec
+from hybridkv.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from hybridkv.memory.sizing import MemoryPlan
+    from hybridkv.spec import ModelSpec, ShardSpec
 
 DEFAULT_GPU_MEMORY = 256 * 2**20
 DEFAULT_CONTEXT = 4096
@@ -71,6 +76,8 @@ class Layout:
 
     def shards(self, spec: ModelSpec, page_size: int) -> list[tuple[ShardSpec, int]]:
         """Every process's shard and page size."""
+        from hybridkv.spec import Parallel, ShardSpec
+
         prefill = Parallel(pp_size=self.prefill_pp, tp_size=self.prefill_tp)
         out = [
             (ShardSpec(spec, prefill, s, t), page_size) for s in range(self.prefill_pp) for t in range(self.prefill_tp)
@@ -105,6 +112,8 @@ def size(
 ) -> Sizing:
     """The max context and per-process budget of ``command`` serving ``spec`` on ``device`` (the module's
     rule); ``prompt_lengths``: the work's prompts when the command knows them."""
+    from hybridkv.memory import LayoutError
+
     model_max = spec.max_context
     if max_context is not None:
         if max_context > model_max:
@@ -153,6 +162,9 @@ def size(
 
 
 def _check_fits(budget: int, what: str, device: str) -> None:
+    from hybridkv.memory import LayoutError
+    from hybridkv.memory.host import check_fits
+
     try:
         check_fits(budget, device, what, "give a smaller --gpu-memory or --max-context")
     except LayoutError as exc:
@@ -160,10 +172,14 @@ def _check_fits(budget: int, what: str, device: str) -> None:
 
 
 def _plan(shard: ShardSpec, budget: int, page_size: int, context: int, chunk: int) -> MemoryPlan:
+    from hybridkv.memory import MemoryHints, plan_memory
+
     return plan_memory(shard, budget, MemoryHints(page_size=page_size, max_context=context, chunk_tokens=chunk))
 
 
 def _feasible(shards: list[tuple[ShardSpec, int]], budget: int, context: int, chunk: int) -> list[MemoryPlan] | None:
+    from hybridkv.memory import LayoutError
+
     try:
         return [_plan(shard, budget, page, context, chunk) for shard, page in shards]
     except LayoutError:

@@ -14,8 +14,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from hybridkv.registry import Registry
 
 SEED = 1234
@@ -163,6 +161,7 @@ def random_config(name: str) -> Any:
 
 def build_random(name: str) -> tuple[Any, Any]:
     """``(hf_model, hf_config)`` of a tiny random model, identical in every process."""
+    import torch  # here, not at the top: the CLI lists these names without importing torch
     from transformers import AutoModelForCausalLM
 
     config = random_config(name)

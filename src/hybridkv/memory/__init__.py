@@ -9,15 +9,10 @@ from hybridkv.memory.errors import (
 )
 from hybridkv.memory.gates import GateStatus, MoveGate
 from hybridkv.memory.layout import CellLayout, Segment, build_layouts
-from hybridkv.memory.sizing import (
-    MemoryHints,
-    MemoryPlan,
-    format_bytes,
-    parse_bytes,
-    plan_memory,
-)
+from hybridkv.memory.sizing import MemoryHints, MemoryPlan, plan_memory
 from hybridkv.memory.stats import MemoryStats, PoolStats
 from hybridkv.memory.unified import UnifiedMemory
+from hybridkv.units import format_bytes, parse_bytes
 
 __all__ = [
     "CellLayout",

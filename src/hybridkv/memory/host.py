@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hybridkv.memory.errors import LayoutError
-from hybridkv.memory.sizing import format_bytes
+from hybridkv.units import format_bytes
 
 
 def _meminfo_available() -> int | None:

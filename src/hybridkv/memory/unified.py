@@ -56,13 +56,14 @@ from hybridkv.memory.ids import EMPTY, IdsLike, bad_tensor_ids, check_range, cou
 from hybridkv.memory.layout import CellLayout
 from hybridkv.memory.mirror import to_index
 from hybridkv.memory.pool import SubPool
-from hybridkv.memory.sizing import MemoryHints, MemoryPlan, parse_bytes, plan_memory
+from hybridkv.memory.sizing import MemoryHints, MemoryPlan, plan_memory
 from hybridkv.memory.slabs import SlabBroker
 from hybridkv.memory.stats import MemoryStats, collect_stats
 from hybridkv.memory.tokens import TokenApi
 from hybridkv.memory.virtual import VirtualIds, distinct
 from hybridkv.memory.windows import WindowApi, WindowHolds
 from hybridkv.spec import IdSpace, PoolId, ShardSpec
+from hybridkv.units import parse_bytes
 
 
 class UnifiedMemory(TokenApi, WindowApi):

@@ -20,6 +20,7 @@ Checklist: adding a layer kind
 ``tests/spec/test_new_kind.py`` walks this list with chunked-local attention.
 """
 
+from hybridkv.catalogue import PresetError, preset_names, real_preset_names, tiny_preset_names
 from hybridkv.spec.hf_config import HFConfigError, from_hf_config
 from hybridkv.spec.layers import (
     MLA,
@@ -50,14 +51,7 @@ from hybridkv.spec.pools import (
     RecurrentPool,
     WindowPool,
 )
-from hybridkv.spec.presets import (
-    PresetError,
-    get_preset,
-    preset_names,
-    published_record,
-    real_preset_names,
-    tiny_preset_names,
-)
+from hybridkv.spec.presets import get_preset, published_record
 
 __all__ = [
     "FULL_POOL",

@@ -2,24 +2,25 @@
 
 Invariants:
 - Real presets are read from ``data/model_presets.json`` (published config facts with their
-  sources; copied from the project's shared research, see ``data/README.md``). Every layer
+  sources; copied from the project's shared research, see ``data/README.md``); their names, and
+  which preset a name means, come from ``hybridkv.catalogue`` (torch-free, for the CLI). Every layer
   id is assigned exactly one kind, and the per-token KV bytes we derive must equal the
   bytes the file states; a mismatch is a load error, not a warning.
 - Tiny presets are small enough to run real tensors in tests (float32 unless a test needs
   mixed dtypes) and cover: dense, MLA, full+SWA, full+two SWA windows+state,
-  full+GatedDeltaNet, MLA+KDA, Mamba2+MLP-only+full, lightning+full.
+  full+GatedDeltaNet, MLA+KDA, Mamba2+MLP-only+full, lightning+full; they are exactly
+  ``catalogue.TINY_PRESETS`` (any other set is a load error).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import torch
 
+from hybridkv.catalogue import TINY_PRESETS, PresetError, published_records, resolve_preset
 from hybridkv.registry import Registry, UnknownName
 from hybridkv.spec.layers import (
     MLA,
@@ -32,16 +33,6 @@ from hybridkv.spec.layers import (
     parse_dtype,
 )
 from hybridkv.spec.model import Layer, ModelSpec
-
-
-class PresetError(ValueError):
-    """A preset file or name that cannot describe a model."""
-
-
-@cache
-def _published_records() -> dict[str, dict[str, Any]]:
-    text = resources.files("hybridkv.spec").joinpath("data/model_presets.json").read_text()
-    return {record["name"]: record for record in json.loads(text)}
 
 
 def spec_from_record(record: dict[str, Any]) -> ModelSpec:
@@ -217,7 +208,7 @@ def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
         ),
     )
     lightning = Linear("lightning", (StateTensor("kv_state", (4, 8, 8), F32, tp_dim=0),))
-    return {
+    specs: dict[str, Callable[[], ModelSpec]] = {
         "tiny-dense": lambda: ModelSpec.from_kinds("tiny-dense", [full] * 4, kv_dtype=F32, max_context=256),
         "tiny-mla": lambda: ModelSpec.from_kinds("tiny-mla", [mla] * 4, kv_dtype=F32, max_context=256),
         "tiny-swa": lambda: ModelSpec.from_kinds(
@@ -254,38 +245,25 @@ def _tiny_specs() -> dict[str, Callable[[], ModelSpec]]:
             max_context=256,
         ),
     }
-
-
-def real_preset_names() -> list[str]:
-    return list(_published_records())
-
-
-def tiny_preset_names() -> list[str]:
-    return list(_tiny_specs())
-
-
-def preset_names() -> list[str]:
-    return real_preset_names() + tiny_preset_names()
+    if tuple(specs) != TINY_PRESETS:
+        raise PresetError(
+            f"the tiny presets built here ({', '.join(specs)}) differ from catalogue.TINY_PRESETS "
+            f"({', '.join(TINY_PRESETS)}): list each tiny preset in both"
+        )
+    return specs
 
 
 @cache
 def get_preset(name: str) -> ModelSpec:
-    """A preset by exact name, or by a unique case-insensitive substring of one."""
+    """A preset by exact name, or by a unique case-insensitive substring of one (``catalogue.resolve_preset``)."""
+    name = resolve_preset(name)
     tiny = _tiny_specs()
     if name in tiny:
         return tiny[name]()
-    records = _published_records()
-    if name in records:
-        return spec_from_record(records[name])
-    hits = [n for n in preset_names() if name.lower() in n.lower()]
-    if len(hits) == 1:
-        return get_preset(hits[0])
-    if not hits:
-        raise PresetError(f"no preset named {name!r}; known: {', '.join(preset_names())}")
-    raise PresetError(f"preset name {name!r} is ambiguous: {', '.join(hits)}")
+    return spec_from_record(published_records()[name])
 
 
 def published_record(name: str) -> dict[str, Any]:
     """The raw published facts of a real preset (sources, notes, derived figures)."""
     spec = get_preset(name)
-    return _published_records()[spec.name]
+    return published_records()[spec.name]
