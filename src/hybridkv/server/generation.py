@@ -4,9 +4,10 @@ The backend calls each prompt's sink from its own thread; the sink stamps the ti
 event to the event loop through the loop's ``LoopPost``: one ``call_soon_threadsafe`` wake-up per
 burst (a step's tokens for every request), not per token, so the loop thread takes the GIL from the
 engine thread once per step. A generation that is not streamed wakes the loop only when a prompt
-ends (its tokens ride along with that wake-up), so the loop costs it nothing per token. ``updates``
-yields, per wake-up, every prompt's new tokens and its end together, so a stream sends one chunk for
-a token and the end that came with it, and a slow client gets several tokens per chunk.
+ends (its tokens ride along with that wake-up), so the loop costs it nothing per token. ``next``
+(one wake-up) and ``updates`` (every one) give, per wake-up, every prompt's new tokens and its end
+together, so a stream sends one chunk for a token and the end that came with it, and a slow client
+gets several tokens per chunk.
 
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
@@ -157,26 +158,29 @@ class Generation:
             p.finished_at = at
             self._open -= 1
 
-    async def updates(self) -> AsyncIterator[list[Update]]:
-        """Until every prompt ended: per wake-up, what changed (one ``Update`` per prompt that changed)."""
-        while not self.done:
-            if not self._events:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-            events, self._events = self._events, []
-            changed: dict[int, Update] = {}
-            for index, token, finished, at in events:
-                self._apply(index, token, finished, at)
-                up = changed.setdefault(index, Update(index, [], None))
-                if token is not None:
-                    up.new_tokens.append(token)
-                if finished is not None:
-                    up.finished = finished
-            yield list(changed.values())
+    async def next(self) -> list[Update]:
+        """What changed since the last call (one ``Update`` per prompt that changed), waiting for the next
+        wake-up if nothing did; call it only while not ``done``."""
+        if not self._events:
+            self._waiter = self.loop_post.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self._events = self._events, []
+        changed: dict[int, Update] = {}
+        for index, token, finished, at in events:
+            self._apply(index, token, finished, at)
+            up = changed.get(index)
+            if up is None:
+                up = changed[index] = Update(index, [], None)
+            if token is not None:
+                up.new_tokens.append(token)
+            if finished is not None:
+                up.finished = finished
+        return list(changed.values())
 
-    async def wait(self) -> None:
-        async for _ in self.updates():
-            pass
+    async def updates(self) -> AsyncIterator[list[Update]]:
+        """Until every prompt ended: per wake-up, what changed (``next``)."""
+        while not self.done:
+            yield await self.next()
