@@ -63,6 +63,16 @@ class ServerState:
             figures["http_loop_cpu_s"] = time.clock_gettime(self._loop_clock)
         return figures
 
+    async def connect_loop(self) -> None:
+        """In the serving loop, before the first request: its ``LoopPost``, connected (pipe wake-ups)."""
+        self._post = LoopPost(asyncio.get_running_loop())
+        await self._post.connect()
+
+    def close_loop(self) -> None:
+        """In the serving loop, once it serves no more: the ``LoopPost``'s pipe closed."""
+        if self._post is not None:
+            self._post.close()
+
     def new_id(self, prefix: str = "") -> str:
         return prefix + uuid.uuid4().hex
 
@@ -83,7 +93,7 @@ class ServerState:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
         self.in_loop()
         loop = asyncio.get_running_loop()
-        if self._post is None or self._post.loop is not loop:
+        if self._post is None or self._post.loop is not loop:  # not ``connect_loop``ed on this loop
             self._post = LoopPost(loop)
         gen = Generation(self.backend, self._post, prompts, stream)
         try:
