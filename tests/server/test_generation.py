@@ -21,15 +21,20 @@ NEW = 8
 
 
 async def _follow(
-    backend: EngineBackend, stream: bool, pipe: bool = False, closed: bool = False
+    backend: EngineBackend, stream: bool, pipe: bool = False, closed: bool = False, reader_gone: bool = False
 ) -> tuple[list[list[int]], int, Generation]:
     """The tokens of each burst ``updates`` gave, and how many times the loop was woken (``pipe``: through
-    the connected wake-up pipe, else ``call_soon_threadsafe``; ``closed``: the pipe connected, then closed)."""
+    the connected wake-up pipe, else ``call_soon_threadsafe``; ``closed``: the pipe connected, then closed;
+    ``reader_gone``: connected, then its read end closed behind the post's back)."""
     post = LoopPost(asyncio.get_running_loop())
-    if pipe or closed:
+    if pipe or closed or reader_gone:
         await post.connect()
     if closed:
         post.close()
+    if reader_gone:
+        assert post._reader is not None
+        post._reader.close()
+        await asyncio.sleep(0.01)  # the transport closes its fd
     wakes = 0
     deliver = post._deliver
 
@@ -85,6 +90,9 @@ def test_the_wake_up_pipe_wakes_once_per_step_and_closes(make_engine: Callable[.
         assert len(os.listdir("/proc/self/fd")) == fds
         # closed, the post wakes the loop as before it was connected
         streamed, wakes, _ = asyncio.run(_follow(backend, stream=True, closed=True))
+        assert wakes == len(streamed) and [t for burst in streamed for t in burst] == reference
+        # its read end gone without close: a failed write falls back the same way
+        streamed, wakes, _ = asyncio.run(_follow(backend, stream=True, reader_gone=True))
         assert wakes == len(streamed) and [t for burst in streamed for t in burst] == reference
     finally:
         backend.close(10)
