@@ -53,6 +53,7 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     assert report["alone"] == 2 and report["overhead_ms"]["p50"] is not None
     # CPU from the server's /metrics (process CPU counts 10 ms ticks: over 2 requests only the sign is noise)
     assert report["http_cpu_ms"] > 0 and isinstance(report["server_other_cpu_ms"], float)  # the loop's clock is exact
+    assert report["client_cpu_ms"] > 0  # the client streamed every chunk of 2 requests
     assert report["engine_thread_cpu_ms"] > 0 < report["engine_cpu_ms"]
     assert row["http"]["engine_thread_cpu_s"] > 0 and row["http"]["cpu_s"] > 0
 

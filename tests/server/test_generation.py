@@ -4,7 +4,11 @@ is woken, and that every token and the end arrive, in order, either way."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
+from typing import Any
+
+import httpx
 
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import FinishReason, SamplingParams
@@ -16,9 +20,21 @@ PROMPT = list(range(3, 40))
 NEW = 8
 
 
-async def _follow(backend: EngineBackend, stream: bool) -> tuple[list[list[int]], int, Generation]:
-    """The tokens of each burst ``updates`` gave, and how many times the loop was woken."""
+async def _follow(
+    backend: EngineBackend, stream: bool, pipe: bool = False, closed: bool = False, reader_gone: bool = False
+) -> tuple[list[list[int]], int, Generation]:
+    """The tokens of each burst ``updates`` gave, and how many times the loop was woken (``pipe``: through
+    the connected wake-up pipe, else ``call_soon_threadsafe``; ``closed``: the pipe connected, then closed;
+    ``reader_gone``: connected, then its read end closed behind the post's back)."""
     post = LoopPost(asyncio.get_running_loop())
+    if pipe or closed or reader_gone:
+        await post.connect()
+    if closed:
+        post.close()
+    if reader_gone:
+        assert post._reader is not None
+        post._reader.close()
+        await asyncio.sleep(0.01)  # the transport closes its fd
     wakes = 0
     deliver = post._deliver
 
@@ -31,10 +47,13 @@ async def _follow(backend: EngineBackend, stream: bool) -> tuple[list[list[int]]
     gen = Generation(backend, post, [PROMPT], stream)
     gen.start([SamplingParams(max_new_tokens=NEW, ignore_eos=True)], f"salt-{stream}")
     bursts = []
-    async with asyncio.timeout(60):
-        async for updates in gen.updates():
-            (up,) = updates
-            bursts.append(up.new_tokens)
+    try:
+        async with asyncio.timeout(60):
+            async for updates in gen.updates():
+                (up,) = updates
+                bursts.append(up.new_tokens)
+    finally:
+        post.close()
     return bursts, wakes, gen
 
 
@@ -55,3 +74,36 @@ def test_a_plain_generation_wakes_the_loop_once_a_stream_once_per_step(make_engi
         assert [t for burst in streamed for t in burst] == reference
     finally:
         backend.close(10)
+
+
+def test_the_wake_up_pipe_wakes_once_per_step_and_closes(make_engine: Callable[..., Engine]) -> None:
+    backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        reference = list(make_engine().generate([PROMPT], NEW, stop_at_eos=False)[0].output_ids)
+        for _ in range(3):  # each connect opens a pipe, each close closes both ends
+            streamed, wakes, _ = asyncio.run(_follow(backend, stream=True, pipe=True))
+            assert wakes == len(streamed) and NEW <= len(streamed) <= NEW + 1
+            assert [t for burst in streamed for t in burst] == reference
+            plain, plain_wakes, _ = asyncio.run(_follow(backend, stream=False, pipe=True))
+            assert plain_wakes == 1 and plain == [reference]
+        assert len(os.listdir("/proc/self/fd")) == fds
+        # closed, the post wakes the loop as before it was connected
+        streamed, wakes, _ = asyncio.run(_follow(backend, stream=True, closed=True))
+        assert wakes == len(streamed) and [t for burst in streamed for t in burst] == reference
+        # its read end gone without close: a failed write falls back the same way
+        streamed, wakes, _ = asyncio.run(_follow(backend, stream=True, reader_gone=True))
+        assert wakes == len(streamed) and [t for burst in streamed for t in burst] == reference
+    finally:
+        backend.close(10)
+
+
+def test_a_running_server_wakes_its_loop_through_the_pipe(start_server: Callable[..., Any]) -> None:
+    server = start_server()
+    post = server.state._post
+    assert post is not None and post._wake_fd is not None and post.loop.is_running()
+    r = httpx.post(f"{server.url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+    assert server.state._post is post  # the connected one served it
+    server.stop()
+    assert post._wake_fd is None  # closed with the loop

@@ -9,9 +9,10 @@ Two sides per round, rounds alternating, on the same arrival schedule:
 - ``engine``: an ``Engine`` in this process with the server's sizing, driven by a loop that
   submits each request at its arrival time and steps while it has work (the cache is cleared
   before each round);
-- ``http``: a ``hybridkv serve`` subprocess (started here on 127.0.0.1, or ``url``) driven by an
-  asyncio httpx client that sends each request at its arrival time as a streaming
-  ``POST /generate`` (each round its own ``cache_salt``, so no round hits another's cache).
+- ``http``: a ``hybridkv serve`` subprocess (started here on 127.0.0.1, or ``url``) driven by the
+  asyncio client of ``sse_client`` (one connection per request in flight, all opened before the
+  clock starts) that sends each request at its arrival time as a streaming ``POST /generate``
+  (each round its own ``cache_salt``, so no round hits another's cache).
 
 With ``disaggregated`` (extra ``hybridkv serve`` options: ``--disaggregated`` and its layout), a third
 side per round, ``pd``: a ``hybridkv serve --disaggregated`` subprocess with the same sizing (its budget
@@ -23,11 +24,13 @@ processes of their own, outside the server's ``/metrics``).
 after by the server (so both run under the same machine load), each in a cache namespace of its
 own: HTTP end-to-end minus the engine's, p50 / p99 (goal: p50 <= 2 ms). Wall times on a shared
 machine are noisy, so the CPU is counted too (from the server's ``/metrics``, independent of how
-loaded the machine is; the client's CPU is not counted): ``http_cpu_ms``, what the thread serving
-HTTP (the event loop) used per request, exact; ``server_other_cpu_ms``, the rest of the process
-besides its engine thread (the ``/metrics`` scrapes, the garbage collector; 10 ms clock ticks);
-``engine_thread_cpu_ms``, its engine thread, against ``engine_cpu_ms``, the engine driven directly
-(the difference: what sharing the process costs the engine). (Under load the two sides batch
+loaded the machine is): ``http_cpu_ms``, what the thread serving HTTP (the event loop) used per
+request, exact; ``client_cpu_ms``, what this process's client used per request (on a machine with
+fewer free cores than the server's two busy threads plus the client, it lands in the overhead);
+``server_other_cpu_ms``, the rest of the server process besides its engine thread (the ``/metrics``
+scrapes, the garbage collector; 10 ms clock ticks); ``engine_thread_cpu_ms``, its engine thread,
+against ``engine_cpu_ms``, the engine driven directly (the difference: what sharing the process
+costs the engine). (Under load the two sides batch
 differently, so their latencies are compared per side, not per request.)
 
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
@@ -41,7 +44,6 @@ server ``engine_thread_cpu_s``, its engine thread's.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import re
@@ -57,9 +59,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
+import uvloop
 
 from hybridkv.bench.engine import conversation_prompts
+from hybridkv.bench.sse_client import SseClient
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random, quiet_transformers
 from hybridkv.engine.request import SamplingParams
@@ -124,43 +129,55 @@ class Target:
     headers: dict[str, str]
 
 
-async def _one(client: httpx.AsyncClient, target: Target, body: dict[str, Any], trace: Trace) -> None:
+class _Meta(msgspec.Struct):
+    finish_reason: Any = None
+    cached_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):  # the fields of a /generate stream chunk the bench reads (the rest skipped)
+    output_ids: list[int]
+    meta_info: _Meta
+
+
+_CHUNK = msgspec.json.Decoder(_Chunk)
+
+
+async def _one(client: SseClient, body: bytes, trace: Trace) -> None:
     await asyncio.sleep(max(0.0, trace.arrival - time.perf_counter()))
-    async with client.stream("POST", f"{target.url}/generate", json=body, headers=target.headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"the server answered {resp.status_code}: {(await resp.aread()).decode()[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if len(chunk["output_ids"]) > len(trace.tokens):
-                trace.tokens = chunk["output_ids"]
-                trace.chunks.append(now)
-            if chunk["meta_info"]["finish_reason"] is not None:
-                trace.end, trace.cached = now, chunk["meta_info"]["cached_tokens"]
+
+    def on_event(event: bytes, at: float) -> None:
+        if not event.startswith(b"data: {"):
+            return
+        chunk = _CHUNK.decode(event[6:])
+        if len(chunk.output_ids) > len(trace.tokens):
+            trace.tokens = chunk.output_ids
+            trace.chunks.append(at)
+        if chunk.meta_info.finish_reason is not None:
+            trace.end, trace.cached = at, chunk.meta_info.cached_tokens
+
+    await client.post("/generate", body, on_event)
 
 
-def _body(prompt: list[int], max_new: int, salt: str) -> dict[str, Any]:
+def _body(prompt: list[int], max_new: int, salt: str) -> bytes:
     sampling = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
-    return {"input_ids": prompt, "sampling_params": sampling, "stream": True, "cache_salt": salt}
+    return msgspec.json.encode({"input_ids": prompt, "sampling_params": sampling, "stream": True, "cache_salt": salt})
 
 
 async def _load(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
-        await client.get(f"{target.url}/health")  # one connection up before the clock starts
+    client = SseClient(target.url, target.headers)
+    try:
+        await client.connect(len(prompts))  # every connection up before the clock starts
         start = time.perf_counter()
         traces = [Trace(start + o) for o in offsets]
-        await asyncio.gather(
-            *[_one(client, target, _body(p, max_new, salt), t) for p, t in zip(prompts, traces, strict=True)]
-        )
+        await asyncio.gather(*[_one(client, _body(p, max_new, salt), t) for p, t in zip(prompts, traces, strict=True)])
+    finally:
+        client.close()
     return traces
 
 
 def drive_http(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
     """Each prompt streamed at its offset from now, concurrently (``salt``: their cache namespace)."""
-    return asyncio.run(_load(target, prompts, offsets, max_new, salt))
+    return uvloop.run(_load(target, prompts, offsets, max_new, salt))
 
 
 CPU_SERIES = (
@@ -191,6 +208,7 @@ class Cpu:
     server: float = 0.0
     server_engine: float = 0.0
     server_loop: float = 0.0
+    client: float = 0.0
 
     def add_server(self, before: tuple[float, float, float], after: tuple[float, float, float]) -> None:
         self.server += after[0] - before[0]
@@ -202,26 +220,31 @@ async def _one_by_one(
     engine: Engine, target: Target, prompts: list[list[int]], max_new: int
 ) -> tuple[list[float], Cpu]:
     overhead, cpu = [], Cpu()
-    async with httpx.AsyncClient(timeout=600) as client:
-        await client.get(f"{target.url}/health")
+    client = SseClient(target.url, target.headers)
+    try:
+        await client.connect(1)
         before = server_cpu(target)  # once around the phase: process CPU counts 10 ms clock ticks
         for i, prompt in enumerate(prompts):
             salt = f"alone-{i}-{time.time_ns()}"  # a namespace of its own: both sides compute it in full
             start = time.thread_time()
             (direct,) = drive_engine(engine, [prompt], [0.0], max_new, salt)
             cpu.engine += time.thread_time() - start
+            start = time.thread_time()
             http = Trace(time.perf_counter())
-            await _one(client, target, _body(prompt, max_new, salt), http)
+            await _one(client, _body(prompt, max_new, salt), http)
+            cpu.client += time.thread_time() - start
             if http.tokens != direct.tokens:
                 raise RuntimeError(f"request {i}: HTTP tokens differ from the engine's")
             overhead.append((http.end - http.arrival) - (direct.end - direct.arrival))
         cpu.add_server(before, server_cpu(target))
+    finally:
+        client.close()
     return overhead, cpu
 
 
 def one_by_one(engine: Engine, target: Target, prompts: list[list[int]], max_new: int) -> tuple[list[float], Cpu]:
     """Per request, alone on both sides, engine then HTTP back to back (same machine load)."""
-    return asyncio.run(_one_by_one(engine, target, prompts, max_new))
+    return uvloop.run(_one_by_one(engine, target, prompts, max_new))
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
@@ -354,6 +377,7 @@ def run(
         "per_round": per_round,
         "overhead_ms": over,
         "http_cpu_ms": round(1e3 * solo.server_loop / n, 3),
+        "client_cpu_ms": round(1e3 * solo.client / n, 3),
         "server_other_cpu_ms": round(1e3 * (solo.server - solo.server_engine - solo.server_loop) / n, 3),
         "engine_thread_cpu_ms": round(1e3 * solo.server_engine / n, 3),
         "engine_cpu_ms": round(1e3 * solo.engine / n, 3),

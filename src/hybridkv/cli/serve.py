@@ -427,5 +427,6 @@ def bench_serve(
         f"HTTP e2e - engine e2e): p50 {o['p50']} ms, p99 {o['p99']} ms; goal p50 <= {report['goal_overhead_ms']} ms "
         f"{met}.\nCPU per request: HTTP side of the server {report['http_cpu_ms']} ms (its event loop thread; "
         f"the rest besides the engine {report['server_other_cpu_ms']} ms); its engine thread "
-        f"{report['engine_thread_cpu_ms']} ms vs the engine driven directly {report['engine_cpu_ms']} ms"
+        f"{report['engine_thread_cpu_ms']} ms vs the engine driven directly {report['engine_cpu_ms']} ms; "
+        f"the bench's client {report['client_cpu_ms']} ms"
     )

@@ -1,7 +1,8 @@
 """The ASGI app: routes, the error answers, and the edge gate in front of them.
 
 Routes: ``POST /generate`` and ``POST /abort_request`` (SGLang-native, ``sglang_api``),
-``POST /v1/completions`` (OpenAI, ``openai_api``), ``GET /v1/models``, ``GET /health`` (200 while
+``POST /v1/completions`` (OpenAI, ``openai_api``) (the two generation endpoints served below Starlette,
+``hot``), ``GET /v1/models``, ``GET /health`` (200 while
 the backend serves, else 503 naming why; open without an API key), ``GET /metrics`` (Prometheus
 text, ``metrics``).
 
@@ -14,9 +15,7 @@ unexpected: its traceback goes to the server log, the client gets the exception'
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-import traceback
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from hybridkv.server.edge import BodyTooLarge, Edge
+from hybridkv.server.hot import HotPaths, internal_error
 from hybridkv.server.openai_api import completions
 from hybridkv.server.schemas import ApiError
 from hybridkv.server.sglang_api import abort_request, generate
@@ -80,18 +80,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
-    traceback.print_exception(exc, file=sys.stderr)
-    message = f"internal error ({type(exc).__name__}) serving {request.url.path}; the server log has the details"
-    return _error(ApiError(500, message))
+    return _error(internal_error(exc, request.url.path))
 
 
 def create_app(state: ServerState) -> ASGIApp:
     """The app serving ``state.backend`` (which the caller owns and closes), behind the edge gate."""
     config = state.config
     routes = [
-        Route("/generate", generate, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -107,4 +103,5 @@ def create_app(state: ServerState) -> ASGIApp:
     )
     app.state.server = state
     app.state.started = int(time.time())
-    return Edge(app, config.api_key, config.max_body_bytes)
+    hot = HotPaths(app, state, {"/generate": generate, "/v1/completions": completions})
+    return Edge(hot, config.api_key, config.max_body_bytes)

@@ -10,10 +10,12 @@ Invariants:
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any
 
+import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hybridkv.server.schemas import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -24,12 +26,12 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
-async def send_error(send: Send, status: int, message: str, param: str | None, headers: dict[str, str]) -> None:
-    kind = "authentication_error" if status == 401 else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+async def send_error(send: Send, exc: ApiError) -> None:
+    """``exc`` as the answer (its status, headers and ``{"error": ...}`` body)."""
+    body = msgspec.json.encode(exc.body())
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
+    raw += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -48,17 +50,12 @@ class Edge:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.key):
                 why = "missing" if not given else "wrong"
-                await send_error(
-                    send,
-                    401,
-                    f"authorization: {why} API key; send the header 'Authorization: Bearer <key>'",
-                    "authorization",
-                    {"WWW-Authenticate": "Bearer"},
-                )
+                message = f"authorization: {why} API key; send the header 'Authorization: Bearer <key>'"
+                await send_error(send, ApiError(401, message, "authorization", {"WWW-Authenticate": "Bearer"}))
                 return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            await send_error(send, 413, str(BodyTooLarge(self.max_body)), "body", {})
+            await send_error(send, ApiError(413, str(BodyTooLarge(self.max_body)), "body"))
             return
         await self.app(scope, self._limited(receive), send)
 

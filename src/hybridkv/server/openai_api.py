@@ -14,15 +14,14 @@ failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the pro
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server.backend import Finished
-from hybridkv.server.generation import Generation
+from hybridkv.server.generation import Generation, Update
+from hybridkv.server.hot import Answer, Json
 from hybridkv.server.schemas import (
     ApiError,
     CompletionBody,
@@ -32,7 +31,7 @@ from hybridkv.server.schemas import (
     sampling,
     token_prompts,
 )
-from hybridkv.server.sse import DONE, EventStream, sse
+from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.text import TextStream
 
@@ -81,9 +80,8 @@ def _params(body: CompletionBody, prompts: list[list[int]], context: int) -> lis
     return out
 
 
-async def completions(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body: CompletionBody = parse(CompletionBody, await request.body())
+async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answer:
+    body: CompletionBody = parse(CompletionBody, raw)
     info = state.info
     if body.model is not None and body.model != info.name:
         raise ApiError(404, f"model: {body.model!r} is not served here; this server serves {info.name!r}", "model")
@@ -97,10 +95,9 @@ async def completions(request: Request) -> Response:
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(state, request, gen, cid, head, batch, usage)
-        return EventStream(events, lambda: state.release(gen, [cid]))
+        return EventStream(state, gen, [cid], receive, _encoder(state, gen, head, batch, usage))
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
-    async for _ in state.drive(request, gen, [cid]):
+    async for _ in state.drive(receive, gen, [cid]):
         pass
     choices = []
     for i, got in enumerate(gen.progress):
@@ -117,7 +114,7 @@ async def completions(request: Request) -> Response:
                 "finish_reason": finish_reason(got.finished),
             }
         )
-    return JSONResponse({**head, "choices": choices, "usage": _usage(gen)})
+    return Json({**head, "choices": choices, "usage": _usage(gen)})
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
@@ -132,18 +129,11 @@ def _usage(gen: Generation) -> dict[str, Any]:
     }
 
 
-async def _stream(
-    state: ServerState,
-    request: Request,
-    gen: Generation,
-    cid: str,
-    head: dict[str, Any],
-    batch: bool,
-    usage: bool,
-) -> AsyncGenerator[bytes, None]:
+def _encoder(state: ServerState, gen: Generation, head: dict[str, Any], batch: bool, usage: bool) -> Encode:
     texts = [TextStream(state.config.tokenizer) for _ in gen.prompts]
     extra = {"usage": None} if usage else {}
-    async for updates in state.drive(request, gen, [cid]):
+
+    def encode(updates: list[Update]) -> list[bytes]:
         events = []
         for up in updates:
             ended = up.finished
@@ -158,8 +148,8 @@ async def _stream(
                 "finish_reason": None if ended is None else finish_reason(ended),
             }
             events.append(sse({**head, "choices": [choice], **extra}))
-        if gen.done:
-            if usage:
-                events.append(sse({**head, "choices": [], "usage": _usage(gen)}))
-            events.append(DONE)
-        yield b"".join(events)  # one write per wake-up
+        if gen.done and usage:
+            events.append(sse({**head, "choices": [], "usage": _usage(gen)}))
+        return events
+
+    return encode

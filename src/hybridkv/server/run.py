@@ -59,10 +59,17 @@ class _Uvicorn(uvicorn.Server):
         self.state = state
         self.shutdown_timeout = shutdown_timeout
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.state.connect_loop()
+        await super().startup(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()
         loop.call_later(self.shutdown_timeout, self.state.abort_all, "the server is shutting down")
-        await super().shutdown(sockets)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            self.state.close_loop()
 
 
 class HttpServer:

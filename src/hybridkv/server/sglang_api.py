@@ -20,14 +20,15 @@ every open request with ``abort_all``; a rid that is not open answers 404 naming
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.server.generation import Generation, Progress
+from hybridkv.server.generation import Generation, Progress, Update
+from hybridkv.server.hot import Answer, Json
 from hybridkv.server.schemas import (
     AbortBody,
     ApiError,
@@ -39,7 +40,7 @@ from hybridkv.server.schemas import (
     sampling,
     token_prompts,
 )
-from hybridkv.server.sse import DONE, EventStream, sse
+from hybridkv.server.sse import EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.text import TextStream
 
@@ -111,12 +112,11 @@ def _answer(gen: Generation, i: int, rid: str, text: TextStream) -> dict[str, An
         meta["cached_tokens_details"] = f.cached_tokens_details
     if f is not None and f.disaggregated is not None:  # a PD request's attempts, bytes and phase times
         meta["disaggregated"] = f.disaggregated
-    return {"text": text.text, "output_ids": list(p.tokens), "meta_info": meta}
+    return {"text": text.text, "output_ids": p.tokens, "meta_info": meta}
 
 
-async def generate(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body: GenerateBody = parse(GenerateBody, await request.body())
+async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
+    body: GenerateBody = parse(GenerateBody, raw)
     refuse_unsupported(
         [
             (body.input_ids is not None and body.text is not None, "text", "give input_ids or text, not both"),
@@ -144,9 +144,19 @@ async def generate(request: Request) -> Response:
     gen = state.start(prompts, params, body.cache_salt, ids, fields, batch, body.stream)
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     if body.stream:
-        events = _stream(state, request, gen, rids, texts, batch)
-        return EventStream(events, lambda: state.release(gen, rids))
-    async for updates in state.drive(request, gen, rids):
+
+        def encode(updates: list[Update]) -> list[bytes]:
+            events = []
+            for up in updates:
+                texts[up.index].push(up.new_tokens, final=up.finished is not None)
+                chunk = _answer(gen, up.index, rids[up.index], texts[up.index])
+                if batch:
+                    chunk["index"] = up.index
+                events.append(sse(chunk))
+            return events
+
+        return EventStream(state, gen, rids, receive, encode)
+    async for updates in state.drive(receive, gen, rids):
         for up in updates:
             texts[up.index].push(up.new_tokens, final=up.finished is not None)
     for i, got in enumerate(gen.progress):
@@ -154,23 +164,7 @@ async def generate(request: Request) -> Response:
             where = f"{field}[{i}]" if batch else field
             raise ApiError(500, f"{where}: the engine failed this request: {got.finished.error}", where)
     answers = [_answer(gen, i, rid, texts[i]) for i, rid in enumerate(rids)]
-    return JSONResponse(answers if batch else answers[0])
-
-
-async def _stream(
-    state: ServerState, request: Request, gen: Generation, rids: list[str], texts: list[TextStream], batch: bool
-) -> AsyncGenerator[bytes, None]:
-    async for updates in state.drive(request, gen, rids):
-        events = []
-        for up in updates:
-            texts[up.index].push(up.new_tokens, final=up.finished is not None)
-            chunk = _answer(gen, up.index, rids[up.index], texts[up.index])
-            if batch:
-                chunk["index"] = up.index
-            events.append(sse(chunk))
-        if gen.done:
-            events.append(DONE)
-        yield b"".join(events)  # one write per wake-up
+    return Json(answers if batch else answers[0])
 
 
 async def abort_request(request: Request) -> Response:

@@ -1,56 +1,71 @@
-"""Server-sent events: the chunk encoding and the streaming response both endpoints answer with.
+"""Server-sent events: the chunk encoding and the streaming answer both generation endpoints give.
 
-``EventStream`` is a plain ASGI response: the head, then one ``http.response.body`` write per chunk
-the handler yields (a handler yields one chunk per wake-up: every event it brought); the last chunk
-(ending with ``data: [DONE]``) is written together with the end of the response. It starts no task
-of its own: the handler's generation is followed by ``ServerState.drive``, whose watcher already
-turns a client's disconnect into an abort at once (and uvicorn drops writes to a closed
-connection), so a gone client ends the stream promptly.
+``EventStream`` writes straight to the ASGI ``send`` of the server (``hot.py`` serves these endpoints
+below Starlette's middleware): the head, then one ``http.response.body`` write per wake-up of the loop
+(every event it brought, encoded by the endpoint's ``encode``); the last write (ending with
+``data: [DONE]``) is the response's end too. It follows the generation itself (``Generation.next``, no
+generator layers per chunk) while a watcher task turns the client's disconnect into an abort at once
+(uvicorn drops writes to a closed connection), so a gone client ends the stream promptly.
 
-Invariant: ``on_close`` runs once the response is over, however it ended (done, the client gone, an
-error, the task cancelled, or the chunks never started), so the generation is never left open.
+Invariant: ``ServerState.release`` runs once the stream is over, however it ended (done, the client
+gone, an error, the task cancelled, or the head never written), so the generation is never left open.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+import msgspec
+from starlette.types import Receive, Send
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from hybridkv.server.generation import Generation, Update
+from hybridkv.server.state import ServerState
+
 DONE = b"data: [DONE]\n\n"
-_ENCODER = json.JSONEncoder(separators=(",", ":"))  # made once: json.dumps with options builds one per call
+_HEAD = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+    ],
+}
+_encode = msgspec.json.encode
 
 
 def sse(payload: dict[str, Any]) -> bytes:
     """One ``data: {json}`` event."""
-    return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
-class EventStream(Response):
-    media_type = "text/event-stream"
+Encode = Callable[[list[Update]], list[bytes]]
+"""One wake-up's updates -> its events (``sse`` each)."""
 
-    def __init__(self, chunks: AsyncGenerator[bytes, None], on_close: Callable[[], None]):
-        self.chunks = chunks
-        self.on_close = on_close
-        self.status_code = 200
-        self.background = None
-        self.init_headers(SSE_HEADERS)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+class EventStream:
+    def __init__(self, state: ServerState, gen: Generation, ids: Sequence[str], receive: Receive, encode: Encode):
+        self.state = state
+        self.gen = gen
+        self.ids = ids
+        self.receive = receive
+        self.encode = encode
+
+    async def __call__(self, send: Send) -> None:
+        state, gen, encode = self.state, self.gen, self.encode
+        watcher = state.watch(self.receive, gen)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.chunks:
-                last = chunk.endswith(DONE)  # the last chunk and the response's end: one write
-                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                if last:
+            await send(_HEAD)
+            while True:
+                updates = await gen.next()
+                state.observe(gen, updates)
+                events = encode(updates)
+                if gen.done:  # the last events and the response's end: one write
+                    events.append(DONE)
+                    await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
                     return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
         finally:
-            try:
-                await self.chunks.aclose()  # a stream left early: its generation's own cleanup runs now
-            finally:
-                self.on_close()
+            watcher.cancel()
+            state.release(gen, self.ids)

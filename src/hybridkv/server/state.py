@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.types import Receive
 
 from hybridkv.engine.request import SamplingParams
 from hybridkv.server.backend import Backend, BackendClosed, QueueFull
@@ -63,6 +63,16 @@ class ServerState:
             figures["http_loop_cpu_s"] = time.clock_gettime(self._loop_clock)
         return figures
 
+    async def connect_loop(self) -> None:
+        """In the serving loop, before the first request: its ``LoopPost``, connected (pipe wake-ups)."""
+        self._post = LoopPost(asyncio.get_running_loop())
+        await self._post.connect()
+
+    def close_loop(self) -> None:
+        """In the serving loop, once it serves no more: the ``LoopPost``'s pipe closed."""
+        if self._post is not None:
+            self._post.close()
+
     def new_id(self, prefix: str = "") -> str:
         return prefix + uuid.uuid4().hex
 
@@ -83,7 +93,7 @@ class ServerState:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
         self.in_loop()
         loop = asyncio.get_running_loop()
-        if self._post is None or self._post.loop is not loop:
+        if self._post is None or self._post.loop is not loop:  # not ``connect_loop``ed on this loop
             self._post = LoopPost(loop)
         gen = Generation(self.backend, self._post, prompts, stream)
         try:
@@ -98,22 +108,30 @@ class ServerState:
             self.open[rid] = (gen, indices)
         return gen
 
-    async def drive(self, request: Request, gen: Generation, ids: Sequence[str]) -> AsyncIterator[list[Update]]:
+    async def drive(self, receive: Receive, gen: Generation, ids: Sequence[str]) -> AsyncIterator[list[Update]]:
         """``gen``'s updates until it ended; aborts it when the client disconnects or the caller leaves early."""
-        watcher = asyncio.ensure_future(_abort_on_disconnect(request, gen))
+        watcher = self.watch(receive, gen)
         try:
             async for updates in gen.updates():
-                for up in updates:
-                    if up.finished is not None:
-                        p = gen.progress[up.index]
-                        assert p.finished_at is not None
-                        self.metrics.observe(
-                            gen.arrived, p.first_at, p.last_at, len(p.tokens), p.finished_at, up.finished.finish_reason
-                        )
+                self.observe(gen, updates)
                 yield updates
         finally:
             watcher.cancel()
             self.release(gen, ids)
+
+    def watch(self, receive: Receive, gen: Generation) -> asyncio.Task[None]:
+        """A task aborting ``gen`` once the client disconnects (the caller cancels it when done)."""
+        return asyncio.ensure_future(_abort_on_disconnect(receive, gen))
+
+    def observe(self, gen: Generation, updates: list[Update]) -> None:
+        """The latency histograms take every prompt that ended in ``updates``."""
+        for up in updates:
+            if up.finished is not None:
+                p = gen.progress[up.index]
+                assert p.finished_at is not None
+                self.metrics.observe(
+                    gen.arrived, p.first_at, p.last_at, len(p.tokens), p.finished_at, up.finished.finish_reason
+                )
 
     def release(self, gen: Generation, ids: Sequence[str]) -> None:
         """``gen``'s handler is done with it: abort it if it is still open, unregister ``ids``."""
@@ -141,9 +159,9 @@ class ServerState:
         return True
 
 
-async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
+async def _abort_on_disconnect(receive: Receive, gen: Generation) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             gen.abort("the client disconnected")
             return
