@@ -81,11 +81,19 @@ class PagedMLA(nn.Module):
 
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("latent",))
-        entries = io.write(span, latent[:, None, None], ctx.spans)  # per group: (1, R', W, 1, rank + rope)
+        io.write(span, latent[:, None, None])
         outs = []
-        for group, keys, latents in zip(ctx.groups, io.groups, entries, strict=True):
-            out = self._attend(group.pad(q), cast(latents[0, :, :, 0], x.dtype), cast(keys.mask, x.dtype))
-            outs.append(group.unpad(out))
+        for group, parts in zip(ctx.groups, io.parts, strict=True):
+            q_group = group.pad(q)
+            done = [
+                self._attend(
+                    q_group if len(parts) == 1 else q_group[p.rows],
+                    cast(p.entries[span][0, :, :, 0], x.dtype),  # (R_p, W, rank + rope)
+                    cast(p.mask, x.dtype),
+                )
+                for p in parts
+            ]
+            outs.append(group.unpad(done[0] if len(done) == 1 else torch.cat(done)))
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
     def _attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
