@@ -209,10 +209,9 @@ class RequestAllocator:
             got = Admission.TOO_BIG if alone else Admission.REFUSED
         if handle is not None:
             need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
-            short = need - self.mem.available_pages()
-            if short > 0:
-                kvm.evict({PAGE_NEED: short})
-                if need > self.mem.available_pages() and not alone:
+            if not self.mem.pages_fit(need):
+                kvm.evict({PAGE_NEED: need - self.mem.available_pages()})
+                if not self.mem.pages_fit(need) and not alone:
                     got = Admission.REFUSED
         got = Admission(agree.min([got.value])[0])
         if got is not Admission.ADMITTED:
