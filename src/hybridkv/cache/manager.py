@@ -334,6 +334,19 @@ class KVManager:
         handle.checkpoints[at] = slot
         return slot
 
+    def checkpoint_final(self, handle: KVHandle) -> int:
+        """The running state (after ``seq_len`` tokens, page-aligned) becomes the checkpoint there, without a copy:
+        the request computes no more (its final insert, ``finish``, caches it); it holds no running slot after."""
+        handle = _handle(handle, "checkpoint_final")
+        handle.check_running("checkpoint_final")
+        at = handle.seq_len
+        self._check_checkpoint(handle, at)
+        if handle.state_slot is None:
+            raise CacheError("checkpoint_final: the request has no running state slot")
+        slot, handle.state_slot = handle.state_slot, None
+        handle.checkpoints[at] = slot
+        return slot
+
     def reserve_checkpoint(self, handle: KVHandle, at: int) -> int:
         """A fresh slot for the state after ``at`` tokens (page-aligned): the caller copies the
         state into it when its computation passes ``at``; the next insert reaching ``at``
@@ -357,6 +370,28 @@ class KVManager:
             return []
         slots = [int(s) for s in self.alloc_state(len(ats))]
         handle.checkpoints.update(zip(ats, slots, strict=True))
+        return slots
+
+    def reserve_step_checkpoints(self, handles: Sequence[KVHandle], positions: Sequence[int]) -> np.ndarray:
+        """``reserve_checkpoint`` of ``handles[i]`` (distinct) at ``positions[i]``, with one allocation for all (a
+        step whose chunks end where the placement wants checkpoints: its forward writes them). On ``OutOfMemory``
+        (after eviction) none is reserved."""
+        handles = _handles(handles, "reserve_step_checkpoints")
+        if not isinstance(positions, Sequence) or len(positions) != len(handles):
+            raise CacheError(
+                f"reserve_step_checkpoints: need one position per handle ({len(handles)}), got {positions!r}"
+            )
+        if len({id(h) for h in handles}) != len(handles):
+            raise CacheError("reserve_step_checkpoints: a handle appears twice; reserve its positions together")
+        ats = [integer(at, "reserve_step_checkpoints position") for at in positions]
+        for h, at in zip(handles, ats, strict=True):
+            h.check_running("reserve_step_checkpoints")
+            self._check_checkpoint(h, at)
+        if not ats:
+            return np.empty(0, dtype=np.int64)
+        slots = self.alloc_state(len(ats))
+        for h, at, slot in zip(handles, ats, slots.tolist(), strict=True):
+            h.checkpoints[at] = slot
         return slots
 
     def wanted_checkpoints(self, handle: KVHandle, prompt_len: int) -> tuple[int, ...]:

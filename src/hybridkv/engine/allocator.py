@@ -280,8 +280,32 @@ class RequestAllocator:
         if release_windows and self.kvm.has_windows:
             self.kvm.release_windows([r.live for r in reqs])
 
+    def reserve_chunk_checkpoints(self, reqs: list[RequestMemory], ends: list[int]) -> list[int]:
+        """Before a step's forward: a checkpoint slot for each prefill chunk of ``reqs`` that ends (at ``ends[i]``)
+        where one is wanted, -1 elsewhere; the forward writes the state there with the running state
+        (``ForwardBatch.checkpoint_slots``) and ``chunk_done`` finds it taken. One allocation for all; without
+        room for it none is reserved (``chunk_done`` then copies, room permitting)."""
+        out = [-1] * len(reqs)
+        if not self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
+            return out
+        rows = [
+            i
+            for i, (req, end) in enumerate(zip(reqs, ends, strict=True))
+            if end in req.wanted and end > req.live.cached * self.page_size and end not in req.live.checkpoints
+        ]
+        if not rows:
+            return out
+        try:
+            slots = self.kvm.reserve_step_checkpoints([reqs[i].live for i in rows], [ends[i] for i in rows])
+        except OutOfMemory:
+            return out
+        for i, slot in zip(rows, slots.tolist(), strict=True):
+            out[i] = slot
+        return out
+
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
-        """After a prefill chunk: a checkpoint when it ends where one is wanted, then cache the computed pages."""
+        """After a prefill chunk: a checkpoint when it ends where one is wanted (a copy of the state now, unless
+        ``reserve_chunk_checkpoints`` had the forward write it), then cache the computed pages."""
         h = req.live
         end = h.seq_len
         if end in req.wanted and self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
@@ -291,14 +315,15 @@ class RequestAllocator:
 
     def finish(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """Cache the finished sequence, its state checkpointed at the end when the placement
-        wants one there and the final length is page-aligned (the state exists only there), release."""
+        wants one there and the final length is page-aligned (the state exists only there: the
+        running slot itself becomes the checkpoint), release."""
         h = req.live
         req.handle = None
         if not self.prefix_cache:
             self.kvm.release(h)
             return
-        if self.kvm.finish_checkpoint(h) == h.seq_len:
-            self._checkpoint(h)
+        if self.kvm.finish_checkpoint(h) == h.seq_len and h.seq_len > h.cached * self.page_size:
+            self.kvm.checkpoint_final(h)  # the running state itself: the request computes no more
         self.kvm.finish(h, req.ids(tokens, h.seq_len))
 
     def retract(self, req: RequestMemory) -> None:

@@ -260,11 +260,19 @@ class TokenIO:
 
 
 class StateIO:
-    """The state pool in one step: every request's cell gathered once, updated in place, written back once."""
+    """The state pool in one step: every request's cell gathered once, updated in place, written back once (and
+    into the reserved checkpoint cells of the requests that have one)."""
 
-    def __init__(self, layout: StateLayout, cells: torch.Tensor, fresh: torch.Tensor | None):
-        """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does."""
-        self.layout, self.cells = layout, cells
+    def __init__(
+        self,
+        layout: StateLayout,
+        cells: torch.Tensor,
+        fresh: torch.Tensor | None,
+        checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does. ``checkpoints``:
+        ``(rows, cells)``, cells that get a copy of those rows' states at ``flush``."""
+        self.layout, self.cells, self.checkpoints = layout, cells, checkpoints
         self.rows = layout.grid.index_select(0, cells)
         if fresh is not None:
             self.rows.index_fill_(0, fresh, 0)
@@ -283,3 +291,6 @@ class StateIO:
 
     def flush(self) -> None:
         self.layout.grid.index_copy_(0, self.cells, self.rows)
+        if self.checkpoints is not None:
+            rows, cells = self.checkpoints
+            self.layout.grid.index_copy_(0, cells, self.rows.index_select(0, rows))

@@ -288,10 +288,27 @@ class Scheduler:
                 spans = self._spans(self.running)
                 continue
             ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
-            return Step(reqs, spans, self._batch(reqs, spans), ending)
+            return Step(reqs, spans, self._batch(reqs, spans, self._checkpoints(reqs, spans)), ending)
         return None
 
-    def _batch(self, reqs: list[Request], spans: list[int]) -> ForwardBatch:
+    def _checkpoints(self, reqs: list[Request], spans: list[int]) -> list[int] | None:
+        """Checkpoint slots the step's forward fills (prefill chunks ending where the placement wants one; -1
+        elsewhere), None when there are none."""
+        if not self.alloc.has_state:
+            return None
+        chunks = [i for i, r in enumerate(reqs) if r.computed < len(r.tokens) - 1 and r.mem.wanted]
+        if not chunks:
+            return None
+        ends = [reqs[i].computed + spans[i] for i in chunks]
+        slots = self.alloc.reserve_chunk_checkpoints([reqs[i].mem for i in chunks], ends)
+        if max(slots) < 0:
+            return None
+        out = [-1] * len(reqs)
+        for i, slot in zip(chunks, slots, strict=True):
+            out[i] = slot
+        return out
+
+    def _batch(self, reqs: list[Request], spans: list[int], checkpoints: list[int] | None) -> ForwardBatch:
         prefix = [r.computed for r in reqs]
         handles = [r.mem.live for r in reqs]
         has_state = self.alloc.has_state
@@ -302,6 +319,7 @@ class Scheduler:
             self.alloc.page_size,
             [h.state_slot or 0 for h in handles] if has_state else None,
             [r.mem.fresh for r in reqs] if has_state else None,
+            checkpoints,
         )
 
     def _retract_newest(self, short: str) -> None:

@@ -20,7 +20,7 @@ the pool; the pool gets them once, at the end of the step: ``flush``). Each part
 additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
 the pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (padding, slots after a
 row's last token). State pools: every row's state cell is gathered once (``StateIO``) and
-written back once.
+written back once (and copied into its reserved checkpoint cell, if the batch gives one).
 
 Invariants:
 - Physical ids come from one ``page_cells`` per pool and step (token pools: every group's
@@ -320,8 +320,15 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
         slots_o = batch.state_slots if order is None else batch.state_slots[order]
         fresh_rows = np.flatnonzero(batch.fresh_state if order is None else batch.fresh_state[order])
         fresh = dev(fresh_rows) if fresh_rows.size else None
+        ckpt = batch.checkpoint_slots
+        if ckpt is not None and order is not None:
+            ckpt = ckpt[order]
+        ckpt_rows = np.flatnonzero(ckpt >= 0) if ckpt is not None else None
         for pool_id, state_layout in layouts.states.items():
-            states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh)
+            copies = None
+            if ckpt is not None and ckpt_rows is not None and ckpt_rows.size:
+                copies = (dev(ckpt_rows), mem.page_cells(ckpt[ckpt_rows], pool_id))
+            states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh, copies)
     return StepContext(
         input_ids=dev(input_ids),
         positions=dev(positions),
