@@ -39,6 +39,12 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False
 
 
+def fresh_pages(new_len: int, n_pages: int, page_size: int) -> int:
+    """Fresh pages a row of ``n_pages`` needs to hold ``new_len`` tokens (a function, not a method: hot loops over
+    many handles call it)."""
+    return max(0, -(-new_len // page_size) - n_pages)
+
+
 class HandleStatus(Enum):
     RECEIVING = "receiving"
     """Holds pages and a state slot its KV and state are being written into (a transfer): nothing
@@ -132,7 +138,7 @@ class KVHandle:
 
     def pages_needed(self, new_len: int) -> int:
         """Fresh pages the row needs to hold ``new_len`` tokens."""
-        return max(0, -(-new_len // self.page_size) - self.n_pages)
+        return fresh_pages(new_len, self.n_pages, self.page_size)
 
     def check_running(self, what: str) -> None:
         if self.status is not HandleStatus.RUNNING:
@@ -140,7 +146,7 @@ class KVHandle:
 
     def grow(self, new_len: int, pages: np.ndarray) -> None:
         """Grow the sequence to ``new_len`` tokens with exactly ``pages_needed`` fresh pages."""
-        need = self.pages_needed(new_len)
+        need = fresh_pages(new_len, self.n_pages, self.page_size)
         if new_len < self.seq_len or pages.size != need:
             raise CacheError(
                 f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"

@@ -49,7 +49,7 @@ import numpy as np
 
 from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.errors import CacheError
-from hybridkv.cache.handle import HandleStatus, KVHandle
+from hybridkv.cache.handle import HandleStatus, KVHandle, fresh_pages
 from hybridkv.cache.placement import DEFAULT, CheckpointPlacement
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
 from hybridkv.cache.rules import PAGE_NEED, Need
@@ -269,13 +269,13 @@ class KVManager:
         if not all(type(n) is int for n in new_lens):
             new_lens = [integer(n, "extend_batch new_lens") for n in new_lens]
         needs = []
-        running = HandleStatus.RUNNING
+        running, ps = HandleStatus.RUNNING, self.page_size
         for h, n in zip(handles, new_lens, strict=True):
             if h.status is not running:
                 h.check_running("extend")
             if n < h.seq_len:
                 raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
-            needs.append(h.pages_needed(n))
+            needs.append(fresh_pages(n, h.n_pages, ps))
         total = sum(needs)
         pages = self._alloc_for(handles, total) if total else _NO_PAGES
         at = 0
@@ -288,9 +288,19 @@ class KVManager:
         cache holds their window cells (window-cached) or, without ``park_windows``, they are
         freed there; returns how many pages left a pool."""
         handles = _handles(handles, "release_windows")
-        if not self._windows:
+        if not self._windows or not handles:
             return 0
-        per_pool = zip(*(h.window_release() for h in handles), strict=True)
+        n, ps = len(handles), self.page_size
+        seq = np.fromiter((h.seq_len for h in handles), dtype=np.int64, count=n)
+        cached = np.fromiter((h.cached for h in handles), dtype=np.int64, count=n)
+        leaving = np.zeros(n, dtype=bool)
+        for i, pool_id in enumerate(self._windows):  # only handles with pages past a window's start release any
+            released = np.fromiter((h.released[i] for h in handles), dtype=np.int64, count=n)
+            leaving |= pool_id.first_needed(seq) // ps > np.maximum(released, cached)
+        moved = [handles[i] for i in np.flatnonzero(leaving).tolist()]
+        if not moved:
+            return 0
+        per_pool = zip(*(h.window_release() for h in moved), strict=True)
         freed = 0
         for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
             left = [p for p in parts if p.size]

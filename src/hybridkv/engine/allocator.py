@@ -45,6 +45,7 @@ from enum import Enum
 import numpy as np
 
 from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
+from hybridkv.cache.handle import fresh_pages
 from hybridkv.cache.placement import DEFAULT
 from hybridkv.engine.agreement import ALONE, Agreement
 from hybridkv.engine.tiered import EngineTiers
@@ -144,6 +145,14 @@ class RequestMemory:
     @property
     def slot(self) -> int | None:
         return None if self.handle is None else self.handle.state_slot
+
+
+def live_handles(reqs: Sequence[RequestMemory]) -> list[KVHandle]:
+    """The handles of admitted requests (``RequestMemory.live`` for many, with one check)."""
+    handles = [r.handle for r in reqs]
+    if None in handles:
+        raise RuntimeError("this request holds no memory: admit it first")
+    return handles  # type: ignore[return-value]  # None is not in it
 
 
 class RequestAllocator:
@@ -267,18 +276,33 @@ class RequestAllocator:
         """The reserved KV and state arrived: the request continues from there."""
         self.kvm.received(req.live)
 
+    def pages_needed(self, reqs: list[RequestMemory], lengths: list[int]) -> int:
+        """Fresh pages requests ``reqs`` need, summed, to hold ``lengths[i]`` tokens each."""
+        ps = self.page_size
+        return sum(fresh_pages(n, h.n_pages, ps) for h, n in zip(live_handles(reqs), lengths, strict=True))
+
+    def step_rows(self, reqs: list[RequestMemory]) -> tuple[list[np.ndarray], list[int] | None, list[bool] | None]:
+        """What a forward batch reads of each request: its page row, and (with recurrent layers) its running state
+        slot and whether that state starts from zero."""
+        handles = live_handles(reqs)
+        pages = [h.pages for h in handles]
+        if not self.has_state:
+            return pages, None, None
+        return pages, [h.state_slot or 0 for h in handles], [r.fresh for r in reqs]
+
     def extend(self, reqs: list[RequestMemory], lengths: list[int]) -> None:
         """Grow request ``i`` to ``lengths[i]`` tokens (prefill chunks and decodes alike), one allocation;
         a request already that long grows no further (a step retried after a retraction)."""
-        self.kvm.extend_batch([r.live for r in reqs], lengths)
+        self.kvm.extend_batch(live_handles(reqs), lengths)
 
     def mark_computed(self, reqs: list[RequestMemory], release_windows: bool = True) -> None:
         """After a forward: states now hold real data, and pages may have left windows (released
         unless ``release_windows`` is False: a prefill engine's sender reads the whole prompt's KV)."""
+        handles = live_handles(reqs)
         for req in reqs:
             req.fresh = False
         if release_windows and self.kvm.has_windows:
-            self.kvm.release_windows([r.live for r in reqs])
+            self.kvm.release_windows(handles)
 
     def reserve_chunk_checkpoints(self, reqs: list[RequestMemory], ends: list[int]) -> list[int]:
         """Before a step's forward: a checkpoint slot for each prefill chunk of ``reqs`` that ends (at ``ends[i]``)
@@ -288,15 +312,16 @@ class RequestAllocator:
         out = [-1] * len(reqs)
         if not self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
             return out
+        handles = live_handles(reqs)
         rows = [
             i
-            for i, (req, end) in enumerate(zip(reqs, ends, strict=True))
-            if end in req.wanted and end > req.live.cached * self.page_size and end not in req.live.checkpoints
+            for i, (req, h, end) in enumerate(zip(reqs, handles, ends, strict=True))
+            if end in req.wanted and end > h.cached * self.page_size and end not in h.checkpoints
         ]
         if not rows:
             return out
         try:
-            slots = self.kvm.reserve_step_checkpoints([reqs[i].live for i in rows], [ends[i] for i in rows])
+            slots = self.kvm.reserve_step_checkpoints([handles[i] for i in rows], [ends[i] for i in rows])
         except OutOfMemory:
             return out
         for i, slot in zip(rows, slots.tolist(), strict=True):

@@ -234,10 +234,6 @@ class Scheduler:
                 return p - start
         return span
 
-    def _step_pages(self, req: Request, budget: int) -> int:
-        """Fresh pages ``req`` needs for its next span."""
-        return req.mem.live.pages_needed(req.computed + self._span(req, budget))
-
     def _spans(self, reqs: list[Request]) -> list[int]:
         """Each request's span this step, in order, within ``max_step_tokens``."""
         spans, left = [], self.max_step_tokens
@@ -249,7 +245,10 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[int]:
         """Admit waiting requests into ``budget`` tokens of the step; the spans of those admitted."""
-        taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
+        running = self.running  # the running requests' step: their fresh pages
+        taken = self.alloc.pages_needed(
+            [r.mem for r in running], [r.computed + self._span(r, self.max_step_tokens) for r in running]
+        )
         spans: list[int] = []
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
@@ -264,7 +263,7 @@ class Scheduler:
             req.computed = req.mem.length
             self.running.append(req)
             span = self._span(req, budget)
-            taken += req.mem.live.pages_needed(req.computed + span)
+            taken += self.alloc.pages_needed([req.mem], [req.computed + span])
             budget -= span
             spans.append(span)
         return spans
@@ -310,15 +309,14 @@ class Scheduler:
 
     def _batch(self, reqs: list[Request], spans: list[int], checkpoints: list[int] | None) -> ForwardBatch:
         prefix = [r.computed for r in reqs]
-        handles = [r.mem.live for r in reqs]
-        has_state = self.alloc.has_state
+        pages, slots, fresh = self.alloc.step_rows([r.mem for r in reqs])
         return ForwardBatch.from_pages(
             [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
             prefix,
-            [h.pages for h in handles],
+            pages,
             self.alloc.page_size,
-            [h.state_slot or 0 for h in handles] if has_state else None,
-            [r.mem.fresh for r in reqs] if has_state else None,
+            slots,
+            fresh,
             checkpoints,
         )
 
