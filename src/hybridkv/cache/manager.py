@@ -277,11 +277,7 @@ class KVManager:
                 raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
             needs.append(fresh_pages(n, h.n_pages, ps))
         total = sum(needs)
-        pages = self._alloc_for(handles, total) if total else _NO_PAGES
-        at = 0
-        for h, n, need in zip(handles, new_lens, needs, strict=True):
-            h.grow(n, pages[at : at + need])
-            at += need
+        KVHandle.grow_all(handles, new_lens, self._alloc_for(handles, total) if total else _NO_PAGES)
 
     def release_windows(self, handles: Sequence[KVHandle]) -> int:
         """Release the own pages that left each window pool's window, batched per pool: the

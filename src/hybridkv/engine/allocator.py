@@ -285,7 +285,7 @@ class RequestAllocator:
         """What a forward batch reads of each request: its page row, and (with recurrent layers) its running state
         slot and whether that state starts from zero."""
         handles = live_handles(reqs)
-        pages = [h.pages for h in handles]
+        pages = KVHandle.rows(handles)
         if not self.has_state:
             return pages, None, None
         return pages, [h.state_slot or 0 for h in handles], [r.fresh for r in reqs]
