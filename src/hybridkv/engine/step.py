@@ -187,6 +187,31 @@ class _PoolPlan:
     zero_cols: list[np.ndarray]  # slots after each row's last token in its last page
 
 
+def _masks(
+    pool_id: PoolId, pre: np.ndarray, ext: np.ndarray, base: np.ndarray, q: int, cols: int, sinks: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows' additive masks ``(R, 1, q, cols)`` over key positions ``base + c`` (what each of the ``q`` padded
+    queries sees: causal, the pool's history rule; -inf past a row's last token), and (``sinks``) their spare
+    columns ``(R, 1, 1, cols)``."""
+    seq = pre + ext
+    key_pos = base[:, None] + np.arange(cols)  # (R, W)
+    if q == 1:  # one query per row, at seq - 1: it sees its whole history
+        visible = key_pos < seq[:, None]
+        if pool_id.releases_history:
+            visible &= key_pos >= pool_id.first_needed(seq)[:, None]
+        visible = visible[:, None, :]
+    else:
+        query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R, q)
+        visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        if pool_id.releases_history:
+            visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
+    spare = None
+    if sinks:
+        spare = np.zeros((seq.size, 1, 1, cols), dtype=np.float32)
+        spare[np.arange(seq.size), 0, 0, seq - base] = 1.0
+    return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None], spare
+
+
 def _plan_pool(
     rows: _Rows, bounds: list[tuple[int, int]], pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool
 ) -> _PoolPlan:
@@ -205,20 +230,16 @@ def _plan_pool(
         parts = key_parts(need, q, ps)
         row_width = np.empty(r, dtype=np.int64)
         group_parts = []
+        # one query per row (decodes): the group's masks at its widest, each part's a slice (few wide arrays)
+        whole = _masks(pool_id, pre, ext, base, q, int(need.max()) * ps, sinks) if q == 1 and len(parts) > 1 else None
         for i, j in parts:
             width = int(need[i:j].max())
             row_width[i:j] = width
             cols = width * ps
-            key_pos = base[i:j, None] + np.arange(cols)  # (R_p, W)
-            query_pos = pre[i:j, None] + np.minimum(np.arange(q), ext[i:j, None] - 1)  # (R_p, Q')
-            visible = (key_pos < seq[i:j, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
-            if pool_id.releases_history:
-                visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
-            spare = None
-            if sinks:
-                spare = np.zeros((j - i, 1, 1, cols), dtype=np.float32)
-                spare[np.arange(j - i), 0, 0, seq[i:j] - base[i:j]] = 1.0
-            mask = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None]
+            if whole is None:
+                mask, spare = _masks(pool_id, pre[i:j], ext[i:j], base[i:j], q, cols, sinks)
+            else:
+                mask, spare = whole[0][i:j, ..., :cols], None if whole[1] is None else whole[1][i:j, ..., :cols]
             group_parts.append(_PartPlan(slice(i, j), width, slice(at, at + (j - i) * cols), mask, spare))
             at += (j - i) * cols
         row_start = np.concatenate(([0], np.cumsum(row_width[:-1]))) * ps + group_parts[0].columns.start
