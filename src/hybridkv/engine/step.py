@@ -143,11 +143,11 @@ def key_parts(widths: np.ndarray, queries: int, page_size: int) -> list[tuple[in
     row, that minimise the padded pairs (``rows * (queries + KEY_COLUMN_QUERIES) * widest * page_size`` summed)
     plus ``PART_COST`` per part. Cuts fall only where the width changes (rows sorted by width: a few runs)."""
     n = widths.size
-    starts = np.flatnonzero(np.diff(widths, prepend=-1)).tolist()
-    if len(starts) == 1:
-        return [(0, n)]
-    w = widths.tolist()
     fixed = PART_COST / ((queries + KEY_COLUMN_QUERIES) * page_size)  # in row pages
+    if n * (int(widths.max()) - int(widths.min())) <= fixed:  # all the padding costs less than one more part
+        return [(0, n)]
+    starts = np.flatnonzero(np.diff(widths, prepend=-1)).tolist()
+    w = widths.tolist()
     bounds = [*starts, n]
     m = len(starts)
     best, cut = [0.0] * (m + 1), [0] * (m + 1)
