@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, InsertError, KVManager, LockError
+from hybridkv.cache import PAGE_NEED, CacheError, HandleStatus, HybridRadixCache, InsertError, KVManager, LockError
 from hybridkv.memory import GateStatus
 from tests.cache.helpers import small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
@@ -141,7 +141,14 @@ def test_manager_refuses_misuse_of_a_request(cache):
     assert kvm.reserve_step_checkpoints([], []).size == 0
     slots = kvm.reserve_step_checkpoints([kv, other], [20, 24])
     assert (kv.checkpoints, other.checkpoints) == ({20: int(slots[0])}, {24: int(slots[1])})
-    kvm.release(other)
+    third = kvm.admit(kvm.match(np.arange(200, 216)))
+    kvm.release(third)
+    assert_refused(cache, CacheError, "appears twice", kvm.release_all, [other, other])
+    assert_refused(cache, CacheError, "released already", kvm.release_all, [other, third])
+    assert other.status is HandleStatus.RUNNING  # refused: none released
+    assert_refused(cache, CacheError, "one token sequence per handle", kvm.finish_all, [other], [])
+    kvm.release_all([other])
+    assert other.status is HandleStatus.RELEASED and other.state_slot is None and not other.checkpoints
     gate = kvm.pin(kv)
     assert_refused(cache, CacheError, "unpin it first", kvm.release, kv)
     kvm.unpin(kv)

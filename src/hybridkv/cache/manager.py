@@ -472,22 +472,42 @@ class KVManager:
 
     def finish(self, handle: KVHandle, tokens: object) -> InsertResult:
         """Cache the finished sequence, then release the request."""
-        result = self.insert(handle, tokens, final=True)
-        self.release(handle)
-        return result
+        return self.finish_all([handle], [tokens])[0]
+
+    def finish_all(self, handles: Sequence[KVHandle], tokens: Sequence[object]) -> list[InsertResult]:
+        """``finish`` of every handle (``tokens[i]``: its sequence): each cached, then all released at once."""
+        handles = _handles(handles, "finish_all")
+        if len(tokens) != len(handles):
+            raise CacheError(f"finish_all: need one token sequence per handle ({len(handles)}), got {len(tokens)}")
+        results = [self.insert(h, t, final=True) for h, t in zip(handles, tokens, strict=True)]
+        self.release_all(handles)
+        return results
 
     def release(self, handle: KVHandle) -> None:
         """Give back everything the request holds that the cache does not: its own pages,
         its state slot and checkpoints, its lock (abort, retract, or the end of ``finish``)."""
-        handle = _handle(handle, "release")
-        if handle.status is HandleStatus.RELEASED:
-            raise CacheError("release: this request was released already")
-        if handle.gates and any(g.status is not GateStatus.RELEASED for g in handle.gates):
-            raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
-        own = handle.own_pages()
-        slots = list(handle.checkpoints.values()) if handle.checkpoints else []
-        if handle.state_slot is not None:
-            slots.append(handle.state_slot)
+        self.release_all([handle])
+
+    def release_all(self, handles: Sequence[KVHandle]) -> None:
+        """``release`` of every handle (distinct), their pages freed with one call and their slots with one: all
+        released, or (a handle released already, or pinned) none."""
+        handles = _handles(handles, "release")
+        if not handles:
+            return
+        if len({id(h) for h in handles}) != len(handles):
+            raise CacheError("release: a request appears twice")
+        slots: list[int] = []
+        for handle in handles:
+            if handle.status is HandleStatus.RELEASED:
+                raise CacheError("release: this request was released already")
+            if handle.gates and any(g.status is not GateStatus.RELEASED for g in handle.gates):
+                raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
+            if handle.checkpoints:
+                slots += handle.checkpoints.values()
+            if handle.state_slot is not None:
+                slots.append(handle.state_slot)
+        rows = [h.own_pages() for h in handles]
+        own = rows[0] if len(rows) == 1 else np.concatenate(rows)
         gates = self.mem.gates
         if gates.pinning_gates and (
             np.count_nonzero(gates.page_pins[own]) or (slots and np.count_nonzero(gates.slot_pins[slots]))
@@ -499,11 +519,12 @@ class KVManager:
             self.mem.free_pages(own)
         if slots:
             self.mem.free_state(np.asarray(slots, dtype=np.int64))
-        self.cache.unlock(handle.lock)
-        handle.checkpoints.clear()
-        handle.state_slot = None
-        handle.gates.clear()
-        handle.status = HandleStatus.RELEASED
+        for handle in handles:
+            self.cache.unlock(handle.lock)
+            handle.checkpoints.clear()
+            handle.state_slot = None
+            handle.gates.clear()
+            handle.status = HandleStatus.RELEASED
 
     # --- pins -----------------------------------------------------------------------------
 

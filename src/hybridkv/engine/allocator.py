@@ -342,14 +342,21 @@ class RequestAllocator:
         """Cache the finished sequence, its state checkpointed at the end when the placement
         wants one there and the final length is page-aligned (the state exists only there: the
         running slot itself becomes the checkpoint), release."""
-        h = req.live
-        req.handle = None
+        self.finish_all([req], [tokens])
+
+    def finish_all(self, reqs: list[RequestMemory], tokens: list[Sequence[int]]) -> None:
+        """``finish`` of every request of ``reqs`` (a step's ended requests): each cached, all released at once."""
+        handles = live_handles(reqs)
+        for req in reqs:
+            req.handle = None
         if not self.prefix_cache:
-            self.kvm.release(h)
+            self.kvm.release_all(handles)
             return
-        if self.kvm.finish_checkpoint(h) == h.seq_len and h.seq_len > h.cached * self.page_size:
-            self.kvm.checkpoint_final(h)  # the running state itself: the request computes no more
-        self.kvm.finish(h, req.ids(tokens, h.seq_len))
+        for h in handles:
+            if self.kvm.finish_checkpoint(h) == h.seq_len and h.seq_len > h.cached * self.page_size:
+                self.kvm.checkpoint_final(h)  # the running state itself: the request computes no more
+        ids = [req.ids(t, h.seq_len) for req, t, h in zip(reqs, tokens, handles, strict=True)]
+        self.kvm.finish_all(handles, ids)
 
     def retract(self, req: RequestMemory) -> None:
         """Give back what the request holds; what it inserted stays cached for its resumption."""

@@ -372,6 +372,7 @@ class Scheduler:
         """Record the token chosen for each request of ``step`` (None: mid-prefill; ``NON_FINITE``:
         its logits were broken, it fails). A handed-off request only records its first token (or,
         broken, its error: the caller stops its sender, then ``release_sent``)."""
+        ended: list[Request] = []
         for req, token in zip(step.reqs, tokens, strict=True):
             if token is None:
                 continue
@@ -391,6 +392,8 @@ class Scheduler:
             else:
                 req.tokens.append(token)
                 if self._ended_by(req, token):
-                    self.alloc.finish(req.mem, req.tokens)
+                    ended.append(req)
                     self.finished.append(req)
+        if ended:  # cached, then released at once
+            self.alloc.finish_all([r.mem for r in ended], [r.tokens for r in ended])
         self.running = [r for r in self.running if not r.done and r.rid not in self.holding]
