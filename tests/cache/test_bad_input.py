@@ -135,7 +135,7 @@ def test_manager_refuses_misuse_of_a_request(cache):
     other = kvm.admit(kvm.match(np.arange(100, 116)))
     kvm.extend(other, 24)
     assert_refused(cache, CacheError, "one position per handle", kvm.reserve_step_checkpoints, [kv, other], [20])
-    assert_refused(cache, CacheError, "appears twice", kvm.reserve_step_checkpoints, [kv, kv], [20, 20])
+    assert_refused(cache, CacheError, "repeat one", kvm.reserve_step_checkpoints, [kv, kv], [20, 20])
     assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_step_checkpoints, [kv, other], [20, 22])
     assert kv.checkpoints == {} and other.checkpoints == {}  # refused: none reserved
     assert kvm.reserve_step_checkpoints([], []).size == 0

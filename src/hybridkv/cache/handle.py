@@ -206,6 +206,20 @@ class KVHandle:
         self.status = HandleStatus.COMMITTED
 
 
+def checked_handle(handle: object, what: str) -> KVHandle:
+    """``handle`` as a KVHandle, or a ``CacheError`` naming ``what`` was called with."""
+    if not isinstance(handle, KVHandle):
+        raise CacheError(f"{what}: expected a KVHandle from KVManager.admit, got {type(handle).__name__}")
+    return handle
+
+
+def checked_handles(handles: object, what: str) -> list[KVHandle]:
+    """``handles`` as a list of KVHandles (``checked_handle`` of each)."""
+    if isinstance(handles, KVHandle) or not isinstance(handles, Sequence):
+        raise CacheError(f"{what}: expected a sequence of KVHandles, got {type(handles).__name__}")
+    return [checked_handle(h, what) for h in handles]
+
+
 def _grow(h: KVHandle, new_len: int, pages: np.ndarray) -> None:
     need = fresh_pages(new_len, h.n_pages, h.page_size)
     if new_len < h.seq_len or pages.size != need:
