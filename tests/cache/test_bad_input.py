@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, InsertError, KVManager, LockError
+from hybridkv.cache import PAGE_NEED, CacheError, HandleStatus, HybridRadixCache, InsertError, KVManager, LockError
 from hybridkv.memory import GateStatus
 from tests.cache.helpers import small_memory, tree_snapshot
 from tests.memory.snapshots import assert_unchanged, snapshot
@@ -126,10 +126,29 @@ def test_manager_refuses_misuse_of_a_request(cache):
     assert_refused(cache, CacheError, "past the cached 16 tokens", kvm.reserve_checkpoint, kv, 16)
     assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoint, kv, 22)
     assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoint, kv)  # 22 is not aligned
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoint_final, kv)
+    assert kv.state_slot is not None  # refused: the running slot stays
     assert_refused(cache, CacheError, "repeat one", kvm.reserve_checkpoints, kv, [20, 20])
     assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoints, kv, [20, 22])
     assert kv.checkpoints == {}  # a refused batch reserves none of its positions
     assert kvm.reserve_checkpoints(kv, []) == []
+    other = kvm.admit(kvm.match(np.arange(100, 116)))
+    kvm.extend(other, 24)
+    assert_refused(cache, CacheError, "one position per handle", kvm.reserve_step_checkpoints, [kv, other], [20])
+    assert_refused(cache, CacheError, "repeat one", kvm.reserve_step_checkpoints, [kv, kv], [20, 20])
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_step_checkpoints, [kv, other], [20, 22])
+    assert kv.checkpoints == {} and other.checkpoints == {}  # refused: none reserved
+    assert kvm.reserve_step_checkpoints([], []).size == 0
+    slots = kvm.reserve_step_checkpoints([kv, other], [20, 24])
+    assert (kv.checkpoints, other.checkpoints) == ({20: int(slots[0])}, {24: int(slots[1])})
+    third = kvm.admit(kvm.match(np.arange(200, 216)))
+    kvm.release(third)
+    assert_refused(cache, CacheError, "appears twice", kvm.release_all, [other, other])
+    assert_refused(cache, CacheError, "released already", kvm.release_all, [other, third])
+    assert other.status is HandleStatus.RUNNING  # refused: none released
+    assert_refused(cache, CacheError, "one token sequence per handle", kvm.finish_all, [other], [])
+    kvm.release_all([other])
+    assert other.status is HandleStatus.RELEASED and other.state_slot is None and not other.checkpoints
     gate = kvm.pin(kv)
     assert_refused(cache, CacheError, "unpin it first", kvm.release, kv)
     kvm.unpin(kv)

@@ -33,14 +33,24 @@ def test_call_timer_counts_outermost_calls_and_properties() -> None:
         def size(self) -> int:
             return self.inner()
 
+        @staticmethod
+        def helper() -> int:
+            return 2
+
+        @classmethod
+        def make(cls) -> int:
+            return cls.helper()
+
     timer = CallTimer()
     with timer.patch(Inner):
         assert Inner().outer() == 3
         assert Inner().inner() == 1
         assert Inner().size == 1
-    assert timer.calls == 3 and timer.seconds >= 0
-    assert set(timer.by_name) == {"Inner.outer", "Inner.inner", "Inner.size"}
+        assert Inner.helper() == 2 and Inner.make() == 2  # static and class methods count too
+    assert timer.calls == 5 and timer.seconds >= 0
+    assert set(timer.by_name) == {"Inner.outer", "Inner.inner", "Inner.size", "Inner.helper", "Inner.make"}
     assert "timed" not in repr(Inner.outer) and isinstance(vars(Inner)["size"], property)  # restored
+    assert isinstance(vars(Inner)["helper"], staticmethod) and isinstance(vars(Inner)["make"], classmethod)
 
 
 def test_the_hybridkv_share_times_every_memory_and_cache_class() -> None:

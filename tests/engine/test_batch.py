@@ -82,3 +82,7 @@ def test_page_rows_that_cannot_hold_the_context_are_refused() -> None:
     batch = ForwardBatch.from_pages([[1, 2]], [0], [np.array([3])], 4)
     with pytest.raises(BatchError, match="page rows of 4 tokens a page for a memory of 16"):
         batch.page_table(16)
+    with pytest.raises(BatchError, match="checkpoint_slots has 2 entries for 1 requests"):
+        ForwardBatch.from_pages([[1, 2]], [0], [np.array([3])], 4, [5], [True], [6, 7])
+    with pytest.raises(BatchError, match="give state_slots too"):
+        ForwardBatch.from_pages([[1, 2]], [0], [np.array([3])], 4, checkpoint_slots=[6])

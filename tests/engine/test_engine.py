@@ -176,3 +176,29 @@ def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyP
     assert [o.output_ids for o in outs] == [hf_reference("tiny-nemotron-h", tuple(p), 8)[0] for p in PROMPTS]
     engine.clear_cache()
     assert live_counts(engine.mem) == empty
+
+
+def test_the_allocators_batched_calls_refuse_a_request_without_memory() -> None:
+    """``step_rows``, ``pages_needed``, ``extend`` and ``mark_computed`` take many requests in one call; one that
+    holds no memory (never admitted, or retracted) is refused by name, and nothing is allocated."""
+    engine = Engine(hf_model("tiny-gemma3").config, hf_model("tiny-gemma3"), gpu_memory="4MiB", max_context=96)
+    alloc = engine.alloc
+    admitted, waiting = alloc.new(), alloc.new()
+    ids = prompt(5, 20)
+    alloc.admit(admitted, ids, len(ids), 64, 0, True)
+    before = live_counts(engine.mem)
+    for call in (
+        lambda: alloc.step_rows([admitted, waiting]),
+        lambda: alloc.pages_needed([admitted, waiting], [20, 20]),
+        lambda: alloc.extend([admitted, waiting], [20, 20]),
+        lambda: alloc.mark_computed([admitted, waiting]),
+    ):
+        with pytest.raises(RuntimeError, match="holds no memory: admit it first"):
+            call()
+    assert live_counts(engine.mem) == before
+    assert alloc.pages_needed([admitted], [20]) == 2  # 20 tokens, 16 a page
+    alloc.extend([admitted], [20])
+    pages, slots, fresh = alloc.step_rows([admitted])
+    assert pages[0].size == 2 and slots is None and fresh is None
+    alloc.retract(admitted)
+    engine.mem.verify()

@@ -105,6 +105,30 @@ def test_shared_prefixes_hit_every_component_and_stay_exact(
     assert live_counts(engine.mem) == empty
 
 
+@pytest.mark.parametrize("name", sorted(HAS_STATE))
+def test_chunk_checkpoints_are_written_by_the_forward(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk that ends where the placement wants a checkpoint has its slot reserved before the step
+    (one allocation for the step) and the forward writes the state there with the running state: no checkpoint
+    is copied after a step, and later requests that hit those checkpoints stay exact."""
+    from hybridkv.cache import KVManager
+
+    copies: list[int] = []
+    reserved: list[int] = []
+    checkpoint, reserve = KVManager.checkpoint, KVManager.reserve_step_checkpoints
+    monkeypatch.setattr(KVManager, "checkpoint", lambda self, h: copies.append(1) or checkpoint(self, h))
+    monkeypatch.setattr(
+        KVManager, "reserve_step_checkpoints", lambda self, hs, ats: reserved.append(len(hs)) or reserve(self, hs, ats)
+    )
+    engine = _engine(name, 2_000_000, 4)
+    logits = Logits(monkeypatch)
+    engine.generate([FIRST], 6, on_output=_checked(engine))
+    done = engine.generate(LATER[:3], 6, on_output=_checked(engine))
+    for i, (ids, out) in enumerate(zip(LATER[:3], done, strict=True)):
+        logits.check(name, i, ids, out, 6)
+    assert sum(reserved) > 0 and not copies
+    assert any(o.hit is not None and o.hit.checkpoint > 0 for o in done)
+
+
 @pytest.mark.parametrize("name", sorted(HAS_WINDOW))
 def test_a_hit_inside_the_span_that_left_the_window_is_kept_and_exact(
     name: str, monkeypatch: pytest.MonkeyPatch

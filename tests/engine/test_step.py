@@ -119,11 +119,11 @@ def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
     batch = ForwardBatch.build([ids], [0], [req.token_locs])
     full = runner.mem.pool_of_layer(5).pool_id  # Gemma 3's sixth layer attends to the whole context
     for sinks, width in ((False, 32), (True, 48)):
-        keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].groups[0]
+        keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].parts[0][0]
         assert keys.entries.shape[2] == width and keys.mask.shape[-1] == width
         assert (keys.spare is not None) == sinks
     with pytest.raises(ValueError, match="spare key column"):
-        build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].groups[0].with_sinks(
+        build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].parts[0][0].with_sinks(
             torch.zeros(4)
         )
     alloc.retract(req)
@@ -163,6 +163,56 @@ def test_unequal_spans_run_as_separate_groups_and_stay_exact(name: str, monkeypa
     prompts = [prompt(80 + n, n) for n in (50, 9, 5)]
     served = serve(runner, prompts, 48, max_new=3)  # first step: spans of 48, 9 and 5 tokens
     assert widths[0] == [48, 9]
+    for ids, got in zip(prompts, served, strict=True):
+        tokens, logits = hf_reference(name, tuple(ids), 3)
+        assert got.tokens[: len(tokens)] == tokens
+        assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL
+
+
+def test_key_parts_cut_where_the_padding_saved_pays_for_a_part() -> None:
+    import numpy as np
+
+    from hybridkv.engine.step import KEY_COLUMN_QUERIES, PART_COST, key_parts
+
+    assert key_parts(np.array([5]), 1, 16) == [(0, 1)]
+    assert key_parts(np.array([17, 17, 17]), 1, 16) == [(0, 3)]  # one width: one part
+    assert key_parts(np.array([17, 16, 16, 15]), 1, 16) == [(0, 4)]  # close widths: not worth a part
+    widths = np.array([17] * 20 + [9] * 20 + [2] * 20)  # a decode group of the bench: contexts of 12-272 tokens
+    parts = key_parts(widths, 1, 16)
+    assert parts == [(0, 20), (20, 40), (40, 60)]
+
+    def cost(cuts: list[tuple[int, int]], q: int) -> float:
+        return sum(PART_COST + (b - a) * (q + KEY_COLUMN_QUERIES) * 16 * int(widths[a:b].max()) for a, b in cuts)
+
+    assert cost(parts, 1) < cost([(0, 60)], 1)
+    assert key_parts(np.array([17, 16]), 64, 16) == [(0, 2)]  # a page of padding: not worth a part
+    assert key_parts(np.array([17, 2]), 64, 16) == [(0, 1), (1, 2)]  # 64 queries over 15 pages of padding: it is
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gpt-oss", "tiny-kimi-linear", "tiny-qwen3-next"])
+def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With parts that cost nothing every change of key width cuts one: decodes of 9-130-token contexts (and the
+    prefill groups) attend in several parts of their own widths (sliding windows, sinks, MLA latents alike), and
+    every request still gets transformers' tokens and logits."""
+    import hybridkv.engine.runner as runner_module
+    import hybridkv.engine.step as step_module
+
+    parts: list[int] = []
+
+    def spy(*args: Any) -> StepContext:
+        ctx = build_step(*args)
+        parts.append(max(len(p) for io in ctx.tokens.values() for p in io.parts))
+        return ctx
+
+    build_step = runner_module.build_step
+    monkeypatch.setattr(runner_module, "build_step", spy)
+    monkeypatch.setattr(step_module, "PART_COST", 0)
+    runner = make_runner(name, 4)
+    prompts = [prompt(90 + n, n) for n in (127, 96, 40, 13, 6)]
+    served = serve(runner, prompts, 128, max_new=3)
+    assert max(parts[1:]) >= 4  # the decode steps: widths of 33, 25, 11, 4 and 3 pages
     for ids, got in zip(prompts, served, strict=True):
         tokens, logits = hf_reference(name, tuple(ids), 3)
         assert got.tokens[: len(tokens)] == tokens

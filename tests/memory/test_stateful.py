@@ -256,6 +256,9 @@ class MemoryMachine(RuleBasedStateMachine):
         if not hasattr(self, "mem"):
             return
         self.mem.verify()
+        available = self.mem.available_pages()  # pages_fit answers the same question without the search
+        for k in (0, available - 1, available, available + 1, available + 7):
+            assert self.mem.pages_fit(k) == (k <= available), (k, available)
         referenced = set()
         for row in self.rows.values():
             referenced.update((row // self.ps).tolist())

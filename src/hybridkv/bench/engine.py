@@ -140,14 +140,16 @@ class CallTimer:
 
     @contextlib.contextmanager
     def patch(self, *classes: type) -> Iterator[CallTimer]:
-        """Time every method (``__init__`` and other dunders but ``__repr__`` included) and property of ``classes``
-        while inside the block."""
+        """Time every method (``__init__`` and other dunders but ``__repr__`` included; static and class methods
+        too) and property of ``classes`` while inside the block."""
         saved: list[tuple[type, str, Any]] = []
         for cls in classes:
             for name, attr in list(vars(cls).items()):
                 label = f"{cls.__name__}.{name}"
                 if isinstance(attr, property) and attr.fget is not None:
                     new: Any = property(self.wrap(attr.fget, label), attr.fset, attr.fdel, attr.__doc__)
+                elif isinstance(attr, staticmethod | classmethod):
+                    new = type(attr)(self.wrap(attr.__func__, label))
                 elif inspect.isfunction(attr) and name not in ("__repr__", "__str__"):
                     new = self.wrap(attr, label)
                 else:

@@ -24,7 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from enum import Enum
 
 import numpy as np
@@ -37,6 +37,12 @@ from hybridkv.spec import PoolId
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False
+
+
+def fresh_pages(new_len: int, n_pages: int, page_size: int) -> int:
+    """Fresh pages a row of ``n_pages`` needs to hold ``new_len`` tokens (a function, not a method: hot loops over
+    many handles call it)."""
+    return max(0, -(-new_len // page_size) - n_pages)
 
 
 class HandleStatus(Enum):
@@ -105,6 +111,22 @@ class KVHandle:
     def pages(self) -> np.ndarray:
         return self._row[: self.n_pages]
 
+    @staticmethod
+    def rows(handles: Sequence[KVHandle]) -> list[np.ndarray]:
+        """Every handle's ``pages`` (a step's requests at once)."""
+        return [h._row[: h.n_pages] for h in handles]
+
+    @staticmethod
+    def grow_all(handles: Sequence[KVHandle], new_lens: Sequence[int], pages: np.ndarray) -> None:
+        """``grow`` each handle to ``new_lens[i]`` tokens with its fresh pages, taken from ``pages`` in order."""
+        at = 0
+        for h, n in zip(handles, new_lens, strict=True):
+            need = fresh_pages(n, h.n_pages, h.page_size)
+            _grow(h, n, pages[at : at + need])
+            at += need
+        if at != pages.size:
+            raise CacheError(f"extend: {pages.size} fresh pages for requests that need {at}")
+
     @property
     def state_from_zero(self) -> bool:
         """The running state slot is fresh (the hit had no checkpoint): zero it before the
@@ -132,7 +154,7 @@ class KVHandle:
 
     def pages_needed(self, new_len: int) -> int:
         """Fresh pages the row needs to hold ``new_len`` tokens."""
-        return max(0, -(-new_len // self.page_size) - self.n_pages)
+        return fresh_pages(new_len, self.n_pages, self.page_size)
 
     def check_running(self, what: str) -> None:
         if self.status is not HandleStatus.RUNNING:
@@ -140,27 +162,7 @@ class KVHandle:
 
     def grow(self, new_len: int, pages: np.ndarray) -> None:
         """Grow the sequence to ``new_len`` tokens with exactly ``pages_needed`` fresh pages."""
-        need = self.pages_needed(new_len)
-        if new_len < self.seq_len or pages.size != need:
-            raise CacheError(
-                f"extend: growing {self.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}"
-            )
-        if need == 0:  # most decode steps: the last page has room
-            self.seq_len = new_len
-            return
-        n = self.n_pages
-        end = n + need
-        if not self._own_row:  # the first growth: the row becomes the request's own array
-            self._row, self._own_row = np.concatenate([self._row[:n], pages]), True
-        elif end > self._row.size:  # later growth (decode): double the capacity
-            row = np.empty(max(end, 2 * self._row.size), dtype=np.int64)
-            row[:n] = self._row[:n]
-            row[n:end] = pages
-            self._row = row
-        else:
-            self._row[n:end] = pages
-        self.n_pages = end
-        self.seq_len = new_len
+        _grow(self, new_len, pages)
 
     def window_release(self) -> list[np.ndarray]:
         """Own pages that just left each window pool's window (one array per pool); marks
@@ -202,3 +204,39 @@ class KVHandle:
         """After the final insert: use the cache's ids; only ``release`` is left."""
         self._take_cache_pages(cache_pages)
         self.status = HandleStatus.COMMITTED
+
+
+def checked_handle(handle: object, what: str) -> KVHandle:
+    """``handle`` as a KVHandle, or a ``CacheError`` naming ``what`` was called with."""
+    if not isinstance(handle, KVHandle):
+        raise CacheError(f"{what}: expected a KVHandle from KVManager.admit, got {type(handle).__name__}")
+    return handle
+
+
+def checked_handles(handles: object, what: str) -> list[KVHandle]:
+    """``handles`` as a list of KVHandles (``checked_handle`` of each)."""
+    if isinstance(handles, KVHandle) or not isinstance(handles, Sequence):
+        raise CacheError(f"{what}: expected a sequence of KVHandles, got {type(handles).__name__}")
+    return [checked_handle(h, what) for h in handles]
+
+
+def _grow(h: KVHandle, new_len: int, pages: np.ndarray) -> None:
+    need = fresh_pages(new_len, h.n_pages, h.page_size)
+    if new_len < h.seq_len or pages.size != need:
+        raise CacheError(f"extend: growing {h.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}")
+    if need == 0:  # most decode steps: the last page has room
+        h.seq_len = new_len
+        return
+    n = h.n_pages
+    end = n + need
+    if not h._own_row:  # the first growth: the row becomes the request's own array
+        h._row, h._own_row = np.concatenate([h._row[:n], pages]), True
+    elif end > h._row.size:  # later growth (decode): double the capacity
+        row = np.empty(max(end, 2 * h._row.size), dtype=np.int64)
+        row[:n] = h._row[:n]
+        row[n:end] = pages
+        h._row = row
+    else:
+        h._row[n:end] = pages
+    h.n_pages = end
+    h.seq_len = new_len

@@ -10,9 +10,10 @@ every request through it. A request's life:
     kvm.release_windows([h])                 # window pages that left each window: window-cached
     kvm.wanted_checkpoints(h, prompt_len)    # where the placement wants the state stored (chunk ends)
     kvm.checkpoint(h) / reserve_checkpoint(h, at)   # a state checkpoint at a page-aligned length
+                                             # (request_checkpoints: every way to place one)
     kvm.finish_checkpoint(h)                 # where the placement wants one at the sequence end
     kvm.insert(h, tokens)                    # cache what is computed, keep running (relocked)
-    kvm.finish(h, tokens)  |  kvm.release(h) # cache and release  |  abort / retract
+    kvm.finish(h, tokens)  |  kvm.release(h) # cache and release  |  abort / retract (many: *_all)
 
 Allocation with eviction (``alloc_pages`` / ``alloc_state`` / ``fork_state``, and every call
 above that allocates): on ``OutOfMemory`` the cache evicts what the allocator says it is
@@ -49,9 +50,10 @@ import numpy as np
 
 from hybridkv.cache.args import as_array, integer
 from hybridkv.cache.errors import CacheError
-from hybridkv.cache.handle import HandleStatus, KVHandle
+from hybridkv.cache.handle import HandleStatus, KVHandle, checked_handle, checked_handles, fresh_pages
 from hybridkv.cache.placement import DEFAULT, CheckpointPlacement
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
+from hybridkv.cache.request_checkpoints import RequestCheckpoints
 from hybridkv.cache.rules import PAGE_NEED, Need
 from hybridkv.memory import GateStatus, MoveGate, OutOfMemory
 from hybridkv.memory.gates import DoneEvent
@@ -61,19 +63,7 @@ T = TypeVar("T")
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
 
-def _handle(handle: object, what: str) -> KVHandle:
-    if not isinstance(handle, KVHandle):
-        raise CacheError(f"{what}: expected a KVHandle from KVManager.admit, got {type(handle).__name__}")
-    return handle
-
-
-def _handles(handles: object, what: str) -> list[KVHandle]:
-    if isinstance(handles, KVHandle) or not isinstance(handles, Sequence):
-        raise CacheError(f"{what}: expected a sequence of KVHandles, got {type(handles).__name__}")
-    return [_handle(h, what) for h in handles]
-
-
-class KVManager:
+class KVManager(RequestCheckpoints):
     def __init__(
         self, cache: HybridRadixCache, placement: CheckpointPlacement | str = DEFAULT, *, park_windows: bool = True
     ):
@@ -244,14 +234,14 @@ class KVManager:
 
     def received(self, handle: KVHandle) -> None:
         """The KV and state of a ``reserve``d handle arrived: it runs from its ``seq_len`` on."""
-        handle = _handle(handle, "received")
+        handle = checked_handle(handle, "received")
         if handle.status is not HandleStatus.RECEIVING:
             raise CacheError(f"received: the request is {handle.status.value}, not receiving")
         handle.status = HandleStatus.RUNNING
 
     def extend(self, handle: KVHandle, new_len: int) -> np.ndarray:
         """Grow ``handle`` to ``new_len`` tokens; returns the fresh pages (maybe none)."""
-        handle = _handle(handle, "extend")
+        handle = checked_handle(handle, "extend")
         new_len = integer(new_len, "extend new_len")
         if handle.status is not HandleStatus.RUNNING:
             handle.check_running("extend")
@@ -263,34 +253,40 @@ class KVManager:
 
     def extend_batch(self, handles: Sequence[KVHandle], new_lens: Sequence[int]) -> None:
         """Grow every handle to its new length with one allocation (a decode batch)."""
-        handles = _handles(handles, "extend_batch")
+        handles = checked_handles(handles, "extend_batch")
         if not isinstance(new_lens, Sequence) or len(new_lens) != len(handles):
             raise CacheError(f"extend_batch: need one new length per handle ({len(handles)}), got {new_lens!r}")
         if not all(type(n) is int for n in new_lens):
             new_lens = [integer(n, "extend_batch new_lens") for n in new_lens]
         needs = []
-        running = HandleStatus.RUNNING
+        running, ps = HandleStatus.RUNNING, self.page_size
         for h, n in zip(handles, new_lens, strict=True):
             if h.status is not running:
                 h.check_running("extend")
             if n < h.seq_len:
                 raise CacheError(f"extend: a request of {h.seq_len} tokens cannot shrink to {n}")
-            needs.append(h.pages_needed(n))
+            needs.append(fresh_pages(n, h.n_pages, ps))
         total = sum(needs)
-        pages = self._alloc_for(handles, total) if total else _NO_PAGES
-        at = 0
-        for h, n, need in zip(handles, new_lens, needs, strict=True):
-            h.grow(n, pages[at : at + need])
-            at += need
+        KVHandle.grow_all(handles, new_lens, self._alloc_for(handles, total) if total else _NO_PAGES)
 
     def release_windows(self, handles: Sequence[KVHandle]) -> int:
         """Release the own pages that left each window pool's window, batched per pool: the
         cache holds their window cells (window-cached) or, without ``park_windows``, they are
         freed there; returns how many pages left a pool."""
-        handles = _handles(handles, "release_windows")
-        if not self._windows:
+        handles = checked_handles(handles, "release_windows")
+        if not self._windows or not handles:
             return 0
-        per_pool = zip(*(h.window_release() for h in handles), strict=True)
+        n, ps = len(handles), self.page_size
+        seq = np.fromiter((h.seq_len for h in handles), dtype=np.int64, count=n)
+        cached = np.fromiter((h.cached for h in handles), dtype=np.int64, count=n)
+        leaving = np.zeros(n, dtype=bool)
+        for i, pool_id in enumerate(self._windows):  # only handles with pages past a window's start release any
+            released = np.fromiter((h.released[i] for h in handles), dtype=np.int64, count=n)
+            leaving |= pool_id.first_needed(seq) // ps > np.maximum(released, cached)
+        moved = [handles[i] for i in np.flatnonzero(leaving).tolist()]
+        if not moved:
+            return 0
+        per_pool = zip(*(h.window_release() for h in moved), strict=True)
         freed = 0
         for w, parts in zip(self.cache.rules.windows, per_pool, strict=True):
             left = [p for p in parts if p.size]
@@ -308,7 +304,7 @@ class KVManager:
         its window at ``seq_len``: cells that hold no computed bytes (pages restored from a tier
         below, which brings back only the window before the restored end; cached, such a cell
         would make a later hit inside that span read garbage). Returns how many were freed."""
-        handle = _handle(handle, "discard_windows")
+        handle = checked_handle(handle, "discard_windows")
         handle.check_running("discard_windows")
         freed = 0
         for i, pool in enumerate(handle.windows):
@@ -321,79 +317,12 @@ class KVManager:
                 freed += int(pages.size)
         return freed
 
-    def checkpoint(self, handle: KVHandle) -> int:
-        """Copy the running state now (after ``seq_len`` tokens, page-aligned) into a new
-        checkpoint slot; the next insert caches it."""
-        handle = _handle(handle, "checkpoint")
-        handle.check_running("checkpoint")
-        at = handle.seq_len
-        self._check_checkpoint(handle, at)
-        if handle.state_slot is None:
-            raise CacheError("checkpoint: the request has no running state slot to copy")
-        slot = int(self.fork_state([handle.state_slot])[0])
-        handle.checkpoints[at] = slot
-        return slot
-
-    def reserve_checkpoint(self, handle: KVHandle, at: int) -> int:
-        """A fresh slot for the state after ``at`` tokens (page-aligned): the caller copies the
-        state into it when its computation passes ``at``; the next insert reaching ``at``
-        caches it."""
-        return self._reserve_checkpoints(handle, [at], "reserve_checkpoint")[0]
-
-    def reserve_checkpoints(self, handle: KVHandle, positions: Sequence[int]) -> list[int]:
-        """``reserve_checkpoint`` at each of ``positions`` (distinct), with one allocation: on
-        ``OutOfMemory`` (after eviction) none is reserved."""
-        return self._reserve_checkpoints(handle, positions, "reserve_checkpoints")
-
-    def _reserve_checkpoints(self, handle: KVHandle, positions: Sequence[int], name: str) -> list[int]:
-        handle = _handle(handle, name)
-        handle.check_running(name)
-        ats = [integer(at, f"{name} at") for at in positions]
-        if len(set(ats)) != len(ats):
-            raise CacheError(f"{name}: positions {ats} repeat one")
-        for at in ats:
-            self._check_checkpoint(handle, at)
-        if not ats:
-            return []
-        slots = [int(s) for s in self.alloc_state(len(ats))]
-        handle.checkpoints.update(zip(ats, slots, strict=True))
-        return slots
-
-    def wanted_checkpoints(self, handle: KVHandle, prompt_len: int) -> tuple[int, ...]:
-        """Page-aligned positions past the handle's computed tokens (``seq_len``) and up to
-        ``prompt_len`` where the placement wants the state stored: prefill ends a chunk at each
-        (``reserve_checkpoint`` / ``checkpoint`` there). Empty without recurrent layers."""
-        handle = _handle(handle, "wanted_checkpoints")
-        prompt_len = integer(prompt_len, "wanted_checkpoints prompt_len")
-        if self._state_pool is None:
-            return ()
-        return self.placement.prefill(handle.match.checkpoint_at, prompt_len, handle.seq_len)
-
-    def finish_checkpoint(self, handle: KVHandle) -> int | None:
-        """Where the placement wants the state stored when the request finishes at its
-        ``seq_len`` (page-aligned, past the cached part, not taken yet), or None."""
-        handle = _handle(handle, "finish_checkpoint")
-        if self._state_pool is None:
-            return None
-        at = self.placement.at_finish(handle.seq_len, handle.cached * self.page_size)
-        return None if at is None or at in handle.checkpoints else at
-
-    def _check_checkpoint(self, handle: KVHandle, at: int) -> None:
-        if self._state_pool is None:
-            raise CacheError(f"checkpoint: this shard ({self.mem.shard.describe()}) has no recurrent layers")
-        cached = handle.cached * self.page_size
-        if at % self.page_size or at <= cached or at in handle.checkpoints:
-            raise CacheError(
-                f"checkpoint at {at}: must be a multiple of the page size {self.page_size} past the "
-                f"cached {cached} tokens, and not taken already (taken: {sorted(handle.checkpoints)})"
-            )
-
     def insert(self, handle: KVHandle, tokens: object, *, final: bool = False) -> InsertResult:
         """Cache the page-aligned part of ``tokens`` (the sequence so far) with the handle's
         pages and its checkpoints up to there; free what the cache did not keep. Not
         ``final``: the handle keeps running on the cache's ids, relocked at the new end.
         ``final``: the handle is COMMITTED (only ``release`` is left)."""
-        handle = _handle(handle, "insert")
+        handle = checked_handle(handle, "insert")
         if handle.status is not HandleStatus.RUNNING:
             handle.check_running("insert")
         toks = tokens if type(tokens) is np.ndarray else as_array(tokens)
@@ -431,22 +360,42 @@ class KVManager:
 
     def finish(self, handle: KVHandle, tokens: object) -> InsertResult:
         """Cache the finished sequence, then release the request."""
-        result = self.insert(handle, tokens, final=True)
-        self.release(handle)
-        return result
+        return self.finish_all([handle], [tokens])[0]
+
+    def finish_all(self, handles: Sequence[KVHandle], tokens: Sequence[object]) -> list[InsertResult]:
+        """``finish`` of every handle (``tokens[i]``: its sequence): each cached, then all released at once."""
+        handles = checked_handles(handles, "finish_all")
+        if len(tokens) != len(handles):
+            raise CacheError(f"finish_all: need one token sequence per handle ({len(handles)}), got {len(tokens)}")
+        results = [self.insert(h, t, final=True) for h, t in zip(handles, tokens, strict=True)]
+        self.release_all(handles)
+        return results
 
     def release(self, handle: KVHandle) -> None:
         """Give back everything the request holds that the cache does not: its own pages,
         its state slot and checkpoints, its lock (abort, retract, or the end of ``finish``)."""
-        handle = _handle(handle, "release")
-        if handle.status is HandleStatus.RELEASED:
-            raise CacheError("release: this request was released already")
-        if handle.gates and any(g.status is not GateStatus.RELEASED for g in handle.gates):
-            raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
-        own = handle.own_pages()
-        slots = list(handle.checkpoints.values()) if handle.checkpoints else []
-        if handle.state_slot is not None:
-            slots.append(handle.state_slot)
+        self.release_all([handle])
+
+    def release_all(self, handles: Sequence[KVHandle]) -> None:
+        """``release`` of every handle (distinct), their pages freed with one call and their slots with one: all
+        released, or (a handle released already, or pinned) none."""
+        handles = checked_handles(handles, "release")
+        if not handles:
+            return
+        if len({id(h) for h in handles}) != len(handles):
+            raise CacheError("release: a request appears twice")
+        slots: list[int] = []
+        for handle in handles:
+            if handle.status is HandleStatus.RELEASED:
+                raise CacheError("release: this request was released already")
+            if handle.gates and any(g.status is not GateStatus.RELEASED for g in handle.gates):
+                raise CacheError("release: the request still pins its ids (a forward or transfer); unpin it first")
+            if handle.checkpoints:
+                slots += handle.checkpoints.values()
+            if handle.state_slot is not None:
+                slots.append(handle.state_slot)
+        rows = [h.own_pages() for h in handles]
+        own = rows[0] if len(rows) == 1 else np.concatenate(rows)
         gates = self.mem.gates
         if gates.pinning_gates and (
             np.count_nonzero(gates.page_pins[own]) or (slots and np.count_nonzero(gates.slot_pins[slots]))
@@ -458,18 +407,19 @@ class KVManager:
             self.mem.free_pages(own)
         if slots:
             self.mem.free_state(np.asarray(slots, dtype=np.int64))
-        self.cache.unlock(handle.lock)
-        handle.checkpoints.clear()
-        handle.state_slot = None
-        handle.gates.clear()
-        handle.status = HandleStatus.RELEASED
+        for handle in handles:
+            self.cache.unlock(handle.lock)
+            handle.checkpoints.clear()
+            handle.state_slot = None
+            handle.gates.clear()
+            handle.status = HandleStatus.RELEASED
 
     # --- pins -----------------------------------------------------------------------------
 
     def pin(self, handle: KVHandle, event: DoneEvent | None = None) -> MoveGate:
         """Pin the request's pages and slots while a forward or transfer reads them (until
         ``unpin``, or until ``event`` completes)."""
-        handle = _handle(handle, "pin")
+        handle = checked_handle(handle, "pin")
         handle.check_running("pin")
         slots = [*([handle.state_slot] if handle.state_slot is not None else []), *handle.checkpoints.values()]
         gate = self.mem.pin(pages=handle.pages, slots=slots, event=event)
@@ -477,7 +427,7 @@ class KVManager:
         return gate
 
     def unpin(self, handle: KVHandle) -> None:
-        handle = _handle(handle, "unpin")
+        handle = checked_handle(handle, "unpin")
         for gate in handle.gates:
             gate.release()
         handle.gates.clear()

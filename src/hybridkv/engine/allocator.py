@@ -45,6 +45,7 @@ from enum import Enum
 import numpy as np
 
 from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
+from hybridkv.cache.handle import fresh_pages
 from hybridkv.cache.placement import DEFAULT
 from hybridkv.engine.agreement import ALONE, Agreement
 from hybridkv.engine.tiered import EngineTiers
@@ -146,6 +147,14 @@ class RequestMemory:
         return None if self.handle is None else self.handle.state_slot
 
 
+def live_handles(reqs: Sequence[RequestMemory]) -> list[KVHandle]:
+    """The handles of admitted requests (``RequestMemory.live`` for many, with one check)."""
+    handles = [r.handle for r in reqs]
+    if None in handles:
+        raise RuntimeError("this request holds no memory: admit it first")
+    return handles  # type: ignore[return-value]  # None is not in it
+
+
 class RequestAllocator:
     def __init__(
         self,
@@ -209,10 +218,9 @@ class RequestAllocator:
             got = Admission.TOO_BIG if alone else Admission.REFUSED
         if handle is not None:
             need = handle.pages_needed(start + min(chunk, len(tokens) - start)) + extra_pages
-            short = need - self.mem.available_pages()
-            if short > 0:
-                kvm.evict({PAGE_NEED: short})
-                if need > self.mem.available_pages() and not alone:
+            if not self.mem.pages_fit(need):
+                kvm.evict({PAGE_NEED: need - self.mem.available_pages()})
+                if not self.mem.pages_fit(need) and not alone:
                     got = Admission.REFUSED
         got = Admission(agree.min([got.value])[0])
         if got is not Admission.ADMITTED:
@@ -268,21 +276,61 @@ class RequestAllocator:
         """The reserved KV and state arrived: the request continues from there."""
         self.kvm.received(req.live)
 
+    def pages_needed(self, reqs: list[RequestMemory], lengths: list[int]) -> int:
+        """Fresh pages requests ``reqs`` need, summed, to hold ``lengths[i]`` tokens each."""
+        ps = self.page_size
+        return sum(fresh_pages(n, h.n_pages, ps) for h, n in zip(live_handles(reqs), lengths, strict=True))
+
+    def step_rows(self, reqs: list[RequestMemory]) -> tuple[list[np.ndarray], list[int] | None, list[bool] | None]:
+        """What a forward batch reads of each request: its page row, and (with recurrent layers) its running state
+        slot and whether that state starts from zero."""
+        handles = live_handles(reqs)
+        pages = KVHandle.rows(handles)
+        if not self.has_state:
+            return pages, None, None
+        return pages, [h.state_slot or 0 for h in handles], [r.fresh for r in reqs]
+
     def extend(self, reqs: list[RequestMemory], lengths: list[int]) -> None:
         """Grow request ``i`` to ``lengths[i]`` tokens (prefill chunks and decodes alike), one allocation;
         a request already that long grows no further (a step retried after a retraction)."""
-        self.kvm.extend_batch([r.live for r in reqs], lengths)
+        self.kvm.extend_batch(live_handles(reqs), lengths)
 
     def mark_computed(self, reqs: list[RequestMemory], release_windows: bool = True) -> None:
         """After a forward: states now hold real data, and pages may have left windows (released
         unless ``release_windows`` is False: a prefill engine's sender reads the whole prompt's KV)."""
+        handles = live_handles(reqs)
         for req in reqs:
             req.fresh = False
         if release_windows and self.kvm.has_windows:
-            self.kvm.release_windows([r.live for r in reqs])
+            self.kvm.release_windows(handles)
+
+    def reserve_chunk_checkpoints(self, reqs: list[RequestMemory], ends: list[int]) -> list[int]:
+        """Before a step's forward: a checkpoint slot for each prefill chunk of ``reqs`` that ends (at ``ends[i]``)
+        where one is wanted, -1 elsewhere; the forward writes the state there with the running state
+        (``ForwardBatch.checkpoint_slots``) and ``chunk_done`` finds it taken. One allocation for all; without
+        room for it none is reserved (``chunk_done`` then copies, room permitting)."""
+        out = [-1] * len(reqs)
+        if not self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
+            return out
+        handles = live_handles(reqs)
+        rows = [
+            i
+            for i, (req, h, end) in enumerate(zip(reqs, handles, ends, strict=True))
+            if end in req.wanted and end > h.cached * self.page_size and end not in h.checkpoints
+        ]
+        if not rows:
+            return out
+        try:
+            slots = self.kvm.reserve_step_checkpoints([handles[i] for i in rows], [ends[i] for i in rows])
+        except OutOfMemory:
+            return out
+        for i, slot in zip(rows, slots.tolist(), strict=True):
+            out[i] = slot
+        return out
 
     def chunk_done(self, req: RequestMemory, tokens: Sequence[int]) -> None:
-        """After a prefill chunk: a checkpoint when it ends where one is wanted, then cache the computed pages."""
+        """After a prefill chunk: a checkpoint when it ends where one is wanted (a copy of the state now, unless
+        ``reserve_chunk_checkpoints`` had the forward write it), then cache the computed pages."""
         h = req.live
         end = h.seq_len
         if end in req.wanted and self.has_state:  # ranks without recurrent layers cut chunks alike, store nothing
@@ -292,15 +340,23 @@ class RequestAllocator:
 
     def finish(self, req: RequestMemory, tokens: Sequence[int]) -> None:
         """Cache the finished sequence, its state checkpointed at the end when the placement
-        wants one there and the final length is page-aligned (the state exists only there), release."""
-        h = req.live
-        req.handle = None
+        wants one there and the final length is page-aligned (the state exists only there: the
+        running slot itself becomes the checkpoint), release."""
+        self.finish_all([req], [tokens])
+
+    def finish_all(self, reqs: list[RequestMemory], tokens: list[Sequence[int]]) -> None:
+        """``finish`` of every request of ``reqs`` (a step's ended requests): each cached, all released at once."""
+        handles = live_handles(reqs)
+        for req in reqs:
+            req.handle = None
         if not self.prefix_cache:
-            self.kvm.release(h)
+            self.kvm.release_all(handles)
             return
-        if self.kvm.finish_checkpoint(h) == h.seq_len:
-            self._checkpoint(h)
-        self.kvm.finish(h, req.ids(tokens, h.seq_len))
+        for h in handles:
+            if self.kvm.finish_checkpoint(h) == h.seq_len and h.seq_len > h.cached * self.page_size:
+                self.kvm.checkpoint_final(h)  # the running state itself: the request computes no more
+        ids = [req.ids(t, h.seq_len) for req, t, h in zip(reqs, tokens, handles, strict=True)]
+        self.kvm.finish_all(handles, ids)
 
     def retract(self, req: RequestMemory) -> None:
         """Give back what the request holds; what it inserted stays cached for its resumption."""

@@ -14,6 +14,8 @@ Invariants (checked at construction, on the host):
 - ``state_slots[i]`` is request ``i``'s virtual state slot (models with recurrent layers),
   and ``fresh_state[i]`` says its state starts from zero (first chunk of a request without a
   cached state); otherwise the slot holds the state after ``prefix_lens[i]`` tokens.
+  ``checkpoint_slots[i]`` (optional, -1 for none) is a reserved checkpoint slot that gets a copy
+  of request ``i``'s state after its new tokens, written with the running state.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ForwardBatch:
     fresh_state: np.ndarray | None = None
     pages: tuple[np.ndarray, ...] | None = None
     page_size: int | None = None
+    checkpoint_slots: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -79,6 +82,7 @@ class ForwardBatch:
         page_size: int,
         state_slots: list[int] | np.ndarray | None = None,
         fresh_state: list[bool] | np.ndarray | None = None,
+        checkpoint_slots: list[int] | np.ndarray | None = None,
     ) -> ForwardBatch:
         """From per-request new tokens and page rows (``KVHandle.pages``: at least the context's pages)."""
         flat, ext = _ids(input_ids)
@@ -90,6 +94,7 @@ class ForwardBatch:
             *_slots(state_slots, fresh_state),
             pages=tuple(np.asarray(p, dtype=np.int64) for p in pages),
             page_size=page_size,
+            checkpoint_slots=None if checkpoint_slots is None else np.asarray(checkpoint_slots, dtype=np.int64),
         )
 
     def __post_init__(self) -> None:
@@ -131,11 +136,14 @@ class ForwardBatch:
                     f"request {i}: {sizes[i]} pages of {self.page_size} tokens cannot hold a context of {seq[i]} "
                     f"tokens (prefix {self.prefix_lens[i]} + {self.extend_lens[i]} new)"
                 )
-        for name, arr in (("state_slots", self.state_slots), ("fresh_state", self.fresh_state)):
+        named = (("state_slots", self.state_slots), ("fresh_state", self.fresh_state))
+        for name, arr in (*named, ("checkpoint_slots", self.checkpoint_slots)):
             if arr is not None and arr.size != r:
                 raise BatchError(f"{name} has {arr.size} entries for {r} requests")
         if (self.state_slots is None) != (self.fresh_state is None):
             raise BatchError("give state_slots and fresh_state together")
+        if self.checkpoint_slots is not None and self.state_slots is None:
+            raise BatchError("checkpoint_slots copy the requests' states: give state_slots too")
 
     @property
     def seq_lens(self) -> np.ndarray:

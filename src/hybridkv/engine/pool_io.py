@@ -7,9 +7,10 @@ reads that layout once per memory and exposes each pool as one tensor over the w
 - a state pool as raw cell bytes ``(cells, cell_bytes)``, with each (layer, tensor)'s byte
   range, dtype and per-request shape.
 
-Per step, ``TokenIO`` gathers the context pages of a padded group of requests for every layer
-of the pool at once (``index_select``), collects each layer's new entries, and writes them
-all with one indexed store at ``flush``; ``StateIO`` gathers every request's state cell once
+Per step, ``TokenIO`` gathers the context pages of every padded group of requests (cut into
+parts of similar widths) for every layer of the pool at once (``index_select`` into one
+buffer), puts each layer's new entries in with one indexed copy, and writes them all with
+one indexed store at ``flush``; ``StateIO`` gathers every request's state cell once
 (zeros where a state starts fresh), lets the layers read and update typed views of it in
 place, and writes the cells back once at ``flush``.
 
@@ -178,8 +179,10 @@ def _state_layout(pool: SubPool) -> StateLayout:
 
 
 @dataclass(frozen=True)
-class GroupKeys:
-    """A padded group's keys in one token pool: every layer's entries of the group's pages, as columns.
+class KeyPart:
+    """Some rows of a padded group, with their keys in one token pool: every layer's entries of their pages, as
+    columns (a view into the step's one gathered buffer of the pool; a group's rows may be cut into parts of
+    different widths, so short rows are not padded to the group's longest).
 
     Row ``r``'s column ``c`` holds position ``first_page[r] * page_size + c``: gathered entries where the
     position is older than the step; the step's new tokens once each layer wrote its entries there; zeros
@@ -187,17 +190,14 @@ class GroupKeys:
     hold any bytes, NaN included, and a masked key must still be finite).
     """
 
-    entries: torch.Tensor  # (slots, R', W, *shape)
-    rows: torch.Tensor  # (T',) each new token's row
-    cols: torch.Tensor  # (T',) and column
-    mask: torch.Tensor  # (R', 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
-    spare: torch.Tensor | None  # (R', 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
-    cell: torch.Tensor  # (T',) the pool cell of each new token
-    offset: torch.Tensor  # (T',) and its slot in the cell's page
+    entries: torch.Tensor  # (slots, R_p, W, *shape)
+    rows: slice  # the group's rows [a, b) it holds
+    mask: torch.Tensor  # (R_p, 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
+    spare: torch.Tensor | None  # (R_p, 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0
     _sinks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def with_sinks(self, sinks: torch.Tensor) -> torch.Tensor:
-        """``(R', heads, Q', W)``: the mask plus one more key per row and head, the spare zero column, whose logit
+        """``(R_p, heads, Q', W)``: the mask plus one more key per row and head, the spare zero column, whose logit
         is ``sinks[head]`` (gpt-oss's attention sinks: its zero value adds nothing but joins the softmax)."""
         if self.spare is None:
             raise ValueError("attention sinks need the step's spare key column: build the step with sinks=True")
@@ -208,40 +208,44 @@ class GroupKeys:
 
 
 class TokenIO:
-    """One token pool in one step: the groups' keys gathered once, new entries written in, stored once."""
+    """One token pool in one step: every part's keys gathered at once into one buffer ``(slots, columns, *shape)``,
+    each layer's new entries written in with one indexed copy, stored in the pool with one indexed store."""
 
-    def __init__(self, layout: TokenLayout, groups: list[GroupKeys]):
-        self.layout = layout
-        self.groups = groups
+    def __init__(
+        self,
+        layout: TokenLayout,
+        buffer: torch.Tensor,
+        parts: list[list[KeyPart]],
+        new_cols: torch.Tensor,
+        cell: torch.Tensor,
+        offset: torch.Tensor,
+    ):
+        """``parts[g]``: group ``g``'s rows in order; ``new_cols`` ``(T,)``: the buffer column of each new token of
+        the step (step order), ``cell`` / ``offset`` its pool cell and slot in the cell's page."""
+        self.layout, self.buffer, self.parts = layout, buffer, parts
+        self.new_cols, self.cell, self.offset = new_cols, cell, offset
         self.written: set[int] = set()
 
     @staticmethod
-    def gather(
-        layout: TokenLayout, key: int, cells: torch.Tensor, rows: int, zero_rows: torch.Tensor, zero_cols: torch.Tensor
-    ) -> torch.Tensor:
-        """Every layer's entries of the pages ``cells`` (``rows`` requests' ``P`` pages each, flat, row-major; the
-        padding page is the sink, cell 0, zeroed here first): ``(slots, rows, P * page_size, *shape)``, also zero
-        at ``(zero_rows, zero_cols)`` (the slots after each row's last token in its last page)."""
+    def gather(layout: TokenLayout, cells: torch.Tensor, zero_cols: torch.Tensor) -> torch.Tensor:
+        """Every layer's entries of the pages ``cells`` (flat; the padding page is the sink, cell 0, zeroed here
+        first): ``(slots, pages * page_size, *shape)``, also zero at columns ``zero_cols`` (the slots after each
+        row's last token in its last page)."""
         grid = layout.grid
         grid[0].zero_()
         slots, n = grid.shape[1], cells.numel()
-        out = layout.workspace(key, slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
+        out = layout.workspace(0, slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
         for s in range(slots):  # one contiguous copy per page and slot: far cheaper than a strided gather
             torch.index_select(grid[:, s], 0, cells, out=out[s])
-        out = out.view(slots, rows, -1, *grid.shape[3:])
-        out.movedim(0, 2).index_put_((zero_rows, zero_cols), layout.zero)  # a device zero: no host scalar copied in
-        return out
+        out = out.view(slots, n * grid.shape[2], *grid.shape[3:])
+        return out.index_fill_(1, zero_cols, 0)
 
-    def write(self, span: slice, new: torch.Tensor, tokens: list[slice]) -> list[torch.Tensor]:
-        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every group's keys;
-        returns each group's ``(len(span), R', W, *shape)`` keys. The pool gets them at ``flush``."""
-        out = []
-        for keys, part in zip(self.groups, tokens, strict=True):
-            entries = keys.entries[span]
-            entries[:, keys.rows, keys.cols] = cast(new[part].movedim(1, 0), entries.dtype)
-            out.append(entries)
+    def write(self, span: slice, new: torch.Tensor) -> None:
+        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every part's keys (read
+        them as ``part.entries[span]``). The pool gets them at ``flush``."""
+        buffer = self.buffer[span]
+        buffer.index_copy_(1, self.new_cols, cast(new.movedim(1, 0), buffer.dtype))
         self.written.update(range(span.start, span.stop))
-        return out
 
     def flush(self) -> None:
         layout = self.layout
@@ -250,18 +254,25 @@ class TokenIO:
         if len(self.written) != layout.slots:
             missing = sorted(set(range(layout.slots)) - self.written)
             raise LayoutError(f"pool {layout.pool_id}: the step wrote no new entries in slots {missing}")
-        for keys in self.groups:
-            new = keys.entries[:, keys.rows, keys.cols]  # (slots, T', *shape)
-            layout.grid.movedim(1, 2).index_put_((keys.cell, keys.offset), new.movedim(0, 1))
+        new = self.buffer.index_select(1, self.new_cols)  # (slots, T, *shape)
+        layout.grid.movedim(1, 2).index_put_((self.cell, self.offset), new.movedim(0, 1))
         self.written.clear()
 
 
 class StateIO:
-    """The state pool in one step: every request's cell gathered once, updated in place, written back once."""
+    """The state pool in one step: every request's cell gathered once, updated in place, written back once (and
+    into the reserved checkpoint cells of the requests that have one)."""
 
-    def __init__(self, layout: StateLayout, cells: torch.Tensor, fresh: torch.Tensor | None):
-        """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does."""
-        self.layout, self.cells = layout, cells
+    def __init__(
+        self,
+        layout: StateLayout,
+        cells: torch.Tensor,
+        fresh: torch.Tensor | None,
+        checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does. ``checkpoints``:
+        ``(rows, cells)``, cells that get a copy of those rows' states at ``flush``."""
+        self.layout, self.cells, self.checkpoints = layout, cells, checkpoints
         self.rows = layout.grid.index_select(0, cells)
         if fresh is not None:
             self.rows.index_fill_(0, fresh, 0)
@@ -280,3 +291,6 @@ class StateIO:
 
     def flush(self) -> None:
         self.layout.grid.index_copy_(0, self.cells, self.rows)
+        if self.checkpoints is not None:
+            rows, cells = self.checkpoints
+            self.layout.grid.index_copy_(0, cells, self.rows.index_select(0, rows))

@@ -234,10 +234,6 @@ class Scheduler:
                 return p - start
         return span
 
-    def _step_pages(self, req: Request, budget: int) -> int:
-        """Fresh pages ``req`` needs for its next span."""
-        return req.mem.live.pages_needed(req.computed + self._span(req, budget))
-
     def _spans(self, reqs: list[Request]) -> list[int]:
         """Each request's span this step, in order, within ``max_step_tokens``."""
         spans, left = [], self.max_step_tokens
@@ -249,7 +245,10 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[int]:
         """Admit waiting requests into ``budget`` tokens of the step; the spans of those admitted."""
-        taken = sum(self._step_pages(r, self.max_step_tokens) for r in self.running)  # the running requests' step
+        running = self.running  # the running requests' step: their fresh pages
+        taken = self.alloc.pages_needed(
+            [r.mem for r in running], [r.computed + self._span(r, self.max_step_tokens) for r in running]
+        )
         spans: list[int] = []
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
@@ -264,7 +263,7 @@ class Scheduler:
             req.computed = req.mem.length
             self.running.append(req)
             span = self._span(req, budget)
-            taken += req.mem.live.pages_needed(req.computed + span)
+            taken += self.alloc.pages_needed([req.mem], [req.computed + span])
             budget -= span
             spans.append(span)
         return spans
@@ -288,20 +287,37 @@ class Scheduler:
                 spans = self._spans(self.running)
                 continue
             ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
-            return Step(reqs, spans, self._batch(reqs, spans), ending)
+            return Step(reqs, spans, self._batch(reqs, spans, self._checkpoints(reqs, spans)), ending)
         return None
 
-    def _batch(self, reqs: list[Request], spans: list[int]) -> ForwardBatch:
+    def _checkpoints(self, reqs: list[Request], spans: list[int]) -> list[int] | None:
+        """Checkpoint slots the step's forward fills (prefill chunks ending where the placement wants one; -1
+        elsewhere), None when there are none."""
+        if not self.alloc.has_state:
+            return None
+        chunks = [i for i, r in enumerate(reqs) if r.computed < len(r.tokens) - 1 and r.mem.wanted]
+        if not chunks:
+            return None
+        ends = [reqs[i].computed + spans[i] for i in chunks]
+        slots = self.alloc.reserve_chunk_checkpoints([reqs[i].mem for i in chunks], ends)
+        if max(slots) < 0:
+            return None
+        out = [-1] * len(reqs)
+        for i, slot in zip(chunks, slots, strict=True):
+            out[i] = slot
+        return out
+
+    def _batch(self, reqs: list[Request], spans: list[int], checkpoints: list[int] | None) -> ForwardBatch:
         prefix = [r.computed for r in reqs]
-        handles = [r.mem.live for r in reqs]
-        has_state = self.alloc.has_state
+        pages, slots, fresh = self.alloc.step_rows([r.mem for r in reqs])
         return ForwardBatch.from_pages(
             [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
             prefix,
-            [h.pages for h in handles],
+            pages,
             self.alloc.page_size,
-            [h.state_slot or 0 for h in handles] if has_state else None,
-            [r.mem.fresh for r in reqs] if has_state else None,
+            slots,
+            fresh,
+            checkpoints,
         )
 
     def _retract_newest(self, short: str) -> None:
@@ -356,6 +372,7 @@ class Scheduler:
         """Record the token chosen for each request of ``step`` (None: mid-prefill; ``NON_FINITE``:
         its logits were broken, it fails). A handed-off request only records its first token (or,
         broken, its error: the caller stops its sender, then ``release_sent``)."""
+        ended: list[Request] = []
         for req, token in zip(step.reqs, tokens, strict=True):
             if token is None:
                 continue
@@ -375,6 +392,8 @@ class Scheduler:
             else:
                 req.tokens.append(token)
                 if self._ended_by(req, token):
-                    self.alloc.finish(req.mem, req.tokens)
+                    ended.append(req)
                     self.finished.append(req)
+        if ended:  # cached, then released at once
+            self.alloc.finish_all([r.mem for r in ended], [r.tokens for r in ended])
         self.running = [r for r in self.running if not r.done and r.rid not in self.holding]

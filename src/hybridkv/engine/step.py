@@ -1,24 +1,26 @@
 """StepContext: one step's index tensors, masks and pool I/O, built once from a ForwardBatch.
 
-Step order. A step lays its requests out decodes first (one new token each, in the batch's
-order), then the longer spans, longest first (equal lengths in the batch's order); its flat
-tokens (``input_ids``, ``positions``, every hidden state of the step) follow that order.
-``last_index[i]`` is the flat index of the batch's request ``i``'s last new token, so logits
-come back in the batch's order. ``groups`` are contiguous ranges of step rows and flat tokens,
-each padded to its own longest span: the decodes (never padded to a chunk), then the longer
-spans cut where the padding saved is worth another group (``span_groups``): a 4-token tail is
-not padded to the 64 tokens of the step's longest chunk.
+Step order. A step lays its requests out decodes first (one new token each, longest context
+first, equal ones in the batch's order), then the longer spans, longest first (equal lengths in
+the batch's order); its flat tokens (``input_ids``, ``positions``, every hidden state of the
+step) follow that order. ``last_index[i]`` is the flat index of the batch's request ``i``'s last
+new token, so logits come back in the batch's order. ``groups`` are contiguous ranges of step
+rows and flat tokens, each padded to its own longest span: the decodes (never padded to a
+chunk), then the longer spans cut where the padding saved is worth another group
+(``span_groups``): a 4-token tail is not padded to the 64 tokens of the step's longest chunk.
 
 Attention of a group reads, per token pool, the columns of its requests' pages from the page
 of the earliest position a new token can see (``first_needed(prefix + 1)``, the pool id's
-rule) to the longest row, plus one spare column when a layer needs it (``sinks``: attention sinks
-join the softmax as that zero key; ``GroupKeys``): gathered once per group for
-every layer of the pool, the step's new entries put in by each layer as it computes them
-(never read back from the pool; the pool gets them once, at the end of the step: ``flush``).
-Each group and pool has one additive mask ``(R', 1, Q', W)``, built here: 0 where query ``q``
-sees column ``c`` (causal, the pool's history rule, e.g. a sliding window), ``-inf``
-elsewhere (padding, slots after a row's last token). State pools: every row's state cell is
-gathered once (``StateIO``) and written back once.
+rule), plus one spare column when a layer needs it (``sinks``: attention sinks join the
+softmax as that zero key). A group's rows are cut into parts (``key_parts``) each padded to
+its own widest row (``KeyPart``): a 20-token context is not padded to a 270-token one. Every
+part of every group is gathered at once per pool, for every layer of the pool (one buffer);
+the step's new entries are put in by each layer as it computes them (never read back from
+the pool; the pool gets them once, at the end of the step: ``flush``). Each part has one
+additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
+the pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (padding, slots after a
+row's last token). State pools: every row's state cell is gathered once (``StateIO``) and
+written back once (and copied into its reserved checkpoint cell, if the batch gives one).
 
 Invariants:
 - Physical ids come from one ``page_cells`` per pool and step (token pools: every group's
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.pool_io import GroupKeys, StateIO, TokenIO, TokenLayout, pool_layouts
+from hybridkv.engine.pool_io import KeyPart, StateIO, TokenIO, TokenLayout, pool_layouts
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
 
@@ -79,7 +81,6 @@ class StepContext:
     tokens: dict[PoolId, TokenIO]  # per token pool
     states: dict[PoolId, StateIO]  # per state pool (stateful steps)
     pool_of: dict[int, PoolId]  # layer id -> its pool
-    spans: list[slice]  # each group's flat tokens
 
     def token_io(self, layer_id: int) -> TokenIO:
         """The I/O of the token pool holding ``layer_id``'s entries."""
@@ -131,78 +132,150 @@ def _group(rows: _Rows, a: int, b: int, dev: Dev) -> Group:
     return Group(slice(a, b), tokens, q, dev(ext), query_index, from_padded)
 
 
+PART_COST = 7000
+"""A key part's fixed cost (its per-layer attention call, slicing, concat: about 50 µs a layer on the tiny models) in
+padded (query, key column) pairs, where one key column costs ``KEY_COLUMN_QUERIES`` pairs more (gathered, read)."""
+KEY_COLUMN_QUERIES = 6
+
+
+def key_parts(widths: np.ndarray, queries: int, page_size: int) -> list[tuple[int, int]]:
+    """Contiguous parts ``[a, b)`` of a group's rows (``widths``: each row's key pages), each padded to its widest
+    row, that minimise the padded pairs (``rows * (queries + KEY_COLUMN_QUERIES) * widest * page_size`` summed)
+    plus ``PART_COST`` per part. Cuts fall only where the width changes (rows sorted by width: a few runs)."""
+    n = widths.size
+    fixed = PART_COST / ((queries + KEY_COLUMN_QUERIES) * page_size)  # in row pages
+    if n * (int(widths.max()) - int(widths.min())) <= fixed:  # all the padding costs less than one more part
+        return [(0, n)]
+    starts = np.flatnonzero(np.diff(widths, prepend=-1)).tolist()
+    w = widths.tolist()
+    bounds = [*starts, n]
+    m = len(starts)
+    best, cut = [0.0] * (m + 1), [0] * (m + 1)
+    for j in range(1, m + 1):
+        top, found = 0, (float("inf"), 0)
+        for i in range(j - 1, -1, -1):  # parts [bounds[i], bounds[j]), widest row seen so far
+            top = max(top, w[bounds[i]])
+            cost = best[i] + fixed + (bounds[j] - bounds[i]) * top
+            if cost < found[0]:
+                found = (cost, i)
+        best[j], cut[j] = found
+    parts, j = [], m
+    while j:
+        parts.append((bounds[cut[j]], bounds[j]))
+        j = cut[j]
+    return parts[::-1]
+
+
 @dataclass(frozen=True)
-class _KeysPlan:
-    """One group's keys in one token pool, on the host (see ``GroupKeys``)."""
+class _PartPlan:
+    """Some rows of a group and their keys in one token pool, on the host (see ``KeyPart``)."""
 
-    virtual: np.ndarray  # (R', P) virtual page ids, 0 (the sink) past each row's pages
-    new_cells: np.ndarray  # (T',) each new token's entry in ``virtual`` (flat)
-    new_offsets: np.ndarray  # (T',) and its slot in the page
-    new_rows: np.ndarray  # (T',) its row
-    new_cols: np.ndarray  # (T',) and column
-    zero_rows: np.ndarray  # slots after each row's last token in its last page
-    zero_cols: np.ndarray
-    mask: np.ndarray  # (R', 1, Q', W)
-    spare: np.ndarray | None  # (R', 1, 1, W); None without a spare column
+    rows: slice  # the group's rows
+    width: int  # pages per row
+    columns: slice  # its columns of the step's buffer
+    mask: np.ndarray  # (R_p, 1, Q', W)
+    spare: np.ndarray | None  # (R_p, 1, 1, W); None without a spare column
 
 
-def _plan_keys(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool) -> _KeysPlan:
-    """Rows ``[a, b)``'s keys in one token pool: columns from the page of the earliest position a new token sees
-    to the longest row's last token (``sinks``: to one spare column past it)."""
-    pre, ext = rows.pre[a:b], rows.ext[a:b]
+@dataclass(frozen=True)
+class _PoolPlan:
+    """The step's keys in one token pool, on the host."""
+
+    virtual: list[np.ndarray]  # per group: its rows' virtual page ids, flat (0, the sink, for padding pages)
+    parts: list[list[_PartPlan]]  # per group
+    new_cols: list[np.ndarray]  # per group: each new token's buffer column
+    zero_cols: list[np.ndarray]  # slots after each row's last token in its last page
+
+
+def _masks(
+    pool_id: PoolId, pre: np.ndarray, ext: np.ndarray, base: np.ndarray, q: int, cols: int, sinks: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rows' additive masks ``(R, 1, q, cols)`` over key positions ``base + c`` (what each of the ``q`` padded
+    queries sees: causal, the pool's history rule; -inf past a row's last token), and (``sinks``) their spare
+    columns ``(R, 1, 1, cols)``."""
     seq = pre + ext
-    r, q = b - a, int(ext.max())
-    first_page = pool_id.first_needed(pre + 1) // ps
-    base = first_page * ps
-    pages = -(-seq // ps) - first_page  # the row's pages from its first visible one
-    width = -(-(int((seq - base).max()) + int(sinks)) // ps)  # pages per row (a spare column past the longest)
-    key_pos = base[:, None] + np.arange(width * ps)  # (R', W)
-    query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R', Q')
-    visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
-    if pool_id.releases_history:
-        visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
-    col = np.arange(width)
-    real = col[None, :] < pages[:, None]
-    virtual = np.where(real, table[np.where(real, (rows.page_base[a:b] + first_page)[:, None] + col, 0)], 0)
-    new_rows = np.repeat(np.arange(r), ext)
-    new_cols = _arange_runs(pre - base, ext)
-    tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
+    key_pos = base[:, None] + np.arange(cols)  # (R, W)
+    if q == 1:  # one query per row, at seq - 1: it sees its whole history
+        visible = key_pos < seq[:, None]
+        if pool_id.releases_history:
+            visible &= key_pos >= pool_id.first_needed(seq)[:, None]
+        visible = visible[:, None, :]
+    else:
+        query_pos = pre[:, None] + np.minimum(np.arange(q), ext[:, None] - 1)  # (R, q)
+        visible = (key_pos < seq[:, None])[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+        if pool_id.releases_history:
+            visible &= key_pos[:, None, :] >= pool_id.first_needed(query_pos + 1)[:, :, None]
     spare = None
     if sinks:
-        spare = np.zeros((r, 1, 1, width * ps), dtype=np.float32)
-        spare[np.arange(r), 0, 0, seq - base] = 1.0
-    return _KeysPlan(
-        virtual,
-        new_rows * width + new_cols // ps,
-        new_cols % ps,
-        new_rows,
-        new_cols,
-        np.repeat(np.arange(r), tail),
-        _arange_runs(seq - base, tail),
-        np.where(visible, np.float32(0), np.float32(-np.inf))[:, None],
-        spare,
-    )
+        spare = np.zeros((seq.size, 1, 1, cols), dtype=np.float32)
+        spare[np.arange(seq.size), 0, 0, seq - base] = 1.0
+    return np.where(visible, np.float32(0), np.float32(-np.inf))[:, None], spare
 
 
-def _token_io(layout: TokenLayout, plans: list[_KeysPlan], mem: UnifiedMemory, dev: Dev) -> TokenIO:
-    """The pool's I/O for the step: one ``page_cells`` for every group's pages, one gather per group."""
-    sizes = [p.virtual.size for p in plans]
-    cells = mem.page_cells(np.concatenate([p.virtual.reshape(-1) for p in plans]), layout.pool_id)
-    keys = []
-    for g, (plan, part) in enumerate(zip(plans, torch.split(cells, sizes), strict=True)):
-        entries = TokenIO.gather(layout, g, part, plan.virtual.shape[0], dev(plan.zero_rows), dev(plan.zero_cols))
-        keys.append(
-            GroupKeys(
-                entries,
-                dev(plan.new_rows),
-                dev(plan.new_cols),
-                dev(plan.mask),
-                None if plan.spare is None else dev(plan.spare),
-                part[dev(plan.new_cells)],
-                dev(plan.new_offsets),
+def _plan_pool(
+    rows: _Rows, bounds: list[tuple[int, int]], pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool
+) -> _PoolPlan:
+    """Every group's keys in one token pool: per row, columns from the page of the earliest position a new token
+    sees to its part's widest row's last token (``sinks``: to one spare column past it)."""
+    plan = _PoolPlan([], [], [], [])
+    at = 0  # buffer columns so far
+    for a, b in bounds:
+        pre, ext = rows.pre[a:b], rows.ext[a:b]
+        seq = pre + ext
+        r, q = b - a, int(ext.max())
+        first_page = pool_id.first_needed(pre + 1) // ps
+        base = first_page * ps
+        pages = -(-seq // ps) - first_page  # the row's pages from its first visible one
+        need = -(-(seq - base + int(sinks)) // ps)  # pages it needs (a spare column past its last token)
+        parts = key_parts(need, q, ps)
+        row_width = np.empty(r, dtype=np.int64)
+        group_parts = []
+        # one query per row (decodes): the group's masks at its widest, each part's a slice (few wide arrays)
+        whole = _masks(pool_id, pre, ext, base, q, int(need.max()) * ps, sinks) if q == 1 and len(parts) > 1 else None
+        for i, j in parts:
+            width = int(need[i:j].max())
+            row_width[i:j] = width
+            cols = width * ps
+            if whole is None:
+                mask, spare = _masks(pool_id, pre[i:j], ext[i:j], base[i:j], q, cols, sinks)
+            else:
+                mask, spare = whole[0][i:j, ..., :cols], None if whole[1] is None else whole[1][i:j, ..., :cols]
+            group_parts.append(_PartPlan(slice(i, j), width, slice(at, at + (j - i) * cols), mask, spare))
+            at += (j - i) * cols
+        row_start = np.concatenate(([0], np.cumsum(row_width[:-1]))) * ps + group_parts[0].columns.start
+        col = _arange_runs(np.zeros(r, dtype=np.int64), row_width)
+        row = np.repeat(np.arange(r), row_width)
+        real = col < pages[row]
+        at_table = np.where(real, rows.page_base[a:b][row] + first_page[row] + col, 0)
+        plan.virtual.append(np.where(real, table[at_table], 0))
+        plan.parts.append(group_parts)
+        plan.new_cols.append(np.repeat(row_start, ext) + _arange_runs(pre - base, ext))
+        tail = (first_page + pages) * ps - seq  # slots after the row's last token in its last page
+        plan.zero_cols.append(np.repeat(row_start, tail) + _arange_runs(seq - base, tail))
+    return plan
+
+
+def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev) -> TokenIO:
+    """The pool's I/O for the step: one ``page_cells`` and one gather for every group's pages."""
+    ps = mem.page_size
+    cells = mem.page_cells(np.concatenate(plan.virtual), layout.pool_id)
+    buffer = TokenIO.gather(layout, cells, dev(np.concatenate(plan.zero_cols)))
+    shape = buffer.shape[2:]
+    parts = [
+        [
+            KeyPart(
+                buffer[:, p.columns].view(buffer.shape[0], p.rows.stop - p.rows.start, p.width * ps, *shape),
+                p.rows,
+                dev(p.mask),
+                None if p.spare is None else dev(p.spare),
             )
-        )
-    return TokenIO(layout, keys)
+            for p in group
+        ]
+        for group in plan.parts
+    ]
+    new_cols = np.concatenate(plan.new_cols)
+    new_pages = dev(new_cols // ps)
+    return TokenIO(layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps))
 
 
 SPLIT_ROWS = 64
@@ -235,6 +308,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
     ext_b, pre_b = batch.extend_lens, batch.prefix_lens
     table, page_base_b = batch.page_table(ps)
     decodes, longer = np.flatnonzero(ext_b == 1), np.flatnonzero(ext_b > 1)
+    decodes = decodes[np.argsort(-pre_b[decodes], kind="stable")]  # widest keys first: parts of similar widths
     longer = longer[np.argsort(-ext_b[longer], kind="stable")]
     n_dec = decodes.size
     step_order = np.concatenate([decodes, longer])
@@ -259,7 +333,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
     bounds += [(n_dec + a, n_dec + b) for a, b in span_groups(ext[n_dec:].tolist())]
     groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
     tokens = {
-        pool_id: _token_io(layout, [_plan_keys(rows, a, b, pool_id, table, ps, sinks) for a, b in bounds], mem, dev)
+        pool_id: _token_io(layout, _plan_pool(rows, bounds, pool_id, table, ps, sinks), mem, dev)
         for pool_id, layout in layouts.tokens.items()
     }
     states = {}
@@ -267,8 +341,15 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
         slots_o = batch.state_slots if order is None else batch.state_slots[order]
         fresh_rows = np.flatnonzero(batch.fresh_state if order is None else batch.fresh_state[order])
         fresh = dev(fresh_rows) if fresh_rows.size else None
+        ckpt = batch.checkpoint_slots
+        if ckpt is not None and order is not None:
+            ckpt = ckpt[order]
+        ckpt_rows = np.flatnonzero(ckpt >= 0) if ckpt is not None else None
         for pool_id, state_layout in layouts.states.items():
-            states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh)
+            copies = None
+            if ckpt is not None and ckpt_rows is not None and ckpt_rows.size:
+                copies = (dev(ckpt_rows), mem.page_cells(ckpt[ckpt_rows], pool_id))
+            states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh, copies)
     return StepContext(
         input_ids=dev(input_ids),
         positions=dev(positions),
@@ -277,5 +358,4 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
         tokens=tokens,
         states=states,
         pool_of=layouts.pool_of,
-        spans=[g.tokens for g in groups],
     )

@@ -96,6 +96,7 @@ class UnifiedMemory(TokenApi, WindowApi):
         self.history_pools = [p for p in self.token_pools if p.pool_id.keeps_history]
         self.window_pools = [p for p in self.token_pools if p.pool_id.releases_history]
         self.slot_pools = [p for p in self.pools.values() if p.layout.id_space is IdSpace.SLOT]
+        self._cells_per_slab = [max(1, plan.min_cells_per_slab(p.layout)) for p in self.token_pools]
         self.window_holds = WindowHolds(self.pages, self.window_pools)
         self.gates = GateRegistry(page_capacity, slot_capacity)
         self.broker = SlabBroker(self.arena, list(self.pools.values()), self.gates)
@@ -183,22 +184,29 @@ class UnifiedMemory(TokenApi, WindowApi):
         if not self.token_pools:
             return self.pages.free_count
         free_slabs = self.arena.free_slabs
-        pools = self.token_pools
-        per_slab = [max(1, self.plan.min_cells_per_slab(p.layout)) for p in pools]
-
-        def fits(k: int) -> bool:
-            need = sum(-(-max(0, k - p.free_count) // n) for p, n in zip(pools, per_slab, strict=True))
-            return need <= free_slabs
-
+        pools = zip(self.token_pools, self._cells_per_slab, strict=True)
         # each pool alone bounds k (its free cells and every free slab); often that bound fits them all
-        hi = min(self.pages.free_count, *(p.free_count + free_slabs * n for p, n in zip(pools, per_slab, strict=True)))
-        if fits(hi):
+        hi = min(self.pages.free_count, *(p.free_count + free_slabs * n for p, n in pools))
+        if self._slabs_for(hi) <= free_slabs:
             return hi
         lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            lo, hi = (mid, hi) if self._slabs_for(mid) <= free_slabs else (lo, mid - 1)
         return lo
+
+    def pages_fit(self, count: int) -> bool:
+        """``count <= available_pages()``, without searching for the largest count (host counters only)."""
+        if count > self.pages.free_count:
+            return False
+        if all(count <= p.free_count for p in self.token_pools):  # free cells at hand in every pool
+            return True
+        return self._slabs_for(count) <= self.arena.free_slabs
+
+    def _slabs_for(self, k: int) -> int:
+        """Free slabs the token pools need, summed, for ``k`` more pages."""
+        pools = zip(self.token_pools, self._cells_per_slab, strict=True)
+        return sum(-(-max(0, k - p.free_count) // n) for p, n in pools)
 
     # --- pages: allocation ----------------------------------------------------------------
 

@@ -5,7 +5,8 @@ this layer's pool (``pool_io``: every layer's context pages were gathered once f
 the pool gets the new K/V once, at the end of the step), and attend through
 ``scaled_dot_product_attention``: queries ``(R, heads, Q, D)`` against keys ``(R, kv_heads,
 W, D)`` with the step's additive mask (causal, the pool's window, padding; built once per
-step); one-token decodes and longer spans attend as two padded groups (``ctx.groups``).
+step); one-token decodes and longer spans attend as padded groups (``ctx.groups``), each cut
+into parts of similar key widths (``KeyPart``).
 
 Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
 dropped: a spare zero key of each row whose mask entry is the sink), output gate (Qwen3-Next:
@@ -30,6 +31,7 @@ from torch import nn
 from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.layers.norms import RMSNorm, derived
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
+from hybridkv.engine.pool_io import KeyPart
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
@@ -93,12 +95,12 @@ class PagedAttention(nn.Module):
 
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
-        entries = io.write(span, torch.stack((k, v), dim=1), ctx.spans)  # per group: (2, R', W, kv, D)
+        io.write(span, torch.stack((k, v), dim=1))
         outs = []
-        for group, keys, kv in zip(ctx.groups, io.groups, entries, strict=True):
-            mask = keys.mask if self.sinks is None else keys.with_sinks(self.sinks)
-            out = self._attend(group.pad(q).transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), mask)
-            outs.append(group.unpad(out.transpose(1, 2)))
+        for group, parts in zip(ctx.groups, io.parts, strict=True):
+            q_group = group.pad(q).transpose(1, 2)  # (R', heads, Q', D)
+            done = [self._attend(q_group if len(parts) == 1 else q_group[p.rows], p, span) for p in parts]
+            outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
         out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -115,9 +117,16 @@ class PagedAttention(nn.Module):
         )
         return cast(F.rms_norm(f32(qk), q_norm.shape, None, q_norm.eps) * scale, qk.dtype)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Queries ``(R, heads, Q, D)`` over keys and values ``(R, kv, W, D)`` with the additive ``mask``
-        (``(R, 1 or heads, Q, W)``) -> ``(R, heads, Q, D)``."""
+    def _attend(self, q: torch.Tensor, part: KeyPart, span: slice) -> torch.Tensor:
+        """Queries ``(R_p, heads, Q, D)`` over the part's keys and values (``span``: their slots) -> ``(R_p, heads,
+        Q, D)``."""
+        kv = part.entries[span]  # (2, R_p, W, kv, D)
+        mask = part.mask if self.sinks is None else part.with_sinks(self.sinks)
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=cast(mask, q.dtype), scale=self.scaling, enable_gqa=self.heads != self.kv_heads
+            q,
+            kv[0].transpose(1, 2),
+            kv[1].transpose(1, 2),
+            attn_mask=cast(mask, q.dtype),
+            scale=self.scaling,
+            enable_gqa=self.heads != self.kv_heads,
         )

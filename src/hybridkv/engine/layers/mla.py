@@ -79,29 +79,42 @@ class PagedMLA(nn.Module):
         c_kv, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope[:, None], rope)[:, 0]], dim=-1)
 
+        weight = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.rank)
+        w_k, w_v = torch.split(weight, [self.nope_dim, self.v_dim], dim=1)
+        query = self._absorbed(q, w_k)
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("latent",))
-        entries = io.write(span, latent[:, None, None], ctx.spans)  # per group: (1, R', W, 1, rank + rope)
+        io.write(span, latent[:, None, None])
         outs = []
-        for group, keys, latents in zip(ctx.groups, io.groups, entries, strict=True):
-            out = self._attend(group.pad(q), cast(latents[0, :, :, 0], x.dtype), cast(keys.mask, x.dtype))
-            outs.append(group.unpad(out))
-        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        for group, parts in zip(ctx.groups, io.parts, strict=True):
+            q_group = group.pad(query).transpose(1, 2)  # (R', heads, Q', rank + rope)
+            done = [
+                self._attend(
+                    q_group if len(parts) == 1 else q_group[p.rows],
+                    cast(p.entries[span][0, :, :, 0], x.dtype),  # (R_p, W, rank + rope)
+                    cast(p.mask, x.dtype),
+                )
+                for p in parts
+            ]
+            outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs))[..., : self.rank]  # (T, heads, rank)
+        out = torch.einsum("thc,hvc->thv", out, w_v)  # each latent read back through its head's value projection
+        return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))
 
-    def _attend(self, q: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Queries ``(R', Q', heads, qk)`` over key latents ``(R', W, rank + rope)`` -> ``(R', Q', heads * v)``.
+    def _absorbed(self, q: torch.Tensor, w_k: torch.Tensor) -> torch.Tensor:
+        """Queries ``(T, heads, qk)`` -> ``(T, heads, rank + rope)`` in the latents' space.
 
         Absorbed form: ``q_nope . (W_k c) = (W_k^T q_nope) . c`` and ``p @ (W_v c) = W_v (p @ c)``, so the
         context's latents are never expanded per head; one multi-query attention over the latents themselves
         (each latent is its own value: the value's rope part is computed and dropped, for one kernel with
-        equal head dims)."""
+        equal head dims), the value projection applied once to every token's output."""
         q_nope, q_rope = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
-        weight = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.rank)
-        w_k, w_v = torch.split(weight, [self.nope_dim, self.v_dim], dim=1)
-        query = torch.cat((torch.einsum("rqhn,hnc->rqhc", q_nope, w_k), q_rope), dim=-1)
+        return torch.cat((torch.einsum("thn,hnc->thc", q_nope, w_k), q_rope), dim=-1)
+
+    def _attend(self, query: torch.Tensor, latents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Absorbed queries ``(R', heads, Q', rank + rope)`` over key latents ``(R', W, rank + rope)`` ->
+        ``(R', heads, Q', rank + rope)``."""
         keys = latents[:, None]  # one key (and value) head shared by every query head
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), keys, keys, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads > 1
+        return F.scaled_dot_product_attention(
+            query, keys, keys, attn_mask=mask, scale=self.scaling, enable_gqa=self.heads > 1
         )
-        out = torch.einsum("rhqc,hvc->rqhv", out[..., : self.rank], w_v)
-        return out.reshape(out.shape[0], out.shape[1], self.heads * self.v_dim)
