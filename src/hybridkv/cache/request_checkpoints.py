@@ -49,26 +49,16 @@ class RequestCheckpoints:
     def checkpoint(self: _Manager, handle: KVHandle) -> int:
         """Copy the running state now (after ``seq_len`` tokens, page-aligned) into a new
         checkpoint slot; the next insert caches it."""
-        handle = checked_handle(handle, "checkpoint")
-        handle.check_running("checkpoint")
-        at = handle.seq_len
-        self._check_checkpoint(handle, at)
-        if handle.state_slot is None:
-            raise CacheError("checkpoint: the request has no running state slot to copy")
-        slot = int(self.fork_state([handle.state_slot])[0])
+        handle, at, running = _running_state(self, handle, "checkpoint")
+        slot = int(self.fork_state([running])[0])
         handle.checkpoints[at] = slot
         return slot
 
     def checkpoint_final(self: _Manager, handle: KVHandle) -> int:
         """The running state (after ``seq_len`` tokens, page-aligned) becomes the checkpoint there, without a copy:
         the request computes no more (its final insert, ``finish``, caches it); it holds no running slot after."""
-        handle = checked_handle(handle, "checkpoint_final")
-        handle.check_running("checkpoint_final")
-        at = handle.seq_len
-        self._check_checkpoint(handle, at)
-        if handle.state_slot is None:
-            raise CacheError("checkpoint_final: the request has no running state slot")
-        slot, handle.state_slot = handle.state_slot, None
+        handle, at, slot = _running_state(self, handle, "checkpoint_final")
+        handle.state_slot = None
         handle.checkpoints[at] = slot
         return slot
 
@@ -138,3 +128,14 @@ class RequestCheckpoints:
                 f"checkpoint at {at}: must be a multiple of the page size {self.page_size} past the "
                 f"cached {cached} tokens, and not taken already (taken: {sorted(handle.checkpoints)})"
             )
+
+
+def _running_state(manager: _Manager, handle: KVHandle, name: str) -> tuple[KVHandle, int, int]:
+    """``handle`` checked for a checkpoint of its running state now: ``(handle, seq_len, its running slot)``."""
+    handle = checked_handle(handle, name)
+    handle.check_running(name)
+    at = handle.seq_len
+    manager._check_checkpoint(handle, at)
+    if handle.state_slot is None:
+        raise CacheError(f"{name}: the request has no running state slot")
+    return handle, at, handle.state_slot
