@@ -46,23 +46,18 @@ class TokenLayout:
     grid: torch.Tensor
     slot: dict[tuple[int, str], int]
     spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
-    workspaces: dict[int, torch.Tensor] = field(default_factory=dict)
-    zero: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "zero", self.grid.new_zeros(()))
+    _workspace: list[torch.Tensor] = field(default_factory=list)  # at most one buffer: the step's gathered keys
 
     @property
     def slots(self) -> int:
         return self.grid.shape[1]
 
-    def workspace(self, key: int, numel: int) -> torch.Tensor:
-        """A reused buffer of at least ``numel`` elements (big fresh allocations cost page faults every step);
-        what it held before is garbage. One per ``key``: buffers alive in the same step need different keys."""
-        buf = self.workspaces.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = self.workspaces[key] = self.grid.new_empty(numel + numel // 4)
-        return buf[:numel]
+    def workspace(self, numel: int) -> torch.Tensor:
+        """The pool's reused buffer, at least ``numel`` elements (big fresh allocations cost page faults every step);
+        what it held before is garbage, so one step uses it once (``TokenIO.gather``)."""
+        if not self._workspace or self._workspace[0].numel() < numel:
+            self._workspace[:] = [self.grid.new_empty(numel + numel // 4)]
+        return self._workspace[0][:numel]
 
     def span(self, layer_id: int, names: tuple[str, ...]) -> slice:
         """The slots of ``layer_id``'s ``names`` (adjacent, in that order)."""
@@ -234,7 +229,7 @@ class TokenIO:
         grid = layout.grid
         grid[0].zero_()
         slots, n = grid.shape[1], cells.numel()
-        out = layout.workspace(0, slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
+        out = layout.workspace(slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
         for s in range(slots):  # one contiguous copy per page and slot: far cheaper than a strided gather
             torch.index_select(grid[:, s], 0, cells, out=out[s])
         out = out.view(slots, n * grid.shape[2], *grid.shape[3:])
