@@ -32,7 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +42,9 @@ from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.pool_io import KeyPart, StateIO, TokenIO, TokenLayout, pool_layouts
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
+
+PartAttention = Callable[[torch.Tensor, KeyPart], torch.Tensor]
+"""One key part's attention: its rows' padded queries and the part -> their outputs (see ``StepContext.attend``)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,16 @@ class StepContext:
     def token_io(self, layer_id: int) -> TokenIO:
         """The I/O of the token pool holding ``layer_id``'s entries."""
         return self.tokens[self.pool_of[layer_id]]
+
+    def attend(self, io: TokenIO, q: torch.Tensor, part_attention: PartAttention) -> torch.Tensor:
+        """Queries ``(T, heads, D)`` of the step's tokens attended per group and key part (``part_attention(queries
+        (R_p, heads, Q', D), part) -> (R_p, heads, Q', D')``, queries padded per group) -> ``(T, heads, D')``."""
+        outs = []
+        for group, parts in zip(self.groups, io.parts, strict=True):
+            q_group = group.pad(q).transpose(1, 2)  # (R', heads, Q', D)
+            done = [part_attention(q_group if len(parts) == 1 else q_group[p.rows], p) for p in parts]
+            outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def state_io(self, layer_id: int) -> StateIO:
         """The I/O of the state pool holding ``layer_id``'s state."""
@@ -138,32 +151,34 @@ padded (query, key column) pairs, where one key column costs ``KEY_COLUMN_QUERIE
 KEY_COLUMN_QUERIES = 6
 
 
-def key_parts(widths: np.ndarray, queries: int, page_size: int) -> list[tuple[int, int]]:
-    """Contiguous parts ``[a, b)`` of a group's rows (``widths``: each row's key pages), each padded to its widest
-    row, that minimise the padded pairs (``rows * (queries + KEY_COLUMN_QUERIES) * widest * page_size`` summed)
-    plus ``PART_COST`` per part. Cuts fall only where the width changes (rows sorted by width: a few runs)."""
-    n = widths.size
-    fixed = PART_COST / ((queries + KEY_COLUMN_QUERIES) * page_size)  # in row pages
-    if n * (int(widths.max()) - int(widths.min())) <= fixed:  # all the padding costs less than one more part
-        return [(0, n)]
-    starts = np.flatnonzero(np.diff(widths, prepend=-1)).tolist()
-    w = widths.tolist()
-    bounds = [*starts, n]
-    m = len(starts)
+def padded_parts(sizes: Sequence[int], fixed: float) -> list[tuple[int, int]]:
+    """Contiguous parts ``[a, b)`` of ``sizes``, each padded to its largest, that minimise the padded total
+    (``items * largest`` summed over parts) plus ``fixed`` per part. Cuts fall only where the size changes (a part
+    never gains by cutting a run of equal sizes), so the search is over runs: few for sorted sizes."""
+    n = len(sizes)
+    bounds = [i for i in range(n) if i == 0 or sizes[i] != sizes[i - 1]] + [n]
+    m = len(bounds) - 1
     best, cut = [0.0] * (m + 1), [0] * (m + 1)
     for j in range(1, m + 1):
         top, found = 0, (float("inf"), 0)
-        for i in range(j - 1, -1, -1):  # parts [bounds[i], bounds[j]), widest row seen so far
-            top = max(top, w[bounds[i]])
-            cost = best[i] + fixed + (bounds[j] - bounds[i]) * top
-            if cost < found[0]:
-                found = (cost, i)
+        for i in range(j - 1, -1, -1):  # the part [bounds[i], bounds[j]), its largest size so far
+            top = max(top, sizes[bounds[i]])
+            found = min(found, (best[i] + fixed + (bounds[j] - bounds[i]) * top, i))
         best[j], cut[j] = found
     parts, j = [], m
     while j:
         parts.append((bounds[cut[j]], bounds[j]))
         j = cut[j]
     return parts[::-1]
+
+
+def key_parts(widths: np.ndarray, queries: int, page_size: int) -> list[tuple[int, int]]:
+    """Parts of a group's rows (``widths``: each row's key pages) for ``padded_parts``: a padded (query, key column)
+    pair costs ``queries + KEY_COLUMN_QUERIES`` per row page, a part ``PART_COST``."""
+    fixed = PART_COST / ((queries + KEY_COLUMN_QUERIES) * page_size)  # in row pages
+    if widths.size * (int(widths.max()) - int(widths.min())) <= fixed:  # all the padding costs less than one more part
+        return [(0, widths.size)]
+    return padded_parts(widths.tolist(), fixed)
 
 
 @dataclass(frozen=True)
@@ -285,16 +300,8 @@ and ~96 in 4 sliding ones) and one more group about 0.7 ms."""
 
 
 def span_groups(lengths: list[int]) -> list[tuple[int, int]]:
-    """Contiguous groups ``[a, b)`` of spans sorted longest first, padded to their first span, that minimise the
-    padded query rows (``rows * longest``, summed) plus ``SPLIT_ROWS`` per group."""
-    best, cut = [0] * (len(lengths) + 1), [0] * (len(lengths) + 1)
-    for j in range(1, len(lengths) + 1):
-        best[j], cut[j] = min((best[i] + SPLIT_ROWS + (j - i) * lengths[i], i) for i in range(j))
-    bounds, j = [], len(lengths)
-    while j:
-        bounds.append((cut[j], j))
-        j = cut[j]
-    return bounds[::-1]
+    """Groups of spans sorted longest first for ``padded_parts``: padded query rows, ``SPLIT_ROWS`` per group."""
+    return padded_parts(lengths, SPLIT_ROWS)
 
 
 def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, sinks: bool) -> StepContext:
@@ -344,10 +351,10 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
         ckpt = batch.checkpoint_slots
         if ckpt is not None and order is not None:
             ckpt = ckpt[order]
-        ckpt_rows = np.flatnonzero(ckpt >= 0) if ckpt is not None else None
+        ckpt_rows = np.flatnonzero(ckpt >= 0) if ckpt is not None else np.empty(0, dtype=np.int64)
         for pool_id, state_layout in layouts.states.items():
             copies = None
-            if ckpt is not None and ckpt_rows is not None and ckpt_rows.size:
+            if ckpt is not None and ckpt_rows.size:
                 copies = (dev(ckpt_rows), mem.page_cells(ckpt[ckpt_rows], pool_id))
             states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh, copies)
     return StepContext(

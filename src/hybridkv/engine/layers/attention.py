@@ -96,12 +96,7 @@ class PagedAttention(nn.Module):
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
         io.write(span, torch.stack((k, v), dim=1))
-        outs = []
-        for group, parts in zip(ctx.groups, io.parts, strict=True):
-            q_group = group.pad(q).transpose(1, 2)  # (R', heads, Q', D)
-            done = [self._attend(q_group if len(parts) == 1 else q_group[p.rows], p, span) for p in parts]
-            outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, self.heads * d)
+        out = ctx.attend(io, q, lambda queries, part: self._attend(queries, part, span)).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -85,19 +85,15 @@ class PagedMLA(nn.Module):
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("latent",))
         io.write(span, latent[:, None, None])
-        outs = []
-        for group, parts in zip(ctx.groups, io.parts, strict=True):
-            q_group = group.pad(query).transpose(1, 2)  # (R', heads, Q', rank + rope)
-            done = [
-                self._attend(
-                    q_group if len(parts) == 1 else q_group[p.rows],
-                    cast(p.entries[span][0, :, :, 0], x.dtype),  # (R_p, W, rank + rope)
-                    cast(p.mask, x.dtype),
-                )
-                for p in parts
-            ]
-            outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs))[..., : self.rank]  # (T, heads, rank)
+        out = ctx.attend(
+            io,
+            query,  # (T, heads, rank + rope)
+            lambda queries, part: self._attend(
+                queries,
+                cast(part.entries[span][0, :, :, 0], x.dtype),  # (R_p, W, rank + rope)
+                cast(part.mask, x.dtype),
+            ),
+        )[..., : self.rank]  # (T, heads, rank)
         out = torch.einsum("thc,hvc->thv", out, w_v)  # each latent read back through its head's value projection
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))
 
