@@ -1,8 +1,10 @@
-"""The names of the model presets, and which preset a name means, without importing torch.
+"""The names the command line checks before it imports the library: model presets (and which preset a
+name means) and transports, without importing torch.
 
-The command line checks a ``--model`` against these before it imports the library (torch alone
-takes seconds to import on a cold, busy machine), so a wrong name is answered at once.
-``spec.presets`` builds the ``ModelSpec`` of each name listed here.
+The command line checks a ``--model`` or a ``--transport`` against these first (torch alone takes
+seconds to import on a cold, busy machine), so a wrong name is answered at once. ``spec.presets``
+builds the ``ModelSpec`` of each preset listed here; ``transfer.transport.TRANSPORTS`` holds the
+class of each ``TransportName``.
 
 Invariants:
 - ``preset_names()``: the published presets, in the order of ``spec/data/model_presets.json``,
@@ -11,11 +13,14 @@ Invariants:
   it case-insensitively; no match or several raise ``PresetError`` naming the candidates.
 - ``TINY_PRESETS`` lists exactly the tiny presets ``spec.presets`` builds (it refuses to build
   any other set).
+- ``TransportName`` names exactly the transports ``transfer.transport.TRANSPORTS`` registers (its
+  test checks both ways).
 """
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -33,6 +38,13 @@ TINY_PRESETS = (
     "tiny-mamba-mlp",
     "tiny-lightning",
 )
+
+
+class TransportName(StrEnum):
+    """The transports ``hybridkv.transfer.transport.TRANSPORTS`` knows, as named on the wire."""
+
+    SHM = "shm"
+    MOONCAKE = "mooncake"
 
 
 class PresetError(ValueError):

@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from hybridkv.catalogue import PresetError, resolve_preset
+from hybridkv.catalogue import PresetError, TransportName, resolve_preset
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 
@@ -44,12 +44,9 @@ def positive_finite(value: float | None) -> float | None:
 
 def transport_option(value: str) -> str:
     """A transport name the registry knows (``typer.BadParameter`` naming the known ones)."""
-    from hybridkv.transfer.transport import transport_class
-
-    try:
-        transport_class(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    known = [name.value for name in TransportName]
+    if value not in known:
+        raise typer.BadParameter(f"unknown transport {value!r}; known: {', '.join(known)}")
     return value
 
 

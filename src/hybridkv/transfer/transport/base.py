@@ -24,9 +24,10 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
+from hybridkv.catalogue import TransportName
 from hybridkv.transfer.errors import TransferError, TransportError
 from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
 from hybridkv.transfer.shared import SharedBuffer
@@ -36,13 +37,6 @@ if TYPE_CHECKING:
 
 STOP_CHECK_S = 0.05
 """How often ``write_plan`` asks its ``stop`` callback while a submitted chunk is in flight."""
-
-
-class TransportName(StrEnum):
-    """The transports ``hybridkv.transfer.transport.TRANSPORTS`` knows, as named on the wire."""
-
-    SHM = "shm"
-    MOONCAKE = "mooncake"
 
 
 class Completion(Enum):
