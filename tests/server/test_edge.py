@@ -76,6 +76,7 @@ BAD_GENERATE = [
     ({"input_ids": GOOD, "text": "hi"}, "text"),
     ({"input_ids": GOOD, "rid": ["a", "b"]}, "rid"),
     ({"input_ids": [GOOD, GOOD], "rid": ["a", "a"]}, "rid"),
+    ({"input_ids": GOOD, "rid": {"a": 1}}, "rid"),  # fits no member of ``str | list[str]``: named as sent
     ({"input_ids": GOOD, "sampling_params": {"stop": "x"}}, "sampling_params.stop"),
     ({"input_ids": GOOD, "return_logprob": True}, "return_logprob"),
     ({"input_ids": GOOD, "stream": "true"}, "stream"),

@@ -134,14 +134,17 @@ def parse(model: type[_Strict], raw: bytes) -> Any:
         raise ApiError(400, f"{where}: {err['msg']}", where) from None
 
 
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
 def _path(loc: tuple[int | str, ...]) -> str:
-    """``("prompt", 2)`` -> ``prompt[2]``; union-member tags pydantic inserts (``list[int]``, a model's
+    """``("prompt", 2)`` -> ``prompt[2]``; union-member tags pydantic inserts (``str``, ``list[int]``, a model's
     class name) are dropped."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in part or part[:1].isupper():
+        elif "[" in part or part[:1].isupper() or part in _SCALAR_TAGS:
             continue
         else:
             out += f".{part}" if out else part
