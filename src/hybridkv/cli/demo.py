@@ -78,7 +78,7 @@ def demo(
     """A tiny random Qwen3-Next behind hybridkv serve --disaggregated (2 PP prefill processes -> decode TP 2
     processes over Mooncake), driven over HTTP, one deliberate fault, every request's tokens next to
     transformers' with a verdict, and the server's /metrics. Exits 1 unless every verdict is right.
-    ``--all`` first runs the earlier sections."""
+    With --all it first runs the earlier sections."""
     console = Console(width=max(Console().width, 150))
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
