@@ -106,8 +106,26 @@ def engine_checkpoints(value: str | None, chunk_size: int, page_size: int) -> st
 
 # --- sampling: one set of options for every command that serves requests ------------------------
 
-TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, max=100.0, help="0 is greedy.")
-TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: keep the most likely tokens up to p.")
+
+def sampling_value(field: str) -> Callable[[Any], Any]:
+    """A callback that checks one sampling option as the engine does (``SamplingParams``: ranges, NaN)."""
+
+    def check(value: Any) -> Any:
+        from hybridkv.engine.request import RequestError, SamplingParams  # torch-free
+
+        try:
+            SamplingParams(**{field: value})
+        except RequestError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        return value
+
+    return check
+
+
+TEMPERATURE = typer.Option(0.0, "--temperature", callback=sampling_value("temperature"), help="0 is greedy.")
+TOP_P = typer.Option(
+    1.0, "--top-p", callback=sampling_value("top_p"), help="Nucleus sampling: keep the most likely tokens up to p."
+)
 TOP_K = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0: all).")
 SEED = typer.Option(0, "--seed", min=0, help="Sampling seed (request i draws with seed + i).")
 STOP_TOKEN_IDS = typer.Option(
