@@ -51,6 +51,22 @@ def test_model_directory_and_seeded_sampling(tmp_path: Path, capsys) -> None:
     assert len(lines) == len(PROMPTS) + 1 and lines[0].startswith("request 0 (4 prompt tokens, ")
 
 
+def test_batching_options_change_the_steps_not_the_tokens(tmp_path: Path, capsys) -> None:
+    file = _jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in PROMPTS])
+    args = ["generate", "--random", "tiny-qwen3-next", "--prompts", str(file), "--max-new-tokens", "4"]
+    args += ["--chunk-size", "5", "--page-size", "4", "--json"]
+    default, one, small = (
+        _run([*args, *extra], capsys) for extra in ([], ["--max-running", "1"], ["--max-step-tokens", "3"])
+    )
+    assert [r["output_ids"] for r in one["requests"]] == [r["output_ids"] for r in default["requests"]]
+    assert [r["output_ids"] for r in small["requests"]] == [r["output_ids"] for r in default["requests"]]
+    assert one["totals"]["steps"] > default["totals"]["steps"]  # one request at a time
+    fed = (
+        sum(map(len, PROMPTS)) + len(PROMPTS) * 3
+    )  # prompts + every new token but the last (distinct prompts: no hits)
+    assert small["totals"]["steps"] >= fed / 3 > default["totals"]["steps"]  # at most 3 tokens a step
+
+
 def test_shared_prefixes_hit_the_cache_unless_no_prefix_cache(tmp_path: Path, capsys) -> None:
     shared = prompt(950, 30)
     prompts = [shared + prompt(960 + i, 2 + i) for i in range(8)]

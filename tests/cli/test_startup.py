@@ -32,6 +32,8 @@ BAD_COMMAND_LINES = [
     (["bench", "memory", "--device", "tpu"], "'tpu' is not a device here"),
     (["bench", "memory", "--device", "cpu:x"], "'cpu:x' is not a device here"),
     (["pd-demo", "--requests", "0"], "--requests"),
+    (["generate", "--random", "tiny-qwen3-next", "--max-step-tokens", "0"], "--max-step-tokens"),
+    (["serve", "--random", "tiny-qwen3-next", "--max-running", "0"], "--max-running"),
     (["generate", "--random", "tiny-qwen3-next", "--temperature", "nan"], "temperature: must be a finite number"),
     (["serve-pd", "--random", "tiny-qwen3-next", "--top-p", "0"], "top_p: must be a finite number in (0.0, 1.0]"),
     (["pd-demo", "--transport", "nixl"], "unknown transport 'nixl'; known: shm, mooncake"),

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from hybridkv.cli.app import bench_app
 from hybridkv.cli.params import CHECKPOINTS_HELP, device_option, engine_checkpoints, random_model, transport_option
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, MAX_STEP_TOKENS, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.traces import PEER_TRACE
 from hybridkv.units import format_bytes
@@ -181,9 +181,7 @@ def bench_engine(
     max_context: int | None = MAX_CONTEXT,
     page_size: int = PAGE_SIZE,
     chunk_size: int = CHUNK_SIZE,
-    max_step_tokens: int | None = typer.Option(
-        None, "--max-step-tokens", min=1, help="Engine step token budget (default: 4 x chunk size)."
-    ),
+    max_step_tokens: int | None = MAX_STEP_TOKENS,
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve without the prefix cache."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
     device: str = typer.Option(

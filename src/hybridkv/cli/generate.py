@@ -53,7 +53,16 @@ from hybridkv.cli.params import (
     request_params,
     tier_options,
 )
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Sizing, size
+from hybridkv.cli.sizing import (
+    CHUNK_SIZE,
+    GPU_MEMORY,
+    MAX_CONTEXT,
+    MAX_RUNNING,
+    MAX_STEP_TOKENS,
+    PAGE_SIZE,
+    Sizing,
+    size,
+)
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -120,6 +129,8 @@ def generate(
     max_context: int | None = MAX_CONTEXT,
     page_size: int = PAGE_SIZE,
     chunk_size: int = CHUNK_SIZE,
+    max_running: int = MAX_RUNNING,
+    max_step_tokens: int | None = MAX_STEP_TOKENS,
     temperature: float = TEMPERATURE,
     top_p: float = TOP_P,
     top_k: int = TOP_K,
@@ -161,6 +172,8 @@ def generate(
         max_context=sizing.max_context,
         page_size=page_size,
         chunk_size=chunk_size,
+        max_running=max_running,
+        max_step_tokens=max_step_tokens,
         prefix_cache=not no_prefix_cache,
         checkpoints=checkpoints,
         **tiers,

@@ -53,7 +53,17 @@ from hybridkv.cli.params import (
     tier_options,
     transport_option,
 )
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
+from hybridkv.cli.sizing import (
+    CHUNK_SIZE,
+    GPU_MEMORY,
+    MAX_CONTEXT,
+    MAX_RUNNING,
+    MAX_STEP_TOKENS,
+    PAGE_SIZE,
+    Layout,
+    Sizing,
+    size,
+)
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 
@@ -90,7 +100,8 @@ def serve(
     max_context: int | None = MAX_CONTEXT,
     page_size: int = PAGE_SIZE,
     chunk_size: int = CHUNK_SIZE,
-    max_running: int = typer.Option(64, "--max-running", min=1, help="Requests in one batch, at most."),
+    max_running: int = MAX_RUNNING,
+    max_step_tokens: int | None = MAX_STEP_TOKENS,
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
@@ -154,15 +165,16 @@ def serve(
         chunk_size=chunk_size,
         layout=processes,
     )
-    engine_args = (sized, page_size, chunk_size, max_running, not no_prefix_cache, checkpoints)
+    options = EngineOptions(
+        sized, page_size, chunk_size, max_running, max_step_tokens, not no_prefix_cache, checkpoints
+    )
     with contextlib.ExitStack() as stack:
         sock = bind(host, port)  # before the model loads: a taken port fails at once
         stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
         if disaggregated:
-            pd = (stack, model, random, name, layout, faults, max_queued, *engine_args)
-            backend: Backend = build_pd_backend(*pd, tiers=tiers)
+            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, options, tiers)
         else:
-            engine = build_engine(model, random, *engine_args, tiers)
+            engine = build_engine(model, random, options, tiers)
             stack.callback(engine.close)  # its tiers: the store client, a master it started
             backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued)
         sized.announce()
@@ -181,6 +193,24 @@ def model_spec(model: Path | None, random: str | None) -> ModelSpec:
     from hybridkv.engine.weights import read_config
 
     return engine_spec(read_config(str(model)))
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How ``hybridkv serve`` builds its engine(s): the sizing outcome and the batching options."""
+
+    sized: Sizing
+    page_size: int
+    chunk_size: int
+    max_running: int
+    max_step_tokens: int | None  # None: the engine's default (4 x chunk_size)
+    prefix_cache: bool
+    checkpoints: str | None
+
+    @property
+    def placement(self) -> str:
+        """The checkpoint placement every engine uses (``--checkpoints`` or the engine default)."""
+        return engine_checkpoints(self.checkpoints, self.chunk_size, self.page_size)
 
 
 @dataclass(frozen=True)
@@ -225,12 +255,7 @@ def build_pd_backend(
     layout: PDLayout,
     faults: tuple[Fault, ...],
     max_queued: int,
-    sized: Sizing,
-    page_size: int,
-    chunk_size: int,
-    max_running: int,
-    prefix_cache: bool,
-    checkpoints: str | None,
+    options: EngineOptions,
     tiers: dict[str, Any] | None = None,
 ) -> PDBackend:
     """A started ``PDServer`` behind a ``PDBackend`` (which closes it); a ``--random`` model is saved to a
@@ -247,20 +272,22 @@ def build_pd_backend(
 
         model_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridkv-serve-"))
         save_random(random, model_dir)
+    sized = options.sized
     config = PDConfig(
         model_dir,
         prefill_pp=layout.prefill_pp,
         prefill_tp=layout.prefill_tp,
         decode_tp=layout.decode_tp,
         transport=layout.transport,
-        page_size=page_size,
-        chunk=chunk_size,
+        page_size=options.page_size,
+        chunk=options.chunk_size,
         gpu_memory=sized.gpu_memory,
         max_context=sized.max_context,
-        prefix_cache=prefix_cache,
+        prefix_cache=options.prefix_cache,
         transfer_timeout_s=layout.transfer_timeout_s,
-        max_running=max_running,
-        checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        max_running=options.max_running,
+        max_step_tokens=options.max_step_tokens,
+        checkpoints=options.placement,
         faults=faults,
         **pd_tiers(tiers or {}),
     )
@@ -269,15 +296,7 @@ def build_pd_backend(
 
 
 def build_engine(
-    model: Path | None,
-    random: str | None,
-    sized: Sizing,
-    page_size: int,
-    chunk_size: int,
-    max_running: int,
-    prefix_cache: bool,
-    checkpoints: str | None,
-    tiers: dict[str, Any] | None = None,
+    model: Path | None, random: str | None, options: EngineOptions, tiers: dict[str, Any] | None = None
 ) -> Engine:
     from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
 
@@ -290,13 +309,14 @@ def build_engine(
     return Engine(
         source,
         weights,
-        gpu_memory=sized.gpu_memory,
-        page_size=page_size,
-        chunk_size=chunk_size,
-        max_running=max_running,
-        max_context=sized.max_context,
-        prefix_cache=prefix_cache,
-        checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+        gpu_memory=options.sized.gpu_memory,
+        page_size=options.page_size,
+        chunk_size=options.chunk_size,
+        max_running=options.max_running,
+        max_step_tokens=options.max_step_tokens,
+        max_context=options.sized.max_context,
+        prefix_cache=options.prefix_cache,
+        checkpoints=options.placement,
         **(tiers or {}),
     )
 

@@ -54,7 +54,16 @@ from hybridkv.cli.params import (
     tier_options,
     transport_option,
 )
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, size
+from hybridkv.cli.sizing import (
+    CHUNK_SIZE,
+    GPU_MEMORY,
+    MAX_CONTEXT,
+    MAX_RUNNING,
+    MAX_STEP_TOKENS,
+    PAGE_SIZE,
+    Layout,
+    size,
+)
 from hybridkv.engine.random_models import tiny_names
 
 
@@ -115,6 +124,8 @@ def serve_pd(
         None, "--decode-page-size", min=1, help="Decode page size (default: --page-size; must pair with prefill)."
     ),
     chunk_size: int = CHUNK_SIZE,
+    max_running: int = MAX_RUNNING,
+    max_step_tokens: int | None = MAX_STEP_TOKENS,
     host_memory: str | None = HOST_MEMORY,
     store: str = STORE,
     store_master: str | None = STORE_MASTER,
@@ -167,6 +178,8 @@ def serve_pd(
             chunk=chunk_size,
             gpu_memory=sizing.gpu_memory,
             max_context=sizing.max_context,
+            max_running=max_running,
+            max_step_tokens=max_step_tokens,
             **tiers,
         )
         check_layout(config)

@@ -186,6 +186,7 @@ def test_a_prefix_served_first_is_hit_and_its_whole_kv_still_moves(tmp_path: Pat
         page_size=PAGE,
         chunk=CHUNK,
         gpu_memory=3_000_000,
+        max_step_tokens=CHUNK + 3,  # the budget cuts chunks and decodes across steps: tokens are unchanged
     )
     result = run_pd(config, SamplingParams(MAX_NEW, ignore_eos=True), alone_first=1)
     single = serve(make_runner(name, PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)

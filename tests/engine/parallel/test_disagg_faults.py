@@ -110,6 +110,25 @@ def test_a_fault_on_a_rank_that_does_not_exist_is_refused_before_any_model_is_re
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
+        ({"max_step_tokens": 0}, "max_step_tokens >= 1, got chunk 64, max_running 64, max_step_tokens 0"),
+        ({"max_running": 0}, "max_running 0"),
+        ({"chunk": 0}, "got chunk 0"),
+    ],
+)
+def test_a_batching_option_below_one_is_refused_before_any_model_is_read(fields: dict[str, int], says: str) -> None:
+    config = PDConfig("/nonexistent-model-dir", **fields)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=says):
+        check_layout(config)
+
+
+def test_the_step_budget_defaults_to_the_engines() -> None:
+    assert PDConfig("/m", chunk=24).step_tokens == 96  # Engine's default: 4 x chunk
+    assert PDConfig("/m", chunk=24, max_step_tokens=10).step_tokens == 10
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
         ({"request": -1}, "request -1 is negative"),
         ({"request": 0, "rank": -1}, "rank -1 is negative"),
         ({"request": 0, "delay_s": -0.5}, "delay_s -0.5 is negative"),

@@ -101,6 +101,7 @@ class PDConfig:
     transfer_timeout_s: float = 30.0  # decode side: reservation -> every stage's KV landed
     restarts: int = 1  # how often the router restarts a dead engine before reporting it lost
     max_running: int = 64  # requests per engine step batch (prefill and decode)
+    max_step_tokens: int | None = None  # tokens one engine step computes, at most (None: 4 x chunk)
     checkpoints: str | None = None  # the prefill engine's state checkpoint placement (None: the engine default)
     faults: tuple[Fault, ...] = ()
     host_memory: int | None = None  # bytes of host memory below each prefill rank's device (None: no host tier)
@@ -117,6 +118,11 @@ class PDConfig:
     @property
     def decode_page(self) -> int:
         return self.page_size if self.decode_page_size is None else self.decode_page_size
+
+    @property
+    def step_tokens(self) -> int:
+        """Every engine's step budget (prefill and decode alike), as ``Engine``'s default."""
+        return 4 * self.chunk if self.max_step_tokens is None else self.max_step_tokens
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,11 @@ def check_layout(config: PDConfig) -> None:
         raise ValueError(
             f"a disaggregated server needs prefill_pp, prefill_tp, decode_tp and max_new >= 1, got "
             f"PP {config.prefill_pp} x TP {config.prefill_tp} -> TP {config.decode_tp}, max_new {config.max_new}"
+        )
+    if min(config.chunk, config.max_running, config.step_tokens) < 1:
+        raise ValueError(
+            f"a disaggregated server needs chunk, max_running and max_step_tokens >= 1, got chunk {config.chunk}, "
+            f"max_running {config.max_running}, max_step_tokens {config.step_tokens}"
         )
     if config.transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {config.transport!r}; known: {', '.join(TRANSPORTS)}")

@@ -54,7 +54,7 @@ class Worker:
 
     def scheduler(self) -> Scheduler:
         c = self.args.config
-        return Scheduler(self.alloc, c.chunk, c.max_running, 4 * c.chunk, self.role, self.agree)
+        return Scheduler(self.alloc, c.chunk, c.max_running, c.step_tokens, self.role, self.agree)
 
     def request(self, tid: str, ids: tuple[int, ...], params: SamplingParams) -> Request:
         return Request(tid, list(ids), params, params.stops(self.eos))
