@@ -17,8 +17,15 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv.cli.app import bench_app
-from hybridkv.cli.params import CHECKPOINTS_HELP, device_option, engine_checkpoints, random_model, transport_option
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, MAX_STEP_TOKENS, PAGE_SIZE, Layout, Sizing, size
+from hybridkv.cli.params import (
+    CHECKPOINTS_HELP,
+    MAX_STEP_TOKENS,
+    device_option,
+    engine_checkpoints,
+    random_model,
+    transport_option,
+)
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.traces import PEER_TRACE
 from hybridkv.units import format_bytes

@@ -40,6 +40,8 @@ from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
     HOST_MEMORY,
     IGNORE_EOS,
+    MAX_RUNNING,
+    MAX_STEP_TOKENS,
     SEED,
     STOP_TOKEN_IDS,
     STORE,
@@ -53,16 +55,7 @@ from hybridkv.cli.params import (
     request_params,
     tier_options,
 )
-from hybridkv.cli.sizing import (
-    CHUNK_SIZE,
-    GPU_MEMORY,
-    MAX_CONTEXT,
-    MAX_RUNNING,
-    MAX_STEP_TOKENS,
-    PAGE_SIZE,
-    Sizing,
-    size,
-)
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Sizing, size
 from hybridkv.engine.random_models import tiny_names
 
 

@@ -43,6 +43,8 @@ from hybridkv.cli.app import app, bench_app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
     HOST_MEMORY,
+    MAX_RUNNING,
+    MAX_STEP_TOKENS,
     STORE,
     STORE_MASTER,
     STORE_MEMORY,
@@ -53,17 +55,7 @@ from hybridkv.cli.params import (
     tier_options,
     transport_option,
 )
-from hybridkv.cli.sizing import (
-    CHUNK_SIZE,
-    GPU_MEMORY,
-    MAX_CONTEXT,
-    MAX_RUNNING,
-    MAX_STEP_TOKENS,
-    PAGE_SIZE,
-    Layout,
-    Sizing,
-    size,
-)
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 

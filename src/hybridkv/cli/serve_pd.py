@@ -41,6 +41,8 @@ from hybridkv.cli.generate import PromptFileError, read_prompts
 from hybridkv.cli.params import (
     HOST_MEMORY,
     IGNORE_EOS,
+    MAX_RUNNING,
+    MAX_STEP_TOKENS,
     SEED,
     STOP_TOKEN_IDS,
     STORE,
@@ -54,16 +56,7 @@ from hybridkv.cli.params import (
     tier_options,
     transport_option,
 )
-from hybridkv.cli.sizing import (
-    CHUNK_SIZE,
-    GPU_MEMORY,
-    MAX_CONTEXT,
-    MAX_RUNNING,
-    MAX_STEP_TOKENS,
-    PAGE_SIZE,
-    Layout,
-    size,
-)
+from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, size
 from hybridkv.engine.random_models import tiny_names
 
 

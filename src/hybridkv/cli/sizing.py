@@ -2,8 +2,8 @@
 ``bench engine|pd|serve``): the same options with the same defaults, and one rule.
 
 Options: ``--gpu-memory`` (per process), ``--max-context``, ``--page-size``, ``--chunk-size``
-(``GPU_MEMORY``, ``MAX_CONTEXT``, ``PAGE_SIZE``, ``CHUNK_SIZE``), and the batching of every engine step:
-``--max-running`` and ``--max-step-tokens`` (``MAX_RUNNING``, ``MAX_STEP_TOKENS``).
+(``GPU_MEMORY``, ``MAX_CONTEXT``, ``PAGE_SIZE``, ``CHUNK_SIZE``); the batching options of the same
+commands (``--max-running``, ``--max-step-tokens``) are ``cli.params``'.
 
 The rule (``size``):
 - the max context is ``--max-context`` when given (at most the model's maximum:
@@ -63,10 +63,6 @@ MAX_CONTEXT = typer.Option(
 )
 PAGE_SIZE = typer.Option(16, "--page-size", min=1, help="Tokens per KV page.")
 CHUNK_SIZE = typer.Option(64, "--chunk-size", min=1, help="Prefill chunk, in tokens.")
-MAX_RUNNING = typer.Option(64, "--max-running", min=1, help="Requests in one engine step, at most.")
-MAX_STEP_TOKENS = typer.Option(
-    None, "--max-step-tokens", min=1, help="Tokens one engine step computes, at most (default: 4 x --chunk-size)."
-)
 
 
 @dataclass(frozen=True)
