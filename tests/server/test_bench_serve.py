@@ -51,6 +51,9 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
         assert s["ttft_ms"]["p50"] > 0 and s["e2e_ms"]["p99"] >= s["e2e_ms"]["p50"]
         assert s["output_tokens_per_s"] > 0 and 0 <= s["prefix_hit_rate"] < 1
     assert report["alone"] == 2 and report["overhead_ms"]["p50"] is not None
+    for key in ("overhead_steady_ms", "overhead_plain_ms", "overhead_plain_steady_ms"):
+        assert report[key]["p50"] is not None, key  # the plain ones: the same requests, tokens checked too
+    assert report["goal_met"] == (report["overhead_steady_ms"]["p50"] <= report["goal_overhead_ms"])
     # CPU from the server's /metrics (process CPU counts 10 ms ticks: over 2 requests only the sign is noise)
     assert report["http_cpu_ms"] > 0 and isinstance(report["server_other_cpu_ms"], float)  # the loop's clock is exact
     assert report["client_cpu_ms"] > 0  # the client streamed every chunk of 2 requests

@@ -57,6 +57,26 @@ def test_streams_every_event_and_reuses_its_connection(server: Any, make_engine:
         assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_a_plain_answer_comes_as_one_event_on_the_same_connection(server: Any, make_engine: Any) -> None:
+    reference = make_engine().generate([PROMPT], NEW, stop_at_eos=False)[0].output_ids
+
+    async def run() -> list[bytes]:
+        client = SseClient(server.url, {"Authorization": f"Bearer {API_KEY}"}, timeout_s=60)
+        try:
+            got: list[bytes] = []
+            for i in range(2):  # a streamed answer, then a plain one: the connection carries both
+                await client.post("/generate", _body(cache_salt=f"p{i}", stream=i == 0), lambda e, _: got.append(e))
+            assert len(client._idle) == 1
+            return got
+        finally:
+            client.close()
+
+    *streamed, plain = asyncio.run(run())
+    assert streamed[-1] == b"data: [DONE]"
+    answer = json.loads(plain)  # the whole JSON body, once
+    assert answer["output_ids"] == reference and answer["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_a_refusal_raises_with_status_and_field_and_the_client_goes_on(server: Any) -> None:
     async def run() -> None:
         client = SseClient(server.url, {"Authorization": f"Bearer {API_KEY}"}, timeout_s=60)

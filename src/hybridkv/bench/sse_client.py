@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 import httptools
 
 EventSink = Callable[[bytes, float], None]
-"""Gets each SSE event (its bytes, without the blank line ending it) and when it was read."""
+"""Gets each SSE event (its bytes, without the blank line ending it) and when it was read; an answer that is not
+an event stream (a plain JSON body) comes as one event: the whole body, when its last byte was read."""
 
 
 class ServerError(RuntimeError):
@@ -81,6 +82,10 @@ class _Connection(asyncio.Protocol):
         done = self._done
         if done is None or done.done():
             return
+        if self._status == 200 and self._pending:  # a body that is not an event stream: one event
+            assert self._sink is not None
+            self._sink(self._pending, time.perf_counter())
+            self._pending = b""
         if self._status != 200:
             text = self._error_body.decode(errors="replace")[:300]
             done.set_exception(ServerError(f"the server answered {self._status}: {text}"))
