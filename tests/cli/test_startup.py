@@ -34,6 +34,7 @@ BAD_COMMAND_LINES = [
     (["pd-demo", "--requests", "0"], "--requests"),
     (["generate", "--random", "tiny-qwen3-next", "--max-step-tokens", "0"], "--max-step-tokens"),
     (["serve", "--random", "tiny-qwen3-next", "--max-running", "0"], "--max-running"),
+    (["serve", "--random", "tiny-qwen3-next", "--stream-interval", "0"], "--stream-interval"),
     (["generate", "--random", "tiny-qwen3-next", "--temperature", "nan"], "temperature: must be a finite number"),
     (["serve-pd", "--random", "tiny-qwen3-next", "--top-p", "0"], "top_p: must be a finite number in (0.0, 1.0]"),
     (["pd-demo", "--transport", "nixl"], "unknown transport 'nixl'; known: shm, mooncake"),

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from hybridkv.server import ServerConfig
 from tests.server.conftest import API_KEY, MODEL, shared_prefix_prompts
 
 MAX_NEW = 8
@@ -138,6 +139,29 @@ def test_generate_batch_and_stream_equal_engine_generate(server: Any, reference:
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     seen = [c["output_ids"] for c in chunks]
     assert all(a == b[: len(a)] for a, b in itertools.pairwise(seen))  # each a prefix of the next
+
+
+def test_a_stream_interval_sends_the_first_token_then_every_nth_then_the_end(
+    start_server: Any, reference: list[list[int]]
+) -> None:
+    server = start_server(api_key=API_KEY, stream_interval=4)
+    new = 10
+    sampling = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}
+    body = {"input_ids": PROMPTS[5], "sampling_params": sampling, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, headers=AUTH, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    seen = [json.loads(line.removeprefix("data: "))["output_ids"] for line in lines[:-1]]
+    assert seen[-1][:MAX_NEW] == reference[5] and len(seen[-1]) == new
+    lengths = [len(ids) for ids in seen]
+    assert lengths[0] == 1 and lengths[-1] == new  # the first token at once, the end with the last chunk
+    assert set(lengths) <= {1, 4, 8, new}, lengths  # between them, a chunk per 4 tokens (a slow reader may merge)
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)  # the OpenAI stream batches alike
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=new, stream=True)
+    counts = [len(c.choices[0].token_ids) for c in chunks if c.choices]  # type: ignore[attr-defined]
+    assert sum(counts) == new and counts[0] == 1 and set(counts[1:-1]) <= {3, 4}, counts
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        ServerConfig(stream_interval=0)
 
 
 def test_disconnect_mid_stream_frees_the_request(server: Any) -> None:

@@ -348,6 +348,7 @@ def run(
     api_key: str | None = None,
     disaggregated: list[str] | None = None,
     max_context: int | None = None,
+    stream_interval: int = 1,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
@@ -359,6 +360,7 @@ def run(
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
     args += [] if max_context is None else ["--max-context", str(max_context)]
+    args += ["--stream-interval", str(stream_interval)]
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
     with ExitStack() as servers:
@@ -417,6 +419,7 @@ def run(
         "server_other_cpu_ms": round(1e3 * (solo.server - solo.server_engine - solo.server_loop) / n, 3),
         "engine_thread_cpu_ms": round(1e3 * solo.server_engine / n, 3),
         "engine_cpu_ms": round(1e3 * solo.engine / n, 3),
+        "stream_interval": stream_interval,
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": steady["p50"] is not None and steady["p50"] <= GOAL_OVERHEAD_MS,
     }

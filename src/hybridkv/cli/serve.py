@@ -102,6 +102,9 @@ def serve(
     store_master: str | None = STORE_MASTER,
     store_memory: str = STORE_MEMORY,
     max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
+    stream_interval: int = typer.Option(
+        1, "--stream-interval", min=1, help="Tokens per streamed chunk; a prompt's first token and its end go at once."
+    ),
     shutdown_timeout: float = typer.Option(
         30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
     ),
@@ -143,6 +146,7 @@ def serve(
     config = ServerConfig(
         api_key=key,
         max_body_bytes=parse_bytes(max_body),
+        stream_interval=stream_interval,
         tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
     )
     name = random if random is not None else Path(model).name
@@ -344,6 +348,9 @@ def bench_serve(
     transport: str = typer.Option(
         "shm", "--transport", callback=transport_option, help="shm or mooncake (--disaggregated)."
     ),
+    stream_interval: int = typer.Option(
+        1, "--stream-interval", min=1, help="The servers' tokens per streamed chunk (hybridkv serve --stream-interval)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
@@ -401,6 +408,7 @@ def bench_serve(
         api_key or os.environ.get(API_KEY_ENV),
         pd_args,
         sized.max_context,
+        stream_interval,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -437,6 +445,7 @@ def bench_serve(
     met = "met" if report["goal_met"] else "NOT met"
     console.print(
         f"HTTP overhead per request ({report['alone']} requests alone, {max_new_tokens} tokens each): streamed "
+        f"({report['stream_interval']} token(s) a chunk) "
         f"p50 {steady['p50']} ms, p99 {steady['p99']} ms with each side's engine CPU taken out (goal p50 <= "
         f"{report['goal_overhead_ms']} ms {met}); as HTTP e2e - engine e2e p50 {o['p50']} ms, p99 {o['p99']} ms. "
         f"Not streamed (one JSON answer): p50 {plain_steady['p50']} ms ({plain['p50']} ms as e2e - e2e).\n"

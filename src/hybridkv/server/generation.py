@@ -4,7 +4,9 @@ The backend calls each prompt's sink from its own thread; the sink stamps the ti
 event to the event loop through the loop's ``LoopPost``: one wake-up per burst (a step's tokens
 for every request), not per token, so the loop thread takes the GIL from the
 engine thread once per step. A generation that is not streamed wakes the loop only when a prompt
-ends (its tokens ride along with that wake-up), so the loop costs it nothing per token. ``next``
+ends (its tokens ride along with that wake-up), so the loop costs it nothing per token. A streamed one
+wakes it for a prompt's first token, then every ``stream_interval`` tokens (1: every token), and at its
+end; the tokens between ride along. ``next``
 (one wake-up) and ``updates`` (every one) give, per wake-up, every prompt's new tokens and its end
 together, so a stream sends one chunk for a token and the end that came with it, and a slow client
 gets several tokens per chunk.
@@ -161,12 +163,19 @@ class _Sink:
 
 
 class Generation:
-    def __init__(self, backend: Backend, post: LoopPost, prompts: list[list[int]], stream: bool):
-        """``stream``: the consumer wants every token as it comes (else only the ends wake the loop)."""
+    def __init__(
+        self, backend: Backend, post: LoopPost, prompts: list[list[int]], stream: bool, stream_interval: int = 1
+    ):
+        """``stream``: the consumer wants the tokens as they come, a chunk per ``stream_interval`` of them (else
+        only the ends wake the loop)."""
         self.backend = backend
         self.loop_post = post
         self.prompts = prompts
         self.stream = stream
+        self.stream_interval = stream_interval
+        self._posted = [0] * len(prompts)  # tokens posted per prompt (the backend's thread only)
+        self._arrived = [0] * len(prompts)  # tokens delivered per prompt (the loop only)
+        self._ready = False  # an event that closes a chunk arrived since ``next`` last returned (the loop only)
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
         self.tickets: list[int] = []
@@ -187,13 +196,27 @@ class Generation:
             self.abort("another prompt of the same request was refused")
             raise
 
+    def _ends_chunk(self, counts: list[int], index: int, token: int | None, finished: Finished | None) -> bool:
+        """Whether this event closes a chunk for the consumer (``counts``: tokens so far per prompt, this side's):
+        an end; when streamed, a prompt's first token and every ``stream_interval``-th."""
+        if token is None or not self.stream:
+            return finished is not None
+        n = counts[index] = counts[index] + 1
+        return finished is not None or n == 1 or n % self.stream_interval == 0
+
     def post(self, index: int, token: int | None, finished: Finished | None) -> None:
-        """From the backend's thread: hand one event to the loop (dropped once the loop is closed)."""
-        self.loop_post.post(self, (index, token, finished, time.perf_counter()), self.stream or finished is not None)
+        """From the backend's thread: hand one event to the loop (dropped once the loop is closed); only an event
+        that closes a chunk wakes it."""
+        wake = self._ends_chunk(self._posted, index, token, finished)
+        self.loop_post.post(self, (index, token, finished, time.perf_counter()), wake)
 
     def arrive(self, event: Event) -> None:
-        """In the loop: one delivered event (wakes ``updates``)."""
+        """In the loop: one delivered event; one that closes a chunk wakes ``updates`` (the others wait for it, even
+        when another generation's wake-up brought them)."""
         self._events.append(event)
+        if not self._ends_chunk(self._arrived, event[0], event[1], event[2]):
+            return
+        self._ready = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -219,15 +242,15 @@ class Generation:
             self._open -= 1
 
     async def next(self) -> list[Update]:
-        """What changed since the last call (one ``Update`` per prompt that changed), waiting for the next
-        wake-up if nothing did; call it only while not ``done``."""
-        if not self._events:
+        """What changed since the last call (one ``Update`` per prompt that changed), waiting until an event closes
+        a chunk (``_ends_chunk``) if none did; call it only while not ``done``."""
+        if not self._ready:
             self._waiter = self.loop_post.loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        events, self._events = self._events, []
+        events, self._events, self._ready = self._events, [], False
         changed: dict[int, Update] = {}
         for index, token, finished, at in events:
             self._apply(index, token, finished, at)

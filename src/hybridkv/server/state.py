@@ -39,6 +39,11 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 16 * MIB
     tokenizer: Tokenizer | None = None
+    stream_interval: int = 1  # tokens per streamed chunk (a prompt's first token and its end go at once)
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 token per streamed chunk, got {self.stream_interval}")
 
 
 class ServerState:
@@ -95,7 +100,7 @@ class ServerState:
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:  # not ``connect_loop``ed on this loop
             self._post = LoopPost(loop)
-        gen = Generation(self.backend, self._post, prompts, stream)
+        gen = Generation(self.backend, self._post, prompts, stream, self.config.stream_interval)
         try:
             gen.start(params, salt)
         except PromptRefused as exc:
