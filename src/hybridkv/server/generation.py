@@ -6,10 +6,9 @@ for every request), not per token, so the loop thread takes the GIL from the
 engine thread once per step. A generation that is not streamed wakes the loop only when a prompt
 ends (its tokens ride along with that wake-up), so the loop costs it nothing per token. A streamed one
 wakes it for a prompt's first token, then every ``stream_interval`` tokens (1: every token), and at its
-end; the tokens between ride along. ``next``
-(one wake-up) and ``updates`` (every one) give, per wake-up, every prompt's new tokens and its end
-together, so a stream sends one chunk for a token and the end that came with it, and a slow client
-gets several tokens per chunk.
+end; the tokens between ride along. ``next`` (one chunk) and ``updates`` (every one) give every
+prompt's new tokens and its end together, so a stream sends one chunk for a token and the end that
+came with it, and a slow client gets several tokens per chunk.
 
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
@@ -174,7 +173,7 @@ class Generation:
         self.stream = stream
         self.stream_interval = stream_interval
         self._posted = [0] * len(prompts)  # tokens posted per prompt (the backend's thread only)
-        self._arrived = [0] * len(prompts)  # tokens delivered per prompt (the loop only)
+        self._delivered = [0] * len(prompts)  # tokens delivered per prompt (the loop only)
         self._ready = False  # an event that closes a chunk arrived since ``next`` last returned (the loop only)
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
@@ -214,7 +213,7 @@ class Generation:
         """In the loop: one delivered event; one that closes a chunk wakes ``updates`` (the others wait for it, even
         when another generation's wake-up brought them)."""
         self._events.append(event)
-        if not self._ends_chunk(self._arrived, event[0], event[1], event[2]):
+        if not self._ends_chunk(self._delivered, event[0], event[1], event[2]):
             return
         self._ready = True
         waiter = self._waiter
