@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from hybridkv.bench.engine import CallTimer, conversation_prompts, hybridkv_classes
@@ -87,4 +88,7 @@ def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> No
     assert (
         isinstance(row["speedup_met"], bool) and isinstance(row["cpu_met"], bool) and isinstance(row["share_met"], bool)
     )
+    # round by round the same ratios (one round here: the best passes themselves)
+    assert row["speedup_rounds"] == [pytest.approx(row["speedup_vs_strongest"], abs=0.02)]
+    assert row["cpu_ratio_rounds"] == [pytest.approx(row["cpu_per_computed_ratio"], abs=0.02)]
     assert report["checkpoints"] == "interval:8,prompt-aligned,branch,end"  # the default, resolved

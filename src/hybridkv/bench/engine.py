@@ -373,6 +373,11 @@ def bench_model(
     )
     vs_best = eng["tokens_per_cpu_s"] / baselines[strongest]["tokens_per_cpu_s"]
     cpu_ratio = eng["cpu_us_per_computed"] / baselines[cheapest_padded]["cpu_us_per_computed"]
+    # the same ratios round by round (each round's passes ran back to back): how much the machine moved them
+    per_round = [
+        (b.cpu_s / e.cpu_s, (e.cpu_s / e.computed) / (p.cpu_s / p.computed))
+        for e, b, p in zip(passes["engine"], passes[strongest], passes[cheapest_padded], strict=True)
+    ]
     return {
         "model": name,
         "tokens": tokens,
@@ -382,6 +387,8 @@ def bench_model(
         "compile_s": compile_s,
         "strongest_baseline": strongest,
         "speedup_vs_strongest": round(vs_best, 2),
+        "speedup_rounds": [round(v, 2) for v, _ in per_round],
+        "cpu_ratio_rounds": [round(c, 2) for _, c in per_round],
         "wall_speedup_vs_strongest": round(eng["tokens_per_s"] / baselines[strongest]["tokens_per_s"], 2),
         "speedup_vs_one_by_one": round(eng["tokens_per_cpu_s"] / rows["hf_one_by_one"]["tokens_per_cpu_s"], 2),
         "cheapest_padded": cheapest_padded,

@@ -290,6 +290,15 @@ def bench_engine(
             f"{verdict[r['cpu_met']]}; hybridkv share <= {100 * goals['hybridkv_share']:.0f}% "
             f"{verdict[r['share_met']]}"
         )
+        if len(r["speedup_rounds"]) > 1:  # how much the machine moved the ratios (the verdicts take the best passes)
+            console.print(
+                f"  round by round: tok/CPU s {_spread(r['speedup_rounds'])}x, "
+                f"CPU per computed token {_spread(r['cpu_ratio_rounds'])}x"
+            )
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def _size_tiny(
