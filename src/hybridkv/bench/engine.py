@@ -58,6 +58,7 @@ from hybridkv.cache.placement import engine_default
 from hybridkv.engine.compiled import compile_blocks as compiled_blocks
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import CONTEXT, VOCAB, build_random, quiet_transformers, tiny_names
+from hybridkv.engine.scheduler import step_budget
 from hybridkv.traces import MOONCAKE_TRACE, load_mooncake_trace
 
 GOAL_VS_BEST = 2.0
@@ -457,7 +458,7 @@ def run(
         "block_tokens": block_tokens,
         "page_size": page_size,
         "chunk_size": chunk_size,
-        "max_step_tokens": max_step_tokens or 4 * chunk_size,
+        "max_step_tokens": step_budget(chunk_size, max_step_tokens),
         "prefix_cache": prefix_cache,
         "checkpoints": checkpoints,
         "device": device,

@@ -44,7 +44,7 @@ from hybridkv.engine.allocator import CacheHit, RequestAllocator
 from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens
+from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens, step_budget
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
@@ -163,7 +163,7 @@ class Engine:
         self.runner = ModelRunner(build_model(self.config, tensors, dtype, device), self.mem)
         self.chunk_size = chunk_size
         self.max_running = max_running
-        self.max_step_tokens = max_step_tokens or 4 * chunk_size
+        self.max_step_tokens = step_budget(chunk_size, max_step_tokens)
         self.eos = eos_ids(self.config)
         self.alloc = RequestAllocator(
             self.mem,

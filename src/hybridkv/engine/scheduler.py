@@ -83,6 +83,15 @@ class Request:
         return self.finish_reason is not None
 
 
+STEP_CHUNKS = 4
+"""An engine step's token budget when none is given: this many prefill chunks (``step_budget``)."""
+
+
+def step_budget(chunk_size: int, max_step_tokens: int | None) -> int:
+    """The tokens one step may compute: ``max_step_tokens``, or ``STEP_CHUNKS`` chunks when it is None."""
+    return STEP_CHUNKS * chunk_size if max_step_tokens is None else max_step_tokens
+
+
 @dataclass(frozen=True)
 class Step:
     reqs: list[Request]

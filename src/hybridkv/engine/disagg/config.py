@@ -34,6 +34,7 @@ import torch
 
 from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.registry import text_config
+from hybridkv.engine.scheduler import step_budget
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
@@ -121,8 +122,8 @@ class PDConfig:
 
     @property
     def step_tokens(self) -> int:
-        """Every engine's step budget (prefill and decode alike), as ``Engine``'s default."""
-        return 4 * self.chunk if self.max_step_tokens is None else self.max_step_tokens
+        """Every engine's step budget (prefill and decode alike), as ``Engine`` takes it."""
+        return step_budget(self.chunk, self.max_step_tokens)
 
 
 @dataclass(frozen=True)
