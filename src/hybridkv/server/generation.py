@@ -52,7 +52,8 @@ class Update:
     finished: Finished | None
 
 
-Event = tuple[int, int | None, Finished | None, float]  # prompt index, token, end, perf_counter stamp
+Event = tuple[int, int | None, Finished | None, float, bool]
+"""Prompt index, token, end, ``perf_counter`` stamp, and whether it closes a chunk (``Generation.post`` decides)."""
 
 
 _write_holding_gil = ctypes.PyDLL(None).write
@@ -173,7 +174,6 @@ class Generation:
         self.stream = stream
         self.stream_interval = stream_interval
         self._posted = [0] * len(prompts)  # tokens posted per prompt (the backend's thread only)
-        self._delivered = [0] * len(prompts)  # tokens delivered per prompt (the loop only)
         self._ready = False  # an event that closes a chunk arrived since ``next`` last returned (the loop only)
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
@@ -195,25 +195,25 @@ class Generation:
             self.abort("another prompt of the same request was refused")
             raise
 
-    def _ends_chunk(self, counts: list[int], index: int, token: int | None, finished: Finished | None) -> bool:
-        """Whether this event closes a chunk for the consumer (``counts``: tokens so far per prompt, this side's):
-        an end; when streamed, a prompt's first token and every ``stream_interval``-th."""
+    def _ends_chunk(self, index: int, token: int | None, finished: Finished | None) -> bool:
+        """Whether this event closes a chunk for the consumer: an end; when streamed, a prompt's first token and every
+        ``stream_interval``-th (counted here, in the backend's thread)."""
         if token is None or not self.stream:
             return finished is not None
-        n = counts[index] = counts[index] + 1
+        n = self._posted[index] = self._posted[index] + 1
         return finished is not None or n == 1 or n % self.stream_interval == 0
 
     def post(self, index: int, token: int | None, finished: Finished | None) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed); only an event
         that closes a chunk wakes it."""
-        wake = self._ends_chunk(self._posted, index, token, finished)
-        self.loop_post.post(self, (index, token, finished, time.perf_counter()), wake)
+        ends = self._ends_chunk(index, token, finished)
+        self.loop_post.post(self, (index, token, finished, time.perf_counter(), ends), ends)
 
     def arrive(self, event: Event) -> None:
         """In the loop: one delivered event; one that closes a chunk wakes ``updates`` (the others wait for it, even
         when another generation's wake-up brought them)."""
         self._events.append(event)
-        if not self._ends_chunk(self._delivered, event[0], event[1], event[2]):
+        if not event[4]:
             return
         self._ready = True
         waiter = self._waiter
@@ -251,7 +251,7 @@ class Generation:
                 self._waiter = None
         events, self._events, self._ready = self._events, [], False
         changed: dict[int, Update] = {}
-        for index, token, finished, at in events:
+        for index, token, finished, at, _ in events:
             self._apply(index, token, finished, at)
             up = changed.get(index)
             if up is None:
