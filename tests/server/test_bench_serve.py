@@ -58,6 +58,8 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     assert report["http_cpu_ms"] > 0 and isinstance(report["server_other_cpu_ms"], float)  # the loop's clock is exact
     assert report["client_cpu_ms"] > 0  # the client streamed every chunk of 2 requests
     assert report["engine_thread_cpu_ms"] > 0 < report["engine_cpu_ms"]
+    # the server's engine thread wrote the chunks (not --loop-writes): that CPU is counted, and it is serving
+    assert report["loop_writes"] is False and 0 < report["stream_write_cpu_ms"] < report["engine_thread_cpu_ms"]
     assert row["http"]["engine_thread_cpu_s"] > 0 and row["http"]["cpu_s"] > 0
 
 

@@ -26,17 +26,19 @@ own, streamed (one SSE chunk per token, as the load rounds): HTTP end-to-end min
 p99. On a shared machine that difference swings by several ms from run to run with how fast each
 process's engine happens to run (two identical servers measured 7.8 ms apart), so ``overhead_steady``
 takes each side's engine CPU for the request out first: (HTTP end-to-end minus the server's engine
-thread CPU during the request) minus (the engine's end-to-end minus its CPU): what serving adds besides
-computing, waiting for the GIL and for a core included. The goal (p50 <= 2 ms) is judged on it.
+thread CPU during the request, less what that thread spent writing streamed chunks: that is serving) minus
+(the engine's end-to-end minus its CPU): what serving adds besides computing, waiting for the GIL and for
+a core included. The goal (p50 <= 2 ms) is judged on it.
 ``overhead_plain`` (and its steady form): the same requests again, not streamed (one JSON answer): the
 part that does not grow with the tokens (the rest is per streamed chunk). The CPU of the streamed phase
-is counted too, from the server's ``/metrics`` scraped around each request (so the scrapes' own CPU
-stays out): ``http_cpu_ms``, what the thread serving HTTP (the event loop) used per
-request, exact; ``client_cpu_ms``, what this process's client used per request (on a machine with
-fewer free cores than the server's two busy threads plus the client, it lands in the overhead);
-``server_other_cpu_ms``, the rest of the server process besides its engine thread (the garbage
-collector; 10 ms clock ticks); ``engine_thread_cpu_ms``, its engine thread,
-against ``engine_cpu_ms``, the engine driven directly (the difference: what sharing the process
+is counted too, from the server's ``/metrics`` scraped around each request (so the scrapes' own CPU stays
+out): ``http_cpu_ms``, what the thread serving HTTP (the event loop) used per request, exact;
+``stream_write_cpu_ms``, what the server's engine thread used per request to encode and write its chunks
+(``serve`` without ``--loop-writes``); ``client_cpu_ms``, what this process's client used per request (on a
+machine with fewer free cores than the server's two busy threads plus the client, it lands in the overhead);
+``server_other_cpu_ms``, the rest of the server process besides its engine thread (the garbage collector; 10
+ms clock ticks); ``engine_thread_cpu_ms``, its engine thread, against ``engine_cpu_ms``, the engine driven
+directly (the difference: what sharing the process
 costs the engine). (Under load the two sides batch
 differently, so their latencies are compared per side, not per request.)
 
@@ -63,7 +65,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import msgspec
@@ -197,16 +199,24 @@ def drive_http(target: Target, prompts: list[list[int]], offsets: list[float], m
     return uvloop.run(_load(target, prompts, offsets, max_new, salt))
 
 
+class ServerCpu(NamedTuple):
+    """A server's CPU seconds so far (from ``/metrics``)."""
+
+    process: float
+    engine_thread: float
+    loop: float
+    stream_write: float  # the part of engine_thread spent writing streamed chunks (serving, not computing)
+
+
 CPU_SERIES = (
     "process_cpu_seconds_total",
     "hybridkv_engine_thread_cpu_seconds_total",
     "hybridkv_http_loop_cpu_seconds_total",
+    "hybridkv_stream_write_cpu_seconds_total",
 )
 
 
-def server_cpu(target: Target) -> tuple[float, float, float]:
-    """The server's CPU seconds so far: its whole process, its engine thread and its HTTP loop thread
-    (from ``/metrics``)."""
+def server_cpu(target: Target) -> ServerCpu:
     text = httpx.get(f"{target.url}/metrics", headers=target.headers, timeout=60).text
     found = []
     for name in CPU_SERIES:
@@ -214,7 +224,7 @@ def server_cpu(target: Target) -> tuple[float, float, float]:
         if match is None:
             raise RuntimeError(f"{target.url}/metrics has no {name}")
         found.append(float(match.group(1)))
-    return found[0], found[1], found[2]
+    return ServerCpu(*found)
 
 
 @dataclass
@@ -225,12 +235,14 @@ class Cpu:
     server: float = 0.0
     server_engine: float = 0.0
     server_loop: float = 0.0
+    server_write: float = 0.0
     client: float = 0.0
 
-    def add_server(self, before: tuple[float, float, float], after: tuple[float, float, float]) -> None:
-        self.server += after[0] - before[0]
-        self.server_engine += after[1] - before[1]
-        self.server_loop += after[2] - before[2]
+    def add_server(self, before: ServerCpu, after: ServerCpu) -> None:
+        self.server += after.process - before.process
+        self.server_engine += after.engine_thread - before.engine_thread
+        self.server_loop += after.loop - before.loop
+        self.server_write += after.stream_write - before.stream_write
 
 
 @dataclass
@@ -267,7 +279,8 @@ async def _one_by_one(engine: Engine, target: Target, prompts: list[list[int]], 
                 raise RuntimeError(f"request {i}: HTTP tokens differ from the engine's")
             http_e2e, direct_e2e = http.end - http.arrival, direct.end - direct.arrival
             alone.overhead.append(http_e2e - direct_e2e)
-            alone.steady.append((http_e2e - (after[1] - before[1])) - (direct_e2e - direct_cpu))
+            computing = (after.engine_thread - before.engine_thread) - (after.stream_write - before.stream_write)
+            alone.steady.append((http_e2e - computing) - (direct_e2e - direct_cpu))
     finally:
         client.close()
     return alone
@@ -349,6 +362,7 @@ def run(
     disaggregated: list[str] | None = None,
     max_context: int | None = None,
     stream_interval: int = 1,
+    loop_writes: bool = False,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
@@ -360,7 +374,7 @@ def run(
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
     args += [] if max_context is None else ["--max-context", str(max_context)]
-    args += ["--stream-interval", str(stream_interval)]
+    args += ["--stream-interval", str(stream_interval)] + (["--loop-writes"] if loop_writes else [])
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
     with ExitStack() as servers:
@@ -415,11 +429,13 @@ def run(
         "overhead_plain_ms": _ms(plain.overhead),
         "overhead_plain_steady_ms": _ms(plain.steady),
         "http_cpu_ms": round(1e3 * solo.server_loop / n, 3),
+        "stream_write_cpu_ms": round(1e3 * solo.server_write / n, 3),
         "client_cpu_ms": round(1e3 * solo.client / n, 3),
         "server_other_cpu_ms": round(1e3 * (solo.server - solo.server_engine - solo.server_loop) / n, 3),
         "engine_thread_cpu_ms": round(1e3 * solo.server_engine / n, 3),
         "engine_cpu_ms": round(1e3 * solo.engine / n, 3),
         "stream_interval": stream_interval,
+        "loop_writes": loop_writes,
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": steady["p50"] is not None and steady["p50"] <= GOAL_OVERHEAD_MS,
     }

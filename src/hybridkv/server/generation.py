@@ -8,14 +8,19 @@ ends (its tokens ride along with that wake-up), so the loop costs it nothing per
 wakes it for a prompt's first token, then every ``stream_interval`` tokens (1: every token), and at its
 end; the tokens between ride along. ``next`` (one chunk) and ``updates`` (every one) give every
 prompt's new tokens and its end together, so a stream sends one chunk for a token and the end that
-came with it, and a slow client gets several tokens per chunk.
+came with it, and a slow client gets several tokens per chunk. A ``direct`` stream wakes the loop only
+for its last end: its events are kept here, and once the consumer ``attach``es a writer (``sse.py``),
+each chunk is written by the backend's thread itself, as the event that closes it arrives.
 
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
 - Every submitted prompt ends exactly once (``finished[i]``); ``abort`` ends the open ones (the
   backend releases their memory) and is a no-op for ended ones, so a disconnect at any moment
   leaves nothing held.
-- Events of one generation reach it in the order the backend posted them (one FIFO per loop).
+- Events of one generation reach it in the order the backend posted them (one FIFO per loop); a
+  direct one's are kept in order under its lock, and each is applied (``_take``) by exactly one thread.
+- A direct stream's chunks are written by one thread at a time, in order, all but the last before the
+  loop is woken for the end; after ``detach`` nothing more is written for it.
 - Timings are ``perf_counter`` stamps taken in the backend's thread as the token is handed over.
 """
 
@@ -27,7 +32,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hybridkv.engine.request import RequestError, SamplingParams
@@ -54,6 +59,9 @@ class Update:
 
 Event = tuple[int, int | None, Finished | None, float, bool]
 """Prompt index, token, end, ``perf_counter`` stamp, and whether it closes a chunk (``Generation.post`` decides)."""
+
+Writer = Callable[[list["Update"]], None]
+"""Writes one chunk's updates to the client, from the backend's thread (``Generation.attach``)."""
 
 
 _write_holding_gil = ctypes.PyDLL(None).write
@@ -91,7 +99,7 @@ class LoopPost:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[Generation, Event]] = []
+        self._pending: list[tuple[Generation, Event | None]] = []
         self._scheduled = False
         self._wake_fd: int | None = None  # the pipe's write end (under _lock)
         self._reader: asyncio.BaseTransport | None = None
@@ -119,8 +127,9 @@ class LoopPost:
             self._reader.close()
             self._reader = None
 
-    def post(self, gen: Generation, event: Event, wake: bool) -> None:
-        """Queue ``event`` for ``gen``; ``wake``: deliver it soon (else with the next wake-up, any gen's)."""
+    def post(self, gen: Generation, event: Event | None, wake: bool) -> None:
+        """Queue ``event`` for ``gen`` (``None``: only wake it); ``wake``: deliver it soon (else with the next
+        wake-up, any gen's)."""
         with self._lock:
             self._pending.append((gen, event))
             if self._scheduled or not wake:
@@ -164,27 +173,43 @@ class _Sink:
 
 class Generation:
     def __init__(
-        self, backend: Backend, post: LoopPost, prompts: list[list[int]], stream: bool, stream_interval: int = 1
+        self,
+        backend: Backend,
+        post: LoopPost,
+        prompts: list[list[int]],
+        stream: bool,
+        stream_interval: int = 1,
+        direct: bool = False,
     ):
         """``stream``: the consumer wants the tokens as they come, a chunk per ``stream_interval`` of them (else
-        only the ends wake the loop)."""
+        only the ends wake the loop). ``direct`` (a stream): its events stay here, not posted to the loop, until
+        the consumer ``attach``es a writer for the backend's thread (or none: then the loop writes, as for any
+        other stream)."""
         self.backend = backend
         self.loop_post = post
         self.prompts = prompts
         self.stream = stream
         self.stream_interval = stream_interval
+        self.direct = direct
         self._posted = [0] * len(prompts)  # tokens posted per prompt (the backend's thread only)
+        self._max_new = [0] * len(prompts)  # each prompt's max_new_tokens (``start``)
+        self._ended = 0  # prompts whose end was posted (under _lock)
         self._ready = False  # an event that closes a chunk arrived since ``next`` last returned (the loop only)
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
         self.tickets: list[int] = []
-        self._events: list[Event] = []  # delivered, not yet taken by ``updates`` (loop thread only)
+        self._lock = threading.Lock()  # guards _events, _keep, _writer and the progress ``_take`` applies
+        self._events: list[Event] = []  # arrived, not yet taken
+        self._keep = direct  # events are kept in _events by the backend's thread, not posted (``attach`` may stop it)
+        self._writer: Writer | None = None  # set by ``attach``: chunks are written in the backend's thread
+        self._failure: BaseException | None = None  # what the writer raised (``next`` raises it in the loop)
         self._waiter: asyncio.Future[None] | None = None
         self._open = len(prompts)
 
     def start(self, params: list[SamplingParams], salt: str | None) -> None:
         """Submit every prompt; on a refusal (``PromptRefused``, ``QueueFull``, ``BackendClosed``) abort
         what was submitted and re-raise."""
+        self._max_new = [p.max_new_tokens for p in params]
         try:
             for i, (prompt, p) in enumerate(zip(self.prompts, params, strict=True)):
                 try:
@@ -197,24 +222,74 @@ class Generation:
 
     def _ends_chunk(self, index: int, token: int | None, finished: Finished | None) -> bool:
         """Whether this event closes a chunk for the consumer: an end; when streamed, a prompt's first token and every
-        ``stream_interval``-th (counted here, in the backend's thread)."""
+        ``stream_interval``-th (counted here, in the backend's thread), but its ``max_new_tokens``-th: its end follows
+        at once and closes the chunk with it (one write, not two)."""
         if token is None or not self.stream:
             return finished is not None
         n = self._posted[index] = self._posted[index] + 1
-        return finished is not None or n == 1 or n % self.stream_interval == 0
+        if n == self._max_new[index]:
+            return False
+        return n == 1 or n % self.stream_interval == 0
 
     def post(self, index: int, token: int | None, finished: Finished | None) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed); only an event
-        that closes a chunk wakes it."""
+        that closes a chunk wakes it. Direct: keep it here; once a writer is attached, an event that closes a
+        chunk writes it, and the last end wakes the loop (it writes the last chunk and ends the response)."""
         ends = self._ends_chunk(index, token, finished)
-        self.loop_post.post(self, (index, token, finished, time.perf_counter(), ends), ends)
+        event: Event = (index, token, finished, time.perf_counter(), ends)
+        with self._lock:
+            self._ended += finished is not None
+            if self._keep:
+                self._events.append(event)
+                if not ends:
+                    return
+                if self._ended < len(self.prompts) and (self._writer is None or self._write()):
+                    return  # written, or ``attach`` will write it
+                self.loop_post.post(self, None, True)  # the last end, or the writer failed: the loop goes on
+                return
+        self.loop_post.post(self, event, ends)
 
-    def arrive(self, event: Event) -> None:
-        """In the loop: one delivered event; one that closes a chunk wakes ``updates`` (the others wait for it, even
-        when another generation's wake-up brought them)."""
-        self._events.append(event)
-        if not event[4]:
-            return
+    def attach(self, writer: Writer | None) -> None:
+        """In the loop, once the response's head is written (``direct`` only): ``writer`` writes every chunk but
+        the last from the backend's thread from now on, starting with any already waiting here; ``None``: the
+        loop writes them (the events kept so far come first)."""
+        with self._lock:
+            self._writer = writer
+            self._keep = writer is not None
+            closing = [e for e in self._events if e[4]]
+            if not closing:
+                return
+            if writer is None or self._ended == len(self.prompts) or not self._write():
+                self._ready = True
+
+    def detach(self) -> None:
+        """In the loop, once the consumer is done (however it ended): nothing is written for it any more; later
+        events are only kept."""
+        with self._lock:
+            self._writer = None
+            self._keep = False
+
+    def _write(self) -> bool:
+        """Under ``_lock``: the events so far written by the writer as one chunk; False if it raised (kept for
+        ``next``; the loop writes from now on)."""
+        assert self._writer is not None
+        try:
+            self._writer(self._take())
+            return True
+        except Exception as exc:
+            self._failure = exc
+            self._writer = None
+            self._keep = False
+            return False
+
+    def arrive(self, event: Event | None) -> None:
+        """In the loop: one delivered event (``None``: only a wake-up); one that closes a chunk wakes ``updates``
+        (the others wait for it, even when another generation's wake-up brought them)."""
+        if event is not None:
+            with self._lock:
+                self._events.append(event)
+            if not event[4]:
+                return
         self._ready = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -242,14 +317,23 @@ class Generation:
 
     async def next(self) -> list[Update]:
         """What changed since the last call (one ``Update`` per prompt that changed), waiting until an event closes
-        a chunk (``_ends_chunk``) if none did; call it only while not ``done``."""
+        a chunk (``_ends_chunk``) if none did; call it only while not ``done``. Raises what an attached writer
+        raised."""
         if not self._ready:
             self._waiter = self.loop_post.loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        events, self._events, self._ready = self._events, [], False
+        self._ready = False
+        if self._failure is not None:
+            raise self._failure
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> list[Update]:
+        """Under ``_lock``: every event so far applied to ``progress``, as one ``Update`` per prompt that changed."""
+        events, self._events = self._events, []
         changed: dict[int, Update] = {}
         for index, token, finished, at, _ in events:
             self._apply(index, token, finished, at)

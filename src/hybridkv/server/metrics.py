@@ -65,6 +65,10 @@ COUNTERS = {
         "http_loop_cpu_seconds",
         "CPU seconds of the thread serving HTTP (its event loop), exact (process_cpu_seconds counts 10 ms ticks).",
     ),
+    "stream_write_cpu_s": (
+        "stream_write_cpu_seconds",
+        "CPU seconds the backend's thread spent encoding and writing streamed chunks (in engine_thread_cpu_seconds).",
+    ),
 }
 HIT_COMPONENTS = {"hit_full_tokens": "full", "hit_window_tokens": "window", "hit_checkpoint_tokens": "checkpoint"}
 

@@ -3,9 +3,12 @@
 ``EventStream`` writes straight to the ASGI ``send`` of the server (``hot.py`` serves these endpoints
 below Starlette's middleware): the head, then one ``http.response.body`` write per wake-up of the loop
 (every event it brought, encoded by the endpoint's ``encode``); the last write (ending with
-``data: [DONE]``) is the response's end too. It follows the generation itself (``Generation.next``, no
-generator layers per chunk) while a watcher task turns the client's disconnect into an abort at once
-(uvicorn drops writes to a closed connection), so a gone client ends the stream promptly.
+``data: [DONE]``) is the response's end too. A ``direct`` generation's chunks but the last are written
+by the backend's thread instead (``SocketWriter``, where uvicorn's connection allows it), so the loop is
+woken only for the end; the CPU that thread spends on them is counted (``ServerState.count_write``).
+It follows the generation itself (``Generation.next``, no generator layers per chunk) while a watcher task
+turns the client's disconnect into an abort at once (uvicorn drops writes to a closed connection), so a
+gone client ends the stream promptly.
 
 Invariant: ``ServerState.release`` runs once the stream is over, however it ended (done, the client
 gone, an error, the task cancelled, or the head never written), so the generation is never left open.
@@ -13,6 +16,7 @@ gone, an error, the task cancelled, or the head never written), so the generatio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +24,7 @@ import msgspec
 from starlette.types import Receive, Send
 
 from hybridkv.server.generation import Generation, Update
+from hybridkv.server.socket_writer import SocketWriter
 from hybridkv.server.state import ServerState
 
 DONE = b"data: [DONE]\n\n"
@@ -52,20 +57,40 @@ class EventStream:
         self.receive = receive
         self.encode = encode
 
+    def _events(self, updates: list[Update]) -> list[bytes]:
+        self.state.observe(self.gen, updates)
+        return self.encode(updates)
+
     async def __call__(self, send: Send) -> None:
-        state, gen, encode = self.state, self.gen, self.encode
+        state, gen = self.state, self.gen
         watcher = state.watch(self.receive, gen)
+        writer = None
         try:
             await send(_HEAD)
-            while True:
+            if gen.direct:
+                writer = SocketWriter.attach(send)
+                gen.attach(None if writer is None else self._writes_to(writer))
+            while True:  # with a writer attached, ``next`` returns only the last events
                 updates = await gen.next()
-                state.observe(gen, updates)
-                events = encode(updates)
+                events = self._events(updates)
                 if gen.done:  # the last events and the response's end: one write
+                    if writer is not None:
+                        writer.flush()
                     events.append(DONE)
                     await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
                     return
                 await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
         finally:
+            if writer is not None:
+                gen.detach()
+                writer.close()
             watcher.cancel()
             state.release(gen, self.ids)
+
+    def _writes_to(self, writer: SocketWriter) -> Callable[[list[Update]], None]:
+        def write(updates: list[Update]) -> None:  # in the backend's thread
+            start = time.thread_time()
+            writer.write(b"".join(self._events(updates)))
+            self.state.count_write(time.thread_time() - start)
+
+        return write

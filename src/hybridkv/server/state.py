@@ -40,6 +40,7 @@ class ServerConfig:
     max_body_bytes: int = 16 * MIB
     tokenizer: Tokenizer | None = None
     stream_interval: int = 1  # tokens per streamed chunk (a prompt's first token and its end go at once)
+    direct_writes: bool = True  # the backend's thread writes a stream's chunks (``SocketWriter``), not the loop
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -55,6 +56,8 @@ class ServerState:
         self.open: dict[str, tuple[Generation, list[int]]] = {}
         self._post: LoopPost | None = None  # the serving loop's (made on the first request, in it)
         self._loop_clock: int | None = None  # the CPU clock of the thread serving HTTP (``in_loop``)
+        self._write_lock = threading.Lock()
+        self._write_cpu_s = 0.0  # CPU the backend's thread spent writing streamed chunks (under _write_lock)
 
     def in_loop(self) -> None:
         """Called on the serving loop's thread (every request that reaches the backend, every scrape):
@@ -66,7 +69,14 @@ class ServerState:
         figures = self.backend.metrics()
         if self._loop_clock is not None:
             figures["http_loop_cpu_s"] = time.clock_gettime(self._loop_clock)
+        with self._write_lock:
+            figures["stream_write_cpu_s"] = self._write_cpu_s
         return figures
+
+    def count_write(self, cpu_s: float) -> None:
+        """Any thread: CPU seconds spent writing one streamed chunk outside the loop (``SocketWriter``)."""
+        with self._write_lock:
+            self._write_cpu_s += cpu_s
 
     async def connect_loop(self) -> None:
         """In the serving loop, before the first request: its ``LoopPost``, connected (pipe wake-ups)."""
@@ -100,7 +110,8 @@ class ServerState:
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:  # not ``connect_loop``ed on this loop
             self._post = LoopPost(loop)
-        gen = Generation(self.backend, self._post, prompts, stream, self.config.stream_interval)
+        direct = stream and self.config.direct_writes
+        gen = Generation(self.backend, self._post, prompts, stream, self.config.stream_interval, direct)
         try:
             gen.start(params, salt)
         except PromptRefused as exc:
