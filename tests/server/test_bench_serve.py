@@ -34,7 +34,7 @@ def test_listening_socket_is_tcp_with_nodelay() -> None:
 
 def test_bench_serve_json_is_exact_and_complete() -> None:
     args = ["bench", "serve", "--requests", "6", "--max-new-tokens", "3", "--rounds", "1", "--alone", "2"]
-    args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2"]
+    args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2", "--compare-writes"]
     result = CliRunner().invoke(app, [*args, "--request-rate", "inf", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -60,10 +60,15 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     assert report["engine_thread_cpu_ms"] > 0 < report["engine_cpu_ms"]
     # the server's engine thread wrote the chunks (not --loop-writes): that CPU is counted, and it is serving
     assert report["loop_writes"] is False and 0 < report["stream_write_cpu_ms"] < report["engine_thread_cpu_ms"]
+    # side by side, the same requests: a --loop-writes server, whose engine thread writes nothing
+    other = report["other_writes"]
+    assert other["loop_writes"] is True and other["stream_write_cpu_ms"] == 0 < other["http_cpu_ms"]
+    assert other["overhead_steady_ms"]["p50"] is not None and other["engine_cpu_ms"] == report["engine_cpu_ms"]
     assert row["http"]["engine_thread_cpu_s"] > 0 and row["http"]["cpu_s"] > 0
 
 
-def test_bench_serve_refuses_url_with_disaggregated(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--disaggregated"]) == 2
+@pytest.mark.parametrize("option", ["--disaggregated", "--compare-writes"])
+def test_bench_serve_refuses_url_with_a_server_it_starts(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:1", option]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--url loads a running server; --disaggregated starts its own" in err
+    assert err.startswith("error: ") and f"--url loads a running server; {option} starts its own" in err

@@ -28,7 +28,9 @@ process's engine happens to run (two identical servers measured 7.8 ms apart), s
 takes each side's engine CPU for the request out first: (HTTP end-to-end minus the server's engine
 thread CPU during the request, less what that thread spent writing streamed chunks: that is serving) minus
 (the engine's end-to-end minus its CPU): what serving adds besides computing, waiting for the GIL and for
-a core included. The goal (p50 <= 2 ms) is judged on it.
+a core included. The goal (p50 <= 2 ms) is judged on it. With ``compare_writes``, a second server whose
+streams take the other write path (``--loop-writes`` or not) serves the same requests, interleaved with the
+first's (each goes first every other request): ``other_writes`` holds its figures.
 ``overhead_plain`` (and its steady form): the same requests again, not streamed (one JSON answer): the
 part that does not grow with the tokens (the rest is per streamed chunk). The CPU of the streamed phase
 is counted too, from the server's ``/metrics`` scraped around each request (so the scrapes' own CPU stays
@@ -255,41 +257,50 @@ class Alone:
     cpu: Cpu = field(default_factory=Cpu)
 
 
-async def _one_by_one(engine: Engine, target: Target, prompts: list[list[int]], max_new: int, stream: bool) -> Alone:
-    alone = Alone()
-    cpu = alone.cpu
-    client = SseClient(target.url, target.headers)
+async def _one_by_one(
+    engine: Engine, targets: list[Target], prompts: list[list[int]], max_new: int, stream: bool
+) -> list[Alone]:
+    alones = [Alone() for _ in targets]
+    clients = [SseClient(t.url, t.headers) for t in targets]
     send = _one if stream else _one_plain
     try:
-        await client.connect(1)
+        for client in clients:
+            await client.connect(1)
         for i, prompt in enumerate(prompts):
-            salt = f"alone-{stream}-{i}-{time.time_ns()}"  # a namespace of its own: both sides compute it in full
+            salt = f"alone-{stream}-{i}-{time.time_ns()}"  # a namespace of its own: every side computes it in full
             start = time.thread_time()
             (direct,) = drive_engine(engine, [prompt], [0.0], max_new, salt)
             direct_cpu = time.thread_time() - start
-            before = server_cpu(target)  # around each request: the scrapes' own CPU stays out of the figures
-            start = time.thread_time()
-            http = Trace(time.perf_counter())
-            await send(client, _body(prompt, max_new, salt, stream), http)
-            cpu.client += time.thread_time() - start
-            after = server_cpu(target)
-            cpu.engine += direct_cpu
-            cpu.add_server(before, after)
-            if http.tokens != direct.tokens:
-                raise RuntimeError(f"request {i}: HTTP tokens differ from the engine's")
-            http_e2e, direct_e2e = http.end - http.arrival, direct.end - direct.arrival
-            alone.overhead.append(http_e2e - direct_e2e)
-            computing = (after.engine_thread - before.engine_thread) - (after.stream_write - before.stream_write)
-            alone.steady.append((http_e2e - computing) - (direct_e2e - direct_cpu))
+            direct_e2e = direct.end - direct.arrival
+            for k in range(len(targets)):
+                j = (i + k) % len(targets)  # each server goes first as often as the other
+                target, client, alone = targets[j], clients[j], alones[j]
+                before = server_cpu(target)  # around each request: the scrapes' own CPU stays out of the figures
+                start = time.thread_time()
+                http = Trace(time.perf_counter())
+                await send(client, _body(prompt, max_new, f"{salt}-{j}", stream), http)
+                alone.cpu.client += time.thread_time() - start
+                after = server_cpu(target)
+                alone.cpu.engine += direct_cpu
+                alone.cpu.add_server(before, after)
+                if http.tokens != direct.tokens:
+                    raise RuntimeError(f"request {i}: HTTP tokens of {target.url} differ from the engine's")
+                http_e2e = http.end - http.arrival
+                alone.overhead.append(http_e2e - direct_e2e)
+                computing = (after.engine_thread - before.engine_thread) - (after.stream_write - before.stream_write)
+                alone.steady.append((http_e2e - computing) - (direct_e2e - direct_cpu))
     finally:
-        client.close()
-    return alone
+        for client in clients:
+            client.close()
+    return alones
 
 
-def one_by_one(engine: Engine, target: Target, prompts: list[list[int]], max_new: int, stream: bool = True) -> Alone:
-    """Per request, alone on both sides, engine then HTTP back to back (same machine load); ``stream``: each
-    token as its own SSE chunk (else one JSON answer)."""
-    return uvloop.run(_one_by_one(engine, target, prompts, max_new, stream))
+def one_by_one(
+    engine: Engine, targets: list[Target], prompts: list[list[int]], max_new: int, stream: bool = True
+) -> list[Alone]:
+    """Per request, alone on every side, the engine then each server back to back (same machine load); ``stream``:
+    each token as its own SSE chunk (else one JSON answer)."""
+    return uvloop.run(_one_by_one(engine, targets, prompts, max_new, stream))
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
@@ -363,6 +374,7 @@ def run(
     max_context: int | None = None,
     stream_interval: int = 1,
     loop_writes: bool = False,
+    compare_writes: bool = False,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
@@ -374,14 +386,20 @@ def run(
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
     args += [] if max_context is None else ["--max-context", str(max_context)]
-    args += ["--stream-interval", str(stream_interval)] + (["--loop-writes"] if loop_writes else [])
+    args += ["--stream-interval", str(stream_interval)]
+    writes = ["--loop-writes"] if loop_writes else []
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
     with ExitStack() as servers:
-        target = Target(servers.enter_context(_server(url, args)), headers)
+        target = Target(servers.enter_context(_server(url, [*args, *writes])), headers)
         drive_http(target, prompts[:2], [0.0, 0.0], 2, "warm-up")
-        streamed = one_by_one(engine, target, prompts[:alone], max_new_tokens)
-        plain = one_by_one(engine, target, prompts[:alone], max_new_tokens, stream=False)
+        targets = [target]
+        if compare_writes:  # the other write path, its requests interleaved with the first server's
+            other = ["--loop-writes"] if not loop_writes else []
+            targets.append(Target(servers.enter_context(served([*args, *other])), {}))
+            drive_http(targets[1], prompts[:2], [0.0, 0.0], 2, "warm-up")
+        streamed, *others = one_by_one(engine, targets, prompts[:alone], max_new_tokens)
+        plain = one_by_one(engine, [target], prompts[:alone], max_new_tokens, stream=False)[0]
         pd = None  # started after the overhead phase: its idle workers do not load the machine during it
         if disaggregated is not None:
             pd = Target(servers.enter_context(served([*args, *disaggregated])), {})
@@ -411,33 +429,41 @@ def run(
                 per_round[-1]["pd"] = {**summarize(split, prompts), "cpu_s": None}
                 per_round[-1]["pd_exact"] = sum(p.tokens == d.tokens for p, d in zip(split, direct, strict=True))
     lengths = [len(p) for p in prompts]
-    over, steady, solo = _ms(streamed.overhead), _ms(streamed.steady), streamed.cpu
-    n = len(streamed.overhead)
+    steady = _ms(streamed.steady)
     return {
         "model": model,
         "requests": requests,
         "request_rate": request_rate,
         "rounds": rounds,
-        "alone": n,
+        "alone": len(streamed.overhead),
         "max_new_tokens": max_new_tokens,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",
         "disaggregated": None if disaggregated is None else " ".join(disaggregated),
         "per_round": per_round,
-        "overhead_ms": over,
-        "overhead_steady_ms": steady,
+        **_alone_figures(streamed),
         "overhead_plain_ms": _ms(plain.overhead),
         "overhead_plain_steady_ms": _ms(plain.steady),
-        "http_cpu_ms": round(1e3 * solo.server_loop / n, 3),
-        "stream_write_cpu_ms": round(1e3 * solo.server_write / n, 3),
-        "client_cpu_ms": round(1e3 * solo.client / n, 3),
-        "server_other_cpu_ms": round(1e3 * (solo.server - solo.server_engine - solo.server_loop) / n, 3),
-        "engine_thread_cpu_ms": round(1e3 * solo.server_engine / n, 3),
-        "engine_cpu_ms": round(1e3 * solo.engine / n, 3),
         "stream_interval": stream_interval,
         "loop_writes": loop_writes,
+        "other_writes": None if not others else {"loop_writes": not loop_writes, **_alone_figures(others[0])},
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": steady["p50"] is not None and steady["p50"] <= GOAL_OVERHEAD_MS,
+    }
+
+
+def _alone_figures(alone: Alone) -> dict[str, Any]:
+    """One server's streamed requests alone: overhead (as e2e - e2e and steady) and CPU per request, in ms."""
+    n, cpu = len(alone.overhead), alone.cpu
+    return {
+        "overhead_ms": _ms(alone.overhead),
+        "overhead_steady_ms": _ms(alone.steady),
+        "http_cpu_ms": round(1e3 * cpu.server_loop / n, 3),
+        "stream_write_cpu_ms": round(1e3 * cpu.server_write / n, 3),
+        "client_cpu_ms": round(1e3 * cpu.client / n, 3),
+        "server_other_cpu_ms": round(1e3 * (cpu.server - cpu.server_engine - cpu.server_loop) / n, 3),
+        "engine_thread_cpu_ms": round(1e3 * cpu.server_engine / n, 3),
+        "engine_cpu_ms": round(1e3 * cpu.engine / n, 3),
     }
 
 

@@ -358,6 +358,9 @@ def bench_serve(
     loop_writes: bool = typer.Option(
         False, "--loop-writes", help="The servers' event loops write every chunk (hybridkv serve --loop-writes)."
     ),
+    compare_writes: bool = typer.Option(
+        False, "--compare-writes", help="Also a server with the other write path, alone requests interleaved."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
@@ -370,6 +373,8 @@ def bench_serve(
     from hybridkv.bench.serve import run
 
     pd_args = None
+    if compare_writes and url is not None:
+        raise typer.BadParameter("--url loads a running server; --compare-writes starts its own", param_hint="--url")
     if disaggregated:
         if url is not None:
             raise typer.BadParameter("--url loads a running server; --disaggregated starts its own", param_hint="--url")
@@ -417,6 +422,7 @@ def bench_serve(
         sized.max_context,
         stream_interval,
         loop_writes,
+        compare_writes,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -464,3 +470,12 @@ def bench_serve(
         f"vs the engine driven directly {report['engine_cpu_ms']} ms; "
         f"the bench's client {report['client_cpu_ms']} ms"
     )
+    other = report["other_writes"]
+    if other is not None:
+        console.print(
+            f"Side by side, the same requests interleaved: written by the "
+            f"{'event loop' if other['loop_writes'] else 'engine thread'}, streamed p50 "
+            f"{other['overhead_steady_ms']['p50']} ms, p99 {other['overhead_steady_ms']['p99']} ms (e2e - e2e p50 "
+            f"{other['overhead_ms']['p50']} ms); CPU per request: event loop {other['http_cpu_ms']} ms, engine thread "
+            f"{other['engine_thread_cpu_ms']} ms ({other['stream_write_cpu_ms']} ms of it writing chunks)"
+        )
