@@ -234,7 +234,7 @@ class Generation:
     def post(self, index: int, token: int | None, finished: Finished | None) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed); only an event
         that closes a chunk wakes it. Direct: keep it here; once a writer is attached, an event that closes a
-        chunk writes it, and the last end wakes the loop (it writes the last chunk and ends the response)."""
+        chunk writes it, and the last end, written too, wakes the loop (it ends the response)."""
         ends = self._ends_chunk(index, token, finished)
         event: Event = (index, token, finished, time.perf_counter(), ends)
         with self._lock:
@@ -243,16 +243,19 @@ class Generation:
                 self._events.append(event)
                 if not ends:
                     return
-                if self._ended < len(self.prompts) and (self._writer is None or self._write()):
-                    return  # written, or ``attach`` will write it
-                self.loop_post.post(self, None, True)  # the last end, or the writer failed: the loop goes on
+                last = self._ended == len(self.prompts)
+                if self._writer is None and not last:
+                    return  # ``attach`` will write it
+                if self._writer is not None and self._write() and not last:
+                    return
+                self.loop_post.post(self, None, True)  # over (written or not), or the writer failed: the loop goes on
                 return
         self.loop_post.post(self, event, ends)
 
     def attach(self, writer: Writer | None) -> None:
-        """In the loop, once the response's head is written (``direct`` only): ``writer`` writes every chunk but
-        the last from the backend's thread from now on, starting with any already waiting here; ``None``: the
-        loop writes them (the events kept so far come first)."""
+        """In the loop, once the response's head is written (``direct`` only): ``writer`` writes every chunk from
+        the backend's thread from now on, starting with any already waiting here (but a generation already over:
+        the loop writes it); ``None``: the loop writes them (the events kept so far come first)."""
         with self._lock:
             self._writer = writer
             self._keep = writer is not None

@@ -4,8 +4,8 @@ A streamed token handed to the event loop costs a wake-up of the loop thread, wh
 from the engine thread and gives it back: measured, about 0.2-0.3 ms per chunk on 2 shared cores, most of it
 thread switching. So, for a stream whose response uvicorn has started (head written, chunked), the
 backend's thread writes each chunk itself, framed as HTTP/1.1 chunked encoding (length, CRLF, data,
-CRLF), with one non-blocking ``send(2)`` that keeps the GIL. The loop is woken only for the stream's
-end, which goes through uvicorn's ``send`` as before (so uvicorn's response state stays its own).
+CRLF), with one non-blocking ``send(2)`` that keeps the GIL; the last chunk too. The loop is woken only
+to end the response through uvicorn's ``send`` (its terminator; so uvicorn's response state stays its own).
 
 Invariants:
 - Used only on a plain-TCP connection of uvicorn's HTTP/1.1 protocol whose response is chunked and has

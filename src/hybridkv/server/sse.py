@@ -3,9 +3,10 @@
 ``EventStream`` writes straight to the ASGI ``send`` of the server (``hot.py`` serves these endpoints
 below Starlette's middleware): the head, then one ``http.response.body`` write per wake-up of the loop
 (every event it brought, encoded by the endpoint's ``encode``); the last write (ending with
-``data: [DONE]``) is the response's end too. A ``direct`` generation's chunks but the last are written
-by the backend's thread instead (``SocketWriter``, where uvicorn's connection allows it), so the loop is
-woken only for the end; the CPU that thread spends on them is counted (``ServerState.count_write``).
+``data: [DONE]``) is the response's end too. A ``direct`` generation's chunks, the last with ``[DONE]``, are
+written by the backend's thread instead (``SocketWriter``, where uvicorn's connection allows it), so the loop
+is woken only to end the response (uvicorn's ``send`` writes the chunked encoding's terminator); the CPU that
+thread spends on them is counted (``ServerState.count_write``).
 It follows the generation itself (``Generation.next``, no generator layers per chunk) while a watcher task
 turns the client's disconnect into an abort at once (uvicorn drops writes to a closed connection), so a
 gone client ends the stream promptly.
@@ -56,6 +57,7 @@ class EventStream:
         self.ids = ids
         self.receive = receive
         self.encode = encode
+        self._done_written = False  # the backend's thread wrote the last events and [DONE] (``_writes_to``)
 
     def _events(self, updates: list[Update]) -> list[bytes]:
         self.state.observe(self.gen, updates)
@@ -70,8 +72,13 @@ class EventStream:
             if gen.direct:
                 writer = SocketWriter.attach(send)
                 gen.attach(None if writer is None else self._writes_to(writer))
-            while True:  # with a writer attached, ``next`` returns only the last events
+            while True:  # with a writer attached, ``next`` returns only once it is over
                 updates = await gen.next()
+                if self._done_written:
+                    assert writer is not None and not updates
+                    writer.flush()
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
                 events = self._events(updates)
                 if gen.done:  # the last events and the response's end: one write
                     if writer is not None:
@@ -90,7 +97,11 @@ class EventStream:
     def _writes_to(self, writer: SocketWriter) -> Callable[[list[Update]], None]:
         def write(updates: list[Update]) -> None:  # in the backend's thread
             start = time.thread_time()
-            writer.write(b"".join(self._events(updates)))
+            events = self._events(updates)
+            if self.gen.done:
+                events.append(DONE)
+            writer.write(b"".join(events))
+            self._done_written = self.gen.done
             self.state.count_write(time.thread_time() - start)
 
         return write
