@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server import EngineBackend
-from hybridkv.server.generation import Generation, LoopPost
+from hybridkv.server.generation import Generation, LoopPost, Update
 from tests.server.conftest import MODEL, SIZING
 
 PROMPT = list(range(3, 40))
@@ -107,3 +110,99 @@ def test_a_running_server_wakes_its_loop_through_the_pipe(start_server: Callable
     assert server.state._post is post  # the connected one served it
     server.stop()
     assert post._wake_fd is None  # closed with the loop
+
+
+async def _follow_direct(
+    backend: EngineBackend, writer: Callable[[list[Update]], None] | None
+) -> tuple[list[list[int]], int, Generation]:
+    """A direct stream with ``writer`` attached (None: the loop writes): what ``updates`` gave the loop, per burst,
+    and how many times the loop was woken."""
+    post = LoopPost(asyncio.get_running_loop())
+    await post.connect()
+    wakes = 0
+    deliver = post._deliver
+
+    def counted() -> None:
+        nonlocal wakes
+        wakes += 1
+        deliver()
+
+    post._deliver = counted  # type: ignore[method-assign]
+    gen = Generation(backend, post, [PROMPT], stream=True, direct=True)
+    gen.start([SamplingParams(max_new_tokens=NEW, ignore_eos=True)], f"salt-direct-{writer is None}")
+    gen.attach(writer)
+    bursts = []
+    try:
+        async with asyncio.timeout(60):
+            async for updates in gen.updates():
+                bursts += [up.new_tokens for up in updates]
+    finally:
+        gen.detach()
+        post.close()
+    return bursts, wakes, gen
+
+
+def test_a_direct_stream_is_written_by_the_backend_thread_and_wakes_the_loop_once(
+    make_engine: Callable[..., Engine],
+) -> None:
+    backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
+    try:
+        reference = list(make_engine().generate([PROMPT], NEW, stop_at_eos=False)[0].output_ids)
+        loop_thread = threading.get_ident()
+        writes: list[tuple[int, list[int], bool]] = []
+
+        def writer(updates: list[Update]) -> None:
+            (up,) = updates
+            writes.append((threading.get_ident(), up.new_tokens, up.finished is not None))
+
+        left, wakes, gen = asyncio.run(_follow_direct(backend, writer))
+        assert wakes == 1 and left == [] and gen.done  # the loop was woken once, to end it: nothing left to write
+        assert [t for _, tokens, _ in writes for t in tokens] == reference
+        assert [len(tokens) for _, tokens, _ in writes] == [1] * NEW  # a chunk per token, the end with the last
+        assert [ended for _, _, ended in writes] == [False] * (NEW - 1) + [True]
+        assert all(thread != loop_thread for thread, _, _ in writes[1:])  # (the first: maybe by attach, in the loop)
+        # no writer (uvicorn's connection did not allow one): the loop writes it, tokens in order, once per step
+        streamed, wakes, _ = asyncio.run(_follow_direct(backend, None))
+        assert [t for burst in streamed for t in burst] == reference and wakes == len(streamed) <= NEW
+    finally:
+        backend.close(10)
+
+
+def test_a_writer_that_raises_fails_the_stream_in_the_loop_and_the_request_is_freed(
+    make_engine: Callable[..., Engine],
+) -> None:
+    backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
+    try:
+        calls = 0
+
+        def writer(updates: list[Update]) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("the encoder broke")
+
+        long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+
+        async def follow() -> Generation:
+            post = LoopPost(asyncio.get_running_loop())
+            gen = Generation(backend, post, [PROMPT], stream=True, direct=True)
+            gen.start([long], "salt-raises")
+            gen.attach(writer)
+            try:
+                async with asyncio.timeout(60):
+                    with pytest.raises(RuntimeError, match="the encoder broke"):
+                        async for _ in gen.updates():
+                            pass
+            finally:
+                gen.abort("the stream failed")  # what ServerState.release does
+            return gen
+
+        gen = asyncio.run(follow())
+        assert calls == 2  # nothing written after the failure
+        deadline = time.monotonic() + 30
+        while backend.metrics()["running"] or backend.metrics()["held_pages"]:  # the request's memory comes back
+            assert time.monotonic() < deadline, backend.metrics()
+            time.sleep(0.02)
+        assert len(gen.progress[0].tokens) < 200
+    finally:
+        backend.close(10)
