@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +45,31 @@ def test_text_prompts_give_the_same_tokens_as_ids(server: Any) -> None:
     assert [a["output_ids"] for a in answers] == [by_ids.token_ids] * 2  # type: ignore[attr-defined]
     assert answers[0]["text"] == by_text.text
     assert answers[0]["meta_info"]["prompt_tokens"] == len(ids)
+    # SGLang's stream: each chunk's text is all of it so far (decoded by the engine's thread, as it writes)
+    body = {"text": text, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as resp:
+        texts = [json.loads(x.removeprefix("data: "))["text"] for x in resp.iter_lines() if x.startswith("data: {")]
+    assert len(texts) == 6 and texts[-1] == by_text.text
+    assert all(b.startswith(a) and len(a) < len(b) for a, b in itertools.pairwise(texts))
+
+
+def test_a_text_stream_decodes_once_per_new_token_not_once_per_use(server: Any) -> None:
+    from hybridkv.server.text import TextStream
+
+    tokenizer = server.state.config.tokenizer
+    calls = 0
+    decode = tokenizer.decode
+
+    def counted(ids: list[int]) -> str:
+        nonlocal calls
+        calls += 1
+        return str(decode(ids))
+
+    tokenizer.decode = counted
+    try:
+        stream = TextStream(tokenizer)
+        deltas = [stream.push([i], final=i == 9) + "|" + stream.text for i in range(5, 10)]
+        assert calls == 5  # push, then text: one decode for both
+        assert deltas[-1] == " w9|w5 w6 w7 w8 w9" and stream.text == "w5 w6 w7 w8 w9" and calls == 5
+    finally:
+        del tokenizer.decode

@@ -41,13 +41,14 @@ class TextStream:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.sent = 0  # characters handed out
+        self._decoded = (0, "")  # (how many ids, their text): ``push`` and ``text`` decode once per change
 
     def push(self, tokens: list[int], final: bool) -> str:
         """Add ``tokens``; the new text (all that is left when ``final``)."""
         self.ids += tokens
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.ids)
+        text = self._decode()
         if not final and text.endswith("\ufffd"):
             return ""
         delta = text[self.sent :]
@@ -56,4 +57,10 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(self.ids)
+        return "" if self.tokenizer is None else self._decode()
+
+    def _decode(self) -> str:
+        assert self.tokenizer is not None
+        if self._decoded[0] != len(self.ids):
+            self._decoded = (len(self.ids), self.tokenizer.decode(self.ids))
+        return self._decoded[1]
