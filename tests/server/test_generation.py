@@ -113,7 +113,7 @@ def test_a_running_server_wakes_its_loop_through_the_pipe(start_server: Callable
 
 
 async def _follow_direct(
-    backend: EngineBackend, writer: Callable[[list[Update]], None] | None
+    backend: EngineBackend, writer: Callable[[list[Update]], bool] | None
 ) -> tuple[list[list[int]], int, Generation]:
     """A direct stream with ``writer`` attached (None: the loop writes): what ``updates`` gave the loop, per burst,
     and how many times the loop was woken."""
@@ -151,9 +151,10 @@ def test_a_direct_stream_is_written_by_the_backend_thread_and_wakes_the_loop_onc
         loop_thread = threading.get_ident()
         writes: list[tuple[int, list[int], bool]] = []
 
-        def writer(updates: list[Update]) -> None:
+        def writer(updates: list[Update]) -> bool:
             (up,) = updates
             writes.append((threading.get_ident(), up.new_tokens, up.finished is not None))
+            return True
 
         left, wakes, gen = asyncio.run(_follow_direct(backend, writer))
         assert wakes == 1 and left == [] and gen.done  # the loop was woken once, to end it: nothing left to write
@@ -175,11 +176,12 @@ def test_a_writer_that_raises_fails_the_stream_in_the_loop_and_the_request_is_fr
     try:
         calls = 0
 
-        def writer(updates: list[Update]) -> None:
+        def writer(updates: list[Update]) -> bool:
             nonlocal calls
             calls += 1
             if calls == 2:
                 raise RuntimeError("the encoder broke")
+            return True
 
         long = SamplingParams(max_new_tokens=200, ignore_eos=True)
 
@@ -204,5 +206,26 @@ def test_a_writer_that_raises_fails_the_stream_in_the_loop_and_the_request_is_fr
             assert time.monotonic() < deadline, backend.metrics()
             time.sleep(0.02)
         assert len(gen.progress[0].tokens) < 200
+    finally:
+        backend.close(10)
+
+
+def test_a_writer_that_hands_the_stream_back_gets_no_more_chunks_and_the_loop_serves_the_rest(
+    make_engine: Callable[..., Engine],
+) -> None:
+    backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
+    try:
+        reference = list(make_engine().generate([PROMPT], NEW, stop_at_eos=False)[0].output_ids)
+        written: list[list[int]] = []
+
+        def writer(updates: list[Update]) -> bool:  # a socket that took two chunks, then was full
+            (up,) = updates
+            written.append(up.new_tokens)
+            return len(written) < 2
+
+        rest, wakes, gen = asyncio.run(_follow_direct(backend, writer))
+        assert len(written) == 2 and gen.done  # not called again once it answered False
+        assert [t for tokens in written + rest for t in tokens] == reference  # the loop took the rest, in order
+        assert wakes == len(rest) >= 1
     finally:
         backend.close(10)

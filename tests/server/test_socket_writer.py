@@ -10,6 +10,7 @@ import asyncio
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -95,15 +96,18 @@ def test_chunks_written_from_another_thread_arrive_whole_and_in_order() -> None:
         writer = SocketWriter(os.dup(transport.get_extra_info("socket").fileno()), transport, loop)
         bodies = [f"data: {i}\n\n".encode() for i in range(50)]
 
+        sent: list[bool] = []
+
         def write_all() -> None:  # as the engine thread does
             for body in bodies:
-                writer.write(body)
+                sent.append(writer.write(body))
 
         worker = threading.Thread(target=write_all)
         worker.start()
         worker.join(timeout=10)
         assert _read_chunks(client, len(bodies)) == bodies
-        assert not writer.spilling and not writer.broken
+        assert sent == [True] * len(bodies) and not writer.spilling and not writer.broken
+        assert writer.write(b"")  # an empty chunk (the terminator's shape) is never written
         _in_loop(loop, writer.close)
 
 
@@ -112,9 +116,9 @@ def test_a_slow_reader_gets_every_byte_in_order_through_the_loop_once_the_socket
         transport.write(HEAD)
         writer = SocketWriter(os.dup(transport.get_extra_info("socket").fileno()), transport, loop)
         bodies = [f"data: {i} {'x' * 2000}\n\n".encode() for i in range(400)]  # ~800 KB: far above both buffers
-        for body in bodies:  # nobody reads yet: the socket fills, the rest is spilled to the transport
-            writer.write(body)
-        assert writer.spilling
+        sent = [writer.write(body) for body in bodies]  # nobody reads: the socket fills, the rest is spilled
+        first_refused = sent.index(False)  # from the chunk the socket did not take whole: "hand it to the loop"
+        assert first_refused > 0 and not any(sent[first_refused:]) and writer.spilling
         got = _read_chunks(client, len(bodies))
         assert got == bodies
         _in_loop(loop, writer.close)
@@ -126,12 +130,15 @@ def test_a_gone_peer_breaks_the_writer_without_raising_and_drops_the_rest() -> N
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
         client.close()
         for _ in range(20):  # the first write after the reset may still be taken; a later one is refused
-            writer.write(b"data: 1\n\n")
-            if writer.broken:
+            if not writer.write(b"data: 1\n\n"):
                 break
             threading.Event().wait(0.01)
-        assert writer.broken
-        writer.write(b"dropped")  # no exception
+        assert writer.broken and not writer.spilling
+        assert writer.write(b"dropped") is False  # no exception, nothing sent
+        deadline = time.monotonic() + 10
+        while not _in_loop(loop, transport.is_closing):  # never silent: the loop aborts the connection
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         _in_loop(loop, writer.close)
 
 

@@ -60,8 +60,9 @@ class Update:
 Event = tuple[int, int | None, Finished | None, float, bool]
 """Prompt index, token, end, ``perf_counter`` stamp, and whether it closes a chunk (``Generation.post`` decides)."""
 
-Writer = Callable[[list["Update"]], None]
-"""Writes one chunk's updates to the client, from the backend's thread (``Generation.attach``)."""
+Writer = Callable[[list["Update"]], bool]
+"""Writes one chunk's updates to the client, from the backend's thread (``Generation.attach``); False: the loop
+writes the rest of the stream (the client is slow, or its connection failed)."""
 
 
 _write_holding_gil = ctypes.PyDLL(None).write
@@ -273,17 +274,19 @@ class Generation:
             self._keep = False
 
     def _write(self) -> bool:
-        """Under ``_lock``: the events so far written by the writer as one chunk; False if it raised (kept for
-        ``next``; the loop writes from now on)."""
+        """Under ``_lock``: the events so far written by the writer as one chunk; if it answers False, the loop
+        takes the stream over from the next event on. False if it raised (kept for ``next``, which the caller
+        wakes; the loop takes over too)."""
         assert self._writer is not None
         try:
-            self._writer(self._take())
-            return True
+            direct = self._writer(self._take())
         except Exception as exc:
             self._failure = exc
+            direct = False
+        if not direct:
             self._writer = None
             self._keep = False
-            return False
+        return self._failure is None
 
     def arrive(self, event: Event | None) -> None:
         """In the loop: one delivered event (``None``: only a wake-up); one that closes a chunk wakes ``updates``

@@ -12,12 +12,16 @@ Invariants:
   nothing left in the transport's buffer after the head (``attach`` answers ``None`` otherwise, and the
   stream is written by the loop as before). No TLS: a TLS transport is never written to directly.
 - Bytes reach the connection in the order written. A chunk the socket does not take whole (a slow
-  client: its buffer full) is spilled: its remainder and every later chunk go to the loop's transport
-  (``flush``, in the loop), never directly again; the stream's end flushes first.
+  client: its buffer full) is spilled: its remainder, and anything written after it, goes to the loop's
+  transport (``flush``, in the loop), never directly again; ``write`` answers False so that the caller
+  hands the rest of the stream to the loop, which writes it through uvicorn's ``send`` (its flow control:
+  waiting for the client, the tokens meanwhile merged into one chunk) after flushing.
+- A connection error other than a full buffer (the peer gone, or the kernel refusing) is never silent:
+  the writer is ``broken``, drops the rest, and the loop aborts the connection (the stream's watcher then
+  aborts the request), so a client never gets a well-formed answer with chunks missing.
 - The socket is written through a duplicate descriptor owned here, so the connection's number being
   reused after uvicorn closes it can never send a chunk to another client. ``close`` (once, in the loop)
-  closes it under the lock; later writes are dropped. A write the peer refuses (gone) marks the writer
-  ``broken`` and drops the rest: the disconnect reaches the stream's watcher, which aborts it.
+  closes it under the lock; later writes are dropped. ``send`` never blocks (``MSG_DONTWAIT``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ _send = _libc.send
 the engine thread's write, which then waits to get it back."""
 _send.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
 _send.restype = ctypes.c_ssize_t
-_NO_SIGPIPE = getattr(socket, "MSG_NOSIGNAL", 0)
+_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0) | socket.MSG_DONTWAIT
 _RETRY = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 
 
@@ -57,7 +61,7 @@ class SocketWriter:
         self._lock = threading.Lock()
         self._spill: list[bytes] = []  # framed bytes for the loop's transport, in order (under _lock)
         self._spilling = False  # a chunk was not taken whole: every later byte goes through the loop
-        self.broken = False  # the peer refused a write: the rest is dropped
+        self.broken = False  # the connection failed: the rest is dropped, the loop aborts it
 
     @classmethod
     def attach(cls, send: Send) -> SocketWriter | None:
@@ -75,26 +79,36 @@ class SocketWriter:
             return None
         return cls(os.dup(sock.fileno()), transport, asyncio.get_running_loop())
 
-    def write(self, body: bytes) -> None:
-        """Any thread: ``body`` as the next chunk of the response."""
+    def write(self, body: bytes) -> bool:
+        """Any thread: ``body`` as the next chunk of the response. True: sent whole, the next may come here too;
+        False: hand the rest of the stream to the loop (this chunk spilled, or the connection failed)."""
+        if not body:  # an empty chunk would be the chunked encoding's terminator
+            return True
         frame = chunk_frame(body)
+        then = None
         with self._lock:
             if self._fd is None or self.broken:
-                return
+                return False
             if not self._spilling:
-                sent = _send(self._fd, frame, len(frame), _NO_SIGPIPE)
+                if self._transport.is_closing():  # uvicorn closed the connection (the socket lives on in our fd)
+                    self.broken = True
+                    return False
+                sent = _send(self._fd, frame, len(frame), _FLAGS)
                 if sent == len(frame):
-                    return
+                    return True
                 if sent < 0 and ctypes.get_errno() not in _RETRY:
                     self.broken = True
-                    return
-                frame = frame[max(sent, 0) :]
-                self._spilling = True
-            self._spill.append(frame)
-            wake = len(self._spill) == 1
-        if wake:
+                    then = self._transport.abort
+                else:
+                    frame = frame[max(sent, 0) :]
+                    self._spilling = True
+            if then is None:
+                self._spill.append(frame)
+                then = self.flush if len(self._spill) == 1 else None
+        if then is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads this stream any more
-                self._loop.call_soon_threadsafe(self.flush)
+                self._loop.call_soon_threadsafe(then)
+        return False
 
     @property
     def spilling(self) -> bool:

@@ -74,15 +74,15 @@ class EventStream:
                 gen.attach(None if writer is None else self._writes_to(writer))
             while True:  # with a writer attached, ``next`` returns only once it is over
                 updates = await gen.next()
+                if writer is not None:  # what it spilled goes first (the loop writes after a spill)
+                    writer.flush()
                 if self._done_written:
                     assert writer is not None and not updates
-                    writer.flush()
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    if not writer.broken:  # else the loop aborts the connection
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
                 events = self._events(updates)
                 if gen.done:  # the last events and the response's end: one write
-                    if writer is not None:
-                        writer.flush()
                     events.append(DONE)
                     await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
                     return
@@ -94,14 +94,15 @@ class EventStream:
             watcher.cancel()
             state.release(gen, self.ids)
 
-    def _writes_to(self, writer: SocketWriter) -> Callable[[list[Update]], None]:
-        def write(updates: list[Update]) -> None:  # in the backend's thread
+    def _writes_to(self, writer: SocketWriter) -> Callable[[list[Update]], bool]:
+        def write(updates: list[Update]) -> bool:  # in the backend's thread
             start = time.thread_time()
             events = self._events(updates)
             if self.gen.done:
                 events.append(DONE)
-            writer.write(b"".join(events))
+            direct = writer.write(b"".join(events))
             self._done_written = self.gen.done
             self.state.count_write(time.thread_time() - start)
+            return direct
 
         return write
