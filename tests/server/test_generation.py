@@ -23,12 +23,22 @@ PROMPT = list(range(3, 40))
 NEW = 8
 
 
+Writer = Callable[[list[Update]], bool]
+
+
 async def _follow(
-    backend: EngineBackend, stream: bool, pipe: bool = False, closed: bool = False, reader_gone: bool = False
+    backend: EngineBackend,
+    stream: bool,
+    pipe: bool = False,
+    closed: bool = False,
+    reader_gone: bool = False,
+    direct: bool = False,
+    writer: Writer | None = None,
 ) -> tuple[list[list[int]], int, Generation]:
     """The tokens of each burst ``updates`` gave, and how many times the loop was woken (``pipe``: through
     the connected wake-up pipe, else ``call_soon_threadsafe``; ``closed``: the pipe connected, then closed;
-    ``reader_gone``: connected, then its read end closed behind the post's back)."""
+    ``reader_gone``: connected, then its read end closed behind the post's back; ``direct``: a direct stream,
+    ``writer`` attached (None: the loop writes it))."""
     post = LoopPost(asyncio.get_running_loop())
     if pipe or closed or reader_gone:
         await post.connect()
@@ -47,15 +57,17 @@ async def _follow(
         deliver()
 
     post._deliver = counted  # type: ignore[method-assign]
-    gen = Generation(backend, post, [PROMPT], stream)
-    gen.start([SamplingParams(max_new_tokens=NEW, ignore_eos=True)], f"salt-{stream}")
+    gen = Generation(backend, post, [PROMPT], stream, direct=direct)
+    gen.start([SamplingParams(max_new_tokens=NEW, ignore_eos=True)], f"salt-{stream}-{direct}-{writer is None}")
+    if direct:
+        gen.attach(writer)
     bursts = []
     try:
         async with asyncio.timeout(60):
             async for updates in gen.updates():
-                (up,) = updates
-                bursts.append(up.new_tokens)
+                bursts += [up.new_tokens for up in updates]
     finally:
+        gen.detach()
         post.close()
     return bursts, wakes, gen
 
@@ -112,37 +124,7 @@ def test_a_running_server_wakes_its_loop_through_the_pipe(start_server: Callable
     assert post._wake_fd is None  # closed with the loop
 
 
-async def _follow_direct(
-    backend: EngineBackend, writer: Callable[[list[Update]], bool] | None
-) -> tuple[list[list[int]], int, Generation]:
-    """A direct stream with ``writer`` attached (None: the loop writes): what ``updates`` gave the loop, per burst,
-    and how many times the loop was woken."""
-    post = LoopPost(asyncio.get_running_loop())
-    await post.connect()
-    wakes = 0
-    deliver = post._deliver
-
-    def counted() -> None:
-        nonlocal wakes
-        wakes += 1
-        deliver()
-
-    post._deliver = counted  # type: ignore[method-assign]
-    gen = Generation(backend, post, [PROMPT], stream=True, direct=True)
-    gen.start([SamplingParams(max_new_tokens=NEW, ignore_eos=True)], f"salt-direct-{writer is None}")
-    gen.attach(writer)
-    bursts = []
-    try:
-        async with asyncio.timeout(60):
-            async for updates in gen.updates():
-                bursts += [up.new_tokens for up in updates]
-    finally:
-        gen.detach()
-        post.close()
-    return bursts, wakes, gen
-
-
-def test_a_direct_stream_is_written_by_the_backend_thread_and_wakes_the_loop_once(
+def test_a_direct_stream_is_written_by_the_backend_thread_and_wakes_the_loop_once_unless_handed_back(
     make_engine: Callable[..., Engine],
 ) -> None:
     backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
@@ -156,15 +138,27 @@ def test_a_direct_stream_is_written_by_the_backend_thread_and_wakes_the_loop_onc
             writes.append((threading.get_ident(), up.new_tokens, up.finished is not None))
             return True
 
-        left, wakes, gen = asyncio.run(_follow_direct(backend, writer))
+        left, wakes, gen = asyncio.run(_follow(backend, True, pipe=True, direct=True, writer=writer))
         assert wakes == 1 and left == [] and gen.done  # the loop was woken once, to end it: nothing left to write
         assert [t for _, tokens, _ in writes for t in tokens] == reference
         assert [len(tokens) for _, tokens, _ in writes] == [1] * NEW  # a chunk per token, the end with the last
         assert [ended for _, _, ended in writes] == [False] * (NEW - 1) + [True]
         assert all(thread != loop_thread for thread, _, _ in writes[1:])  # (the first: maybe by attach, in the loop)
         # no writer (uvicorn's connection did not allow one): the loop writes it, tokens in order, once per step
-        streamed, wakes, _ = asyncio.run(_follow_direct(backend, None))
+        streamed, wakes, _ = asyncio.run(_follow(backend, True, pipe=True, direct=True))
         assert [t for burst in streamed for t in burst] == reference and wakes == len(streamed) <= NEW
+        # a writer that hands the stream back (its socket took two chunks, then was full): no more chunks for it
+        written: list[list[int]] = []
+
+        def full_after_two(updates: list[Update]) -> bool:
+            (up,) = updates
+            written.append(up.new_tokens)
+            return len(written) < 2
+
+        rest, wakes, gen = asyncio.run(_follow(backend, True, pipe=True, direct=True, writer=full_after_two))
+        assert len(written) == 2 and gen.done
+        assert [t for tokens in written + rest for t in tokens] == reference  # the loop took the rest, in order
+        assert wakes == len(rest) >= 1
     finally:
         backend.close(10)
 
@@ -206,26 +200,5 @@ def test_a_writer_that_raises_fails_the_stream_in_the_loop_and_the_request_is_fr
             assert time.monotonic() < deadline, backend.metrics()
             time.sleep(0.02)
         assert len(gen.progress[0].tokens) < 200
-    finally:
-        backend.close(10)
-
-
-def test_a_writer_that_hands_the_stream_back_gets_no_more_chunks_and_the_loop_serves_the_rest(
-    make_engine: Callable[..., Engine],
-) -> None:
-    backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
-    try:
-        reference = list(make_engine().generate([PROMPT], NEW, stop_at_eos=False)[0].output_ids)
-        written: list[list[int]] = []
-
-        def writer(updates: list[Update]) -> bool:  # a socket that took two chunks, then was full
-            (up,) = updates
-            written.append(up.new_tokens)
-            return len(written) < 2
-
-        rest, wakes, gen = asyncio.run(_follow_direct(backend, writer))
-        assert len(written) == 2 and gen.done  # not called again once it answered False
-        assert [t for tokens in written + rest for t in tokens] == reference  # the loop took the rest, in order
-        assert wakes == len(rest) >= 1
     finally:
         backend.close(10)
