@@ -34,11 +34,12 @@ async def _follow(
     reader_gone: bool = False,
     direct: bool = False,
     writer: Writer | None = None,
+    attach_after: int = 0,
 ) -> tuple[list[list[int]], int, Generation]:
     """The tokens of each burst ``updates`` gave, and how many times the loop was woken (``pipe``: through
     the connected wake-up pipe, else ``call_soon_threadsafe``; ``closed``: the pipe connected, then closed;
     ``reader_gone``: connected, then its read end closed behind the post's back; ``direct``: a direct stream,
-    ``writer`` attached (None: the loop writes it))."""
+    ``writer`` attached (None: the loop writes it) once ``attach_after`` tokens were kept)."""
     post = LoopPost(asyncio.get_running_loop())
     if pipe or closed or reader_gone:
         await post.connect()
@@ -60,6 +61,10 @@ async def _follow(
     gen = Generation(backend, post, [PROMPT], stream, direct=direct)
     gen.start([SamplingParams(max_new_tokens=NEW, ignore_eos=True)], f"salt-{stream}-{direct}-{writer is None}")
     if direct:
+        deadline = time.monotonic() + 30
+        while len(gen._events) < attach_after:  # the loop busy: the engine thread's first steps come first
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         gen.attach(writer)
     bursts = []
     try:
@@ -82,10 +87,9 @@ def test_a_plain_generation_wakes_the_loop_once_a_stream_once_per_step(make_engi
         assert p.finished is not None and p.finished.finish_reason is FinishReason.LENGTH
         assert p.first_at is not None and p.last_at is not None and p.first_at < p.last_at  # stamped per token
         streamed, stream_wakes, _ = asyncio.run(_follow(backend, stream=True))
-        # one wake-up per step, each with its token (the end: with the last token or, posted after the loop
-        # took that one, alone)
-        assert stream_wakes == len(streamed) and NEW <= len(streamed) <= NEW + 1
-        assert all(len(burst) == 1 for burst in streamed[:NEW])
+        # one wake-up per step, each with its token, the end with the last (its max_new_tokens-th token waits for
+        # it); a loop slower than a step on a busy machine takes two steps' tokens in one wake-up, never more
+        assert stream_wakes == len(streamed) and NEW // 2 < len(streamed) <= NEW
         assert [t for burst in streamed for t in burst] == reference
     finally:
         backend.close(10)
@@ -98,7 +102,7 @@ def test_the_wake_up_pipe_wakes_once_per_step_and_closes(make_engine: Callable[.
         reference = list(make_engine().generate([PROMPT], NEW, stop_at_eos=False)[0].output_ids)
         for _ in range(3):  # each connect opens a pipe, each close closes both ends
             streamed, wakes, _ = asyncio.run(_follow(backend, stream=True, pipe=True))
-            assert wakes == len(streamed) and NEW <= len(streamed) <= NEW + 1
+            assert wakes == len(streamed) and NEW // 2 < len(streamed) <= NEW  # (as above)
             assert [t for burst in streamed for t in burst] == reference
             plain, plain_wakes, _ = asyncio.run(_follow(backend, stream=False, pipe=True))
             assert plain_wakes == 1 and plain == [reference]
@@ -144,6 +148,12 @@ def test_a_direct_stream_is_written_by_the_backend_thread_and_wakes_the_loop_onc
         assert [len(tokens) for _, tokens, _ in writes] == [1] * NEW  # a chunk per token, the end with the last
         assert [ended for _, _, ended in writes] == [False] * (NEW - 1) + [True]
         assert all(thread != loop_thread for thread, _, _ in writes[1:])  # (the first: maybe by attach, in the loop)
+        # attached late, after several steps: what was kept is written a chunk per step still, by the loop
+        writes.clear()
+        asyncio.run(_follow(backend, True, pipe=True, direct=True, writer=writer, attach_after=3))
+        assert [t for _, tokens, _ in writes for t in tokens] == reference
+        assert [len(tokens) for _, tokens, _ in writes] == [1] * NEW
+        assert writes[0][0] == loop_thread and writes[-1][0] != loop_thread
         # no writer (uvicorn's connection did not allow one): the loop writes it, tokens in order, once per step
         streamed, wakes, _ = asyncio.run(_follow(backend, True, pipe=True, direct=True))
         assert [t for burst in streamed for t in burst] == reference and wakes == len(streamed) <= NEW

@@ -255,15 +255,20 @@ class Generation:
 
     def attach(self, writer: Writer | None) -> None:
         """In the loop, once the response's head is written (``direct`` only): ``writer`` writes every chunk from
-        the backend's thread from now on, starting with any already waiting here (but a generation already over:
-        the loop writes it); ``None``: the loop writes them (the events kept so far come first)."""
+        the backend's thread from now on, starting with any already waiting here, a chunk per event that closes
+        one, as if written as they came (but a generation already over: the loop writes it); ``None``: the loop
+        writes them (the events kept so far come first)."""
         with self._lock:
             self._writer = writer
             self._keep = writer is not None
-            closing = [e for e in self._events if e[4]]
-            if not closing:
-                return
-            if writer is None or self._ended == len(self.prompts) or not self._write():
+            if writer is not None and self._ended < len(self.prompts):
+                while self._writer is not None:
+                    closes = next((i for i, e in enumerate(self._events) if e[4]), None)
+                    if closes is None:
+                        return
+                    if not self._write(closes + 1):
+                        break
+            if self._failure is not None or any(e[4] for e in self._events):  # the loop goes on from here
                 self._ready = True
 
     def detach(self) -> None:
@@ -273,13 +278,13 @@ class Generation:
             self._writer = None
             self._keep = False
 
-    def _write(self) -> bool:
-        """Under ``_lock``: the events so far written by the writer as one chunk; if it answers False, the loop
-        takes the stream over from the next event on. False if it raised (kept for ``next``, which the caller
-        wakes; the loop takes over too)."""
+    def _write(self, count: int | None = None) -> bool:
+        """Under ``_lock``: the first ``count`` events kept (None: all) written by the writer as one chunk; if it
+        answers False, the loop takes the stream over from the next event on. False if it raised (kept for
+        ``next``, which the caller wakes; the loop takes over too)."""
         assert self._writer is not None
         try:
-            direct = self._writer(self._take())
+            direct = self._writer(self._take(count))
         except Exception as exc:
             self._failure = exc
             direct = False
@@ -337,9 +342,11 @@ class Generation:
         with self._lock:
             return self._take()
 
-    def _take(self) -> list[Update]:
-        """Under ``_lock``: every event so far applied to ``progress``, as one ``Update`` per prompt that changed."""
-        events, self._events = self._events, []
+    def _take(self, count: int | None = None) -> list[Update]:
+        """Under ``_lock``: the first ``count`` events so far (None: all) applied to ``progress``, as one ``Update``
+        per prompt that changed."""
+        n = len(self._events) if count is None else count
+        events, self._events = self._events[:n], self._events[n:]
         changed: dict[int, Update] = {}
         for index, token, finished, at, _ in events:
             self._apply(index, token, finished, at)
