@@ -7,7 +7,7 @@ added and outputs decoded.
 
 Invariant (``TextStream``): the deltas it hands out, joined, equal the decoding of every token so
 far, except that a trailing replacement character (an incomplete UTF-8 sequence) is held back until
-the next token completes it or the request ends.
+the next token completes it or the request ends; after the last push they equal it whole.
 """
 
 from __future__ import annotations
@@ -35,32 +35,42 @@ class Tokenizer:
 
 
 class TextStream:
-    """Incremental text of one request's tokens (``""`` throughout without a tokenizer)."""
+    """Incremental text of one request's tokens (``""`` throughout without a tokenizer).
+
+    Each push decodes a window, not every token so far (which made a stream's text O(n^2)): the tokens since
+    the last text handed out, after the ones before it as context (``_prefix:_read``), so that a tokenizer
+    that spells a token differently at the start of a text (a leading space) gives the same delta as a decode
+    of everything would. The last push decodes everything once and hands out what is left of it.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = 0  # characters handed out
-        self._decoded = (0, "")  # (how many ids, their text): ``push`` and ``text`` decode once per change
+        self._prefix = 0  # ids[_prefix:_read] decode to the context the next delta follows
+        self._read = 0  # ids before it are in the text handed out
+        self._text = ""  # the deltas so far, joined
 
     def push(self, tokens: list[int], final: bool) -> str:
         """Add ``tokens``; the new text (all that is left when ``final``)."""
         self.ids += tokens
         if self.tokenizer is None:
             return ""
-        text = self._decode()
-        if not final and text.endswith("\ufffd"):
+        if final:
+            whole, sent = self.tokenizer.decode(self.ids), self._text
+            pairs = enumerate(zip(whole, sent, strict=False))
+            same = next((i for i, (a, b) in pairs if a != b), min(len(whole), len(sent)))
+            self._text = whole
+            return whole[same:]  # (the window's deltas are a prefix of the whole for every tokenizer tested)
+        context = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        if len(text) <= len(context) or text.endswith("\ufffd"):  # nothing new, or an incomplete UTF-8 sequence
             return ""
-        delta = text[self.sent :]
-        self.sent = len(text)
+        delta = text[len(context) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self._text += delta
         return delta
 
     @property
     def text(self) -> str:
-        return "" if self.tokenizer is None else self._decode()
-
-    def _decode(self) -> str:
-        assert self.tokenizer is not None
-        if self._decoded[0] != len(self.ids):
-            self._decoded = (len(self.ids), self.tokenizer.decode(self.ids))
-        return self._decoded[1]
+        """Every delta so far, joined (after the last push: the decoding of every token)."""
+        return self._text
