@@ -16,14 +16,11 @@ import pytest
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server import EngineBackend
-from hybridkv.server.generation import Generation, LoopPost, Update
+from hybridkv.server.generation import Generation, LoopPost, Update, Writer
 from tests.server.conftest import MODEL, SIZING
 
 PROMPT = list(range(3, 40))
 NEW = 8
-
-
-Writer = Callable[[list[Update]], bool]
 
 
 async def _follow(

@@ -40,8 +40,7 @@ out): ``http_cpu_ms``, what the thread serving HTTP (the event loop) used per re
 machine with fewer free cores than the server's two busy threads plus the client, it lands in the overhead);
 ``server_other_cpu_ms``, the rest of the server process besides its engine thread (the garbage collector; 10
 ms clock ticks); ``engine_thread_cpu_ms``, its engine thread, against ``engine_cpu_ms``, the engine driven
-directly (the difference: what sharing the process
-costs the engine). (Under load the two sides batch
+directly (the difference: what sharing the process costs the engine). (Under load the two sides batch
 differently, so their latencies are compared per side, not per request.)
 
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps

@@ -19,8 +19,8 @@ Invariants:
   leaves nothing held.
 - Events of one generation reach it in the order the backend posted them (one FIFO per loop); a
   direct one's are kept in order under its lock, and each is applied (``_take``) by exactly one thread.
-- A direct stream's chunks are written by one thread at a time, in order, all but the last before the
-  loop is woken for the end; after ``detach`` nothing more is written for it.
+- A direct stream's chunks are written by one thread at a time, in order, the last one before the loop
+  is woken to end the response; after ``detach`` nothing more is written for it.
 - Timings are ``perf_counter`` stamps taken in the backend's thread as the token is handed over.
 """
 

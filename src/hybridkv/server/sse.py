@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 from starlette.types import Receive, Send
 
-from hybridkv.server.generation import Generation, Update
+from hybridkv.server.generation import Generation, Update, Writer
 from hybridkv.server.socket_writer import SocketWriter
 from hybridkv.server.state import ServerState
 
@@ -57,7 +57,6 @@ class EventStream:
         self.ids = ids
         self.receive = receive
         self.encode = encode
-        self._done_written = False  # the backend's thread wrote the last events and [DONE] (``_writes_to``)
 
     def _events(self, updates: list[Update]) -> list[bytes]:
         self.state.observe(self.gen, updates)
@@ -76,8 +75,8 @@ class EventStream:
                 updates = await gen.next()
                 if writer is not None:  # what it spilled goes first (the loop writes after a spill)
                     writer.flush()
-                if self._done_written:
-                    assert writer is not None and not updates
+                if gen.done and not updates:  # the backend's thread wrote the last events and [DONE]
+                    assert writer is not None
                     if not writer.broken:  # else the loop aborts the connection
                         await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
@@ -94,14 +93,13 @@ class EventStream:
             watcher.cancel()
             state.release(gen, self.ids)
 
-    def _writes_to(self, writer: SocketWriter) -> Callable[[list[Update]], bool]:
+    def _writes_to(self, writer: SocketWriter) -> Writer:
         def write(updates: list[Update]) -> bool:  # in the backend's thread
             start = time.thread_time()
             events = self._events(updates)
             if self.gen.done:
                 events.append(DONE)
             direct = writer.write(b"".join(events))
-            self._done_written = self.gen.done
             self.state.count_write(time.thread_time() - start)
             return direct
 
