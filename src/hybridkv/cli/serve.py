@@ -373,11 +373,10 @@ def bench_serve(
     from hybridkv.bench.serve import run
 
     pd_args = None
-    if compare_writes and url is not None:
-        raise typer.BadParameter("--url loads a running server; --compare-writes starts its own", param_hint="--url")
+    starting = [name for name, on in (("--disaggregated", disaggregated), ("--compare-writes", compare_writes)) if on]
+    if url is not None and starting:
+        raise typer.BadParameter(f"--url loads a running server; {starting[0]} starts its own", param_hint="--url")
     if disaggregated:
-        if url is not None:
-            raise typer.BadParameter("--url loads a running server; --disaggregated starts its own", param_hint="--url")
         pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
         pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]
     lengths = [len(p) for p in conversation_prompts(requests, block_tokens)]
