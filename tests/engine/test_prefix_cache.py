@@ -14,10 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import hybridkv.engine.scheduler as scheduler_module
 from hybridkv.engine.engine import Engine, Output
 from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.scheduler import shared_prefix
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 from tests.engine.test_exact import ATOL
@@ -205,6 +208,54 @@ def test_cache_salts_keep_namespaces_apart() -> None:
         engine.generate(LATER[:2], 2, cache_salts=["a"])
 
 
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_a_prompt_sharing_a_running_prefill_waits_for_it_and_others_pass(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts arrive together in a step budget that holds them all: the second shares 45 tokens with
+    the first, the third nothing. The second waits until the first computed the shared prefix (the third is
+    admitted in the first step, past it), then starts from the cache: the shared tokens are computed once.
+    With another cache salt it cannot reuse them, so it does not wait. All exact."""
+    unrelated = prompt(930, 20)
+    for salt, waits in (("a", True), ("b", False)):
+        engine = _engine(name, 2_000_000, 4, max_step_tokens=200)
+        logits = Logits(monkeypatch)
+        rids = [engine.submit(FIRST, SamplingParams(max_new_tokens=4), salt="a")]
+        rids.append(engine.submit(LATER[0], SamplingParams(max_new_tokens=4), salt=salt))
+        rids.append(engine.submit(unrelated, SamplingParams(max_new_tokens=4), salt="a"))
+        engine.step()
+        assert [r.rid for r in engine.sched.waiting] == ([rids[1]] if waits else [])
+        assert {r.rid for r in engine.sched.running} == set(rids) - {r.rid for r in engine.sched.waiting}
+        outs: dict[int, Output] = {}
+        while engine.has_work():
+            for out in engine.step().finished:
+                outs[out.rid] = out
+        second = outs[rids[1]]
+        assert (second.cached_tokens > 0) == waits
+        if name in HAS_WINDOW:  # the page-aligned shared prefix; recurrent models hit a checkpoint in it
+            assert second.cached_tokens == (44 if waits else 0)
+        prompts = [FIRST, LATER[0], unrelated]
+        assert engine.stats["forward_tokens"] == sum(map(len, prompts)) - second.cached_tokens + 3 * 3
+        for index, (ids, rid) in enumerate(zip(prompts, rids, strict=True)):
+            logits.check(name, rid, ids, outs[rid], 4)
+            assert index == rid
+        engine.mem.verify()
+        engine.cache.check()
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=300),
+    st.lists(st.integers(0, 3), max_size=300),
+    st.integers(0, 320),
+)
+def test_shared_prefix_counts_the_leading_equal_tokens(a: list[int], b: list[int], limit: int) -> None:
+    common = 0
+    while common < min(len(a), len(b), limit) and a[common] == b[common]:
+        common += 1
+    assert shared_prefix(a, b, limit) == common
+    assert shared_prefix(a, a + b, limit) == min(len(a), limit)
+
+
 GROUPS = [prompt(300 + g, 20 + 6 * g) for g in range(4)]
 MIXED = [GROUPS[i % 4] + prompt(400 + i, 1 + (5 * i) % 17) for i in range(18)]
 
@@ -217,11 +268,12 @@ def test_a_small_budget_retracts_and_evicts_and_stays_exact(
     """18 requests of mixed lengths in 4 prefix groups, one bad request among them: the cache evicts
     to make room, requests are retracted (and resume from what they cached); all exact. (At such a
     budget the cache mostly thrashes; hits are proven above.) Nemotron-H's large state slots admit
-    few requests at once below 200 KB, too few to run out of memory. Checkpoints every 8 tokens
+    few requests at once below 200 KB, too few to run out of memory; Kimi-Linear's requests that wait for a
+    running prefill of their prefix leave room at 150 KB. Checkpoints every 8 tokens
     (every page of 16) take state slots from the same budget: prefill chunks end there too."""
     placement = f"interval:{max(8, page_size)},prompt-aligned,branch,end"
-    budget = 200_000 if name == "tiny-nemotron-h" else 150_000
-    engine = _engine(name, budget, page_size, checkpoints=placement)
+    budget = {"tiny-nemotron-h": 200_000, "tiny-kimi-linear": 110_000}.get(name, 150_000)
+    engine = _engine(name, budget, page_size, checkpoints=placement, max_step_tokens=4 * CHUNK)
     empty = live_counts(engine.mem)
     logits = Logits(monkeypatch)
     batch = [*MIXED[:5], [], *MIXED[5:9], [3, 999], *MIXED[9:]]
@@ -239,7 +291,7 @@ def test_a_small_budget_retracts_and_evicts_and_stays_exact(
 
 
 def test_memory_and_cache_hold_before_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = _engine("tiny-qwen3-next", 150_000, 4)
+    engine = _engine("tiny-qwen3-next", 150_000, 4, max_step_tokens=4 * CHUNK)
     forward = engine.runner.forward
     steps = []
 

@@ -13,7 +13,10 @@ Every step runs all running requests together: each feeds its next uncomputed to
 would pass a position where the checkpoint placement wants the state stored
 (``RequestMemory.wanted``) ends there instead. Waiting requests are admitted while their cache
 hit's state slot and the pages of their first chunk fit (``RequestAllocator.admit``: computation
-starts at the hit's end; the first request of an empty engine always starts). Memory for a
+starts at the hit's end; the first request of an empty engine always starts). A waiting request
+that shares a prefix with a prompt still being prefilled waits (others behind it are admitted)
+until that prefix is computed and cached, so a step never computes the same tokens twice
+(``_waits_for_prefill``; at most ``WAITING_SCAN`` wait ahead of the one admitted). Memory for a
 step comes from one ``RequestAllocator.extend`` call to absolute lengths; when any rank is
 refused (the cache had nothing left to evict) the most recently admitted request is retracted
 on every rank: it releases its handle (what it inserted stays cached), returns to the front of
@@ -35,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -83,8 +87,11 @@ class Request:
         return self.finish_reason is not None
 
 
-STEP_CHUNKS = 4
+STEP_CHUNKS = 16
 """An engine step's token budget when none is given: this many prefill chunks (``step_budget``)."""
+
+WAITING_SCAN = 64
+"""Waiting requests that may wait for a running prefill ahead of the one admitted (bounds a step's scan)."""
 
 
 def step_budget(chunk_size: int, max_step_tokens: int | None) -> int:
@@ -116,6 +123,23 @@ def choose_step_tokens(step: Step, logits: torch.Tensor) -> list[int | None]:
     ):
         out[i] = token
     return out
+
+
+def shared_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit`` (compared a block at a time)."""
+    n, at, block = min(len(a), len(b), limit), 0, 64
+    while at < n and a[at : at + block] == b[at : at + block]:
+        at += block
+    if at >= n:
+        return n
+    while at < n and a[at] == b[at]:
+        at += 1
+    return at
+
+
+def _cached_end(req: Request, page: int) -> int:
+    """Where the cache's copy of ``req``'s computed tokens ends (whole pages; checkpoints sit on page bounds)."""
+    return req.computed - req.computed % page
 
 
 class Scheduler:
@@ -259,13 +283,21 @@ class Scheduler:
             [r.mem for r in running], [r.computed + self._span(r, self.max_step_tokens) for r in running]
         )
         spans: list[int] = []
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
-            req = self.waiting[0]
+        page = self.alloc.page_size
+        prefilling = (
+            [r for r in running if _cached_end(r, page) + page <= len(r.prompt)] if self.alloc.prefix_cache else []
+        )
+        at = 0  # the next waiting request to try; those before it wait for a running prefill
+        while at < len(self.waiting) and len(self.running) < self.max_running and budget > 0:
+            req = self.waiting[at]
+            if at < WAITING_SCAN and self._waits_for_prefill(req, prefilling):
+                at += 1
+                continue
             alone = self.alone_in_memory
             got = self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, alone, self.agree)
             if got is Admission.REFUSED:
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             if got is Admission.TOO_BIG:
                 self._fail_alone(req, "its first chunk and state slot do not fit")
                 continue
@@ -275,7 +307,30 @@ class Scheduler:
             taken += self.alloc.pages_needed([req.mem], [req.computed + span])
             budget -= span
             spans.append(span)
+            if self.alloc.prefix_cache and _cached_end(req, page) + page <= len(req.prompt):
+                prefilling.append(req)
         return spans
+
+    def _waits_for_prefill(self, req: Request, prefilling: list[Request]) -> bool:
+        """One of ``prefilling`` (running requests with a page or more of their prompt not cached yet) shares a
+        prefix with ``req``, and ``req`` could start further than the cache lets it now once that prefix is
+        computed (at a page boundary, or at a state checkpoint the running request stores when the model has
+        recurrent layers: those are page-aligned too): admitted now, it would compute those tokens again."""
+        page, limit = self.alloc.page_size, len(req.tokens) - 1  # the last token is always computed
+        for other in prefilling:
+            cached = _cached_end(other, page)
+            if other.namespace != req.namespace or cached + page > limit:
+                continue
+            shared = shared_prefix(req.tokens, other.prompt, limit)
+            if self.alloc.model_has_state:  # its checkpoints, sorted: the deepest within the shared prefix
+                wanted = other.mem.wanted
+                at = bisect_right(wanted, shared)
+                reach = wanted[at - 1] if at else 0
+            else:
+                reach = shared - shared % page
+            if reach > cached:
+                return True
+        return False
 
     def next_step(self) -> Step | None:
         """Pick this step's requests and spans and allocate their memory (retracting when short)."""

@@ -50,7 +50,7 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.parallel.forkserver import forkserver_threads
 from hybridkv.engine.request import SamplingParams
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.scheduler import STEP_CHUNKS, Role
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.harness import hf_model, make_runner, prompt, serve
 from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settled
@@ -122,7 +122,7 @@ def test_a_batching_option_below_one_is_refused_before_any_model_is_read(fields:
 
 
 def test_the_step_budget_defaults_to_the_engines() -> None:
-    assert PDConfig("/m", chunk=24).step_tokens == 96  # Engine's default: 4 x chunk
+    assert PDConfig("/m", chunk=24).step_tokens == STEP_CHUNKS * 24  # Engine's default
     assert PDConfig("/m", chunk=24, max_step_tokens=10).step_tokens == 10
 
 
