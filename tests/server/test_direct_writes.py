@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import socket
+import struct
 import time
 from typing import Any
 
@@ -15,6 +17,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import API_KEY, shared_prefix_prompts
+from tests.server.test_endpoints import metric, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPTS = shared_prefix_prompts(4, seed=11)
@@ -107,3 +110,46 @@ def test_a_reader_too_slow_for_the_stream_still_gets_every_chunk_whole_and_in_or
     assert len(seen[-1]) == new  # (once the socket is full the loop writes, merging what the reader missed)
     plain = httpx.post(f"{servers['direct'].url}/generate", json={**body, "stream": False}, headers=AUTH, timeout=60)
     assert seen[-1] == plain.json()["output_ids"]
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("mode", ["direct", "loop"])
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_client_that_pipelined_a_second_request_and_left_frees_the_first_at_once(
+    servers: dict[str, Any], mode: str, reset: bool
+) -> None:
+    """uvicorn tells a disconnect only to the newest request of a connection: the first of two pipelined streams
+    must still be aborted (not run to its 400th token), its memory freed, and nothing logged as an error."""
+    server = servers[mode]
+    before = wait_idle(server)
+    host, port = server.url.removeprefix("http://").split(":")
+    body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
+    raw = json.dumps(body).encode()
+    head = f"POST /generate HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {API_KEY}\r\n"
+    request = (head + f"content-type: application/json\r\ncontent-length: {len(raw)}\r\n\r\n").encode() + raw
+    errors = _Errors()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(request + request)
+            got = b""
+            while got.count(b"data: {") < 2:  # the first stream runs
+                got += sock.recv(1 << 16)
+            if reset:  # RST instead of FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        text = wait_idle(server)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    aborted = "hybridkv_engine_aborted_requests_total"
+    assert metric(text, aborted) == metric(before, aborted) + 1  # the first; the second never started
+    assert metric(text, "hybridkv_request_pages") == 0 and metric(text, "hybridkv_request_slots") == 0
+    assert errors.messages == []
+    server.backend.call(lambda e: (e.mem.verify(), e.cache.check()))

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridkv.server.edge import BodyTooLarge, send_error
 from hybridkv.server.schemas import ApiError
+from hybridkv.server.socket_writer import connection_closed
 from hybridkv.server.state import ServerState
 
 Answer = Callable[[Send], Awaitable[None]]
@@ -38,6 +39,8 @@ class Json:
         self.payload = payload
 
     async def __call__(self, send: Send) -> None:
+        if connection_closed(send):  # a pipelined request whose client went away: nobody to answer
+            return
         body = msgspec.json.encode(self.payload)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

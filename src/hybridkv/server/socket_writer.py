@@ -47,6 +47,31 @@ _FLAGS = getattr(socket, "MSG_NOSIGNAL", 0) | socket.MSG_DONTWAIT
 _RETRY = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 
 
+def _transport(send: Send) -> Any:
+    """The transport of uvicorn's connection behind ``send`` (its request cycle's), or None for another server."""
+    return getattr(getattr(send, "__self__", None), "transport", None)
+
+
+def connection_closed(send: Send) -> bool:
+    """The connection behind uvicorn's ``send`` is closed or closing (False where that is not known); its request
+    is then marked disconnected, as uvicorn marks only the newest request of a connection.
+
+    A request's own ``receive`` is not enough to learn it: a client that pipelined a second request and then went
+    away leaves the first one waiting for a disconnect that never comes, and its next ``send`` would raise on the
+    closed transport. Marked, its ``send`` drops what it gets, its ``receive`` answers ``http.disconnect`` (the
+    stream's watcher aborts it) and uvicorn logs no error for its unfinished response."""
+    cycle: Any = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    if transport is None or not hasattr(transport, "is_closing") or not transport.is_closing():
+        return False
+    if getattr(cycle, "disconnected", True) is False and not getattr(cycle, "response_complete", True):
+        cycle.disconnected = True
+        event = getattr(cycle, "message_event", None)
+        if event is not None:
+            event.set()
+    return True
+
+
 def chunk_frame(body: bytes) -> bytes:
     """``body`` as one chunk of HTTP/1.1 chunked transfer encoding."""
     return b"%x\r\n%b\r\n" % (len(body), body)
@@ -69,7 +94,7 @@ class SocketWriter:
         body, or ``None`` where writing directly is not safe (another server, TLS, not chunked, bytes
         still buffered)."""
         cycle: Any = getattr(send, "__self__", None)
-        transport: Any = getattr(cycle, "transport", None)
+        transport: Any = _transport(send)
         if not hasattr(transport, "get_write_buffer_size") or not getattr(cycle, "chunked_encoding", False):
             return None
         if transport.get_extra_info("sslcontext") is not None or transport.is_closing():
@@ -115,10 +140,13 @@ class SocketWriter:
         return self._spilling
 
     def flush(self) -> None:
-        """In the loop: the spilled bytes to the transport (it sends them as the client reads)."""
+        """In the loop: the spilled bytes to the transport (it sends them as the client reads); a broken
+        connection aborted now (``connection_closed`` then knows)."""
         with self._lock:
             data, self._spill = b"".join(self._spill), []
-        if data and not self._transport.is_closing():
+        if self.broken:
+            self._transport.abort()
+        elif data and not self._transport.is_closing():
             self._transport.write(data)
 
     def close(self) -> None:

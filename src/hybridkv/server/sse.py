@@ -9,7 +9,10 @@ is woken only to end the response (uvicorn's ``send`` writes the chunked encodin
 thread spends on them is counted (``ServerState.count_write``).
 It follows the generation itself (``Generation.next``, no generator layers per chunk) while a watcher task
 turns the client's disconnect into an abort at once (uvicorn drops writes to a closed connection), so a
-gone client ends the stream promptly.
+gone client ends the stream promptly. uvicorn tells a disconnect only to the newest request of a
+connection, so every wake-up also checks the connection (``connection_closed``): a pipelined request
+whose client went away ends at its next token, not at its last, and nothing is written to the closed
+transport.
 
 Invariant: ``ServerState.release`` runs once the stream is over, however it ended (done, the client
 gone, an error, the task cancelled, or the head never written), so the generation is never left open.
@@ -25,7 +28,7 @@ import msgspec
 from starlette.types import Receive, Send
 
 from hybridkv.server.generation import Generation, Update, Writer
-from hybridkv.server.socket_writer import SocketWriter
+from hybridkv.server.socket_writer import SocketWriter, connection_closed
 from hybridkv.server.state import ServerState
 
 DONE = b"data: [DONE]\n\n"
@@ -48,6 +51,20 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 Encode = Callable[[list[Update]], list[bytes]]
 """One wake-up's updates -> its events (``sse`` each)."""
+
+
+async def _body(send: Send, body: bytes, more: bool) -> bool:
+    """One body write through uvicorn's ``send``; False (nothing written) once the connection is closed, also when
+    it closed while ``send`` waited for the client to read."""
+    if connection_closed(send):
+        return False
+    try:
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+    except RuntimeError:
+        if connection_closed(send):
+            return False
+        raise
+    return True
 
 
 class EventStream:
@@ -75,17 +92,18 @@ class EventStream:
                 updates = await gen.next()
                 if writer is not None:  # what it spilled goes first (the loop writes after a spill)
                     writer.flush()
+                if connection_closed(send):  # the client is gone (a pipelined request is not told): ``release`` it
+                    return
                 if gen.done and not updates:  # the backend's thread wrote the last events and [DONE]
-                    assert writer is not None
-                    if not writer.broken:  # else the loop aborts the connection
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await _body(send, b"", False)
                     return
                 events = self._events(updates)
                 if gen.done:  # the last events and the response's end: one write
                     events.append(DONE)
-                    await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
+                    await _body(send, b"".join(events), False)
                     return
-                await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
+                if not await _body(send, b"".join(events), True):
+                    return
         finally:
             if writer is not None:
                 gen.detach()
