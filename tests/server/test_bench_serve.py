@@ -35,9 +35,10 @@ def test_listening_socket_is_tcp_with_nodelay() -> None:
 def test_bench_serve_json_is_exact_and_complete() -> None:
     args = ["bench", "serve", "--requests", "6", "--max-new-tokens", "3", "--rounds", "1", "--alone", "2"]
     args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2", "--compare-writes"]
-    result = CliRunner().invoke(app, [*args, "--request-rate", "inf", "--json"])
+    result = CliRunner().invoke(app, [*args, "--max-step-tokens", "96", "--request-rate", "inf", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert report["max_step_tokens"] == 96  # the engine's, and every server's (--max-step-tokens passed on)
     # one sizing story (cli/sizing.py): the context from the work, the budget per process of either server
     assert result.stderr.startswith("hybridkv bench serve: max context "), result.stderr
     assert "longest prompt" in result.stderr and "--gpu-memory 32.00 MiB per process" in result.stderr

@@ -374,17 +374,19 @@ def run(
     stream_interval: int = 1,
     loop_writes: bool = False,
     compare_writes: bool = False,
+    max_step_tokens: int | None = None,
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
     sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size, "max_context": max_context}
     with quiet_transformers():
         weights, config = build_random(model)
-    engine = Engine(config, weights, **sizing)  # type: ignore[arg-type]
+    engine = Engine(config, weights, **sizing, max_step_tokens=max_step_tokens)  # type: ignore[arg-type]
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
     args += [] if max_context is None else ["--max-context", str(max_context)]
+    args += [] if max_step_tokens is None else ["--max-step-tokens", str(max_step_tokens)]
     args += ["--stream-interval", str(stream_interval)]
     writes = ["--loop-writes"] if loop_writes else []
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
@@ -436,6 +438,7 @@ def run(
         "rounds": rounds,
         "alone": len(streamed.overhead),
         "max_new_tokens": max_new_tokens,
+        "max_step_tokens": engine.max_step_tokens,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",
         "disaggregated": None if disaggregated is None else " ".join(disaggregated),

@@ -340,6 +340,7 @@ def bench_serve(
     max_context: int | None = MAX_CONTEXT,
     page_size: int = PAGE_SIZE,
     chunk_size: int = CHUNK_SIZE,
+    max_step_tokens: int | None = MAX_STEP_TOKENS,
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
     url: str = typer.Option(None, "--url", help="A running server to load (default: start hybridkv serve here)."),
     api_key: str = typer.Option(None, "--api-key", help=f"Its API key (or set ${API_KEY_ENV})."),
@@ -422,6 +423,7 @@ def bench_serve(
         stream_interval,
         loop_writes,
         compare_writes,
+        max_step_tokens,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -429,7 +431,7 @@ def bench_serve(
     lengths = report["prompt_tokens"]
     table = Table(
         title=f"{model}: {requests} requests at {request_rate}/s, prompts {lengths['min']}-{lengths['max']} tokens "
-        f"(mean {lengths['mean']}), {max_new_tokens} new each, greedy"
+        f"(mean {lengths['mean']}), {max_new_tokens} new each, greedy, steps of {report['max_step_tokens']} tokens"
     )
     cols = ["round", "side", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"]
     for col in (*cols, "req/s", "tok/s", "prefix hits", "CPU s", "exact"):
