@@ -47,11 +47,6 @@ _FLAGS = getattr(socket, "MSG_NOSIGNAL", 0) | socket.MSG_DONTWAIT
 _RETRY = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 
 
-def _transport(send: Send) -> Any:
-    """The transport of uvicorn's connection behind ``send`` (its request cycle's), or None for another server."""
-    return getattr(getattr(send, "__self__", None), "transport", None)
-
-
 def connection_closed(send: Send) -> bool:
     """The connection behind uvicorn's ``send`` is closed or closing (False where that is not known); its request
     is then marked disconnected, as uvicorn marks only the newest request of a connection.
@@ -94,7 +89,7 @@ class SocketWriter:
         body, or ``None`` where writing directly is not safe (another server, TLS, not chunked, bytes
         still buffered)."""
         cycle: Any = getattr(send, "__self__", None)
-        transport: Any = _transport(send)
+        transport: Any = getattr(cycle, "transport", None)
         if not hasattr(transport, "get_write_buffer_size") or not getattr(cycle, "chunked_encoding", False):
             return None
         if transport.get_extra_info("sslcontext") is not None or transport.is_closing():

@@ -95,6 +95,7 @@ class EventStream:
                 if connection_closed(send):  # the client is gone (a pipelined request is not told): ``release`` it
                     return
                 if gen.done and not updates:  # the backend's thread wrote the last events and [DONE]
+                    assert writer is not None
                     await _body(send, b"", False)
                     return
                 events = self._events(updates)
