@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybridkv.engine.scheduler as scheduler_module
@@ -254,6 +254,44 @@ def test_shared_prefix_counts_the_leading_equal_tokens(a: list[int], b: list[int
         common += 1
     assert shared_prefix(a, b, limit) == common
     assert shared_prefix(a, a + b, limit) == min(len(a), limit)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gemma3"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_requests_arriving_at_random_steps_in_prefix_families_end_exact_and_keep_the_books(
+    name: str, data: st.DataObject
+) -> None:
+    """Prompts of a few prefix families arrive at random steps into random step budgets and page sizes, so that
+    some wait for a running prefill of their prefix and others pass them: the memory and the tree hold after
+    every step, every request ends within a bounded number of steps (none waits forever) with transformers'
+    greedy tokens, and nothing is live once the cache is cleared."""
+    heads = [prompt(500 + f, data.draw(st.integers(4, 40), "head")) for f in range(data.draw(st.integers(1, 3)))]
+    prompts = [
+        heads[data.draw(st.integers(0, len(heads) - 1), "family")] + prompt(600 + i, data.draw(st.integers(1, 12)))
+        for i in range(data.draw(st.integers(2, 7), "requests"))
+    ]
+    arrivals = [data.draw(st.integers(0, 4), "arrival step") for _ in prompts]
+    page = data.draw(st.sampled_from([1, 4, 16]), "page size")
+    engine = _engine(name, 2_000_000, page, max_step_tokens=data.draw(st.sampled_from([8, 20, 200]), "budget"))
+    empty = live_counts(engine.mem)
+    rids: dict[int, int] = {}
+    outs: dict[int, Output] = {}
+    for step in range(200):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                rids[engine.submit(prompts[i], SamplingParams(max_new_tokens=3))] = i
+        for out in engine.step().finished:
+            outs[rids[out.rid]] = out
+        engine.mem.verify()
+        engine.cache.check()
+        if len(outs) == len(prompts):
+            break
+    assert len(outs) == len(prompts), f"{len(prompts) - len(outs)} requests still open after 200 steps"
+    for i, ids in enumerate(prompts):
+        assert outs[i].error is None and outs[i].output_ids == hf_reference(name, tuple(ids), 3)[0], i
+    engine.clear_cache()
+    assert live_counts(engine.mem) == empty
 
 
 GROUPS = [prompt(300 + g, 20 + 6 * g) for g in range(4)]
