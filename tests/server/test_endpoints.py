@@ -222,6 +222,7 @@ def test_metrics_models_and_health(server: Any) -> None:
         'hybridkv_prefix_cache_component_hit_tokens_total{component="checkpoint"}',
         "hybridkv_evicted_pages_total",
         "hybridkv_retractions_total",
+        "hybridkv_prefix_waits_total",
         "hybridkv_time_to_first_token_seconds_count",
         "hybridkv_time_per_output_token_seconds_count",
         "hybridkv_e2e_request_latency_seconds_count",

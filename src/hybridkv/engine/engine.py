@@ -188,6 +188,7 @@ class Engine:
             [
                 "steps",
                 "retractions",
+                "prefix_waits",
                 "forward_tokens",
                 "prompt_tokens",
                 "cached_tokens",
@@ -268,9 +269,10 @@ class Engine:
         out = StepOutput()
         if self.tiers is not None:
             self.tiers.step()
-        retractions = self.sched.retractions
+        retractions, waits = self.sched.retractions, self.sched.prefix_waits
         step = self.sched.next_step()
         self.stats["retractions"] += self.sched.retractions - retractions
+        self.stats["prefix_waits"] += self.sched.prefix_waits - waits
         if step is not None:
             logits = self.runner.forward(step.batch)
             self.stats["steps"] += 1

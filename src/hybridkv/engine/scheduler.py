@@ -169,6 +169,8 @@ class Scheduler:
         self.handoffs: list[Request] = []
         """Prefill role: requests whose prompt was computed since the caller last took them."""
         self.retractions = 0
+        self.prefix_waits = 0
+        """Times a waiting request let others pass to wait for a running prefill of its prefix (once per step)."""
 
     # --- requests in and out ----------------------------------------------------------
 
@@ -292,6 +294,7 @@ class Scheduler:
             req = self.waiting[at]
             if at < WAITING_SCAN and self._waits_for_prefill(req, prefilling):
                 at += 1
+                self.prefix_waits += 1
                 continue
             alone = self.alone_in_memory
             got = self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, alone, self.agree)

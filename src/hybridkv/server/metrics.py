@@ -45,6 +45,10 @@ COUNTERS = {
     "errors": ("engine_failed_requests", "Requests that failed in the engine."),
     "steps": ("engine_steps", "Engine steps (forward passes)."),
     "retractions": ("retractions", "Requests retracted under memory pressure."),
+    "prefix_waits": (
+        "prefix_waits",
+        "Steps a waiting request let others pass to wait for a running prefill of its prefix (then a cache hit).",
+    ),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens accepted."),
     "cached_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
     "evicted_pages": ("evicted_pages", "KV pages evicted from the prefix cache."),
