@@ -293,18 +293,11 @@ def _figures_table(figures: dict[str, float], m: dict[str, float]) -> Table:
 
 def _describe(i: int, prompts: list[list[int]]) -> str:
     """Prompt ``i``'s length and the longest prefix it shares with an earlier prompt."""
+    from hybridkv.engine.scheduler import shared_prefix
+
     ids = prompts[i]
-    shared = max((_common_prefix(ids, p) for p in prompts[:i]), default=0)
+    shared = max((shared_prefix(ids, p, len(ids)) for p in prompts[:i]), default=0)
     return f"{shared} shared + {len(ids) - shared}" if shared else str(len(ids))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def earlier_sections(console: Console, out: Path, gpu_memory: str) -> dict[str, Any]:
