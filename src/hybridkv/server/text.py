@@ -57,10 +57,11 @@ class TextStream:
             return ""
         if final:
             whole, sent = self.tokenizer.decode(self.ids), self._text
-            pairs = enumerate(zip(whole, sent, strict=False))
-            same = next((i for i, (a, b) in pairs if a != b), min(len(whole), len(sent)))
+            same = len(sent)  # (the window's deltas are a prefix of the whole for every tokenizer tested)
+            if not whole.startswith(sent):
+                same = next((i for i, (a, b) in enumerate(zip(whole, sent, strict=False)) if a != b), len(whole))
             self._text = whole
-            return whole[same:]  # (the window's deltas are a prefix of the whole for every tokenizer tested)
+            return whole[same:]
         context = self.tokenizer.decode(self.ids[self._prefix : self._read])
         text = self.tokenizer.decode(self.ids[self._prefix :])
         if len(text) <= len(context) or text.endswith("\ufffd"):  # nothing new, or an incomplete UTF-8 sequence
