@@ -460,8 +460,7 @@ def bench_serve(
     met = "met" if report["goal_met"] else "NOT met"
     console.print(
         f"HTTP overhead per request ({report['alone']} requests alone, {max_new_tokens} tokens each): streamed "
-        f"({report['stream_interval']} token(s) a chunk, written by the "
-        f"{'event loop' if report['loop_writes'] else 'engine thread'}) "
+        f"({report['stream_interval']} token(s) a chunk, written by the {_writer(report['loop_writes'])}) "
         f"p50 {steady['p50']} ms, p99 {steady['p99']} ms with each side's engine CPU taken out (goal p50 <= "
         f"{report['goal_overhead_ms']} ms {met}); as HTTP e2e - engine e2e p50 {o['p50']} ms, p99 {o['p99']} ms. "
         f"Not streamed (one JSON answer): p50 {plain_steady['p50']} ms ({plain['p50']} ms as e2e - e2e).\n"
@@ -474,9 +473,13 @@ def bench_serve(
     other = report["other_writes"]
     if other is not None:
         console.print(
-            f"Side by side, the same requests interleaved: written by the "
-            f"{'event loop' if other['loop_writes'] else 'engine thread'}, streamed p50 "
-            f"{other['overhead_steady_ms']['p50']} ms, p99 {other['overhead_steady_ms']['p99']} ms (e2e - e2e p50 "
-            f"{other['overhead_ms']['p50']} ms); CPU per request: event loop {other['http_cpu_ms']} ms, engine thread "
-            f"{other['engine_thread_cpu_ms']} ms ({other['stream_write_cpu_ms']} ms of it writing chunks)"
+            f"Side by side, the same requests interleaved: written by the {_writer(other['loop_writes'])}, "
+            f"streamed p50 {other['overhead_steady_ms']['p50']} ms, p99 {other['overhead_steady_ms']['p99']} ms "
+            f"(e2e - e2e p50 {other['overhead_ms']['p50']} ms); CPU per request: event loop {other['http_cpu_ms']} ms, "
+            f"engine thread {other['engine_thread_cpu_ms']} ms ({other['stream_write_cpu_ms']} ms of it writing chunks)"
         )
+
+
+def _writer(loop_writes: bool) -> str:
+    """Which thread of a server writes its streamed chunks."""
+    return "event loop" if loop_writes else "engine thread"

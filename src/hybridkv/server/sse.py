@@ -54,10 +54,8 @@ Encode = Callable[[list[Update]], list[bytes]]
 
 
 async def _body(send: Send, body: bytes, more: bool) -> bool:
-    """One body write through uvicorn's ``send``; False (nothing written) once the connection is closed, also when
+    """One body write through uvicorn's ``send`` (the caller checked the connection); False (nothing written) when
     it closed while ``send`` waited for the client to read."""
-    if connection_closed(send):
-        return False
     try:
         await send({"type": "http.response.body", "body": body, "more_body": more})
     except RuntimeError:
