@@ -232,7 +232,7 @@ def test_a_prompt_sharing_a_running_prefill_waits_for_it_and_others_pass(
                 outs[out.rid] = out
         second = outs[rids[1]]
         assert (second.cached_tokens > 0) == waits
-        assert (engine.stats["prefix_waits"] > 0) == waits  # /metrics: hybridkv_prefix_waits_total
+        assert (engine.metrics()["prefix_waits"] > 0) == waits  # /metrics: hybridkv_prefix_waits_total
         if name in HAS_WINDOW:  # the page-aligned shared prefix; recurrent models hit a checkpoint in it
             assert second.cached_tokens == (44 if waits else 0)
         prompts = [FIRST, LATER[0], unrelated]

@@ -188,7 +188,6 @@ class Engine:
             [
                 "steps",
                 "retractions",
-                "prefix_waits",
                 "forward_tokens",
                 "prompt_tokens",
                 "cached_tokens",
@@ -269,10 +268,9 @@ class Engine:
         out = StepOutput()
         if self.tiers is not None:
             self.tiers.step()
-        retractions, waits = self.sched.retractions, self.sched.prefix_waits
+        retractions = self.sched.retractions
         step = self.sched.next_step()
         self.stats["retractions"] += self.sched.retractions - retractions
-        self.stats["prefix_waits"] += self.sched.prefix_waits - waits
         if step is not None:
             logits = self.runner.forward(step.batch)
             self.stats["steps"] += 1
@@ -319,6 +317,7 @@ class Engine:
             "cached_pages": self.cache.cached_pages,
             "evicted_pages": cache["evicted_pages"],
             "evicted_states": cache["evicted_states"],
+            "prefix_waits": self.sched.prefix_waits,
             **self.stats,
             **({} if self.tiers is None else {"tiers": self.tiers.metrics()}),
         }
