@@ -164,3 +164,34 @@ def test_attach_refuses_a_send_that_is_not_uvicorns_chunked_response() -> None:
         pass
 
     assert SocketWriter.attach(send) is None
+
+
+class _Cycle:
+    """What ``attach`` reads of uvicorn's request cycle: its transport and whether the response is chunked."""
+
+    def __init__(self, transport: Any, chunked: bool = True):
+        self.transport = transport
+        self.chunked_encoding = chunked
+
+    async def send(self, message: Any) -> None:
+        pass
+
+
+def test_attach_duplicates_the_socket_close_on_exec_and_close_releases_only_the_duplicate() -> None:
+    with transport_pair() as (transport, loop, client):
+        transport.write(HEAD)
+        assert _in_loop(loop, lambda: SocketWriter.attach(_Cycle(transport, chunked=False).send)) is None
+        deadline = time.monotonic() + 10  # the head written before attaching
+        while transport.get_write_buffer_size() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writer = _in_loop(loop, lambda: SocketWriter.attach(_Cycle(transport).send))
+        assert writer is not None
+        fd, own = writer._fd, transport.get_extra_info("socket").fileno()
+        assert fd is not None and fd != own
+        assert not os.get_inheritable(fd)  # a process started later never holds a client's connection open
+        assert writer.write(b"data: 1\n\n")
+        _in_loop(loop, writer.close)
+        with pytest.raises(OSError):  # the duplicate is closed ...
+            os.fstat(fd)
+        transport.write(chunk_frame(b"data: 2\n\n"))  # ... the connection itself is not
+        assert _read_chunks(client, 2) == [b"data: 1\n\n", b"data: 2\n\n"]
