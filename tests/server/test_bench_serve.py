@@ -3,14 +3,19 @@ the engine, same requests, exact."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import socket
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from hybridkv.bench.serve import arrivals
+from hybridkv.bench.server_cpu import ServerCpu, used_between
+from hybridkv.bench.socket_wake import send_wake_us
 from hybridkv.cli import app, main
 from hybridkv.server.run import bind
 
@@ -20,6 +25,31 @@ def test_arrivals_are_seeded_poisson_offsets() -> None:
     assert a[0] == 0.0 and a == sorted(a) and a == arrivals(200, 10.0, seed=3)
     assert 10 < a[-1] < 30  # ~ 199 gaps of 0.1 s
     assert arrivals(4, math.inf, 0) == [0.0] * 4
+
+
+def test_used_between_takes_the_scrapes_share_out() -> None:
+    before, after = ServerCpu(1.0, 2.0, 3.0, 0.5), ServerCpu(1.5, 2.25, 3.5, 0.75)
+    assert used_between(before, after) == ServerCpu(0.5, 0.25, 0.5, 0.25)
+    assert used_between(before, after, ServerCpu(0.0, 0.125, 0.25, 0.0)) == ServerCpu(0.5, 0.125, 0.25, 0.25)
+
+
+def _children() -> list[str]:
+    """Command lines of this process's children (every thread's)."""
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    pids = [p for t in tasks.iterdir() for p in (t / "children").read_text().split()]
+    found = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            found.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+    return found
+
+
+def test_send_wake_us_times_every_send_and_leaves_no_reader_behind() -> None:
+    spent = send_wake_us(count=20, gap_s=0.0005)
+    assert len(spent) == 20 and min(spent) >= 0 and sum(spent) > 0  # a send's CPU: never negative, not all zero
+    assert not [c for c in _children() if "create_connection" in c]  # the reader ended with the connection
+    with pytest.raises(ValueError, match="count 0"):
+        send_wake_us(count=0)
 
 
 def test_listening_socket_is_tcp_with_nodelay() -> None:
@@ -66,6 +96,11 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     assert other["loop_writes"] is True and other["stream_write_cpu_ms"] == 0 < other["http_cpu_ms"]
     assert other["overhead_steady_ms"]["p50"] is not None and other["engine_cpu_ms"] == report["engine_cpu_ms"]
     assert row["http"]["engine_thread_cpu_s"] > 0 and row["http"]["cpu_s"] > 0
+    # what two back-to-back scrapes find is measured on each server and taken out of its requests' figures
+    for figures in (report, other):
+        assert figures["scrape_cpu_ms"]["loop"] > 0 and figures["scrape_cpu_ms"]["engine_thread"] >= 0
+    # the floor of a streamed chunk on this machine, measured in the same run
+    assert 0 < report["send_wake_us"]["p50"] <= report["send_wake_us"]["p99"]
 
 
 @pytest.mark.parametrize("option", ["--disaggregated", "--compare-writes"])

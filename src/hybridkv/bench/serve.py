@@ -33,8 +33,10 @@ streams take the other write path (``--loop-writes`` or not) serves the same req
 first's (each goes first every other request): ``other_writes`` holds its figures.
 ``overhead_plain`` (and its steady form): the same requests again, not streamed (one JSON answer): the
 part that does not grow with the tokens (the rest is per streamed chunk). The CPU of the streamed phase
-is counted too, from the server's ``/metrics`` scraped around each request (so the scrapes' own CPU stays
-out): ``http_cpu_ms``, what the thread serving HTTP (the event loop) used per request, exact;
+is counted too, from the server's ``/metrics`` scraped around each request, less what two scrapes with nothing
+between them find (``scrape_cpu_ms``, the median of 5: rendering one scrape and parsing the next land between
+the readings; the engine thread's share, taken out of ``computing`` too, would otherwise lower the steady
+figure): ``http_cpu_ms``, what the thread serving HTTP (the event loop) used per request;
 ``stream_write_cpu_ms``, what the server's engine thread used per request to encode and write its chunks
 (``serve`` without ``--loop-writes``); ``client_cpu_ms``, what this process's client used per request (on a
 machine with fewer free cores than the server's two busy threads plus the client, it lands in the overhead);
@@ -42,6 +44,8 @@ machine with fewer free cores than the server's two busy threads plus the client
 ms clock ticks); ``engine_thread_cpu_ms``, its engine thread, against ``engine_cpu_ms``, the engine driven
 directly (the difference: what sharing the process costs the engine). (Under load the two sides batch
 differently, so their latencies are compared per side, not per request.)
+``send_wake_us``: p50 / p99 CPU of one chunk-sized ``send`` to a reader process asleep in ``recv``, measured in
+the same run (``socket_wake``): the floor a streamed chunk costs any server on this machine.
 
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
 between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
@@ -66,14 +70,15 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import httpx
 import msgspec
 import numpy as np
 import uvloop
 
 from hybridkv.bench.engine import conversation_prompts
+from hybridkv.bench.server_cpu import NO_SCRAPE, Cpu, ServerCpu, scrape_share, server_cpu, used_between
+from hybridkv.bench.socket_wake import send_wake_us
 from hybridkv.bench.sse_client import SseClient
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random, quiet_transformers
@@ -200,52 +205,6 @@ def drive_http(target: Target, prompts: list[list[int]], offsets: list[float], m
     return uvloop.run(_load(target, prompts, offsets, max_new, salt))
 
 
-class ServerCpu(NamedTuple):
-    """A server's CPU seconds so far (from ``/metrics``)."""
-
-    process: float
-    engine_thread: float
-    loop: float
-    stream_write: float  # the part of engine_thread spent writing streamed chunks (serving, not computing)
-
-
-CPU_SERIES = (
-    "process_cpu_seconds_total",
-    "hybridkv_engine_thread_cpu_seconds_total",
-    "hybridkv_http_loop_cpu_seconds_total",
-    "hybridkv_stream_write_cpu_seconds_total",
-)
-
-
-def server_cpu(target: Target) -> ServerCpu:
-    text = httpx.get(f"{target.url}/metrics", headers=target.headers, timeout=60).text
-    found = []
-    for name in CPU_SERIES:
-        match = re.search(rf"^{name} (\S+)$", text, re.M)
-        if match is None:
-            raise RuntimeError(f"{target.url}/metrics has no {name}")
-        found.append(float(match.group(1)))
-    return ServerCpu(*found)
-
-
-@dataclass
-class Cpu:
-    """CPU seconds over one phase: the engine driven here, the server process, its engine thread."""
-
-    engine: float = 0.0
-    server: float = 0.0
-    server_engine: float = 0.0
-    server_loop: float = 0.0
-    server_write: float = 0.0
-    client: float = 0.0
-
-    def add_server(self, before: ServerCpu, after: ServerCpu) -> None:
-        self.server += after.process - before.process
-        self.server_engine += after.engine_thread - before.engine_thread
-        self.server_loop += after.loop - before.loop
-        self.server_write += after.stream_write - before.stream_write
-
-
 @dataclass
 class Alone:
     """Requests served alone by both sides: per request, HTTP end-to-end minus the engine's (``overhead``) and
@@ -254,12 +213,13 @@ class Alone:
     overhead: list[float] = field(default_factory=list)
     steady: list[float] = field(default_factory=list)
     cpu: Cpu = field(default_factory=Cpu)
+    scrape: ServerCpu = NO_SCRAPE
 
 
 async def _one_by_one(
     engine: Engine, targets: list[Target], prompts: list[list[int]], max_new: int, stream: bool
 ) -> list[Alone]:
-    alones = [Alone() for _ in targets]
+    alones = [Alone(scrape=scrape_share(t)) for t in targets]
     clients = [SseClient(t.url, t.headers) for t in targets]
     send = _one if stream else _one_plain
     try:
@@ -279,14 +239,14 @@ async def _one_by_one(
                 http = Trace(time.perf_counter())
                 await send(client, _body(prompt, max_new, f"{salt}-{j}", stream), http)
                 alone.cpu.client += time.thread_time() - start
-                after = server_cpu(target)
+                used = used_between(before, server_cpu(target), alone.scrape)
                 alone.cpu.engine += direct_cpu
-                alone.cpu.add_server(before, after)
+                alone.cpu.add_server(used)
                 if http.tokens != direct.tokens:
                     raise RuntimeError(f"request {i}: HTTP tokens of {target.url} differ from the engine's")
                 http_e2e = http.end - http.arrival
                 alone.overhead.append(http_e2e - direct_e2e)
-                computing = (after.engine_thread - before.engine_thread) - (after.stream_write - before.stream_write)
+                computing = used.engine_thread - used.stream_write
                 alone.steady.append((http_e2e - computing) - (direct_e2e - direct_cpu))
     finally:
         for client in clients:
@@ -303,9 +263,15 @@ def one_by_one(
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
+    """Seconds -> p50 and p99 in ms."""
+    return _us(values, 1e3)
+
+
+def _us(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    """p50 and p99 of ``values`` times ``scale``."""
     if not values:
         return {"p50": None, "p99": None}
-    a = np.asarray(values) * 1e3
+    a = np.asarray(values) * scale
     return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3)}
 
 
@@ -401,6 +367,7 @@ def run(
             drive_http(targets[1], prompts[:2], [0.0, 0.0], 2, "warm-up")
         streamed, *others = one_by_one(engine, targets, prompts[:alone], max_new_tokens)
         plain = one_by_one(engine, [target], prompts[:alone], max_new_tokens, stream=False)[0]
+        wake = send_wake_us()
         pd = None  # started after the overhead phase: its idle workers do not load the machine during it
         if disaggregated is not None:
             pd = Target(servers.enter_context(served([*args, *disaggregated])), {})
@@ -413,7 +380,7 @@ def run(
             cpu.engine = time.thread_time() - start
             before = server_cpu(target)
             http = drive_http(target, prompts, offsets, max_new_tokens, f"round-{r}-{time.time_ns()}")
-            cpu.add_server(before, server_cpu(target))
+            cpu.add_server(used_between(before, server_cpu(target)))
             per_round.append(
                 {
                     "engine": {**summarize(direct, prompts), "cpu_s": round(cpu.engine, 3)},
@@ -449,6 +416,7 @@ def run(
         "stream_interval": stream_interval,
         "loop_writes": loop_writes,
         "other_writes": None if not others else {"loop_writes": not loop_writes, **_alone_figures(others[0])},
+        "send_wake_us": _us(wake),
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": steady["p50"] is not None and steady["p50"] <= GOAL_OVERHEAD_MS,
     }
@@ -466,6 +434,10 @@ def _alone_figures(alone: Alone) -> dict[str, Any]:
         "server_other_cpu_ms": round(1e3 * (cpu.server - cpu.server_engine - cpu.server_loop) / n, 3),
         "engine_thread_cpu_ms": round(1e3 * cpu.server_engine / n, 3),
         "engine_cpu_ms": round(1e3 * cpu.engine / n, 3),
+        "scrape_cpu_ms": {
+            "loop": round(1e3 * alone.scrape.loop, 3),
+            "engine_thread": round(1e3 * alone.scrape.engine_thread, 3),
+        },
     }
 
 

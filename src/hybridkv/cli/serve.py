@@ -468,7 +468,10 @@ def bench_serve(
         f"the rest besides the engine {report['server_other_cpu_ms']} ms); its engine thread "
         f"{report['engine_thread_cpu_ms']} ms ({report['stream_write_cpu_ms']} ms of it writing chunks) "
         f"vs the engine driven directly {report['engine_cpu_ms']} ms; "
-        f"the bench's client {report['client_cpu_ms']} ms"
+        f"the bench's client {report['client_cpu_ms']} ms (two back-to-back scrapes of /metrics, taken out: loop "
+        f"{report['scrape_cpu_ms']['loop']} ms, engine thread {report['scrape_cpu_ms']['engine_thread']} ms).\n"
+        f"One chunk's send to a reader asleep in recv costs {report['send_wake_us']['p50']} µs of CPU here (p50; p99 "
+        f"{report['send_wake_us']['p99']}): the floor of each streamed chunk on this machine"
     )
     other = report["other_writes"]
     if other is not None:

@@ -1,0 +1,86 @@
+"""A ``hybridkv serve`` process's CPU, read from its ``/metrics``, and what reading it costs.
+
+Invariants: every figure is a difference of two readings of the server's own counters (seconds; the process
+total in 10 ms clock ticks); ``scrape_share`` is measured on the same server, so taking it out leaves what
+happened between the readings besides the readings themselves.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import httpx
+import numpy as np
+
+
+class Served(Protocol):
+    """A server to read: its base URL and the headers its requests need."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+
+class ServerCpu(NamedTuple):
+    """A server's CPU seconds so far (from ``/metrics``)."""
+
+    process: float
+    engine_thread: float
+    loop: float
+    stream_write: float  # the part of engine_thread spent writing streamed chunks (serving, not computing)
+
+
+NO_SCRAPE = ServerCpu(0.0, 0.0, 0.0, 0.0)
+
+CPU_SERIES = (
+    "process_cpu_seconds_total",
+    "hybridkv_engine_thread_cpu_seconds_total",
+    "hybridkv_http_loop_cpu_seconds_total",
+    "hybridkv_stream_write_cpu_seconds_total",
+)
+
+
+def server_cpu(target: Served) -> ServerCpu:
+    text = httpx.get(f"{target.url}/metrics", headers=target.headers, timeout=60).text
+    found = []
+    for name in CPU_SERIES:
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"{target.url}/metrics has no {name}")
+        found.append(float(match.group(1)))
+    return ServerCpu(*found)
+
+
+@dataclass
+class Cpu:
+    """CPU seconds over one phase: the engine driven here, the server process, its engine thread."""
+
+    engine: float = 0.0
+    server: float = 0.0
+    server_engine: float = 0.0
+    server_loop: float = 0.0
+    server_write: float = 0.0
+    client: float = 0.0
+
+    def add_server(self, used: ServerCpu) -> None:
+        self.server += used.process
+        self.server_engine += used.engine_thread
+        self.server_loop += used.loop
+        self.server_write += used.stream_write
+
+
+def used_between(before: ServerCpu, after: ServerCpu, scrape: ServerCpu = NO_SCRAPE) -> ServerCpu:
+    """A server's CPU between two readings of ``/metrics``, less ``scrape`` (``scrape_share``)."""
+    return ServerCpu(*(a - b - s for a, b, s in zip(after, before, scrape, strict=True)))
+
+
+def scrape_share(target: Served, samples: int = 5) -> ServerCpu:
+    """The CPU that two readings of ``/metrics`` with nothing between them find (median of ``samples``): the part
+    of the scrapes themselves that lands between any two readings (the loop renders and parses a scrape on either
+    side of its clock reading; the engine thread gathers the engine's figures before reading its clock)."""
+    pairs = [(server_cpu(target), server_cpu(target)) for _ in range(samples)]
+    return ServerCpu(*np.median([used_between(a, b) for a, b in pairs], axis=0).tolist())

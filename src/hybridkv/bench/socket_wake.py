@@ -1,0 +1,55 @@
+"""What one streamed chunk's ``send(2)`` costs on this machine when its reader sleeps: the floor under streaming.
+
+A reader process (started here, on 127.0.0.1) blocks in ``recv`` as an HTTP client waits for its next
+token. This thread sends it ``count`` chunks of ``size`` bytes over TCP (no Nagle delay), busy for
+``gap_s`` between them as a server's engine thread computes between tokens, and times each ``send``'s CPU
+(thread time). On loopback the kernel delivers the bytes and wakes the reader inside the sender's call, so
+the figure is what any server pays per chunk here; in a virtual machine, waking a sleeping virtual CPU
+makes it many times what the copy costs.
+
+Invariants: the reader is a child process of this one, connected only to a socket this process listens on;
+it ends when the connection closes, and it is killed if it has not ended ``timeout_s`` later. Nothing
+outside loopback is touched.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+_READER = """
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=60) as conn:
+    while conn.recv(1 << 16):
+        pass
+"""
+
+
+def send_wake_us(count: int = 200, size: int = 120, gap_s: float = 0.002, timeout_s: float = 30.0) -> list[float]:
+    """CPU microseconds of each of ``count`` sends of ``size`` bytes to a reader process that sleeps between them."""
+    if count < 1 or size < 1 or gap_s < 0:
+        raise ValueError(f"send_wake_us: count {count} and size {size} must be >= 1, gap_s {gap_s} >= 0")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(timeout_s)
+        reader = subprocess.Popen([sys.executable, "-c", _READER, str(listener.getsockname()[1])])
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                chunk = b"x" * size
+                spent = []
+                for _ in range(count):
+                    until = time.perf_counter() + gap_s
+                    while time.perf_counter() < until:  # busy, as an engine thread between tokens
+                        pass
+                    start = time.thread_time()
+                    conn.sendall(chunk)
+                    spent.append((time.thread_time() - start) * 1e6)
+            reader.wait(timeout=timeout_s)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+    return spent
