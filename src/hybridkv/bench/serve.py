@@ -264,10 +264,10 @@ def one_by_one(
 
 def _ms(values: list[float]) -> dict[str, float | None]:
     """Seconds -> p50 and p99 in ms."""
-    return _us(values, 1e3)
+    return _percentiles(values, 1e3)
 
 
-def _us(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+def _percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
     """p50 and p99 of ``values`` times ``scale``."""
     if not values:
         return {"p50": None, "p99": None}
@@ -416,7 +416,7 @@ def run(
         "stream_interval": stream_interval,
         "loop_writes": loop_writes,
         "other_writes": None if not others else {"loop_writes": not loop_writes, **_alone_figures(others[0])},
-        "send_wake_us": _us(wake),
+        "send_wake_us": _percentiles(wake),
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": steady["p50"] is not None and steady["p50"] <= GOAL_OVERHEAD_MS,
     }

@@ -1,11 +1,12 @@
 """What one streamed chunk's ``send(2)`` costs on this machine when its reader sleeps: the floor under streaming.
 
 A reader process (started here, on 127.0.0.1) blocks in ``recv`` as an HTTP client waits for its next
-token. This thread sends it ``count`` chunks of ``size`` bytes over TCP (no Nagle delay), busy for
-``gap_s`` between them as a server's engine thread computes between tokens, and times each ``send``'s CPU
-(thread time). On loopback the kernel delivers the bytes and wakes the reader inside the sender's call, so
-the figure is what any server pays per chunk here; in a virtual machine, waking a sleeping virtual CPU
-makes it many times what the copy costs.
+token. This thread sends it ``count`` chunks of ``size`` bytes over TCP (no Nagle delay); before each it
+copies ``scratch`` bytes, as a server's engine thread runs a step between tokens (which leaves the core's
+caches holding the step's data, not the socket code's), and it times each ``send``'s CPU (thread time). On
+loopback the kernel delivers the bytes and wakes the reader inside the sender's call, so the figure is what
+any server pays per chunk here before any encoding; in a virtual machine, waking a sleeping virtual CPU
+makes it many times what the copy of the bytes costs.
 
 Invariants: the reader is a child process of this one, connected only to a socket this process listens on;
 it ends when the connection closes, and it is killed if it has not ended ``timeout_s`` later. Nothing
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 _READER = """
 import socket, sys
 with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=60) as conn:
@@ -27,10 +30,12 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=60) as co
 """
 
 
-def send_wake_us(count: int = 200, size: int = 120, gap_s: float = 0.002, timeout_s: float = 30.0) -> list[float]:
-    """CPU microseconds of each of ``count`` sends of ``size`` bytes to a reader process that sleeps between them."""
-    if count < 1 or size < 1 or gap_s < 0:
-        raise ValueError(f"send_wake_us: count {count} and size {size} must be >= 1, gap_s {gap_s} >= 0")
+def send_wake_us(count: int = 100, size: int = 180, scratch: int = 8 << 20, timeout_s: float = 30.0) -> list[float]:
+    """CPU microseconds of each of ``count`` sends of ``size`` bytes to a reader process that sleeps between them,
+    each right after a copy of ``scratch`` bytes."""
+    if count < 1 or size < 1 or scratch < 0:
+        raise ValueError(f"send_wake_us: count {count} and size {size} must be >= 1, scratch {scratch} >= 0")
+    source, target = np.ones(scratch, dtype=np.uint8), np.empty(scratch, dtype=np.uint8)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(timeout_s)
         reader = subprocess.Popen([sys.executable, "-c", _READER, str(listener.getsockname()[1])])
@@ -41,9 +46,7 @@ def send_wake_us(count: int = 200, size: int = 120, gap_s: float = 0.002, timeou
                 chunk = b"x" * size
                 spent = []
                 for _ in range(count):
-                    until = time.perf_counter() + gap_s
-                    while time.perf_counter() < until:  # busy, as an engine thread between tokens
-                        pass
+                    np.copyto(target, source)  # a step's worth of other data through the caches
                     start = time.thread_time()
                     conn.sendall(chunk)
                     spent.append((time.thread_time() - start) * 1e6)
