@@ -44,8 +44,9 @@ machine with fewer free cores than the server's two busy threads plus the client
 ms clock ticks); ``engine_thread_cpu_ms``, its engine thread, against ``engine_cpu_ms``, the engine driven
 directly (the difference: what sharing the process costs the engine). (Under load the two sides batch
 differently, so their latencies are compared per side, not per request.)
-``send_wake_us``: p50 / p99 CPU of one chunk-sized ``send`` to a reader process asleep in ``recv``, measured in
-the same run (``socket_wake``): the floor a streamed chunk costs any server on this machine.
+``send_wake_us``: p50 / p99 CPU of one chunk-sized ``send`` to a reader process asleep in ``recv``, each right
+after 8 MiB went through the caches as an engine step between tokens, measured in the same run
+(``socket_wake``): what a streamed chunk costs any server on this machine before it encodes anything.
 
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
 between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
