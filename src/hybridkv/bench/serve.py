@@ -78,7 +78,7 @@ import numpy as np
 import uvloop
 
 from hybridkv.bench.engine import conversation_prompts
-from hybridkv.bench.server_cpu import NO_SCRAPE, Cpu, ServerCpu, scrape_share, server_cpu, used_between
+from hybridkv.bench.server_cpu import NO_CPU, Cpu, ServerCpu, scrape_share, server_cpu, used_between
 from hybridkv.bench.socket_wake import send_wake_us
 from hybridkv.bench.sse_client import SseClient
 from hybridkv.engine.engine import Engine
@@ -214,7 +214,7 @@ class Alone:
     overhead: list[float] = field(default_factory=list)
     steady: list[float] = field(default_factory=list)
     cpu: Cpu = field(default_factory=Cpu)
-    scrape: ServerCpu = NO_SCRAPE
+    scrape: ServerCpu = NO_CPU
 
 
 async def _one_by_one(
@@ -387,8 +387,8 @@ def run(
                     "engine": {**summarize(direct, prompts), "cpu_s": round(cpu.engine, 3)},
                     "http": {
                         **summarize(http, prompts),
-                        "cpu_s": round(cpu.server, 3),
-                        "engine_thread_cpu_s": round(cpu.server_engine, 3),
+                        "cpu_s": round(cpu.server.process, 3),
+                        "engine_thread_cpu_s": round(cpu.server.engine_thread, 3),
                     },
                     "exact": sum(h.tokens == d.tokens for h, d in zip(http, direct, strict=True)),
                 }
@@ -425,15 +425,15 @@ def run(
 
 def _alone_figures(alone: Alone) -> dict[str, Any]:
     """One server's streamed requests alone: overhead (as e2e - e2e and steady) and CPU per request, in ms."""
-    n, cpu = len(alone.overhead), alone.cpu
+    n, cpu, server = len(alone.overhead), alone.cpu, alone.cpu.server
     return {
         "overhead_ms": _ms(alone.overhead),
         "overhead_steady_ms": _ms(alone.steady),
-        "http_cpu_ms": round(1e3 * cpu.server_loop / n, 3),
-        "stream_write_cpu_ms": round(1e3 * cpu.server_write / n, 3),
+        "http_cpu_ms": round(1e3 * server.loop / n, 3),
+        "stream_write_cpu_ms": round(1e3 * server.stream_write / n, 3),
         "client_cpu_ms": round(1e3 * cpu.client / n, 3),
-        "server_other_cpu_ms": round(1e3 * (cpu.server - cpu.server_engine - cpu.server_loop) / n, 3),
-        "engine_thread_cpu_ms": round(1e3 * cpu.server_engine / n, 3),
+        "server_other_cpu_ms": round(1e3 * (server.process - server.engine_thread - server.loop) / n, 3),
+        "engine_thread_cpu_ms": round(1e3 * server.engine_thread / n, 3),
         "engine_cpu_ms": round(1e3 * cpu.engine / n, 3),
         "scrape_cpu_ms": {
             "loop": round(1e3 * alone.scrape.loop, 3),

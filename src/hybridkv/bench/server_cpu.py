@@ -34,7 +34,7 @@ class ServerCpu(NamedTuple):
     stream_write: float  # the part of engine_thread spent writing streamed chunks (serving, not computing)
 
 
-NO_SCRAPE = ServerCpu(0.0, 0.0, 0.0, 0.0)
+NO_CPU = ServerCpu(0.0, 0.0, 0.0, 0.0)
 
 CPU_SERIES = (
     "process_cpu_seconds_total",
@@ -57,23 +57,17 @@ def server_cpu(target: Served) -> ServerCpu:
 
 @dataclass
 class Cpu:
-    """CPU seconds over one phase: the engine driven here, the server process, its engine thread."""
+    """CPU seconds over one phase: the engine driven here, the server (``ServerCpu`` summed), the client here."""
 
     engine: float = 0.0
-    server: float = 0.0
-    server_engine: float = 0.0
-    server_loop: float = 0.0
-    server_write: float = 0.0
+    server: ServerCpu = NO_CPU
     client: float = 0.0
 
     def add_server(self, used: ServerCpu) -> None:
-        self.server += used.process
-        self.server_engine += used.engine_thread
-        self.server_loop += used.loop
-        self.server_write += used.stream_write
+        self.server = ServerCpu(*(a + b for a, b in zip(self.server, used, strict=True)))
 
 
-def used_between(before: ServerCpu, after: ServerCpu, scrape: ServerCpu = NO_SCRAPE) -> ServerCpu:
+def used_between(before: ServerCpu, after: ServerCpu, scrape: ServerCpu = NO_CPU) -> ServerCpu:
     """A server's CPU between two readings of ``/metrics``, less ``scrape`` (``scrape_share``)."""
     return ServerCpu(*(a - b - s for a, b, s in zip(after, before, scrape, strict=True)))
 
