@@ -142,6 +142,11 @@ def _cached_end(req: Request, page: int) -> int:
     return req.computed - req.computed % page
 
 
+def _prefilling(req: Request, page: int) -> bool:
+    """A page or more of ``req``'s prompt is not cached yet: a waiting request sharing it may wait for it."""
+    return _cached_end(req, page) + page <= len(req.prompt)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -286,9 +291,7 @@ class Scheduler:
         )
         spans: list[int] = []
         page = self.alloc.page_size
-        prefilling = (
-            [r for r in running if _cached_end(r, page) + page <= len(r.prompt)] if self.alloc.prefix_cache else []
-        )
+        prefilling = [r for r in running if _prefilling(r, page)] if self.alloc.prefix_cache else []
         at = 0  # the next waiting request to try; those before it wait for a running prefill
         while at < len(self.waiting) and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[at]
@@ -310,7 +313,7 @@ class Scheduler:
             taken += self.alloc.pages_needed([req.mem], [req.computed + span])
             budget -= span
             spans.append(span)
-            if self.alloc.prefix_cache and _cached_end(req, page) + page <= len(req.prompt):
+            if self.alloc.prefix_cache and _prefilling(req, page):
                 prefilling.append(req)
         return spans
 
