@@ -91,4 +91,11 @@ def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> No
     # round by round the same ratios (one round here: the best passes themselves)
     assert row["speedup_rounds"] == [pytest.approx(row["speedup_vs_strongest"], abs=0.02)]
     assert row["cpu_ratio_rounds"] == [pytest.approx(row["cpu_per_computed_ratio"], abs=0.02)]
+    # at the same mix: the engine's 6 x 2 decode tokens (every new token but the first) and the rest of its computed
+    assert eng["decode_tokens"] == 12 and row["same_mix_padded"] in ("hf_padded_all", "hf_padded_4")
+    for label in ("hf_padded_all", "hf_padded_4"):
+        phases = runs[label]["phase_positions"]
+        assert phases["decode"] == 12 and phases["prefill"] + phases["decode"] == runs[label]["computed_tokens"]
+    assert row["cpu_same_mix_ratio"] > 0 and isinstance(row["cpu_same_mix_met"], bool)
+    assert row["cpu_same_mix_rounds"] == [pytest.approx(row["cpu_same_mix_ratio"], abs=0.02)]
     assert report["checkpoints"] == "interval:8,prompt-aligned,branch,end"  # the default, resolved
