@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hybridkv.bench.serve import arrivals
+from hybridkv.bench.serve import _decoding, arrivals
 from hybridkv.bench.server_cpu import ServerCpu, used_between
 from hybridkv.bench.socket_wake import send_wake_us
 from hybridkv.cli import app, main
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.random_models import build_random
 from hybridkv.server.run import bind
 
 
@@ -50,6 +52,25 @@ def test_send_wake_us_times_every_send_and_leaves_no_reader_behind() -> None:
     assert not [c for c in _children() if "create_connection" in c]  # the reader ended with the connection
     with pytest.raises(ValueError, match="count 0"):
         send_wake_us(count=0)
+
+
+def test_send_wake_us_runs_the_given_work_before_each_send() -> None:
+    calls: list[int] = []
+    spent = send_wake_us(count=5, between=lambda: calls.append(len(calls)))
+    assert len(spent) == 5 and calls == [0, 1, 2, 3, 4]
+
+
+def test_the_send_probe_steps_a_decoding_engine_and_leaves_it_idle() -> None:
+    weights, config = build_random("tiny-qwen3-next")
+    engine = Engine(config, weights)
+    with _decoding(engine, [5, 6, 7], 8) as step:
+        for _ in range(12):  # past one request's 8 tokens: the next one is submitted (and prefilled) then
+            step()
+        assert engine.has_work() and engine.stats["steps"] == 12
+    assert not engine.has_work() and engine.stats["aborted"] == 1  # the second request, aborted on exit
+    engine.clear_cache()
+    assert engine.metrics()["live_pages"] == 0 and engine.metrics()["live_slots"] == 0  # every page and slot back
+    assert [len(o.output_ids) for o in engine.generate([[5, 6, 7]], 3, stop_at_eos=False)] == [3]  # it serves on
 
 
 def test_listening_socket_is_tcp_with_nodelay() -> None:
@@ -101,6 +122,7 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
         assert figures["scrape_cpu_ms"]["loop"] > 0 and figures["scrape_cpu_ms"]["engine_thread"] >= 0
     # the floor of a streamed chunk on this machine, measured in the same run
     assert 0 < report["send_wake_us"]["p50"] <= report["send_wake_us"]["p99"]
+    assert 0 < report["send_after_step_us"]["p50"] <= report["send_after_step_us"]["p99"]
 
 
 @pytest.mark.parametrize("option", ["--disaggregated", "--compare-writes"])

@@ -44,9 +44,10 @@ machine with fewer free cores than the server's two busy threads plus the client
 ms clock ticks); ``engine_thread_cpu_ms``, its engine thread, against ``engine_cpu_ms``, the engine driven
 directly (the difference: what sharing the process costs the engine). (Under load the two sides batch
 differently, so their latencies are compared per side, not per request.)
-``send_wake_us``: p50 / p99 CPU of one chunk-sized ``send`` to a reader process asleep in ``recv``, each right
-after 8 MiB went through the caches as an engine step between tokens, measured in the same run
-(``socket_wake``): what a streamed chunk costs any server on this machine before it encodes anything.
+``send_after_step_us``: p50 / p99 CPU of one chunk-sized ``send`` to a reader process asleep in ``recv``, each right
+after one step of this process's engine serving one request (as a request served alone streams its tokens), measured
+in the same run (``socket_wake``): what a streamed chunk costs any server on this machine before it encodes anything;
+``send_wake_us``: the same after a copy of 8 MiB instead of a step.
 
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
 between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
@@ -68,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -369,6 +370,8 @@ def run(
         streamed, *others = one_by_one(engine, targets, prompts[:alone], max_new_tokens)
         plain = one_by_one(engine, [target], prompts[:alone], max_new_tokens, stream=False)[0]
         wake = send_wake_us()
+        with _decoding(engine, prompts[0], max_new_tokens) as step:
+            after_step = send_wake_us(between=step)
         pd = None  # started after the overhead phase: its idle workers do not load the machine during it
         if disaggregated is not None:
             pd = Target(servers.enter_context(served([*args, *disaggregated])), {})
@@ -418,9 +421,32 @@ def run(
         "loop_writes": loop_writes,
         "other_writes": None if not others else {"loop_writes": not loop_writes, **_alone_figures(others[0])},
         "send_wake_us": _percentiles(wake),
+        "send_after_step_us": _percentiles(after_step),
         "goal_overhead_ms": GOAL_OVERHEAD_MS,
         "goal_met": steady["p50"] is not None and steady["p50"] <= GOAL_OVERHEAD_MS,
     }
+
+
+@contextmanager
+def _decoding(engine: Engine, prompt: list[int], max_new: int) -> Iterator[Callable[[], None]]:
+    """A callable that runs one step of ``engine`` serving one request of ``max_new`` tokens (the next submitted, and
+    prefilled, when it ends), as a request served alone; the request left is aborted on exit (the engine is idle)."""
+    rid: list[int] = []
+
+    def step() -> None:
+        if not engine.has_work():
+            rid[:] = [
+                engine.submit(prompt, SamplingParams(max_new, 0.0, ignore_eos=True), salt=f"probe-{time.time_ns()}")
+            ]
+        engine.step()
+
+    try:
+        yield step
+    finally:
+        if rid:
+            engine.abort(rid[0], "the probe is over")
+        while engine.has_work():
+            engine.step()
 
 
 def _alone_figures(alone: Alone) -> dict[str, Any]:

@@ -470,8 +470,9 @@ def bench_serve(
         f"vs the engine driven directly {report['engine_cpu_ms']} ms; "
         f"the bench's client {report['client_cpu_ms']} ms (two back-to-back scrapes of /metrics, taken out: loop "
         f"{report['scrape_cpu_ms']['loop']} ms, engine thread {report['scrape_cpu_ms']['engine_thread']} ms).\n"
-        f"One chunk's send to a reader asleep in recv costs {report['send_wake_us']['p50']} µs of CPU here (p50; p99 "
-        f"{report['send_wake_us']['p99']}): the floor of each streamed chunk on this machine"
+        f"One chunk's send to a reader asleep in recv costs {report['send_after_step_us']['p50']} µs of CPU here right "
+        f"after an engine step (p50; p99 {report['send_after_step_us']['p99']}), {report['send_wake_us']['p50']} µs "
+        f"after an 8 MiB copy: the floor of each streamed chunk on this machine"
     )
     other = report["other_writes"]
     if other is not None:
