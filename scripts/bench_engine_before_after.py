@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_engine_before_after.py REV [--models a,b] [--rounds 3] [--json out.json]
 
 ``REV``'s ``src`` is extracted (``git archive``) to a temporary directory and this tree's
-``hybridkv/bench/engine.py`` is laid over it, so both sides run the same contenders and the
+``hybridkv/bench/engine.py`` and ``hf_baselines.py`` are laid over it, so both sides run the same contenders and the
 same measurement; then one process per (round, model, side) runs the bench with one round,
 the sides alternating (the machine may be shared: the faster round of each is kept, CPU
 time). transformers' contenders are the same code on both sides: their rounds are pooled.
@@ -37,6 +37,8 @@ def extract(rev: str, into: Path) -> Path:
         "from hybridkv.engine.compiled import compile_blocks as compiled_blocks\n", "compiled_blocks = None\n"
     )
     (into / "src/hybridkv/bench/engine.py").write_text(bench)
+    for module in ("hf_baselines.py",):  # the harness's own modules, which an older revision may lack
+        (into / "src/hybridkv/bench" / module).write_text((ROOT / "src/hybridkv/bench" / module).read_text())
     return into / "src"
 
 
