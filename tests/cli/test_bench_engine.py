@@ -99,3 +99,12 @@ def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> No
     assert row["cpu_same_mix_ratio"] > 0 and isinstance(row["cpu_same_mix_met"], bool)
     assert row["cpu_same_mix_rounds"] == [pytest.approx(row["cpu_same_mix_ratio"], abs=0.02)]
     assert report["checkpoints"] == "interval:8,prompt-aligned,branch,end"  # the default, resolved
+
+
+def test_bench_engine_prints_the_same_mix_line_when_no_token_is_a_decode() -> None:
+    # one new token a request: no decode forward anywhere, so the padded pass has no decode price to print
+    args = ["bench", "engine", "--model", "tiny-qwen3-next", "--requests", "4", "--max-new-tokens", "1"]
+    result = CliRunner().invoke(app, [*args, "--rounds", "1", "--padded-batch", "2"])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.stdout.splitlines() if "at the same mix" in x)
+    assert "prefill tokens at" in line and "decode" not in line.split("):")[0]

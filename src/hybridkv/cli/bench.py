@@ -290,11 +290,8 @@ def bench_engine(
             f"{verdict[r['cpu_met']]}; hybridkv share <= {100 * goals['hybridkv_share']:.0f}% "
             f"{verdict[r['share_met']]}"
         )
-        engine, priced = r["contenders"]["engine"], r["contenders"][r["same_mix_padded"]]["cpu_us_per_phase_position"]
         console.print(
-            f"  at the same mix ({engine['computed_tokens'] - engine['decode_tokens']:,} prompt and "
-            f"{engine['decode_tokens']:,} decode tokens priced at {r['same_mix_padded']}'s {priced['prefill']:.0f} and "
-            f"{priced['decode']:.0f} µs each): engine CPU = {r['cpu_same_mix_ratio']:.2f}x (goal <= "
+            f"  at the same mix ({_mix(r)}): engine CPU = {r['cpu_same_mix_ratio']:.2f}x (goal <= "
             f"{goals['cpu_per_computed_ratio']}x) {verdict[r['cpu_same_mix_met']]}"
         )
         if len(r["speedup_rounds"]) > 1:  # how much the machine moved the ratios (the verdicts take the best passes)
@@ -303,6 +300,16 @@ def bench_engine(
                 f"CPU per computed token {_spread(r['cpu_ratio_rounds'])}x, "
                 f"at the same mix {_spread(r['cpu_same_mix_rounds'])}x"
             )
+
+
+def _mix(row: dict[str, Any]) -> str:
+    """The engine's computed tokens per phase and the padded pass's price of each (a phase without tokens left out: a
+    pass of one new token per request has no decode)."""
+    engine = row["contenders"]["engine"]
+    priced = row["contenders"][row["same_mix_padded"]]["cpu_us_per_phase_position"]
+    tokens = {"prefill": engine["computed_tokens"] - engine["decode_tokens"], "decode": engine["decode_tokens"]}
+    said = [f"{n:,} {phase} tokens at {priced[phase]:.0f} µs" for phase, n in tokens.items() if n]
+    return " and ".join(said) + f", {row['same_mix_padded']}'s prices"
 
 
 def _spread(values: list[float]) -> str:
