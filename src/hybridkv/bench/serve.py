@@ -444,9 +444,7 @@ def _decoding(engine: Engine, prompt: list[int], max_new: int) -> Iterator[Calla
         yield step
     finally:
         if rid:
-            engine.abort(rid[0], "the probe is over")
-        while engine.has_work():
-            engine.step()
+            engine.abort(rid[0], "the probe is over")  # a no-op if it just ended
 
 
 def _alone_figures(alone: Alone) -> dict[str, Any]:
