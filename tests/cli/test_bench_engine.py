@@ -7,8 +7,19 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from hybridkv.bench.engine import CallTimer, conversation_prompts, hybridkv_classes
+from hybridkv.bench.engine import (
+    OWN_CLOCK,
+    CallTimer,
+    EntryPoints,
+    conversation_prompts,
+    engine_pass,
+    hybridkv_classes,
+    record_entry_points,
+    timed,
+)
 from hybridkv.cli import app
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.random_models import build_random
 
 
 def test_conversation_prompts_share_the_trace_blocks_as_token_prefixes() -> None:
@@ -54,6 +65,49 @@ def test_call_timer_counts_outermost_calls_and_properties() -> None:
     assert isinstance(vars(Inner)["helper"], staticmethod) and isinstance(vars(Inner)["make"], classmethod)
 
 
+def test_call_timer_wraps_only_the_methods_named_and_refuses_unknown_ones() -> None:
+    class Api:
+        def entry(self) -> int:
+            return self.helper() + 1
+
+        def helper(self) -> int:
+            return 1
+
+    timer = CallTimer()
+    with timer.patch(Api, only={"Api.entry"}):
+        assert hasattr(Api.entry, "__wrapped__") and not hasattr(Api.helper, "__wrapped__")  # nested: unwrapped
+        assert Api().entry() == 2 and Api().helper() == 1
+    assert timer.calls == 1 and set(timer.by_name) == {"Api.entry"}  # the helper called from outside is not timed
+    with pytest.raises(ValueError, match=r"Api\.gone"), timer.patch(Api, only={"Api.entry", "Api.gone"}):
+        pass
+    assert not hasattr(Api.entry, "__wrapped__")  # a refused patch leaves nothing wrapped
+
+
+def test_a_timed_engine_pass_wraps_the_recorded_entry_points_and_checks_their_calls() -> None:
+    model, config = build_random("tiny-gemma3")
+    engine = Engine(config, model, page_size=4, chunk_size=8)
+    prompts, new = conversation_prompts(4, 4), 2
+    entries = record_entry_points(engine, prompts, new)
+    # the engine enters hybridkv through its allocator; the allocator's own calls into the cache are nested
+    assert entries.calls > 0 and any(label.startswith("RequestAllocator.") for label in entries.labels)
+    assert not any(label.startswith("HybridRadixCache.") for label in entries.labels)
+    _, _, extra = engine_pass(engine, prompts, new, entries)
+    wall, cpu = extra[OWN_CLOCK]  # its generate alone: the bench's wrapping and cache emptying are not the engine's
+    assert wall > 0 and 0 < extra["hybridkv_s"] < cpu
+    assert extra["hybridkv_calls"] == entries.calls and extra["hybridkv_methods_timed"] == len(entries.labels)
+    assert 0 < extra["hybridkv_share"] < 1 and extra["hybridkv_share_all_wrapped"] == entries.share_all_wrapped
+    with pytest.raises(RuntimeError, match="not deterministic"):  # a pass that calls in more or less often
+        engine_pass(engine, prompts, new, EntryPoints(entries.labels, entries.calls + 1, 0.0))
+    assert not engine.has_work()  # the refused pass still ended its requests
+
+
+def test_a_contender_that_times_itself_is_credited_with_its_own_clock() -> None:
+    own = timed(lambda: ([[7]], 1, {OWN_CLOCK: (1.5, 2.5), "steps": 3}))
+    assert (own.wall_s, own.cpu_s, own.extra) == (1.5, 2.5, {"steps": 3})
+    measured = timed(lambda: ([[7]], 1, {}))
+    assert 0 <= measured.cpu_s < 1 and 0 <= measured.wall_s < 1
+
+
 def test_the_hybridkv_share_times_every_memory_and_cache_class() -> None:
     names = {c.__name__ for c in hybridkv_classes()}
     assert {"UnifiedMemory", "SubPool", "HybridRadixCache", "KVManager", "KVHandle", "RequestAllocator"} <= names
@@ -83,6 +137,7 @@ def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> No
     assert runs["engine"]["computed_tokens"] < runs["hf_one_by_one"]["computed_tokens"]  # prefix hits
     eng = runs["engine"]
     assert 0 < eng["hybridkv_share"] < 1 and eng["hybridkv_calls"] > eng["steps"] > 0
+    assert 0 < eng["hybridkv_share_all_wrapped"] < 1 and eng["hybridkv_methods_timed"] > 0
     assert eng["prefix_hit_rate"] > 0 and eng["cached_tokens"] > 0
     assert row["strongest_baseline"] in runs and row["cheapest_padded"] in ("hf_padded_all", "hf_padded_4")
     assert (

@@ -290,6 +290,12 @@ def bench_engine(
             f"{verdict[r['cpu_met']]}; hybridkv share <= {100 * goals['hybridkv_share']:.0f}% "
             f"{verdict[r['share_met']]}"
         )
+        wrapped = r["contenders"]["engine"].get("hybridkv_share_all_wrapped")
+        if wrapped is not None:
+            console.print(
+                f"  hybridkv share timed at the {r['contenders']['engine']['hybridkv_methods_timed']} methods the "
+                f"engine calls hybridkv by; with every hybridkv method wrapped it read {100 * wrapped:.1f}%"
+            )
         console.print(
             f"  at the same mix ({_mix(r)}): engine CPU = {r['cpu_same_mix_ratio']:.2f}x (goal <= "
             f"{goals['cpu_per_computed_ratio']}x) {verdict[r['cpu_same_mix_met']]}"
