@@ -260,8 +260,8 @@ def record_entry_points(engine: Engine, prompts: list[list[int]], new: int) -> E
     """One untimed pass with every method of every hybridkv class wrapped: the ones the engine enters hybridkv by.
 
     A timed pass wraps only those, so the calls hybridkv makes inside itself run unwrapped: a wrapper costs about
-    what a small method does, and wrapping every nested call (tens of thousands a pass) about doubled the share
-    measured. It runs after one plain pass, so the engine's one-time set-up (reading its pools' layouts) is behind
+    what a small method does, and wrapping every nested call (thousands a pass) added a tenth to a fifth to the
+    share measured. It runs after one plain pass, so the engine's one-time set-up (reading its pools' layouts) is behind
     it; from then on the workload is deterministic, so a timed pass makes the same outermost calls, as many
     (``engine_pass`` checks the count)."""
     engine.clear_cache()

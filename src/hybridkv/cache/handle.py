@@ -122,6 +122,9 @@ class KVHandle:
         at = 0
         for h, n in zip(handles, new_lens, strict=True):
             need = fresh_pages(n, h.n_pages, h.page_size)
+            if need == 0 and n >= h.seq_len:  # most decode steps: the last page has room (what ``_grow`` does)
+                h.seq_len = n
+                continue
             _grow(h, n, pages[at : at + need])
             at += need
         if at != pages.size:

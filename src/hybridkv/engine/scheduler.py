@@ -137,6 +137,13 @@ def shared_prefix(a: list[int], b: list[int], limit: int) -> int:
     return at
 
 
+def _non_finite(req: Request) -> str:
+    return (
+        f"request {req.rid}: the logits at position {len(req.tokens)} are not finite (NaN or inf); "
+        "the model's weights or activations are broken"
+    )
+
+
 def _cached_end(req: Request, page: int) -> int:
     """Where the cache's copy of ``req``'s computed tokens ends (whole pages; checkpoints sit on page bounds)."""
     return req.computed - req.computed % page
@@ -447,18 +454,14 @@ class Scheduler:
             if token is None:
                 continue
             broken = token == NON_FINITE
-            why = (
-                f"request {req.rid}: the logits at position {len(req.tokens)} are not finite (NaN or inf); "
-                "the model's weights or activations are broken"
-            )
             if req.rid in self.holding:
                 if broken:
-                    req.finish_reason, req.error = FinishReason.ERROR, why
+                    req.finish_reason, req.error = FinishReason.ERROR, _non_finite(req)
                 else:
                     req.tokens.append(token)
             elif broken:
                 self.alloc.retract(req.mem)
-                self._end(req, FinishReason.ERROR, why)
+                self._end(req, FinishReason.ERROR, _non_finite(req))
             else:
                 req.tokens.append(token)
                 if self._ended_by(req, token):
