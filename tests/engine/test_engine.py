@@ -8,11 +8,16 @@ requests, recomputed later, must still produce the same tokens.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.ops.ssd import _tril_masks
+from hybridkv.engine.pool_io import pool_layouts
 from hybridkv.memory import LayoutError, OutOfMemory
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
@@ -202,3 +207,34 @@ def test_the_allocators_batched_calls_refuse_a_request_without_memory() -> None:
     assert pages[0].size == 2 and slots is None and fresh is None
     alloc.retract(admitted)
     engine.mem.verify()
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-nemotron-h"])
+def test_steps_run_in_inference_mode_and_what_outlives_a_step_is_a_normal_tensor(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(name, 400_000, 4)
+    model = engine.runner.model
+    modes: list[bool] = []
+    forward = type(model).forward
+
+    def spy(self: CausalLM, *args: Any, **kwargs: Any) -> torch.Tensor:
+        modes.append(torch.is_inference_mode_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    outs = engine.generate(PROMPTS[:3], 4)
+    assert modes and all(modes)
+    assert [o.output_ids for o in outs] == [hf_reference(name, tuple(p), 4)[0] for p in PROMPTS[:3]]
+    kept = [t for layout in pool_layouts(engine.mem).tokens.values() for t in layout._workspace]
+    derived = [v[1] for m in model.modules() for v in vars(m).values() if isinstance(v, tuple) and len(v) == 2]
+    kept += [t for t in derived if isinstance(t, torch.Tensor)]
+    if name == "tiny-nemotron-h":  # its chunked scan's cached masks
+        kept += _tril_masks(int(engine.config.chunk_size), torch.device("cpu"))
+    else:  # Gemma 3's (1 + w) norm factors
+        assert len(derived) >= 4 * int(engine.config.num_hidden_layers)
+    assert kept and not any(t.is_inference() for t in kept)
+    norm = model.norm  # the modules still run with autograd outside the runner
+    x = torch.randn(2, int(engine.config.hidden_size), requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

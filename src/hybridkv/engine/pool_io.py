@@ -56,7 +56,8 @@ class TokenLayout:
         """The pool's reused buffer, at least ``numel`` elements (big fresh allocations cost page faults every step);
         what it held before is garbage, so one step uses it once (``TokenIO.gather``)."""
         if not self._workspace or self._workspace[0].numel() < numel:
-            self._workspace[:] = [self.grid.new_empty(numel + numel // 4)]
+            with torch.inference_mode(False):  # it outlives the step: a normal tensor, writable outside the runner
+                self._workspace[:] = [self.grid.new_empty(numel + numel // 4)]
         return self._workspace[0][:numel]
 
     def span(self, layer_id: int, names: tuple[str, ...]) -> slice:

@@ -8,6 +8,10 @@ Invariants:
   new token when ``forward`` returns (zeroed first when ``fresh_state``).
 - The memory's views have exactly the shapes the model's layers read and write
   (``check_memory``, at construction).
+- A step runs under ``torch.inference_mode`` (no autograd bookkeeping on any op: about 7% of
+  the engine's CPU on the tiny models, against ``no_grad``); what outlives a step (the gather
+  workspace, weights derived once, cached masks) is made a normal tensor, so the modules stay
+  usable outside it.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class ModelRunner:
         self.device = mem.device
         self.needs_state = bool(mem.slot_pools)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Last-position logits ``(R, vocab)``, one row per request of ``batch``."""
         if self.needs_state and batch.state_slots is None:

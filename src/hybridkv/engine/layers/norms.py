@@ -24,7 +24,8 @@ def derived(
     key = tuple((s._version, s.data_ptr()) for s in sources)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
-        with torch.no_grad():
+        # kept past the step: a normal tensor, even when made inside the runner's inference mode
+        with torch.no_grad(), torch.inference_mode(False):
             cached = owner.__dict__[name] = (key, make(*sources))
     return cached[1]
 

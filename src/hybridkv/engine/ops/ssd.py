@@ -27,9 +27,10 @@ from hybridkv.engine.ops.varlen import check_state, length_mask
 def _tril_masks(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(above_or_on, above)``: where ``_segment_sum`` zeroes before summing and where it puts ``-inf``
     (built once per size and device: the masks never change)."""
-    strict_lower = torch.tril(torch.ones(size, size, device=device, dtype=torch.bool), diagonal=-1)
-    lower = torch.tril(torch.ones(size, size, device=device, dtype=torch.bool), diagonal=0)
-    return ~strict_lower, ~lower
+    with torch.inference_mode(False):  # cached past the runner's inference mode: normal tensors
+        strict_lower = torch.tril(torch.ones(size, size, device=device, dtype=torch.bool), diagonal=-1)
+        lower = torch.tril(torch.ones(size, size, device=device, dtype=torch.bool), diagonal=0)
+        return ~strict_lower, ~lower
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:

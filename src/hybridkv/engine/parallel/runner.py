@@ -15,6 +15,7 @@ Invariants:
   embedding scale, which only the first stage applies) comes from the batch itself.
 - The memory's views have exactly the shapes the shard's layers read and write
   (``check_memory``, at construction): a wrong split fails before any step runs.
+- Steps run under ``torch.inference_mode``, as ``ModelRunner``'s do.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class ShardRunner:
     def last(self) -> bool:
         return self.model.last
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run_stage(self, batch: ForwardBatch) -> torch.Tensor:
         """This stage's step: receive hidden states (not on the first stage), run its layers, send them on
         (not on the last). Returns the last stage's logits ``(R, vocab)``, else the hidden states sent."""
@@ -131,7 +132,7 @@ class ShardRunner:
             self.groups.send_next(out)
         return out
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Last-position logits ``(R, vocab)`` on every rank of the layout."""
         out = self.run_stage(batch)
