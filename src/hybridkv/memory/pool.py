@@ -294,6 +294,9 @@ class SubPool:
             if self.cell_bytes % 8 == 0 and grid.data_ptr() % 8 == 0:
                 grid = grid.view(torch.int64)  # whole-cell copies in words: several times faster than in bytes
             self._copy_grid = grid
+        if src.size == 1:  # one cell (a fork, a checkpoint): a plain copy, no index tensors or temporary
+            grid[int(dst[0])].copy_(grid[int(src[0])])
+            return
         dev = grid.device
         grid.index_copy_(0, to_index(dst, dev), grid.index_select(0, to_index(src, dev)))
 
