@@ -129,6 +129,20 @@ def test_state_fork_copies_bytes_into_a_new_slot():
     mem.verify()
 
 
+def test_a_fork_of_several_slots_copies_each_into_its_own_new_slot():
+    mem = make("tiny-gdn")
+    slots = mem.alloc_state(3)
+    view = mem.view(0, "recurrent_state")
+    cells = [int(c) for c in mem.pools[RECURRENT_POOL].v2p[slots]]
+    for i, cell in enumerate(cells):  # one cell at a time and several at once take different copy paths
+        view[cell] = float(i + 1)
+    forks = mem.fork_state(slots[[2, 0]])
+    new_cells = [int(c) for c in mem.pools[RECURRENT_POOL].v2p[forks]]
+    assert set(new_cells).isdisjoint(cells)
+    assert torch.equal(view[new_cells[0]], view[cells[2]]) and torch.equal(view[new_cells[1]], view[cells[0]])
+    mem.verify()
+
+
 def test_views_are_strided_views_of_the_arena_for_a_stage_not_starting_at_layer_zero():
     from hybridkv.spec import Parallel
 
