@@ -20,6 +20,7 @@ Invariants (checked at construction, on the host):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,9 @@ class BatchError(ValueError):
 
 
 def _ids(input_ids: list[np.ndarray] | list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    if all(type(x) is list for x in input_ids):  # the scheduler's spans: one conversion for the step, not one a row
+        sizes = np.fromiter(map(len, input_ids), dtype=np.int64, count=len(input_ids))
+        return np.fromiter(itertools.chain.from_iterable(input_ids), dtype=np.int64, count=int(sizes.sum())), sizes
     ids = [np.asarray(x, dtype=np.int64).reshape(-1) for x in input_ids]
     flat = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
     return flat, np.array([x.size for x in ids], dtype=np.int64)

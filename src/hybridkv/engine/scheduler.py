@@ -116,7 +116,7 @@ def choose_step_tokens(step: Step, logits: torch.Tensor) -> list[int | None]:
     out: list[int | None] = [None] * len(step.reqs)
     if not rows:
         return out
-    picked = logits if logits.shape[0] == len(rows) and len(rows) != len(step.reqs) else logits[rows]
+    picked = logits if logits.shape[0] == len(rows) else logits[rows]  # every row ends, or only ending rows came
     reqs = [step.reqs[i] for i in rows]
     for i, token in zip(
         rows, choose_tokens(picked, [r.params for r in reqs], [len(r.tokens) for r in reqs]), strict=True
