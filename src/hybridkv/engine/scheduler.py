@@ -423,7 +423,7 @@ class Scheduler:
     def _ended_by(self, req: Request, token: int) -> bool:
         if token in req.stops:
             req.finish_reason = FinishReason.EOS if token not in req.params.stop_token_ids else FinishReason.STOP
-        elif len(req.output) >= req.params.max_new_tokens:
+        elif len(req.tokens) - len(req.prompt) >= req.params.max_new_tokens:  # the output's length, not a copy
             req.finish_reason = FinishReason.LENGTH
         return req.done
 
@@ -435,13 +435,14 @@ class Scheduler:
     def computed(self, step: Step) -> None:
         """Record that ``step``'s spans are in memory. A prefill engine hands off every request whose
         prompt is now computed (``take_handoffs``): its KV/state can be sent before its token is known."""
-        ending = {id(step.reqs[i]) for i in step.ending}
-        self.alloc.mark_computed([r.mem for r in step.reqs], release_windows=self.role is not Role.PREFILL)
+        prefill = self.role is Role.PREFILL
+        ending = {id(step.reqs[i]) for i in step.ending} if prefill else set()
+        self.alloc.mark_computed([r.mem for r in step.reqs], release_windows=not prefill)
         for req, span in zip(step.reqs, step.spans, strict=True):
             if req.computed < len(req.tokens) - 1:  # a prefill chunk (not a decode)
                 self.alloc.chunk_done(req.mem, req.tokens)
             req.computed += span
-            if self.role is Role.PREFILL and id(req) in ending:
+            if prefill and id(req) in ending:
                 self.holding[req.rid] = req  # its KV/state go to the sender; released by release_sent
                 self.handoffs.append(req)
 
