@@ -122,10 +122,7 @@ class KVHandle:
         at = 0
         for h, n in zip(handles, new_lens, strict=True):
             need = fresh_pages(n, h.n_pages, h.page_size)
-            if need == 0 and n >= h.seq_len:  # most decode steps: the last page has room (what ``_grow`` does)
-                h.seq_len = n
-                continue
-            _grow(h, n, pages[at : at + need])
+            _grow(h, n, pages[at : at + need], need)
             at += need
         if at != pages.size:
             raise CacheError(f"extend: {pages.size} fresh pages for requests that need {at}")
@@ -165,7 +162,7 @@ class KVHandle:
 
     def grow(self, new_len: int, pages: np.ndarray) -> None:
         """Grow the sequence to ``new_len`` tokens with exactly ``pages_needed`` fresh pages."""
-        _grow(self, new_len, pages)
+        _grow(self, new_len, pages, self.pages_needed(new_len))
 
     def window_release(self) -> list[np.ndarray]:
         """Own pages that just left each window pool's window (one array per pool); marks
@@ -223,8 +220,8 @@ def checked_handles(handles: object, what: str) -> list[KVHandle]:
     return [checked_handle(h, what) for h in handles]
 
 
-def _grow(h: KVHandle, new_len: int, pages: np.ndarray) -> None:
-    need = fresh_pages(new_len, h.n_pages, h.page_size)
+def _grow(h: KVHandle, new_len: int, pages: np.ndarray, need: int) -> None:
+    """Grow ``h`` to ``new_len`` tokens with ``pages``, the ``need`` fresh pages its caller counted (once)."""
     if new_len < h.seq_len or pages.size != need:
         raise CacheError(f"extend: growing {h.seq_len} -> {new_len} tokens needs {need} fresh pages, got {pages.size}")
     if need == 0:  # most decode steps: the last page has room
