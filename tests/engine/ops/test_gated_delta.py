@@ -45,7 +45,7 @@ def _span(inputs: dict[str, torch.Tensor], start: int, end: int) -> dict[str, to
     return {name: x[:, start:end] for name, x in inputs.items()}
 
 
-@pytest.mark.parametrize("seq", [1, 37, 64, 150])
+@pytest.mark.parametrize("seq", [1, 5, 37, 64, 150])
 @pytest.mark.parametrize("fresh", [True, False])
 def test_prefill_matches_reference(seq: int, fresh: bool) -> None:
     inputs = _inputs(3, seq, seed=seq)

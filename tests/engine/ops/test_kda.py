@@ -51,7 +51,7 @@ def _reference(fn: Callable[..., Any], inputs: dict[str, torch.Tensor], state: t
     )
 
 
-@pytest.mark.parametrize("seq", [1, 37, 64, 150])
+@pytest.mark.parametrize("seq", [1, 5, 37, 64, 150])
 @pytest.mark.parametrize("fresh", [True, False])
 def test_prefill_matches_reference(seq: int, fresh: bool) -> None:
     inputs = _inputs(2, seq, seed=seq)

@@ -44,7 +44,7 @@ def _at(inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
     return {name: x[:, t] for name, x in inputs.items()}
 
 
-@pytest.mark.parametrize("seq", [1, 13, 16, 50])
+@pytest.mark.parametrize("seq", [1, 5, 13, 16, 50])
 @pytest.mark.parametrize("fresh", [True, False])
 def test_prefill_matches_reference(seq: int, fresh: bool) -> None:
     inputs, params = _inputs(3, seq, seed=seq), _params(1)

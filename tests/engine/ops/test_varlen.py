@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridkv.engine.ops import length_mask
+from hybridkv.engine.ops.varlen import chunk_width
 
 from .chunking import pad_ragged, unpad_ragged
 
@@ -18,3 +19,13 @@ def test_pad_then_unpad_is_identity_and_padding_is_zero() -> None:
     assert padded[:, :, 0].tolist() == [[1, 2, 3, 0], [0, 0, 0, 0], [4, 0, 0, 0], [5, 6, 7, 8]]
     assert torch.equal(unpad_ragged(padded, lengths, 8), flat)
     assert length_mask(lengths, 4).sum(dim=1).tolist() == [3, 0, 1, 4]
+
+
+def test_chunk_width_is_the_chunk_or_the_smallest_power_of_two_holding_a_shorter_call() -> None:
+    for chunk in (8, 16, 32, 64):
+        for seq in range(1, 3 * chunk):
+            width = chunk_width(seq, chunk)
+            if seq >= chunk:
+                assert width == chunk
+            else:
+                assert seq <= width <= chunk and width & (width - 1) == 0 and width < 2 * seq

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.ops.varlen import check_state, length_mask
+from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +66,7 @@ def gated_delta_prefill(
     k = _l2norm(k)
     q = q * q.shape[-1] ** -0.5
 
+    chunk_size = chunk_width(seq, chunk_size)
     pad = (chunk_size - seq % chunk_size) % chunk_size
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))

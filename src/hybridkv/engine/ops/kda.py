@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.ops.varlen import check_state, length_mask
+from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +60,7 @@ def kda_prefill(
     k = _l2norm(k)
     scale = 1 / (dk**0.5)
 
+    chunk_size = chunk_width(seq, chunk_size)
     pad = (chunk_size - seq % chunk_size) % chunk_size
     q = F.pad(q, (0, 0, 0, pad)) * scale
     k = F.pad(k, (0, 0, 0, pad))

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.ops.varlen import check_state, length_mask
+from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,6 +82,7 @@ def ssd_prefill(
 
     x = x.float()
     dt = dt.float()
+    chunk_size = chunk_width(seq, chunk_size)
     pad = (chunk_size - seq % chunk_size) % chunk_size
     c, size = (seq + pad) // chunk_size, chunk_size
 
