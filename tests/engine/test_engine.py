@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.engine import pool_io
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
 from hybridkv.engine.engine import Engine, Output
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.ops.ssd import _tril_masks
-from hybridkv.engine.pool_io import pool_layouts
+from hybridkv.engine.pool_io import TokenIO, pool_layouts
 from hybridkv.memory import LayoutError, OutOfMemory
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
@@ -238,3 +239,27 @@ def test_steps_run_in_inference_mode_and_what_outlives_a_step_is_a_normal_tensor
     x = torch.randn(2, int(engine.config.hidden_size), requires_grad=True)
     norm(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", [*MODELS, "tiny-kimi-linear"])  # tiny Nemotron-H has one attention layer
+def test_keys_beyond_the_workspace_are_gathered_a_window_of_layers_at_a_time(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool_io, "WORKSPACE_SHARE", 0.0)  # no room: every gather holds one layer's slots
+    engine = _engine(name, 400_000, 4)
+    windows: list[tuple[int, int]] = []
+    gather = TokenIO.gather
+
+    def spy(layout: Any, cells: torch.Tensor, zero_cols: torch.Tensor, slots: slice, out: Any = None) -> torch.Tensor:
+        windows.append((slots.stop - slots.start, layout.slots))
+        return gather(layout, cells, zero_cols, slots, out)
+
+    monkeypatch.setattr(TokenIO, "gather", staticmethod(spy))
+    outs = engine.generate(PROMPTS[:4], 5)
+    assert [o.output_ids for o in outs] == [hf_reference(name, tuple(p), 5)[0] for p in PROMPTS[:4]]
+    layer_slots = 1 if name == "tiny-kimi-linear" else 2  # an MLA latent, or K and V
+    assert windows and all(count == layer_slots for count, _ in windows)
+    assert any(slots > layer_slots for _, slots in windows)  # a pool of several layers was gathered in windows
+    for layout in pool_layouts(engine.mem).tokens.values():
+        assert layout.workspace_bytes == 0 and layout.window(10**6) == layer_slots
+    engine.mem.verify()

@@ -119,6 +119,8 @@ class Engine:
         """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
         (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
         ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config.
+        ``gpu_memory``: the K/V and state budget; a step's gathered keys take up to a quarter of it more
+        (``pool_io.WORKSPACE_SHARE``; a step whose keys need more gathers them a window of layers at a time).
         ``checkpoints``: where requests store recurrent-state checkpoints for later hits, a
         placement spec (``hybridkv.cache.placement``: none, interval:N, prompt-aligned[:K],
         branch, end; default ``engine_default``: every page-aligned chunk end, the prompt end,

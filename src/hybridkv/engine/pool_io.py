@@ -10,7 +10,11 @@ reads that layout once per memory and exposes each pool as one tensor over the w
 Per step, ``TokenIO`` gathers the context pages of every padded group of requests (cut into
 parts of similar widths) for every layer of the pool at once (``index_select`` into one
 buffer), puts each layer's new entries in with one indexed copy, and writes them all with
-one indexed store at ``flush``; ``StateIO`` gathers every request's state cell once
+one indexed store at ``flush``. The buffer is bounded: a pool's gathered keys take at most
+``WORKSPACE_SHARE`` of the memory budget (shared by the token pools; always at least one
+layer's slots). A step whose keys exceed it gathers a window of layers at a time: when a layer
+writes slots outside the window, the next window is gathered from there, and each layer's new
+entries go to the pool at once (a later window may read them back); ``StateIO`` gathers every request's state cell once
 (zeros where a state starts fresh), lets the layers read and update typed views of it in
 place, and writes the cells back once at ``flush``.
 
@@ -19,11 +23,14 @@ Invariants:
   not adjacent with one dtype, is refused with the layers and tensors named (``LayoutError``).
 - Physical cells are the step's (valid for this step only); nothing here reads a device
   tensor on the host.
+- A pool's step buffer never holds more than ``TokenLayout.window`` slots, and a layer reads its keys only
+  through the slots ``TokenIO.write`` returns for it.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +39,9 @@ from hybridkv.engine.layers.cast import cast
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
 from hybridkv.spec import IdSpace, PoolId
+
+WORKSPACE_SHARE = 0.25
+"""The most the token pools' step buffers take together, as a share of the memory budget (on top of it)."""
 
 
 class LayoutError(ValueError):
@@ -45,12 +55,20 @@ class TokenLayout:
     pool_id: PoolId
     grid: torch.Tensor
     slot: dict[tuple[int, str], int]
+    workspace_bytes: int  # the most this pool's step buffer may take
     spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
     _workspace: list[torch.Tensor] = field(default_factory=list)  # at most one buffer: the step's gathered keys
 
     @property
     def slots(self) -> int:
         return self.grid.shape[1]
+
+    def window(self, pages: int) -> int:
+        """How many slots one gather of ``pages`` pages holds: every slot when they fit ``workspace_bytes``, else as
+        many as fit, never fewer than the most one layer keeps."""
+        per_slot = pages * self.grid[0, 0].numel() * self.grid.element_size()
+        layer_slots = max(Counter(layer for layer, _ in self.slot).values())
+        return min(self.slots, max(layer_slots, self.workspace_bytes // max(per_slot, 1)))
 
     def workspace(self, numel: int) -> torch.Tensor:
         """The pool's reused buffer, at least ``numel`` elements (big fresh allocations cost page faults every step);
@@ -130,15 +148,17 @@ def pool_layouts(mem: UnifiedMemory) -> PoolLayouts:
     """The layouts of ``mem``'s pools (read once per memory; the grid never changes)."""
     found = _LAYOUTS.get(mem)
     if found is None:
+        token_pools = [p for p in mem.pools.values() if p.layout.id_space is IdSpace.PAGE]
+        workspace = int(mem.arena.nbytes * WORKSPACE_SHARE) // max(len(token_pools), 1)
         found = _LAYOUTS[mem] = PoolLayouts(
-            {p.pool_id: _token_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.PAGE},
+            {p.pool_id: _token_layout(p, workspace) for p in token_pools},
             {p.pool_id: _state_layout(p) for p in mem.pools.values() if p.layout.id_space is IdSpace.SLOT},
             {layer: p.pool_id for p in mem.pools.values() for layer in p.layout.layer_ids},
         )
     return found
 
 
-def _token_layout(pool: SubPool) -> TokenLayout:
+def _token_layout(pool: SubPool, workspace_bytes: int) -> TokenLayout:
     segments = sorted(pool.layout.segments, key=lambda s: s.offset)
     first = segments[0]
     shape, dtype, entry = tuple(first.shape), first.dtype, first.nbytes
@@ -160,7 +180,7 @@ def _token_layout(pool: SubPool) -> TokenLayout:
     page, inner = shape[0], shape[1:]
     grid_shape = (pool.grid_cells, len(segments), page, *inner)
     grid = pool.arena.strided_view(dtype, pool.grid_cells, pool.cell_bytes, first.offset, grid_shape[1:])
-    return TokenLayout(pool.pool_id, grid, slot)
+    return TokenLayout(pool.pool_id, grid, slot, workspace_bytes)
 
 
 def _state_layout(pool: SubPool) -> StateLayout:
@@ -204,8 +224,9 @@ class KeyPart:
 
 
 class TokenIO:
-    """One token pool in one step: every part's keys gathered at once into one buffer ``(slots, columns, *shape)``,
-    each layer's new entries written in with one indexed copy, stored in the pool with one indexed store."""
+    """One token pool in one step: the parts' keys gathered into one buffer ``(window, columns, *shape)`` (every slot
+    of the pool, or a window of them when they exceed the workspace), each layer's new entries written in with one
+    indexed copy, stored in the pool with one indexed store (per layer when windowed)."""
 
     def __init__(
         self,
@@ -215,33 +236,53 @@ class TokenIO:
         new_cols: torch.Tensor,
         cell: torch.Tensor,
         offset: torch.Tensor,
+        source: tuple[torch.Tensor, torch.Tensor],
     ):
-        """``parts[g]``: group ``g``'s rows in order; ``new_cols`` ``(T,)``: the buffer column of each new token of
-        the step (step order), ``cell`` / ``offset`` its pool cell and slot in the cell's page."""
+        """``buffer``: ``gather`` of slots ``[0, window)``; ``parts[g]``: group ``g``'s rows in order (views of
+        ``buffer``); ``new_cols`` ``(T,)``: the buffer column of each new token of the step (step order), ``cell`` /
+        ``offset`` its pool cell and slot in the cell's page; ``source``: the pages' cells and zero columns
+        ``gather`` took (a windowed step gathers again from them)."""
         self.layout, self.buffer, self.parts = layout, buffer, parts
         self.new_cols, self.cell, self.offset = new_cols, cell, offset
+        self.source = source
+        self.loaded = slice(0, buffer.shape[0])  # the slots the buffer holds
+        self.windowed = buffer.shape[0] < layout.slots
         self.written: set[int] = set()
 
     @staticmethod
-    def gather(layout: TokenLayout, cells: torch.Tensor, zero_cols: torch.Tensor) -> torch.Tensor:
-        """Every layer's entries of the pages ``cells`` (flat; the padding page is the sink, cell 0, zeroed here
-        first): ``(slots, pages * page_size, *shape)``, also zero at columns ``zero_cols`` (the slots after each
-        row's last token in its last page)."""
+    def gather(
+        layout: TokenLayout, cells: torch.Tensor, zero_cols: torch.Tensor, slots: slice, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Entries of ``slots`` of the pages ``cells`` (flat; the padding page is the sink, cell 0, zeroed here
+        first): ``(len(slots), pages * page_size, *shape)``, also zero at columns ``zero_cols`` (the slots after each
+        row's last token in its last page). ``out``: the buffer to fill (else the pool's workspace)."""
         grid = layout.grid
         grid[0].zero_()
-        slots, n = grid.shape[1], cells.numel()
-        out = layout.workspace(slots * n * grid[0, 0].numel()).view(slots, n, *grid.shape[2:])
-        for s in range(slots):  # one contiguous copy per page and slot: far cheaper than a strided gather
-            torch.index_select(grid[:, s], 0, cells, out=out[s])
-        out = out.view(slots, n * grid.shape[2], *grid.shape[3:])
+        count, n = slots.stop - slots.start, cells.numel()
+        if out is None:
+            out = layout.workspace(count * n * grid[0, 0].numel())
+        out = out.view(count, n, *grid.shape[2:])
+        for i, s in enumerate(range(slots.start, slots.stop)):  # one contiguous copy per page and slot
+            torch.index_select(grid[:, s], 0, cells, out=out[i])
+        out = out.view(count, n * grid.shape[2], *grid.shape[3:])
         return out.index_fill_(1, zero_cols, 0)
 
-    def write(self, span: slice, new: torch.Tensor) -> None:
-        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every part's keys (read
-        them as ``part.entries[span]``). The pool gets them at ``flush``."""
-        buffer = self.buffer[span]
+    def write(self, span: slice, new: torch.Tensor) -> slice:
+        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every part's keys; returns
+        where they are in the parts (read them as ``part.entries[returned]``). The pool gets them at ``flush``, or
+        now when the step is windowed (the window is gathered first when ``span`` is outside it)."""
+        if span.start < self.loaded.start or span.stop > self.loaded.stop:
+            window = self.buffer.shape[0]
+            start = min(span.start, self.layout.slots - window)
+            self.loaded = slice(start, start + window)
+            self.gather(self.layout, *self.source, self.loaded, out=self.buffer)
+        local = slice(span.start - self.loaded.start, span.stop - self.loaded.start)
+        buffer = self.buffer[local]
         buffer.index_copy_(1, self.new_cols, cast(new.movedim(1, 0), buffer.dtype))
+        if self.windowed:
+            self._store(span, buffer)
         self.written.update(range(span.start, span.stop))
+        return local
 
     def flush(self) -> None:
         layout = self.layout
@@ -250,9 +291,14 @@ class TokenIO:
         if len(self.written) != layout.slots:
             missing = sorted(set(range(layout.slots)) - self.written)
             raise LayoutError(f"pool {layout.pool_id}: the step wrote no new entries in slots {missing}")
-        new = self.buffer.index_select(1, self.new_cols)  # (slots, T, *shape)
-        layout.grid.movedim(1, 2).index_put_((self.cell, self.offset), new.movedim(0, 1))
+        if not self.windowed:
+            self._store(slice(0, layout.slots), self.buffer)
         self.written.clear()
+
+    def _store(self, slots: slice, buffer: torch.Tensor) -> None:
+        """The new entries of ``buffer`` (holding ``slots``) into the pool."""
+        new = buffer.index_select(1, self.new_cols)  # (slots, T, *shape)
+        self.layout.grid[:, slots].movedim(1, 2).index_put_((self.cell, self.offset), new.movedim(0, 1))
 
 
 class StateIO:

@@ -274,7 +274,8 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
     """The pool's I/O for the step: one ``page_cells`` and one gather for every group's pages."""
     ps = mem.page_size
     cells = mem.page_cells(np.concatenate(plan.virtual), layout.pool_id)
-    buffer = TokenIO.gather(layout, cells, dev(np.concatenate(plan.zero_cols)))
+    zero_cols = dev(np.concatenate(plan.zero_cols))
+    buffer = TokenIO.gather(layout, cells, zero_cols, slice(0, layout.window(cells.numel())))
     shape = buffer.shape[2:]
     parts = [
         [
@@ -290,7 +291,7 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
     ]
     new_cols = np.concatenate(plan.new_cols)
     new_pages = dev(new_cols // ps)
-    return TokenIO(layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps))
+    return TokenIO(layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols))
 
 
 SPLIT_ROWS = 64

@@ -95,8 +95,8 @@ class PagedAttention(nn.Module):
 
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
-        io.write(span, torch.stack((k, v), dim=1))
-        out = ctx.attend(io, q, lambda queries, part: self._attend(queries, part, span)).reshape(t, self.heads * d)
+        at = io.write(span, torch.stack((k, v), dim=1))
+        out = ctx.attend(io, q, lambda queries, part: self._attend(queries, part, at)).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
@@ -113,8 +113,8 @@ class PagedAttention(nn.Module):
         return cast(F.rms_norm(f32(qk), q_norm.shape, None, q_norm.eps) * scale, qk.dtype)
 
     def _attend(self, q: torch.Tensor, part: KeyPart, span: slice) -> torch.Tensor:
-        """Queries ``(R_p, heads, Q, D)`` over the part's keys and values (``span``: their slots) -> ``(R_p, heads,
-        Q, D)``."""
+        """Queries ``(R_p, heads, Q, D)`` over the part's keys and values (``span``: their slots in the part, as
+        ``TokenIO.write`` returned them) -> ``(R_p, heads, Q, D)``."""
         kv = part.entries[span]  # (2, R_p, W, kv, D)
         mask = part.mask if self.sinks is None else part.with_sinks(self.sinks)
         return F.scaled_dot_product_attention(

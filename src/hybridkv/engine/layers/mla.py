@@ -84,13 +84,13 @@ class PagedMLA(nn.Module):
         query = self._absorbed(q, w_k)
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("latent",))
-        io.write(span, latent[:, None, None])
+        at = io.write(span, latent[:, None, None])
         out = ctx.attend(
             io,
             query,  # (T, heads, rank + rope)
             lambda queries, part: self._attend(
                 queries,
-                cast(part.entries[span][0, :, :, 0], x.dtype),  # (R_p, W, rank + rope)
+                cast(part.entries[at][0, :, :, 0], x.dtype),  # (R_p, W, rank + rope)
                 cast(part.mask, x.dtype),
             ),
         )[..., : self.rank]  # (T, heads, rank)
