@@ -119,15 +119,25 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
         raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
         raise RequestError("input_ids", f"must be a list of token ids, got {type(prompt).__name__}")
-    odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int | np.integer)]
-    if odd:
-        raise RequestError("input_ids", f"must be a flat list of integer token ids, got {odd[:3]!r}")
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise RequestError(
+                "input_ids", f"must be a flat list of integer token ids, got an array {prompt.shape} {prompt.dtype}"
+            )
+    elif not all(type(t) is int for t in prompt):  # plain ints (the common case) pass in one sweep
+        odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+        if odd:
+            raise RequestError("input_ids", f"must be a flat list of integer token ids, got {odd[:3]!r}")
     if len(prompt) == 0:
         raise RequestError("input_ids", "empty prompt: give at least one token")
-    outside = [int(t) for t in prompt if not 0 <= t < vocab_size]
-    if outside:
+    try:
+        ids = np.asarray(prompt, dtype=np.int64)  # a uint64 array beyond int64 wraps below 0: outside too
+        inside = int(ids.min()) >= 0 and int(ids.max()) < vocab_size
+    except OverflowError:  # a Python int beyond int64: outside any vocabulary
+        inside = False
+    if not inside:
+        outside = [int(t) for t in prompt if not 0 <= t < vocab_size]
         raise RequestError("input_ids", f"token ids {outside[:5]} outside the vocabulary [0, {vocab_size})")
-    ids = np.asarray(prompt, dtype=np.int64)
     stops = [t for t in params.stop_token_ids if t >= vocab_size]
     if stops:
         raise RequestError("stop_token_ids", f"ids {stops[:5]} outside the vocabulary [0, {vocab_size})")
@@ -137,4 +147,4 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
             f"prompt of {ids.size} tokens + {params.max_new_tokens} new exceeds the context of {max_context} "
             "tokens; shorten the prompt or lower max_new_tokens",
         )
-    return [int(t) for t in ids]
+    return ids.tolist()
