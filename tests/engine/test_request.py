@@ -21,6 +21,7 @@ PARAMS = SamplingParams(max_new_tokens=4)
         ([[1, 2]], "flat list of integer token ids"),
         (np.array([1.0]), "got an array (1,) float64"),
         (np.array([[1, 2]]), "got an array (1, 2) int64"),
+        (np.array([1, True], dtype=object), "flat list of integer token ids, got [True]"),
         ("abc", "must be a list of token ids, got str"),
         ([], "empty prompt"),
         (np.array([], dtype=np.int64), "empty prompt"),
@@ -39,7 +40,14 @@ def test_a_bad_prompt_is_refused_naming_what_is_wrong(prompt: Any, says: str) ->
 
 
 @pytest.mark.parametrize(
-    "prompt", [[0, 255, 7], (3, np.int64(4)), np.array([3, 4], dtype=np.uint8), np.array([9], dtype=np.int32)]
+    "prompt",
+    [
+        [0, 255, 7],
+        (3, np.int64(4)),
+        np.array([3, 4], dtype=np.uint8),
+        np.array([9], dtype=np.int32),
+        np.array([1, 2], dtype=object),
+    ],
 )
 def test_a_good_prompt_comes_back_as_plain_ints(prompt: Any) -> None:
     ids = check_request(prompt, PARAMS, VOCAB, CONTEXT)

@@ -1,4 +1,5 @@
-"""The step's pool I/O: one gather and one store per pool, stale bytes never reach a result, layouts checked."""
+"""The step's pool I/O: one gather and one store per pool (or per window of layers), stale bytes never reach a result,
+layouts checked."""
 
 from __future__ import annotations
 
@@ -7,16 +8,28 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.engine import pool_io
 from hybridkv.engine.pool_io import LayoutError, pool_layouts
 from hybridkv.engine.step import StepContext
 from tests.engine.harness import hf_reference, make_runner, prompt, serve
 from tests.engine.test_exact import ATOL
 
 
+@pytest.mark.parametrize("window", [None, 0, 1], ids=["whole", "one-layer-windows", "windows-across-layers"])
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-kimi-linear"])
-def test_stale_bytes_are_nan_and_serving_stays_exact(name: str) -> None:
+def test_stale_bytes_are_nan_and_serving_stays_exact(
+    name: str, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every arena byte starts as 0xFF (a NaN in every float format): slots past a request's last token, the
-    padding page and never-written cells must not reach attention (a masked NaN key still poisons softmax)."""
+    padding page and never-written cells must not reach attention (a masked NaN key still poisons softmax), also
+    when a step gathers its keys a window of slots at a time (``window``: slots beyond one layer's; every gather
+    zeroes them again)."""
+    if window is not None:
+        monkeypatch.setattr(pool_io, "WORKSPACE_SHARE", 0.0)
+        one_layer = pool_io.TokenLayout.window
+        monkeypatch.setattr(
+            pool_io.TokenLayout, "window", lambda self, pages: min(self.slots, one_layer(self, pages) + window)
+        )
     runner = make_runner(name, 16)
     runner.mem.arena.buffer.fill_(0xFF)
     prompts = [prompt(40 + n, n) for n in (3, 17, 30)]

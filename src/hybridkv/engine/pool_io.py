@@ -1,4 +1,5 @@
-"""Pool I/O of a step: one gather and one scatter per memory pool per step, not one per layer.
+"""Pool I/O of a step: one gather and one scatter per memory pool per step, not one per layer (one per window of
+layers when a step's keys exceed the workspace).
 
 A pool's cell holds an entry of every layer the pool serves (``memory.layout``). ``PoolLayouts``
 reads that layout once per memory and exposes each pool as one tensor over the whole grid:
@@ -10,13 +11,17 @@ reads that layout once per memory and exposes each pool as one tensor over the w
 Per step, ``TokenIO`` gathers the context pages of every padded group of requests (cut into
 parts of similar widths) for every layer of the pool at once (``index_select`` into one
 buffer), puts each layer's new entries in with one indexed copy, and writes them all with
-one indexed store at ``flush``. The buffer is bounded: a pool's gathered keys take at most
-``WORKSPACE_SHARE`` of the memory budget (shared by the token pools; always at least one
-layer's slots). A step whose keys exceed it gathers a window of layers at a time: when a layer
-writes slots outside the window, the next window is gathered from there, and each layer's new
-entries go to the pool at once (a later window may read them back); ``StateIO`` gathers every request's state cell once
-(zeros where a state starts fresh), lets the layers read and update typed views of it in
-place, and writes the cells back once at ``flush``.
+one indexed store at ``flush``.
+
+The buffer is bounded: the token pools' buffers aim to take at most ``WORKSPACE_SHARE`` of the
+memory budget together (``TokenLayout.workspace_bytes`` each). A step whose keys exceed it
+gathers a window of slots at a time (``TokenLayout.window``: as many as fit, never fewer than one
+layer's, so one layer's keys, padded, may exceed the bound): when a layer writes slots outside
+the loaded window, the window is gathered again from there, and each layer's new entries go to
+the pool at once (a later window reads them back).
+
+``StateIO`` gathers every request's state cell once (zeros where a state starts fresh), lets the
+layers read and update typed views of it in place, and writes the cells back once at ``flush``.
 
 Invariants:
 - A pool whose layers do not fit one uniform grid of slots, or whose named state tensors are
@@ -71,11 +76,13 @@ class TokenLayout:
         return min(self.slots, max(layer_slots, self.workspace_bytes // max(per_slot, 1)))
 
     def workspace(self, numel: int) -> torch.Tensor:
-        """The pool's reused buffer, at least ``numel`` elements (big fresh allocations cost page faults every step);
-        what it held before is garbage, so one step uses it once (``TokenIO.gather``)."""
+        """The pool's reused buffer, at least ``numel`` elements (big fresh allocations cost page faults every step;
+        grown with a quarter to spare, within ``workspace_bytes``); what it held before is garbage: a step's
+        gathers fill it (``TokenIO.gather``)."""
         if not self._workspace or self._workspace[0].numel() < numel:
+            room = self.workspace_bytes // self.grid.element_size()
             with torch.inference_mode(False):  # it outlives the step: a normal tensor, writable outside the runner
-                self._workspace[:] = [self.grid.new_empty(numel + numel // 4)]
+                self._workspace[:] = [self.grid.new_empty(max(numel, min(numel + numel // 4, room)))]
         return self._workspace[0][:numel]
 
     def span(self, layer_id: int, names: tuple[str, ...]) -> slice:
@@ -196,9 +203,10 @@ def _state_layout(pool: SubPool) -> StateLayout:
 
 @dataclass(frozen=True)
 class KeyPart:
-    """Some rows of a padded group, with their keys in one token pool: every layer's entries of their pages, as
-    columns (a view into the step's one gathered buffer of the pool; a group's rows may be cut into parts of
-    different widths, so short rows are not padded to the group's longest).
+    """Some rows of a padded group, with their keys in one token pool: the loaded slots' entries of their pages
+    (every layer's, or a window of them; ``TokenIO.write`` says where a layer's are), as columns (a view into the
+    step's one gathered buffer of the pool; a group's rows may be cut into parts of different widths, so short rows
+    are not padded to the group's longest).
 
     Row ``r``'s column ``c`` holds position ``first_page[r] * page_size + c``: gathered entries where the
     position is older than the step; the step's new tokens once each layer wrote its entries there; zeros
@@ -206,7 +214,7 @@ class KeyPart:
     hold any bytes, NaN included, and a masked key must still be finite).
     """
 
-    entries: torch.Tensor  # (slots, R_p, W, *shape)
+    entries: torch.Tensor  # (window slots, R_p, W, *shape)
     rows: slice  # the group's rows [a, b) it holds
     mask: torch.Tensor  # (R_p, 1, Q', W) additive float32: 0 where query q sees column c, -inf elsewhere
     spare: torch.Tensor | None  # (R_p, 1, 1, W) 1.0 at one zero column of each row that no query sees, else 0

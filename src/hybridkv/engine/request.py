@@ -119,7 +119,7 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
         raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
         raise RequestError("input_ids", f"must be a list of token ids, got {type(prompt).__name__}")
-    if isinstance(prompt, np.ndarray):
+    if isinstance(prompt, np.ndarray) and prompt.dtype != object:  # an object array is checked like a list
         if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
             raise RequestError(
                 "input_ids", f"must be a flat list of integer token ids, got an array {prompt.shape} {prompt.dtype}"

@@ -14,9 +14,10 @@ of the earliest position a new token can see (``first_needed(prefix + 1)``, the 
 rule), plus one spare column when a layer needs it (``sinks``: attention sinks join the
 softmax as that zero key). A group's rows are cut into parts (``key_parts``) each padded to
 its own widest row (``KeyPart``): a 20-token context is not padded to a 270-token one. Every
-part of every group is gathered at once per pool, for every layer of the pool (one buffer);
-the step's new entries are put in by each layer as it computes them (never read back from
-the pool; the pool gets them once, at the end of the step: ``flush``). Each part has one
+part of every group is gathered at once per pool, for every layer of the pool (one buffer; a
+window of layers at a time beyond the workspace, ``pool_io``); the step's new entries are put
+in by each layer as it computes them (the pool gets them once, at the end of the step:
+``flush``, or per layer when windowed). Each part has one
 additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
 the pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (padding, slots after a
 row's last token). State pools: every row's state cell is gathered once (``StateIO``) and
@@ -107,7 +108,8 @@ class StepContext:
             raise ValueError(f"layer {layer_id} keeps recurrent state: the step needs state slots") from None
 
     def flush(self) -> None:
-        """Write the step's new K/V and updated states to their pools (once, after every layer ran)."""
+        """Write the step's new K/V and updated states to their pools (once, after every layer ran; a windowed token
+        pool stored each layer's as it wrote them)."""
         for io in self.tokens.values():
             io.flush()
         for state in self.states.values():
@@ -271,7 +273,8 @@ def _plan_pool(
 
 
 def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev) -> TokenIO:
-    """The pool's I/O for the step: one ``page_cells`` and one gather for every group's pages."""
+    """The pool's I/O for the step: one ``page_cells`` and one gather for every group's pages (of the first window of
+    slots, when they are windowed)."""
     ps = mem.page_size
     cells = mem.page_cells(np.concatenate(plan.virtual), layout.pool_id)
     zero_cols = dev(np.concatenate(plan.zero_cols))

@@ -5,8 +5,8 @@ The chunked recurrent ops run on a right-padded ``[batch, max_len, ...]`` batch 
 - ``lengths`` lives on the tokens' device; nothing here reads it on the host (``max_len`` is a
   Python int the caller already knows from building the batch).
 - A carried state whose shape disagrees with the inputs is refused, both shapes named.
-- ``chunk_width`` never changes a scan's result: a call shorter than its chunk is one chunk either way, and padded
-  positions leave the state and the valid outputs untouched.
+- ``chunk_width`` changes a scan's result only within rounding: a call shorter than its chunk is one chunk either
+  way, and padded positions leave the state and the valid outputs untouched.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
 
 def chunk_width(seq: int, chunk_size: int) -> int:
     """The chunk a chunked scan uses for a call whose rows are ``seq`` positions wide: ``chunk_size``, or, when the
-    call is shorter, the smallest power of two that holds it. Such a call is one chunk at either width, so only the
-    padding is saved (a step of short prefill chunks padded to a whole scan chunk computed up to its width again);
-    powers of two bound the shapes a compiled caller sees."""
+    call is shorter, the smallest power of two that holds it (at most ``chunk_size``). Such a call is one chunk at
+    either width, so only the padding is saved (a step of short prefill chunks padded to a whole scan chunk computed
+    up to its width again); powers of two keep the shapes few."""
     if seq >= chunk_size:
         return chunk_size
-    return 1 << max(seq - 1, 0).bit_length()
+    return min(chunk_size, 1 << max(seq - 1, 0).bit_length())
