@@ -21,9 +21,24 @@ from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
+GELU_TANH_SPLIT = 4096
+"""Elements from which a CPU tensor takes ``gelu_tanh``'s sigmoid form (below, one kernel costs less than three)."""
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``gelu_pytorch_tanh``: ``0.5 x (1 + tanh(z))``, ``z = sqrt(2 / pi) (x + 0.044715 x^3)``, on a
+    large CPU tensor as ``x sigmoid(2 z)`` (the same function): torch's CPU tanh-GELU kernel takes about 4 ns an
+    element on this machine's AVX2, the sigmoid form about half (1024 x 128: 523 -> 280 µs; 64 x 128: 31 -> 22 µs;
+    within 5e-7 of it)."""
+    if x.device.type != "cpu" or x.numel() < GELU_TANH_SPLIT:
+        return F.gelu(x, approximate="tanh")
+    z = torch.addcmul(x, x * x, x, value=0.044715)
+    return x * torch.sigmoid_(z.mul_(1.5957691216057308))  # 2 sqrt(2 / pi)
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": gelu_tanh,
     "gelu": F.gelu,
     "relu2": lambda x: torch.square(F.relu(x)),
 }
