@@ -4,9 +4,10 @@ The recurrent state of a request is ``S [heads_v, dk, dv]`` (fp32). Per token, w
 ``q, k`` L2-normalised and ``q`` scaled by ``dk ** -0.5``:
 ``S = exp(g) * S;  S += k ⊗ beta * (v - kᵀS);  o = qᵀS``.
 Invariants:
-- the arithmetic mirrors transformers 5.23.0's ``torch_chunk_gated_delta_rule`` (prefill)
-  and ``torch_recurrent_gated_delta_rule`` (decode) operation for operation, so one pass is
-  equal to the reference up to summation order;
+- the arithmetic mirrors transformers 5.23.0's ``torch_chunk_gated_delta_rule`` (prefill; its
+  row-by-row inversion of the intra-chunk system is one unit-triangular solve here, for both
+  right-hand sides at once) and ``torch_recurrent_gated_delta_rule`` (decode) operation for
+  operation, so one pass is equal to the reference up to summation order;
 - ``lengths`` right-pads a batch of unequal chunks: padded positions get ``beta = 0`` and
   ``g = 0``, which leaves the state untouched, so each row's final state is its own;
 - chunks are counted from each call's first token, so splitting a sequence at any boundaries
@@ -83,12 +84,15 @@ def gated_delta_prefill(
     pair_decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
     ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
     intra = (q @ k.transpose(-1, -2)) * pair_decay
-    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    decay = cum.exp().unsqueeze(-1)
+    # one unit-triangular solve for both right-hand sides: the values and the decayed keys
+    rhs = torch.cat((v_beta, k_beta * decay), dim=-1)
+    solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
 
     s = state.to(new_values)
     out = torch.zeros_like(new_values)
-    q = q * cum.exp().unsqueeze(-1)
+    q = q * decay
     k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
     for i in range(num_chunks):
