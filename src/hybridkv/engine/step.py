@@ -159,14 +159,18 @@ def padded_parts(sizes: Sequence[int], fixed: float) -> list[tuple[int, int]]:
     never gains by cutting a run of equal sizes), so the search is over runs: few for sorted sizes."""
     n = len(sizes)
     bounds = [i for i in range(n) if i == 0 or sizes[i] != sizes[i - 1]] + [n]
+    run_size = [sizes[b] for b in bounds[:-1]]
     m = len(bounds) - 1
     best, cut = [0.0] * (m + 1), [0] * (m + 1)
-    for j in range(1, m + 1):
-        top, found = 0, (float("inf"), 0)
+    for j in range(1, m + 1):  # a hot loop (every step, per pool and group): plain comparisons, no tuples
+        end, top, least, at = bounds[j], 0, float("inf"), 0
         for i in range(j - 1, -1, -1):  # the part [bounds[i], bounds[j]), its largest size so far
-            top = max(top, sizes[bounds[i]])
-            found = min(found, (best[i] + fixed + (bounds[j] - bounds[i]) * top, i))
-        best[j], cut[j] = found
+            if run_size[i] > top:
+                top = run_size[i]
+            cost = best[i] + fixed + (end - bounds[i]) * top
+            if cost <= least:  # a tie goes to the longer part (the smaller i), as before
+                least, at = cost, i
+        best[j], cut[j] = least, at
     parts, j = [], m
     while j:
         parts.append((bounds[cut[j]], bounds[j]))
