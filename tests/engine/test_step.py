@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.engine import pool_io
 from hybridkv.engine.pool_io import LayoutError, pool_layouts
@@ -230,3 +232,24 @@ def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
         tokens, logits = hf_reference(name, tuple(ids), 3)
         assert got.tokens[: len(tokens)] == tokens
         assert max(float((a - b).abs().max()) for a, b in zip(got.logits, logits, strict=False)) < ATOL
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=9), fixed=st.sampled_from([0.0, 0.5, 2.0, 7.5, 40.0]))
+def test_padded_parts_are_a_cheapest_cut(sizes: list[int], fixed: float) -> None:
+    """Against every way to cut ``sizes`` into contiguous parts: the search's parts cover it in order and cost the
+    least (each part padded to its largest, plus ``fixed``)."""
+    from hybridkv.engine.step import padded_parts
+
+    def cost(parts: list[tuple[int, int]]) -> float:
+        return sum(fixed + (b - a) * max(sizes[a:b]) for a, b in parts)
+
+    parts = padded_parts(sizes, fixed)
+    assert [a for a, _ in parts] == [0] + [b for _, b in parts[:-1]] and parts[-1][1] == len(sizes)
+    n = len(sizes)
+    cheapest = min(
+        cost([(a, b) for a, b in zip([0, *cuts], [*cuts, n], strict=True)])
+        for mask in range(2 ** (n - 1))
+        for cuts in [[i for i in range(1, n) if mask >> (i - 1) & 1]]
+    )
+    assert cost(parts) <= cheapest + 1e-9
