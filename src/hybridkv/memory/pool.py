@@ -237,7 +237,7 @@ class SubPool:
         cell (``settle`` them once the caller no longer counts on their free cells)."""
         self.status[cells] = FREE
         self._push(cells)
-        touched = np.flatnonzero(self._add_live(cells, -1))  # sorted, each slab once
+        touched = self._add_live(cells, -1)
         self.live_count -= cells.size
         return touched[self.arena.slab_live[touched] == 0]
 
@@ -255,16 +255,22 @@ class SubPool:
                 self.release_slab(int(slab))
 
     def _add_live(self, cells: np.ndarray, delta: int) -> np.ndarray:
-        """Add ``delta`` to the live count of every slab the cells touch; returns how many of
-        the cells touch each slab."""
+        """Add ``delta`` to the live count of every slab the cells touch, once per touching cell (a cell may
+        straddle into the next slab); returns those slabs, sorted, each once."""
         nslabs = self.arena.num_slabs
+        if cells.size == 1:  # one cell (a state slot, a page): its one or two slabs, without a count of every slab
+            cell = int(cells[0])
+            both = (int(self.cell_lo[cell]), int(self.cell_next[cell]))
+            slabs = np.array([s for s in both if s < nslabs], dtype=np.int64)
+            self.arena.slab_live[slabs] += delta
+            return slabs
         touched = np.concatenate([self.cell_lo[cells], self.cell_next[cells]])
         counts = np.bincount(touched, minlength=nslabs + 1)[:nslabs]
         if delta > 0:
             self.arena.slab_live += counts
         else:
             self.arena.slab_live -= counts
-        return counts
+        return np.flatnonzero(counts)
 
     # --- tables ----------------------------------------------------------------------------
 

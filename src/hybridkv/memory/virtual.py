@@ -78,6 +78,10 @@ class VirtualIds:
         """
         if ids.size == 0:
             return
+        if ids.size == 1:  # one id (a state slot, a page): its checks without the array machinery
+            only = int(ids[0])
+            if 0 < only < self.capacity and self.live[only]:
+                return
         if ordered is None:
             ordered = np.sort(ids)  # one sort gives the range and the repeats
         lo, hi = int(ordered[0]), int(ordered[-1])
