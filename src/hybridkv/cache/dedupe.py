@@ -47,7 +47,7 @@ class Dedupe:
         given = req[where] if where is not None else req[fp:]
         if not given.size:
             return dup_idx
-        ordered = np.sort(given)  # the table reads below go in order
+        ordered = given if given.size == 1 else np.sort(given)  # the table reads below go in order
         try:
             self.mem.pages.check_live(ordered, "insert", ordered)
         except InvalidIds as exc:
