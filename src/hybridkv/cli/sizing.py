@@ -52,7 +52,7 @@ GPU_MEMORY = typer.Option(
     "--gpu-memory",
     callback=byte_size,
     help=f"K/V + state memory per process (default: {format_bytes(DEFAULT_GPU_MEMORY)}, more if one request of "
-    "the max context needs it).",
+    "the max context needs it); a step's gathered keys take up to a quarter more.",
 )
 MAX_CONTEXT = typer.Option(
     None,
