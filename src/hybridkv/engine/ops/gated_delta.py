@@ -69,8 +69,9 @@ def gated_delta_prefill(
 
     chunk_size = chunk_width(seq, chunk_size)
     pad = (chunk_size - seq % chunk_size) % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    if pad:  # a call of whole chunks (most: chunk_width makes a short one its own chunk) is not copied
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
     q, k, k_beta, v_beta = (
