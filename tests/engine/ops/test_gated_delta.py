@@ -10,7 +10,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from hybridkv.engine.ops import gated_delta_decode, gated_delta_prefill
+from hybridkv.engine.ops import delta_step, gated_delta_decode, gated_delta_prefill
 
 from .chunking import assert_close, pad_ragged, spans, unpad_ragged
 
@@ -63,7 +63,10 @@ def test_prefill_matches_reference(seq: int, fresh: bool) -> None:
     assert_close(final, ref_final, ATOL, "final state")
 
 
-def test_decode_matches_reference() -> None:
+@pytest.mark.parametrize("matmul_from", [None, 0], ids=["multiply-sum", "matmul"])
+def test_decode_matches_reference(matmul_from: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if matmul_from is not None:  # the row-times-state products as matmuls (a real model's large states)
+        monkeypatch.setattr(delta_step, "MATMUL_STATE", matmul_from)
     inputs = _inputs(5, 1, seed=11)
     state = _state(5, seed=12)
     out, new_state = gated_delta_decode(**{name: x[:, 0] for name, x in inputs.items()}, state=state)

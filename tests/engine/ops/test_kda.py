@@ -13,7 +13,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from hybridkv.engine.ops import kda_decode, kda_prefill
+from hybridkv.engine.ops import delta_step, kda_decode, kda_prefill
 
 from .chunking import assert_close, pad_ragged, spans, unpad_ragged
 
@@ -62,7 +62,10 @@ def test_prefill_matches_reference(seq: int, fresh: bool) -> None:
     assert_close(final, ref_final, ATOL, "final state")
 
 
-def test_decode_matches_reference() -> None:
+@pytest.mark.parametrize("matmul_from", [None, 0], ids=["multiply-sum", "matmul"])
+def test_decode_matches_reference(matmul_from: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if matmul_from is not None:  # the row-times-state products as matmuls (a real model's large states)
+        monkeypatch.setattr(delta_step, "MATMUL_STATE", matmul_from)
     inputs = _inputs(5, 1, seed=11)
     state = _state(5, seed=12)
     out, new_state = kda_decode(**{name: x[:, 0] for name, x in inputs.items()}, state=state)

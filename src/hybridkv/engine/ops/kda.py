@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine.ops.delta_step import delta_step
 from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
 
 
@@ -117,9 +118,5 @@ def kda_decode(
     k = _l2norm(k)
     q = q * (1 / (dk**0.5))
 
-    s = state.to(v) * g.exp()[..., None]
-    kv_mem = (s * k[..., None]).sum(dim=-2)
-    delta = (v - kv_mem) * beta[..., None]
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q.unsqueeze(-1)).sum(dim=-2)
+    out, s = delta_step(state.to(v) * g.exp()[..., None], q, k, v, beta)
     return out.to(out_dtype), s
