@@ -61,6 +61,7 @@ class TokenLayout:
     grid: torch.Tensor
     slot: dict[tuple[int, str], int]
     workspace_bytes: int  # the most this pool's step buffer may take
+    layer_slots: int  # the most slots one layer keeps (K and V: 2; an MLA latent: 1)
     spans: dict[tuple[int, tuple[str, ...]], slice] = field(default_factory=dict)
     _workspace: list[torch.Tensor] = field(default_factory=list)  # at most one buffer: the step's gathered keys
 
@@ -72,8 +73,7 @@ class TokenLayout:
         """How many slots one gather of ``pages`` pages holds: every slot when they fit ``workspace_bytes``, else as
         many as fit, never fewer than the most one layer keeps."""
         per_slot = pages * self.grid[0, 0].numel() * self.grid.element_size()
-        layer_slots = max(Counter(layer for layer, _ in self.slot).values())
-        return min(self.slots, max(layer_slots, self.workspace_bytes // max(per_slot, 1)))
+        return min(self.slots, max(self.layer_slots, self.workspace_bytes // max(per_slot, 1)))
 
     def workspace(self, numel: int) -> torch.Tensor:
         """The pool's reused buffer, at least ``numel`` elements (big fresh allocations cost page faults every step;
@@ -187,7 +187,8 @@ def _token_layout(pool: SubPool, workspace_bytes: int) -> TokenLayout:
     page, inner = shape[0], shape[1:]
     grid_shape = (pool.grid_cells, len(segments), page, *inner)
     grid = pool.arena.strided_view(dtype, pool.grid_cells, pool.cell_bytes, first.offset, grid_shape[1:])
-    return TokenLayout(pool.pool_id, grid, slot, workspace_bytes)
+    layer_slots = max(Counter(s.layer_id for s in segments).values())
+    return TokenLayout(pool.pool_id, grid, slot, workspace_bytes, layer_slots)
 
 
 def _state_layout(pool: SubPool) -> StateLayout:
