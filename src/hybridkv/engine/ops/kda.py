@@ -63,11 +63,10 @@ def kda_prefill(
 
     chunk_size = chunk_width(seq, chunk_size)
     pad = (chunk_size - seq % chunk_size) % chunk_size
-    q = F.pad(q, (0, 0, 0, pad)) * scale
-    k = F.pad(k, (0, 0, 0, pad))
-    v = F.pad(v, (0, 0, 0, pad))
-    g = F.pad(g, (0, 0, 0, pad))
-    beta = F.pad(beta, (0, pad))
+    if pad:  # a call of whole chunks (most: chunk_width makes a short one its own chunk) is not copied
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    q = q * scale
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
     q, k, v, g, k_beta, v_beta = (
