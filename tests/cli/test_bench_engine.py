@@ -153,6 +153,12 @@ def test_bench_engine_json_is_exact_and_reports_every_contender_and_goal() -> No
         assert phases["decode"] == 12 and phases["prefill"] + phases["decode"] == runs[label]["computed_tokens"]
     assert row["cpu_same_mix_ratio"] > 0 and isinstance(row["cpu_same_mix_met"], bool)
     assert row["cpu_same_mix_rounds"] == [pytest.approx(row["cpu_same_mix_ratio"], abs=0.02)]
+    # the engine's mix at the cheaper padded pass's per-phase prices, over that pass's plain CPU per computed token
+    cheap = runs[row["cheapest_padded"]]
+    price = cheap["cpu_us_per_phase_position"]
+    mix_us = (eng["computed_tokens"] - 12) * price["prefill"] + 12 * price["decode"]
+    at_prices = mix_us / eng["computed_tokens"] / cheap["cpu_us_per_computed"]
+    assert row["plain_ratio_at_hf_prices"] == pytest.approx(at_prices, rel=0.05)
     assert report["checkpoints"] == "interval:8,prompt-aligned,branch,end"  # the default, resolved
 
 
@@ -163,3 +169,4 @@ def test_bench_engine_prints_the_same_mix_line_when_no_token_is_a_decode() -> No
     assert result.exit_code == 0, result.output
     line = next(x for x in result.stdout.splitlines() if "at the same mix" in x)
     assert "prefill tokens at" in line and "decode" not in line.split("):")[0]
+    assert any(x.startswith("  the mix alone: an engine paying exactly hf_padded") for x in result.stdout.splitlines())

@@ -42,7 +42,9 @@ padded pass's CPU per prefill position and per decode token (``hf_baselines.Phas
 padded contender that prices them lowest). A padded pass computes mostly prompt and padding
 positions, cheap per position in one wide forward; the engine skips padding and cached prefixes,
 so a quarter or more of its computed tokens are decodes, each costing a forward's per-row work:
-the plain ratio compares the two mixes as much as the cost of a token.
+the plain ratio compares the two mixes as much as the cost of a token. ``plain_ratio_at_hf_prices``
+says how much: the plain ratio of an engine whose every computed token cost exactly the cheaper
+padded pass's price for its phase (the engine's mix alone).
 The ``transformers`` contenders live in ``hf_baselines``.
 """
 
@@ -384,6 +386,8 @@ def bench_model(
     cpu_ratio = eng["cpu_us_per_computed"] / baselines[cheapest_padded]["cpu_us_per_computed"]
     same_mix = {k: _same_mix(best["engine"], best[k]) for k in baselines if k.startswith("hf_padded")}
     same_mix_padded = max(same_mix, key=lambda k: same_mix[k])  # the padded contender whose phases cost the least
+    # the plain ratio of an engine paying exactly the cheapest padded pass's price per prefill and per decode token
+    at_hf_prices = cpu_ratio / _same_mix(best["engine"], best[cheapest_padded])
     # the same ratios round by round (each round's passes ran back to back): how much the machine moved them
     per_round = [
         (b.cpu_s / e.cpu_s, (e.cpu_s / e.computed) / (p.cpu_s / p.computed))
@@ -406,6 +410,7 @@ def bench_model(
         "cpu_per_computed_ratio": round(cpu_ratio, 2),
         "same_mix_padded": same_mix_padded,
         "cpu_same_mix_ratio": round(same_mix[same_mix_padded], 2),
+        "plain_ratio_at_hf_prices": round(at_hf_prices, 2),
         "cpu_same_mix_rounds": [
             round(_same_mix(e, p), 2) for e, p in zip(passes["engine"], passes[same_mix_padded], strict=True)
         ],

@@ -300,6 +300,10 @@ def bench_engine(
             f"  at the same mix ({_mix(r)}): engine CPU = {r['cpu_same_mix_ratio']:.2f}x (goal <= "
             f"{goals['cpu_per_computed_ratio']}x) {verdict[r['cpu_same_mix_met']]}"
         )
+        console.print(
+            f"  the mix alone: an engine paying exactly {r['cheapest_padded']}'s per-phase prices would read "
+            f"{r['plain_ratio_at_hf_prices']:.2f}x per computed token"
+        )
         if len(r["speedup_rounds"]) > 1:  # how much the machine moved the ratios (the verdicts take the best passes)
             console.print(
                 f"  round by round: tok/CPU s {_spread(r['speedup_rounds'])}x, "
