@@ -60,3 +60,30 @@ def test_a_non_finite_row_gets_no_token_and_the_others_still_draw() -> None:
     params = [SamplingParams(4, 1.0, top_p=0.5, seed=1)] * 3
     chosen = choose_tokens(logits, params, [0, 0, 0])
     assert chosen[1] == NON_FINITE and all(0 <= c < VOCAB for c in (chosen[0], chosen[2]))
+
+
+def test_the_sampled_rows_are_read_off_the_device_once_whatever_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a real vocabulary draws about a row a block: each block reading the device would sync once per sampled row
+    monkeypatch.setattr(sampling, "SAMPLE_BLOCK", VOCAB)  # one row a block
+    reads: list[tuple[int, ...]] = []
+    to_host = torch.Tensor.cpu
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        reads.append(tuple(self.shape))
+        return to_host(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    params = [SamplingParams(4, 1.0, top_k=5, seed=i) if i % 4 else SamplingParams(4) for i in range(8)]
+    chosen = choose_tokens(_logits(8, 3), params, list(range(8)))
+    assert reads == [(6, VOCAB)]  # the six sampled rows at once
+    monkeypatch.setattr(sampling, "SAMPLE_BLOCK", 2**18)
+    assert choose_tokens(_logits(8, 3), params, list(range(8))) == chosen  # the same draws in one block
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 9e-6])
+def test_a_temperature_too_small_to_divide_by_chooses_greedily(temperature: float) -> None:
+    # logits / 1e-39 overflow to -inf and +inf: a draw among infinities would pick the first of them, not the argmax
+    logits = torch.tensor([[-50.0, -10.0, -3.0, -40.0], [10.0, 50.0, 49.0, -5.0]])
+    params = [SamplingParams(4, temperature, seed=7)] * 2
+    assert params[0].greedy and choose_tokens(logits, params, [0, 0]) == [2, 1]
+    assert not SamplingParams(4, 1e-5).greedy  # from GREEDY_BELOW on, it samples

@@ -2,9 +2,10 @@
 
 ``SamplingParams`` is the one description of how a request's tokens are chosen and when it
 ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
-``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off), ``seed``,
-``stop_token_ids`` and ``ignore_eos``. ``check_request`` is the one validation every entry
-point runs before a request is queued; its ``RequestError`` names the offending field.
+``max_new_tokens``, ``temperature`` (0, or below ``GREEDY_BELOW``: greedy), ``top_p``,
+``top_k`` (0: off), ``seed``, ``stop_token_ids`` and ``ignore_eos``. ``check_request`` is the
+one validation every entry point runs before a request is queued; its ``RequestError`` names
+the offending field.
 
 Invariants:
 - A ``SamplingParams`` holds only values the engine can serve: ``check`` raises
@@ -25,6 +26,9 @@ from enum import StrEnum
 import numpy as np
 
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW = 1e-5
+"""Temperatures below this choose greedily (vLLM's convention): dividing logits by a tinier one overflows fp32 to
+infinities, and the draw would no longer be the softmax's most likely token."""
 
 
 class RequestError(ValueError):
@@ -90,7 +94,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def stops(self, eos: frozenset[int]) -> frozenset[int]:
         """The token ids that end the request: the model's EOS ids (unless ``ignore_eos``) and the stop ids."""

@@ -8,9 +8,10 @@ prefill engine, the rest on the decode engine) draws the same tokens. ``top_k`` 
 largest logits, ``top_p`` the smallest set of most likely tokens whose probability reaches p.
 
 Invariants:
-- One host read of the device per call for greedy rows (argmax and the finite check together);
-  sampled rows are filtered and drawn on the host in fp32, in blocks of rows (each by its own
-  parameters and noise: one row's draw never depends on the others).
+- At most two host reads of the device per call: the greedy choice of every row (argmax and the
+  finite check together), and the sampled rows' logits, copied at once; those are filtered and
+  drawn on the host in fp32, in blocks of rows (each by its own parameters and noise: one row's
+  draw never depends on the others).
 - A row with a non-finite logit gets ``NON_FINITE`` instead of a token: the caller fails that
   request with a reason, never serves a token chosen from NaN.
 """
@@ -63,7 +64,8 @@ def _gumbel(params: Sequence[SamplingParams], positions: Sequence[int], vocab: i
 
 
 def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
-    """One token per row of ``logits`` ``(R, vocab)``; ``params[i].temperature == 0`` is greedy.
+    """One token per row of ``logits`` ``(R, vocab)``; ``params[i].greedy`` (temperature 0, or below ``GREEDY_BELOW``)
+    takes the argmax.
     ``positions[i]``: the position the token fills (its request's length so far)."""
     finite = torch.isfinite(logits).all(dim=-1)
     picked = torch.where(finite, torch.argmax(logits, dim=-1), NON_FINITE)
@@ -71,11 +73,12 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positi
     sampled = [i for i, p in enumerate(params) if not p.greedy and chosen[i] != NON_FINITE]
     if sampled:
         vocab = logits.shape[1]
+        host = logits[sampled].float().cpu()  # the sampled rows' one read of the device
         block = max(1, SAMPLE_BLOCK // vocab)
         for at in range(0, len(sampled), block):
             rows_of = sampled[at : at + block]
             these = [params[i] for i in rows_of]
-            rows = _filtered(logits[rows_of].float().cpu(), these)
+            rows = _filtered(host[at : at + block], these)
             drawn = torch.argmax(rows + _gumbel(these, [positions[i] for i in rows_of], vocab), dim=-1)
             for i, token in zip(rows_of, drawn.tolist(), strict=True):
                 chosen[i] = token

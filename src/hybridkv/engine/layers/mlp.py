@@ -29,8 +29,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """transformers' ``gelu_pytorch_tanh``: ``0.5 x (1 + tanh(z))``, ``z = sqrt(2 / pi) (x + 0.044715 x^3)``, on a
     large CPU tensor as ``x sigmoid(2 z)`` (the same function): torch's CPU tanh-GELU kernel takes about 4 ns an
     element on this machine's AVX2, the sigmoid form about half (1024 x 128: 523 -> 280 µs; 64 x 128: 31 -> 22 µs;
-    within 5e-7 of it)."""
-    if x.device.type != "cpu" or x.numel() < GELU_TANH_SPLIT:
+    within 5e-7 of it). fp32 only: in bf16 or fp16 each of the form's steps would round (2-4% off where the kernel,
+    computing in fp32 and rounding once, is within its dtype's precision)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() < GELU_TANH_SPLIT:
         return F.gelu(x, approximate="tanh")
     z = torch.addcmul(x, x * x, x, value=0.044715)
     return x * torch.sigmoid_(z.mul_(1.5957691216057308))  # 2 sqrt(2 / pi)
