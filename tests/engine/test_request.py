@@ -22,6 +22,9 @@ PARAMS = SamplingParams(max_new_tokens=4)
         (np.array([1.0]), "got an array (1,) float64"),
         (np.array([[1, 2]]), "got an array (1, 2) int64"),
         (np.array([1, True], dtype=object), "flat list of integer token ids, got [True]"),
+        (np.array(5, dtype=object), "got an array () object"),  # 0-d: refused by its shape, never iterated
+        (np.empty((0, 2), dtype=object), "got an array (0, 2) object"),
+        (bytearray(b"\x01\x02"), "must be a list of token ids, got bytearray"),  # bytes-like, as bytes and str
         ("abc", "must be a list of token ids, got str"),
         ([], "empty prompt"),
         (np.array([], dtype=np.int64), "empty prompt"),

@@ -126,7 +126,9 @@ MAX_RUNNING = typer.Option(64, "--max-running", min=1, help="Requests in one eng
 MAX_STEP_TOKENS = typer.Option(
     None, "--max-step-tokens", min=1, help="Tokens one engine step computes, at most (default: 16 x --chunk-size)."
 )
-TEMPERATURE = typer.Option(0.0, "--temperature", callback=sampling_value("temperature"), help="0 (or below 1e-5) is greedy.")
+TEMPERATURE = typer.Option(
+    0.0, "--temperature", callback=sampling_value("temperature"), help="0 (or below 1e-5) is greedy."
+)
 TOP_P = typer.Option(
     1.0, "--top-p", callback=sampling_value("top_p"), help="Nucleus sampling: keep the most likely tokens up to p."
 )

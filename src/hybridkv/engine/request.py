@@ -121,14 +121,16 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
     tokens beyond ``max_context``."""
     if not isinstance(params, SamplingParams):
         raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
+    if isinstance(prompt, str | bytes | bytearray) or not isinstance(prompt, Sequence | np.ndarray):
         raise RequestError("input_ids", f"must be a list of token ids, got {type(prompt).__name__}")
-    if isinstance(prompt, np.ndarray) and prompt.dtype != object:  # an object array is checked like a list
-        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+    listed = True  # its items are checked one by one: a list, or an object array (checked like a list)
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype != object and prompt.dtype.kind not in "iu"):
             raise RequestError(
                 "input_ids", f"must be a flat list of integer token ids, got an array {prompt.shape} {prompt.dtype}"
             )
-    elif not all(type(t) is int for t in prompt):  # plain ints (the common case) pass in one sweep
+        listed = prompt.dtype == object
+    if listed and not all(type(t) is int for t in prompt):  # plain ints (the common case) pass in one sweep
         odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int | np.integer)]
         if odd:
             raise RequestError("input_ids", f"must be a flat list of integer token ids, got {odd[:3]!r}")
