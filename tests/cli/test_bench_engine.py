@@ -170,3 +170,17 @@ def test_bench_engine_prints_the_same_mix_line_when_no_token_is_a_decode() -> No
     line = next(x for x in result.stdout.splitlines() if "at the same mix" in x)
     assert "prefill tokens at" in line and "decode" not in line.split("):")[0]
     assert any(x.startswith("  the mix alone: an engine paying exactly hf_padded") for x in result.stdout.splitlines())
+
+
+def test_bench_engine_widens_the_models_and_sizes_their_memory_for_it() -> None:
+    args = ["bench", "engine", "--model", "tiny-gemma3", "--requests", "3", "--max-new-tokens", "2", "--rounds", "1"]
+    args += ["--padded-batch", "2", "--json"]
+    narrow, wide = (CliRunner().invoke(app, [*args, *extra]) for extra in ([], ["--widen", "2"]))
+    assert narrow.exit_code == 0 and wide.exit_code == 0, narrow.output + wide.output
+    (before,), (after,) = (json.loads(r.stdout)["models"] for r in (narrow, wide))
+    assert json.loads(narrow.stdout)["widen"] == 1 and json.loads(wide.stdout)["widen"] == 2
+    assert (before["hidden_size"], after["hidden_size"]) == (64, 128)  # every contender ran the widened model
+    assert after["contenders"]["engine"]["exact"] == after["contenders"]["hf_one_by_one"]["exact"] == 3
+    for bad in ("0", "65"):
+        refused = CliRunner().invoke(app, [*args, "--widen", bad])
+        assert refused.exit_code == 2 and "--widen" in refused.output

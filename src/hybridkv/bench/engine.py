@@ -9,7 +9,7 @@ hash, so requests sharing blocks share token prefixes (about 58% of the blocks o
 not stop any side), greedy.
 
 Contenders, each run once per round, ``rounds`` alternating rounds (the starting contender
-rotates), one process, one torch thread, per tiny random model:
+rotates), one process, one torch thread, per tiny random model (``widen``: its widths times that):
 - ``engine``: ``Engine.generate`` on all requests at once (continuous batching, chunked prefill,
   the prefix cache unless ``prefix_cache=False``, state checkpoints where ``checkpoints`` places
   them; the cache is cleared before each pass, so hits come from earlier requests of the pass);
@@ -331,9 +331,10 @@ def bench_model(
     padded_batch: int,
     engine_args: dict[str, Any],
     compile_blocks: bool = False,
+    widen: int = 1,
 ) -> dict[str, Any]:
-    oracle_model, config = build_random(name)
-    fast, attention = fast_attention(name)
+    oracle_model, config = build_random(name, widen)
+    fast, attention = fast_attention(name, widen)
     pad = int(getattr(config, "pad_token_id", None) or 0)
     engine = Engine(config, oracle_model, **engine_args)
     entries = record_entry_points(engine, prompts, new)
@@ -395,6 +396,7 @@ def bench_model(
     ]
     return {
         "model": name,
+        "hidden_size": int(config.hidden_size),
         "tokens": tokens,
         "hf_attention": attention,
         "contenders": rows,
@@ -443,8 +445,10 @@ def run(
     compile_blocks: bool = False,
     max_context: int | None = None,
     device: str = "cpu",
+    widen: int = 1,
 ) -> dict[str, Any]:
-    """``device``: where the engine's weights and memory live (``transformers`` runs on the CPU)."""
+    """``device``: where the engine's weights and memory live (``transformers`` runs on the CPU); ``widen``: every
+    model's widths times this (``random_models.widened``)."""
     models = models or tiny_names()
     checkpoints = checkpoints or engine_default(chunk_size, page_size)
     unknown = sorted(set(models) - set(tiny_names()))
@@ -467,7 +471,7 @@ def run(
     try:
         with quiet_transformers():  # its "falling back to the reference implementation" notes: expected here
             rows = [
-                bench_model(m, prompts, max_new_tokens, rounds, padded_batch, engine_args, compile_blocks)
+                bench_model(m, prompts, max_new_tokens, rounds, padded_batch, engine_args, compile_blocks, widen)
                 for m in models
             ]
     finally:
@@ -486,6 +490,7 @@ def run(
         "rounds": rounds,
         "padded_batch": padded_batch,
         "compile_blocks": compile_blocks,
+        "widen": widen,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "goals": {"vs_strongest": GOAL_VS_BEST, "cpu_per_computed_ratio": GOAL_CPU_RATIO, "hybridkv_share": GOAL_SHARE},

@@ -99,9 +99,10 @@ def same_mix_cpu_s(prefill_tokens: int, decode_tokens: int, padded_extra: dict[s
     return total
 
 
-def fast_attention(name: str) -> tuple[Any, str]:
-    """The tiny model ``name`` with sdpa attention where ``transformers`` supports it for the model, else eager."""
-    model, _ = build_random(name)
+def fast_attention(name: str, widen: int = 1) -> tuple[Any, str]:
+    """The tiny model ``name`` (widths times ``widen``) with sdpa attention where ``transformers`` supports it for the
+    model, else eager."""
+    model, _ = build_random(name, widen)
     if getattr(model, "_supports_sdpa", False):
         model.set_attn_implementation("sdpa")
         return model, "sdpa"

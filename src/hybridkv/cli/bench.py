@@ -26,7 +26,7 @@ from hybridkv.cli.params import (
     transport_option,
 )
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
-from hybridkv.engine.random_models import tiny_names
+from hybridkv.engine.random_models import MAX_WIDEN, tiny_names
 from hybridkv.traces import PEER_TRACE
 from hybridkv.units import format_bytes
 
@@ -202,6 +202,14 @@ def bench_engine(
     compile_blocks: bool = typer.Option(
         False, "--compile", help="Also run an engine whose blocks are compiled (torch.compile; slow to start)."
     ),
+    widen: int = typer.Option(
+        1,
+        "--widen",
+        min=1,
+        max=MAX_WIDEN,
+        help="Multiply every width of the tiny models (hidden, MLP, head and state dims; 2: hidden 128); "
+        "head counts, layers, experts and windows stay.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers (one by one, left-padded
@@ -226,6 +234,7 @@ def bench_engine(
                 page_size,
                 chunk_size,
                 device=device,
+                widen=widen,
             )
             for m in models
         ),
@@ -248,6 +257,7 @@ def bench_engine(
         compile_blocks,
         sizing.max_context,
         device,
+        widen,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -257,9 +267,9 @@ def bench_engine(
     cols = ("contender", "wall s", "CPU s", "tok/s", "tok/CPU s", "computed", "CPU µs/computed", "hybridkv share")
     for r in report["models"]:
         table = Table(
-            title=f"{r['model']}: {report['requests']} requests, prompts {lengths['min']}-{lengths['max']} tokens "
-            f"(mean {lengths['mean']}), {report['max_new_tokens']} new each, best of {report['rounds']} alternating "
-            f"rounds, 1 torch thread, HF attention {r['hf_attention']}"
+            title=f"{r['model']}{_widened(report['widen'])}: {report['requests']} requests, prompts "
+            f"{lengths['min']}-{lengths['max']} tokens (mean {lengths['mean']}), {report['max_new_tokens']} new each, "
+            f"best of {report['rounds']} alternating rounds, 1 torch thread, HF attention {r['hf_attention']}"
         )
         for col in (*cols, "exact"):
             table.add_column(col, justify="left" if col == "contender" else "right")
@@ -312,6 +322,10 @@ def bench_engine(
             )
 
 
+def _widened(widen: int) -> str:
+    return "" if widen == 1 else f" widened {widen}x"
+
+
 def _mix(row: dict[str, Any]) -> str:
     """The engine's computed tokens per phase and the padded pass's price of each (a phase without tokens left out: a
     pass of one new token per request has no decode)."""
@@ -337,12 +351,14 @@ def _size_tiny(
     chunk_size: int,
     layout: Layout | None = None,
     device: str = "cpu",
+    widen: int = 1,
 ) -> Sizing:
-    """``size`` for the tiny random model ``name`` serving prompts of ``lengths`` on ``device``."""
+    """``size`` for the tiny random model ``name`` (its widths times ``widen``) serving prompts of ``lengths`` on
+    ``device``."""
     from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.random_models import random_config
 
-    spec = engine_spec(random_config(name))
+    spec = engine_spec(random_config(name, widen))
     return size(
         command,
         spec,

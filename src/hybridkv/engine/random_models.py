@@ -3,6 +3,10 @@
 Invariants:
 - One table (``TINY_CONFIGS``): name -> ``model_type`` and config overrides. Every model is
   fp32, hidden size <= 128, 2-6 layers, with windows of 8-32 tokens so windows matter.
+- ``widen`` (``random_config``, ``build_random``) multiplies every width of a model (``WIDTHS``:
+  hidden size, MLP and expert sizes, head and state dims) and nothing else: head counts,
+  layers, experts, windows and scan chunks stay the tiny model's, so its layer kinds and
+  window effects are the same, at a width where arithmetic rather than op dispatch dominates.
 - ``build_random(name)`` seeds torch's global generator with a fixed seed before building, so
   the weights are identical in every process (CPU; the same torch build).
 - Special token ids lie inside the vocabulary (Kimi-Linear's defaults do not).
@@ -144,27 +148,60 @@ _TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
 
 TINY_CONFIGS = Registry("tiny random model", _TINY_TABLE)
 
+WIDTHS = frozenset(
+    {
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "head_dim",
+        "query_pre_attn_scalar",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+    }
+)
+"""The overrides ``widen`` multiplies (and ``linear_attn_config``'s ``head_dim``, Kimi-Linear's KDA heads)."""
+MAX_WIDEN = 64
+
 
 def tiny_names() -> list[str]:
     return list(TINY_CONFIGS)
 
 
-def random_config(name: str) -> Any:
-    """The ``transformers`` config of the tiny random model ``name`` (no weights built)."""
+def widened(overrides: dict[str, Any], widen: int) -> dict[str, Any]:
+    """``overrides`` with every width (``WIDTHS``) multiplied by ``widen``."""
+    if isinstance(widen, bool) or not isinstance(widen, int) or not 1 <= widen <= MAX_WIDEN:
+        raise ValueError(f"widen must be an integer in [1, {MAX_WIDEN}], got {widen!r}")
+    out = {key: value * widen if key in WIDTHS else value for key, value in overrides.items()}
+    if "linear_attn_config" in out:
+        linear = out["linear_attn_config"]
+        out["linear_attn_config"] = {**linear, "head_dim": linear["head_dim"] * widen}
+    return out
+
+
+def random_config(name: str, widen: int = 1) -> Any:
+    """The ``transformers`` config of the tiny random model ``name`` (no weights built), its widths times ``widen``."""
     from transformers import AutoConfig
 
     model_type, overrides = TINY_CONFIGS[name]  # UnknownName (a KeyError) names the known ones
+    overrides = widened(overrides, widen)
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=CONTEXT, **overrides)
     config._attn_implementation = "eager"
     return config
 
 
-def build_random(name: str) -> tuple[Any, Any]:
-    """``(hf_model, hf_config)`` of a tiny random model, identical in every process."""
+def build_random(name: str, widen: int = 1) -> tuple[Any, Any]:
+    """``(hf_model, hf_config)`` of a tiny random model (its widths times ``widen``), identical in every process."""
     import torch  # here, not at the top: the CLI lists these names without importing torch
     from transformers import AutoModelForCausalLM
 
-    config = random_config(name)
+    config = random_config(name, widen)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
