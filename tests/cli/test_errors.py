@@ -34,6 +34,8 @@ BAD_INPUTS += [
     ([*REPLAY[:-1], "100000TiB"], "at most"),
     (["bench", "engine", "--model", "tiny-llama"], "unknown models ['tiny-llama']"),
     (["bench", "engine", "--requests", "0"], "--requests"),
+    (["bench", "engine", "--widen", "0"], "--widen"),
+    (["bench", "engine", "--widen", "65"], "--widen"),
     (["bench", "engine", "--block-tokens", "0"], "--block-tokens"),
 ]
 
