@@ -388,7 +388,7 @@ def bench_model(
     same_mix = {k: _same_mix(best["engine"], best[k]) for k in baselines if k.startswith("hf_padded")}
     same_mix_padded = max(same_mix, key=lambda k: same_mix[k])  # the padded contender whose phases cost the least
     # the plain ratio of an engine paying exactly the cheapest padded pass's price per prefill and per decode token
-    at_hf_prices = cpu_ratio / _same_mix(best["engine"], best[cheapest_padded])
+    at_hf_prices = cpu_ratio / same_mix[cheapest_padded]
     # the same ratios round by round (each round's passes ran back to back): how much the machine moved them
     per_round = [
         (b.cpu_s / e.cpu_s, (e.cpu_s / e.computed) / (p.cpu_s / p.computed))

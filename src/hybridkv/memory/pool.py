@@ -261,7 +261,7 @@ class SubPool:
         if cells.size == 1:  # one cell (a state slot, a page): its one or two slabs, without a count of every slab
             cell = int(cells[0])
             both = (int(self.cell_lo[cell]), int(self.cell_next[cell]))
-            slabs = np.array([s for s in both if s < nslabs], dtype=np.int64)
+            slabs = np.array([s for s in both if 0 <= s < nslabs], dtype=np.int64)
             self.arena.slab_live[slabs] += delta
             return slabs
         touched = np.concatenate([self.cell_lo[cells], self.cell_next[cells]])
