@@ -18,6 +18,10 @@ from hybridkv.cli import main
         (["--random", "tiny-qwen3-next", "--gpu-memory", "lots"], "--gpu-memory"),
         (["--random", "tiny-qwen3-next", "--shutdown-timeout", "nan"], "--shutdown-timeout"),
         (["--random", "tiny-qwen3-next", "--tokenizer", "/nonexistent"], "--tokenizer"),
+        (["--random", "tiny-qwen3-next", "--max-header", "100"], "at least 1 KiB"),
+        (["--random", "tiny-qwen3-next", "--max-header", "lots"], "--max-header"),
+        (["--random", "tiny-qwen3-next", "--header-timeout", "0"], "--header-timeout"),
+        (["--random", "tiny-qwen3-next", "--max-connections", "0"], "--max-connections"),
         (
             ["--random", "tiny-qwen3-next", "--decode-tp", "2"],
             "--decode-tp configures the PD server: add --disaggregated",

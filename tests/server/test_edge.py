@@ -149,3 +149,12 @@ def test_the_official_client_sees_the_field_and_the_server_keeps_serving(server:
     out = client.completions.create(model=MODEL, prompt=GOOD, max_tokens=3, temperature=0)
     assert len(out.choices[0].token_ids) == 3  # type: ignore[attr-defined]
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_two_authorization_headers_are_refused(server: Any) -> None:
+    for pair in (["Bearer wrong", f"Bearer {API_KEY}"], [f"Bearer {API_KEY}", f"Bearer {API_KEY}"]):
+        headers = [("Authorization", value) for value in pair]
+        r = httpx.post(f"{server.url}/generate", json={"input_ids": GOOD}, headers=headers, timeout=30)
+        assert error_of(r, 400)["param"] == "authorization"
+    health = httpx.get(f"{server.url}/health", headers=[("Authorization", "a"), ("Authorization", "b")], timeout=10)
+    assert error_of(health, 400)["param"] == "authorization"

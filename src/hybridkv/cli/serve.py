@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from hybridkv.engine.disagg import Fault
     from hybridkv.engine.engine import Engine
     from hybridkv.server import PDBackend
+    from hybridkv.server.connections import ConnectionLimits
     from hybridkv.spec import ModelSpec
 
 API_KEY_ENV = "HYBRIDKV_API_KEY"
@@ -70,6 +71,16 @@ API_KEY_ENV = "HYBRIDKV_API_KEY"
 
 def _transport(value: str | None) -> str | None:
     return None if value is None else transport_option(value)
+
+
+def connection_limits(max_header: str, header_timeout: float, max_connections: int) -> ConnectionLimits:
+    """The server's limits per connection (``--max-header``, ``--header-timeout``, ``--max-connections``)."""
+    from hybridkv.server.connections import ConnectionLimits
+
+    try:
+        return ConnectionLimits(parse_bytes(max_header), header_timeout, max_connections)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-header") from None
 
 
 @app.command()
@@ -102,6 +113,15 @@ def serve(
     store_master: str | None = STORE_MASTER,
     store_memory: str = STORE_MEMORY,
     max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
+    max_header: str = typer.Option(
+        "64KiB", "--max-header", callback=byte_size, help="Largest request header block, before the key (431)."
+    ),
+    header_timeout: float = typer.Option(
+        15.0, "--header-timeout", callback=positive_finite, help="Seconds a request's headers may take (408)."
+    ),
+    max_connections: int = typer.Option(
+        1024, "--max-connections", min=1, help="Connections open at once; one more gets 503 and is closed."
+    ),
     stream_interval: int = typer.Option(
         1, "--stream-interval", min=1, help="Tokens per streamed chunk; a prompt's first token and its end go at once."
     ),
@@ -149,6 +169,7 @@ def serve(
     config = ServerConfig(
         api_key=key,
         max_body_bytes=parse_bytes(max_body),
+        connection_limits=connection_limits(max_header, header_timeout, max_connections),
         stream_interval=stream_interval,
         direct_writes=not loop_writes,
         tokenizer=None if tokenizer is None else Tokenizer(tokenizer),

@@ -3,6 +3,8 @@
 Invariants:
 - With an API key set, every path but ``/health`` answers 401 unless the request carries
   ``Authorization: Bearer <key>`` (compared in constant time); the body is never read before.
+  A request with more than one ``Authorization`` header answers 400 on every path (which one a
+  proxy or this server would read is not defined, so none is).
 - A body over ``max_body_bytes`` answers 413: at once when ``Content-Length`` says so, else when the
   bytes read pass the limit (``BodyTooLarge`` out of ``receive``, turned into a 413 by the app).
 """
@@ -35,6 +37,10 @@ async def send_error(send: Send, exc: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _count(headers: list[tuple[bytes, bytes]], name: bytes) -> int:
+    return sum(1 for key, _ in headers if key == name)
+
+
 class Edge:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -46,6 +52,10 @@ class Edge:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        if len(headers) != len(scope["headers"]) and _count(scope["headers"], b"authorization") > 1:
+            message = "authorization: more than one Authorization header; send exactly one"
+            await send_error(send, ApiError(400, message, "authorization"))
+            return
         if self.key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.key):

@@ -106,6 +106,14 @@ class _BackendCollector(Collector):
             if key in m:
                 hits.add_metric([component], m[key])
         yield hits
+        if "connections_refused" in m:
+            yield _labelled(
+                CounterMetricFamily,
+                "http_connections_refused",
+                "Connections answered and closed before a request reached the app, by reason.",
+                ["reason"],
+                m["connections_refused"],
+            )
         yield from _pd_families(m)
         if "tiers" in m:
             yield from _tier_families(m["tiers"])

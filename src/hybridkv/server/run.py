@@ -25,6 +25,7 @@ import uvicorn
 
 from hybridkv.server.app import create_app
 from hybridkv.server.backend import Backend
+from hybridkv.server.connections import guarded_protocol
 from hybridkv.server.state import ServerConfig, ServerState
 
 BACKSTOP_S = 5  # uvicorn cancels what is still running this long after the requests were aborted
@@ -83,6 +84,7 @@ class HttpServer:
         self.state = ServerState(backend, config)
         uv = uvicorn.Config(
             create_app(self.state),
+            http=guarded_protocol(config.connection_limits, self.state.connections),  # before any request
             lifespan="off",
             proxy_headers=False,  # nothing here reads the client's address: one wrapper less per request
             log_level="warning",

@@ -19,13 +19,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import Receive
 
 from hybridkv.engine.request import SamplingParams
 from hybridkv.server.backend import Backend, BackendClosed, QueueFull
+from hybridkv.server.connections import ConnectionCounters, ConnectionLimits
 from hybridkv.server.generation import Generation, LoopPost, PromptRefused, Update
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.schemas import ApiError, named
@@ -41,6 +42,7 @@ class ServerConfig:
     tokenizer: Tokenizer | None = None
     stream_interval: int = 1  # tokens per streamed chunk (a prompt's first token and its end go at once)
     direct_writes: bool = True  # the backend's thread writes a stream's chunks (``SocketWriter``), not the loop
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # header size, time; connections
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -53,6 +55,7 @@ class ServerState:
         self.config = config
         self.info = backend.info
         self.metrics = ServerMetrics(self._figures)
+        self.connections = ConnectionCounters()  # refusals before a request reaches the app
         self.open: dict[str, tuple[Generation, list[int]]] = {}
         self._post: LoopPost | None = None  # the serving loop's (made on the first request, in it)
         self._loop_clock: int | None = None  # the CPU clock of the thread serving HTTP (``in_loop``)
@@ -71,6 +74,7 @@ class ServerState:
             figures["http_loop_cpu_s"] = time.clock_gettime(self._loop_clock)
         with self._write_lock:
             figures["stream_write_cpu_s"] = self._write_cpu_s
+        figures["connections_refused"] = self.connections.snapshot()
         return figures
 
     def count_write(self, cpu_s: float) -> None:
