@@ -38,6 +38,7 @@ import typer
 from hybridkv.cli.app import app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
+    DTYPE,
     HOST_MEMORY,
     IGNORE_EOS,
     MAX_RUNNING,
@@ -138,9 +139,12 @@ def generate(
     store: str = STORE,
     store_master: str | None = STORE_MASTER,
     store_memory: str = STORE_MEMORY,
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
+    import torch
+
     from hybridkv.engine.engine import Engine, engine_spec
 
     lines = read_prompts(prompts)
@@ -150,7 +154,7 @@ def generate(
     source, weights, config = model_source(model, random)
     sizing = size(
         "generate",
-        engine_spec(config),
+        engine_spec(config, getattr(torch, dtype)),
         prompt_lengths=[len(ids) for _, ids in lines],
         max_new_tokens=max_new_tokens,
         max_context=max_context,
@@ -169,6 +173,7 @@ def generate(
         max_step_tokens=max_step_tokens,
         prefix_cache=not no_prefix_cache,
         checkpoints=checkpoints,
+        dtype=getattr(torch, dtype),
         **tiers,
     )
     try:

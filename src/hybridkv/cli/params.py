@@ -20,6 +20,22 @@ from hybridkv.engine.random_models import tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 
 MAX_DEVICE_BYTES = 2**50  # 1 PiB: far above any device, low enough that page tables fit in host memory
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_option(value: str) -> str:
+    """``--dtype``: the weights', activations' and K/V's dtype (recurrent state stays as the config says)."""
+    if value not in DTYPES:
+        raise typer.BadParameter(f"{value!r} is not a dtype this engine serves; choose one of {', '.join(DTYPES)}")
+    return value
+
+
+DTYPE = typer.Option(
+    "float32",
+    "--dtype",
+    callback=dtype_option,
+    help=f"Weights, activations and K/V in this dtype ({', '.join(DTYPES)}); recurrent state as the config says.",
+)
 
 
 def byte_size(value: str | None) -> str | None:

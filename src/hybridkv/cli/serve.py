@@ -42,6 +42,7 @@ import typer
 from hybridkv.cli.app import app, bench_app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
+    DTYPE,
     HOST_MEMORY,
     MAX_RUNNING,
     MAX_STEP_TOKENS,
@@ -112,6 +113,7 @@ def serve(
     store: str = STORE,
     store_master: str | None = STORE_MASTER,
     store_memory: str = STORE_MEMORY,
+    dtype: str = DTYPE,
     max_body: str = typer.Option("16MiB", "--max-body", callback=byte_size, help="Largest request body (413)."),
     max_header: str = typer.Option(
         "64KiB", "--max-header", callback=byte_size, help="Largest request header block, before the key (431)."
@@ -179,7 +181,7 @@ def serve(
     command = "serve --disaggregated" if disaggregated else "serve"
     sized = size(
         command,
-        model_spec(model, random),
+        model_spec(model, random, dtype),
         max_context=max_context,
         gpu_memory=gpu_memory,
         page_size=page_size,
@@ -187,7 +189,7 @@ def serve(
         layout=processes,
     )
     options = EngineOptions(
-        sized, page_size, chunk_size, max_running, max_step_tokens, not no_prefix_cache, checkpoints
+        sized, page_size, chunk_size, max_running, max_step_tokens, not no_prefix_cache, checkpoints, dtype
     )
     with contextlib.ExitStack() as stack:
         sock = bind(host, port)  # before the model loads: a taken port fails at once
@@ -203,17 +205,20 @@ def serve(
     return code
 
 
-def model_spec(model: Path | None, random: str | None) -> ModelSpec:
-    """The spec of ``--model DIR`` (its config.json, checked) or ``--random NAME``, before any weights load."""
+def model_spec(model: Path | None, random: str | None, dtype: str = "float32") -> ModelSpec:
+    """The spec of ``--model DIR`` (its config.json, checked) or ``--random NAME`` served in ``dtype``,
+    before any weights load."""
+    import torch
+
     from hybridkv.engine.engine import engine_spec
 
     if random is not None:
         from hybridkv.engine.random_models import random_config
 
-        return engine_spec(random_config(random))
+        return engine_spec(random_config(random), getattr(torch, dtype))
     from hybridkv.engine.weights import read_config
 
-    return engine_spec(read_config(str(model)))
+    return engine_spec(read_config(str(model)), getattr(torch, dtype))
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,7 @@ class EngineOptions:
     max_step_tokens: int | None  # None: the engine's default (4 x chunk_size)
     prefix_cache: bool
     checkpoints: str | None
+    dtype: str = "float32"  # one of ``params.DTYPES``
 
     @property
     def placement(self) -> str:
@@ -309,6 +315,7 @@ def build_pd_backend(
         max_running=options.max_running,
         max_step_tokens=options.max_step_tokens,
         checkpoints=options.placement,
+        dtype=options.dtype,
         faults=faults,
         **pd_tiers(tiers or {}),
     )
@@ -319,6 +326,8 @@ def build_pd_backend(
 def build_engine(
     model: Path | None, random: str | None, options: EngineOptions, tiers: dict[str, Any] | None = None
 ) -> Engine:
+    import torch
+
     from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
 
     if random is None:
@@ -338,6 +347,7 @@ def build_engine(
         max_context=options.sized.max_context,
         prefix_cache=options.prefix_cache,
         checkpoints=options.placement,
+        dtype=getattr(torch, options.dtype),
         **(tiers or {}),
     )
 

@@ -39,6 +39,7 @@ import typer
 from hybridkv.cli.app import app
 from hybridkv.cli.generate import PromptFileError, read_prompts
 from hybridkv.cli.params import (
+    DTYPE,
     HOST_MEMORY,
     IGNORE_EOS,
     MAX_RUNNING,
@@ -123,9 +124,12 @@ def serve_pd(
     store: str = STORE,
     store_master: str | None = STORE_MASTER,
     store_memory: str = STORE_MEMORY,
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Serve every prompt of a file through PP prefill processes and TP decode processes."""
+    import torch
+
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, run_pd
     from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.registry import text_config
@@ -148,7 +152,7 @@ def serve_pd(
         layout = Layout(prefill_pp, prefill_tp, decode_tp, decode_page_size)
         sizing = size(
             "serve-pd",
-            engine_spec(text),
+            engine_spec(text, getattr(torch, dtype)),
             prompt_lengths=[len(ids) for _, ids in lines],
             max_new_tokens=max_new_tokens,
             max_context=max_context,
@@ -173,6 +177,7 @@ def serve_pd(
             max_context=sizing.max_context,
             max_running=max_running,
             max_step_tokens=max_step_tokens,
+            dtype=dtype,
             **tiers,
         )
         check_layout(config)

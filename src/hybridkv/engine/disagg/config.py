@@ -110,6 +110,12 @@ class PDConfig:
     store_master: str | None = None  # host:port of a mooncake_master (None with a store: the router starts one)
     store_memory: int = 32 << 20  # the segment each prefill rank's store client mounts (Mooncake's floor: 16 MiB)
     tier_policy: str = "back"  # "back" (written on eviction) or "through" (at once)
+    dtype: str = "float32"  # weights, activations and K/V of every rank ("float32", "bfloat16" or "float16")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     @property
     def tiered(self) -> bool:
@@ -156,7 +162,7 @@ def check_layout(config: PDConfig) -> None:
     check_faults(config)
     check_tiers(config)
     hf_config = read_config(config.model_dir)
-    spec = engine_spec(text_config(hf_config))
+    spec = engine_spec(text_config(hf_config), config.torch_dtype)
     prefill_layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
     prefills = [
         buffer_set_from_memory(_memory(ShardSpec(spec, prefill_layout, stage, tp), config.page_size, config))
@@ -178,7 +184,7 @@ def check_checkpoint(config: PDConfig, hf_config: Any) -> None:
     every decode rank (TP rank) finds its part of the checkpoint, from the files' headers alone: the
     engine's model of each shard is built on the meta device and matched against what the files
     declare (``check_safetensors``); no tensor data is read, nothing the size of the model allocated."""
-    spec = engine_spec(text_config(hf_config))
+    spec = engine_spec(text_config(hf_config), config.torch_dtype)
     layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
     shards: set[tuple[tuple[int, int] | None, int, int]] = {
         (ShardSpec(spec, layout, s, t).bounds, config.prefill_tp, t)

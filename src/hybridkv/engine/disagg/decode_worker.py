@@ -53,7 +53,7 @@ class DecodeRank(Worker):
         groups = StageGroups.create(Parallel(tp_size=c.decode_tp), range(c.decode_tp), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
         config = text_config(read_config(c.model_dir))
-        spec = engine_spec(config)
+        spec = engine_spec(config, c.torch_dtype)
         self.eos = eos_ids(config)
         shard = ShardSpec(spec, groups.parallel, 0, rank)
         hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
@@ -64,7 +64,9 @@ class DecodeRank(Worker):
         else:
             self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
             self.link = make_transport(c.transport, None, **transport_options(c.transport))
-        self.runner = ShardRunner(c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, spec=spec, mem=self.mem)
+        self.runner = ShardRunner(
+            c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, dtype=c.torch_dtype, spec=spec, mem=self.mem
+        )
         key = ClusterKey.from_hex(args.key_hex, "decode worker")
         self.receiver = DecodeReceiver(
             self.mem, args.engine, args.bootstrap, self.link, key=key, timeout_s=c.transfer_timeout_s

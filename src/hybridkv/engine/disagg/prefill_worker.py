@@ -97,6 +97,7 @@ class PrefillRank(Worker):
             page_size=c.page_size,
             chunk_size=c.chunk,
             max_context=c.max_context,
+            dtype=c.torch_dtype,
         )
         self.eos = eos_ids(self.runner.config)
         self.mem = self.runner.mem
