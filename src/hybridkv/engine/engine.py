@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +42,11 @@ import torch
 from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import CacheHit, RequestAllocator
+from hybridkv.engine.logprobs import TokenLogprob
 from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens, step_budget
+from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
@@ -76,6 +78,8 @@ class Output:
     """The first admission's match per component (full / window / checkpoint lengths)."""
     rid: Hashable = None
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
 
     @property
     def cached_tokens_details(self) -> dict[str, int]:
@@ -90,6 +94,8 @@ class StepOutput:
 
     tokens: list[tuple[Hashable, int]] = field(default_factory=list)
     finished: list[Output] = field(default_factory=list)
+    logprobs: dict[Hashable, TokenLogprob] = field(default_factory=dict)
+    """The log-probability of the token each request that asks (``params.logprobs``) got this step."""
 
 
 class Engine:
@@ -278,10 +284,14 @@ class Engine:
             self.stats["steps"] += 1
             self.stats["forward_tokens"] += int(step.batch.input_ids.size)
             tokens = choose_step_tokens(step, logits)
+            logprobs = step_logprobs(step, logits, tokens)
             self.sched.complete(step, tokens)
-            for req, token in zip(step.reqs, tokens, strict=True):
+            for req, token, logprob in zip(step.reqs, tokens, logprobs, strict=True):
                 if token is not None and req.finish_reason is not FinishReason.ERROR:
                     out.tokens.append((req.rid, token))
+                    if logprob is not None:
+                        req.logprobs.append(logprob)
+                        out.logprobs[req.rid] = logprob
         for req in self.sched.take_finished():
             out.finished.append(self._output(req))
         return out
@@ -301,7 +311,8 @@ class Engine:
             self.stats["errors"] += 1
         reason = req.finish_reason or FinishReason.LENGTH
         output = [] if reason is FinishReason.ERROR else req.output
-        return Output(output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt))
+        logprobs = None if req.params.logprobs is None else req.logprobs[: len(output)]
+        return Output(output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt), logprobs)
 
     def metrics(self) -> dict[str, Any]:
         """What an operator watches: requests, memory per pool kind, cache, counters (host figures only)."""
@@ -389,9 +400,5 @@ class Engine:
                 if out.rid in index:
                     i = index.pop(out.rid)
                     error = out.error if out.error is None else f"request {i}: {out.error}"
-                    end(i, Output(out.output_ids, out.finish_reason, error, *_rest(out)))
+                    end(i, dataclasses.replace(out, error=error))
         return [results[i] for i in range(n)]
-
-
-def _rest(out: Output) -> tuple[int, int, CacheHit | None, Hashable, int]:
-    return out.retractions, out.cached_tokens, out.hit, out.rid, out.prompt_tokens

@@ -3,7 +3,8 @@
 ``SamplingParams`` is the one description of how a request's tokens are chosen and when it
 ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
 ``max_new_tokens``, ``temperature`` (0, or below ``GREEDY_BELOW``: greedy), ``top_p``,
-``top_k`` (0: off), ``seed``, ``stop_token_ids`` and ``ignore_eos``. ``check_request`` is the
+``top_k`` (0: off), ``seed``, ``stop_token_ids``, ``ignore_eos`` and ``logprobs`` (None: off; n: each
+new token's log-probability and the n most likely tokens', ``engine.logprobs``). ``check_request`` is the
 one validation every entry point runs before a request is queued; its ``RequestError`` names
 the offending field.
 
@@ -18,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from enum import StrEnum
 import numpy as np
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
+"""The most likely tokens a request may ask to see at each position (OpenAI's ``top_logprobs`` bound)."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this choose greedily (vLLM's convention): dividing logits by a tinier one overflows fp32 to
 infinities, and the draw would no longer be the softmax's most likely token."""
@@ -77,6 +81,8 @@ class SamplingParams:
     """None: the engine picks one per request (``Engine.generate``: its ``seed`` + the index)."""
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: no log-probabilities; n: each new token's and the n most likely tokens' (``engine.logprobs``)."""
 
     def __post_init__(self) -> None:
         _int(self.max_new_tokens, "max_new_tokens", 1)
@@ -91,6 +97,8 @@ class SamplingParams:
             raise RequestError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         stops = tuple(_int(t, "stop_token_ids", 0) for t in self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", stops)
+        if self.logprobs is not None:
+            _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -104,15 +112,7 @@ class SamplingParams:
         """The same parameters with ``seed`` where none was given."""
         if self.seed is not None:
             return self
-        return SamplingParams(
-            self.max_new_tokens,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            seed % (MAX_SEED + 1),
-            self.stop_token_ids,
-            self.ignore_eos,
-        )
+        return dataclasses.replace(self, seed=seed % (MAX_SEED + 1))
 
 
 def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> list[int]:

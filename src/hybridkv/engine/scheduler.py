@@ -49,6 +49,7 @@ import torch
 from hybridkv.engine.agreement import ALONE, Agreement
 from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.logprobs import TokenLogprob, token_logprobs
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.engine.sampling import NON_FINITE, choose_tokens
 from hybridkv.memory import OutOfMemory
@@ -73,6 +74,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     retractions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -122,6 +124,25 @@ def choose_step_tokens(step: Step, logits: torch.Tensor) -> list[int | None]:
         rows, choose_tokens(picked, [r.params for r in reqs], [len(r.tokens) for r in reqs]), strict=True
     ):
         out[i] = token
+    return out
+
+
+def step_logprobs(step: Step, logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
+    """The log-probabilities of the tokens ``choose_step_tokens`` chose, for the requests that ask
+    (``params.logprobs``); None for the others, mid-prefill and where the logits are broken."""
+    out: list[TokenLogprob | None] = [None] * len(step.reqs)
+    asking = [
+        (i, j)
+        for j, i in enumerate(step.ending)
+        if step.reqs[i].params.logprobs is not None and tokens[i] not in (None, NON_FINITE)
+    ]
+    if not asking:
+        return out
+    only_ending = logits.shape[0] == len(step.ending)  # as in choose_step_tokens
+    rows = [j if only_ending else i for i, j in asking]
+    chosen = token_logprobs(logits, rows, [tokens[i] or 0 for i, _ in asking], [step.reqs[i].params for i, _ in asking])
+    for (i, _), logprob in zip(asking, chosen, strict=True):
+        out[i] = logprob
     return out
 
 
