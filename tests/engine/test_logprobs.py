@@ -84,3 +84,43 @@ def test_bad_logprobs_are_refused_naming_the_field(bad: Any) -> None:
     with pytest.raises(RequestError) as err:
         SamplingParams(4, logprobs=bad)
     assert err.value.field == "logprobs"
+
+
+def _prompt_oracle(name: str, ids: list[int]) -> torch.Tensor:
+    """HF log-softmax at positions 0 .. len - 2 (each gives the next prompt token)."""
+    with torch.no_grad():
+        logits = hf_model(name)(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+def _check_prompt(name: str, ids: list[int], got: Any, top: int) -> None:
+    assert got is not None and len(got) == len(ids) - 1
+    oracle = _prompt_oracle(name, ids)
+    for k, lp in enumerate(got):
+        assert lp.token == ids[k + 1]
+        assert lp.logprob == pytest.approx(float(oracle[k, ids[k + 1]]), abs=1e-4)
+        assert [t for t, _ in lp.top] == torch.topk(oracle[k], top).indices.tolist()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gemma3", "tiny-kimi-linear"])
+def test_prompt_logprobs_equal_transformers_over_chunks_and_skip_the_cache(name: str) -> None:
+    engine = _engine(name)  # chunks of 8: every prompt but the first is computed over several steps
+    first = engine.generate(PROMPTS, NEW)  # now the cache holds every prompt
+    params = [SamplingParams(NEW, prompt_logprobs=3, logprobs=1 if i % 2 else None) for i in range(len(PROMPTS))]
+    outs = engine.generate(PROMPTS, params)
+    for ids, out, before in zip(PROMPTS, outs, first, strict=True):
+        assert out.output_ids == before.output_ids  # the same tokens, computed whole
+        assert out.cached_tokens == 0  # a hit's positions have no logits: the prompt is computed whole
+        _check_prompt(name, ids, out.prompt_logprobs, 3)
+    again = engine.generate(PROMPTS[-1:], NEW)  # what they computed is cached for the others
+    assert again[0].cached_tokens > 0 and again[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_survive_retraction() -> None:
+    weights, config = build_random("tiny-qwen3-next")
+    long = [prompt(200 + i, 3 + 4 * i) for i in range(18)]
+    engine = Engine(config, weights, gpu_memory=150_000, page_size=4, chunk_size=7, max_context=96)
+    outs = engine.generate(long, [SamplingParams(8, prompt_logprobs=0) for _ in long])
+    assert any(o.retractions for o in outs), "the budget was meant to force retractions"
+    for ids, out in zip(long, outs, strict=True):
+        _check_prompt("tiny-qwen3-next", ids, out.prompt_logprobs, 0)

@@ -109,6 +109,9 @@ class RequestMemory:
     """Tokens taken from the cache over every admission."""
     fetched: Fetched | None = None
     """With tiers: the cross-tier hit planned while it waits (store reads under way)."""
+    reuse: bool = True
+    """It may start from a prefix-cache hit (False: it computes its whole prompt, e.g. for the prompt's
+    log-probabilities; what it computes is still cached for others)."""
     _ids: np.ndarray = field(default_factory=lambda: _NO_TOKENS, repr=False)
     _known: int = 0
 
@@ -177,11 +180,12 @@ class RequestAllocator:
         """Tiers below the device (host memory, a store), set by the engine before any request (on
         every rank of a multi-process engine, or on none: ``admit`` agrees on the restored hit)."""
 
-    def new(self, namespace: Hashable = None, tokens: Sequence[int] | None = None) -> RequestMemory:
+    def new(self, namespace: Hashable = None, tokens: Sequence[int] | None = None, reuse: bool = True) -> RequestMemory:
         """A request holding nothing yet (its handle comes with ``admit``). With tiers and its
-        ``tokens``, its hit across the tiers is planned now and the store's reads start while it waits."""
-        req = RequestMemory(namespace=namespace)
-        if self.tiers is not None and self.prefix_cache and tokens is not None:
+        ``tokens``, its hit across the tiers is planned now and the store's reads start while it waits.
+        ``reuse`` False: it never starts from a hit (``RequestMemory.reuse``)."""
+        req = RequestMemory(namespace=namespace, reuse=reuse)
+        if self.tiers is not None and self.prefix_cache and reuse and tokens is not None:
             key = req.ids(tokens, len(tokens) - 1)
             req.fetched = self.tiers.plan(key, namespace, self.kvm.match(key, namespace))
         return req
@@ -203,10 +207,10 @@ class RequestAllocator:
         decides), ``TOO_BIG`` when even the slot does not. Every rank of ``agree`` admits at the
         same hit length or refuses alike. Refused: nothing held."""
         kvm, tiers = self.kvm, self.tiers
-        key = req.ids(tokens, len(tokens) - 1) if self.prefix_cache else _NO_TOKENS
+        key = req.ids(tokens, len(tokens) - 1) if self.prefix_cache and req.reuse else _NO_TOKENS
         match, branch_at = self._agreed_match(key, req.namespace, agree)
         fetched, full = None, 0
-        if tiers is not None and self.prefix_cache:  # every rank of ``agree`` has tiers, or none
+        if tiers is not None and self.prefix_cache and req.reuse:  # every rank of ``agree`` has tiers, or none
             fetched, full = tiers.agreed(req.fetched, key, req.namespace, match, agree)
             req.fetched = fetched
         start = match.length if fetched is None else fetched.plan.tokens

@@ -57,6 +57,8 @@ class ForwardBatch:
     pages: tuple[np.ndarray, ...] | None = None
     page_size: int | None = None
     checkpoint_slots: np.ndarray | None = None
+    logit_rows: np.ndarray | None = None
+    """Requests (batch rows) whose every new token's logits are wanted too, after the last-token rows."""
 
     @classmethod
     def build(
@@ -87,6 +89,7 @@ class ForwardBatch:
         state_slots: list[int] | np.ndarray | None = None,
         fresh_state: list[bool] | np.ndarray | None = None,
         checkpoint_slots: list[int] | np.ndarray | None = None,
+        logit_rows: list[int] | None = None,
     ) -> ForwardBatch:
         """From per-request new tokens and page rows (``KVHandle.pages``: at least the context's pages)."""
         flat, ext = _ids(input_ids)
@@ -99,6 +102,7 @@ class ForwardBatch:
             pages=tuple(np.asarray(p, dtype=np.int64) for p in pages),
             page_size=page_size,
             checkpoint_slots=None if checkpoint_slots is None else np.asarray(checkpoint_slots, dtype=np.int64),
+            logit_rows=np.asarray(logit_rows, dtype=np.int64) if logit_rows else None,
         )
 
     def __post_init__(self) -> None:

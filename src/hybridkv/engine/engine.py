@@ -42,11 +42,11 @@ import torch
 from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import CacheHit, RequestAllocator
-from hybridkv.engine.logprobs import TokenLogprob
+from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, text_config
 from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.scheduler import Request, Scheduler, choose_step_tokens, step_budget, step_logprobs
+from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
@@ -80,6 +80,8 @@ class Output:
     prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
 
     @property
     def cached_tokens_details(self) -> dict[str, int]:
@@ -281,6 +283,9 @@ class Engine:
         self.stats["retractions"] += self.sched.retractions - retractions
         if step is not None:
             logits = self.runner.forward(step.batch)
+            if step.batch.logit_rows is not None:  # every position of these rows: their prompts' log-probabilities
+                self._prompt_logprobs(step, logits[len(step.reqs) :])
+                logits = logits[: len(step.reqs)]
             self.stats["steps"] += 1
             self.stats["forward_tokens"] += int(step.batch.input_ids.size)
             tokens = choose_step_tokens(step, logits)
@@ -295,6 +300,20 @@ class Engine:
         for req in self.sched.take_finished():
             out.finished.append(self._output(req))
         return out
+
+    def _prompt_logprobs(self, step: Step, logits: torch.Tensor) -> None:
+        """Keep the prompt tokens' log-probabilities of the rows of ``step.batch.logit_rows`` (``logits``: their
+        every position); a position computed again after a retraction keeps its first figure."""
+        rows = step.batch.logit_rows
+        assert rows is not None
+        reqs = [step.reqs[i] for i in rows]
+        starts = [int(step.batch.prefix_lens[i]) for i in rows]
+        spans = [step.spans[i] for i in rows]
+        tops = [r.params.prompt_logprobs or 0 for r in reqs]
+        got = prompt_logprobs(logits, starts, spans, [r.prompt for r in reqs], tops)
+        for req, start, logprobs in zip(reqs, starts, got, strict=True):
+            known = len(req.prompt_logprobs)  # prompt tokens 1 .. known have theirs
+            req.prompt_logprobs += logprobs[max(0, known - start) :]
 
     def _output(self, req: Request) -> Output:
         hit = req.mem.hit
@@ -312,7 +331,10 @@ class Engine:
         reason = req.finish_reason or FinishReason.LENGTH
         output = [] if reason is FinishReason.ERROR else req.output
         logprobs = None if req.params.logprobs is None else req.logprobs[: len(output)]
-        return Output(output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt), logprobs)
+        prompt_logprobs = None if req.params.prompt_logprobs is None else list(req.prompt_logprobs)
+        return Output(
+            output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt), logprobs, prompt_logprobs
+        )
 
     def metrics(self) -> dict[str, Any]:
         """What an operator watches: requests, memory per pool kind, cache, counters (host figures only)."""

@@ -4,7 +4,9 @@
 ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
 ``max_new_tokens``, ``temperature`` (0, or below ``GREEDY_BELOW``: greedy), ``top_p``,
 ``top_k`` (0: off), ``seed``, ``stop_token_ids``, ``ignore_eos`` and ``logprobs`` (None: off; n: each
-new token's log-probability and the n most likely tokens', ``engine.logprobs``). ``check_request`` is the
+new token's log-probability and the n most likely tokens', ``engine.logprobs``) and ``prompt_logprobs``
+(the same for every prompt token after the first: the prompt is then computed whole, no cache hit).
+``check_request`` is the
 one validation every entry point runs before a request is queued; its ``RequestError`` names
 the offending field.
 
@@ -83,6 +85,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """None: no log-probabilities; n: each new token's and the n most likely tokens' (``engine.logprobs``)."""
+    prompt_logprobs: int | None = None
+    """None: none; n: each prompt token's after the first, and the n most likely tokens' at its position.
+    Such a request computes its whole prompt (no prefix-cache hit: a hit's positions have no logits)."""
 
     def __post_init__(self) -> None:
         _int(self.max_new_tokens, "max_new_tokens", 1)
@@ -99,6 +104,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if self.logprobs is not None:
             _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

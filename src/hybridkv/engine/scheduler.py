@@ -75,6 +75,7 @@ class Request:
     error: str | None = None
     retractions: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -140,7 +141,8 @@ def step_logprobs(step: Step, logits: torch.Tensor, tokens: list[int | None]) ->
         return out
     only_ending = logits.shape[0] == len(step.ending)  # as in choose_step_tokens
     rows = [j if only_ending else i for i, j in asking]
-    chosen = token_logprobs(logits, rows, [tokens[i] or 0 for i, _ in asking], [step.reqs[i].params for i, _ in asking])
+    tops = [step.reqs[i].params.logprobs or 0 for i, _ in asking]
+    chosen = token_logprobs(logits, rows, [tokens[i] or 0 for i, _ in asking], tops)
     for (i, _), logprob in zip(asking, chosen, strict=True):
         out[i] = logprob
     return out
@@ -208,7 +210,8 @@ class Scheduler:
     # --- requests in and out ----------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        req.mem = self.alloc.new(req.namespace, req.tokens)  # with tiers: its restore is planned now
+        reuse = req.params.prompt_logprobs is None  # a prompt's log-probabilities need every position computed
+        req.mem = self.alloc.new(req.namespace, req.tokens, reuse)  # with tiers: its restore is planned now
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -416,6 +419,7 @@ class Scheduler:
             slots,
             fresh,
             checkpoints,
+            [i for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and r.computed < len(r.prompt) - 1],
         )
 
     def _retract_newest(self, short: str) -> None:

@@ -3,10 +3,11 @@
 Step order. A step lays its requests out decodes first (one new token each, longest context
 first, equal ones in the batch's order), then the longer spans, longest first (equal lengths in
 the batch's order); its flat tokens (``input_ids``, ``positions``, every hidden state of the
-step) follow that order. ``last_index[i]`` is the flat index of the batch's request ``i``'s last
-new token, so logits come back in the batch's order. ``groups`` are contiguous ranges of step
-rows and flat tokens, each padded to its own longest span: the decodes (never padded to a
-chunk), then the longer spans cut where the padding saved is worth another group
+step) follow that order. ``logit_index[i]`` is the flat index of the batch's request ``i``'s last
+new token, so logits come back in the batch's order; after those, the flat indices of every new token
+of the batch's ``logit_rows`` (in their order), whose logits a prompt's log-probabilities need.
+``groups`` are contiguous ranges of step rows and flat tokens, each padded to its own longest span:
+the decodes (never padded to a chunk), then the longer spans cut where the padding saved is worth another group
 (``span_groups``): a 4-token tail is not padded to the 64 tokens of the step's longest chunk.
 
 Attention of a group reads, per token pool, the columns of its requests' pages from the page
@@ -80,7 +81,7 @@ class Group:
 class StepContext:
     input_ids: torch.Tensor  # (T,) in step order
     positions: torch.Tensor  # (T,)
-    last_index: torch.Tensor  # (R,) flat index of each batch request's last new token
+    logit_index: torch.Tensor  # (R [+ E],) flat index of each request's last new token, then of logit_rows' every one
     groups: tuple[Group, ...]  # decodes, then longer spans (or the one kind)
     tokens: dict[PoolId, TokenIO]  # per token pool
     states: dict[PoolId, StateIO]  # per state pool (stateful steps)
@@ -365,10 +366,13 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
             if ckpt is not None and ckpt_rows.size:
                 copies = (dev(ckpt_rows), mem.page_cells(ckpt[ckpt_rows], pool_id))
             states[pool_id] = StateIO(state_layout, mem.page_cells(slots_o, pool_id), fresh, copies)
+    if batch.logit_rows is not None:  # every new token of these rows too, after the last ones
+        rows_b = batch.logit_rows
+        last = np.concatenate([last, _arange_runs(last[rows_b] - ext_b[rows_b] + 1, ext_b[rows_b])])
     return StepContext(
         input_ids=dev(input_ids),
         positions=dev(positions),
-        last_index=dev(last),
+        logit_index=dev(last),
         groups=groups,
         tokens=tokens,
         states=states,

@@ -84,7 +84,7 @@ from hybridkv.engine.disagg.results import (
 from hybridkv.engine.disagg.tier_figures import tier_metrics
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import SamplingParams, check_request
+from hybridkv.engine.request import RequestError, SamplingParams, check_request
 from hybridkv.engine.scheduler import Role
 from hybridkv.engine.weights import read_config
 from hybridkv.tiers import MooncakeMaster
@@ -153,6 +153,11 @@ class PDServer:
         if isinstance(params, int) or params is None:
             params = SamplingParams(max_new_tokens=self.config.max_new if params is None else params)
         checked = check_request(ids, params, self.vocab_size, self.config.max_context)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None:
+                raise RequestError(
+                    name, "not served by the disaggregated server yet; serve this request in one process"
+                )
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the server is closed")

@@ -164,7 +164,8 @@ class CausalLM(nn.Module):
         return x @ self.embed_tokens.weight.t()
 
     def forward(self, ctx: StepContext, mem: UnifiedMemory, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Last stage: logits ``(R, vocab)`` at each request's last new token; other stages: hidden ``(T, hidden)``.
+        """Last stage: logits ``(R, vocab)`` at each request's last new token (then, for ``batch.logit_rows``, at
+        every new token of those rows: ``ctx.logit_index``); other stages: hidden ``(T, hidden)``.
 
         ``hidden``: the previous stage's output (``None`` on the first stage, which embeds ``ctx.input_ids``).
         """
@@ -180,4 +181,4 @@ class CausalLM(nn.Module):
         ctx.flush()  # the step's new K/V and states, into their pools once
         if not self.last:
             return x
-        return self.logits(self.final_norm(x[ctx.last_index]))
+        return self.logits(self.final_norm(x[ctx.logit_index]))
