@@ -4,7 +4,9 @@
 ``text`` (with a tokenizer), ``sampling_params`` (one for all prompts or one per prompt:
 ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
 ``stop_token_ids``, ``ignore_eos``), ``stream``, ``rid`` (ids for ``/abort_request``; one per
-prompt in a batch) and ``cache_salt``. Every answer (each element of a batch) has ``text``,
+prompt in a batch), ``cache_salt`` and SGLang's ``extra_key`` (together, the prefix-cache namespace);
+every other field of SGLang's ``GenerateReqInput`` is accepted at its neutral value (``schemas``).
+Every answer (each element of a batch) has ``text``,
 ``output_ids`` and ``meta_info`` {``id``, ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
 ``cached_tokens_details`` {``device``, ``host``, ``storage``}, from the PD server ``disaggregated``
