@@ -54,20 +54,22 @@ class ApiError(Exception):
         }
 
 
+Unsupported = tuple[str, tuple[Any, ...], str]
+"""A known field the server cannot honour: its name, its neutral values (also inside a list: one per prompt of a
+batch), and why it is refused otherwise."""
+
 class _Strict(BaseModel):
     """Strict types; a field no model knows is kept aside (``ignored_fields``), not refused."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+    UNSUPPORTED: ClassVar[list[Unsupported]] = []  # (``refuse_unsupported_fields``)
+    NESTED: ClassVar[tuple[str, ...]] = ()  # fields holding bodies of their own (``ignored_fields``)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
-
-Unsupported = tuple[str, tuple[Any, ...], str]
-"""A known field the server cannot honour: its name, its neutral values (also inside a list: one per prompt of a
-batch), and why it is refused otherwise."""
 
 _NOT_PD_WORKER = "this server is not an SGLang PD worker (its disaggregation is internal: --disaggregated); give null"
 _NO_GRAMMAR = "constrained decoding is not served; give null"
@@ -156,6 +158,7 @@ class CompletionBody(_Strict):
     return_entropy: bool = False
     return_routed_experts: bool = False
 
+    NESTED: ClassVar[tuple[str, ...]] = ("stream_options",)
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         *SHARED_UNSUPPORTED,
         ("n", (1,), "only one completion per prompt is served; send the prompt n times"),
@@ -275,6 +278,7 @@ class GenerateBody(_Strict):
     return_routed_experts: bool = False
     require_reasoning: bool = False
 
+    NESTED: ClassVar[tuple[str, ...]] = ("sampling_params",)
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         *SHARED_UNSUPPORTED,
         ("input_embeds", (None,), "input embeddings are not served; give input_ids or text"),
@@ -308,22 +312,22 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 def refuse_unsupported_fields(body: _Strict, where: str = "") -> None:
     """400 naming the first known field of ``body`` (``where``: its place, e.g. ``sampling_params[1]``) whose value
-    asks for what the server cannot honour."""
-    table: list[Unsupported] = getattr(type(body), "UNSUPPORTED", [])
-    for field, neutral, why in table:
-        if not _neutral(getattr(body, field), neutral):
+    asks for what the server cannot honour. Only fields the client sent are looked at (every default is neutral)."""
+    sent = body.model_fields_set
+    for field, neutral, why in type(body).UNSUPPORTED:
+        if field in sent and not _neutral(getattr(body, field), neutral):
             name = f"{where}.{field}" if where else field
             raise ApiError(400, f"{name}: {why}", name)
 
 
-def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
-    """The fields of ``body`` and of the bodies nested in it that no model knows (a batch's ``sampling_params``
-    named once, without an index): ``["max_tokenz", "sampling_params.colour"]``."""
-    names = [f"{where}{name}" for name in body.model_extra or {}]
-    for field in type(body).model_fields:
+def ignored_fields(body: _Strict, where: str = "") -> list[str]:
+    """The fields of ``body`` and of the bodies nested in it (``NESTED``) that no model knows (a batch's
+    ``sampling_params`` named once, without an index): ``["max_tokenz", "sampling_params.colour"]``."""
+    names = [f"{where}{name}" for name in body.__pydantic_extra__ or ()]
+    for field in type(body).NESTED:
         value = getattr(body, field)
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, BaseModel):
+            if isinstance(item, _Strict):
                 names += [n for n in ignored_fields(item, f"{where}{field}.") if n not in names]
     return names
 
