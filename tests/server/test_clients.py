@@ -197,3 +197,11 @@ def test_a_byte_stream_hands_out_whole_characters_only() -> None:
     tail = TextStream(tok)
     assert tail.push([0xE6, 0x97], final=False) == ""  # an incomplete character is held back
     assert tail.push([], final=True) == "\ufffd"  # and at the end given as what it is
+
+
+def test_nulls_where_openai_allows_them_and_a_flush_once_the_backend_stopped(server: Any) -> None:
+    body = {"prompt": [5, 6], "max_tokens": 2, "n": None, "echo": None, "stream": None, "logprobs": None}
+    assert post(server, "/v1/completions", body).status_code == 200
+    server.backend.close(10)  # the last test of the module: its server serves no more
+    r = httpx.post(f"{server.url}/flush_cache", timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["message"].startswith("not serving:")

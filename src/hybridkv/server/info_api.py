@@ -8,7 +8,8 @@ the server was started with, the backend's sizing in SGLang's names (``page_size
 ``tokenizer_path``, ``is_generation`` (true), ``served_model_name``. ``GET /v1/models/{id}``: OpenAI's
 model card of the served model, 404 naming any other. ``POST`` or ``GET /flush_cache``
 (``?host=true``: host memory too) empties the prefix cache through the backend and answers as SGLang
-does, ``Cache flushed.``; while requests are open it changes nothing and answers 400 saying why.
+does, ``Cache flushed.``; while requests are open it changes nothing and answers 400 saying why (503
+once the backend no longer serves).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import hybridkv
+from hybridkv.server.backend import BackendClosed
 from hybridkv.server.schemas import ApiError
 from hybridkv.server.state import ServerState
 
@@ -97,7 +99,10 @@ async def flush_cache(request: Request) -> Response:
     host = FLAGS.get(given.lower())
     if host is None:
         raise ApiError(400, f"host: {given!r} is not a flag; give true or false", "host")
-    why = await asyncio.to_thread(state.backend.flush_cache, host)
+    try:
+        why = await asyncio.to_thread(state.backend.flush_cache, host)
+    except BackendClosed as exc:
+        raise ApiError(503, f"not serving: {exc}", None, {"Retry-After": "5"}) from None
     if why is not None:
         raise ApiError(400, f"cache not flushed: {why}")
     return PlainTextResponse("Cache flushed.\n")

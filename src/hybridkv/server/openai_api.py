@@ -86,10 +86,11 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
         check_fits(prompt, p, info, f"prompt[{i}]" if batch else "prompt", "max_tokens")
     cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
     salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start(prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, body.stream)
+    stream = bool(body.stream)
+    gen = state.start(prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream)
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
-    if body.stream:
+    if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         encode = _encoder(state, gen, head, batch, usage, body.return_cached_tokens_details)
         return EventStream(state, gen, [cid], receive, encode)

@@ -58,6 +58,7 @@ Unsupported = tuple[str, tuple[Any, ...], str]
 """A known field the server cannot honour: its name, its neutral values (also inside a list: one per prompt of a
 batch), and why it is refused otherwise."""
 
+
 class _Strict(BaseModel):
     """Strict types; a field no model knows is kept aside (``ignored_fields``), not refused."""
 
@@ -92,9 +93,9 @@ SHARED_UNSUPPORTED: list[Unsupported] = [
 
 
 class CompletionBody(_Strict):
-    """OpenAI ``/v1/completions``, with vLLM's extensions (``top_k``, ``stop_token_ids``, ``ignore_eos``,
-    ``return_token_ids``, ``cache_salt``, ...) and SGLang's (``rid``, ``extra_key``, ``lora_path``,
-    ``return_cached_tokens_details``, ...)."""
+    """OpenAI ``/v1/completions`` (null wherever OpenAI's schema allows it), with vLLM's extensions (``top_k``,
+    ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``cache_salt``, ...) and SGLang's (``rid``,
+    ``extra_key``, ``lora_path``, ``return_cached_tokens_details``, ...)."""
 
     model: str | None = None
     prompt: Any = None
@@ -105,11 +106,11 @@ class CompletionBody(_Strict):
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     best_of: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
     stop: str | list[str] | None = None
@@ -161,9 +162,9 @@ class CompletionBody(_Strict):
     NESTED: ClassVar[tuple[str, ...]] = ("stream_options",)
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         *SHARED_UNSUPPORTED,
-        ("n", (1,), "only one completion per prompt is served; send the prompt n times"),
+        ("n", (None, 1), "only one completion per prompt is served; send the prompt n times"),
         ("best_of", (None, 1), "only 1 is served"),
-        ("echo", (False,), "echoing the prompt is not served"),
+        ("echo", (None, False), "echoing the prompt is not served"),
         ("logprobs", (None,), "log probabilities are not served"),
         ("prompt_logprobs", (None,), "log probabilities are not served"),
         ("suffix", (None,), "suffixes are not served"),
