@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,34 @@ def test_a_taken_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture
         assert main(["serve", "--random", "tiny-qwen3-next", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_the_tokenizer_is_the_option_else_the_model_directory_s_own_else_bytes_for_a_random_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridkv.cli.serve import text_tokenizer
+    from hybridkv.engine.random_models import save_random
+    from hybridkv.server import ByteTokenizer, Tokenizer
+
+    model = tmp_path / "model"
+    save_random("tiny-qwen3-next", str(model))
+    assert text_tokenizer(None, model, None) is None  # no tokenizer files: token ids only
+    raw = RawTokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(str(model))
+    own = text_tokenizer(None, model, None)
+    assert isinstance(own, Tokenizer) and own.source == str(model) and own.encode("w7 w9") == [7, 9]
+    other = tmp_path / "other"
+    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(str(other))
+    assert text_tokenizer(other, model, None).source == str(other)  # type: ignore[union-attr]  # the option wins
+    byte = text_tokenizer(None, None, "tiny-gemma3")
+    assert isinstance(byte, ByteTokenizer) and byte.special == {1, 2}  # its bos and eos: no text
+    assert byte.decode([104, 1, 105, 2]) == "hi" and byte.encode("hé") == [104, 0xC3, 0xA9]
+    (model / "tokenizer.json").write_text("{not json")  # a model directory's broken tokenizer: one error line
+    assert main(["serve", "--model", str(model), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot load a tokenizer from") and err.count("\n") == 1

@@ -62,7 +62,10 @@ BAD_COMPLETIONS = [
     ({"prompt": GOOD, "logprobs": 1}, "logprobs"),
     ({"prompt": GOOD, "stop": ["\n"]}, "stop"),
     ({"prompt": GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"prompt": GOOD, "max_tokenz": 3}, "max_tokenz"),  # a misspelt option is not ignored
+    ({"prompt": GOOD, "lora_path": "x"}, "lora_path"),  # a known field asking for what is not served
+    ({"prompt": GOOD, "min_tokens": 2}, "min_tokens"),
+    ({"prompt": GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": GOOD, "bootstrap_host": "10.0.0.1"}, "bootstrap_host"),
 ]
 
 BAD_GENERATE = [
@@ -80,6 +83,14 @@ BAD_GENERATE = [
     ({"input_ids": GOOD, "sampling_params": {"stop": "x"}}, "sampling_params.stop"),
     ({"input_ids": GOOD, "return_logprob": True}, "return_logprob"),
     ({"input_ids": GOOD, "stream": "true"}, "stream"),
+    ({"input_ids": GOOD, "lora_path": "x"}, "lora_path"),
+    ({"input_ids": [GOOD, GOOD], "lora_path": [None, "x"]}, "lora_path"),
+    ({"input_ids": GOOD, "image_data": "http://x/y.png"}, "image_data"),
+    ({"input_ids": GOOD, "top_logprobs_num": 3}, "top_logprobs_num"),
+    ({"input_ids": GOOD, "data_parallel_rank": 1}, "data_parallel_rank"),
+    ({"input_ids": GOOD, "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ({"input_ids": GOOD, "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ({"input_ids": GOOD, "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
 ]
 
 

@@ -305,6 +305,32 @@ def test_metrics_export_the_pd_figures(server: HttpServer) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected router bug
+def test_flush_cache_empties_every_prefill_rank_and_is_refused_while_a_request_runs(server: HttpServer) -> None:
+    family = shared_prefix_prompts(2, groups=1, prefix=64, seed=271)  # a head no other test sends
+
+    def cached(ids: list[int]) -> int:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+        r = httpx.post(f"{server.url}/generate", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return int(r.json()["meta_info"]["cached_tokens"])
+
+    assert cached(family[0]) == 0 and cached(family[1]) >= 16
+    body = {"input_ids": family[0], "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, headers=AUTH, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):  # it runs: a flush changes nothing
+                refused = httpx.post(f"{server.url}/flush_cache", headers=AUTH, timeout=30)
+                break
+    assert refused.status_code == 400 and "1 requests are open" in refused.json()["error"]["message"]
+    assert_nothing_held(server)
+    flushed = httpx.post(f"{server.url}/flush_cache?host=true", headers=AUTH, timeout=30)  # host memory too
+    assert flushed.status_code == 200, flushed.text
+    assert cached(family[1]) == 0  # every prefill rank's cache (and host memory) emptied before it came
+    assert_nothing_held(server)
+    info = httpx.get(f"{server.url}/server_info", headers=AUTH, timeout=30).json()
+    assert info["disaggregation_mode"] == "internal" and (info["prefill_pp"], info["decode_tp"]) == (2, 2)
+
+
 def test_a_lost_engine_or_a_dead_router_turns_health_503(server: HttpServer, monkeypatch: pytest.MonkeyPatch) -> None:
     # the last test: it breaks the shared server (restarts=0: one death loses the engine)
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200

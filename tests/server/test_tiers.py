@@ -75,6 +75,19 @@ def test_serve_with_a_mooncake_store_starts_and_stops_its_master(tmp_path: Path)
         body = {"input_ids": list(range(5, 40)), "sampling_params": {"max_new_tokens": 3}}
         answer = httpx.post(f"{url}/generate", json=body, timeout=60).json()
         assert answer["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
+        # /flush_cache?host=true: the device's cache through host memory into the store, where the repeat finds it
+        assert httpx.post(f"{url}/flush_cache?host=true", timeout=60).status_code == 200
+        again = httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]
+        assert again["cached_tokens"] > 0
+        assert again["cached_tokens_details"] == {"device": 0, "host": 0, "storage": again["cached_tokens"]}
+        # a --random model speaks text through the built-in byte tokenizer; /server_info has the options
+        text = httpx.post(
+            f"{url}/generate", json={"text": "héllo ✓", "sampling_params": {"max_new_tokens": 3}}, timeout=60
+        )
+        assert text.json()["meta_info"]["prompt_tokens"] == len("héllo ✓".encode())
+        info = httpx.get(f"{url}/server_info", timeout=10).json()
+        assert info["host_memory"] == "8MiB" and info["store"] == "mooncake" and info["tiers"] is True
+        assert info["model_path"] == f"random:{MODEL}" and info["tokenizer_path"].startswith("builtin:bytes")
         masters = children(proc.pid)
         assert len(masters) == 1 and Path(f"/proc/{masters[0]}/comm").read_text().strip() == "mooncake_master"
         proc.send_signal(signal.SIGTERM)

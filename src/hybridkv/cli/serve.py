@@ -4,7 +4,9 @@
 ``--disaggregated`` serves through the PD server (``hybridkv.engine.disagg.PDServer``: a prefill
 engine of ``--prefill-pp`` x ``--prefill-tp`` processes hands KV and state over ``--transport`` to
 a decode engine of ``--decode-tp`` processes); ``--random`` saves the tiny model to a temporary
-directory that lives as long as the server. ``--fault KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for
+directory that lives as long as the server. Text: ``--tokenizer DIR``, else the ``--model`` directory's
+own tokenizer (``tokenizer.json`` / ``tokenizer_config.json``), else for ``--random`` the built-in byte
+tokenizer (``hybridkv.server.text.ByteTokenizer``). ``--fault KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for
 demos and tests) puts a deliberate fault on the request submitted ``REQUEST``-th (0-based):
 ``kill-prefill``, ``crash-prefill``, ``kill-decode``, ``stall-transfer`` (``engine.disagg.Fault``).
 
@@ -16,7 +18,8 @@ every process (at least 256 MiB). Printed as one line on stderr before the serve
 Refused before anything listens, one ``error:`` line, exit 2: not exactly one of ``--model`` and
 ``--random``, a model the engine cannot load, a ``--max-context`` above the model's maximum or a
 ``--gpu-memory`` below one request's floor or above what the host holds, bad option
-values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory without a tokenizer, a port
+values (typer ``min=``, ``cli/params.py``), a ``--tokenizer`` directory (or a ``--model`` directory's own
+tokenizer files) without a loadable tokenizer, a port
 that cannot be bound, a PD option without ``--disaggregated``, a layout the model cannot be split
 into (``check_layout``), a bad ``--fault``, a ``--store-master`` no master answers at, and tier options
 (``--host-memory``, ``--store``) with ``--no-prefix-cache``. With ``--disaggregated`` the tiers sit below
@@ -65,6 +68,7 @@ if TYPE_CHECKING:
     from hybridkv.engine.engine import Engine
     from hybridkv.server import PDBackend
     from hybridkv.server.connections import ConnectionLimits
+    from hybridkv.server.text import TextTokenizer
     from hybridkv.spec import ModelSpec
 
 API_KEY_ENV = "HYBRIDKV_API_KEY"
@@ -98,7 +102,11 @@ def serve(
         None, "--api-key", help=f"Require 'Authorization: Bearer KEY' on all but /health (or set ${API_KEY_ENV})."
     ),
     tokenizer: Path = typer.Option(
-        None, "--tokenizer", exists=True, file_okay=False, help="A saved tokenizer: accept text prompts."
+        None,
+        "--tokenizer",
+        exists=True,
+        file_okay=False,
+        help="A saved tokenizer (default: the --model directory's own; --random: bytes): text prompts and outputs.",
     ),
     gpu_memory: str | None = GPU_MEMORY,
     max_context: int | None = MAX_CONTEXT,
@@ -148,7 +156,7 @@ def serve(
     ),
 ) -> int:
     """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
-    from hybridkv.server import Backend, EngineBackend, ServerConfig, Tokenizer, bind
+    from hybridkv.server import Backend, EngineBackend, ServerConfig, bind
     from hybridkv.server import serve as run_server
 
     if (model is None) == (random is None):
@@ -168,14 +176,6 @@ def serve(
     faults = parse_faults(fault or [])
     tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
     key = api_key or os.environ.get(API_KEY_ENV) or None
-    config = ServerConfig(
-        api_key=key,
-        max_body_bytes=parse_bytes(max_body),
-        connection_limits=connection_limits(max_header, header_timeout, max_connections),
-        stream_interval=stream_interval,
-        direct_writes=not loop_writes,
-        tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
-    )
     name = random if random is not None else Path(model).name
     processes = Layout(layout.prefill_pp, layout.prefill_tp, layout.decode_tp) if disaggregated else Layout()
     command = "serve --disaggregated" if disaggregated else "serve"
@@ -191,6 +191,33 @@ def serve(
     options = EngineOptions(
         sized, page_size, chunk_size, max_running, max_step_tokens, not no_prefix_cache, checkpoints, dtype
     )
+    args = {
+        "host": host,
+        "port": port,
+        "page_size": page_size,
+        "chunk_size": chunk_size,
+        "max_running": max_running,
+        "max_step_tokens": max_step_tokens,
+        "max_queued": max_queued,
+        "max_context": sized.max_context,
+        "prefix_cache": not no_prefix_cache,
+        "checkpoints": options.placement,
+        "host_memory": host_memory,
+        "store": store,
+        "disaggregated": disaggregated,
+        "dtype": dtype,
+        "api_key_set": key is not None,
+    }
+    config = ServerConfig(
+        api_key=key,
+        max_body_bytes=parse_bytes(max_body),
+        connection_limits=connection_limits(max_header, header_timeout, max_connections),
+        stream_interval=stream_interval,
+        direct_writes=not loop_writes,
+        tokenizer=text_tokenizer(tokenizer, model, random),
+        model_path=str(model) if model is not None else f"random:{random}",
+        server_args=args,
+    )
     with contextlib.ExitStack() as stack:
         sock = bind(host, port)  # before the model loads: a taken port fails at once
         stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
@@ -203,6 +230,30 @@ def serve(
         sized.announce()
         code = run_server(backend, config, sock, shutdown_timeout)
     return code
+
+
+def text_tokenizer(tokenizer: Path | None, model: Path | None, random: str | None) -> TextTokenizer | None:
+    """The server's tokenizer: ``--tokenizer DIR``; else the ``--model`` directory's own when it holds one; else,
+    for a ``--random`` model, the built-in byte tokenizer over its vocabulary (its bos and eos ids special);
+    else none (token ids only)."""
+    from hybridkv.server import ByteTokenizer, Tokenizer, has_tokenizer
+
+    if tokenizer is not None:
+        return Tokenizer(tokenizer)
+    if model is not None:
+        return Tokenizer(model) if has_tokenizer(model) else None
+    if random is None:
+        return None
+    from hybridkv.engine.random_models import random_config
+    from hybridkv.engine.registry import text_config
+
+    config = text_config(random_config(random))
+    special = [t for key in ("bos_token_id", "eos_token_id") for t in _ids(getattr(config, key, None))]
+    return ByteTokenizer(config.vocab_size, special)
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def model_spec(model: Path | None, random: str | None, dtype: str = "float32") -> ModelSpec:

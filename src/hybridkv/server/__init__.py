@@ -4,7 +4,7 @@
 thread; ``PDBackend(pd_server, name, memory_budget)`` serves through a ``PDServer`` (its router
 thread, prefill and decode worker processes). ``create_app(ServerState(backend, ServerConfig(...)))``
 is the ASGI app (SGLang-native ``/generate``, OpenAI ``/v1/completions``, ``/v1/models``,
-``/health``, ``/metrics``, ``/abort_request``);
+``/health``, ``/metrics``, ``/abort_request``, ``/flush_cache``, ``/server_info``, ``/get_model_info``);
 ``serve(backend, config, bind(host, port), shutdown_timeout)`` runs it on uvicorn until SIGTERM,
 and ``HttpServer`` runs it from a thread. Depends on ``hybridkv.engine`` only; nothing below imports it.
 """
@@ -15,11 +15,12 @@ from hybridkv.server.engine_backend import EngineBackend
 from hybridkv.server.pd_backend import PDBackend
 from hybridkv.server.run import HttpServer, bind, serve
 from hybridkv.server.state import ServerConfig, ServerState
-from hybridkv.server.text import Tokenizer
+from hybridkv.server.text import ByteTokenizer, Tokenizer, has_tokenizer
 
 __all__ = [
     "Backend",
     "BackendClosed",
+    "ByteTokenizer",
     "EngineBackend",
     "Finished",
     "HttpServer",
@@ -32,5 +33,6 @@ __all__ = [
     "Tokenizer",
     "bind",
     "create_app",
+    "has_tokenizer",
     "serve",
 ]

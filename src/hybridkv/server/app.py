@@ -2,7 +2,8 @@
 
 Routes: ``POST /generate`` and ``POST /abort_request`` (SGLang-native, ``sglang_api``),
 ``POST /v1/completions`` (OpenAI, ``openai_api``) (the two generation endpoints served below Starlette,
-``hot``), ``GET /v1/models``, ``GET /health`` (200 while
+``hot``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /server_info`` (``/get_server_info``),
+``GET /get_model_info``, ``POST``/``GET /flush_cache`` (``info_api``), ``GET /health`` (200 while
 the backend serves, else 503 naming why; open without an API key), ``GET /metrics`` (Prometheus
 text, ``metrics``).
 
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp
 
 from hybridkv.server.edge import BodyTooLarge, Edge
 from hybridkv.server.hot import HotPaths, internal_error
+from hybridkv.server.info_api import card, flush_cache, model_card, model_info, server_info
 from hybridkv.server.openai_api import completions
 from hybridkv.server.schemas import ApiError
 from hybridkv.server.sglang_api import abort_request, generate
@@ -43,15 +45,7 @@ async def health(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    info = request.app.state.server.info
-    card = {
-        "id": info.name,
-        "object": "model",
-        "created": request.app.state.started,
-        "owned_by": "hybridkv",
-        "max_model_len": info.max_context,
-    }
-    return JSONResponse({"object": "list", "data": [card]})
+    return JSONResponse({"object": "list", "data": [card(request)]})
 
 
 async def metrics(request: Request) -> Response:
@@ -89,6 +83,11 @@ def create_app(state: ServerState) -> ASGIApp:
     routes = [
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_card, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

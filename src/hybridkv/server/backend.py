@@ -10,6 +10,9 @@ Invariants every backend keeps:
   (finished, aborted or failed), all from the backend's thread.
 - ``abort(ticket)`` of an open request ends it with ``FinishReason.ABORT`` and releases its
   memory; of a ticket already ended it does nothing.
+- ``flush_cache(host)`` empties the prefix cache only while no request is open (else it answers why
+  not and changes nothing): every page and slot the cache kept goes back to the free pools (with
+  tiers below, written back to them as on any eviction; ``host``: host memory too, into the store).
 - ``close`` stops taking requests, ends every open one (``abort``) and stops every thread and
   process of the backend within its timeout.
 - ``metrics`` is a snapshot of plain numbers; the front end exports the keys it knows
@@ -95,6 +98,16 @@ class Backend(Protocol):
 
     def health(self) -> str | None:
         """None while the backend serves; else why it does not (shutting down, broken)."""
+        ...
+
+    def flush_cache(self, host: bool) -> str | None:
+        """Empty the prefix cache (``host``: host memory too); None once done (for requests submitted from
+        then on), else why it was refused (requests are open)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """How the backend is sized and laid out, in SGLang's ``/get_server_info`` names where one exists
+        (``page_size``, ``max_running_requests``, ``chunked_prefill_size``, ...)."""
         ...
 
     def metrics(self) -> dict[str, Any]:

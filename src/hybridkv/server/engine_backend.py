@@ -114,6 +114,21 @@ class EngineBackend:
     def metrics(self) -> dict[str, Any]:
         return self.call(_engine_metrics)
 
+    def flush_cache(self, host: bool) -> str | None:
+        return self.call(lambda engine: self._flush(engine, host))
+
+    def describe(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "page_size": engine.mem.page_size,
+            "chunked_prefill_size": engine.chunk_size,
+            "max_prefill_tokens": engine.max_step_tokens,
+            "max_running_requests": engine.max_running,
+            "max_total_num_tokens": (engine.mem.pages.capacity - 1) * engine.mem.page_size,  # page 0: the sink
+            "disable_radix_cache": not engine.alloc.prefix_cache,
+            "tiers": engine.tiers is not None,
+        }
+
     def close(self, timeout_s: float) -> None:
         with self._cond:
             self._closing = True
@@ -183,6 +198,14 @@ class EngineBackend:
                 item.future.set_result(item.fn(engine))
             except Exception as exc:
                 item.future.set_exception(exc)
+
+    def _flush(self, engine: Engine, host: bool) -> str | None:
+        """On the engine thread: ``clear_cache`` if no request is open (one that was submitted before is in the
+        engine already: the inbox is drained in order)."""
+        if self._open or engine.has_work():
+            return f"{len(self._open)} requests are running or waiting; flush once they ended (or abort them)"
+        engine.clear_cache(host)
+        return None
 
     def _end(self, out: Output | None) -> None:
         if out is None or out.rid not in self._open:

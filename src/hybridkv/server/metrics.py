@@ -8,6 +8,7 @@ bytes and failures for PD, CPU of the engine thread); for PD also open requests 
 worker deaths, engine restarts and per worker the pages and slots it holds (``hybridkv_pd_*``);
 with tiers below the device, bytes written and loaded per tier, hit tokens per component and tier,
 misses by reason, host usage and whether the store is up (``hybridkv_tier_*``);
+the request fields the server ignored, by endpoint and name (``hybridkv_ignored_request_fields_total``);
 plus the process's own figures (``process_cpu_seconds_total``, memory, file descriptors). The
 server observes TTFT, TPOT and end-to-end latency per request into histograms as each request ends.
 
@@ -260,6 +261,12 @@ class ServerMetrics:
         )
         self.finished = Counter(
             PREFIX + "requests_finished", "Requests ended, by finish reason.", ["finish_reason"], registry=self.registry
+        )
+        self.ignored_fields = Counter(
+            PREFIX + "ignored_request_fields",
+            "Request fields no model of the server knows, accepted and ignored, by endpoint and field.",
+            ["endpoint", "field"],
+            registry=self.registry,
         )
 
     def observe(

@@ -8,7 +8,11 @@ ids, as vLLM returns them with ``return_token_ids``); ``usage`` has
 ``finish_reason`` on its last chunk; with ``stream_options.include_usage`` every chunk has
 ``usage: null`` and a last chunk with no choices carries the usage; then ``data: [DONE]``.
 ``finish_reason``: ``length``, ``stop`` (EOS or a stop token id), ``abort``. A request the engine
-failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt.
+failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt. With SGLang's
+``return_cached_tokens_details: true`` the answer (streaming: each choice's last chunk and the usage
+chunk) carries ``sglext.cached_tokens_details`` {``device``, ``host``, ``storage``}: where the cached
+prompt tokens came from. SGLang's ``rid`` names the request (its ``id``; ``/abort_request`` takes it)
+and ``extra_key`` joins ``cache_salt`` as the prefix-cache namespace.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from hybridkv.server.hot import Answer, Json
 from hybridkv.server.schemas import (
     ApiError,
     CompletionBody,
+    cache_namespace,
     check_fits,
+    ignored_fields,
     parse,
-    refuse_unsupported,
+    refuse_unsupported_fields,
     sampling,
     token_prompts,
 )
@@ -51,19 +57,7 @@ def failure(index: int, batch: bool, result: Finished) -> ApiError:
 
 def _params(body: CompletionBody, prompts: list[list[int]], context: int) -> list[SamplingParams]:
     """Per prompt; ``max_tokens`` null: up to the context, as vLLM does."""
-    refuse_unsupported(
-        [
-            (body.n != 1, "n", "only one completion per prompt is served; send the prompt n times"),
-            (body.best_of not in (None, 1), "best_of", "only 1 is served"),
-            (body.echo, "echo", "echoing the prompt is not served"),
-            (body.logprobs is not None, "logprobs", "log probabilities are not served"),
-            (body.suffix is not None, "suffix", "suffixes are not served"),
-            (bool(body.stop), "stop", "stop strings are not served; give stop_token_ids"),
-            (bool(body.frequency_penalty), "frequency_penalty", "penalties are not served; give 0"),
-            (bool(body.presence_penalty), "presence_penalty", "penalties are not served; give 0"),
-            (bool(body.logit_bias), "logit_bias", "logit biases are not served"),
-        ]
-    )
+    refuse_unsupported_fields(body)
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     common = dict(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -82,6 +76,7 @@ def _params(body: CompletionBody, prompts: list[list[int]], context: int) -> lis
 
 async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     body: CompletionBody = parse(CompletionBody, raw)
+    state.ignore("/v1/completions", ignored_fields(body))
     info = state.info
     if body.model is not None and body.model != info.name:
         raise ApiError(404, f"model: {body.model!r} is not served here; this server serves {info.name!r}", "model")
@@ -89,13 +84,16 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     params = _params(body, prompts, info.max_context)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         check_fits(prompt, p, info, f"prompt[{i}]" if batch else "prompt", "max_tokens")
-    cid = state.new_id("cmpl-")
-    gen = state.start(prompts, params, body.cache_salt, {cid: list(range(len(prompts)))}, FIELDS, batch, body.stream)
+    cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
+    salt = cache_namespace(body.cache_salt, body.extra_key)
+    stream = bool(body.stream)
+    gen = state.start(prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream)
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
-    if body.stream:
+    if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStream(state, gen, [cid], receive, _encoder(state, gen, head, batch, usage))
+        encode = _encoder(state, gen, head, batch, usage, body.return_cached_tokens_details)
+        return EventStream(state, gen, [cid], receive, encode)
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     async for _ in state.drive(receive, gen, [cid]):
         pass
@@ -114,7 +112,10 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
                 "finish_reason": finish_reason(got.finished),
             }
         )
-    return Json({**head, "choices": choices, "usage": _usage(gen)})
+    answer = {**head, "choices": choices, "usage": _usage(gen)}
+    if body.return_cached_tokens_details:
+        answer["sglext"] = _sglext([p.finished for p in gen.progress])
+    return Json(answer)
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
@@ -129,7 +130,21 @@ def _usage(gen: Generation) -> dict[str, Any]:
     }
 
 
-def _encoder(state: ServerState, gen: Generation, head: dict[str, Any], batch: bool, usage: bool) -> Encode:
+def _sglext(ended: list[Finished | None]) -> dict[str, Any]:
+    """SGLang's extension object: where the cached prompt tokens came from, summed over the prompts ended."""
+    total = dict.fromkeys(("device", "host", "storage"), 0)
+    for f in ended:
+        if f is None:
+            continue
+        for where, n in (f.cached_tokens_details or {"device": f.cached_tokens}).items():
+            total[where] = total.get(where, 0) + n
+    return {"cached_tokens_details": total}
+
+
+def _encoder(
+    state: ServerState, gen: Generation, head: dict[str, Any], batch: bool, usage: bool, details: bool
+) -> Encode:
+    """``details``: each choice's last chunk (and the usage chunk) carries ``sglext``."""
     texts = [TextStream(state.config.tokenizer) for _ in gen.prompts]
     extra = {"usage": None} if usage else {}
 
@@ -147,9 +162,11 @@ def _encoder(state: ServerState, gen: Generation, head: dict[str, Any], batch: b
                 "logprobs": None,
                 "finish_reason": None if ended is None else finish_reason(ended),
             }
-            events.append(sse({**head, "choices": [choice], **extra}))
+            ext = {"sglext": _sglext([ended])} if details and ended is not None else {}
+            events.append(sse({**head, "choices": [choice], **extra, **ext}))
         if gen.done and usage:
-            events.append(sse({**head, "choices": [], "usage": _usage(gen)}))
+            ext = {"sglext": _sglext([p.finished for p in gen.progress])} if details else {}
+            events.append(sse({**head, "choices": [], "usage": _usage(gen), **ext}))
         return events
 
     return encode

@@ -106,6 +106,31 @@ class PDBackend:
             return f"{lost}; restart the server"
         return "the server is shutting down" if self._closing else None
 
+    def flush_cache(self, host: bool) -> str | None:
+        """Posted to the router, which applies it on every prefill rank before any request submitted later (the
+        decode engine keeps no prefix cache)."""
+        with self._cond:
+            if self._open_count:
+                return f"{self._open_count} requests are open; flush once they ended (or abort them)"
+            self.server.clear_cache(host)
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        config = self.server.config
+        return {
+            "page_size": config.page_size,
+            "chunked_prefill_size": config.chunk,
+            "max_prefill_tokens": config.step_tokens,
+            "max_running_requests": config.max_running,
+            "disable_radix_cache": not config.prefix_cache,
+            "tiers": config.tiered,
+            "disaggregation_mode": "internal",
+            "prefill_pp": config.prefill_pp,
+            "prefill_tp": config.prefill_tp,
+            "decode_tp": config.decode_tp,
+            "transfer_backend": config.transport,
+        }
+
     def metrics(self) -> dict[str, Any]:
         pd = self.server.metrics()
         phases: dict[str, int] = pd["phases"]

@@ -4,7 +4,9 @@
 ``text`` (with a tokenizer), ``sampling_params`` (one for all prompts or one per prompt:
 ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
 ``stop_token_ids``, ``ignore_eos``), ``stream``, ``rid`` (ids for ``/abort_request``; one per
-prompt in a batch) and ``cache_salt``. Every answer (each element of a batch) has ``text``,
+prompt in a batch), ``cache_salt`` and SGLang's ``extra_key`` (together, the prefix-cache namespace);
+every other field of SGLang's ``GenerateReqInput`` is accepted at its neutral value (``schemas``).
+Every answer (each element of a batch) has ``text``,
 ``output_ids`` and ``meta_info`` {``id``, ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
 ``cached_tokens_details`` {``device``, ``host``, ``storage``}, from the PD server ``disaggregated``
@@ -34,9 +36,12 @@ from hybridkv.server.schemas import (
     ApiError,
     GenerateBody,
     SglangSampling,
+    cache_namespace,
     check_fits,
+    ignored_fields,
     parse,
     refuse_unsupported,
+    refuse_unsupported_fields,
     sampling,
     token_prompts,
 )
@@ -51,17 +56,7 @@ def _fields(where: str) -> dict[str, str]:
 
 
 def _params(sp: SglangSampling, where: str) -> SamplingParams:
-    refuse_unsupported(
-        [
-            (bool(sp.stop), f"{where}.stop", "stop strings are not served; give stop_token_ids"),
-            (sp.n != 1, f"{where}.n", "only one output per prompt is served; send the prompt n times"),
-            (sp.min_p != 0.0, f"{where}.min_p", "min_p is not served; give 0"),
-            (sp.frequency_penalty != 0.0, f"{where}.frequency_penalty", "penalties are not served; give 0"),
-            (sp.presence_penalty != 0.0, f"{where}.presence_penalty", "penalties are not served; give 0"),
-            (sp.repetition_penalty != 1.0, f"{where}.repetition_penalty", "penalties are not served; give 1"),
-            (sp.min_new_tokens != 0, f"{where}.min_new_tokens", "min_new_tokens is not served; give 0"),
-        ]
-    )
+    refuse_unsupported_fields(sp, where)
     return sampling(
         _fields(where),
         max_new_tokens=sp.max_new_tokens,
@@ -117,12 +112,10 @@ def _answer(gen: Generation, i: int, rid: str, text: TextStream) -> dict[str, An
 
 async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     body: GenerateBody = parse(GenerateBody, raw)
-    refuse_unsupported(
-        [
-            (body.input_ids is not None and body.text is not None, "text", "give input_ids or text, not both"),
-            (body.return_logprob, "return_logprob", "log probabilities are not served"),
-        ]
-    )
+    state.ignore("/generate", ignored_fields(body))
+    both = body.input_ids is not None and body.text is not None
+    refuse_unsupported([(both, "text", "give input_ids or text, not both")])
+    refuse_unsupported_fields(body)
     field = "text" if body.text is not None else "input_ids"
     prompts, batch = token_prompts(
         body.text if body.text is not None else body.input_ids, field, state.config.tokenizer
@@ -141,7 +134,8 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     rids = _rids(state, body.rid, len(prompts), batch)
     fields = _fields("sampling_params") | {"input_ids": field}
     ids = {r: [i] for i, r in enumerate(rids)}
-    gen = state.start(prompts, params, body.cache_salt, ids, fields, batch, body.stream)
+    salt = cache_namespace(body.cache_salt, body.extra_key)
+    gen = state.start(prompts, params, salt, ids, fields, batch, body.stream)
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     if body.stream:
 
@@ -170,6 +164,7 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
 async def abort_request(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body: AbortBody = parse(AbortBody, await request.body())
+    state.ignore("/abort_request", ignored_fields(body))
     if body.abort_all:
         return JSONResponse({"aborted": state.abort_all("aborted by /abort_request")})
     if body.rid is None:

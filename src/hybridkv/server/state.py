@@ -15,10 +15,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,19 +31,26 @@ from hybridkv.server.connections import ConnectionCounters, ConnectionLimits
 from hybridkv.server.generation import Generation, LoopPost, PromptRefused, Update
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.schemas import ApiError, named
-from hybridkv.server.text import Tokenizer
+from hybridkv.server.text import TextTokenizer
 
 MIB = 1 << 20
+IGNORED_NAMES = 64
+"""Distinct ignored field names the server logs and counts by name; beyond them (a client sending made-up names)
+they count as ``OTHER_FIELD``, so neither the log nor ``/metrics`` grows without bound."""
+OTHER_FIELD = "(other)"
+MAX_NAME = 100  # a longer ignored name counts as OTHER_FIELD too
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 16 * MIB
-    tokenizer: Tokenizer | None = None
+    tokenizer: TextTokenizer | None = None
     stream_interval: int = 1  # tokens per streamed chunk (a prompt's first token and its end go at once)
     direct_writes: bool = True  # the backend's thread writes a stream's chunks (``SocketWriter``), not the loop
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # header size, time; connections
+    model_path: str | None = None  # what the model was loaded from (``/get_model_info``; None: the served name)
+    server_args: Mapping[str, Any] = field(default_factory=dict)  # the options it was started with (``/server_info``)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -61,6 +69,7 @@ class ServerState:
         self._loop_clock: int | None = None  # the CPU clock of the thread serving HTTP (``in_loop``)
         self._write_lock = threading.Lock()
         self._write_cpu_s = 0.0  # CPU the backend's thread spent writing streamed chunks (under _write_lock)
+        self._ignored: set[str] = set()  # field names ignored so far (logged once each; the loop only)
 
     def in_loop(self) -> None:
         """Called on the serving loop's thread (every request that reaches the backend, every scrape):
@@ -76,6 +85,21 @@ class ServerState:
             figures["stream_write_cpu_s"] = self._write_cpu_s
         figures["connections_refused"] = self.connections.snapshot()
         return figures
+
+    def ignore(self, endpoint: str, names: list[str]) -> None:
+        """In the loop: the request to ``endpoint`` carried the fields ``names`` that no model knows: each name is
+        logged the first time it is seen and counted (``hybridkv_ignored_request_fields_total``)."""
+        for name in names:
+            if name not in self._ignored and len(name) <= MAX_NAME and len(self._ignored) < IGNORED_NAMES:
+                self._ignored.add(name)
+                print(
+                    f"hybridkv serve: ignoring the request field {name!r} (first sent to {endpoint}; this server does "
+                    "not know it; logged once per name, counted in hybridkv_ignored_request_fields_total)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            label = name if name in self._ignored else OTHER_FIELD
+            self.metrics.ignored_fields.labels(endpoint, label).inc()
 
     def count_write(self, cpu_s: float) -> None:
         """Any thread: CPU seconds spent writing one streamed chunk outside the loop (``SocketWriter``)."""

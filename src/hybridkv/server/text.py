@@ -1,9 +1,12 @@
-"""Text in and out of the server: an optional tokenizer from a local directory, and streamed text deltas.
+"""Text in and out of the server: a tokenizer (a saved one, or bytes), and streamed text deltas.
 
 Without a tokenizer the server speaks token ids only: text prompts are refused (a 400 naming the
-field) and every ``text`` in an answer is ``""``. With one (``--tokenizer DIR``, a ``transformers``
-tokenizer saved there; nothing is downloaded) text prompts are encoded without special tokens
-added and outputs decoded.
+field) and every ``text`` in an answer is ``""``. With one, text prompts are encoded without
+special tokens added and outputs decoded: ``Tokenizer(DIR)`` is a ``transformers`` tokenizer saved
+there (``--tokenizer DIR``, or the model directory's own; nothing is downloaded);
+``ByteTokenizer(vocab_size, special_ids)`` is the built-in one of the random models: token id
+``b`` < 256 is the byte ``b`` of the UTF-8 text, a special id (bos, eos) decodes to nothing, any
+other id to U+FFFD, and invalid UTF-8 decodes with replacement characters (never an error).
 
 Invariant (``TextStream``): the deltas it hands out, joined, equal the decoding of every token so
 far, except that a trailing replacement character (an incomplete UTF-8 sequence) is held back until
@@ -12,14 +15,59 @@ the next token completes it or the request ends; after the last push they equal 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a directory holding one has a saved tokenizer
+BYTES = 256
+
+
+class TextTokenizer(Protocol):
+    source: str  # where it came from (``/get_model_info``'s ``tokenizer_path``)
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the directory ``path`` holds a saved tokenizer."""
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+class ByteTokenizer:
+    """Text as its UTF-8 bytes, one token id per byte, for a model whose vocabulary has at least the 256 byte ids
+    (a text with a byte at or above ``vocab_size`` encodes to an id the engine refuses, named)."""
+
+    def __init__(self, vocab_size: int, special_ids: Iterable[int] = ()):
+        self.vocab_size = vocab_size
+        self.special = frozenset(special_ids)
+        self.source = f"builtin:bytes (vocabulary {vocab_size})"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="surrogatepass"))
+
+    def decode(self, ids: list[int]) -> str:
+        out, run = [], bytearray()
+        for t in ids:
+            if t in self.special:
+                continue
+            if 0 <= t < BYTES:
+                run.append(t)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append("\ufffd")  # an id past the bytes: no text of its own
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 class Tokenizer:
     def __init__(self, path: str | Path):
         from transformers import AutoTokenizer
 
+        self.source = str(path)
         if not Path(path).is_dir():
             raise ValueError(f"--tokenizer {str(path)!r} is not a directory holding a saved tokenizer")
         try:
@@ -43,7 +91,7 @@ class TextStream:
     of everything would. The last push decodes everything once and hands out what is left of it.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: TextTokenizer | None):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] decode to the context the next delta follows

@@ -1,0 +1,207 @@
+"""What real clients send and read (issue 34): every field of SGLang's ``GenerateReqInput`` and OpenAI's
+completions body accepted at its neutral value, unknown fields ignored and counted, ``/flush_cache``,
+``/server_info``, ``/get_model_info``, ``/v1/models/{id}``, cached tokens where clients look, and text through the
+built-in byte tokenizer of the random models. One server (the byte tokenizer) serves every test here."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from hybridkv.server import ByteTokenizer
+from hybridkv.server.text import TextStream
+from tests.server.conftest import MODEL, shared_prefix_prompts
+from tests.server.test_endpoints import metric, wait_idle
+
+FAMILY = shared_prefix_prompts(2, groups=1, prefix=80, seed=314)  # a head nobody else in this module sends
+TEXT = "héllo ✓ 日本 🙂"
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Any) -> Any:
+    return start_server(tokenizer=ByteTokenizer(256))
+
+
+def client(server: Any) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(server: Any, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def ignored(server: Any, endpoint: str, field: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    try:
+        return metric(text, f'hybridkv_ignored_request_fields_total{{endpoint="{endpoint}",field="{field}"}}')
+    except AssertionError:
+        return 0.0
+
+
+def test_unknown_fields_are_ignored_and_counted_known_neutral_ones_accepted(server: Any) -> None:
+    out = client(server).completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0, extra_body={"frobnicate": 1, "lora_path": None}
+    )
+    assert len(out.choices[0].token_ids) == 2  # type: ignore[attr-defined]
+    assert ignored(server, "/v1/completions", "frobnicate") == 1
+    sglang = {  # every GenerateReqInput field at the value SGLang's own client sends by default
+        "input_ids": [5, 6, 7],
+        "sampling_params": {
+            "max_new_tokens": 2,
+            "temperature": 0,
+            "top_k": -1,
+            "stop": [],
+            "skip_special_tokens": True,
+            "spaces_between_special_tokens": True,
+            "no_stop_trim": False,
+            "stream_interval": None,
+            "colour": "red",  # unknown inside sampling_params: ignored too
+        },
+        "return_logprob": False,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "token_ids_logprob": None,
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "log_metrics": True,
+        "return_hidden_states": False,
+        "modalities": [],
+        "image_data": None,
+        "session_params": None,
+        "lora_path": None,
+        "lora_id": None,
+        "custom_logit_processor": None,
+        "bootstrap_host": None,
+        "bootstrap_port": None,
+        "bootstrap_room": None,
+        "data_parallel_rank": None,
+        "background": False,
+        "conversation_id": "c-1",
+        "priority": None,
+        "extra_key": None,
+        "no_logs": False,
+        "custom_labels": {"team": "a"},
+        "return_bytes": False,
+        "return_entropy": False,
+        "return_routed_experts": False,
+        "made_up_field": [1, 2],
+    }
+    for _ in range(2):
+        r = post(server, "/generate", sglang)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == out.choices[0].token_ids  # type: ignore[attr-defined]
+    assert ignored(server, "/generate", "made_up_field") == 2
+    assert ignored(server, "/generate", "sampling_params.colour") == 2
+    for path, prompt in (("/generate", "input_ids"), ("/v1/completions", "prompt")):
+        err = post(server, path, {prompt: [5], "lora_path": "x"}).json()["error"]
+        assert err["param"] == "lora_path" and err["message"].startswith("lora_path: LoRA adapters are not served")
+
+
+def test_cached_tokens_in_usage_meta_info_and_sglext_then_flush_empties_the_cache(server: Any) -> None:
+    before = wait_idle(server)
+    start_pages = metric(before, "hybridkv_live_pages")
+    oai = client(server)
+    repeat = {"input_ids": FAMILY[1], "sampling_params": {"max_new_tokens": 2}}
+    oai.completions.create(model=MODEL, prompt=FAMILY[0], max_tokens=2, temperature=0)
+    stream = oai.completions.create(
+        model=MODEL,
+        prompt=FAMILY[1],
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_cached_tokens_details": True},
+    )
+    chunks = [c.model_dump() for c in stream]
+    cached = chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached <= 80  # within the shared head
+    assert chunks[-1]["sglext"]["cached_tokens_details"] == {"device": cached, "host": 0, "storage": 0}
+    details = {"prompt": FAMILY[1], "max_tokens": 2, "return_cached_tokens_details": True}
+    plain = post(server, "/v1/completions", details)
+    assert plain.json()["sglext"]["cached_tokens_details"]["device"] >= cached
+    meta = post(server, "/generate", repeat).json()["meta_info"]
+    assert meta["cached_tokens"] >= cached and meta["cached_tokens_details"]["device"] == meta["cached_tokens"]
+    assert metric(wait_idle(server), "hybridkv_cached_pages") > 0
+    r = httpx.post(f"{server.url}/flush_cache", timeout=30)
+    assert r.status_code == 200 and r.text.startswith("Cache flushed")
+    text = wait_idle(server)
+    assert metric(text, "hybridkv_cached_pages") == 0 and metric(text, "hybridkv_cached_states") == 0
+    assert metric(text, "hybridkv_live_pages") == start_pages and metric(text, "hybridkv_live_slots") == 0
+    server.backend.call(lambda e: (e.mem.verify(), e.cache.check()))
+    meta = post(server, "/generate", repeat).json()["meta_info"]
+    assert meta["cached_tokens"] == 0  # nothing left to hit
+    assert httpx.get(f"{server.url}/flush_cache?host=true", timeout=30).status_code == 200  # GET too, as SGLang
+    err = httpx.post(f"{server.url}/flush_cache?host=maybe", timeout=30).json()["error"]
+    assert err["param"] == "host"
+
+
+def test_flush_cache_is_refused_while_a_request_runs(server: Any) -> None:
+    body = {"input_ids": FAMILY[0], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}, "stream": True}
+    answer: list[httpx.Response] = []
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):  # it runs: flush from another connection
+                answer.append(httpx.post(f"{server.url}/flush_cache", timeout=30))
+                break
+    assert answer[0].status_code == 400
+    assert "cache not flushed: 1 requests are running or waiting" in answer[0].json()["error"]["message"]
+    wait_idle(server)  # the stream's disconnect aborted it
+    assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+
+
+def test_server_info_model_info_and_model_card(server: Any) -> None:
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(f"{server.url}{path}", timeout=30).json()
+        assert info["version"] and info["served_model_name"] == MODEL and info["context_length"] == 512
+        assert info["page_size"] == 16 and info["max_total_num_tokens"] > 512 and info["max_running_requests"] > 0
+    model = httpx.get(f"{server.url}/get_model_info", timeout=30).json()
+    assert model["is_generation"] is True and model["model_path"] == MODEL
+    assert model["tokenizer_path"].startswith("builtin:bytes")
+    card = client(server).models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    r = httpx.get(f"{server.url}/v1/models/org/other-model", timeout=30)
+    assert r.status_code == 404 and "'org/other-model' is not served" in r.json()["error"]["message"]
+
+
+def test_byte_tokenizer_text_round_trip_streamed_and_not(server: Any) -> None:
+    tok = ByteTokenizer(256)
+    prompt = tok.encode(TEXT)
+    assert len(prompt) == len(TEXT.encode()) and tok.decode(prompt) == TEXT
+    oai = client(server)
+    plain = oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=12, temperature=0)
+    ids = plain.choices[0].token_ids  # type: ignore[attr-defined]
+    assert plain.usage is not None and plain.usage.prompt_tokens == len(prompt)
+    assert plain.choices[0].text == tok.decode(ids)
+    streamed = oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
+    body = {"text": TEXT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as resp:
+        last = [json.loads(x.removeprefix("data: ")) for x in resp.iter_lines() if x.startswith("data: {")][-1]
+    assert last["output_ids"] == ids and last["text"] == plain.choices[0].text
+    assert last["meta_info"]["prompt_tokens"] == len(prompt)
+
+
+def test_a_byte_stream_hands_out_whole_characters_only() -> None:
+    tok = ByteTokenizer(300, special_ids=[2])
+    ids = tok.encode(TEXT)
+    stream = TextStream(tok)
+    deltas = [stream.push([t], final=False) for t in ids]
+    assert "".join(deltas) == TEXT and not any("\ufffd" in d for d in deltas)
+    assert [d for d in deltas if d][1:4] == ["é", "l", "l"]  # é's two bytes: one delta, on the second
+    # ids that are no text: a special id is nothing, an id past the bytes and invalid UTF-8 are U+FFFD
+    assert tok.decode([104, 2, 105, 299, 0xFF, 0xE6]) == "hi\ufffd\ufffd\ufffd"
+    tail = TextStream(tok)
+    assert tail.push([0xE6, 0x97], final=False) == ""  # an incomplete character is held back
+    assert tail.push([], final=True) == "\ufffd"  # and at the end given as what it is
+
+
+def test_nulls_where_openai_allows_them_and_a_flush_once_the_backend_stopped(server: Any) -> None:
+    body = {"prompt": [5, 6], "max_tokens": 2, "n": None, "echo": None, "stream": None, "logprobs": None}
+    assert post(server, "/v1/completions", body).status_code == 200
+    server.backend.close(10)  # the last test of the module: its server serves no more
+    r = httpx.post(f"{server.url}/flush_cache", timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["message"].startswith("not serving:")
