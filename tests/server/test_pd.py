@@ -261,6 +261,9 @@ def scrape(server: HttpServer) -> str:
         ("/v1/completions", {"prompt": [[1, 2], [3, "x"]], "max_tokens": 2}, "prompt[1][1]"),
         ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 254}, "max_tokens"),  # 257 > the context of 256
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_p": "high"}}, "sampling_params.top_p"),
+        # log-probabilities are served in one process only (PD refuses them, naming the field)
+        ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 1}, "logprobs"),
+        ("/generate", {"input_ids": [1, 2], "return_logprob": True}, "top_logprobs_num"),
     ],
 )
 def test_bad_input_is_400_naming_the_field(server: HttpServer, path: str, body: dict[str, Any], param: str) -> None:

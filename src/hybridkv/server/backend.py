@@ -6,8 +6,9 @@ end through the request's ``Sink``, from its own thread. The front end never tou
 Invariants every backend keeps:
 - ``submit`` either refuses at once (``RequestError`` naming the field, ``QueueFull``,
   ``BackendClosed``: nothing queued, no callback ever) or returns a ticket; from then on the
-  sink gets ``on_token`` for every chosen token, in order, then ``on_finish`` exactly once
-  (finished, aborted or failed), all from the backend's thread.
+  sink gets ``on_token`` for every chosen token, in order (with its log-probability when the
+  request asked: ``SamplingParams.logprobs``), then ``on_finish`` exactly once (finished, aborted
+  or failed), all from the backend's thread.
 - ``abort(ticket)`` of an open request ends it with ``FinishReason.ABORT`` and releases its
   memory; of a ticket already ended it does nothing.
 - ``flush_cache(host)`` empties the prefix cache only while no request is open (else it answers why
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from hybridkv.engine.logprobs import TokenLogprob
 from hybridkv.engine.request import SamplingParams
 
 
@@ -75,12 +77,16 @@ class Finished:
     """A PD request's path: ``attempts`` (1, plus one per engine death that made it run again),
     ``retractions``, ``transfer_bytes`` (every decode rank's, summed) and ``timing`` (``queue_s``,
     ``prefill_s``, ``transfer_s``, ``decode_s``; null when it failed); None from a single engine."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token when the request asked (``SamplingParams.logprobs``)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
 
 
 class Sink(Protocol):
     """Where a backend reports one request; called from the backend's thread, never concurrently."""
 
-    def on_token(self, token: int) -> None: ...
+    def on_token(self, token: int, logprob: TokenLogprob | None = None) -> None: ...
 
     def on_finish(self, result: Finished) -> None: ...
 

@@ -157,8 +157,9 @@ class EngineBackend:
                     return
                 if engine.has_work():
                     got = engine.step()
+                    logprobs = got.logprobs
                     for rid, token in got.tokens:
-                        self._open[rid].sink.on_token(token)
+                        self._open[rid].sink.on_token(token, logprobs.get(rid) if logprobs else None)
                     for out in got.finished:
                         self._end(out)
         except Exception as exc:  # a bug in the engine: fail everyone, refuse the rest
@@ -220,6 +221,8 @@ class EngineBackend:
                 out.prompt_tokens,
                 out.cached_tokens,
                 out.cached_tokens_details,
+                logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs,
             )
         )
         self._release()

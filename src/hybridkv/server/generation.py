@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from hybridkv.engine.logprobs import TokenLogprob
 from hybridkv.engine.request import RequestError, SamplingParams
 from hybridkv.server.backend import Backend, Finished
 
@@ -165,7 +166,9 @@ class _Sink:
         self.gen = gen
         self.index = index
 
-    def on_token(self, token: int) -> None:
+    def on_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        if logprob is not None:
+            self.gen.logprobs[self.index].append(logprob)  # before the token's event: there when it is applied
         self.gen.post(self.index, token, None)
 
     def on_finish(self, result: Finished) -> None:
@@ -198,6 +201,8 @@ class Generation:
         self._ready = False  # an event that closes a chunk arrived since ``next`` last returned (the loop only)
         self.arrived = time.perf_counter()
         self.progress = [Progress() for _ in prompts]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in prompts]
+        """Per prompt, its tokens' log-probabilities so far when it asked (appended by the backend's thread)."""
         self.tickets: list[int] = []
         self._lock = threading.Lock()  # guards _events, _keep, _writer and the progress ``_take`` applies
         self._events: list[Event] = []  # arrived, not yet taken

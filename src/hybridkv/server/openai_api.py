@@ -11,7 +11,11 @@ ids, as vLLM returns them with ``return_token_ids``); ``usage`` has
 failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt. With SGLang's
 ``return_cached_tokens_details: true`` the answer (streaming: each choice's last chunk and the usage
 chunk) carries ``sglext.cached_tokens_details`` {``device``, ``host``, ``storage``}: where the cached
-prompt tokens came from. SGLang's ``rid`` names the request (its ``id``; ``/abort_request`` takes it)
+prompt tokens came from. ``logprobs`` n (0-20): each choice's ``logprobs`` object (``logprob_format``: each
+token's log-probability and the n most likely tokens', streamed per chunk too); ``echo`` puts the prompt
+before the text (and, with ``logprobs``, the prompt tokens' figures first, the first one null: the prompt is
+then computed whole, no cache hit); ``max_tokens`` 0 with ``echo`` scores the prompt alone, as evaluation
+harnesses ask (not streamed). SGLang's ``rid`` names the request (its ``id``; ``/abort_request`` takes it)
 and ``extra_key`` joins ``cache_salt`` as the prefix-cache namespace.
 """
 
@@ -22,10 +26,12 @@ from typing import Any
 
 from starlette.types import Receive
 
+from hybridkv.engine.logprobs import TokenLogprob
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server.backend import Finished
 from hybridkv.server.generation import Generation, Update
 from hybridkv.server.hot import Answer, Json
+from hybridkv.server.logprob_format import openai_logprobs
 from hybridkv.server.schemas import (
     ApiError,
     CompletionBody,
@@ -41,7 +47,12 @@ from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.text import TextStream
 
-FIELDS = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "sampling_params": "prompt"}
+FIELDS = {
+    "input_ids": "prompt",
+    "max_new_tokens": "max_tokens",
+    "sampling_params": "prompt",
+    "prompt_logprobs": "logprobs",
+}
 
 
 def finish_reason(result: Finished) -> str:
@@ -56,8 +67,16 @@ def failure(index: int, batch: bool, result: Finished) -> ApiError:
 
 
 def _params(body: CompletionBody, prompts: list[list[int]], context: int) -> list[SamplingParams]:
-    """Per prompt; ``max_tokens`` null: up to the context, as vLLM does."""
+    """Per prompt; ``max_tokens`` null: up to the context, as vLLM does; 0 (only with ``echo``: the prompt's
+    log-probabilities alone) computes one token that the answer leaves out."""
     refuse_unsupported_fields(body)
+    echo = bool(body.echo)
+    if body.max_tokens == 0 and not echo:
+        raise ApiError(
+            400, "max_tokens: 0 asks for nothing; give >= 1, or echo: true to score the prompt", "max_tokens"
+        )
+    if echo and body.stream:
+        raise ApiError(400, "echo: not served with stream: true; send it without streaming", "echo")
     top_k = 0 if body.top_k in (None, -1) else body.top_k
     common = dict(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -66,10 +85,12 @@ def _params(body: CompletionBody, prompts: list[list[int]], context: int) -> lis
         seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if echo else None,
     )
     out = []
     for prompt in prompts:
-        max_new = max(1, context - len(prompt)) if body.max_tokens is None else body.max_tokens
+        max_new = max(1, context - len(prompt)) if body.max_tokens is None else max(1, body.max_tokens)
         out.append(sampling(FIELDS, max_new_tokens=max_new, **common))
     return out
 
@@ -92,24 +113,39 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
     if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        encode = _encoder(state, gen, head, batch, usage, body.return_cached_tokens_details)
+        encode = _encoder(state, gen, head, batch, usage, body.return_cached_tokens_details, body.logprobs is not None)
         return EventStream(state, gen, [cid], receive, encode)
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     async for _ in state.drive(receive, gen, [cid]):
         pass
     choices = []
+    tokenizer = state.config.tokenizer
     for i, got in enumerate(gen.progress):
         assert got.finished is not None
         if got.finished.finish_reason is FinishReason.ERROR:
             raise failure(i, batch, got.finished)
+        if body.max_tokens == 0:  # the prompt alone: the token computed for it is not part of the answer
+            got.tokens.clear()
+            gen.logprobs[i].clear()
         texts[i].push(got.tokens, final=True)
+        text, logprobs = texts[i].text, None
+        if body.echo:
+            prompt_text = "" if tokenizer is None else tokenizer.decode(gen.prompts[i])
+            text = prompt_text + text
+        if body.logprobs is not None:
+            entries: list[TokenLogprob | None] = list(gen.logprobs[i])
+            ids = got.tokens
+            if body.echo:
+                ids = gen.prompts[i] + ids
+                entries = [None, *(got.finished.prompt_logprobs or []), *entries]
+            logprobs = openai_logprobs(tokenizer, ids, entries)
         choices.append(
             {
                 "index": i,
-                "text": texts[i].text,
+                "text": text,
                 "token_ids": got.tokens,
-                "logprobs": None,
-                "finish_reason": finish_reason(got.finished),
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(got.finished) if body.max_tokens != 0 else "length",
             }
         )
     answer = {**head, "choices": choices, "usage": _usage(gen)}
@@ -142,10 +178,13 @@ def _sglext(ended: list[Finished | None]) -> dict[str, Any]:
 
 
 def _encoder(
-    state: ServerState, gen: Generation, head: dict[str, Any], batch: bool, usage: bool, details: bool
+    state: ServerState, gen: Generation, head: dict[str, Any], batch: bool, usage: bool, details: bool, logprobs: bool
 ) -> Encode:
-    """``details``: each choice's last chunk (and the usage chunk) carries ``sglext``."""
-    texts = [TextStream(state.config.tokenizer) for _ in gen.prompts]
+    """``details``: each choice's last chunk (and the usage chunk) carries ``sglext``; ``logprobs``: each chunk its
+    tokens' log-probabilities (``text_offset`` counted over the choice's text so far)."""
+    tokenizer = state.config.tokenizer
+    texts = [TextStream(tokenizer) for _ in gen.prompts]
+    offsets = [0] * len(gen.prompts)
     extra = {"usage": None} if usage else {}
 
     def encode(updates: list[Update]) -> list[bytes]:
@@ -155,11 +194,17 @@ def _encoder(
             if ended is not None and ended.finish_reason is FinishReason.ERROR:
                 events.append(sse(failure(up.index, batch, ended).body()))
                 continue
+            chunk_logprobs = None
+            if logprobs:
+                i, done = up.index, len(gen.progress[up.index].tokens)
+                entries = gen.logprobs[i][done - len(up.new_tokens) : done]
+                chunk_logprobs = openai_logprobs(tokenizer, up.new_tokens, entries, offsets[i])
+                offsets[i] += sum(len(t) for t in chunk_logprobs["tokens"])
             choice = {
                 "index": up.index,
                 "text": texts[up.index].push(up.new_tokens, final=ended is not None),
                 "token_ids": up.new_tokens,
-                "logprobs": None,
+                "logprobs": chunk_logprobs,
                 "finish_reason": None if ended is None else finish_reason(ended),
             }
             ext = {"sglext": _sglext([ended])} if details and ended is not None else {}

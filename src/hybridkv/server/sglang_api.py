@@ -16,6 +16,13 @@ Every answer (each element of a batch) has ``text``,
 default, the cumulative ``output_ids`` and ``text`` of one prompt per chunk (``index``: its place in
 a batch), then ``data: [DONE]``.
 
+``return_logprob`` (with ``top_logprobs_num``, ``return_text_in_logprobs``; each may be one per prompt)
+adds ``meta_info`` ``output_token_logprobs`` (``[logprob, id, text]`` per output token) and
+``output_top_logprobs``; ``logprob_start_len`` >= 0 adds ``input_token_logprobs`` / ``input_top_logprobs`` of
+the prompt from there (its first token's logprob null; the prompt is computed whole, no cache hit); -1, the
+default, none (SGLang's -1 scores the last prompt token, which would cost every such request its cache hit).
+Log-probabilities are served in one process only: the PD server refuses them.
+
 ``/abort_request`` {``rid``} ends the open request (or the one prompt of a batch) with that id, or
 every open request with ``abort_all``; a rid that is not open answers 404 naming it.
 """
@@ -31,6 +38,7 @@ from starlette.types import Receive
 from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.server.generation import Generation, Progress, Update
 from hybridkv.server.hot import Answer, Json
+from hybridkv.server.logprob_format import sglang_logprobs
 from hybridkv.server.schemas import (
     AbortBody,
     ApiError,
@@ -47,15 +55,37 @@ from hybridkv.server.schemas import (
 )
 from hybridkv.server.sse import EventStream, sse
 from hybridkv.server.state import ServerState
-from hybridkv.server.text import TextStream
+from hybridkv.server.text import TextStream, TextTokenizer
 
 
 def _fields(where: str) -> dict[str, str]:
     names = ["max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"]
-    return {"input_ids": "input_ids", "sampling_params": where, **{n: f"{where}.{n}" for n in names}}
+    logprobs = {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num"}
+    return {"input_ids": "input_ids", "sampling_params": where, **{n: f"{where}.{n}" for n in names}, **logprobs}
 
 
-def _params(sp: SglangSampling, where: str) -> SamplingParams:
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    """A field given once for every prompt or as a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise ApiError(400, f"{name}: {len(value)} values for {n} prompts; give one, or one per prompt", name)
+    return value
+
+
+def _logprob_asks(body: GenerateBody, n: int) -> list[tuple[int | None, int | None]]:
+    """Per prompt, what its ``SamplingParams`` ask: ``(logprobs, prompt_logprobs)`` (each None or a top count);
+    ``logprob_start_len`` >= 0 asks for the prompt's from there on (-1, the default: none)."""
+    out = []
+    asks = _per_prompt(body.return_logprob, n, "return_logprob")
+    tops = _per_prompt(body.top_logprobs_num, n, "top_logprobs_num")
+    starts = _per_prompt(body.logprob_start_len, n, "logprob_start_len")
+    for ask, top, start in zip(asks, tops, starts, strict=True):
+        out.append((top, top if start >= 0 else None) if ask else (None, None))
+    return out
+
+
+def _params(sp: SglangSampling, where: str, logprobs: tuple[int | None, int | None] = (None, None)) -> SamplingParams:
     refuse_unsupported_fields(sp, where)
     return sampling(
         _fields(where),
@@ -66,6 +96,8 @@ def _params(sp: SglangSampling, where: str) -> SamplingParams:
         seed=sp.seed if sp.seed is not None else sp.sampling_seed,
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         ignore_eos=sp.ignore_eos,
+        logprobs=logprobs[0],
+        prompt_logprobs=logprobs[1],
     )
 
 
@@ -92,7 +124,7 @@ def _finish_reason(p: Progress) -> dict[str, Any] | None:
     return {"type": str(f.finish_reason), "message": f.error}
 
 
-def _answer(gen: Generation, i: int, rid: str, text: TextStream) -> dict[str, Any]:
+def _answer(gen: Generation, i: int, rid: str, text: TextStream, logprobs: _Logprobs | None = None) -> dict[str, Any]:
     p = gen.progress[i]
     f = p.finished
     meta = {
@@ -107,7 +139,33 @@ def _answer(gen: Generation, i: int, rid: str, text: TextStream) -> dict[str, An
         meta["cached_tokens_details"] = f.cached_tokens_details
     if f is not None and f.disaggregated is not None:  # a PD request's attempts, bytes and phase times
         meta["disaggregated"] = f.disaggregated
+    if logprobs is not None and logprobs.asked[i]:
+        meta.update(logprobs.meta(gen, i))
     return {"text": text.text, "output_ids": p.tokens, "meta_info": meta}
+
+
+class _Logprobs:
+    """What ``/generate`` asked of log-probabilities, and its ``meta_info`` lists for one prompt."""
+
+    def __init__(self, body: GenerateBody, tokenizer: TextTokenizer | None, n: int):
+        self.asked = [bool(a) for a in _per_prompt(body.return_logprob, n, "return_logprob")]
+        self.starts = _per_prompt(body.logprob_start_len, n, "logprob_start_len")
+        self.tokenizer = tokenizer
+        self.with_text = body.return_text_in_logprobs
+
+    def meta(self, gen: Generation, i: int) -> dict[str, Any]:
+        p, prompt, start = gen.progress[i], gen.prompts[i], self.starts[i]
+        out = sglang_logprobs(self.tokenizer, p.tokens, gen.logprobs[i][: len(p.tokens)], self.with_text)
+        inp: tuple[list[Any], list[Any]] = ([], [])
+        if start >= 0 and p.finished is not None:  # the prompt's come with its end
+            entries = [None, *(p.finished.prompt_logprobs or [])][start:]
+            inp = sglang_logprobs(self.tokenizer, prompt[start:], entries, self.with_text)
+        return {
+            "input_token_logprobs": inp[0],
+            "output_token_logprobs": out[0],
+            "input_top_logprobs": inp[1],
+            "output_top_logprobs": out[1],
+        }
 
 
 async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
@@ -121,18 +179,20 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
         body.text if body.text is not None else body.input_ids, field, state.config.tokenizer
     )
     sp = body.sampling_params
+    asks = _logprob_asks(body, len(prompts))
     if isinstance(sp, list):
         if len(sp) != len(prompts):
             raise ApiError(400, f"sampling_params: {len(sp)} given for {len(prompts)} prompts", "sampling_params")
-        params = [_params(s, f"sampling_params[{i}]") for i, s in enumerate(sp)]
+        params = [_params(s, f"sampling_params[{i}]", ask) for i, (s, ask) in enumerate(zip(sp, asks, strict=True))]
     else:
-        one = _params(sp or SglangSampling(), "sampling_params")
-        params = [one] * len(prompts)
+        params = [_params(sp or SglangSampling(), "sampling_params", ask) for ask in asks]
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         where = f"sampling_params[{i}]" if isinstance(sp, list) else "sampling_params"
         check_fits(prompt, p, state.info, f"{field}[{i}]" if batch else field, f"{where}.max_new_tokens")
     rids = _rids(state, body.rid, len(prompts), batch)
     fields = _fields("sampling_params") | {"input_ids": field}
+    asked = any(p.logprobs is not None for p in params)
+    logprobs = _Logprobs(body, state.config.tokenizer, len(prompts)) if asked else None
     ids = {r: [i] for i, r in enumerate(rids)}
     salt = cache_namespace(body.cache_salt, body.extra_key)
     gen = state.start(prompts, params, salt, ids, fields, batch, body.stream)
@@ -143,7 +203,7 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
             events = []
             for up in updates:
                 texts[up.index].push(up.new_tokens, final=up.finished is not None)
-                chunk = _answer(gen, up.index, rids[up.index], texts[up.index])
+                chunk = _answer(gen, up.index, rids[up.index], texts[up.index], logprobs)
                 if batch:
                     chunk["index"] = up.index
                 events.append(sse(chunk))
@@ -157,7 +217,7 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
         if got.finished is not None and got.finished.finish_reason is FinishReason.ERROR:
             where = f"{field}[{i}]" if batch else field
             raise ApiError(500, f"{where}: the engine failed this request: {got.finished.error}", where)
-    answers = [_answer(gen, i, rid, texts[i]) for i, rid in enumerate(rids)]
+    answers = [_answer(gen, i, rid, texts[i], logprobs) for i, rid in enumerate(rids)]
     return Json(answers if batch else answers[0])
 
 
