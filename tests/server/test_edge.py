@@ -58,8 +58,8 @@ BAD_COMPLETIONS = [
     ({"prompt": GOOD, "top_k": -3}, "top_k"),
     ({"prompt": GOOD, "seed": -1}, "seed"),
     ({"prompt": GOOD, "stop_token_ids": [300]}, "stop_token_ids"),
-    ({"prompt": GOOD, "n": 2}, "n"),
-    ({"prompt": GOOD, "logprobs": 1}, "logprobs"),
+    ({"prompt": GOOD, "n": 0}, "n"),  # n > 1 is served (test_logprobs); 0 asks for nothing
+    ({"prompt": GOOD, "logprobs": 25}, "logprobs"),  # 0 to 20 are served
     ({"prompt": GOOD, "stop": ["\n"]}, "stop"),
     ({"prompt": GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"prompt": GOOD, "lora_path": "x"}, "lora_path"),  # a known field asking for what is not served
@@ -81,12 +81,12 @@ BAD_GENERATE = [
     ({"input_ids": [GOOD, GOOD], "rid": ["a", "a"]}, "rid"),
     ({"input_ids": GOOD, "rid": {"a": 1}}, "rid"),  # fits no member of ``str | list[str]``: named as sent
     ({"input_ids": GOOD, "sampling_params": {"stop": "x"}}, "sampling_params.stop"),
-    ({"input_ids": GOOD, "return_logprob": True}, "return_logprob"),
+    ({"input_ids": GOOD, "return_logprob": [True, True]}, "return_logprob"),  # two values for one prompt
     ({"input_ids": GOOD, "stream": "true"}, "stream"),
     ({"input_ids": GOOD, "lora_path": "x"}, "lora_path"),
     ({"input_ids": [GOOD, GOOD], "lora_path": [None, "x"]}, "lora_path"),
     ({"input_ids": GOOD, "image_data": "http://x/y.png"}, "image_data"),
-    ({"input_ids": GOOD, "top_logprobs_num": 3}, "top_logprobs_num"),
+    ({"input_ids": GOOD, "return_logprob": True, "top_logprobs_num": 30}, "top_logprobs_num"),
     ({"input_ids": GOOD, "data_parallel_rank": 1}, "data_parallel_rank"),
     ({"input_ids": GOOD, "sampling_params": {"n": 2}}, "sampling_params.n"),
     ({"input_ids": GOOD, "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),

@@ -137,3 +137,26 @@ def test_bad_logprob_requests_name_the_field(server: Any, path: str, body: dict[
     r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_n_choices_share_the_prompt_through_the_cache(client: openai.OpenAI) -> None:
+    prompt = [9, *PROMPT, *PROMPT, 8]  # 26 tokens: a page and more to share
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    tokens = [c.model_extra["token_ids"] for c in greedy.choices]  # type: ignore[index]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert greedy.usage is not None and greedy.usage.prompt_tokens == len(prompt)  # the prompt counted once
+    assert greedy.usage.completion_tokens == 12
+    sampled = client.completions.create(
+        model=MODEL, prompt=[prompt, PROMPT], max_tokens=6, temperature=1.0, seed=11, n=2, logprobs=0
+    )
+    assert [c.index for c in sampled.choices] == [0, 1, 2, 3]
+    outs = [c.model_extra["token_ids"] for c in sampled.choices]  # type: ignore[index]
+    assert outs[0] != outs[1] or outs[2] != outs[3], "two seeded draws of one prompt came out the same twice"
+    again = client.completions.create(
+        model=MODEL, prompt=[prompt, PROMPT], max_tokens=6, temperature=1.0, seed=11, n=2, logprobs=0
+    )
+    assert [c.model_extra["token_ids"] for c in again.choices] == outs  # type: ignore[index]
+    for bad in (0, 65):
+        with pytest.raises(openai.BadRequestError, match="n: "):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=bad)

@@ -15,19 +15,22 @@ prompt tokens came from. ``logprobs`` n (0-20): each choice's ``logprobs`` objec
 token's log-probability and the n most likely tokens', streamed per chunk too); ``echo`` puts the prompt
 before the text (and, with ``logprobs``, the prompt tokens' figures first, the first one null: the prompt is
 then computed whole, no cache hit); ``max_tokens`` 0 with ``echo`` scores the prompt alone, as evaluation
-harnesses ask (not streamed). SGLang's ``rid`` names the request (its ``id``; ``/abort_request`` takes it)
+harnesses ask (not streamed). ``n`` (1-64) choices per prompt: choice ``i * n + j`` is prompt ``i``'s
+``j``-th (a given ``seed`` plus ``j``); its copies find the prompt in the prefix cache, and ``usage`` counts
+each prompt once. SGLang's ``rid`` names the request (its ``id``; ``/abort_request`` takes it)
 and ``extra_key`` joins ``cache_salt`` as the prefix-cache namespace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from starlette.types import Receive
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import FinishReason, SamplingParams
+from hybridkv.engine.request import MAX_SEED, FinishReason, SamplingParams
 from hybridkv.server.backend import Finished
 from hybridkv.server.generation import Generation, Update
 from hybridkv.server.hot import Answer, Json
@@ -47,6 +50,8 @@ from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.text import TextStream
 
+MAX_CHOICES = 64
+"""Choices per prompt (``n``), at most."""
 FIELDS = {
     "input_ids": "prompt",
     "max_new_tokens": "max_tokens",
@@ -105,6 +110,10 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     params = _params(body, prompts, info.max_context)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         check_fits(prompt, p, info, f"prompt[{i}]" if batch else "prompt", "max_tokens")
+    n = _choices_per_prompt(body.n)
+    if n > 1:  # choice i * n + j of prompt i: the copies after the first find its prompt in the prefix cache
+        prompts = [prompt for prompt in prompts for _ in range(n)]
+        params = [_nth(p, j) for p in params for j in range(n)]
     cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
     salt = cache_namespace(body.cache_salt, body.extra_key)
     stream = bool(body.stream)
@@ -113,7 +122,8 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
     if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        encode = _encoder(state, gen, head, batch, usage, body.return_cached_tokens_details, body.logprobs is not None)
+        asked = body.logprobs is not None
+        encode = _encoder(state, gen, head, batch, n, usage, body.return_cached_tokens_details, asked)
         return EventStream(state, gen, [cid], receive, encode)
     texts = [TextStream(state.config.tokenizer) for _ in prompts]
     async for _ in state.drive(receive, gen, [cid]):
@@ -123,7 +133,7 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     for i, got in enumerate(gen.progress):
         assert got.finished is not None
         if got.finished.finish_reason is FinishReason.ERROR:
-            raise failure(i, batch, got.finished)
+            raise failure(i // n, batch, got.finished)
         if body.max_tokens == 0:  # the prompt alone: the token computed for it is not part of the answer
             got.tokens.clear()
             gen.logprobs[i].clear()
@@ -148,15 +158,31 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
                 "finish_reason": finish_reason(got.finished) if body.max_tokens != 0 else "length",
             }
         )
-    answer = {**head, "choices": choices, "usage": _usage(gen)}
+    answer = {**head, "choices": choices, "usage": _usage(gen, n)}
     if body.return_cached_tokens_details:
         answer["sglext"] = _sglext([p.finished for p in gen.progress])
     return Json(answer)
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    ended = [p.finished for p in gen.progress if p.finished is not None]
-    prompt = sum(len(p) for p in gen.prompts)
+def _choices_per_prompt(n: int | None) -> int:
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n: {n} choices per prompt; give 1 to {MAX_CHOICES}", "n")
+    return n
+
+
+def _nth(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice ``j``'s parameters: a given seed moves by ``j`` (else the engine gives each request its own)."""
+    if params.seed is None or j == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
+
+
+def _usage(gen: Generation, n: int = 1) -> dict[str, Any]:
+    """Each prompt counted once (``n`` choices of it: its first choice's prompt figures)."""
+    ended = [p.finished for p in gen.progress[::n] if p.finished is not None]
+    prompt = sum(len(p) for p in gen.prompts[::n])
     completion = sum(len(p.tokens) for p in gen.progress)
     return {
         "prompt_tokens": prompt,
@@ -178,7 +204,14 @@ def _sglext(ended: list[Finished | None]) -> dict[str, Any]:
 
 
 def _encoder(
-    state: ServerState, gen: Generation, head: dict[str, Any], batch: bool, usage: bool, details: bool, logprobs: bool
+    state: ServerState,
+    gen: Generation,
+    head: dict[str, Any],
+    batch: bool,
+    n: int,
+    usage: bool,
+    details: bool,
+    logprobs: bool,
 ) -> Encode:
     """``details``: each choice's last chunk (and the usage chunk) carries ``sglext``; ``logprobs``: each chunk its
     tokens' log-probabilities (``text_offset`` counted over the choice's text so far)."""
@@ -192,7 +225,7 @@ def _encoder(
         for up in updates:
             ended = up.finished
             if ended is not None and ended.finish_reason is FinishReason.ERROR:
-                events.append(sse(failure(up.index, batch, ended).body()))
+                events.append(sse(failure(up.index // n, batch, ended).body()))
                 continue
             chunk_logprobs = None
             if logprobs:
@@ -211,7 +244,7 @@ def _encoder(
             events.append(sse({**head, "choices": [choice], **extra, **ext}))
         if gen.done and usage:
             ext = {"sglext": _sglext([p.finished for p in gen.progress])} if details else {}
-            events.append(sse({**head, "choices": [], "usage": _usage(gen), **ext}))
+            events.append(sse({**head, "choices": [], "usage": _usage(gen, n), **ext}))
         return events
 
     return encode

@@ -162,7 +162,6 @@ class CompletionBody(_Strict):
     NESTED: ClassVar[tuple[str, ...]] = ("stream_options",)
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         *SHARED_UNSUPPORTED,
-        ("n", (None, 1), "only one completion per prompt is served; send the prompt n times"),
         ("best_of", (None, 1), "only 1 is served"),
         ("prompt_logprobs", (None,), "vLLM's prompt_logprobs is not served; give echo: true with logprobs"),
         ("suffix", (None,), "suffixes are not served"),
