@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cache import PAGE_NEED, CacheError, HybridRadixCache, InsertError, KVManager, LockError
-from hybridkv.memory import InvalidIds, OutOfMemory
+from hybridkv.memory import InvalidIds, OutOfMemory, TokenAllocator
 from hybridkv.spec import PoolId
 from tests.cache.helpers import small_memory
 from tests.cache.test_bad_input import assert_refused
@@ -35,8 +35,15 @@ def test_freeing_cached_pages_is_refused_and_they_are_never_reallocated(cache):
     ps = mem.page_size
     assert_refused(cache, InvalidIds, f"page {pages[0]} is held by the prefix cache", mem.free_pages, pages)
     assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free_pages, [int(pages[2])])
-    assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free, pages * ps)
-    assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free_segment, np.arange(16) + pages[0] * ps, 0)
+    assert_refused(cache, InvalidIds, "held by the prefix cache", TokenAllocator(mem).free, pages * ps)
+    assert_refused(
+        cache,
+        InvalidIds,
+        "held by the prefix cache",
+        TokenAllocator(mem).free_segment,
+        np.arange(16) + pages[0] * ps,
+        0,
+    )
     assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free_window_pages, pages[3:], window)
     assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free_outside_span, pages, 16)
     assert_refused(cache, InvalidIds, f"slot {slot} is held by the prefix cache", mem.free_state, [slot])

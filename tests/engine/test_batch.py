@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hybridkv.engine.batch import BatchError, ForwardBatch
+from hybridkv.memory import TokenAllocator
 from tests.engine.harness import make_runner
 
 
@@ -43,10 +44,10 @@ def test_mismatched_parts_are_refused(kwargs: dict, message: str) -> None:
 
 def test_a_model_with_recurrent_layers_needs_state_slots() -> None:
     runner = make_runner("tiny-qwen3-next", 4)
-    locs = runner.mem.alloc(3)
+    locs = TokenAllocator(runner.mem).alloc(3)
     with pytest.raises(BatchError, match="give every request a state slot"):
         runner.forward(ForwardBatch.build([[1, 2, 3]], [0], [locs]))
-    runner.mem.free(locs)
+    TokenAllocator(runner.mem).free(locs)
 
 
 def test_page_rows_give_the_same_step_as_token_locations() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.memory import UnifiedMemory
+from hybridkv.memory import TokenAllocator, UnifiedMemory
 from hybridkv.spec import FULL_POOL, RECURRENT_POOL, ShardSpec, WindowPool, get_preset
 
 SWA8 = WindowPool(8)
@@ -39,14 +39,14 @@ def expected_extend(prefix, seq, last, new_pages, ps):
 def test_alloc_extend_continues_last_page_then_takes_fresh_pages():
     mem = make()
     ps = mem.page_size
-    first = mem.alloc_extend([0, 0, 0], [5, 3, 8], [0, 0, 0])
+    first = TokenAllocator(mem).alloc_extend([0, 0, 0], [5, 3, 8], [0, 0, 0])
     assert len(first) == 16
     rows = [first[:5], first[5:8], first[8:]]
     pages_before = set(np.flatnonzero(mem.pages.live)[1:])
     prefix = np.array([5, 3, 8])
     seq = np.array([11, 4, 9])
     last = np.array([rows[0][-1], rows[1][-1], rows[2][-1]])
-    got = mem.alloc_extend(prefix, seq, last)
+    got = TokenAllocator(mem).alloc_extend(prefix, seq, last)
     new_pages = sorted(set(np.flatnonzero(mem.pages.live)[1:]) - pages_before)
     # new pages are handed out in request order, lowest ids first on a fresh namespace
     assert got.tolist() == expected_extend(prefix, seq, last, new_pages, ps)
@@ -56,8 +56,8 @@ def test_alloc_extend_continues_last_page_then_takes_fresh_pages():
 def test_alloc_decode_opens_a_page_only_at_page_boundaries():
     mem = make()
     ps = mem.page_size
-    locs = mem.alloc_extend([0, 0], [4, 6], [0, 0])
-    out = mem.alloc_decode([5, 7], [locs[3], locs[-1]])
+    locs = TokenAllocator(mem).alloc_extend([0, 0], [4, 6], [0, 0])
+    out = TokenAllocator(mem).alloc_decode([5, 7], [locs[3], locs[-1]])
     assert out[0] % ps == 0 and out[0] // ps not in {locs[0] // ps}  # new page for position 4
     assert out[1] == locs[-1] + 1  # position 6 continues the page of position 5
     assert mem.pages.live_count == 4
@@ -90,26 +90,26 @@ def test_window_pages_leave_only_the_window_pool():
 def test_free_segment_frees_pages_starting_in_the_segment():
     mem = make()
     ps = mem.page_size
-    row = mem.alloc(10)  # pages of positions [0,4) [4,8) [8,10)
-    mem.free_segment(row[5:], 5)  # page [4,8) starts before 5: kept; page [8,..) freed
+    row = TokenAllocator(mem).alloc(10)  # pages of positions [0,4) [4,8) [8,10)
+    TokenAllocator(mem).free_segment(row[5:], 5)  # page [4,8) starts before 5: kept; page [8,..) freed
     assert mem.pages.live[row[0] // ps] and mem.pages.live[row[4] // ps]
     assert not mem.pages.live[row[8] // ps]
-    mem.free_segment(row[:8], 0)
+    TokenAllocator(mem).free_segment(row[:8], 0)
     assert mem.pages.live_count == 0
     mem.verify()
 
 
 def test_free_group_releases_everything_at_exit_and_nothing_on_error():
     mem = make()
-    a, b = mem.alloc(8), mem.alloc(5)
+    a, b = TokenAllocator(mem).alloc(8), TokenAllocator(mem).alloc(5)
     with mem.free_group():
-        mem.free_segment(a, 0)
-        mem.free(b)
+        TokenAllocator(mem).free_segment(a, 0)
+        TokenAllocator(mem).free(b)
         assert mem.pages.live_count == 4  # buffered, not yet released
     assert mem.pages.live_count == 0
-    c = mem.alloc(4)
+    c = TokenAllocator(mem).alloc(4)
     with pytest.raises(RuntimeError), mem.free_group():
-        mem.free(c)
+        TokenAllocator(mem).free(c)
         raise RuntimeError("forward failed")
     assert mem.pages.live_count == 1
     mem.verify()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.memory import InvalidIds, LayoutError, OutOfMemory, PinnedError, UnifiedMemory
+from hybridkv.memory import InvalidIds, LayoutError, OutOfMemory, PinnedError, TokenAllocator, UnifiedMemory
 from hybridkv.memory.arena import Arena
 from hybridkv.spec import FULL_POOL, ShardSpec, WindowPool, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
@@ -34,7 +34,7 @@ def assert_refused(mem: UnifiedMemory, error: type[Exception], match: str, call,
 
 
 def test_double_free_and_never_allocated(mem):
-    row = mem.alloc(6)
+    row = TokenAllocator(mem).alloc(6)
     pages = np.unique(row // mem.page_size)
     mem.free_pages(pages[:1])
     assert_refused(mem, InvalidIds, "not allocated", mem.free_pages, pages)  # first is a double free
@@ -43,7 +43,7 @@ def test_double_free_and_never_allocated(mem):
 
 
 def test_out_of_range_and_sink_ids(mem):
-    mem.alloc(4)
+    TokenAllocator(mem).alloc(4)
     assert_refused(mem, InvalidIds, "outside", mem.free_pages, [10**9])
     assert_refused(mem, InvalidIds, "outside", mem.free_pages, [-3])
     assert_refused(mem, InvalidIds, "sink", mem.free_pages, [0])
@@ -52,22 +52,22 @@ def test_out_of_range_and_sink_ids(mem):
 
 
 def test_free_segment_longer_than_the_row_or_misaligned(mem):
-    row = mem.alloc(6)
-    other = mem.alloc(3)
+    row = TokenAllocator(mem).alloc(6)
+    other = TokenAllocator(mem).alloc(3)
     too_long = np.concatenate([row, other])  # runs past the row into another row's page
-    assert_refused(mem, InvalidIds, "longer than the row", mem.free_segment, too_long, 0)
-    assert_refused(mem, InvalidIds, "offset", mem.free_segment, row[1:], 0)  # wrong start position
+    assert_refused(mem, InvalidIds, "longer than the row", TokenAllocator(mem).free_segment, too_long, 0)
+    assert_refused(mem, InvalidIds, "offset", TokenAllocator(mem).free_segment, row[1:], 0)  # wrong start position
     past_end = np.concatenate([row, np.zeros(4, dtype=np.int64)])  # zero-filled table tail
-    assert_refused(mem, InvalidIds, "segment", mem.free_segment, past_end, 0)
+    assert_refused(mem, InvalidIds, "segment", TokenAllocator(mem).free_segment, past_end, 0)
 
 
 def test_bad_extend_and_decode_arguments(mem):
-    row = mem.alloc(5)
-    assert_refused(mem, InvalidIds, "one of each", mem.alloc_extend, [0], [3, 4], [0])
-    assert_refused(mem, InvalidIds, "prefix_len", mem.alloc_extend, [5], [4], [row[-1]])
-    assert_refused(mem, InvalidIds, "expected offset", mem.alloc_extend, [5], [9], [row[-2]])
-    assert_refused(mem, InvalidIds, "live page", mem.alloc_decode, [7], [10**6])
-    assert_refused(mem, InvalidIds, ">= 2", mem.alloc_decode, [1], [row[0]])
+    row = TokenAllocator(mem).alloc(5)
+    assert_refused(mem, InvalidIds, "one of each", TokenAllocator(mem).alloc_extend, [0], [3, 4], [0])
+    assert_refused(mem, InvalidIds, "prefix_len", TokenAllocator(mem).alloc_extend, [5], [4], [row[-1]])
+    assert_refused(mem, InvalidIds, "expected offset", TokenAllocator(mem).alloc_extend, [5], [9], [row[-2]])
+    assert_refused(mem, InvalidIds, "live page", TokenAllocator(mem).alloc_decode, [7], [10**6])
+    assert_refused(mem, InvalidIds, ">= 2", TokenAllocator(mem).alloc_decode, [1], [row[0]])
 
 
 def test_window_misuse(mem):
@@ -118,12 +118,12 @@ def test_host_ids_only():
 
 
 def test_a_double_free_inside_a_free_group_frees_nothing(mem):
-    a, b = mem.alloc(6), mem.alloc(3)
+    a, b = TokenAllocator(mem).alloc(6), TokenAllocator(mem).alloc(3)
     before = snapshot(mem)
     with pytest.raises(InvalidIds, match="given twice"), mem.free_group():
-        mem.free_segment(a, 0)
-        mem.free_segment(b, 0)
-        mem.free(b)  # the same pages again
+        TokenAllocator(mem).free_segment(a, 0)
+        TokenAllocator(mem).free_segment(b, 0)
+        TokenAllocator(mem).free(b)  # the same pages again
     assert_unchanged(before, mem)
     mem.verify()
 

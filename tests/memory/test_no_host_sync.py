@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridkv.host_sync import HostSyncCounter
-from hybridkv.memory import OutOfMemory, UnifiedMemory
+from hybridkv.memory import OutOfMemory, TokenAllocator, UnifiedMemory
 from hybridkv.spec import FULL_POOL, ShardSpec, get_preset
 from tests.devices import device, no_host_sync
 
@@ -23,11 +23,12 @@ from tests.devices import device, no_host_sync
 def hot_path(mem: UnifiedMemory) -> None:
     """Every hot-path call, including one that has to compact to find bytes."""
     ps = mem.page_size
-    rows = mem.alloc_extend(np.zeros(3, np.int64), np.array([5, 9, 3]), np.zeros(3, np.int64))
+    tokens = TokenAllocator(mem)
+    rows = tokens.alloc_extend(np.zeros(3, np.int64), np.array([5, 9, 3]), np.zeros(3, np.int64))
     a, b, c = rows[:5], rows[5:14], rows[14:]
-    more = mem.alloc_extend(np.array([5, 3]), np.array([11, 4]), np.array([a[-1], c[-1]]))  # continues pages
+    more = tokens.alloc_extend(np.array([5, 3]), np.array([11, 4]), np.array([a[-1], c[-1]]))  # continues pages
     a, c = np.concatenate([a, more[:6]]), np.concatenate([c, more[6:]])
-    d = mem.alloc_decode(np.array([a.size + 1, b.size + 1]), np.array([a[-1], b[-1]]))
+    d = tokens.alloc_decode(np.array([a.size + 1, b.size + 1]), np.array([a[-1], b[-1]]))
     a, b = np.append(a, d[0]), np.append(b, d[1])
     mem.translate(a)
     mem.translate(torch.from_numpy(b))
@@ -37,19 +38,19 @@ def hot_path(mem: UnifiedMemory) -> None:
         holder, window = object(), mem.window_pools[0].pool_id  # window-cached: held, then reclaimed
         mem.pages.claim(holder, "a cache")
         mem.hold_window_pages(a[ps : 2 * ps : ps] // ps, window, by=holder)
-        mem.free_segment(c, 0)  # a free while a window cell is held elsewhere
-        c = mem.alloc(3)
+        TokenAllocator(mem).free_segment(c, 0)  # a free while a window cell is held elsewhere
+        c = TokenAllocator(mem).alloc(3)
         held = mem.drop_window_holds(a[::ps] // ps, window, by=holder)
         mem.free_window_pages(a[::ps][held] // ps, window, by=holder)
     mem.free_outside_span(a[::ps] // ps, a.size)
     slots = mem.alloc_state(2)
     forked = mem.fork_state(slots[:1])
     mem.free_state(np.concatenate([slots, forked]))
-    mem.free_segment(a[ps:], ps)
+    TokenAllocator(mem).free_segment(a[ps:], ps)
     with mem.free_group():
-        mem.free_segment(a[:ps], 0)
-        mem.free(b)
-    mem.free_segment(c, 0)
+        TokenAllocator(mem).free_segment(a[:ps], 0)
+        TokenAllocator(mem).free(b)
+    TokenAllocator(mem).free_segment(c, 0)
     # fill, keep one page in every slab, then ask for state: only compaction can make room
     filled = []
     while True:

@@ -14,7 +14,7 @@ def test_the_readme_memory_example_runs() -> None:
     assert code is not None, "README lost its memory example"
     text = code.group(1)
     assert 'UnifiedMemory.create(shard, "60GiB", device="cuda", page_size=16)' in text
-    assert "mem.alloc_extend(" in text and "mem.free_segment(" in text
+    assert "tokens.alloc_extend(" in text and "tokens.free_segment(" in text
     text = text.replace('"60GiB", device="cuda", page_size=16', '"1GiB", device="cpu", page_size=16, max_context=4096')
     scope: dict[str, object] = {}
     exec(compile(text, str(README), "exec"), scope)

@@ -16,7 +16,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.memory import InvalidIds, OutOfMemory, UnifiedMemory
+from hybridkv.memory import InvalidIds, OutOfMemory, TokenAllocator, UnifiedMemory
 from hybridkv.spec import FULL_POOL, RECURRENT_POOL, PoolId, ShardSpec, WindowPool, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -52,7 +52,7 @@ def assert_refused(mem: UnifiedMemory, match: str, call, *args) -> InvalidIds:
 def test_a_float_count_is_refused_before_any_slab_is_taken(mem):
     assert_refused(mem, r"alloc_pages: count must be an int >= 0, got float 2\.0", mem.alloc_pages, 2.0)
     assert_refused(mem, r"alloc_state: count must be an int >= 0, got float 1\.0", mem.alloc_state, 1.0)
-    assert_refused(mem, r"alloc: num_tokens must be an int >= 0, got float 10\.0", mem.alloc, 10.0)
+    assert_refused(mem, r"alloc: num_tokens must be an int >= 0, got float 10\.0", TokenAllocator(mem).alloc, 10.0)
     assert_refused(mem, "got bool True", mem.alloc_pages, True)
     assert_refused(mem, "got float64", mem.alloc_pages, np.float64(3))
     assert_refused(mem, r"alloc_pages: count must be >= 0, got -1", mem.alloc_pages, -1)
@@ -61,9 +61,9 @@ def test_a_float_count_is_refused_before_any_slab_is_taken(mem):
 def test_numpy_integer_counts_are_accepted(mem):
     assert mem.alloc_pages(np.int64(2)).size == 2
     assert mem.alloc_state(np.int32(1)).size == 1
-    assert mem.alloc(np.uint8(5)).size == 5
-    row = mem.alloc(9)
-    mem.free_segment(row[PS:], np.int64(PS))
+    assert TokenAllocator(mem).alloc(np.uint8(5)).size == 5
+    row = TokenAllocator(mem).alloc(9)
+    TokenAllocator(mem).free_segment(row[PS:], np.int64(PS))
     mem.free_outside_span(np.unique(row[:PS] // PS), np.int16(PS))
     assert mem.compact(np.int64(1)) in (0, 1)  # at most the one slab asked for
     mem.verify()
@@ -92,12 +92,12 @@ BAD_COUNTS = st.one_of(
 def test_counts_of_other_types_are_refused_and_change_nothing(count, call):
     assume(not (call == "compact" and count is None))  # compact(None): no limit
     mem = _memory()
-    row = mem.alloc(9)
+    row = TokenAllocator(mem).alloc(9)
     targets = {
         "alloc_pages": (mem.alloc_pages, "alloc_pages: count"),
         "alloc_state": (mem.alloc_state, "alloc_state: count"),
-        "alloc": (mem.alloc, "alloc: num_tokens"),
-        "free_segment": (lambda n: mem.free_segment(row[PS:], n), "free_segment: start_pos"),
+        "alloc": (TokenAllocator(mem).alloc, "alloc: num_tokens"),
+        "free_segment": (lambda n: TokenAllocator(mem).free_segment(row[PS:], n), "free_segment: start_pos"),
         "span": (lambda n: mem.free_outside_span(row[::PS] // PS, n), "free_outside_span: seq_len"),
         "compact": (mem.compact, "compact: max_slabs"),
     }
@@ -109,7 +109,7 @@ def test_counts_of_other_types_are_refused_and_change_nothing(count, call):
 
 
 def test_negative_ids_do_not_read_a_live_requests_entries(mem):
-    row = mem.alloc(6)  # a live request: its pages are the highest-numbered ones in use
+    row = TokenAllocator(mem).alloc(6)  # a live request: its pages are the highest-numbered ones in use
     pages = row[::PS] // PS
     slots = mem.alloc_state(1)
     cap = mem.pages.capacity
@@ -136,7 +136,7 @@ IDS_AS = ["list", "numpy", "tensor"]
 @given(data=st.data(), call=st.sampled_from(["translate", "page_cells", "host_cells", "resident"]))
 def test_out_of_range_ids_are_refused_naming_them_and_the_range(data, call):
     mem = _memory()
-    row = mem.alloc(data.draw(st.integers(1, 20)))
+    row = TokenAllocator(mem).alloc(data.draw(st.integers(1, 20)))
     mem.alloc_state(1)
     pool = data.draw(st.sampled_from(POOLS if call != "translate" else [FULL_POOL, WindowPool(8), WindowPool(24)]))
     limit = len(mem.pools[pool].v2p) * (PS if call == "translate" else 1)
@@ -155,8 +155,8 @@ def test_out_of_range_ids_are_refused_naming_them_and_the_range(data, call):
 
 ID_CALLS = {
     "free_pages": lambda mem, ids: mem.free_pages(ids),
-    "free": lambda mem, ids: mem.free(ids),
-    "free_segment": lambda mem, ids: mem.free_segment(ids, 0),
+    "free": lambda mem, ids: TokenAllocator(mem).free(ids),
+    "free_segment": lambda mem, ids: TokenAllocator(mem).free_segment(ids, 0),
     "free_window_pages": lambda mem, ids: mem.free_window_pages(ids),
     "free_window_pages swa:8": lambda mem, ids: mem.free_window_pages(ids, WindowPool(8)),
     "free_outside_span": lambda mem, ids: mem.free_outside_span(ids, 0),
@@ -165,8 +165,8 @@ ID_CALLS = {
     "pin slots": lambda mem, ids: mem.pin(slots=ids),
     "free_state": lambda mem, ids: mem.free_state(ids),
     "fork_state": lambda mem, ids: mem.fork_state(ids),
-    "alloc_decode": lambda mem, ids: mem.alloc_decode(np.full(len(ids), 7), ids),
-    "alloc_extend": lambda mem, ids: mem.alloc_extend(np.full(len(ids), 6), np.full(len(ids), 9), ids),
+    "alloc_decode": lambda mem, ids: TokenAllocator(mem).alloc_decode(np.full(len(ids), 7), ids),
+    "alloc_extend": lambda mem, ids: TokenAllocator(mem).alloc_extend(np.full(len(ids), 6), np.full(len(ids), 9), ids),
 }
 
 
@@ -174,7 +174,7 @@ ID_CALLS = {
 @given(data=st.data(), call=st.sampled_from(sorted(ID_CALLS)))
 def test_every_call_taking_ids_refuses_negative_and_out_of_range_ones(data, call):
     mem = _memory()
-    row = mem.alloc(6)
+    row = TokenAllocator(mem).alloc(6)
     mem.alloc_state(1)
     limit = max(mem.pages.capacity, mem.slots.capacity) * PS
     bad = data.draw(st.lists(st.one_of(st.integers(-(2**62), -1), st.integers(limit, 2**62)), min_size=1, max_size=2))
@@ -190,22 +190,28 @@ def test_every_call_taking_ids_refuses_negative_and_out_of_range_ones(data, call
 
 
 def test_two_requests_continuing_the_same_last_page_are_refused(mem):
-    row = mem.alloc(6)  # 6 tokens of 4 a page: the last page holds 2
+    row = TokenAllocator(mem).alloc(6)  # 6 tokens of 4 a page: the last page holds 2
     last = row[-1]
-    assert_refused(mem, "requests 0 and 1 both continue page", mem.alloc_decode, [7, 7], [last, last])
-    assert_refused(mem, "requests 0 and 2 both continue", mem.alloc_extend, [6, 0, 6], [9, 4, 8], [last, 0, last])
+    assert_refused(mem, "requests 0 and 1 both continue page", TokenAllocator(mem).alloc_decode, [7, 7], [last, last])
+    assert_refused(
+        mem, "requests 0 and 2 both continue", TokenAllocator(mem).alloc_extend, [6, 0, 6], [9, 4, 8], [last, 0, last]
+    )
     # a second "request" claiming a longer row on the same page: its last token is the
     # slot the first one's next token would get
-    assert_refused(mem, "requests 0 and 1 both continue page", mem.alloc_decode, [8, 7], [last + 1, last])
+    assert_refused(
+        mem, "requests 0 and 1 both continue page", TokenAllocator(mem).alloc_decode, [8, 7], [last + 1, last]
+    )
     # continuing the page once is fine; a request that fills it exactly does not continue it
-    assert mem.alloc_decode([7], [last]).tolist() == [last + 1]
+    assert TokenAllocator(mem).alloc_decode([7], [last]).tolist() == [last + 1]
     # one row writes into the page another (claiming it full) ends on: its token would go
-    assert_refused(mem, "requests 0 and 1 both continue page", mem.alloc_decode, [8, 9], [last + 1, last + 2])
+    assert_refused(
+        mem, "requests 0 and 1 both continue page", TokenAllocator(mem).alloc_decode, [8, 9], [last + 1, last + 2]
+    )
     # two rows ending on the same full page (a shared prefix) both start fresh pages: fine
-    full = mem.alloc(8)
-    out = mem.alloc_decode([9, 9], [full[-1], full[-1]])
+    full = TokenAllocator(mem).alloc(8)
+    out = TokenAllocator(mem).alloc_decode([9, 9], [full[-1], full[-1]])
     assert out[0] != out[1]
-    more = mem.alloc_extend([8, 8], [10, 13], [full[-1], full[-1]])
+    more = TokenAllocator(mem).alloc_extend([8, 8], [10, 13], [full[-1], full[-1]])
     assert np.unique(more).size == more.size == 7
     mem.verify()
 
@@ -214,23 +220,23 @@ def test_two_requests_continuing_the_same_last_page_are_refused(mem):
 @given(data=st.data(), lengths=st.lists(st.integers(1, 15), min_size=1, max_size=5), decode=st.booleans())
 def test_a_shared_last_page_in_any_batch_is_refused(data, lengths, decode):
     mem = _memory()
-    rows = [mem.alloc(n) for n in lengths]
+    rows = [TokenAllocator(mem).alloc(n) for n in lengths]
     partial = [i for i, r in enumerate(rows) if r.size % PS]
     if not partial:
-        rows.append(mem.alloc(PS + 1))
+        rows.append(TokenAllocator(mem).alloc(PS + 1))
         partial = [len(rows) - 1]
     shared = data.draw(st.sampled_from(partial))
     batch = data.draw(st.permutations([*range(len(rows)), shared]))
     seq = np.array([rows[i].size for i in batch], dtype=np.int64)
     last = np.array([rows[i][-1] for i in batch], dtype=np.int64)
     if decode:
-        assert_refused(mem, "both continue page", mem.alloc_decode, seq + 1, last)
+        assert_refused(mem, "both continue page", TokenAllocator(mem).alloc_decode, seq + 1, last)
     else:
         grow = np.array(data.draw(st.lists(st.integers(1, 9), min_size=seq.size, max_size=seq.size)))
-        assert_refused(mem, "both continue page", mem.alloc_extend, seq, seq + grow, last)
+        assert_refused(mem, "both continue page", TokenAllocator(mem).alloc_extend, seq, seq + grow, last)
     # the same rows, each once, go through on slots of their own
     seq = np.array([r.size for r in rows], dtype=np.int64)
-    out = mem.alloc_decode(seq + 1, np.array([r[-1] for r in rows], dtype=np.int64))
+    out = TokenAllocator(mem).alloc_decode(seq + 1, np.array([r[-1] for r in rows], dtype=np.int64))
     assert np.unique(out).size == out.size
     mem.verify()
 

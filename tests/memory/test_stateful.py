@@ -19,7 +19,7 @@ from hypothesis import assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridkv.memory import InvalidIds, OutOfMemory, PinnedError, UnifiedMemory
+from hybridkv.memory import InvalidIds, OutOfMemory, PinnedError, TokenAllocator, UnifiedMemory
 from hybridkv.spec import ShardSpec, get_preset
 from tests.memory.snapshots import assert_unchanged, snapshot
 
@@ -75,7 +75,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def prefill(self, lengths: list[int], with_state: bool) -> None:
         seq = np.array(lengths, dtype=np.int64)
         zeros = np.zeros_like(seq)
-        locs = self._attempt(self.mem.alloc_extend, zeros, seq, zeros)
+        locs = self._attempt(TokenAllocator(self.mem).alloc_extend, zeros, seq, zeros)
         if locs is None:
             return
         assert locs.size == seq.sum()
@@ -98,7 +98,7 @@ class MemoryMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.rows)))
         row = self.rows[rid]
         assume(self.window_dropped[rid] == 0)
-        new = self._attempt(self.mem.alloc_extend, [row.size], [row.size + grow], [row[-1]])
+        new = self._attempt(TokenAllocator(self.mem).alloc_extend, [row.size], [row.size + grow], [row[-1]])
         if new is None:
             return
         self.rows[rid] = np.concatenate([row, new])
@@ -109,7 +109,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def decode(self, data) -> None:
         rids = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, max_size=4, unique=True))
         rows = [self.rows[r] for r in rids]
-        out = self._attempt(self.mem.alloc_decode, [r.size + 1 for r in rows], [r[-1] for r in rows])
+        out = self._attempt(TokenAllocator(self.mem).alloc_decode, [r.size + 1 for r in rows], [r[-1] for r in rows])
         if out is None:
             return
         for rid, loc in zip(rids, out, strict=True):
@@ -183,7 +183,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def finish(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.rows)))
         self._unhold(rid)
-        if self._attempt(self.mem.free_segment, self.rows[rid], 0) is None and self._pinned(rid):
+        if self._attempt(TokenAllocator(self.mem).free_segment, self.rows[rid], 0) is None and self._pinned(rid):
             return
         self.rows.pop(rid)
         slot = self.slots.pop(rid, None)
@@ -200,7 +200,7 @@ class MemoryMachine(RuleBasedStateMachine):
             self._unhold(rid)
         with self.mem.free_group():
             for rid in rids:
-                self.mem.free_segment(self.rows[rid], 0)
+                TokenAllocator(self.mem).free_segment(self.rows[rid], 0)
         for rid in rids:
             self.rows.pop(rid)
 
@@ -213,7 +213,7 @@ class MemoryMachine(RuleBasedStateMachine):
         cut = data.draw(st.integers(1, row.size)) // self.ps * self.ps
         assume(0 < cut < row.size and not self._pinned(rid))
         self._unhold(rid)
-        self.mem.free_segment(row[cut:], cut)
+        TokenAllocator(self.mem).free_segment(row[cut:], cut)
         self.rows[rid] = row[:cut]
 
     @precondition(lambda self: self.slots)

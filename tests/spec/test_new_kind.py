@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hybridkv.cache import HybridRadixCache, KVManager
-from hybridkv.memory import LayoutError, MemoryHints, UnifiedMemory, plan_memory
+from hybridkv.memory import LayoutError, MemoryHints, TokenAllocator, UnifiedMemory, plan_memory
 from hybridkv.memory.capacity import fit_requests
 from hybridkv.spec import (
     FULL_POOL,
@@ -153,7 +153,7 @@ def test_tp_shards_it_like_any_per_head_attention():
 @pytest.mark.parametrize("size", [C, 6])  # chunks aligned to pages, and not
 def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads(size):
     mem = make(size)
-    row = mem.alloc(30)
+    row = TokenAllocator(mem).alloc(30)
     pages = row[::PS] // PS
     chunk, window = ChunkPool(size), WindowPool(8)
     for seq_len in (5, 16, 18, 21, 24, 30):
@@ -166,7 +166,7 @@ def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads(
         assert np.array_equal(mem.resident(pages, chunk), expect), seq_len
         assert np.array_equal(mem.resident(pages, window), np.arange(pages.size) >= max(0, seq_len - 8) // PS)
         assert mem.resident(pages, FULL_POOL).all()
-    mem.free(row)  # the rest goes with the row
+    TokenAllocator(mem).free(row)  # the rest goes with the row
     mem.verify()
     assert mem.pools[chunk].live_count == mem.pools[window].live_count == mem.pools[FULL_POOL].live_count == 0
 

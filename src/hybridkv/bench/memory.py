@@ -34,7 +34,7 @@ import torch
 
 from hybridkv.bench.static_pools import StaticAllocator
 from hybridkv.host_sync import HostSyncCounter
-from hybridkv.memory import MemoryHints, UnifiedMemory, plan_memory
+from hybridkv.memory import MemoryHints, TokenAllocator, UnifiedMemory, plan_memory
 from hybridkv.spec import FULL_POOL, RECURRENT_POOL, IdSpace, PoolId, ShardSpec, get_preset
 from hybridkv.traces import PEER_TRACE, load_peer_trace
 
@@ -61,15 +61,16 @@ class Allocator(Protocol):
 class UnifiedAllocator:
     def __init__(self, mem: UnifiedMemory):
         self.mem = mem
+        self.tokens = TokenAllocator(mem)
 
     def extend(self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray) -> np.ndarray:
-        return self.mem.alloc_extend(prefix, seq, last)
+        return self.tokens.alloc_extend(prefix, seq, last)
 
     def decode(self, seq: np.ndarray, last: np.ndarray) -> np.ndarray:
-        return self.mem.alloc_decode(seq, last)
+        return self.tokens.alloc_decode(seq, last)
 
     def free_row(self, locs: np.ndarray) -> None:
-        self.mem.free_segment(locs, 0)
+        self.tokens.free_segment(locs, 0)
 
     def free_group(self) -> AbstractContextManager[None]:
         return self.mem.free_group()

@@ -11,6 +11,7 @@ from hybridkv.memory.gates import GateStatus, MoveGate
 from hybridkv.memory.layout import CellLayout, Segment, build_layouts
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, plan_memory
 from hybridkv.memory.stats import MemoryStats, PoolStats
+from hybridkv.memory.tokens import TokenAllocator
 from hybridkv.memory.unified import UnifiedMemory
 from hybridkv.units import format_bytes, parse_bytes
 
@@ -28,6 +29,7 @@ __all__ = [
     "PinnedError",
     "PoolStats",
     "Segment",
+    "TokenAllocator",
     "UnifiedMemory",
     "build_layouts",
     "format_bytes",

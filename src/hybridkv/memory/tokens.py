@@ -1,11 +1,12 @@
 """The SGLang-style token API, an adapter over the page API: token locations in, pages out.
 
-``TokenApi`` is mixed into ``UnifiedMemory`` (so ``mem.alloc_extend(...)`` works as in
-SGLang's allocators) and uses only the memory's page API: ``alloc_pages`` / ``free_pages``,
-the page id space and the page size (``PageApi``). A token location is
-``page * page_size + offset``. No product path calls it (the engine and the cache hold
-whole pages through ``KVManager``); the memory benchmark drives it against SGLang-style
-baselines, and the tests prove it.
+``TokenAllocator(mem)`` holds a ``UnifiedMemory`` and uses only its public page API:
+``alloc_pages`` / ``free_pages``, the page id space and the page size (so
+``TokenAllocator(mem).alloc_extend(...)`` works as SGLang's allocators do). A token location
+is ``page * page_size + offset``. The engine and the cache hold whole pages through
+``KVManager`` and never call it; it is the seam for engines that speak token locations (an
+SGLang-style allocator), the memory benchmark drives it against SGLang-style baselines, and
+the tests prove it.
 
 Invariants: like every hot-path call of the memory, nothing here reads device memory
 (no ``.item()``, ``.tolist()``, ``bool(tensor)``, ``torch.unique``, ``nonzero``);
@@ -17,39 +18,31 @@ one extend/decode batch may not continue the same partial page.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 
 from hybridkv.memory.errors import InvalidIds
 from hybridkv.memory.ids import IdsLike, count_arg, host_ids
-from hybridkv.memory.virtual import VirtualIds, distinct
+from hybridkv.memory.unified import UnifiedMemory
+from hybridkv.memory.virtual import distinct
 
 
-class PageApi(Protocol):
-    """What the token API needs of a memory."""
+class TokenAllocator:
+    """Token-location calls over one ``UnifiedMemory``'s page API."""
 
-    page_size: int
-    pages: VirtualIds
-    _page_mark: np.ndarray
-    """Scratch over page ids (``_check_tails``): one int per page id."""
+    def __init__(self, mem: UnifiedMemory):
+        self.mem = mem
+        self.page_size = mem.page_size
+        self._page_mark = np.zeros(mem.pages.capacity, dtype=np.int64)
+        """Scratch over page ids (``_check_tails``): one int per page id."""
 
-    def alloc_pages(self, count: int) -> np.ndarray: ...
-
-    def free_pages(self, pages: IdsLike) -> None: ...
-
-
-class TokenApi:
-    """Token-location calls over ``PageApi`` (mixed into ``UnifiedMemory``)."""
-
-    def alloc(self: PageApi, num_tokens: int) -> np.ndarray:
+    def alloc(self, num_tokens: int) -> np.ndarray:
         """Token locations for ``num_tokens`` tokens on fresh pages."""
         num_tokens = count_arg(num_tokens, "alloc: num_tokens")
-        pages = self.alloc_pages(-(-num_tokens // self.page_size))
+        pages = self.mem.alloc_pages(-(-num_tokens // self.page_size))
         ps = self.page_size
         return (pages[:, None] * ps + np.arange(ps)).reshape(-1)[:num_tokens]
 
-    def alloc_extend(self: PageApi, prefix_lens: IdsLike, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
+    def alloc_extend(self, prefix_lens: IdsLike, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
         """Batched prefill: request ``i`` grows from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens.
 
         ``last_locs[i]`` is the location of token ``prefix_lens[i] - 1`` (ignored when the
@@ -74,7 +67,7 @@ class TokenApi:
         _check_tails(self, last, prefix, seq > prefix, "alloc_extend")
         old_pages = -(-prefix // ps)
         new_pages_per = -(-seq // ps) - old_pages
-        pages = self.alloc_pages(int(new_pages_per.sum()))
+        pages = self.mem.alloc_pages(int(new_pages_per.sum()))
         if not np.count_nonzero(prefix % ps):
             return _fresh_page_tokens(ps, pages, new_pages_per, seq)
         counts = seq - prefix
@@ -88,7 +81,7 @@ class TokenApi:
         page[fresh] = pages[first_new[req[fresh]] + page_index[fresh]]
         return page * ps + pos % ps
 
-    def alloc_decode(self: PageApi, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
+    def alloc_decode(self, seq_lens: IdsLike, last_locs: IdsLike) -> np.ndarray:
         """Batched decode: one token per request; ``seq_lens`` include the new token."""
         ps = self.page_size
         seq = host_ids(seq_lens, "alloc_decode seq_lens")
@@ -99,17 +92,17 @@ class TokenApi:
             raise InvalidIds("alloc_decode: every seq_len must be >= 2 (a prompt token and the new one)")
         _check_tails(self, last, seq - 1, None, "alloc_decode")
         new_page = (seq - 1) % ps == 0
-        pages = self.alloc_pages(int(np.count_nonzero(new_page)))
+        pages = self.mem.alloc_pages(int(np.count_nonzero(new_page)))
         out = last + 1
         out[new_page] = pages * ps
         return out
 
-    def free(self: PageApi, locs: IdsLike) -> None:
+    def free(self, locs: IdsLike) -> None:
         """Free the pages that hold ``locs`` (any tokens of them, in any order)."""
         arr = host_ids(locs, "free")
-        self.free_pages(distinct(arr // self.page_size))
+        self.mem.free_pages(distinct(arr // self.page_size))
 
-    def free_segment(self: PageApi, locs: IdsLike, start_pos: int) -> None:
+    def free_segment(self, locs: IdsLike, start_pos: int) -> None:
         """Free one request's row from position ``start_pos``: ``locs`` are its tokens there.
 
         Frees every page whose first position is ``>= start_pos``, found from one
@@ -139,7 +132,7 @@ class TokenApi:
                 "than the row, misaligned, or mixes rows"
             )
         head = (-start_pos) % ps
-        self.free_pages(arr[head::ps] // ps)
+        self.mem.free_pages(arr[head::ps] // ps)
 
 
 def _fresh_page_tokens(ps: int, pages: np.ndarray, pages_per: np.ndarray, seq: np.ndarray) -> np.ndarray:
@@ -154,7 +147,9 @@ def _fresh_page_tokens(ps: int, pages: np.ndarray, pages_per: np.ndarray, seq: n
     return grid[(np.arange(ps) < valid[:, None]).reshape(-1)]
 
 
-def _check_tails(mem: PageApi, last: np.ndarray, lengths: np.ndarray, grows: np.ndarray | None, what: str) -> None:
+def _check_tails(
+    tokens: TokenAllocator, last: np.ndarray, lengths: np.ndarray, grows: np.ndarray | None, what: str
+) -> None:
     """Rows with ``lengths[i] > 0`` continue a row whose last token is at ``last[i]``.
 
     ``last[i]`` must be a live location at offset ``(lengths[i] - 1) % page_size``, and no
@@ -169,26 +164,26 @@ def _check_tails(mem: PageApi, last: np.ndarray, lengths: np.ndarray, grows: np.
         return
     whole = count == has.size
     loc, n = (last, lengths) if whole else (last[has], lengths[has])
-    ps = mem.page_size
+    ps = tokens.page_size
     pages = loc // ps
-    in_range = pages.min() > 0 and pages.max() < mem.pages.capacity
-    if not (in_range and mem.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps)):
-        bad = (pages <= 0) | (pages >= mem.pages.capacity)
-        bad |= ~bad & ~mem.pages.live[np.where(bad, 0, pages)]
+    in_range = pages.min() > 0 and pages.max() < tokens.mem.pages.capacity
+    if not (in_range and tokens.mem.pages.live[pages].all() and not np.count_nonzero(loc % ps != (n - 1) % ps)):
+        bad = (pages <= 0) | (pages >= tokens.mem.pages.capacity)
+        bad |= ~bad & ~tokens.mem.pages.live[np.where(bad, 0, pages)]
         bad |= loc % ps != (n - 1) % ps
         i = int(np.argmax(bad))
         raise InvalidIds(
             f"{what}: last location {loc[i]} does not hold token {n[i] - 1} of a live page "
-            f"(page {pages[i]}, offset {loc[i] % mem.page_size}, expected offset "
-            f"{(n[i] - 1) % mem.page_size})"
+            f"(page {pages[i]}, offset {loc[i] % tokens.page_size}, expected offset "
+            f"{(n[i] - 1) % tokens.page_size})"
         )
     if count < 2:
         return
     # distinct pages <=> each row reads back its own index (no sort); a repeated page
     # keeps one of its rows' indices, so the others read back another
     order = np.arange(count)
-    mem._page_mark[pages] = order
-    if not np.count_nonzero(mem._page_mark[pages] != order):
+    tokens._page_mark[pages] = order
+    if not np.count_nonzero(tokens._page_mark[pages] != order):
         return
     writes = n % ps > 0
     if grows is not None:

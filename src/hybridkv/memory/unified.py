@@ -12,11 +12,11 @@ Pools are keyed by their typed ``PoolId``; which pools keep every page (``histor
 which may drop pages (``window_pools``) and which hold slots (``slot_pools``) follows from
 each pool id's history rule, never from a name.
 
-This module is the page API (whole virtual pages and state slots). Two parts live apart,
-mixed in over it: the SGLang-style token API (``alloc``, ``alloc_extend``, ``alloc_decode``,
-``free``, ``free_segment``: ``tokens.TokenApi``, an adapter, so that ``mem.alloc_extend(...)``
-works) and the window part (window frees, adoption, window-cached cells:
-``windows.WindowApi``, its state ``mem.window_holds``). Argument checks are in ``ids.py``.
+This module is the page API (whole virtual pages and state slots). The SGLang-style token API
+(``alloc``, ``alloc_extend``, ``alloc_decode``, ``free``, ``free_segment``) is an adapter that
+holds a memory (``tokens.TokenAllocator(mem)``). The window part is mixed in over this one
+(window frees, adoption, window-cached cells: ``windows.WindowApi``, its state
+``mem.window_holds``). Argument checks are in ``ids.py``.
 
 Invariants (``verify()`` proves them):
 - Conservation: every arena byte is exactly one of sink, live cell, free cell, slab-edge
@@ -59,14 +59,13 @@ from hybridkv.memory.pool import SubPool
 from hybridkv.memory.sizing import MemoryHints, MemoryPlan, plan_memory
 from hybridkv.memory.slabs import SlabBroker
 from hybridkv.memory.stats import MemoryStats, collect_stats
-from hybridkv.memory.tokens import TokenApi
 from hybridkv.memory.virtual import VirtualIds, distinct
 from hybridkv.memory.windows import WindowApi, WindowHolds
 from hybridkv.spec import IdSpace, PoolId, ShardSpec
 from hybridkv.units import parse_bytes
 
 
-class UnifiedMemory(TokenApi, WindowApi):
+class UnifiedMemory(WindowApi):
     def __init__(
         self,
         plan: MemoryPlan,
@@ -85,7 +84,6 @@ class UnifiedMemory(TokenApi, WindowApi):
             (self.arena.nbytes // lay.cell_bytes for lay in plan.layouts if lay.id_space is IdSpace.SLOT), default=2
         )
         self.pages = VirtualIds(IdSpace.PAGE, page_capacity)
-        self._page_mark = np.zeros(page_capacity, dtype=np.int64)  # scratch of TokenApi._check_tails
         self.slots = VirtualIds(IdSpace.SLOT, slot_capacity)
         capacity = {IdSpace.PAGE: page_capacity, IdSpace.SLOT: slot_capacity}
         self.pools: dict[PoolId, SubPool] = {
