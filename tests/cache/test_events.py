@@ -33,7 +33,7 @@ def test_event_sequence_of_insert_tombstone_and_eviction():
     router = oracle_for(cache)
     toks = np.arange(24)
     row = cache.mem.alloc_pages(6)
-    cache.mem.free_window_pages(row[:2], window_pool(cache, 8))
+    cache.mem.windows.free(row[:2], window_pool(cache, 8))
     cache.insert(toks, row, checkpoints={24: int(cache.mem.alloc_state(1)[0])})
     events = cache.events.drain()
     assert kinds(events) == [

@@ -166,7 +166,7 @@ def test_a_pool_short_of_slabs_gets_them_from_cached_full_kv():
     rows = []
     for _ in range(8):
         row = mem.alloc_pages(3)  # one full slab (3 cells)
-        mem.free_window_pages(row)
+        mem.windows.free(row)
         rows.append(row)
     for i, row in enumerate(rows):
         cache.insert(1000 * i + np.arange(ps), row[:1])  # window already released: nothing to tombstone

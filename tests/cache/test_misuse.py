@@ -44,8 +44,8 @@ def test_freeing_cached_pages_is_refused_and_they_are_never_reallocated(cache):
         np.arange(16) + pages[0] * ps,
         0,
     )
-    assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free_window_pages, pages[3:], window)
-    assert_refused(cache, InvalidIds, "held by the prefix cache", mem.free_outside_span, pages, 16)
+    assert_refused(cache, InvalidIds, "held by the prefix cache", mem.windows.free, pages[3:], window)
+    assert_refused(cache, InvalidIds, "held by the prefix cache", mem.windows.free_outside_span, pages, 16)
     assert_refused(cache, InvalidIds, f"slot {slot} is held by the prefix cache", mem.free_state, [slot])
     with pytest.raises(InvalidIds, match="held by the prefix cache"), mem.free_group():
         mem.free_pages(pages[:1])

@@ -133,8 +133,8 @@ def test_two_windows_must_both_hold():
     toks = np.arange(32)
     kv = kvm.admit(kvm.match(toks))
     kvm.extend(kv, 32)
-    cache.mem.free_window_pages(kv.pages[2:6], w8)  # window 8 at 32 needs pages 6-7 only
-    cache.mem.free_window_pages(kv.pages[2:3], w24)  # window 24 at 32 needs pages 2-7
+    cache.mem.windows.free(kv.pages[2:6], w8)  # window 8 at 32 needs pages 6-7 only
+    cache.mem.windows.free(kv.pages[2:3], w24)  # window 24 at 32 needs pages 2-7
     kvm.reserve_checkpoint(kv, 32)
     kvm.finish(kv, toks)
     m = cache.match_prefix(toks)
@@ -147,8 +147,8 @@ def test_window_pages_freed_behind_the_cache_are_refused_and_check_catches_them(
     kvm, kv = serve(cache, np.arange(16), release_window=False)
     kvm.release(kv)
     with pytest.raises(InvalidIds, match="held by the prefix cache"):  # the cache owns these: a caller bug
-        cache.mem.free_window_pages(kv.pages[:1], swa(cache))
+        cache.mem.windows.free(kv.pages[:1], swa(cache))
     cache.check()
-    cache.mem.free_window_pages(kv.pages[:1], swa(cache), by=cache.residency)  # forced in its name
+    cache.mem.windows.free(kv.pages[:1], swa(cache), by=cache.residency)  # forced in its name
     with pytest.raises(AssertionError, match="resident in swa:8"):
         cache.check()

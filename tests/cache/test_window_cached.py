@@ -79,19 +79,19 @@ def test_window_cached_cells_are_the_cache_s_until_it_drops_them(cache):
     parked = kv.pages[:4]
     mem = cache.mem
     for call, args in [
-        (mem.free_window_pages, (parked[:1], W)),
-        (mem.free_window_pages, (parked[:1], W)),
+        (mem.windows.free, (parked[:1], W)),
+        (mem.windows.free, (parked[:1], W)),
         (mem.free_pages, (parked[:1],)),
-        (mem.free_outside_span, (kv.pages, 24)),
+        (mem.windows.free_outside_span, (kv.pages, 24)),
     ]:
         with pytest.raises(InvalidIds, match="window-cached"):
             call(*args)
     with pytest.raises(InvalidIds, match="only the holder"):
-        mem.hold_window_pages(kv.pages[4:5], W, by=object())
+        mem.windows.hold(kv.pages[4:5], W, by=object())
     with pytest.raises(InvalidIds, match="already held"):
-        mem.hold_window_pages(parked[:1], W, by=cache.residency)
+        mem.windows.hold(parked[:1], W, by=cache.residency)
     checked(cache)
-    marks = mem.window_holds.marks[W]
+    marks = mem.windows.holds.marks[W]
     marks[kv.pages[5]] = True  # a mark behind the counters' back
     with pytest.raises(AssertionError, match="window-cached cells"):
         mem.verify()

@@ -29,7 +29,7 @@ def snapshot(mem: UnifiedMemory) -> dict[str, np.ndarray]:
     for name, pool in mem.pools.items():
         snap.update(_scalars(str(name), pool))  # counts and hints: last_slab, spare_slab, ...
     for pool in mem.window_pools:
-        snap[f"{pool.pool_id}.window_held"] = mem.window_held(pool.pool_id).copy()
+        snap[f"{pool.pool_id}.window_held"] = mem.windows.held(pool.pool_id).copy()
     if mem.arena.has_data:
         snap["bytes"] = mem.arena.buffer.cpu().numpy().copy()
     return snap

@@ -77,7 +77,7 @@ def test_every_kv_pool_binds_the_same_virtual_page():
 def test_window_pages_leave_only_the_window_pool():
     mem = make()
     pages = mem.alloc_pages(4)
-    mem.free_window_pages(pages[:2], SWA8)
+    mem.windows.free(pages[:2], SWA8)
     assert not mem.resident(pages[:2], SWA8).any()
     assert mem.resident(pages[:2], WindowPool(24)).all() and mem.resident(pages, FULL_POOL).all()
     assert (mem.translate(pages[:2] * mem.page_size, SWA8) < 0).all()  # tombstones

@@ -43,7 +43,7 @@ def test_each_kind_can_take_most_of_the_arena_in_turn(preset):
     def page_out_of_window() -> np.ndarray:
         page = mem.alloc_pages(1)
         if mem.window_pools:
-            mem.free_window_pages(page)
+            mem.windows.free(page)
         return page
 
     pages = fill(page_out_of_window)  # 2. long sequences: windows slide, full KV stays

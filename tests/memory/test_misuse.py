@@ -72,10 +72,10 @@ def test_bad_extend_and_decode_arguments(mem):
 
 def test_window_misuse(mem):
     pages = mem.alloc_pages(2)
-    mem.free_window_pages(pages[:1], WindowPool(8))
-    assert_refused(mem, InvalidIds, "already left", mem.free_window_pages, pages[:1], WindowPool(8))
-    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.free_window_pages, pages, FULL_POOL)
-    assert_refused(mem, InvalidIds, "tombstoned", mem.adopt_window_pages, pages[1:], pages[1:], WindowPool(8))
+    mem.windows.free(pages[:1], WindowPool(8))
+    assert_refused(mem, InvalidIds, "already left", mem.windows.free, pages[:1], WindowPool(8))
+    assert_refused(mem, InvalidIds, "not a sliding-window pool", mem.windows.free, pages, FULL_POOL)
+    assert_refused(mem, InvalidIds, "tombstoned", mem.windows.adopt, pages[1:], pages[1:], WindowPool(8))
 
 
 def test_pinned_pages_cannot_be_freed(mem):

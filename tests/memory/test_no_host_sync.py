@@ -34,15 +34,15 @@ def hot_path(mem: UnifiedMemory) -> None:
     mem.translate(torch.from_numpy(b))
     mem.page_cells(a[::ps] // ps, FULL_POOL)
     if mem.window_pools:
-        mem.free_window_pages(a[:ps:ps] // ps)
+        mem.windows.free(a[:ps:ps] // ps)
         holder, window = object(), mem.window_pools[0].pool_id  # window-cached: held, then reclaimed
         mem.pages.claim(holder, "a cache")
-        mem.hold_window_pages(a[ps : 2 * ps : ps] // ps, window, by=holder)
+        mem.windows.hold(a[ps : 2 * ps : ps] // ps, window, by=holder)
         TokenAllocator(mem).free_segment(c, 0)  # a free while a window cell is held elsewhere
         c = TokenAllocator(mem).alloc(3)
-        held = mem.drop_window_holds(a[::ps] // ps, window, by=holder)
-        mem.free_window_pages(a[::ps][held] // ps, window, by=holder)
-    mem.free_outside_span(a[::ps] // ps, a.size)
+        held = mem.windows.drop_holds(a[::ps] // ps, window, by=holder)
+        mem.windows.free(a[::ps][held] // ps, window, by=holder)
+    mem.windows.free_outside_span(a[::ps] // ps, a.size)
     slots = mem.alloc_state(2)
     forked = mem.fork_state(slots[:1])
     mem.free_state(np.concatenate([slots, forked]))

@@ -87,7 +87,7 @@ def test_a_move_across_a_slab_edge_keeps_the_free_cells_the_plan_counted():
         if call == "alloc_pages":
             _tag_pages(mem, mem.alloc_pages(arg))
         elif call == "free_window_pages":
-            mem.free_window_pages(arg, PoolId.parse(pool) if pool else None)
+            mem.windows.free(arg, PoolId.parse(pool) if pool else None)
         else:
             getattr(mem, call)(arg)
         mem.verify()
@@ -144,7 +144,7 @@ class ReclaimMachine(RuleBasedStateMachine):
         pools = [p.pool_id for p in self.mem.window_pools if self.mem.resident(page, p.pool_id)[0]]
         if not pools:
             return
-        self.mem.free_window_pages(page, None if which < 0 else pools[which % len(pools)])
+        self.mem.windows.free(page, None if which < 0 else pools[which % len(pools)])
 
     @rule(count=st.integers(1, 2))
     def alloc_state(self, count: int) -> None:

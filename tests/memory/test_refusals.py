@@ -64,7 +64,7 @@ def test_numpy_integer_counts_are_accepted(mem):
     assert TokenAllocator(mem).alloc(np.uint8(5)).size == 5
     row = TokenAllocator(mem).alloc(9)
     TokenAllocator(mem).free_segment(row[PS:], np.int64(PS))
-    mem.free_outside_span(np.unique(row[:PS] // PS), np.int16(PS))
+    mem.windows.free_outside_span(np.unique(row[:PS] // PS), np.int16(PS))
     assert mem.compact(np.int64(1)) in (0, 1)  # at most the one slab asked for
     mem.verify()
 
@@ -98,7 +98,7 @@ def test_counts_of_other_types_are_refused_and_change_nothing(count, call):
         "alloc_state": (mem.alloc_state, "alloc_state: count"),
         "alloc": (TokenAllocator(mem).alloc, "alloc: num_tokens"),
         "free_segment": (lambda n: TokenAllocator(mem).free_segment(row[PS:], n), "free_segment: start_pos"),
-        "span": (lambda n: mem.free_outside_span(row[::PS] // PS, n), "free_outside_span: seq_len"),
+        "span": (lambda n: mem.windows.free_outside_span(row[::PS] // PS, n), "free_outside_span: seq_len"),
         "compact": (mem.compact, "compact: max_slabs"),
     }
     fn, name = targets[call]
@@ -157,10 +157,10 @@ ID_CALLS = {
     "free_pages": lambda mem, ids: mem.free_pages(ids),
     "free": lambda mem, ids: TokenAllocator(mem).free(ids),
     "free_segment": lambda mem, ids: TokenAllocator(mem).free_segment(ids, 0),
-    "free_window_pages": lambda mem, ids: mem.free_window_pages(ids),
-    "free_window_pages swa:8": lambda mem, ids: mem.free_window_pages(ids, WindowPool(8)),
-    "free_outside_span": lambda mem, ids: mem.free_outside_span(ids, 0),
-    "adopt_window_pages": lambda mem, ids: mem.adopt_window_pages(ids, ids, WindowPool(24)),
+    "free_window_pages": lambda mem, ids: mem.windows.free(ids),
+    "free_window_pages swa:8": lambda mem, ids: mem.windows.free(ids, WindowPool(8)),
+    "free_outside_span": lambda mem, ids: mem.windows.free_outside_span(ids, 0),
+    "adopt_window_pages": lambda mem, ids: mem.windows.adopt(ids, ids, WindowPool(24)),
     "pin": lambda mem, ids: mem.pin(pages=ids),
     "pin slots": lambda mem, ids: mem.pin(slots=ids),
     "free_state": lambda mem, ids: mem.free_state(ids),

@@ -131,7 +131,7 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         gone = pages[start : pages.size - keep]
         self._unhold(rid)
-        self._attempt(self.mem.free_window_pages, gone)
+        self._attempt(self.mem.windows.free, gone)
         if not self.mem.resident(gone, self.mem.window_pools[0].pool_id).any():
             self.window_dropped[rid] = pages.size - keep
 
@@ -144,15 +144,15 @@ class MemoryMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.rows)))
         pool = data.draw(st.sampled_from(self.mem.window_pools))
         pages = self._row_pages(rid)[:-2]
-        pages = pages[pool.resident(pages) & ~self.mem.window_held(pool.pool_id)[pages]]
+        pages = pages[pool.resident(pages) & ~self.mem.windows.held(pool.pool_id)[pages]]
         if not pages.size:
             return
-        self.mem.hold_window_pages(pages, pool.pool_id, by=self.holder)
+        self.mem.windows.hold(pages, pool.pool_id, by=self.holder)
         before = snapshot(self.mem)
         for call, args in [
-            (self.mem.free_window_pages, (pages[:1], pool.pool_id)),
+            (self.mem.windows.free, (pages[:1], pool.pool_id)),
             (self.mem.free_pages, (pages[:1],)),
-            (lambda *a: self.mem.hold_window_pages(*a, by=self.holder), (pages[:1], pool.pool_id)),
+            (lambda *a: self.mem.windows.hold(*a, by=self.holder), (pages[:1], pool.pool_id)),
         ]:
             try:
                 call(*args)
@@ -169,14 +169,14 @@ class MemoryMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.rows)))
         pool = data.draw(st.sampled_from(self.mem.window_pools))
         pages = self._row_pages(rid)
-        held = pages[self.mem.drop_window_holds(pages, pool.pool_id, by=self.holder)]
+        held = pages[self.mem.windows.drop_holds(pages, pool.pool_id, by=self.holder)]
         if held.size:
-            self._attempt(lambda: self.mem.free_window_pages(held, pool.pool_id, by=self.holder))
+            self._attempt(lambda: self.mem.windows.free(held, pool.pool_id, by=self.holder))
 
     def _unhold(self, rid: int) -> None:
         """A row's pages are about to be freed: the holder drops its holds on them first."""
         for pool in self.mem.window_pools:
-            self.mem.drop_window_holds(self._row_pages(rid), pool.pool_id, by=self.holder)
+            self.mem.windows.drop_holds(self._row_pages(rid), pool.pool_id, by=self.holder)
 
     @precondition(lambda self: self.rows)
     @rule(data=st.data())

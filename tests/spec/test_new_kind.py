@@ -157,7 +157,7 @@ def test_release_outside_the_span_frees_exactly_the_pages_no_continuation_reads(
     pages = row[::PS] // PS
     chunk, window = ChunkPool(size), WindowPool(8)
     for seq_len in (5, 16, 18, 21, 24, 30):
-        mem.free_outside_span(pages, seq_len)
+        mem.windows.free_outside_span(pages, seq_len)
         mem.verify()
         keep = {q // PS for q in needed_positions(seq_len, size)}
         # pages from the span start on stay, and the page the next token writes (position seq_len)
@@ -184,7 +184,7 @@ def test_a_transfer_sends_exactly_the_pages_its_span_needs(size):
     pages, dpages = pre.alloc_pages(8), dec.alloc_pages(8)
     chunk = ChunkPool(size)
     for seq_len in (5, 12, 16, 18, 21, 24, 30, 32):
-        pre.free_outside_span(pages, seq_len)  # what a prefill engine releases as it runs
+        pre.windows.free_outside_span(pages, seq_len)  # what a prefill engine releases as it runs
         dst = memory_cells(dec, dpages, None)
         plan = build_plan(pre_bufs, dec_bufs, pairs, seq_len, memory_cells(pre, pages, None), dst)
         written = np.zeros(dec.arena.nbytes, dtype=bool)
@@ -266,7 +266,7 @@ def test_a_request_releases_exactly_the_chunk_pages_outside_its_span(park):
         pages = np.arange(h.pages.size)
         keep = {q // PS for q in needed_positions(seq_len)} | ({seq_len // PS} if seq_len % PS else set())
         for pool, first in ((ChunkPool(C), min(keep, default=pages.size)), (WindowPool(8), max(0, seq_len - 8) // PS)):
-            needed = ~mem.window_held(pool)[h.pages] if park else mem.resident(h.pages, pool)
+            needed = ~mem.windows.held(pool)[h.pages] if park else mem.resident(h.pages, pool)
             assert np.array_equal(needed, pages >= first), (pool, seq_len)
             assert mem.resident(h.pages, pool).all() or not park
         assert mem.resident(h.pages, FULL_POOL).all()

@@ -223,11 +223,11 @@ def test_plan_refuses_bad_cells_before_any_byte_moves(builder):
     with pytest.raises(PlanError, match="same decode bytes"):
         build_plan(pre, dec, pairs, 23, src, dup)
     # window pages are those of tokens [15, 23): pages that left the window do not matter
-    pre_mem.free_window_pages(pages[:3], WindowPool(8))
-    dec_mem.free_window_pages(dpages[:3], WindowPool(8))
+    pre_mem.windows.free(pages[:3], WindowPool(8))
+    dec_mem.windows.free(dpages[:3], WindowPool(8))
     dst = memory_cells(dec_mem, dpages, None)
     assert build_plan(pre, dec, pairs, 23, memory_cells(pre_mem, pages, None), dst).nbytes > 0
-    pre_mem.free_window_pages(pages[4:5], WindowPool(8))  # a window page the prefill lost
+    pre_mem.windows.free(pages[4:5], WindowPool(8))  # a window page the prefill lost
     with pytest.raises(PlanError, match=r"prefill cell -1 for position 4 of pool 'swa:8'.*tombstone"):
         build_plan(pre, dec, pairs, 23, memory_cells(pre_mem, pages, None), dst)
 
@@ -237,7 +237,7 @@ def test_window_pages_and_one_state_slot_only():
     pre, dec = buffer_set_from_memory(pre_mem, BASE), buffer_set_from_memory(dec_mem, 2 * BASE)
     pages, dpages = pre_mem.alloc_pages(10), dec_mem.alloc_pages(10)
     slot, dslot = int(pre_mem.alloc_state(1)[0]), int(dec_mem.alloc_state(1)[0])
-    pre_mem.free_window_pages(pages[:5], WindowPool(8))  # out of the 8-token window at 38 tokens
+    pre_mem.windows.free(pages[:5], WindowPool(8))  # out of the 8-token window at 38 tokens
     dst = memory_cells(dec_mem, dpages, dslot)
     plan = build_plan(pre, dec, pair_entries(pre, dec), 38, memory_cells(pre_mem, pages, slot), dst)
     written = np.zeros(dec_mem.arena.nbytes, dtype=bool)

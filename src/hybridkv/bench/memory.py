@@ -76,7 +76,7 @@ class UnifiedAllocator:
         return self.mem.free_group()
 
     def free_window(self, pages: np.ndarray) -> None:
-        self.mem.free_window_pages(pages)
+        self.mem.windows.free(pages)
 
     def alloc_state(self, count: int) -> np.ndarray:
         return self.mem.alloc_state(count)

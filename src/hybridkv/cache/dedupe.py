@@ -81,7 +81,7 @@ class Dedupe:
             if not np.count_nonzero(take):
                 continue
             self.residency.window_cache.drop(dup_pages[take], w)  # a window-cached cell moves to the tree
-            self.mem.adopt_window_pages(dup_pages[take], kept[take], w.pool_id)
+            self.mem.windows.adopt(dup_pages[take], kept[take], w.pool_id)
             adopted += int(np.count_nonzero(take))
             counts = np.bincount(owner[take], minlength=len(seq))
             for i in np.flatnonzero(counts):

@@ -295,7 +295,7 @@ class KVManager(RequestCheckpoints):
                 if self.park_windows:
                     self._window_cache.hold(pages, w)
                 else:
-                    self.mem.free_window_pages(pages, w.pool_id)
+                    self.mem.windows.free(pages, w.pool_id)
                 freed += int(pages.size)
         return freed
 
@@ -312,7 +312,7 @@ class KVManager(RequestCheckpoints):
             lo = max(handle.released[i], handle.cached)
             if first > lo:
                 pages = handle.pages[lo:first]  # never window-cached: released marks what was
-                self.mem.free_window_pages(pages, pool)
+                self.mem.windows.free(pages, pool)
                 handle.released[i] = first
                 freed += int(pages.size)
         return freed

@@ -128,7 +128,7 @@ class HybridRadixCache:
             raise CacheError(f"policy must be a policy name or a Policy, got {type(policy).__name__} {policy!r}")
         if not isinstance(mem, UnifiedMemory):
             raise CacheError(f"HybridRadixCache: expected a UnifiedMemory, got {type(mem).__name__}")
-        window_held = any(mem.window_held_count(p.pool_id) for p in mem.window_pools)
+        window_held = any(mem.windows.held_count(p.pool_id) for p in mem.window_pools)
         if mem.pages.holder is not None and (mem.pages.held.any() or mem.slots.held.any() or window_held):
             raise CacheError(
                 "HybridRadixCache: another prefix cache already holds this memory's pages; one cache "

@@ -79,7 +79,7 @@ class Release:
         """Free everything collected; ``holder`` drops the windows of pages it still keeps."""
         for pool, parts in self.window.items():
             if parts:
-                mem.free_window_pages(np.concatenate(parts), pool, by=holder)
+                mem.windows.free(np.concatenate(parts), pool, by=holder)
         if self.pages:
             mem.free_pages(np.concatenate(self.pages))
         if self.slots:

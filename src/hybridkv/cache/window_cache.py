@@ -1,7 +1,7 @@
 """Window-cached pages: window cells that left a running request's window, kept until memory is needed.
 
 A request's page that slides out of a window pool's window is not freed there: the cache holds
-its window cell (the memory's owner mark, ``UnifiedMemory.hold_window_pages``). The page is
+its window cell (the memory's owner mark, ``mem.windows.hold``). The page is
 still the request's own (its full KV is live for it); when the request inserts it, the page
 joins the tree node that covers it, window cell resident, so a later hit ending inside that
 span is valid (``WindowRule``). Until then the cell is worth nothing to a hit, so eviction
@@ -42,17 +42,17 @@ class WindowCache:
         self._slack = slack
 
     def count(self, w: WindowRule) -> int:
-        return self.mem.window_held_count(w.pool_id)
+        return self.mem.windows.held_count(w.pool_id)
 
     @property
     def total(self) -> int:
-        return sum(self.mem.window_held_count(w.pool_id) for w in self.windows)
+        return sum(self.mem.windows.held_count(w.pool_id) for w in self.windows)
 
     def hold(self, pages: np.ndarray, w: WindowRule) -> None:
         """Keep the window cells of ``pages`` (a request's own pages that left ``w``'s window)."""
         if not pages.size:
             return
-        self.mem.hold_window_pages(pages, w.pool_id, by=self.holder)
+        self.mem.windows.hold(pages, w.pool_id, by=self.holder)
         self.queues[w.index].append(pages.copy())
         self.queued[w.index] += pages.size
         if self.queued[w.index] > 2 * self.count(w) + self._slack:
@@ -65,13 +65,13 @@ class WindowCache:
         if not pages.size:
             return
         for w in self.windows if only is None else (only,):
-            if self.mem.window_held_count(w.pool_id):
-                self.mem.drop_window_holds(pages, w.pool_id, by=self.holder)
+            if self.mem.windows.held_count(w.pool_id):
+                self.mem.windows.drop_holds(pages, w.pool_id, by=self.holder)
 
     def reclaim(self, w: WindowRule, need: int, out: list[np.ndarray]) -> int:
         """Take up to ``need`` window-cached cells of ``w``, oldest first, into ``out`` (the
         caller frees them in ``w``'s pool); returns how many."""
-        queue, marks = self.queues[w.index], self.mem.window_held(w.pool_id)
+        queue, marks = self.queues[w.index], self.mem.windows.held(w.pool_id)
         pins, pinning = self.mem.gates.page_pins, self.mem.gates.pinning_gates
         taken = 0
         skipped: list[np.ndarray] = []
@@ -89,7 +89,7 @@ class WindowCache:
                 self.queued[w.index] += live.size - (need - taken)
                 live = live[: need - taken]
             if live.size:
-                self.mem.drop_window_holds(live, w.pool_id, by=self.holder)
+                self.mem.windows.drop_holds(live, w.pool_id, by=self.holder)
                 out.append(live)
                 taken += live.size
         for entry in reversed(skipped):
@@ -101,7 +101,7 @@ class WindowCache:
         """Drop stale entries (and the older entry of a page id held twice), keeping order."""
         queue = self.queues[w.index]
         pages = np.concatenate(queue) if queue else _EMPTY
-        pages = pages[self.mem.window_held(w.pool_id)[pages]]
+        pages = pages[self.mem.windows.held(w.pool_id)[pages]]
         _, last = np.unique(pages[::-1], return_index=True)
         kept = pages[np.sort(pages.size - 1 - last)]
         queue.clear()
@@ -112,7 +112,7 @@ class WindowCache:
     def check(self, owned: np.ndarray) -> None:
         """Raise ``AssertionError`` unless the invariants above hold (a test tool)."""
         for w, queue in zip(self.windows, self.queues, strict=True):
-            held = np.flatnonzero(self.mem.window_held(w.pool_id))
+            held = np.flatnonzero(self.mem.windows.held(w.pool_id))
             if held.size != self.count(w):
                 raise AssertionError(f"window cache {w.label}: {held.size} marks, counted {self.count(w)}")
             if owned[held].any():

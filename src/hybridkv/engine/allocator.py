@@ -33,7 +33,7 @@ Invariants:
 - ``handle.seq_len`` equals the request's computed tokens after each forward; its state
   slot holds the state after them (``fresh``: zero it before the next forward).
 - Checkpoints sit only at the placement's page-aligned positions past the cached part;
-  every free goes through the manager's sync-free paths (``free_pages`` / ``free_window_pages`` / ``free_state``).
+  every free goes through the manager's sync-free paths (``free_pages`` / ``windows.free`` / ``free_state``).
 """
 
 from __future__ import annotations

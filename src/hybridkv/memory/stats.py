@@ -85,7 +85,7 @@ def collect_stats(mem: UnifiedMemory) -> MemoryStats:
                 slabs=slabs,
                 live_cells=pool.live_count,
                 free_cells=pool.free_count,
-                cached_cells=mem.window_held_count(pool.pool_id) if pool in mem.window_pools else 0,
+                cached_cells=mem.windows.held_count(pool.pool_id) if pool in mem.window_pools else 0,
                 live_bytes=pool.live_count * pool.cell_bytes,
                 free_bytes=pool.free_count * pool.cell_bytes,
                 edge_waste_bytes=slabs * mem.arena.slab_bytes - usable * pool.cell_bytes,

@@ -14,9 +14,9 @@ each pool id's history rule, never from a name.
 
 This module is the page API (whole virtual pages and state slots). The SGLang-style token API
 (``alloc``, ``alloc_extend``, ``alloc_decode``, ``free``, ``free_segment``) is an adapter that
-holds a memory (``tokens.TokenAllocator(mem)``). The window part is mixed in over this one
-(window frees, adoption, window-cached cells: ``windows.WindowApi``, its state
-``mem.window_holds``). Argument checks are in ``ids.py``.
+holds a memory (``tokens.TokenAllocator(mem)``). The window part is a part this memory owns
+(window frees, adoption, window-cached cells: ``mem.windows``, ``windows.Windows``).
+Argument checks are in ``ids.py``.
 
 Invariants (``verify()`` proves them):
 - Conservation: every arena byte is exactly one of sink, live cell, free cell, slab-edge
@@ -34,8 +34,8 @@ Invariants (``verify()`` proves them):
   lives, never read back).
 - Ids the prefix cache keeps carry an owner mark (``VirtualIds.held``): only the cache frees
   them (``by=`` its holder); every other free of a marked id is refused.
-- Window-cached cells (``hold_window_pages``, see ``window_holds.py``) are refused by every
-  free of their cell until the holder drops the mark (``drop_window_holds``).
+- Window-cached cells (``mem.windows.hold``, see ``windows.py``) are refused by every
+  free of their cell until the holder drops the mark (``mem.windows.drop_holds``).
 - Compaction moves whole cells (all layers' bytes of a page or a state slot) and rebinds
   ``v2p``/``p2v``; it never moves a pinned id, and it runs only when a pool needs bytes
   that no hole and no free slab can give (or when asked to, e.g. when idle).
@@ -60,12 +60,12 @@ from hybridkv.memory.sizing import MemoryHints, MemoryPlan, plan_memory
 from hybridkv.memory.slabs import SlabBroker
 from hybridkv.memory.stats import MemoryStats, collect_stats
 from hybridkv.memory.virtual import VirtualIds, distinct
-from hybridkv.memory.windows import WindowApi, WindowHolds
+from hybridkv.memory.windows import Windows
 from hybridkv.spec import IdSpace, PoolId, ShardSpec
 from hybridkv.units import parse_bytes
 
 
-class UnifiedMemory(WindowApi):
+class UnifiedMemory:
     def __init__(
         self,
         plan: MemoryPlan,
@@ -95,8 +95,10 @@ class UnifiedMemory(WindowApi):
         self.window_pools = [p for p in self.token_pools if p.pool_id.releases_history]
         self.slot_pools = [p for p in self.pools.values() if p.layout.id_space is IdSpace.SLOT]
         self._cells_per_slab = [max(1, plan.min_cells_per_slab(p.layout)) for p in self.token_pools]
-        self.window_holds = WindowHolds(self.pages, self.window_pools)
         self.gates = GateRegistry(page_capacity, slot_capacity)
+        self.windows = Windows(
+            self.page_size, self.pages, self.window_pools, self.gates, self._pool, self._check_releasable
+        )
         self.broker = SlabBroker(self.arena, list(self.pools.values()), self.gates)
         self._group: list[np.ndarray] | None = None
         self._layer_pool: dict[int, SubPool] = {
@@ -259,8 +261,8 @@ class UnifiedMemory(WindowApi):
         (in ``window`` only, when only that pool's cells are freed)."""
         self.pages.check_live(pages, what)
         self.pages.check_not_held(pages, what, by)
-        if self.window_holds.total:
-            self.window_holds.refuse_held(pages, what, window)
+        if self.windows.holds.total:
+            self.windows.holds.refuse_held(pages, what, window)
         if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
             first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
             raise PinnedError(f"{what}: page {first} is pinned by a move gate (in-flight forward or transfer)")

@@ -60,10 +60,10 @@ def _verify_window_held(mem: UnifiedMemory) -> None:
     needed whole by the holder (a cached page's cells are its own), counted exactly."""
     total = 0
     for pool in mem.window_pools:
-        marks = mem.window_held(pool.pool_id)
+        marks = mem.windows.held(pool.pool_id)
         held = np.flatnonzero(marks)
-        if held.size != mem.window_held_count(pool.pool_id):
-            _fail(f"{pool.pool_id}: {held.size} window-cached cells, counted {mem.window_held_count(pool.pool_id)}")
+        if held.size != mem.windows.held_count(pool.pool_id):
+            _fail(f"{pool.pool_id}: {held.size} window-cached cells, counted {mem.windows.held_count(pool.pool_id)}")
         if held.size and mem.pages.holder is None:
             _fail(f"{pool.pool_id}: window-cached cells but no holder of page ids")
         for bad, why in (
@@ -74,8 +74,8 @@ def _verify_window_held(mem: UnifiedMemory) -> None:
             if bad.any():
                 _fail(f"page {int(held[np.argmax(bad)])} is window-cached in {pool.pool_id} but {why}")
         total += held.size
-    if total != mem.window_holds.total:
-        _fail(f"window-cached cells: {total} marked, total counter {mem.window_holds.total}")
+    if total != mem.windows.holds.total:
+        _fail(f"window-cached cells: {total} marked, total counter {mem.windows.holds.total}")
 
 
 def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:

@@ -1,12 +1,13 @@
 """The window part of the memory: pages leaving bounded-history pools, and window-cached cells.
 
-``WindowApi`` (mixed into ``UnifiedMemory``, over the page API it names in ``WindowHost``)
-frees window cells of live pages (``free_window_pages``, ``free_outside_span``), moves
-window residency between pages (``adopt_window_pages``), and lets the page holder keep
-cells that left a window (``hold_window_pages`` / ``drop_window_holds``). ``WindowHolds`` is
-that hold: a request's page that left its window may keep its cell in a window pool, held by
-the page holder (the prefix cache, ``VirtualIds.claim``) until memory is needed: it is neither
-free nor needed by its request.
+``Windows`` (``mem.windows``, a part ``UnifiedMemory`` owns, handed the pieces it works on:
+the page ids, the pool lookup, the move gates and the memory's releasability check) frees
+window cells of live pages (``free``, ``free_outside_span``), moves window residency
+between pages (``adopt``), and lets the page holder keep cells that left a window
+(``hold`` / ``drop_holds``). ``WindowHolds`` (``mem.windows.holds``) is that hold: a
+request's page that left its window may keep its cell in a window pool, held by the page
+holder (the prefix cache, ``VirtualIds.claim``) until memory is needed: it is neither free
+nor needed by its request.
 
 Invariants (``UnifiedMemory.verify`` proves them):
 - A held cell's page is live, resident in that window pool and not held as a whole (a
@@ -20,7 +21,7 @@ Invariants (``UnifiedMemory.verify`` proves them):
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 
@@ -46,20 +47,20 @@ class WindowHolds:
         resident there and not held yet; only the holder of page ids may hold."""
         target = self.pools.get(pool)
         if target is None:
-            raise InvalidIds(f"hold_window_pages: pool {pool} keeps its whole history; it is not a window pool")
+            raise InvalidIds(f"windows.hold: pool {pool} keeps its whole history; it is not a window pool")
         if by is None or by is not self.pages.holder:
             raise InvalidIds(
-                "hold_window_pages: only the holder of page ids (the prefix cache, VirtualIds.claim) may "
+                "windows.hold: only the holder of page ids (the prefix cache, VirtualIds.claim) may "
                 "hold window cells; pass by=<that holder>"
             )
-        self.pages.check_live(arr, "hold_window_pages")
-        self.pages.check_not_held(arr, "hold_window_pages")
+        self.pages.check_live(arr, "windows.hold")
+        self.pages.check_not_held(arr, "windows.hold")
         marks = self.marks[pool]
         bad = ~target.resident(arr) | marks[arr]
         if np.count_nonzero(bad):
             page = int(arr[np.argmax(bad)])
             state = "already held" if marks[page] else "not resident"
-            raise InvalidIds(f"hold_window_pages: page {page} is {state} in window pool {pool}")
+            raise InvalidIds(f"windows.hold: page {page} is {state} in window pool {pool}")
         marks[arr] = True
         self.counts[pool] += arr.size
         self.total += arr.size
@@ -68,11 +69,11 @@ class WindowHolds:
         """``by`` gives up its hold on those pages of ``arr`` it holds in ``pool`` (the others
         are skipped; the cells stay resident); returns their mask."""
         if by is None or by is not self.pages.holder:
-            raise InvalidIds("drop_window_holds: only the holder that held the window cells may drop them")
+            raise InvalidIds("windows.drop_holds: only the holder that held the window cells may drop them")
         marks = self.marks.get(pool)
         if marks is None:
-            raise InvalidIds(f"drop_window_holds: {pool} is not a window pool of this memory")
-        check_range(arr, marks.size, "drop_window_holds", "page ids")
+            raise InvalidIds(f"windows.drop_holds: {pool} is not a window pool of this memory")
+        check_range(arr, marks.size, "windows.drop_holds", "page ids")
         held = marks[arr]
         count = int(np.count_nonzero(held))
         if count:
@@ -98,45 +99,52 @@ class WindowHolds:
                 )
 
 
-class WindowHost(Protocol):
-    """What the window calls need of a memory."""
-
-    page_size: int
-    pages: VirtualIds
-    window_pools: list[SubPool]
-    window_holds: WindowHolds
-    gates: GateRegistry
-
-    def _pool(self, pool: PoolId) -> SubPool: ...
-
-    def _check_releasable(
-        self, pages: np.ndarray, what: str, by: object = None, window: PoolId | None = None
-    ) -> None: ...
+Releasable = Callable[[np.ndarray, str, object, "PoolId | None"], None]
+"""``UnifiedMemory``'s check that pages may leave a pool: live, not held but by ``by``, not pinned, no window
+cell held (in the pool named)."""
 
 
-class WindowApi:
-    """Window calls over ``WindowHost`` (mixed into ``UnifiedMemory``)."""
+class Windows:
+    """Window calls over one memory's window pools (``mem.windows``)."""
 
-    def free_window_pages(self: WindowHost, pages: IdsLike, pool: PoolId | None = None, *, by: object = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        pages: VirtualIds,
+        window_pools: list[SubPool],
+        gates: GateRegistry,
+        lookup: Callable[[PoolId], SubPool],
+        releasable: Releasable,
+    ):
+        """``lookup``: the memory's pool of a ``PoolId`` (a clear error for one it does not have)."""
+        self.page_size = page_size
+        self.pages = pages
+        self.window_pools = window_pools
+        self.gates = gates
+        self._pool = lookup
+        self._check_releasable = releasable
+        self.holds = WindowHolds(pages, window_pools)
+
+    def free(self, pages: IdsLike, pool: PoolId | None = None, *, by: object = None) -> None:
         """Drop pages from bounded-history (window) pools only; full KV stays.
 
         ``pool`` names one window pool; default: every window pool where they are resident.
         Pages must be live; in a named pool they must be resident. ``by``: the holder of
         marked pages (``VirtualIds.claim``), which alone may drop their windows.
         """
-        arr = host_ids(pages, "free_window_pages")
-        self._check_releasable(arr, "free_window_pages", by, pool)
+        arr = host_ids(pages, "windows.free")
+        self._check_releasable(arr, "windows.free", by, pool)
         targets = [self._pool(pool)] if pool is not None else self.window_pools
         if pool is not None and not pool.releases_history:
-            raise InvalidIds(f"free_window_pages: pool {pool} keeps its whole history; it is not a sliding-window pool")
+            raise InvalidIds(f"windows.free: pool {pool} keeps its whole history; it is not a sliding-window pool")
         masks = [target.resident(arr) for target in targets]
         counts = [np.count_nonzero(mask) for mask in masks]
         if pool is not None and counts[0] != arr.size:
-            raise InvalidIds(f"free_window_pages: page {arr[np.argmax(~masks[0])]} already left window pool {pool}")
+            raise InvalidIds(f"windows.free: page {arr[np.argmax(~masks[0])]} already left window pool {pool}")
         for target, resident, count in zip(targets, masks, counts, strict=True):
             target.give_cells(target.unbind(arr if count == arr.size else arr[resident]))
 
-    def free_outside_span(self: WindowHost, row_pages: IdsLike, seq_len: int) -> None:
+    def free_outside_span(self, row_pages: IdsLike, seq_len: int) -> None:
         """Release, in every window pool, the row's pages that lie wholly before the span its
         history rule needs at ``seq_len`` (``PoolId.first_needed``); pages already released
         there are skipped. ``row_pages``: one request's virtual pages in row order (page
@@ -156,8 +164,8 @@ class WindowApi:
             behind = arr[: pool.pool_id.page_span(seq_len, ps)[0]]
             releases.append((pool, behind[pool.resident(behind)]))
         for pool, pages in releases:  # decide, then act: a pinned or window-cached page refuses the whole call
-            if self.window_holds.total:
-                self.window_holds.refuse_held(pages, "free_outside_span", pool.pool_id)
+            if self.holds.total:
+                self.holds.refuse_held(pages, "free_outside_span", pool.pool_id)
             if pages.size and self.gates.pinning_gates and self.gates.page_pins[pages].any():
                 first = int(pages[np.argmax(self.gates.page_pins[pages] > 0)])
                 raise PinnedError(
@@ -167,43 +175,41 @@ class WindowApi:
             if pages.size:
                 pool.give_cells(pool.unbind(pages))
 
-    def hold_window_pages(self: WindowHost, pages: IdsLike, pool: PoolId, *, by: object) -> None:
+    def hold(self, pages: IdsLike, pool: PoolId, *, by: object) -> None:
         """The page holder ``by`` keeps the window cells of ``pages`` in ``pool`` (window-cached):
         pages that left their request's window, resident until the holder frees them. They must
         be live, not held whole, resident in ``pool`` and not held there yet."""
         self._pool(pool)
-        self.window_holds.hold(host_ids(pages, "hold_window_pages"), pool, by)
+        self.holds.hold(host_ids(pages, "windows.hold"), pool, by)
 
-    def drop_window_holds(self: WindowHost, pages: IdsLike, pool: PoolId, *, by: object) -> np.ndarray:
+    def drop_holds(self, pages: IdsLike, pool: PoolId, *, by: object) -> np.ndarray:
         """The holder ``by`` gives up its hold on the window cells of those ``pages`` it holds in
         ``pool`` (the others are skipped; the cells stay resident); returns their mask."""
-        return self.window_holds.drop(host_ids(pages, "drop_window_holds"), pool, by)
+        return self.holds.drop(host_ids(pages, "windows.drop_holds"), pool, by)
 
-    def window_held(self: WindowHost, pool: PoolId) -> np.ndarray:
+    def held(self, pool: PoolId) -> np.ndarray:
         """Read-only host mask over page ids: whose window cell in ``pool`` the holder keeps."""
-        return self.window_holds.mask(pool)
+        return self.holds.mask(pool)
 
-    def window_held_count(self: WindowHost, pool: PoolId) -> int:
+    def held_count(self, pool: PoolId) -> int:
         """Window cells of ``pool`` held as window-cached (a host counter)."""
-        return self.window_holds.counts[pool]
+        return self.holds.counts[pool]
 
-    def adopt_window_pages(self: WindowHost, src: IdsLike, dst: IdsLike, pool: PoolId) -> None:
+    def adopt(self, src: IdsLike, dst: IdsLike, pool: PoolId) -> None:
         """Move window residency from pages ``src`` to pages ``dst`` (pairwise), no bytes copied.
 
         For a prefix cache that keeps ``dst`` (full KV) but lost their window pages, while a
         request just computed the same tokens into ``src``: ``dst`` takes ``src``'s window
         cells, ``src`` becomes tombstoned in that pool.
         """
-        s, d = host_ids(src, "adopt_window_pages src"), host_ids(dst, "adopt_window_pages dst")
+        s, d = host_ids(src, "windows.adopt src"), host_ids(dst, "windows.adopt dst")
         target = self._pool(pool)
         if not pool.releases_history or s.size != d.size:
             raise InvalidIds(
-                f"adopt_window_pages: need a window pool and equal lengths (pool {pool}, {s.size} src, {d.size} dst)"
+                f"windows.adopt: need a window pool and equal lengths (pool {pool}, {s.size} src, {d.size} dst)"
             )
-        self._check_releasable(s, "adopt_window_pages src", window=pool)
-        self.pages.check_live(d, "adopt_window_pages dst")
+        self._check_releasable(s, "windows.adopt src", None, pool)
+        self.pages.check_live(d, "windows.adopt dst")
         if not target.resident(s).all() or target.resident(d).any():
-            raise InvalidIds(
-                f"adopt_window_pages: every src page must be resident and every dst page tombstoned in {pool}"
-            )
+            raise InvalidIds(f"windows.adopt: every src page must be resident and every dst page tombstoned in {pool}")
         target.bind(d, target.unbind(s))
