@@ -123,23 +123,23 @@ def test_manager_refuses_misuse_of_a_request(cache):
     assert_refused(cache, CacheError, "cannot shrink", kvm.extend, kv, 21)
     assert_refused(cache, CacheError, "holds KV of 22 tokens", kvm.insert, kv, np.arange(23))
     assert_refused(cache, CacheError, "fewer than the 4 pages", kvm.insert, kv, np.arange(12))
-    assert_refused(cache, CacheError, "past the cached 16 tokens", kvm.reserve_checkpoint, kv, 16)
-    assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoint, kv, 22)
-    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoint, kv)  # 22 is not aligned
-    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoint_final, kv)
+    assert_refused(cache, CacheError, "past the cached 16 tokens", kvm.checkpoints.reserve, kv, 16)
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoints.reserve, kv, 22)
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoints.take, kv)  # 22 is not aligned
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoints.take_final, kv)
     assert kv.state_slot is not None  # refused: the running slot stays
-    assert_refused(cache, CacheError, "repeat one", kvm.reserve_checkpoints, kv, [20, 20])
-    assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_checkpoints, kv, [20, 22])
+    assert_refused(cache, CacheError, "repeat one", kvm.checkpoints.reserve_each, kv, [20, 20])
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoints.reserve_each, kv, [20, 22])
     assert kv.checkpoints == {}  # a refused batch reserves none of its positions
-    assert kvm.reserve_checkpoints(kv, []) == []
+    assert kvm.checkpoints.reserve_each(kv, []) == []
     other = kvm.admit(kvm.match(np.arange(100, 116)))
     kvm.extend(other, 24)
-    assert_refused(cache, CacheError, "one position per handle", kvm.reserve_step_checkpoints, [kv, other], [20])
-    assert_refused(cache, CacheError, "repeat one", kvm.reserve_step_checkpoints, [kv, kv], [20, 20])
-    assert_refused(cache, CacheError, "multiple of the page size", kvm.reserve_step_checkpoints, [kv, other], [20, 22])
+    assert_refused(cache, CacheError, "one position per handle", kvm.checkpoints.reserve_step, [kv, other], [20])
+    assert_refused(cache, CacheError, "repeat one", kvm.checkpoints.reserve_step, [kv, kv], [20, 20])
+    assert_refused(cache, CacheError, "multiple of the page size", kvm.checkpoints.reserve_step, [kv, other], [20, 22])
     assert kv.checkpoints == {} and other.checkpoints == {}  # refused: none reserved
-    assert kvm.reserve_step_checkpoints([], []).size == 0
-    slots = kvm.reserve_step_checkpoints([kv, other], [20, 24])
+    assert kvm.checkpoints.reserve_step([], []).size == 0
+    slots = kvm.checkpoints.reserve_step([kv, other], [20, 24])
     assert (kv.checkpoints, other.checkpoints) == ({20: int(slots[0])}, {24: int(slots[1])})
     third = kvm.admit(kvm.match(np.arange(200, 216)))
     kvm.release(third)
@@ -160,5 +160,5 @@ def test_manager_refuses_misuse_of_a_request(cache):
     plain = dense.admit(dense.match(np.arange(8)))
     assert plain.state_slot is None
     dense.extend(plain, 8)
-    assert_refused(dense.cache, CacheError, "no recurrent layers", dense.reserve_checkpoint, plain, 8)
+    assert_refused(dense.cache, CacheError, "no recurrent layers", dense.checkpoints.reserve, plain, 8)
     assert_refused(dense.cache, CacheError, "no recurrent layers", dense.alloc_state, 1)

@@ -107,7 +107,7 @@ def test_a_reserved_handle_is_unreadable_until_received_then_runs_and_caches():
         lambda: kvm.extend(h, 14),
         lambda: kvm.insert(h, np.arange(10)),
         lambda: kvm.pin(h),
-        lambda: kvm.checkpoint(h),
+        lambda: kvm.checkpoints.take(h),
     ):
         with pytest.raises(CacheError):
             bad()
@@ -146,9 +146,9 @@ def test_a_lone_request_gives_up_its_own_checkpoints_before_its_pages():
     served(kvm, 1, 40)  # the cache holds pages and checkpoints too
     toks = np.arange(64)
     kv = kvm.admit(kvm.match(toks[:-1]))
-    for at in kvm.wanted_checkpoints(kv, 64):
+    for at in kvm.checkpoints.wanted(kv, 64):
         try:
-            kvm.reserve_checkpoint(kv, at)
+            kvm.checkpoints.reserve(kv, at)
         except OutOfMemory:
             break
     reserved = len(kv.checkpoints)
@@ -192,7 +192,7 @@ def test_a_running_request_short_of_memory_lets_go_of_its_hit_s_checkpoint():
     state = cache.rules.checkpoint.pool_id
     first = kvm.admit(kvm.match(toks[:32]))
     kvm.extend(first, 32)
-    slot = kvm.reserve_checkpoint(first, kvm.finish_checkpoint(first))
+    slot = kvm.checkpoints.reserve(first, kvm.checkpoints.at_finish(first))
     kvm.finish(first, toks[:32])
     kv = kvm.admit(kvm.match(toks[:-1]))  # a spare slab: room for the fork
     assert kv.cached == 8 and kv.state_slot != slot and kv.lock.node.checkpoint_lock == 1

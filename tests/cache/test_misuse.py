@@ -159,7 +159,7 @@ def test_manager_refuses_bad_argument_types(cache):
     assert_refused(cache, CacheError, "one new length per handle", kvm.extend_batch, [kv], 20)
     assert_refused(cache, CacheError, "new_lens must be an integer", kvm.extend_batch, [kv], ["20"])
     assert_refused(cache, CacheError, "sequence of KVHandles", kvm.release_windows, kv)
-    assert_refused(cache, CacheError, "at must be an integer", kvm.reserve_checkpoint, kv, 20.0)
+    assert_refused(cache, CacheError, "at must be an integer", kvm.checkpoints.reserve, kv, 20.0)
     assert_refused(cache, CacheError, "1-D integer", kvm.insert, kv, np.arange(16.0))
     assert_refused(cache, CacheError, "expected a KVHandle", kvm.insert, None, np.arange(16))
     assert_refused(cache, CacheError, "expected a KVHandle", kvm.release, 0)

@@ -32,7 +32,7 @@ def test_hot_path_makes_no_host_sync():
             kvm.release_windows([kv])
             end = toks.size - toks.size % PS
             if end > match.length:
-                kvm.reserve_checkpoint(kv, end)
+                kvm.checkpoints.reserve(kv, end)
             kvm.insert(kv, toks)
             kvm.release(kv)
             if i % 7 == 6:

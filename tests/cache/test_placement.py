@@ -67,7 +67,7 @@ def _cached(kvm: KVManager, tokens: np.ndarray) -> None:
     """Cache ``tokens`` (page-aligned) with a checkpoint at their end, as a finished request would."""
     kv = kvm.admit(kvm.match(tokens[:0]))
     kvm.extend(kv, tokens.size)
-    kvm.reserve_checkpoint(kv, tokens.size)
+    kvm.checkpoints.reserve(kv, tokens.size)
     kvm.finish(kv, tokens)
 
 
@@ -84,9 +84,9 @@ def _wanted(spec: str, prompt: np.ndarray = PROMPT) -> tuple[tuple[int, ...], in
     match = kvm.match(prompt[:-1])
     kv = kvm.admit(match)
     assert (match.length, match.full_length, match.checkpoint_at) == (0, 20, 20)
-    wanted = kvm.wanted_checkpoints(kv, prompt.size)
+    wanted = kvm.checkpoints.wanted(kv, prompt.size)
     kvm.extend(kv, prompt.size + 6)  # prefill and decode 6 tokens: 37
-    at_finish = kvm.finish_checkpoint(kv)
+    at_finish = kvm.checkpoints.at_finish(kv)
     kvm.release(kv)
     cache.check()
     return wanted, at_finish, match.length
@@ -119,7 +119,7 @@ def test_positions_start_past_the_hit() -> None:
     _cached(kvm, SHARED[:20])
     kv = kvm.admit(kvm.match(PROMPT[:-1]))
     assert kv.seq_len == 20 and kv.match.checkpoint_at is None
-    assert kvm.wanted_checkpoints(kv, PROMPT.size) == (24, 28)
+    assert kvm.checkpoints.wanted(kv, PROMPT.size) == (24, 28)
     kvm.release(kv)
 
 
@@ -128,7 +128,7 @@ def test_a_model_without_state_wants_no_checkpoints() -> None:
     kvm = KVManager(cache, "interval:8,branch,end")
     kv = kvm.admit(kvm.match(PROMPT[:-1]))
     kvm.extend(kv, PROMPT.size)
-    assert kvm.wanted_checkpoints(kv, PROMPT.size) == () and kvm.finish_checkpoint(kv) is None
+    assert kvm.checkpoints.wanted(kv, PROMPT.size) == () and kvm.checkpoints.at_finish(kv) is None
     kvm.release(kv)
 
 
@@ -139,8 +139,8 @@ def test_the_branch_checkpoint_makes_the_next_hit() -> None:
     kvm = KVManager(cache, "branch")
     _cached(kvm, np.concatenate([SHARED[:20], np.zeros(8, dtype=np.int64)]))
     kv = kvm.admit(kvm.match(PROMPT[:-1]))
-    for at in kvm.wanted_checkpoints(kv, PROMPT.size):
-        kvm.reserve_checkpoint(kv, at)
+    for at in kvm.checkpoints.wanted(kv, PROMPT.size):
+        kvm.checkpoints.reserve(kv, at)
     kvm.extend(kv, PROMPT.size)
     kvm.finish(kv, PROMPT)
     third = np.concatenate([SHARED, np.arange(900, 910)])

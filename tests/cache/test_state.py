@@ -68,7 +68,7 @@ def test_fork_copies_the_checkpoint_and_leaves_it_untouched(cache):
     kvm.extend(kv, 20)
     view[mine] += 1.0
     kvm.extend(kv, 24)
-    copy = kvm.checkpoint(kv)  # a checkpoint copies the running state at 24 tokens
+    copy = kvm.checkpoints.take(kv)  # a checkpoint copies the running state at 24 tokens
     copied = view[mem.page_cells([copy], state_pool)]
     assert torch.equal(copied, view[mine]) and not torch.equal(copied, before)
     kvm.finish(kv, np.arange(24))
@@ -123,7 +123,7 @@ def test_duplicate_checkpoint_is_freed(cache):
     kv = kvm.admit(kvm.match(toks[:0]))  # a request that computes the same 16 tokens itself
     kvm.extend(kv, 16)
     own = kv.own_pages().copy()
-    slot = kvm.reserve_checkpoint(kv, 16)
+    slot = kvm.checkpoints.reserve(kv, 16)
     result = kvm.insert(kv, toks)
     assert result.unused_checkpoints == [slot] and np.array_equal(result.duplicates, own)
     assert not cache.mem.slots.live[slot] and not cache.mem.pages.live[own].any()  # the manager freed them

@@ -136,20 +136,20 @@ class CacheMachine(RuleBasedStateMachine):
         assert (kv.state_slot is not None) == self.kvm.has_state
         try:
             ps = self.page_size
-            wanted = self.kvm.wanted_checkpoints(kv, len(tokens))
+            wanted = self.kvm.checkpoints.wanted(kv, len(tokens))
             assert all(match.length < p <= len(tokens) and p % ps == 0 for p in wanted)
             for pos in wanted:  # the placement's positions, reserved before prefill reaches them
-                self.kvm.reserve_checkpoint(kv, pos)
+                self.kvm.checkpoints.reserve(kv, pos)
             first = match.length + ps
             if self.kvm.has_state and ckpt_mask & 1 and first <= len(tokens) and first not in kv.checkpoints:
                 self.kvm.extend(kv, match.length + ps)
-                self.kvm.checkpoint(kv)  # a copy of the running state, now
+                self.kvm.checkpoints.take(kv)  # a copy of the running state, now
             self.kvm.extend(kv, len(tokens))
             if self.kvm.has_state:
                 positions = range(match.length + ps, self.aligned(len(tokens)) + 1, ps)
                 for bit, pos in enumerate(positions):
                     if ckpt_mask >> bit & 1 and pos not in kv.checkpoints:
-                        self.kvm.reserve_checkpoint(kv, pos)
+                        self.kvm.checkpoints.reserve(kv, pos)
         except OutOfMemory:
             self.drop(req)
             return
@@ -191,11 +191,11 @@ class CacheMachine(RuleBasedStateMachine):
     def finish(self, data):
         req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
         kv = req.kv
-        at = self.kvm.finish_checkpoint(kv)
+        at = self.kvm.checkpoints.at_finish(kv)
         if at is not None:
             assert at == self.aligned(kv.seq_len) > kv.cached * self.page_size and at not in kv.checkpoints
             with contextlib.suppress(OutOfMemory):  # an optimisation: without room it finishes without it
-                self.kvm.reserve_checkpoint(kv, at)
+                self.kvm.checkpoints.reserve(kv, at)
         self._insert(req, final=True)
         assert kv.status is HandleStatus.COMMITTED
         self.refused(CacheError, "committed", self.kvm.extend, kv, len(req.tokens) + 1)
@@ -252,11 +252,11 @@ class CacheMachine(RuleBasedStateMachine):
         arr = np.asarray(toks, dtype=np.int64)
         kvm, ps = self.kvm, self.page_size
         kv = kvm.admit(kvm.match(arr[:-1]))  # never OutOfMemory alone
-        wanted = kvm.wanted_checkpoints(kv, length)
+        wanted = kvm.checkpoints.wanted(kv, length)
         if not engine_style:
             for at in wanted:
                 with contextlib.suppress(OutOfMemory):  # an optimisation: it goes on without it
-                    kvm.reserve_checkpoint(kv, at)
+                    kvm.checkpoints.reserve(kv, at)
         pos = kv.seq_len
         while pos < length:
             nxt = min(length, pos + chunk, *(p for p in wanted if p > pos))
@@ -265,13 +265,13 @@ class CacheMachine(RuleBasedStateMachine):
             pos = nxt
             if engine_style and pos in wanted and pos > kv.cached * ps and pos not in kv.checkpoints:
                 with contextlib.suppress(OutOfMemory):
-                    kvm.checkpoint(kv)
+                    kvm.checkpoints.take(kv)
             if engine_style and pos // ps > kv.cached:
                 self._insert(Running(toks[:pos], None, kv), final=False)
-        at = kvm.finish_checkpoint(kv)
+        at = kvm.checkpoints.at_finish(kv)
         if at is not None:
             with contextlib.suppress(OutOfMemory):
-                kvm.reserve_checkpoint(kv, at)
+                kvm.checkpoints.reserve(kv, at)
         self._insert(Running(toks, None, kv), final=True)
         self.released_locks.append(kv.lock)
         kvm.release(kv)

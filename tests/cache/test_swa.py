@@ -135,7 +135,7 @@ def test_two_windows_must_both_hold():
     kvm.extend(kv, 32)
     cache.mem.windows.free(kv.pages[2:6], w8)  # window 8 at 32 needs pages 6-7 only
     cache.mem.windows.free(kv.pages[2:3], w24)  # window 24 at 32 needs pages 2-7
-    kvm.reserve_checkpoint(kv, 32)
+    kvm.checkpoints.reserve(kv, 32)
     kvm.finish(kv, toks)
     m = cache.match_prefix(toks)
     assert m.length == 0 and m.checkpoint_length == 32 and m.window_length == 8

@@ -113,14 +113,14 @@ def test_chunk_checkpoints_are_written_by_the_forward(name: str, monkeypatch: py
     """A prefill chunk that ends where the placement wants a checkpoint has its slot reserved before the step
     (one allocation for the step) and the forward writes the state there with the running state: no checkpoint
     is copied after a step, and later requests that hit those checkpoints stay exact."""
-    from hybridkv.cache import KVManager
+    from hybridkv.cache.request_checkpoints import Checkpoints
 
     copies: list[int] = []
     reserved: list[int] = []
-    checkpoint, reserve = KVManager.checkpoint, KVManager.reserve_step_checkpoints
-    monkeypatch.setattr(KVManager, "checkpoint", lambda self, h: copies.append(1) or checkpoint(self, h))
+    checkpoint, reserve = Checkpoints.take, Checkpoints.reserve_step
+    monkeypatch.setattr(Checkpoints, "take", lambda self, h: copies.append(1) or checkpoint(self, h))
     monkeypatch.setattr(
-        KVManager, "reserve_step_checkpoints", lambda self, hs, ats: reserved.append(len(hs)) or reserve(self, hs, ats)
+        Checkpoints, "reserve_step", lambda self, hs, ats: reserved.append(len(hs)) or reserve(self, hs, ats)
     )
     engine = _engine(name, 2_000_000, 4)
     logits = Logits(monkeypatch)

@@ -40,8 +40,8 @@ def serve(kvm: KVManager, tokens: np.ndarray, fill: int) -> None:
     mem = kvm.mem
     match = kvm.match(tokens[:-1])
     kv = kvm.admit(match)
-    for at in kvm.wanted_checkpoints(kv, tokens.size):
-        kvm.reserve_checkpoint(kv, at)
+    for at in kvm.checkpoints.wanted(kv, tokens.size):
+        kvm.checkpoints.reserve(kv, at)
     kvm.extend(kv, tokens.size)
     gen = torch.Generator().manual_seed(fill)
     for pool in mem.pools.values():

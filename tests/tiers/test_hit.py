@@ -102,8 +102,8 @@ def test_device_only_residency_gives_the_device_hit(preset, ops, seed):
             queries.append(tokens)
             match = kvm.match(tokens[:-1])
             kv = kvm.admit(match)
-            for at in kvm.wanted_checkpoints(kv, tokens.size):
-                kvm.reserve_checkpoint(kv, at)
+            for at in kvm.checkpoints.wanted(kv, tokens.size):
+                kvm.checkpoints.reserve(kv, at)
             kvm.extend(kv, tokens.size)
             kvm.release_windows([kv])
             kvm.finish(kv, tokens)

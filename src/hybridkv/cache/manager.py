@@ -8,10 +8,10 @@ every request through it. A request's life:
     h = kvm.reserve(n, ns); kvm.received(h)  # or: memory for n tokens whose KV arrives by transfer
     kvm.extend(h, n)                         # grow to n tokens (batched: extend_batch)
     kvm.release_windows([h])                 # window pages that left each window: window-cached
-    kvm.wanted_checkpoints(h, prompt_len)    # where the placement wants the state stored (chunk ends)
-    kvm.checkpoint(h) / reserve_checkpoint(h, at)   # a state checkpoint at a page-aligned length
-                                             # (request_checkpoints: every way to place one)
-    kvm.finish_checkpoint(h)                 # where the placement wants one at the sequence end
+    kvm.checkpoints.wanted(h, prompt_len)    # where the placement wants the state stored (chunk ends)
+    kvm.checkpoints.take(h) / .reserve(h, at)   # a state checkpoint at a page-aligned length
+                                             # (request_checkpoints.Checkpoints: every way to place one)
+    kvm.checkpoints.at_finish(h)             # where the placement wants one at the sequence end
     kvm.insert(h, tokens)                    # cache what is computed, keep running (relocked)
     kvm.finish(h, tokens)  |  kvm.release(h) # cache and release  |  abort / retract (many: *_all)
 
@@ -53,7 +53,7 @@ from hybridkv.cache.errors import CacheError
 from hybridkv.cache.handle import HandleStatus, KVHandle, checked_handle, checked_handles, fresh_pages
 from hybridkv.cache.placement import DEFAULT, CheckpointPlacement
 from hybridkv.cache.prefix_cache import HybridRadixCache, InsertResult, MatchResult
-from hybridkv.cache.request_checkpoints import RequestCheckpoints
+from hybridkv.cache.request_checkpoints import Checkpoints
 from hybridkv.cache.rules import PAGE_NEED, Need
 from hybridkv.memory import GateStatus, MoveGate, OutOfMemory
 from hybridkv.memory.gates import DoneEvent
@@ -63,7 +63,7 @@ T = TypeVar("T")
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
 
-class KVManager(RequestCheckpoints):
+class KVManager:
     def __init__(
         self, cache: HybridRadixCache, placement: CheckpointPlacement | str = DEFAULT, *, park_windows: bool = True
     ):
@@ -90,6 +90,7 @@ class KVManager(RequestCheckpoints):
         rules = cache.rules
         self._windows = tuple(w.pool_id for w in rules.windows)
         self._state_pool = rules.checkpoint.pool_id if rules.checkpoint is not None else None
+        self.checkpoints = Checkpoints(self.mem, placement, self._state_pool, self.alloc_state, self.fork_state)
 
     @property
     def has_state(self) -> bool:

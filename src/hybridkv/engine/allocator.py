@@ -8,7 +8,7 @@ step with one allocation (the cache evicts what it is short of); ``mark_computed
 the window pages that left every window (window-cached: kept for hits until memory is
 needed); ``chunk_done`` stores a state checkpoint where the
 manager's checkpoint placement wants one (``RequestMemory.wanted``, from
-``KVManager.wanted_checkpoints`` at admission: the scheduler ends prefill chunks there) and
+``KVManager.checkpoints.wanted`` at admission: the scheduler ends prefill chunks there) and
 inserts the computed pages; ``finish`` caches the finished sequence (with a checkpoint at
 its end when the placement wants one there and the end is page-aligned) and releases the
 rest; ``retract`` releases (what was inserted stays cached). With ``prefix_cache=False``
@@ -325,7 +325,7 @@ class RequestAllocator:
         if not rows:
             return out
         try:
-            slots = self.kvm.reserve_step_checkpoints([handles[i] for i in rows], [ends[i] for i in rows])
+            slots = self.kvm.checkpoints.reserve_step([handles[i] for i in rows], [ends[i] for i in rows])
         except OutOfMemory:
             return out
         for i, slot in zip(rows, slots.tolist(), strict=True):
@@ -357,8 +357,8 @@ class RequestAllocator:
             self.kvm.release_all(handles)
             return
         for h in handles:
-            if self.kvm.finish_checkpoint(h) == h.seq_len and h.seq_len > h.cached * self.page_size:
-                self.kvm.checkpoint_final(h)  # the running state itself: the request computes no more
+            if self.kvm.checkpoints.at_finish(h) == h.seq_len and h.seq_len > h.cached * self.page_size:
+                self.kvm.checkpoints.take_final(h)  # the running state itself: the request computes no more
         ids = [req.ids(t, h.seq_len) for req, t, h in zip(reqs, tokens, handles, strict=True)]
         self.kvm.finish_all(handles, ids)
 
@@ -378,7 +378,7 @@ class RequestAllocator:
         if h.seq_len <= h.cached * self.page_size or h.seq_len in h.checkpoints:
             return  # the cache holds this position already (an insert reached it)
         try:
-            self.kvm.checkpoint(h)
+            self.kvm.checkpoints.take(h)
         except OutOfMemory:  # a checkpoint is an optimisation: without room for it, the request goes on
             return
 

@@ -190,7 +190,7 @@ class EngineTiers:
             handle.adopt_state(handle.state_slot)  # it holds the state after ``end`` tokens now
             if plan.hit.checkpoint is not Where.DEVICE:
                 with contextlib.suppress(OutOfMemory):  # no room: the state stays below only
-                    kvm.checkpoint(handle)
+                    kvm.checkpoints.take(handle)
         self.hierarchy.record(plan, end)
         return handle, end
 

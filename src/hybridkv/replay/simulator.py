@@ -310,13 +310,13 @@ class Simulator:
         if tiers is not None and fetched is not None:
             wanted = tiers.wanted_checkpoints(kv, fetched, req.input_length)
         else:
-            wanted = kvm.wanted_checkpoints(kv, req.input_length)
+            wanted = kvm.checkpoints.wanted(kv, req.input_length)
         if not with_checkpoints:
             self.result.checkpoints_skipped += len(wanted)
         ends = deque(wanted)
         try:
             if with_checkpoints:
-                kvm.reserve_checkpoints(kv, wanted)
+                kvm.checkpoints.reserve_each(kv, wanted)
             pos = start
             while pos < req.input_length:
                 nxt = min(req.input_length, pos + self.chunk)
@@ -385,10 +385,10 @@ class Simulator:
         self._stalled = False
         kv, req = r.kv, r.req
         seq = np.concatenate([r.tokens, req.output_ids()])
-        at = self.kvm.finish_checkpoint(kv)
+        at = self.kvm.checkpoints.at_finish(kv)
         if at is not None:
             try:
-                self.kvm.reserve_checkpoint(kv, at)
+                self.kvm.checkpoints.reserve(kv, at)
             except OutOfMemory:  # no room even after eviction: cache the sequence without it
                 self.result.checkpoints_skipped += 1
         self.kvm.finish(kv, seq)

@@ -146,7 +146,7 @@ class ReplayTiers:
             return kvm.admit(match), match.length
         if plan.hit.checkpoint not in (None, Where.DEVICE):
             with contextlib.suppress(OutOfMemory):  # no room: the state stays below only
-                kvm.checkpoint(kv)  # the restored state is the device's again: the next hit is local
+                kvm.checkpoints.take(kv)  # the restored state is the device's again: the next hit is local
         return kv, end
 
     def record(self, fetched: Fetched, hit: int) -> None:
@@ -154,7 +154,7 @@ class ReplayTiers:
         self.tiers.record(fetched.plan, hit)
 
     def wanted_checkpoints(self, kv: KVHandle, fetched: Fetched, prompt_len: int) -> tuple[int, ...]:
-        """The placement's checkpoints (``KVManager.wanted_checkpoints``) with the branch point
+        """The placement's checkpoints (``KVManager.checkpoints.wanted``) with the branch point
         where the full KV cached on *any* tier ends, not only the device's."""
         if not self.kvm.has_state:
             return ()
