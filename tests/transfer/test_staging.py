@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from hybridkv.transfer import make_transport
-from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
+from hybridkv.transfer.ops import Bounds, Ops, TransferPlan
 from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle, write_plan
 from hybridkv.transfer.transport.staging import STAGE_BYTES, STAGE_OP_BYTES, SourceStaging
 

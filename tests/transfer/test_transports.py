@@ -22,7 +22,7 @@ from hybridkv.transfer import (
     TransportName,
     make_transport,
 )
-from hybridkv.transfer.plan import Bounds
+from hybridkv.transfer.ops import Bounds
 from hybridkv.transfer.transport import Completion, WriteStatus, transport_class
 from hybridkv.transfer.transport.mooncake import init_log
 

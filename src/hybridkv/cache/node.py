@@ -98,10 +98,6 @@ class Node:
     def is_root(self) -> bool:
         return self.parent is None
 
-    @property
-    def has_checkpoint(self) -> bool:
-        return self.checkpoint >= 0
-
     def path(self) -> list[Node]:
         """Nodes from the first below the root down to this one."""
         out = []

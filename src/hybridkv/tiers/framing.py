@@ -70,10 +70,6 @@ def key_digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
-def frame_size(payload_bytes: int) -> int:
-    return HEADER + payload_bytes
-
-
 def write_header(frame: torch.Tensor, key: str) -> torch.Tensor:
     """Write the header of ``frame`` (``HEADER`` + payload bytes, payload already in place);
     returns ``frame``."""

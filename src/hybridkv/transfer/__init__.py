@@ -45,8 +45,9 @@ from hybridkv.transfer.errors import (
     TransferError,
     TransportError,
 )
+from hybridkv.transfer.ops import TransferPlan
 from hybridkv.transfer.pairing import EntryPair, pair_entries
-from hybridkv.transfer.plan import TransferPlan, build_plan, memory_cells
+from hybridkv.transfer.plan import build_plan, memory_cells
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.shared import SharedBuffer, shared_memory
 from hybridkv.transfer.status import LegStatus, Phase, RequestStatus, StatusReport

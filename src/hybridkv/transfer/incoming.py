@@ -19,7 +19,8 @@ from hybridkv.memory import MoveGate, UnifiedMemory
 from hybridkv.transfer import liveness
 from hybridkv.transfer.agent import log
 from hybridkv.transfer.messages import Rank, Register
-from hybridkv.transfer.plan import Route, TransferPlan
+from hybridkv.transfer.ops import TransferPlan
+from hybridkv.transfer.plan import Route
 from hybridkv.transfer.status import LegReport, LegStatus, RequestStatus
 
 LIVENESS_CHECK_S = 0.1

@@ -43,7 +43,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import IdSpace, PoolId
 from hybridkv.transfer.buffers import BufferEntry, BufferSet, Role
 from hybridkv.transfer.errors import PlanError
-from hybridkv.transfer.ops import Bounds, Ops, TransferPlan, as_ints, coalesce, overlap
+from hybridkv.transfer.ops import Bounds, Ops, TransferPlan, coalesce, overlap
 from hybridkv.transfer.pairing import EntryPair
 from hybridkv.transfer.slicing import source_pieces
 
@@ -51,19 +51,6 @@ _EMPTY = np.empty(0, dtype=np.int64)
 SMALL_PLAN = 128
 """Plans of at most this many pieces (after merging within items) are built with Python
 lists: below it, numpy's fixed cost per call outweighs its speed per element."""
-
-__all__ = [  # the plan's types live in ``ops.py``; importing them from here keeps working
-    "SMALL_PLAN",
-    "Bounds",
-    "Ops",
-    "Route",
-    "TransferPlan",
-    "as_ints",
-    "build_plan",
-    "memory_cells",
-    "num_pages",
-    "page_span",
-]
 
 
 def num_pages(seq_len: int, page_size: int) -> int:

@@ -90,10 +90,6 @@ class StatusReport:
         """The status of the leg with peer ``rank`` (None if there is none)."""
         return next((s for r, s in self.legs if r == rank), None)
 
-    def phase_at(self, phase: Phase) -> float | None:
-        """Seconds from the start to when the request entered ``phase`` (None if it never did)."""
-        return next((t for p, t in self.timeline if p is phase), None)
-
 
 class RequestStatus:
     def __init__(self, request_id: str) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from hybridkv.catalogue import TransportName
 from hybridkv.transfer.errors import TransferError, TransportError
-from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
+from hybridkv.transfer.ops import Bounds, Ops, TransferPlan
 from hybridkv.transfer.shared import SharedBuffer
 
 if TYPE_CHECKING:

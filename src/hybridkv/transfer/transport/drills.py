@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from hybridkv.transfer.plan import Bounds, Ops
+from hybridkv.transfer.ops import Bounds, Ops
 from hybridkv.transfer.transport import Transport, WriteHandle, WriteStatus
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.transfer.errors import TransportError
-from hybridkv.transfer.plan import Bounds, Ops, as_ints
+from hybridkv.transfer.ops import Bounds, Ops, as_ints
 from hybridkv.transfer.transport.base import DONE, Completion, Transport, TransportName, WriteHandle, WriteStatus
 
 ENV_DEFAULTS = {

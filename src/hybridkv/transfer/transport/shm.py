@@ -25,7 +25,7 @@ import ctypes
 import numpy as np
 
 from hybridkv.transfer.errors import TransportError
-from hybridkv.transfer.plan import Bounds, Ops, as_ints
+from hybridkv.transfer.ops import Bounds, Ops, as_ints
 from hybridkv.transfer.shared import SharedBuffer, open_shared, shm_path
 from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle
 

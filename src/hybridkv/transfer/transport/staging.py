@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridkv.transfer.plan import Bounds, Ops, TransferPlan
+from hybridkv.transfer.ops import Bounds, Ops, TransferPlan
 from hybridkv.transfer.transport.base import Transport
 
 STAGE_BYTES = 1 << 20
