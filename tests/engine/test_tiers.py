@@ -253,3 +253,42 @@ def test_a_killed_master_marks_the_store_down_requests_go_on_and_a_restart_resum
         e.cache.check()
     finally:
         e.close()
+
+
+def test_an_object_larger_than_host_memory_goes_around_it_to_the_store(mooncake_master, salt):
+    """Host memory smaller than one state checkpoint (a real model's is tens of MiB per rank): the checkpoint goes
+    straight to the store (counted), the pages to host memory, and the next turn hits both, exact."""
+    name = "tiny-qwen3-next"
+    sizes = {str(pool): HEADER + n for pool, n in hierarchy_sizes(name).items()}
+    budget = sizes["state"] - 1  # every page object fits (host memory evicts the older ones on), no checkpoint does
+    assert budget > sizes["full"]
+    e = engine(name, host_memory=budget, store="mooncake", store_master=mooncake_master.address, store_memory="32MiB")
+    try:
+        run(e, name, A, salt)
+        checkpoints = e.cache.stats()["states"]  # the state checkpoints the device cache holds
+        e.clear_cache()  # device -> host memory, and the checkpoints around it to the store
+        tiers = e.metrics()["tiers"]
+        assert tiers["write_around"] == {"state": checkpoints} and "host" not in tiers["write_refused"]
+        back = run(e, name, turn(1), salt)
+        assert back.cached_tokens == 40  # without the checkpoint in the store: no hit (the state is part of it)
+        assert back.cached_tokens_details["device"] == 0
+    finally:
+        e.close()
+    alone = engine(name, host_memory=budget)  # no store below: refused and counted, never silent
+    try:
+        run(alone, name, A, salt)
+        assert alone.cache.stats()["states"] == checkpoints
+        alone.clear_cache()
+        tiers = alone.metrics()["tiers"]
+        assert tiers["write_refused"] == {"host": checkpoints} and not tiers["write_around"]
+    finally:
+        alone.close()
+
+
+def hierarchy_sizes(name: str) -> dict[Any, int]:
+    e = engine(name, host_memory="8MiB")
+    try:
+        assert e.tiers is not None
+        return dict(e.tiers.hierarchy.keys.payload_bytes)
+    finally:
+        e.close()

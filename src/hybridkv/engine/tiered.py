@@ -240,6 +240,7 @@ class EngineTiers:
             "policy": h.policy.value,
             "written_bytes": dict(c.written_bytes),
             "write_refused": dict(c.write_refused),
+            "write_around": dict(c.write_around),
             "loaded_bytes": dict(c.loaded_bytes),
             "restored_tokens": c.restored_tokens,
             "restored_requests": c.restored_requests,

@@ -205,6 +205,7 @@ class ReplayTiers:
             "bytes_written": {k: int(v) for k, v in c.written_bytes.items()},
             "objects_written": dict(c.written_objects),
             "write_refused": dict(c.write_refused),
+            "write_around": dict(c.write_around),
             "bytes_loaded": loaded,
             "load_seconds": c.load_seconds,
             "load_seconds_per_restored_token": c.load_seconds / restored if restored else 0.0,

@@ -191,6 +191,13 @@ def _tier_families(t: dict[str, Any]) -> Iterator[Metric]:
     )
     yield _labelled(
         CounterMetricFamily,
+        "tier_write_around",
+        "Objects larger than host memory's budget written straight to the store, per component.",
+        ["component"],
+        t.get("write_around", {}),
+    )
+    yield _labelled(
+        CounterMetricFamily,
         "tier_loaded_bytes",
         "Bytes restored to the device, by the tier they came from.",
         ["tier"],

@@ -249,7 +249,8 @@ def pd_tiers(pd: dict[str, Any]) -> dict[str, Any]:
     """The prefill ranks' summed tier counters in the shape the exporter reads from a single
     engine's tiers (``TieredCache.metrics``); the store is up while no live rank finds it down."""
     tiers: dict[str, Any] = {
-        key: pd[f"tier_{key}"] for key in ("written_bytes", "write_refused", "loaded_bytes", "misses", "fallbacks")
+        key: pd[f"tier_{key}"]
+        for key in ("written_bytes", "write_refused", "write_around", "loaded_bytes", "misses", "fallbacks")
     }
     if any("store" in rank for rank in pd["prefill_tiers"].values()):
         tiers["store"] = {"up": pd["tier_store_ranks_down"] == 0}

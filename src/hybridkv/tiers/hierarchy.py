@@ -17,7 +17,10 @@ Write policies:
 - ``through``: written to every tier below as soon as the device caches them; evictions
   then write nothing (the tiers below hold it already).
 
-Objects a tier holds already are not written again (keys name content). Writes to a
+An object larger than host memory's whole budget (a recurrent-state checkpoint of a real model is
+tens of MiB per rank) goes around it, straight to the store (``write_around``, counted per
+component); without a store it is refused and counted as refused by host memory, never dropped
+silently. Objects a tier holds already are not written again (keys name content). Writes to a
 networked store are not waited for: their tickets are reaped later (``reap``) and counted.
 At most ``max_pending_bytes`` of frames (plus one batch) wait in unfinished writes: past that
 (a store slower than the evictions feeding it) a write is dropped and counted as refused, so
@@ -67,7 +70,9 @@ class TierCounters:
     """Bytes written per tier name."""
     written_objects: Counter[str] = field(default_factory=Counter)
     write_refused: Counter[str] = field(default_factory=Counter)
-    """Objects a tier refused (full, down, error), per tier name."""
+    """Objects a tier refused (full, down, error, larger than its budget), per tier name."""
+    write_around: Counter[str] = field(default_factory=Counter)
+    """Objects larger than host memory's budget written straight to the store, per component label."""
     loaded_bytes: Counter[str] = field(default_factory=Counter)
     """Bytes restored to the device per source (``device`` is a device-to-device copy), for
     the hits recorded (``record``)."""
@@ -196,6 +201,12 @@ class TierHierarchy:
         ids, names = ids[::-1], names[::-1]
         keys = self.keys.keys(pool, names)
         size = HEADER + self.keys.payload_bytes[pool]
+        if tier is self.host and size > self.host.budget:  # it can never hold one: around it, or refused
+            if self.store is None or self.policy is WritePolicy.THROUGH:  # (through: the store gets its own write)
+                self.counters.write_refused[tier.name] += len(keys)
+                return
+            self.counters.write_around[self.labels[pool]] += len(keys)
+            tier = self.store
         if not self.mem.arena.has_data:  # a replay: sizes only (a tier keeps what it holds, as KEPT)
             frames = [meta_frame(size)] * len(keys)
         else:

@@ -17,11 +17,12 @@ from typing import Any
 from hybridkv.engine.disagg.engines import EngineState
 from hybridkv.engine.scheduler import Role
 
-_SUMMED = ("written_bytes", "loaded_bytes", "write_refused", "misses")
+_SUMMED = ("written_bytes", "loaded_bytes", "write_refused", "write_around", "misses")
 
 
 def tier_metrics(engines: Iterable[EngineState], tiered: bool) -> dict[str, Any]:
-    """``tier_written_bytes`` / ``tier_loaded_bytes`` / ``tier_write_refused`` (per tier),
+    """``tier_written_bytes`` / ``tier_loaded_bytes`` / ``tier_write_refused`` (per tier), ``tier_write_around``
+    (per component),
     ``tier_misses`` (per reason), ``tier_fallbacks``, ``tier_store_down_events`` summed over every
     prefill rank; ``tier_store_ranks_down`` (ranks of the live engine whose store is down now);
     ``prefill_tiers``: each rank's latest counters, by "<rank> (epoch N)". Empty without tiers."""
