@@ -71,3 +71,29 @@ def test_the_pool_keeps_at_most_keep_idle_clients_per_key() -> None:
         mooncake_clients.give(key, c)
     mooncake_clients.forget(key[0])
     assert _Client.closed == 2 + mooncake_clients.KEEP and mooncake_clients.take(key) is None
+
+
+STORE_RUN = """
+import sys, torch
+from hybridkv.tiers import MooncakeStoreTier
+from hybridkv.tiers.framing import HEADER, write_header
+tier = MooncakeStoreTier(sys.argv[1], segment_bytes=16 << 20)
+frame = torch.zeros(HEADER + 64, dtype=torch.uint8)
+write_header(frame, "quiet-start-key")
+print(tier.submit_put(["quiet-start-key"], [frame], "x").wait(10)[0].value)
+tier.close()
+"""
+
+
+def test_a_store_client_that_works_prints_no_error_line(mooncake_master) -> None:
+    """The store client's embedded transfer engine logs "E... Local segment descriptor not found" at set-up in
+    every process (harmless: it publishes the descriptor right after); a run that works must not show it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", STORE_RUN, mooncake_master.address], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "stored"
+    assert "Local segment descriptor" not in done.stderr and "InitGoogleLogging" not in done.stderr, done.stderr

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridkv.memory import UnifiedMemory
+from hybridkv.native_log import init_log
 from hybridkv.spec import ShardSpec, get_preset
 from hybridkv.transfer import (
     TRANSPORTS,
@@ -24,7 +25,6 @@ from hybridkv.transfer import (
 )
 from hybridkv.transfer.ops import Bounds
 from hybridkv.transfer.transport import Completion, WriteStatus, transport_class
-from hybridkv.transfer.transport.mooncake import init_log
 
 
 def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():

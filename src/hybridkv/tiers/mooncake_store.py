@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from hybridkv.native_log import init_log
 from hybridkv.tiers import mooncake_clients
 from hybridkv.tiers.base import PutStatus, StorageTier, Ticket, TierError, TierTimeout
 from hybridkv.tiers.framing import MissReason, write_header
@@ -145,9 +146,10 @@ class MooncakeStoreTier(StorageTier):
         if store is None:
             store = self._factory()
             # no segment from ``setup``: it is mounted apart, so that ``close`` can unmount it by id
-            rc = store.setup(
-                self.local_hostname, "P2PHANDSHAKE", 0, self.local_buffer_bytes, self.protocol, "", self.master
-            )
+            with init_log():  # its embedded transfer engine's harmless start-up lines are dropped (native_log)
+                rc = store.setup(
+                    self.local_hostname, "P2PHANDSHAKE", 0, self.local_buffer_bytes, self.protocol, "", self.master
+                )
             if rc != 0:
                 store.close()
                 self._mark_down()

@@ -16,7 +16,7 @@ published one, and glog (never initialised by the library) prints, once per proc
 "WARNING: Logging before InitGoogleLogging() is written to STDERR" and, per engine,
 "E... transfer_metadata.cpp:...] Local segment descriptor not found". Both are harmless
 (the descriptor is created right after; transfers work). ``initialize`` therefore runs with
-fd 2 captured (``init_log``): exactly those lines are dropped, every other line the process
+fd 2 captured (``hybridkv.native_log.init_log``): exactly those lines are dropped, every other line the process
 wrote meanwhile goes back to stderr, and a failed ``initialize`` quotes them in its error.
 Later glog lines (e.g. a refused connection during a transfer) are never touched.
 
@@ -38,18 +38,15 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
 import re
-import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridkv.native_log import init_log
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.ops import Bounds, Ops, as_ints
 from hybridkv.transfer.transport.base import DONE, Completion, Transport, TransportName, WriteHandle, WriteStatus
@@ -64,11 +61,6 @@ CLOSE_WAIT_S = 5.0
 WARM_WAIT_S = 0.5
 """How long ``warm`` waits for a handshake (~1-10 ms when the peer answers); a slower one goes on
 in its own thread while the caller moves on (the first write then waits for the peer itself)."""
-HARMLESS_INIT_LINES = (
-    re.compile(r"WARNING: Logging before InitGoogleLogging\(\) is written to STDERR"),
-    re.compile(r"E\d{4} [0-9:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found"),
-)
-_FD2_LOCK = threading.Lock()
 log = logging.getLogger("hybridkv.transfer")
 
 _Batch = tuple[WriteHandle, tuple[str, list[int], list[int], list[int]], int]  # handle, args, batch id
@@ -78,28 +70,6 @@ def _started(batch: int) -> bool:
     """A batch id is the address of the engine's batch descriptor; a failed submit gives 0
     (or -1 seen unsigned), which must never reach ``get_batch_transfer_status``."""
     return 0 < batch < 1 << 63
-
-
-@contextlib.contextmanager
-def init_log() -> Iterator[list[str]]:
-    """Capture this process's fd 2 while the block runs; afterwards the yielded list holds every
-    line written meanwhile except ``HARMLESS_INIT_LINES``, and those lines are written back to fd 2."""
-    kept: list[str] = []
-    with _FD2_LOCK, tempfile.TemporaryFile() as log:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield kept
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            lines = log.read().decode(errors="replace").splitlines()
-            kept += [line for line in lines if not any(p.fullmatch(line.strip()) for p in HARMLESS_INIT_LINES)]
-            if kept:
-                os.write(2, "".join(line + "\n" for line in kept).encode())
 
 
 def rdma_present() -> bool:
