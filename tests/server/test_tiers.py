@@ -112,3 +112,55 @@ def test_bad_tier_options_are_one_error_line(args: list[str], says: str, capsys:
     assert main(["serve", "--random", MODEL, "--port", "0", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and says in err
+
+
+def test_a_killed_master_over_http_requests_go_on_the_store_shows_down_then_resumes(
+    start_server: Any, make_engine: Any
+) -> None:
+    """``serve`` with host memory and the Mooncake Store: its master is SIGKILLed mid-run. Requests go on exact from
+    the device and host memory, ``/metrics`` says the store is down; the master restarted on its port, the tier
+    comes back (a prefix written to it is hit from storage again)."""
+    from hybridkv.tiers import MooncakeMaster
+
+    family = shared_prefix_prompts(6, groups=1, prefix=48, seed=11)
+    reference = [o.output_ids for o in make_engine().generate(family, 3)]
+    with MooncakeMaster() as master:
+        tiers = {"host_memory": "8MiB", "store": "mooncake", "store_master": master.address, "store_memory": "32MiB"}
+        server = start_server(engine=tiers)
+
+        def generate(i: int) -> dict[str, Any]:
+            body = {"input_ids": family[i], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+            r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == reference[i]
+            return r.json()["meta_info"]
+
+        def store_up() -> float:
+            text = httpx.get(f"{server.url}/metrics", timeout=10).text
+            return next(
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "hybridkv_tier_store_up"
+            )
+
+        generate(0)
+        assert store_up() == 1
+        assert httpx.post(f"{server.url}/flush_cache?host=true", timeout=60).status_code == 200  # into the store
+        master.kill()
+        started = time.monotonic()
+        assert generate(1)["cached_tokens_details"]["storage"] == 0  # the store's objects are gone with it
+        assert httpx.post(f"{server.url}/flush_cache?host=true", timeout=60).status_code == 200  # refused, counted
+        assert generate(2)["cached_tokens"] == 0 and store_up() == 0
+        assert time.monotonic() - started < 20  # nothing waits on a dead master for long
+        master.start()  # the same port, no objects
+        deadline, i = time.monotonic() + 40, 3
+        while time.monotonic() < deadline:
+            assert httpx.post(f"{server.url}/flush_cache?host=true", timeout=60).status_code == 200
+            if generate(i % len(family))["cached_tokens_details"]["storage"]:
+                break
+            i += 1
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the store did not come back within 40 s of the master's restart")
+        assert store_up() == 1
