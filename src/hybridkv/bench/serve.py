@@ -76,6 +76,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 import uvloop
 
 from hybridkv.bench.engine import conversation_prompts
@@ -343,19 +344,21 @@ def run(
     loop_writes: bool = False,
     compare_writes: bool = False,
     max_step_tokens: int | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
     sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size, "max_context": max_context}
     with quiet_transformers():
         weights, config = build_random(model)
-    engine = Engine(config, weights, **sizing, max_step_tokens=max_step_tokens)  # type: ignore[arg-type]
+    served_as = getattr(torch, dtype)
+    engine = Engine(config, weights, **sizing, max_step_tokens=max_step_tokens, dtype=served_as)  # type: ignore[arg-type]
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
     args += [] if max_context is None else ["--max-context", str(max_context)]
     args += [] if max_step_tokens is None else ["--max-step-tokens", str(max_step_tokens)]
-    args += ["--stream-interval", str(stream_interval)]
+    args += ["--stream-interval", str(stream_interval), "--dtype", dtype]
     writes = ["--loop-writes"] if loop_writes else []
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
