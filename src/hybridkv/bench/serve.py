@@ -49,6 +49,8 @@ after one step of this process's engine serving one request (as a request served
 in the same run (``socket_wake``): what a streamed chunk costs any server on this machine before it encodes anything;
 ``send_wake_us``: the same after a copy of 8 MiB instead of a step.
 
+``dtype``: the engine's and every server's (``--dtype``: weights, activations and K/V).
+
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
 between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
 p99 in ms; request and output-token throughput (over first arrival -> last end); prefix-cache
@@ -413,6 +415,7 @@ def run(
         "alone": len(streamed.overhead),
         "max_new_tokens": max_new_tokens,
         "max_step_tokens": engine.max_step_tokens,
+        "dtype": dtype,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",
         "disaggregated": None if disaggregated is None else " ".join(disaggregated),

@@ -7,6 +7,10 @@ runs from its own venv (``scripts/setup_vllm.sh``: ``.venv-vllm`` under the work
 project's CPU torch) as ``python -m vllm.entrypoints.openai.api_server`` with prefix caching on; if
 that venv is missing, ``peer_python`` says why and the bench is skipped, nothing started.
 
+Both servers run ``OMP_NUM_THREADS`` torch threads (1 unless set), unpinned (vLLM's
+``VLLM_CPU_OMP_THREADS_BIND=nobind``; by default it pins one thread per core), with the same
+KV budget (``--gpu-memory``; vLLM's ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB) and page size.
+
 Per round the servers take turns (which goes first alternates), one server up at a time (started,
 loaded, stopped: on a machine of few cores an idle server would still take its share), each
 driven by the same client (``SseClient``: streaming ``POST /v1/completions`` with token-id prompts,
@@ -46,7 +50,7 @@ import numpy as np
 import uvloop
 
 from hybridkv.bench.serve import Trace, served
-from hybridkv.bench.sse_client import SseClient
+from hybridkv.bench.sse_client import ServerError, SseClient
 from hybridkv.engine.random_models import SEED, quiet_transformers, random_config
 
 PEER_VENV = ".venv-vllm"
@@ -135,7 +139,12 @@ def vllm_served(python: Path, model_dir: str, dtype: str, kv_gib: int, page_size
                 except OSError:
                     pass
                 time.sleep(1.0)
-            yield url
+            try:
+                yield url
+            except ServerError as exc:  # vLLM answers 500 and names the cause only in its log
+                log.seek(0)
+                causes = [line for line in log.read().splitlines() if "Error" in line][-3:]
+                raise RuntimeError(f"vLLM failed a request ({exc}); its log: {' | '.join(causes)}") from None
         finally:
             _stop(proc)
 
