@@ -86,9 +86,11 @@ def test_listening_socket_is_tcp_with_nodelay() -> None:
 def test_bench_serve_json_is_exact_and_complete() -> None:
     args = ["bench", "serve", "--requests", "6", "--max-new-tokens", "3", "--rounds", "1", "--alone", "2"]
     args += ["--gpu-memory", "32MiB", "--disaggregated", "--prefill-pp", "2", "--decode-tp", "2", "--compare-writes"]
+    args += ["--dtype", "bfloat16"]  # the engine and every server it starts in bf16
     result = CliRunner().invoke(app, [*args, "--max-step-tokens", "96", "--request-rate", "inf", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert report["dtype"] == "bfloat16"
     assert report["max_step_tokens"] == 96  # the engine's, and every server's (--max-step-tokens passed on)
     # one sizing story (cli/sizing.py): the context from the work, the budget per process of either server
     assert result.stderr.startswith("hybridkv bench serve: max context "), result.stderr

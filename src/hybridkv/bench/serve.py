@@ -49,6 +49,8 @@ after one step of this process's engine serving one request (as a request served
 in the same run (``socket_wake``): what a streamed chunk costs any server on this machine before it encodes anything;
 ``send_wake_us``: the same after a copy of 8 MiB instead of a step.
 
+``dtype``: the engine's and every server's (``--dtype``: weights, activations and K/V).
+
 Per side under load: TTFT (arrival -> first token), TPOT ((end - first token) / (tokens - 1)), ITL (gaps
 between streamed chunks; the engine side: between a request's steps), end-to-end, each p50 and
 p99 in ms; request and output-token throughput (over first arrival -> last end); prefix-cache
@@ -76,6 +78,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 import uvloop
 
 from hybridkv.bench.engine import conversation_prompts
@@ -343,19 +346,21 @@ def run(
     loop_writes: bool = False,
     compare_writes: bool = False,
     max_step_tokens: int | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
     sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size, "max_context": max_context}
     with quiet_transformers():
         weights, config = build_random(model)
-    engine = Engine(config, weights, **sizing, max_step_tokens=max_step_tokens)  # type: ignore[arg-type]
+    served_as = getattr(torch, dtype)
+    engine = Engine(config, weights, **sizing, max_step_tokens=max_step_tokens, dtype=served_as)  # type: ignore[arg-type]
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
     args += [] if max_context is None else ["--max-context", str(max_context)]
     args += [] if max_step_tokens is None else ["--max-step-tokens", str(max_step_tokens)]
-    args += ["--stream-interval", str(stream_interval)]
+    args += ["--stream-interval", str(stream_interval), "--dtype", dtype]
     writes = ["--loop-writes"] if loop_writes else []
     headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     per_round: list[dict[str, Any]] = []
@@ -410,6 +415,7 @@ def run(
         "alone": len(streamed.overhead),
         "max_new_tokens": max_new_tokens,
         "max_step_tokens": engine.max_step_tokens,
+        "dtype": dtype,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",
         "disaggregated": None if disaggregated is None else " ".join(disaggregated),

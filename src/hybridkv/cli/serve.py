@@ -60,7 +60,7 @@ from hybridkv.cli.params import (
     transport_option,
 )
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
-from hybridkv.engine.random_models import tiny_names
+from hybridkv.engine.random_models import MAX_WIDEN, tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from hybridkv.spec import ModelSpec
 
 API_KEY_ENV = "HYBRIDKV_API_KEY"
+PEERS = ("vllm",)  # servers ``bench serve --peer`` runs against (``hybridkv.bench.vs_peer``)
 
 
 def _transport(value: str | None) -> str | None:
@@ -409,6 +410,12 @@ def _rate(value: float) -> float:
     return value
 
 
+def _peer(value: str | None) -> str | None:
+    if value is not None and value not in PEERS:
+        raise typer.BadParameter(f"{value!r} is not a server this bench runs against; choose one of {', '.join(PEERS)}")
+    return value
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
@@ -444,11 +451,22 @@ def bench_serve(
     compare_writes: bool = typer.Option(
         False, "--compare-writes", help="Also a server with the other write path, alone requests interleaved."
     ),
+    dtype: str = DTYPE,
+    peer: str = typer.Option(
+        None, "--peer", callback=_peer, help=f"Against another server instead of the engine: {', '.join(PEERS)}."
+    ),
+    widen: int = typer.Option(
+        8, "--widen", min=1, max=MAX_WIDEN, help="--peer: the model's widths times this (8: tiny-gemma3 at 512)."
+    ),
+    vocab: int = typer.Option(32000, "--vocab", min=256, max=1 << 20, help="--peer: the model's vocabulary."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="--peer: tokens per prompt (and prefix)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
     driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request;
-    with --disaggregated, against hybridkv serve --disaggregated too, on the same requests."""
+    with --disaggregated, against hybridkv serve --disaggregated too, on the same requests. With --peer vllm:
+    hybridkv serve against vLLM's CPU build (scripts/setup_vllm.sh) on one widened model, rounds alternating
+    (hybridkv.bench.vs_peer)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -457,8 +475,17 @@ def bench_serve(
 
     pd_args = None
     starting = [name for name, on in (("--disaggregated", disaggregated), ("--compare-writes", compare_writes)) if on]
+    if peer is not None and (url is not None or starting):
+        given = "--url" if url is not None else starting[0]
+        raise typer.BadParameter(f"--peer starts both servers itself; drop {given}", param_hint="--peer")
     if url is not None and starting:
         raise typer.BadParameter(f"--url loads a running server; {starting[0]} starts its own", param_hint="--url")
+    if peer is not None:
+        _bench_peer(
+            model, widen, vocab, dtype, requests, prompt_tokens, max_new_tokens, rounds, alone, gpu_memory,
+            page_size, seed, as_json,
+        )  # fmt: skip
+        return
     if disaggregated:
         pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
         pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]
@@ -466,7 +493,7 @@ def bench_serve(
     # one budget for the engine, hybridkv serve and (per worker process) hybridkv serve --disaggregated: the
     # largest any of them needs; on a tie the disaggregated line is printed (its budget is per process)
     layouts = ([Layout(prefill_pp, prefill_tp, decode_tp)] if disaggregated else []) + [Layout()]
-    spec = model_spec(None, model)
+    spec = model_spec(None, model, dtype)
     sized = max(
         (
             size(
@@ -506,6 +533,7 @@ def bench_serve(
         loop_writes,
         compare_writes,
         max_step_tokens,
+        dtype,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -564,6 +592,74 @@ def bench_serve(
             f"(e2e - e2e p50 {other['overhead_ms']['p50']} ms); CPU per request: event loop {other['http_cpu_ms']} ms, "
             f"engine thread {other['engine_thread_cpu_ms']} ms ({other['stream_write_cpu_ms']} ms of it writing chunks)"
         )
+
+
+def _bench_peer(
+    model: str,
+    widen: int,
+    vocab: int,
+    dtype: str,
+    requests: int,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    rounds: int,
+    alone: int,
+    gpu_memory: str | None,
+    page_size: int,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """``bench serve --peer vllm``: skipped with one line (exit 0) when vLLM is not installed here."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hybridkv.bench.vs_peer import peer_python
+    from hybridkv.bench.vs_peer import run as run_peer
+
+    python, why = peer_python(Path.cwd())
+    if python is None:
+        typer.echo(f"bench serve --peer vllm: skipped: {why}")
+        return
+    console = Console(width=max(Console().width, 150), stderr=as_json)
+    try:
+        report = run_peer(
+            python, model, widen, vocab, dtype, requests, prompt_tokens, max_new_tokens, rounds, alone,
+            parse_bytes(gpu_memory or "1GiB"), page_size, seed, log=lambda line: console.print(f"[dim]{line}[/dim]"),
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--prompt-tokens") from None
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    table = Table(
+        title=f"{model} x{widen} (hidden {report['hidden_size']}, vocab {vocab}, {dtype}): {requests} requests at once "
+        f"of {prompt_tokens} random tokens ('random'), of one {prompt_tokens}-token prefix + {report['suffix_tokens']} "
+        f"('shared', prefix sent first); {alone} alone; {max_new_tokens} new each, greedy"
+    )
+    for col in ("round", "server", "workload", "req/s", "tok/s", "TTFT p50 ms", "hit tokens", "alone ms", "exact"):
+        table.add_column(col, justify="right")
+    rows = [(str(r), row) for r, row in enumerate(report["per_round"])] + [("median", report["median"])]
+    for label, row in rows:
+        for server in ("hybridkv", "vllm"):
+            figures = row[server] if label != "median" else report["median"][server]
+            for workload in ("random", "shared"):
+                f = figures[workload]
+                exact = "" if label == "median" else f"{row['exact'][workload]}/{requests}"
+                table.add_row(
+                    label, server, workload, f"{f['requests_per_s']}", f"{f['output_tokens_per_s']}",
+                    f"{f['ttft_p50_ms']}", f"{f['hit_tokens']}", f"{figures['alone_ms']}", exact,
+                )  # fmt: skip
+    console.print(table)
+    ratio = report["ratio"]
+    console.print(
+        "hybridkv / vLLM (medians; above 1: hybridkv better): "
+        + "; ".join(
+            f"{w}: req/s {ratio[w]['requests_per_s']}, tok/s {ratio[w]['output_tokens_per_s']}, "
+            f"TTFT {ratio[w]['ttft_p50']} (vLLM's / hybridkv's)"
+            for w in ("random", "shared")
+        )
+        + f"; alone {ratio['alone']} (vLLM's time / hybridkv's)"
+    )
 
 
 def _writer(loop_writes: bool) -> str:
