@@ -1,7 +1,8 @@
 """The ASGI app: routes, the error answers, and the edge gate in front of them.
 
 Routes: ``POST /generate`` and ``POST /abort_request`` (SGLang-native, ``sglang_api``),
-``POST /v1/completions`` (OpenAI, ``openai_api``) (the two generation endpoints served below Starlette,
+``POST /v1/completions`` (OpenAI, ``openai_api``), ``POST /v1/chat/completions`` (``chat_api``)
+(the generation endpoints, served below Starlette,
 ``hot``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /server_info`` (``/get_server_info``),
 ``GET /get_model_info``, ``POST``/``GET /flush_cache`` (``info_api``), ``GET /health`` (200 while
 the backend serves, else 503 naming why; open without an API key), ``GET /metrics`` (Prometheus
@@ -25,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from hybridkv.server.chat_api import chat_completions
 from hybridkv.server.edge import BodyTooLarge, Edge
 from hybridkv.server.hot import HotPaths, internal_error
 from hybridkv.server.info_api import card, flush_cache, model_card, model_info, server_info
@@ -102,5 +104,7 @@ def create_app(state: ServerState) -> ASGIApp:
     )
     app.state.server = state
     app.state.started = int(time.time())
-    hot = HotPaths(app, state, {"/generate": generate, "/v1/completions": completions})
+    hot = HotPaths(
+        app, state, {"/generate": generate, "/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    )
     return Edge(hot, config.api_key, config.max_body_bytes)

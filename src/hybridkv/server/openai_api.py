@@ -158,9 +158,9 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
                 "finish_reason": finish_reason(got.finished) if body.max_tokens != 0 else "length",
             }
         )
-    answer = {**head, "choices": choices, "usage": _usage(gen, n)}
+    answer = {**head, "choices": choices, "usage": openai_usage(gen, n)}
     if body.return_cached_tokens_details:
-        answer["sglext"] = _sglext([p.finished for p in gen.progress])
+        answer["sglext"] = sglext([p.finished for p in gen.progress])
     return Json(answer)
 
 
@@ -179,7 +179,7 @@ def _nth(params: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
 
 
-def _usage(gen: Generation, n: int = 1) -> dict[str, Any]:
+def openai_usage(gen: Generation, n: int = 1) -> dict[str, Any]:
     """Each prompt counted once (``n`` choices of it: its first choice's prompt figures)."""
     ended = [p.finished for p in gen.progress[::n] if p.finished is not None]
     prompt = sum(len(p) for p in gen.prompts[::n])
@@ -192,7 +192,7 @@ def _usage(gen: Generation, n: int = 1) -> dict[str, Any]:
     }
 
 
-def _sglext(ended: list[Finished | None]) -> dict[str, Any]:
+def sglext(ended: list[Finished | None]) -> dict[str, Any]:
     """SGLang's extension object: where the cached prompt tokens came from, summed over the prompts ended."""
     total = dict.fromkeys(("device", "host", "storage"), 0)
     for f in ended:
@@ -240,11 +240,11 @@ def _encoder(
                 "logprobs": chunk_logprobs,
                 "finish_reason": None if ended is None else finish_reason(ended),
             }
-            ext = {"sglext": _sglext([ended])} if details and ended is not None else {}
+            ext = {"sglext": sglext([ended])} if details and ended is not None else {}
             events.append(sse({**head, "choices": [choice], **extra, **ext}))
         if gen.done and usage:
-            ext = {"sglext": _sglext([p.finished for p in gen.progress])} if details else {}
-            events.append(sse({**head, "choices": [], "usage": _usage(gen, n), **ext}))
+            ext = {"sglext": sglext([p.finished for p in gen.progress])} if details else {}
+            events.append(sse({**head, "choices": [], "usage": openai_usage(gen, n), **ext}))
         return events
 
     return encode

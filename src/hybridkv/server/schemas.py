@@ -186,6 +186,76 @@ class CompletionBody(_Strict):
     ]
 
 
+class ChatMessage(_Strict):
+    """One message of an OpenAI chat: ``content`` text, or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+
+class ChatBody(_Strict):
+    """OpenAI ``/v1/chat/completions`` (null wherever OpenAI's schema allows it), with vLLM's extensions (``top_k``,
+    ``stop_token_ids``, ``ignore_eos``, ``cache_salt``, ...) and SGLang's (``rid``, ``extra_key``, ...)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    cache_salt: str | None = None
+    rid: str | None = None
+    extra_key: str | None = None
+    return_cached_tokens_details: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    lora_path: Any = None
+    min_p: float | None = 0.0
+    min_tokens: int | None = 0
+
+    NESTED: ClassVar[tuple[str, ...]] = ("stream_options",)
+    UNSUPPORTED: ClassVar[list[Unsupported]] = [
+        ("lora_path", (None,), _NO_LORA),
+        ("n", (None, 1), "one choice per chat is served; send the chat n times"),
+        ("stop", (None, "", ()), "stop strings are not served; give stop_token_ids"),
+        ("frequency_penalty", (None, 0.0), "penalties are not served; give 0"),
+        ("presence_penalty", (None, 0.0), "penalties are not served; give 0"),
+        ("repetition_penalty", (None, 1.0), "penalties are not served; give 1"),
+        ("min_p", (None, 0.0), "min_p is not served; give 0"),
+        ("min_tokens", (None, 0), "min_tokens is not served; give 0"),
+        ("logit_bias", (None, {}), "logit biases are not served"),
+        ("tools", (None, ()), "tool calls are not served; give null"),
+        ("tool_choice", (None, "none"), "tool calls are not served; give null"),
+        ("response_format", (None, {"type": "text"}), _NO_GRAMMAR),
+        ("chat_template_kwargs", (None, {}), "chat template arguments are not served; give null"),
+        ("add_generation_prompt", (True,), "the chat is always rendered for the assistant's turn"),
+        ("continue_final_message", (False,), "continuing the final message is not served"),
+    ]
+
+
 class SglangSampling(_Strict):
     """SGLang's ``sampling_params`` (``SamplingParams.__init__``), plus ``seed``."""
 

@@ -8,6 +8,11 @@ there (``--tokenizer DIR``, or the model directory's own; nothing is downloaded)
 ``b`` < 256 is the byte ``b`` of the UTF-8 text, a special id (bos, eos) decodes to nothing, any
 other id to U+FFFD, and invalid UTF-8 decodes with replacement characters (never an error).
 
+A chat (``render_chat``) becomes token ids through the tokenizer's chat template: a saved tokenizer's
+own (``apply_chat_template``, with the generation prompt), or for ``ByteTokenizer`` a built-in one
+(``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``). ``ChatTemplateMissing`` says which
+tokenizer has none and what to add.
+
 Invariant (``TextStream``): the deltas it hands out, joined, equal the decoding of every token so
 far, except that a trailing replacement character (an incomplete UTF-8 sequence) is held back until
 the next token completes it or the request ends; after the last push they equal it whole.
@@ -23,12 +28,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a directory hol
 BYTES = 256
 
 
+class ChatTemplateMissing(ValueError):
+    """The tokenizer has no chat template to render a conversation with."""
+
+
 class TextTokenizer(Protocol):
     source: str  # where it came from (``/get_model_info``'s ``tokenizer_path``)
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt of a conversation (``{"role", "content"}`` messages), ready for the assistant's turn."""
+        ...
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -47,6 +60,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="surrogatepass"))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return self.encode(text + "<|assistant|>\n")
 
     def decode(self, ids: list[int]) -> str:
         out, run = [], bytearray()
@@ -80,6 +97,17 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._tok, "chat_template", None):
+            raise ChatTemplateMissing(
+                f"the tokenizer at {self.source!r} has no chat template; add one (tokenizer_config.json's "
+                "chat_template, or a chat_template.jinja file beside it), or send prompts to /v1/completions"
+            )
+        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding (transformers' dict answer)
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
 
 class TextStream:
