@@ -15,7 +15,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import typer
 
 from hybridkv.cli import main
 from hybridkv.cli.app import app
+from tests.server.conftest import listening_url
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -139,14 +139,7 @@ def test_tour_servers_answer_and_stop_on_sigterm(command: list[str], tmp_path: P
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv", *args], stdout=out, stderr=err, env=env)
     try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None:
-            assert proc.poll() is None, (tmp_path / "err").read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", (tmp_path / "out").read_text())
-            url = found.group(1) if found else None
-            time.sleep(0.1)
+        url = listening_url(proc, tmp_path, 120)
         headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args else {}
         body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2}}
         r = httpx.post(f"{url}/generate", json=body, headers=headers, timeout=120)

@@ -7,7 +7,11 @@ on another engine with the same weights and sizing, the oracle the served tokens
 
 from __future__ import annotations
 
+import re
+import subprocess
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,3 +61,16 @@ def shared_prefix_prompts(n: int, groups: int = 4, prefix: int = 48, seed: int =
     rng = np.random.default_rng(seed)
     heads = [rng.integers(3, 256, prefix).tolist() for _ in range(groups)]
     return [heads[i % groups] + rng.integers(3, 256, int(rng.integers(1, 40))).tolist() for i in range(n)]
+
+
+def listening_url(proc: subprocess.Popen[Any], logs: Path, timeout_s: float = 120.0) -> str:
+    """The URL a ``hybridkv serve`` subprocess prints once it listens (its stdout in ``logs / "out"``, stderr in
+    ``logs / "err"``): fails naming its stderr when it exits first, or when it has not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, (logs / "err").read_text()
+        assert time.monotonic() < deadline, "the server did not start"
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", (logs / "out").read_text())
+        if found:
+            return found.group(1)
+        time.sleep(0.1)

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from hybridkv.engine.random_models import save_random
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, listening_url
 
 SHUTDOWN_TIMEOUT = 2
 
@@ -77,14 +77,7 @@ def serve_and_sigterm(
     cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 240
-        url = None
-        while url is None:
-            assert proc.poll() is None, (tmp_path / "err").read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", (tmp_path / "out").read_text())
-            url = found.group(1) if found else None
-            time.sleep(0.1)
+        url = listening_url(proc, tmp_path, 240)
         ends: dict[int, Any] = {}
         started = threading.Barrier(5, timeout=120)
 

@@ -5,7 +5,6 @@ says where the cached tokens came from, and a prefix restored from host memory g
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hybridkv.cli import main
-from tests.server.conftest import MODEL, shared_prefix_prompts
+from tests.server.conftest import MODEL, listening_url, shared_prefix_prompts
 from tests.server.test_shutdown import children
 
 
@@ -64,14 +63,7 @@ def test_serve_with_a_mooncake_store_starts_and_stops_its_master(tmp_path: Path)
     cmd += ["--host-memory", "8MiB", "--store", "mooncake", "--shutdown-timeout", "2"]
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None:
-            assert proc.poll() is None, (tmp_path / "err").read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", (tmp_path / "out").read_text())
-            url = found.group(1) if found else None
-            time.sleep(0.1)
+        url = listening_url(proc, tmp_path, 120)
         body = {"input_ids": list(range(5, 40)), "sampling_params": {"max_new_tokens": 3}}
         answer = httpx.post(f"{url}/generate", json=body, timeout=60).json()
         assert answer["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
