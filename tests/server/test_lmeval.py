@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ TASK_DIR = Path(__file__).resolve().parent / "lmeval_task"
 TASK = "hybridkv_tiny_words"
 SETUP_TIMEOUT_S = 300
 TOLERANCE = 1e-4
+IGNORED = "hybridkv_ignored_request_fields_total{"
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,9 @@ def test_lm_eval_loglikelihoods_equal_transformers(
     accuracy = correct / len(samples)
     assert results["acc,none"] == pytest.approx(accuracy)
     assert re.search(rf"\|{TASK}\s*\|.*\|acc\s*\|.*\|{accuracy:.4f}\|", stdout), stdout  # the figure it printed
+    metrics = httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+    ignored = [line for line in metrics if line.startswith(IGNORED)]
+    assert ignored == []  # every field lm-eval sends is one the server knows
 
 
 def test_the_word_tokenizer_fits_the_vocabulary_and_splits_exactly(model_dir: Path) -> None:
