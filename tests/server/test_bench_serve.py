@@ -108,6 +108,11 @@ def test_bench_serve_json_is_exact_and_complete() -> None:
     for key in ("overhead_steady_ms", "overhead_plain_ms", "overhead_plain_steady_ms"):
         assert report[key]["p50"] is not None, key  # the plain ones: the same requests, tokens checked too
     assert report["goal_met"] == (report["overhead_steady_ms"]["p50"] <= report["goal_overhead_ms"])
+    # the endpoints side by side (tokens checked equal inside): each one's e2e, and the two p50 ratios
+    ends = report["endpoints"]
+    assert set(ends["e2e_ms"]) == {"generate", "completions", "completions_logprobs"}
+    assert all(e2e["p50"] > 0 for e2e in ends["e2e_ms"].values())
+    assert ends["completions_to_generate"] > 0 and ends["logprobs_to_plain"] > 0
     # CPU from the server's /metrics (process CPU counts 10 ms ticks: over 2 requests only the sign is noise)
     assert report["http_cpu_ms"] > 0 and isinstance(report["server_other_cpu_ms"], float)  # the loop's clock is exact
     assert report["client_cpu_ms"] > 0  # the client streamed every chunk of 2 requests

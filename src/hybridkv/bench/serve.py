@@ -32,7 +32,10 @@ a core included. The goal (p50 <= 2 ms) is judged on it. With ``compare_writes``
 streams take the other write path (``--loop-writes`` or not) serves the same requests, interleaved with the
 first's (each goes first every other request): ``other_writes`` holds its figures.
 ``overhead_plain`` (and its steady form): the same requests again, not streamed (one JSON answer): the
-part that does not grow with the tokens (the rest is per streamed chunk). The CPU of the streamed phase
+part that does not grow with the tokens (the rest is per streamed chunk). ``endpoints``: the same requests
+alone again, each streamed as ``/generate``, as ``/v1/completions`` and as ``/v1/completions`` asking for
+log-probabilities (order rotating, tokens checked equal): end-to-end per endpoint and the p50 ratios
+``completions_to_generate`` and ``logprobs_to_plain``. The CPU of the streamed phase
 is counted too, from the server's ``/metrics`` scraped around each request, less what two scrapes with nothing
 between them find (``scrape_cpu_ms``, the median of 5: rendering one scrape and parsing the next land between
 the readings; the engine thread's share, taken out of ``computing`` too, would otherwise lower the steady
@@ -67,6 +70,7 @@ import os
 import re
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -259,6 +263,78 @@ async def _one_by_one(
     return alones
 
 
+class _Choice(msgspec.Struct):
+    token_ids: list[int]
+    finish_reason: Any = None
+
+
+class _CompletionChunk(msgspec.Struct):  # the fields of a /v1/completions stream chunk the bench reads
+    choices: list[_Choice]
+
+
+_COMPLETION_CHUNK = msgspec.json.Decoder(_CompletionChunk)
+ENDPOINTS = ("generate", "completions", "completions_logprobs")
+"""What ``compare_endpoints`` serves each prompt as: streamed ``/generate``, streamed ``/v1/completions``, and the
+latter asking for each token's log-probability (``logprobs: 1``)."""
+
+
+async def _one_completion(client: SseClient, body: bytes, trace: Trace) -> None:
+    def on_event(event: bytes, at: float) -> None:
+        if not event.startswith(b"data: {"):
+            return
+        for choice in _COMPLETION_CHUNK.decode(event[6:]).choices:
+            if choice.token_ids:
+                trace.tokens = trace.tokens + choice.token_ids
+                trace.chunks.append(at)
+            if choice.finish_reason is not None:
+                trace.end = at
+
+    await client.post("/v1/completions", body, on_event)
+
+
+def _completion_body(prompt: list[int], max_new: int, salt: str, logprobs: bool) -> bytes:
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "cache_salt": salt} | ({"logprobs": 1} if logprobs else {})
+    return msgspec.json.encode(body)
+
+
+async def _endpoints(target: Target, prompts: list[list[int]], max_new: int) -> dict[str, list[float]]:
+    client = SseClient(target.url, target.headers)
+    e2e: dict[str, list[float]] = {name: [] for name in ENDPOINTS}
+    try:
+        await client.connect(1)
+        for i, prompt in enumerate(prompts):
+            traces = {}
+            for k in range(len(ENDPOINTS)):  # each endpoint goes first as often as the others
+                name = ENDPOINTS[(i + k) % len(ENDPOINTS)]
+                salt = f"endpoints-{name}-{i}-{time.time_ns()}"  # its own namespace: computed in full
+                trace = Trace(time.perf_counter())
+                if name == "generate":
+                    await _one(client, _body(prompt, max_new, salt), trace)
+                else:
+                    await _one_completion(client, _completion_body(prompt, max_new, salt, name != "completions"), trace)
+                e2e[name].append(trace.end - trace.arrival)
+                traces[name] = trace.tokens
+            if len({tuple(t) for t in traces.values()}) != 1:
+                raise RuntimeError(f"request {i}: the endpoints gave different tokens: {traces}")
+    finally:
+        client.close()
+    return e2e
+
+
+def compare_endpoints(target: Target, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """Each prompt alone, streamed as ``/generate``, as ``/v1/completions`` and as ``/v1/completions`` with
+    ``logprobs: 1`` (order rotating; tokens checked equal): end-to-end p50 / p99 per endpoint and the p50 ratios
+    of completions to generate and of completions with log-probabilities to without."""
+    e2e = uvloop.run(_endpoints(target, prompts, max_new))
+    p50 = {name: statistics.median(v) for name, v in e2e.items()}
+    return {
+        "e2e_ms": {name: _ms(v) for name, v in e2e.items()},
+        "completions_to_generate": round(p50["completions"] / p50["generate"], 3),
+        "logprobs_to_plain": round(p50["completions_logprobs"] / p50["completions"], 3),
+    }
+
+
 def one_by_one(
     engine: Engine, targets: list[Target], prompts: list[list[int]], max_new: int, stream: bool = True
 ) -> list[Alone]:
@@ -374,6 +450,7 @@ def run(
             drive_http(targets[1], prompts[:2], [0.0, 0.0], 2, "warm-up")
         streamed, *others = one_by_one(engine, targets, prompts[:alone], max_new_tokens)
         plain = one_by_one(engine, [target], prompts[:alone], max_new_tokens, stream=False)[0]
+        endpoints = compare_endpoints(target, prompts[:alone], max_new_tokens)
         wake = send_wake_us()
         with _decoding(engine, prompts[0], max_new_tokens) as step:
             after_step = send_wake_us(between=step)
@@ -423,6 +500,7 @@ def run(
         **_alone_figures(streamed),
         "overhead_plain_ms": _ms(plain.overhead),
         "overhead_plain_steady_ms": _ms(plain.steady),
+        "endpoints": endpoints,
         "stream_interval": stream_interval,
         "loop_writes": loop_writes,
         "other_writes": None if not others else {"loop_writes": not loop_writes, **_alone_figures(others[0])},

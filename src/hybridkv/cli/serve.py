@@ -567,6 +567,13 @@ def bench_serve(
         console.print(f"pd: hybridkv serve {' '.join(pd_args)} (--gpu-memory per worker process; CPU not counted)")
     o, steady = report["overhead_ms"], report["overhead_steady_ms"]
     plain, plain_steady = report["overhead_plain_ms"], report["overhead_plain_steady_ms"]
+    ends = report["endpoints"]
+    console.print(
+        "streamed alone, end-to-end p50: "
+        + ", ".join(f"{name} {e2e['p50']} ms" for name, e2e in ends["e2e_ms"].items())
+        + f"; /v1/completions / /generate {ends['completions_to_generate']}x, with logprobs / without "
+        f"{ends['logprobs_to_plain']}x"
+    )
     met = "met" if report["goal_met"] else "NOT met"
     console.print(
         f"HTTP overhead per request ({report['alone']} requests alone, {max_new_tokens} tokens each): streamed "
