@@ -5,6 +5,7 @@ says where the cached tokens came from, and a prefix restored from host memory g
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def test_serve_with_a_mooncake_store_starts_and_stops_its_master(tmp_path: Path)
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = listening_url(proc, tmp_path, 120)
+        assert re.search(r"warmed up with \d+ requests", (tmp_path / "out").read_text())  # before it listened
         body = {"input_ids": list(range(5, 40)), "sampling_params": {"max_new_tokens": 3}}
         answer = httpx.post(f"{url}/generate", json=body, timeout=60).json()
         assert answer["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}

@@ -142,6 +142,9 @@ def serve(
     shutdown_timeout: float = typer.Option(
         30.0, "--shutdown-timeout", callback=positive_finite, help="Seconds in-flight requests get on SIGTERM."
     ),
+    no_warmup: bool = typer.Option(
+        False, "--no-warmup", help="Listen at once (default: a few requests warm the step shapes up; off with --fault)."
+    ),
     disaggregated: bool = typer.Option(False, "--disaggregated", help="Serve through the PD server."),
     prefill_pp: int = typer.Option(None, "--prefill-pp", min=1, help="Prefill pipeline stages (PD; default 2)."),
     prefill_tp: int = typer.Option(None, "--prefill-tp", min=1, help="Prefill TP ranks per stage (PD; default 1)."),
@@ -175,6 +178,7 @@ def serve(
         raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
     layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
     faults = parse_faults(fault or [])
+    warmup = not no_warmup and not faults  # a fault names a request by its number: warm-up requests would shift it
     tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
     key = api_key or os.environ.get(API_KEY_ENV) or None
     name = random if random is not None else Path(model).name
@@ -207,6 +211,7 @@ def serve(
         "store": store,
         "disaggregated": disaggregated,
         "dtype": dtype,
+        "warmup": warmup,
         "api_key_set": key is not None,
     }
     config = ServerConfig(
@@ -229,7 +234,7 @@ def serve(
             stack.callback(engine.close)  # its tiers: the store client, a master it started
             backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued)
         sized.announce()
-        code = run_server(backend, config, sock, shutdown_timeout)
+        code = run_server(backend, config, sock, shutdown_timeout, warmup=warmup)
     return code
 
 

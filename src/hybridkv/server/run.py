@@ -1,7 +1,8 @@
 """Run the app on uvicorn: on a socket bound here (port 0: a free one), in the foreground or a thread.
 
-Foreground (``serve``, the ``hybridkv serve`` command): prints one line ``hybridkv serve: listening on
-http://HOST:PORT`` once the socket accepts connections (a parent process may read the port from it),
+Foreground (``serve``, the ``hybridkv serve`` command): first warms the backend up (``server.warmup``), then
+prints one line ``hybridkv serve: listening on http://HOST:PORT`` once the socket accepts connections (a
+parent process may read the port from it),
 then serves until SIGTERM or SIGINT. Shutdown: the socket stops accepting, requests in flight get up
 to ``shutdown_timeout`` seconds to finish (uvicorn's graceful shutdown); then every request still open
 is aborted (a stream ends with an ``abort`` finish and ``[DONE]``, memory released), so the handlers
@@ -27,6 +28,7 @@ from hybridkv.server.app import create_app
 from hybridkv.server.backend import Backend
 from hybridkv.server.connections import guarded_protocol
 from hybridkv.server.state import ServerConfig, ServerState
+from hybridkv.server.warmup import WarmupFailed, warm_up
 
 BACKSTOP_S = 5  # uvicorn cancels what is still running this long after the requests were aborted
 SWITCH_INTERVAL_S = 0.0005
@@ -124,8 +126,11 @@ class HttpServer:
             self._thread.join(self.shutdown_timeout + 30)
 
 
-def serve(backend: Backend, config: ServerConfig, sock: socket.socket, shutdown_timeout: float) -> int:
-    """Serve on ``sock`` (from ``bind``) in the foreground until SIGTERM / SIGINT; 0 after a clean shutdown."""
+def serve(
+    backend: Backend, config: ServerConfig, sock: socket.socket, shutdown_timeout: float, warmup: bool = True
+) -> int:
+    """Serve on ``sock`` (from ``bind``) in the foreground until SIGTERM / SIGINT; 0 after a clean shutdown.
+    ``warmup``: run ``warm_up`` first (the socket queues connections meanwhile; ``/health`` answers after it)."""
     server = HttpServer(backend, config, sock, shutdown_timeout)
     got: list[int] = []
 
@@ -136,7 +141,18 @@ def serve(backend: Backend, config: ServerConfig, sock: socket.socket, shutdown_
     # uvicorn installs its own handlers while it runs and restores (then re-raises to) these
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, remember)
-    print(f"hybridkv serve: listening on {server.url} (model {backend.info.name})", flush=True)
+    warmed = ""
+    if warmup:
+        try:
+            report = warm_up(backend, stop=lambda: bool(got))
+        except WarmupFailed as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sock.close()
+            backend.close(shutdown_timeout)
+            return 1
+        warmed = f"; warmed up with {report.requests} requests in {report.seconds:.2f} s"
+        warmed += " (ended early)" if report.timed_out else ""
+    print(f"hybridkv serve: listening on {server.url} (model {backend.info.name}{warmed})", flush=True)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the whole process is this server
     server.run()
     names = ", ".join(signal.Signals(s).name for s in dict.fromkeys(got)) or "no signal"

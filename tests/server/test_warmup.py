@@ -1,0 +1,70 @@
+"""The warm-up a server runs before it listens: every request ends, memory comes back, no client hits its cache."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import SamplingParams
+from hybridkv.server import EngineBackend, Finished
+from hybridkv.server.warmup import NEW_TOKENS, SCHEDULE, prompt_lengths, warm_up
+from tests.server.conftest import MODEL, SIZING
+
+
+class _Wait:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Finished | None = None
+
+    def on_token(self, token: int, logprob: Any = None) -> None:
+        del token, logprob
+
+    def on_finish(self, result: Finished) -> None:
+        self.result = result
+        self.done.set()
+
+
+def test_the_schedule_fits_one_request_and_covers_one_and_two_chunks() -> None:
+    assert prompt_lengths(64, 4096) == sorted({*SCHEDULE, 64, 65, 129})
+    assert prompt_lengths(64, 40) == [n for n in SCHEDULE if n + NEW_TOKENS <= 40]  # one request fits max_context
+    assert prompt_lengths(16, 40) == sorted({n for n in (*SCHEDULE, 16, 17, 33) if n + NEW_TOKENS <= 40})
+
+
+def test_warm_up_ends_every_request_and_gives_its_memory_back_to_the_cache(make_engine: Callable[..., Engine]) -> None:
+    backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
+    try:
+        report = warm_up(backend, seed=3)
+        lengths = prompt_lengths(SIZING["chunk_size"], backend.info.max_context)
+        assert (report.requests, report.prompt_tokens, report.timed_out) == (len(lengths), sum(lengths), False)
+        m = backend.metrics()
+        assert m["requests"] == len(lengths) and m["prompt_tokens"] == sum(lengths)
+        assert (m["running"], m["waiting"], m["held_pages"], m["held_slots"]) == (0, 0, 0, 0)
+        # the same prompts from a client (no salt, as the warm-up's is its own): not one cached token
+        rng = random.Random(3)
+        prompts = [[rng.randrange(backend.info.vocab_size) for _ in range(n)] for n in lengths]
+        sinks = [_Wait() for _ in prompts]
+        for prompt, sink in zip(prompts, sinks, strict=True):
+            backend.submit(prompt, SamplingParams(max_new_tokens=1), sink)
+        for sink in sinks:
+            assert sink.done.wait(60)
+            assert sink.result is not None and sink.result.error is None
+            assert sink.result.cached_tokens == 0
+    finally:
+        backend.close(10)
+
+
+def test_a_stop_during_the_warm_up_aborts_the_rest_and_releases_everything(
+    make_engine: Callable[..., Engine],
+) -> None:
+    backend = EngineBackend(make_engine(max_running=1), MODEL, SIZING["gpu_memory"])  # one at a time: most wait
+    try:
+        report = warm_up(backend, stop=lambda: True)
+        assert report.timed_out
+        m = backend.metrics()
+        assert m["aborted"] >= 1  # at least the first still-open request was aborted, not waited for
+        assert (m["running"], m["waiting"], m["held_pages"], m["held_slots"]) == (0, 0, 0, 0)
+    finally:
+        backend.close(10)
