@@ -133,7 +133,8 @@ def _case(
     pages = rng.permutation(pre.alloc_pages(batch))
     dst_pages = dec.alloc_pages(batch)
     route = Route(sender.buffers, receiver.buffers, pair_entries(sender.buffers, receiver.buffers))
-    src_cells, dst_cells = memory_cells(pre, pages, None), memory_cells(dec, dst_pages, None)
+    src_cells = memory_cells(pre, pages, None)  # as ``PrefillSender.send`` has them
+    dst_cells = {n: c.tolist() for n, c in memory_cells(dec, dst_pages, None).items()}  # as decode's message has them
     peer = receiver.transport.session
 
     def hybridkv() -> None:

@@ -30,7 +30,6 @@ import secrets
 import time
 from functools import partial
 
-import numpy as np
 import zmq
 
 from hybridkv.memory import MoveGate, UnifiedMemory
@@ -299,10 +298,9 @@ class DecodeReceiver(Agent):
         """Plan this rank's side of every leg, then ask every prefill rank."""
         now = time.monotonic()
         sources = self._engines[inc.engine]
-        dst = {name: np.asarray(c, dtype=np.int64) for name, c in inc.dst_cells.items()}
         try:
             for rank, source in sources.items():
-                plan = source.route.plan(inc.seq_len, None, dst)
+                plan = source.route.plan(inc.seq_len, None, inc.dst_cells)
                 inc.legs[rank] = Leg(source, plan, now)
         except TransferError as exc:
             inc.legs.clear()

@@ -87,7 +87,7 @@ class _Leg:
     peer: _DecodePeer
     nonce: int
     seq_len: int
-    dst_cells: dict[str, np.ndarray]
+    dst_cells: dict[str, list[int]]  # as the decode rank's message gave them (plans of few pieces read lists)
     checksum: bool
     deadline: float
     status: LegStatus = LegStatus.ASKED  # I/O thread only; TRANSFERRING while the worker runs it
@@ -304,7 +304,7 @@ class PrefillSender(Agent):
         if out.engine and out.engine != msg.rank.engine:
             self._send_status(peer, rid, msg.nonce, LegStatus.FAILED, f"bound to decode engine {out.engine!r}")
             return
-        cells = {name: np.asarray(c, dtype=np.int64) for name, c in msg.dst_cells.items()}
+        cells = msg.dst_cells
         deadline = time.monotonic() + max(0.0, msg.ttl_s)
         leg = _Leg(peer, msg.nonce, msg.seq_len, cells, msg.checksum, deadline)
         out.legs[msg.rank] = leg
