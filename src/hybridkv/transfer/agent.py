@@ -56,8 +56,8 @@ class EventKind(Enum):
     """What the I/O thread tells the owner about a request."""
 
     DONE = "done"  # finished: the payload is its final StatusReport
-    KEEP = "keep"  # (decode) succeeded: unpin its pages, they are the caller's now
-    FREE = "free"  # (decode) failed and quiet: unpin and free its pages
+    KEEP = "keep"  # (decode) succeeded: unpin its pages, they are the owner's now
+    RELEASE = "release"  # (decode) failed and quiet: unpin its pages and hand them back to the owner
 
 
 Event = tuple[EventKind, str, object]  # (kind, request id, payload) for the owner

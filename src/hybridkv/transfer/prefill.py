@@ -17,9 +17,10 @@ Invariants:
   that said hello. A ``Hello`` whose endpoint is not ``tcp://host:port`` is refused; one
   whose session the transport refuses (``Transport.check_session``: e.g. a shm path
   outside hybridkv's own files) makes the rank unservable before anything is opened.
-- The request's pages and slot are pinned (memory move gate: the owner's, or one of its own)
-  from ``send`` until the owner collects the finished request with ``poll``; no gate is released while a leg may
-  still read them.
+- The request's pages and slot are pinned by the owner's memory move gate (``send`` refuses one
+  that does not hold them all) until the owner collects the finished request with ``poll``; a
+  request is reported there only once no leg can still read them. The sender never pins or
+  unpins: the owner does.
 - Every decode rank of the requesting engine sends a request, even one this rank feeds
   nothing (it gets a zero-op success): the request succeeds here only when all of them
   succeeded, and fails on the first failure, abort, timeout or silent peer.
@@ -143,7 +144,7 @@ class PrefillSender(Agent):
         self._out: dict[str, _Outgoing] = {}
         self._finished: dict[str, tuple[float, str]] = {}  # request id -> (when, how it ended)
         self._last_heartbeat = 0.0
-        self._gates: dict[str, MoveGate | None] = {}  # owner thread only; None: the owner pinned
+        self._sent: set[str] = set()  # handed over, not yet collected by ``poll``; owner thread only
         self._reports = ReportBoard()
         self._stage: SourceStaging | None = None  # the worker thread's, once built
         try:
@@ -164,16 +165,13 @@ class PrefillSender(Agent):
 
     # --- owner API -------------------------------------------------------------------
 
-    def send(
-        self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int, pinned: MoveGate | None = None
-    ) -> None:
+    def send(self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int, pinned: MoveGate) -> None:
         """Hand over a finished request: its virtual pages (in order) and state slot.
 
-        The pages and slot are pinned until ``poll`` returns the request's final status: by
-        ``pinned``, the owner's own pin of them (e.g. ``KVManager.pin``: the owner unpins after
-        ``poll``), or by a pin taken and released here.
+        ``pinned`` is the owner's pin of them (e.g. ``KVManager.pin``); it must hold them until
+        ``poll`` returns the request's final status, and the owner unpins after that.
         """
-        if request_id in self._gates:
+        if request_id in self._sent:
             raise ValueError(f"request {request_id!r} was already sent")
         pages = np.asarray(pages, dtype=np.int64)
         need = num_pages(seq_len, self.mem.page_size)
@@ -189,24 +187,20 @@ class PrefillSender(Agent):
             )
         pages = pages[:need]
         slots = [] if slot is None else [slot]
-        if pinned is not None:
-            held = pinned.status is GateStatus.PINNING
-            if not held or not (np.isin(pages, pinned.pages).all() and np.isin(slots, pinned.slots).all()):
-                raise PlanError(f"send {request_id!r}: the owner's pin does not hold every page and slot sent")
-            self._gates[request_id] = None
-        else:
-            self._gates[request_id] = self.mem.pin(pages=pages, slots=slots or None)
+        held = pinned.status is GateStatus.PINNING
+        if not held or not (np.isin(pages, pinned.pages).all() and np.isin(slots, pinned.slots).all()):
+            raise PlanError(f"send {request_id!r}: the owner's pin does not hold every page and slot sent")
+        self._sent.add(request_id)
         cells = memory_cells(self.mem, pages, slot)
         self.call_soon(partial(self._on_input, request_id, cells, seq_len))
 
     def poll(self) -> list[StatusReport]:
-        """Finished requests since the last call; their pages and slots are unpinned."""
+        """Finished requests since the last call: no leg reads their pages and slots any more, so
+        their owner may unpin them."""
         reports = []
         while not self.events.empty():
             _, request_id, report = self.events.get()
-            gate = self._gates.pop(request_id, None)
-            if gate is not None:
-                gate.release()
+            self._sent.discard(request_id)
             assert isinstance(report, StatusReport)
             reports.append(report)
         return reports
