@@ -31,15 +31,15 @@ import contextlib
 import secrets
 import time
 from functools import partial
+from typing import Unpack
 
 import numpy as np
 import zmq
 
 from hybridkv.memory import MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, EventKind, log
-from hybridkv.transfer.auth import AuthError, ClusterKey
+from hybridkv.transfer.agent import Agent, AgentOptions, EventKind, log
+from hybridkv.transfer.auth import AuthError
 from hybridkv.transfer.bootstrap import BOOTSTRAP_ADDRESSEE, BOOTSTRAP_RANK, reply_prefix
-from hybridkv.transfer.buffers import buffer_set_from_memory
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.incoming import (
@@ -64,7 +64,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
-from hybridkv.transfer.status import LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
 LOOKUP_RETRY_S = 0.1
@@ -78,25 +78,14 @@ class DecodeReceiver(Agent):
         bootstrap: str,
         transport: Transport,
         *,
-        host: str = "127.0.0.1",
-        timeout_s: float = 60.0,
-        heartbeat_s: float = 0.5,
-        peer_timeout_s: float = 5.0,
         quarantine_s: float = 30.0,
         checksum: bool = False,
-        key: ClusterKey | None = None,
+        **options: Unpack[AgentOptions],
     ) -> None:
         """``quarantine_s``: how long a failed request may wait for its writers to stop
-        before it is reported stuck (its pages stay reserved); ``key``: the cluster key
-        (default: ``auth.load_cluster_key()``, from the environment)."""
-        transport.check_device(mem.device.type)  # before any socket or address exists
-        self.buffers = buffer_set_from_memory(mem)
-        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host, key)
-        self.mem = mem
-        self.transport = transport
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
+        before it is reported stuck (its pages stay reserved); ``checksum``: whether requests
+        check the bytes that landed unless ``request`` says otherwise; the rest: ``Agent``."""
+        super().__init__(mem, engine, bootstrap, transport, **options)
         self.quarantine_s = quarantine_s
         self.checksum = checksum
         self._hello = Hello(self.rank, self.endpoint, transport.name, transport.session, self.buffers)
@@ -105,20 +94,13 @@ class DecodeReceiver(Agent):
         self._lookup_sent: dict[str, float] = {}
         self._lookup_reason: dict[str, str] = {}
         self._in: dict[str, Incoming] = {}
-        self._last_heartbeat = 0.0
         self._held: dict[str, MoveGate] = {}  # the receiver's pin of each request's pages; owner thread only
-        self._reports = ReportBoard()
         self._quarantine = Quarantine()
         self._releasable: list[str] = []  # failed requests out of quarantine, unpinned; owner thread only
-        self._bootstrap = self._ctx.socket(zmq.DEALER)
-        self._bootstrap.linger = 0
-        self._bootstrap.connect(bootstrap)
-        self._poller.register(self._bootstrap, zmq.POLLIN)
-        try:
-            transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
-        except BaseException:
-            self.close()
-            raise
+        self._lookups = self._ctx.socket(zmq.DEALER)  # to the bootstrap: lookups out, replies in
+        self._lookups.linger = 0
+        self._lookups.connect(self.bootstrap)
+        self._poller.register(self._lookups, zmq.POLLIN)
         self._start()
 
     # --- owner API -------------------------------------------------------------------
@@ -198,9 +180,6 @@ class DecodeReceiver(Agent):
         quarantined, pages, stuck = self._quarantine.counts()
         return ReceiverStats(len(self._held), quarantined, pages, stuck, self.auth_failures, len(self.rejected))
 
-    def status(self, request_id: str) -> StatusReport | None:
-        return self._reports.get(request_id)
-
     def abort(self, request_id: str, reason: str = "aborted by decode") -> None:
         self.call_soon(partial(self._abort, request_id, reason))
 
@@ -227,7 +206,7 @@ class DecodeReceiver(Agent):
     def _lookup(self, engine: str) -> None:
         self._lookup_sent[engine] = time.monotonic()
         with contextlib.suppress(zmq.Again):  # retried from tick
-            self._bootstrap.send(self.seal.seal(BOOTSTRAP_ADDRESSEE, Lookup(engine)), zmq.NOBLOCK)
+            self._lookups.send(self.seal.seal(BOOTSTRAP_ADDRESSEE, Lookup(engine)), zmq.NOBLOCK)
 
     def on_socket(self, sock: zmq.Socket) -> None:
         while sock.poll(0):
@@ -481,4 +460,4 @@ class DecodeReceiver(Agent):
 
     def _close_sockets(self) -> None:
         super()._close_sockets()
-        self._bootstrap.close(linger=0)
+        self._lookups.close(linger=0)

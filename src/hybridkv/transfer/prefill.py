@@ -35,14 +35,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Unpack
 
 import numpy as np
 
 from hybridkv.memory import GateStatus, MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, EventKind, check_endpoint, log
-from hybridkv.transfer.auth import ClusterKey
+from hybridkv.transfer.agent import Agent, AgentOptions, EventKind, check_endpoint, log
 from hybridkv.transfer.bootstrap import bootstrap_call
-from hybridkv.transfer.buffers import BufferSet, buffer_set_from_memory
+from hybridkv.transfer.buffers import BufferSet
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import BadLayout, LayoutMismatch, PlanError, TransferError
 from hybridkv.transfer.liveness import this_process
@@ -59,7 +59,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
-from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegReport, LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 from hybridkv.transfer.transport.base import write_plan
 from hybridkv.transfer.transport.staging import SourceStaging
@@ -123,45 +123,31 @@ class PrefillSender(Agent):
         bootstrap: str,
         transport: Transport,
         *,
-        host: str = "127.0.0.1",
-        timeout_s: float = 60.0,
-        heartbeat_s: float = 0.5,
-        peer_timeout_s: float = 5.0,
         chunk_bytes: int = 64 << 20,
-        key: ClusterKey | None = None,
+        **options: Unpack[AgentOptions],
     ) -> None:
-        """``key``: the cluster key (default: ``auth.load_cluster_key()``, from the environment)."""
-        transport.check_device(mem.device.type)  # before any socket or address exists
-        self.buffers = buffer_set_from_memory(mem)
-        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host, key)
-        self.mem = mem
-        self.transport = transport
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
+        """``chunk_bytes``: the most bytes of one leg in flight at a time; the rest: ``Agent``."""
+        super().__init__(mem, engine, bootstrap, transport, **options)
         self.chunk_bytes = chunk_bytes
         self._peers: dict[Rank, _DecodePeer] = {}
         self._out: dict[str, _Outgoing] = {}
         self._finished: dict[str, tuple[float, str]] = {}  # request id -> (when, how it ended)
-        self._last_heartbeat = 0.0
         self._sent: set[str] = set()  # handed over, not yet collected by ``poll``; owner thread only
-        self._reports = ReportBoard()
         self._stage: SourceStaging | None = None  # the worker thread's, once built
         try:
-            transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
             if transport.pays_per_op:
                 self._stage = SourceStaging(transport, mem.arena.buffer)
             self._start()
             register = Register(
                 self.rank, self.endpoint, transport.name, transport.session, self.buffers, self.epoch, this_process()
             )
-            reply = bootstrap_call(bootstrap, register, self.seal)
+            reply = bootstrap_call(self.bootstrap, register, self.seal)
         except BaseException:
             self.close()
             raise
         if not (isinstance(reply, RegisterAck) and reply.ok):
             self.close()
-            raise TransferError(f"bootstrap {bootstrap} refused {self.rank}: {reply}")
+            raise TransferError(f"bootstrap {self.bootstrap} refused {self.rank}: {reply}")
 
     # --- owner API -------------------------------------------------------------------
 
@@ -204,9 +190,6 @@ class PrefillSender(Agent):
             assert isinstance(report, StatusReport)
             reports.append(report)
         return reports
-
-    def status(self, request_id: str) -> StatusReport | None:
-        return self._reports.get(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by prefill") -> None:
         self.call_soon(partial(self._abort, request_id, reason))
