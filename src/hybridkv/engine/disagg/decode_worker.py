@@ -42,6 +42,7 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import Allocation, DecodeReceiver, Phase, SharedBuffer, make_transport, shared_memory
 from hybridkv.transfer.auth import ClusterKey
+from hybridkv.transfer.transport import transport_class
 
 
 class DecodeRank(Worker):
@@ -58,12 +59,11 @@ class DecodeRank(Worker):
         shard = ShardSpec(spec, groups.parallel, 0, rank)
         hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
         self.shared: SharedBuffer | None = None
-        if c.transport == "shm":
+        if transport_class(c.transport).shared_arena:
             self.mem, self.shared = shared_memory(shard, c.gpu_memory, args.shm_tokens[rank], **hints)
-            self.link = make_transport("shm", self.shared)
         else:
             self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
-            self.link = make_transport(c.transport, None, **transport_options(c.transport))
+        self.link = make_transport(c.transport, self.shared, **transport_options(c.transport))
         self.runner = ShardRunner(
             c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, dtype=c.torch_dtype, spec=spec, mem=self.mem
         )
