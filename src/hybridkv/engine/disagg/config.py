@@ -255,8 +255,3 @@ def _memory(shard: ShardSpec, page_size: int, config: PDConfig) -> UnifiedMemory
     return UnifiedMemory.create(
         shard, config.gpu_memory, page_size=page_size, max_context=config.max_context, chunk_tokens=config.chunk
     )
-
-
-def transport_options(name: str) -> dict[str, object]:
-    """``make_transport`` options of a server's transport: Mooncake over TCP on 127.0.0.1."""
-    return {"host": "127.0.0.1", "protocol": "tcp"} if name == "mooncake" else {}
