@@ -1,4 +1,5 @@
-"""The rigs' owner of the memory transfer agents move (bench, pd-demo, stage worker, tests).
+"""The rigs' owner of the memory transfer agents move (pd-demo, stage worker, tests; ``bench
+transfer`` reserves and pins the same way inline, as product code never imports this package).
 
 Transfer agents are handed memory, always: a ``DecodeReceiver`` writes into pages and a state
 slot its owner reserved, a ``PrefillSender`` reads pages its owner pinned; neither allocates,
