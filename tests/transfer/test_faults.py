@@ -6,16 +6,16 @@ reported as Success. Prefill ranks run in this process (real agents, real transp
 from __future__ import annotations
 
 import contextlib
-import time
 
 import numpy as np
 import pytest
 import zmq
 
-from hybridkv.memory import InvalidIds, PinnedError, UnifiedMemory
+from hybridkv.memory import InvalidIds, MoveGate, PinnedError, UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, IdSpace, Parallel, ShardSpec, get_preset
 from hybridkv.testing.harness import MEMORY, MODEL, decode_rank, variant
 from hybridkv.testing.pattern import expected_arena, fill, mismatch
+from hybridkv.testing.reservations import Reservations, send
 from hybridkv.transfer import (
     LegStatus,
     Phase,
@@ -70,26 +70,22 @@ def prefill_ranks(key, bootstrap, stack, transport="shm", stages=(0, 1), wrap=No
     return senders
 
 
-def hand_over(senders, rid: str, seq_len: int, seed: int) -> list[tuple[np.ndarray, int | None]]:
+def hand_over(senders, rid: str, seq_len: int, seed: int) -> list[tuple[np.ndarray, int | None, MoveGate]]:
     held = []
     for s in senders:
         pages = s.mem.alloc_pages(-(-seq_len // s.mem.page_size))
         slot = int(s.mem.alloc_state(1)[0]) if s.mem.slot_pools else None
         fill(s.mem, pages, slot, seq_len, seed)
-        s.send(rid, pages, slot, seq_len)
-        held.append((pages, slot))
+        held.append((pages, slot, send(s, rid, pages, slot, seq_len)))
     return held
 
 
-def settle(dec, timeout_s: float = 5.0) -> None:
-    """Poll until the decode rank holds no pages any more; then memory must verify."""
-    end = time.monotonic() + timeout_s
-    while dec.held and time.monotonic() < end:
-        dec.poll()
-        time.sleep(0.01)
-    assert dec.held == 0
-    dec.mem.verify()
-    assert dec.mem.stats().live_pages == 0
+def settle(res: Reservations, timeout_s: float = 5.0) -> None:
+    """Poll until the decode rank holds no pages any more (failed reservations freed); then
+    memory must verify."""
+    assert res.settle(timeout_s) == 0
+    res.receiver.mem.verify()
+    assert res.receiver.mem.stats().live_pages == 0
 
 
 def failed_everywhere(senders, rid: str) -> bool:
@@ -119,12 +115,13 @@ def test_wrong_layout_fails_before_any_byte_moves(key, bootstrap, stack, decode_
     senders = prefill_ranks(key, bootstrap, stack)
     hand_over(senders, "r", 20, seed=1)
     dec, mem = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, **decode_kw))
-    dec.request("r", "pre", 20)
+    res = Reservations(dec)
+    res.request("r", "pre", 20)
     report = dec.wait("r", 10)
     assert report.phase is Phase.FAILED
     assert reason in report.reason and "prefill" in report.reason and "decode" in report.reason
     assert mismatch(mem, np.zeros(mem.arena.nbytes, np.uint8)) == ""  # not a byte written
-    settle(dec)
+    settle(res)
     assert all(s.status("r").phase is Phase.BOOTSTRAPPING for s in senders)  # never asked
 
 
@@ -165,13 +162,13 @@ def test_prefill_checks_layouts_and_indices_itself(key, bootstrap, stack, wire):
     # owner misuse is refused at once, with nothing pinned
     mem = stage1.mem
     with pytest.raises(InvalidIds):
-        stage1.send("dead", np.array([mem.pages.capacity - 1] * 5), int(mem.alloc_state(1)[0]), 20)
+        send(stage1, "dead", np.array([mem.pages.capacity - 1] * 5), int(mem.alloc_state(1)[0]), 20)
     with pytest.raises(PlanError, match="cannot hold 20 tokens"):
-        stage1.send("short", mem.alloc_pages(2), None, 20)
+        send(stage1, "short", mem.alloc_pages(2), None, 20)
     with pytest.raises(PlanError, match="pass a state slot"):
-        stage1.send("noslot", mem.alloc_pages(5), None, 20)
+        send(stage1, "noslot", mem.alloc_pages(5), None, 20)
     with pytest.raises(ValueError, match="already sent"):
-        stage1.send("far", mem.alloc_pages(5), int(mem.alloc_state(1)[0]), 20)
+        send(stage1, "far", mem.alloc_pages(5), int(mem.alloc_state(1)[0]), 20)
 
 
 # --- messages ----------------------------------------------------------------------------
@@ -186,10 +183,11 @@ def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(key, 
     reply = bootstrap_call(bootstrap.address, wire.register(fake, buffers=fake_bufs), wire.seal(fake))
     assert isinstance(reply, RegisterAck) and reply.ok
     dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, checksum=True))
+    res = Reservations(dec)
 
     def requested(rid: str, seq_len: int) -> TransferRequest:
         hand_over([stage0], rid, seq_len, seed=4)
-        dec.request(rid, "pre", seq_len)
+        res.request(rid, "pre", seq_len)
         msg = wire.recv(TransferRequest)
         assert msg.request_id == rid
         return msg
@@ -242,7 +240,7 @@ def test_forged_duplicate_late_and_malformed_messages_never_make_a_success(key, 
     wire.send(stage0.endpoint, Abort("r3", 1, dec.rank, "forged"))
     wire.send(stage0.endpoint, b"not msgpack at all")
     wait_until(lambda: len(stage0.rejected) == before + 2)
-    settle(dec)  # every rank had its last word: nothing quarantined
+    settle(res)  # every rank had its last word: nothing quarantined
     stage0.poll()
     stage0.mem.verify()
 
@@ -276,13 +274,14 @@ def test_bootstrap_refuses_bad_registrations_and_keeps_serving(key, bootstrap, w
 def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(key, bootstrap, stack):
     senders = prefill_ranks(key, bootstrap, stack, timeout_s=1.0)
     dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, timeout_s=0.5))
+    res = Reservations(dec)
     # prefill never hands the KV over: decode times out, each rank acknowledges the abort
-    dec.request("never", "pre", 20)
+    res.request("never", "pre", 20)
     report = dec.wait("never", 5)
     assert report.phase is Phase.FAILED
     assert report.reason.startswith("timed out after 0.5 s in phase WaitingForInput")
     assert "waiting for prefill pre[pp0 tp0], pre[pp1 tp0]" in report.reason
-    settle(dec, 2)  # acknowledged: no quarantine wait
+    settle(res, 2)  # acknowledged: no quarantine wait
     wait_until(lambda: failed_everywhere(senders, "never"))
     reason = senders[0].status("never").reason  # whichever came first: the abort or the ttl
     assert "aborted by decode" in reason or "decode's deadline passed" in reason
@@ -293,8 +292,9 @@ def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(key, bootstrap, st
         senders[0].mem.free_pages(held[0][0])
     wait_until(lambda: failed_everywhere(senders, "orphan"))
     assert "timed out after 1.0 s in phase Bootstrapping" in senders[0].status("orphan").reason
-    for s, (pages, slot) in zip(senders, held, strict=True):
+    for s, (pages, slot, gate) in zip(senders, held, strict=True):
         assert [r.request_id for r in s.poll()] == ["never", "orphan"]
+        gate.release()  # finished: the owner unpins
         s.mem.free_pages(pages)  # unpinned, so freeing works
         if slot is not None:
             s.mem.free_state([slot])
@@ -302,23 +302,24 @@ def test_timeouts_and_aborts_fail_with_reasons_and_free_pages(key, bootstrap, st
 
     # decode aborts a request in flight; its pages are pinned until then
     dec.timeout_s = 10.0
-    alloc = dec.request("cancel", "pre", 20)
+    alloc = res.request("cancel", "pre", 20)
     with pytest.raises(PinnedError):
         dec.mem.free_pages(alloc.pages)
     dec.abort("cancel", "client went away")
     report = dec.wait("cancel", 5)
     assert report.phase is Phase.FAILED and report.reason == "client went away"
-    settle(dec, 5)
+    settle(res, 5)
 
 
 def test_incomplete_prefill_engine_times_out_in_bootstrap(key, bootstrap, stack):
     prefill_ranks(key, bootstrap, stack, stages=(0,))
     dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, timeout_s=0.5))
-    dec.request("r", "pre", 20)
+    res = Reservations(dec)
+    res.request("r", "pre", 20)
     report = dec.wait("r", 5)
     assert report.phase is Phase.FAILED
     assert "phase Bootstrapping" in report.reason and "1 of 2 ranks registered" in report.reason
-    settle(dec, 1)
+    settle(res, 1)
 
 
 def test_report_board_keeps_live_requests_and_the_latest_finished():
@@ -363,14 +364,15 @@ class Lossy(Delegating):
 def test_checksum_refuses_bytes_a_transport_lost(key, bootstrap, stack):
     senders = prefill_ranks(key, bootstrap, stack, wrap=Lossy)
     dec, mem = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, checksum=True))
+    res = Reservations(dec)
     hand_over(senders, "r", 20, seed=6)
-    dec.request("r", "pre", 20)
+    res.request("r", "pre", 20)
     report = dec.wait("r", 5)
     assert report.phase is Phase.FAILED and "checksum mismatch" in report.reason
-    settle(dec, 2)
+    settle(res, 2)
     # without integrity checks a lying transport goes unnoticed: that is what they are for
     hand_over(senders, "r2", 20, seed=7)
-    alloc = dec.request("r2", "pre", 20, checksum=False)
+    alloc = res.request("r2", "pre", 20, checksum=False)
     assert dec.wait("r2", 5).phase is Phase.SUCCESS
     assert mismatch(mem, expected_arena(mem, [(alloc.pages, alloc.slot, 20, 7)])) != ""
 
@@ -378,12 +380,12 @@ def test_checksum_refuses_bytes_a_transport_lost(key, bootstrap, stack):
 def test_failed_mooncake_write_is_a_failed_request(key, bootstrap, stack):
     senders = prefill_ranks(key, bootstrap, stack, transport="mooncake")
     dec, mem = stack.enter_context(decode_rank(bootstrap.address, "mooncake", key=key))
+    res = Reservations(dec)
     hand_over(senders, "ok", 20, seed=8)
-    alloc = dec.request("ok", "pre", 20)
+    alloc = res.request("ok", "pre", 20)
     assert dec.wait("ok", 10).phase is Phase.SUCCESS
     assert mismatch(mem, expected_arena(mem, [(alloc.pages, alloc.slot, 20, 8)])) == ""
-    mem.free_pages(alloc.pages)
-    mem.free_state([alloc.slot])
+    res.free("ok")
     # the peer engine refuses a write outside what decode registered
     link = senders[0].transport
     outside = np.array([mem.arena.buffer.data_ptr() + mem.arena.nbytes])
@@ -391,7 +393,7 @@ def test_failed_mooncake_write_is_a_failed_request(key, bootstrap, stack):
         link.write(dec.transport.session, np.array([senders[0].mem.arena.buffer.data_ptr()]), outside, np.array([64]))
     dec.transport.close()  # decode's engine goes away: the prefill's writes must fail
     hand_over(senders, "gone", 20, seed=9)
-    dec.request("gone", "pre", 20)
+    res.request("gone", "pre", 20)
     report = dec.wait("gone", 20)
     assert report.phase is Phase.FAILED and "mooncake batch write" in report.reason
-    settle(dec, 5)
+    settle(res, 5)

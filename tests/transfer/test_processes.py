@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import signal
 
-import numpy as np
 import pytest
 
 from hybridkv.testing.harness import StageProcess, decode_rank, stage_config
 from hybridkv.testing.pattern import expected_arena, mismatch
+from hybridkv.testing.reservations import Reservations
 from hybridkv.transfer import BootstrapServer, Phase
 from tests.transfer.waits import wait_phase, wait_released, wait_until
 
@@ -37,12 +37,6 @@ def spawn(key):
         worker.close()
 
 
-def free(mem, alloc) -> None:
-    mem.free_pages(alloc.pages)
-    if alloc.slot is not None:
-        mem.free_state(np.array([alloc.slot]))
-
-
 @pytest.mark.parametrize(("transport", "decode_tp"), [("shm", 2), ("mooncake", 1)])
 def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, key, bootstrap, spawn):
     workers = [spawn(stage_config(bootstrap, transport, k, REQUESTS)) for k in (0, 1)]
@@ -54,10 +48,11 @@ def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, ke
             for r in range(decode_tp)
         ]
         # asked before the prefill ranks registered: the lookup waits for both stages
-        allocs = [{rid: dec.request(rid, "pre", n) for rid, n, _ in REQUESTS} for dec, _ in ranks]
+        owners = [Reservations(dec) for dec, _ in ranks]
+        allocs = [{rid: res.request(rid, "pre", n) for rid, n, _ in REQUESTS} for res in owners]
         for worker in workers:
             worker.expect("ready", 90)  # slow only when the host is loaded: importing torch
-        for (dec, mem), alloc in zip(ranks, allocs, strict=True):
+        for (dec, mem), res, alloc in zip(ranks, owners, allocs, strict=True):
             for rid in alloc:
                 report = dec.wait(rid, 30)
                 assert report.phase is Phase.SUCCESS, (report, [w.describe() for w in workers])
@@ -66,8 +61,8 @@ def test_pp_stage_processes_write_every_byte_into_place(transport, decode_tp, ke
             want = expected_arena(mem, [(alloc[r].pages, alloc[r].slot, n, s) for r, n, s in REQUESTS])
             assert mismatch(mem, want) == ""
             assert dec.held == 0 and not dec.rejected
-            for a in alloc.values():
-                free(mem, a)
+            for rid in alloc:
+                res.free(rid)
             mem.verify()
     for worker in workers:
         phases = {worker.expect("report")["report"]["phase"] for _ in REQUESTS}
@@ -82,8 +77,9 @@ def test_prefill_hung_then_killed_mid_transfer(key, bootstrap, spawn):
     for worker in workers:
         worker.expect("ready", 90)
     with decode_rank(bootstrap, "shm", key=key, peer_timeout_s=1.0, quarantine_s=60.0) as (dec, mem):
+        res = Reservations(dec)
         # hung (SIGSTOP): fails on heartbeat timeout, pages quarantined until it acknowledges
-        dec.request("hung", "pre", 40)
+        res.request("hung", "pre", 40)
         wait_phase(dec, "hung", Phase.TRANSFERRING)
         workers[1].signal(signal.SIGSTOP)
         report = wait_phase(dec, "hung", Phase.FAILED, 10)
@@ -94,19 +90,19 @@ def test_prefill_hung_then_killed_mid_transfer(key, bootstrap, spawn):
         assert not dec.status("hung").leg("pre[pp1 tp0]").terminal  # asked or transferring when stopped
         assert dec.held == 1  # the hung writer may still write: not freed yet
         workers[1].signal(signal.SIGCONT)
-        wait_released(dec, 10)  # its stop acknowledgement frees the pages long before 60 s
+        wait_released(res, 10)  # its stop acknowledgement frees the pages long before 60 s
         mem.verify()
         for worker in workers:
             assert worker.expect("report")["report"]["phase"] == "Failed"
 
         # killed (SIGKILL): never acknowledges, freed once the quarantine ends
         dec.quarantine_s = 1.0
-        dec.request("killed", "pre", 40)
+        res.request("killed", "pre", 40)
         wait_phase(dec, "killed", Phase.TRANSFERRING)
         workers[1].signal(signal.SIGKILL)
         report = wait_phase(dec, "killed", Phase.FAILED, 10)
         assert "pre[pp1 tp0] silent" in report.reason
-        wait_released(dec, 5)
+        wait_released(res, 5)
         mem.verify()
         assert mem.stats().live_pages == 0
     survivor = workers[0].expect("report")["report"]

@@ -20,6 +20,7 @@ import pytest
 from hybridkv.spec import ShardSpec, get_preset
 from hybridkv.testing.harness import MEMORY, MODEL, StageProcess, decode_rank, stage_config
 from hybridkv.testing.pattern import expected_arena, fill, mismatch
+from hybridkv.testing.reservations import Reservations
 from hybridkv.transfer import (
     BootstrapServer,
     ClusterKey,
@@ -59,11 +60,11 @@ def attacker(stack):
     return wire
 
 
-def transfer(dec, senders, rid: str, seq_len: int, seed: int):
+def transfer(res: Reservations, senders, rid: str, seq_len: int, seed: int):
     """One honest request, end to end; returns its allocation (Success asserted)."""
     hand_over(senders, rid, seq_len, seed)
-    alloc = dec.request(rid, "pre", seq_len)
-    report = dec.wait(rid, 20)
+    alloc = res.request(rid, "pre", seq_len)
+    report = res.receiver.wait(rid, 20)
     assert report.phase is Phase.SUCCESS, report
     return alloc, seq_len, seed
 
@@ -127,7 +128,8 @@ def test_gate_refuses_no_key_wrong_key_replays_and_misaddressed_frames():
 def test_forged_hello_cannot_replace_a_known_decode_rank(transport, key, bootstrap, stack, attacker):
     senders = prefill_ranks(key, bootstrap, stack, transport=transport)
     dec, mem = stack.enter_context(decode_rank(bootstrap.address, transport, key=key, checksum=True))
-    landed = [transfer(dec, senders, "r1", 20, seed=1)]
+    res = Reservations(dec)
+    landed = [transfer(res, senders, "r1", 20, seed=1)]
     assert arena_is(mem, landed) == ""
     fake_bufs = buffer_set_from_memory(stage_memory(0), base_addr=1 << 40)
     forged = Hello(dec.rank, attacker.endpoint, transport, "127.0.0.1:1" if transport == "mooncake" else "", fake_bufs)
@@ -141,7 +143,7 @@ def test_forged_hello_cannot_replace_a_known_decode_rank(transport, key, bootstr
         attacker.send(s.endpoint, Seal(key, dec.rank, epoch=dec.epoch - 1).seal(s.endpoint, forged))
     wait_until(lambda: all(s.auth_failures == 3 and "an older epoch" in s.rejected[-1] for s in senders))
     # the honest decode rank is still served where it registered, byte-exact, r1 untouched
-    landed.append(transfer(dec, senders, "r2", 27, seed=2))
+    landed.append(transfer(res, senders, "r2", 27, seed=2))
     assert arena_is(mem, landed) == ""
     # with the key and the decode's own epoch, past its sequence: the identity rule refuses it
     # (such a member can stall the decode rank's frames, never redirect its bytes)
@@ -233,7 +235,7 @@ def test_forged_heartbeats_do_not_keep_a_silent_prefill_rank_alive(key, bootstra
     dec, _ = stack.enter_context(decode_rank(bootstrap.address, "shm", key=key, timeout_s=30, peer_timeout_s=1.0))
     hand_over([stage0], "r", 20, seed=4)
     start = time.monotonic()
-    dec.request("r", "pre", 20)
+    Reservations(dec).request("r", "pre", 20)
     impostor = Seal(key, dead)  # a key holder in the dead rank's name: another epoch than it registered
     while not dec.status("r").phase.terminal and time.monotonic() - start < 10:
         beat = Heartbeat(dead, wire.endpoint)
@@ -258,8 +260,9 @@ def test_a_stopped_writer_cannot_outlive_the_quarantine(key, bootstrap):
         for worker in workers:
             worker.expect("ready", 90)
         with decode_rank(bootstrap.address, "shm", key=key, peer_timeout_s=1.0, quarantine_s=0.3) as (dec, mem):
+            res = Reservations(dec)
             for rid in ("woken", "killed"):
-                alloc = dec.request(rid, "pre", 40)
+                alloc = res.request(rid, "pre", 40)
                 wait_phase(dec, rid, Phase.TRANSFERRING)
                 workers[1].signal(signal.SIGSTOP)
                 assert "pre[pp1 tp0] silent" in wait_phase(dec, rid, Phase.FAILED, 10).reason
@@ -276,7 +279,7 @@ def test_a_stopped_writer_cannot_outlive_the_quarantine(key, bootstrap):
                     before = mem.arena.buffer.numpy().copy()
                     late = expected_arena(mem, [(alloc.pages, alloc.slot, 40, 5)])  # its pages, its pattern
                     workers[1].signal(signal.SIGCONT)
-                    wait_released(dec, 10)  # its stop acknowledgement releases the pages
+                    wait_released(res, 10)  # its stop acknowledgement releases the pages
                     after = mem.arena.buffer.numpy()
                     changed = after != before
                     assert np.array_equal(after[changed], late[changed])  # only its own pattern, in its pages
@@ -284,7 +287,7 @@ def test_a_stopped_writer_cannot_outlive_the_quarantine(key, bootstrap):
                     mem.free_state([slot])
                 else:
                     workers[1].signal(signal.SIGKILL)  # never acknowledges: released once proven gone
-                    wait_released(dec, 5)
+                    wait_released(res, 5)
                     assert dec.stats().quarantined == 0
             mem.verify()
             assert mem.stats().live_pages == 0

@@ -27,10 +27,7 @@ def wait_phase(dec, rid: str, phase: Phase, timeout_s: float = 20.0):
     raise AssertionError(f"{rid} never reached {phase.label}: {dec.status(rid)}")
 
 
-def wait_released(dec, timeout_s: float) -> None:
-    """Poll the decode receiver until it holds no request's pages."""
-    end = time.monotonic() + timeout_s
-    while dec.held and time.monotonic() < end:
-        dec.poll()
-        time.sleep(0.01)
-    assert dec.held == 0
+def wait_released(res, timeout_s: float) -> None:
+    """Poll the decode receiver of ``res`` (``Reservations``) until it holds no request's pages;
+    the reservations it hands back are freed."""
+    assert res.settle(timeout_s) == 0

@@ -46,6 +46,7 @@ import torch
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import FullAttention, ModelSpec, ShardSpec
 from hybridkv.transfer import (
+    Allocation,
     BootstrapServer,
     ClusterKey,
     DecodeReceiver,
@@ -171,13 +172,16 @@ def _case(
 
     def end_to_end() -> None:
         rid = f"bench-{next(_REQUEST_IDS)}"
-        alloc = receiver.request(rid, "bench-prefill", seq_len)
-        sender.send(rid, pages, None, seq_len)
+        alloc = Allocation(dec.alloc_pages(batch), None)  # the bench owns both sides' memory
+        receiver.request(rid, "bench-prefill", seq_len, reserved=alloc)
+        gate = pre.pin(pages=pages)
+        sender.send(rid, pages, None, seq_len, pinned=gate)
         report = receiver.wait(rid, 60)
         if report.phase is not Phase.SUCCESS:
             raise RuntimeError(f"bench request failed: {report.reason}")
         while not sender.poll():
             time.sleep(0.0002)
+        gate.release()
         dec.free_pages(alloc.pages)
 
     def planning() -> None:

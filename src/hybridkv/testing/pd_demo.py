@@ -30,15 +30,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, ModelSpec, get_preset
 from hybridkv.testing.harness import MEMORY, StageProcess, decode_rank, stage_config, variant
 from hybridkv.testing.pattern import expected_arena, mismatch
+from hybridkv.testing.reservations import Reservations
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.bootstrap import BootstrapServer
-from hybridkv.transfer.decode import Allocation, DecodeReceiver
+from hybridkv.transfer.decode import Allocation
 from hybridkv.transfer.status import Phase, StatusReport
 from hybridkv.transfer.transport import transport_class
 
@@ -49,7 +48,7 @@ FAULT_REASON = {"slot-size": "state slot size mismatch", "seq-len": "seq_len mis
 PREFILL_PP = 2
 QUARANTINE_S = 3.0  # a failed request still waiting for its writers after this long is reported stuck
 
-DecodeRank = tuple[DecodeReceiver, UnifiedMemory]
+DecodeRank = tuple[Reservations, UnifiedMemory]
 
 
 @dataclass
@@ -100,14 +99,12 @@ def _row(req: _Request, rank: str, report: StatusReport) -> dict[str, Any]:
     }
 
 
-def _settle(dec: DecodeReceiver, mem: UnifiedMemory, timeout_s: float) -> str:
-    """Wait until the receiver holds no pages (quarantines over); '' or what is wrong."""
-    end = time.monotonic() + timeout_s
-    while dec.held and time.monotonic() < end:
-        dec.poll()
-        time.sleep(0.005)
-    if dec.held:
-        return f"{dec.held} requests still hold pages after {timeout_s} s"
+def _settle(res: Reservations, mem: UnifiedMemory, timeout_s: float) -> str:
+    """Wait until the receiver holds no pages (quarantines over, failed reservations freed); '' or
+    what is wrong."""
+    held = res.settle(timeout_s)
+    if held:
+        return f"{held} requests still hold pages after {timeout_s} s"
     try:
         mem.verify()
     except Exception as exc:  # a broken invariant is a failed check, reported with the rest
@@ -120,9 +117,10 @@ def _transfer(
     req: _Request, ranks: list[DecodeRank], rows: list[dict[str, Any]], checks: dict[str, str], timeout_s: float
 ) -> None:
     """Ask every decode rank for ``req`` at once, wait for each, record rows and checks."""
-    for r, (dec, _) in enumerate(ranks):
-        req.allocs[r] = dec.request(req.rid, f"prefill:{req.model}", req.asked)
-    for r, (dec, _) in enumerate(ranks):
+    for r, (res, _) in enumerate(ranks):
+        req.allocs[r] = res.request(req.rid, f"prefill:{req.model}", req.asked)
+    for r, (res, _) in enumerate(ranks):
+        dec = res.receiver
         report = dec.wait(req.rid, timeout_s + 5)
         rows.append(_row(req, str(dec.rank), report))
         key = f"{req.rid} on {dec.rank}"
@@ -132,19 +130,16 @@ def _transfer(
         want = FAULT_REASON[req.fault]
         right = report.phase is Phase.FAILED and want in report.reason
         checks[f"{key}: Failed with {want!r}"] = "" if right else f"ended {report.phase.label}: {report.reason}"
-        del req.allocs[r]  # the receiver frees a failed request's pages itself
+        del req.allocs[r]  # its reservation is freed when the receiver hands it back (_settle)
 
 
-def _check_bytes(reqs: list[_Request], model: str, tp_rank: int, mem: UnifiedMemory) -> str:
+def _check_bytes(reqs: list[_Request], model: str, tp_rank: int, res: Reservations, mem: UnifiedMemory) -> str:
     """Compare the whole arena with the pattern of what landed, then free those pages."""
     mine = [q for q in reqs if q.model == model and tp_rank in q.allocs]
     landed = [(q.allocs[tp_rank].pages, q.allocs[tp_rank].slot, q.seq_len, q.seed) for q in mine]
     error = mismatch(mem, expected_arena(mem, landed))
     for q in mine:
-        alloc = q.allocs[tp_rank]
-        mem.free_pages(alloc.pages)
-        if alloc.slot is not None:
-            mem.free_state(np.array([alloc.slot]))
+        res.free(q.rid)
     return error
 
 
@@ -173,7 +168,8 @@ def run_pd_demo(
             rank = decode_rank(
                 boot.address, transport, tp, tp_rank, model, engine=engine, key=key, timeout_s=timeout_s, **kw
             )
-            return stack.enter_context(rank)
+            receiver, mem = stack.enter_context(rank)
+            return Reservations(receiver), mem
 
         stages: dict[str, list[StageProcess]] = {}
         for model in models:
@@ -210,10 +206,13 @@ def run_pd_demo(
         done = time.monotonic()
 
         for model, ranks in decoders.items():
-            for r, (dec, mem) in enumerate(ranks):
-                checks[f"{dec.rank}: every arena byte equals the pattern"] = _check_bytes(reqs, model, r, mem)
-        for dec, mem in [rank for ranks in decoders.values() for rank in ranks] + misconfigured:
-            checks[f"{dec.rank}: memory verify() and no live page"] = _settle(dec, mem, QUARANTINE_S + 5)
+            for r, (res, mem) in enumerate(ranks):
+                checks[f"{res.receiver.rank}: every arena byte equals the pattern"] = _check_bytes(
+                    reqs, model, r, res, mem
+                )
+        for res, mem in [rank for ranks in decoders.values() for rank in ranks] + misconfigured:
+            dec = res.receiver
+            checks[f"{dec.rank}: memory verify() and no live page"] = _settle(res, mem, QUARANTINE_S + 5)
             refused = dec.stats().auth_failures
             checks[f"{dec.rank}: every control frame authenticated"] = f"{refused} frames refused" if refused else ""
 

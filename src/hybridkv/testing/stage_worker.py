@@ -7,6 +7,8 @@ which ``StageProcess`` sets) and hands the requests over. Prints one JSON
 line per event: ``ready``, one ``report`` per finished request, ``exit`` at the end.
 
 Invariants:
+- The process owns its memory (``reservations.send`` pins what it hands over): it releases a
+  request's pin once the sender reported it finished, never earlier.
 - The process ends by itself: after every request finished, after ``timeout_s + 10`` s,
   or as soon as its parent process is gone; before ``exit`` it frees what finished and
   checks ``mem.verify()``.
@@ -27,6 +29,7 @@ import numpy as np
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec, get_preset
 from hybridkv.testing.pattern import fill
+from hybridkv.testing.reservations import send
 from hybridkv.transfer.prefill import PrefillSender
 from hybridkv.transfer.transport import Transport, make_transport
 from hybridkv.transfer.transport.drills import Throttled
@@ -63,13 +66,13 @@ def main(cfg: dict[str, Any]) -> None:
     )
     try:
         emit(ready=True, pid=os.getpid())
-        for rid, pages, slot, seq_len in held:
-            sender.send(rid, pages, slot, seq_len)
+        gates = {rid: send(sender, rid, pages, slot, seq_len) for rid, pages, slot, seq_len in held}
         done: set[str] = set()
         end = time.monotonic() + timeout_s + 10
         while len(done) < len(held) and time.monotonic() < end and os.getppid() == parent:
             for report in sender.poll():
                 done.add(report.request_id)
+                gates[report.request_id].release()
                 emit(
                     report={
                         "id": report.request_id,

@@ -1,5 +1,12 @@
 """Agent: the control-plane thread and the worker thread behind every transfer rank.
 
+Construction (one ``Agent.__init__`` for ``PrefillSender`` and ``DecodeReceiver``): a rank of
+``engine`` over one ``UnifiedMemory`` (its shard names the rank, its layout is ``buffers``),
+reached through one bootstrap and one transport; the subclass adds its own state and calls
+``_start``. A transport that cannot move the memory's device, or a memory without a transfer
+layout, is refused, and the memory is registered with the transport, before any socket or
+address exists.
+
 Threads and ownership:
 - The *owner* (the engine's thread) calls the public methods of ``PrefillSender`` and
   ``DecodeReceiver``; only it touches ``UnifiedMemory`` (alloc, free, pin, release).
@@ -33,12 +40,17 @@ from collections import deque
 from collections.abc import Callable
 from enum import Enum
 from functools import partial
+from typing import TypedDict
 
 import zmq
 
+from hybridkv.memory import UnifiedMemory
 from hybridkv.transfer.auth import AuthError, ClusterKey, Gate, Seal, load_cluster_key
+from hybridkv.transfer.buffers import buffer_set_from_memory
 from hybridkv.transfer.errors import ProtocolError, TransferError
 from hybridkv.transfer.messages import Message, Rank
+from hybridkv.transfer.status import ReportBoard, StatusReport
+from hybridkv.transfer.transport import Transport
 
 log = logging.getLogger("hybridkv.transfer")
 
@@ -56,18 +68,55 @@ class EventKind(Enum):
     """What the I/O thread tells the owner about a request."""
 
     DONE = "done"  # finished: the payload is its final StatusReport
-    KEEP = "keep"  # (decode) succeeded: unpin its pages, they are the caller's now
-    FREE = "free"  # (decode) failed and quiet: unpin and free its pages
+    KEEP = "keep"  # (decode) succeeded: unpin its pages, they are the owner's now
+    RELEASE = "release"  # (decode) failed and quiet: unpin its pages and hand them back to the owner
 
 
 Event = tuple[EventKind, str, object]  # (kind, request id, payload) for the owner
 
 
+class AgentOptions(TypedDict, total=False):
+    """The keyword options of ``Agent.__init__`` (defaults there), passed through by the agents."""
+
+    host: str
+    timeout_s: float
+    heartbeat_s: float
+    peer_timeout_s: float
+    key: ClusterKey | None
+
+
 class Agent:
     tick_s = 0.02
 
-    def __init__(self, rank: Rank, host: str, key: ClusterKey | None) -> None:
-        self.rank = rank
+    def __init__(
+        self,
+        mem: UnifiedMemory,
+        engine: str,
+        bootstrap: str,
+        transport: Transport,
+        *,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        heartbeat_s: float = 0.5,
+        peer_timeout_s: float = 5.0,
+        key: ClusterKey | None = None,
+    ) -> None:
+        """``bootstrap``: the bootstrap server's address; ``host``: where this rank listens;
+        ``timeout_s``: a request's deadline; ``heartbeat_s``: how often peers of requests in flight
+        are told this rank is alive; ``peer_timeout_s``: how long such a peer may stay silent;
+        ``key``: the cluster key (default: ``auth.load_cluster_key()``, from the environment)."""
+        transport.check_device(mem.device.type)
+        self.buffers = buffer_set_from_memory(mem)
+        transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
+        self.mem = mem
+        self.transport = transport
+        self.bootstrap = bootstrap
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self._last_heartbeat = 0.0  # I/O thread only
+        self._reports = ReportBoard()  # the latest report per request, for ``status`` (thread-safe)
+        self.rank = rank = Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank)
         key = load_cluster_key() if key is None else key
         self.seal = Seal(key, rank)
         self.gate = Gate(key)
@@ -96,6 +145,10 @@ class Agent:
         self._io = threading.Thread(target=self._run_io, name=f"{rank}-io", daemon=True)
         self._worker = threading.Thread(target=self._run_jobs, name=f"{rank}-work", daemon=True)
         self._closed = False
+
+    def status(self, request_id: str) -> StatusReport | None:
+        """The latest report of ``request_id`` on this rank (None: never seen, or long forgotten)."""
+        return self._reports.get(request_id)
 
     # --- subclass hooks ---------------------------------------------------------------
 

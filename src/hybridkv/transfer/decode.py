@@ -1,10 +1,11 @@
 """DecodeReceiver: a decode rank asks a prefill engine for a request's KV and state.
 
-Protocol (this side): ``request`` pins the pages and state slot the caller reserved (or reserves
-them here: ``incoming.Allocation`` says whose); the I/O thread looks the prefill engine up at
-the bootstrap, checks every pairing (decode-side, before anything is sent), says ``Hello`` to
-each prefill rank once, then sends a ``TransferRequest`` to *every* prefill rank. Each rank
-answers ``transferring`` and then ``success`` (ops, bytes, optional checksum) or ``failed``.
+Protocol (this side): ``request`` pins the pages and state slot its owner reserved
+(``incoming.Allocation``: the receiver never allocates or frees); the I/O thread looks the
+prefill engine up at the bootstrap, checks every pairing (decode-side, before anything is
+sent), says ``Hello`` to each prefill rank once, then sends a ``TransferRequest`` to *every*
+prefill rank. Each rank answers ``transferring`` and then ``success`` (ops, bytes, optional
+checksum) or ``failed``.
 
 Invariants:
 - Success only when every prefill rank (every PP stage, every TP rank) reported success,
@@ -20,7 +21,8 @@ Invariants:
   (same host: pid + start time in ``/proc``, ``liveness.gone``). Never on a timer alone: a
   writer stopped (SIGSTOP) for any time may wake up and write. Past ``quarantine_s`` a
   quarantine is logged once and counted as ``stuck`` in ``stats()``; its pages stay reserved.
-  Then they are freed on the owner's ``poll`` (or handed back: ``take_releasable``).
+  Then the owner's ``poll`` unpins them and ``take_releasable`` hands them back to be freed
+  through the owner's one free path.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ import contextlib
 import secrets
 import time
 from functools import partial
+from typing import Unpack
 
 import zmq
 
 from hybridkv.memory import MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, EventKind, log
-from hybridkv.transfer.auth import AuthError, ClusterKey
+from hybridkv.transfer.agent import Agent, AgentOptions, EventKind, log
+from hybridkv.transfer.auth import AuthError
 from hybridkv.transfer.bootstrap import BOOTSTRAP_ADDRESSEE, BOOTSTRAP_RANK, reply_prefix
-from hybridkv.transfer.buffers import buffer_set_from_memory
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.incoming import (
@@ -47,7 +49,6 @@ from hybridkv.transfer.incoming import (
     ReceiverStats,
     Source,
     legs_report,
-    reserve_here,
 )
 from hybridkv.transfer.messages import (
     Abort,
@@ -62,7 +63,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group, pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
-from hybridkv.transfer.status import LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 
 LOOKUP_RETRY_S = 0.1
@@ -76,25 +77,14 @@ class DecodeReceiver(Agent):
         bootstrap: str,
         transport: Transport,
         *,
-        host: str = "127.0.0.1",
-        timeout_s: float = 60.0,
-        heartbeat_s: float = 0.5,
-        peer_timeout_s: float = 5.0,
         quarantine_s: float = 30.0,
         checksum: bool = False,
-        key: ClusterKey | None = None,
+        **options: Unpack[AgentOptions],
     ) -> None:
         """``quarantine_s``: how long a failed request may wait for its writers to stop
-        before it is reported stuck (its pages stay reserved); ``key``: the cluster key
-        (default: ``auth.load_cluster_key()``, from the environment)."""
-        transport.check_device(mem.device.type)  # before any socket or address exists
-        self.buffers = buffer_set_from_memory(mem)
-        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host, key)
-        self.mem = mem
-        self.transport = transport
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
+        before it is reported stuck (its pages stay reserved); ``checksum``: whether requests
+        check the bytes that landed unless ``request`` says otherwise; the rest: ``Agent``."""
+        super().__init__(mem, engine, bootstrap, transport, **options)
         self.quarantine_s = quarantine_s
         self.checksum = checksum
         self._hello = Hello(self.rank, self.endpoint, transport.name, transport.session, self.buffers)
@@ -103,73 +93,55 @@ class DecodeReceiver(Agent):
         self._lookup_sent: dict[str, float] = {}
         self._lookup_reason: dict[str, str] = {}
         self._in: dict[str, Incoming] = {}
-        self._last_heartbeat = 0.0
-        self._held: dict[str, tuple[Allocation, MoveGate]] = {}  # owner thread only
-        self._reports = ReportBoard()
+        self._held: dict[str, MoveGate] = {}  # the receiver's pin of each request's pages; owner thread only
         self._quarantine = Quarantine()
-        self._releasable: list[str] = []  # caller-owned requests out of quarantine, owner thread only
-        self._bootstrap = self._ctx.socket(zmq.DEALER)
-        self._bootstrap.linger = 0
-        self._bootstrap.connect(bootstrap)
-        self._poller.register(self._bootstrap, zmq.POLLIN)
-        try:
-            transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
-        except BaseException:
-            self.close()
-            raise
+        self._releasable: list[str] = []  # failed requests out of quarantine, unpinned; owner thread only
+        self._lookups = self._ctx.socket(zmq.DEALER)  # to the bootstrap: lookups out, replies in
+        self._lookups.linger = 0
+        self._lookups.connect(self.bootstrap)
+        self._poller.register(self._lookups, zmq.POLLIN)
         self._start()
 
     # --- owner API -------------------------------------------------------------------
 
     def request(
-        self,
-        request_id: str,
-        prefill_engine: str,
-        seq_len: int,
-        checksum: bool | None = None,
-        reserved: Allocation | None = None,
-    ) -> Allocation:
-        """Ask for the KV (and state) of ``seq_len`` tokens, written into ``reserved`` (pages and slot
-        the caller holds: ``caller_owned``) or into pages and a slot reserved here.
+        self, request_id: str, prefill_engine: str, seq_len: int, reserved: Allocation, checksum: bool | None = None
+    ) -> None:
+        """Ask for the KV (and state) of ``seq_len`` tokens, written into ``reserved``: the pages and
+        slot the owner reserved for it (pinned here until the request ends).
 
-        Raises (nothing reserved) when memory is short, the id is in use or ``reserved`` does not
-        fit ``seq_len``. Follow the request with ``poll``/``wait``; on Success the pages belong to
-        the caller. On failure a caller-owned reservation comes back from ``take_releasable`` once
-        no writer can touch it any more; one reserved here is freed here.
+        Raises (nothing pinned) when the id is in use or ``reserved`` does not fit ``seq_len``.
+        Follow the request with ``poll``/``wait``; on Success the pages are unpinned and the owner's
+        to read. On failure ``take_releasable`` names the request once no writer can touch its pages
+        any more: then the owner frees them.
         """
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} is already in flight on this decode rank")
         if seq_len < 1:
             raise ValueError(f"request {request_id!r}: seq_len must be >= 1, got {seq_len}")
         need = num_pages(seq_len, self.mem.page_size)
-        if reserved is not None:
-            if reserved.pages.size != need or (reserved.slot is None) != (not self.mem.slot_pools):
-                raise ValueError(
-                    f"request {request_id!r}: {seq_len} tokens need {need} pages"
-                    f"{' and a state slot' if self.mem.slot_pools else ''}; the reservation holds "
-                    f"{reserved.pages.size} pages and slot {reserved.slot}"
-                )
-            alloc = Allocation(reserved.pages, reserved.slot, caller_owned=True)
-            gate = self.mem.pin(pages=alloc.pages, slots=None if alloc.slot is None else [alloc.slot])
-        else:
-            alloc, gate = reserve_here(self.mem, need)
-        self._held[request_id] = (alloc, gate)
+        if reserved.pages.size != need or (reserved.slot is None) != (not self.mem.slot_pools):
+            raise ValueError(
+                f"request {request_id!r}: {seq_len} tokens need {need} pages"
+                f"{' and a state slot' if self.mem.slot_pools else ''}; the reservation holds "
+                f"{reserved.pages.size} pages and slot {reserved.slot}"
+            )
+        slots = None if reserved.slot is None else [reserved.slot]
+        self._held[request_id] = self.mem.pin(pages=reserved.pages, slots=slots)
         self._reports.publish(RequestStatus(request_id))  # no stale report of an earlier use of the id
-        cells = {n: c.tolist() for n, c in memory_cells(self.mem, alloc.pages, alloc.slot).items()}
+        cells = {n: c.tolist() for n, c in memory_cells(self.mem, reserved.pages, reserved.slot).items()}
         use_crc = self.checksum if checksum is None else checksum
         self.call_soon(partial(self._start_request, request_id, prefill_engine, seq_len, cells, use_crc))
-        return alloc
 
     def take_releasable(self) -> list[str]:
-        """Caller-owned requests that failed and are out of quarantine (no writer can touch their
-        pages any more) since the last call: free their reservations now."""
+        """Requests that failed and are out of quarantine (no writer can touch their pages any
+        more) since the last call: the owner frees their reservations now."""
         out, self._releasable = self._releasable, []
         return out
 
     def poll(self) -> list[StatusReport]:
-        """Requests that finished since the last call. Frees the pages of failed requests
-        once they are out of quarantine (caller-owned ones: ``take_releasable``); unpins the
-        pages of successful ones."""
+        """Requests that finished since the last call. Unpins the pages of successful requests, and
+        those of failed ones once they are out of quarantine (then named by ``take_releasable``)."""
         reports = []
         while not self.events.empty():
             kind, request_id, payload = self.events.get()
@@ -177,21 +149,16 @@ class DecodeReceiver(Agent):
                 assert isinstance(payload, StatusReport)
                 reports.append(payload)
                 continue
-            alloc, gate = self._held.pop(request_id)
-            gate.release()
-            if kind is EventKind.FREE and alloc.caller_owned:
+            self._held.pop(request_id).release()
+            if kind is EventKind.RELEASE:
                 self._releasable.append(request_id)
-            elif kind is EventKind.FREE:
-                self.mem.free_pages(alloc.pages)
-                if alloc.slot is not None:
-                    self.mem.free_state([alloc.slot])
         return reports
 
     def wait(self, request_id: str, timeout_s: float) -> StatusReport:
         """Poll until ``request_id`` is finished; raises TimeoutError after ``timeout_s``.
 
-        On return the request's pages are unpinned (Success) or on their way to be freed
-        (Failed: after quarantine, on a later ``poll``).
+        On return the request's pages are unpinned (Success) or on their way back to the owner
+        (Failed: after quarantine, a later ``poll`` unpins them for ``take_releasable``).
         """
         end = time.monotonic() + timeout_s
         while True:
@@ -211,9 +178,6 @@ class DecodeReceiver(Agent):
     def stats(self) -> ReceiverStats:
         quarantined, pages, stuck = self._quarantine.counts()
         return ReceiverStats(len(self._held), quarantined, pages, stuck, self.auth_failures, len(self.rejected))
-
-    def status(self, request_id: str) -> StatusReport | None:
-        return self._reports.get(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by decode") -> None:
         self.call_soon(partial(self._abort, request_id, reason))
@@ -241,7 +205,7 @@ class DecodeReceiver(Agent):
     def _lookup(self, engine: str) -> None:
         self._lookup_sent[engine] = time.monotonic()
         with contextlib.suppress(zmq.Again):  # retried from tick
-            self._bootstrap.send(self.seal.seal(BOOTSTRAP_ADDRESSEE, Lookup(engine)), zmq.NOBLOCK)
+            self._lookups.send(self.seal.seal(BOOTSTRAP_ADDRESSEE, Lookup(engine)), zmq.NOBLOCK)
 
     def on_socket(self, sock: zmq.Socket) -> None:
         while sock.poll(0):
@@ -433,12 +397,12 @@ class DecodeReceiver(Agent):
         self._publish(inc)
 
     def _release_if_quiet(self, inc: Incoming, now: float | None = None) -> None:
-        """Free a failed request's pages once no prefill rank can still write into them:
-        each acknowledged (its leg ended) or its process is proven gone."""
+        """Release a failed request's pages to the owner once no prefill rank can still write into
+        them: each acknowledged (its leg ended) or its process is proven gone."""
         now = time.monotonic() if now is None else now
         if self._quarantine.over(inc, now, self.quarantine_s, str(self.rank)):
             self._in.pop(inc.status.request_id, None)
-            self.events.put((EventKind.FREE, inc.status.request_id, None))
+            self.events.put((EventKind.RELEASE, inc.status.request_id, None))
 
     def _abort(self, request_id: str, reason: str) -> None:
         inc = self._in.get(request_id)
@@ -494,4 +458,4 @@ class DecodeReceiver(Agent):
 
     def _close_sockets(self) -> None:
         super()._close_sockets()
-        self._bootstrap.close(linger=0)
+        self._lookups.close(linger=0)

@@ -1,11 +1,11 @@
 """What a decode rank tracks per incoming request: its sources, legs, reservation and quarantine.
 
-``Allocation`` is what a request reserved (pages and a state slot) and who owns it: the
-receiver itself (``request`` without ``reserved``: it allocates and, once out of quarantine,
-frees), or the caller (an engine that reserved through its ``KVManager``: the receiver only pins
-the ids and, once out of quarantine, hands the request id back with ``take_releasable`` for the
-owner to free through its one free path). ``Quarantine`` counts failed requests whose pages wait
-for every writer to stop (thread-safe: the I/O thread writes, ``stats`` reads).
+``Allocation`` is what the owner reserved for a request (pages and a state slot: an engine
+through its ``KVManager``, a rig through ``hybridkv.testing.reservations``). The receiver only
+pins the ids and, once out of quarantine, hands a failed request's id back with
+``take_releasable`` for the owner to free through its one free path: one owner, one free path,
+on the product path and in every rig. ``Quarantine`` counts failed requests whose pages wait for
+every writer to stop (thread-safe: the I/O thread writes, ``stats`` reads).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.memory import MoveGate, UnifiedMemory
 from hybridkv.transfer import liveness
 from hybridkv.transfer.agent import log
 from hybridkv.transfer.messages import Rank, Register
@@ -41,12 +40,10 @@ class ReceiverStats:
 
 @dataclass(frozen=True)
 class Allocation:
-    """What a request holds on this decode rank: its pages and state slot, and whether the caller
-    reserved them (then the caller frees them, after ``take_releasable`` names the request)."""
+    """What the owner reserved for a request on this decode rank: its pages and state slot."""
 
     pages: np.ndarray
     slot: int | None
-    caller_owned: bool = False
 
 
 @dataclass
@@ -85,23 +82,6 @@ class Incoming:
 
 def legs_report(inc: Incoming) -> LegReport:
     return tuple((str(rank), leg.status) for rank, leg in inc.legs.items())
-
-
-def reserve_here(mem: UnifiedMemory, pages_needed: int) -> tuple[Allocation, MoveGate]:
-    """Pages (and a state slot when the memory has state pools) reserved and pinned by the receiver
-    itself (not caller-owned); nothing held on failure."""
-    pages = mem.alloc_pages(pages_needed)
-    slot = None
-    try:
-        if mem.slot_pools:
-            slot = int(mem.alloc_state(1)[0])
-        gate = mem.pin(pages=pages, slots=None if slot is None else [slot])
-    except BaseException:
-        mem.free_pages(pages)
-        if slot is not None:
-            mem.free_state([slot])
-        raise
-    return Allocation(pages, slot), gate
 
 
 class Quarantine:

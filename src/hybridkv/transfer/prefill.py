@@ -17,9 +17,10 @@ Invariants:
   that said hello. A ``Hello`` whose endpoint is not ``tcp://host:port`` is refused; one
   whose session the transport refuses (``Transport.check_session``: e.g. a shm path
   outside hybridkv's own files) makes the rank unservable before anything is opened.
-- The request's pages and slot are pinned (memory move gate: the owner's, or one of its own)
-  from ``send`` until the owner collects the finished request with ``poll``; no gate is released while a leg may
-  still read them.
+- The request's pages and slot are pinned by the owner's memory move gate (``send`` refuses one
+  that does not hold them all) until the owner collects the finished request with ``poll``; a
+  request is reported there only once no leg can still read them. The sender never pins or
+  unpins: the owner does.
 - Every decode rank of the requesting engine sends a request, even one this rank feeds
   nothing (it gets a zero-op success): the request succeeds here only when all of them
   succeeded, and fails on the first failure, abort, timeout or silent peer.
@@ -34,14 +35,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Unpack
 
 import numpy as np
 
 from hybridkv.memory import GateStatus, MoveGate, UnifiedMemory
-from hybridkv.transfer.agent import Agent, EventKind, check_endpoint, log
-from hybridkv.transfer.auth import ClusterKey
+from hybridkv.transfer.agent import Agent, AgentOptions, EventKind, check_endpoint, log
 from hybridkv.transfer.bootstrap import bootstrap_call
-from hybridkv.transfer.buffers import BufferSet, buffer_set_from_memory
+from hybridkv.transfer.buffers import BufferSet
 from hybridkv.transfer.checksum import checksum_addresses
 from hybridkv.transfer.errors import BadLayout, LayoutMismatch, PlanError, TransferError
 from hybridkv.transfer.liveness import this_process
@@ -58,7 +59,7 @@ from hybridkv.transfer.messages import (
 )
 from hybridkv.transfer.pairing import pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
-from hybridkv.transfer.status import LegReport, LegStatus, Phase, ReportBoard, RequestStatus, StatusReport
+from hybridkv.transfer.status import LegReport, LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 from hybridkv.transfer.transport.base import write_plan
 from hybridkv.transfer.transport.staging import SourceStaging
@@ -122,58 +123,41 @@ class PrefillSender(Agent):
         bootstrap: str,
         transport: Transport,
         *,
-        host: str = "127.0.0.1",
-        timeout_s: float = 60.0,
-        heartbeat_s: float = 0.5,
-        peer_timeout_s: float = 5.0,
         chunk_bytes: int = 64 << 20,
-        key: ClusterKey | None = None,
+        **options: Unpack[AgentOptions],
     ) -> None:
-        """``key``: the cluster key (default: ``auth.load_cluster_key()``, from the environment)."""
-        transport.check_device(mem.device.type)  # before any socket or address exists
-        self.buffers = buffer_set_from_memory(mem)
-        super().__init__(Rank(engine, mem.shard.pp_rank, mem.shard.tp_rank), host, key)
-        self.mem = mem
-        self.transport = transport
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
+        """``chunk_bytes``: the most bytes of one leg in flight at a time; the rest: ``Agent``."""
+        super().__init__(mem, engine, bootstrap, transport, **options)
         self.chunk_bytes = chunk_bytes
         self._peers: dict[Rank, _DecodePeer] = {}
         self._out: dict[str, _Outgoing] = {}
         self._finished: dict[str, tuple[float, str]] = {}  # request id -> (when, how it ended)
-        self._last_heartbeat = 0.0
-        self._gates: dict[str, MoveGate | None] = {}  # owner thread only; None: the owner pinned
-        self._reports = ReportBoard()
+        self._sent: set[str] = set()  # handed over, not yet collected by ``poll``; owner thread only
         self._stage: SourceStaging | None = None  # the worker thread's, once built
         try:
-            transport.register(mem.arena.buffer.data_ptr(), mem.arena.nbytes)
             if transport.pays_per_op:
                 self._stage = SourceStaging(transport, mem.arena.buffer)
             self._start()
             register = Register(
                 self.rank, self.endpoint, transport.name, transport.session, self.buffers, self.epoch, this_process()
             )
-            reply = bootstrap_call(bootstrap, register, self.seal)
+            reply = bootstrap_call(self.bootstrap, register, self.seal)
         except BaseException:
             self.close()
             raise
         if not (isinstance(reply, RegisterAck) and reply.ok):
             self.close()
-            raise TransferError(f"bootstrap {bootstrap} refused {self.rank}: {reply}")
+            raise TransferError(f"bootstrap {self.bootstrap} refused {self.rank}: {reply}")
 
     # --- owner API -------------------------------------------------------------------
 
-    def send(
-        self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int, pinned: MoveGate | None = None
-    ) -> None:
+    def send(self, request_id: str, pages: np.ndarray, slot: int | None, seq_len: int, pinned: MoveGate) -> None:
         """Hand over a finished request: its virtual pages (in order) and state slot.
 
-        The pages and slot are pinned until ``poll`` returns the request's final status: by
-        ``pinned``, the owner's own pin of them (e.g. ``KVManager.pin``: the owner unpins after
-        ``poll``), or by a pin taken and released here.
+        ``pinned`` is the owner's pin of them (e.g. ``KVManager.pin``); it must hold them until
+        ``poll`` returns the request's final status, and the owner unpins after that.
         """
-        if request_id in self._gates:
+        if request_id in self._sent:
             raise ValueError(f"request {request_id!r} was already sent")
         pages = np.asarray(pages, dtype=np.int64)
         need = num_pages(seq_len, self.mem.page_size)
@@ -189,30 +173,23 @@ class PrefillSender(Agent):
             )
         pages = pages[:need]
         slots = [] if slot is None else [slot]
-        if pinned is not None:
-            held = pinned.status is GateStatus.PINNING
-            if not held or not (np.isin(pages, pinned.pages).all() and np.isin(slots, pinned.slots).all()):
-                raise PlanError(f"send {request_id!r}: the owner's pin does not hold every page and slot sent")
-            self._gates[request_id] = None
-        else:
-            self._gates[request_id] = self.mem.pin(pages=pages, slots=slots or None)
+        held = pinned.status is GateStatus.PINNING
+        if not held or not (np.isin(pages, pinned.pages).all() and np.isin(slots, pinned.slots).all()):
+            raise PlanError(f"send {request_id!r}: the owner's pin does not hold every page and slot sent")
+        self._sent.add(request_id)
         cells = memory_cells(self.mem, pages, slot)
         self.call_soon(partial(self._on_input, request_id, cells, seq_len))
 
     def poll(self) -> list[StatusReport]:
-        """Finished requests since the last call; their pages and slots are unpinned."""
+        """Finished requests since the last call: no leg reads their pages and slots any more, so
+        their owner may unpin them."""
         reports = []
         while not self.events.empty():
             _, request_id, report = self.events.get()
-            gate = self._gates.pop(request_id, None)
-            if gate is not None:
-                gate.release()
+            self._sent.discard(request_id)
             assert isinstance(report, StatusReport)
             reports.append(report)
         return reports
-
-    def status(self, request_id: str) -> StatusReport | None:
-        return self._reports.get(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by prefill") -> None:
         self.call_soon(partial(self._abort, request_id, reason))

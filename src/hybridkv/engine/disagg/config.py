@@ -36,15 +36,15 @@ from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.scheduler import step_budget
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
+from hybridkv.engine.tiered import STORES
 from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.tiers import MooncakeMaster, WritePolicy
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
+from hybridkv.transfer.transport import transport_class
 
-TRANSPORTS = ("shm", "mooncake")
-STORES = ("none", "mooncake")
 POLICIES = tuple(p.value for p in WritePolicy)
 
 
@@ -91,7 +91,7 @@ class PDConfig:
     prefill_pp: int = 2
     decode_tp: int = 2
     prefill_tp: int = 1
-    transport: str = "shm"  # "shm" or "mooncake" (TCP on 127.0.0.1)
+    transport: str = "shm"  # a name in transfer.transport.TRANSPORTS: "shm" or "mooncake" (TCP on 127.0.0.1)
     page_size: int = 16
     decode_page_size: int | None = None  # None: page_size (another value is a layout mismatch: a fault test)
     chunk: int = 64
@@ -157,8 +157,7 @@ def check_layout(config: PDConfig) -> None:
             f"a disaggregated server needs chunk, max_running and max_step_tokens >= 1, got chunk {config.chunk}, "
             f"max_running {config.max_running}, max_step_tokens {config.step_tokens}"
         )
-    if config.transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {config.transport!r}; known: {', '.join(TRANSPORTS)}")
+    transport_class(config.transport)  # UnknownName (a ValueError) names the registered transports
     check_faults(config)
     check_tiers(config)
     hf_config = read_config(config.model_dir)
@@ -256,8 +255,3 @@ def _memory(shard: ShardSpec, page_size: int, config: PDConfig) -> UnifiedMemory
     return UnifiedMemory.create(
         shard, config.gpu_memory, page_size=page_size, max_context=config.max_context, chunk_tokens=config.chunk
     )
-
-
-def transport_options(name: str) -> dict[str, object]:
-    """``make_transport`` options of a server's transport: Mooncake over TCP on 127.0.0.1."""
-    return {"host": "127.0.0.1", "protocol": "tcp"} if name == "mooncake" else {}

@@ -28,7 +28,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from hybridkv.engine.allocator import RequestAllocator
-from hybridkv.engine.disagg.config import WorkerArgs, transport_options
+from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.protocol import Abort, Admitted, Command, Decode, Done, Failed, Reserve, Tokens
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.engine import engine_spec, eos_ids
@@ -40,8 +40,9 @@ from hybridkv.engine.scheduler import Request, Role, choose_step_tokens
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
-from hybridkv.transfer import Allocation, DecodeReceiver, Phase, SharedBuffer, make_transport, shared_memory
+from hybridkv.transfer import Allocation, DecodeReceiver, Phase, SharedBuffer, shared_memory
 from hybridkv.transfer.auth import ClusterKey
+from hybridkv.transfer.transport import transport_class
 
 
 class DecodeRank(Worker):
@@ -58,12 +59,12 @@ class DecodeRank(Worker):
         shard = ShardSpec(spec, groups.parallel, 0, rank)
         hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
         self.shared: SharedBuffer | None = None
-        if c.transport == "shm":
+        kind = transport_class(c.transport)
+        if kind.shared_arena:
             self.mem, self.shared = shared_memory(shard, c.gpu_memory, args.shm_tokens[rank], **hints)
-            self.link = make_transport("shm", self.shared)
         else:
             self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
-            self.link = make_transport(c.transport, None, **transport_options(c.transport))
+        self.link = kind.create(self.shared, **kind.loopback_options)
         self.runner = ShardRunner(
             c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, dtype=c.torch_dtype, spec=spec, mem=self.mem
         )

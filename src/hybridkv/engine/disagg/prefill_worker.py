@@ -38,7 +38,7 @@ import torch
 
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
-from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, transport_options
+from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs
 from hybridkv.engine.disagg.protocol import (
     Abort,
     ClearCache,
@@ -60,8 +60,9 @@ from hybridkv.engine.sampling import NON_FINITE
 from hybridkv.engine.scheduler import Request, Role, Step, choose_step_tokens
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.spec import Parallel
-from hybridkv.transfer import Phase, PrefillSender, Transport, make_transport
+from hybridkv.transfer import Phase, PrefillSender, Transport
 from hybridkv.transfer.auth import ClusterKey
+from hybridkv.transfer.transport import transport_class
 from hybridkv.transfer.transport.drills import Throttled
 
 FIGURES_S = 1.0  # a rank's tier counters reach the router at most this often between requests
@@ -106,7 +107,8 @@ class PrefillRank(Worker):
         )
         self.tiers = self.alloc.tiers = prefill_tiers(self.alloc, c)
         self.sched = self.scheduler()
-        inner = make_transport(c.transport, None, **transport_options(c.transport))
+        kind = transport_class(c.transport)
+        inner = kind.create(None, **kind.loopback_options)
         self.throttle: Throttled | None = None
         self.transport: Transport = inner
         if any(f.kind is FaultKind.KILL_PREFILL for f in c.faults):  # writes slowed: the kill lands mid-transfer

@@ -91,6 +91,7 @@ from hybridkv.tiers import MooncakeMaster
 from hybridkv.transfer import BootstrapServer
 from hybridkv.transfer.auth import ClusterKey
 from hybridkv.transfer.shared import shm_path
+from hybridkv.transfer.transport import transport_class
 
 __all__ = ["FAILED", "FINISHED", "PDServer", "PDStartError"]
 _Item = RouterRequest | ProbeCall | ClearCache | tuple[int, str] | None  # what the router's inbox carries
@@ -269,8 +270,8 @@ class PDServer:
 
     def _launch(self, role: Role, epoch: int) -> EngineState:
         c = self.config
-        shm = role is Role.DECODE and c.transport == "shm"
-        tokens = tuple(secrets.token_hex(16) for _ in range(c.decode_tp)) if shm else ()
+        shared = role is Role.DECODE and transport_class(c.transport).shared_arena
+        tokens = tuple(secrets.token_hex(16) for _ in range(c.decode_tp)) if shared else ()
         self._session_files += [shm_path(token) for token in tokens]
         args = WorkerArgs(c, engine_name(role, epoch), self.boot.address, self.key.hex, tokens)
         return launch(role, epoch, args, self.logs)

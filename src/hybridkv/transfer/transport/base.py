@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
@@ -107,6 +107,8 @@ class Transport(ABC):
     pays_per_op: ClassVar[bool] = False
     """Each op costs a fixed time of its own (Mooncake TCP): senders stage strided sources
     (``staging.SourceStaging``) so that a chunk goes out as one op per destination run."""
+    loopback_options: ClassVar[Mapping[str, object]] = {}
+    """``create`` options for peers that all run on this host (a PD server's processes)."""
 
     @classmethod
     def create(cls, shared: SharedBuffer | None = None, **options: object) -> Transport:
