@@ -7,8 +7,9 @@ import torch
 
 from hybridkv.transfer import make_transport
 from hybridkv.transfer.ops import Bounds, Ops, TransferPlan
-from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle, write_plan
+from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle
 from hybridkv.transfer.transport.staging import STAGE_BYTES, STAGE_OP_BYTES, SourceStaging
+from hybridkv.transfer.transport.writer import write_plan
 
 HEAD, HEADS, TOKENS = 64, 2, 48  # a TP-sliced page row: one head of each token, the decode side holds only it
 

@@ -129,7 +129,7 @@ def pd_section(console: Console, requests: int, transport: str, fault: str) -> d
     then its cache hit and latencies as the client saw them, and the server's ``/metrics`` figures."""
     import tempfile
 
-    from hybridkv.cli import demo_serve
+    from hybridkv.cli.demo_serve import serve_requests, server_args
     from hybridkv.engine.random_models import quiet_transformers, save_random
 
     prompts = pd_prompts(requests)
@@ -143,7 +143,7 @@ def pd_section(console: Console, requests: int, transport: str, fault: str) -> d
         hf = save_random(PD_MODEL, model_dir)
         # as many tokens as the reference; the requests before the faulted one alone, one at a time (the later
         # ones hit their prefix in the prefill cache), then the rest at once
-        run = demo_serve.serve_requests(model_dir, prompts, PD_MAX_NEW, FAULT_REQUEST, transport, faults, timeout)
+        run = serve_requests(model_dir, prompts, PD_MAX_NEW, FAULT_REQUEST, transport, faults, timeout)
     with quiet_transformers():
         reference = reference_tokens(hf, prompts, PD_MAX_NEW)
     m = run.metrics
@@ -212,7 +212,7 @@ def pd_section(console: Console, requests: int, transport: str, fault: str) -> d
         "decode_tp": 2,
         "transport": transport,
         "fault": {"kind": fault, "request": FAULT_REQUEST, "landed": landed is None},
-        "server": "hybridkv serve " + " ".join(demo_serve.server_args("MODEL_DIR", transport, faults, timeout)),
+        "server": "hybridkv serve " + " ".join(server_args("MODEL_DIR", transport, faults, timeout)),
         "metrics": figures,
         "released": released,
         "requests": rows,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.transfer import liveness
 from hybridkv.transfer.agent import log
+from hybridkv.transfer.liveness import gone
 from hybridkv.transfer.messages import Rank, Register
 from hybridkv.transfer.ops import TransferPlan
 from hybridkv.transfer.plan import Route
@@ -117,7 +117,7 @@ class Quarantine:
             if now < inc.next_check:
                 return False
             inc.next_check = now + LIVENESS_CHECK_S
-            alive = [reg for reg in silent if not liveness.gone(reg.process)]
+            alive = [reg for reg in silent if not gone(reg.process)]
             if alive:
                 if now > inc.quarantine_until and not inc.stuck:
                     inc.stuck = True

@@ -61,8 +61,8 @@ from hybridkv.transfer.pairing import pair_entries
 from hybridkv.transfer.plan import Route, memory_cells, num_pages
 from hybridkv.transfer.status import LegReport, LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
-from hybridkv.transfer.transport.base import write_plan
 from hybridkv.transfer.transport.staging import SourceStaging
+from hybridkv.transfer.transport.writer import write_plan
 
 FINISHED_KEEP_S = 120.0
 WAITING_GRACE_S = 1.0

@@ -18,10 +18,10 @@ from hybridkv.transfer.transport.base import (
     TransportName,
     WriteHandle,
     WriteStatus,
-    write_plan,
 )
 from hybridkv.transfer.transport.mooncake import MooncakeTransport
 from hybridkv.transfer.transport.shm import ShmTransport
+from hybridkv.transfer.transport.writer import write_plan
 
 TRANSPORTS = Registry[type[Transport]]("transport")
 TRANSPORTS.add(TransportName.SHM, ShmTransport)
