@@ -40,7 +40,8 @@ from hybridkv.server.schemas import (
 )
 from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
-from hybridkv.server.text import ChatTemplateMissing, TextStream, TextTokenizer
+from hybridkv.server.stops import stop_strings
+from hybridkv.server.text import ChatTemplateMissing, TextTokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 FIELDS = {
@@ -127,26 +128,25 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
     assert tokenizer is not None
     params = _params(body, prompt, info.max_context)
     check_fits(prompt, params, info, "messages", "max_completion_tokens")
+    stops = stop_strings(body.stop, body.include_stop_str_in_output, "stop", tokenizer)
     cid = body.rid if body.rid is not None else state.new_id("chatcmpl-")
     stream = bool(body.stream)
     salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start([prompt], [params], salt, {cid: [0]}, FIELDS, False, stream)
+    gen = state.start([prompt], [params], salt, {cid: [0]}, FIELDS, False, stream, [stops])
     head = {"id": cid, "created": int(time.time()), "model": info.name}
     asked = body.logprobs is True
     if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(state, gen, [cid], receive, _encoder(tokenizer, gen, head, usage, asked, body))
-    text = TextStream(tokenizer)
     async for _ in state.drive(receive, gen, [cid]):
         pass
     got = gen.progress[0]
     assert got.finished is not None
     if got.finished.finish_reason is FinishReason.ERROR:
         raise failure(0, False, got.finished)
-    text.push(got.tokens, final=True)
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": text.text},
+        "message": {"role": "assistant", "content": got.text},
         "logprobs": _content_logprobs(tokenizer, gen.logprobs[0]) if asked else None,
         "finish_reason": finish_reason(got.finished),
     }
@@ -159,7 +159,6 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
 def _encoder(
     tokenizer: TextTokenizer, gen: Generation, head: dict[str, Any], usage: bool, asked: bool, body: ChatBody
 ) -> Encode:
-    text = TextStream(tokenizer)
     chunk_head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage else {}
     started = [False]
@@ -178,7 +177,7 @@ def _encoder(
             if ended is not None and ended.finish_reason is FinishReason.ERROR:
                 events.append(sse(failure(0, False, ended).body()))
                 continue
-            delta = text.push(up.new_tokens, final=ended is not None)
+            delta = up.text
             logprobs = None
             if asked and up.new_tokens:
                 done = len(gen.progress[0].tokens)
