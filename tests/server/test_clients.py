@@ -14,7 +14,7 @@ from openai import OpenAI
 
 from hybridkv.server import ByteTokenizer
 from hybridkv.server.text import TextStream
-from tests.server.conftest import MODEL, shared_prefix_prompts
+from tests.server.conftest import MODEL, shared_prefix_prompts, stop_in
 from tests.server.test_endpoints import metric, wait_idle
 
 FAMILY = shared_prefix_prompts(2, groups=1, prefix=80, seed=314)  # a head nobody else in this module sends
@@ -200,14 +200,6 @@ def test_a_byte_stream_hands_out_whole_characters_only() -> None:
 
 
 STOP_PROMPT = [40, 41, 42, 43]
-
-
-def stop_in(text: str) -> str:
-    """Two characters from the middle of ``text`` that are text (no U+FFFD): a stop string it contains."""
-    for i in range(len(text) // 3, len(text) - 2):
-        if "\ufffd" not in text[i : i + 2]:
-            return text[i : i + 2]
-    raise AssertionError(f"no stop string to take from {text!r}")
 
 
 def cut_at(ids: list[int], stop: str) -> list[int]:
