@@ -5,14 +5,15 @@
 a saved tokenizer's own chat template, or the byte tokenizer's built-in one) and served like one
 ``/v1/completions`` prompt: the same sampling fields, ``max_completion_tokens`` (or ``max_tokens``; null: up to
 the context), ``logprobs`` with ``top_logprobs`` (0-20), ``usage`` with ``prompt_tokens_details.cached_tokens``,
-SGLang's ``return_cached_tokens_details`` (``sglext``), ``rid`` and ``extra_key``. The answer is a
+SGLang's ``return_cached_tokens_details`` (``sglext``), ``rid`` and ``extra_key``, and ``stop`` strings as
+``/v1/completions`` serves them (``include_stop_str_in_output`` too). The answer is a
 ``chat.completion`` with one choice whose ``message`` is the assistant's text; streamed, ``chat.completion.chunk``
 lines: the first ``delta`` carries the role, the next ones the text as it comes, the last the ``finish_reason``
 (with ``stream_options.include_usage`` a last chunk with no choices carries the usage), then ``data: [DONE]``.
 
 Refusals (400 naming the field): a server without a tokenizer, a tokenizer without a chat template, a message
-with an unknown role or a non-text part, and every known field asking for what is not served (``n`` > 1, stop
-strings, tools, penalties, grammars).
+with an unknown role or a non-text part, and every known field asking for what is not served (``n`` > 1, tools,
+penalties, grammars).
 """
 
 from __future__ import annotations

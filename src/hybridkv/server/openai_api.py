@@ -7,8 +7,11 @@ ids, as vLLM returns them with ``return_token_ids``); ``usage`` has
 ``data: {chunk}`` lines, each with the new ``text`` and ``token_ids`` of one choice and its
 ``finish_reason`` on its last chunk; with ``stream_options.include_usage`` every chunk has
 ``usage: null`` and a last chunk with no choices carries the usage; then ``data: [DONE]``.
-``finish_reason``: ``length``, ``stop`` (EOS or a stop token id), ``abort``. A request the engine
-failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt. With SGLang's
+``finish_reason``: ``length``, ``stop`` (EOS, a stop token id or a stop string), ``abort``. ``stop`` (a string or
+a list of up to 16, ``stops``; with a tokenizer) ends a choice where its text first contains one: the text ends
+right before it (vLLM's ``include_stop_str_in_output``: after it), ``token_ids`` and ``usage`` count the tokens
+up to the one that completed it, and a stream never sends text past it (a tail that may begin one waits).
+A request the engine failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt. With SGLang's
 ``return_cached_tokens_details: true`` the answer (streaming: each choice's last chunk and the usage
 chunk) carries ``sglext.cached_tokens_details`` {``device``, ``host``, ``storage``}: where the cached
 prompt tokens came from. ``logprobs`` n (0-20): each choice's ``logprobs`` object (``logprob_format``: each

@@ -3,7 +3,8 @@
 ``/generate`` takes ``input_ids`` (a list of token ids, or a list of such lists for a batch) or
 ``text`` (with a tokenizer), ``sampling_params`` (one for all prompts or one per prompt:
 ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
-``stop_token_ids``, ``ignore_eos``), ``stream``, ``rid`` (ids for ``/abort_request``; one per
+``stop_token_ids``, ``ignore_eos``, ``stop`` strings with a tokenizer (``no_stop_trim``: the text keeps the
+matched one)), ``stream``, ``rid`` (ids for ``/abort_request``; one per
 prompt in a batch), ``cache_salt`` and SGLang's ``extra_key`` (together, the prefix-cache namespace);
 every other field of SGLang's ``GenerateReqInput`` is accepted at its neutral value (``schemas``).
 Every answer (each element of a batch) has ``text``,
@@ -11,8 +12,8 @@ Every answer (each element of a batch) has ``text``,
 ``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
 ``cached_tokens_details`` {``device``, ``host``, ``storage``}, from the PD server ``disaggregated``
 {``attempts``, ``retractions``, ``transfer_bytes``, ``timing``}}; ``finish_reason`` is SGLang's object
-(``{"type": "length", "length": n}``, ``{"type": "stop", "matched": id}``, ``{"type": "abort",
-"message": ...}``) and null in a stream until the prompt ended. A stream sends, as SGLang does by
+(``{"type": "length", "length": n}``, ``{"type": "stop", "matched": id}`` (a stop string's: the string),
+``{"type": "abort", "message": ...}``) and null in a stream until the prompt ended. A stream sends, as SGLang does by
 default, the cumulative ``output_ids`` and ``text`` of one prompt per chunk (``index``: its place in
 a batch), then ``data: [DONE]``.
 
