@@ -270,3 +270,30 @@ def test_a_stop_string_aborts_its_request_once_and_drops_what_comes_after(
         assert got.finished.stop_string == "XY" and got.finished.error is None
     else:
         assert backend.aborts == [] and got.tokens == list(b"abXYcd") and got.finished.stop_string is None
+
+
+class Undecodable(ByteTokenizer):
+    def decode(self, ids: list[int]) -> str:
+        if 0x99 in ids:
+            raise ValueError("no text for 0x99")
+        return super().decode(ids)
+
+
+def test_a_token_its_stop_sink_cannot_decode_fails_that_request_alone() -> None:
+    backend = Scripted([*b"ab", 0x99, *b"cd"], early=False)
+
+    async def run() -> Generation:
+        post = LoopPost(asyncio.get_running_loop())
+        gen = Generation(backend, post, [[1]], False, tokenizer=Undecodable(256), stops=[Stops(("XY",))])  # type: ignore[arg-type]
+        gen.start([SamplingParams(max_new_tokens=8)], None)
+        threading.Thread(target=backend.play).start()  # the sink raising in it would end this thread, uncaught
+        async with asyncio.timeout(30):
+            async for _ in gen.updates():
+                pass
+        return gen
+
+    got = asyncio.run(run()).progress[0]
+    assert got.finished is not None and got.finished.finish_reason is FinishReason.ERROR
+    assert "could not be decoded (ValueError: no text for 0x99)" in str(got.finished.error)
+    assert got.tokens == list(b"ab") and got.text == "ab"
+    assert backend.aborts == [(7, got.finished.error)]

@@ -29,7 +29,8 @@ Invariants:
   is woken to end the response; after ``detach`` nothing more is written for it.
 - Timings are ``perf_counter`` stamps taken in the backend's thread as the token is handed over.
 - A prompt whose text matched a stop string is aborted once (by its sink, or by ``start`` if the match came
-  before its ticket), ends with ``stop``, and its tokens, log-probabilities and text stop at the match.
+  before its ticket), ends with ``stop``, and its tokens, log-probabilities and text stop at the match; one whose
+  text its sink cannot decode is aborted alike and ends with ``error`` (the backend's thread never raises).
 """
 
 from __future__ import annotations
@@ -185,18 +186,38 @@ class _Sink:
         self.text = text  # the prompt's stop strings, matched here (None: it has none)
         self.ticket: int | None = None  # known once ``submit`` returned (under the generation's _lock)
         self.kept = 0  # tokens handed on: up to the match, when one came
+        self.failure: str | None = None  # why its text could not be decoded (it fails alone, not the backend)
+
+    @property
+    def cut(self) -> bool:
+        """Its text matched a stop string or could not be decoded: its request is to end (``Generation.stop``)."""
+        return self.failure is not None or (self.text is not None and self.text.matched is not None)
+
+    def _push(self, tokens: list[int], final: bool) -> str:
+        """The text ``tokens`` release; a decoding error fails this request alone (the backend's thread must not
+        raise: that fails every request)."""
+        assert self.text is not None
+        try:
+            return self.text.push(tokens, final)
+        except Exception as exc:
+            self.failure = f"its output could not be decoded ({type(exc).__name__}: {exc})"
+            return ""
 
     def on_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
-        text = self.text
-        if text is not None and text.matched is not None:
-            return  # past the match: the abort is on its way
-        delta = "" if text is None else text.push([token], final=False)
+        delta = ""
+        if self.text is not None:
+            if self.cut:
+                return  # past the match (or a failed decoding): the abort is on its way
+            delta = self._push([token], final=False)
+            if self.failure is not None:
+                self.gen.stop(self)
+                return
         if logprob is not None:
             self.gen.logprobs[self.index].append(logprob)  # before the token's event: there when it is applied
         self.kept += 1
-        matched = text is not None and text.matched is not None
-        self.gen.post(self.index, token, None, delta, last=matched)
-        if matched:
+        cut = self.cut
+        self.gen.post(self.index, token, None, delta, last=cut)
+        if cut:
             self.gen.stop(self)
 
     def on_finish(self, result: Finished) -> None:
@@ -204,8 +225,10 @@ class _Sink:
         if text is None:
             self.gen.post(self.index, None, result)
             return
-        delta = "" if text.matched is not None else text.push([], final=True)
-        if text.matched is not None:  # however it ended (the abort, or its own end), it stopped at the match
+        delta = "" if self.cut else self._push([], final=True)
+        if self.failure is not None:
+            result = dataclasses.replace(result, finish_reason=FinishReason.ERROR, error=self.failure)
+        elif text.matched is not None:  # however it ended (the abort, or its own end), it stopped at the match
             result = dataclasses.replace(
                 result,
                 output_ids=result.output_ids[: self.kept],
@@ -281,20 +304,20 @@ class Generation:
                 self.tickets.append(ticket)
                 with self._lock:
                     sink.ticket = ticket
-                    matched = sink.text is not None and sink.text.matched is not None
-                if matched:  # before its ticket was known: its sink could not abort it
-                    self.backend.abort(ticket, STOPPED)
+                    cut = sink.cut
+                if cut:  # before its ticket was known: its sink could not abort it
+                    self.backend.abort(ticket, sink.failure or STOPPED)
         except BaseException:
             self.abort("another prompt of the same request was refused")
             raise
 
     def stop(self, sink: _Sink) -> None:
-        """From the backend's thread: ``sink``'s text matched a stop string; end its request (once its ticket is
-        known: else ``start`` does)."""
+        """From the backend's thread: ``sink``'s text matched a stop string (or could not be decoded); end its
+        request (once its ticket is known: else ``start`` does)."""
         with self._lock:
             ticket = sink.ticket
         if ticket is not None:
-            self.backend.abort(ticket, STOPPED)
+            self.backend.abort(ticket, sink.failure or STOPPED)
 
     def _ends_chunk(self, index: int, token: int | None, finished: Finished | None, last: bool) -> bool:
         """Whether this event closes a chunk for the consumer: an end; when streamed, a prompt's first token and every
