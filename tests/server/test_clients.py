@@ -228,6 +228,8 @@ def test_stop_strings_cut_completions_streamed_and_not_and_keep_them_when_asked(
     assert [c.finish_reason for c in choices][-1] == "stop" and {c.finish_reason for c in choices[:-1]} <= {None}
     assert [t for c in choices for t in c.token_ids] == kept  # type: ignore[attr-defined]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(kept)
+    scored = oai.completions.create(**same, stop=stop, logprobs=1, extra_body=cut).choices[0]
+    assert scored.text == want and scored.logprobs is not None and len(scored.logprobs.tokens or ()) == len(kept)
     got = oai.completions.create(**same, stop=stop, extra_body=keep)
     assert got.choices[0].text == want + stop and got.choices[0].finish_reason == "stop"
     streamed = oai.completions.create(**same, stop=stop, stream=True, extra_body=keep)
