@@ -1,10 +1,11 @@
 """``hybridkv.server.stops``: the released text of any deltas equals the reference cut of the whole text, never holds
-a stop string, and holds back less than the longest stop string; ``StopText`` over the byte tokenizer; the 400s of
-``stop_strings``."""
+a stop string, and holds back less than the longest stop string; ``StopText`` over the byte tokenizer (characters
+over several tokens) and a saved one (stops across and inside tokens); the 400s of ``stop_strings``."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from hybridkv.server.schemas import ApiError
 from hybridkv.server.stops import MAX_STOPS, Stops, StopScanner, StopText, stop_strings
-from hybridkv.server.text import ByteTokenizer
+from hybridkv.server.text import ByteTokenizer, Tokenizer
+from tests.server.test_chat import word_tokenizer
 
 TEXT = "héllo ✓ 日本 🙂"
 
@@ -117,3 +119,15 @@ def test_stop_strings_from_a_body() -> None:
         with pytest.raises(ApiError) as err:
             stop_strings(value, False, "stop", tokenizer)
         assert err.value.status == 400 and err.value.param == field and err.value.message.startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("stop", "keep", "want"),
+    [("is a", False, "Answer briefly. what "), ("a pre", True, "Answer briefly. what is a pre")],
+)
+def test_a_saved_tokenizer_stops_across_tokens(tmp_path: Path, stop: str, keep: bool, want: str) -> None:
+    tok = Tokenizer(word_tokenizer(tmp_path, None))
+    ids = tok.encode("Answer briefly. what is a prefix cache?")
+    text = StopText(tok, Stops((stop,), keep))
+    released = "".join(text.push([t], final=False) for t in ids) + text.push([], final=True)
+    assert released == want and text.matched == stop
