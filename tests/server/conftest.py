@@ -63,6 +63,14 @@ def shared_prefix_prompts(n: int, groups: int = 4, prefix: int = 48, seed: int =
     return [heads[i % groups] + rng.integers(3, 256, int(rng.integers(1, 40))).tolist() for i in range(n)]
 
 
+def stop_in(text: str) -> str:
+    """A stop string ``text`` contains: two characters from the middle of ``text`` that are text (no U+FFFD)."""
+    for i in range(len(text) // 3, len(text) - 2):
+        if "\ufffd" not in text[i : i + 2]:
+            return text[i : i + 2]
+    raise AssertionError(f"no stop string to take from {text!r}")
+
+
 def listening_url(proc: subprocess.Popen[Any], logs: Path, timeout_s: float = 120.0) -> str:
     """The URL a ``hybridkv serve`` subprocess prints once it listens (its stdout in ``logs / "out"``, stderr in
     ``logs / "err"``): fails naming its stderr when it exits first, or when it has not within ``timeout_s``."""

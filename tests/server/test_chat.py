@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from hybridkv.server.text import ByteTokenizer, Tokenizer
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, stop_in
 
 CHAT = [
     {"role": "system", "content": "Answer briefly."},
@@ -92,6 +92,25 @@ def test_chat_logprobs(byte_server: Any) -> None:
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
 
 
+def test_chat_stop_strings_streamed_and_not(byte_server: Any) -> None:
+    oai = client(byte_server)
+    same: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 32, "temperature": 0}
+    extra = {"ignore_eos": True}
+    text = oai.chat.completions.create(**same, extra_body=extra).choices[0].message.content
+    assert text is not None
+    stop = stop_in(text)
+    want = text[: text.index(stop)]
+    got = oai.chat.completions.create(**same, stop=stop, extra_body=extra)
+    assert got.choices[0].message.content == want and got.choices[0].finish_reason == "stop"
+    assert got.usage is not None and got.usage.completion_tokens < 32
+    chunks = list(oai.chat.completions.create(**same, stop=[stop], stream=True, extra_body=extra))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.delta.content or "" for c in choices) == want and choices[-1].finish_reason == "stop"
+    keep = {**extra, "include_stop_str_in_output": True}
+    got = oai.chat.completions.create(**same, stop=stop, extra_body=keep)
+    assert got.choices[0].message.content == want + stop
+
+
 def test_a_saved_tokenizer_renders_its_own_template(start_server: Any, make_engine: Any, tmp_path: Path) -> None:
     tok = Tokenizer(word_tokenizer(tmp_path / "tok", TEMPLATE))
     messages = [
@@ -134,6 +153,7 @@ def test_a_saved_tokenizer_renders_its_own_template(start_server: Any, make_engi
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x", ""]}, "stop[1]"),
     ],
 )
 def test_bad_chats_name_the_field(byte_server: Any, body: dict[str, Any], field: str) -> None:

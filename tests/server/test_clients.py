@@ -14,7 +14,7 @@ from openai import OpenAI
 
 from hybridkv.server import ByteTokenizer
 from hybridkv.server.text import TextStream
-from tests.server.conftest import MODEL, shared_prefix_prompts
+from tests.server.conftest import MODEL, shared_prefix_prompts, stop_in
 from tests.server.test_endpoints import metric, wait_idle
 
 FAMILY = shared_prefix_prompts(2, groups=1, prefix=80, seed=314)  # a head nobody else in this module sends
@@ -197,6 +197,100 @@ def test_a_byte_stream_hands_out_whole_characters_only() -> None:
     tail = TextStream(tok)
     assert tail.push([0xE6, 0x97], final=False) == ""  # an incomplete character is held back
     assert tail.push([], final=True) == "\ufffd"  # and at the end given as what it is
+
+
+STOP_PROMPT = [40, 41, 42, 43]
+
+
+def cut_at(ids: list[int], stop: str) -> list[int]:
+    """The tokens up to the one whose text completes ``stop`` (byte tokens)."""
+    tok = ByteTokenizer(256)
+    return ids[: next(k for k in range(len(ids) + 1) if stop in tok.decode(ids[:k]))]
+
+
+def test_stop_strings_cut_completions_streamed_and_not_and_keep_them_when_asked(server: Any) -> None:
+    oai = client(server)
+    same: dict[str, Any] = {"model": MODEL, "prompt": STOP_PROMPT, "max_tokens": 32, "temperature": 0}
+    cut, keep = {"ignore_eos": True}, {"ignore_eos": True, "include_stop_str_in_output": True}
+    whole = oai.completions.create(**same, extra_body=cut)
+    text, ids = whole.choices[0].text, whole.choices[0].token_ids  # type: ignore[attr-defined]
+    stop = stop_in(text)
+    want, kept = text[: text.index(stop)], cut_at(ids, stop)
+    assert 0 < len(kept) < len(ids)
+    got = oai.completions.create(**same, stop=[stop, "never!"], extra_body=cut)
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+    assert got.choices[0].token_ids == kept  # type: ignore[attr-defined]
+    assert got.usage is not None and got.usage.completion_tokens == len(kept)
+    usage = {"include_usage": True}
+    chunks = list(oai.completions.create(**same, stop=stop, stream=True, stream_options=usage, extra_body=cut))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == want
+    assert [c.finish_reason for c in choices][-1] == "stop" and {c.finish_reason for c in choices[:-1]} <= {None}
+    assert [t for c in choices for t in c.token_ids] == kept  # type: ignore[attr-defined]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(kept)
+    scored = oai.completions.create(**same, stop=stop, logprobs=1, extra_body=cut).choices[0]
+    assert scored.text == want and scored.logprobs is not None and len(scored.logprobs.tokens or ()) == len(kept)
+    got = oai.completions.create(**same, stop=stop, extra_body=keep)
+    assert got.choices[0].text == want + stop and got.choices[0].finish_reason == "stop"
+    streamed = oai.completions.create(**same, stop=stop, stream=True, extra_body=keep)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want + stop
+
+
+def test_stop_strings_on_generate_name_the_match_and_no_stop_trim_keeps_it(server: Any) -> None:
+    base = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    whole = post(server, "/generate", {"input_ids": STOP_PROMPT, "sampling_params": base}).json()
+    text, ids = whole["text"], whole["output_ids"]
+    stop = stop_in(text)
+    want, kept = text[: text.index(stop)], cut_at(ids, stop)
+    got = post(server, "/generate", {"input_ids": STOP_PROMPT, "sampling_params": {**base, "stop": stop}}).json()
+    assert got["text"] == want and got["output_ids"] == kept
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert got["meta_info"]["completion_tokens"] == len(kept)
+    body = {"input_ids": STOP_PROMPT, "sampling_params": {**base, "stop": [stop], "no_stop_trim": True}, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as resp:
+        chunks = [json.loads(x.removeprefix("data: ")) for x in resp.iter_lines() if x.startswith("data: {")]
+    assert all((want + stop).startswith(c["text"]) for c in chunks)  # never past the stop string
+    assert chunks[-1]["text"] == want + stop and chunks[-1]["output_ids"] == kept
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    batch = {  # per prompt: one with a stop string, one without
+        "input_ids": [STOP_PROMPT, STOP_PROMPT],
+        "sampling_params": [{**base, "stop": stop}, base],
+    }
+    first, second = post(server, "/generate", batch).json()
+    assert first["text"] == want and second["text"] == text and second["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_and_its_memory_comes_back(server: Any) -> None:
+    before = wait_idle(server)
+    aborted = metric(before, "hybridkv_engine_aborted_requests_total")
+    base = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    text = post(server, "/generate", {"input_ids": STOP_PROMPT, "sampling_params": base}).json()["text"]
+    stop = stop_in(text)
+    long = {**base, "max_new_tokens": 400, "stop": stop}  # would run 400 tokens without the stop
+    got = post(server, "/generate", {"input_ids": STOP_PROMPT, "sampling_params": long}).json()
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop} and len(got["output_ids"]) < 32
+    after = wait_idle(server)
+    assert metric(after, "hybridkv_engine_aborted_requests_total") == aborted + 1  # stopped in the engine at once
+    assert metric(after, "hybridkv_request_pages") == 0 and metric(after, "hybridkv_request_slots") == 0
+    assert metric(after, 'hybridkv_requests_finished_total{finish_reason="stop"}') >= 1
+    server.backend.call(lambda e: (e.mem.verify(), e.cache.check()))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"prompt": [5], "stop": ["a", ""]}, "stop[1]"),
+        ("/v1/completions", {"prompt": [5], "stop": [str(i) for i in range(17)]}, "stop"),
+        ("/generate", {"input_ids": [5], "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+        ("/generate", {"input_ids": [[5], [6]], "sampling_params": [{}, {"stop": [""]}]}, "sampling_params[1].stop[0]"),
+        ("/generate", {"input_ids": [5], "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+    ],
+)
+def test_bad_stop_strings_name_the_field(server: Any, path: str, body: dict[str, Any], field: str) -> None:
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field}: ")
 
 
 def test_nulls_where_openai_allows_them_and_a_flush_once_the_backend_stopped(server: Any) -> None:

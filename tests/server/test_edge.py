@@ -60,7 +60,7 @@ BAD_COMPLETIONS = [
     ({"prompt": GOOD, "stop_token_ids": [300]}, "stop_token_ids"),
     ({"prompt": GOOD, "n": 0}, "n"),  # n > 1 is served (test_logprobs); 0 asks for nothing
     ({"prompt": GOOD, "logprobs": 25}, "logprobs"),  # 0 to 20 are served
-    ({"prompt": GOOD, "stop": ["\n"]}, "stop"),
+    ({"prompt": GOOD, "stop": ["\n"]}, "stop"),  # stop strings match text: this server has no tokenizer
     ({"prompt": GOOD, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"prompt": GOOD, "lora_path": "x"}, "lora_path"),  # a known field asking for what is not served
     ({"prompt": GOOD, "min_tokens": 2}, "min_tokens"),
@@ -80,7 +80,7 @@ BAD_GENERATE = [
     ({"input_ids": GOOD, "rid": ["a", "b"]}, "rid"),
     ({"input_ids": [GOOD, GOOD], "rid": ["a", "a"]}, "rid"),
     ({"input_ids": GOOD, "rid": {"a": 1}}, "rid"),  # fits no member of ``str | list[str]``: named as sent
-    ({"input_ids": GOOD, "sampling_params": {"stop": "x"}}, "sampling_params.stop"),
+    ({"input_ids": GOOD, "sampling_params": {"stop": "x"}}, "sampling_params.stop"),  # no tokenizer
     ({"input_ids": GOOD, "return_logprob": [True, True]}, "return_logprob"),  # two values for one prompt
     ({"input_ids": GOOD, "stream": "true"}, "stream"),
     ({"input_ids": GOOD, "lora_path": "x"}, "lora_path"),

@@ -15,8 +15,9 @@ import pytest
 
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.server import EngineBackend
-from hybridkv.server.generation import Generation, LoopPost, Update, Writer
+from hybridkv.server import ByteTokenizer, EngineBackend, Finished
+from hybridkv.server.generation import STOPPED, Generation, LoopPost, Update, Writer
+from hybridkv.server.stops import Stops
 from tests.server.conftest import MODEL, SIZING
 
 PROMPT = list(range(3, 40))
@@ -209,3 +210,90 @@ def test_a_writer_that_raises_fails_the_stream_in_the_loop_and_the_request_is_fr
         assert len(gen.progress[0].tokens) < 200
     finally:
         backend.close(10)
+
+
+class Scripted:
+    """A backend that hands its tokens over from ``submit`` itself (``early``: before the ticket is known) or when
+    ``play``ed; ends with ``length``, or ``abort`` once one was asked."""
+
+    def __init__(self, tokens: list[int], early: bool):
+        self.tokens, self.early = tokens, early
+        self.aborts: list[tuple[int, str]] = []
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Any, salt: str | None = None) -> int:
+        self.sink = sink
+        if self.early:
+            self.play()
+        return 7
+
+    def abort(self, ticket: int, reason: str) -> None:
+        self.aborts.append((ticket, reason))
+
+    def play(self) -> None:
+        for t in self.tokens:
+            self.sink.on_token(t)
+        reason = FinishReason.ABORT if self.aborts else FinishReason.LENGTH
+        self.sink.on_finish(Finished(list(self.tokens), reason, "aborted" if self.aborts else None, 1, 0))
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize(
+    ("stops", "text", "reason"),
+    [
+        (("XY", "never"), "ab", FinishReason.STOP),
+        (("cdX",), "abXYcd", FinishReason.LENGTH),  # "cd" held to the end, then let out
+    ],
+)
+def test_a_stop_string_aborts_its_request_once_and_drops_what_comes_after(
+    early: bool, stops: tuple[str, ...], text: str, reason: FinishReason
+) -> None:
+    backend = Scripted(list(b"abXYcd"), early)
+
+    async def run() -> tuple[Generation, list[str]]:
+        post = LoopPost(asyncio.get_running_loop())
+        gen = Generation(backend, post, [[1]], True, tokenizer=ByteTokenizer(256), stops=[Stops(stops)])  # type: ignore[arg-type]
+        gen.start([SamplingParams(max_new_tokens=8)], None)
+        if not early:
+            threading.Thread(target=backend.play).start()
+        deltas = []
+        async with asyncio.timeout(30):
+            async for updates in gen.updates():
+                deltas += [up.text for up in updates]
+        return gen, deltas
+
+    gen, deltas = asyncio.run(run())
+    got = gen.progress[0]
+    assert got.finished is not None and got.finished.finish_reason is reason and got.text == text == "".join(deltas)
+    if reason is FinishReason.STOP:
+        assert backend.aborts == [(7, STOPPED)]  # by its sink, or by ``start`` when it matched before the ticket
+        assert got.tokens == list(b"abXY") and got.finished.output_ids == got.tokens
+        assert got.finished.stop_string == "XY" and got.finished.error is None
+    else:
+        assert backend.aborts == [] and got.tokens == list(b"abXYcd") and got.finished.stop_string is None
+
+
+class Undecodable(ByteTokenizer):
+    def decode(self, ids: list[int]) -> str:
+        if 0x99 in ids:
+            raise ValueError("no text for 0x99")
+        return super().decode(ids)
+
+
+def test_a_token_its_stop_sink_cannot_decode_fails_that_request_alone() -> None:
+    backend = Scripted([*b"ab", 0x99, *b"cd"], early=False)
+
+    async def run() -> Generation:
+        post = LoopPost(asyncio.get_running_loop())
+        gen = Generation(backend, post, [[1]], False, tokenizer=Undecodable(256), stops=[Stops(("XY",))])  # type: ignore[arg-type]
+        gen.start([SamplingParams(max_new_tokens=8)], None)
+        threading.Thread(target=backend.play).start()  # the sink raising in it would end this thread, uncaught
+        async with asyncio.timeout(30):
+            async for _ in gen.updates():
+                pass
+        return gen
+
+    got = asyncio.run(run()).progress[0]
+    assert got.finished is not None and got.finished.finish_reason is FinishReason.ERROR
+    assert "could not be decoded (ValueError: no text for 0x99)" in str(got.finished.error)
+    assert got.tokens == list(b"ab") and got.text == "ab"
+    assert backend.aborts == [(7, got.finished.error)]

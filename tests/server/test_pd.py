@@ -4,7 +4,8 @@ behind the HTTP server, shared by every test of this module, driven by real clie
 Checked: 32 concurrent requests with shared prefixes (the official ``openai`` client, streaming and
 not, and httpx) give ``Engine.generate``'s tokens on the same weights, and the ones whose prefix was
 served before hit the prefill prefix cache; a client that leaves mid-stream, or an abort by id, frees
-the request on both engines (every worker's ``probe``: back to what it held before, no request);
+the request on both engines (every worker's ``probe``: back to what it held before, no request), and so does a
+stop string, the answer cut before it (streamed and not);
 bad input is a 4xx naming the field; ``/metrics`` exports the PD figures; a lost engine turns
 ``/health`` to 503 naming it (the last test: it breaks the shared server).
 """
@@ -30,8 +31,8 @@ from hybridkv.engine.engine import Engine, Output
 from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.random_models import save_random
 from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.server import Finished, HttpServer, PDBackend, QueueFull, ServerConfig, bind
-from tests.server.conftest import API_KEY, MODEL, shared_prefix_prompts
+from hybridkv.server import ByteTokenizer, Finished, HttpServer, PDBackend, QueueFull, ServerConfig, bind
+from tests.server.conftest import API_KEY, MODEL, shared_prefix_prompts, stop_in
 from tests.server.test_endpoints import metric
 
 MAX_NEW = 8
@@ -55,7 +56,10 @@ def server(model_dir: Path) -> Iterator[HttpServer]:
     # host memory below each prefill rank, written through: /metrics carries the ranks' tier counters
     pd = PDServer(PDConfig(str(model_dir), prefill_pp=2, decode_tp=2, transport="shm", restarts=0, **SIZING, **TIERS))
     http = HttpServer(
-        PDBackend(pd, MODEL, "32MiB", max_queued=64), ServerConfig(api_key=API_KEY), bind("127.0.0.1", 0), 10
+        PDBackend(pd, MODEL, "32MiB", max_queued=64),
+        ServerConfig(api_key=API_KEY, tokenizer=ByteTokenizer(256)),
+        bind("127.0.0.1", 0),
+        10,
     )
     http.start()
     yield http
@@ -210,6 +214,25 @@ def test_abort_request_by_id_frees_both_engines(server: HttpServer) -> None:
     assert_nothing_held(server)
 
 
+def test_a_stop_string_ends_the_request_on_both_engines_streamed_and_not(server: HttpServer) -> None:
+    aborted = metric(scrape(server), "hybridkv_engine_aborted_requests_total")
+    sampling = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(
+        f"{server.url}/generate", json={"input_ids": PROMPTS[7], "sampling_params": sampling}, headers=AUTH, timeout=120
+    ).json()
+    stop = stop_in(whole["text"])
+    want = whole["text"][: whole["text"].index(stop)]
+    body = {"input_ids": PROMPTS[7], "sampling_params": {**sampling, "max_new_tokens": 150, "stop": stop}}
+    got = httpx.post(f"{server.url}/generate", json=body, headers=AUTH, timeout=120).json()
+    assert got["text"] == want and got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert got["output_ids"] == whole["output_ids"][: len(got["output_ids"])] and len(got["output_ids"]) < 40
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, headers=AUTH, timeout=120) as r:
+        chunks = [json.loads(x.removeprefix("data: ")) for x in r.iter_lines() if x.startswith("data: {")]
+    assert chunks[-1]["text"] == want and chunks[-1]["meta_info"]["finish_reason"]["matched"] == stop
+    assert_nothing_held(server)
+    assert metric(scrape(server), "hybridkv_engine_aborted_requests_total") == aborted + 2
+
+
 class Collect:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -302,9 +325,10 @@ def test_metrics_export_the_pd_figures(server: HttpServer) -> None:
         assert live == metric(text, f'hybridkv_pd_worker_pages{{epoch="0",state="before",worker="{w}"}}')
         assert metric(text, f'hybridkv_pd_worker_requests{{epoch="0",worker="{w}"}}') == 0
         assert metric(text, f'hybridkv_pd_worker_threads{{epoch="0",worker="{w}"}}') == worker_threads(4)
-    # the router's own count: every request of this module so far ended, none failed but the aborted ones
+    # the router's own count: every request of this module so far ended, none failed but the aborted ones (a
+    # disconnect, an abort by id, 2 ended by a stop string, the 64 of the full backend)
     m = pd_of(server).metrics()
-    assert m["phases"]["finished"] == m["finished"] == m["requests"] - 2 - 64 and m["failed"] == 2 + 64
+    assert m["phases"]["finished"] == m["finished"] == m["requests"] - 4 - 64 and m["failed"] == 4 + 64
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected router bug

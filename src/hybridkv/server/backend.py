@@ -81,6 +81,8 @@ class Finished:
     """One per output token when the request asked (``SamplingParams.logprobs``)."""
     prompt_logprobs: list[TokenLogprob] | None = None
     """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
+    stop_string: str | None = None
+    """The stop string its text matched, ending it with ``stop`` (set by ``Generation``, never by a backend)."""
 
 
 class Sink(Protocol):

@@ -5,14 +5,15 @@
 a saved tokenizer's own chat template, or the byte tokenizer's built-in one) and served like one
 ``/v1/completions`` prompt: the same sampling fields, ``max_completion_tokens`` (or ``max_tokens``; null: up to
 the context), ``logprobs`` with ``top_logprobs`` (0-20), ``usage`` with ``prompt_tokens_details.cached_tokens``,
-SGLang's ``return_cached_tokens_details`` (``sglext``), ``rid`` and ``extra_key``. The answer is a
+SGLang's ``return_cached_tokens_details`` (``sglext``), ``rid`` and ``extra_key``, and ``stop`` strings as
+``/v1/completions`` serves them (``include_stop_str_in_output`` too). The answer is a
 ``chat.completion`` with one choice whose ``message`` is the assistant's text; streamed, ``chat.completion.chunk``
 lines: the first ``delta`` carries the role, the next ones the text as it comes, the last the ``finish_reason``
 (with ``stream_options.include_usage`` a last chunk with no choices carries the usage), then ``data: [DONE]``.
 
 Refusals (400 naming the field): a server without a tokenizer, a tokenizer without a chat template, a message
-with an unknown role or a non-text part, and every known field asking for what is not served (``n`` > 1, stop
-strings, tools, penalties, grammars).
+with an unknown role or a non-text part, and every known field asking for what is not served (``n`` > 1, tools,
+penalties, grammars).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from hybridkv.server.schemas import (
 )
 from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
-from hybridkv.server.text import ChatTemplateMissing, TextStream, TextTokenizer
+from hybridkv.server.stops import stop_strings
+from hybridkv.server.text import ChatTemplateMissing, TextTokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 FIELDS = {
@@ -127,26 +129,25 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
     assert tokenizer is not None
     params = _params(body, prompt, info.max_context)
     check_fits(prompt, params, info, "messages", "max_completion_tokens")
+    stops = stop_strings(body.stop, body.include_stop_str_in_output, "stop", tokenizer)
     cid = body.rid if body.rid is not None else state.new_id("chatcmpl-")
     stream = bool(body.stream)
     salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start([prompt], [params], salt, {cid: [0]}, FIELDS, False, stream)
+    gen = state.start([prompt], [params], salt, {cid: [0]}, FIELDS, False, stream, [stops])
     head = {"id": cid, "created": int(time.time()), "model": info.name}
     asked = body.logprobs is True
     if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(state, gen, [cid], receive, _encoder(tokenizer, gen, head, usage, asked, body))
-    text = TextStream(tokenizer)
     async for _ in state.drive(receive, gen, [cid]):
         pass
     got = gen.progress[0]
     assert got.finished is not None
     if got.finished.finish_reason is FinishReason.ERROR:
         raise failure(0, False, got.finished)
-    text.push(got.tokens, final=True)
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": text.text},
+        "message": {"role": "assistant", "content": got.text},
         "logprobs": _content_logprobs(tokenizer, gen.logprobs[0]) if asked else None,
         "finish_reason": finish_reason(got.finished),
     }
@@ -159,7 +160,6 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
 def _encoder(
     tokenizer: TextTokenizer, gen: Generation, head: dict[str, Any], usage: bool, asked: bool, body: ChatBody
 ) -> Encode:
-    text = TextStream(tokenizer)
     chunk_head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage else {}
     started = [False]
@@ -178,7 +178,7 @@ def _encoder(
             if ended is not None and ended.finish_reason is FinishReason.ERROR:
                 events.append(sse(failure(0, False, ended).body()))
                 continue
-            delta = text.push(up.new_tokens, final=ended is not None)
+            delta = up.text
             logprobs = None
             if asked and up.new_tokens:
                 done = len(gen.progress[0].tokens)

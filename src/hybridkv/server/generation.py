@@ -12,6 +12,12 @@ came with it, and a slow client gets several tokens per chunk. A ``direct`` stre
 for its last end: its events are kept here, and once the consumer ``attach``es a writer (``sse.py``),
 each chunk is written by the backend's thread itself, as the event that closes it arrives.
 
+Text: each ``Update`` carries its prompt's new text (``Progress.text``: all so far), decoded as the update is
+taken (``TextStream``), but for a prompt with stop strings (``stops``): its sink decodes each token in the
+backend's thread (``StopText``), so that the token completing a stop string ends the request there: the
+backend aborts it (its memory back), the tokens that still come are dropped, and its end is reported as
+``stop`` (``Finished.stop_string``) with the tokens up to the match; its text never goes past the match.
+
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
 - Every submitted prompt ends exactly once (``finished[i]``); ``abort`` ends the open ones (the
@@ -22,6 +28,9 @@ Invariants:
 - A direct stream's chunks are written by one thread at a time, in order, the last one before the loop
   is woken to end the response; after ``detach`` nothing more is written for it.
 - Timings are ``perf_counter`` stamps taken in the backend's thread as the token is handed over.
+- A prompt whose text matched a stop string is aborted once (by its sink, or by ``start`` if the match came
+  before its ticket), ends with ``stop``, and its tokens, log-probabilities and text stop at the match; one whose
+  text its sink cannot decode is aborted alike and ends with ``error`` (the backend's thread never raises).
 """
 
 from __future__ import annotations
@@ -29,15 +38,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import RequestError, SamplingParams
+from hybridkv.engine.request import FinishReason, RequestError, SamplingParams
 from hybridkv.server.backend import Backend, Finished
+from hybridkv.server.stops import Stops, StopText
+from hybridkv.server.text import TextStream, TextTokenizer
+
+STOPPED = "its text matched a stop string"
+"""Why a request whose text matched a stop string is aborted in the backend (its answer ends with ``stop``)."""
 
 
 @dataclass
@@ -45,6 +60,7 @@ class Progress:
     """One prompt's state as the loop sees it."""
 
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the text released so far
     first_at: float | None = None
     last_at: float | None = None
     finished: Finished | None = None
@@ -56,10 +72,12 @@ class Update:
     index: int
     new_tokens: list[int]
     finished: Finished | None
+    text: str = ""  # the text they add
 
 
-Event = tuple[int, int | None, Finished | None, float, bool]
-"""Prompt index, token, end, ``perf_counter`` stamp, and whether it closes a chunk (``Generation.post`` decides)."""
+Event = tuple[int, int | None, Finished | None, float, bool, str]
+"""Prompt index, token, end, ``perf_counter`` stamp, whether it closes a chunk (``Generation.post`` decides), and
+the text it releases (a prompt with stop strings; the others' is decoded as it is taken)."""
 
 Writer = Callable[[list["Update"]], bool]
 """Writes one chunk's updates to the client, from the backend's thread (``Generation.attach``); False: the loop
@@ -162,17 +180,64 @@ class PromptRefused(Exception):
 
 
 class _Sink:
-    def __init__(self, gen: Generation, index: int):
+    def __init__(self, gen: Generation, index: int, text: StopText | None):
         self.gen = gen
         self.index = index
+        self.text = text  # the prompt's stop strings, matched here (None: it has none)
+        self.ticket: int | None = None  # known once ``submit`` returned (under the generation's _lock)
+        self.kept = 0  # tokens handed on: up to the match, when one came
+        self.failure: str | None = None  # why its text could not be decoded (it fails alone, not the backend)
+
+    @property
+    def cut(self) -> bool:
+        """Its text matched a stop string or could not be decoded: its request is to end (``Generation.stop``)."""
+        return self.failure is not None or (self.text is not None and self.text.matched is not None)
+
+    def _push(self, tokens: list[int], final: bool) -> str:
+        """The text ``tokens`` release; a decoding error fails this request alone (the backend's thread must not
+        raise: that fails every request)."""
+        assert self.text is not None
+        try:
+            return self.text.push(tokens, final)
+        except Exception as exc:
+            self.failure = f"its output could not be decoded ({type(exc).__name__}: {exc})"
+            return ""
 
     def on_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        delta = ""
+        if self.text is not None:
+            if self.cut:
+                return  # past the match (or a failed decoding): the abort is on its way
+            delta = self._push([token], final=False)
+            if self.failure is not None:
+                self.gen.stop(self)
+                return
         if logprob is not None:
             self.gen.logprobs[self.index].append(logprob)  # before the token's event: there when it is applied
-        self.gen.post(self.index, token, None)
+        self.kept += 1
+        cut = self.cut
+        self.gen.post(self.index, token, None, delta, last=cut)
+        if cut:
+            self.gen.stop(self)
 
     def on_finish(self, result: Finished) -> None:
-        self.gen.post(self.index, None, result)
+        text = self.text
+        if text is None:
+            self.gen.post(self.index, None, result)
+            return
+        delta = "" if self.cut else self._push([], final=True)
+        if self.failure is not None:
+            result = dataclasses.replace(result, finish_reason=FinishReason.ERROR, error=self.failure)
+        elif text.matched is not None:  # however it ended (the abort, or its own end), it stopped at the match
+            result = dataclasses.replace(
+                result,
+                output_ids=result.output_ids[: self.kept],
+                finish_reason=FinishReason.STOP,
+                error=None,
+                stop_string=text.matched,
+                logprobs=None if result.logprobs is None else result.logprobs[: self.kept],
+            )
+        self.gen.post(self.index, None, result, delta)
 
 
 class Generation:
@@ -184,11 +249,14 @@ class Generation:
         stream: bool,
         stream_interval: int = 1,
         direct: bool = False,
+        tokenizer: TextTokenizer | None = None,
+        stops: Sequence[Stops | None] = (),
     ):
         """``stream``: the consumer wants the tokens as they come, a chunk per ``stream_interval`` of them (else
         only the ends wake the loop). ``direct`` (a stream): its events stay here, not posted to the loop, until
         the consumer ``attach``es a writer for the backend's thread (or none: then the loop writes, as for any
-        other stream)."""
+        other stream). ``tokenizer``: the text of the updates (None: ``""``); ``stops``: per prompt, its stop
+        strings (None or missing: none; they need the tokenizer)."""
         self.backend = backend
         self.loop_post = post
         self.prompts = prompts
@@ -211,6 +279,16 @@ class Generation:
         self._failure: BaseException | None = None  # what the writer raised (``next`` raises it in the loop)
         self._waiter: asyncio.Future[None] | None = None
         self._open = len(prompts)
+        self._sinks: list[_Sink] = []
+        self._texts: list[TextStream | None] = []  # per prompt without stop strings: its text, decoded in ``_take``
+        for i in range(len(prompts)):
+            spec = stops[i] if i < len(stops) else None
+            stop_text = None
+            if spec is not None:
+                assert tokenizer is not None, "stop strings need a tokenizer (``stop_strings`` refuses them without)"
+                stop_text = StopText(tokenizer, spec)
+            self._sinks.append(_Sink(self, i, stop_text))
+            self._texts.append(TextStream(tokenizer) if spec is None else None)
 
     def start(self, params: list[SamplingParams], salt: str | None) -> None:
         """Submit every prompt; on a refusal (``PromptRefused``, ``QueueFull``, ``BackendClosed``) abort
@@ -218,31 +296,49 @@ class Generation:
         self._max_new = [p.max_new_tokens for p in params]
         try:
             for i, (prompt, p) in enumerate(zip(self.prompts, params, strict=True)):
+                sink = self._sinks[i]
                 try:
-                    self.tickets.append(self.backend.submit(prompt, p, _Sink(self, i), salt))
+                    ticket = self.backend.submit(prompt, p, sink, salt)
                 except RequestError as exc:
                     raise PromptRefused(i, exc) from None
+                self.tickets.append(ticket)
+                with self._lock:
+                    sink.ticket = ticket
+                    cut = sink.cut
+                if cut:  # before its ticket was known: its sink could not abort it
+                    self.backend.abort(ticket, sink.failure or STOPPED)
         except BaseException:
             self.abort("another prompt of the same request was refused")
             raise
 
-    def _ends_chunk(self, index: int, token: int | None, finished: Finished | None) -> bool:
+    def stop(self, sink: _Sink) -> None:
+        """From the backend's thread: ``sink``'s text matched a stop string (or could not be decoded); end its
+        request (once its ticket is known: else ``start`` does)."""
+        with self._lock:
+            ticket = sink.ticket
+        if ticket is not None:
+            self.backend.abort(ticket, sink.failure or STOPPED)
+
+    def _ends_chunk(self, index: int, token: int | None, finished: Finished | None, last: bool) -> bool:
         """Whether this event closes a chunk for the consumer: an end; when streamed, a prompt's first token and every
-        ``stream_interval``-th (counted here, in the backend's thread), but its ``max_new_tokens``-th: its end follows
-        at once and closes the chunk with it (one write, not two)."""
+        ``stream_interval``-th (counted here, in the backend's thread), but its ``max_new_tokens``-th or ``last``: its
+        end follows at once and closes the chunk with it (one write, not two)."""
         if token is None or not self.stream:
             return finished is not None
         n = self._posted[index] = self._posted[index] + 1
-        if n == self._max_new[index]:
+        if n == self._max_new[index] or last:
             return False
         return n == 1 or n % self.stream_interval == 0
 
-    def post(self, index: int, token: int | None, finished: Finished | None) -> None:
+    def post(
+        self, index: int, token: int | None, finished: Finished | None, text: str = "", last: bool = False
+    ) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed); only an event
         that closes a chunk wakes it. Direct: keep it here; once a writer is attached, an event that closes a
-        chunk writes it, and the last end, written too, wakes the loop (it ends the response)."""
-        ends = self._ends_chunk(index, token, finished)
-        event: Event = (index, token, finished, time.perf_counter(), ends)
+        chunk writes it, and the last end, written too, wakes the loop (it ends the response). ``text``: what it
+        releases (a prompt with stop strings); ``last``: the prompt's last token (its end follows)."""
+        ends = self._ends_chunk(index, token, finished, last)
+        event: Event = (index, token, finished, time.perf_counter(), ends, text)
         with self._lock:
             self._ended += finished is not None
             if self._keep:
@@ -353,7 +449,7 @@ class Generation:
         n = len(self._events) if count is None else count
         events, self._events = self._events[:n], self._events[n:]
         changed: dict[int, Update] = {}
-        for index, token, finished, at, _ in events:
+        for index, token, finished, at, _, text in events:
             self._apply(index, token, finished, at)
             up = changed.get(index)
             if up is None:
@@ -362,6 +458,12 @@ class Generation:
                 up.new_tokens.append(token)
             if finished is not None:
                 up.finished = finished
+            up.text += text
+        for up in changed.values():
+            stream = self._texts[up.index]
+            if stream is not None:  # no stop strings: decoded here
+                up.text = stream.push(up.new_tokens, final=up.finished is not None)
+            self.progress[up.index].text += up.text
         return list(changed.values())
 
     async def updates(self) -> AsyncIterator[list[Update]]:

@@ -42,7 +42,10 @@ GAUGES = {
 }
 COUNTERS = {
     "requests": ("engine_requests", "Requests the engine accepted."),
-    "aborted": ("engine_aborted_requests", "Requests aborted (client gone, abort_request, shutdown)."),
+    "aborted": (
+        "engine_aborted_requests",
+        "Requests aborted (client gone, abort_request, a stop string matched, shutdown).",
+    ),
     "errors": ("engine_failed_requests", "Requests that failed in the engine."),
     "steps": ("engine_steps", "Engine steps (forward passes)."),
     "retractions": ("retractions", "Requests retracted under memory pressure."),

@@ -7,8 +7,11 @@ ids, as vLLM returns them with ``return_token_ids``); ``usage`` has
 ``data: {chunk}`` lines, each with the new ``text`` and ``token_ids`` of one choice and its
 ``finish_reason`` on its last chunk; with ``stream_options.include_usage`` every chunk has
 ``usage: null`` and a last chunk with no choices carries the usage; then ``data: [DONE]``.
-``finish_reason``: ``length``, ``stop`` (EOS or a stop token id), ``abort``. A request the engine
-failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt. With SGLang's
+``finish_reason``: ``length``, ``stop`` (EOS, a stop token id or a stop string), ``abort``. ``stop`` (a string or
+a list of up to 16, ``stops``; with a tokenizer) ends a choice where its text first contains one: the text ends
+right before it (vLLM's ``include_stop_str_in_output``: after it), ``token_ids`` and ``usage`` count the tokens
+up to the one that completed it, and a stream never sends text past it (a tail that may begin one waits).
+A request the engine failed answers 500 (streaming: a ``data: {"error": ...}`` chunk), naming the prompt. With SGLang's
 ``return_cached_tokens_details: true`` the answer (streaming: each choice's last chunk and the usage
 chunk) carries ``sglext.cached_tokens_details`` {``device``, ``host``, ``storage``}: where the cached
 prompt tokens came from. ``logprobs`` n (0-20): each choice's ``logprobs`` object (``logprob_format``: each
@@ -48,7 +51,7 @@ from hybridkv.server.schemas import (
 )
 from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
-from hybridkv.server.text import TextStream
+from hybridkv.server.stops import stop_strings
 
 MAX_CHOICES = 64
 """Choices per prompt (``n``), at most."""
@@ -106,8 +109,10 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     info = state.info
     if body.model is not None and body.model != info.name:
         raise ApiError(404, f"model: {body.model!r} is not served here; this server serves {info.name!r}", "model")
-    prompts, batch = token_prompts(body.prompt, "prompt", state.config.tokenizer)
+    tokenizer = state.config.tokenizer
+    prompts, batch = token_prompts(body.prompt, "prompt", tokenizer)
     params = _params(body, prompts, info.max_context)
+    stops = stop_strings(body.stop, body.include_stop_str_in_output, "stop", tokenizer)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         check_fits(prompt, p, info, f"prompt[{i}]" if batch else "prompt", "max_tokens")
     n = _choices_per_prompt(body.n)
@@ -117,7 +122,9 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
     salt = cache_namespace(body.cache_salt, body.extra_key)
     stream = bool(body.stream)
-    gen = state.start(prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream)
+    gen = state.start(
+        prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream, [stops] * len(prompts)
+    )
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
     if stream:
@@ -125,20 +132,18 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
         asked = body.logprobs is not None
         encode = _encoder(state, gen, head, batch, n, usage, body.return_cached_tokens_details, asked)
         return EventStream(state, gen, [cid], receive, encode)
-    texts = [TextStream(state.config.tokenizer) for _ in prompts]
     async for _ in state.drive(receive, gen, [cid]):
         pass
     choices = []
-    tokenizer = state.config.tokenizer
     for i, got in enumerate(gen.progress):
         assert got.finished is not None
         if got.finished.finish_reason is FinishReason.ERROR:
             raise failure(i // n, batch, got.finished)
         if body.max_tokens == 0:  # the prompt alone: the token computed for it is not part of the answer
             got.tokens.clear()
+            got.text = ""
             gen.logprobs[i].clear()
-        texts[i].push(got.tokens, final=True)
-        text, logprobs = texts[i].text, None
+        text, logprobs = got.text, None
         if body.echo:
             prompt_text = "" if tokenizer is None else tokenizer.decode(gen.prompts[i])
             text = prompt_text + text
@@ -216,7 +221,6 @@ def _encoder(
     """``details``: each choice's last chunk (and the usage chunk) carries ``sglext``; ``logprobs``: each chunk its
     tokens' log-probabilities (``text_offset`` counted over the choice's text so far)."""
     tokenizer = state.config.tokenizer
-    texts = [TextStream(tokenizer) for _ in gen.prompts]
     offsets = [0] * len(gen.prompts)
     extra = {"usage": None} if usage else {}
 
@@ -235,7 +239,7 @@ def _encoder(
                 offsets[i] += sum(len(t) for t in chunk_logprobs["tokens"])
             choice = {
                 "index": up.index,
-                "text": texts[up.index].push(up.new_tokens, final=ended is not None),
+                "text": up.text,
                 "token_ids": up.new_tokens,
                 "logprobs": chunk_logprobs,
                 "finish_reason": None if ended is None else finish_reason(ended),

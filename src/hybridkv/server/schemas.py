@@ -12,9 +12,9 @@ server logs each name once and counts it on ``/metrics``), so a client that send
 server serves still works.
 
 Invariants:
-- A known field the server cannot honour (``n`` > 1, ``logprobs``, ``lora_path``, ``echo``, stop
-  strings, penalties, images, grammars) is refused with a 400 naming it when its value asks for
-  the feature, never silently ignored; its neutral values (null, the default, an empty list) pass.
+- A known field the server cannot honour (``lora_path``, ``stop_regex``, penalties, images, grammars) is refused
+  with a 400 naming it when its value asks for the feature, never silently ignored; its neutral values (null,
+  the default, an empty list) pass. Stop strings (``stop``) are served, read by ``stops.stop_strings``.
 - A prompt is a non-empty list of integer token ids (or a list of such lists: a batch), or text
   when a tokenizer is configured; ids outside the vocabulary and prompt + new tokens beyond
   the context are refused by ``check_request`` and ``check_fits``, named per endpoint.
@@ -165,7 +165,6 @@ class CompletionBody(_Strict):
         ("best_of", (None, 1), "only 1 is served"),
         ("prompt_logprobs", (None,), "vLLM's prompt_logprobs is not served; give echo: true with logprobs"),
         ("suffix", (None,), "suffixes are not served"),
-        ("stop", (None, "", ()), "stop strings are not served; give stop_token_ids"),
         ("frequency_penalty", (None, 0.0), "penalties are not served; give 0"),
         ("presence_penalty", (None, 0.0), "penalties are not served; give 0"),
         ("repetition_penalty", (None, 1.0), "penalties are not served; give 1"),
@@ -235,12 +234,12 @@ class ChatBody(_Strict):
     lora_path: Any = None
     min_p: float | None = 0.0
     min_tokens: int | None = 0
+    include_stop_str_in_output: bool = False
 
     NESTED: ClassVar[tuple[str, ...]] = ("stream_options",)
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         ("lora_path", (None,), _NO_LORA),
         ("n", (None, 1), "one choice per chat is served; send the chat n times"),
-        ("stop", (None, "", ()), "stop strings are not served; give stop_token_ids"),
         ("frequency_penalty", (None, 0.0), "penalties are not served; give 0"),
         ("presence_penalty", (None, 0.0), "penalties are not served; give 0"),
         ("repetition_penalty", (None, 1.0), "penalties are not served; give 1"),
@@ -287,8 +286,7 @@ class SglangSampling(_Strict):
     logit_bias: dict[str, float] | None = None
 
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
-        ("stop", (None, "", ()), "stop strings are not served; give stop_token_ids"),
-        ("stop_regex", (None, "", ()), "stop patterns are not served; give stop_token_ids"),
+        ("stop_regex", (None, "", ()), "stop patterns are not served; give stop strings (stop) or stop_token_ids"),
         ("n", (1,), "only one output per prompt is served; send the prompt n times"),
         ("min_p", (0.0,), "min_p is not served; give 0"),
         ("frequency_penalty", (0.0,), "penalties are not served; give 0"),

@@ -3,7 +3,8 @@
 ``/generate`` takes ``input_ids`` (a list of token ids, or a list of such lists for a batch) or
 ``text`` (with a tokenizer), ``sampling_params`` (one for all prompts or one per prompt:
 ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
-``stop_token_ids``, ``ignore_eos``), ``stream``, ``rid`` (ids for ``/abort_request``; one per
+``stop_token_ids``, ``ignore_eos``, ``stop`` strings with a tokenizer (``no_stop_trim``: the text keeps the
+matched one)), ``stream``, ``rid`` (ids for ``/abort_request``; one per
 prompt in a batch), ``cache_salt`` and SGLang's ``extra_key`` (together, the prefix-cache namespace);
 every other field of SGLang's ``GenerateReqInput`` is accepted at its neutral value (``schemas``).
 Every answer (each element of a batch) has ``text``,
@@ -11,8 +12,8 @@ Every answer (each element of a batch) has ``text``,
 ``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
 ``cached_tokens_details`` {``device``, ``host``, ``storage``}, from the PD server ``disaggregated``
 {``attempts``, ``retractions``, ``transfer_bytes``, ``timing``}}; ``finish_reason`` is SGLang's object
-(``{"type": "length", "length": n}``, ``{"type": "stop", "matched": id}``, ``{"type": "abort",
-"message": ...}``) and null in a stream until the prompt ended. A stream sends, as SGLang does by
+(``{"type": "length", "length": n}``, ``{"type": "stop", "matched": id}`` (a stop string's: the string),
+``{"type": "abort", "message": ...}``) and null in a stream until the prompt ended. A stream sends, as SGLang does by
 default, the cumulative ``output_ids`` and ``text`` of one prompt per chunk (``index``: its place in
 a batch), then ``data: [DONE]``.
 
@@ -55,7 +56,8 @@ from hybridkv.server.schemas import (
 )
 from hybridkv.server.sse import EventStream, sse
 from hybridkv.server.state import ServerState
-from hybridkv.server.text import TextStream, TextTokenizer
+from hybridkv.server.stops import Stops, stop_strings
+from hybridkv.server.text import TextTokenizer
 
 
 def _fields(where: str) -> dict[str, str]:
@@ -101,6 +103,11 @@ def _params(sp: SglangSampling, where: str, logprobs: tuple[int | None, int | No
     )
 
 
+def _stops(sp: SglangSampling, where: str, tokenizer: TextTokenizer | None) -> Stops | None:
+    """``stop`` (``no_stop_trim``: the matched string stays in the text)."""
+    return stop_strings(sp.stop, sp.no_stop_trim, f"{where}.stop", tokenizer)
+
+
 def _rids(state: ServerState, rid: str | list[str] | None, n: int, batch: bool) -> list[str]:
     if rid is None:
         return [state.new_id() for _ in range(n)]
@@ -119,12 +126,14 @@ def _finish_reason(p: Progress) -> dict[str, Any] | None:
         return None
     if f.finish_reason is FinishReason.LENGTH:
         return {"type": "length", "length": len(p.tokens)}
+    if f.stop_string is not None:
+        return {"type": "stop", "matched": f.stop_string}
     if f.finish_reason in (FinishReason.EOS, FinishReason.STOP):
         return {"type": "stop", "matched": p.tokens[-1] if p.tokens else None}
     return {"type": str(f.finish_reason), "message": f.error}
 
 
-def _answer(gen: Generation, i: int, rid: str, text: TextStream, logprobs: _Logprobs | None = None) -> dict[str, Any]:
+def _answer(gen: Generation, i: int, rid: str, logprobs: _Logprobs | None = None) -> dict[str, Any]:
     p = gen.progress[i]
     f = p.finished
     meta = {
@@ -141,7 +150,7 @@ def _answer(gen: Generation, i: int, rid: str, text: TextStream, logprobs: _Logp
         meta["disaggregated"] = f.disaggregated
     if logprobs is not None and logprobs.asked[i]:
         meta.update(logprobs.meta(gen, i))
-    return {"text": text.text, "output_ids": p.tokens, "meta_info": meta}
+    return {"text": p.text, "output_ids": p.tokens, "meta_info": meta}
 
 
 class _Logprobs:
@@ -184,8 +193,10 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
         if len(sp) != len(prompts):
             raise ApiError(400, f"sampling_params: {len(sp)} given for {len(prompts)} prompts", "sampling_params")
         params = [_params(s, f"sampling_params[{i}]", ask) for i, (s, ask) in enumerate(zip(sp, asks, strict=True))]
+        stops = [_stops(s, f"sampling_params[{i}]", state.config.tokenizer) for i, s in enumerate(sp)]
     else:
         params = [_params(sp or SglangSampling(), "sampling_params", ask) for ask in asks]
+        stops = [_stops(sp or SglangSampling(), "sampling_params", state.config.tokenizer)] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         where = f"sampling_params[{i}]" if isinstance(sp, list) else "sampling_params"
         check_fits(prompt, p, state.info, f"{field}[{i}]" if batch else field, f"{where}.max_new_tokens")
@@ -195,29 +206,26 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     logprobs = _Logprobs(body, state.config.tokenizer, len(prompts)) if asked else None
     ids = {r: [i] for i, r in enumerate(rids)}
     salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start(prompts, params, salt, ids, fields, batch, body.stream)
-    texts = [TextStream(state.config.tokenizer) for _ in prompts]
+    gen = state.start(prompts, params, salt, ids, fields, batch, body.stream, stops)
     if body.stream:
 
         def encode(updates: list[Update]) -> list[bytes]:
             events = []
             for up in updates:
-                texts[up.index].push(up.new_tokens, final=up.finished is not None)
-                chunk = _answer(gen, up.index, rids[up.index], texts[up.index], logprobs)
+                chunk = _answer(gen, up.index, rids[up.index], logprobs)
                 if batch:
                     chunk["index"] = up.index
                 events.append(sse(chunk))
             return events
 
         return EventStream(state, gen, rids, receive, encode)
-    async for updates in state.drive(receive, gen, rids):
-        for up in updates:
-            texts[up.index].push(up.new_tokens, final=up.finished is not None)
+    async for _ in state.drive(receive, gen, rids):
+        pass
     for i, got in enumerate(gen.progress):
         if got.finished is not None and got.finished.finish_reason is FinishReason.ERROR:
             where = f"{field}[{i}]" if batch else field
             raise ApiError(500, f"{where}: the engine failed this request: {got.finished.error}", where)
-    answers = [_answer(gen, i, rid, texts[i], logprobs) for i, rid in enumerate(rids)]
+    answers = [_answer(gen, i, rid, logprobs) for i, rid in enumerate(rids)]
     return Json(answers if batch else answers[0])
 
 

@@ -31,6 +31,7 @@ from hybridkv.server.connections import ConnectionCounters, ConnectionLimits
 from hybridkv.server.generation import Generation, LoopPost, PromptRefused, Update
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.schemas import ApiError, named
+from hybridkv.server.stops import Stops
 from hybridkv.server.text import TextTokenizer
 
 MIB = 1 << 20
@@ -128,9 +129,10 @@ class ServerState:
         fields: dict[str, str],
         batch: bool,
         stream: bool,
+        stops: Sequence[Stops | None] = (),
     ) -> Generation:
         """Submit ``prompts`` as one generation registered under ``ids`` (id -> prompt indices); ``stream``:
-        the handler wants each token as it comes."""
+        the handler wants each token as it comes; ``stops``: each prompt's stop strings (``stop_strings``)."""
         taken = [i for i in ids if i in self.open]
         if taken:
             raise ApiError(400, f"rid: {taken[0]!r} is the id of an open request; give another", "rid")
@@ -138,8 +140,11 @@ class ServerState:
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:  # not ``connect_loop``ed on this loop
             self._post = LoopPost(loop)
-        direct = stream and self.config.direct_writes
-        gen = Generation(self.backend, self._post, prompts, stream, self.config.stream_interval, direct)
+        config = self.config
+        direct = stream and config.direct_writes
+        gen = Generation(
+            self.backend, self._post, prompts, stream, config.stream_interval, direct, config.tokenizer, stops
+        )
         try:
             gen.start(params, salt)
         except PromptRefused as exc:
