@@ -78,6 +78,7 @@ BAD_INPUTS += [
     (["bench", "pd", "--model", "tiny-nope"], "not a tiny random model"),
     (["bench", "pd", "--prefill-tp", "0"], "--prefill-tp"),
     (["bench", "pd", "--transport", "nixl"], "unknown transport 'nixl'"),
+    (["bench", "pd", "--dtype", "float64"], "not a dtype this engine serves"),
     (["demo", "--requests", "2"], "--requests"),
     (["demo", "--requests", "7"], "--requests"),
     (["demo", "--fault", "bogus"], "unknown fault 'bogus'; choose one of kill-prefill"),
