@@ -35,6 +35,7 @@ BAD_INPUTS += [
     (["bench", "engine", "--model", "tiny-llama"], "unknown models ['tiny-llama']"),
     (["bench", "engine", "--requests", "0"], "--requests"),
     (["bench", "engine", "--widen", "0"], "--widen"),
+    (["bench", "engine", "--dtype", "int8"], "not a dtype this engine serves"),
     (["bench", "engine", "--widen", "65"], "--widen"),
     (["bench", "engine", "--block-tokens", "0"], "--block-tokens"),
 ]

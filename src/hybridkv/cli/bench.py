@@ -212,6 +212,7 @@ def bench_engine(
         help="Multiply every width of the tiny models (hidden, MLP, head and state dims; 2: hidden 128); "
         "head counts, layers, experts and windows stay.",
     ),
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers (one by one, left-padded
@@ -237,6 +238,7 @@ def bench_engine(
                 chunk_size,
                 device=device,
                 widen=widen,
+                dtype=dtype,
             )
             for m in models
         ),
@@ -260,6 +262,7 @@ def bench_engine(
         sizing.max_context,
         device,
         widen,
+        dtype,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -269,7 +272,7 @@ def bench_engine(
     cols = ("contender", "wall s", "CPU s", "tok/s", "tok/CPU s", "computed", "CPU µs/computed", "hybridkv share")
     for r in report["models"]:
         table = Table(
-            title=f"{r['model']}{_widened(report['widen'])}: {report['requests']} requests, prompts "
+            title=f"{r['model']}{_widened(report['widen'])} {report['dtype']}: {report['requests']} requests, prompts "
             f"{lengths['min']}-{lengths['max']} tokens (mean {lengths['mean']}), {report['max_new_tokens']} new each, "
             f"best of {report['rounds']} alternating rounds, 1 torch thread, HF attention {r['hf_attention']}"
         )
