@@ -13,9 +13,10 @@ objects, exact). Stage 1's stored objects damaged through the store's API: stage
 0 falls back with it, the request recomputes (exact). The router's master SIGKILLed with a prefix
 in the store: every rank's store tier goes down, requests go on from device and host memory
 (exact, in bounded time), write-backs to the store are refused; the master restarted on its ports,
-every rank's store comes back and serves a prefix again; the same once more over HTTP (``PDBackend`` under
-``HttpServer``, as ``serve --disaggregated`` runs it), with ``/metrics`` saying down, then up. Bad tier options of ``serve-pd``: one error
-line. The router's master, the workers: nothing outlives the servers.
+every rank's store comes back and serves a prefix again; the same once more over HTTP (``PDBackend``
+under ``HttpServer``, as ``serve --disaggregated`` runs it), with ``/metrics`` saying down, then up.
+Bad tier options of ``serve-pd``: one error line. The router's master, the workers: nothing outlives
+the servers.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.tiers import KeySpace, MooncakeStoreTier
 from hybridkv.tiers.framing import HEADER
+from tests.engine.disagg.test_disagg import gone
 from tests.engine.harness import hf_model, hf_reference, prompt
-from tests.engine.parallel.test_disagg import gone
 
 NAME = "tiny-qwen3-next"
 PAGE, CHUNK, NEW = 4, 8, 5
