@@ -1,0 +1,162 @@
+"""Run by a vLLM venv's python (not by pytest): HybridKVConnector end to end on a tiny model.
+
+    python tests/integrations/vllm_connector_driver.py --model llama|gemma3 --out result.json
+
+1. builds a tiny random model (fp32, seeded) with ``save_pretrained`` in a temporary directory;
+2. serves it with ``vllm.LLM`` (prefix caching, greedy) *without* a connector: the reference tokens;
+3. serves it again with ``HybridKVConnector``: a shared-prefix workload, ``reset_prefix_cache()``, the
+   workload again (hits come from the connector), then every stored object damaged,
+   ``reset_prefix_cache()`` and the workload a third time (loads fail, vLLM recomputes);
+4. writes the tokens, timings and the connector's counters as JSON for the test to judge.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the driver can read
+the scheduler's and the worker's connector objects; they still talk only through vLLM's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+BLOCK = 32
+VOCAB = 512
+
+
+def build_model(kind: str, directory: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if kind == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        config: Any = Gemma3TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=512,
+        )
+    else:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=512,
+        )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a random model's logits are flat; sharpen them so greedy ties cannot flip
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(directory)
+
+
+def workload() -> list[list[int]]:
+    import random
+
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(5 * BLOCK + 3)]
+    return [prefix + [rng.randrange(1, VOCAB) for _ in range(5 + 3 * i)] for i in range(4)]
+
+
+def make_llm(model_dir: str, connector: bool) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": model_dir,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "block_size": BLOCK,
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "skip_tokenizer_init": True,
+        "seed": 0,
+    }
+    if connector:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "HybridKVConnector",
+            "kv_connector_module_path": "hybridkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"host_bytes": "256MiB"},
+        }
+    return LLM(**kwargs)
+
+
+def generate(llm: Any, prompts: list[list[int]]) -> tuple[list[list[int]], list[int], float]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    took = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    cached = [int(o.num_cached_tokens or 0) for o in outs]
+    return tokens, cached, took
+
+
+def connectors(llm: Any) -> tuple[Any, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return scheduler, get_kv_transfer_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["llama", "gemma3"], default="llama")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    result: dict[str, Any] = {"model": args.model}
+    prompts = workload()
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_model(args.model, model_dir)
+        llm = make_llm(model_dir, connector=False)
+        result["reference"], _, result["reference_s"] = generate(llm, prompts)
+        llm.reset_prefix_cache()
+        _, _, result["reference_cold_s"] = generate(llm, prompts)  # the same work, warmed up
+        del llm
+        gc.collect()
+
+        llm = make_llm(model_dir, connector=True)
+        sched, worker = connectors(llm)
+        result["groups"] = [g.kind.value for g in sched.groups]
+        result["pass1"], result["pass1_cached"], result["pass1_s"] = generate(llm, prompts)
+        result["after_pass1"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}
+        llm.reset_prefix_cache()
+        result["pass2"], result["pass2_cached"], result["pass2_s"] = generate(llm, prompts)
+        result["after_pass2"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}
+        result["damaged"] = worker.damage_stored()
+        llm.reset_prefix_cache()
+        result["pass3"], result["pass3_cached"], result["pass3_s"] = generate(llm, prompts)
+        result["after_pass3"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}
+        del llm
+        gc.collect()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
