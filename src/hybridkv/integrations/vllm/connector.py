@@ -22,13 +22,18 @@ group holds every block and every sliding-window group holds the blocks of its w
 with a group this connector cannot restore (Mamba / GDN state, chunked-local, different block
 sizes) gets no hits and no saves: it is never answered a hit a group cannot restore.
 
-Loads are synchronous (before the step's forward, ``start_load_kv``), into exactly the non-null
-blocks vLLM allocated for the hit (for a window group vLLM allocates only the window: the null
-block stands for the rest). A miss on load (a checksum, size or header mismatch, or an object the
-LRU evicted after the scheduler planned the load) is never data in a request: the block ids go
-to ``get_block_ids_with_load_errors`` and vLLM recomputes them; ``load_errors`` counts them by
-reason. Run vLLM with ``kv_load_failure_policy="recompute"`` (its default, ``"fail"``, fails such
-requests instead).
+Loads are announced to vLLM as asynchronous (``get_num_new_matched_tokens`` answers ``True``): the
+request waits one step (``WAITING_FOR_REMOTE_KVS``) while the worker copies the objects into exactly
+the non-null blocks vLLM allocated for the hit (for a window group vLLM allocates only the window;
+the null block stands for the rest), then reports it in ``finished_recving``. The copy itself is
+done at once in ``start_load_kv``. Asynchronous because vLLM 0.32 takes load failures of a model
+with several KV cache groups only as failed asynchronous receives. A miss on load (a checksum,
+size or header mismatch, or an object the LRU evicted after the scheduler planned the load) is
+never data in a request: the damaged object leaves the tier, ``load_errors`` counts it by reason,
+and vLLM recomputes: with one group the failed block ids go to ``get_block_ids_with_load_errors``
+(the valid blocks before them are kept); with several the request goes to ``failed_recving`` and
+is recomputed from its local hit. The recomputed blocks are saved again. Run vLLM with
+``kv_load_failure_policy="recompute"`` (its default, ``"fail"``, fails such requests instead).
 
 Invariants:
 - The scheduler's index is a subset of what the worker holds, up to evictions the worker has
@@ -63,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -104,7 +110,7 @@ class HybridKVMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: blocks to load before the forward, to save after it."""
 
     loads: dict[str, list[Block]] = field(default_factory=dict)
-    saves: list[Block] = field(default_factory=list)
+    saves: dict[str, list[Block]] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,11 +119,13 @@ class HybridKVWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: list[tuple[int, int]] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
-    """Refused puts and LRU evictions: no longer (or never) held."""
+    """Refused puts, LRU evictions, failed loads (removed) and unsaved blocks: not held."""
+    failed: list[tuple[int, int]] = field(default_factory=list)
+    """Blocks whose load failed: vLLM recomputes them, and they are saved again then."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HybridKVWorkerMeta)
-        return HybridKVWorkerMeta(self.stored + other.stored, self.dropped + other.dropped)
+        return HybridKVWorkerMeta(self.stored + other.stored, self.dropped + other.dropped, self.failed + other.failed)
 
 
 def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
@@ -158,7 +166,6 @@ class _Req:
     """Blocks ``[0, saved_blocks)`` were saved, loaded or found held: nothing to save."""
     local: int = 0
     """The local (vLLM prefix cache) hit the last lookup was told: where a load starts."""
-    load: list[Block] = field(default_factory=list)
 
 
 def _namespace(request: Request) -> tuple[Any, ...]:
@@ -207,6 +214,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         # scheduler side
         self._reqs: dict[str, _Req] = {}
+        self._loads: dict[str, list[Block]] = {}
+        """Loads planned by update_state_after_alloc, sent with the next metadata."""
         self._null_block = 0
         # worker side
         self.tier: HostTier | None = None
@@ -216,6 +225,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._stored: list[tuple[int, int]] = []
         self._dropped: list[tuple[int, int]] = []
         self._failed_blocks: set[int] = set()
+        self._recved: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._failed_reqs: set[str] = set()
+        self._failed: list[tuple[int, int]] = []
         if role == KVConnectorRole.WORKER and not self.why_off:
             self.tier = HostTier(extra.get("host_bytes", "1GiB"), on_evict=self._on_evict)
 
@@ -279,29 +292,43 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, HybridKVMetadata)
         if self.tier is None or not meta.loads:
             return
-        for blocks in meta.loads.values():
+        self._failed_reqs = set()
+        for req_id, blocks in meta.loads.items():
             by_group: dict[int, list[Block]] = {}
             for b in blocks:
                 by_group.setdefault(b[0], []).append(b)
             for group, items in by_group.items():
                 keys = [block_key(self.prefixes[group], name) for _, _, name in items]
                 got = self.tier.get(keys, [self._payload_bytes[group]] * len(keys))
-                good_ids, good_rows = [], []
-                for (_, bid, _), payload in zip(items, got, strict=True):
+                good_ids, good_rows, bad = [], [], []
+                for key, (_, bid, name), payload in zip(keys, items, got, strict=True):
                     if isinstance(payload, MissReason):
                         self._failed_blocks.add(bid)
+                        self._failed_reqs.add(req_id)
+                        self._dropped.append((group, name))
+                        self._failed.append((group, name))
+                        bad.append(key)
                         self.load_errors[payload.value] += 1
                         logger.warning("HybridKVConnector: block %d of group %d not loaded (%s)", bid, group, payload)
                     else:
                         good_ids.append(bid)
                         good_rows.append(payload)
+                if bad:
+                    self.tier.evict(bad)  # a damaged object never answers again; the recompute saves it anew
                 if good_ids:
                     ids = torch.tensor(good_ids, dtype=torch.long)
                     self._scatter(group, ids, torch.stack(good_rows))
                     self.stats["loaded_blocks"] += len(good_ids)
+            if req_id in self._failed_reqs and len(self.groups) > 1:
+                # vLLM maps failed block ids back to requests only with one KV cache group (block ids
+                # are per group): with more, the request's load fails whole and vLLM recomputes it
+                # from its local hit
+                self._failed_blocks.difference_update(bid for _, bid, _ in blocks)
+                self._failed_recv.add(req_id)
+            self._recved.add(req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole and synchronous (start_load_kv)
+        return  # loads are whole (start_load_kv)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -314,8 +341,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
         by_group: dict[int, list[Block]] = {}
-        for b in meta.saves:
-            by_group.setdefault(b[0], []).append(b)
+        for req_id, blocks in meta.saves.items():
+            if req_id in self._failed_reqs:
+                # this step's forward read blocks whose load failed: what it computed is not saved
+                self._dropped.extend((g, name) for g, _, name in blocks)
+                self.stats["unsaved_after_load_error"] += len(blocks)
+                continue
+            for b in blocks:
+                by_group.setdefault(b[0], []).append(b)
+        self._failed_reqs = set()
         for group, items in by_group.items():
             ids = torch.tensor([bid for _, bid, _ in items], dtype=torch.long)
             rows = self._gather(group, ids)
@@ -329,15 +363,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._dropped.append((group, name))
             self.stats["saved_blocks"] += sum(s is PutStatus.STORED for s in status)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._recved = self._recved, set()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        failed, self._failed_recv = self._failed_recv, set()
+        _, done = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(done or ()), failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._stored and not self._dropped:
+        if not self._stored and not self._dropped and not self._failed:
             return None
-        out = HybridKVWorkerMeta(self._stored, self._dropped)
-        self._stored, self._dropped = [], []
+        out = HybridKVWorkerMeta(self._stored, self._dropped, self._failed)
+        self._stored, self._dropped, self._failed = [], [], []
         return out
 
     def damage_stored(self, count: int | None = None) -> int:
@@ -389,14 +432,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self.index.hit_blocks(names) * bs
         st.local = num_computed_tokens
         self.stats["queries"] += 1
-        return max(0, hit - num_computed_tokens), False
+        ext = max(0, hit - num_computed_tokens)
+        return ext, ext > 0  # "asynchronous": vLLM takes load failures of hybrid models only so
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.why_off or not _restorable(request):
             return
         st = self._reqs.setdefault(request.request_id, _Req(request))
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        st.load = []
+        self._loads.pop(request.request_id, None)
         bs = self.block_size
         if num_external_tokens <= 0:
             st.saved_blocks = 0  # build_connector_meta starts it at the step's computed tokens
@@ -408,7 +452,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             ids = st.block_ids[g]
             for i in range(start, min(end, len(ids))):
                 if ids[i] != self._null_block:
-                    st.load.append((g, ids[i], names[i]))
+                    self._loads.setdefault(request.request_id, []).append((g, ids[i], names[i]))
         st.saved_blocks = end
         self.stats["hit_tokens"] += num_external_tokens
         self.stats["hits"] += 1
@@ -417,6 +461,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = HybridKVMetadata()
         if self.why_off:
             return meta
+        meta.loads, self._loads = self._loads, {}
         planned: set[tuple[int, int]] = set()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -440,10 +485,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def _plan(self, st: _Req, computed: int, meta: HybridKVMetadata, planned: set[tuple[int, int]]) -> None:
-        """Loads pending for ``st`` and saves of the blocks this step completes."""
-        if st.load:
-            meta.loads[st.request.request_id] = st.load
-            st.load = []
+        """Saves of the blocks this step completes."""
         full = min(computed, len(st.request.all_token_ids)) // self.block_size
         if full <= st.saved_blocks:
             return
@@ -456,7 +498,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 if ids[i] == self._null_block or key in held or key in planned:
                     continue
                 planned.add(key)
-                meta.saves.append((g, ids[i], names[i]))
+                meta.saves.setdefault(st.request.request_id, []).append((g, ids[i], names[i]))
         st.saved_blocks = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -464,15 +506,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(report, HybridKVWorkerMeta):
             self.index.discard(report.dropped)
             self.index.add(report.stored)
+            if report.failed:  # vLLM recomputes from the first failed block: saved again then
+                # (only failed loads: an evicted block of a window group may be reused by now)
+                gone = {name for _, name in report.failed}
+                for st in self._reqs.values():
+                    first = next((i for i in range(min(st.saved_blocks, len(st.names))) if st.names[i] in gone), None)
+                    if first is not None:
+                        st.saved_blocks = first
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         return False, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         return False, None
 
     def reset_cache(self) -> bool | None:
