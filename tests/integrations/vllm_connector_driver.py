@@ -29,11 +29,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-BLOCK = 32
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 VOCAB = 512
+WINDOW = 64
+MAX_LEN = 4096
 
 
-def build_model(kind: str, directory: str) -> None:
+def build_model(kind: str, directory: str, hidden: int = 64, layers: int = 2) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -42,28 +44,28 @@ def build_model(kind: str, directory: str) -> None:
 
         config: Any = Gemma3TextConfig(
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=32,
-            sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=512,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            max_position_embeddings=MAX_LEN,
         )
     else:
         from transformers import LlamaConfig
 
         config = LlamaConfig(
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=32,
-            max_position_embeddings=512,
+            max_position_embeddings=MAX_LEN,
         )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -73,11 +75,11 @@ def build_model(kind: str, directory: str) -> None:
     model.save_pretrained(directory)
 
 
-def workload() -> list[list[int]]:
+def workload(prefix_blocks: int) -> list[list[int]]:
     import random
 
     rng = random.Random(7)
-    prefix = [rng.randrange(1, VOCAB) for _ in range(5 * BLOCK + 3)]
+    prefix = [rng.randrange(1, VOCAB) for _ in range(prefix_blocks * BLOCK + 3)]
     return [prefix + [rng.randrange(1, VOCAB) for _ in range(5 + 3 * i)] for i in range(4)]
 
 
@@ -90,7 +92,7 @@ def make_llm(model_dir: str, connector: bool) -> Any:
         "enforce_eager": True,
         "enable_prefix_caching": True,
         "block_size": BLOCK,
-        "max_model_len": 512,
+        "max_model_len": MAX_LEN,
         "max_num_seqs": 8,
         "skip_tokenizer_init": True,
         "seed": 0,
@@ -129,11 +131,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["llama", "gemma3"], default="llama")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--prefix-blocks", type=int, default=5, help="whole blocks of the shared prefix")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
-    result: dict[str, Any] = {"model": args.model}
-    prompts = workload()
+    result: dict[str, Any] = {"model": args.model, "prefix_blocks": args.prefix_blocks, "hidden": args.hidden}
+    result["layers"] = args.layers
+    prompts = workload(args.prefix_blocks)
     with tempfile.TemporaryDirectory() as model_dir:
-        build_model(args.model, model_dir)
+        build_model(args.model, model_dir, args.hidden, args.layers)
         llm = make_llm(model_dir, connector=False)
         result["reference"], _, result["reference_s"] = generate(llm, prompts)
         llm.reset_prefix_cache()
@@ -146,6 +152,15 @@ def main() -> None:
         result["groups"] = [g.kind.value for g in sched.groups]
         result["pass1"], result["pass1_cached"], result["pass1_s"] = generate(llm, prompts)
         result["after_pass1"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}
+        # a window group needs only its window: drop every window-group block before the last window
+        # of the shared prefix; the hit must stay whole
+        from hybridkv.integrations.vllm.layout import GroupKind, block_names
+
+        names = block_names(prompts[0][: args.prefix_blocks * BLOCK], BLOCK, ("vllm", None, None))
+        first_needed = max(0, len(names) * BLOCK - WINDOW) // BLOCK
+        drop = [(g.index, n) for g in sched.groups if g.kind is GroupKind.WINDOW for n in names[:first_needed]]
+        result["window_dropped"] = worker.evict_blocks(drop)
+        llm.generate([{"prompt_token_ids": [1]}], use_tqdm=False)  # one step carries the report to the scheduler
         llm.reset_prefix_cache()
         result["pass2"], result["pass2_cached"], result["pass2_s"] = generate(llm, prompts)
         result["after_pass2"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}

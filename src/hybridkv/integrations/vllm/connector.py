@@ -396,6 +396,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 raw[HEADER] ^= 0xFF
         return len(keys)
 
+    def evict_blocks(self, pairs: list[tuple[int, int]]) -> int:
+        """Worker side: remove the ``(group, block name)`` objects (an operator's purge, a test's
+        proof that a window group needs only its window); reported to the scheduler as dropped."""
+        if self.tier is None:
+            return 0
+        n = self.tier.evict([block_key(self.prefixes[g], name) for g, name in pairs])
+        self._dropped.extend(pairs)
+        return n
+
     def worker_report(self) -> dict[str, Any]:
         return {
             "stats": dict(self.stats),
