@@ -39,9 +39,9 @@ def vllm_python() -> tuple[Path | None, str]:
     return python, ""
 
 
-def run_driver(python: Path, model: str, out: Path) -> dict[str, Any]:
+def run_driver(python: Path, model: str, out: Path, *extra: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [str(python), str(DRIVER), "--model", model, "--out", str(out)]
+    cmd = [str(python), str(DRIVER), "--model", model, "--out", str(out), *extra]
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -57,6 +57,16 @@ def run_driver(python: Path, model: str, out: Path) -> dict[str, Any]:
         tail = log.read_text()[-3000:]
         pytest.fail(f"vLLM driver ({model}) {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
     return json.loads(out.read_text())
+
+
+def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:
+    """vLLM's default layout: the engine core (scheduler and worker) in a child process."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    r = run_driver(python, "gemma3", tmp_path / "mp.json", "--mp")
+    assert r["pass1"] == r["reference"] and r["pass2"] == r["reference"]
+    assert r["pass2_cached"][0] == r["prefix_blocks"] * 32  # after the reset: the connector's hit
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma3"])

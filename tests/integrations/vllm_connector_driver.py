@@ -12,6 +12,8 @@
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the driver can read
 the scheduler's and the worker's connector objects; they still talk only through vLLM's metadata.
+With ``--mp`` it runs in vLLM's own child process (the default layout): passes 1 and 2 only, judged by
+tokens and by the first request's cached tokens after the reset (external hits only).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import argparse
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# --mp: vLLM's default process layout (the engine core in a child process); no introspection then
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if "--mp" in sys.argv else "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -134,6 +138,7 @@ def main() -> None:
     ap.add_argument("--prefix-blocks", type=int, default=5, help="whole blocks of the shared prefix")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--mp", action="store_true", help="engine core in its own process: tokens and hits only")
     args = ap.parse_args()
     result: dict[str, Any] = {"model": args.model, "prefix_blocks": args.prefix_blocks, "hidden": args.hidden}
     result["layers"] = args.layers
@@ -148,6 +153,15 @@ def main() -> None:
         gc.collect()
 
         llm = make_llm(model_dir, connector=True)
+        if args.mp:
+            result["pass1"], result["pass1_cached"], result["pass1_s"] = generate(llm, prompts)
+            llm.reset_prefix_cache()
+            result["pass2"], result["pass2_cached"], result["pass2_s"] = generate(llm, prompts)
+            del llm
+            gc.collect()
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            return
         sched, worker = connectors(llm)
         result["groups"] = [g.kind.value for g in sched.groups]
         result["pass1"], result["pass1_cached"], result["pass1_s"] = generate(llm, prompts)
