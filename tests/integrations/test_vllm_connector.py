@@ -59,6 +59,17 @@ def run_driver(python: Path, model: str, out: Path, *extra: str) -> dict[str, An
     return json.loads(out.read_text())
 
 
+def test_a_recurrent_group_gets_no_hits(tmp_path: Path) -> None:
+    """vLLM's MambaSpec group is unsupported: no hit even with every block of every group held."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    r = run_driver(python, "llama", tmp_path / "spec.json", "--spec-check")
+    assert r["kinds"] == ["full", "window", "unsupported"]
+    assert "MambaSpec" in r["why"]
+    assert r["hit_blocks"] == 0 and r["hit_blocks_without_state_group"] == 8
+
+
 def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:
     """vLLM's default layout: the engine core (scheduler and worker) in a child process."""
     python, why = vllm_python()

@@ -131,6 +131,34 @@ def connectors(llm: Any) -> tuple[Any, Any]:
     return scheduler, get_kv_transfer_group()
 
 
+def spec_check() -> dict[str, Any]:
+    """vLLM's own spec classes through the connector's group rule: full + window + Mamba groups, every
+    block of every group held, and still no hit (the recurrent group cannot be restored)."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+    from hybridkv.integrations.vllm.connector import group_layouts
+    from hybridkv.integrations.vllm.layout import BlockIndex
+
+    f32 = torch.float32
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=f32)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=f32, sliding_window=WINDOW)
+    state = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(f32,))
+    specs = [("full.0", full), ("swa.1", swa), ("mamba.2", state)]
+    groups = group_layouts(SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([n], sp) for n, sp in specs]))
+    index, names = BlockIndex(groups), list(range(1, 9))
+    index.add((g.index, n) for g in groups for n in names)
+    without_state = BlockIndex(groups[:2], set(index.held))
+    return {
+        "kinds": [g.kind.value for g in groups],
+        "why": index.supported,
+        "hit_blocks": index.hit_blocks(names),
+        "hit_blocks_without_state_group": without_state.hit_blocks(names),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["llama", "gemma3"], default="llama")
@@ -139,7 +167,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mp", action="store_true", help="engine core in its own process: tokens and hits only")
+    ap.add_argument("--spec-check", action="store_true", help="the group rule on vLLM's spec classes only")
     args = ap.parse_args()
+    if args.spec_check:
+        with open(args.out, "w") as f:
+            json.dump(spec_check(), f, indent=1)
+        return
     result: dict[str, Any] = {"model": args.model, "prefix_blocks": args.prefix_blocks, "hidden": args.hidden}
     result["layers"] = args.layers
     prompts = workload(args.prefix_blocks)
