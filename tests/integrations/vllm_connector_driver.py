@@ -87,7 +87,7 @@ def workload(prefix_blocks: int) -> list[list[int]]:
     return [prefix + [rng.randrange(1, VOCAB) for _ in range(5 + 3 * i)] for i in range(4)]
 
 
-def make_llm(model_dir: str, connector: bool) -> Any:
+def make_llm(model_dir: str, connector: bool, chunk: int) -> Any:
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -98,6 +98,7 @@ def make_llm(model_dir: str, connector: bool) -> Any:
         "block_size": BLOCK,
         "max_model_len": MAX_LEN,
         "max_num_seqs": 8,
+        "max_num_batched_tokens": chunk,  # small: prompts are prefilled in chunks, blocks saved across steps
         "skip_tokenizer_init": True,
         "seed": 0,
     }
@@ -166,6 +167,7 @@ def main() -> None:
     ap.add_argument("--prefix-blocks", type=int, default=5, help="whole blocks of the shared prefix")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=96, help="vLLM's max_num_batched_tokens (chunked prefill)")
     ap.add_argument("--mp", action="store_true", help="engine core in its own process: tokens and hits only")
     ap.add_argument("--spec-check", action="store_true", help="the group rule on vLLM's spec classes only")
     args = ap.parse_args()
@@ -174,18 +176,18 @@ def main() -> None:
             json.dump(spec_check(), f, indent=1)
         return
     result: dict[str, Any] = {"model": args.model, "prefix_blocks": args.prefix_blocks, "hidden": args.hidden}
-    result["layers"] = args.layers
+    result["layers"], result["chunk"] = args.layers, args.chunk
     prompts = workload(args.prefix_blocks)
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(args.model, model_dir, args.hidden, args.layers)
-        llm = make_llm(model_dir, connector=False)
+        llm = make_llm(model_dir, connector=False, chunk=args.chunk)
         result["reference"], _, result["reference_s"] = generate(llm, prompts)
         llm.reset_prefix_cache()
         _, _, result["reference_cold_s"] = generate(llm, prompts)  # the same work, warmed up
         del llm
         gc.collect()
 
-        llm = make_llm(model_dir, connector=True)
+        llm = make_llm(model_dir, connector=True, chunk=args.chunk)
         if args.mp:
             result["pass1"], result["pass1_cached"], result["pass1_s"] = generate(llm, prompts)
             llm.reset_prefix_cache()
