@@ -70,6 +70,23 @@ def test_a_recurrent_group_gets_no_hits(tmp_path: Path) -> None:
     assert r["hit_blocks"] == 0 and r["hit_blocks_without_state_group"] == 8
 
 
+def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
+    """A host tier holding one prefix of two: the one held hits, the evicted one misses, no load error."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    # llama: one object is 2 layers x 32 tokens x 64 floats = 16 KiB + a 64-byte header; six fit
+    r = run_driver(python, "llama", tmp_path / "evict.json", "--evict-check", "--host-bytes", str(6 * (16384 + 64)))
+    for got, ref in (("a1", "ref_a"), ("b1", "ref_b"), ("a2", "ref_a"), ("b2", "ref_b")):
+        assert r[got] == r[ref], got
+    prefix = r["prefix_blocks"] * 32
+    assert r["b2_cached"][0] == prefix  # B's blocks are held: an external hit after the reset
+    assert r["a2_cached"][0] == 0  # A's first blocks were evicted, and the scheduler knew it
+    worker, sched = r["report"]["worker"], r["report"]["scheduler"]
+    assert worker["stats"]["evicted"] > 0 and worker["load_errors"] == {}
+    assert sched["held_blocks"] == worker["tier"]["objects"]  # the index is exactly what the tier holds
+
+
 def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:
     """vLLM's default layout: the engine core (scheduler and worker) in a child process."""
     python, why = vllm_python()
@@ -92,6 +109,9 @@ def test_connector_hits_after_reset_and_recovers_damage(model: str, tmp_path: Pa
     # pass 1 fills the host tier; pass 2 (after reset_prefix_cache) hits it
     assert r["pass1"] == ref
     assert r["pass2"] == ref
+    for n in (1, 2, 3, 4):  # the scheduler's index is exactly what the worker's tier holds
+        after = r[f"after_pass{n}"]
+        assert after["scheduler"]["held_blocks"] == after["worker"]["tier"]["objects"], n
     sched2 = r["after_pass2"]["scheduler"]["stats"]
     assert sched2.get("hit_tokens", 0) > 0, r["after_pass2"]
     prefix = r["prefix_blocks"] * 32

@@ -79,15 +79,15 @@ def build_model(kind: str, directory: str, hidden: int = 64, layers: int = 2) ->
     model.save_pretrained(directory)
 
 
-def workload(prefix_blocks: int) -> list[list[int]]:
+def workload(prefix_blocks: int, seed: int = 7) -> list[list[int]]:
     import random
 
-    rng = random.Random(7)
+    rng = random.Random(seed)
     prefix = [rng.randrange(1, VOCAB) for _ in range(prefix_blocks * BLOCK + 3)]
     return [prefix + [rng.randrange(1, VOCAB) for _ in range(5 + 3 * i)] for i in range(4)]
 
 
-def make_llm(model_dir: str, connector: bool, chunk: int) -> Any:
+def make_llm(model_dir: str, connector: bool, chunk: int, host_bytes: int | str = "256MiB") -> Any:
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -108,7 +108,7 @@ def make_llm(model_dir: str, connector: bool, chunk: int) -> Any:
             "kv_connector_module_path": "hybridkv.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"host_bytes": "256MiB"},
+            "kv_connector_extra_config": {"host_bytes": host_bytes},
         }
     return LLM(**kwargs)
 
@@ -160,6 +160,30 @@ def spec_check() -> dict[str, Any]:
     }
 
 
+def evict_check(model_dir: str, args: Any) -> dict[str, Any]:
+    """A host tier that holds one shared prefix of two: A then B fill it (B evicts most of A); after a
+    reset, B hits (its blocks are held) and A misses (the scheduler heard of A's evictions), with no
+    load error and the reference tokens."""
+    a, b = workload(args.prefix_blocks, 7), workload(args.prefix_blocks, 8)
+    result: dict[str, Any] = {}
+    llm = make_llm(model_dir, connector=False, chunk=args.chunk)
+    result["ref_a"], _, _ = generate(llm, a)
+    result["ref_b"], _, _ = generate(llm, b)
+    del llm
+    gc.collect()
+    llm = make_llm(model_dir, connector=True, chunk=args.chunk, host_bytes=args.host_bytes)
+    sched, worker = connectors(llm)
+    result["a1"], _, _ = generate(llm, a)
+    result["b1"], _, _ = generate(llm, b)
+    llm.reset_prefix_cache()
+    result["b2"], result["b2_cached"], _ = generate(llm, b)  # B first: A's recompute would evict it
+    result["a2"], result["a2_cached"], _ = generate(llm, a)
+    result["report"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}
+    del llm
+    gc.collect()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["llama", "gemma3"], default="llama")
@@ -170,6 +194,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=96, help="vLLM's max_num_batched_tokens (chunked prefill)")
     ap.add_argument("--mp", action="store_true", help="engine core in its own process: tokens and hits only")
     ap.add_argument("--spec-check", action="store_true", help="the group rule on vLLM's spec classes only")
+    ap.add_argument("--evict-check", action="store_true", help="a host tier too small for two prefixes")
+    ap.add_argument("--host-bytes", default="256MiB", help="the host tier's budget (kv_connector_extra_config)")
     args = ap.parse_args()
     if args.spec_check:
         with open(args.out, "w") as f:
@@ -180,6 +206,10 @@ def main() -> None:
     prompts = workload(args.prefix_blocks)
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(args.model, model_dir, args.hidden, args.layers)
+        if args.evict_check:
+            with open(args.out, "w") as f:
+                json.dump({**result, **evict_check(model_dir, args)}, f, indent=1)
+            return
         llm = make_llm(model_dir, connector=False, chunk=args.chunk)
         result["reference"], _, result["reference_s"] = generate(llm, prompts)
         llm.reset_prefix_cache()

