@@ -81,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.integrations.vllm.layout import (
     BlockIndex,
@@ -186,6 +187,8 @@ def _restorable(request: Request) -> bool:
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over hybridkv's host tier (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST  # vLLM's metrics label these hits as host memory
 
     @property
     def requires_kv_delivery(self) -> bool:
