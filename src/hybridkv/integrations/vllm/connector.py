@@ -15,7 +15,10 @@ Objects. One object per (KV cache group, block): the bytes of that block in ever
 group, concatenated in the group's layer order, under ``layout.block_key`` (model, layout, shard,
 group and token-prefix chain hash). Saved once each block is full and computed (in
 ``wait_for_save``, after the step's forward; a block a window group will drop is saved while it is
-still valid); never saved twice (the index and the tier's content-addressing skip it).
+still valid); never saved twice (the index and the tier's content-addressing skip it). The tier's
+LRU evicts a request's blocks tail first: after each save or load the worker touches the request's
+keys from its tail to its head, so a head (which serves every longer prefix too) outlives its tail
+and a tier under pressure still answers a shorter hit.
 
 The hit rule (``get_num_new_matched_tokens``): hybridkv's cross-tier rule over the index: the
 longest block-aligned prefix, leaving at least one prompt token to compute, at which every full
@@ -241,6 +244,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_recv: set[str] = set()
         self._failed_reqs: set[str] = set()
         self._failed: list[tuple[int, int]] = []
+        self._req_keys: dict[str, list[str]] = {}
+        """Per live request, the keys it saved or loaded, head first: touched tail first after each
+        save, so the LRU evicts a prefix from its tail (a head serves every longer prefix too)."""
         if role == KVConnectorRole.WORKER and not self.why_off:
             self.tier = HostTier(extra.get("host_bytes", "1GiB"), on_evict=self._on_evict)
 
@@ -328,6 +334,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                         good_rows.append(payload)
                 if bad:
                     self.tier.evict(bad)  # a damaged object never answers again; the recompute saves it anew
+                self._req_keys.setdefault(req_id, []).extend(k for k in keys if k not in bad)
                 if good_ids:
                     ids = torch.tensor(good_ids, dtype=torch.long)
                     self._scatter(group, ids, torch.stack(good_rows))
@@ -339,6 +346,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed_blocks.difference_update(bid for _, bid, _ in blocks)
                 self._failed_recv.add(req_id)
             self._recved.add(req_id)
+            self.tier.touch(self._req_keys.get(req_id, [])[::-1])
         self.seconds["load"] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -367,21 +375,28 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             for b in blocks:
                 by_group.setdefault(b[0], []).append(b)
+            self._req_keys.setdefault(req_id, []).extend(block_key(self.prefixes[g], name) for g, _, name in blocks)
         for group, items in by_group.items():
             ids = torch.tensor([bid for _, bid, _ in items], dtype=torch.long)
             rows = self._gather(group, ids)
             keys = [block_key(self.prefixes[group], name) for _, _, name in items]
             frames = [frame(k, rows[i]) for i, k in enumerate(keys)]
-            status = self.tier.put(keys, frames, label=f"g{group}")
+            # tail first: within the batch the heads end most recently used
+            status = self.tier.put(keys[::-1], frames[::-1], label=f"g{group}")[::-1]
             for (_, _, name), st in zip(items, status, strict=True):
                 if st in (PutStatus.STORED, PutStatus.KEPT):
                     self._stored.append((group, name))
                 else:
                     self._dropped.append((group, name))
             self.stats["saved_blocks"] += sum(s is PutStatus.STORED for s in status)
+        for req_id in meta.saves:
+            if req_id not in failed:
+                self.tier.touch(self._req_keys.get(req_id, [])[::-1])
         self.seconds["save"] += time.perf_counter() - started
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            self._req_keys.pop(req_id, None)
         done, self._recved = self._recved, set()
         return None, done or None
 
@@ -478,10 +493,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         start = st.local // bs
         end = (st.local + num_external_tokens) // bs
         names = self._names(st, end)
-        for g in range(len(self.groups)):
-            ids = st.block_ids[g]
-            for i in range(start, min(end, len(ids))):
-                if ids[i] != self._null_block:
+        for i in range(start, end):  # position-major: the worker keeps heads longest
+            for g in range(len(self.groups)):
+                ids = st.block_ids[g]
+                if i < len(ids) and ids[i] != self._null_block:
                     self._loads.setdefault(request.request_id, []).append((g, ids[i], names[i]))
         st.saved_blocks = end
         self.stats["hit_tokens"] += num_external_tokens
@@ -521,11 +536,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         names = self._names(st, full)
         held = self.index.held
-        for g in range(len(self.groups)):
-            ids = st.block_ids[g]
-            for i in range(st.saved_blocks, min(full, len(ids))):
+        for i in range(st.saved_blocks, full):  # position-major: the worker keeps heads longest
+            for g in range(len(self.groups)):
+                ids = st.block_ids[g]
                 key = (g, names[i])
-                if ids[i] == self._null_block or key in held or key in planned:
+                if i >= len(ids) or ids[i] == self._null_block or key in held or key in planned:
                     continue
                 planned.add(key)
                 meta.saves.setdefault(st.request.request_id, []).append((g, ids[i], names[i]))
