@@ -1,0 +1,59 @@
+"""The vLLM connector's engine-neutral half (no vLLM needed): keys and the hit rule."""
+
+from __future__ import annotations
+
+from hybridkv.integrations.vllm.layout import (
+    BlockIndex,
+    GroupKind,
+    GroupLayout,
+    block_key,
+    block_names,
+    group_prefix,
+    split_key,
+)
+
+BS = 4
+
+
+def full(i: int = 0, spec: str = "full-spec") -> GroupLayout:
+    return GroupLayout(i, GroupKind.FULL, BS, None, (f"layers.{i}",), spec)
+
+
+def window(i: int, w: int) -> GroupLayout:
+    return GroupLayout(i, GroupKind.WINDOW, BS, w, (f"layers.{i}",), f"swa-{w}")
+
+
+def test_keys_name_model_layout_group_and_prefix() -> None:
+    a = group_prefix("m", "fp1", full())
+    assert a != group_prefix("m", "fp2", full())  # another model / dtype
+    assert a != group_prefix("m", "fp1", full(spec="other heads"))  # another layout
+    assert a != group_prefix("m", "fp1", full(1))  # another group
+    assert a != group_prefix("m", "fp1", full(), tp=(1, 2))  # another shard
+    names = block_names(list(range(10)), BS, ("vllm", None, None))
+    assert len(names) == 2
+    assert names[1] == block_names(list(range(4, 8)), BS, None, parent=names[0])[0]
+    assert names != block_names(list(range(10)), BS, ("vllm", "salt", None))  # the namespace roots the chain
+    assert split_key(block_key(a, names[1])) == (a, names[1])
+
+
+def test_hit_needs_every_full_block_and_only_the_window() -> None:
+    names = list(range(100, 110))
+    idx = BlockIndex([full(0), window(1, 2 * BS)])
+    idx.add((0, n) for n in names)
+    assert idx.hit_blocks(names) == 0  # the window group holds nothing
+    idx.add((1, n) for n in names[6:8])  # window blocks 6, 7: a hit of 8 blocks needs exactly those
+    assert idx.hit_blocks(names) == 8
+    idx.discard([(0, names[2])])  # a full block missing caps the hit before it ...
+    assert idx.hit_blocks(names) == 0  # ... and a hit of 2 blocks needs window blocks 0 and 1
+    idx.add([(1, names[0]), (1, names[1])])
+    assert idx.hit_blocks(names) == 2
+
+
+def test_a_group_it_cannot_restore_refuses_every_hit() -> None:
+    names = list(range(5))
+    state = GroupLayout(1, GroupKind.UNSUPPORTED, BS, None, ("mamba",), "MambaSpec", why="recurrent state")
+    idx = BlockIndex([full(0), state])
+    idx.add((g, n) for g in (0, 1) for n in names)
+    assert "recurrent state" in idx.supported
+    assert idx.hit_blocks(names) == 0
+    assert BlockIndex([full(0), GroupLayout(1, GroupKind.FULL, 2 * BS, None, ("x",), "s")]).supported
