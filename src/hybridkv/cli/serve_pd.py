@@ -133,6 +133,7 @@ def serve_pd(
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, run_pd
     from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.registry import text_config
+    from hybridkv.engine.request import FinishReason
     from hybridkv.engine.weights import read_config
 
     if (model is None) == (random is None):
@@ -184,7 +185,9 @@ def serve_pd(
         sizing.announce()
         result = run_pd(config, params)
     name = random if random is not None else str(model)
-    outs = [(r.output_ids, r.finish_reason) if r.status == FINISHED else ([], "error") for r in result.requests]
+    outs = [
+        (r.output_ids, r.finish_reason) if r.status == FINISHED else ([], FinishReason.ERROR) for r in result.requests
+    ]
     if as_json:
         requests = [
             {

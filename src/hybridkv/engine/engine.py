@@ -69,7 +69,7 @@ def eos_ids(config: Any) -> frozenset[int]:
 @dataclass(frozen=True)
 class Output:
     output_ids: list[int]
-    finish_reason: str  # a FinishReason: "length", "eos", "stop", "abort" or "error"
+    finish_reason: FinishReason
     error: str | None = None
     retractions: int = 0
     cached_tokens: int = 0

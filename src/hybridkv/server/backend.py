@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import FinishReason, SamplingParams
 
 
 class QueueFull(RuntimeError):
@@ -67,7 +67,7 @@ class Finished:
     """How one request ended."""
 
     output_ids: list[int]  # every token the sink got ([] when it failed)
-    finish_reason: str  # a FinishReason: length, eos, stop, abort or error
+    finish_reason: FinishReason
     error: str | None
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache

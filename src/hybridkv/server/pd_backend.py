@@ -204,7 +204,7 @@ class PDBackend:
     # --- the router thread ------------------------------------------------------------------
 
     def _done(self, req: _Open, result: RequestResult) -> None:
-        reason, error = FinishReason(result.finish_reason), result.reason or None
+        error = result.reason or None
         t = result.timing
         path = {
             "attempts": result.attempts,
@@ -218,7 +218,7 @@ class PDBackend:
             req,
             Finished(
                 result.output_ids,
-                reason,
+                result.finish_reason,
                 error,
                 result.prompt_tokens,
                 result.cached_tokens,

@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any
 
 from hybridkv.engine.disagg.protocol import Done, Sent
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import FinishReason, SamplingParams
 from hybridkv.engine.scheduler import Role
 
 FINISHED = "finished"
@@ -77,7 +77,7 @@ class RequestResult:
     notes: tuple[str, ...]  # the deaths that re-routed or retried it
     stages: tuple[StageTiming, ...] = ()  # per prefill rank (stage, TP rank) of its last attempt
     decode_bytes: tuple[int, ...] = ()  # bytes each decode TP rank received (finished requests)
-    finish_reason: str = "error"  # a FinishReason: length, eos, stop, abort or error
+    finish_reason: FinishReason = FinishReason.ERROR
     retractions: int = 0  # times the decode engine retracted it (and prefilled it again locally)
     prompt_tokens: int = 0
     transfer_failed: bool = False  # the transfer layer failed it
@@ -233,7 +233,7 @@ class RouterRequest:
                 0,
                 self.attempts,
                 tuple(self.reasons),
-                finish_reason="abort" if aborted else "error",
+                finish_reason=FinishReason.ABORT if aborted else FinishReason.ERROR,
                 prompt_tokens=len(self.ids),
                 transfer_failed=transfer,
                 cached_tokens_details=self.cached_details,
