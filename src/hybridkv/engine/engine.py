@@ -24,7 +24,8 @@ on some tier, restored before it computes. Outputs split ``cached_tokens`` into
 ``cached_tokens_details`` {device, host, storage}. ``close`` stops the tiers (and the master).
 
 Invariants:
-- Bad requests are refused at ``submit`` (``check_request``) and never reach the scheduler.
+- Bad requests are refused at ``submit`` (``check_request``) and never reach the scheduler; a
+  ``CheckedPrompt`` (a server's backend checked it) is not checked again.
 - When ``has_work()`` is False no request holds memory: the memory holds only what the cache
   keeps (nothing after ``clear_cache``), and ``verify()`` holds.
 """
@@ -44,7 +45,7 @@ from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import CacheHit, RequestAllocator
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, text_config
-from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
+from hybridkv.engine.request import CheckedPrompt, FinishReason, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
@@ -248,16 +249,24 @@ class Engine:
 
     # --- incremental API ----------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *, salt: Hashable = None) -> int:
-        """Queue one request; its id. ``RequestError`` (nothing queued) names what to change.
-        ``params.seed`` None: the request id is its seed. ``salt``: its prefix-cache namespace."""
-        params = params or SamplingParams()
-        ids = check_request(prompt, params, self.vocab_size, self.max_context)
+    def submit(
+        self, prompt: CheckedPrompt | Sequence[int], params: SamplingParams | None = None, *, salt: Hashable = None
+    ) -> int:
+        """Queue one request; its id. ``prompt``: a ``CheckedPrompt`` (``check_request``'s, for this engine: not
+        checked again; it carries its params, so ``params`` stays None) or token ids, checked here with ``params``
+        (``RequestError``, nothing queued, names what to change). ``params.seed`` None: the request id is its
+        seed. ``salt``: its prefix-cache namespace."""
+        if isinstance(prompt, CheckedPrompt):
+            if params is not None:
+                raise TypeError("a CheckedPrompt carries the params it was checked with: give no params")
+            checked = prompt.served_by(self.vocab_size, self.max_context)
+        else:
+            checked = check_request(prompt, params or SamplingParams(), self.vocab_size, self.max_context)
         rid = self._next_rid
         self._next_rid += 1
-        params = params.with_seed(rid)
-        self.sched.add(Request(rid, ids, params, params.stops(self.eos), salt))
-        self.stats["prompt_tokens"] += len(ids)
+        params = checked.params.with_seed(rid)
+        self.sched.add(Request(rid, checked.ids, params, params.stops(self.eos), salt))
+        self.stats["prompt_tokens"] += len(checked.ids)
         self.stats["requests"] += 1
         return rid
 

@@ -8,11 +8,13 @@ new token's log-probability and the n most likely tokens', ``engine.logprobs``) 
 (the same for every prompt token after the first: the prompt is then computed whole, no cache hit).
 ``check_request`` is the
 one validation every entry point runs before a request is queued; its ``RequestError`` names
-the offending field.
+the offending field, its ``CheckedPrompt`` is what the engines queue.
 
 Invariants:
 - A ``SamplingParams`` holds only values the engine can serve: ``check`` raises
   ``RequestError`` (field named) for anything else, at construction.
+- A prompt is checked once: a ``CheckedPrompt`` exists only as ``check_request``'s answer, and an
+  engine given one checks only that it was checked for its own vocabulary and context.
 - A request ends for exactly one ``FinishReason``: ``length`` (max_new_tokens reached),
   ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
   ``stop_token_ids``; the stop token is part of the output, as EOS is), ``abort`` (a client
@@ -122,10 +124,31 @@ class SamplingParams:
         return dataclasses.replace(self, seed=seed % (MAX_SEED + 1))
 
 
-def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> list[int]:
-    """The prompt as a list of ints, or ``RequestError`` naming what makes it unservable: not a
-    list of ints, empty, ids outside ``[0, vocab_size)`` (stop ids too), or prompt + max new
-    tokens beyond ``max_context``."""
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt ``check_request`` passed with ``params`` for a model of ``vocab_size`` ids and ``max_context``
+    tokens: what ``Engine.submit`` and ``PDServer.submit`` take without checking it again."""
+
+    ids: list[int]
+    params: SamplingParams
+    vocab_size: int
+    max_context: int
+
+    def served_by(self, vocab_size: int, max_context: int) -> CheckedPrompt:
+        """Itself, once it is known to have been checked for a model of these bounds (else ``ValueError``: a
+        caller's bug, not the client's)."""
+        if (self.vocab_size, self.max_context) != (vocab_size, max_context):
+            raise ValueError(
+                f"a prompt checked for {self.vocab_size} ids and {self.max_context} tokens of context went to "
+                f"a model of {vocab_size} ids and {max_context} tokens"
+            )
+        return self
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> CheckedPrompt:
+    """The prompt as a list of ints, checked with ``params``, or ``RequestError`` naming what makes it
+    unservable: not a list of ints, empty, ids outside ``[0, vocab_size)`` (stop ids too), or prompt +
+    max new tokens beyond ``max_context``."""
     if not isinstance(params, SamplingParams):
         raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str | bytes | bytearray) or not isinstance(prompt, Sequence | np.ndarray):
@@ -160,4 +183,4 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
             f"prompt of {ids.size} tokens + {params.max_new_tokens} new exceeds the context of {max_context} "
             "tokens; shorten the prompt or lower max_new_tokens",
         )
-    return ids.tolist()
+    return CheckedPrompt(ids.tolist(), params, vocab_size, max_context)

@@ -84,7 +84,7 @@ from hybridkv.engine.disagg.results import (
 from hybridkv.engine.disagg.tier_figures import tier_metrics
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import RequestError, SamplingParams, check_request
+from hybridkv.engine.request import CheckedPrompt, RequestError, SamplingParams, check_request
 from hybridkv.engine.scheduler import Role
 from hybridkv.engine.weights import read_config
 from hybridkv.tiers import MooncakeMaster
@@ -139,21 +139,28 @@ class PDServer:
 
     def submit(
         self,
-        ids: Sequence[int],
+        ids: CheckedPrompt | Sequence[int],
         params: SamplingParams | int | None = None,
         *,
         on_token: Callable[[int], None] | None = None,
         on_done: Callable[[RequestResult], None] | None = None,
         salt: str | None = None,
     ) -> int:
-        """Queue one request (``params``: its ``SamplingParams``, or just ``max_new_tokens``; seed None:
+        """Queue one request (``ids``: a ``CheckedPrompt``, checked for this server and not again, with its own
+        params; or token ids and ``params``: its ``SamplingParams``, or just ``max_new_tokens``; seed None:
         its submission index); returns its handle. ``RequestError`` (nothing queued) names what to
         change. On the router thread, ``on_token(token)`` gets each output token once, in order, and
         ``on_done(result)`` the request's end, once. ``salt``: its prefix-cache namespace (requests of
         other salts never share cached KV)."""
-        if isinstance(params, int) or params is None:
-            params = SamplingParams(max_new_tokens=self.config.max_new if params is None else params)
-        checked = check_request(ids, params, self.vocab_size, self.config.max_context)
+        if isinstance(ids, CheckedPrompt):
+            if params is not None:
+                raise TypeError("a CheckedPrompt carries the params it was checked with: give no params")
+            checked = ids.served_by(self.vocab_size, self.config.max_context)
+        else:
+            if isinstance(params, int) or params is None:
+                params = SamplingParams(max_new_tokens=self.config.max_new if params is None else params)
+            checked = check_request(ids, params, self.vocab_size, self.config.max_context)
+        params = checked.params
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None:
                 raise RequestError(
@@ -167,7 +174,7 @@ class PDServer:
                 raise RuntimeError(f"the router thread is dead ({last}); see router_error, close this server")
             index = len(self._requests)
             req = RouterRequest(
-                index, tuple(checked), params.with_seed(index), time.monotonic(), on_token, on_done, salt
+                index, tuple(checked.ids), params.with_seed(index), time.monotonic(), on_token, on_done, salt
             )
             self._requests.append(req)
             self._inbox.put(req)  # under the lock: ordered against the router's final failure loops
