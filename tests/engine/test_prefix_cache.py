@@ -220,9 +220,9 @@ def test_a_prompt_sharing_a_running_prefill_waits_for_it_and_others_pass(
     for salt, waits in (("a", True), ("b", False)):
         engine = _engine(name, 2_000_000, 4, max_step_tokens=200)
         logits = Logits(monkeypatch)
-        rids = [engine.submit(FIRST, SamplingParams(max_new_tokens=4), salt="a")]
-        rids.append(engine.submit(LATER[0], SamplingParams(max_new_tokens=4), salt=salt))
-        rids.append(engine.submit(unrelated, SamplingParams(max_new_tokens=4), salt="a"))
+        rids = [engine.submit(FIRST, SamplingParams(max_new_tokens=4), cache_salt="a")]
+        rids.append(engine.submit(LATER[0], SamplingParams(max_new_tokens=4), cache_salt=salt))
+        rids.append(engine.submit(unrelated, SamplingParams(max_new_tokens=4), cache_salt="a"))
         engine.step()
         assert [r.rid for r in engine.sched.waiting] == ([rids[1]] if waits else [])
         assert {r.rid for r in engine.sched.running} == set(rids) - {r.rid for r in engine.sched.waiting}

@@ -250,12 +250,16 @@ class Engine:
     # --- incremental API ----------------------------------------------------------------
 
     def submit(
-        self, prompt: CheckedPrompt | Sequence[int], params: SamplingParams | None = None, *, salt: Hashable = None
+        self,
+        prompt: CheckedPrompt | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: Hashable = None,
     ) -> int:
         """Queue one request; its id. ``prompt``: a ``CheckedPrompt`` (``check_request``'s, for this engine: not
         checked again; it carries its params, so ``params`` stays None) or token ids, checked here with ``params``
         (``RequestError``, nothing queued, names what to change). ``params.seed`` None: the request id is its
-        seed. ``salt``: its prefix-cache namespace."""
+        seed. ``cache_salt``: its prefix-cache namespace."""
         if isinstance(prompt, CheckedPrompt):
             if params is not None:
                 raise TypeError("a CheckedPrompt carries the params it was checked with: give no params")
@@ -265,7 +269,7 @@ class Engine:
         rid = self._next_rid
         self._next_rid += 1
         params = checked.params.with_seed(rid)
-        self.sched.add(Request(rid, checked.ids, params, params.stops(self.eos), salt))
+        self.sched.add(Request(rid, checked.ids, params, params.stops(self.eos), cache_salt))
         self.stats["prompt_tokens"] += len(checked.ids)
         self.stats["requests"] += 1
         return rid
@@ -385,7 +389,7 @@ class Engine:
         ``max_new_tokens``: one count for all, one per prompt, or one ``SamplingParams`` per prompt
         (then ``temperature``, ``seed`` and ``stop_at_eos`` are not used). Otherwise request ``i``
         samples with ``seed + i``. ``cache_salts[i]``: request ``i``'s prefix-cache namespace
-        (requests of different salts never share cached KV). ``on_output(index, output)`` is called
+        (requests of different cache salts never share cached KV). ``on_output(index, output)`` is called
         as each request ends (finished or failed); ``on_token(index, token)`` as each token is
         chosen, right after the step that computed it. A prompt the engine refuses ends at once
         as an ``error`` output naming the problem; the others run as if it were not there."""
@@ -395,9 +399,9 @@ class Engine:
         )
         if len(spec) != n:
             raise ValueError(f"{len(spec)} max_new_tokens / params for {n} prompts; give one per prompt or one")
-        salts = [None] * n if cache_salts is None else list(cache_salts)
-        if len(salts) != n:
-            raise ValueError(f"{len(salts)} cache salts for {n} prompts; give one per prompt or none")
+        per_prompt = [None] * n if cache_salts is None else list(cache_salts)
+        if len(per_prompt) != n:
+            raise ValueError(f"{len(per_prompt)} cache salts for {n} prompts; give one per prompt or none")
         results: dict[int, Output] = {}
         index: dict[Hashable, int] = {}
 
@@ -406,7 +410,7 @@ class Engine:
             if on_output is not None:
                 on_output(i, out)
 
-        for i, (prompt, what, salt) in enumerate(zip(prompts, spec, salts, strict=True)):
+        for i, (prompt, what, cache_salt) in enumerate(zip(prompts, spec, per_prompt, strict=True)):
             if isinstance(what, int) and what <= 0:
                 end(i, Output([], FinishReason.LENGTH, prompt_tokens=len(prompt)))
                 continue
@@ -416,7 +420,7 @@ class Engine:
                     if isinstance(what, SamplingParams)
                     else SamplingParams(what, temperature, seed=seed + i, ignore_eos=not stop_at_eos)
                 )
-                index[self.submit(prompt, params, salt=salt)] = i
+                index[self.submit(prompt, params, cache_salt=cache_salt)] = i
             except RequestError as exc:
                 end(i, Output([], FinishReason.ERROR, f"request {i}: {str(exc).split(': ', 1)[1]}"))
         while len(results) < n:

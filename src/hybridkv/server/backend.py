@@ -96,8 +96,8 @@ class Sink(Protocol):
 class Backend(Protocol):
     info: ModelInfo
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
-        """Queue one request (thread-safe); its ticket. ``salt``: its prefix-cache namespace."""
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None) -> int:
+        """Queue one request (thread-safe); its ticket. ``cache_salt``: its prefix-cache namespace."""
         ...
 
     def abort(self, ticket: int, reason: str) -> None:

@@ -38,7 +38,7 @@ class _Submit:
     ticket: int
     prompt: CheckedPrompt
     sink: Sink
-    salt: str | None
+    cache_salt: str | None
 
 
 @dataclass
@@ -79,7 +79,7 @@ class EngineBackend:
 
     # --- any thread -------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None) -> int:
         checked = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
         with self._cond:
             if self._closing or self.broken is not None:
@@ -89,7 +89,7 @@ class EngineBackend:
             self._open_count += 1
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._inbox.append(_Submit(ticket, checked, sink, salt))
+            self._inbox.append(_Submit(ticket, checked, sink, cache_salt))
             self._cond.notify()
         return ticket
 
@@ -184,7 +184,7 @@ class EngineBackend:
     def _take(self, item: _Submit | _Abort | _Call) -> None:
         engine = self.engine
         if isinstance(item, _Submit):
-            rid = engine.submit(item.prompt, salt=item.salt)  # checked at submit: not again
+            rid = engine.submit(item.prompt, cache_salt=item.cache_salt)  # checked at submit: not again
             self._open[rid] = _Open(item.ticket, item.sink, len(item.prompt.ids))
             self._rid_of[item.ticket] = rid
         elif isinstance(item, _Abort):

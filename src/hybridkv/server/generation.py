@@ -290,7 +290,7 @@ class Generation:
             self._sinks.append(_Sink(self, i, stop_text))
             self._texts.append(TextStream(tokenizer) if spec is None else None)
 
-    def start(self, params: list[SamplingParams], salt: str | None) -> None:
+    def start(self, params: list[SamplingParams], cache_salt: str | None) -> None:
         """Submit every prompt; on a refusal (``PromptRefused``, ``QueueFull``, ``BackendClosed``) abort
         what was submitted and re-raise."""
         self._max_new = [p.max_new_tokens for p in params]
@@ -298,7 +298,7 @@ class Generation:
             for i, (prompt, p) in enumerate(zip(self.prompts, params, strict=True)):
                 sink = self._sinks[i]
                 try:
-                    ticket = self.backend.submit(prompt, p, sink, salt)
+                    ticket = self.backend.submit(prompt, p, sink, cache_salt)
                 except RequestError as exc:
                     raise PromptRefused(i, exc) from None
                 self.tickets.append(ticket)

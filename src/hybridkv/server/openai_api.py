@@ -41,11 +41,11 @@ from hybridkv.server.logprob_format import openai_logprobs
 from hybridkv.server.schemas import (
     ApiError,
     CompletionBody,
-    cache_namespace,
     check_fits,
     ignored_fields,
     parse,
     refuse_unsupported_fields,
+    request_cache_salt,
     sampling,
     token_prompts,
 )
@@ -120,10 +120,10 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
         prompts = [prompt for prompt in prompts for _ in range(n)]
         params = [_nth(p, j) for p in params for j in range(n)]
     cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
-    salt = cache_namespace(body.cache_salt, body.extra_key)
+    cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
     stream = bool(body.stream)
     gen = state.start(
-        prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream, [stops] * len(prompts)
+        prompts, params, cache_salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream, [stops] * len(prompts)
     )
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}

@@ -68,7 +68,7 @@ class PDBackend:
 
     # --- any thread -------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None) -> int:
         with self._cond:
             why = self.health()
             if why is not None:
@@ -80,7 +80,7 @@ class PDBackend:
             checked = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
             req = _Open(sink, len(checked.ids))
             ticket = self.server.submit(
-                checked, on_token=sink.on_token, on_done=lambda result: self._done(req, result), salt=salt
+                checked, on_token=sink.on_token, on_done=lambda result: self._done(req, result), cache_salt=cache_salt
             )
         except RequestError:
             self._release()

@@ -45,12 +45,12 @@ from hybridkv.server.schemas import (
     ApiError,
     GenerateBody,
     SglangSampling,
-    cache_namespace,
     check_fits,
     ignored_fields,
     parse,
     refuse_unsupported,
     refuse_unsupported_fields,
+    request_cache_salt,
     sampling,
     token_prompts,
 )
@@ -205,8 +205,8 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     asked = any(p.logprobs is not None for p in params)
     logprobs = _Logprobs(body, state.config.tokenizer, len(prompts)) if asked else None
     ids = {r: [i] for i, r in enumerate(rids)}
-    salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start(prompts, params, salt, ids, fields, batch, body.stream, stops)
+    cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
+    gen = state.start(prompts, params, cache_salt, ids, fields, batch, body.stream, stops)
     if body.stream:
 
         def encode(updates: list[Update]) -> list[bytes]:

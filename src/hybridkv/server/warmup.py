@@ -82,13 +82,13 @@ def warm_up(
     chunk = int(backend.describe().get("chunked_prefill_size") or 64)
     rng = random.Random(seed)
     vocab = backend.info.vocab_size
-    salt = f"hybridkv-warmup-{secrets.token_hex(8)}"
+    cache_salt = f"hybridkv-warmup-{secrets.token_hex(8)}"
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     open_: list[tuple[int, _Collect]] = []
     lengths = prompt_lengths(chunk, backend.info.max_context)
     for n in lengths:
         sink = _Collect()
-        open_.append((backend.submit([rng.randrange(vocab) for _ in range(n)], params, sink, salt), sink))
+        open_.append((backend.submit([rng.randrange(vocab) for _ in range(n)], params, sink, cache_salt), sink))
     deadline = time.monotonic() + timeout_s
     timed_out = False
     for ticket, sink in open_:

@@ -72,7 +72,7 @@ def config(path: Path, pp: int = 2, tp: int = 1, **tiers: object) -> PDConfig:
 
 
 def served(server: PDServer, ids: tuple[int, ...], salt: str | None) -> RequestResult:
-    r = server.result(server.submit(ids, SamplingParams(NEW, ignore_eos=True), salt=salt), timeout_s=120)
+    r = server.result(server.submit(ids, SamplingParams(NEW, ignore_eos=True), cache_salt=salt), timeout_s=120)
     assert r.status == FINISHED, r.reason
     assert r.output_ids == hf_reference(NAME, ids, NEW)[0], "tokens differ from transformers"
     assert r.cached_tokens_details is not None and sum(r.cached_tokens_details.values()) == r.cached_tokens

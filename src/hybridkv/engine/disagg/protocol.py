@@ -26,7 +26,7 @@ class Prefill:
     ids: tuple[int, ...]
     params: SamplingParams  # the first token is chosen with them, as a single engine would
     fault: Fault | None = None  # a deliberate fault of this request (each rank applies its part)
-    salt: str | None = None  # its prefix-cache namespace
+    cache_salt: str | None = None  # its prefix-cache namespace
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class RouterRequest:
     submitted: float
     on_token: Callable[[int], None] | None = None
     on_done: Callable[[RequestResult], None] | None = None
-    salt: str | None = None  # its prefix-cache namespace on the prefill engine
+    cache_salt: str | None = None  # its prefix-cache namespace on the prefill engine
     done: threading.Event = field(default_factory=threading.Event)
     phase: Phase = Phase.QUEUED
     tid: str = ""

@@ -144,14 +144,14 @@ class PDServer:
         *,
         on_token: Callable[[int], None] | None = None,
         on_done: Callable[[RequestResult], None] | None = None,
-        salt: str | None = None,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue one request (``ids``: a ``CheckedPrompt``, checked for this server and not again, with its own
         params; or token ids and ``params``: its ``SamplingParams``, or just ``max_new_tokens``; seed None:
         its submission index); returns its handle. ``RequestError`` (nothing queued) names what to
         change. On the router thread, ``on_token(token)`` gets each output token once, in order, and
-        ``on_done(result)`` the request's end, once. ``salt``: its prefix-cache namespace (requests of
-        other salts never share cached KV)."""
+        ``on_done(result)`` the request's end, once. ``cache_salt``: its prefix-cache namespace (requests
+        of other cache salts never share cached KV)."""
         if isinstance(ids, CheckedPrompt):
             if params is not None:
                 raise TypeError("a CheckedPrompt carries the params it was checked with: give no params")
@@ -174,7 +174,7 @@ class PDServer:
                 raise RuntimeError(f"the router thread is dead ({last}); see router_error, close this server")
             index = len(self._requests)
             req = RouterRequest(
-                index, tuple(checked.ids), params.with_seed(index), time.monotonic(), on_token, on_done, salt
+                index, tuple(checked.ids), params.with_seed(index), time.monotonic(), on_token, on_done, cache_salt
             )
             self._requests.append(req)
             self._inbox.put(req)  # under the lock: ordered against the router's final failure loops
@@ -392,7 +392,7 @@ class PDServer:
         self._in_flight.add(req.index)
         fault = self._faults.get(req.index)
         sent = fault if fault is not None and fault.sent_to_prefill(req.attempts) else None
-        p.leader(Prefill(req.tid, req.ids, req.params, sent, req.salt))
+        p.leader(Prefill(req.tid, req.ids, req.params, sent, req.cache_salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
         if isinstance(msg, Live):
