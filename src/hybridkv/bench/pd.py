@@ -55,10 +55,10 @@ from typing import Any
 
 from hybridkv.bench.engine import conversation_prompts
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, RequestResult
-from hybridkv.engine.engine import Engine, Output, engine_spec
+from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts
 from hybridkv.spec import IdSpace, Parallel, ShardSpec
@@ -200,7 +200,7 @@ def _single_process(model_dir: str, prompts: list[list[int]], params: SamplingPa
     def on_token(index: int, _token: int) -> None:
         first.setdefault(index, time.monotonic())
 
-    def burst(each: SamplingParams) -> tuple[list[Output], list[float]]:
+    def burst(each: SamplingParams) -> tuple[list[Outcome], list[float]]:
         engine.clear_cache()
         first.clear()
         arrival = time.monotonic()

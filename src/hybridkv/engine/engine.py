@@ -6,10 +6,10 @@ ways to drive it:
 
 - incremental, for servers: ``rid = engine.submit(prompt, SamplingParams(...))`` (validated at
   once: ``RequestError`` names the field), then ``engine.step()`` until ``has_work()`` is False;
-  each step returns the tokens it chose and the requests that ended (``Output``);
+  each step returns the tokens it chose and the requests that ended (``Outcome``);
   ``engine.abort(rid)`` ends a request between steps (its memory released at once);
 - batch: ``engine.generate(prompts, max_new_tokens)`` submits every prompt and steps until
-  they end, returning ``Output`` in input order (a bad prompt fails alone as an ``error`` output).
+  they end, returning ``Outcome`` in input order (a bad prompt fails alone as an ``error`` output).
 
 With ``prefix_cache`` (the default) requests go through a ``HybridRadixCache`` that lives as
 long as the engine: a prompt that shares a cached prefix (in its cache salt's namespace)
@@ -42,10 +42,10 @@ import torch
 
 from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
-from hybridkv.engine.allocator import CacheHit, RequestAllocator
+from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, text_config
-from hybridkv.engine.request import CheckedPrompt, FinishReason, RequestError, SamplingParams, check_request
+from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
@@ -68,35 +68,12 @@ def eos_ids(config: Any) -> frozenset[int]:
 
 
 @dataclass(frozen=True)
-class Output:
-    output_ids: list[int]
-    finish_reason: FinishReason
-    error: str | None = None
-    retractions: int = 0
-    cached_tokens: int = 0
-    """Tokens of the prompt served from the prefix cache at the first admission (not computed)."""
-    hit: CacheHit | None = None
-    """The first admission's match per component (full / window / checkpoint lengths)."""
-    rid: Hashable = None
-    prompt_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
-
-    @property
-    def cached_tokens_details(self) -> dict[str, int]:
-        """``cached_tokens`` by where they came from: the device, host memory or the store."""
-        return dict(ZERO_DETAILS) if self.hit is None else self.hit.details
-
-
-@dataclass(frozen=True)
 class StepOutput:
     """What one ``Engine.step`` produced: ``(rid, token)`` for every token chosen, in order, and
     every request that ended (finished, aborted or failed)."""
 
     tokens: list[tuple[Hashable, int]] = field(default_factory=list)
-    finished: list[Output] = field(default_factory=list)
+    finished: list[Outcome] = field(default_factory=list)
     logprobs: dict[Hashable, TokenLogprob] = field(default_factory=dict)
     """The log-probability of the token each request that asks (``params.logprobs``) got this step."""
 
@@ -277,7 +254,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.sched.has_work()
 
-    def abort(self, rid: Hashable, reason: str = "aborted by the client") -> Output | None:
+    def abort(self, rid: Hashable, reason: str = "aborted by the client") -> Outcome | None:
         """End a queued or running request now, its memory released; None if it is not open."""
         req = self.sched.abort(rid, reason)
         if req is None:
@@ -328,7 +305,7 @@ class Engine:
             known = len(req.prompt_logprobs)  # prompt tokens 1 .. known have theirs
             req.prompt_logprobs += logprobs[max(0, known - start) :]
 
-    def _output(self, req: Request) -> Output:
+    def _output(self, req: Request) -> Outcome:
         hit = req.mem.hit
         cached = 0 if hit is None else hit.cached_tokens
         self.stats["cached_tokens"] += cached
@@ -345,8 +322,18 @@ class Engine:
         output = [] if reason is FinishReason.ERROR else req.output
         logprobs = None if req.params.logprobs is None else req.logprobs[: len(output)]
         prompt_logprobs = None if req.params.prompt_logprobs is None else list(req.prompt_logprobs)
-        return Output(
-            output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt), logprobs, prompt_logprobs
+        return Outcome(
+            output,
+            reason,
+            req.error,
+            len(req.prompt),
+            cached,
+            cached_tokens_details=dict(ZERO_DETAILS) if hit is None else hit.details,
+            hit=hit,
+            retractions=req.retractions,
+            rid=req.rid,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def metrics(self) -> dict[str, Any]:
@@ -381,9 +368,9 @@ class Engine:
         seed: int = 0,
         stop_at_eos: bool = True,
         cache_salts: Sequence[Hashable] | None = None,
-        on_output: Callable[[int, Output], None] | None = None,
+        on_output: Callable[[int, Outcome], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
-    ) -> list[Output]:
+    ) -> list[Outcome]:
         """Outputs in input order; requests are batched continuously, prefills chunked.
 
         ``max_new_tokens``: one count for all, one per prompt, or one ``SamplingParams`` per prompt
@@ -402,17 +389,22 @@ class Engine:
         per_prompt = [None] * n if cache_salts is None else list(cache_salts)
         if len(per_prompt) != n:
             raise ValueError(f"{len(per_prompt)} cache salts for {n} prompts; give one per prompt or none")
-        results: dict[int, Output] = {}
+        results: dict[int, Outcome] = {}
         index: dict[Hashable, int] = {}
 
-        def end(i: int, out: Output) -> None:
+        def end(i: int, out: Outcome) -> None:
             results[i] = out
             if on_output is not None:
                 on_output(i, out)
 
         for i, (prompt, what, cache_salt) in enumerate(zip(prompts, spec, per_prompt, strict=True)):
             if isinstance(what, int) and what <= 0:
-                end(i, Output([], FinishReason.LENGTH, prompt_tokens=len(prompt)))
+                end(
+                    i,
+                    Outcome(
+                        [], FinishReason.LENGTH, prompt_tokens=len(prompt), cached_tokens_details=dict(ZERO_DETAILS)
+                    ),
+                )
                 continue
             try:
                 params = (
@@ -422,7 +414,8 @@ class Engine:
                 )
                 index[self.submit(prompt, params, cache_salt=cache_salt)] = i
             except RequestError as exc:
-                end(i, Output([], FinishReason.ERROR, f"request {i}: {str(exc).split(': ', 1)[1]}"))
+                why = f"request {i}: {str(exc).split(': ', 1)[1]}"
+                end(i, Outcome([], FinishReason.ERROR, why, cached_tokens_details=dict(ZERO_DETAILS)))
         while len(results) < n:
             if not self.has_work():
                 raise RuntimeError("the engine ran out of work with requests still open (a scheduler bug)")

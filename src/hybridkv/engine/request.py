@@ -1,4 +1,4 @@
-"""What a client asks of the engine: token ids and ``SamplingParams``, validated at the edge.
+"""What a client asks of the engine (token ids and ``SamplingParams``, validated at the edge) and how it ended.
 
 ``SamplingParams`` is the one description of how a request's tokens are chosen and when it
 ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
@@ -8,15 +8,16 @@ new token's log-probability and the n most likely tokens', ``engine.logprobs``) 
 (the same for every prompt token after the first: the prompt is then computed whole, no cache hit).
 ``check_request`` is the
 one validation every entry point runs before a request is queued; its ``RequestError`` names
-the offending field, its ``CheckedPrompt`` is what the engines queue.
+the offending field, its ``CheckedPrompt`` is what the engines queue. ``Outcome`` is the one report of
+a request's end, from the engine through a server's backend to its HTTP answer.
 
 Invariants:
 - A ``SamplingParams`` holds only values the engine can serve: ``check`` raises
   ``RequestError`` (field named) for anything else, at construction.
 - A prompt is checked once: a ``CheckedPrompt`` exists only as ``check_request``'s answer, and an
   engine given one checks only that it was checked for its own vocabulary and context.
-- A request ends for exactly one ``FinishReason``: ``length`` (max_new_tokens reached),
-  ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
+- A request ends for exactly one ``FinishReason``, reported once as its ``Outcome``: ``length``
+  (max_new_tokens reached), ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
   ``stop_token_ids``; the stop token is part of the output, as EOS is), ``abort`` (a client
   gave up) or ``error`` (it could not be served; ``error`` says why).
 """
@@ -25,11 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hybridkv.engine.allocator import CacheHit
+    from hybridkv.engine.logprobs import TokenLogprob
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
@@ -53,6 +59,37 @@ class FinishReason(StrEnum):
     STOP = "stop"
     ABORT = "abort"
     ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request ended: what ``Engine.step`` and ``Engine.generate`` report and every server ``Sink`` gets."""
+
+    output_ids: list[int]  # every output token ([] when it failed)
+    finish_reason: FinishReason
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the first admission (not computed)."""
+    _: KW_ONLY
+    cached_tokens_details: dict[str, int] | None = None
+    """``cached_tokens`` by where they came from {device, host, storage} (None: whoever ended it does not say)."""
+    hit: CacheHit | None = None
+    """A single engine's first admission's match per component (full / window / checkpoint lengths)."""
+    retractions: int = 0
+    rid: Hashable = None
+    """The engine's id of the request (None where it never had one)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
+    disaggregated: dict[str, Any] | None = None
+    """A PD request's path: ``attempts`` (1, plus one per engine death that made it run again),
+    ``retractions``, ``transfer_bytes`` (every decode rank's, summed) and ``timing`` (``queue_s``,
+    ``prefill_s``, ``transfer_s``, ``decode_s``; null when it failed); None from a single engine."""
+    stop_string: str | None = None
+    """The stop string its text matched, ending it with ``stop`` (set by the HTTP ``Generation``, never by an
+    engine or a backend)."""
 
 
 def _int(value: object, name: str, lo: int, hi: int | None = None) -> int:

@@ -28,9 +28,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.engine.engine import Engine, Output
-from hybridkv.engine.request import CheckedPrompt, FinishReason, SamplingParams, check_request
-from hybridkv.server.backend import BackendClosed, Finished, ModelInfo, QueueFull, Sink
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, SamplingParams, check_request
+from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink
 
 
 @dataclass
@@ -175,7 +175,7 @@ class EngineBackend:
             for item in items:  # what came in after the last drain: refused or answered
                 if isinstance(item, _Submit):
                     item.sink.on_finish(
-                        Finished([], FinishReason.ABORT, "the server shut down", len(item.prompt.ids), 0)
+                        Outcome([], FinishReason.ABORT, "the server shut down", len(item.prompt.ids), 0)
                     )
                     self._release()
                 elif isinstance(item, _Call):
@@ -205,29 +205,18 @@ class EngineBackend:
         engine.clear_cache(host)
         return None
 
-    def _end(self, out: Output | None) -> None:
+    def _end(self, out: Outcome | None) -> None:
         if out is None or out.rid not in self._open:
             return
         req = self._open.pop(out.rid)
         del self._rid_of[req.ticket]
-        req.sink.on_finish(
-            Finished(
-                list(out.output_ids),
-                out.finish_reason,
-                out.error,
-                out.prompt_tokens,
-                out.cached_tokens,
-                out.cached_tokens_details,
-                logprobs=out.logprobs,
-                prompt_logprobs=out.prompt_logprobs,
-            )
-        )
+        req.sink.on_finish(out)  # the engine's own outcome: its lists are its own, never touched again
         self._release()
 
     def _fail(self, rid: Hashable, reason: str) -> None:
         req = self._open.pop(rid)
         del self._rid_of[req.ticket]
-        req.sink.on_finish(Finished([], FinishReason.ERROR, reason, req.prompt_tokens, 0))
+        req.sink.on_finish(Outcome([], FinishReason.ERROR, reason, req.prompt_tokens, 0))
         self._release()
 
     def _release(self) -> None:

@@ -33,9 +33,9 @@ from typing import Any
 from hybridkv.engine.disagg import PDServer, RequestResult
 from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
+from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.weights import read_config
-from hybridkv.server.backend import BackendClosed, Finished, ModelInfo, QueueFull, Sink
+from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink
 
 IN_FLIGHT = ("prefilling", "transferring", "decoding")  # PD phases of a running request ("queued": waiting)
 
@@ -201,7 +201,7 @@ class PDBackend:
         with self._cond:
             left = list(self._open.values())
         for req in left:
-            self._end(req, Finished([], FinishReason.ABORT, "the server shut down", req.prompt_tokens, 0))
+            self._end(req, Outcome([], FinishReason.ABORT, "the server shut down", req.prompt_tokens, 0))
 
     # --- the router thread ------------------------------------------------------------------
 
@@ -218,18 +218,18 @@ class PDBackend:
         }
         self._end(
             req,
-            Finished(
+            Outcome(
                 result.output_ids,
                 result.finish_reason,
                 error,
                 result.prompt_tokens,
                 result.cached_tokens,
-                result.cached_tokens_details,
-                path,
+                cached_tokens_details=result.cached_tokens_details,
+                disaggregated=path,
             ),
         )
 
-    def _end(self, req: _Open, finished: Finished) -> None:
+    def _end(self, req: _Open, finished: Outcome) -> None:
         with self._cond:
             if req.ended:
                 return
