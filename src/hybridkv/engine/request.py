@@ -29,12 +29,13 @@ import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     from hybridkv.engine.allocator import CacheHit
+    from hybridkv.engine.disagg.results import PDPath
     from hybridkv.engine.logprobs import TokenLogprob
 
 MAX_SEED = 2**63 - 1
@@ -70,23 +71,23 @@ class Outcome:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at the first admission (not computed)."""
+    """Prompt tokens served from the prefix cache at the first admission (not computed; PD: the prefill side's)."""
     _: KW_ONLY
     cached_tokens_details: dict[str, int] | None = None
     """``cached_tokens`` by where they came from {device, host, storage} (None: whoever ended it does not say)."""
     hit: CacheHit | None = None
     """A single engine's first admission's match per component (full / window / checkpoint lengths)."""
     retractions: int = 0
+    """Times the engine (PD: the decode engine) retracted it and computed it again."""
     rid: Hashable = None
-    """The engine's id of the request (None where it never had one)."""
+    """The engine's id of the request (PD: its submission index; None where it never had one)."""
     logprobs: list[TokenLogprob] | None = None
     """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
     prompt_logprobs: list[TokenLogprob] | None = None
     """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
-    disaggregated: dict[str, Any] | None = None
-    """A PD request's path: ``attempts`` (1, plus one per engine death that made it run again),
-    ``retractions``, ``transfer_bytes`` (every decode rank's, summed) and ``timing`` (``queue_s``,
-    ``prefill_s``, ``transfer_s``, ``decode_s``; null when it failed); None from a single engine."""
+    pd: PDPath | None = None
+    """A disaggregated request's path (attempts, bytes moved, timing); None from a single engine or where the
+    PD server never ended it (a backend's own refusal)."""
     stop_string: str | None = None
     """The stop string its text matched, ending it with ``stop`` (set by the HTTP ``Generation``, never by an
     engine or a backend)."""

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.engine.disagg import PDServer, RequestResult
+from hybridkv.engine.disagg import PDServer
 from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.registry import text_config
 from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams, check_request
@@ -80,7 +80,7 @@ class PDBackend:
             checked = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
             req = _Open(sink, len(checked.ids))
             ticket = self.server.submit(
-                checked, on_token=sink.on_token, on_done=lambda result: self._done(req, result), cache_salt=cache_salt
+                checked, on_token=sink.on_token, on_done=lambda result: self._end(req, result), cache_salt=cache_salt
             )
         except RequestError:
             self._release()
@@ -204,30 +204,6 @@ class PDBackend:
             self._end(req, Outcome([], FinishReason.ABORT, "the server shut down", req.prompt_tokens, 0))
 
     # --- the router thread ------------------------------------------------------------------
-
-    def _done(self, req: _Open, result: RequestResult) -> None:
-        error = result.reason or None
-        t = result.timing
-        path = {
-            "attempts": result.attempts,
-            "retractions": result.retractions,
-            "transfer_bytes": result.transfer_bytes,
-            "timing": None
-            if t is None
-            else {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s},
-        }
-        self._end(
-            req,
-            Outcome(
-                result.output_ids,
-                result.finish_reason,
-                error,
-                result.prompt_tokens,
-                result.cached_tokens,
-                cached_tokens_details=result.cached_tokens_details,
-                disaggregated=path,
-            ),
-        )
 
     def _end(self, req: _Open, finished: Outcome) -> None:
         with self._cond:

@@ -6,11 +6,12 @@ from hybridkv.engine.disagg.pd import PDResult, run_pd
 from hybridkv.engine.disagg.results import (
     FAILED,
     FINISHED,
+    PDPath,
     PDRank,
-    RequestResult,
     RequestTiming,
     StageTiming,
     WorkerState,
+    pd_path,
 )
 from hybridkv.engine.disagg.server import PDServer
 
@@ -19,14 +20,15 @@ __all__ = [
     "FINISHED",
     "Fault",
     "PDConfig",
+    "PDPath",
     "PDRank",
     "PDResult",
     "PDServer",
     "PDStartError",
-    "RequestResult",
     "RequestTiming",
     "StageTiming",
     "WorkerState",
     "check_layout",
+    "pd_path",
     "run_pd",
 ]
