@@ -35,7 +35,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from hybridkv.engine.allocator import CacheHit
-    from hybridkv.engine.disagg.results import PDPath
+    from hybridkv.engine.disagg.path import PDPath
     from hybridkv.engine.logprobs import TokenLogprob
 
 MAX_SEED = 2**63 - 1

@@ -60,7 +60,7 @@ from hybridkv.server.stops import Stops, stop_strings
 from hybridkv.server.text import TextTokenizer
 
 if TYPE_CHECKING:
-    from hybridkv.engine.disagg.results import PDPath
+    from hybridkv.engine.disagg.path import PDPath
 
 
 def _fields(where: str) -> dict[str, str]:

@@ -2,17 +2,9 @@
 
 from hybridkv.engine.disagg.config import Fault, PDConfig, check_layout
 from hybridkv.engine.disagg.engines import PDStartError
+from hybridkv.engine.disagg.path import PDPath, RequestTiming, StageTiming
 from hybridkv.engine.disagg.pd import PDResult, run_pd
-from hybridkv.engine.disagg.results import (
-    FAILED,
-    FINISHED,
-    PDPath,
-    PDRank,
-    RequestTiming,
-    StageTiming,
-    WorkerState,
-    pd_path,
-)
+from hybridkv.engine.disagg.results import FAILED, FINISHED, PDRank, WorkerState, pd_path
 from hybridkv.engine.disagg.server import PDServer
 
 __all__ = [

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.engine.disagg.config import PDConfig
-from hybridkv.engine.disagg.results import PDRank, RequestTiming, pd_path
+from hybridkv.engine.disagg.path import RequestTiming
+from hybridkv.engine.disagg.results import PDRank, pd_path
 from hybridkv.engine.disagg.server import PDServer
 from hybridkv.engine.request import Outcome, SamplingParams
 
