@@ -186,3 +186,14 @@ def test_bench_engine_runs_every_contender_on_the_widened_models_and_refuses_a_b
     for bad in ("0", "65"):
         refused = CliRunner().invoke(app, [*args, "--widen", bad])
         assert refused.exit_code == 2 and "--widen" in refused.output
+
+
+def test_bench_engine_in_bf16_runs_every_contender_in_bf16() -> None:
+    args = ["bench", "engine", "--model", "tiny-gemma3", "--requests", "2", "--max-new-tokens", "2", "--rounds", "1"]
+    result = CliRunner().invoke(app, [*args, "--padded-batch", "2", "--dtype", "bfloat16", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    (row,) = report["models"]
+    assert report["dtype"] == "bfloat16"
+    assert row["contenders"]["hf_one_by_one"]["exact"] == 2  # the oracle, in bf16, agrees with itself
+    assert row["tokens"] == 4 and all(run["computed_tokens"] > 0 for run in row["contenders"].values())

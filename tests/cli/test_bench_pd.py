@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from hybridkv.bench.pd import _covered, _union
+from hybridkv.bench.pd import _covered, _union, spec_bytes
 from hybridkv.cli import app
+from hybridkv.engine.random_models import save_random
 
 
 def test_interval_cover_and_union_count_overlapping_intervals_once() -> None:
@@ -27,6 +29,7 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
     sizing = result.stderr.splitlines()[0]
     assert sizing.startswith("hybridkv bench pd: max context ") and "per process" in sizing, result.stderr
     assert report["requests"] == 3 and report["prefill_pp"] == 2 and report["decode_tp"] == 2
+    assert report["dtype"] == "float32"
     rows = report["per_request"]
     assert len(rows) == 3
     for r in rows:
@@ -50,3 +53,14 @@ def test_bench_pd_json_moves_the_spec_bytes_and_measures_ttft_and_overlap() -> N
     assert t["exact"] == 3 and t["ttft_ratio"] > 0 and t["gbps"] > 0 and 0 <= t["overlap_ratio"] <= 1
     assert t["prefill_tokens_per_s_pd"] > 0 and t["prefill_throughput_ratio"] > 0 and t["handoff_mean_ms"] >= 0
     assert isinstance(t["ttft_goal_met"], bool) and t["alone_ttft_pd_mean_s"] > 0
+
+
+def test_bench_pd_in_bf16_moves_the_bf16_spec_bytes_and_stays_exact(tmp_path: Path) -> None:
+    args = ["bench", "pd", "--model", "tiny-gemma3", "--requests", "1", "--max-new-tokens", "2", "--page-size", "4"]
+    result = CliRunner().invoke(app, [*args, "--dtype", "bfloat16", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    (row,) = report["per_request"]
+    assert report["dtype"] == "bfloat16" and row["bytes_match"] and row["exact"], row
+    save_random("tiny-gemma3", str(tmp_path))  # attention only: bf16 K/V is half of fp32's, byte for byte
+    assert row["spec_bytes"] * 2 == sum(spec_bytes(str(tmp_path), 2, 4, row["prompt_tokens"]))

@@ -35,6 +35,7 @@ BAD_INPUTS += [
     (["bench", "engine", "--model", "tiny-llama"], "unknown models ['tiny-llama']"),
     (["bench", "engine", "--requests", "0"], "--requests"),
     (["bench", "engine", "--widen", "0"], "--widen"),
+    (["bench", "engine", "--dtype", "int8"], "not a dtype this engine serves"),
     (["bench", "engine", "--widen", "65"], "--widen"),
     (["bench", "engine", "--block-tokens", "0"], "--block-tokens"),
 ]
@@ -78,6 +79,7 @@ BAD_INPUTS += [
     (["bench", "pd", "--model", "tiny-nope"], "not a tiny random model"),
     (["bench", "pd", "--prefill-tp", "0"], "--prefill-tp"),
     (["bench", "pd", "--transport", "nixl"], "unknown transport 'nixl'"),
+    (["bench", "pd", "--dtype", "float64"], "not a dtype this engine serves"),
     (["demo", "--requests", "2"], "--requests"),
     (["demo", "--requests", "7"], "--requests"),
     (["demo", "--fault", "bogus"], "unknown fault 'bogus'; choose one of kill-prefill"),

@@ -334,8 +334,11 @@ def bench_model(
     compile_blocks: bool = False,
     widen: int = 1,
 ) -> dict[str, Any]:
+    dtype = engine_args.get("dtype", torch.float32)  # every contender computes in it
     oracle_model, config = build_random(name, widen)
+    oracle_model.to(dtype)
     fast, attention = fast_attention(name, widen)
+    fast.to(dtype)
     pad = int(getattr(config, "pad_token_id", None) or 0)
     engine = Engine(config, oracle_model, **engine_args)
     entries = record_entry_points(engine, prompts, new)
@@ -447,9 +450,11 @@ def run(
     max_context: int | None = None,
     device: str = "cpu",
     widen: int = 1,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """``device``: where the engine's weights and memory live (``transformers`` runs on the CPU); ``widen``: every
-    model's widths times this (``random_models.widened``)."""
+    model's widths times this (``random_models.widened``); ``dtype``: what every contender computes in (the
+    engine's weights, activations and K/V; ``transformers``' model), so ``exact`` compares like with like."""
     models = models or tiny_names()
     checkpoints = checkpoints or engine_default(chunk_size, page_size)
     unknown = sorted(set(models) - set(tiny_names()))
@@ -466,6 +471,7 @@ def run(
         "max_step_tokens": max_step_tokens,
         "max_context": max_context,
         "device": device,
+        "dtype": getattr(torch, dtype),
     }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -492,6 +498,7 @@ def run(
         "padded_batch": padded_batch,
         "compile_blocks": compile_blocks,
         "widen": widen,
+        "dtype": dtype,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "goals": {"vs_strongest": GOAL_VS_BEST, "cpu_per_computed_ratio": GOAL_CPU_RATIO, "hybridkv_share": GOAL_SHARE},

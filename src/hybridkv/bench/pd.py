@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hybridkv.bench.engine import conversation_prompts
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, pd_path
 from hybridkv.engine.engine import Engine, engine_spec
@@ -68,9 +70,12 @@ TTFT_MARGIN_S = 0.010
 """The goal: disaggregated mean TTFT at most the single process's + the mean handoff + this."""
 
 
-def spec_bytes(model_dir: str, decode_tp: int, page_size: int, seq_len: int) -> list[int]:
-    """Bytes a request of ``seq_len`` tokens holds on each decode TP rank, from the spec (see module doc)."""
-    spec = engine_spec(text_config(read_config(model_dir)))
+def spec_bytes(
+    model_dir: str, decode_tp: int, page_size: int, seq_len: int, dtype: torch.dtype = torch.float32
+) -> list[int]:
+    """Bytes a request of ``seq_len`` tokens holds on each decode TP rank, from the spec in ``dtype`` (see module
+    doc)."""
+    spec = engine_spec(text_config(read_config(model_dir)), dtype)
     out = []
     for rank in range(decode_tp):
         total = 0
@@ -194,6 +199,7 @@ def _single_process(model_dir: str, prompts: list[list[int]], params: SamplingPa
         page_size=config.page_size,
         chunk_size=config.chunk,
         prefix_cache=config.prefix_cache,
+        dtype=config.torch_dtype,
     )
     engine.generate([list(p) for p in WARM_UP], 2)
     first: dict[int, float] = {}
@@ -277,6 +283,7 @@ def run(
     *,
     gpu_memory: int,
     max_context: int,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Serve the same requests disaggregated and in one process; the report's keys are the module doc's measures.
     ``gpu_memory`` (per process, both sides) and ``max_context``: the command's sizing (``cli/sizing.py``) for the
@@ -299,11 +306,12 @@ def run(
             max_context=max_context,
             prefix_cache=prefix_cache,
             gpu_memory=gpu_memory,
+            dtype=dtype,
         )
         pd, result = _disaggregated(config, prompts, params)
         with quiet_transformers():
             single = _single_process(model_dir, prompts, params, config)
-        expected = [spec_bytes(model_dir, decode_tp, page_size, n) for n in lengths]
+        expected = [spec_bytes(model_dir, decode_tp, page_size, n, config.torch_dtype) for n in lengths]
     computing = [(st.pp, st.compute) for req in result.requests for st in pd_path(req).stages]
     origin = min(c[0] for _, c in computing)
     rows = [
@@ -330,6 +338,7 @@ def run(
         "page_size": page_size,
         "chunk_size": chunk_size,
         "prefix_cache": prefix_cache,
+        "dtype": dtype,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / requests, 1), "max": max(lengths)},
         "per_request": rows,
         "totals": _totals(rows, pd, single),

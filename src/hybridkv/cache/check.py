@@ -5,21 +5,41 @@ checks. A test tool: it walks the whole tree.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from hybridkv.cache.locks import LockTable
 from hybridkv.cache.node import Node
+from hybridkv.cache.radix import RadixTree
+from hybridkv.cache.residency import Residency
+from hybridkv.cache.rules import HitRules
+from hybridkv.memory import UnifiedMemory
 
-if TYPE_CHECKING:
-    from hybridkv.cache.prefix_cache import HybridRadixCache
+
+class CacheView(Protocol):
+    """What the check reads of a ``HybridRadixCache`` (``prefix_cache.py``, which calls it)."""
+
+    mem: UnifiedMemory
+    page_size: int
+    rules: HitRules
+    tree: RadixTree
+    residency: Residency
+    locks: LockTable
+    max_checkpoints_per_path: int
+
+    @property
+    def cached_pages(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(f"cache check: {msg}")
 
 
-def check_tree(cache: HybridRadixCache) -> None:
+def check_tree(cache: CacheView) -> None:
     mem, rules, ps = cache.mem, cache.rules, cache.page_size
     res = cache.residency
     for n in res.stale:

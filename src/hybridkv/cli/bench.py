@@ -19,6 +19,7 @@ from rich.table import Table
 from hybridkv.cli.app import bench_app
 from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
+    DTYPE,
     MAX_STEP_TOKENS,
     device_option,
     engine_checkpoints,
@@ -211,6 +212,7 @@ def bench_engine(
         help="Multiply every width of the tiny models (hidden, MLP, head and state dims; 2: hidden 128); "
         "head counts, layers, experts and windows stay.",
     ),
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations scaled down, served by the engine and by transformers (one by one, left-padded
@@ -236,6 +238,7 @@ def bench_engine(
                 chunk_size,
                 device=device,
                 widen=widen,
+                dtype=dtype,
             )
             for m in models
         ),
@@ -259,6 +262,7 @@ def bench_engine(
         sizing.max_context,
         device,
         widen,
+        dtype,
     )
     if as_json:
         typer.echo(json.dumps(report))
@@ -268,7 +272,7 @@ def bench_engine(
     cols = ("contender", "wall s", "CPU s", "tok/s", "tok/CPU s", "computed", "CPU µs/computed", "hybridkv share")
     for r in report["models"]:
         table = Table(
-            title=f"{r['model']}{_widened(report['widen'])}: {report['requests']} requests, prompts "
+            title=f"{r['model']}{_widened(report['widen'])} {report['dtype']}: {report['requests']} requests, prompts "
             f"{lengths['min']}-{lengths['max']} tokens (mean {lengths['mean']}), {report['max_new_tokens']} new each, "
             f"best of {report['rounds']} alternating rounds, 1 torch thread, HF attention {r['hf_attention']}"
         )
@@ -353,13 +357,16 @@ def _size_tiny(
     layout: Layout | None = None,
     device: str = "cpu",
     widen: int = 1,
+    dtype: str = "float32",
 ) -> Sizing:
-    """``size`` for the tiny random model ``name`` (its widths times ``widen``) serving prompts of ``lengths`` on
-    ``device``."""
+    """``size`` for the tiny random model ``name`` (its widths times ``widen``) in ``dtype`` serving prompts of
+    ``lengths`` on ``device``."""
+    import torch
+
     from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.random_models import random_config
 
-    spec = engine_spec(random_config(name, widen))
+    spec = engine_spec(random_config(name, widen), getattr(torch, dtype))
     return size(
         command,
         spec,
@@ -389,6 +396,7 @@ def bench_pd(
     page_size: int = PAGE_SIZE,
     chunk_size: int = CHUNK_SIZE,
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Serve both sides without one."),
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Disaggregated serving vs single-process serving of the same requests: bytes vs the spec, transfer
@@ -398,7 +406,7 @@ def bench_pd(
     lengths = [len(p) for p in pd_prompts(requests, block_tokens, max_new_tokens)]
     layout = Layout(prefill_pp, prefill_tp, decode_tp)
     sizing = _size_tiny(
-        "bench pd", model, lengths, max_new_tokens, max_context, gpu_memory, page_size, chunk_size, layout
+        "bench pd", model, lengths, max_new_tokens, max_context, gpu_memory, page_size, chunk_size, layout, dtype=dtype
     )
     sizing.announce()
     report = run(
@@ -415,14 +423,15 @@ def bench_pd(
         not no_prefix_cache,
         gpu_memory=sizing.gpu_memory,
         max_context=sizing.max_context,
+        dtype=dtype,
     )
     if as_json:
         typer.echo(json.dumps(report))
         return
     cache = "on" if report["prefix_cache"] else "off"
     table = Table(
-        title=f"{model}: prefill PP {prefill_pp} x TP {prefill_tp} -> decode TP {decode_tp} over {transport} vs one "
-        f"process, {requests} requests, {max_new_tokens} new each, prefix cache {cache}"
+        title=f"{model} ({dtype}): prefill PP {prefill_pp} x TP {prefill_tp} -> decode TP {decode_tp} over "
+        f"{transport} vs one process, {requests} requests, {max_new_tokens} new each, prefix cache {cache}"
     )
     cols = ["request", "prompt", "cached PD/1", "bytes per decode rank", "= spec", "transfer ms", "GB/s"]
     cols += ["ops", "µs/op", "overlap", "other stage"]

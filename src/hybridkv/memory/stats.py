@@ -7,12 +7,9 @@ budget exactly (``verify()`` checks the same identity from first principles).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from hybridkv.memory.view import MemoryView
 from hybridkv.spec import PoolId
-
-if TYPE_CHECKING:
-    from hybridkv.memory.unified import UnifiedMemory
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ class MemoryStats:
         }
 
 
-def collect_stats(mem: UnifiedMemory) -> MemoryStats:
+def collect_stats(mem: MemoryView) -> MemoryStats:
     pools = []
     for pool in mem.pools.values():
         slabs = pool.owned_slabs().size

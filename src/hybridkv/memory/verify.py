@@ -7,23 +7,19 @@ test / debug tool, never called on the hot path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from hybridkv.memory.arena import FREE_SLAB
 from hybridkv.memory.pool import FREE, LIVE, UNUSABLE, CellStatus, SubPool
+from hybridkv.memory.view import MemoryView
 from hybridkv.memory.virtual import VirtualIds
-
-if TYPE_CHECKING:
-    from hybridkv.memory.unified import UnifiedMemory
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(f"memory verify: {msg}")
 
 
-def verify_memory(mem: UnifiedMemory) -> None:
+def verify_memory(mem: MemoryView) -> None:
     arena = mem.arena
     slab_live = np.zeros(arena.num_slabs, dtype=np.int64)
     accounted = arena.sink_bytes + arena.tail_bytes + arena.free_slabs * arena.slab_bytes
@@ -55,7 +51,7 @@ def verify_memory(mem: UnifiedMemory) -> None:
     _verify_window_held(mem)
 
 
-def _verify_window_held(mem: UnifiedMemory) -> None:
+def _verify_window_held(mem: MemoryView) -> None:
     """Window-cached cells, their own category: held by the page holder, live, resident, not
     needed whole by the holder (a cached page's cells are its own), counted exactly."""
     total = 0
@@ -78,7 +74,7 @@ def _verify_window_held(mem: UnifiedMemory) -> None:
         _fail(f"window-cached cells: {total} marked, total counter {mem.windows.holds.total}")
 
 
-def _verify_pool(mem: UnifiedMemory, pool: SubPool, slab_live: np.ndarray) -> int:
+def _verify_pool(mem: MemoryView, pool: SubPool, slab_live: np.ndarray) -> int:
     """Check one pool; add its live cells to ``slab_live``; return the bytes of its slabs."""
     arena, name, cell = mem.arena, str(pool.pool_id), pool.cell_bytes
     if pool.v2p[0] != 0 or pool.p2v[0] != 0:

@@ -24,15 +24,22 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from hybridkv.registry import Registry
 from hybridkv.spec.pools import FULL_POOL, MLA_POOL, RECURRENT_POOL, IdSpace, PoolId, WindowPool
 
-if TYPE_CHECKING:
-    from hybridkv.spec.parallel import Parallel
+
+class TensorSplit(Protocol):
+    """How a layer kind is split over tensor-parallel ranks (``spec.parallel.Parallel`` is one)."""
+
+    @property
+    def tp_size(self) -> int: ...
+
+    def kv_head_range(self, num_kv_heads: int, tp_rank: int) -> tuple[int, int]: ...
+
 
 _DTYPES = Registry[torch.dtype](
     "dtype",
@@ -149,7 +156,7 @@ class LayerKind(ABC):
         """
 
     @abstractmethod
-    def shard(self, parallel: Parallel, tp_rank: int) -> LayerKind:
+    def shard(self, parallel: TensorSplit, tp_rank: int) -> LayerKind:
         """This kind as TP rank ``tp_rank`` holds it (heads / state dims divided)."""
 
     @abstractmethod
@@ -201,7 +208,7 @@ class KVHeads(LayerKind):
             CellTensor("v", kv_dtype, (cell_tokens, self.num_kv_heads, self.v_head_dim), 1),
         )
 
-    def shard(self, parallel: Parallel, tp_rank: int) -> LayerKind:
+    def shard(self, parallel: TensorSplit, tp_rank: int) -> LayerKind:
         start, end = parallel.kv_head_range(self.num_kv_heads, tp_rank)
         return dataclasses.replace(self, num_kv_heads=end - start)  # type: ignore[type-var]
 
@@ -264,7 +271,7 @@ class MLA(LayerKind):
     def cell_tensors(self, cell_tokens: int, kv_dtype: torch.dtype) -> tuple[CellTensor, ...]:
         return (CellTensor("latent", kv_dtype, (cell_tokens, 1, self.elems_per_token()), None),)
 
-    def shard(self, parallel: Parallel, tp_rank: int) -> LayerKind:
+    def shard(self, parallel: TensorSplit, tp_rank: int) -> LayerKind:
         return self
 
     def recompute_flops_per_token(self, position: int) -> int:
@@ -298,7 +305,7 @@ class Linear(LayerKind):
     def cell_tensors(self, cell_tokens: int, kv_dtype: torch.dtype) -> tuple[CellTensor, ...]:
         return tuple(CellTensor(s.name, s.dtype, s.shape, s.tp_dim) for s in self.states)
 
-    def shard(self, parallel: Parallel, tp_rank: int) -> LayerKind:
+    def shard(self, parallel: TensorSplit, tp_rank: int) -> LayerKind:
         return Linear(self.variant, tuple(s.shard(parallel.tp_size) for s in self.states))
 
     def recompute_flops_per_token(self, position: int) -> int:
@@ -318,7 +325,7 @@ class NoCache(LayerKind):
     def cell_tensors(self, cell_tokens: int, kv_dtype: torch.dtype) -> tuple[CellTensor, ...]:
         return ()
 
-    def shard(self, parallel: Parallel, tp_rank: int) -> LayerKind:
+    def shard(self, parallel: TensorSplit, tp_rank: int) -> LayerKind:
         return self
 
     def recompute_flops_per_token(self, position: int) -> int:

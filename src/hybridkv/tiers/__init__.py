@@ -19,10 +19,11 @@ Depends on ``spec``, ``memory`` and ``cache`` only; nothing below imports it.
 """
 
 from hybridkv.tiers.base import PutStatus, StorageTier, Ticket, TierError, TierStats, TierTimeout
+from hybridkv.tiers.counters import TierCounters
 from hybridkv.tiers.device import DeviceView, device_view
 from hybridkv.tiers.dict_store import DictStore
 from hybridkv.tiers.framing import MissReason
-from hybridkv.tiers.hierarchy import TierCounters, TierHierarchy, WritePolicy
+from hybridkv.tiers.hierarchy import TierHierarchy, WritePolicy
 from hybridkv.tiers.hit import Residency, TierHit, Where, cross_tier_hit
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.keys import KeySpace

@@ -38,16 +38,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 import torch
 
+import hybridkv.tiers.restore as restore
 from hybridkv.cache import ComponentKind, HybridRadixCache, Node
 from hybridkv.spec import PoolId
-from hybridkv.tiers import restore
 from hybridkv.tiers.base import PutStatus, StorageTier, Ticket, TierError
+from hybridkv.tiers.counters import TierCounters
 from hybridkv.tiers.device import read_cells
 from hybridkv.tiers.framing import HEADER, meta_frame, write_header
 from hybridkv.tiers.hit import Where
@@ -62,31 +62,6 @@ class WritePolicy(StrEnum):
 
 
 NO_BOUNDARY = np.iinfo(np.int64).max
-
-
-@dataclass
-class TierCounters:
-    written_bytes: Counter[str] = field(default_factory=Counter)
-    """Bytes written per tier name."""
-    written_objects: Counter[str] = field(default_factory=Counter)
-    write_refused: Counter[str] = field(default_factory=Counter)
-    """Objects a tier refused (full, down, error, larger than its budget), per tier name."""
-    write_around: Counter[str] = field(default_factory=Counter)
-    """Objects larger than host memory's budget written straight to the store, per component label."""
-    loaded_bytes: Counter[str] = field(default_factory=Counter)
-    """Bytes restored to the device per source (``device`` is a device-to-device copy), for
-    the hits recorded (``record``)."""
-    load_seconds: float = 0.0
-    """Load-back time of the recorded hits at the stated bandwidths (host and store)."""
-    misses: Counter[str] = field(default_factory=Counter)
-    """Objects a planned load did not get, by ``MissReason``."""
-    fallbacks: int = 0
-    """Restores that fell back to the device hit because an object was missing."""
-    hit_tokens: dict[str, Counter[str]] = field(default_factory=dict)
-    """Per component label: hit tokens by the tier each needed piece came from."""
-    restored_tokens: int = 0
-    """Tokens of hits beyond the device's own hit (restored from the tiers)."""
-    restored_requests: int = 0
 
 
 class TierHierarchy:

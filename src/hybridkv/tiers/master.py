@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from hybridkv.tiers import mooncake_clients
 from hybridkv.tiers.base import TierError
+from hybridkv.tiers.mooncake_clients import forget as forget_clients
 
 LOOPBACK = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -173,7 +173,7 @@ class MooncakeMaster:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        mooncake_clients.forget(self.address)  # while it still answers: nothing is left pinging it
+        forget_clients(self.address)  # while it still answers: nothing is left pinging it
         proc.terminate()
         try:
             proc.wait(timeout=timeout_s)

@@ -46,9 +46,10 @@ import numpy as np
 import torch
 
 from hybridkv.native_log import init_log
-from hybridkv.tiers import mooncake_clients
 from hybridkv.tiers.base import PutStatus, StorageTier, Ticket, TierError, TierTimeout
 from hybridkv.tiers.framing import MissReason, write_header
+from hybridkv.tiers.mooncake_clients import give as pool_client
+from hybridkv.tiers.mooncake_clients import take as pooled_client
 
 T = TypeVar("T")
 
@@ -142,7 +143,7 @@ class MooncakeStoreTier(StorageTier):
             self._next_probe = time.monotonic() + self.retry_s
 
     def _connect(self) -> bool:
-        store = mooncake_clients.take(self._client_key)
+        store = pooled_client(self._client_key)
         if store is None:
             store = self._factory()
             # no segment from ``setup``: it is mounted apart, so that ``close`` can unmount it by id
@@ -168,7 +169,7 @@ class MooncakeStoreTier(StorageTier):
         """Unmount this tier's segment (its objects leave the store) and pool the client for the next
         tier (``mooncake_clients``); a client that cannot unmount is closed."""
         if not self._down and store.unmount_and_free_segment(self._segments, 0) == 0:
-            mooncake_clients.give(self._client_key, store)
+            pool_client(self._client_key, store)
         else:
             store.close()
 

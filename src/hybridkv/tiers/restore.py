@@ -28,20 +28,41 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.events import chain_hashes, root_hash
-from hybridkv.memory import MoveGate
+from hybridkv.memory import MoveGate, UnifiedMemory
 from hybridkv.spec import PoolId
-from hybridkv.tiers.base import Payload, Ticket, TierError
+from hybridkv.tiers.base import Payload, StorageTier, Ticket, TierError
+from hybridkv.tiers.counters import TierCounters
 from hybridkv.tiers.device import DeviceView, copy_cells, device_view, write_cells
 from hybridkv.tiers.framing import MissReason
 from hybridkv.tiers.hit import TIERS, Residency, TierHit, Where, cross_tier_hit
+from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.keys import KeySpace
 
-if TYPE_CHECKING:
-    from hybridkv.tiers.hierarchy import TierHierarchy
+
+class HierarchyView(Protocol):
+    """What loading back reads of ``hierarchy.TierHierarchy`` (which writes the tiers and calls these functions)."""
+
+    cache: HybridRadixCache
+    mem: UnifiedMemory
+    keys: KeySpace
+    host: HostTier | None
+    store: StorageTier | None
+    full_pools: tuple[PoolId, ...]
+    window_pools: tuple[PoolId, ...]
+    state_pool: PoolId | None
+    labels: dict[PoolId, str]
+    counters: TierCounters
+    timeout_s: float
+    bandwidth: dict[Where, float]
+
+    def tier(self, where: Where) -> StorageTier: ...
+
 
 _STATE = "checkpoint"
 _FIRST_CHUNK = 32
@@ -100,7 +121,7 @@ class Fetched:
     store: list[tuple[Piece, Ticket[list[Payload | MissReason]]]]
 
 
-def _lookup(h: TierHierarchy, pool: PoolId, names: list[int], idx: np.ndarray) -> np.ndarray:
+def _lookup(h: HierarchyView, pool: PoolId, names: list[int], idx: np.ndarray) -> np.ndarray:
     """Tier codes (host, else store, else nowhere) of the objects of pages ``idx``."""
     out = np.full(idx.size, Where.NOWHERE, dtype=np.int8)
     if not idx.size:
@@ -118,7 +139,7 @@ def _lookup(h: TierHierarchy, pool: PoolId, names: list[int], idx: np.ndarray) -
     return out
 
 
-def plan(h: TierHierarchy, tokens: np.ndarray, namespace: Hashable, device_tokens: int) -> TierPlan:
+def plan(h: HierarchyView, tokens: np.ndarray, namespace: Hashable, device_tokens: int) -> TierPlan:
     """Where every piece of ``tokens``' longest restorable prefix is (``device_tokens``: the
     device's own hit for the same tokens, ``MatchResult.length``). Pages past the device's are
     named and looked up in growing chunks, up to the first page no tier holds full KV of."""
@@ -182,7 +203,7 @@ def plan(h: TierHierarchy, tokens: np.ndarray, namespace: Hashable, device_token
 
 
 def _pieces(
-    h: TierHierarchy, pool: PoolId, where: np.ndarray, idx: np.ndarray, names: list[int], dev: DeviceView
+    h: HierarchyView, pool: PoolId, where: np.ndarray, idx: np.ndarray, names: list[int], dev: DeviceView
 ) -> list[Piece]:
     out = []
     for tier in TIERS:
@@ -195,7 +216,7 @@ def _pieces(
     return out
 
 
-def fetch(h: TierHierarchy, plan: TierPlan) -> Fetched:
+def fetch(h: HierarchyView, plan: TierPlan) -> Fetched:
     """Start the store's reads; pin the device's sources past the device hit."""
     if not plan.restores:
         return Fetched(plan, None, [])
@@ -216,7 +237,7 @@ def fetch(h: TierHierarchy, plan: TierPlan) -> Fetched:
     return Fetched(plan, gate, store)
 
 
-def commit(h: TierHierarchy, fetched: Fetched, pages: np.ndarray, slot: int | None) -> int:
+def commit(h: HierarchyView, fetched: Fetched, pages: np.ndarray, slot: int | None) -> int:
     """Copy the plan's pieces into the request's ``pages`` (its page ids from token 0) and
     running state ``slot``; returns the hit now valid (the plan's, or the device hit)."""
     plan = fetched.plan
@@ -249,7 +270,7 @@ def commit(h: TierHierarchy, fetched: Fetched, pages: np.ndarray, slot: int | No
             fetched.gate.release()
 
 
-def _gather(h: TierHierarchy, fetched: Fetched) -> list[tuple[Piece, list[Payload]]] | None:
+def _gather(h: HierarchyView, fetched: Fetched) -> list[tuple[Piece, list[Payload]]] | None:
     """Every piece's verified payloads, or None (counted by reason) if any is missing."""
     out: list[tuple[Piece, list[Payload]]] = []
     misses: Counter[str] = Counter()
@@ -280,7 +301,7 @@ def _gather(h: TierHierarchy, fetched: Fetched) -> list[tuple[Piece, list[Payloa
     return out
 
 
-def record(h: TierHierarchy, plan: TierPlan, end: int) -> None:
+def record(h: HierarchyView, plan: TierPlan, end: int) -> None:
     """Count a request's hit of ``end`` tokens (what ``commit`` returned) by component and
     source tier: once per request, when it is admitted for good."""
     ps, c = h.keys.page_size, h.counters

@@ -36,9 +36,9 @@ from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.models.base import WeightError
 from hybridkv.engine.parallel.forkserver import forkserver_pid
 from hybridkv.engine.scheduler import Role
+from tests.engine.disagg.test_disagg import CHUNK, PAGE, gone
+from tests.engine.disagg.test_disagg_faults import children
 from tests.engine.harness import hf_model
-from tests.engine.parallel.test_disagg import CHUNK, PAGE, gone
-from tests.engine.parallel.test_disagg_faults import children
 
 NAME = "tiny-qwen3-next"
 SHM = Path("/dev/shm")

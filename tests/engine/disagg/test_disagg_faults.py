@@ -52,8 +52,8 @@ from hybridkv.engine.parallel.forkserver import forkserver_threads
 from hybridkv.engine.request import SamplingParams
 from hybridkv.engine.scheduler import STEP_CHUNKS, Role
 from hybridkv.transfer import LayoutMismatch
+from tests.engine.disagg.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settled
 from tests.engine.harness import hf_model, make_runner, prompt, serve
-from tests.engine.parallel.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settled
 
 BASE = prompt(11, 13)
 PROMPTS = [tuple(BASE + prompt(20 + i, 3 + i)) for i in range(8)]

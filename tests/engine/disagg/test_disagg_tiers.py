@@ -13,8 +13,10 @@ objects, exact). Stage 1's stored objects damaged through the store's API: stage
 0 falls back with it, the request recomputes (exact). The router's master SIGKILLed with a prefix
 in the store: every rank's store tier goes down, requests go on from device and host memory
 (exact, in bounded time), write-backs to the store are refused; the master restarted on its ports,
-every rank's store comes back and serves a prefix again. Bad tier options of ``serve-pd``: one error
-line. The router's master, the workers: nothing outlives the servers.
+every rank's store comes back and serves a prefix again; the same once more over HTTP (``PDBackend``
+under ``HttpServer``, as ``serve --disaggregated`` runs it), with ``/metrics`` saying down, then up.
+Bad tier options of ``serve-pd``: one error line. The router's master, the workers: nothing outlives
+the servers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -39,8 +42,8 @@ from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.tiers import KeySpace, MooncakeStoreTier
 from hybridkv.tiers.framing import HEADER
+from tests.engine.disagg.test_disagg import gone
 from tests.engine.harness import hf_model, hf_reference, prompt
-from tests.engine.parallel.test_disagg import gone
 
 NAME = "tiny-qwen3-next"
 PAGE, CHUNK, NEW = 4, 8, 5
@@ -267,3 +270,61 @@ def test_bad_tier_options_of_serve_pd_are_one_error_line(tiers, message, model_d
     assert main(["serve-pd", "--model", str(model_dir), "--prompts", str(prompts), *tiers]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("hybridkv serve-pd:")]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err  # (the sizing line aside)
+
+
+def test_a_killed_master_over_http_on_the_disaggregated_server(first):
+    """The same over HTTP (``serve --disaggregated``'s front: ``PDBackend`` under ``HttpServer``), after the test
+    above restarted the master: it is SIGKILLed again; requests go on exact, ``/metrics`` says the store is down;
+    restarted, the store serves a prefix again and ``/metrics`` says it is up. Closing the front closes the server."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridkv.server import HttpServer, PDBackend, ServerConfig, bind
+
+    server, _ = first
+    master = server.master
+    assert master is not None
+    front = HttpServer(PDBackend(server, NAME, "3MB"), ServerConfig(), bind("127.0.0.1", 0), 10.0)
+    front.start()
+    key = uuid.uuid4().hex
+    try:
+
+        def generate(ids: tuple[int, ...]) -> dict[str, int]:
+            body = {"input_ids": list(ids), "extra_key": key, "sampling_params": {"max_new_tokens": NEW}}
+            body["sampling_params"] |= {"temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{front.url}/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == hf_reference(NAME, ids, NEW)[0], "tokens differ from transformers"
+            details: dict[str, int] = r.json()["meta_info"]["cached_tokens_details"]
+            return details
+
+        def store_up() -> float:
+            text = httpx.get(f"{front.url}/metrics", timeout=30).text
+            samples = (s for f in text_string_to_metric_families(text) for s in f.samples)
+            return next(s.value for s in samples if s.name == "hybridkv_tier_store_up")
+
+        def flush_into_the_store() -> None:
+            assert httpx.post(f"{front.url}/flush_cache?host=true", timeout=60).status_code == 200
+
+        generate(turn(31))
+        assert store_up() == 1
+        flush_into_the_store()
+        master.kill()
+        started = time.monotonic()
+        assert generate(turn(32))["storage"] == 0  # the store's objects are gone with it
+        assert store_up() == 0
+        flush_into_the_store()  # written back to a store that is down: refused at once
+        assert time.monotonic() - started < 60
+        master.start()
+        deadline, seed = time.monotonic() + 60, 33
+        while time.monotonic() < deadline:
+            flush_into_the_store()
+            if generate(turn(seed))["storage"]:
+                break
+            seed += 1
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the store did not come back over HTTP within 60 s of the master's restart")
+        assert store_up() == 1
+    finally:
+        front.stop()
+    assert all(gone(pid) for pid in server.pids())
