@@ -15,10 +15,11 @@ import torch
 
 from hybridkv.engine import pool_io
 from hybridkv.engine.allocator import RequestAllocator, RequestMemory
-from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.engine import Engine
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.ops.ssd import _tril_masks
 from hybridkv.engine.pool_io import TokenIO, pool_layouts
+from hybridkv.engine.request import Outcome
 from hybridkv.memory import LayoutError, OutOfMemory
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
@@ -68,7 +69,7 @@ def test_a_large_budget_needs_no_retraction() -> None:
 def test_bad_requests_fail_alone_and_the_others_stay_exact() -> None:
     engine = _engine("tiny-gemma3", 400_000, 4)
     good = PROMPTS[:3]
-    ended: list[tuple[int, Output]] = []
+    ended: list[tuple[int, Outcome]] = []
     outs = engine.generate(
         [good[0], [], good[1], [5, 256, 7], [3] * 95, good[2]], 6, on_output=lambda i, o: ended.append((i, o))
     )

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybridkv.engine.scheduler as scheduler_module
-from hybridkv.engine.engine import Engine, Output
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Outcome, SamplingParams
 from hybridkv.engine.scheduler import shared_prefix
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
@@ -53,7 +53,7 @@ class Logits:
 
         monkeypatch.setattr(scheduler_module, "choose_tokens", recording)
 
-    def check(self, name: str, index: int, ids: list[int], out: Output, max_new: int) -> None:
+    def check(self, name: str, index: int, ids: list[int], out: Outcome, max_new: int) -> None:
         tokens, ref = hf_reference(name, tuple(ids), max_new)
         assert out.error is None, out.error
         assert out.output_ids == tokens, f"request {index}: prompt of {len(ids)} tokens"
@@ -63,7 +63,7 @@ class Logits:
 
 
 def _checked(engine: Engine) -> Any:
-    def after(index: int, out: Output) -> None:
+    def after(index: int, out: Outcome) -> None:
         engine.mem.verify()
         engine.cache.check()
 
@@ -82,7 +82,7 @@ def test_shared_prefixes_hit_every_component_and_stay_exact(
     assert first[0].cached_tokens == 0
     logits.check(name, 0, FIRST, first[0], 6)
     # the first later request checkpoints where the shared prefix ends (its checkpoint_at); the others hit there
-    outs: list[Output] = []
+    outs: list[Outcome] = []
     for part in (LATER[:1], LATER[1:]):
         logits.rows.clear()
         done = engine.generate(part, 6, on_output=_checked(engine))
@@ -220,13 +220,13 @@ def test_a_prompt_sharing_a_running_prefill_waits_for_it_and_others_pass(
     for salt, waits in (("a", True), ("b", False)):
         engine = _engine(name, 2_000_000, 4, max_step_tokens=200)
         logits = Logits(monkeypatch)
-        rids = [engine.submit(FIRST, SamplingParams(max_new_tokens=4), salt="a")]
-        rids.append(engine.submit(LATER[0], SamplingParams(max_new_tokens=4), salt=salt))
-        rids.append(engine.submit(unrelated, SamplingParams(max_new_tokens=4), salt="a"))
+        rids = [engine.submit(FIRST, SamplingParams(max_new_tokens=4), cache_salt="a")]
+        rids.append(engine.submit(LATER[0], SamplingParams(max_new_tokens=4), cache_salt=salt))
+        rids.append(engine.submit(unrelated, SamplingParams(max_new_tokens=4), cache_salt="a"))
         engine.step()
         assert [r.rid for r in engine.sched.waiting] == ([rids[1]] if waits else [])
         assert {r.rid for r in engine.sched.running} == set(rids) - {r.rid for r in engine.sched.waiting}
-        outs: dict[int, Output] = {}
+        outs: dict[int, Outcome] = {}
         while engine.has_work():
             for out in engine.step().finished:
                 outs[out.rid] = out
@@ -277,7 +277,7 @@ def test_requests_arriving_at_random_steps_in_prefix_families_end_exact_and_keep
     engine = _engine(name, 2_000_000, page, max_step_tokens=data.draw(st.sampled_from([8, 20, 200]), "budget"))
     empty = live_counts(engine.mem)
     rids: dict[int, int] = {}
-    outs: dict[int, Output] = {}
+    outs: dict[int, Outcome] = {}
     for step in range(200):
         for i, at in enumerate(arrivals):
             if at == step:

@@ -53,5 +53,5 @@ def test_a_bad_prompt_is_refused_naming_what_is_wrong(prompt: Any, says: str) ->
     ],
 )
 def test_a_good_prompt_comes_back_as_plain_ints(prompt: Any) -> None:
-    ids = check_request(prompt, PARAMS, VOCAB, CONTEXT)
+    ids = check_request(prompt, PARAMS, VOCAB, CONTEXT).ids
     assert ids == [int(t) for t in prompt] and all(type(t) is int for t in ids)

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Outcome
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.tiers import MooncakeMaster, MooncakeStoreTier, TierHierarchy, base, hierarchy, mooncake_store
 from hybridkv.tiers.framing import HEADER
@@ -42,7 +43,7 @@ def salt() -> str:
     return uuid.uuid4().hex
 
 
-def run(e: Engine, name: str, ids: list[int], salt: str) -> Output:
+def run(e: Engine, name: str, ids: list[int], salt: str) -> Outcome:
     out = e.generate([ids], NEW, cache_salts=[salt])[0]
     assert out.error is None
     assert out.output_ids == hf_reference(name, tuple(ids), NEW)[0], f"{name}: tokens differ"

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.server import ByteTokenizer, EngineBackend, Finished
+from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.server import ByteTokenizer, EngineBackend
 from hybridkv.server.generation import STOPPED, Generation, LoopPost, Update, Writer
 from hybridkv.server.stops import Stops
 from tests.server.conftest import MODEL, SIZING
@@ -233,7 +233,7 @@ class Scripted:
         for t in self.tokens:
             self.sink.on_token(t)
         reason = FinishReason.ABORT if self.aborts else FinishReason.LENGTH
-        self.sink.on_finish(Finished(list(self.tokens), reason, "aborted" if self.aborts else None, 1, 0))
+        self.sink.on_finish(Outcome(list(self.tokens), reason, "aborted" if self.aborts else None, 1, 0))
 
 
 @pytest.mark.parametrize("early", [False, True])

@@ -27,11 +27,11 @@ import pytest
 from openai import AsyncOpenAI
 
 from hybridkv.engine.disagg import PDConfig, PDServer, WorkerState
-from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.engine import Engine
 from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.random_models import save_random
-from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.server import ByteTokenizer, Finished, HttpServer, PDBackend, QueueFull, ServerConfig, bind
+from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.server import ByteTokenizer, HttpServer, PDBackend, QueueFull, ServerConfig, bind
 from tests.server.conftest import API_KEY, MODEL, shared_prefix_prompts, stop_in
 from tests.server.test_endpoints import metric
 
@@ -68,7 +68,7 @@ def server(model_dir: Path) -> Iterator[HttpServer]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> list[Output]:
+def reference(model_dir: Path) -> list[Outcome]:
     engine = Engine(model_dir, gpu_memory="64MiB", page_size=16, chunk_size=16, max_context=256)
     return engine.generate(PROMPTS, MAX_NEW)
 
@@ -138,7 +138,7 @@ async def _stream_httpx(client: httpx.AsyncClient, url: str, ids: list[int]) -> 
 
 
 def test_32_concurrent_requests_equal_engine_generate_and_repeated_prefixes_hit(
-    server: HttpServer, reference: list[Output]
+    server: HttpServer, reference: list[Outcome]
 ) -> None:
     async def run_all() -> list[tuple[list[int], str, int]]:
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
@@ -236,13 +236,13 @@ def test_a_stop_string_ends_the_request_on_both_engines_streamed_and_not(server:
 class Collect:
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.end: Finished | None = None
+        self.end: Outcome | None = None
         self.ended = threading.Event()
 
     def on_token(self, token: int) -> None:
         self.tokens.append(token)
 
-    def on_finish(self, result: Finished) -> None:
+    def on_finish(self, result: Outcome) -> None:
         assert self.end is None, "a second end"
         self.end = result
         self.ended.set()

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import SamplingParams
-from hybridkv.server import EngineBackend, Finished
+from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.server import EngineBackend
 from hybridkv.server.warmup import NEW_TOKENS, SCHEDULE, prompt_lengths, warm_up
 from tests.server.conftest import MODEL, SIZING
 
@@ -17,12 +17,12 @@ from tests.server.conftest import MODEL, SIZING
 class _Wait:
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.result: Finished | None = None
+        self.result: Outcome | None = None
 
     def on_token(self, token: int, logprob: Any = None) -> None:
         del token, logprob
 
-    def on_finish(self, result: Finished) -> None:
+    def on_finish(self, result: Outcome) -> None:
         self.result = result
         self.done.set()
 

@@ -69,8 +69,9 @@ import torch
 from hybridkv.bench.hf_baselines import Result, continuous, fast_attention, one_by_one, padded, same_mix_cpu_s
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.compiled import compile_blocks as compiled_blocks
-from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import CONTEXT, VOCAB, build_random, quiet_transformers, tiny_names
+from hybridkv.engine.request import Outcome
 from hybridkv.engine.scheduler import step_budget
 from hybridkv.traces import MOONCAKE_TRACE, load_mooncake_trace
 
@@ -242,7 +243,7 @@ class EntryPoints:
 
 def _generate_timed(
     engine: Engine, prompts: list[list[int]], new: int, only: frozenset[str] | None
-) -> tuple[list[Output], tuple[float, float], CallTimer]:
+) -> tuple[list[Outcome], tuple[float, float], CallTimer]:
     """A pass on an emptied cache (each pass hits only on what its own earlier requests cached): its outputs, wall
     and CPU seconds and the timer of its hybridkv calls (``only``: the methods timed; None: every one)."""
     engine.clear_cache()

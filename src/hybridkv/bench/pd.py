@@ -7,7 +7,7 @@ that both sides load; the prefill processes and the single process run one torch
 Both serve with the same page size, chunk size and prefix-cache setting
 (disaggregated: the prefill engine's cache; single-process: the engine's).
 
-Measured per request (the disaggregated side from ``RequestResult``: its ``StageTiming`` per
+Measured per request (the disaggregated side from its ``Outcome``'s ``PDPath``: its ``StageTiming`` per
 prefill rank and its bytes per decode rank):
 - **bytes**: what every decode TP rank received, against what the spec says the request holds
   on that rank (``spec_bytes``: per pool of the rank's shard, the pages the pool's history rule
@@ -56,11 +56,11 @@ from typing import Any
 import torch
 
 from hybridkv.bench.engine import conversation_prompts
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, RequestResult
-from hybridkv.engine.engine import Engine, Output, engine_spec
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, pd_path
+from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts
 from hybridkv.spec import IdSpace, Parallel, ShardSpec
@@ -119,29 +119,30 @@ def _rel(iv: Interval, origin: float) -> list[float]:
 
 
 def request_row(
-    req: RequestResult, computing: Sequence[tuple[int, Interval]], spec: list[int], ttft_single: float, origin: float
+    req: Outcome, computing: Sequence[tuple[int, Interval]], spec: list[int], ttft_single: float, origin: float
 ) -> dict[str, Any]:
     """The measured columns of one finished request; ``computing``: (PP stage, compute interval) of every
     prefill rank and request; stamps in the report are seconds since ``origin``."""
-    if req.timing is None:
-        raise RuntimeError(f"request {req.index} {req.status}: {req.reason}")
-    sends = [st.send for st in req.stages]
-    overlap = sum(_covered(st.send, [c for _, c in computing]) for st in req.stages)
-    other = sum(_covered(st.send, [c for pp, c in computing if pp != st.pp]) for st in req.stages)
+    path = pd_path(req)
+    if path.timing is None:
+        raise RuntimeError(f"request {req.rid} {path.status}: {req.error or ''}")
+    sends = [st.send for st in path.stages]
+    overlap = sum(_covered(st.send, [c for _, c in computing]) for st in path.stages)
+    other = sum(_covered(st.send, [c for pp, c in computing if pp != st.pp]) for st in path.stages)
     send_s = sum(map(_length, sends))
-    ops = sum(st.ops for st in req.stages)
+    ops = sum(st.ops for st in path.stages)
     transfer_s = _union(sends)
-    moved = sum(req.decode_bytes)
+    moved = sum(path.decode_bytes)
     return {
         "cached_tokens_pd": req.cached_tokens,
-        "transfer_bytes_per_rank": list(req.decode_bytes),
+        "transfer_bytes_per_rank": list(path.decode_bytes),
         "transfer_bytes": moved,
         "spec_bytes_per_rank": spec,
         "spec_bytes": sum(spec),
-        "bytes_match": list(req.decode_bytes) == spec,
+        "bytes_match": list(path.decode_bytes) == spec,
         "transfer_s": round(transfer_s, 6),
         "gbps": round(moved / transfer_s / 1e9, 6) if transfer_s > 0 else None,
-        "handoff_s": round(req.timing.transfer_s, 6),
+        "handoff_s": round(path.timing.transfer_s, 6),
         "send_s": round(send_s, 6),
         "ops": ops,
         "send_us_per_op": round(send_s * 1e6 / ops, 2) if ops else None,
@@ -151,11 +152,11 @@ def request_row(
         "overlap_other_stage_ratio": _ratio(other, send_s),
         "stages": [
             {"pp": st.pp, "tp": st.tp, "compute": _rel(st.compute, origin), "send": _rel(st.send, origin)}
-            for st in req.stages
+            for st in path.stages
         ],
-        "ttft_pd_s": round(req.timing.ttft_s, 6),
+        "ttft_pd_s": round(path.timing.ttft_s, 6),
         "ttft_single_s": round(ttft_single, 6),
-        "ttft_ratio": round(req.timing.ttft_s / ttft_single, 4),
+        "ttft_ratio": round(path.timing.ttft_s / ttft_single, 4),
     }
 
 
@@ -206,7 +207,7 @@ def _single_process(model_dir: str, prompts: list[list[int]], params: SamplingPa
     def on_token(index: int, _token: int) -> None:
         first.setdefault(index, time.monotonic())
 
-    def burst(each: SamplingParams) -> tuple[list[Output], list[float]]:
+    def burst(each: SamplingParams) -> tuple[list[Outcome], list[float]]:
         engine.clear_cache()
         first.clear()
         arrival = time.monotonic()
@@ -233,35 +234,37 @@ def _single_process(model_dir: str, prompts: list[list[int]], params: SamplingPa
 
 def _disaggregated(config: PDConfig, prompts: list[list[int]], params: SamplingParams) -> tuple[_Side, PDResult]:
     """The same on disaggregated servers (a fresh one after the prefill-only burst: its prefix cache is
-    empty again); the burst's ``RequestResult``s for the per-request rows."""
+    empty again); the burst's ``Outcome``s for the per-request rows."""
     side = _Side()
     with PDServer(config) as server:
         for p in WARM_UP:
             server.result(server.submit(p, SamplingParams(2)))
         only = [server.result(h) for h in [server.submit(p, SamplingParams(1, ignore_eos=True)) for p in prompts]]
-    ttft = [r.timing.ttft_s for r in only if r.timing is not None]
+    ttft = [t.ttft_s for t in (pd_path(r).timing for r in only) if t is not None]
     if len(ttft) < len(only):
-        raise RuntimeError(f"a prefill-only request failed disaggregated: {[r.reason for r in only if r.reason]}")
+        raise RuntimeError(f"a prefill-only request failed disaggregated: {[r.error for r in only if r.error]}")
     side.prefill_tokens_per_s = _throughput(prompts, [r.cached_tokens for r in only], ttft)
     with PDServer(config) as server:
         for p in WARM_UP:
             server.result(server.submit(p, SamplingParams(2)))
         burst = [server.result(h) for h in [server.submit(p, params) for p in prompts]]
-        failed = [r for r in burst if r.status != FINISHED]
+        failed = [r for r in burst if pd_path(r).status != FINISHED]
         if failed:
             raise RuntimeError(
-                f"{len(failed)} requests failed disaggregated; request {failed[0].index}: {failed[0].reason}"
+                f"{len(failed)} requests failed disaggregated; request {failed[0].rid}: {failed[0].error}"
             )
         for ids in prompts:
             alone = server.result(server.submit(ids, params))
-            if alone.timing is None:
-                raise RuntimeError(f"a request served alone failed disaggregated: {alone.reason}")
-            side.alone_ttft.append(alone.timing.ttft_s)
+            timing = pd_path(alone).timing
+            if timing is None:
+                raise RuntimeError(f"a request served alone failed disaggregated: {alone.error}")
+            side.alone_ttft.append(timing.ttft_s)
             side.alone_cached.append(alone.cached_tokens)
-    side.ttft = [r.timing.ttft_s for r in burst if r.timing is not None]
+    timings = [pd_path(r).timing for r in burst]
+    side.ttft = [t.ttft_s for t in timings if t is not None]
     side.tokens = [r.output_ids for r in burst]
     side.cached = [r.cached_tokens for r in burst]
-    result = PDResult(side.tokens, server.ranks, [r.timing for r in burst], burst, server.deaths, [], [])
+    result = PDResult(side.tokens, server.ranks, timings, burst, server.deaths, [], [])
     return side, result
 
 
@@ -309,7 +312,7 @@ def run(
         with quiet_transformers():
             single = _single_process(model_dir, prompts, params, config)
         expected = [spec_bytes(model_dir, decode_tp, page_size, n, config.torch_dtype) for n in lengths]
-    computing = [(st.pp, st.compute) for req in result.requests for st in req.stages]
+    computing = [(st.pp, st.compute) for req in result.requests for st in pd_path(req).stages]
     origin = min(c[0] for _, c in computing)
     rows = [
         {"prompt_tokens": lengths[i], "cached_tokens_single": single.cached[i]}

@@ -117,9 +117,9 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def drive_engine(
-    engine: Engine, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str | None = None
+    engine: Engine, prompts: list[list[int]], offsets: list[float], max_new: int, cache_salt: str | None = None
 ) -> list[Trace]:
-    """Each prompt submitted at its offset from now, stepped to the end (``salt``: their cache namespace)."""
+    """Each prompt submitted at its offset from now, stepped to the end (``cache_salt``: their cache namespace)."""
     params = SamplingParams(max_new, 0.0, ignore_eos=True)
     start = time.perf_counter()
     traces = [Trace(start + o) for o in offsets]
@@ -128,7 +128,7 @@ def drive_engine(
     while nxt < len(prompts) or engine.has_work():
         now = time.perf_counter()
         while nxt < len(prompts) and traces[nxt].arrival <= now:
-            index[engine.submit(prompts[nxt], params, salt=salt)] = nxt
+            index[engine.submit(prompts[nxt], params, cache_salt=cache_salt)] = nxt
             nxt += 1
         if not engine.has_work():
             time.sleep(max(0.0, traces[nxt].arrival - time.perf_counter()))
@@ -192,26 +192,34 @@ async def _one_plain(client: SseClient, body: bytes, trace: Trace) -> None:
     await client.post("/generate", body, on_body)
 
 
-def _body(prompt: list[int], max_new: int, salt: str, stream: bool = True) -> bytes:
+def _body(prompt: list[int], max_new: int, cache_salt: str, stream: bool = True) -> bytes:
     sampling = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
-    return msgspec.json.encode({"input_ids": prompt, "sampling_params": sampling, "stream": stream, "cache_salt": salt})
+    return msgspec.json.encode(
+        {"input_ids": prompt, "sampling_params": sampling, "stream": stream, "cache_salt": cache_salt}
+    )
 
 
-async def _load(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
+async def _load(
+    target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, cache_salt: str
+) -> list[Trace]:
     client = SseClient(target.url, target.headers)
     try:
         await client.connect(len(prompts))  # every connection up before the clock starts
         start = time.perf_counter()
         traces = [Trace(start + o) for o in offsets]
-        await asyncio.gather(*[_one(client, _body(p, max_new, salt), t) for p, t in zip(prompts, traces, strict=True)])
+        await asyncio.gather(
+            *[_one(client, _body(p, max_new, cache_salt), t) for p, t in zip(prompts, traces, strict=True)]
+        )
     finally:
         client.close()
     return traces
 
 
-def drive_http(target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, salt: str) -> list[Trace]:
-    """Each prompt streamed at its offset from now, concurrently (``salt``: their cache namespace)."""
-    return uvloop.run(_load(target, prompts, offsets, max_new, salt))
+def drive_http(
+    target: Target, prompts: list[list[int]], offsets: list[float], max_new: int, cache_salt: str
+) -> list[Trace]:
+    """Each prompt streamed at its offset from now, concurrently (``cache_salt``: their cache namespace)."""
+    return uvloop.run(_load(target, prompts, offsets, max_new, cache_salt))
 
 
 @dataclass
@@ -235,9 +243,11 @@ async def _one_by_one(
         for client in clients:
             await client.connect(1)
         for i, prompt in enumerate(prompts):
-            salt = f"alone-{stream}-{i}-{time.time_ns()}"  # a namespace of its own: every side computes it in full
+            cache_salt = (
+                f"alone-{stream}-{i}-{time.time_ns()}"  # a namespace of its own: every side computes it in full
+            )
             start = time.thread_time()
-            (direct,) = drive_engine(engine, [prompt], [0.0], max_new, salt)
+            (direct,) = drive_engine(engine, [prompt], [0.0], max_new, cache_salt)
             direct_cpu = time.thread_time() - start
             direct_e2e = direct.end - direct.arrival
             for k in range(len(targets)):
@@ -246,7 +256,7 @@ async def _one_by_one(
                 before = server_cpu(target)  # around each request: the scrapes' own CPU stays out of the figures
                 start = time.thread_time()
                 http = Trace(time.perf_counter())
-                await send(client, _body(prompt, max_new, f"{salt}-{j}", stream), http)
+                await send(client, _body(prompt, max_new, f"{cache_salt}-{j}", stream), http)
                 alone.cpu.client += time.thread_time() - start
                 used = used_between(before, server_cpu(target), alone.scrape)
                 alone.cpu.engine += direct_cpu
@@ -292,9 +302,9 @@ async def _one_completion(client: SseClient, body: bytes, trace: Trace) -> None:
     await client.post("/v1/completions", body, on_event)
 
 
-def _completion_body(prompt: list[int], max_new: int, salt: str, logprobs: bool) -> bytes:
+def _completion_body(prompt: list[int], max_new: int, cache_salt: str, logprobs: bool) -> bytes:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": True, "cache_salt": salt} | ({"logprobs": 1} if logprobs else {})
+    body |= {"stream": True, "cache_salt": cache_salt} | ({"logprobs": 1} if logprobs else {})
     return msgspec.json.encode(body)
 
 
@@ -307,12 +317,14 @@ async def _endpoints(target: Target, prompts: list[list[int]], max_new: int) -> 
             traces = {}
             for k in range(len(ENDPOINTS)):  # each endpoint goes first as often as the others
                 name = ENDPOINTS[(i + k) % len(ENDPOINTS)]
-                salt = f"endpoints-{name}-{i}-{time.time_ns()}"  # its own namespace: computed in full
+                cache_salt = f"endpoints-{name}-{i}-{time.time_ns()}"  # its own namespace: computed in full
                 trace = Trace(time.perf_counter())
                 if name == "generate":
-                    await _one(client, _body(prompt, max_new, salt), trace)
+                    await _one(client, _body(prompt, max_new, cache_salt), trace)
                 else:
-                    await _one_completion(client, _completion_body(prompt, max_new, salt, name != "completions"), trace)
+                    await _one_completion(
+                        client, _completion_body(prompt, max_new, cache_salt, name != "completions"), trace
+                    )
                 e2e[name].append(trace.end - trace.arrival)
                 traces[name] = trace.tokens
             if len({tuple(t) for t in traces.values()}) != 1:
@@ -520,7 +532,9 @@ def _decoding(engine: Engine, prompt: list[int], max_new: int) -> Iterator[Calla
     def step() -> None:
         if not engine.has_work():
             rid[:] = [
-                engine.submit(prompt, SamplingParams(max_new, 0.0, ignore_eos=True), salt=f"probe-{time.time_ns()}")
+                engine.submit(
+                    prompt, SamplingParams(max_new, 0.0, ignore_eos=True), cache_salt=f"probe-{time.time_ns()}"
+                )
             ]
         engine.step()
 

@@ -130,9 +130,10 @@ def serve_pd(
     """Serve every prompt of a file through PP prefill processes and TP decode processes."""
     import torch
 
-    from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, run_pd
+    from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, pd_path, run_pd
     from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.registry import text_config
+    from hybridkv.engine.request import FinishReason
     from hybridkv.engine.weights import read_config
 
     if (model is None) == (random is None):
@@ -184,25 +185,29 @@ def serve_pd(
         sizing.announce()
         result = run_pd(config, params)
     name = random if random is not None else str(model)
-    outs = [(r.output_ids, r.finish_reason) if r.status == FINISHED else ([], "error") for r in result.requests]
+    paths = [pd_path(r) for r in result.requests]
+    outs = [
+        (r.output_ids, r.finish_reason) if path.status == FINISHED else ([], FinishReason.ERROR)
+        for r, path in zip(result.requests, paths, strict=True)
+    ]
     if as_json:
         requests = [
             {
                 "output_ids": tokens,
                 "finish_reason": reason,
-                "status": r.status,
-                "error": r.reason or None,
+                "status": path.status,
+                "error": r.error or None,
                 "cached_tokens": r.cached_tokens,
                 "cached_tokens_details": r.cached_tokens_details,
-                "transfer_bytes": r.transfer_bytes,
-                "attempts": r.attempts,
-                "timings": None if r.timing is None else {k: round(v, 6) for k, v in asdict(r.timing).items()},
+                "transfer_bytes": path.transfer_bytes,
+                "attempts": path.attempts,
+                "timings": None if path.timing is None else {k: round(v, 6) for k, v in asdict(path.timing).items()},
             }
-            for (tokens, reason), r in zip(outs, result.requests, strict=True)
+            for (tokens, reason), r, path in zip(outs, result.requests, paths, strict=True)
         ]
         totals = {
             "requests": len(outs),
-            "errors": sum(r.status != FINISHED for r in result.requests),
+            "errors": sum(path.status != FINISHED for path in paths),
             "prompt_tokens": sum(len(ids) for _, ids in lines),
             "output_tokens": sum(len(tokens) for tokens, _ in outs),
             "prefill_pp": prefill_pp,
@@ -212,19 +217,19 @@ def serve_pd(
         }
         typer.echo(json.dumps({"model": name, "requests": requests, "totals": totals}))
         return
-    for i, ((tokens, reason), r) in enumerate(zip(outs, result.requests, strict=True)):
+    for i, ((tokens, reason), r, path) in enumerate(zip(outs, result.requests, paths, strict=True)):
         head = f"request {i} ({len(lines[i][1])} prompt tokens, {r.cached_tokens} cached"
-        t = r.timing
+        t = path.timing
         if t is None:
-            typer.echo(f"{head}): FAILED: {r.reason}")
+            typer.echo(f"{head}): FAILED: {r.error or ''}")
             continue
         typer.echo(
             f"{head}, {reason}): {' '.join(map(str, tokens))}  "
             f"[queue {t.queue_s * 1e3:.1f} ms, prefill {t.prefill_s * 1e3:.1f} ms, "
-            f"transfer {t.transfer_s * 1e3:.1f} ms ({r.transfer_bytes} B), decode {t.decode_s * 1e3:.1f} ms, "
+            f"transfer {t.transfer_s * 1e3:.1f} ms ({path.transfer_bytes} B), decode {t.decode_s * 1e3:.1f} ms, "
             f"TTFT {t.ttft_s * 1e3:.1f} ms, TPOT {t.tpot_s * 1e3:.1f} ms]"
         )
-    failed = sum(r.status != FINISHED for r in result.requests)
+    failed = sum(path.status != FINISHED for path in paths)
     typer.echo(
         f"{len(outs)} requests ({failed} failed): PP {prefill_pp} x TP {prefill_tp} prefill -> "
         f"TP {decode_tp} decode over {transport}"

@@ -6,10 +6,10 @@ ways to drive it:
 
 - incremental, for servers: ``rid = engine.submit(prompt, SamplingParams(...))`` (validated at
   once: ``RequestError`` names the field), then ``engine.step()`` until ``has_work()`` is False;
-  each step returns the tokens it chose and the requests that ended (``Output``);
+  each step returns the tokens it chose and the requests that ended (``Outcome``);
   ``engine.abort(rid)`` ends a request between steps (its memory released at once);
 - batch: ``engine.generate(prompts, max_new_tokens)`` submits every prompt and steps until
-  they end, returning ``Output`` in input order (a bad prompt fails alone as an ``error`` output).
+  they end, returning ``Outcome`` in input order (a bad prompt fails alone as an ``error`` output).
 
 With ``prefix_cache`` (the default) requests go through a ``HybridRadixCache`` that lives as
 long as the engine: a prompt that shares a cached prefix (in its cache salt's namespace)
@@ -24,7 +24,8 @@ on some tier, restored before it computes. Outputs split ``cached_tokens`` into
 ``cached_tokens_details`` {device, host, storage}. ``close`` stops the tiers (and the master).
 
 Invariants:
-- Bad requests are refused at ``submit`` (``check_request``) and never reach the scheduler.
+- Bad requests are refused at ``submit`` (``check_request``) and never reach the scheduler; a
+  ``CheckedPrompt`` (a server's backend checked it) is not checked again.
 - When ``has_work()`` is False no request holds memory: the memory holds only what the cache
   keeps (nothing after ``clear_cache``), and ``verify()`` holds.
 """
@@ -41,10 +42,10 @@ import torch
 
 from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
-from hybridkv.engine.allocator import CacheHit, RequestAllocator
+from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, text_config
-from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
+from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
@@ -67,35 +68,12 @@ def eos_ids(config: Any) -> frozenset[int]:
 
 
 @dataclass(frozen=True)
-class Output:
-    output_ids: list[int]
-    finish_reason: str  # a FinishReason: "length", "eos", "stop", "abort" or "error"
-    error: str | None = None
-    retractions: int = 0
-    cached_tokens: int = 0
-    """Tokens of the prompt served from the prefix cache at the first admission (not computed)."""
-    hit: CacheHit | None = None
-    """The first admission's match per component (full / window / checkpoint lengths)."""
-    rid: Hashable = None
-    prompt_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
-
-    @property
-    def cached_tokens_details(self) -> dict[str, int]:
-        """``cached_tokens`` by where they came from: the device, host memory or the store."""
-        return dict(ZERO_DETAILS) if self.hit is None else self.hit.details
-
-
-@dataclass(frozen=True)
 class StepOutput:
     """What one ``Engine.step`` produced: ``(rid, token)`` for every token chosen, in order, and
     every request that ended (finished, aborted or failed)."""
 
     tokens: list[tuple[Hashable, int]] = field(default_factory=list)
-    finished: list[Output] = field(default_factory=list)
+    finished: list[Outcome] = field(default_factory=list)
     logprobs: dict[Hashable, TokenLogprob] = field(default_factory=dict)
     """The log-probability of the token each request that asks (``params.logprobs``) got this step."""
 
@@ -248,23 +226,35 @@ class Engine:
 
     # --- incremental API ----------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *, salt: Hashable = None) -> int:
-        """Queue one request; its id. ``RequestError`` (nothing queued) names what to change.
-        ``params.seed`` None: the request id is its seed. ``salt``: its prefix-cache namespace."""
-        params = params or SamplingParams()
-        ids = check_request(prompt, params, self.vocab_size, self.max_context)
+    def submit(
+        self,
+        prompt: CheckedPrompt | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: Hashable = None,
+    ) -> int:
+        """Queue one request; its id. ``prompt``: a ``CheckedPrompt`` (``check_request``'s, for this engine: not
+        checked again; it carries its params, so ``params`` stays None) or token ids, checked here with ``params``
+        (``RequestError``, nothing queued, names what to change). ``params.seed`` None: the request id is its
+        seed. ``cache_salt``: its prefix-cache namespace."""
+        if isinstance(prompt, CheckedPrompt):
+            if params is not None:
+                raise TypeError("a CheckedPrompt carries the params it was checked with: give no params")
+            checked = prompt.served_by(self.vocab_size, self.max_context)
+        else:
+            checked = check_request(prompt, params or SamplingParams(), self.vocab_size, self.max_context)
         rid = self._next_rid
         self._next_rid += 1
-        params = params.with_seed(rid)
-        self.sched.add(Request(rid, ids, params, params.stops(self.eos), salt))
-        self.stats["prompt_tokens"] += len(ids)
+        params = checked.params.with_seed(rid)
+        self.sched.add(Request(rid, checked.ids, params, params.stops(self.eos), cache_salt))
+        self.stats["prompt_tokens"] += len(checked.ids)
         self.stats["requests"] += 1
         return rid
 
     def has_work(self) -> bool:
         return self.sched.has_work()
 
-    def abort(self, rid: Hashable, reason: str = "aborted by the client") -> Output | None:
+    def abort(self, rid: Hashable, reason: str = "aborted by the client") -> Outcome | None:
         """End a queued or running request now, its memory released; None if it is not open."""
         req = self.sched.abort(rid, reason)
         if req is None:
@@ -315,7 +305,7 @@ class Engine:
             known = len(req.prompt_logprobs)  # prompt tokens 1 .. known have theirs
             req.prompt_logprobs += logprobs[max(0, known - start) :]
 
-    def _output(self, req: Request) -> Output:
+    def _output(self, req: Request) -> Outcome:
         hit = req.mem.hit
         cached = 0 if hit is None else hit.cached_tokens
         self.stats["cached_tokens"] += cached
@@ -332,8 +322,18 @@ class Engine:
         output = [] if reason is FinishReason.ERROR else req.output
         logprobs = None if req.params.logprobs is None else req.logprobs[: len(output)]
         prompt_logprobs = None if req.params.prompt_logprobs is None else list(req.prompt_logprobs)
-        return Output(
-            output, reason, req.error, req.retractions, cached, hit, req.rid, len(req.prompt), logprobs, prompt_logprobs
+        return Outcome(
+            output,
+            reason,
+            req.error,
+            len(req.prompt),
+            cached,
+            cached_tokens_details=dict(ZERO_DETAILS) if hit is None else hit.details,
+            hit=hit,
+            retractions=req.retractions,
+            rid=req.rid,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def metrics(self) -> dict[str, Any]:
@@ -368,15 +368,15 @@ class Engine:
         seed: int = 0,
         stop_at_eos: bool = True,
         cache_salts: Sequence[Hashable] | None = None,
-        on_output: Callable[[int, Output], None] | None = None,
+        on_output: Callable[[int, Outcome], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
-    ) -> list[Output]:
+    ) -> list[Outcome]:
         """Outputs in input order; requests are batched continuously, prefills chunked.
 
         ``max_new_tokens``: one count for all, one per prompt, or one ``SamplingParams`` per prompt
         (then ``temperature``, ``seed`` and ``stop_at_eos`` are not used). Otherwise request ``i``
         samples with ``seed + i``. ``cache_salts[i]``: request ``i``'s prefix-cache namespace
-        (requests of different salts never share cached KV). ``on_output(index, output)`` is called
+        (requests of different cache salts never share cached KV). ``on_output(index, output)`` is called
         as each request ends (finished or failed); ``on_token(index, token)`` as each token is
         chosen, right after the step that computed it. A prompt the engine refuses ends at once
         as an ``error`` output naming the problem; the others run as if it were not there."""
@@ -386,20 +386,25 @@ class Engine:
         )
         if len(spec) != n:
             raise ValueError(f"{len(spec)} max_new_tokens / params for {n} prompts; give one per prompt or one")
-        salts = [None] * n if cache_salts is None else list(cache_salts)
-        if len(salts) != n:
-            raise ValueError(f"{len(salts)} cache salts for {n} prompts; give one per prompt or none")
-        results: dict[int, Output] = {}
+        per_prompt = [None] * n if cache_salts is None else list(cache_salts)
+        if len(per_prompt) != n:
+            raise ValueError(f"{len(per_prompt)} cache salts for {n} prompts; give one per prompt or none")
+        results: dict[int, Outcome] = {}
         index: dict[Hashable, int] = {}
 
-        def end(i: int, out: Output) -> None:
+        def end(i: int, out: Outcome) -> None:
             results[i] = out
             if on_output is not None:
                 on_output(i, out)
 
-        for i, (prompt, what, salt) in enumerate(zip(prompts, spec, salts, strict=True)):
+        for i, (prompt, what, cache_salt) in enumerate(zip(prompts, spec, per_prompt, strict=True)):
             if isinstance(what, int) and what <= 0:
-                end(i, Output([], FinishReason.LENGTH, prompt_tokens=len(prompt)))
+                end(
+                    i,
+                    Outcome(
+                        [], FinishReason.LENGTH, prompt_tokens=len(prompt), cached_tokens_details=dict(ZERO_DETAILS)
+                    ),
+                )
                 continue
             try:
                 params = (
@@ -407,9 +412,10 @@ class Engine:
                     if isinstance(what, SamplingParams)
                     else SamplingParams(what, temperature, seed=seed + i, ignore_eos=not stop_at_eos)
                 )
-                index[self.submit(prompt, params, salt=salt)] = i
+                index[self.submit(prompt, params, cache_salt=cache_salt)] = i
             except RequestError as exc:
-                end(i, Output([], FinishReason.ERROR, f"request {i}: {str(exc).split(': ', 1)[1]}"))
+                why = f"request {i}: {str(exc).split(': ', 1)[1]}"
+                end(i, Outcome([], FinishReason.ERROR, why, cached_tokens_details=dict(ZERO_DETAILS)))
         while len(results) < n:
             if not self.has_work():
                 raise RuntimeError("the engine ran out of work with requests still open (a scheduler bug)")

@@ -1,4 +1,4 @@
-"""What a client asks of the engine: token ids and ``SamplingParams``, validated at the edge.
+"""What a client asks of the engine (token ids and ``SamplingParams``, validated at the edge) and how it ended.
 
 ``SamplingParams`` is the one description of how a request's tokens are chosen and when it
 ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
@@ -8,13 +8,16 @@ new token's log-probability and the n most likely tokens', ``engine.logprobs``) 
 (the same for every prompt token after the first: the prompt is then computed whole, no cache hit).
 ``check_request`` is the
 one validation every entry point runs before a request is queued; its ``RequestError`` names
-the offending field.
+the offending field, its ``CheckedPrompt`` is what the engines queue. ``Outcome`` is the one report of
+a request's end, from the engine through a server's backend to its HTTP answer.
 
 Invariants:
 - A ``SamplingParams`` holds only values the engine can serve: ``check`` raises
   ``RequestError`` (field named) for anything else, at construction.
-- A request ends for exactly one ``FinishReason``: ``length`` (max_new_tokens reached),
-  ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
+- A prompt is checked once: a ``CheckedPrompt`` exists only as ``check_request``'s answer, and an
+  engine given one checks only that it was checked for its own vocabulary and context.
+- A request ends for exactly one ``FinishReason``, reported once as its ``Outcome``: ``length``
+  (max_new_tokens reached), ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
   ``stop_token_ids``; the stop token is part of the output, as EOS is), ``abort`` (a client
   gave up) or ``error`` (it could not be served; ``error`` says why).
 """
@@ -23,11 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hybridkv.engine.allocator import CacheHit
+    from hybridkv.engine.disagg.path import PDPath
+    from hybridkv.engine.logprobs import TokenLogprob
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
@@ -51,6 +60,37 @@ class FinishReason(StrEnum):
     STOP = "stop"
     ABORT = "abort"
     ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request ended: what ``Engine.step`` and ``Engine.generate`` report and every server ``Sink`` gets."""
+
+    output_ids: list[int]  # every output token ([] when it failed)
+    finish_reason: FinishReason
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the first admission (not computed; PD: the prefill side's)."""
+    _: KW_ONLY
+    cached_tokens_details: dict[str, int] | None = None
+    """``cached_tokens`` by where they came from {device, host, storage} (None: whoever ended it does not say)."""
+    hit: CacheHit | None = None
+    """A single engine's first admission's match per component (full / window / checkpoint lengths)."""
+    retractions: int = 0
+    """Times the engine (PD: the decode engine) retracted it and computed it again."""
+    rid: Hashable = None
+    """The engine's id of the request (PD: its submission index; None where it never had one)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token when the request asked (``SamplingParams.logprobs``), else None."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
+    pd: PDPath | None = None
+    """A disaggregated request's path (attempts, bytes moved, timing); None from a single engine or where the
+    PD server never ended it (a backend's own refusal)."""
+    stop_string: str | None = None
+    """The stop string its text matched, ending it with ``stop`` (set by the HTTP ``Generation``, never by an
+    engine or a backend)."""
 
 
 def _int(value: object, name: str, lo: int, hi: int | None = None) -> int:
@@ -122,10 +162,31 @@ class SamplingParams:
         return dataclasses.replace(self, seed=seed % (MAX_SEED + 1))
 
 
-def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> list[int]:
-    """The prompt as a list of ints, or ``RequestError`` naming what makes it unservable: not a
-    list of ints, empty, ids outside ``[0, vocab_size)`` (stop ids too), or prompt + max new
-    tokens beyond ``max_context``."""
+@dataclass(frozen=True)
+class CheckedPrompt:
+    """A prompt ``check_request`` passed with ``params`` for a model of ``vocab_size`` ids and ``max_context``
+    tokens: what ``Engine.submit`` and ``PDServer.submit`` take without checking it again."""
+
+    ids: list[int]
+    params: SamplingParams
+    vocab_size: int
+    max_context: int
+
+    def served_by(self, vocab_size: int, max_context: int) -> CheckedPrompt:
+        """Itself, once it is known to have been checked for a model of these bounds (else ``ValueError``: a
+        caller's bug, not the client's)."""
+        if (self.vocab_size, self.max_context) != (vocab_size, max_context):
+            raise ValueError(
+                f"a prompt checked for {self.vocab_size} ids and {self.max_context} tokens of context went to "
+                f"a model of {vocab_size} ids and {max_context} tokens"
+            )
+        return self
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> CheckedPrompt:
+    """The prompt as a list of ints, checked with ``params``, or ``RequestError`` naming what makes it
+    unservable: not a list of ints, empty, ids outside ``[0, vocab_size)`` (stop ids too), or prompt +
+    max new tokens beyond ``max_context``."""
     if not isinstance(params, SamplingParams):
         raise RequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str | bytes | bytearray) or not isinstance(prompt, Sequence | np.ndarray):
@@ -160,4 +221,4 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
             f"prompt of {ids.size} tokens + {params.max_new_tokens} new exceeds the context of {max_context} "
             "tokens; shorten the prompt or lower max_new_tokens",
         )
-    return ids.tolist()
+    return CheckedPrompt(ids.tolist(), params, vocab_size, max_context)

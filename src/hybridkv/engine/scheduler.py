@@ -67,7 +67,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     stops: frozenset[int] = frozenset()
-    namespace: Hashable = None
+    cache_salt: Hashable = None  # its prefix-cache namespace
     mem: RequestMemory = field(default_factory=RequestMemory)
     tokens: list[int] = field(default_factory=list)
     computed: int = 0
@@ -211,7 +211,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         reuse = req.params.prompt_logprobs is None  # a prompt's log-probabilities need every position computed
-        req.mem = self.alloc.new(req.namespace, req.tokens, reuse)  # with tiers: its restore is planned now
+        req.mem = self.alloc.new(req.cache_salt, req.tokens, reuse)  # with tiers: its restore is planned now
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -258,7 +258,7 @@ class Scheduler:
     def reserve(self, req: Request) -> bool:
         """Hold memory for ``req``'s prompt while its KV arrives, on every rank or on none (False:
         nothing held; it fits only once other requests let go, or never: ``alone_in_memory``)."""
-        req.mem = self.alloc.new(req.namespace)
+        req.mem = self.alloc.new(req.cache_salt)
         try:
             self.alloc.reserve(req.mem, len(req.prompt))
             ok = 1
@@ -356,7 +356,7 @@ class Scheduler:
         page, limit = self.alloc.page_size, len(req.tokens) - 1  # the last token is always computed
         for other in prefilling:
             cached = _cached_end(other, page)
-            if other.namespace != req.namespace or cached + page > limit:
+            if other.cache_salt != req.cache_salt or cached + page > limit:
                 continue
             shared = shared_prefix(req.tokens, other.prompt, limit)
             if self.alloc.model_has_state:  # its checkpoints, sorted: the deepest within the shared prefix

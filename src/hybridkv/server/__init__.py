@@ -10,7 +10,7 @@ and ``HttpServer`` runs it from a thread. Depends on ``hybridkv.engine`` only; n
 """
 
 from hybridkv.server.app import create_app
-from hybridkv.server.backend import Backend, BackendClosed, Finished, ModelInfo, QueueFull, Sink
+from hybridkv.server.backend import Backend, BackendClosed, ModelInfo, QueueFull, Sink
 from hybridkv.server.engine_backend import EngineBackend
 from hybridkv.server.pd_backend import PDBackend
 from hybridkv.server.run import HttpServer, bind, serve
@@ -22,7 +22,6 @@ __all__ = [
     "BackendClosed",
     "ByteTokenizer",
     "EngineBackend",
-    "Finished",
     "HttpServer",
     "ModelInfo",
     "PDBackend",

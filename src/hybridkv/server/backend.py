@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import Outcome, SamplingParams
 
 
 class QueueFull(RuntimeError):
@@ -62,42 +62,19 @@ class ModelInfo:
     eos_ids: frozenset[int]
 
 
-@dataclass(frozen=True)
-class Finished:
-    """How one request ended."""
-
-    output_ids: list[int]  # every token the sink got ([] when it failed)
-    finish_reason: str  # a FinishReason: length, eos, stop, abort or error
-    error: str | None
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
-    cached_tokens_details: dict[str, int] | None = None
-    """``cached_tokens`` by where they came from {device, host, storage} (None: the backend does not say)."""
-    disaggregated: dict[str, Any] | None = None
-    """A PD request's path: ``attempts`` (1, plus one per engine death that made it run again),
-    ``retractions``, ``transfer_bytes`` (every decode rank's, summed) and ``timing`` (``queue_s``,
-    ``prefill_s``, ``transfer_s``, ``decode_s``; null when it failed); None from a single engine."""
-    logprobs: list[TokenLogprob] | None = None
-    """One per output token when the request asked (``SamplingParams.logprobs``)."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """One per prompt token after the first when the request asked (``SamplingParams.prompt_logprobs``)."""
-    stop_string: str | None = None
-    """The stop string its text matched, ending it with ``stop`` (set by ``Generation``, never by a backend)."""
-
-
 class Sink(Protocol):
     """Where a backend reports one request; called from the backend's thread, never concurrently."""
 
     def on_token(self, token: int, logprob: TokenLogprob | None = None) -> None: ...
 
-    def on_finish(self, result: Finished) -> None: ...
+    def on_finish(self, result: Outcome) -> None: ...
 
 
 class Backend(Protocol):
     info: ModelInfo
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
-        """Queue one request (thread-safe); its ticket. ``salt``: its prefix-cache namespace."""
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None) -> int:
+        """Queue one request (thread-safe); its ticket. ``cache_salt``: its prefix-cache namespace."""
         ...
 
     def abort(self, ticket: int, reason: str) -> None:

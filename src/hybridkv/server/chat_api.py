@@ -32,11 +32,11 @@ from hybridkv.server.schemas import (
     ApiError,
     ChatBody,
     ChatMessage,
-    cache_namespace,
     check_fits,
     ignored_fields,
     parse,
     refuse_unsupported_fields,
+    request_cache_salt,
     sampling,
 )
 from hybridkv.server.sse import Encode, EventStream, sse
@@ -132,8 +132,8 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
     stops = stop_strings(body.stop, body.include_stop_str_in_output, "stop", tokenizer)
     cid = body.rid if body.rid is not None else state.new_id("chatcmpl-")
     stream = bool(body.stream)
-    salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start([prompt], [params], salt, {cid: [0]}, FIELDS, False, stream, [stops])
+    cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
+    gen = state.start([prompt], [params], cache_salt, {cid: [0]}, FIELDS, False, stream, [stops])
     head = {"id": cid, "created": int(time.time()), "model": info.name}
     asked = body.logprobs is True
     if stream:

@@ -8,6 +8,7 @@ the step that produced them.
 Invariants:
 - Open requests (submitted, not yet ended) never exceed ``max_running + max_queued``: one more is
   refused with ``QueueFull`` before anything is queued.
+- A prompt is checked once, by ``submit`` (``check_request``); the engine takes its ``CheckedPrompt`` as is.
 - Every ticket handed out ends exactly once through its sink (finished, aborted, failed, or
   aborted by ``close``); a ticket's engine request id is known only to the engine thread.
 - An exception out of ``Engine.step`` is a bug: every open request fails with it, the backend is
@@ -27,18 +28,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.engine.engine import Engine, Output
-from hybridkv.engine.request import FinishReason, RequestError, SamplingParams, check_request
-from hybridkv.server.backend import BackendClosed, Finished, ModelInfo, QueueFull, Sink
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, SamplingParams, check_request
+from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink
 
 
 @dataclass
 class _Submit:
     ticket: int
-    prompt: list[int]
-    params: SamplingParams
+    prompt: CheckedPrompt
     sink: Sink
-    salt: str | None
+    cache_salt: str | None
 
 
 @dataclass
@@ -79,8 +79,8 @@ class EngineBackend:
 
     # --- any thread -------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
-        ids = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None) -> int:
+        checked = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
         with self._cond:
             if self._closing or self.broken is not None:
                 raise BackendClosed(self.broken or "the server is shutting down")
@@ -89,7 +89,7 @@ class EngineBackend:
             self._open_count += 1
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._inbox.append(_Submit(ticket, ids, params, sink, salt))
+            self._inbox.append(_Submit(ticket, checked, sink, cache_salt))
             self._cond.notify()
         return ticket
 
@@ -174,7 +174,9 @@ class EngineBackend:
                 self._inbox.clear()
             for item in items:  # what came in after the last drain: refused or answered
                 if isinstance(item, _Submit):
-                    item.sink.on_finish(Finished([], FinishReason.ABORT, "the server shut down", len(item.prompt), 0))
+                    item.sink.on_finish(
+                        Outcome([], FinishReason.ABORT, "the server shut down", len(item.prompt.ids), 0)
+                    )
                     self._release()
                 elif isinstance(item, _Call):
                     item.future.set_exception(BackendClosed(self.broken or "the engine thread has stopped"))
@@ -182,13 +184,8 @@ class EngineBackend:
     def _take(self, item: _Submit | _Abort | _Call) -> None:
         engine = self.engine
         if isinstance(item, _Submit):
-            try:
-                rid = engine.submit(item.prompt, item.params, salt=item.salt)
-            except RequestError as exc:  # checked at submit already: only a racing change could get here
-                item.sink.on_finish(Finished([], FinishReason.ERROR, str(exc), len(item.prompt), 0))
-                self._release()
-                return
-            self._open[rid] = _Open(item.ticket, item.sink, len(item.prompt))
+            rid = engine.submit(item.prompt, cache_salt=item.cache_salt)  # checked at submit: not again
+            self._open[rid] = _Open(item.ticket, item.sink, len(item.prompt.ids))
             self._rid_of[item.ticket] = rid
         elif isinstance(item, _Abort):
             open_rid = self._rid_of.get(item.ticket)
@@ -208,29 +205,18 @@ class EngineBackend:
         engine.clear_cache(host)
         return None
 
-    def _end(self, out: Output | None) -> None:
+    def _end(self, out: Outcome | None) -> None:
         if out is None or out.rid not in self._open:
             return
         req = self._open.pop(out.rid)
         del self._rid_of[req.ticket]
-        req.sink.on_finish(
-            Finished(
-                list(out.output_ids),
-                out.finish_reason,
-                out.error,
-                out.prompt_tokens,
-                out.cached_tokens,
-                out.cached_tokens_details,
-                logprobs=out.logprobs,
-                prompt_logprobs=out.prompt_logprobs,
-            )
-        )
+        req.sink.on_finish(out)  # the engine's own outcome: its lists are its own, never touched again
         self._release()
 
     def _fail(self, rid: Hashable, reason: str) -> None:
         req = self._open.pop(rid)
         del self._rid_of[req.ticket]
-        req.sink.on_finish(Finished([], FinishReason.ERROR, reason, req.prompt_tokens, 0))
+        req.sink.on_finish(Outcome([], FinishReason.ERROR, reason, req.prompt_tokens, 0))
         self._release()
 
     def _release(self) -> None:

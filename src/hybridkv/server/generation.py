@@ -16,7 +16,7 @@ Text: each ``Update`` carries its prompt's new text (``Progress.text``: all so f
 taken (``TextStream``), but for a prompt with stop strings (``stops``): its sink decodes each token in the
 backend's thread (``StopText``), so that the token completing a stop string ends the request there: the
 backend aborts it (its memory back), the tokens that still come are dropped, and its end is reported as
-``stop`` (``Finished.stop_string``) with the tokens up to the match; its text never goes past the match.
+``stop`` (``Outcome.stop_string``) with the tokens up to the match; its text never goes past the match.
 
 Invariants:
 - ``start`` submits every prompt or none: a refusal of prompt ``i`` aborts prompts ``0..i-1``.
@@ -46,8 +46,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import FinishReason, RequestError, SamplingParams
-from hybridkv.server.backend import Backend, Finished
+from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams
+from hybridkv.server.backend import Backend
 from hybridkv.server.stops import Stops, StopText
 from hybridkv.server.text import TextStream, TextTokenizer
 
@@ -63,7 +63,7 @@ class Progress:
     text: str = ""  # the text released so far
     first_at: float | None = None
     last_at: float | None = None
-    finished: Finished | None = None
+    finished: Outcome | None = None
     finished_at: float | None = None
 
 
@@ -71,11 +71,11 @@ class Progress:
 class Update:
     index: int
     new_tokens: list[int]
-    finished: Finished | None
+    finished: Outcome | None
     text: str = ""  # the text they add
 
 
-Event = tuple[int, int | None, Finished | None, float, bool, str]
+Event = tuple[int, int | None, Outcome | None, float, bool, str]
 """Prompt index, token, end, ``perf_counter`` stamp, whether it closes a chunk (``Generation.post`` decides), and
 the text it releases (a prompt with stop strings; the others' is decoded as it is taken)."""
 
@@ -220,7 +220,7 @@ class _Sink:
         if cut:
             self.gen.stop(self)
 
-    def on_finish(self, result: Finished) -> None:
+    def on_finish(self, result: Outcome) -> None:
         text = self.text
         if text is None:
             self.gen.post(self.index, None, result)
@@ -290,7 +290,7 @@ class Generation:
             self._sinks.append(_Sink(self, i, stop_text))
             self._texts.append(TextStream(tokenizer) if spec is None else None)
 
-    def start(self, params: list[SamplingParams], salt: str | None) -> None:
+    def start(self, params: list[SamplingParams], cache_salt: str | None) -> None:
         """Submit every prompt; on a refusal (``PromptRefused``, ``QueueFull``, ``BackendClosed``) abort
         what was submitted and re-raise."""
         self._max_new = [p.max_new_tokens for p in params]
@@ -298,7 +298,7 @@ class Generation:
             for i, (prompt, p) in enumerate(zip(self.prompts, params, strict=True)):
                 sink = self._sinks[i]
                 try:
-                    ticket = self.backend.submit(prompt, p, sink, salt)
+                    ticket = self.backend.submit(prompt, p, sink, cache_salt)
                 except RequestError as exc:
                     raise PromptRefused(i, exc) from None
                 self.tickets.append(ticket)
@@ -319,7 +319,7 @@ class Generation:
         if ticket is not None:
             self.backend.abort(ticket, sink.failure or STOPPED)
 
-    def _ends_chunk(self, index: int, token: int | None, finished: Finished | None, last: bool) -> bool:
+    def _ends_chunk(self, index: int, token: int | None, finished: Outcome | None, last: bool) -> bool:
         """Whether this event closes a chunk for the consumer: an end; when streamed, a prompt's first token and every
         ``stream_interval``-th (counted here, in the backend's thread), but its ``max_new_tokens``-th or ``last``: its
         end follows at once and closes the chunk with it (one write, not two)."""
@@ -330,9 +330,7 @@ class Generation:
             return False
         return n == 1 or n % self.stream_interval == 0
 
-    def post(
-        self, index: int, token: int | None, finished: Finished | None, text: str = "", last: bool = False
-    ) -> None:
+    def post(self, index: int, token: int | None, finished: Outcome | None, text: str = "", last: bool = False) -> None:
         """From the backend's thread: hand one event to the loop (dropped once the loop is closed); only an event
         that closes a chunk wakes it. Direct: keep it here; once a writer is attached, an event that closes a
         chunk writes it, and the last end, written too, wakes the loop (it ends the response). ``text``: what it
@@ -416,7 +414,7 @@ class Generation:
     def done(self) -> bool:
         return self._open == 0
 
-    def _apply(self, index: int, token: int | None, finished: Finished | None, at: float) -> None:
+    def _apply(self, index: int, token: int | None, finished: Outcome | None, at: float) -> None:
         p = self.progress[index]
         if token is not None:
             p.tokens.append(token)

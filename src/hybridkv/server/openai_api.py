@@ -33,19 +33,18 @@ from typing import Any
 from starlette.types import Receive
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import MAX_SEED, FinishReason, SamplingParams
-from hybridkv.server.backend import Finished
+from hybridkv.engine.request import MAX_SEED, FinishReason, Outcome, SamplingParams
 from hybridkv.server.generation import Generation, Update
 from hybridkv.server.hot import Answer, Json
 from hybridkv.server.logprob_format import openai_logprobs
 from hybridkv.server.schemas import (
     ApiError,
     CompletionBody,
-    cache_namespace,
     check_fits,
     ignored_fields,
     parse,
     refuse_unsupported_fields,
+    request_cache_salt,
     sampling,
     token_prompts,
 )
@@ -63,13 +62,13 @@ FIELDS = {
 }
 
 
-def finish_reason(result: Finished) -> str:
+def finish_reason(result: Outcome) -> str:
     if result.finish_reason in (FinishReason.EOS, FinishReason.STOP):
         return "stop"
     return str(result.finish_reason)
 
 
-def failure(index: int, batch: bool, result: Finished) -> ApiError:
+def failure(index: int, batch: bool, result: Outcome) -> ApiError:
     where = f"prompt[{index}]" if batch else "prompt"
     return ApiError(500, f"{where}: the engine failed this request: {result.error}", where)
 
@@ -120,10 +119,10 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
         prompts = [prompt for prompt in prompts for _ in range(n)]
         params = [_nth(p, j) for p in params for j in range(n)]
     cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
-    salt = cache_namespace(body.cache_salt, body.extra_key)
+    cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
     stream = bool(body.stream)
     gen = state.start(
-        prompts, params, salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream, [stops] * len(prompts)
+        prompts, params, cache_salt, {cid: list(range(len(prompts)))}, FIELDS, batch, stream, [stops] * len(prompts)
     )
     created = int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": info.name}
@@ -197,7 +196,7 @@ def openai_usage(gen: Generation, n: int = 1) -> dict[str, Any]:
     }
 
 
-def sglext(ended: list[Finished | None]) -> dict[str, Any]:
+def sglext(ended: list[Outcome | None]) -> dict[str, Any]:
     """SGLang's extension object: where the cached prompt tokens came from, summed over the prompts ended."""
     total = dict.fromkeys(("device", "host", "storage"), 0)
     for f in ended:

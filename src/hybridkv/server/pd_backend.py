@@ -5,8 +5,9 @@ The PD server's router thread is the backend's thread: it calls each request's `
 
 Invariants:
 - Open requests (submitted, not yet ended) never exceed ``max_running + max_queued``: one more is
-  refused with ``QueueFull`` before the PD server sees it; a refusal of the PD server itself
-  (``RequestError`` naming the field, a dead router: ``BackendClosed``) leaves nothing counted.
+  refused with ``QueueFull`` before the PD server sees it; a refusal (``check_request``'s ``RequestError``
+  naming the field, a dead router: ``BackendClosed``) leaves nothing counted.
+- A prompt is checked once, here (``check_request``); the PD server takes its ``CheckedPrompt`` as is.
 - Every ticket ends exactly once through its sink: from the router's ``on_done`` (finished,
   failed, aborted), or from ``close`` for one the router could not end (it was stuck); one lock
   decides which, so a late ``on_done`` changes nothing.
@@ -29,12 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.engine.disagg import PDServer, RequestResult
+from hybridkv.engine.disagg import PDServer
 from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import FinishReason, RequestError, SamplingParams
+from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.weights import read_config
-from hybridkv.server.backend import BackendClosed, Finished, ModelInfo, QueueFull, Sink
+from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink
 
 IN_FLIGHT = ("prefilling", "transferring", "decoding")  # PD phases of a running request ("queued": waiting)
 
@@ -67,7 +68,7 @@ class PDBackend:
 
     # --- any thread -------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, salt: str | None = None) -> int:
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None) -> int:
         with self._cond:
             why = self.health()
             if why is not None:
@@ -75,10 +76,11 @@ class PDBackend:
             if self._open_count >= self.capacity:
                 raise QueueFull(f"{self._open_count} requests are open, the most this server queues; retry later")
             self._open_count += 1
-        req = _Open(sink, len(prompt))
         try:
+            checked = check_request(prompt, params, self.info.vocab_size, self.info.max_context)
+            req = _Open(sink, len(checked.ids))
             ticket = self.server.submit(
-                prompt, params, on_token=sink.on_token, on_done=lambda result: self._done(req, result), salt=salt
+                checked, on_token=sink.on_token, on_done=lambda result: self._end(req, result), cache_salt=cache_salt
             )
         except RequestError:
             self._release()
@@ -87,7 +89,7 @@ class PDBackend:
             self._release()
             raise BackendClosed(str(exc)) from None
         with self._cond:
-            self._counts["prompt_tokens"] += len(prompt)
+            self._counts["prompt_tokens"] += len(checked.ids)
             req.ticket = ticket
             if not req.ended:
                 self._open[ticket] = req
@@ -199,35 +201,11 @@ class PDBackend:
         with self._cond:
             left = list(self._open.values())
         for req in left:
-            self._end(req, Finished([], FinishReason.ABORT, "the server shut down", req.prompt_tokens, 0))
+            self._end(req, Outcome([], FinishReason.ABORT, "the server shut down", req.prompt_tokens, 0))
 
     # --- the router thread ------------------------------------------------------------------
 
-    def _done(self, req: _Open, result: RequestResult) -> None:
-        reason, error = FinishReason(result.finish_reason), result.reason or None
-        t = result.timing
-        path = {
-            "attempts": result.attempts,
-            "retractions": result.retractions,
-            "transfer_bytes": result.transfer_bytes,
-            "timing": None
-            if t is None
-            else {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s},
-        }
-        self._end(
-            req,
-            Finished(
-                result.output_ids,
-                reason,
-                error,
-                result.prompt_tokens,
-                result.cached_tokens,
-                result.cached_tokens_details,
-                path,
-            ),
-        )
-
-    def _end(self, req: _Open, finished: Finished) -> None:
+    def _end(self, req: _Open, finished: Outcome) -> None:
         with self._cond:
             if req.ended:
                 return

@@ -396,7 +396,7 @@ def ignored_fields(body: _Strict, where: str = "") -> list[str]:
     return names
 
 
-def cache_namespace(cache_salt: str | None, extra_key: str | None) -> str | None:
+def request_cache_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
     """The prefix-cache namespace of a request: vLLM's ``cache_salt`` and SGLang's ``extra_key`` together (a
     request with either shares cached prefixes only with requests giving the same pair)."""
     if extra_key is None:

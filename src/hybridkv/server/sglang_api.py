@@ -30,13 +30,13 @@ every open request with ``abort_all``; a rid that is not open answers 404 naming
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from hybridkv.engine.request import FinishReason, SamplingParams
+from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
 from hybridkv.server.generation import Generation, Progress, Update
 from hybridkv.server.hot import Answer, Json
 from hybridkv.server.logprob_format import sglang_logprobs
@@ -45,12 +45,12 @@ from hybridkv.server.schemas import (
     ApiError,
     GenerateBody,
     SglangSampling,
-    cache_namespace,
     check_fits,
     ignored_fields,
     parse,
     refuse_unsupported,
     refuse_unsupported_fields,
+    request_cache_salt,
     sampling,
     token_prompts,
 )
@@ -58,6 +58,9 @@ from hybridkv.server.sse import EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.stops import Stops, stop_strings
 from hybridkv.server.text import TextTokenizer
+
+if TYPE_CHECKING:
+    from hybridkv.engine.disagg.path import PDPath
 
 
 def _fields(where: str) -> dict[str, str]:
@@ -133,6 +136,18 @@ def _finish_reason(p: Progress) -> dict[str, Any] | None:
     return {"type": str(f.finish_reason), "message": f.error}
 
 
+def _disaggregated(f: Outcome, pd: PDPath) -> dict[str, Any]:
+    t = pd.timing
+    return {
+        "attempts": pd.attempts,
+        "retractions": f.retractions,
+        "transfer_bytes": pd.transfer_bytes,
+        "timing": None
+        if t is None
+        else {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s},
+    }
+
+
 def _answer(gen: Generation, i: int, rid: str, logprobs: _Logprobs | None = None) -> dict[str, Any]:
     p = gen.progress[i]
     f = p.finished
@@ -146,8 +161,8 @@ def _answer(gen: Generation, i: int, rid: str, logprobs: _Logprobs | None = None
     }
     if f is not None and f.cached_tokens_details is not None:  # where the cached tokens came from
         meta["cached_tokens_details"] = f.cached_tokens_details
-    if f is not None and f.disaggregated is not None:  # a PD request's attempts, bytes and phase times
-        meta["disaggregated"] = f.disaggregated
+    if f is not None and f.pd is not None:  # a PD request's attempts, bytes and phase times
+        meta["disaggregated"] = _disaggregated(f, f.pd)
     if logprobs is not None and logprobs.asked[i]:
         meta.update(logprobs.meta(gen, i))
     return {"text": p.text, "output_ids": p.tokens, "meta_info": meta}
@@ -205,8 +220,8 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     asked = any(p.logprobs is not None for p in params)
     logprobs = _Logprobs(body, state.config.tokenizer, len(prompts)) if asked else None
     ids = {r: [i] for i, r in enumerate(rids)}
-    salt = cache_namespace(body.cache_salt, body.extra_key)
-    gen = state.start(prompts, params, salt, ids, fields, batch, body.stream, stops)
+    cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
+    gen = state.start(prompts, params, cache_salt, ids, fields, batch, body.stream, stops)
     if body.stream:
 
         def encode(updates: list[Update]) -> list[bytes]:

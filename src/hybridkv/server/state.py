@@ -124,7 +124,7 @@ class ServerState:
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
-        salt: str | None,
+        cache_salt: str | None,
         ids: dict[str, list[int]],
         fields: dict[str, str],
         batch: bool,
@@ -146,7 +146,7 @@ class ServerState:
             self.backend, self._post, prompts, stream, config.stream_interval, direct, config.tokenizer, stops
         )
         try:
-            gen.start(params, salt)
+            gen.start(params, cache_salt)
         except PromptRefused as exc:
             raise named(exc.error, fields, exc.index if batch else None) from None
         except QueueFull as exc:

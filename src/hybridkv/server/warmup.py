@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.server.backend import Backend, Finished
+from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.server.backend import Backend
 
 POLL_S = 0.05  # how often a wait looks at ``stop``
 ABORT_WAIT_S = 30.0  # an aborted request's end, at most
@@ -56,12 +56,12 @@ class _Collect:
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.result: Finished | None = None
+        self.result: Outcome | None = None
 
     def on_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
         del token, logprob
 
-    def on_finish(self, result: Finished) -> None:
+    def on_finish(self, result: Outcome) -> None:
         self.result = result
         self.done.set()
 
@@ -82,13 +82,13 @@ def warm_up(
     chunk = int(backend.describe().get("chunked_prefill_size") or 64)
     rng = random.Random(seed)
     vocab = backend.info.vocab_size
-    salt = f"hybridkv-warmup-{secrets.token_hex(8)}"
+    cache_salt = f"hybridkv-warmup-{secrets.token_hex(8)}"
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     open_: list[tuple[int, _Collect]] = []
     lengths = prompt_lengths(chunk, backend.info.max_context)
     for n in lengths:
         sink = _Collect()
-        open_.append((backend.submit([rng.randrange(vocab) for _ in range(n)], params, sink, salt), sink))
+        open_.append((backend.submit([rng.randrange(vocab) for _ in range(n)], params, sink, cache_salt), sink))
     deadline = time.monotonic() + timeout_s
     timed_out = False
     for ticket, sink in open_:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, RequestResult, WorkerState, run_pd
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, WorkerState, run_pd
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import Outcome, SamplingParams
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
 
 PAGE, CHUNK, MAX_NEW = 4, 5, 5
@@ -143,7 +143,7 @@ def test_sixteen_concurrent_mixed_requests_equal_the_single_engine_on_every_layo
         max_context=96,
     )
     streamed: dict[int, list[int]] = {i: [] for i in range(len(MIXED))}
-    ended: list[RequestResult] = []
+    ended: list[Outcome] = []
     with PDServer(config) as server:
         handles = [
             server.submit(ids, p, on_token=streamed[i].append, on_done=ended.append)
@@ -155,9 +155,9 @@ def test_sixteen_concurrent_mixed_requests_equal_the_single_engine_on_every_layo
         results = [server.result(h, timeout_s=120) for h in handles]
         aborted = server.result(long, timeout_s=120)
         states = settled(server)
-    assert aborted.finish_reason == "abort" and aborted.reason == "aborted: test" and aborted.output_ids == []
-    assert sorted(r.index for r in ended) == handles and all(r is results[r.index] for r in ended)
-    assert [r.status for r in results] == [FINISHED] * len(MIXED), [r.reason for r in results]
+    assert aborted.finish_reason == "abort" and aborted.error == "aborted: test" and aborted.output_ids == []
+    assert sorted(r.rid for r in ended) == handles and all(r is results[r.rid] for r in ended)
+    assert [r.pd.status for r in results] == [FINISHED] * len(MIXED), [r.error for r in results]
     assert [r.output_ids for r in results] == [o.output_ids for o in want]
     assert [r.finish_reason for r in results] == [o.finish_reason for o in want]
     assert [streamed[i] for i in range(len(MIXED))] == [r.output_ids for r in results]  # each token once, in order
@@ -192,15 +192,15 @@ def test_a_prefix_served_first_is_hit_and_its_whole_kv_still_moves(tmp_path: Pat
     single = serve(make_runner(name, PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)
     for i, ids in enumerate(PROMPTS):
         r = result.requests[i]
-        assert r.status == FINISHED and r.attempts == 1, r
+        assert r.pd.status == FINISHED and r.pd.attempts == 1, r
         assert result.output_ids[i] == single[i].tokens, f"{name} request {i}"
         hf_tokens, _ = hf_reference(name, ids, MAX_NEW)
         assert result.output_ids[i][: len(hf_tokens)] == hf_tokens, f"{name} request {i} vs transformers"
-        assert r.transfer_bytes > 0
+        assert r.pd.transfer_bytes > 0
     for i in SHARED:  # a hit shortened prefill, and the whole KV/state still moved
         hit = result.requests[i]
         assert hit.cached_tokens >= PAGE, (i, hit)
-        assert hit.transfer_bytes > result.requests[0].transfer_bytes
+        assert hit.pd.transfer_bytes > result.requests[0].pd.transfer_bytes
     assert result.requests[0].cached_tokens == 0
     roles = sorted((r.role, r.index, r.tp) for r in result.ranks)
     want = [("decode", t, t) for t in range(tp)] + [("prefill", s, t) for s in range(pp) for t in range(ptp)]
@@ -214,11 +214,13 @@ def test_a_prefix_served_first_is_hit_and_its_whole_kv_still_moves(tmp_path: Pat
     assert len(result.shm_files) == (tp if transport == "shm" else 0)
     assert not any(Path(f).exists() for f in result.shm_files)
     for r in result.requests:  # every prefill rank's compute and send window, every decode rank's bytes
-        assert sorted((s.pp, s.tp) for s in r.stages) == [(s, t) for s in range(pp) for t in range(ptp)]
-        for s in r.stages:
+        assert sorted((s.pp, s.tp) for s in r.pd.stages) == [(s, t) for s in range(pp) for t in range(ptp)]
+        for s in r.pd.stages:
             assert s.ok and s.nbytes > 0 and s.compute[0] < s.compute[1] <= s.send[0] <= s.send[1], s
             assert 0 < s.ops <= s.nbytes, s  # one op per contiguous run: at least a byte each
-        assert len(r.decode_bytes) == tp and sum(r.decode_bytes) == r.transfer_bytes == sum(s.nbytes for s in r.stages)
+        path = r.pd
+        assert len(path.decode_bytes) == tp and sum(path.decode_bytes) == path.transfer_bytes
+        assert path.transfer_bytes == sum(s.nbytes for s in path.stages)
     for t in result.timings:
         assert t is not None
         assert t.queue_s >= 0 and t.prefill_s > 0 and t.transfer_s >= 0 and t.decode_s > 0, t

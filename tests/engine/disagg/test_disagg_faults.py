@@ -191,18 +191,18 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
     killed_prefill, killed_decode = server.deaths
     assert killed_prefill.startswith("prefill stage 1 TP rank 0") and "killed by SIGKILL" in killed_prefill
     assert killed_decode.startswith("decode TP rank 1") and "killed by SIGKILL" in killed_decode
-    assert results[1].attempts == 2 and results[1].notes == (killed_prefill,), results[1]
-    assert results[3].attempts == 2 and results[3].notes == (killed_decode,), results[3]
+    assert results[1].pd.attempts == 2 and results[1].pd.notes == (killed_prefill,), results[1]
+    assert results[3].pd.attempts == 2 and results[3].pd.notes == (killed_decode,), results[3]
     assert results[3].cached_tokens > 0  # its retry hit the prefill cache its first attempt filled
     stalled = results[5]
-    assert stalled.status == FAILED and "timed out after 2.0 s" in stalled.reason, stalled
-    assert stalled.transfer_failed and metrics["transfer_failures"] == 1, metrics  # the stall, counted once
-    assert stalled.output_ids == [] and stalled.timing is None
+    assert stalled.pd.status == FAILED and "timed out after 2.0 s" in stalled.error, stalled
+    assert stalled.pd.transfer_failed and metrics["transfer_failures"] == 1, metrics  # the stall, counted once
+    assert stalled.output_ids == [] and stalled.pd.timing is None
     for r in results:
-        if r.index != 5:
-            assert r.status == FINISHED and r.output_ids == single[r.index].tokens, r
+        if r.rid != 5:
+            assert r.pd.status == FINISHED and r.output_ids == single[r.rid].tokens, r
     for r in results[6:]:
-        assert r.attempts == 1 and r.notes == ()
+        assert r.pd.attempts == 1 and r.pd.notes == ()
 
     # after each wave, every live worker is idle and holds what it held before its first request:
     # the decode epoch that survived the prefill death (its quarantined pages freed once the killed
@@ -243,10 +243,10 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_the
     with PDServer(config) as server:
         first, second = server.generate(prompts, GREEDY)
         states = settled(server)
-    assert first.status == FAILED and "timed out after 2.0 s" in first.reason, first
+    assert first.pd.status == FAILED and "timed out after 2.0 s" in first.error, first
     single = serve(make_runner("tiny-qwen3-next", PAGE), [list(prompts[1])], CHUNK, MAX_NEW)
-    assert second.status == FINISHED and second.output_ids == single[0].tokens, second
-    assert second.timing is not None and second.timing.ttft_s > 1.5  # it waited for request 0's memory
+    assert second.pd.status == FINISHED and second.output_ids == single[0].tokens, second
+    assert second.pd.timing is not None and second.pd.timing.ttft_s > 1.5  # it waited for request 0's memory
     assert server.deaths == [] and all(w.requests == 0 and w.live == w.live_before for w in states), states
     assert all(gone(pid) for pid in server.pids())
 
@@ -275,7 +275,7 @@ def test_a_full_decode_memory_retracts_and_every_output_stays_exact(qwen3_next: 
             results = [server.result(h, timeout_s=120) for h in handles]
             states = settled(server)
             want = single.generate([list(p) for p in prompts], params)
-            assert [r.status for r in results] == [FINISHED] * 3, results
+            assert [r.pd.status for r in results] == [FINISHED] * 3, results
             assert [r.output_ids for r in results] == [o.output_ids for o in want], temperature
             assert sum(r.retractions for r in results) > 0, results
             assert all(w.requests == 0 and w.live == w.live_before for w in states), states
@@ -313,12 +313,12 @@ def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank
         assert "RuntimeError: deliberate fault crash-prefill: prefill stage 1 computes request-1." in death
     assert killed.startswith("decode TP rank 1") and "killed by SIGKILL" in killed
     poison = first[1]
-    assert poison.status == FAILED and poison.output_ids == [] and poison.finish_reason == "error", poison
-    assert poison.reason == f"quarantined: the prefill engine died twice while it held this request: {crashed}; {again}"
+    assert poison.pd.status == FAILED and poison.output_ids == [] and poison.finish_reason == "error", poison
+    assert poison.error == f"quarantined: the prefill engine died twice while it held this request: {crashed}; {again}"
     innocent = [first[0], first[2], *second]
     for r in innocent:
-        assert r.status == FINISHED and r.output_ids == single[r.index].tokens, r
-    assert any(r.notes == (crashed,) for r in first[::2]), first  # present at the first death, computed again alone
+        assert r.pd.status == FINISHED and r.output_ids == single[r.rid].tokens, r
+    assert any(r.pd.notes == (crashed,) for r in first[::2]), first  # present at the first death, computed again alone
     assert server.lost == {}
     assert metrics["restarts"] == {"prefill": 2, "decode": 1} and metrics["quarantined"] == 1
     for wave in states:
@@ -359,13 +359,13 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
         states = settled(server)
         started = set(server.pids())
     single = serve(make_runner("tiny-qwen3-next", PAGE), [list(PROMPTS[0])], CHUNK, MAX_NEW)
-    assert first.status == FINISHED and first.output_ids == single[0].tokens, first
+    assert first.pd.status == FINISHED and first.output_ids == single[0].tokens, first
     (death,) = server.deaths
     assert death.startswith("decode TP rank 1") and "killed by SIGKILL" in death, death
     assert server.lost == {Role.DECODE: death}
     for r in [*lost, late]:
-        assert r.status == FAILED and r.reason == f"the decode engine is lost: {death}", r
-        assert r.output_ids == [] and r.timing is None
+        assert r.pd.status == FAILED and r.error == f"the decode engine is lost: {death}", r
+        assert r.output_ids == [] and r.pd.timing is None
     # only the prefill engine answers probes once the decode engine is lost, and it holds nothing
     assert sorted(w.name for w in states) == ["prefill stage 0 TP rank 0", "prefill stage 1 TP rank 0"]
     assert all(w.epoch == 0 and w.requests == 0 and w.live == w.live_before for w in states), states

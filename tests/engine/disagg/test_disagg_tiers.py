@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, RequestResult
+from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer
 from hybridkv.engine.engine import Engine, engine_spec
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
@@ -74,9 +74,9 @@ def config(path: Path, pp: int = 2, tp: int = 1, **tiers: object) -> PDConfig:
     )
 
 
-def served(server: PDServer, ids: tuple[int, ...], salt: str | None) -> RequestResult:
-    r = server.result(server.submit(ids, SamplingParams(NEW, ignore_eos=True), salt=salt), timeout_s=120)
-    assert r.status == FINISHED, r.reason
+def served(server: PDServer, ids: tuple[int, ...], salt: str | None) -> Outcome:
+    r = server.result(server.submit(ids, SamplingParams(NEW, ignore_eos=True), cache_salt=salt), timeout_s=120)
+    assert r.pd is not None and r.pd.status == FINISHED, r.error
     assert r.output_ids == hf_reference(NAME, ids, NEW)[0], "tokens differ from transformers"
     assert r.cached_tokens_details is not None and sum(r.cached_tokens_details.values()) == r.cached_tokens
     return r

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hybridkv.engine.agreement import Agreement
-from hybridkv.engine.engine import Engine, Output
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Outcome
 from hybridkv.tiers.framing import HEADER
 from tests.engine.harness import hf_reference, live_counts
 from tests.engine.test_tiers import NEW, A, engine, turn
@@ -62,9 +63,9 @@ def ranks(**tiers: object) -> list[Engine]:
     return engines
 
 
-def together(engines: list[Engine], ids: list[int], salt: str) -> list[Output]:
+def together(engines: list[Engine], ids: list[int], salt: str) -> list[Outcome]:
     """Every rank serves ``ids`` at once (each in its thread); their outputs, exact."""
-    outs: list[Output | BaseException | None] = [None] * len(engines)
+    outs: list[Outcome | BaseException | None] = [None] * len(engines)
 
     def serve(r: int) -> Callable[[], None]:
         def run() -> None:
@@ -85,7 +86,7 @@ def together(engines: list[Engine], ids: list[int], salt: str) -> list[Output]:
     for out in outs:
         if isinstance(out, BaseException):
             raise out
-    done = [o for o in outs if isinstance(o, Output)]
+    done = [o for o in outs if isinstance(o, Outcome)]
     want = hf_reference(NAME, tuple(ids), NEW)[0]
     assert [o.output_ids for o in done] == [want] * len(engines)
     return done

@@ -2,16 +2,9 @@
 
 from hybridkv.engine.disagg.config import Fault, PDConfig, check_layout
 from hybridkv.engine.disagg.engines import PDStartError
+from hybridkv.engine.disagg.path import PDPath, RequestTiming, StageTiming
 from hybridkv.engine.disagg.pd import PDResult, run_pd
-from hybridkv.engine.disagg.results import (
-    FAILED,
-    FINISHED,
-    PDRank,
-    RequestResult,
-    RequestTiming,
-    StageTiming,
-    WorkerState,
-)
+from hybridkv.engine.disagg.results import FAILED, FINISHED, PDRank, WorkerState, pd_path
 from hybridkv.engine.disagg.server import PDServer
 
 __all__ = [
@@ -19,14 +12,15 @@ __all__ = [
     "FINISHED",
     "Fault",
     "PDConfig",
+    "PDPath",
     "PDRank",
     "PDResult",
     "PDServer",
     "PDStartError",
-    "RequestResult",
     "RequestTiming",
     "StageTiming",
     "WorkerState",
     "check_layout",
+    "pd_path",
     "run_pd",
 ]

@@ -207,8 +207,9 @@ class DecodeRank(Worker):
                 if self.rank == 0:
                     self.conn.send(Failed(tid, req.error or "failed"))
             elif req.finish_reason is not FinishReason.ABORT:
+                assert req.finish_reason is not None  # it is finished
                 at = time.monotonic()
-                self.conn.send(Done(tid, tuple(req.output), str(req.finish_reason), at, nbytes, req.retractions))
+                self.conn.send(Done(tid, tuple(req.output), req.finish_reason, at, nbytes, req.retractions))
 
     def _phase(self, tid: str) -> Phase | None:
         report = self.receiver.status(tid)

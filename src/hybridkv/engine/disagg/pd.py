@@ -4,8 +4,8 @@
 (layout checked first: nothing starts on a mismatch), submits every prompt at once, waits for
 each, stops the server (every worker drains, verifies its memory and reports its live pages and
 slots) and returns ``PDResult``: per prompt, in input order, the tokens (``[]`` when failed), the
-``RequestTiming`` (``None`` when failed) and the ``RequestResult`` (status, reason, prefix-cache
-hit, bytes moved); plus every surviving worker's ``PDRank`` and one line per worker that died.
+``RequestTiming`` (``None`` when failed) and the ``Outcome`` (finish reason, error, prefix-cache
+hit; its ``PDPath``: status, bytes moved); plus every surviving worker's ``PDRank`` and one line per worker that died.
 Every process the server started is gone when it returns.
 """
 
@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.engine.disagg.config import PDConfig
-from hybridkv.engine.disagg.results import PDRank, RequestResult, RequestTiming
+from hybridkv.engine.disagg.path import RequestTiming
+from hybridkv.engine.disagg.results import PDRank, pd_path
 from hybridkv.engine.disagg.server import PDServer
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import Outcome, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class PDResult:
     output_ids: list[list[int]]  # per prompt ([] when the request failed)
     ranks: list[PDRank]  # every worker that stopped cleanly
     timings: list[RequestTiming | None]  # per prompt, input order (None when failed)
-    requests: list[RequestResult]  # per prompt: status, reason, cached tokens, bytes
+    requests: list[Outcome]  # per prompt: finish reason, error, cached tokens, its path (status, bytes)
     deaths: list[str]  # one line per worker that died while serving
     pids: list[int]  # every worker process the server started
     shm_files: list[str]  # every decode rank's shared-memory file (all unlinked by then)
@@ -51,7 +52,7 @@ def run_pd(
     return PDResult(
         [r.output_ids for r in results],
         server.ranks,
-        [r.timing for r in results],
+        [pd_path(r).timing for r in results],
         results,
         server.deaths,
         server.pids(),

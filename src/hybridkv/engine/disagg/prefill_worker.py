@@ -144,7 +144,7 @@ class PrefillRank(Worker):
     def apply(self, command: Command) -> None:
         if isinstance(command, Prefill):
             req = self.request(command.tid, command.ids, command.params)
-            req.namespace = command.salt
+            req.cache_salt = command.cache_salt
             self.sched.add(req)
             self.stamps[command.tid] = _Stamps()
             if command.fault is not None:

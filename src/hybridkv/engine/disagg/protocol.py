@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.engine.disagg.config import Fault
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import FinishReason, SamplingParams
 
 # --- commands ------------------------------------------------------------------------
 
@@ -26,7 +26,7 @@ class Prefill:
     ids: tuple[int, ...]
     params: SamplingParams  # the first token is chosen with them, as a single engine would
     fault: Fault | None = None  # a deliberate fault of this request (each rank applies its part)
-    salt: str | None = None  # its prefix-cache namespace
+    cache_salt: str | None = None  # its prefix-cache namespace
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class Tokens:
 class Done:
     tid: str
     tokens: tuple[int, ...]  # every output token, the first included
-    finish_reason: str  # a FinishReason
+    finish_reason: FinishReason
     at: float
     nbytes: int  # KV/state bytes this decode rank received for it
     retractions: int  # times the decode engine retracted it (then prefilled it again locally)

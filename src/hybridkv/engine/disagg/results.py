@@ -1,7 +1,7 @@
 """What a disaggregated server reports per request and per worker, and the router's record of a request.
 
-``RequestResult`` is a request's outcome: tokens, ``finished`` / ``failed`` with a reason, the
-finish reason, the prefix-cache hit, the bytes moved and ``RequestTiming``. ``RouterRequest`` is
+A request's end is an ``Outcome`` (tokens, finish reason, error, prefix-cache hit) whose ``pd`` is its
+``PDPath``: ``finished`` / ``failed``, the bytes moved, the attempts and ``RequestTiming``. ``RouterRequest`` is
 the router's mutable record of one request while it is open; its ``phase`` only moves forward
 within an attempt (QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED, or FAILED from
 anywhere); a retry after an engine death starts the next attempt at QUEUED.
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hybridkv.engine.disagg.path import PDPath, RequestTiming, StageTiming
 from hybridkv.engine.disagg.protocol import Done, Sent
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
 from hybridkv.engine.scheduler import Role
 
 FINISHED = "finished"
@@ -36,52 +37,6 @@ class Phase(Enum):
     DECODING = "decoding"  # every decode rank holds its KV/state
     FINISHED = "finished"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """One request's seconds; ``queue + prefill`` is the TTFT, ``transfer`` and ``decode`` follow it."""
-
-    queue_s: float  # submitted -> prefill starts it
-    prefill_s: float  # -> the first token
-    transfer_s: float  # -> every decode rank holds every prefill rank's KV/state
-    decode_s: float  # -> the slowest decode rank has the last token
-    ttft_s: float  # submitted -> first token
-    tpot_s: float  # decode seconds per token after the first (0 when only one token)
-
-
-@dataclass(frozen=True)
-class StageTiming:
-    """One prefill rank's part of a request (``time.monotonic`` stamps, one clock per host)."""
-
-    pp: int
-    tp: int
-    compute: tuple[float, float]  # its prefill of the request: first scheduled, last chunk done
-    send: tuple[float, float]  # handed to its sender -> the sender finished (every decode rank's leg)
-    nbytes: int  # bytes it wrote, to every decode rank
-    ops: int  # write ops it submitted for them (contiguous runs; a TP-sliced page gives one per token)
-    ok: bool
-    reason: str = ""  # why its sender failed ("" when ok)
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    index: int  # submission order
-    output_ids: list[int]  # every output token ([] when failed)
-    status: str  # FINISHED or FAILED
-    reason: str  # why it failed ("" when finished)
-    timing: RequestTiming | None  # None when failed
-    cached_tokens: int  # the prefill-side prefix-cache hit
-    transfer_bytes: int  # KV/state bytes every decode rank received, summed
-    attempts: int  # 1, plus one per engine death that held it after it started (it was computed again)
-    notes: tuple[str, ...]  # the deaths that re-routed or retried it
-    stages: tuple[StageTiming, ...] = ()  # per prefill rank (stage, TP rank) of its last attempt
-    decode_bytes: tuple[int, ...] = ()  # bytes each decode TP rank received (finished requests)
-    finish_reason: str = "error"  # a FinishReason: length, eos, stop, abort or error
-    retractions: int = 0  # times the decode engine retracted it (and prefilled it again locally)
-    prompt_tokens: int = 0
-    transfer_failed: bool = False  # the transfer layer failed it
-    cached_tokens_details: dict[str, int] | None = None  # ``cached_tokens`` by tier: device, host, storage
 
 
 @dataclass(frozen=True)
@@ -120,8 +75,8 @@ class RouterRequest:
     params: SamplingParams
     submitted: float
     on_token: Callable[[int], None] | None = None
-    on_done: Callable[[RequestResult], None] | None = None
-    salt: str | None = None  # its prefix-cache namespace on the prefill engine
+    on_done: Callable[[Outcome], None] | None = None
+    cache_salt: str | None = None  # its prefix-cache namespace on the prefill engine
     done: threading.Event = field(default_factory=threading.Event)
     phase: Phase = Phase.QUEUED
     tid: str = ""
@@ -138,7 +93,7 @@ class RouterRequest:
     streamed: int = 0  # output tokens handed to ``on_token`` so far, over every attempt
     attempts: int = 1  # + 1 per retry after an engine died holding it
     reasons: list[str] = field(default_factory=list)  # why it was re-routed or retried
-    result: RequestResult | None = None
+    result: Outcome | None = None
 
     def restart(self, tid: str, prefill_epoch: int) -> None:
         """A new attempt (first, re-routed or retried) on the prefill engine ``prefill_epoch``."""
@@ -192,22 +147,25 @@ class RouterRequest:
         )
         decode_bytes = tuple(self.finals[k].nbytes for k in sorted(self.finals))
         self.phase = Phase.FINISHED
-        self.result = RequestResult(
-            self.index,
-            list(tokens),
+        path = PDPath(
             FINISHED,
-            "",
             self.timing(max(done.at for done in self.finals.values())),
-            self.cached,
             sum(decode_bytes),
             self.attempts,
             tuple(self.reasons),
             stages,
             decode_bytes,
+        )
+        self.result = Outcome(
+            list(tokens),
             finish_reason,
-            next(iter(self.finals.values())).retractions,
+            None,
             len(self.ids),
+            self.cached,
             cached_tokens_details=self.cached_details,
+            retractions=next(iter(self.finals.values())).retractions,
+            rid=self.index,
+            pd=path,
         )
         self._ended()
         return ""
@@ -223,22 +181,24 @@ class RouterRequest:
         if self.result is None:
             self.phase = Phase.FAILED
             aborted = reason.startswith(ABORTED)
-            self.result = RequestResult(
-                self.index,
+            self.result = Outcome(
                 [],
-                FAILED,
+                FinishReason.ABORT if aborted else FinishReason.ERROR,
                 reason,
-                None,
+                len(self.ids),
                 self.cached,
-                0,
-                self.attempts,
-                tuple(self.reasons),
-                finish_reason="abort" if aborted else "error",
-                prompt_tokens=len(self.ids),
-                transfer_failed=transfer,
                 cached_tokens_details=self.cached_details,
+                rid=self.index,
+                pd=PDPath(FAILED, None, 0, self.attempts, tuple(self.reasons), transfer_failed=transfer),
             )
             self._ended()
+
+
+def pd_path(outcome: Outcome) -> PDPath:
+    """The path of a request the PD server ended (every outcome it reports has one)."""
+    if outcome.pd is None:
+        raise ValueError(f"request {outcome.rid}: not ended by a PD server (no PDPath)")
+    return outcome.pd
 
 
 def request_metrics(requests: list[RouterRequest]) -> dict[str, Any]:
@@ -247,13 +207,14 @@ def request_metrics(requests: list[RouterRequest]) -> dict[str, Any]:
     for r in requests:
         phases[r.phase.value] += 1
     done = [r.result for r in requests if r.result is not None]
+    paths = [r.pd for r in done if r.pd is not None]
     return {
         "requests": len(requests),
         "phases": phases,
-        "finished": sum(r.status == FINISHED for r in done),
-        "failed": sum(r.status == FAILED for r in done),
-        "transfer_bytes": sum(r.transfer_bytes for r in done),
-        "transfer_failures": sum(r.transfer_failed for r in done),
+        "finished": sum(p.status == FINISHED for p in paths),
+        "failed": sum(p.status == FAILED for p in paths),
+        "transfer_bytes": sum(p.transfer_bytes for p in paths),
+        "transfer_failures": sum(p.transfer_failed for p in paths),
         "cached_tokens": sum(r.cached_tokens for r in done),
         **{
             f"cached_tokens_{where}": sum((r.cached_tokens_details or {}).get(where, 0) for r in done)

@@ -2,8 +2,9 @@
 
 ``with PDServer(PDConfig(model_dir, prefill_pp=2, prefill_tp=1, decode_tp=2, transport="shm")) as s:
 h = s.submit(ids, SamplingParams(...)); s.result(h)`` (or ``s.generate(prompts, params)``) returns per request
-``RequestResult``: tokens, ``finished`` / ``failed`` with a reason, the prefix-cache hit (by tier), the
-bytes moved and ``RequestTiming``. ``probe()`` asks every live worker what it holds now (``WorkerState``).
+an ``Outcome``: tokens, finish reason, error, the prefix-cache hit (by tier) and its ``PDPath``
+(``finished`` / ``failed``, the bytes moved, ``RequestTiming``). ``probe()`` asks every live worker what it
+holds now (``WorkerState``).
 The constructor checks the layout and every rank's checkpoint headers (``check_layout``: nothing starts
 on a mismatch), starts the transfer bootstrap (a fresh cluster key) and, when the prefill ranks keep the
 Mooncake Store below them and no master is named, one ``mooncake_master`` on 127.0.0.1 for all of them;
@@ -76,7 +77,6 @@ from hybridkv.engine.disagg.results import (
     FINISHED,
     PDRank,
     Phase,
-    RequestResult,
     RouterRequest,
     WorkerState,
     request_metrics,
@@ -84,7 +84,7 @@ from hybridkv.engine.disagg.results import (
 from hybridkv.engine.disagg.tier_figures import tier_metrics
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import RequestError, SamplingParams, check_request
+from hybridkv.engine.request import CheckedPrompt, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.scheduler import Role
 from hybridkv.engine.weights import read_config
 from hybridkv.tiers import MooncakeMaster
@@ -139,21 +139,28 @@ class PDServer:
 
     def submit(
         self,
-        ids: Sequence[int],
+        ids: CheckedPrompt | Sequence[int],
         params: SamplingParams | int | None = None,
         *,
         on_token: Callable[[int], None] | None = None,
-        on_done: Callable[[RequestResult], None] | None = None,
-        salt: str | None = None,
+        on_done: Callable[[Outcome], None] | None = None,
+        cache_salt: str | None = None,
     ) -> int:
-        """Queue one request (``params``: its ``SamplingParams``, or just ``max_new_tokens``; seed None:
+        """Queue one request (``ids``: a ``CheckedPrompt``, checked for this server and not again, with its own
+        params; or token ids and ``params``: its ``SamplingParams``, or just ``max_new_tokens``; seed None:
         its submission index); returns its handle. ``RequestError`` (nothing queued) names what to
         change. On the router thread, ``on_token(token)`` gets each output token once, in order, and
-        ``on_done(result)`` the request's end, once. ``salt``: its prefix-cache namespace (requests of
-        other salts never share cached KV)."""
-        if isinstance(params, int) or params is None:
-            params = SamplingParams(max_new_tokens=self.config.max_new if params is None else params)
-        checked = check_request(ids, params, self.vocab_size, self.config.max_context)
+        ``on_done(result)`` the request's end, once. ``cache_salt``: its prefix-cache namespace (requests
+        of other cache salts never share cached KV)."""
+        if isinstance(ids, CheckedPrompt):
+            if params is not None:
+                raise TypeError("a CheckedPrompt carries the params it was checked with: give no params")
+            checked = ids.served_by(self.vocab_size, self.config.max_context)
+        else:
+            if isinstance(params, int) or params is None:
+                params = SamplingParams(max_new_tokens=self.config.max_new if params is None else params)
+            checked = check_request(ids, params, self.vocab_size, self.config.max_context)
+        params = checked.params
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None:
                 raise RequestError(
@@ -167,7 +174,7 @@ class PDServer:
                 raise RuntimeError(f"the router thread is dead ({last}); see router_error, close this server")
             index = len(self._requests)
             req = RouterRequest(
-                index, tuple(checked), params.with_seed(index), time.monotonic(), on_token, on_done, salt
+                index, tuple(checked.ids), params.with_seed(index), time.monotonic(), on_token, on_done, cache_salt
             )
             self._requests.append(req)
             self._inbox.put(req)  # under the lock: ordered against the router's final failure loops
@@ -179,7 +186,7 @@ class PDServer:
         both engines release what it holds."""
         self._post((handle, f"{ABORTED}: {reason}"))
 
-    def result(self, handle: int, timeout_s: float | None = None) -> RequestResult:
+    def result(self, handle: int, timeout_s: float | None = None) -> Outcome:
         """The request's outcome, once it ended (default wait: 4 x ``timeout_s`` of the config)."""
         req = self._requests[handle]
         wait_s = self.config.timeout_s * 4 if timeout_s is None else timeout_s
@@ -188,9 +195,7 @@ class PDServer:
         assert req.result is not None
         return req.result
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | int | None = None
-    ) -> list[RequestResult]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | int | None = None) -> list[Outcome]:
         handles = [self.submit(p, params) for p in prompts]
         return [self.result(h) for h in handles]
 
@@ -385,7 +390,7 @@ class PDServer:
         self._in_flight.add(req.index)
         fault = self._faults.get(req.index)
         sent = fault if fault is not None and fault.sent_to_prefill(req.attempts) else None
-        p.leader(Prefill(req.tid, req.ids, req.params, sent, req.salt))
+        p.leader(Prefill(req.tid, req.ids, req.params, sent, req.cache_salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
         if isinstance(msg, Live):
