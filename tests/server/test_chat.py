@@ -111,6 +111,28 @@ def test_chat_stop_strings_streamed_and_not(byte_server: Any) -> None:
     assert got.choices[0].message.content == want + stop
 
 
+def test_chat_n_choices_are_the_seeded_draws_of_one_prompt_streamed_and_not(byte_server: Any) -> None:
+    oai = client(byte_server)
+    same: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 1.0}
+    singles = [oai.chat.completions.create(**same, seed=5 + j) for j in range(3)]
+    draws = [one.choices[0].message.content for one in singles]
+    got = oai.chat.completions.create(**same, seed=5, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.message.content for c in got.choices] == draws  # choice j: the prompt drawn with seed 5 + j
+    assert len(set(draws)) > 1, "three seeded draws came out the same"
+    assert got.usage is not None and all(one.usage is not None for one in singles)
+    assert got.usage.prompt_tokens == singles[0].usage.prompt_tokens  # type: ignore[union-attr]  # counted once
+    assert got.usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)  # type: ignore[union-attr]
+    texts: dict[int, str] = {}
+    roles: list[int] = []
+    for chunk in oai.chat.completions.create(**same, seed=5, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.delta.role:
+                roles.append(c.index)
+    assert sorted(roles) == [0, 1, 2] and [texts[j] for j in range(3)] == draws
+
+
 def test_a_saved_tokenizer_renders_its_own_template(start_server: Any, make_engine: Any, tmp_path: Path) -> None:
     tok = Tokenizer(word_tokenizer(tmp_path / "tok", TEMPLATE))
     messages = [
@@ -148,7 +170,7 @@ def test_a_saved_tokenizer_renders_its_own_template(start_server: Any, make_engi
             "messages[0].content[0]",
         ),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),

@@ -293,6 +293,30 @@ def test_bad_stop_strings_name_the_field(server: Any, path: str, body: dict[str,
     assert err["param"] == field and err["message"].startswith(f"{field}: ")
 
 
+def test_generate_n_samples_in_sglangs_order_with_their_own_ids(server: Any) -> None:
+    """``sampling_params.n``: a list answer, the whole batch once per sample (output k * B + i is prompt i's k-th,
+    drawn with its seed plus k), rids ``<rid>_<k>``; streamed, each chunk names its output's index."""
+    a, b = FAMILY
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "seed": 21}
+
+    def single(prompt: list[int], seed: int) -> list[int]:
+        body = {"input_ids": prompt, "sampling_params": {**sp, "seed": seed}}
+        out: list[int] = post(server, "/generate", body).json()["output_ids"]
+        return out
+
+    one = post(server, "/generate", {"input_ids": a, "sampling_params": {**sp, "n": 2}, "rid": "x"}).json()
+    assert isinstance(one, list) and [o["output_ids"] for o in one] == [single(a, 21), single(a, 22)]
+    assert [o["meta_info"]["id"] for o in one] == ["x_0", "x_1"]
+    both = post(server, "/generate", {"input_ids": [a, b], "sampling_params": {**sp, "n": 2}}).json()
+    assert [o["output_ids"] for o in both] == [single(a, 21), single(b, 21), single(a, 22), single(b, 22)]
+    assert both[2]["meta_info"]["cached_tokens"] > 0  # the second sample of a prompt finds it in the cache
+    body = {"input_ids": a, "sampling_params": {**sp, "n": 2}, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as resp:
+        chunks = [json.loads(x.removeprefix("data: ")) for x in resp.iter_lines() if x.startswith("data: {")]
+    last = {c["index"]: c["output_ids"] for c in chunks}
+    assert last == {0: single(a, 21), 1: single(a, 22)}
+
+
 def test_nulls_where_openai_allows_them_and_a_flush_once_the_backend_stopped(server: Any) -> None:
     body = {"prompt": [5, 6], "max_tokens": 2, "n": None, "echo": None, "stream": None, "logprobs": None}
     assert post(server, "/v1/completions", body).status_code == 200

@@ -88,7 +88,8 @@ BAD_GENERATE = [
     ({"input_ids": GOOD, "image_data": "http://x/y.png"}, "image_data"),
     ({"input_ids": GOOD, "return_logprob": True, "top_logprobs_num": 30}, "top_logprobs_num"),
     ({"input_ids": GOOD, "data_parallel_rank": 1}, "data_parallel_rank"),
-    ({"input_ids": GOOD, "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ({"input_ids": GOOD, "sampling_params": {"n": 65}}, "sampling_params.n"),
+    ({"input_ids": [GOOD, GOOD], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params[1].n"),
     ({"input_ids": GOOD, "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
     ({"input_ids": GOOD, "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
 ]

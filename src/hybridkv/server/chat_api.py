@@ -6,14 +6,15 @@ a saved tokenizer's own chat template, or the byte tokenizer's built-in one) and
 ``/v1/completions`` prompt: the same sampling fields, ``max_completion_tokens`` (or ``max_tokens``; null: up to
 the context), ``logprobs`` with ``top_logprobs`` (0-20), ``usage`` with ``prompt_tokens_details.cached_tokens``,
 SGLang's ``return_cached_tokens_details`` (``sglext``), ``rid`` and ``extra_key``, and ``stop`` strings as
-``/v1/completions`` serves them (``include_stop_str_in_output`` too). The answer is a
-``chat.completion`` with one choice whose ``message`` is the assistant's text; streamed, ``chat.completion.chunk``
-lines: the first ``delta`` carries the role, the next ones the text as it comes, the last the ``finish_reason``
-(with ``stream_options.include_usage`` a last chunk with no choices carries the usage), then ``data: [DONE]``.
+``/v1/completions`` serves them (``include_stop_str_in_output`` too), and ``n`` choices (``server.choices``;
+the prompt counted once in ``usage``). The answer is a ``chat.completion`` whose choice ``j``'s ``message`` is
+the assistant's text; streamed, ``chat.completion.chunk`` lines: per choice, the first ``delta`` carries the
+role, the next ones the text as it comes, the last the ``finish_reason`` (with ``stream_options.include_usage``
+a last chunk with no choices carries the usage), then ``data: [DONE]``.
 
 Refusals (400 naming the field): a server without a tokenizer, a tokenizer without a chat template, a message
-with an unknown role or a non-text part, and every known field asking for what is not served (``n`` > 1, tools,
-penalties, grammars).
+with an unknown role or a non-text part, and every known field asking for what is not served (tools, penalties,
+grammars).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.types import Receive
 
 from hybridkv.engine.logprobs import TokenLogprob
 from hybridkv.engine.request import FinishReason, SamplingParams
+from hybridkv.server.choices import choices_per_prompt, nth
 from hybridkv.server.generation import Generation, Update
 from hybridkv.server.hot import Answer, Json
 from hybridkv.server.openai_api import failure, finish_reason, openai_usage, sglext
@@ -130,50 +132,57 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
     params = _params(body, prompt, info.max_context)
     check_fits(prompt, params, info, "messages", "max_completion_tokens")
     stops = stop_strings(body.stop, body.include_stop_str_in_output, "stop", tokenizer)
+    n = choices_per_prompt(body.n)  # choice j: a copy of the prompt (found in the prefix cache), its seed moved by j
     cid = body.rid if body.rid is not None else state.new_id("chatcmpl-")
     stream = bool(body.stream)
     cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
-    gen = state.start([prompt], [params], cache_salt, {cid: [0]}, FIELDS, False, stream, [stops])
+    copies = [nth(params, j) for j in range(n)]
+    gen = state.start([prompt] * n, copies, cache_salt, {cid: list(range(n))}, FIELDS, False, stream, [stops] * n)
     head = {"id": cid, "created": int(time.time()), "model": info.name}
     asked = body.logprobs is True
     if stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStream(state, gen, [cid], receive, _encoder(tokenizer, gen, head, usage, asked, body))
+        return EventStream(state, gen, [cid], receive, _encoder(tokenizer, gen, head, usage, asked, body, n))
     async for _ in state.drive(receive, gen, [cid]):
         pass
-    got = gen.progress[0]
-    assert got.finished is not None
-    if got.finished.finish_reason is FinishReason.ERROR:
-        raise failure(0, False, got.finished)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": got.text},
-        "logprobs": _content_logprobs(tokenizer, gen.logprobs[0]) if asked else None,
-        "finish_reason": finish_reason(got.finished),
-    }
-    answer = {**head, "object": "chat.completion", "choices": [choice], "usage": openai_usage(gen)}
+    choices = []
+    for j, got in enumerate(gen.progress):
+        assert got.finished is not None
+        if got.finished.finish_reason is FinishReason.ERROR:
+            raise failure(0, False, got.finished)
+        choices.append(
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": got.text},
+                "logprobs": _content_logprobs(tokenizer, gen.logprobs[j]) if asked else None,
+                "finish_reason": finish_reason(got.finished),
+            }
+        )
+    answer = {**head, "object": "chat.completion", "choices": choices, "usage": openai_usage(gen, n)}
     if body.return_cached_tokens_details:
-        answer["sglext"] = sglext([got.finished])
+        answer["sglext"] = sglext([p.finished for p in gen.progress])
     return Json(answer)
 
 
 def _encoder(
-    tokenizer: TextTokenizer, gen: Generation, head: dict[str, Any], usage: bool, asked: bool, body: ChatBody
+    tokenizer: TextTokenizer, gen: Generation, head: dict[str, Any], usage: bool, asked: bool, body: ChatBody, n: int
 ) -> Encode:
     chunk_head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage else {}
-    started = [False]
+    started = [False] * n
+    sent = [0] * n  # tokens of each choice whose log-probabilities went out
 
-    def choice(delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> bytes:
-        body_ = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    def choice(j: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> bytes:
+        body_ = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse({**chunk_head, "choices": [body_], **extra})
 
     def encode(updates: list[Update]) -> list[bytes]:
         events = []
-        if not started[0]:
-            started[0] = True
-            events.append(choice({"role": "assistant", "content": ""}, None))
         for up in updates:
+            j = up.index
+            if not started[j]:
+                started[j] = True
+                events.append(choice(j, {"role": "assistant", "content": ""}, None))
             ended = up.finished
             if ended is not None and ended.finish_reason is FinishReason.ERROR:
                 events.append(sse(failure(0, False, ended).body()))
@@ -181,14 +190,14 @@ def _encoder(
             delta = up.text
             logprobs = None
             if asked and up.new_tokens:
-                done = len(gen.progress[0].tokens)
-                logprobs = _content_logprobs(tokenizer, gen.logprobs[0][done - len(up.new_tokens) : done])
+                first, sent[j] = sent[j], sent[j] + len(up.new_tokens)
+                logprobs = _content_logprobs(tokenizer, gen.logprobs[j][first : sent[j]])
             reason = None if ended is None else finish_reason(ended)
             if delta or reason is not None or logprobs is not None:
-                events.append(choice({"content": delta} if delta or logprobs else {}, reason, logprobs))
+                events.append(choice(j, {"content": delta} if delta or logprobs else {}, reason, logprobs))
         if gen.done and usage:
             ext = {"sglext": sglext([p.finished for p in gen.progress])} if body.return_cached_tokens_details else {}
-            events.append(sse({**chunk_head, "choices": [], "usage": openai_usage(gen), **ext}))
+            events.append(sse({**chunk_head, "choices": [], "usage": openai_usage(gen, n), **ext}))
         return events
 
     return encode

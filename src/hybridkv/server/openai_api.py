@@ -26,14 +26,14 @@ and ``extra_key`` joins ``cache_salt`` as the prefix-cache namespace.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 from starlette.types import Receive
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import MAX_SEED, FinishReason, Outcome, SamplingParams
+from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.server.choices import choices_per_prompt, nth
 from hybridkv.server.generation import Generation, Update
 from hybridkv.server.hot import Answer, Json
 from hybridkv.server.logprob_format import openai_logprobs
@@ -52,7 +52,6 @@ from hybridkv.server.sse import Encode, EventStream, sse
 from hybridkv.server.state import ServerState
 from hybridkv.server.stops import stop_strings
 
-MAX_CHOICES = 64
 """Choices per prompt (``n``), at most."""
 FIELDS = {
     "input_ids": "prompt",
@@ -114,10 +113,10 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     stops = stop_strings(body.stop, body.include_stop_str_in_output, "stop", tokenizer)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         check_fits(prompt, p, info, f"prompt[{i}]" if batch else "prompt", "max_tokens")
-    n = _choices_per_prompt(body.n)
+    n = choices_per_prompt(body.n)
     if n > 1:  # choice i * n + j of prompt i: the copies after the first find its prompt in the prefix cache
         prompts = [prompt for prompt in prompts for _ in range(n)]
-        params = [_nth(p, j) for p in params for j in range(n)]
+        params = [nth(p, j) for p in params for j in range(n)]
     cid = body.rid if body.rid is not None else state.new_id("cmpl-")  # SGLang's rid: /abort_request finds it
     cache_salt = request_cache_salt(body.cache_salt, body.extra_key)
     stream = bool(body.stream)
@@ -166,21 +165,6 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     if body.return_cached_tokens_details:
         answer["sglext"] = sglext([p.finished for p in gen.progress])
     return Json(answer)
-
-
-def _choices_per_prompt(n: int | None) -> int:
-    if n is None:
-        return 1
-    if not 1 <= n <= MAX_CHOICES:
-        raise ApiError(400, f"n: {n} choices per prompt; give 1 to {MAX_CHOICES}", "n")
-    return n
-
-
-def _nth(params: SamplingParams, j: int) -> SamplingParams:
-    """Choice ``j``'s parameters: a given seed moves by ``j`` (else the engine gives each request its own)."""
-    if params.seed is None or j == 0:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
 
 
 def openai_usage(gen: Generation, n: int = 1) -> dict[str, Any]:

@@ -239,7 +239,6 @@ class ChatBody(_Strict):
     NESTED: ClassVar[tuple[str, ...]] = ("stream_options",)
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         ("lora_path", (None,), _NO_LORA),
-        ("n", (None, 1), "one choice per chat is served; send the chat n times"),
         ("frequency_penalty", (None, 0.0), "penalties are not served; give 0"),
         ("presence_penalty", (None, 0.0), "penalties are not served; give 0"),
         ("repetition_penalty", (None, 1.0), "penalties are not served; give 1"),
@@ -287,7 +286,6 @@ class SglangSampling(_Strict):
 
     UNSUPPORTED: ClassVar[list[Unsupported]] = [
         ("stop_regex", (None, "", ()), "stop patterns are not served; give stop strings (stop) or stop_token_ids"),
-        ("n", (1,), "only one output per prompt is served; send the prompt n times"),
         ("min_p", (0.0,), "min_p is not served; give 0"),
         ("frequency_penalty", (0.0,), "penalties are not served; give 0"),
         ("presence_penalty", (0.0,), "penalties are not served; give 0"),

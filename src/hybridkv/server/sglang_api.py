@@ -4,9 +4,11 @@
 ``text`` (with a tokenizer), ``sampling_params`` (one for all prompts or one per prompt:
 ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``,
 ``stop_token_ids``, ``ignore_eos``, ``stop`` strings with a tokenizer (``no_stop_trim``: the text keeps the
-matched one)), ``stream``, ``rid`` (ids for ``/abort_request``; one per
-prompt in a batch), ``cache_salt`` and SGLang's ``extra_key`` (together, the prefix-cache namespace);
-every other field of SGLang's ``GenerateReqInput`` is accepted at its neutral value (``schemas``).
+matched one), ``n`` outputs per prompt (the same for every prompt: SGLang's order, the whole batch once per
+sample, a list answer; ``server.choices``)), ``stream``, ``rid`` (ids for ``/abort_request``; one per
+prompt in a batch; with ``n`` > 1, ``<rid>_<k>`` for sample ``k``), ``cache_salt`` and SGLang's ``extra_key``
+(together, the prefix-cache namespace); every other field of SGLang's ``GenerateReqInput`` is accepted at its
+neutral value (``schemas``).
 Every answer (each element of a batch) has ``text``,
 ``output_ids`` and ``meta_info`` {``id``, ``prompt_tokens``, ``completion_tokens``,
 ``cached_tokens``, ``finish_reason``, ``e2e_latency``, and from a single-process engine
@@ -37,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.server.choices import choices_per_prompt, nth
 from hybridkv.server.generation import Generation, Progress, Update
 from hybridkv.server.hot import Answer, Json
 from hybridkv.server.logprob_format import sglang_logprobs
@@ -111,16 +114,30 @@ def _stops(sp: SglangSampling, where: str, tokenizer: TextTokenizer | None) -> S
     return stop_strings(sp.stop, sp.no_stop_trim, f"{where}.stop", tokenizer)
 
 
-def _rids(state: ServerState, rid: str | list[str] | None, n: int, batch: bool) -> list[str]:
+def _rids(state: ServerState, rid: str | list[str] | None, n: int, batch: bool, samples: int = 1) -> list[str]:
+    """One id per output: the client's (one per prompt; with ``samples`` > 1, ``<id>_<k>`` for sample ``k``, in
+    the outputs' order), else new ones."""
     if rid is None:
-        return [state.new_id() for _ in range(n)]
+        return [state.new_id() for _ in range(n * samples)]
     if batch != isinstance(rid, list):
         want = "a list of ids, one per prompt" if batch else "one id (a string)"
         raise ApiError(400, f"rid: give {want}", "rid")
     rids = rid if isinstance(rid, list) else [rid]
     if len(rids) != n or len(set(rids)) != n:
         raise ApiError(400, f"rid: {len(rids)} ids ({len(set(rids))} distinct) for {n} prompts", "rid")
-    return rids
+    return rids if samples == 1 else [f"{r}_{k}" for k in range(samples) for r in rids]
+
+
+def _samples(sp: SglangSampling | list[SglangSampling] | None) -> int:
+    """``n``: outputs per prompt, the same for every prompt of a batch (as SGLang asks)."""
+    given = [s.n for s in sp] if isinstance(sp, list) else [sp.n if sp is not None else 1]
+    where = "sampling_params[0].n" if isinstance(sp, list) else "sampling_params.n"
+    n = choices_per_prompt(given[0] if given else 1, where)
+    if any(other != n for other in given):
+        i = next(i for i, other in enumerate(given) if other != n)
+        name = f"sampling_params[{i}].n"
+        raise ApiError(400, f"{name}: {given[i]}, but sampling_params[0].n is {n}; give every prompt the same n", name)
+    return n
 
 
 def _finish_reason(p: Progress) -> dict[str, Any] | None:
@@ -215,7 +232,12 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         where = f"sampling_params[{i}]" if isinstance(sp, list) else "sampling_params"
         check_fits(prompt, p, state.info, f"{field}[{i}]" if batch else field, f"{where}.max_new_tokens")
-    rids = _rids(state, body.rid, len(prompts), batch)
+    samples = _samples(sp)
+    if samples > 1:  # SGLang's order: the whole batch once per sample (output k * B + i is prompt i's k-th)
+        prompts = prompts * samples
+        params = [nth(p, k) for k in range(samples) for p in params]
+        stops = stops * samples
+    rids = _rids(state, body.rid, len(prompts) // samples, batch, samples)
     fields = _fields("sampling_params") | {"input_ids": field}
     asked = any(p.logprobs is not None for p in params)
     logprobs = _Logprobs(body, state.config.tokenizer, len(prompts)) if asked else None
@@ -228,7 +250,7 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
             events = []
             for up in updates:
                 chunk = _answer(gen, up.index, rids[up.index], logprobs)
-                if batch:
+                if batch or samples > 1:
                     chunk["index"] = up.index
                 events.append(sse(chunk))
             return events
@@ -238,10 +260,10 @@ async def generate(state: ServerState, raw: bytes, receive: Receive) -> Answer:
         pass
     for i, got in enumerate(gen.progress):
         if got.finished is not None and got.finished.finish_reason is FinishReason.ERROR:
-            where = f"{field}[{i}]" if batch else field
+            where = f"{field}[{i % (len(prompts) // samples)}]" if batch else field
             raise ApiError(500, f"{where}: the engine failed this request: {got.finished.error}", where)
     answers = [_answer(gen, i, rid, logprobs) for i, rid in enumerate(rids)]
-    return Json(answers if batch else answers[0])
+    return Json(answers if batch or samples > 1 else answers[0])
 
 
 async def abort_request(request: Request) -> Response:
