@@ -21,8 +21,8 @@ import typer
 
 from hybridkv.cli import app, main
 from hybridkv.cli.sizing import DEFAULT_CONTEXT, DEFAULT_GPU_MEMORY, Layout, size
-from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.random_models import random_config, save_random
+from hybridkv.engine.registry import engine_spec
 from hybridkv.memory import LayoutError, MemoryHints, plan_memory
 
 KIMI_MAX = 1_048_576

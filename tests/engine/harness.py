@@ -10,8 +10,8 @@ import torch
 
 from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.random_models import build_random
+from hybridkv.engine.registry import engine_spec
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.weights import from_hf_model
 from hybridkv.memory import UnifiedMemory

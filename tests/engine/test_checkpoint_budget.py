@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine.engine import Engine, engine_spec
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.registry import engine_spec
 from hybridkv.memory import LayoutError
 from hybridkv.memory.sizing import MemoryHints, plan_memory
 from hybridkv.spec import ShardSpec

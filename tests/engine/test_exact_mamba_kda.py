@@ -22,11 +22,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybridkv.engine.allocator import Admission, RequestAllocator
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.engine import engine_spec
+from hybridkv.engine.errors import WeightError
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
-from hybridkv.engine.registry import model_class
+from hybridkv.engine.registry import engine_spec, model_class
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.weights import WeightError, from_directory, from_hf_model, load_weights, read_safetensors
+from hybridkv.engine.weights import from_directory, from_hf_model, load_weights, read_safetensors
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, ShardSpec
 from tests.engine.harness import live_counts, prompt, serve

@@ -70,7 +70,7 @@ def test_a_token_pool_is_one_grid_of_slots_per_layer() -> None:
 def test_compiled_blocks_stay_exact(name: str) -> None:
     """The optional compiled path (traced by dynamo; the "eager" backend skips inductor's slow code generation)
     keeps the memory-reading mixers eager and gives transformers' tokens; compiling twice is refused."""
-    from hybridkv.engine.compiled import compile_blocks
+    from hybridkv.engine.models.compiled import compile_blocks
 
     runner = make_runner(name, 16)
     compile_blocks(runner.model, backend="eager")
@@ -89,8 +89,8 @@ def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
     the engine (capping the logits moved them by 0.055 here)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
+    from hybridkv.engine.registry import engine_spec
     from hybridkv.engine.runner import ModelRunner
     from hybridkv.engine.weights import from_hf_model
     from hybridkv.memory import UnifiedMemory

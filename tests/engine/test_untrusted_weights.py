@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridkv.engine.models.base import WeightError
+from hybridkv.engine.errors import WeightError
 from hybridkv.engine.registry import model_class
 from hybridkv.engine.weights import (
     NonFiniteWeightError,

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridkv.engine.errors import WeightError
 from hybridkv.engine.registry import architectures, model_class
-from hybridkv.engine.weights import WeightError, from_directory, from_hf_model, load_weights, read_safetensors
+from hybridkv.engine.weights import from_directory, from_hf_model, load_weights, read_safetensors
 from tests.engine.harness import hf_model
 
 MODELS = ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-next"]

@@ -19,7 +19,7 @@ rotates), one process, one torch thread, per tiny random model (``widen``: its w
 - ``hf_continuous``: ``generate_batch`` (transformers' continuous batching: paged cache, block
   sharing), where it runs for the architecture (otherwise the reason is reported);
 - ``engine_compiled`` (with ``compile_blocks``): a second engine whose blocks are compiled
-  (``hybridkv.engine.compiled``), after one untimed pass that compiles them (``compile_s``).
+  (``hybridkv.engine.models.compiled``), after one untimed pass that compiles them (``compile_s``).
 
 Per contender: the fastest round's wall and CPU seconds (``time.process_time``: the machine may
 be shared; CPU time counts every thread of the process), new tokens per wall and per CPU second,
@@ -68,8 +68,8 @@ import torch
 
 from hybridkv.bench.hf_baselines import Result, continuous, fast_attention, one_by_one, padded, same_mix_cpu_s
 from hybridkv.cache.placement import engine_default
-from hybridkv.engine.compiled import compile_blocks as compiled_blocks
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.models.compiled import compile_blocks as compiled_blocks
 from hybridkv.engine.random_models import CONTEXT, VOCAB, build_random, quiet_transformers, tiny_names
 from hybridkv.engine.request import Outcome
 from hybridkv.engine.scheduler import step_budget

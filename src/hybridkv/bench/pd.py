@@ -57,9 +57,9 @@ import torch
 
 from hybridkv.bench.engine import conversation_prompts
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, pd_path
-from hybridkv.engine.engine import Engine, engine_spec
+from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts

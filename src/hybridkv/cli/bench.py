@@ -363,8 +363,8 @@ def _size_tiny(
     ``lengths`` on ``device``."""
     import torch
 
-    from hybridkv.engine.engine import engine_spec
     from hybridkv.engine.random_models import random_config
+    from hybridkv.engine.registry import engine_spec
 
     spec = engine_spec(random_config(name, widen), getattr(torch, dtype))
     return size(

@@ -145,7 +145,8 @@ def generate(
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     import torch
 
-    from hybridkv.engine.engine import Engine, engine_spec
+    from hybridkv.engine.engine import Engine
+    from hybridkv.engine.registry import engine_spec
 
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)

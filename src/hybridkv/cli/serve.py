@@ -267,7 +267,7 @@ def model_spec(model: Path | None, random: str | None, dtype: str = "float32") -
     before any weights load."""
     import torch
 
-    from hybridkv.engine.engine import engine_spec
+    from hybridkv.engine.registry import engine_spec
 
     if random is not None:
         from hybridkv.engine.random_models import random_config

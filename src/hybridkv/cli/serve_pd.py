@@ -131,8 +131,7 @@ def serve_pd(
     import torch
 
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, pd_path, run_pd
-    from hybridkv.engine.engine import engine_spec
-    from hybridkv.engine.registry import text_config
+    from hybridkv.engine.registry import engine_spec, text_config
     from hybridkv.engine.request import FinishReason
     from hybridkv.engine.weights import read_config
 

@@ -44,27 +44,15 @@ from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
-from hybridkv.engine.registry import architectures, text_config
+from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
 from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
-from hybridkv.spec import ModelSpec, ShardSpec, dtype_name, from_hf_config
+from hybridkv.spec import ModelSpec, ShardSpec
 from hybridkv.tiers import StorageTier
-
-
-def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
-    """The spec of a ``transformers`` config served in ``dtype``: K/V and conv windows (activations) in
-    ``dtype``, recurrent matrices as the config says (fp32 by default); see ``hybridkv.spec.from_hf_config``."""
-    return from_hf_config({**text_config(config).to_dict(), "dtype": dtype_name(dtype)}, name=name)
-
-
-def eos_ids(config: Any) -> frozenset[int]:
-    """The end-of-sequence ids a ``transformers`` config names (none: an empty set)."""
-    eos = getattr(config, "eos_token_id", None)
-    return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.engine.layers.cast import cast
+from hybridkv.engine.ops.cast import cast
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
 from hybridkv.spec import IdSpace, PoolId

@@ -8,8 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
+
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.registry import Registry
+from hybridkv.spec import ModelSpec, dtype_name, from_hf_config
 
 _MODELS = Registry[str](
     "engine architecture (model_type)",
@@ -38,3 +41,15 @@ def model_class(model_type: str) -> type[CausalLM]:
 def text_config(config: Any) -> Any:
     """The language model's config (Gemma 3's multimodal wrapper keeps it in ``text_config``)."""
     return config.text_config if getattr(config, "model_type", None) == "gemma3" else config
+
+
+def engine_spec(config: Any, dtype: torch.dtype = torch.float32, name: str | None = None) -> ModelSpec:
+    """The spec of a ``transformers`` config served in ``dtype``: K/V and conv windows (activations) in
+    ``dtype``, recurrent matrices as the config says (fp32 by default); see ``hybridkv.spec.from_hf_config``."""
+    return from_hf_config({**text_config(config).to_dict(), "dtype": dtype_name(dtype)}, name=name)
+
+
+def eos_ids(config: Any) -> frozenset[int]:
+    """The end-of-sequence ids a ``transformers`` config names (none: an empty set)."""
+    eos = getattr(config, "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.models.base import WeightError
+from hybridkv.engine.errors import WeightError
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.engine.models.base import CausalLM, WeightError
+from hybridkv.engine.errors import WeightError
+from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.registry import architectures, model_class, text_config
 from hybridkv.engine.safetensors_header import TensorInfo, read_header
 from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel

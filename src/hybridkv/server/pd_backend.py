@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.engine.disagg import PDServer
-from hybridkv.engine.engine import eos_ids
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import eos_ids, text_config
 from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.weights import read_config
 from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink

@@ -33,7 +33,7 @@ from hybridkv.engine.disagg import PDConfig, PDServer, PDStartError
 from hybridkv.engine.disagg.engines import EngineState, await_ready
 from hybridkv.engine.disagg.procs import EngineProcs
 from hybridkv.engine.disagg.worker_log import WorkerLog
-from hybridkv.engine.models.base import WeightError
+from hybridkv.engine.errors import WeightError
 from hybridkv.engine.parallel.forkserver import forkserver_pid
 from hybridkv.engine.scheduler import Role
 from tests.engine.disagg.test_disagg import CHUNK, PAGE, gone

@@ -34,8 +34,8 @@ import pytest
 
 from hybridkv.cli import main
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer
-from hybridkv.engine.engine import Engine, engine_spec
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory

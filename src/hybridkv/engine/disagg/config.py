@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.engine import engine_spec
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.scheduler import step_budget
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.tiered import STORES

@@ -31,10 +31,9 @@ from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.protocol import Abort, Admitted, Command, Decode, Done, Failed, Reserve, Tokens
 from hybridkv.engine.disagg.worker import Worker
-from hybridkv.engine.engine import engine_spec, eos_ids
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import engine_spec, eos_ids, text_config
 from hybridkv.engine.request import FinishReason
 from hybridkv.engine.scheduler import Request, Role, choose_step_tokens
 from hybridkv.engine.weights import read_config

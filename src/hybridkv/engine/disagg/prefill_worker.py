@@ -52,9 +52,9 @@ from hybridkv.engine.disagg.protocol import (
     TierFigures,
 )
 from hybridkv.engine.disagg.worker import Worker
-from hybridkv.engine.engine import eos_ids
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.parallel.runner import ShardRunner
+from hybridkv.engine.registry import eos_ids
 from hybridkv.engine.request import FinishReason
 from hybridkv.engine.sampling import NON_FINITE
 from hybridkv.engine.scheduler import Request, Role, Step, choose_step_tokens

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.layers.norms import RMSNorm, derived
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
+from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.pool_io import KeyPart
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import f32
 from hybridkv.engine.layers.norms import GatedRMSNorm
 from hybridkv.engine.ops import (
     causal_conv1d_decode,
@@ -36,6 +35,7 @@ from hybridkv.engine.ops import (
     gated_delta_decode,
     gated_delta_prefill,
 )
+from hybridkv.engine.ops.cast import f32
 from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast, f32
+from hybridkv.engine.errors import WeightError
 from hybridkv.engine.layers.routing import Routing
-from hybridkv.engine.models.base import WeightError
+from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
+from hybridkv.engine.ops.cast import cast
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory

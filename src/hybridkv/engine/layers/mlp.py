@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast
 from hybridkv.engine.layers.routing import Routing
+from hybridkv.engine.ops.cast import cast
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 GELU_TANH_SPLIT = 4096

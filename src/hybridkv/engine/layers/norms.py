@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast, f32
+from hybridkv.engine.ops.cast import cast, f32
 
 
 def derived(

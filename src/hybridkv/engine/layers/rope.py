@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.engine.layers.cast import cast
+from hybridkv.engine.ops.cast import cast
 
 
 def _yarn(params: dict[str, Any], dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:

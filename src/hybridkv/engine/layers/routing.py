@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.layers.cast import cast
+from hybridkv.engine.ops.cast import cast
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

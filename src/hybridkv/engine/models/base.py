@@ -42,10 +42,6 @@ from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collec
 from hybridkv.memory import UnifiedMemory
 
 
-class WeightError(ValueError):
-    """Weights that do not fit the model: missing, unexpected or wrongly shaped."""
-
-
 @dataclass(frozen=True)
 class Fused:
     """Checkpoint tensors matching ``pattern`` (its group ``part`` names the component) that the loader

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from hybridkv.engine.batch import BatchError, ForwardBatch
-from hybridkv.engine.engine import engine_spec
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.parallel.groups import StageGroups
-from hybridkv.engine.registry import text_config
+from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.runner import check_memory
 from hybridkv.engine.step import build_step
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
