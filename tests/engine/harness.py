@@ -1,4 +1,4 @@
-"""Test harness: serve requests through ModelRunner with the memory API directly, and HF references."""
+"""Test harness: serve requests through ShardRunner with the memory API directly, and HF references."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.random_models import build_random
 from hybridkv.engine.registry import engine_spec
-from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.runner import ShardRunner
 from hybridkv.engine.weights import from_hf_model
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ShardSpec
@@ -41,13 +41,13 @@ def hf_reference(name: str, ids: tuple[int, ...], max_new: int) -> tuple[list[in
     return tokens, full[len(ids) - 1 :]
 
 
-def make_runner(name: str, page_size: int, budget: int = 4_000_000, max_context: int = 256) -> ModelRunner:
+def make_runner(name: str, page_size: int, budget: int = 4_000_000, max_context: int = 256) -> ShardRunner:
     model = hf_model(name)
     spec = engine_spec(model.config, torch.float32, name=name)
     mem = UnifiedMemory.create(
         ShardSpec.whole(spec), budget, page_size=page_size, max_context=max_context, chunk_tokens=64
     )
-    return ModelRunner(from_hf_model(model), mem)
+    return ShardRunner(from_hf_model(model), mem)
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Served:
 
 
 def serve(
-    runner: ModelRunner, prompts: list[list[int]], chunk: int, max_new: int, compact: bool = False
+    runner: ShardRunner, prompts: list[list[int]], chunk: int, max_new: int, compact: bool = False
 ) -> list[Served]:
     """Chunked prefill of every prompt, then greedy decode; all requests batched in every step.
 

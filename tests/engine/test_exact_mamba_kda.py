@@ -25,7 +25,7 @@ from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.errors import WeightError
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
 from hybridkv.engine.registry import engine_spec, model_class
-from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.runner import ShardRunner
 from hybridkv.engine.weights import from_directory, from_hf_model, load_weights, read_safetensors
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, ShardSpec
@@ -99,10 +99,10 @@ def test_many_requests_batched_in_each_forward(name: str, page_size: int) -> Non
     assert live_counts(runner.mem) == empty
 
 
-def _runner(model: Any, page_size: int) -> ModelRunner:
+def _runner(model: Any, page_size: int) -> ShardRunner:
     spec = engine_spec(model.config, torch.float32)
     mem = UnifiedMemory.create(ShardSpec.whole(spec), 4_000_000, page_size=page_size, max_context=256, chunk_tokens=64)
-    return ModelRunner(from_hf_model(model), mem)
+    return ShardRunner(from_hf_model(model), mem)
 
 
 @pytest.mark.parametrize(

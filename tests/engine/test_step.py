@@ -91,7 +91,7 @@ def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
 
     from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
     from hybridkv.engine.registry import engine_spec
-    from hybridkv.engine.runner import ModelRunner
+    from hybridkv.engine.runner import ShardRunner
     from hybridkv.engine.weights import from_hf_model
     from hybridkv.memory import UnifiedMemory
     from hybridkv.spec import ShardSpec
@@ -105,7 +105,7 @@ def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     spec = engine_spec(config, torch.float32)
     mem = UnifiedMemory.create(ShardSpec.whole(spec), 4_000_000, page_size=4, max_context=256, chunk_tokens=64)
-    runner = ModelRunner(from_hf_model(hf), mem)
+    runner = ShardRunner(from_hf_model(hf), mem)
     prompts = [prompt(70 + n, n) for n in (6, 21)]
     served = serve(runner, prompts, 5, max_new=3)
     for ids, got in zip(prompts, served, strict=True):

@@ -46,7 +46,7 @@ from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
 from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, RequestError, SamplingParams, check_request
-from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.runner import ShardRunner
 from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
@@ -136,7 +136,7 @@ class Engine:
             max_context=self.max_context,
             chunk_tokens=chunk_size,
         )
-        self.runner = ModelRunner(build_model(self.config, tensors, dtype, device), self.mem)
+        self.runner = ShardRunner(build_model(self.config, tensors, dtype, device), self.mem)
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.max_step_tokens = step_budget(chunk_size, max_step_tokens)

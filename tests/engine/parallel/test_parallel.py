@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.engine.parallel import LaunchError, LaunchTimeout, ShardRunner, launch
-from hybridkv.engine.runner import MemoryLayoutError, ModelRunner
+from hybridkv.engine.parallel import LaunchError, LaunchTimeout, launch
+from hybridkv.engine.runner import MemoryLayoutError, ShardRunner, build_runner
 from hybridkv.engine.tensor_parallel import TensorParallel
 from hybridkv.engine.weights import build_model, read_safetensors
 from hybridkv.memory import UnifiedMemory
@@ -181,11 +181,12 @@ def test_a_rank_reads_only_its_part_of_the_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(read["model.layers.2.mlp.experts.7.down_proj.weight"], down[7, :, 16:32])
 
 
-def test_a_one_process_shard_runner_is_the_model_runner() -> None:
-    """``ShardRunner`` without a layout is the whole model over the whole memory: the same tokens and logits."""
+def test_a_one_process_built_runner_is_the_runner_of_the_whole_model() -> None:
+    """``build_runner`` without a layout builds the whole model over the whole memory: the same tokens and logits
+    as a runner over a model and a memory built apart (what ``Engine`` runs)."""
     name = "tiny-kimi-linear"
     hf = hf_model(name)
-    runner = ShardRunner(hf.config, hf.state_dict(), gpu_memory=4_000_000, page_size=PAGE, max_context=256)
+    runner = build_runner(hf.config, hf.state_dict(), gpu_memory=4_000_000, page_size=PAGE, max_context=256)
     prompts = [prompt(50 + n, n) for n in LENGTHS]
     got, single = serve(runner, prompts, CHUNK, MAX_NEW), _single(name)
     for a, b in zip(got, single, strict=True):
@@ -199,8 +200,7 @@ def test_a_memory_that_is_not_the_shard_of_the_model_is_refused() -> None:
     model = build_model(hf.config, hf.state_dict(), tp=TensorParallel(2, 0, reduce=lambda x: x))
     whole = UnifiedMemory.create(ShardSpec.whole(spec), 2_000_000, page_size=PAGE, max_context=64)
     with pytest.raises(MemoryLayoutError, match=r"layer 0: memory holds .*conv_q.*\(32, 3\)"):
-        ModelRunner(model, whole)
-    assert isinstance(make_runner(name, PAGE), ModelRunner)
+        ShardRunner(model, whole)
 
 
 def test_a_collective_that_outlives_its_timeout_fails_and_the_silent_peer_is_stopped() -> None:

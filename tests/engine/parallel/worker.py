@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.parallel import ShardRunner, StageGroups, launch
-from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.parallel import StageGroups, launch
+from hybridkv.engine.runner import ShardRunner, build_runner
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, IdSpace, KindTag, Parallel
 
@@ -56,7 +56,7 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
         groups = StageGroups.create(job.parallel, job.ranks, timeout_s=60)
         if groups is None:
             continue
-        runner = ShardRunner(
+        runner = build_runner(
             job.directory,
             job.directory,
             job.parallel,
@@ -92,7 +92,7 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
     return os.getpid(), out
 
 
-def prefill(runner: ModelRunner | ShardRunner, ids: list[int], chunk: int) -> tuple[RequestAllocator, RequestMemory]:
+def prefill(runner: ShardRunner, ids: list[int], chunk: int) -> tuple[RequestAllocator, RequestMemory]:
     """Prefill ``ids`` as one request in chunks of ``chunk``; the request stays allocated."""
     alloc = RequestAllocator(runner.mem, prefix_cache=False)
     req = alloc.new()
@@ -124,7 +124,7 @@ def tp2_prefill_states(rank: int, jobs: list[tuple[str, int, int, list[int]]]) -
     for directory, page_size, chunk, ids in jobs:
         groups = StageGroups.create(Parallel(tp_size=2), (0, 1), timeout_s=60)
         assert groups is not None
-        runner = ShardRunner(
+        runner = build_runner(
             directory,
             directory,
             groups.parallel,

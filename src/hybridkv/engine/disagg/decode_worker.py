@@ -32,9 +32,9 @@ from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.protocol import Abort, Admitted, Command, Decode, Done, Failed, Reserve, Tokens
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.parallel.groups import StageGroups
-from hybridkv.engine.parallel.runner import ShardRunner
 from hybridkv.engine.registry import engine_spec, eos_ids, text_config
 from hybridkv.engine.request import FinishReason
+from hybridkv.engine.runner import build_runner
 from hybridkv.engine.scheduler import Request, Role, choose_step_tokens
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory
@@ -64,7 +64,7 @@ class DecodeRank(Worker):
         else:
             self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
         self.link = kind.create(self.shared, **kind.loopback_options)
-        self.runner = ShardRunner(
+        self.runner = build_runner(
             c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, dtype=c.torch_dtype, spec=spec, mem=self.mem
         )
         key = ClusterKey.from_hex(args.key_hex, "decode worker")

@@ -53,9 +53,9 @@ from hybridkv.engine.disagg.protocol import (
 )
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.parallel.groups import StageGroups
-from hybridkv.engine.parallel.runner import ShardRunner
 from hybridkv.engine.registry import eos_ids
 from hybridkv.engine.request import FinishReason
+from hybridkv.engine.runner import build_runner
 from hybridkv.engine.sampling import NON_FINITE
 from hybridkv.engine.scheduler import Request, Role, Step, choose_step_tokens
 from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
@@ -87,7 +87,7 @@ class PrefillRank(Worker):
         groups = StageGroups.create(layout, range(self.size), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
         self.groups = groups
-        self.runner = ShardRunner(
+        self.runner = build_runner(
             c.model_dir,
             c.model_dir,
             groups.parallel,
@@ -100,7 +100,7 @@ class PrefillRank(Worker):
             max_context=c.max_context,
             dtype=c.torch_dtype,
         )
-        self.eos = eos_ids(self.runner.config)
+        self.eos = eos_ids(self.runner.model.config)
         self.mem = self.runner.mem
         self.alloc = RequestAllocator(
             self.mem, prefix_cache=c.prefix_cache, checkpoints=c.checkpoints or engine_default(c.chunk, c.page_size)
