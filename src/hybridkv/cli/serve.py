@@ -309,7 +309,7 @@ class PDLayout:
 def parse_faults(values: list[str]) -> tuple[Fault, ...]:
     """``--fault KIND:REQUEST[:RANK[:DELAY]]`` values as ``Fault``s (``typer.BadParameter`` naming the bad one)."""
     from hybridkv.engine.disagg import Fault
-    from hybridkv.engine.disagg.config import FAULT_KINDS
+    from hybridkv.engine.disagg.faults import FAULT_KINDS
 
     faults = []
     for value in values:

@@ -1,7 +1,8 @@
 """Disaggregated serving: a router, a prefill engine (PP x TP processes) and a decode engine (TP processes)."""
 
-from hybridkv.engine.disagg.config import Fault, PDConfig, check_layout
+from hybridkv.engine.disagg.config import PDConfig, check_layout
 from hybridkv.engine.disagg.engines import PDStartError
+from hybridkv.engine.disagg.faults import Fault
 from hybridkv.engine.disagg.path import PDPath, RequestTiming, StageTiming
 from hybridkv.engine.disagg.pd import PDResult, run_pd
 from hybridkv.engine.disagg.results import FAILED, FINISHED, PDRank, WorkerState, pd_path

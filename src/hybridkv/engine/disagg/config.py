@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 import socket
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import torch
 
+from hybridkv.engine.disagg.faults import Fault, FaultKind
 from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.scheduler import step_budget
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
@@ -45,41 +45,6 @@ from hybridkv.transfer.pairing import check_coverage, check_prefill_group
 from hybridkv.transfer.transport import transport_class
 
 POLICIES = tuple(p.value for p in WritePolicy)
-
-
-class FaultKind(StrEnum):
-    KILL_PREFILL = "kill-prefill"
-    KILL_DECODE = "kill-decode"
-    STALL_TRANSFER = "stall-transfer"
-    CRASH_PREFILL = "crash-prefill"
-
-
-FAULT_KINDS = tuple(k.value for k in FaultKind)
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: FaultKind | str  # a FaultKind or its name (stored as the FaultKind)
-    request: int  # index of the submitted request (0-based, in submission order) it hits
-    rank: int = 0  # kill-prefill, crash-prefill: the PP stage; kill-decode: the decode TP rank
-    delay_s: float = 1.0  # kill-prefill: per write; stall-transfer: how long the KV is held back
-
-    def __post_init__(self) -> None:
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
-        object.__setattr__(self, "kind", FaultKind(self.kind))  # its str() is its name: messages say kill-decode
-        if self.request < 0:
-            raise ValueError(f"fault '{self.kind}': request {self.request} is negative; use a submission index >= 0")
-        if self.rank < 0:
-            raise ValueError(f"fault '{self.kind}': rank {self.rank} is negative; use a rank >= 0")
-        if self.delay_s < 0:
-            raise ValueError(f"fault '{self.kind}': delay_s {self.delay_s} is negative; use a delay >= 0")
-
-    def sent_to_prefill(self, attempt: int) -> bool:
-        """Whether the prefill engine is told of it on this attempt of its request: crash-prefill on
-        every attempt, kill-prefill and stall-transfer on the first; kill-decode never (the router
-        applies it, at the first token)."""
-        return self.kind is FaultKind.CRASH_PREFILL or (self.kind is not FaultKind.KILL_DECODE and attempt == 1)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ import torch
 
 from hybridkv.cache.placement import engine_default
 from hybridkv.engine.allocator import RequestAllocator
-from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs
+from hybridkv.engine.disagg.config import PDConfig, WorkerArgs
+from hybridkv.engine.disagg.faults import on_compute, on_hand_off, slows_writes
 from hybridkv.engine.disagg.protocol import (
     Abort,
     ClearCache,
@@ -111,7 +112,7 @@ class PrefillRank(Worker):
         inner = kind.create(None, **kind.loopback_options)
         self.throttle: Throttled | None = None
         self.transport: Transport = inner
-        if any(f.kind is FaultKind.KILL_PREFILL for f in c.faults):  # writes slowed: the kill lands mid-transfer
+        if slows_writes(c.faults):
             self.throttle = self.transport = Throttled(inner, 0.0)
         key = ClusterKey.from_hex(args.key_hex, "prefill worker")
         self.sender = PrefillSender(
@@ -224,19 +225,17 @@ class PrefillRank(Worker):
     def crash_if_poison(self, tid: str) -> None:
         """The ``crash-prefill`` fault: its stage raises while it computes the request (every attempt)."""
         fault = self.faults.get(tid)
-        f = None if fault is None else fault.fault
-        if f is not None and f.kind is FaultKind.CRASH_PREFILL and self.rank == f.rank * self.args.config.prefill_tp:
-            raise RuntimeError(f"deliberate fault crash-prefill: prefill stage {f.rank} computes {tid}")
+        on_compute(None if fault is None else fault.fault, self.args.config.prefill_tp, self.rank, tid)
 
     def hand_off(self, req: Request) -> None:
         tid = str(req.rid)
         fault = self.faults.pop(tid, None)
-        f = None if fault is None else fault.fault
-        if f is not None and f.kind is FaultKind.STALL_TRANSFER:
-            self.delayed[tid] = time.monotonic() + f.delay_s
+        hand_off = on_hand_off(None if fault is None else fault.fault, self.args.config.prefill_tp, self.rank)
+        if hand_off.hold_s:
+            self.delayed[tid] = time.monotonic() + hand_off.hold_s
             return
-        if f is not None and f.kind is FaultKind.KILL_PREFILL and self.throttle is not None:
-            self.throttle.delay_s = f.delay_s if self.rank == f.rank * self.args.config.prefill_tp else 0.0
+        if hand_off.write_delay_s is not None and self.throttle is not None:
+            self.throttle.delay_s = hand_off.write_delay_s
         self.send(req)
 
     def send(self, req: Request) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.engine.disagg.config import Fault
+from hybridkv.engine.disagg.faults import Fault
 from hybridkv.engine.request import FinishReason, SamplingParams
 
 # --- commands ------------------------------------------------------------------------

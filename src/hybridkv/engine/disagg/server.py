@@ -45,8 +45,9 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hybridkv.engine.disagg.config import FaultKind, PDConfig, WorkerArgs, check_layout, with_store_master
+from hybridkv.engine.disagg.config import PDConfig, WorkerArgs, check_layout, with_store_master
 from hybridkv.engine.disagg.engines import EngineState, PDStartError, await_ready, engine_name, launch, unlink_all
+from hybridkv.engine.disagg.faults import FaultPlan
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import (
     Abort,
@@ -117,7 +118,7 @@ class PDServer:
         self._wake_r, self._wake_w = os.pipe()
         self._restarts = {Role.PREFILL: 0, Role.DECODE: 0}
         self._retired: list[EngineState] = []
-        self._faults = {f.request: f for f in config.faults}
+        self._faults = FaultPlan(config.faults, config.prefill_tp)
         self._quarantine = Quarantine()
         self._in_flight: set[int] = set()  # dispatched and not ended
         self._session_files: list[str] = []  # every decode rank's shm arena, named before its process starts
@@ -388,9 +389,8 @@ class PDServer:
         req.restart(f"request-{req.index}.p{p.epoch}.a{req.attempts}", p.epoch)
         self._tids[req.tid] = req
         self._in_flight.add(req.index)
-        fault = self._faults.get(req.index)
-        sent = fault if fault is not None and fault.sent_to_prefill(req.attempts) else None
-        p.leader(Prefill(req.tid, req.ids, req.params, sent, req.cache_salt))
+        fault = self._faults.on_dispatch(req.index, req.attempts)
+        p.leader(Prefill(req.tid, req.ids, req.params, fault, req.cache_salt))
 
     def _on_event(self, e: EngineState, r: int, msg: Event) -> None:
         if isinstance(msg, Live):
@@ -407,7 +407,6 @@ class PDServer:
                 self._on_request_event(e, r, req, msg)
 
     def _on_request_event(self, e: EngineState, r: int, req: RouterRequest, msg: Event) -> None:
-        fault = self._faults.get(req.index) if req.attempts == 1 else None
         if isinstance(msg, Started):
             req.started, req.cached, req.phase = msg.at, msg.cached_tokens, Phase.PREFILLING
             req.cached_details = msg.cached_details
@@ -419,11 +418,11 @@ class PDServer:
             req.token(msg.token)
             assert self.decode is not None
             self.decode.leader(Decode(msg.tid, msg.token))
-            if fault is not None and fault.kind is FaultKind.KILL_DECODE:
-                self.decode.procs.kill(fault.rank)
+            victim = self._faults.on_first(req.index, req.attempts)
+            if victim is not None:
+                self.decode.procs.kill(victim)
         elif isinstance(msg, Sending):
-            target = fault.rank * self.config.prefill_tp if fault is not None else -1
-            if fault is not None and fault.kind is FaultKind.KILL_PREFILL and r == target:
+            if self._faults.on_sending(req.index, req.attempts, r):
                 e.procs.kill(r)
         elif isinstance(msg, Sent):
             req.sent[r] = msg
