@@ -60,7 +60,21 @@ def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
         writer.write(receiver.session, base + src_off + (1 << 16), peer.addr + dst_off, length, loose)
     with pytest.raises(TransportError, match="not a shm session"):
         writer.write("tcp://nope", base + src_off, peer.addr + dst_off, length)
+    # big ops as lists with the plan's bounds (a small plan's form: the memmove-only path)
+    big_src, big_dst, big_len = [base, base + 8192], [peer.addr + 4096, peer.addr + 20000], [4096, 2048]
+    tight = Bounds(base, base + 10240, peer.addr + 4096, peer.addr + 22048, 2048)
+    for bad, why in [
+        (tight._replace(dst_hi=peer.addr + (1 << 16) + 1), "outside the peer's buffer"),
+        (tight._replace(dst_lo=peer.addr - 1), "outside the peer's buffer"),
+    ]:
+        with pytest.raises(TransportError, match=why):  # bounds past the peer's buffer: refused
+            writer.write(receiver.session, big_src, [d + (1 << 16) for d in big_dst], big_len, bad)
+    with pytest.raises(TransportError, match="outside every registered local region"):
+        far = [s + (1 << 16) for s in big_src]
+        writer.write(receiver.session, far, big_dst, big_len, tight._replace(src_hi=base + (1 << 17)))
     assert np.array_equal(got, before)  # refused writes copy nothing
+    writer.write(receiver.session, big_src, big_dst, big_len, tight)
+    assert np.array_equal(got[4096:8192], want[:4096]) and np.array_equal(got[20000:22048], want[8192:10240])
     writer.close()
     receiver.close()
     peer.close()
