@@ -208,9 +208,10 @@ class Destination:
     Holds, for plans of at most ``SMALL_PLAN`` pieces: the destination pieces checked, sorted
     and refused if they overlap (``dst``, ``length``), the permutation from work order to
     destination order (``order``; None when already sorted), where a piece continues the
-    previous one on the destination (``joined``; None when none does), and the destination
-    bounds. Read-only once prepared: plans may share its lists (they never write them); one
-    ``Destination`` may complete any number of plans, on any thread.
+    previous one on the destination (``joined``, and those pieces' indices: ``joins``; only
+    there can two pieces merge), and the destination bounds. Read-only once prepared: plans
+    may share its lists (they never write them); one ``Destination`` may complete any number
+    of plans, on any thread.
     """
 
     __slots__ = (
@@ -219,6 +220,7 @@ class Destination:
         "dst",
         "full",
         "joined",
+        "joins",
         "length",
         "min_len",
         "nbytes",
@@ -242,9 +244,10 @@ class Destination:
         self.src_zeros: list[int] = []  # a destination-only plan's sources
         self.piece_len: list[int] = []  # per piece in work order (region errors)
         self.order: list[int] | None = None
-        self.joined: list[bool] | None = None
+        self.joined: list[bool] = []
         self.bounds = Bounds(0, 0, 0, 0, 0)  # source bounds come with the source
-        self.src_work: list[tuple[_Group, int, int, int, list[int], int, int]] = []
+        self.src_work: list[tuple[_Group, str, int, int, int, int, list[int], int, int]] = []
+        self.joins: list[int] = []  # the pieces ``joined`` marks
 
 
 class Route:
@@ -270,6 +273,8 @@ class Route:
                 if piece.src_rank == prefill.tp_rank:
                     s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
                     parts.setdefault(key, []).append((a.addr + s_off, b.addr + d_off, ln, pair.layer_id))
+        start, size = prefill.regions[0] if prefill.regions else (0, 0)
+        self._src_lo, self._src_hi = start, start + size  # the first source region: where bounds usually lie
         self.pools = {Role.PREFILL: frozenset(e.pool for e in prefill.entries)}
         self.pools[Role.DECODE] = frozenset(e.pool for e in decode.entries)
         self.groups: list[_Group] = []
@@ -354,19 +359,26 @@ class Route:
                 n_all += [n for _ in cells for _, _, n in chunks.items]
         if not _one_region(d_lo, d_hi, self.decode):  # rare: check each piece, as the array path does
             _check_inside(np.array(d_all, np.int64), np.array(n_all, np.int64), d_lo, d_hi, self.decode, Role.DECODE)
-        order = sorted(range(len(d_all)), key=d_all.__getitem__)
-        sorted_already = order == list(range(len(order)))  # pages allocated in order
-        d_sorted = d_all if sorted_already else [d_all[i] for i in order]
-        n_sorted = n_all if sorted_already else [n_all[i] for i in order]
+        order: list[int] | None = None
+        d_sorted, n_sorted = d_all, n_all
         joined: list[bool] = []  # piece i continues piece i - 1 on the destination
         end_d = -1
-        for d, n in zip(d_sorted, n_sorted, strict=True):
+        for d, n in zip(d_all, n_all, strict=True):  # pages allocated in order need no sort
             if d < end_d:
-                raise overlap(d)
+                break
             joined.append(d == end_d)
             end_d = d + n
+        if len(joined) < len(d_all):  # out of order (or overlapping): sort, then refuse overlaps
+            order = sorted(range(len(d_all)), key=d_all.__getitem__)
+            d_sorted, n_sorted = [d_all[i] for i in order], [n_all[i] for i in order]
+            joined, end_d = [], -1
+            for d, n in zip(d_sorted, n_sorted, strict=True):
+                if d < end_d:
+                    raise overlap(d)
+                joined.append(d == end_d)
+                end_d = d + n
         dest.bounds = Bounds(0, 0, d_lo, d_hi, min_len)
-        dest.piece_len, dest.order = n_all, None if sorted_already else order
+        dest.piece_len, dest.order = n_all, order
         if not full:  # merge on the destination alone: the plan is complete
             out_d: list[int] = []
             out_n: list[int] = []
@@ -379,9 +391,20 @@ class Route:
             dest.dst, dest.length, dest.src_zeros = out_d, out_n, [0] * len(out_d)
             return dest
         dest.dst, dest.length = d_sorted, n_sorted
-        dest.joined = joined if any(joined) else None  # None: no two pieces can merge
+        dest.joined = joined
+        dest.joins = [i for i, j in enumerate(joined) if j]
         dest.src_work = [
-            (g, first, end, g.src_stride, [a for a, _, _ in chunks.items], chunks.src_lo, chunks.src_hi)
+            (
+                g,
+                g.src_pool,
+                g.src_count,
+                first,
+                end,
+                g.src_stride,
+                [a for a, _, _ in chunks.items],
+                chunks.src_lo,
+                chunks.src_hi,
+            )
             for g, chunks, first, end in work
         ]
         return dest
@@ -394,36 +417,45 @@ class Route:
         """
         if dest.full != (src_cells is not None):
             raise ValueError(f"a {'full' if dest.full else 'destination-only'} destination, source cells {src_cells}")
-        if src_cells is not None:
-            self._check_pools(src_cells, Role.PREFILL)
+        if src_cells is not None and not self.pools[Role.PREFILL].issuperset(src_cells):
+            self._check_pools(src_cells, Role.PREFILL)  # raises, naming the pools
         if dest.cells is not None:  # a large plan: the array builder
             return self._array_plan(dest.work, src_cells, dest.cells, dest.pieces, dest.nbytes, dest.min_len)
         if src_cells is None or not dest.dst:
             return TransferPlan(dest.src_zeros, dest.dst, dest.length, dest.pieces, dest.nbytes, dest.bounds)
         s_all: list[int] = []
         s_lo, s_hi = 1 << 63, 0
-        for g, first, end, ss, offs, c_lo, c_hi in dest.src_work:
-            cells, lo, hi = g.cell_list(src_cells, Role.PREFILL, first, end)
+        for g, pool, count, first, end, ss, offs, c_lo, c_hi in dest.src_work:
+            have = src_cells.get(pool)
+            if type(have) is np.ndarray and len(have) >= end:  # as ``send`` gives them: no call, no copy
+                cells = (have if first == 0 and len(have) == end else have[first:end]).tolist()
+                lo, hi = min(cells), max(cells)
+                if lo < 1 or hi >= count:
+                    g.cell_list(src_cells, Role.PREFILL, first, end)  # raises, naming the cell
+            else:
+                cells, lo, hi = g.cell_list(src_cells, Role.PREFILL, first, end)
             s_lo, s_hi = min(s_lo, lo * ss + c_lo), max(s_hi, hi * ss + c_hi)
             if len(offs) == 1:
                 a = offs[0]
                 s_all += [s * ss + a for s in cells]
             else:
                 s_all += [s * ss + a for s in cells for a in offs]
-        if not _one_region(s_lo, s_hi, self.prefill):  # rare: check each piece, as the array path does
+        if not ((self._src_lo <= s_lo and s_hi <= self._src_hi) or _one_region(s_lo, s_hi, self.prefill)):
+            # rare: check each piece, as the array path does
             s_arr, n_arr = np.array(s_all, np.int64), np.array(dest.piece_len, np.int64)
             _check_inside(s_arr, n_arr, s_lo, s_hi, self.prefill, Role.PREFILL)
         if dest.order is not None:
             s_all = [s_all[i] for i in dest.order]
         _, _, d_lo, d_hi, min_len = dest.bounds
         bounds = Bounds(s_lo, s_hi, d_lo, d_hi, min_len)
-        if dest.joined is None:
-            return TransferPlan(s_all, dest.dst, dest.length, dest.pieces, dest.nbytes, bounds)
+        length = dest.length
+        if not any([s_all[i] == s_all[i - 1] + length[i - 1] for i in dest.joins]):  # nothing merges
+            return TransferPlan(s_all, dest.dst, length, dest.pieces, dest.nbytes, bounds)
         out_s: list[int] = []
         out_d: list[int] = []
         out_n: list[int] = []
         end_s = -1
-        for s, d, n, j in zip(s_all, dest.dst, dest.length, dest.joined, strict=True):
+        for s, d, n, j in zip(s_all, dest.dst, length, dest.joined, strict=True):
             if j and s == end_s:  # contiguous on both sides
                 out_n[-1] += n
             else:
