@@ -277,6 +277,7 @@ class Route:
         self._src_lo, self._src_hi = start, start + size  # the first source region: where bounds usually lie
         self.pools = {Role.PREFILL: frozenset(e.pool for e in prefill.entries)}
         self.pools[Role.DECODE] = frozenset(e.pool for e in decode.entries)
+        self._src_pools = self.pools[Role.PREFILL]  # read per request: no enum hash on the critical path
         self.groups: list[_Group] = []
         for key, chunks in parts.items():
             src = np.concatenate([c[0] for c in chunks])
@@ -417,7 +418,7 @@ class Route:
         """
         if dest.full != (src_cells is not None):
             raise ValueError(f"a {'full' if dest.full else 'destination-only'} destination, source cells {src_cells}")
-        if src_cells is not None and not self.pools[Role.PREFILL].issuperset(src_cells):
+        if src_cells is not None and not self._src_pools.issuperset(src_cells):
             self._check_pools(src_cells, Role.PREFILL)  # raises, naming the pools
         if dest.cells is not None:  # a large plan: the array builder
             return self._array_plan(dest.work, src_cells, dest.cells, dest.pieces, dest.nbytes, dest.min_len)
