@@ -114,10 +114,18 @@ def test_submit_poll_wait_on_both_transports():
                 handle.finish(WriteStatus(Completion.FAILED, "late"))
             empty = writer.submit(receiver.session, [], [], [])
             assert writer.poll(empty).completion is Completion.DONE
+            peer.tensor.zero_()  # submit_wait: the same write, ended when it returns
+            ops = (src.data_ptr() + src_off).tolist(), (peer.addr + dst_off).tolist(), length.tolist()
+            assert writer.submit_wait(receiver.session, *ops) == WriteStatus(Completion.DONE)
+            for s, d, n in zip(src_off, dst_off, length, strict=True):
+                assert np.array_equal(got[d : d + n], src.numpy()[s : s + n]), name
+            assert writer.submit_wait(receiver.session, [], [], []).completion is Completion.DONE
             if name is TransportName.MOONCAKE:  # more ops could overflow the peer's queue
                 ops = [src.data_ptr()] * (writer.max_ops_per_submit + 1)
                 with pytest.raises(TransportError, match="split plans into chunks"):
                     writer.submit(receiver.session, ops, ops, [1] * len(ops))
+                with pytest.raises(TransportError, match="split plans into chunks"):
+                    writer.submit_wait(receiver.session, ops, ops, [1] * len(ops))
         finally:
             writer.close()
             receiver.close()
@@ -140,6 +148,8 @@ def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
         status = writer.wait(handle, 60)
         assert status.completion is Completion.FAILED and "answering probes" in status.reason
         assert writer.poll(handle) == status
+        waited = writer.submit_wait(receiver.session, [src.data_ptr()], [outside], [64])  # the same, inline
+        assert waited.completion is Completion.FAILED and "answering probes" in waited.reason
         assert not dst.any()
         writer.warm("127.0.0.1:1")  # nobody there: warming says nothing, the write below reports it
         nobody = writer.submit("127.0.0.1:1", [src.data_ptr()], [outside], [64])  # a submit that cannot start
