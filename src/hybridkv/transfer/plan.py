@@ -436,9 +436,11 @@ class Route:
             else:
                 cells, lo, hi = g.cell_list(src_cells, Role.PREFILL, first, end)
             s_lo, s_hi = min(s_lo, lo * ss + c_lo), max(s_hi, hi * ss + c_hi)
-            if len(offs) == 1:
+            if len(offs) == 1:  # a loop, not a comprehension: no function made per request
                 a = offs[0]
-                s_all += [s * ss + a for s in cells]
+                add = s_all.append
+                for s in cells:
+                    add(s * ss + a)
             else:
                 s_all += [s * ss + a for s in cells for a in offs]
         if not ((self._src_lo <= s_lo and s_hi <= self._src_hi) or _one_region(s_lo, s_hi, self.prefill)):
@@ -450,7 +452,10 @@ class Route:
         _, _, d_lo, d_hi, min_len = dest.bounds
         bounds = Bounds(s_lo, s_hi, d_lo, d_hi, min_len)
         length = dest.length
-        if not any([s_all[i] == s_all[i - 1] + length[i - 1] for i in dest.joins]):  # nothing merges
+        for i in dest.joins:  # only where the destination joins can pieces merge
+            if s_all[i] == s_all[i - 1] + length[i - 1]:
+                break
+        else:  # nothing merges
             return TransferPlan(s_all, dest.dst, length, dest.pieces, dest.nbytes, bounds)
         out_s: list[int] = []
         out_d: list[int] = []
