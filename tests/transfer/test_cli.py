@@ -39,6 +39,7 @@ def test_bench_transfer_runs_and_reports_ratios():
     assert case["page_bytes"] == 64 << 10 and case["batch"] == 4 and case["bytes"] == 4 * (64 << 10)
     assert case["hybridkv_gbps"] > 0 and case["baseline_gbps"] > 0 and case["ratio"] > 0
     assert 0 < case["plan_us"] < case["overhead_us"] + 1e6 * case["bytes"] / (case["hybridkv_gbps"] * 1e9)
+    assert case["prepare_us"] > 0 and case["unprepared_plan_us"] > 0  # the prepared part is reported too
     # the verdict follows from the case's own figures (a case too small for the goal is not judged)
     assert case["meets_goal"] == (None if case["goal"] is None else case["ratio"] >= case["goal"])
     assert report["meets_goal"] == case["meets_goal"]

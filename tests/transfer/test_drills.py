@@ -6,13 +6,17 @@ import inspect
 import threading
 import time
 
-from hybridkv.transfer import make_transport
-from hybridkv.transfer.transport import Transport
+import pytest
+
+from hybridkv.transfer import TransferError, TransportError, make_transport
+from hybridkv.transfer.ops import Bounds, TransferPlan
+from hybridkv.transfer.transport import Completion, Transport, WriteStatus, write_plan
+from hybridkv.transfer.transport.base import DONE
 from hybridkv.transfer.transport.drills import Delegating, Throttled
 from hybridkv.transfer.transport.mooncake import WARM_WAIT_S
 from tests.transfer.test_staging import Recording
 
-COMPOSED = {"create", "check_device", "write"}  # made of forwarded methods: the wrapper's own changes apply
+COMPOSED = {"create", "check_device", "write", "submit_wait"}  # made of forwarded methods: the drill applies
 
 
 class Warming(Recording):
@@ -77,3 +81,49 @@ def test_mooncake_warm_never_raises_and_a_silent_peer_stalls_the_caller_only_bri
         answer.set()
         transport._engine = engine  # type: ignore[attr-defined]
         transport.close()
+
+
+def test_a_drill_applies_to_writes_waited_for_inline() -> None:
+    """``submit_wait`` is the base's (the wrapper's ``submit`` and ``wait``): a drill over a
+    transport that waits inline still changes every write."""
+
+    class Inline(Recording):
+        waits_inline = True
+
+        def submit_wait(self, peer, src, dst, length, bounds=None):  # the real one: bypasses any drill
+            raise AssertionError("a drill must not forward submit_wait")
+
+    seen = []
+
+    class Counting(Throttled):
+        def submit(self, peer, src, dst, length, bounds=None):
+            seen.append(len(dst))
+            return super().submit(peer, src, dst, length, bounds)
+
+    drill = Counting(Inline(), 0.0)
+    assert drill.waits_inline
+    assert drill.submit_wait("peer", [1, 2], [3, 4], [1, 1]).ended
+    assert seen == [2] and drill.inner.submits == [2]
+
+
+def test_write_plan_waits_inline_for_a_one_chunk_plan_and_keeps_its_stop_and_failure_semantics() -> None:
+    class Inline(Recording):
+        waits_inline = True
+        outcome = DONE
+
+        def submit_wait(self, peer, src, dst, length, bounds=None):
+            self.submits.append(-len(dst))  # negative: waited for inline
+            return self.outcome
+
+    plan = TransferPlan([1, 9], [100, 200], [4, 4], 2, 8, Bounds(1, 13, 100, 204, 4))
+    link = Inline()
+    assert write_plan(link, "peer", plan, 1 << 20, lambda: "") == 2 and link.submits == [-2]
+    asked = iter(["", "aborted"])  # before the chunk, then once it ended: it landed, the write is stopped
+    with pytest.raises(TransferError, match="stopped: aborted"):
+        write_plan(link, "peer", plan, 1 << 20, lambda: next(asked))
+    link.outcome = WriteStatus(Completion.FAILED, "peer gone")
+    with pytest.raises(TransportError, match="peer gone"):
+        write_plan(link, "peer", plan, 1 << 20, lambda: "")
+    link.submits.clear()
+    link.outcome = DONE
+    assert write_plan(link, "peer", plan, 4, lambda: "") == 2 and link.submits == [1, 1]  # two chunks: polled

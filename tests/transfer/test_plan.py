@@ -8,11 +8,13 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import FullAttention, IdSpace, Linear, ModelSpec, Parallel, ShardSpec, StateTensor, get_preset
 from hybridkv.testing.pattern import expected_arena, fill, mismatch
-from hybridkv.transfer import TransferPlan, buffer_set_from_memory, build_plan, memory_cells, pair_entries
+from hybridkv.transfer import PlanError, TransferPlan, buffer_set_from_memory, build_plan, memory_cells, pair_entries
 from hybridkv.transfer import plan as plan_module
 from tests.transfer.expect import expected_atoms, merge_runs
 
@@ -200,3 +202,90 @@ def test_the_byte_pattern_follows_each_tensors_tp_dim(tp_p, tp_d):
             for s, t, length in zip(plan.src.tolist(), plan.dst.tolist(), plan.length.tolist(), strict=True):
                 out[t - dec_base : t - dec_base + length] = src[s - base : s - base + length]
         assert mismatch(dec, expected_arena(dec, [(dec_pages, dec_slot, seq_len, 5)])) == "", f"decode tp{d}"
+
+
+# --- prepared plans: the destination ahead, the source later -----------------------------
+
+PROPERTY_LAYOUTS = [("tiny-swa2-state", 1, 1), ("tiny-dense", 1, 2), ("tiny-gdn", 2, 1), ("tiny-kda-mla", 2, 4)]
+
+
+def plan_or_error(fn, *args) -> tuple:
+    """What ``fn(*args)`` gives: its ops, counts and bounds, or the ``PlanError`` it raised."""
+    try:
+        p = fn(*args)
+    except PlanError as exc:
+        return ("error", str(exc))
+    return (p.src.tolist(), p.dst.tolist(), p.length.tolist(), p.pieces, p.nbytes, p.bounds, p.num_ops)
+
+
+def scrambled(mem: UnifiedMemory, pages: np.ndarray, slot: int | None, data, lists: bool, spoiled: list) -> dict:
+    """A request's cells, each pool's in a drawn order, some drawn into ones no cell may be
+    (0, -1, beyond the pool, another position's), as lists or arrays."""
+    out = {}
+    for name, cells in memory_cells(mem, pages, slot).items():
+        cells = cells.tolist()
+        cells = data.draw(st.permutations(cells), label=f"{name} order")
+        if cells and data.draw(st.integers(0, 3), label=f"{name} spoil?") == 0:
+            i = data.draw(st.integers(0, len(cells) - 1), label=f"{name} position")
+            cells[i] = data.draw(st.sampled_from([0, -1, 10**6, cells[-1], cells[-1]]), label=f"{name} bad cell")
+            spoiled.append(name)
+        out[name] = cells if lists else np.array(cells, dtype=np.int64)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_prepared_plans_give_the_ops_and_errors_of_both_builders(data):
+    """``Route.complete(Route.prepare(...))`` equals the list builder's ``plan`` and the array
+    builder's (ops, counts, bounds, or the same ``PlanError``), full and destination-only,
+    for drawn orders, lengths and bad cells on either side; a ``Destination`` completes any
+    number of plans to the same ops."""
+    name, tp_p, tp_d = data.draw(st.sampled_from(PROPERTY_LAYOUTS), label="layout")
+    seq_len = data.draw(st.integers(1, 40), label="seq_len")
+    n = -(-seq_len // 4)
+    mem = meta_memory(name, 1, tp_p, 0, data.draw(st.integers(0, tp_p - 1), label="prefill rank"), 4)
+    dec = meta_memory(name, 1, tp_d, 0, data.draw(st.integers(0, tp_d - 1), label="decode rank"), 4)
+    pages, slot = request(mem, n, skip=data.draw(st.integers(0, 3)), shuffle=0)
+    dpages, dslot = request(dec, n, skip=data.draw(st.integers(0, 3)), shuffle=0)
+    bufs, dbufs = buffer_set_from_memory(mem, PRE_BASE), buffer_set_from_memory(dec, DEC_BASE)
+    route = plan_module.Route(bufs, dbufs, pair_entries(bufs, dbufs))
+    spoiled: list[str] = []
+    src = scrambled(mem, pages, slot, data, False, spoiled)
+    dst = scrambled(dec, dpages, dslot, data, data.draw(st.booleans(), label="dst as lists"), spoiled)
+    for full in (True, False):
+        s = src if full else None
+        results = []
+        for small in (1 << 30, 0):
+            old, plan_module.SMALL_PLAN = plan_module.SMALL_PLAN, small
+            try:
+                results.append(plan_or_error(route.plan, seq_len, s, dst))
+                try:
+                    dest = route.prepare(seq_len, dst, full)
+                except PlanError as exc:
+                    results.append(("error", str(exc)))
+                else:
+                    results.append(plan_or_error(route.complete, dest, s))
+                    results.append(plan_or_error(route.complete, dest, s))  # again: the same
+            finally:
+                plan_module.SMALL_PLAN = old
+        if all(r[0] != "error" for r in results):
+            assert all(r == results[0] for r in results)
+        else:  # every builder refuses; one fault on one side gives one message
+            assert all(r[0] == "error" for r in results), results
+            if len(spoiled) == 1:
+                assert len({r[1] for r in results}) == 1, results
+
+
+def test_a_destination_completes_only_its_kind_of_plan():
+    mem, dec = meta_memory("tiny-dense", 1, 1, 0, 0, 4), meta_memory("tiny-dense", 1, 1, 0, 0, 4)
+    pages, _ = request(mem, 3, skip=1, shuffle=0)
+    dpages, _ = request(dec, 3, skip=2, shuffle=1)
+    bufs, dbufs = buffer_set_from_memory(mem, PRE_BASE), buffer_set_from_memory(dec, DEC_BASE)
+    route = plan_module.Route(bufs, dbufs, pair_entries(bufs, dbufs))
+    src, dst = memory_cells(mem, pages, None), memory_cells(dec, dpages, None)
+    with pytest.raises(ValueError, match="destination-only"):
+        route.complete(route.prepare(12, dst, full=False), src)
+    with pytest.raises(ValueError, match="full"):
+        route.complete(route.prepare(12, dst), None)
+    with pytest.raises(PlanError, match="pool"):
+        route.complete(route.prepare(12, dst), dict(src, nope=[1]))

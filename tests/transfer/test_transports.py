@@ -60,7 +60,21 @@ def test_shm_copies_big_and_small_ops_and_refuses_foreign_ranges():
         writer.write(receiver.session, base + src_off + (1 << 16), peer.addr + dst_off, length, loose)
     with pytest.raises(TransportError, match="not a shm session"):
         writer.write("tcp://nope", base + src_off, peer.addr + dst_off, length)
+    # big ops as lists with the plan's bounds (a small plan's form: the memmove-only path)
+    big_src, big_dst, big_len = [base, base + 8192], [peer.addr + 4096, peer.addr + 20000], [4096, 2048]
+    tight = Bounds(base, base + 10240, peer.addr + 4096, peer.addr + 22048, 2048)
+    for bad, why in [
+        (tight._replace(dst_hi=peer.addr + (1 << 16) + 1), "outside the peer's buffer"),
+        (tight._replace(dst_lo=peer.addr - 1), "outside the peer's buffer"),
+    ]:
+        with pytest.raises(TransportError, match=why):  # bounds past the peer's buffer: refused
+            writer.write(receiver.session, big_src, [d + (1 << 16) for d in big_dst], big_len, bad)
+    with pytest.raises(TransportError, match="outside every registered local region"):
+        far = [s + (1 << 16) for s in big_src]
+        writer.write(receiver.session, far, big_dst, big_len, tight._replace(src_hi=base + (1 << 17)))
     assert np.array_equal(got, before)  # refused writes copy nothing
+    writer.write(receiver.session, big_src, big_dst, big_len, tight)
+    assert np.array_equal(got[4096:8192], want[:4096]) and np.array_equal(got[20000:22048], want[8192:10240])
     writer.close()
     receiver.close()
     peer.close()
@@ -100,10 +114,18 @@ def test_submit_poll_wait_on_both_transports():
                 handle.finish(WriteStatus(Completion.FAILED, "late"))
             empty = writer.submit(receiver.session, [], [], [])
             assert writer.poll(empty).completion is Completion.DONE
+            peer.tensor.zero_()  # submit_wait: the same write, ended when it returns
+            ops = (src.data_ptr() + src_off).tolist(), (peer.addr + dst_off).tolist(), length.tolist()
+            assert writer.submit_wait(receiver.session, *ops) == WriteStatus(Completion.DONE)
+            for s, d, n in zip(src_off, dst_off, length, strict=True):
+                assert np.array_equal(got[d : d + n], src.numpy()[s : s + n]), name
+            assert writer.submit_wait(receiver.session, [], [], []).completion is Completion.DONE
             if name is TransportName.MOONCAKE:  # more ops could overflow the peer's queue
                 ops = [src.data_ptr()] * (writer.max_ops_per_submit + 1)
                 with pytest.raises(TransportError, match="split plans into chunks"):
                     writer.submit(receiver.session, ops, ops, [1] * len(ops))
+                with pytest.raises(TransportError, match="split plans into chunks"):
+                    writer.submit_wait(receiver.session, ops, ops, [1] * len(ops))
         finally:
             writer.close()
             receiver.close()
@@ -126,6 +148,8 @@ def test_mooncake_failure_ends_the_handle_failed_with_the_reason():
         status = writer.wait(handle, 60)
         assert status.completion is Completion.FAILED and "answering probes" in status.reason
         assert writer.poll(handle) == status
+        waited = writer.submit_wait(receiver.session, [src.data_ptr()], [outside], [64])  # the same, inline
+        assert waited.completion is Completion.FAILED and "answering probes" in waited.reason
         assert not dst.any()
         writer.warm("127.0.0.1:1")  # nobody there: warming says nothing, the write below reports it
         nobody = writer.submit("127.0.0.1:1", [src.data_ptr()], [outside], [64])  # a submit that cannot start

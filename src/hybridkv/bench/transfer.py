@@ -9,8 +9,10 @@ The request's prefill pages are in random order, so each page is one op.
 
 Measured per (page size, batch), warm, interleaved in a rotating order, median of ``reps``
 (GB/s per path; ratios are the median of per-repetition ratios):
-- ``hybridkv``: what a prefill rank does per request: ``Route.plan`` (cells -> coalesced
-  ops, all checks) plus ``write_plan`` through the transport;
+- ``hybridkv``: what a prefill rank does per request once its forward ended:
+  ``Route.complete`` (the source cells added to the destination side prepared when the
+  decode rank's request arrived, ``Route.prepare``, which ``PrefillSender`` does while the
+  forward runs; all checks) plus ``write_plan`` through the transport;
 - ``baseline``: the same bytes moved raw, with no plan and no checks. shm: one
   ``memmove`` per op of the very same ops, into a mapping of the decode rank's shared memory
   opened as the prefill side's transport opens it (a second mapping of the same pages, as a
@@ -25,9 +27,12 @@ Measured per (page size, batch), warm, interleaved in a rotating order, median o
 
 Goals (against ``baseline``): shm ``>= 0.8 x`` for pages >= 64 KiB; mooncake ``>= 0.9 x``.
 ``overhead_us`` (median hybridkv minus median baseline time) is the per-request fixed cost
-of planning and checking, which decides the ratio of small requests; ``plan_us`` is the
-median time of ``Route.plan`` alone (cells -> checked, coalesced ops), the part of it that
-is hybridkv's own work before a byte moves.
+of planning and checking after the forward, which decides the ratio of small requests;
+``plan_us`` is the median time of ``Route.complete`` alone (the critical path's planning,
+before a byte moves), ``prepare_us`` that of ``Route.prepare`` (the destination side, done
+ahead of the forward's end: off the critical path, yet hybridkv's work all the same) and
+``unprepared_plan_us`` that of ``Route.plan`` (both at once, as a caller that never
+prepares pays it).
 """
 
 from __future__ import annotations
@@ -138,8 +143,10 @@ def _case(
     dst_cells = {n: c.tolist() for n, c in memory_cells(dec, dst_pages, None).items()}  # as decode's message has them
     peer = receiver.transport.session
 
+    dest = route.prepare(seq_len, dst_cells)  # as ``PrefillSender`` does when decode's request arrives
+
     def hybridkv() -> None:
-        plan = route.plan(seq_len, src_cells, dst_cells)
+        plan = route.complete(dest, src_cells)
         write_plan(sender.transport, peer, plan, CHUNK_BYTES, lambda: "")
 
     plan = route.plan(seq_len, src_cells, dst_cells)
@@ -185,10 +192,16 @@ def _case(
         dec.free_pages(alloc.pages)
 
     def planning() -> None:
+        route.complete(dest, src_cells)
+
+    def preparing() -> None:
+        route.prepare(seq_len, dst_cells)
+
+    def unprepared() -> None:
         route.plan(seq_len, src_cells, dst_cells)
 
     paths["end_to_end"] = end_to_end
-    paths["plan"] = planning
+    paths |= {"plan": planning, "prepare": preparing, "unprepared_plan": unprepared}
     timers = {name: _timer(fn) for name, fn in paths.items()}
     for timed in timers.values():  # warm-up: mappings, handshakes, caches
         timed()
@@ -217,6 +230,8 @@ def _case(
         "ratio": ratio,
         "overhead_us": fixed_us,
         "plan_us": statistics.median(times["plan"]) * 1e6,
+        "prepare_us": statistics.median(times["prepare"]) * 1e6,
+        "unprepared_plan_us": statistics.median(times["unprepared_plan"]) * 1e6,
         "memcpy_block_gbps": gbps.get("memcpy_block"),
         "ratio_to_block": _paired_ratio(times, "memcpy_block") if "memcpy_block" in times else None,
         "end_to_end_gbps": gbps["end_to_end"],

@@ -156,6 +156,7 @@ def bench_transfer(
     table = Table(title=f"transfer over {transport}: hybridkv vs {report['baseline']} (median of {reps})")
     block = TransportName(transport) is TransportName.SHM  # only shm has a block-memcpy bound
     cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio", "overhead µs", "plan µs"]
+    cols += ["prepare µs"]
     cols += ["block memcpy GB/s", "ratio to block"] if block else []
     for col in [*cols, "end-to-end GB/s", "goal"]:
         table.add_column(col, justify="right")
@@ -171,6 +172,7 @@ def bench_transfer(
             f"{r['ratio']:.2f}",
             f"{r['overhead_us']:.0f}",
             f"{r['plan_us']:.0f}",
+            f"{r['prepare_us']:.0f}",
         ]
         if block:
             row += [f"{r['memcpy_block_gbps']:.2f}", f"{r['ratio_to_block']:.2f}"]

@@ -14,7 +14,8 @@ Invariants:
   source range in what prefill registered and every destination range in what decode
   registered; no two destination ranges overlap; the cells name only pools the side's
   layout has (an unknown pool is refused, never ignored). Any violation raises
-  ``PlanError`` before a byte moves.
+  ``PlanError`` before a byte moves; the destination side is checked first (both builders),
+  so one fault gives one message whichever builder or path finds it.
 - Ops are sorted by destination and maximal: adjacent pieces contiguous on both sides are
   merged, so the number of ops equals the number of contiguous runs. A destination-only
   plan (no source cells: what decode computes to verify checksums) merges on the
@@ -29,6 +30,15 @@ ops whenever they fall in one region, and transports check the bounds instead of
 reducing the op arrays again. Plans of up to ``SMALL_PLAN`` pieces are built with Python
 lists (numpy's fixed cost per call, paid again and again on caches a copy just flushed,
 dominated them), larger ones with numpy arrays; tests hold both builders to the same ops.
+
+Prepared plans: a plan splits into what the destination cells decide and what the source
+cells add. ``Route.prepare`` does the first when the decode rank's request arrives (a
+prefill rank is asked before its forward ends): the destination's checks, addresses, order
+(by destination address), overlap refusal and where pieces are contiguous on the
+destination; ``Route.complete`` then does only the source side on the critical path after
+the forward: its checks, its addresses put in destination order, the merge of pieces
+contiguous on both sides. ``plan`` is exactly ``complete(prepare(...))``; a ``Destination``
+is read-only and completes any number of plans.
 """
 
 from __future__ import annotations
@@ -192,6 +202,54 @@ def _addresses(cells: np.ndarray, stride: int, off: np.ndarray, lo: int) -> np.n
     return (out[:, None] + off).ravel()
 
 
+class Destination:
+    """The destination side of one request's plan (``Route.prepare``), for ``Route.complete``.
+
+    Holds, for plans of at most ``SMALL_PLAN`` pieces: the destination pieces checked, sorted
+    and refused if they overlap (``dst``, ``length``), the permutation from work order to
+    destination order (``order``; None when already sorted), where a piece continues the
+    previous one on the destination (``joined``, and those pieces' indices: ``joins``; only
+    there can two pieces merge), and the destination bounds. Read-only once prepared: plans
+    may share its lists (they never write them); one ``Destination`` may complete any number
+    of plans, on any thread.
+    """
+
+    __slots__ = (
+        "bounds",
+        "cells",
+        "dst",
+        "full",
+        "joined",
+        "joins",
+        "length",
+        "min_len",
+        "nbytes",
+        "order",
+        "piece_len",
+        "pieces",
+        "seq_len",
+        "src_work",
+        "src_zeros",
+        "work",
+    )
+
+    def __init__(
+        self, seq_len: int, full: bool, work: list[tuple[_Group, _Chunks, int, int]], pieces: int, nbytes: int
+    ) -> None:
+        self.seq_len, self.full, self.work, self.pieces, self.nbytes = seq_len, full, work, pieces, nbytes
+        self.cells: Mapping[str, Ops] | None = None  # large plans: the cells, for the array builder
+        self.min_len = 0
+        self.dst: list[int] = []  # per piece (merged pieces for a destination-only plan), ascending
+        self.length: list[int] = []
+        self.src_zeros: list[int] = []  # a destination-only plan's sources
+        self.piece_len: list[int] = []  # per piece in work order (region errors)
+        self.order: list[int] | None = None
+        self.joined: list[bool] = []
+        self.bounds = Bounds(0, 0, 0, 0, 0)  # source bounds come with the source
+        self.src_work: list[tuple[_Group, str, int, int, int, int, list[int], int, int]] = []
+        self.joins: list[int] = []  # the pieces ``joined`` marks
+
+
 class Route:
     """Everything about one (prefill rank, decode rank) pairing that no request changes.
 
@@ -215,8 +273,11 @@ class Route:
                 if piece.src_rank == prefill.tp_rank:
                     s_off, d_off, ln = _item_chunks(a, b, piece.start, piece.end)
                     parts.setdefault(key, []).append((a.addr + s_off, b.addr + d_off, ln, pair.layer_id))
+        start, size = prefill.regions[0] if prefill.regions else (0, 0)
+        self._src_lo, self._src_hi = start, start + size  # the first source region: where bounds usually lie
         self.pools = {Role.PREFILL: frozenset(e.pool for e in prefill.entries)}
         self.pools[Role.DECODE] = frozenset(e.pool for e in decode.entries)
+        self._src_pools = self.pools[Role.PREFILL]  # read per request: no enum hash on the critical path
         self.groups: list[_Group] = []
         for key, chunks in parts.items():
             src = np.concatenate([c[0] for c in chunks])
@@ -242,15 +303,26 @@ class Route:
     ) -> TransferPlan:
         """The ops of one request; ``src_cells=None`` gives a destination-only plan.
 
-        Plans of at most ``SMALL_PLAN`` pieces are built with Python lists, larger ones with
+        The same as ``complete(prepare(seq_len, dst_cells, src_cells is not None), src_cells)``:
+        plans of at most ``SMALL_PLAN`` pieces are built with Python lists, larger ones with
         numpy arrays; both apply the same checks and give the same ops.
+        """
+        return self.complete(self.prepare(seq_len, dst_cells, src_cells is not None), src_cells)
+
+    def prepare(self, seq_len: int, dst_cells: Mapping[str, Ops], full: bool = True) -> Destination:
+        """The destination side of a request's plan, checked and laid out before its source
+        cells exist (a prefill rank prepares when the decode rank's request arrives, while its
+        forward still runs); ``complete`` then adds the source side. ``full=False``: for a
+        destination-only plan.
+
+        Checks here, before any source is known: ``seq_len``, the destination's pools, cells
+        (``[1, count)``), regions and overlaps; ``PlanError`` as ``plan`` raises them. Plans of
+        more than ``SMALL_PLAN`` pieces are only checked for their pools here (the array
+        builder does the rest in ``complete``).
         """
         if seq_len < 1:
             raise PlanError(f"seq_len must be >= 1, got {seq_len}")
         self._check_pools(dst_cells, Role.DECODE)
-        if src_cells is not None:
-            self._check_pools(src_cells, Role.PREFILL)
-        full = src_cells is not None
         work: list[tuple[_Group, _Chunks, int, int]] = []
         size = pieces = nbytes = 0
         min_len = 1 << 63
@@ -263,11 +335,141 @@ class Route:
                 pieces += (end - first) * g.pieces
                 nbytes += (end - first) * g.item_bytes
                 min_len = min(min_len, chunks.min_len)
+        dest = Destination(seq_len, full, work, pieces, nbytes)
         if not work:
-            return TransferPlan(_EMPTY, _EMPTY, _EMPTY, 0, 0, Bounds(0, 0, 0, 0, 0))
-        if size <= SMALL_PLAN:
-            return self._list_plan(work, src_cells, dst_cells, pieces, nbytes, min_len)
-        return self._array_plan(work, src_cells, dst_cells, pieces, nbytes, min_len)
+            dest.dst = dest.length = dest.src_zeros = []
+            dest.bounds = Bounds(0, 0, 0, 0, 0)
+            return dest
+        if size > SMALL_PLAN:
+            dest.cells = dst_cells  # the array builder checks them in ``complete``
+            dest.min_len = min_len
+            return dest
+        d_all: list[int] = []  # per piece, in work order (group, cell position, chunk)
+        n_all: list[int] = []
+        d_lo, d_hi = 1 << 63, 0
+        for g, chunks, first, end in work:
+            cells, lo, hi = g.cell_list(dst_cells, Role.DECODE, first, end)
+            ds = g.dst_stride
+            d_lo, d_hi = min(d_lo, lo * ds + chunks.dst_lo), max(d_hi, hi * ds + chunks.dst_hi)
+            if len(chunks.items) == 1:
+                ((_, b, n),) = chunks.items
+                d_all += [d * ds + b for d in cells]
+                n_all += [n] * len(cells)
+            else:
+                d_all += [d * ds + b for d in cells for _, b, _ in chunks.items]
+                n_all += [n for _ in cells for _, _, n in chunks.items]
+        if not _one_region(d_lo, d_hi, self.decode):  # rare: check each piece, as the array path does
+            _check_inside(np.array(d_all, np.int64), np.array(n_all, np.int64), d_lo, d_hi, self.decode, Role.DECODE)
+        order: list[int] | None = None
+        d_sorted, n_sorted = d_all, n_all
+        joined: list[bool] = []  # piece i continues piece i - 1 on the destination
+        end_d = -1
+        for d, n in zip(d_all, n_all, strict=True):  # pages allocated in order need no sort
+            if d < end_d:
+                break
+            joined.append(d == end_d)
+            end_d = d + n
+        if len(joined) < len(d_all):  # out of order (or overlapping): sort, then refuse overlaps
+            order = sorted(range(len(d_all)), key=d_all.__getitem__)
+            d_sorted, n_sorted = [d_all[i] for i in order], [n_all[i] for i in order]
+            joined, end_d = [], -1
+            for d, n in zip(d_sorted, n_sorted, strict=True):
+                if d < end_d:
+                    raise overlap(d)
+                joined.append(d == end_d)
+                end_d = d + n
+        dest.bounds = Bounds(0, 0, d_lo, d_hi, min_len)
+        dest.piece_len, dest.order = n_all, order
+        if not full:  # merge on the destination alone: the plan is complete
+            out_d: list[int] = []
+            out_n: list[int] = []
+            for d, n, j in zip(d_sorted, n_sorted, joined, strict=True):
+                if j:
+                    out_n[-1] += n
+                else:
+                    out_d.append(d)
+                    out_n.append(n)
+            dest.dst, dest.length, dest.src_zeros = out_d, out_n, [0] * len(out_d)
+            return dest
+        dest.dst, dest.length = d_sorted, n_sorted
+        dest.joined = joined
+        dest.joins = [i for i, j in enumerate(joined) if j]
+        dest.src_work = [
+            (
+                g,
+                g.src_pool,
+                g.src_count,
+                first,
+                end,
+                g.src_stride,
+                [a for a, _, _ in chunks.items],
+                chunks.src_lo,
+                chunks.src_hi,
+            )
+            for g, chunks, first, end in work
+        ]
+        return dest
+
+    def complete(self, dest: Destination, src_cells: Mapping[str, Ops] | None) -> TransferPlan:
+        """The plan of a prepared request: ``dest`` (from ``prepare`` on this route) with its
+        source cells (``None`` for a destination-only ``dest``). What is left of the work:
+        the source's pools, cells and regions checked, its addresses in destination order,
+        pieces contiguous on both sides merged. The same ops, counts and bounds as ``plan``.
+        """
+        if dest.full != (src_cells is not None):
+            raise ValueError(f"a {'full' if dest.full else 'destination-only'} destination, source cells {src_cells}")
+        if src_cells is not None and not self._src_pools.issuperset(src_cells):
+            self._check_pools(src_cells, Role.PREFILL)  # raises, naming the pools
+        if dest.cells is not None:  # a large plan: the array builder
+            return self._array_plan(dest.work, src_cells, dest.cells, dest.pieces, dest.nbytes, dest.min_len)
+        if src_cells is None or not dest.dst:
+            return TransferPlan(dest.src_zeros, dest.dst, dest.length, dest.pieces, dest.nbytes, dest.bounds)
+        s_all: list[int] = []
+        s_lo, s_hi = 1 << 63, 0
+        for g, pool, count, first, end, ss, offs, c_lo, c_hi in dest.src_work:
+            have = src_cells.get(pool)
+            if type(have) is np.ndarray and len(have) >= end:  # as ``send`` gives them: no call, no copy
+                cells = (have if first == 0 and len(have) == end else have[first:end]).tolist()
+                lo, hi = min(cells), max(cells)
+                if lo < 1 or hi >= count:
+                    g.cell_list(src_cells, Role.PREFILL, first, end)  # raises, naming the cell
+            else:
+                cells, lo, hi = g.cell_list(src_cells, Role.PREFILL, first, end)
+            s_lo, s_hi = min(s_lo, lo * ss + c_lo), max(s_hi, hi * ss + c_hi)
+            if len(offs) == 1:  # a loop, not a comprehension: no function made per request
+                a = offs[0]
+                add = s_all.append
+                for s in cells:
+                    add(s * ss + a)
+            else:
+                s_all += [s * ss + a for s in cells for a in offs]
+        if not ((self._src_lo <= s_lo and s_hi <= self._src_hi) or _one_region(s_lo, s_hi, self.prefill)):
+            # rare: check each piece, as the array path does
+            s_arr, n_arr = np.array(s_all, np.int64), np.array(dest.piece_len, np.int64)
+            _check_inside(s_arr, n_arr, s_lo, s_hi, self.prefill, Role.PREFILL)
+        if dest.order is not None:
+            s_all = [s_all[i] for i in dest.order]
+        _, _, d_lo, d_hi, min_len = dest.bounds
+        bounds = Bounds(s_lo, s_hi, d_lo, d_hi, min_len)
+        length = dest.length
+        for i in dest.joins:  # only where the destination joins can pieces merge
+            if s_all[i] == s_all[i - 1] + length[i - 1]:
+                break
+        else:  # nothing merges
+            return TransferPlan(s_all, dest.dst, length, dest.pieces, dest.nbytes, bounds)
+        out_s: list[int] = []
+        out_d: list[int] = []
+        out_n: list[int] = []
+        end_s = -1
+        for s, d, n, j in zip(s_all, dest.dst, length, dest.joined, strict=True):
+            if j and s == end_s:  # contiguous on both sides
+                out_n[-1] += n
+            else:
+                out_s.append(s)
+                out_d.append(d)
+                out_n.append(n)
+            end_s = s + n
+        return TransferPlan(out_s, out_d, out_n, dest.pieces, dest.nbytes, bounds)
 
     def _check_pools(self, cells: Mapping[str, Ops], role: Role) -> None:
         known = self.pools[role]
@@ -291,17 +493,19 @@ class Route:
         src_parts, dst_parts, len_parts = [], [], []
         s_lo = d_lo = 1 << 63
         s_hi = d_hi = 0
-        for g, chunks, first, end in work:
+        for g, chunks, first, end in work:  # the destination first, as ``prepare``
             cells, lo, hi = g.cells(dst_cells, Role.DECODE, first, end)
             dst_parts.append(_addresses(cells, g.dst_stride, chunks.dst_off, chunks.dst_lo))
             d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
-            if src_cells is not None:
-                cells, lo, hi = g.cells(src_cells, Role.PREFILL, first, end)
-                src_parts.append(_addresses(cells, g.src_stride, chunks.src_off, chunks.src_lo))
-                s_lo, s_hi = min(s_lo, lo * g.src_stride + chunks.src_lo), max(s_hi, hi * g.src_stride + chunks.src_hi)
             len_parts.append(chunks.lengths(end - first))
         dst, length = _joined(dst_parts), _joined(len_parts)
         _check_inside(dst, length, d_lo, d_hi, self.decode, Role.DECODE)
+        for g, chunks, first, end in work:
+            if src_cells is None:
+                break
+            cells, lo, hi = g.cells(src_cells, Role.PREFILL, first, end)
+            src_parts.append(_addresses(cells, g.src_stride, chunks.src_off, chunks.src_lo))
+            s_lo, s_hi = min(s_lo, lo * g.src_stride + chunks.src_lo), max(s_hi, hi * g.src_stride + chunks.src_hi)
         if src_cells is not None:
             src = _joined(src_parts)
             _check_inside(src, length, s_lo, s_hi, self.prefill, Role.PREFILL)
@@ -309,54 +513,6 @@ class Route:
             src, s_lo, s_hi = np.zeros_like(dst), 0, 0
         bounds = Bounds(s_lo, s_hi, d_lo, d_hi, min_len)
         return coalesce(src, dst, length, src_cells is not None, pieces, nbytes, bounds)
-
-    def _list_plan(
-        self,
-        work: list[tuple[_Group, _Chunks, int, int]],
-        src_cells: Mapping[str, Ops] | None,
-        dst_cells: Mapping[str, Ops],
-        pieces: int,
-        nbytes: int,
-        min_len: int,
-    ) -> TransferPlan:
-        """``_array_plan`` with Python lists: the same checks in the same order, the same ops."""
-        todo: list[tuple[int, int, int]] = []  # (dst, src, length) per piece
-        s_lo = d_lo = 1 << 63
-        s_hi = d_hi = 0
-        for g, chunks, first, end in work:
-            dst, lo, hi = g.cell_list(dst_cells, Role.DECODE, first, end)
-            d_lo, d_hi = min(d_lo, lo * g.dst_stride + chunks.dst_lo), max(d_hi, hi * g.dst_stride + chunks.dst_hi)
-            ss, ds = g.src_stride, g.dst_stride
-            if src_cells is None:
-                todo += [(d * ds + b, 0, n) for d in dst for _, b, n in chunks.items]
-                continue
-            src, lo, hi = g.cell_list(src_cells, Role.PREFILL, first, end)
-            s_lo, s_hi = min(s_lo, lo * ss + chunks.src_lo), max(s_hi, hi * ss + chunks.src_hi)
-            todo += [(d * ds + b, s * ss + a, n) for s, d in zip(src, dst, strict=True) for a, b, n in chunks.items]
-        proven = _one_region(d_lo, d_hi, self.decode) and (src_cells is None or _one_region(s_lo, s_hi, self.prefill))
-        if not proven:  # rare: check each piece, as the array path does
-            d_arr, s_arr, n_arr = (np.array(x, dtype=np.int64) for x in zip(*todo, strict=True))
-            _check_inside(d_arr, n_arr, d_lo, d_hi, self.decode, Role.DECODE)
-            if src_cells is not None:
-                _check_inside(s_arr, n_arr, s_lo, s_hi, self.prefill, Role.PREFILL)
-        if src_cells is None:
-            s_lo = s_hi = 0
-        todo.sort()
-        out_s: list[int] = []
-        out_d: list[int] = []
-        out_n: list[int] = []
-        end_d = end_s = -1
-        for d, s, n in todo:
-            if d < end_d:
-                raise overlap(d)
-            if d == end_d and s == end_s:  # contiguous on both sides (sources are all 0 when absent)
-                out_n[-1] += n
-            else:
-                out_s.append(s)
-                out_d.append(d)
-                out_n.append(n)
-            end_d, end_s = d + n, s + n if src_cells is not None else 0
-        return TransferPlan(out_s, out_d, out_n, pieces, nbytes, Bounds(s_lo, s_hi, d_lo, d_hi, min_len))
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

@@ -2,8 +2,11 @@
 
 Protocol (this side): register at the bootstrap; every decode rank says ``Hello`` once
 (its layout and transport session: the pairing is checked then) and sends one
-``TransferRequest`` per request (its destination cells). When the owner hands over the
-request's pages with ``send``, each decode rank's *leg* runs on the worker: plan, write in
+``TransferRequest`` per request (its destination cells). The destination side of each
+leg's plan is prepared as its request arrives (``Route.prepare``: the decode cells checked,
+laid out and ordered while the prefill's forward still runs; a refusal fails the leg then).
+When the owner hands over the request's pages with ``send``, each decode rank's *leg* runs
+on the worker: complete the plan with the source cells (``Route.complete``), write in
 chunks (``write_plan``: submit one, wait for it; over a transport that pays per op, each
 chunk's strided sources are first gathered into a staging buffer, ``SourceStaging``, so it
 goes out as one op per destination run), checksum; the decode rank gets ``transferring``
@@ -58,7 +61,7 @@ from hybridkv.transfer.messages import (
     TransferRequest,
 )
 from hybridkv.transfer.pairing import pair_entries
-from hybridkv.transfer.plan import Route, memory_cells, num_pages
+from hybridkv.transfer.plan import Destination, Route, memory_cells, num_pages
 from hybridkv.transfer.status import LegReport, LegStatus, Phase, RequestStatus, StatusReport
 from hybridkv.transfer.transport import Transport
 from hybridkv.transfer.transport.staging import SourceStaging
@@ -91,6 +94,7 @@ class _Leg:
     dst_cells: dict[str, list[int]]  # as the decode rank's message gave them (plans of few pieces read lists)
     checksum: bool
     deadline: float
+    dest: Destination | None = None  # the plan's destination side, prepared when the request arrived
     status: LegStatus = LegStatus.ASKED  # I/O thread only; TRANSFERRING while the worker runs it
     stop_reason: str = ""  # set by the I/O thread, read by the worker between chunks
 
@@ -293,6 +297,16 @@ class PrefillSender(Agent):
         if peer.error:
             self._finish_leg(out, leg, peer.error)
             return
+        assert peer.route is not None
+        try:  # the destination side of the plan now, while the prefill's forward still runs
+            leg.dest = peer.route.prepare(leg.seq_len, cells)
+        except TransferError as exc:
+            self._finish_leg(out, leg, str(exc))
+            return
+        except Exception as exc:  # a bug: fail the leg, never report success
+            log.exception("%s: preparing the leg of %s failed", self.rank, rid)
+            self._finish_leg(out, leg, f"internal error: {exc!r}")
+            return
         out.status.advance(Phase.WAITING_FOR_INPUT)
         self._start_legs(out)
 
@@ -329,9 +343,9 @@ class PrefillSender(Agent):
 
     def _run_leg(self, out: _Outgoing, leg: _Leg) -> None:
         """Worker thread: plan and write one decode rank's share of the request."""
-        assert out.cells is not None and leg.peer.route is not None
-        try:
-            plan = leg.peer.route.plan(out.seq_len, out.cells, leg.dst_cells)
+        assert out.cells is not None and leg.peer.route is not None and leg.dest is not None
+        try:  # the destination side was prepared when the request arrived: only the source side is left
+            plan = leg.peer.route.complete(leg.dest, out.cells)
             stop = partial(self._should_stop, leg)
             ops = write_plan(self.transport, leg.peer.session, plan, self.chunk_bytes, stop, self._stage)
             src, _, length = plan.ops()

@@ -3,7 +3,9 @@
 Invariant: a wrapper forwards everything it does not change to ``inner`` (so it names,
 registers, addresses, warms, stages and ends handles exactly as the real transport does):
 every class attribute ``Transport`` declares and every method it defines except those made
-of other methods (``create``, ``check_device``, ``write``); a test holds ``Delegating`` to it.
+of other methods (``create``, ``check_device``, ``write``, ``submit_wait``: the base's, made of
+the wrapper's ``submit`` and ``wait``, so a drill's change applies to it too); a test holds
+``Delegating`` to it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ Invariants:
   reads the caller's ``bounds`` when given (a plan's, from its checked cell ids), else
   reduces the op arrays.
 - Large ops are one ``memmove`` each, straight from the plan's lists; small ops (TP head
-  slices) are gathered and scattered with vectorized numpy indexing, grouped by length.
+  slices) are gathered and scattered with vectorized numpy indexing, grouped by length. A
+  small plan (ops as lists, every op large, bounds inside the peer's buffer and the first
+  registered region) is copied by the bare ``memmove`` loop, with no array made: its checks
+  are the same comparisons of the bounds, done first.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class _Mapping:
         self.mm, offset = open_shared(token, self.nbytes)
         self.array = np.frombuffer(self.mm, dtype=np.uint8, count=self.nbytes, offset=offset)
         self.base = self.array.ctypes.data
+        self.end = self.remote + self.nbytes  # the peer's buffer is [remote, end) in the peer
+        self.shift = self.base - self.remote  # peer address -> address in this process's mapping
 
     def close(self) -> None:
         del self.array
@@ -68,6 +73,7 @@ class ShmTransport(Transport):
         """``shared``: this side's buffer that peers may write into (decode side)."""
         self._shared = shared
         self._local: list[tuple[int, np.ndarray]] = []
+        self._first = (0, 0)  # the first registered region's [start, end): the bounds' usual home
         self._peers: dict[str, _Mapping] = {}
 
     @classmethod
@@ -88,6 +94,8 @@ class ShmTransport(Transport):
     def register(self, addr: int, length: int) -> None:
         array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
         self._local.append((addr, array))
+        if len(self._local) == 1:
+            self._first = (addr, addr + length)
 
     def submit(self, peer: str, src: Ops, dst: Ops, length: Ops, bounds: Bounds | None = None) -> WriteHandle:
         self._copy(peer, src, dst, length, bounds)
@@ -99,7 +107,21 @@ class ShmTransport(Transport):
         target = self._peers.get(peer) or self._map(peer)
         if bounds is None:
             bounds = _bounds(np.asarray(src), np.asarray(dst), np.asarray(length))
-        if bounds.dst_lo < target.remote or bounds.dst_hi > target.remote + target.nbytes:
+        src_lo, src_hi, dst_lo, dst_hi, min_len = bounds
+        local_lo, local_hi = self._first
+        if (
+            type(src) is type(dst) is type(length) is list
+            and min_len >= SMALL_OP
+            and target.remote <= dst_lo
+            and dst_hi <= target.end
+            and local_lo <= src_lo
+            and src_hi <= local_hi
+        ):  # the common case (a small plan's lists, every op one memmove, both bounds proven): no arrays
+            shift = target.shift
+            for s, d, n in zip(src, dst, length, strict=True):
+                ctypes.memmove(d + shift, s, n)
+            return
+        if dst_lo < target.remote or dst_hi > target.end:
             dst, length = np.asarray(dst), np.asarray(length)
             end = dst + length
             i = int(np.argmax((dst < target.remote) | (end > target.remote + target.nbytes)))
@@ -107,8 +129,8 @@ class ShmTransport(Transport):
                 f"shm write to {peer}: destination [{dst[i]:#x}, {end[i]:#x}) is outside the peer's buffer"
             )
         region = self._regions(src, length, bounds)
-        shift = target.base - target.remote  # peer address -> address in this process's mapping
-        if bounds.min_len >= SMALL_OP:  # the common case: every op is one memmove
+        shift = target.shift
+        if min_len >= SMALL_OP:  # the common case: every op is one memmove
             for s, d, n in zip(as_ints(src), as_ints(dst), as_ints(length), strict=True):
                 ctypes.memmove(d + shift, s, n)
             return

@@ -4,7 +4,10 @@ Invariants: a write returns only once every op it submitted landed (``DONE``), o
 ``TransportError`` with the transport's reason for a failed chunk, ``TransferError("stopped: ...")``
 when ``stop()`` answered, and then only once nothing is in flight (a submitted chunk cannot be
 recalled). With a ``SourceStaging``, strided sources of a chunk are gathered into its buffer first,
-so a transport that pays per op sends one op per destination run.
+so a transport that pays per op sends one op per destination run. A plan that fits one chunk
+(a small request) is submitted as the plan holds it, without slicing, and over a transport
+that ``waits_inline`` written and waited for on this thread (``submit_wait``); ``stop()`` is
+then asked once the chunk ended (a chunk cannot be recalled, so it is waited for either way).
 """
 
 from __future__ import annotations
@@ -42,7 +45,12 @@ def write_plan(
     """
     submitted = 0
     limit = chunk_bytes if stage is None else stage.limit(plan, chunk_bytes)
-    for chunk in plan.chunks(transport.max_ops_per_submit, limit):
+    chunks: list[slice] | tuple[None]
+    if 0 < plan.num_ops <= transport.max_ops_per_submit and plan.nbytes <= limit:
+        chunks = (None,)  # one chunk (a small request): the plan's own op lists, no slicing
+    else:
+        chunks = plan.chunks(transport.max_ops_per_submit, limit)
+    for chunk in chunks:
         reason = stop()
         if reason:
             raise TransferError(f"stopped: {reason}")
@@ -51,11 +59,15 @@ def write_plan(
         if stage is not None:
             src, dst, length, bounds = stage.gather(src, dst, length, bounds)
         submitted += len(dst)
-        handle = transport.submit(peer, src, dst, length, bounds)
-        status = transport.poll(handle)
-        while not status.ended:
-            reason = reason or stop()
-            status = transport.wait(handle, STOP_CHECK_S)
+        if chunk is None and transport.waits_inline:  # one chunk: written and waited for on this thread
+            status = transport.submit_wait(peer, src, dst, length, bounds)
+            reason = stop()  # asked once it was in flight, as the polled path asks
+        else:
+            handle = transport.submit(peer, src, dst, length, bounds)
+            status = transport.poll(handle)
+            while not status.ended:
+                reason = reason or stop()
+                status = transport.wait(handle, STOP_CHECK_S)
         if status.completion is Completion.FAILED:
             raise TransportError(status.reason)
         if reason:
