@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.layers.cast import cast, f32
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import RMSNorm, derived
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.pool_io import KeyPart
@@ -61,10 +62,10 @@ class PagedAttention(nn.Module):
         self.heads, self.kv_heads = q_heads[1] - q_heads[0], kv_range[1] - kv_range[0]
         self.scaling, self.output_gate = scaling, output_gate
         q_width = head_dim * (2 if output_gate else 1)  # per head: query (and its gate) side by side
-        self.q_proj = nn.Linear(hidden, self.heads * q_width, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, self.heads * q_width, bias=bias)
+        self.k_proj = Linear(hidden, self.kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if sinks else None

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.layers.cast import f32
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import GatedRMSNorm
 from hybridkv.engine.ops import (
     causal_conv1d_decode,
@@ -62,13 +63,13 @@ class GatedDeltaNet(nn.Module):
         kernel = config.linear_conv_kernel_dim
         self.activation = config.hidden_act
         h = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_size + 2 * self.value_size, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * self.v_heads, bias=False)
+        self.in_proj_qkvz = Linear(h, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = Linear(h, 2 * self.v_heads, bias=False)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_size, h, bias=False)
+        self.out_proj = Linear(self.value_size, h, bias=False)
         full_key, full_value = k_heads * self.k_dim, v_heads * self.v_dim
         block = 2 * self.k_dim + 2 * per * self.v_dim  # one key head's q|k|v|z rows
         tp.column(self.in_proj_qkvz, [scaled(mine, block)], k_heads * block)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.layers.cast import cast, f32
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
 from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
@@ -41,8 +42,8 @@ class ForgetGate(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
+        self.f_a_proj = Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = Linear(head_dim, heads * head_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
         self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))  # the checkpoint's shape
 
@@ -76,18 +77,18 @@ class KimiDeltaAttention(nn.Module):
         self.size = self.heads * self.head_dim
         kernel, h = config.linear_conv_kernel_dim, config.hidden_size
         self.activation = config.hidden_act
-        self.q_proj = nn.Linear(h, self.size, bias=False)
-        self.k_proj = nn.Linear(h, self.size, bias=False)
-        self.v_proj = nn.Linear(h, self.size, bias=False)
+        self.q_proj = Linear(h, self.size, bias=False)
+        self.k_proj = Linear(h, self.size, bias=False)
+        self.v_proj = Linear(h, self.size, bias=False)
         self.conv_parts = {"conv_q": self.size, "conv_k": self.size, "conv_v": self.size}
         conv_dim = 3 * self.size
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.forget_gate = ForgetGate(h, self.heads, self.head_dim)
-        self.b_proj = nn.Linear(h, self.heads, bias=False)
-        self.g_a_proj = nn.Linear(h, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, self.size, bias=False)
+        self.b_proj = Linear(h, self.heads, bias=False)
+        self.g_a_proj = Linear(h, self.head_dim, bias=False)
+        self.g_b_proj = Linear(self.head_dim, self.size, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_proj = nn.Linear(self.size, h, bias=False)
+        self.o_proj = Linear(self.size, h, bias=False)
         full, ch = heads * self.head_dim, scaled(mine, self.head_dim)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.forget_gate.f_b_proj, self.g_b_proj):
             tp.column(proj, [ch], full)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.layers.cast import cast
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
@@ -59,9 +60,9 @@ class GatedMLP(nn.Module):
         super().__init__()
         mine = tp.split(intermediate, "MLP intermediate size")
         local = mine[1] - mine[0]
-        self.gate_proj = nn.Linear(hidden, local, bias=bias)
-        self.up_proj = nn.Linear(hidden, local, bias=bias)
-        self.down_proj = nn.Linear(local, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, local, bias=bias)
+        self.up_proj = Linear(hidden, local, bias=bias)
+        self.down_proj = Linear(local, hidden, bias=bias)
         self.act = activation(act)
         tp.column(self.gate_proj, [mine], intermediate)
         tp.column(self.up_proj, [mine], intermediate)
@@ -91,13 +92,13 @@ class SoftmaxTopKMoE(nn.Module):
         super().__init__()
         mine = tp.split(intermediate, "MoE expert intermediate size")
         local = mine[1] - mine[0]
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = Linear(hidden, num_experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
         tp.param(self, "gate_up_proj", 1, [mine, *shifted([mine], intermediate)], 2 * intermediate)
         tp.param(self, "down_proj", 2, [mine], intermediate)
         self.shared_expert = GatedMLP(hidden, shared, act, tp=tp)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden, 1, bias=False)
         self.top_k, self.norm_topk, self.num_experts = top_k, norm_topk, num_experts
         self.act = activation(act)
 
@@ -131,7 +132,7 @@ class GptOssMoE(nn.Module):
         super().__init__()
         mine = tp.split(intermediate, "MoE expert intermediate size")
         local = mine[1] - mine[0]
-        self.router = nn.Linear(hidden, num_experts, bias=True)
+        self.router = Linear(hidden, num_experts, bias=True)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * local))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * local))
         self.down_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
