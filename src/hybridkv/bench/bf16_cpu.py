@@ -1,8 +1,9 @@
 """``hybridkv bench bf16``: the engine in bf16 on the CPU with its fast paths and without them, in one run.
 
-Fast paths (``FAST_PATHS``): packed bf16 linears (``engine.layers.linear``: every projection and
-the logits through oneDNN with the weight reordered once). The baseline is the same engine, the
-same weights and requests, with them turned off (``packing(False)``).
+Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection
+and the logits through oneDNN with the weight reordered once) and in-place recurrent decode states
+(GatedDeltaNet, KDA). The baseline is the same engine, the same weights and requests, with every one
+turned off (``fast_paths(False)``).
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
 (greedy, EOS does not stop): ``prefill-heavy`` 16 prompts of 200 tokens, 32 new each; ``decode-heavy``
@@ -20,37 +21,28 @@ within bf16's tolerance, not a bug by itself).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.layers.linear import packing
+from hybridkv.engine.fast_paths import FastPaths, fast_paths
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers
 
 WORKLOADS: dict[str, tuple[int, int, int]] = {
     "prefill-heavy": (16, 200, 32),  # requests, prompt tokens, new tokens each
     "decode-heavy": (32, 16, 64),
 }
-FAST_PATHS = "packed bf16 linears"
 
 
-@contextlib.contextmanager
-def baseline() -> Iterator[None]:
-    """The engine without its bf16 CPU fast paths."""
-    with packing(False):
-        yield
-
-
-@contextlib.contextmanager
-def fast() -> Iterator[None]:
-    with packing(True):
-        yield
-
-
-CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {"baseline": baseline, "fast": fast}
+FAST_PATHS = ", ".join(f.name.replace("_", " ") for f in dataclasses.fields(FastPaths))
+CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[FastPaths]]] = {
+    "baseline": lambda: fast_paths(False),  # the engine without its CPU fast paths
+    "fast": lambda: fast_paths(True),
+}
 
 
 def prompts(requests: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -387,8 +387,8 @@ def bench_bf16(
     rounds: int = typer.Option(3, "--rounds", min=1, max=50, help="Alternating rounds; each contender's best is kept."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """The engine in bf16 on the CPU with its fast paths (packed bf16 linears) and without them, alternating rounds
-    in one run: CPU seconds and new tokens per CPU second."""
+    """The engine in bf16 on the CPU with its fast paths (packed bf16 linears, in-place recurrent decode states) and
+    without them, alternating rounds in one run: CPU seconds and new tokens per CPU second."""
     from hybridkv.bench.bf16_cpu import WORKLOADS, run
 
     models = model or ["tiny-gemma3", "tiny-qwen3-next"]

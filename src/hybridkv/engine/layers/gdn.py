@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.cast import f32
 from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import GatedRMSNorm
@@ -110,7 +111,8 @@ class GatedDeltaNet(nn.Module):
             window, state = windows[group.rows], states[group.rows]
             out, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
             window.copy_(new_window)
-            state.copy_(new_state)
+            if new_state is not state:  # a decode updates its state in place
+                state.copy_(new_state)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
@@ -139,6 +141,7 @@ class GatedDeltaNet(nn.Module):
                 g[index],
                 beta[index],
                 state,
+                in_place=FAST.in_place_states,
             )
             return out, window, state
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
@@ -119,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
             window, state = windows[group.rows], states[group.rows]
             part, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
             window.copy_(new_window)
-            state.copy_(new_state)
+            if new_state is not state:  # a decode updates its state in place
+                state.copy_(new_state)
             outs.append(part)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
@@ -141,7 +143,7 @@ class KimiDeltaAttention(nn.Module):
             conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
             t = conv.shape[0]
             q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))
-            out, state = kda_decode(q, k, v, g[index], beta[index], state)
+            out, state = kda_decode(q, k, v, g[index], beta[index], state, in_place=FAST.in_place_states)
             return out, window, state
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
         r, nq = conv.shape[:2]

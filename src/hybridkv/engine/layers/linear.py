@@ -15,33 +15,26 @@ The packed weight is derived from the weight (``norms.derived``): made on first 
 after the weight changed (a load writes it in place; a conversion replaces it), one more copy of
 the weight in memory.
 
-``packing(False)`` turns the packed path off inside a block (the benchmarks' side-by-side baseline).
+``packing(False)`` turns the packed path off inside a block (``fast_paths``: the benchmarks' side-by-side
+baseline).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.fast_paths import FAST, FastPaths, fast_paths
 from hybridkv.engine.layers.norms import derived
 
-_PACKING = [True]
 
-
-@contextlib.contextmanager
-def packing(on: bool) -> Iterator[None]:
+def packing(on: bool) -> contextlib.AbstractContextManager[FastPaths]:
     """Packed bf16 weights on (the default) or off inside the block."""
-    before = _PACKING[0]
-    _PACKING[0] = on
-    try:
-        yield
-    finally:
-        _PACKING[0] = before
+    return fast_paths(packed_linears=on)
 
 
 @functools.cache
@@ -55,7 +48,7 @@ def _onednn_bf16() -> bool:
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` takes the packed path."""
     return (
-        _PACKING[0]
+        FAST.packed_linears
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and x.device.type == "cpu"

@@ -24,11 +24,15 @@ def _row_times(row: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def delta_step(
-    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor
+    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decayed state ``s [batch, heads, dk, dv]`` (fp32) updated by ``S += k ⊗ beta (v - kᵀS)`` and read by
     ``q``: ``(qᵀS [batch, heads, dv], new S)``; ``q, k [batch, heads, dk]``, ``v [batch, heads, dv]``, ``beta
-    [batch, heads]``."""
+    [batch, heads]``. ``in_place``: the update is written into ``s`` (returned as the new S)."""
     delta = (v - _row_times(k, s)) * beta.unsqueeze(-1)
-    s = torch.addcmul(s, k.unsqueeze(-1), delta.unsqueeze(-2))
+    s = (
+        s.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
+        if in_place
+        else torch.addcmul(s, k.unsqueeze(-1), delta.unsqueeze(-2))
+    )
     return _row_times(q, s), s
