@@ -2,8 +2,10 @@
 baseline in the same run (``hybridkv bench bf16``).
 
 - ``packed_linears``: bf16 projections and logits through oneDNN with the weight packed once (``layers.linear``);
-- ``in_place_states``: a recurrent layer's one-token decode (GatedDeltaNet, KDA) updates its fp32 state in the
-  step's state rows instead of making new state-sized tensors and copying them back.
+- ``in_place_states``: recurrent states stay where they are: a recurrent layer's one-token decode (GatedDeltaNet,
+  KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
+  back; its row-times-state matmuls read the state inside its cell (one ``bmm`` per head, no folding copy); the
+  step's cells gather into a reused buffer per state pool (``StateLayout.workspace``: no page faults each step).
 
 Both compute the same numbers as the path they replace (bit-equal where measured); they change only the cost.
 """

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.cast import cast
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
@@ -333,7 +334,10 @@ class StateIO:
         """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does. ``checkpoints``:
         ``(rows, cells)``, cells that get a copy of those rows' states at ``flush``."""
         self.layout, self.cells, self.checkpoints = layout, cells, checkpoints
-        self.rows = torch.index_select(layout.grid, 0, cells, out=layout.workspace(cells.numel()))
+        if FAST.in_place_states:
+            self.rows = torch.index_select(layout.grid, 0, cells, out=layout.workspace(cells.numel()))
+        else:
+            self.rows = layout.grid.index_select(0, cells)
         if fresh is not None:
             self.rows.index_fill_(0, fresh, 0)
         self.bytes = self.rows.view(torch.uint8)

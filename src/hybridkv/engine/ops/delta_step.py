@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.engine.fast_paths import FAST
+
 MATMUL_STATE = 1024
 """``dk * dv`` from which the row-times-state products are matmuls."""
 
@@ -20,7 +22,7 @@ def _row_times(row: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``row [..., dk]`` times ``s [..., dk, dv]`` -> ``[..., dv]``."""
     if s.shape[-2] * s.shape[-1] < MATMUL_STATE:
         return (s * row.unsqueeze(-1)).sum(dim=-2)
-    if s.dim() == 4 and s.stride(0) != s.shape[1] * s.stride(1):
+    if FAST.in_place_states and s.dim() == 4 and s.stride(0) != s.shape[1] * s.stride(1):
         # a view of the step's state rows (each request's state inside its cell): ``@`` would fold batch and heads
         # into one dim, a copy of the whole state; one ``bmm`` per head reads it where it is (widened Qwen3-Next,
         # 32 rows of 4 x 128 x 128: 1.23 -> 0.50 ms, the same numbers)
