@@ -6,8 +6,10 @@ baseline in the same run (``hybridkv bench bf16``).
   KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
   back; its row-times-state matmuls read the state inside its cell (one ``bmm`` per head, no folding copy); the
   step's cells gather into a reused buffer per state pool (``StateLayout.workspace``: no page faults each step).
+- ``rms_norms``: a bf16 / fp16 RMS norm on the CPU normalises its fp32 copy in place (``norms.rms_norm_rounded``)
+  instead of through torch's composite, which makes a fresh fp32 tensor at each step.
 
-Both compute the same numbers as the path they replace (bit-equal where measured); they change only the cost.
+Each computes the same numbers as the path it replaces (bit-equal where measured); they change only the cost.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 class FastPaths:
     packed_linears: bool = True
     in_place_states: bool = True
+    rms_norms: bool = True
 
 
 FAST = FastPaths()

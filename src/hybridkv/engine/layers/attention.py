@@ -30,7 +30,7 @@ from torch import nn
 
 from hybridkv.engine.layers.cast import cast, f32
 from hybridkv.engine.layers.linear import Linear
-from hybridkv.engine.layers.norms import RMSNorm, derived
+from hybridkv.engine.layers.norms import RMSNorm, derived, rms_norm_rounded, rounds_norm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.pool_io import KeyPart
 from hybridkv.engine.step import StepContext
@@ -111,6 +111,8 @@ class PagedAttention(nn.Module):
             (q_norm.weight, k_norm.weight),
             lambda _q, _k: torch.cat((q_norm.scale().expand(self.heads, -1), k_norm.scale().expand(self.kv_heads, -1))),
         )
+        if rounds_norm(qk):
+            return rms_norm_rounded(qk, scale, q_norm.eps)
         return cast(F.rms_norm(f32(qk), q_norm.shape, None, q_norm.eps) * scale, qk.dtype)
 
     def _attend(self, q: torch.Tensor, part: KeyPart, span: slice) -> torch.Tensor:
