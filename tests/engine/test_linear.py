@@ -67,7 +67,9 @@ def test_a_call_recording_gradients_stays_plain() -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next"])
+@pytest.mark.parametrize(
+    "name", ["tiny-gemma3", "tiny-qwen3-next", "tiny-gpt-oss", "tiny-kimi-linear", "tiny-nemotron-h"]
+)
 def test_bf16_engine_tokens_equal_with_and_without_packing(name: str) -> None:
     with quiet_transformers():
         model, config = build_random(name)
@@ -79,3 +81,30 @@ def test_bf16_engine_tokens_equal_with_and_without_packing(name: str) -> None:
     engine.clear_cache()
     got = [o.output_ids for o in engine.generate(prompts, 12, stop_at_eos=False)]
     assert got == plain
+
+
+@needs_onednn
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_packed_experts_match_grouped_mm(layout: str) -> None:
+    from hybridkv.engine.layers.linear import expert_weights
+    from hybridkv.engine.layers.routing import Routing
+
+    torch.manual_seed(0)
+    experts, hidden, out = 4, 32, 48
+    owner = torch.nn.Module()
+    stored = torch.randn(experts, out, hidden) if layout == "out_in" else torch.randn(experts, hidden, out)
+    stored = stored.to(torch.bfloat16)
+    as_out_in = stored if layout == "out_in" else stored.transpose(1, 2)
+    x = torch.randn(9, hidden, dtype=torch.bfloat16)
+    index = torch.tensor([[0, 2], [2, 3], [0, 3], [2, 0], [3, 2], [0, 2], [2, 3], [3, 0], [0, 2]])  # expert 1: none
+    route = Routing.of(index, torch.full((9, 2), 0.5, dtype=torch.bfloat16), experts)
+    rows = route.gather(x)
+    with torch.inference_mode():
+        packed = expert_weights(rows, as_out_in, owner, "_packed")
+        assert packed is not None and len(packed) == experts
+        got = route.matmul(rows, as_out_in.transpose(1, 2), packed=packed)
+        want = route.matmul(rows, as_out_in.transpose(1, 2))
+        with packing(False):
+            assert expert_weights(rows, as_out_in, owner, "_packed") is None
+    torch.testing.assert_close(got, want)
+    assert expert_weights(rows.float(), as_out_in.float(), owner, "_packed32") is None

@@ -1,9 +1,10 @@
 """``hybridkv bench bf16``: the engine in bf16 on the CPU with its fast paths and without them, in one run.
 
-Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection
-and the logits through oneDNN with the weight reordered once) and in-place recurrent decode states
-(GatedDeltaNet, KDA). The baseline is the same engine, the same weights and requests, with every one
-turned off (``fast_paths(False)``).
+Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection,
+the logits and routed experts through oneDNN with the weights reordered once), recurrent states kept
+in place (GatedDeltaNet, KDA decodes; the step's state cells) and bf16 RMS norms scaled in place. The
+baseline is the same engine, the same weights and requests, with every one turned off
+(``fast_paths(False)``). Changes that are not switches (the rope's rotate-half as slices) are in both.
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
 (greedy, EOS does not stop): ``prefill-heavy`` 16 prompts of 200 tokens, 32 new each; ``decode-heavy``

@@ -1,7 +1,8 @@
 """Switches for the engine's CPU fast paths, all on by default; the benchmarks turn them off for their side-by-side
 baseline in the same run (``hybridkv bench bf16``).
 
-- ``packed_linears``: bf16 projections and logits through oneDNN with the weight packed once (``layers.linear``);
+- ``packed_linears``: bf16 projections, logits and routed experts through oneDNN with the weights packed once
+  (``layers.linear``);
 - ``in_place_states``: recurrent states stay where they are: a recurrent layer's one-token decode (GatedDeltaNet,
   KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
   back; its row-times-state matmuls read the state inside its cell (one ``bmm`` per head, no folding copy); the

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.layers.cast import cast
-from hybridkv.engine.layers.linear import Linear
+from hybridkv.engine.layers.linear import Linear, expert_weights
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
@@ -108,8 +108,12 @@ class SoftmaxTopKMoE(nn.Module):
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         route = Routing.of(index, cast(top, x.dtype), self.num_experts)
-        gate, up = route.matmul(route.gather(x), self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        routed = route.combine(route.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2)), x.shape[0])
+        rows = route.gather(x)
+        packed = expert_weights(rows, self.gate_up_proj, self, "_packed_gate_up")
+        gate, up = route.matmul(rows, self.gate_up_proj.transpose(1, 2), packed=packed).chunk(2, dim=-1)
+        inner = self.act(gate) * up
+        packed = expert_weights(inner, self.down_proj, self, "_packed_down")
+        routed = route.combine(route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed), x.shape[0])
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -147,8 +151,11 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, index = torch.topk(self.router(x), self.top_k, dim=-1)
         route = Routing.of(index, F.softmax(top, dim=1, dtype=top.dtype), self.num_experts)
-        gate_up = route.matmul(route.gather(x), self.gate_up_proj, self.gate_up_proj_bias)
+        rows = route.gather(x)
+        packed = expert_weights(rows, self.gate_up_proj.transpose(1, 2), self, "_packed_gate_up")
+        gate_up = route.matmul(rows, self.gate_up_proj, self.gate_up_proj_bias, packed=packed)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return route.combine(route.matmul(glu, self.down_proj, self.down_proj_bias), x.shape[0])
+        packed = expert_weights(glu, self.down_proj.transpose(1, 2), self, "_packed_down")
+        return route.combine(route.matmul(glu, self.down_proj, self.down_proj_bias, packed=packed), x.shape[0])

@@ -17,6 +17,7 @@ outputs in a million one bf16 step, and greedy tokens of the tiny random models 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,10 @@ from torch import nn
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.cast import cast, f32
 
+T = TypeVar("T")
 
-def derived(
-    owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[..., torch.Tensor]
-) -> torch.Tensor:
+
+def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[..., T]) -> T:
     """``make(*sources)``, kept on ``owner`` under ``name`` until a source changes (a load writes it in place:
     its version moves; a conversion replaces it: its storage moves)."""
     key = tuple((s._version, s.data_ptr()) for s in sources)
