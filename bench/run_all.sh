@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 mkdir -p bench/results
-for name in memory cache transfer engine pd; do
+for name in memory cache transfer engine bf16 pd; do
   echo "== hybridkv bench $name"
   .venv/bin/hybridkv bench "$name" --json > "bench/results/$name.json"
 done

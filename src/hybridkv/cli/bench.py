@@ -3,7 +3,8 @@
 ``memory``: allocator replay of the peer trace vs static pools; ``cache``: the peer trace's radix
 protocol vs a page-hash cache; ``transfer``: GB/s vs raw memcpy / raw Mooncake; ``engine``: engine
 tokens/s vs transformers ``generate`` (one by one, padded batches, continuous batching) and hybridkv's
-share. The runs live in ``hybridkv.bench``; this module parses options and renders tables.
+share; ``bf16``: the engine in bf16 on the CPU with and without its fast paths. The runs live in
+``hybridkv.bench``; this module parses options and renders tables.
 """
 
 from __future__ import annotations
@@ -381,6 +382,55 @@ def _size_tiny(
         layout=layout,
         device=device,
     )
+
+
+@bench_app.command("bf16")
+def bench_bf16(
+    model: list[str] = typer.Option(
+        None, "--model", help="A tiny random model (repeatable; default: tiny-gemma3 and tiny-qwen3-next)."
+    ),
+    widen: int = typer.Option(8, "--widen", min=1, max=MAX_WIDEN, help="Multiply every width of the tiny models."),
+    workload: list[str] = typer.Option(
+        None, "--workload", help="prefill-heavy, decode-heavy (repeatable; default: both)."
+    ),
+    rounds: int = typer.Option(3, "--rounds", min=1, max=50, help="Alternating rounds; each contender's best is kept."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The engine in bf16 on the CPU with its fast paths (packed bf16 linears, in-place recurrent decode states) and
+    without them, alternating rounds in one run: CPU seconds and new tokens per CPU second."""
+    from hybridkv.bench.bf16_cpu import WORKLOADS, run
+
+    models = model or ["tiny-gemma3", "tiny-qwen3-next"]
+    unknown = sorted(set(models) - set(tiny_names()))
+    if unknown:
+        raise typer.BadParameter(f"unknown models {unknown}; choose from {tiny_names()}", param_hint="--model")
+    odd = sorted(set(workload or []) - set(WORKLOADS))
+    if odd:
+        raise typer.BadParameter(f"unknown workloads {odd}; choose from {list(WORKLOADS)}", param_hint="--workload")
+    report = run(models, widen, rounds, workload or None)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    table = Table(
+        title=f"bench bf16: the engine in bf16 on the CPU{_widened(widen)}, with ({report['fast_paths']}) and "
+        f"without its fast paths, best of {rounds} alternating rounds, 1 torch thread"
+    )
+    for col in ("model", "workload", "contender", "CPU s", "new tok/CPU s", "CPU µs/new tok", "speedup", "same"):
+        table.add_column(col, justify="left" if col in ("model", "workload", "contender") else "right")
+    for row in report["rows"]:
+        shape = f"{row['requests']} x {row['prompt_tokens']} + {row['new_tokens']}"
+        for label, c in row["contenders"].items():
+            table.add_row(
+                row["model"],
+                f"{row['workload']} ({shape})",
+                label,
+                f"{c['cpu_s']:.3f}",
+                f"{c['tokens_per_cpu_s']:,.0f}",
+                f"{c['cpu_us_per_token']:,.0f}",
+                f"{row['speedup']:.2f}x" if label == "fast" else "",
+                f"{c['same']}/{row['requests']}",
+            )
+    Console(width=max(Console().width, 140)).print(table)
 
 
 @bench_app.command("pd")

@@ -119,3 +119,21 @@ def test_state_of_wrong_shape_is_refused() -> None:
     inputs = _inputs(2, 3, seed=41)
     with pytest.raises(ValueError, match=r"expected \(batch, heads_v, dk, dv\) = \(2, 4, 16, 8\)"):
         gated_delta_prefill(**inputs, state=torch.zeros(2, HEADS_K, DK, DV))
+
+
+@pytest.mark.parametrize("matmul_from", [None, 0], ids=["multiply-sum", "matmul"])
+def test_decode_in_place_is_the_same_update_written_into_the_state(
+    matmul_from: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if matmul_from is not None:
+        monkeypatch.setattr(delta_step, "MATMUL_STATE", matmul_from)
+    inputs = {name: x[:, 0] for name, x in _inputs(5, 1, seed=21).items()}
+    state = _state(5, seed=22)
+    out, new_state = gated_delta_decode(**inputs, state=state.clone())
+    rows = state.clone()
+    some = {name: x[1:4] for name, x in inputs.items()}
+    got_out, got_state = gated_delta_decode(**some, state=rows[1:4], in_place=True)
+    assert got_state.data_ptr() == rows[1:4].data_ptr()  # written where it was read
+    assert torch.equal(rows[0], state[0]) and torch.equal(rows[4], state[4])  # other rows untouched
+    assert torch.equal(got_out, out[1:4])
+    assert torch.equal(rows[1:4], new_state[1:4])

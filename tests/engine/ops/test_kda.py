@@ -112,3 +112,13 @@ def test_state_of_wrong_shape_is_refused() -> None:
     inputs = _inputs(2, 1, seed=41)
     with pytest.raises(ValueError, match=r"expected \(batch, heads, dk, dv\) = \(2, 3, 8, 6\)"):
         kda_decode(**{name: x[:, 0] for name, x in inputs.items()}, state=torch.zeros(2, HEADS, DV, DK))
+
+
+def test_decode_in_place_is_the_same_update_written_into_the_state() -> None:
+    inputs = {name: x[:, 0] for name, x in _inputs(4, 1, seed=31).items()}
+    state = _state(4, seed=32)
+    out, new_state = kda_decode(**inputs, state=state.clone())
+    rows = state.clone()
+    got_out, got_state = kda_decode(**inputs, state=rows, in_place=True)
+    assert got_state.data_ptr() == rows.data_ptr()
+    assert torch.equal(got_out, out) and torch.equal(rows, new_state)

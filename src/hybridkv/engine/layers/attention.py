@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.layers.norms import RMSNorm, derived
+from hybridkv.engine.layers.linear import Linear
+from hybridkv.engine.layers.norms import RMSNorm, derived, rms_norm_rounded, rounds_norm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.pool_io import KeyPart
@@ -61,10 +62,10 @@ class PagedAttention(nn.Module):
         self.heads, self.kv_heads = q_heads[1] - q_heads[0], kv_range[1] - kv_range[0]
         self.scaling, self.output_gate = scaling, output_gate
         q_width = head_dim * (2 if output_gate else 1)  # per head: query (and its gate) side by side
-        self.q_proj = nn.Linear(hidden, self.heads * q_width, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, self.heads * q_width, bias=bias)
+        self.k_proj = Linear(hidden, self.kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=True) if qk_norm_eps is not None else None
         self.sinks = nn.Parameter(torch.zeros(self.heads)) if sinks else None
@@ -110,6 +111,8 @@ class PagedAttention(nn.Module):
             (q_norm.weight, k_norm.weight),
             lambda _q, _k: torch.cat((q_norm.scale().expand(self.heads, -1), k_norm.scale().expand(self.kv_heads, -1))),
         )
+        if rounds_norm(qk):
+            return rms_norm_rounded(qk, scale, q_norm.eps)
         return cast(F.rms_norm(f32(qk), q_norm.shape, None, q_norm.eps) * scale, qk.dtype)
 
     def _attend(self, q: torch.Tensor, part: KeyPart, span: slice) -> torch.Tensor:

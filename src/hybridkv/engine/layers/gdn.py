@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import GatedRMSNorm
 from hybridkv.engine.ops import (
     causal_conv1d_decode,
@@ -62,13 +64,13 @@ class GatedDeltaNet(nn.Module):
         kernel = config.linear_conv_kernel_dim
         self.activation = config.hidden_act
         h = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_size + 2 * self.value_size, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * self.v_heads, bias=False)
+        self.in_proj_qkvz = Linear(h, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = Linear(h, 2 * self.v_heads, bias=False)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_size, h, bias=False)
+        self.out_proj = Linear(self.value_size, h, bias=False)
         full_key, full_value = k_heads * self.k_dim, v_heads * self.v_dim
         block = 2 * self.k_dim + 2 * per * self.v_dim  # one key head's q|k|v|z rows
         tp.column(self.in_proj_qkvz, [scaled(mine, block)], k_heads * block)
@@ -109,7 +111,8 @@ class GatedDeltaNet(nn.Module):
             window, state = windows[group.rows], states[group.rows]
             out, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
             window.copy_(new_window)
-            state.copy_(new_state)
+            if new_state is not state:  # a decode updates its state in place
+                state.copy_(new_state)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
@@ -138,6 +141,7 @@ class GatedDeltaNet(nn.Module):
                 g[index],
                 beta[index],
                 state,
+                in_place=FAST.in_place_states,
             )
             return out, window, state
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)

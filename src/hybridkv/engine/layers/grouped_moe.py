@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.errors import WeightError
+from hybridkv.engine.layers.linear import expert_weights
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
@@ -92,11 +93,14 @@ class RoutedExperts(nn.Module):
         """``x (T, H)`` -> ``(T, H)`` in the routing weights' dtype."""
         rows = route.gather(x)
         if self.gated:
-            gate, up = route.matmul(rows, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+            packed = expert_weights(rows, self.gate_up_proj, self, "_packed_gate_up")
+            gate, up = route.matmul(rows, self.gate_up_proj.transpose(1, 2), packed=packed).chunk(2, dim=-1)
             inner = self.act(gate) * up
         else:
-            inner = self.act(route.matmul(rows, self.up_proj.transpose(1, 2)))
-        out = route.matmul(inner, self.down_proj.transpose(1, 2))
+            packed = expert_weights(rows, self.up_proj, self, "_packed_up")
+            inner = self.act(route.matmul(rows, self.up_proj.transpose(1, 2), packed=packed))
+        packed = expert_weights(inner, self.down_proj, self, "_packed_down")
+        out = route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed)
         return route.combine(cast(out, route.weight.dtype), x.shape[0])
 
 

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, kda_decode, kda_prefill
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.step import Group, StepContext
@@ -41,8 +43,8 @@ class ForgetGate(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
+        self.f_a_proj = Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = Linear(head_dim, heads * head_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(heads * head_dim))
         self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))  # the checkpoint's shape
 
@@ -76,18 +78,18 @@ class KimiDeltaAttention(nn.Module):
         self.size = self.heads * self.head_dim
         kernel, h = config.linear_conv_kernel_dim, config.hidden_size
         self.activation = config.hidden_act
-        self.q_proj = nn.Linear(h, self.size, bias=False)
-        self.k_proj = nn.Linear(h, self.size, bias=False)
-        self.v_proj = nn.Linear(h, self.size, bias=False)
+        self.q_proj = Linear(h, self.size, bias=False)
+        self.k_proj = Linear(h, self.size, bias=False)
+        self.v_proj = Linear(h, self.size, bias=False)
         self.conv_parts = {"conv_q": self.size, "conv_k": self.size, "conv_v": self.size}
         conv_dim = 3 * self.size
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
         self.forget_gate = ForgetGate(h, self.heads, self.head_dim)
-        self.b_proj = nn.Linear(h, self.heads, bias=False)
-        self.g_a_proj = nn.Linear(h, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, self.size, bias=False)
+        self.b_proj = Linear(h, self.heads, bias=False)
+        self.g_a_proj = Linear(h, self.head_dim, bias=False)
+        self.g_b_proj = Linear(self.head_dim, self.size, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_proj = nn.Linear(self.size, h, bias=False)
+        self.o_proj = Linear(self.size, h, bias=False)
         full, ch = heads * self.head_dim, scaled(mine, self.head_dim)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.forget_gate.f_b_proj, self.g_b_proj):
             tp.column(proj, [ch], full)
@@ -118,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
             window, state = windows[group.rows], states[group.rows]
             part, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
             window.copy_(new_window)
-            state.copy_(new_state)
+            if new_state is not state:  # a decode updates its state in place
+                state.copy_(new_state)
             outs.append(part)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.heads, self.head_dim)
@@ -140,7 +143,7 @@ class KimiDeltaAttention(nn.Module):
             conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
             t = conv.shape[0]
             q, k, v = (part.view(t, heads, dim) for part in torch.split(conv, self.size, dim=-1))
-            out, state = kda_decode(q, k, v, g[index], beta[index], state)
+            out, state = kda_decode(q, k, v, g[index], beta[index], state, in_place=FAST.in_place_states)
             return out, window, state
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
         r, nq = conv.shape[:2]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.step import Group, StepContext
@@ -67,7 +68,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_limit = (float(config.time_step_min), float("inf"))
         self.activation = config.mamba_hidden_act
         kernel, h = config.conv_kernel, config.hidden_size
-        self.in_proj = nn.Linear(h, self.inner + self.conv_dim + self.heads, bias=config.use_bias)
+        self.in_proj = Linear(h, self.inner + self.conv_dim + self.heads, bias=config.use_bias)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=config.use_conv_bias, padding=kernel - 1
         )
@@ -76,7 +77,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.heads))
         full_inner, full_bc = heads * self.head_dim, groups * self.state_size
         self.norm = GroupedGatedRMSNorm(self.inner, full_inner // groups, config.layer_norm_epsilon)
-        self.out_proj = nn.Linear(self.inner, h, bias=config.use_bias)
+        self.out_proj = Linear(self.inner, h, bias=config.use_bias)
         x_ch, bc = scaled(mine, self.head_dim), scaled(my_groups, self.state_size)
         conv = [x_ch, *shifted([bc], full_inner), *shifted([bc], full_inner + full_bc)]  # x | B | C
         full_conv = full_inner + 2 * full_bc

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.ops.cast import cast
@@ -49,16 +50,16 @@ class PagedMLA(nn.Module):
         self.scaling = self.qk_dim**-0.5
         h, bias, q_rank = config.hidden_size, config.attention_bias, config.q_lora_rank
         if q_rank is None:
-            self.q_proj = nn.Linear(h, self.heads * self.qk_dim, bias=False)
+            self.q_proj = Linear(h, self.heads * self.qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, q_rank, bias=bias)
+            self.q_a_proj = Linear(h, q_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(q_rank, self.heads * self.qk_dim, bias=False)
+            self.q_b_proj = Linear(q_rank, self.heads * self.qk_dim, bias=False)
         self.low_rank_q = q_rank is not None
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=bias)
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.heads * self.v_dim, h, bias=bias)
         tp.column(self.q_b_proj if self.low_rank_q else self.q_proj, [scaled(mine, self.qk_dim)], heads * self.qk_dim)
         kv_width = self.nope_dim + self.v_dim
         tp.column(self.kv_b_proj, [scaled(mine, kv_width)], heads * kv_width)

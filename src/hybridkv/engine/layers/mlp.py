@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.linear import Linear, expert_weights
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.ops.cast import cast
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
@@ -59,9 +60,9 @@ class GatedMLP(nn.Module):
         super().__init__()
         mine = tp.split(intermediate, "MLP intermediate size")
         local = mine[1] - mine[0]
-        self.gate_proj = nn.Linear(hidden, local, bias=bias)
-        self.up_proj = nn.Linear(hidden, local, bias=bias)
-        self.down_proj = nn.Linear(local, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, local, bias=bias)
+        self.up_proj = Linear(hidden, local, bias=bias)
+        self.down_proj = Linear(local, hidden, bias=bias)
         self.act = activation(act)
         tp.column(self.gate_proj, [mine], intermediate)
         tp.column(self.up_proj, [mine], intermediate)
@@ -91,13 +92,13 @@ class SoftmaxTopKMoE(nn.Module):
         super().__init__()
         mine = tp.split(intermediate, "MoE expert intermediate size")
         local = mine[1] - mine[0]
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = Linear(hidden, num_experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local))
         tp.param(self, "gate_up_proj", 1, [mine, *shifted([mine], intermediate)], 2 * intermediate)
         tp.param(self, "down_proj", 2, [mine], intermediate)
         self.shared_expert = GatedMLP(hidden, shared, act, tp=tp)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden, 1, bias=False)
         self.top_k, self.norm_topk, self.num_experts = top_k, norm_topk, num_experts
         self.act = activation(act)
 
@@ -107,8 +108,12 @@ class SoftmaxTopKMoE(nn.Module):
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         route = Routing.of(index, cast(top, x.dtype), self.num_experts)
-        gate, up = route.matmul(route.gather(x), self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        routed = route.combine(route.matmul(self.act(gate) * up, self.down_proj.transpose(1, 2)), x.shape[0])
+        rows = route.gather(x)
+        packed = expert_weights(rows, self.gate_up_proj, self, "_packed_gate_up")
+        gate, up = route.matmul(rows, self.gate_up_proj.transpose(1, 2), packed=packed).chunk(2, dim=-1)
+        inner = self.act(gate) * up
+        packed = expert_weights(inner, self.down_proj, self, "_packed_down")
+        routed = route.combine(route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed), x.shape[0])
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -131,7 +136,7 @@ class GptOssMoE(nn.Module):
         super().__init__()
         mine = tp.split(intermediate, "MoE expert intermediate size")
         local = mine[1] - mine[0]
-        self.router = nn.Linear(hidden, num_experts, bias=True)
+        self.router = Linear(hidden, num_experts, bias=True)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * local))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * local))
         self.down_proj = nn.Parameter(torch.empty(num_experts, local, hidden))
@@ -146,8 +151,11 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, index = torch.topk(self.router(x), self.top_k, dim=-1)
         route = Routing.of(index, F.softmax(top, dim=1, dtype=top.dtype), self.num_experts)
-        gate_up = route.matmul(route.gather(x), self.gate_up_proj, self.gate_up_proj_bias)
+        rows = route.gather(x)
+        packed = expert_weights(rows, self.gate_up_proj.transpose(1, 2), self, "_packed_gate_up")
+        gate_up = route.matmul(rows, self.gate_up_proj, self.gate_up_proj_bias, packed=packed)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return route.combine(route.matmul(glu, self.down_proj, self.down_proj_bias), x.shape[0])
+        packed = expert_weights(glu, self.down_proj.transpose(1, 2), self, "_packed_down")
+        return route.combine(route.matmul(glu, self.down_proj, self.down_proj_bias, packed=packed), x.shape[0])

@@ -50,13 +50,13 @@ def _yarn(params: dict[str, Any], dim: int, base: float, max_pos: int) -> tuple[
 
 @dataclass(frozen=True)
 class RopeTables:
-    """One step's rotation for one rope, full head width: ``x * cos + x[..., perm] * sin`` rotates the first
-    ``rotary_dim`` dims of each head (rotate-half layout) and keeps the others (``cos`` 1, ``sin`` 0 there).
-    ``perm`` None: no rotation (NoPE)."""
+    """One step's rotation for one rope, full head width: ``x * cos + rotate_half(x) * sin`` rotates the first
+    ``rotary`` dims of each head (rotate-half layout: dim ``i`` pairs with ``i + rotary / 2``) and keeps the others
+    (``cos`` 1, ``sin`` 0 there). ``rotary`` None: no rotation (NoPE)."""
 
     cos: torch.Tensor | None  # (T, 1, head_dim)
     sin: torch.Tensor | None  # (T, 1, head_dim), -sin on the first half of the rotary dims
-    perm: torch.Tensor | None  # (head_dim,) the rotate-half partner of each dim
+    rotary: int | None  # the rotated dims of each head (the first ones)
 
 
 NO_ROTATION = RopeTables(None, None, None)
@@ -79,11 +79,8 @@ class Rope(nn.Module):
                 inv_freq, scaling = _yarn(params, dim, base, max_position_embeddings)
             else:
                 raise ValueError(f"rope_type {kind!r} is not supported by the engine (default, linear, yarn)")
-            half = dim // 2
-            perm = torch.cat([torch.arange(half, dim), torch.arange(half), torch.arange(dim, head_dim)])
         self.scaling = scaling
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.perm = nn.Buffer(perm, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> RopeTables:
         """The rotation of flat positions ``(T,)``."""
@@ -93,12 +90,16 @@ class Rope(nn.Module):
         ones, zeros = cos.new_ones(cos.shape[0], rest), cos.new_zeros(cos.shape[0], rest)
         full_cos = torch.cat((cos, cos, ones), dim=-1)
         full_sin = torch.cat((-sin, sin, zeros), dim=-1)
-        return RopeTables(full_cos[:, None], full_sin[:, None], self.perm)
+        return RopeTables(full_cos[:, None], full_sin[:, None], self.rotary_dim)
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     """Rotate ``x`` ``(T, heads, head_dim)`` by ``rope`` (unchanged without rotation)."""
-    if rope.perm is None or rope.cos is None or rope.sin is None:
+    if rope.rotary is None or rope.cos is None or rope.sin is None:
         return x
-    rotated = x.index_select(-1, rope.perm)
+    # each dim's rotate-half partner as slices put side by side: an ``index_select`` on the last dim gathers element
+    # by element (2048 tokens x 6 heads x 128: ~19 ms against ~0.4 ms; the same values)
+    half, dim = rope.rotary // 2, rope.rotary
+    parts = (x[..., half:dim], x[..., :half])
+    rotated = torch.cat(parts if dim == x.shape[-1] else (*parts, x[..., dim:]), dim=-1)
     return torch.addcmul(x * cast(rope.cos, x.dtype), rotated, cast(rope.sin, x.dtype))

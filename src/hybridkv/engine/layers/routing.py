@@ -47,10 +47,25 @@ class Routing:
         """``(T, H)`` -> ``(N, H)``: each pair's token's row."""
         return x[self.token]
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Each pair's row ``(N, in)`` times its expert's ``weight[e]`` ``(in, out)`` (+ ``bias[e]``): ``(N, out)``."""
+    def matmul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Each pair's row ``(N, in)`` times its expert's ``weight[e]`` ``(in, out)`` (+ ``bias[e]``): ``(N, out)``.
+        ``packed``: each expert's weight packed for oneDNN (``linear.expert_weights``; CPU tensors only): one packed
+        linear per expert that has pairs, its run's rows (the expert runs' ends read on the host: a CPU tensor)."""
         weight = cast(weight, x.dtype)
-        if _aligned(x, weight):
+        if packed is not None:
+            parts, start = [], 0
+            for expert, end in enumerate(self.ends.tolist()):
+                if end > start:
+                    parts.append(torch.ops.mkldnn._linear_pointwise(x[start:end], packed[expert], None, "none", [], ""))
+                start = end
+            out = torch.cat(parts) if len(parts) != 1 else parts[0]
+        elif _aligned(x, weight):
             out = F.grouped_mm(x, weight, offs=self.ends)
         else:  # grouped_mm needs 16-byte aligned strides: odd sizes take each pair's expert weight instead
             out = torch.bmm(x.unsqueeze(1), weight[self.expert]).squeeze(1)

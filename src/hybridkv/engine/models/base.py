@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hybridkv.engine.layers.attention import PagedAttention
+from hybridkv.engine.layers.linear import Linear, linear
 from hybridkv.engine.layers.rope import RopeTables
 from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collect_parts, component_part
@@ -84,7 +85,7 @@ class CausalLM(nn.Module):
         self.ropes = nn.ModuleDict()
         self.layer_rope: list[str] = []  # per layer of this stage, in order
         own_head = self.last and not self.tied
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if own_head else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if own_head else None
         self.norm: nn.Module = nn.Identity()  # set by each model through ``final(...)``
 
     @property
@@ -155,9 +156,9 @@ class CausalLM(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return x @ self.lm_head.weight.t()
+            return self.lm_head(x)
         assert self.embed_tokens is not None, "tied logits need the embedding"
-        return x @ self.embed_tokens.weight.t()
+        return linear(x, self.embed_tokens.weight, None, self, "_packed_logits")
 
     def forward(self, ctx: StepContext, mem: UnifiedMemory, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Last stage: logits ``(R, vocab)`` at each request's last new token (then, for ``batch.logit_rows``, at

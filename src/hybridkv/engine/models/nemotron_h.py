@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.grouped_moe import GroupLimitedMoE, GroupLimitedRouter, RoutedExperts, fuse_expert_weights
+from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.mamba2 import Mamba2Mixer
 from hybridkv.engine.layers.mlp import activation
 from hybridkv.engine.layers.nope import NoRope
@@ -35,8 +36,8 @@ class UpDownMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         mine = tp.split(intermediate, "MLP intermediate size")
-        self.up_proj = nn.Linear(hidden, mine[1] - mine[0], bias=bias)
-        self.down_proj = nn.Linear(mine[1] - mine[0], hidden, bias=bias)
+        self.up_proj = Linear(hidden, mine[1] - mine[0], bias=bias)
+        self.down_proj = Linear(mine[1] - mine[0], hidden, bias=bias)
         self.act = activation(act)
         tp.column(self.up_proj, [mine], intermediate)
         tp.row(self.down_proj, [mine], intermediate)
@@ -66,9 +67,7 @@ def _moe(config: Any, tp: TensorParallel) -> GroupLimitedMoE:
     )
     shared = UpDownMLP(h, config.moe_shared_expert_intermediate_size, config.mlp_hidden_act, config.mlp_bias, tp)
     projections = (
-        None
-        if latent is None
-        else (nn.Linear(h, latent, bias=config.mlp_bias), nn.Linear(latent, h, bias=config.mlp_bias))
+        None if latent is None else (Linear(h, latent, bias=config.mlp_bias), Linear(latent, h, bias=config.mlp_bias))
     )
     return GroupLimitedMoE(router, experts, shared, projections, tp)
 

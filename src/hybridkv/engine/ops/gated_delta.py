@@ -113,9 +113,12 @@ def gated_delta_decode(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request: q, k ``[batch, heads_k, dk]``, v ``[batch, heads_v, dv]``, g, beta
-    ``[batch, heads_v]``, state ``[batch, heads_v, dk, dv]`` -> ``(out [batch, heads_v, dv], new state)``."""
+    ``[batch, heads_v]``, state ``[batch, heads_v, dk, dv]`` -> ``(out [batch, heads_v, dv], new state)``.
+    ``in_place`` (an fp32 state): the new state is written into ``state`` and returned (the same arithmetic, no
+    state-sized temporaries: on the widened Qwen3-Next decodes each would be megabytes a layer)."""
     out_dtype = q.dtype
     batch, heads_k, dk = k.shape
     heads_v, dv = v.shape[-2:]
@@ -128,5 +131,8 @@ def gated_delta_decode(
     k = _l2norm(k)
     q = q / (q.shape[-1] ** 0.5)
 
-    out, s = delta_step(state.to(v) * g.exp()[..., None, None], q, k, v, beta)
+    in_place = in_place and state.dtype == torch.float32
+    decay = g.exp()[..., None, None]
+    s = state.mul_(decay) if in_place else state.to(v) * decay
+    out, s = delta_step(s, q, k, v, beta, in_place)
     return out.to(out_dtype), s

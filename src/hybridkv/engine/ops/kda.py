@@ -105,9 +105,11 @@ def kda_decode(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request: q, k ``[batch, heads, dk]``, v ``[batch, heads, dv]``, g ``[batch, heads, dk]``,
-    beta ``[batch, heads]``, state ``[batch, heads, dk, dv]`` -> ``(out [batch, heads, dv], new state)``."""
+    beta ``[batch, heads]``, state ``[batch, heads, dk, dv]`` -> ``(out [batch, heads, dv], new state)``.
+    ``in_place`` (an fp32 state): the new state is written into ``state`` and returned."""
     out_dtype = q.dtype
     batch, heads, dk = k.shape
     dv = v.shape[-1]
@@ -117,5 +119,8 @@ def kda_decode(
     k = _l2norm(k)
     q = q * (1 / (dk**0.5))
 
-    out, s = delta_step(state.to(v) * g.exp()[..., None], q, k, v, beta)
+    in_place = in_place and state.dtype == torch.float32
+    decay = g.exp()[..., None]
+    s = state.mul_(decay) if in_place else state.to(v) * decay
+    out, s = delta_step(s, q, k, v, beta, in_place)
     return out.to(out_dtype), s

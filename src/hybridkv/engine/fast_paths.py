@@ -1,0 +1,48 @@
+"""Switches for the engine's CPU fast paths, all on by default; the benchmarks turn them off for their side-by-side
+baseline in the same run (``hybridkv bench bf16``).
+
+- ``packed_linears``: bf16 projections, logits and routed experts through oneDNN with the weights packed once
+  (``layers.linear``);
+- ``in_place_states``: recurrent states stay where they are: a recurrent layer's one-token decode (GatedDeltaNet,
+  KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
+  back; its row-times-state matmuls read the state inside its cell (one ``bmm`` per head, no folding copy); the
+  step's cells gather into a reused buffer per state pool (``StateLayout.workspace``: no page faults each step).
+- ``rms_norms``: a bf16 / fp16 RMS norm on the CPU normalises its fp32 copy in place (``norms.rms_norm_rounded``)
+  instead of through torch's composite, which makes a fresh fp32 tensor at each step.
+
+Each computes the same numbers as the path it replaces (bit-equal where measured); they change only the cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class FastPaths:
+    packed_linears: bool = True
+    in_place_states: bool = True
+    rms_norms: bool = True
+
+
+FAST = FastPaths()
+
+
+@contextlib.contextmanager
+def fast_paths(on: bool | None = None, **which: bool) -> Iterator[FastPaths]:
+    """Every switch set to ``on`` (when given), then the named ones (``packed_linears=False``), inside the block."""
+    before = dataclasses.replace(FAST)
+    names = [f.name for f in dataclasses.fields(FAST)]
+    unknown = sorted(set(which) - set(names))
+    if unknown:
+        raise ValueError(f"unknown fast paths {unknown}; known: {names}")
+    for name in names:
+        setattr(FAST, name, which.get(name, getattr(FAST, name) if on is None else on))
+    try:
+        yield FAST
+    finally:
+        for name in names:
+            setattr(FAST, name, getattr(before, name))

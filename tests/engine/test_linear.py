@@ -1,0 +1,110 @@
+"""Packed bf16 linears (``engine.layers.linear``): the same numbers as ``F.linear``, kept valid across weight loads,
+and off wherever they do not apply (fp32, a graph being traced, ``packing(False)``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.layers import linear as packed
+from hybridkv.engine.layers.linear import Linear, packing, packs
+from hybridkv.engine.random_models import build_random, quiet_transformers
+
+ONEDNN_BF16 = packed._onednn_bf16()
+needs_onednn = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU's oneDNN has no native bf16")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert packs(x, layer.weight)
+        got = layer(x)
+        assert "_packed" in layer.__dict__
+        with packing(False):
+            assert not packs(x, layer.weight)
+            want = layer(x)
+    torch.testing.assert_close(got, want)  # bf16's tolerance (bit-equal on the machines measured)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_packed_weight_follows_a_reload_and_a_conversion() -> None:
+    torch.manual_seed(0)
+    layer = Linear(32, 16, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        layer(x)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(16, 32, dtype=torch.bfloat16))  # a load writes in place
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+        layer.to(torch.float32).to(torch.bfloat16)  # a conversion replaces the storage
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_fp32_keeps_f_linear() -> None:
+    torch.manual_seed(0)
+    layer = Linear(32, 16)
+    x = torch.randn(5, 32)
+    assert not packs(x, layer.weight)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert "_packed" not in layer.__dict__
+
+
+def test_a_call_recording_gradients_stays_plain() -> None:
+    layer = Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    assert not packs(x, layer.weight)  # the weight requires grad, grad mode is on
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "name", ["tiny-gemma3", "tiny-qwen3-next", "tiny-gpt-oss", "tiny-kimi-linear", "tiny-nemotron-h"]
+)
+def test_bf16_engine_tokens_equal_with_and_without_packing(name: str) -> None:
+    with quiet_transformers():
+        model, config = build_random(name)
+    engine = Engine(config, model, gpu_memory="64MiB", dtype=torch.bfloat16, chunk_size=16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 40)]
+    with packing(False):
+        plain = [o.output_ids for o in engine.generate(prompts, 12, stop_at_eos=False)]
+    engine.clear_cache()
+    got = [o.output_ids for o in engine.generate(prompts, 12, stop_at_eos=False)]
+    assert got == plain
+
+
+@needs_onednn
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_packed_experts_match_grouped_mm(layout: str) -> None:
+    from hybridkv.engine.layers.linear import expert_weights
+    from hybridkv.engine.layers.routing import Routing
+
+    torch.manual_seed(0)
+    experts, hidden, out = 4, 32, 48
+    owner = torch.nn.Module()
+    stored = torch.randn(experts, out, hidden) if layout == "out_in" else torch.randn(experts, hidden, out)
+    stored = stored.to(torch.bfloat16)
+    as_out_in = stored if layout == "out_in" else stored.transpose(1, 2)
+    x = torch.randn(9, hidden, dtype=torch.bfloat16)
+    index = torch.tensor([[0, 2], [2, 3], [0, 3], [2, 0], [3, 2], [0, 2], [2, 3], [3, 0], [0, 2]])  # expert 1: none
+    route = Routing.of(index, torch.full((9, 2), 0.5, dtype=torch.bfloat16), experts)
+    rows = route.gather(x)
+    with torch.inference_mode():
+        packed = expert_weights(rows, as_out_in, owner, "_packed")
+        assert packed is not None and len(packed) == experts
+        got = route.matmul(rows, as_out_in.transpose(1, 2), packed=packed)
+        want = route.matmul(rows, as_out_in.transpose(1, 2))
+        with packing(False):
+            assert expert_weights(rows, as_out_in, owner, "_packed") is None
+    torch.testing.assert_close(got, want)
+    assert expert_weights(rows.float(), as_out_in.float(), owner, "_packed32") is None
