@@ -7,8 +7,11 @@ Setup: one prefill rank and one decode rank in this process, each with its own
 heads of 128, bf16: 16 KiB per token, so a page of ``t`` tokens is one ``16 t`` KiB cell.
 The request's prefill pages are in random order, so each page is one op.
 
-Measured per (page size, batch), warm, interleaved in a rotating order, median of ``reps``
-(GB/s per path; ratios are the median of per-repetition ratios):
+Measured per (page size, batch), warm, interleaved in a random order drawn anew for each of the ``reps``
+repetitions, median of ``reps`` (GB/s per path; ratios are the median of per-repetition ratios). (A rotation
+of one fixed order ran ``baseline`` right after ``hybridkv`` in all repetitions but one, on the bytes
+``hybridkv`` had just brought into the caches: measured, the shm ratio at 64 KiB x 16 was 0.56-0.63 in that
+order and 0.76-0.77 in a random one, the same code.)
 - ``hybridkv``: what a prefill rank does per request once its forward ended:
   ``Route.complete`` (the source cells added to the destination side prepared when the
   decode rank's request arrived, ``Route.prepare``, which ``PrefillSender`` does while the
@@ -207,9 +210,9 @@ def _case(
         timed()
     times: dict[str, list[float]] = {name: [] for name in timers}
     names = list(timers)
-    for rep in range(reps):  # rotate the order: no path always runs on the caches another left
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            times[name].append(timers[name]())
+    for _ in range(reps):  # a new order each time: no path always runs on the caches another left
+        for name in rng.permutation(names):
+            times[str(name)].append(timers[str(name)]())
     pre.free_pages(pages)
     dec.free_pages(dst_pages)
     if transport == TransportName.SHM:
