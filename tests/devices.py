@@ -51,9 +51,9 @@ def sampling_may_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     under ``no_host_sync`` (the counter still counts them). Patched wherever the engine's
     modules look ``choose_tokens`` up."""
     import hybridkv.engine.engine
-    import hybridkv.engine.scheduler
+    import hybridkv.engine.sched.scheduler
 
-    for module in (hybridkv.engine.engine, hybridkv.engine.scheduler):
+    for module in (hybridkv.engine.engine, hybridkv.engine.sched.scheduler):
         choose = getattr(module, "choose_tokens", None)
         if choose is not None:
             monkeypatch.setattr(module, "choose_tokens", _with_sync(choose))

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
-from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.random_models import build_random
 from hybridkv.engine.registry import engine_spec
 from hybridkv.engine.runner import ShardRunner
+from hybridkv.engine.sched.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.engine.weights import from_hf_model
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ShardSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.engine.batch import BatchError, ForwardBatch
+from hybridkv.engine.forward.batch import BatchError, ForwardBatch
 from hybridkv.memory import TokenAllocator
 from tests.engine.harness import make_runner
 
@@ -54,7 +54,7 @@ def test_page_rows_give_the_same_step_as_token_locations() -> None:
     """``from_pages`` (a scheduler's page rows) and ``build`` (per-token locations) describe the same step."""
     import torch
 
-    from hybridkv.engine.allocator import Admission, RequestAllocator
+    from hybridkv.engine.sched.allocator import Admission, RequestAllocator
 
     runner = make_runner("tiny-qwen3-next", 4)
     alloc = RequestAllocator(runner.mem, prefix_cache=False)

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.engine import pool_io
-from hybridkv.engine.allocator import RequestAllocator, RequestMemory
+from hybridkv.engine.forward import pool_io
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.forward.pool_io import TokenIO, pool_layouts
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.ops.ssd import _tril_masks
-from hybridkv.engine.pool_io import TokenIO, pool_layouts
-from hybridkv.engine.request import Outcome
+from hybridkv.engine.sched.allocator import RequestAllocator, RequestMemory
+from hybridkv.engine.sched.request import Outcome
 from hybridkv.memory import LayoutError, OutOfMemory
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt

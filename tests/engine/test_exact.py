@@ -75,8 +75,8 @@ def test_window_pages_leave_the_window_pool_during_a_long_request() -> None:
     runner = make_runner("tiny-gemma3", 4)
     mem = runner.mem
     ids = prompt(7, 60)
-    from hybridkv.engine.allocator import Admission, RequestAllocator
-    from hybridkv.engine.batch import ForwardBatch
+    from hybridkv.engine.forward.batch import ForwardBatch
+    from hybridkv.engine.sched.allocator import Admission, RequestAllocator
 
     alloc = RequestAllocator(mem, prefix_cache=False)
     req = alloc.new()

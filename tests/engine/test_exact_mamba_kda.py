@@ -20,12 +20,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hybridkv.engine.allocator import Admission, RequestAllocator
-from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.errors import WeightError
+from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
 from hybridkv.engine.registry import engine_spec, model_class
 from hybridkv.engine.runner import ShardRunner
+from hybridkv.engine.sched.allocator import Admission, RequestAllocator
 from hybridkv.engine.weights import from_directory, from_hf_model, load_weights, read_safetensors
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, ShardSpec

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine.allocator import Admission, RequestAllocator
-from hybridkv.engine.batch import ForwardBatch
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.engine.registry import engine_spec
+from hybridkv.engine.sched.allocator import Admission, RequestAllocator
 from hybridkv.spec import MLA, RECURRENT_POOL, FullAttention, Linear, NoCache, SlidingWindow, from_hf_config
 from tests.engine.harness import hf_model, make_runner, prompt
 

@@ -14,7 +14,7 @@ import torch
 
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
-from hybridkv.engine.request import RequestError, SamplingParams
+from hybridkv.engine.sched.request import RequestError, SamplingParams
 from tests.engine.harness import hf_model, prompt
 
 PROMPTS = [prompt(40 + i, 7 + 11 * i) for i in range(4)]

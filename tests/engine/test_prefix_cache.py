@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import hybridkv.engine.scheduler as scheduler_module
+import hybridkv.engine.sched.scheduler as scheduler_module
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import Outcome, SamplingParams
-from hybridkv.engine.scheduler import shared_prefix
+from hybridkv.engine.sched.request import Outcome, SamplingParams
+from hybridkv.engine.sched.scheduler import shared_prefix
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
 from tests.engine.test_exact import ATOL

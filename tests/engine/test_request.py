@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridkv.engine.request import RequestError, SamplingParams, check_request
+from hybridkv.engine.sched.request import RequestError, SamplingParams, check_request
 
 VOCAB, CONTEXT = 256, 64
 PARAMS = SamplingParams(max_new_tokens=4)

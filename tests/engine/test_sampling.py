@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine import sampling
-from hybridkv.engine.request import SamplingParams
-from hybridkv.engine.sampling import NON_FINITE, choose_tokens
+from hybridkv.engine.sched import sampling
+from hybridkv.engine.sched.request import SamplingParams
+from hybridkv.engine.sched.sampling import NON_FINITE, choose_tokens
 
 VOCAB = 50
 

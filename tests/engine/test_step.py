@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.engine import pool_io
-from hybridkv.engine.pool_io import LayoutError, pool_layouts
-from hybridkv.engine.step import StepContext
+from hybridkv.engine.forward import pool_io
+from hybridkv.engine.forward.pool_io import LayoutError, pool_layouts
+from hybridkv.engine.forward.step import StepContext
 from tests.engine.harness import hf_reference, make_runner, prompt, serve
 from tests.engine.test_exact import ATOL
 
@@ -119,9 +119,9 @@ def test_gemma3_ignores_attention_soft_capping_like_transformers() -> None:
 def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
     """The spare zero key column past the longest row is gathered only for a model with attention sinks (gpt-oss):
     without them a group's keys end at its longest row's last page, and asking those keys for sinks is refused."""
-    from hybridkv.engine.allocator import Admission, RequestAllocator
-    from hybridkv.engine.batch import ForwardBatch
-    from hybridkv.engine.step import build_step
+    from hybridkv.engine.forward.batch import ForwardBatch
+    from hybridkv.engine.forward.step import build_step
+    from hybridkv.engine.sched.allocator import Admission, RequestAllocator
 
     assert make_runner("tiny-gpt-oss", 16).model.attention_sinks
     runner = make_runner("tiny-gemma3", 16)
@@ -146,7 +146,7 @@ def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
 
 
 def test_span_groups_cut_where_the_padding_saved_pays_for_a_group() -> None:
-    from hybridkv.engine.step import SPLIT_ROWS, span_groups
+    from hybridkv.engine.forward.step import SPLIT_ROWS, span_groups
 
     assert span_groups([]) == []
     assert span_groups([7]) == [(0, 1)]
@@ -187,7 +187,7 @@ def test_unequal_spans_run_as_separate_groups_and_stay_exact(name: str, monkeypa
 def test_key_parts_cut_where_the_padding_saved_pays_for_a_part() -> None:
     import numpy as np
 
-    from hybridkv.engine.step import KEY_COLUMN_QUERIES, PART_COST, key_parts
+    from hybridkv.engine.forward.step import KEY_COLUMN_QUERIES, PART_COST, key_parts
 
     assert key_parts(np.array([5]), 1, 16) == [(0, 1)]
     assert key_parts(np.array([17, 17, 17]), 1, 16) == [(0, 3)]  # one width: one part
@@ -211,8 +211,8 @@ def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
     """With parts that cost nothing every change of key width cuts one: decodes of 9-130-token contexts (and the
     prefill groups) attend in several parts of their own widths (sliding windows, sinks, MLA latents alike), and
     every request still gets transformers' tokens and logits."""
+    import hybridkv.engine.forward.step as step_module
     import hybridkv.engine.runner as runner_module
-    import hybridkv.engine.step as step_module
 
     parts: list[int] = []
 
@@ -239,7 +239,7 @@ def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
 def test_padded_parts_are_a_cheapest_cut(sizes: list[int], fixed: float) -> None:
     """Against every way to cut ``sizes`` into contiguous parts: the search's parts cover it in order and cost the
     least (each part padded to its largest, plus ``fixed``)."""
-    from hybridkv.engine.step import padded_parts
+    from hybridkv.engine.forward.step import padded_parts
 
     def cost(parts: list[tuple[int, int]]) -> float:
         return sum(fixed + (b - a) * max(sizes[a:b]) for a, b in parts)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import Outcome
+from hybridkv.engine.sched.request import Outcome
 from hybridkv.host_sync import HostSyncCounter
 from hybridkv.tiers import MooncakeMaster, MooncakeStoreTier, TierHierarchy, base, hierarchy, mooncake_store
 from hybridkv.tiers.framing import HEADER

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, Outcome, SamplingParams
 from hybridkv.server import ByteTokenizer, EngineBackend
 from hybridkv.server.generation import STOPPED, Generation, LoopPost, Update, Writer
 from hybridkv.server.stops import Stops

@@ -30,7 +30,7 @@ from hybridkv.engine.disagg import PDConfig, PDServer, WorkerState
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.random_models import save_random
-from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, Outcome, SamplingParams
 from hybridkv.server import ByteTokenizer, HttpServer, PDBackend, QueueFull, ServerConfig, bind
 from tests.server.conftest import API_KEY, MODEL, shared_prefix_prompts, stop_in
 from tests.server.test_endpoints import metric

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import Outcome, SamplingParams
 from hybridkv.server import EngineBackend
 from hybridkv.server.warmup import NEW_TOKENS, SCHEDULE, prompt_lengths, warm_up
 from tests.server.conftest import MODEL, SIZING

@@ -71,8 +71,8 @@ from hybridkv.cache.placement import engine_default
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.models.compiled import compile_blocks as compiled_blocks
 from hybridkv.engine.random_models import CONTEXT, VOCAB, build_random, quiet_transformers, tiny_names
-from hybridkv.engine.request import Outcome
-from hybridkv.engine.scheduler import step_budget
+from hybridkv.engine.sched.request import Outcome
+from hybridkv.engine.sched.scheduler import step_budget
 from hybridkv.traces import MOONCAKE_TRACE, load_mooncake_trace
 
 GOAL_VS_BEST = 2.0
@@ -81,7 +81,7 @@ GOAL_SHARE = 0.10
 MAX_BLOCKS = 64
 FIRST_TOKEN = 3  # ids below are special tokens (pad / bos / eos) in the tiny models
 HYBRIDKV_PACKAGES = ("hybridkv.memory", "hybridkv.cache")
-HYBRIDKV_MODULES = ("hybridkv.engine.allocator",)  # the engine's bridge to the cache: its calls count too
+HYBRIDKV_MODULES = ("hybridkv.engine.sched.allocator",)  # the engine's bridge to the cache: its calls count too
 
 
 def conversation_prompts(

@@ -60,7 +60,7 @@ from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, pd_pa
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
 from hybridkv.engine.registry import engine_spec, text_config
-from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory.layout import build_layouts
 from hybridkv.spec import IdSpace, Parallel, ShardSpec

@@ -91,7 +91,7 @@ from hybridkv.bench.socket_wake import send_wake_us
 from hybridkv.bench.sse_client import SseClient
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random, quiet_transformers
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.sched.request import SamplingParams
 
 GOAL_OVERHEAD_MS = 2.0
 START_TIMEOUT_S = 180.0

@@ -293,7 +293,7 @@ def _figures_table(figures: dict[str, float], m: dict[str, float]) -> Table:
 
 def _describe(i: int, prompts: list[list[int]]) -> str:
     """Prompt ``i``'s length and the longest prefix it shares with an earlier prompt."""
-    from hybridkv.engine.scheduler import shared_prefix
+    from hybridkv.engine.sched.scheduler import shared_prefix
 
     ids = prompts[i]
     shared = max((shared_prefix(ids, p, len(ids)) for p in prompts[:i]), default=0)

@@ -19,7 +19,7 @@ Which errors are whose:
 Output (``--json``): one object; ``requests`` in input order, each ``output_ids``,
 ``finish_reason`` (``length``, ``eos``, ``stop`` or ``error``), ``error`` (null when none),
 ``cached_tokens`` and ``cached_tokens_details`` {device, host, storage}; ``totals``.
-``--host-memory`` and ``--store mooncake`` put tiers below the device (``hybridkv.engine.tiered``).
+``--host-memory`` and ``--store mooncake`` put tiers below the device (``hybridkv.engine.sched.tiered``).
 Sampling (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``, ``--stop-token-id``, ``--ignore-eos``)
 is the same for ``serve-pd``: the same file gives the same tokens there.
 """

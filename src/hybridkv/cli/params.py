@@ -127,7 +127,7 @@ def sampling_value(field: str) -> Callable[[Any], Any]:
     """A callback that checks one sampling option as the engine does (``SamplingParams``: ranges, NaN)."""
 
     def check(value: Any) -> Any:
-        from hybridkv.engine.request import RequestError, SamplingParams  # torch-free
+        from hybridkv.engine.sched.request import RequestError, SamplingParams  # torch-free
 
         try:
             SamplingParams(**{field: value})
@@ -168,7 +168,7 @@ def request_params(
 ) -> list[Any]:
     """One ``SamplingParams`` per request (request ``i`` seeded ``seed + i``); ``typer.BadParameter`` naming
     the option whose value the engine refuses."""
-    from hybridkv.engine.request import RequestError, SamplingParams
+    from hybridkv.engine.sched.request import RequestError, SamplingParams
 
     try:
         return [

@@ -76,7 +76,7 @@ def pd_tiers(tiers: dict[str, Any]) -> dict[str, Any]:
 def _check_prompts(
     prompts: Path, lines: list[tuple[int, list[int]]], params: list[Any], vocab: int, context: int, given: bool
 ) -> None:
-    from hybridkv.engine.request import RequestError, check_request
+    from hybridkv.engine.sched.request import RequestError, check_request
 
     for (lineno, ids), p in zip(lines, params, strict=True):
         try:
@@ -132,7 +132,7 @@ def serve_pd(
 
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, pd_path, run_pd
     from hybridkv.engine.registry import engine_spec, text_config
-    from hybridkv.engine.request import FinishReason
+    from hybridkv.engine.sched.request import FinishReason
     from hybridkv.engine.weights import read_config
 
     if (model is None) == (random is None):

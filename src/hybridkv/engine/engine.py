@@ -42,13 +42,20 @@ import torch
 
 from hybridkv.cache import HybridRadixCache
 from hybridkv.cache.placement import engine_default
-from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
-from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.runner import ShardRunner
-from hybridkv.engine.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
-from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
+from hybridkv.engine.sched.allocator import RequestAllocator
+from hybridkv.engine.sched.request import (
+    CheckedPrompt,
+    FinishReason,
+    Outcome,
+    RequestError,
+    SamplingParams,
+    check_request,
+)
+from hybridkv.engine.sched.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
+from hybridkv.engine.sched.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
 from hybridkv.spec import ModelSpec, ShardSpec

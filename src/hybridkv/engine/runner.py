@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.batch import BatchError, ForwardBatch
+from hybridkv.engine.forward.batch import BatchError, ForwardBatch
+from hybridkv.engine.forward.step import build_step
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.registry import engine_spec, text_config
-from hybridkv.engine.step import build_step
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes

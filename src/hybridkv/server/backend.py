@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import Outcome, SamplingParams
 
 
 class QueueFull(RuntimeError):

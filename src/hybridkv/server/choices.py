@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridkv.engine.request import MAX_SEED, SamplingParams
+from hybridkv.engine.sched.request import MAX_SEED, SamplingParams
 from hybridkv.server.schemas import ApiError
 
 MAX_CHOICES = 64

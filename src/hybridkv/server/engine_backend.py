@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import CheckedPrompt, FinishReason, Outcome, SamplingParams, check_request
+from hybridkv.engine.sched.request import CheckedPrompt, FinishReason, Outcome, SamplingParams, check_request
 from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink
 
 

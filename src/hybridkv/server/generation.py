@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, Outcome, RequestError, SamplingParams
 from hybridkv.server.backend import Backend
 from hybridkv.server.stops import Stops, StopText
 from hybridkv.server.text import TextStream, TextTokenizer

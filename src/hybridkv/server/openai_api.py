@@ -32,7 +32,7 @@ from typing import Any
 from starlette.types import Receive
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, Outcome, SamplingParams
 from hybridkv.server.choices import choices_per_prompt, nth
 from hybridkv.server.generation import Generation, Update
 from hybridkv.server.hot import Answer, Json

@@ -32,7 +32,7 @@ from typing import Any
 
 from hybridkv.engine.disagg import PDServer
 from hybridkv.engine.registry import eos_ids, text_config
-from hybridkv.engine.request import FinishReason, Outcome, RequestError, SamplingParams, check_request
+from hybridkv.engine.sched.request import FinishReason, Outcome, RequestError, SamplingParams, check_request
 from hybridkv.engine.weights import read_config
 from hybridkv.server.backend import BackendClosed, ModelInfo, QueueFull, Sink
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hybridkv.engine.request import RequestError, SamplingParams
+from hybridkv.engine.sched.request import RequestError, SamplingParams
 from hybridkv.server.backend import ModelInfo
 from hybridkv.server.text import TextTokenizer
 

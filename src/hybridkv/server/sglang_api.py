@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, Outcome, SamplingParams
 from hybridkv.server.choices import choices_per_prompt, nth
 from hybridkv.server.generation import Generation, Progress, Update
 from hybridkv.server.hot import Answer, Json

@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.types import Receive
 
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.sched.request import SamplingParams
 from hybridkv.server.backend import Backend, BackendClosed, QueueFull
 from hybridkv.server.connections import ConnectionCounters, ConnectionLimits
 from hybridkv.server.generation import Generation, LoopPost, PromptRefused, Update

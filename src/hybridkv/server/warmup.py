@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, Outcome, SamplingParams
 from hybridkv.server.backend import Backend
 
 POLL_S = 0.05  # how often a wait looks at ``stop``

@@ -25,7 +25,7 @@ import pytest
 
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, WorkerState, run_pd
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import Outcome, SamplingParams
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
 
 PAGE, CHUNK, MAX_NEW = 4, 5, 5

@@ -49,8 +49,8 @@ from hybridkv.engine.disagg.protocol import Live
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.parallel.forkserver import forkserver_threads
-from hybridkv.engine.request import SamplingParams
-from hybridkv.engine.scheduler import STEP_CHUNKS, Role
+from hybridkv.engine.sched.request import SamplingParams
+from hybridkv.engine.sched.scheduler import STEP_CHUNKS, Role
 from hybridkv.transfer import LayoutMismatch
 from tests.engine.disagg.test_disagg import CHUNK, MAX_NEW, PAGE, gone, settled
 from tests.engine.harness import hf_model, make_runner, prompt, serve

@@ -35,7 +35,7 @@ from hybridkv.engine.disagg.procs import EngineProcs
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.errors import WeightError
 from hybridkv.engine.parallel.forkserver import forkserver_pid
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.scheduler import Role
 from tests.engine.disagg.test_disagg import CHUNK, PAGE, gone
 from tests.engine.disagg.test_disagg_faults import children
 from tests.engine.harness import hf_model

@@ -36,7 +36,7 @@ from hybridkv.cli import main
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.registry import engine_spec, text_config
-from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import Outcome, SamplingParams
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from hybridkv.engine.disagg.quarantine import Quarantine
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.scheduler import Role
 
 P, D = Role.PREFILL, Role.DECODE
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hybridkv.engine.disagg.tier_figures import tier_metrics
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.scheduler import Role
 from tests.engine.test_tiers import A, engine, run, turn
 
 NAME = "tiny-qwen3-next"

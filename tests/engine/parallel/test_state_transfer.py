@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.parallel import launch
+from hybridkv.engine.sched.allocator import RequestAllocator
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import buffer_set_from_memory, build_plan, make_transport, memory_cells, pair_entries
 from hybridkv.transfer.shared import shared_memory

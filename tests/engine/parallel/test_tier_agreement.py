@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hybridkv.engine.agreement import Agreement
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import Outcome
+from hybridkv.engine.sched.agreement import Agreement
+from hybridkv.engine.sched.request import Outcome
 from hybridkv.tiers.framing import HEADER
 from tests.engine.harness import hf_reference, live_counts
 from tests.engine.test_tiers import NEW, A, engine, turn

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
-from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.parallel import StageGroups, launch
 from hybridkv.engine.runner import ShardRunner, build_runner
+from hybridkv.engine.sched.allocator import Admission, RequestAllocator, RequestMemory
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, IdSpace, KindTag, Parallel
 

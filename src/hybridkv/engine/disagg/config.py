@@ -33,9 +33,9 @@ import torch
 
 from hybridkv.engine.disagg.faults import Fault, FaultKind
 from hybridkv.engine.registry import engine_spec, text_config
-from hybridkv.engine.scheduler import step_budget
+from hybridkv.engine.sched.scheduler import step_budget
+from hybridkv.engine.sched.tiered import STORES
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
-from hybridkv.engine.tiered import STORES
 from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec

@@ -27,15 +27,15 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection
 
-from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.protocol import Abort, Admitted, Command, Decode, Done, Failed, Reserve, Tokens
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.registry import engine_spec, eos_ids, text_config
-from hybridkv.engine.request import FinishReason
 from hybridkv.engine.runner import build_runner
-from hybridkv.engine.scheduler import Request, Role, choose_step_tokens
+from hybridkv.engine.sched.allocator import RequestAllocator
+from hybridkv.engine.sched.request import FinishReason
+from hybridkv.engine.sched.scheduler import Request, Role, choose_step_tokens
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec

@@ -31,7 +31,7 @@ from hybridkv.engine.disagg.protocol import Command, Crash, Event, Ready, Report
 from hybridkv.engine.disagg.results import PDRank
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.parallel.cpu_share import worker_threads
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.scheduler import Role
 from hybridkv.transfer import TransferError
 from hybridkv.transfer.shared import shm_path
 

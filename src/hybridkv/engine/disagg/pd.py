@@ -18,7 +18,7 @@ from hybridkv.engine.disagg.config import PDConfig
 from hybridkv.engine.disagg.path import RequestTiming
 from hybridkv.engine.disagg.results import PDRank, pd_path
 from hybridkv.engine.disagg.server import PDServer
-from hybridkv.engine.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import Outcome, SamplingParams
 
 
 @dataclass(frozen=True)

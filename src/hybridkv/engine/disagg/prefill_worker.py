@@ -37,7 +37,6 @@ from multiprocessing.connection import Connection
 import torch
 
 from hybridkv.cache.placement import engine_default
-from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.disagg.config import PDConfig, WorkerArgs
 from hybridkv.engine.disagg.faults import on_compute, on_hand_off, slows_writes
 from hybridkv.engine.disagg.protocol import (
@@ -55,11 +54,12 @@ from hybridkv.engine.disagg.protocol import (
 from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.registry import eos_ids
-from hybridkv.engine.request import FinishReason
 from hybridkv.engine.runner import build_runner
-from hybridkv.engine.sampling import NON_FINITE
-from hybridkv.engine.scheduler import Request, Role, Step, choose_step_tokens
-from hybridkv.engine.tiered import ZERO_DETAILS, EngineTiers
+from hybridkv.engine.sched.allocator import RequestAllocator
+from hybridkv.engine.sched.request import FinishReason
+from hybridkv.engine.sched.sampling import NON_FINITE
+from hybridkv.engine.sched.scheduler import Request, Role, Step, choose_step_tokens
+from hybridkv.engine.sched.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport
 from hybridkv.transfer.auth import ClusterKey

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.engine.disagg.faults import Fault
-from hybridkv.engine.request import FinishReason, SamplingParams
+from hybridkv.engine.sched.request import FinishReason, SamplingParams
 
 # --- commands ------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.scheduler import Role
 
 QUARANTINED = "quarantined"
 """How the reason of a quarantined request starts."""

@@ -21,8 +21,8 @@ from typing import Any
 
 from hybridkv.engine.disagg.path import PDPath, RequestTiming, StageTiming
 from hybridkv.engine.disagg.protocol import Done, Sent
-from hybridkv.engine.request import FinishReason, Outcome, SamplingParams
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.request import FinishReason, Outcome, SamplingParams
+from hybridkv.engine.sched.scheduler import Role
 
 FINISHED = "finished"
 FAILED = "failed"

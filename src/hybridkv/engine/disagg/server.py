@@ -85,8 +85,8 @@ from hybridkv.engine.disagg.results import (
 from hybridkv.engine.disagg.tier_figures import tier_metrics
 from hybridkv.engine.disagg.worker_log import WorkerLog
 from hybridkv.engine.registry import text_config
-from hybridkv.engine.request import CheckedPrompt, Outcome, RequestError, SamplingParams, check_request
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.request import CheckedPrompt, Outcome, RequestError, SamplingParams, check_request
+from hybridkv.engine.sched.scheduler import Role
 from hybridkv.engine.weights import read_config
 from hybridkv.tiers import MooncakeMaster
 from hybridkv.transfer import BootstrapServer

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from hybridkv.engine.disagg.engines import EngineState
-from hybridkv.engine.scheduler import Role
+from hybridkv.engine.sched.scheduler import Role
 
 _SUMMED = ("written_bytes", "loaded_bytes", "write_refused", "write_around", "misses")
 

@@ -23,12 +23,12 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from hybridkv.engine.agreement import ALONE, Agreement, WorldAgreement
-from hybridkv.engine.allocator import RequestAllocator
 from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.protocol import Command, Live, Probe, Ready, Report, Stop
-from hybridkv.engine.request import SamplingParams
-from hybridkv.engine.scheduler import Request, Role, Scheduler
+from hybridkv.engine.sched.agreement import ALONE, Agreement, WorldAgreement
+from hybridkv.engine.sched.allocator import RequestAllocator
+from hybridkv.engine.sched.request import SamplingParams
+from hybridkv.engine.sched.scheduler import Request, Role, Scheduler
 from hybridkv.memory import UnifiedMemory
 
 IDLE_S = 0.05

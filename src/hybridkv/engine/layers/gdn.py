@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.forward.step import Group, StepContext
 from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import GatedRMSNorm
 from hybridkv.engine.ops import (
@@ -38,7 +39,6 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.ops.cast import f32
-from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 

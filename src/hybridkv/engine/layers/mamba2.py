@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.forward.step import Group, StepContext
 from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill, ssd_decode, ssd_prefill
 from hybridkv.engine.ops.cast import cast, f32
-from hybridkv.engine.step import Group, StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 

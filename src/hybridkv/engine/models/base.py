@@ -35,10 +35,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hybridkv.engine.forward.step import StepContext
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.linear import Linear, linear
 from hybridkv.engine.layers.rope import RopeTables
-from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, Part, TensorParallel, collect_parts, component_part
 from hybridkv.memory import UnifiedMemory
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.forward.step import StepContext
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.mlp import GatedMLP
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope, RopeTables
 from hybridkv.engine.models.base import Block, CausalLM
-from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 

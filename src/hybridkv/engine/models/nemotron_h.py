@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.engine.forward.step import StepContext
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.grouped_moe import GroupLimitedMoE, GroupLimitedRouter, RoutedExperts, fuse_expert_weights
 from hybridkv.engine.layers.linear import Linear
@@ -25,7 +26,6 @@ from hybridkv.engine.layers.nope import NoRope
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import RopeTables
 from hybridkv.engine.models.base import Block, CausalLM, Fused
-from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 

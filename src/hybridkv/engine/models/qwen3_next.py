@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.engine.forward.step import StepContext
 from hybridkv.engine.layers.attention import PagedAttention
 from hybridkv.engine.layers.gdn import GatedDeltaNet
 from hybridkv.engine.layers.grouped_moe import fuse_expert_weights
@@ -21,7 +22,6 @@ from hybridkv.engine.layers.mlp import GatedMLP, SoftmaxTopKMoE
 from hybridkv.engine.layers.norms import RMSNorm
 from hybridkv.engine.layers.rope import Rope, RopeTables
 from hybridkv.engine.models.base import Block, CausalLM, Fused
-from hybridkv.engine.step import StepContext
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.memory import UnifiedMemory
 

@@ -32,7 +32,7 @@ Invariants:
 - A request ends exactly once (``finished`` collects it): ``length``, ``eos``, ``stop`` (its
   ``SamplingParams``), ``abort``, or ``error`` (including non-finite logits). Ended, waiting and
   retracted requests hold no handle; handed-off and receiving requests hold theirs in ``holding``.
-- Every decision that depends on a rank's memory goes through ``agree`` (``engine.agreement``),
+- Every decision that depends on a rank's memory goes through ``agree`` (``engine.sched.agreement``),
   so every rank of a multi-process engine runs the same schedule.
 """
 
@@ -46,12 +46,12 @@ from enum import Enum
 
 import torch
 
-from hybridkv.engine.agreement import ALONE, Agreement
-from hybridkv.engine.allocator import Admission, RequestAllocator, RequestMemory
-from hybridkv.engine.batch import ForwardBatch
+from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.logprobs import TokenLogprob, token_logprobs
-from hybridkv.engine.request import FinishReason, SamplingParams
-from hybridkv.engine.sampling import NON_FINITE, choose_tokens
+from hybridkv.engine.sched.agreement import ALONE, Agreement
+from hybridkv.engine.sched.allocator import Admission, RequestAllocator, RequestMemory
+from hybridkv.engine.sched.request import FinishReason, SamplingParams
+from hybridkv.engine.sched.sampling import NON_FINITE, choose_tokens
 from hybridkv.memory import OutOfMemory
 
 

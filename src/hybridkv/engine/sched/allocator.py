@@ -47,8 +47,8 @@ import numpy as np
 from hybridkv.cache import PAGE_NEED, CheckpointPlacement, HybridRadixCache, KVHandle, KVManager, MatchResult
 from hybridkv.cache.handle import fresh_pages
 from hybridkv.cache.placement import DEFAULT
-from hybridkv.engine.agreement import ALONE, Agreement
-from hybridkv.engine.tiered import EngineTiers
+from hybridkv.engine.sched.agreement import ALONE, Agreement
+from hybridkv.engine.sched.tiered import EngineTiers
 from hybridkv.memory import OutOfMemory, UnifiedMemory
 from hybridkv.spec import KindTag
 from hybridkv.tiers import Fetched

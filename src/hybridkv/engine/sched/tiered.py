@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.cache import KVHandle, KVManager, MatchResult
-from hybridkv.engine.agreement import ALONE, Agreement
+from hybridkv.engine.sched.agreement import ALONE, Agreement
 from hybridkv.memory import OutOfMemory, parse_bytes
 from hybridkv.tiers import (
     Fetched,

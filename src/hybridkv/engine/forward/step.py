@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hybridkv.engine.batch import ForwardBatch
-from hybridkv.engine.pool_io import KeyPart, StateIO, TokenIO, TokenLayout, pool_layouts
+from hybridkv.engine.forward.batch import ForwardBatch
+from hybridkv.engine.forward.pool_io import KeyPart, StateIO, TokenIO, TokenLayout, pool_layouts
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
 

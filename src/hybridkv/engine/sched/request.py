@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from hybridkv.engine.allocator import CacheHit
     from hybridkv.engine.disagg.path import PDPath
     from hybridkv.engine.logprobs import TokenLogprob
+    from hybridkv.engine.sched.allocator import CacheHit
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20

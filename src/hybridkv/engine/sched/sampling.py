@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridkv.engine.request import SamplingParams
+from hybridkv.engine.sched.request import SamplingParams
 
 NON_FINITE = -1
 """The choice for a row whose logits hold NaN or inf."""
