@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.engine.forward import pool_io
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.forward import pool_io
 from hybridkv.engine.forward.pool_io import TokenIO, pool_layouts
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.ops.ssd import _tril_masks
