@@ -1,5 +1,5 @@
 """Packed bf16 linears (``engine.layers.linear``): the same numbers as ``F.linear``, kept valid across weight loads,
-and off wherever they do not apply (fp32, a graph being traced, ``packing(False)``)."""
+and off wherever they do not apply (fp32, a graph being traced, ``fast_paths(packed_linears=False)``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.layers import linear as packed
-from hybridkv.engine.layers.linear import Linear, packing, packs
+from hybridkv.engine.layers.linear import Linear, packs
 from hybridkv.engine.random_models import build_random, quiet_transformers
 
 ONEDNN_BF16 = packed._onednn_bf16()
@@ -27,7 +28,7 @@ def test_packed_bf16_matches_f_linear(rows: int, bias: bool) -> None:
         assert packs(x, layer.weight)
         got = layer(x)
         assert "_packed" in layer.__dict__
-        with packing(False):
+        with fast_paths(packed_linears=False):
             assert not packs(x, layer.weight)
             want = layer(x)
     torch.testing.assert_close(got, want)  # bf16's tolerance (bit-equal on the machines measured)
@@ -76,7 +77,7 @@ def test_bf16_engine_tokens_equal_with_and_without_packing(name: str) -> None:
     engine = Engine(config, model, gpu_memory="64MiB", dtype=torch.bfloat16, chunk_size=16)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 40)]
-    with packing(False):
+    with fast_paths(packed_linears=False):
         plain = [o.output_ids for o in engine.generate(prompts, 12, stop_at_eos=False)]
     engine.clear_cache()
     got = [o.output_ids for o in engine.generate(prompts, 12, stop_at_eos=False)]
@@ -104,7 +105,7 @@ def test_packed_experts_match_grouped_mm(layout: str) -> None:
         assert packed is not None and len(packed) == experts
         got = route.matmul(rows, as_out_in.transpose(1, 2), packed=packed)
         want = route.matmul(rows, as_out_in.transpose(1, 2))
-        with packing(False):
+        with fast_paths(packed_linears=False):
             assert expert_weights(rows, as_out_in, owner, "_packed") is None
     torch.testing.assert_close(got, want)
     assert expert_weights(rows.float(), as_out_in.float(), owner, "_packed32") is None

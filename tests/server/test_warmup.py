@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Callable
-from typing import Any
 
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.sched.request import Outcome, SamplingParams
+from hybridkv.engine.sched.request import SamplingParams
 from hybridkv.server import EngineBackend
-from hybridkv.server.warmup import NEW_TOKENS, SCHEDULE, prompt_lengths, warm_up
+from hybridkv.server.warmup import NEW_TOKENS, SCHEDULE, Ended, prompt_lengths, warm_up
 from tests.server.conftest import MODEL, SIZING
-
-
-class _Wait:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.result: Outcome | None = None
-
-    def on_token(self, token: int, logprob: Any = None) -> None:
-        del token, logprob
-
-    def on_finish(self, result: Outcome) -> None:
-        self.result = result
-        self.done.set()
 
 
 def test_the_schedule_fits_one_request_and_covers_one_and_two_chunks() -> None:
@@ -45,7 +30,7 @@ def test_warm_up_ends_every_request_and_gives_its_memory_back_to_the_cache(make_
         # the same prompts from a client (no salt, as the warm-up's is its own): not one cached token
         rng = random.Random(3)
         prompts = [[rng.randrange(backend.info.vocab_size) for _ in range(n)] for n in lengths]
-        sinks = [_Wait() for _ in prompts]
+        sinks = [Ended() for _ in prompts]
         for prompt, sink in zip(prompts, sinks, strict=True):
             backend.submit(prompt, SamplingParams(max_new_tokens=1), sink)
         for sink in sinks:

@@ -88,10 +88,13 @@ class ShardRunner:
             )
         self.model = model
         self.mem = mem
-        self.shard = mem.shard
         self.groups = groups
         self.device = mem.device
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+    @property
+    def shard(self) -> ShardSpec:
+        return self.mem.shard
 
     @property
     def first(self) -> bool:

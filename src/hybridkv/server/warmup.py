@@ -51,7 +51,7 @@ class WarmupReport:
     timed_out: bool  # the warm-up ended early (its timeout, or a shutdown signal): the rest was aborted
 
 
-class _Collect:
+class Ended:
     """A ``Sink`` that only remembers how the request ended."""
 
     def __init__(self) -> None:
@@ -84,10 +84,10 @@ def warm_up(
     vocab = backend.info.vocab_size
     cache_salt = f"hybridkv-warmup-{secrets.token_hex(8)}"
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    open_: list[tuple[int, _Collect]] = []
+    open_: list[tuple[int, Ended]] = []
     lengths = prompt_lengths(chunk, backend.info.max_context)
     for n in lengths:
-        sink = _Collect()
+        sink = Ended()
         open_.append((backend.submit([rng.randrange(vocab) for _ in range(n)], params, sink, cache_salt), sink))
     deadline = time.monotonic() + timeout_s
     timed_out = False

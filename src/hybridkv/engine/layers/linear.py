@@ -16,26 +16,20 @@ The packed weight is derived from the weight (``norms.derived``): made on first 
 after the weight changed (a load writes it in place; a conversion replaces it), one more copy of
 the weight in memory.
 
-``packing(False)`` turns the packed path off inside a block (``fast_paths``: the benchmarks' side-by-side
+``fast_paths(packed_linears=False)`` turns the packed path off inside a block (the benchmarks' side-by-side
 baseline).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.fast_paths import FAST, FastPaths, fast_paths
+from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.norms import derived
-
-
-def packing(on: bool) -> contextlib.AbstractContextManager[FastPaths]:
-    """Packed bf16 weights on (the default) or off inside the block."""
-    return fast_paths(packed_linears=on)
 
 
 @functools.cache
