@@ -13,11 +13,13 @@ connector; every stored object damaged, reset, again: counted checksum load erro
 recomputes, tokens still equal; reset, again: the recomputed blocks were saved anew, so hits again
 and no new errors. For Qwen3-Next a control: the stored states replaced by well-formed zeros (what
 a connector that skips the state restores) and the tokens differ, so the equality above rests on
-the restored state.
+the restored state. And a host tier of two objects over the Mooncake Store (a master started here;
+skipped without the ``mooncake`` package): after a reset the whole prefix hits, mostly from the store.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -43,8 +45,8 @@ def vllm_python() -> tuple[Path | None, str]:
     return python, ""
 
 
-def run_driver(python: Path, model: str, out: Path, *extra: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def run_driver(python: Path, model: str, out: Path, *extra: str, path: tuple[Path, ...] = ()) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT / "src", *path))}
     cmd = [str(python), str(DRIVER), "--model", model, "--out", str(out), *extra]
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -96,6 +98,32 @@ def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
     worker, sched = r["report"]["worker"], r["report"]["scheduler"]
     assert worker["stats"]["evicted"] > 0 and worker["load_errors"] == {}
     assert sched["held_blocks"] == worker["tier"]["objects"]  # the index is exactly what the tier holds
+
+
+def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -> None:
+    """Two objects of host memory over the Mooncake Store: after a reset the prefix comes from the store."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("no mooncake package here (pip install hybridkv[mooncake]): no Mooncake Store to test against")
+    link = tmp_path / "mooncake-only"  # this venv's mooncake, alone, importable by vLLM's python
+    link.mkdir()
+    (link / "mooncake").symlink_to(next(iter(spec.submodule_search_locations)))
+    from hybridkv.tiers import MooncakeMaster
+
+    with MooncakeMaster() as master:
+        r = run_driver(
+            python, "llama", tmp_path / "store.json", "--store-master", master.address,
+            "--host-bytes", str(2 * (16384 + 64)), path=(link,),
+        )  # fmt: skip
+    assert r["pass1"] == r["reference"] and r["pass2"] == r["reference"]
+    assert r["pass2_cached"][0] == r["prefix_blocks"] * 32  # after the reset: the connector's whole prefix
+    worker, sched = r["report"]["worker"], r["report"]["scheduler"]
+    assert worker["tier"]["objects"] <= 2 and sched["held_blocks"] > worker["tier"]["objects"]  # the rest: below
+    assert worker["stats"]["written_back"] > 0 and worker["stats"]["store_loaded_blocks"] > 0
+    assert worker["load_errors"] == {} and worker["store"]["puts"] > 0
 
 
 def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:

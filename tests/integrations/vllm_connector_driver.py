@@ -16,7 +16,8 @@
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the driver can read
 the scheduler's and the worker's connector objects; they still talk only through vLLM's metadata.
 With ``--mp`` it runs in vLLM's own child process (the default layout): passes 1 and 2 only, judged by
-tokens and by the first request's cached tokens after the reset (external hits only).
+tokens and by the first request's cached tokens after the reset (external hits only). With
+``--store-master`` a host tier too small for the prefix over the Mooncake Store: passes 1 and 2.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def make_llm(
     host_bytes: int | str = "256MiB",
     block: int = BLOCK,
     dtype: str = "float32",
+    extra: dict[str, Any] | None = None,
 ) -> Any:
     from vllm import LLM
 
@@ -145,7 +147,7 @@ def make_llm(
             "kv_connector_module_path": "hybridkv.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"host_bytes": host_bytes},
+            "kv_connector_extra_config": {"host_bytes": host_bytes, **(extra or {})},
         }
     return LLM(**kwargs)
 
@@ -245,6 +247,27 @@ def evict_check(model_dir: str, args: Any) -> dict[str, Any]:
     return result
 
 
+def store_check(model_dir: str, args: Any) -> dict[str, Any]:
+    """A host tier of two objects over the Mooncake Store at ``args.store_master``: the host's evictions
+    are written back, and after a reset the prefix is loaded mostly from the store, tokens unchanged."""
+    prompts = workload(args.prefix_blocks, 7, args.block)
+    result: dict[str, Any] = {}
+    llm = make_llm(model_dir, False, args.chunk, block=args.block, dtype=args.dtype)
+    result["reference"], _, _ = generate(llm, prompts)
+    del llm
+    gc.collect()
+    store = {"store_master": args.store_master, "store_segment_bytes": "64MiB"}
+    llm = make_llm(model_dir, True, args.chunk, args.host_bytes, args.block, args.dtype, store)
+    sched, worker = connectors(llm)
+    result["pass1"], _, _ = generate(llm, prompts)
+    llm.reset_prefix_cache()
+    result["pass2"], result["pass2_cached"], _ = generate(llm, prompts)
+    result["report"] = {"scheduler": sched.scheduler_report(), "worker": worker.worker_report()}
+    del llm
+    gc.collect()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["llama", "gemma3", "qwen3next"], default="llama")
@@ -257,6 +280,7 @@ def main() -> None:
     ap.add_argument("--spec-check", action="store_true", help="the group rule on vLLM's spec classes only")
     ap.add_argument("--evict-check", action="store_true", help="a host tier too small for two prefixes")
     ap.add_argument("--host-bytes", default="256MiB", help="the host tier's budget (kv_connector_extra_config)")
+    ap.add_argument("--store-master", help="--store-check: host:port of a running mooncake_master")
     args = ap.parse_args()
     args.block, args.dtype = BLOCKS.get(args.model, BLOCK), DTYPES.get(args.model, "float32")
     args.chunk = args.chunk or 3 * args.block
@@ -269,9 +293,10 @@ def main() -> None:
     prompts = workload(args.prefix_blocks, block=args.block)
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(args.model, model_dir, args.hidden, args.layers)
-        if args.evict_check:
+        if args.evict_check or args.store_master:
+            check = evict_check if args.evict_check else store_check
             with open(args.out, "w") as f:
-                json.dump({**result, **evict_check(model_dir, args)}, f, indent=1)
+                json.dump({**result, **check(model_dir, args)}, f, indent=1)
             return
         llm = make_llm(model_dir, False, args.chunk, block=args.block, dtype=args.dtype)
         result["reference"], _, result["reference_s"] = generate(llm, prompts)

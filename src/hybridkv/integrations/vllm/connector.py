@@ -11,6 +11,14 @@ the process boundary: the scheduler sends, in ``HybridKVMetadata``, per request 
 id, block name)`` triples to load and to save. (With one worker vLLM runs both halves in its engine
 core process; they share nothing but this metadata, so the same holds with workers of their own.)
 
+The Mooncake Store below (``store_master``). With one, the host tier's LRU evictions are written
+back to a ``tiers.MooncakeStoreTier`` (one client per worker, ``store_segment_bytes`` of its memory
+mounted into the store) instead of being dropped, and a load the host tier cannot answer (absent)
+is read from the store (not copied back up). The scheduler's index counts a block held while the
+host or the store holds it: only an eviction the store refused is reported as dropped. The store
+evicts on its own when full, unreported: such a block is a counted load miss, and
+vLLM recomputes it. A damaged object leaves both tiers.
+
 Objects. One object per (KV cache group, block): the bytes of that block in every layer of the
 group, concatenated in the group's layer order, under ``layout.block_key`` (model, layout, shard,
 group and token-prefix chain hash). Saved once each block is full and computed (in
@@ -60,11 +68,16 @@ Invariants:
 - A hit's state group loads exactly one object, the state after the hit: never a state of another
   length.
 - Keys of a different model, dtype, layout, block size, shard or group never match.
+- A block the index holds is in the host tier or was written to the store; bytes read from
+  either passed the frame's size and CRC-32 check.
 
 Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, bytes or e.g.
-``"2GiB"``; default ``"1GiB"``). Reports: ``scheduler_report()`` (queries, hits, hit tokens, held
-blocks, lookup seconds) and ``worker_report()`` (saved / loaded / evicted blocks, in all and per
-group ``g<i>``, load errors by reason, save and load seconds, the tier's usage).
+``"2GiB"``; default ``"1GiB"``); ``store_master`` (``host:port`` of a ``mooncake_master``; no
+store when absent; a store that cannot be set up fails the worker's start with both names) and
+``store_segment_bytes`` (default ``"256MiB"``, at least 16 MiB). Reports: ``scheduler_report()``
+(queries, hits, hit tokens, held blocks, lookup seconds) and ``worker_report()`` (saved / loaded /
+evicted blocks, in all and per group ``g<i>``, blocks written back to the store and loaded from it,
+load errors by reason, save and load seconds, the host tier's usage, the store's counters).
 ``reset_prefix_cache(reset_connector=True)`` forgets the index (the worker's objects age out of its
 LRU; a save of the same block re-announces it).
 
@@ -112,8 +125,9 @@ from hybridkv.integrations.vllm.layout import (
     group_prefix,
     split_key,
 )
-from hybridkv.tiers import HostTier, MissReason, PutStatus
+from hybridkv.tiers import HostTier, MissReason, MooncakeStoreTier, PutStatus, TierError
 from hybridkv.tiers.framing import HEADER, frame
+from hybridkv.units import parse_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -271,6 +285,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._null_block = 0
         # worker side
         self.tier: HostTier | None = None
+        self.store: MooncakeStoreTier | None = None
+        """The Mooncake Store below the host tier (``store_master``): the host's LRU evictions go there."""
         self._layers: list[list[tuple[torch.Tensor, int]]] = []
         """Per group: (cache tensor, its block dimension) of each layer (each state of a recurrent
         layer), in the group's order."""
@@ -286,6 +302,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Per live request, the keys it saved or loaded, head first: touched tail first after each
         save, so the LRU evicts a prefix from its tail (a head serves every longer prefix too)."""
         if role == KVConnectorRole.WORKER and not self.why_off:
+            if extra.get("store_master"):
+                try:
+                    segment = parse_bytes(extra.get("store_segment_bytes", "256MiB"))
+                    self.store = MooncakeStoreTier(str(extra["store_master"]), segment_bytes=segment)
+                except TierError as exc:
+                    raise RuntimeError(
+                        f"HybridKVConnector: kv_connector_extra_config store_master={extra['store_master']!r} names a "
+                        f"Mooncake Store this vLLM worker cannot use: {exc}"
+                    ) from None
             self.tier = HostTier(extra.get("host_bytes", "1GiB"), on_evict=self._on_evict)
 
     # ==============================================================================================
@@ -318,12 +343,18 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("HybridKVConnector: %d groups, block payload bytes %s; %s", len(layers), sizes, self.tier.pin_note)
 
     def _on_evict(self, keys: list[str], frames: list[torch.Tensor], labels: list[str]) -> None:
-        for key in keys:
+        """The host's LRU evictions: written back to the store (still held: nothing to report), or
+        dropped (reported) without one or where it refuses them."""
+        self.stats["evicted"] += len(keys)
+        kept = [PutStatus.DOWN] * len(keys)
+        if self.store is not None:
+            kept = self.store.put(keys, frames, label="written back")
+            self.stats["written_back"] += sum(st in (PutStatus.STORED, PutStatus.KEPT) for st in kept)
+        for key, st in zip(keys, kept, strict=True):
             prefix, name = split_key(key)
             group = self._group_of_prefix.get(prefix)
-            if group is not None:
+            if group is not None and st not in (PutStatus.STORED, PutStatus.KEPT):
                 self._dropped.append((group, name))
-        self.stats["evicted"] += len(keys)
 
     def _gather(self, group: int, ids: torch.Tensor) -> torch.Tensor:
         """(n, payload bytes): the blocks ``ids`` of every layer of ``group``, one row each."""
@@ -343,6 +374,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             t.index_copy_(dim, ids, src.movedim(0, dim))
             off += nbytes
 
+    def _get(self, keys: list[str], payload_bytes: int) -> list[torch.Tensor | MissReason]:
+        """From the host tier, and what it does not hold from the store below (not copied up)."""
+        assert self.tier is not None
+        got = self.tier.get(keys, [payload_bytes] * len(keys))
+        below = [i for i, p in enumerate(got) if p is MissReason.ABSENT]
+        if self.store is not None and below:
+            for i, p in zip(below, self.store.get([keys[i] for i in below], [payload_bytes] * len(below)), strict=True):
+                got[i] = p
+                self.stats["store_loaded_blocks"] += not isinstance(p, MissReason)
+        return got
+
+    def _evict(self, keys: list[str]) -> int:
+        """``keys`` out of the host tier and the store: how many the host held."""
+        assert self.tier is not None
+        if self.store is not None:
+            self.store.evict(keys)
+        return self.tier.evict(keys)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
@@ -356,7 +405,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 by_group.setdefault(b[0], []).append(b)
             for group, items in by_group.items():
                 keys = [block_key(self.prefixes[group], name) for _, _, name in items]
-                got = self.tier.get(keys, [self._payload_bytes[group]] * len(keys))
+                got = self._get(keys, self._payload_bytes[group])
                 good_ids, good_rows, bad = [], [], []
                 for key, (_, bid, name), payload in zip(keys, items, got, strict=True):
                     if isinstance(payload, MissReason):
@@ -370,8 +419,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     else:
                         good_ids.append(bid)
                         good_rows.append(payload)
-                if bad:
-                    self.tier.evict(bad)  # a damaged object never answers again; the recompute saves it anew
+                if bad:  # a damaged object never answers again; the recompute saves it anew
+                    self._evict(bad)
                 self._req_keys.setdefault(req_id, []).extend(k for k in keys if k not in bad)
                 if good_ids:
                     ids = torch.tensor(good_ids, dtype=torch.long)
@@ -475,9 +524,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         proof that a window group needs only its window); reported to the scheduler as dropped."""
         if self.tier is None:
             return 0
-        n = self.tier.evict([block_key(self.prefixes[g], name) for g, name in pairs])
+        n = self._evict([block_key(self.prefixes[g], name) for g, name in pairs])
         self._dropped.extend(pairs)
         return n
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     def worker_report(self) -> dict[str, Any]:
         return {
@@ -485,6 +538,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             "load_errors": dict(self.load_errors),
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
             "tier": self.tier.usage() if self.tier is not None else None,
+            "store": self.store.stats.as_dict() if self.store is not None else None,
             "why_off": self.why_off,
         }
 
