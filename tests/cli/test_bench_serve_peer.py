@@ -1,12 +1,32 @@
 """``hybridkv bench serve --peer vllm``: what runs without vLLM installed (the comparison itself needs
 ``scripts/setup_vllm.sh`` and minutes; it is a bench, not a test): the skip line, option errors, the
-shared model directory, and reading each server's hit counter from its ``/metrics``."""
+shared model directory, reading each server's hit counter from its ``/metrics``, the third server's
+connector config and its prefix-cache reset."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
 import pytest
 
-from hybridkv.bench.vs_peer import PEER_VENV, metric_sum, save_shared_model
+import hybridkv.integrations.vllm
+from hybridkv.bench.vs_peer import (
+    CONNECTOR,
+    EXTERNAL_HITS,
+    HIT_METRICS,
+    PEER_VENV,
+    SERVERS,
+    connector_config,
+    metric_sum,
+    reset_prefix_cache,
+    save_shared_model,
+)
 from hybridkv.cli import main
 
 
@@ -63,3 +83,54 @@ def test_shared_model_directory_holds_the_widened_model_and_a_tokenizer_over_its
     tokenizer = Tokenizer(tmp_path)  # what hybridkv serve --tokenizer loads
     assert tokenizer.encode("t0 t299 t7") == [0, 299, 7]
     assert tokenizer.decode([5, 299]).split() == ["t5", "t299"]
+
+
+def test_the_connector_server_is_configured_with_hybridkvs_connector_and_counts_external_hits() -> None:
+    config = json.loads(connector_config(1 << 30))
+    assert config["kv_connector"] in hybridkv.integrations.vllm.__all__  # what vLLM's loader getattr()s
+    assert importlib.import_module(config["kv_connector_module_path"]) is hybridkv.integrations.vllm
+    assert (config["kv_role"], config["kv_load_failure_policy"]) == ("kv_both", "recompute")
+    assert config["kv_connector_extra_config"] == {"host_bytes": 1 << 30}
+    assert SERVERS == ("hybridkv", "vllm", CONNECTOR)
+    text = (
+        'vllm:prefix_cache_hits_total{engine="0"} 64.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="0"} 320.0\n'
+        'vllm:external_prefix_cache_queries_total{engine="0"} 400.0\n'
+    )
+    assert sum(metric_sum(text, m) for m in HIT_METRICS[CONNECTOR]) == 384.0  # vLLM's own + the connector's
+    assert metric_sum(text, EXTERNAL_HITS) == 320.0
+
+
+class _ResetAnswers(BaseHTTPRequestHandler):
+    answers: ClassVar[list[tuple[int, bytes]]] = []
+
+    def do_POST(self) -> None:
+        code, body = self.answers.pop(0)
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@contextmanager
+def _answering(*answers: tuple[int, bytes]) -> Iterator[str]:
+    _ResetAnswers.answers = list(answers)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ResetAnswers)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_reset_prefix_cache_retries_a_refusal_and_names_the_dev_mode_when_the_endpoint_is_missing() -> None:
+    with _answering((200, b'{"success": false}'), (200, b'{"success": true}')) as url:
+        reset_prefix_cache(url)  # blocks still held: refused once, then done
+        assert _ResetAnswers.answers == []
+    with _answering((404, b"")) as url, pytest.raises(RuntimeError, match=r"answered 404.*VLLM_SERVER_DEV_MODE=1"):
+        reset_prefix_cache(url)

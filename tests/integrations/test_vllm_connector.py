@@ -5,15 +5,21 @@ The vLLM part runs ``tests/integrations/vllm_connector_driver.py`` under ``HYBRI
 this tree on its ``PYTHONPATH``, under a timeout (its process group is killed on failure). Without
 such a python the test is skipped with one line saying so.
 
-Proved per model (a dense Llama, then Gemma 3 with its sliding-window group): a shared-prefix
-workload, ``reset_prefix_cache()``, the workload again: the connector reports external hit tokens
-> 0 and the greedy tokens equal those of the same vLLM without the connector; every stored object
-damaged, reset, again: counted checksum load errors, vLLM recomputes, tokens still equal; reset,
-again: the recomputed blocks were saved anew, so hits again and no new errors.
+Proved per model (a dense Llama, Gemma 3 with its sliding-window group, Qwen3-Next in bf16 with its
+GDN state group): a shared-prefix workload, ``reset_prefix_cache()``, the workload again: the
+connector reports external hit tokens > 0, every group loaded blocks (the state group its
+checkpoint at the hit's end) and the greedy tokens equal those of the same vLLM without the
+connector; every stored object damaged, reset, again: counted checksum load errors, vLLM
+recomputes, tokens still equal; reset, again: the recomputed blocks were saved anew, so hits again
+and no new errors. For Qwen3-Next a control: the stored states replaced by well-formed zeros (what
+a connector that skips the state restores) and the tokens differ, so the equality above rests on
+the restored state. And a host tier of two objects over the Mooncake Store (a master started here;
+skipped without the ``mooncake`` package): after a reset the whole prefix hits, mostly from the store.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -39,8 +45,8 @@ def vllm_python() -> tuple[Path | None, str]:
     return python, ""
 
 
-def run_driver(python: Path, model: str, out: Path, *extra: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def run_driver(python: Path, model: str, out: Path, *extra: str, path: tuple[Path, ...] = ()) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT / "src", *path))}
     cmd = [str(python), str(DRIVER), "--model", model, "--out", str(out), *extra]
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -59,15 +65,20 @@ def run_driver(python: Path, model: str, out: Path, *extra: str) -> dict[str, An
     return json.loads(out.read_text())
 
 
-def test_a_recurrent_group_gets_no_hits(tmp_path: Path) -> None:
-    """vLLM's MambaSpec group is unsupported: no hit even with every block of every group held."""
+def test_a_recurrent_group_hits_only_at_its_checkpoints(tmp_path: Path) -> None:
+    """vLLM's MambaSpec group: without "align" checkpoints no hit even with every other block held; with
+    them the hit ends at the last block-aligned state held."""
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
     r = run_driver(python, "llama", tmp_path / "spec.json", "--spec-check")
-    assert r["kinds"] == ["full", "window", "unsupported"]
-    assert "MambaSpec" in r["why"]
-    assert r["hit_blocks"] == 0 and r["hit_blocks_without_state_group"] == 8
+    none, align = r["none"], r["align"]
+    assert none["kinds"] == ["full", "window", "unsupported"]
+    assert "MambaSpec" in none["why"] and "'none'" in none["why"]
+    assert none["hit_blocks"] == 0 and none["hit_blocks_without_state_group"] == 8
+    assert align["kinds"] == ["full", "window", "state"] and align["why"] == ""
+    assert align["hit_blocks"] == 6  # states held after 3 and 6 blocks: the longest is 6
+    assert align["hit_blocks_without_state_group"] == 8
 
 
 def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
@@ -89,6 +100,32 @@ def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
     assert sched["held_blocks"] == worker["tier"]["objects"]  # the index is exactly what the tier holds
 
 
+def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -> None:
+    """Two objects of host memory over the Mooncake Store: after a reset the prefix comes from the store."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("no mooncake package here (pip install hybridkv[mooncake]): no Mooncake Store to test against")
+    link = tmp_path / "mooncake-only"  # this venv's mooncake, alone, importable by vLLM's python
+    link.mkdir()
+    (link / "mooncake").symlink_to(next(iter(spec.submodule_search_locations)))
+    from hybridkv.tiers import MooncakeMaster
+
+    with MooncakeMaster() as master:
+        r = run_driver(
+            python, "llama", tmp_path / "store.json", "--store-master", master.address,
+            "--host-bytes", str(2 * (16384 + 64)), path=(link,),
+        )  # fmt: skip
+    assert r["pass1"] == r["reference"] and r["pass2"] == r["reference"]
+    assert r["pass2_cached"][0] == r["prefix_blocks"] * 32  # after the reset: the connector's whole prefix
+    worker, sched = r["report"]["worker"], r["report"]["scheduler"]
+    assert worker["tier"]["objects"] <= 2 and sched["held_blocks"] > worker["tier"]["objects"]  # the rest: below
+    assert worker["stats"]["written_back"] > 0 and worker["stats"]["store_loaded_blocks"] > 0
+    assert worker["load_errors"] == {} and worker["store"]["puts"] > 0
+
+
 def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:
     """vLLM's default layout: the engine core (scheduler and worker) in a child process."""
     python, why = vllm_python()
@@ -99,13 +136,13 @@ def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:
     assert r["pass2_cached"][0] == r["prefix_blocks"] * 32  # after the reset: the connector's hit
 
 
-@pytest.mark.parametrize("model", ["llama", "gemma3"])
+@pytest.mark.parametrize("model", ["llama", "gemma3", "qwen3next"])
 def test_connector_hits_after_reset_and_recovers_damage(model: str, tmp_path: Path) -> None:
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
     r = run_driver(python, model, tmp_path / f"{model}.json")
-    expected_groups = {"llama": ["full"], "gemma3": ["window", "full"]}[model]
+    expected_groups = {"llama": ["full"], "gemma3": ["window", "full"], "qwen3next": ["state", "full"]}[model]
     assert sorted(r["groups"]) == sorted(expected_groups)
     ref = r["reference"]
     # pass 1 fills the host tier; pass 2 (after reset_prefix_cache) hits it
@@ -116,12 +153,14 @@ def test_connector_hits_after_reset_and_recovers_damage(model: str, tmp_path: Pa
         assert after["scheduler"]["held_blocks"] == after["worker"]["tier"]["objects"], n
     sched2 = r["after_pass2"]["scheduler"]["stats"]
     assert sched2.get("hit_tokens", 0) > 0, r["after_pass2"]
-    prefix = r["prefix_blocks"] * 32
+    prefix = r["prefix_blocks"] * r["block"]
     assert r["pass2_cached"][0] == prefix  # after a reset the first request's hit can only be external
     if model == "gemma3":  # the window group's blocks before the last window were dropped: still a whole hit
         assert r["window_dropped"] > 0
     worker2 = r["after_pass2"]["worker"]
     assert worker2["stats"].get("loaded_blocks", 0) > 0 and not worker2["load_errors"]
+    for g in range(len(r["groups"])):  # every group restored blocks: full, window and state alike
+        assert worker2["stats"].get(f"loaded_blocks_g{g}", 0) > 0, (g, r["groups"][g])
     # pass 3: every stored object damaged -> counted checksum errors, recomputed, the same tokens
     assert r["damaged"] > 0
     assert r["pass3"] == ref
@@ -130,5 +169,11 @@ def test_connector_hits_after_reset_and_recovers_damage(model: str, tmp_path: Pa
     assert r["pass4"] == ref
     assert r["after_pass4"]["scheduler"]["stats"]["hit_tokens"] > r["after_pass3"]["scheduler"]["stats"]["hit_tokens"]
     assert r["after_pass4"]["worker"]["load_errors"] == r["after_pass3"]["worker"]["load_errors"]
+    if "state" in r["groups"]:  # the control: zero states (checksums pass) restored with the same KV change tokens
+        assert (
+            r["zeroed_states"] > 0
+            and r["after_pass5"]["worker"]["load_errors"] == r["after_pass4"]["worker"]["load_errors"]
+        )
+        assert r["pass5"] != ref
     times = ("reference_cold_s", "pass1_s", "pass2_s", "pass3_s", "pass4_s")
     print(json.dumps({k: r[k] for k in times}), file=sys.stderr)

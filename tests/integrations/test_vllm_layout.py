@@ -57,3 +57,21 @@ def test_a_group_it_cannot_restore_refuses_every_hit() -> None:
     assert "recurrent state" in idx.supported
     assert idx.hit_blocks(names) == 0
     assert BlockIndex([full(0), GroupLayout(1, GroupKind.FULL, 2 * BS, None, ("x",), "s")]).supported
+
+
+def test_a_state_group_hits_only_where_its_checkpoint_is_held() -> None:
+    names = list(range(200, 208))
+    state = GroupLayout(1, GroupKind.STATE, BS, None, ("mamba",), "MambaSpec align")
+    idx = BlockIndex([full(0), state])
+    idx.add((0, n) for n in names)
+    assert idx.supported == ""
+    assert idx.hit_blocks(names) == 0  # every KV block, no state: nothing restorable
+    idx.add([(1, names[2]), (1, names[4])])  # the states after 3 and after 5 blocks
+    assert idx.hit_blocks(names) == 5
+    assert idx.hit_blocks(names[:4]) == 3  # a shorter request: the longest checkpoint inside it
+    idx.discard([(0, names[3])])  # a KV block missing before the later checkpoint: the earlier one
+    assert idx.hit_blocks(names) == 3
+    two = BlockIndex([full(0), state, GroupLayout(2, GroupKind.STATE, BS, None, ("gdn",), "g")], set(idx.held))
+    assert two.hit_blocks(names) == 0  # every state group must hold the checkpoint
+    two.add([(2, names[2])])
+    assert two.hit_blocks(names) == 3

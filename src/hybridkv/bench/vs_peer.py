@@ -11,7 +11,16 @@ Both servers run ``OMP_NUM_THREADS`` torch threads (1 unless set), unpinned (vLL
 ``VLLM_CPU_OMP_THREADS_BIND=nobind``; by default it pins one thread per core), with the same
 KV budget (``--gpu-memory``; vLLM's ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB) and page size.
 
-Per round the servers take turns (which goes first alternates), one server up at a time (started,
+A third server, "vLLM + HybridKVConnector": the same vLLM with ``hybridkv.integrations.vllm.
+HybridKVConnector`` (``--kv-transfer-config``; this process's ``hybridkv`` package, alone, on its
+``PYTHONPATH``) and ``VLLM_SERVER_DEV_MODE=1`` for ``POST /reset_prefix_cache``: on ``shared``, once
+the prefix was sent alone, vLLM's own prefix cache is reset (the connector's host tier is not), so
+its hits come from the connector: ``hit_tokens`` counts them with vLLM's own
+(``vllm:prefix_cache_hits`` + ``vllm:external_prefix_cache_hits``), ``external_hit_tokens`` the
+connector's alone; next to plain vLLM's, whose prefix stays in its own cache. Its ``exact`` compares
+with plain vLLM's tokens.
+
+Per round the servers take turns (which goes first rotates), one server up at a time (started,
 loaded, stopped: on a machine of few cores an idle server would still take its share), each
 driven by the same client (``SseClient``: streaming ``POST /v1/completions`` with token-id prompts,
 greedy, ``ignore_eos``, ``return_token_ids``) on the same prompts, fresh each round (seeded by the
@@ -49,6 +58,7 @@ from typing import Any
 import numpy as np
 import uvloop
 
+import hybridkv
 from hybridkv.bench.serve import Trace, served
 from hybridkv.bench.sse_client import ServerError, SseClient
 from hybridkv.engine.random_models import SEED, quiet_transformers, random_config
@@ -58,8 +68,17 @@ PEER_STAMP = ".vllm-installed"  # written by scripts/setup_vllm.sh once vLLM imp
 SUFFIX_TOKENS = 16
 MODEL_NAME = "model"  # what both servers serve the shared model as
 START_TIMEOUT_S = 900.0  # vLLM on a few busy cores: loading, warming up, compiling
-HIT_METRICS = {"hybridkv": "hybridkv_prefix_cache_hit_tokens_total", "vllm": "vllm:prefix_cache_hits_total"}
+CONNECTOR = "vllm+connector"
+"""The server ``vllm`` with HybridKVConnector (its label: "vLLM + HybridKVConnector")."""
+SERVERS = ("hybridkv", "vllm", CONNECTOR)
+HIT_METRICS = {
+    "hybridkv": ("hybridkv_prefix_cache_hit_tokens_total",),
+    "vllm": ("vllm:prefix_cache_hits_total",),
+    CONNECTOR: ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total"),
+}
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 WORKLOADS = ("random", "shared")
+RESET_TRIES = 20  # /reset_prefix_cache refuses while blocks are held (a request finishing): retried 0.5 s apart
 
 
 def peer_python(root: Path) -> tuple[Path | None, str]:
@@ -110,10 +129,26 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
         return exc.code, ""
 
 
+def connector_config(host_bytes: int) -> str:
+    """``--kv-transfer-config`` of HybridKVConnector with a host tier of ``host_bytes``."""
+    return json.dumps(
+        {
+            "kv_connector": "HybridKVConnector",
+            "kv_connector_module_path": "hybridkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"host_bytes": host_bytes},
+        }
+    )
+
+
 @contextmanager
-def vllm_served(python: Path, model_dir: str, dtype: str, kv_gib: int, page_size: int, context: int) -> Iterator[str]:
+def vllm_served(
+    python: Path, model_dir: str, dtype: str, kv_gib: int, page_size: int, context: int, connector: bool = False
+) -> Iterator[str]:
     """vLLM's OpenAI server on 127.0.0.1 serving ``model_dir`` with prefix caching, once ``/health`` answers; its
-    URL. Its process group is sent SIGTERM (then SIGKILL) on exit."""
+    URL. With ``connector``: HybridKVConnector (a host tier of the KV budget) and the dev endpoints (reset).
+    Its process group is sent SIGTERM (then SIGKILL) on exit."""
     port = _free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--dtype", dtype, "--enable-prefix-caching", "--block-size", str(page_size)]
@@ -122,9 +157,13 @@ def vllm_served(python: Path, model_dir: str, dtype: str, kv_gib: int, page_size
     # the same torch threads as hybridkv serve, unpinned as its are (vLLM's default pins one per core)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "OMP_NUM_THREADS": threads}
     env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    env.pop("PYTHONPATH", None)  # this project's tree is not vLLM's
+    env.pop("PYTHONPATH", None)  # this project's tree is not vLLM's ...
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryDirectory(prefix="hybridkv-path-") as path:
+        if connector:  # ... but its hybridkv package is, alone (a link: none of this venv's other packages)
+            os.symlink(Path(hybridkv.__file__).resolve().parent, os.path.join(path, "hybridkv"))
+            env["PYTHONPATH"], env["VLLM_SERVER_DEV_MODE"] = path, "1"
+            cmd += ["--kv-transfer-config", connector_config(kv_gib << 30)]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -168,9 +207,31 @@ def metric_sum(text: str, metric: str) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
-def hit_tokens(url: str, metric: str) -> float:
-    """``metric`` summed over its label sets in the server's ``/metrics``."""
-    return metric_sum(_get(url + "/metrics")[1], metric)
+def hit_tokens(url: str, metrics: tuple[str, ...]) -> float:
+    """``metrics`` summed over their label sets in the server's ``/metrics``."""
+    text = _get(url + "/metrics")[1]
+    return sum(metric_sum(text, m) for m in metrics)
+
+
+def reset_prefix_cache(url: str) -> None:
+    """vLLM's own prefix cache emptied (``POST /reset_prefix_cache``; the connector's store stays)."""
+    answer: tuple[int, str] = (0, "")
+    for _ in range(RESET_TRIES):
+        request = urllib.request.Request(url + "/reset_prefix_cache", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10.0) as got:
+                answer = (got.status, got.read().decode())
+        except urllib.error.HTTPError as exc:
+            answer = (exc.code, "")
+        if answer[0] == 200 and json.loads(answer[1] or "{}").get("success", True):
+            return
+        if answer[0] != 200:
+            break
+        time.sleep(0.5)
+    raise RuntimeError(
+        f"vLLM at {url} did not reset its prefix cache (POST /reset_prefix_cache answered {answer[0]} {answer[1]!r}); "
+        "the bench starts it with VLLM_SERVER_DEV_MODE=1, which serves that endpoint"
+    )
 
 
 def _body(prompt: list[int], max_new: int) -> bytes:
@@ -254,7 +315,7 @@ def round_prompts(seed: int, round_: int, requests: int, prompt_tokens: int, alo
     )
 
 
-def _load_figures(traces: list[Trace], hits: float) -> dict[str, Any]:
+def _load_figures(traces: list[Trace], hits: float, external: float | None = None) -> dict[str, Any]:
     for i, t in enumerate(traces):
         if not t.chunks:
             raise RuntimeError(f"request {i} got no tokens")
@@ -264,24 +325,27 @@ def _load_figures(traces: list[Trace], hits: float) -> dict[str, Any]:
         "output_tokens_per_s": round(sum(len(t.tokens) for t in traces) / span, 2),
         "ttft_p50_ms": round(1e3 * float(np.median([t.chunks[0] - t.arrival for t in traces])), 2),
         "hit_tokens": int(hits),
+        **({} if external is None else {"external_hit_tokens": int(external)}),
     }
 
 
 def drive(url: str, server: str, prompts: Prompts, max_new: int) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     """One round on one server: its figures per workload and its tokens per workload."""
-    metric = HIT_METRICS[server]
+    metrics = HIT_METRICS[server]
+    external = (EXTERNAL_HITS,) if server == CONNECTOR else None
     figures: dict[str, Any] = {}
     tokens: dict[str, list[list[int]]] = {}
     uvloop.run(_together(url, prompts.warmup, 2))
-    before = hit_tokens(url, metric)
-    traces = uvloop.run(_together(url, prompts.random, max_new))
-    figures["random"] = _load_figures(traces, hit_tokens(url, metric) - before)
-    tokens["random"] = [t.tokens for t in traces]
-    uvloop.run(_together(url, [prompts.prefix], 1))  # the prefix cached, not timed
-    before = hit_tokens(url, metric)
-    traces = uvloop.run(_together(url, prompts.shared, max_new))
-    figures["shared"] = _load_figures(traces, hit_tokens(url, metric) - before)
-    tokens["shared"] = [t.tokens for t in traces]
+    for workload in WORKLOADS:
+        if workload == "shared":
+            uvloop.run(_together(url, [prompts.prefix], 1))  # the prefix cached, not timed
+            if server == CONNECTOR:
+                reset_prefix_cache(url)  # vLLM's own copy gone: the prefix can only come from the connector
+        before = hit_tokens(url, metrics), hit_tokens(url, external) if external else 0.0
+        traces = uvloop.run(_together(url, getattr(prompts, workload), max_new))
+        after = hit_tokens(url, metrics), hit_tokens(url, external) if external else 0.0
+        figures[workload] = _load_figures(traces, after[0] - before[0], after[1] - before[1] if external else None)
+        tokens[workload] = [t.tokens for t in traces]
     traces = uvloop.run(_one_at_a_time(url, prompts.alone, max_new))
     figures["alone_ms"] = round(1e3 * float(np.median([t.end - t.arrival for t in traces])), 2)
     tokens["alone"] = [t.tokens for t in traces]
@@ -292,8 +356,9 @@ def drive(url: str, server: str, prompts: Prompts, max_new: int) -> tuple[dict[s
 def _server(
     server: str, python: Path, model_dir: str, dtype: str, gpu_memory: int, page_size: int, context: int
 ) -> Iterator[str]:
-    if server == "vllm":
-        with vllm_served(python, model_dir, dtype, max(1, -(-gpu_memory // (1 << 30))), page_size, context) as url:
+    if server in ("vllm", CONNECTOR):
+        kv_gib = max(1, -(-gpu_memory // (1 << 30)))
+        with vllm_served(python, model_dir, dtype, kv_gib, page_size, context, server == CONNECTOR) as url:
             yield url
         return
     args = ["--model", model_dir, "--tokenizer", model_dir, "--dtype", dtype, "--gpu-memory", str(gpu_memory)]
@@ -329,7 +394,7 @@ def run(
             f"--prompt-tokens {prompt_tokens} + {SUFFIX_TOKENS} + --max-new-tokens {max_new_tokens} exceeds the "
             f"model's context of {context} tokens"
         )
-    servers = ("hybridkv", "vllm")
+    servers = SERVERS
     per_round: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hybridkv-vs-vllm-") as scratch:
         model_dir = os.path.join(scratch, MODEL_NAME)  # hybridkv serve names a model after its directory
@@ -338,15 +403,18 @@ def run(
             prompts = round_prompts(seed, r, requests, prompt_tokens, alone, vocab)
             row: dict[str, Any] = {}
             tokens = {}
-            for server in servers if r % 2 == 0 else servers[::-1]:
+            for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
                 if log is not None:
                     log(f"round {r}: {server}")
                 with _server(server, python, model_dir, dtype, gpu_memory, page_size, context) as url:
                     row[server], tokens[server] = drive(url, server, prompts, max_new_tokens)
-            row["exact"] = {
-                w: sum(a == b for a, b in zip(tokens["hybridkv"][w], tokens["vllm"][w], strict=True))
-                for w in (*WORKLOADS, "alone")
-            }
+            row["exact"], row["connector_exact"] = (
+                {
+                    w: sum(a == b for a, b in zip(tokens[s][w], tokens["vllm"][w], strict=True))
+                    for w in (*WORKLOADS, "alone")
+                }
+                for s in ("hybridkv", CONNECTOR)
+            )
             per_round.append(row)
     medians = {s: _medians([row[s] for row in per_round]) for s in servers}
     return {
@@ -364,6 +432,7 @@ def run(
         "gpu_memory": gpu_memory,
         "page_size": page_size,
         "peer": "vllm",
+        "servers": list(servers),
         "per_round": per_round,
         "median": medians,
         "ratio": _ratios(medians["hybridkv"], medians["vllm"]),

@@ -470,8 +470,8 @@ def bench_serve(
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
     driven directly, alternating rounds: TTFT / TPOT / ITL, throughput, cache hits, HTTP overhead per request;
     with --disaggregated, against hybridkv serve --disaggregated too, on the same requests. With --peer vllm:
-    hybridkv serve against vLLM's CPU build (scripts/setup_vllm.sh) on one widened model, rounds alternating
-    (hybridkv.bench.vs_peer)."""
+    hybridkv serve against vLLM's CPU build (scripts/setup_vllm.sh) and vLLM + HybridKVConnector on one widened
+    model, rounds rotating (hybridkv.bench.vs_peer)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -625,7 +625,7 @@ def _bench_peer(
     from rich.console import Console
     from rich.table import Table
 
-    from hybridkv.bench.vs_peer import peer_python
+    from hybridkv.bench.vs_peer import CONNECTOR, peer_python
     from hybridkv.bench.vs_peer import run as run_peer
 
     python, why = peer_python(Path.cwd())
@@ -648,18 +648,22 @@ def _bench_peer(
         f"of {prompt_tokens} random tokens ('random'), of one {prompt_tokens}-token prefix + {report['suffix_tokens']} "
         f"('shared', prefix sent first); {alone} alone; {max_new_tokens} new each, greedy"
     )
-    for col in ("round", "server", "workload", "req/s", "tok/s", "TTFT p50 ms", "hit tokens", "alone ms", "exact"):
+    columns = ("round", "server", "workload", "req/s", "tok/s", "TTFT p50 ms", "hit tokens", "of them external")
+    for col in (*columns, "alone ms", "exact (vs vLLM)"):
         table.add_column(col, justify="right")
     rows = [(str(r), row) for r, row in enumerate(report["per_round"])] + [("median", report["median"])]
+    names = {"hybridkv": "hybridkv", "vllm": "vLLM", CONNECTOR: "vLLM + HybridKVConnector"}
     for label, row in rows:
-        for server in ("hybridkv", "vllm"):
+        for server in report["servers"]:
             figures = row[server] if label != "median" else report["median"][server]
+            same = {"hybridkv": "exact", CONNECTOR: "connector_exact"}.get(server)
             for workload in ("random", "shared"):
                 f = figures[workload]
-                exact = "" if label == "median" else f"{row['exact'][workload]}/{requests}"
+                exact = "" if label == "median" or same is None else f"{row[same][workload]}/{requests}"
                 table.add_row(
-                    label, server, workload, f"{f['requests_per_s']}", f"{f['output_tokens_per_s']}",
-                    f"{f['ttft_p50_ms']}", f"{f['hit_tokens']}", f"{figures['alone_ms']}", exact,
+                    label, names[server], workload, f"{f['requests_per_s']}", f"{f['output_tokens_per_s']}",
+                    f"{f['ttft_p50_ms']}", f"{f['hit_tokens']}", f"{f.get('external_hit_tokens', '')}",
+                    f"{figures['alone_ms']}", exact,
                 )  # fmt: skip
     console.print(table)
     ratio = report["ratio"]
@@ -670,7 +674,8 @@ def _bench_peer(
             f"TTFT {ratio[w]['ttft_p50']} (vLLM's / hybridkv's)"
             for w in ("random", "shared")
         )
-        + f"; alone {ratio['alone']} (vLLM's time / hybridkv's)"
+        + f"; alone {ratio['alone']} (vLLM's time / hybridkv's). vLLM + HybridKVConnector: vLLM's prefix cache reset "
+        "after the shared prefix was sent, so its shared hits come from the connector"
     )
 
 

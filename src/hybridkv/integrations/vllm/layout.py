@@ -4,9 +4,10 @@ Nothing here imports vLLM (the project's own tests run it without vLLM installed
 (``connector.py``) turns vLLM's ``KVCacheConfig`` into one ``GroupLayout`` per KV cache group and
 asks ``BlockIndex`` for the hit.
 
-- ``GroupLayout``: one KV cache group: its kind (full history, sliding window, or unsupported:
-  recurrent state, chunked-local or anything else this connector cannot restore), block size,
-  window, layer names and vLLM's spec text (heads, head size, dtype, ...).
+- ``GroupLayout``: one KV cache group: its kind (full history, sliding window, recurrent state
+  checkpointed at block-aligned points, or unsupported: chunked-local or anything else this
+  connector cannot restore), block size, window, layer names and vLLM's spec text (heads, head
+  size, dtype, ...).
 - Keys: ``hkv1/vllm/<model>.<model fingerprint>/pp<r>of<n>/tp<r>of<n>/bs<block>/g<i>-<kind>.<cells>/<name>``
   where ``<name>`` is the 16-hex chain hash of the block's token prefix (hybridkv's page names,
   ``cache/events.py``, rooted in the request's namespace: cache salt and LoRA) and ``<cells>`` a
@@ -14,13 +15,17 @@ asks ``BlockIndex`` for the hit.
   dtype, head layout, block size, shard or group never shares a prefix, so never reads these bytes.
 - ``BlockIndex``: the scheduler's view of which ``(group, name)`` blocks the worker's host tier
   holds; ``hit_blocks`` is ``tiers.hit.cross_tier_hit`` over it: the longest block-aligned prefix
-  at which every full group holds every block, every window group the blocks of its window, and,
-  since recurrent state is not stored here, no hit at all for a model with a recurrent group.
+  at which every full group holds every block, every window group the blocks of its window, and
+  every state group the state checkpoint taken after exactly that prefix. A state group's object
+  ``(g, name of block i)`` is the recurrent state after the tokens of blocks ``[0, i]`` (vLLM's
+  "align" mode keeps a state only at chunk ends, so most blocks have none: the hit ends where one
+  was saved).
 
 Invariants:
 - ``group_prefix`` is a pure function of its arguments (no ``hash()``, no addresses): the
   scheduler and every worker compute the same prefixes.
-- ``hit_blocks`` never answers a length a group cannot restore: an unsupported group answers 0.
+- ``hit_blocks`` never answers a length a group cannot restore: an unsupported group answers 0, and
+  with a state group the answer ends exactly where every state group holds a checkpoint.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ class GroupKind(StrEnum):
     """Every block of the prefix is needed (full attention, MLA)."""
     WINDOW = "window"
     """Only the blocks of the last ``window`` tokens before the hit's end are needed."""
+    STATE = "state"
+    """Recurrent state (Mamba / GDN): one checkpoint per block-aligned prefix length, the state after it."""
     UNSUPPORTED = "unsupported"
-    """This connector cannot restore the group (recurrent state, chunked-local, ...): no hits."""
+    """This connector cannot restore the group (chunked-local, state without checkpoints, ...): no hits."""
 
 
 @dataclass(frozen=True)
@@ -139,14 +146,18 @@ class BlockIndex:
         held = self.held
         full = np.full(n, Where.HOST, dtype=np.int8)
         windows = []
+        checkpoints: np.ndarray | None = None
         for g in self.groups:
             mask = np.fromiter(((g.index, h) in held for h in names), dtype=bool, count=n)
             where = np.where(mask, Where.HOST, Where.NOWHERE).astype(np.int8)
             if g.kind is GroupKind.FULL:
                 full = np.maximum(full, where)
-            else:
+            elif g.kind is GroupKind.WINDOW:
                 windows.append(where)
-        return Residency(full, tuple(windows), None)
+            else:  # STATE: block i's object is the state after i + 1 blocks
+                after = np.concatenate([np.array([Where.NOWHERE], dtype=np.int8), where])
+                checkpoints = after if checkpoints is None else np.maximum(checkpoints, after)
+        return Residency(full, tuple(windows), checkpoints)
 
     def hit_blocks(self, names: Sequence[int]) -> int:
         """The longest prefix of ``names`` (blocks) restorable for every group; 0 if a group cannot be."""
