@@ -46,7 +46,7 @@ class ChunkPool(PoolId):
     """Pages of chunked-local layers with chunk ``chunk``: ``[(L - 1) // chunk * chunk, L)``."""
 
     chunk: int
-    family: ClassVar[str] = "chunk"
+    family: ClassVar[str] = "test-chunk"  # a test's family: never a product one
     id_space: ClassVar[IdSpace] = IdSpace.PAGE
     rank: ClassVar[int] = 2
 
@@ -119,8 +119,8 @@ def needed_positions(seq_len: int, chunk: int = C) -> set[int]:
 
 def test_the_pool_id_is_typed_and_reads_back_from_its_display_form():
     pool = ChunkPool(C)
-    assert str(pool) == "chunk:8" and PoolId.parse("chunk:8") == pool
-    assert pool != "chunk:8" and pool != WindowPool(8)
+    assert str(pool) == "test-chunk:8" and PoolId.parse("test-chunk:8") == pool
+    assert pool != "test-chunk:8" and pool != WindowPool(8)
     assert pool.releases_history and not pool.keeps_history
     for seq_len in range(40):
         assert set(range(*pool.span(seq_len))) == needed_positions(seq_len)
@@ -164,7 +164,7 @@ def test_sizing_and_capacity_account_for_it():
     fit = fit_requests(plan, 64)
     assert fit.bytes_per_request == sum(lay.cells_per_request(64) * lay.cell_bytes for lay in plan.layouts)
     assert ChunkPool(C) in fit.static_split
-    with pytest.raises(LayoutError, match="chunk:8"):
+    with pytest.raises(LayoutError, match="test-chunk:8"):
         plan_memory(ShardSpec.whole(model()), 20_000, MemoryHints(page_size=PS, max_context=64, chunk_tokens=16))
 
 

@@ -72,6 +72,12 @@ def test_a_family_name_belongs_to_one_class():
         class OtherWindow(PoolId):
             family: ClassVar[str] = "swa"
 
+    # a class of the same name in another module (a test's copy of a product kind) is refused too
+    same_name = {"family": "swa", "__module__": "tests.elsewhere", "__qualname__": "WindowPool"}
+    with pytest.raises(PoolIdError, match=r"'swa' is taken by WindowPool \(hybridkv.spec.pools\); WindowPool \(tests"):
+        type("WindowPool", (PoolId,), same_name)
+    assert PoolId.parse("swa:8") == WindowPool(8)
+
 
 def test_memory_lookups_refuse_display_strings_and_say_what_to_pass():
     mem = UnifiedMemory.create(ShardSpec.whole(get_preset("tiny-swa")), 200_000, page_size=4, max_context=32)

@@ -30,7 +30,9 @@ Invariants:
   rule ``L // C * C``, breaks it at ``L = C`` and would leave the engine's query at ``C - 1``
   no key.) ``check_rule`` proves these on a range of lengths; ``ModelSpec`` calls it for each
   of its pool ids, so a pool id that breaks one is refused when the spec is built.
-- A family name belongs to one class: a subclass registers it when it is created.
+- A family name belongs to one class (one module and qualified name): a subclass registers it
+  when it is created, and a second class with a taken family is refused then, whatever its
+  name (a test's ``ChunkPool`` never replaces a product ``ChunkPool``).
 """
 
 from __future__ import annotations
@@ -82,9 +84,13 @@ class PoolId:
         if family is None:
             return
         other = PoolId._families.get(family)
-        if other is not None and other.__qualname__ != cls.__qualname__:
-            raise PoolIdError(f"pool family {family!r} is taken by {other.__qualname__}; pick another family name")
-        PoolId._families[family] = cls
+        if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise PoolIdError(
+                f"pool family {family!r} is taken by {other.__qualname__} ({other.__module__}); "
+                f"{cls.__qualname__} ({cls.__module__}) must pick another family name (a kind a test defines: "
+                f"a family of its own, e.g. 'test-{family}')"
+            )
+        PoolId._families[family] = cls  # the same class created again (its module reloaded) replaces itself
 
     @property
     def param(self) -> int | None:
