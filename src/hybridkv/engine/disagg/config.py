@@ -11,15 +11,9 @@ worker's traceback after every process started. (Values, e.g. NaN weights, are r
 the workers: one line, ``PDStartError``.)
 
 ``Fault`` entries are deliberate faults for tests and demos, applied by the router and the
-workers with real signals and real timeouts (never simulated outcomes):
-- ``kill-prefill``: prefill stage ``rank`` (TP rank 0) is SIGKILLed while it transfers
-  request ``request`` (its writes are slowed by ``delay_s`` each so the kill lands mid-transfer);
-- ``kill-decode``: decode TP rank ``rank`` is SIGKILLed as soon as request ``request`` has its
-  first token (the decode engine holds it);
-- ``stall-transfer``: every prefill rank holds request ``request``'s KV for ``delay_s`` before
-  sending it, so the decode side's ``transfer_timeout_s`` expires first;
-- ``crash-prefill``: prefill stage ``rank`` (TP rank 0) raises while it computes request
-  ``request``, on every attempt (a poison request: the router quarantines it).
+workers with real signals and real timeouts (never simulated outcomes): each drill, what it
+does and the ranks its ``rank`` names are in ``faults.py`` (``FAULTS``); ``check_faults`` asks
+a fault which ranks it targets and never names a kind.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.disagg.faults import Fault, FaultKind
+from hybridkv.engine.disagg.faults import Fault, Target
 from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.sched.scheduler import step_budget
 from hybridkv.engine.sched.tiered import STORES
@@ -165,14 +159,15 @@ def _never_reduce(partial: torch.Tensor) -> torch.Tensor:
 
 
 def check_faults(config: PDConfig) -> None:
-    """Raise ``ValueError`` naming the fault and the allowed range unless every fault's rank exists
-    (kill-prefill, crash-prefill: a PP stage < ``prefill_pp``; kill-decode: a decode TP rank < ``decode_tp``) and no
-    two faults hit the same request (the router applies one fault per request)."""
+    """Raise ``ValueError`` naming the fault and the allowed range unless every fault's rank exists among the ranks
+    its drill targets (a PP stage < ``prefill_pp``, a decode TP rank < ``decode_tp``, or none) and no two faults
+    hit the same request (the router applies one fault per request)."""
+    counts = {Target.PREFILL_STAGE: config.prefill_pp, Target.DECODE_RANK: config.decode_tp}
     seen: set[int] = set()
     for f in config.faults:
-        what = "decode_tp" if f.kind is FaultKind.KILL_DECODE else "prefill_pp"
-        size = {"prefill_pp": config.prefill_pp, "decode_tp": config.decode_tp}[what]
-        if f.kind is not FaultKind.STALL_TRANSFER and f.rank >= size:
+        size = counts.get(f.target)
+        if size is not None and f.rank >= size:
+            what = f.target.value
             raise ValueError(
                 f"fault '{f.kind}' on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
                 f"use a rank in 0..{size - 1} or raise {what}"
