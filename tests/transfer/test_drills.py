@@ -23,6 +23,7 @@ class Warming(Recording):
     """A recording transport whose every class attribute differs from ``Transport``'s default."""
 
     max_ops_per_submit = 7
+    cross_process = False
     devices = frozenset({"cpu", "meta"})
     shared_arena = True
 

@@ -22,6 +22,7 @@ from hybridkv.cli.params import (
     CHECKPOINTS_HELP,
     DTYPE,
     MAX_STEP_TOKENS,
+    TRANSPORT_CHOICES,
     device_option,
     engine_checkpoints,
     random_model,
@@ -132,7 +133,7 @@ def bench_cache(
 
 @bench_app.command("transfer")
 def bench_transfer(
-    transport: str = typer.Option("shm", "--transport", help="shm or mooncake.", callback=transport_option),
+    transport: str = typer.Option("shm", "--transport", help=f"{TRANSPORT_CHOICES}.", callback=transport_option),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     reps: int = typer.Option(7, "--reps", help="Timed repetitions per case (median).", min=1, max=1000),
     page_tokens: list[int] = typer.Option(
@@ -438,7 +439,7 @@ def bench_pd(
     model: str = typer.Option("tiny-qwen3-next", "--model", callback=random_model, help="A tiny random model."),
     requests: int = typer.Option(16, "--requests", min=1, max=64),
     max_new_tokens: int = typer.Option(8, "--max-new-tokens", min=1),
-    transport: str = typer.Option("shm", "--transport", help="shm or mooncake (TCP).", callback=transport_option),
+    transport: str = typer.Option("shm", "--transport", help=f"{TRANSPORT_CHOICES}.", callback=transport_option),
     prefill_pp: int = typer.Option(2, "--prefill-pp", min=1, help="Prefill pipeline stages."),
     prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Tensor-parallel ranks per prefill stage."),
     decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode tensor-parallel ranks."),

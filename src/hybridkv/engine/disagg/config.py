@@ -13,7 +13,9 @@ the workers: one line, ``PDStartError``.)
 ``Fault`` entries are deliberate faults for tests and demos, applied by the router and the
 workers with real signals and real timeouts (never simulated outcomes): each drill, what it
 does and the ranks its ``rank`` names are in ``faults.py`` (``FAULTS``); ``check_faults`` asks
-a fault which ranks it targets and never names a kind.
+a fault which ranks it targets and never names a kind. ``check_transport`` refuses a
+transport whose class cannot carry KV between processes (``Transport.cross_process``): each
+rank is a process of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.tiers import MooncakeMaster, WritePolicy
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
-from hybridkv.transfer.transport import transport_class
+from hybridkv.transfer.transport import TRANSPORTS, transport_class
 
 POLICIES = tuple(p.value for p in WritePolicy)
 
@@ -49,7 +51,7 @@ class PDConfig:
     prefill_pp: int = 2
     decode_tp: int = 2
     prefill_tp: int = 1
-    transport: str = "shm"  # a name in transfer.transport.TRANSPORTS: "shm" or "mooncake" (TCP on 127.0.0.1)
+    transport: str = "shm"  # a name in transfer.transport.TRANSPORTS whose class is cross_process
     page_size: int = 16
     decode_page_size: int | None = None  # None: page_size (another value is a layout mismatch: a fault test)
     chunk: int = 64
@@ -115,7 +117,7 @@ def check_layout(config: PDConfig) -> None:
             f"a disaggregated server needs chunk, max_running and max_step_tokens >= 1, got chunk {config.chunk}, "
             f"max_running {config.max_running}, max_step_tokens {config.step_tokens}"
         )
-    transport_class(config.transport)  # UnknownName (a ValueError) names the registered transports
+    check_transport(config)
     check_faults(config)
     check_tiers(config)
     hf_config = read_config(config.model_dir)
@@ -156,6 +158,17 @@ def check_checkpoint(config: PDConfig, hf_config: Any) -> None:
 
 def _never_reduce(partial: torch.Tensor) -> torch.Tensor:
     raise AssertionError("a model built to check a checkpoint never runs")
+
+
+def check_transport(config: PDConfig) -> None:
+    """Raise ``ValueError`` naming the transport unless the registry knows it (``UnknownName`` names the known
+    ones) and its class carries KV between processes, as the ranks of a disaggregated server are."""
+    if not transport_class(config.transport).cross_process:
+        crossing = [name for name, kind in TRANSPORTS.items() if kind.cross_process]
+        raise ValueError(
+            f"transport {config.transport!r} moves KV only inside one process, and each rank of a disaggregated "
+            f"server is a process of its own; use one of {', '.join(crossing)}"
+        )
 
 
 def check_faults(config: PDConfig) -> None:

@@ -94,6 +94,10 @@ class Transport(ABC):
     name: ClassVar[TransportName]
     max_ops_per_submit: ClassVar[int]
     """Ops one ``submit`` should carry at most (``write_plan`` splits plans into chunks)."""
+    cross_process: ClassVar[bool]
+    """A peer in another process can be written to. False: both sides must live in one process (a
+    rig's transport), which a disaggregated server, one process a rank, refuses (``PDConfig``).
+    Every transport states it (no default)."""
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     """Memory kinds the transport can move (both transports here move host memory)."""
     shared_arena: ClassVar[bool] = False

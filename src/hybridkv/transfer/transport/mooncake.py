@@ -84,6 +84,7 @@ def rdma_present() -> bool:
 class MooncakeTransport(Transport):
     name = TransportName.MOONCAKE
     max_ops_per_submit = 1024
+    cross_process = True  # a peer's session names its host and port
     pays_per_op = True  # every op is a transfer of its own over TCP (~35 us idle, measured)
     waits_inline = True  # submit_wait: the batch and its wait on the caller's thread
     loopback_options = MappingProxyType({"host": "127.0.0.1", "protocol": "tcp"})

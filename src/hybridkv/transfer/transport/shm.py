@@ -68,6 +68,7 @@ class ShmTransport(Transport):
     name = TransportName.SHM
     max_ops_per_submit = 1 << 16
     shared_arena = True
+    cross_process = True  # any process of this host maps the peer's arena
 
     def __init__(self, shared: SharedBuffer | None = None) -> None:
         """``shared``: this side's buffer that peers may write into (decode side)."""
