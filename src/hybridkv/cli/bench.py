@@ -153,10 +153,8 @@ def bench_transfer(
     if as_json:
         typer.echo(json.dumps(report))
         return
-    from hybridkv.transfer import TransportName
-
     table = Table(title=f"transfer over {transport}: hybridkv vs {report['baseline']} (median of {reps})")
-    block = TransportName(transport) is TransportName.SHM  # only shm has a block-memcpy bound
+    block = any(r["memcpy_block_gbps"] is not None for r in report["cases"])  # a copy transport's bound
     cols = ["page", "batch", "bytes", "ops", "hybridkv GB/s", "raw GB/s", "ratio", "overhead µs", "plan µs"]
     cols += ["prepare µs"]
     cols += ["block memcpy GB/s", "ratio to block"] if block else []
@@ -170,9 +168,9 @@ def bench_transfer(
             format_bytes(r["bytes"]),
             str(r["ops"]),
             f"{r['hybridkv_gbps']:.2f}",
-            f"{r['baseline_gbps']:.2f}",
-            f"{r['ratio']:.2f}",
-            f"{r['overhead_us']:.0f}",
+            "-" if r["baseline_gbps"] is None else f"{r['baseline_gbps']:.2f}",
+            "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+            "-" if r["overhead_us"] is None else f"{r['overhead_us']:.0f}",
             f"{r['plan_us']:.0f}",
             f"{r['prepare_us']:.0f}",
         ]
@@ -181,7 +179,10 @@ def bench_transfer(
         table.add_row(*row, f"{r['end_to_end_gbps']:.2f}", verdict)
     console = Console(width=160)
     console.print(table)
-    console.print(f"goal: {report['goal']}: {'met' if report['meets_goal'] else 'not met in every case'}")
+    if report["goal"] is None:
+        console.print(f"goal: none (baseline: {report['baseline']})")
+    else:
+        console.print(f"goal: {report['goal']}: {'met' if report['meets_goal'] else 'not met in every case'}")
 
 
 @bench_app.command("engine")
