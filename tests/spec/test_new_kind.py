@@ -1,12 +1,14 @@
 """Adding a layer kind in one place: chunked-local attention, defined only in this module.
 
-Token ``p`` attends to ``[p // C * C, p]``, so a continuation at length ``L`` needs the
-tokens ``[L // C * C, L)`` resident. The kind and its pool id below follow the checklist in
-``hybridkv.spec``; nothing in spec, memory or the planner knows about them, yet memory
-builds its own pool, sizing and capacity account for it, views address it, release
-outside the span frees exactly the pages no continuation can read, a transfer plan
-sends exactly the pages the span needs, and a prefix-cache hit is valid exactly when the
-pages of its span are resident (the cache's window rule asks the pool id).
+Token ``p`` attends to ``[p // C * C, p]``, so the token at ``L - 1`` reads, and a
+continuation at length ``L`` needs resident, the tokens ``[(L - 1) // C * C, L)`` (the pool
+id's ``first_needed(L)``, one statement for memory and the engine's attention). The kind and
+its pool id below follow the checklist in ``hybridkv.spec``; nothing in spec, memory or the
+planner knows about them, yet memory builds its own pool, sizing and capacity account for
+it, views address it, release outside the span frees exactly the pages no continuation can
+read, a transfer plan sends exactly the pages the span needs, and a prefix-cache hit is
+valid exactly when the pages of its span are resident (the cache's window rule asks the pool
+id).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hybridkv.spec import (
     ModelSpec,
     Parallel,
     PoolId,
+    PoolIdError,
     Positions,
     ShardSpec,
     SlidingWindow,
@@ -40,10 +43,10 @@ from hybridkv.transfer import buffer_set_from_memory, build_plan, memory_cells, 
 
 @dataclass(frozen=True)
 class ChunkPool(PoolId):
-    """Pages of chunked-local layers with chunk ``chunk``: ``[L // chunk * chunk, L)``."""
+    """Pages of chunked-local layers with chunk ``chunk``: ``[(L - 1) // chunk * chunk, L)``."""
 
     chunk: int
-    family: ClassVar[str] = "chunk"
+    family: ClassVar[str] = "test-chunk"  # a test's family: never a product one
     id_space: ClassVar[IdSpace] = IdSpace.PAGE
     rank: ClassVar[int] = 2
 
@@ -57,11 +60,11 @@ class ChunkPool(PoolId):
         return cls(param)
 
     def first_needed(self, seq_len: Positions) -> Positions:
-        return seq_len // self.chunk * self.chunk
+        return (seq_len - 1) * (seq_len > 0) // self.chunk * self.chunk
 
     @property
     def max_span(self) -> int | None:
-        return self.chunk - 1
+        return self.chunk  # at L = k * chunk: the whole chunk the token at L - 1 reads
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,22 @@ class ChunkedLocal(KVHeads):
         return ChunkPool(self.chunk)
 
 
+@dataclass(frozen=True)
+class WrongChunkPool(ChunkPool):
+    """The chunk rule read as "what the token at ``L`` reads", ``L // chunk * chunk``: at ``L = chunk``
+    the token at ``chunk - 1`` would read no key at all (served, the engine's ``index_copy_(): index -1``)."""
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        return seq_len // self.chunk * self.chunk
+
+
+@dataclass(frozen=True)
+class WrongChunkedLocal(ChunkedLocal):
+    @property
+    def pool_id(self) -> PoolId | None:
+        return WrongChunkPool(self.chunk)
+
+
 C = 8
 PS = 4
 
@@ -94,19 +113,25 @@ def make(chunk: int = C) -> UnifiedMemory:
 
 
 def needed_positions(seq_len: int, chunk: int = C) -> set[int]:
-    """From the attention pattern itself: what the token at ``seq_len`` reads of the past."""
-    return {q for q in range(seq_len) if q // chunk == seq_len // chunk}
+    """From the attention pattern itself: what the token at ``seq_len - 1`` reads."""
+    return {q for q in range(seq_len) if q // chunk == (seq_len - 1) // chunk}
 
 
 def test_the_pool_id_is_typed_and_reads_back_from_its_display_form():
     pool = ChunkPool(C)
-    assert str(pool) == "chunk:8" and PoolId.parse("chunk:8") == pool
-    assert pool != "chunk:8" and pool != WindowPool(8)
+    assert str(pool) == "test-chunk:8" and PoolId.parse("test-chunk:8") == pool
+    assert pool != "test-chunk:8" and pool != WindowPool(8)
     assert pool.releases_history and not pool.keeps_history
     for seq_len in range(40):
         assert set(range(*pool.span(seq_len))) == needed_positions(seq_len)
     lens = np.arange(40)
     assert np.array_equal(pool.first_needed(lens), [pool.first_needed(int(n)) for n in lens])
+
+
+def test_a_rule_that_leaves_a_token_unread_by_itself_is_refused_when_the_spec_is_built():
+    ModelSpec.from_kinds("right", [ChunkedLocal(C, 4, 8, 8)], max_context=64)
+    with pytest.raises(PoolIdError, match=r"first_needed\(L\) <= L - 1 for L >= 1 .*first_needed\(8\) is 8"):
+        ModelSpec.from_kinds("wrong", [WrongChunkedLocal(C, 4, 8, 8)], max_context=64)
 
 
 def test_memory_builds_its_own_pool_and_views_address_it():
@@ -133,13 +158,13 @@ def test_sizing_and_capacity_account_for_it():
     plan = plan_memory(ShardSpec.whole(model()), 300_000, MemoryHints(page_size=PS, max_context=64, chunk_tokens=16))
     layout = next(lay for lay in plan.layouts if lay.pool_id == ChunkPool(C))
     assert layout.cell_bytes == 2 * 2 * PS * 4 * 8 * 4  # 2 layers, K+V, page, heads, dim, float32
-    # a span of at most C - 1 tokens plus a 16-token prefill chunk in flight
-    assert plan.worst_case_cells()[ChunkPool(C)] == math.ceil((C - 1 + 16) / PS) + 1
-    assert layout.cells_per_request(64) == math.ceil((C - 1) / PS) + 1
+    # a span of at most C tokens plus a 16-token prefill chunk in flight
+    assert plan.worst_case_cells()[ChunkPool(C)] == math.ceil((C + 16) / PS) + 1
+    assert layout.cells_per_request(64) == math.ceil(C / PS) + 1
     fit = fit_requests(plan, 64)
     assert fit.bytes_per_request == sum(lay.cells_per_request(64) * lay.cell_bytes for lay in plan.layouts)
     assert ChunkPool(C) in fit.static_split
-    with pytest.raises(LayoutError, match="chunk:8"):
+    with pytest.raises(LayoutError, match="test-chunk:8"):
         plan_memory(ShardSpec.whole(model()), 20_000, MemoryHints(page_size=PS, max_context=64, chunk_tokens=16))
 
 
@@ -208,10 +233,10 @@ def test_a_transfer_sends_exactly_the_pages_its_span_needs(size):
 
 def test_a_cache_hit_needs_the_chunk_span_before_its_end_resident():
     """The prefix cache knows nothing of chunks: a hit ending at ``E`` is valid exactly when
-    the pages holding what the token at ``E`` reads (``needed_positions``) are resident in
+    the pages holding what the token at ``E - 1`` reads (``needed_positions``) are resident in
     the chunk pool (and ``[E - 8, E)`` in the window pool). With the chunk pages of the
-    shared prefix ``[0, 12)`` evicted, a hit at 12 is refused (it reads ``[0, 12)``) while a
-    hit at 16, a chunk start, reads nothing of the past and stands."""
+    shared prefix ``[0, 12)`` evicted, hits at 12 and at 16 are refused (the token at 15
+    reads ``[0, 16)``) while a hit at 20 reads only ``[16, 20)`` of the next chunk and stands."""
     chunk = ChunkPool(16)
     mem = make(16)
     cache = HybridRadixCache(mem)
@@ -245,7 +270,7 @@ def test_a_cache_hit_needs_the_chunk_span_before_its_end_resident():
         query = np.concatenate([a[:shared], a[shared:] + 5000])
         got[shared] = cache.match_prefix(query).length
         assert got[shared] == expected(shared), shared
-    assert got[12] == 0 and got[16] == 16 and got[20] == 20
+    assert got[12] == got[16] == 0 and got[20] == 20
     for lock in locks:
         cache.unlock(lock)
     cache.evict({FULL_POOL: 10**6})

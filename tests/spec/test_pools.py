@@ -35,6 +35,7 @@ def test_history_rules_match_their_definitions():
     for pool in (FULL_POOL, MLA_POOL, WindowPool(8), RECURRENT_POOL):
         assert np.array_equal(pool.first_needed(lens), [pool.first_needed(int(n)) for n in lens]), pool
         assert pool.max_span is None or (lens - pool.first_needed(lens) <= pool.max_span).all()
+        pool.check_rule(200)  # the invariants, each pool id's own (a token pool's token at L - 1 reads itself)
     assert WindowPool(8).page_span(21, 4) == (3, 6) and FULL_POOL.page_span(21, 4) == (0, 6)
     assert WindowPool(8).page_span(7, 4) == (0, 2) and WindowPool(4).page_span(24, 4) == (5, 6)
     assert [p.keeps_history for p in (FULL_POOL, MLA_POOL, WindowPool(8), RECURRENT_POOL)] == [1, 1, 0, 0]
@@ -70,6 +71,12 @@ def test_a_family_name_belongs_to_one_class():
         @dataclass(frozen=True)
         class OtherWindow(PoolId):
             family: ClassVar[str] = "swa"
+
+    # a class of the same name in another module (a test's copy of a product kind) is refused too
+    same_name = {"family": "swa", "__module__": "tests.elsewhere", "__qualname__": "WindowPool"}
+    with pytest.raises(PoolIdError, match=r"'swa' is taken by WindowPool \(hybridkv.spec.pools\); WindowPool \(tests"):
+        type("WindowPool", (PoolId,), same_name)
+    assert PoolId.parse("swa:8") == WindowPool(8)
 
 
 def test_memory_lookups_refuse_display_strings_and_say_what_to_pass():

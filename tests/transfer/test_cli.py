@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from hybridkv.cli import app, main
+from hybridkv.transfer.transport import TRANSPORTS, ShmTransport, Transport
 
 runner = CliRunner()
 
@@ -43,6 +45,30 @@ def test_bench_transfer_runs_and_reports_ratios():
     # the verdict follows from the case's own figures (a case too small for the goal is not judged)
     assert case["meets_goal"] == (None if case["goal"] is None else case["ratio"] >= case["goal"])
     assert report["meets_goal"] == case["meets_goal"]
+
+
+def test_each_transport_declares_its_bench_goal_and_one_without_is_benched_with_no_baseline(monkeypatch):
+    goals = {name: kind.bench_goal for name, kind in TRANSPORTS.items()}
+    assert {n: (g.ratio, g.from_page_bytes, g.copy_bound) for n, g in goals.items() if g} == {
+        "shm": (0.8, 64 << 10, True),
+        "mooncake": (0.9, 0, False),
+    }
+    monkeypatch.setattr(ShmTransport, "bench_goal", None)  # as a transport with no raw baseline declares
+    args = ["bench", "transfer", "--json", "--reps", "1", "--page-tokens", "4", "--batch", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["baseline"] == "none: the shm transport declares no raw baseline (Transport.bench_goal is None)"
+    assert report["goal"] is None and report["meets_goal"] is None
+    (case,) = report["cases"]
+    assert case["hybridkv_gbps"] > 0 and case["end_to_end_gbps"] > 0
+    assert {k for k, v in case.items() if v is None} == {
+        *("baseline_gbps", "ratio", "overhead_us", "memcpy_block_gbps", "ratio_to_block", "goal", "meets_goal"),
+    }
+    table = runner.invoke(app, args[:2] + args[3:])
+    assert table.exit_code == 0 and "goal: none (baseline: none: the shm transport" in table.output, table.output
+    with pytest.raises(NotImplementedError, match="the shm transport has no raw baseline: its bench_goal is None"):
+        Transport.raw_write(ShmTransport(), "shm:x:1:1", [], [], [])  # the default a transport with no goal keeps
 
 
 def test_pd_demo_moves_every_byte_and_fails_only_the_faulty_requests():

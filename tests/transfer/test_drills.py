@@ -11,7 +11,7 @@ import pytest
 from hybridkv.transfer import TransferError, TransportError, make_transport
 from hybridkv.transfer.ops import Bounds, TransferPlan
 from hybridkv.transfer.transport import Completion, Transport, WriteStatus, write_plan
-from hybridkv.transfer.transport.base import DONE
+from hybridkv.transfer.transport.base import DONE, BenchGoal
 from hybridkv.transfer.transport.drills import Delegating, Throttled
 from hybridkv.transfer.transport.mooncake import WARM_WAIT_S
 from tests.transfer.test_staging import Recording
@@ -23,8 +23,10 @@ class Warming(Recording):
     """A recording transport whose every class attribute differs from ``Transport``'s default."""
 
     max_ops_per_submit = 7
+    cross_process = False
     devices = frozenset({"cpu", "meta"})
     shared_arena = True
+    bench_goal = BenchGoal("raw writes of a test", 0.5)
 
     def __init__(self) -> None:
         super().__init__()

@@ -55,6 +55,7 @@ class Recording(Transport):
 
     name = TransportName.MOONCAKE
     max_ops_per_submit = 1024
+    cross_process = True
     pays_per_op = True
 
     def __init__(self) -> None:

@@ -16,15 +16,16 @@ order and 0.76-0.77 in a random one, the same code.)
   ``Route.complete`` (the source cells added to the destination side prepared when the
   decode rank's request arrived, ``Route.prepare``, which ``PrefillSender`` does while the
   forward runs; all checks) plus ``write_plan`` through the transport;
-- ``baseline``: the same bytes moved raw, with no plan and no checks. shm: one
-  ``memmove`` per op of the very same ops, into a mapping of the decode rank's shared memory
-  opened as the prefill side's transport opens it (a second mapping of the same pages, as a
-  prefill process has: writing through the decode rank's own mapping in this process was
-  ~10 µs faster per 1 MiB batch than any prefill process can be, which the ratio then charged
-  to hybridkv);
-  mooncake: one ``batch_transfer_sync_write`` of the very same ops on the same engines;
-- ``memcpy_block`` (shm): one contiguous ``memmove`` of as many bytes, the copy's upper
-  bound, for reference;
+- ``baseline``: the same bytes moved raw, with no plan and no checks: the prefill side's
+  transport's ``raw_write`` of the very same ops (each transport class declares it and its
+  goal, ``Transport.bench_goal``; a transport without one is benched with no baseline, and its
+  report says so). shm: one ``memmove`` per op into the prefill side's mapping of the decode
+  rank's shared memory (a second mapping of the same pages, as a prefill process has: writing
+  through the decode rank's own mapping in this process was ~10 µs faster per 1 MiB batch than
+  any prefill process can be, which the ratio then charged to hybridkv); mooncake: one
+  ``batch_transfer_sync_write`` of the very same ops on the same engines;
+- ``memcpy_block`` (transports whose goal has a ``copy_bound``: shm): one contiguous
+  ``memmove`` of as many bytes, the copy's upper bound, for reference;
 - ``end_to_end``: ``DecodeReceiver.request`` to Success through the control plane (alloc,
   pin, messages, plan, write, status, free), for reference. It runs after the other paths, not
   among them: it touches far more memory and code (new pages, messages, threads) and left
@@ -32,7 +33,8 @@ order and 0.76-0.77 in a random one, the same code.)
   after itself: raw 63 / 46 us, hybridkv 82 / 62 us; the ratio in 4 alternating runs 0.72-0.80
   with it interleaved, 0.79-0.83 apart (``overhead_us`` 14-17 and 8-11).
 
-Goals (against ``baseline``): shm ``>= 0.8 x`` for pages >= 64 KiB; mooncake ``>= 0.9 x``.
+Goals (against ``baseline``, each transport's ``bench_goal``): shm ``>= 0.8 x`` for pages >= 64 KiB;
+mooncake ``>= 0.9 x``.
 ``overhead_us`` (median hybridkv minus median baseline time) is the per-request fixed cost
 of planning and checking after the forward, which decides the ratio of small requests;
 ``plan_us`` is the median time of ``Route.complete`` alone (the critical path's planning,
@@ -64,28 +66,27 @@ from hybridkv.transfer import (
     DecodeReceiver,
     Phase,
     PrefillSender,
-    TransportName,
     make_transport,
     memory_cells,
     pair_entries,
     shared_memory,
 )
 from hybridkv.transfer.plan import Route
-from hybridkv.transfer.shared import open_shared
 from hybridkv.transfer.transport import transport_class, write_plan
-from hybridkv.transfer.transport.shm import parse_session
+from hybridkv.transfer.transport.base import BenchGoal
 
 MODEL = ModelSpec.from_kinds(
     "bench-dense-4x8x128-bf16", [FullAttention(8, 128, 128)] * 4, kv_dtype=torch.bfloat16, max_context=1 << 20
 )
 TOKEN_BYTES = 16 << 10
-BASELINES = {
-    TransportName.SHM: "raw memcpy of the same ops",
-    TransportName.MOONCAKE: "raw mooncake batch write of the same ops",
-}
-GOALS = {TransportName.SHM: (0.8, 64 << 10), TransportName.MOONCAKE: (0.9, 0)}  # (min ratio, from page bytes)
+NO_BASELINE = "none: the {} transport declares no raw baseline (Transport.bench_goal is None)"
 CHUNK_BYTES = 64 << 20
 _REQUEST_IDS = itertools.count()  # request ids are never reused: a reused id is refused
+
+
+def _goal_text(goal: BenchGoal) -> str:
+    kib = goal.from_page_bytes >> 10
+    return f"hybridkv >= {goal.ratio} x baseline" + (f" for pages >= {kib} KiB" if goal.from_page_bytes else "")
 
 
 def _paired_ratio(times: dict[str, list[float]], baseline: str) -> float:
@@ -160,29 +161,20 @@ def _case(
     nbytes = plan.nbytes
     ops = (plan.src.tolist(), plan.dst.tolist(), plan.length.tolist())
     paths: dict[str, Callable[[], object]] = {"hybridkv": hybridkv}
-    if transport == TransportName.SHM:
-        src0, dst0 = pre.arena.buffer.data_ptr(), dec.arena.buffer.data_ptr()
-        token, remote, size = parse_session(peer)
-        mapping, offset = open_shared(token, size)  # the prefill side's view of the decode rank's memory
-        view = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=offset)
-        shift = view.ctypes.data - remote
+    goal = transport_class(transport).bench_goal
+    if goal is not None:
 
-        def memcpy_ops() -> None:
-            for s, d, n in zip(*ops, strict=True):
-                ctypes.memmove(d + shift, s, n)
+        def raw() -> None:
+            sender.transport.raw_write(peer, *ops)
+
+        paths["baseline"] = raw
+    if goal is not None and goal.copy_bound:
+        src0, dst0 = pre.arena.buffer.data_ptr(), dec.arena.buffer.data_ptr()
 
         def memcpy_block() -> None:
             ctypes.memmove(dst0 + dec.arena.sink_bytes, src0 + pre.arena.sink_bytes, nbytes)
 
-        paths |= {"baseline": memcpy_ops, "memcpy_block": memcpy_block}
-    else:
-        engine: Any = sender.transport.engine  # type: ignore[attr-defined]
-
-        def raw_mooncake() -> None:
-            if engine.batch_transfer_sync_write(peer, *ops) != 0:
-                raise RuntimeError("raw mooncake batch write failed")
-
-        paths["baseline"] = raw_mooncake
+        paths["memcpy_block"] = memcpy_block
 
     def end_to_end() -> None:
         rid = f"bench-{next(_REQUEST_IDS)}"
@@ -220,21 +212,20 @@ def _case(
     times["end_to_end"] = [round_trip() for _ in range(reps + 1)][1:]
     pre.free_pages(pages)
     dec.free_pages(dst_pages)
-    if transport == TransportName.SHM:
-        del view, memcpy_ops  # the mapping's exports, before it closes
-        mapping.close()
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     page_bytes = TOKEN_BYTES * page_tokens
-    need, from_bytes = GOALS[TransportName(transport)]
-    ratio = _paired_ratio(times, "baseline")
-    fixed_us = (statistics.median(times["hybridkv"]) - statistics.median(times["baseline"])) * 1e6
+    judged = goal is not None and page_bytes >= goal.from_page_bytes
+    ratio = _paired_ratio(times, "baseline") if "baseline" in times else None
+    fixed_us = None
+    if "baseline" in times:
+        fixed_us = (statistics.median(times["hybridkv"]) - statistics.median(times["baseline"])) * 1e6
     return {
         "page_bytes": page_bytes,
         "batch": batch,
         "bytes": nbytes,
         "ops": plan.num_ops,
         "hybridkv_gbps": gbps["hybridkv"],
-        "baseline_gbps": gbps["baseline"],
+        "baseline_gbps": gbps.get("baseline"),
         "ratio": ratio,
         "overhead_us": fixed_us,
         "plan_us": statistics.median(times["plan"]) * 1e6,
@@ -243,8 +234,8 @@ def _case(
         "memcpy_block_gbps": gbps.get("memcpy_block"),
         "ratio_to_block": _paired_ratio(times, "memcpy_block") if "memcpy_block" in times else None,
         "end_to_end_gbps": gbps["end_to_end"],
-        "goal": need if page_bytes >= from_bytes else None,
-        "meets_goal": ratio >= need if page_bytes >= from_bytes else None,
+        "goal": goal.ratio if goal is not None and judged else None,
+        "meets_goal": ratio >= goal.ratio if goal is not None and ratio is not None and judged else None,
     }
 
 
@@ -265,14 +256,14 @@ def run(
             continue
         with _ranks(transport, tokens, max(fit)) as (sender, receiver):
             rows += [_case(transport, sender, receiver, b, reps, rng) for b in fit]
-    need, from_bytes = GOALS[TransportName(transport)]
+    goal = transport_class(transport).bench_goal
     judged = [r for r in rows if r["meets_goal"] is not None]
     return {
         "transport": transport,
-        "baseline": BASELINES[TransportName(transport)],
+        "baseline": NO_BASELINE.format(transport) if goal is None else goal.baseline,
         "model": MODEL.name,
         "reps": reps,
-        "goal": f"hybridkv >= {need} x baseline" + (f" for pages >= {from_bytes >> 10} KiB" if from_bytes else ""),
+        "goal": None if goal is None else _goal_text(goal),
         "meets_goal": all(r["meets_goal"] for r in judged) if judged else None,
         "cases": rows,
     }

@@ -32,7 +32,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hybridkv.cli.app import app
-from hybridkv.cli.params import transport_option
+from hybridkv.cli.params import TRANSPORT_CHOICES, transport_option
 from hybridkv.units import format_bytes
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def demo(
         max=len(PD_SUFFIXES),
         help="Requests of the disaggregated run.",
     ),
-    transport: str = typer.Option("mooncake", "--transport", callback=transport_option, help="mooncake or shm."),
+    transport: str = typer.Option("mooncake", "--transport", callback=transport_option, help=f"{TRANSPORT_CHOICES}."),
     fault: str = typer.Option(
         "kill-prefill", "--fault", callback=_fault_option, help=f"On request {FAULT_REQUEST}: {', '.join(DEMO_FAULTS)}."
     ),

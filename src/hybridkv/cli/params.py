@@ -58,6 +58,10 @@ def positive_finite(value: float | None) -> float | None:
     return value
 
 
+TRANSPORT_CHOICES = " or ".join(name.value for name in TransportName)
+"""What every ``--transport`` help lists: the registry's names (``TransportName``, torch-free)."""
+
+
 def transport_option(value: str) -> str:
     """A transport name the registry knows (``typer.BadParameter`` naming the known ones)."""
     known = [name.value for name in TransportName]

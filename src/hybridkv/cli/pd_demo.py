@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hybridkv.cli.app import app
-from hybridkv.cli.params import transport_option
+from hybridkv.cli.params import TRANSPORT_CHOICES, transport_option
 from hybridkv.units import format_bytes
 
 MAX_REQUESTS = 8
@@ -69,7 +69,7 @@ def print_pd_report(console: Console, report: dict[str, Any]) -> None:
 
 @app.command("pd-demo")
 def pd_demo(
-    transport: str = typer.Option("shm", "--transport", help="shm or mooncake.", callback=transport_option),
+    transport: str = typer.Option("shm", "--transport", help=f"{TRANSPORT_CHOICES}.", callback=transport_option),
     model: list[str] = typer.Option(None, "--model", help="Tiny hybrid preset(s); default tiny-swa2-state, tiny-gdn."),
     requests: int = typer.Option(3, "--requests", help="Good requests per model.", min=1, max=MAX_REQUESTS),
     decode_tp: int = typer.Option(2, "--decode-tp", help="Decode TP ranks (in this process).", min=1, max=4),

@@ -52,6 +52,7 @@ from hybridkv.cli.params import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
+    TRANSPORT_CHOICES,
     random_model,
     request_params,
     tier_options,
@@ -102,7 +103,7 @@ def serve_pd(
     prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill tensor-parallel ranks per stage."),
     decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode tensor-parallel ranks (one process each)."),
     transport: str = typer.Option(
-        "shm", "--transport", callback=transport_option, help="KV/state transport: shm or mooncake (TCP)."
+        "shm", "--transport", callback=transport_option, help=f"KV/state transport: {TRANSPORT_CHOICES}."
     ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
     temperature: float = TEMPERATURE,

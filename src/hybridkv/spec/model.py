@@ -3,6 +3,9 @@
 Invariants:
 - Global layer ids are ``0 .. num_layers-1`` in order; every later package names a layer
   by this id, never by its position inside a pipeline stage or a pool.
+- Every pool id of the layers keeps its history rule's invariants (``PoolId.check_rule`` over
+  the lengths up to ``max_context``, at most ``CHECKED_LENGTHS``): a rule that breaks one is
+  refused here, before memory or the engine reads it.
 - Derived byte sizes (per token for attention kinds, per request for recurrent state) are
   computed from the layer kinds and dtypes, for the unsharded model (TP = 1).
 """
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.spec.layers import LayerKind
-from hybridkv.spec.pools import PoolId, WindowPool
+from hybridkv.spec.pools import CHECKED_LENGTHS, PoolId, WindowPool
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class ModelSpec:
             )
         if self.max_context <= 0:
             raise ValueError(f"model {self.name!r}: max_context must be positive")
+        for pool in self.pool_ids():
+            pool.check_rule(min(self.max_context, CHECKED_LENGTHS))
 
     @classmethod
     def from_kinds(cls, name: str, kinds: Iterable[LayerKind], **kw: object) -> ModelSpec:

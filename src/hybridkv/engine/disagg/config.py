@@ -11,15 +11,11 @@ worker's traceback after every process started. (Values, e.g. NaN weights, are r
 the workers: one line, ``PDStartError``.)
 
 ``Fault`` entries are deliberate faults for tests and demos, applied by the router and the
-workers with real signals and real timeouts (never simulated outcomes):
-- ``kill-prefill``: prefill stage ``rank`` (TP rank 0) is SIGKILLed while it transfers
-  request ``request`` (its writes are slowed by ``delay_s`` each so the kill lands mid-transfer);
-- ``kill-decode``: decode TP rank ``rank`` is SIGKILLed as soon as request ``request`` has its
-  first token (the decode engine holds it);
-- ``stall-transfer``: every prefill rank holds request ``request``'s KV for ``delay_s`` before
-  sending it, so the decode side's ``transfer_timeout_s`` expires first;
-- ``crash-prefill``: prefill stage ``rank`` (TP rank 0) raises while it computes request
-  ``request``, on every attempt (a poison request: the router quarantines it).
+workers with real signals and real timeouts (never simulated outcomes): each drill, what it
+does and the ranks its ``rank`` names are in ``faults.py`` (``FAULTS``); ``check_faults`` asks
+a fault which ranks it targets and never names a kind. ``check_transport`` refuses a
+transport whose class cannot carry KV between processes (``Transport.cross_process``): each
+rank is a process of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.disagg.faults import Fault, FaultKind
+from hybridkv.engine.disagg.faults import Fault, Target
 from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.sched.scheduler import step_budget
 from hybridkv.engine.sched.tiered import STORES
@@ -42,7 +38,7 @@ from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.tiers import MooncakeMaster, WritePolicy
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
-from hybridkv.transfer.transport import transport_class
+from hybridkv.transfer.transport import TRANSPORTS, transport_class
 
 POLICIES = tuple(p.value for p in WritePolicy)
 
@@ -55,7 +51,7 @@ class PDConfig:
     prefill_pp: int = 2
     decode_tp: int = 2
     prefill_tp: int = 1
-    transport: str = "shm"  # a name in transfer.transport.TRANSPORTS: "shm" or "mooncake" (TCP on 127.0.0.1)
+    transport: str = "shm"  # a name in transfer.transport.TRANSPORTS whose class is cross_process
     page_size: int = 16
     decode_page_size: int | None = None  # None: page_size (another value is a layout mismatch: a fault test)
     chunk: int = 64
@@ -121,7 +117,7 @@ def check_layout(config: PDConfig) -> None:
             f"a disaggregated server needs chunk, max_running and max_step_tokens >= 1, got chunk {config.chunk}, "
             f"max_running {config.max_running}, max_step_tokens {config.step_tokens}"
         )
-    transport_class(config.transport)  # UnknownName (a ValueError) names the registered transports
+    check_transport(config)
     check_faults(config)
     check_tiers(config)
     hf_config = read_config(config.model_dir)
@@ -164,15 +160,27 @@ def _never_reduce(partial: torch.Tensor) -> torch.Tensor:
     raise AssertionError("a model built to check a checkpoint never runs")
 
 
+def check_transport(config: PDConfig) -> None:
+    """Raise ``ValueError`` naming the transport unless the registry knows it (``UnknownName`` names the known
+    ones) and its class carries KV between processes, as the ranks of a disaggregated server are."""
+    if not transport_class(config.transport).cross_process:
+        crossing = [name for name, kind in TRANSPORTS.items() if kind.cross_process]
+        raise ValueError(
+            f"transport {config.transport!r} moves KV only inside one process, and each rank of a disaggregated "
+            f"server is a process of its own; use one of {', '.join(crossing)}"
+        )
+
+
 def check_faults(config: PDConfig) -> None:
-    """Raise ``ValueError`` naming the fault and the allowed range unless every fault's rank exists
-    (kill-prefill, crash-prefill: a PP stage < ``prefill_pp``; kill-decode: a decode TP rank < ``decode_tp``) and no
-    two faults hit the same request (the router applies one fault per request)."""
+    """Raise ``ValueError`` naming the fault and the allowed range unless every fault's rank exists among the ranks
+    its drill targets (a PP stage < ``prefill_pp``, a decode TP rank < ``decode_tp``, or none) and no two faults
+    hit the same request (the router applies one fault per request)."""
+    counts = {Target.PREFILL_STAGE: config.prefill_pp, Target.DECODE_RANK: config.decode_tp}
     seen: set[int] = set()
     for f in config.faults:
-        what = "decode_tp" if f.kind is FaultKind.KILL_DECODE else "prefill_pp"
-        size = {"prefill_pp": config.prefill_pp, "decode_tp": config.decode_tp}[what]
-        if f.kind is not FaultKind.STALL_TRANSFER and f.rank >= size:
+        size = counts.get(f.target)
+        if size is not None and f.rank >= size:
+            what = f.target.value
             raise ValueError(
                 f"fault '{f.kind}' on request {f.request}: rank {f.rank} does not exist with {what} {size}; "
                 f"use a rank in 0..{size - 1} or raise {what}"

@@ -1,11 +1,13 @@
-"""Transports that execute transfer plans, by name: the one place a transport is added.
+"""Transports that execute transfer plans, by name: where a transport is registered.
 
-``TRANSPORTS`` maps each ``TransportName`` to its class. To add one (NIXL, CUDA IPC): write
-a ``Transport`` subclass (``submit`` that starts a write and returns a ``WriteHandle`` it
-ends once; ``register``, ``session``, ``close``; ``devices`` it can move; what callers must
-know as class attributes: ``shared_arena``, ``pays_per_op``, ``loopback_options``), add its
-name to ``TransportName`` and its class here. The engine and the PD server never name a
-transport: they ask its class (only ``bench transfer`` knows each one's raw baseline).
+``TRANSPORTS`` maps each ``TransportName`` to its class. To add one (NIXL, CUDA IPC): write a
+``Transport`` subclass (``submit`` that starts a write and returns a ``WriteHandle`` it ends
+once; ``register``, ``session``, ``close``; ``devices`` it can move; what callers must know as
+class attributes: ``cross_process``, ``shared_arena``, ``pays_per_op``, ``loopback_options``;
+``bench transfer``'s ``bench_goal`` and ``raw_write``, if it has a raw baseline), add its name
+to ``catalogue.TransportName`` (outside ``transfer/``: the command line checks names without
+importing torch, as ``catalogue`` says) and its class here. The engine, the PD server and the
+bench never name a transport: they ask its class.
 """
 
 from __future__ import annotations

@@ -90,10 +90,28 @@ class WriteHandle:
         return self._status
 
 
+@dataclass(frozen=True)
+class BenchGoal:
+    """What ``hybridkv bench transfer`` holds a transport to: hybridkv's GB/s at least ``ratio`` x
+    those of the transport's raw baseline (``Transport.raw_write``: the same ops, no plan, no
+    checks) for pages of ``from_page_bytes`` or more."""
+
+    baseline: str  # what the raw baseline does, as the report names it
+    ratio: float
+    from_page_bytes: int = 0
+    copy_bound: bool = False
+    """The transport copies with this host's CPU: one contiguous ``memmove`` of as many bytes
+    bounds it, and the report shows that bound (``memcpy_block``)."""
+
+
 class Transport(ABC):
     name: ClassVar[TransportName]
     max_ops_per_submit: ClassVar[int]
     """Ops one ``submit`` should carry at most (``write_plan`` splits plans into chunks)."""
+    cross_process: ClassVar[bool]
+    """A peer in another process can be written to. False: both sides must live in one process (a
+    rig's transport), which a disaggregated server, one process a rank, refuses (``PDConfig``).
+    Every transport states it (no default)."""
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
     """Memory kinds the transport can move (both transports here move host memory)."""
     shared_arena: ClassVar[bool] = False
@@ -103,6 +121,8 @@ class Transport(ABC):
     (``staging.SourceStaging``) so that a chunk goes out as one op per destination run."""
     loopback_options: ClassVar[Mapping[str, object]] = {}
     """``create`` options for peers that all run on this host (a PD server's processes)."""
+    bench_goal: ClassVar[BenchGoal | None] = None
+    """``bench transfer``'s goal against ``raw_write``; None: the bench reports no baseline."""
     waits_inline: ClassVar[bool] = False
     """``submit_wait`` runs a write on the caller's thread (no hand-off to a thread that ends
     the handle): ``write_plan`` uses it for a plan that fits one chunk (Mooncake: a thread
@@ -168,6 +188,11 @@ class Transport(ABC):
         status = self.wait(self.submit(peer, src, dst, length, bounds), None)
         if status.completion is not Completion.DONE:
             raise TransportError(status.reason)
+
+    def raw_write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> None:
+        """``bench transfer``'s raw baseline: the ops moved to the peer as plainly as the transport's
+        own machinery allows, with no plan, no checks and no handle (transports with a ``bench_goal``)."""
+        raise NotImplementedError(f"the {self.name} transport has no raw baseline: its bench_goal is None")
 
     @abstractmethod
     def close(self) -> None:

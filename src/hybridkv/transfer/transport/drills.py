@@ -40,6 +40,9 @@ class Delegating(Transport):
     def warm(self, session: str) -> None:
         self.inner.warm(session)
 
+    def raw_write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> None:
+        self.inner.raw_write(peer, src, dst, length)
+
     def poll(self, handle: WriteHandle) -> WriteStatus:
         return self.inner.poll(handle)
 

@@ -53,7 +53,15 @@ from typing import Any
 from hybridkv.native_log import init_log
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.ops import Bounds, Ops, as_ints
-from hybridkv.transfer.transport.base import DONE, Completion, Transport, TransportName, WriteHandle, WriteStatus
+from hybridkv.transfer.transport.base import (
+    DONE,
+    BenchGoal,
+    Completion,
+    Transport,
+    TransportName,
+    WriteHandle,
+    WriteStatus,
+)
 
 ENV_DEFAULTS = {
     "MC_LOG_LEVEL": "ERROR",
@@ -84,8 +92,10 @@ def rdma_present() -> bool:
 class MooncakeTransport(Transport):
     name = TransportName.MOONCAKE
     max_ops_per_submit = 1024
+    cross_process = True  # a peer's session names its host and port
     pays_per_op = True  # every op is a transfer of its own over TCP (~35 us idle, measured)
     waits_inline = True  # submit_wait: the batch and its wait on the caller's thread
+    bench_goal = BenchGoal("raw mooncake batch write of the same ops", 0.9)
     loopback_options = MappingProxyType({"host": "127.0.0.1", "protocol": "tcp"})
 
     def __init__(
@@ -137,10 +147,12 @@ class MooncakeTransport(Transport):
         if not host or not port.isdigit() or not 0 < int(port) < 65536 or not _HOST.fullmatch(host):
             raise TransportError(f"not a mooncake session: {session!r} (want host:port)")
 
-    @property
-    def engine(self) -> object:
-        """The underlying ``TransferEngine`` (for raw-engine baselines in benchmarks)."""
-        return self._engine
+    def raw_write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> None:
+        """One ``batch_transfer_sync_write`` of all the ops on this side's engine (no split into submits)."""
+        if self._engine is None:
+            raise TransportError(f"the mooncake transport is closed; cannot write to {peer}")
+        if self._engine.batch_transfer_sync_write(peer, src, dst, length) != 0:
+            raise TransportError(f"raw mooncake batch write of {len(src)} ops to {peer} failed")
 
     def warm(self, session: str) -> None:
         """Open the peer's segment (a P2P handshake fetches its descriptor): the first write to it

@@ -30,7 +30,7 @@ import numpy as np
 from hybridkv.transfer.errors import TransportError
 from hybridkv.transfer.ops import Bounds, Ops, as_ints
 from hybridkv.transfer.shared import SharedBuffer, open_shared, shm_path
-from hybridkv.transfer.transport.base import DONE, Transport, TransportName, WriteHandle
+from hybridkv.transfer.transport.base import DONE, BenchGoal, Transport, TransportName, WriteHandle
 
 SMALL_OP = 2048  # bytes; smaller ops are copied in vectorized batches
 _BATCH_BYTES = 1 << 24  # index memory bound for one vectorized batch
@@ -68,6 +68,8 @@ class ShmTransport(Transport):
     name = TransportName.SHM
     max_ops_per_submit = 1 << 16
     shared_arena = True
+    cross_process = True  # any process of this host maps the peer's arena
+    bench_goal = BenchGoal("raw memcpy of the same ops", 0.8, from_page_bytes=64 << 10, copy_bound=True)
 
     def __init__(self, shared: SharedBuffer | None = None) -> None:
         """``shared``: this side's buffer that peers may write into (decode side)."""
@@ -147,6 +149,13 @@ class ShmTransport(Transport):
             pick = small & (region == k)
             if pick.any():
                 _scatter(target.array, off[pick], array, src[pick] - addr, length[pick])
+
+    def raw_write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> None:
+        """One ``memmove`` per op into this side's mapping of the peer's arena (the one ``submit`` writes
+        through: a second mapping of the same pages, as a prefill process has)."""
+        shift = (self._peers.get(peer) or self._map(peer)).shift
+        for s, d, n in zip(src, dst, length, strict=True):
+            ctypes.memmove(d + shift, s, n)
 
     def _map(self, peer: str) -> _Mapping:
         self._peers[peer] = _Mapping(peer)
