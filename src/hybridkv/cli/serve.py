@@ -8,7 +8,7 @@ directory that lives as long as the server. Text: ``--tokenizer DIR``, else the 
 own tokenizer (``tokenizer.json`` / ``tokenizer_config.json``), else for ``--random`` the built-in byte
 tokenizer (``hybridkv.server.text.ByteTokenizer``). ``--fault KIND:REQUEST[:RANK[:DELAY]]`` (hidden; for
 demos and tests) puts a deliberate fault on the request submitted ``REQUEST``-th (0-based):
-``kill-prefill``, ``crash-prefill``, ``kill-decode``, ``stall-transfer`` (``engine.disagg.Fault``).
+a drill named in ``engine.disagg.faults.FAULTS``.
 
 Sizing (``cli/sizing.py``, the same for every command): ``--gpu-memory`` (per process), ``--max-context``
 (default: 4096 tokens, never above the model's maximum; the work is not known in advance),
@@ -52,6 +52,7 @@ from hybridkv.cli.params import (
     STORE,
     STORE_MASTER,
     STORE_MEMORY,
+    TRANSPORT_CHOICES,
     byte_size,
     engine_checkpoints,
     positive_finite,
@@ -150,7 +151,7 @@ def serve(
     prefill_tp: int = typer.Option(None, "--prefill-tp", min=1, help="Prefill TP ranks per stage (PD; default 1)."),
     decode_tp: int = typer.Option(None, "--decode-tp", min=1, help="Decode TP ranks (PD; default 2)."),
     transport: str = typer.Option(
-        None, "--transport", callback=_transport, help="KV/state transport: shm or mooncake (PD; default shm)."
+        None, "--transport", callback=_transport, help=f"KV/state transport: {TRANSPORT_CHOICES} (PD; default shm)."
     ),
     transfer_timeout: float = typer.Option(
         None, "--transfer-timeout", callback=positive_finite, help="PD: seconds for a request's KV to land (30)."
@@ -309,7 +310,7 @@ class PDLayout:
 def parse_faults(values: list[str]) -> tuple[Fault, ...]:
     """``--fault KIND:REQUEST[:RANK[:DELAY]]`` values as ``Fault``s (``typer.BadParameter`` naming the bad one)."""
     from hybridkv.engine.disagg import Fault
-    from hybridkv.engine.disagg.faults import FAULT_KINDS
+    from hybridkv.engine.disagg.faults import FAULTS
 
     faults = []
     for value in values:
@@ -325,7 +326,7 @@ def parse_faults(values: list[str]) -> tuple[Fault, ...]:
             faults.append(Fault(kind, int(request), int(rank), float(delay)))
         except ValueError as exc:
             raise typer.BadParameter(
-                f"{value!r}: {exc} (KIND one of {', '.join(FAULT_KINDS)}; REQUEST the 0-based submission index)",
+                f"{value!r}: {exc} (KIND one of {', '.join(FAULTS)}; REQUEST the 0-based submission index)",
                 param_hint="--fault",
             ) from None
     return tuple(faults)
@@ -445,7 +446,7 @@ def bench_serve(
     prefill_tp: int = typer.Option(1, "--prefill-tp", min=1, help="Prefill TP ranks per stage (--disaggregated)."),
     decode_tp: int = typer.Option(2, "--decode-tp", min=1, help="Decode TP ranks (--disaggregated)."),
     transport: str = typer.Option(
-        "shm", "--transport", callback=transport_option, help="shm or mooncake (--disaggregated)."
+        "shm", "--transport", callback=transport_option, help=f"{TRANSPORT_CHOICES} (--disaggregated)."
     ),
     stream_interval: int = typer.Option(
         1, "--stream-interval", min=1, help="The servers' tokens per streamed chunk (hybridkv serve --stream-interval)."

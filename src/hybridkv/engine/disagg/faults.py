@@ -129,8 +129,6 @@ FAULTS.add("kill-decode", KillDecode())
 FAULTS.add("stall-transfer", StallTransfer())
 FAULTS.add("crash-prefill", CrashPrefill())
 
-FAULT_KINDS = tuple(FAULTS)
-
 
 @dataclass(frozen=True)
 class Fault:
