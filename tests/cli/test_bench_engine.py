@@ -88,8 +88,8 @@ def test_a_timed_engine_pass_wraps_the_recorded_entry_points_and_checks_their_ca
     engine = Engine(config, model, page_size=4, chunk_size=8)
     prompts, new = conversation_prompts(4, 4), 2
     entries = record_entry_points(engine, prompts, new)
-    # the engine enters hybridkv through its allocator; the allocator's own calls into the cache are nested
-    assert entries.calls > 0 and any(label.startswith("RequestAllocator.") for label in entries.labels)
+    # the engine enters hybridkv through its KV façade; the façade's own calls into the cache are nested
+    assert entries.calls > 0 and any(label.startswith("RequestKV.") for label in entries.labels)
     assert not any(label.startswith("HybridRadixCache.") for label in entries.labels)
     _, _, extra = engine_pass(engine, prompts, new, entries)
     wall, cpu = extra[OWN_CLOCK]  # its generate alone: the bench's wrapping and cache emptying are not the engine's
@@ -110,7 +110,7 @@ def test_a_contender_that_times_itself_is_credited_with_its_own_clock() -> None:
 
 def test_the_hybridkv_share_times_every_memory_and_cache_class() -> None:
     names = {c.__name__ for c in hybridkv_classes()}
-    assert {"UnifiedMemory", "SubPool", "HybridRadixCache", "KVManager", "KVHandle", "RequestAllocator"} <= names
+    assert {"UnifiedMemory", "SubPool", "HybridRadixCache", "KVManager", "KVHandle", "RequestKV"} <= names
     assert not any(issubclass(c, BaseException) for c in hybridkv_classes())
 
 

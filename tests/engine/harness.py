@@ -6,13 +6,15 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.random_models import build_random
 from hybridkv.engine.registry import engine_spec
 from hybridkv.engine.runner import ShardRunner
-from hybridkv.engine.sched.allocator import Admission, RequestAllocator, RequestMemory
+from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+from hybridkv.engine.sched.request import Request, SamplingParams
 from hybridkv.engine.weights import from_hf_model
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ShardSpec
@@ -63,10 +65,8 @@ def serve(
 
     ``compact``: defragment the memory between steps (cells move; virtual ids stay).
     """
-    alloc = RequestAllocator(runner.mem, prefix_cache=False)
-    reqs = [alloc.new() for _ in prompts]
-    for req, ids in zip(reqs, prompts, strict=True):
-        assert alloc.admit(req, ids, len(ids), chunk, 0, True) is Admission.ADMITTED
+    kv = RequestKV(runner.mem, prefix_cache=False)
+    reqs = [admitted(kv, ids, chunk) for ids in prompts]
     out = [Served([], []) for _ in prompts]
     fed = [0] * len(prompts)
     pending: list[int | None] = [None] * len(prompts)
@@ -80,18 +80,19 @@ def serve(
             else:
                 continue
             active.append(i)
-        step_reqs: list[RequestMemory] = [reqs[i] for i in active]
-        prefix = [r.length for r in step_reqs]
-        alloc.extend(step_reqs, [r.length + len(x) for r, x in zip(step_reqs, new_ids, strict=True)])
+        step_reqs: list[Request] = [reqs[i] for i in active]
+        prefix = [r.computed for r in step_reqs]
+        spans = [len(x) for x in new_ids]
+        kv.allocate(step_reqs, spans)
         batch = ForwardBatch.build(
             new_ids,
             prefix,
-            [r.token_locs for r in step_reqs],
-            [r.slot for r in step_reqs] if alloc.has_state else None,
-            [r.fresh for r in step_reqs] if alloc.has_state else None,
+            [locs(r) for r in step_reqs],
+            [slot(r) for r in step_reqs] if kv.has_state else None,
+            [r.fresh for r in step_reqs] if kv.has_state else None,
         )
         logits = runner.forward(batch)
-        alloc.mark_computed(step_reqs)
+        computed(kv, step_reqs, spans)
         if compact:
             runner.mem.compact()
         for row, i in enumerate(active):
@@ -102,10 +103,37 @@ def serve(
                 out[i].tokens.append(tok)
                 pending[i] = tok
     runner.mem.verify()
-    for r in reqs:
-        alloc.retract(r)
+    kv.free(*reqs, cache=False)
     runner.mem.verify()
     return out
+
+
+def admitted(kv: RequestKV, ids: list[int], chunk: int) -> Request:
+    """A request of ``ids`` admitted alone, its first chunk ``chunk`` tokens (it computes from ``computed``)."""
+    req = Request(0, list(ids), SamplingParams())
+    assert kv.admit(req, Budget(chunk, alone=True)) is Admission.ADMITTED
+    assert req.kv is not None
+    req.computed = req.kv.seq_len
+    return req
+
+
+def computed(kv: RequestKV, reqs: list[Request], spans: list[int]) -> None:
+    """After a forward of ``spans`` tokens of ``reqs``: tell ``kv``, then advance them (as the scheduler does)."""
+    kv.computed(reqs)
+    for req, span in zip(reqs, spans, strict=True):
+        req.computed += span
+
+
+def locs(req: Request) -> np.ndarray:
+    """Virtual token locations of an admitted request's whole sequence."""
+    assert req.kv is not None
+    return req.kv.token_locs()
+
+
+def slot(req: Request) -> int | None:
+    """An admitted request's running state slot."""
+    assert req.kv is not None
+    return req.kv.state_slot
 
 
 def live_counts(mem: UnifiedMemory) -> tuple[int, int]:

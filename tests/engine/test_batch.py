@@ -54,24 +54,25 @@ def test_page_rows_give_the_same_step_as_token_locations() -> None:
     """``from_pages`` (a scheduler's page rows) and ``build`` (per-token locations) describe the same step."""
     import torch
 
-    from hybridkv.engine.sched.allocator import Admission, RequestAllocator
+    from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+    from hybridkv.engine.sched.request import Request, SamplingParams
 
     runner = make_runner("tiny-qwen3-next", 4)
-    alloc = RequestAllocator(runner.mem, prefix_cache=False)
+    kv = RequestKV(runner.mem, prefix_cache=False)
     prompts = [list(range(3, 12)), list(range(20, 26))]
-    reqs = [alloc.new() for _ in prompts]
-    for req, ids in zip(reqs, prompts, strict=True):
-        assert alloc.admit(req, ids, len(ids), 16, 0, True) is Admission.ADMITTED
-    alloc.extend(reqs, [len(p) for p in prompts])
-    slots, fresh = [r.slot for r in reqs], [r.fresh for r in reqs]
-    by_locs = ForwardBatch.build(prompts, [0, 0], [r.token_locs for r in reqs], slots, fresh)
-    pages = [r.live.pages for r in reqs]
+    reqs = [Request(0, ids, SamplingParams()) for ids in prompts]
+    for req in reqs:
+        assert kv.admit(req, Budget(16, alone=True)) is Admission.ADMITTED
+    kv.allocate(reqs, [len(p) for p in prompts])
+    slots, fresh = [r.kv.state_slot for r in reqs], [r.fresh for r in reqs]
+    by_locs = ForwardBatch.build(prompts, [0, 0], [r.kv.token_locs() for r in reqs], slots, fresh)
+    pages = [r.kv.pages for r in reqs]
     by_pages = ForwardBatch.from_pages(prompts, [0, 0], pages, runner.mem.page_size, slots, fresh)
     first = runner.forward(by_locs)
     again = runner.forward(by_pages)  # the same state slots, still fresh: the same computation
     assert torch.equal(first, again)
     for r in reqs:
-        alloc.retract(r)
+        kv.free(r, cache=False)
     runner.mem.verify()
 
 

@@ -18,8 +18,9 @@ from hybridkv.engine.forward import pool_io
 from hybridkv.engine.forward.pool_io import TokenIO, pool_layouts
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.ops.ssd import _tril_masks
-from hybridkv.engine.sched.allocator import RequestAllocator, RequestMemory
-from hybridkv.engine.sched.request import Outcome
+from hybridkv.engine.sched.agreement import ALONE, Agreement
+from hybridkv.engine.sched.kv import Budget, RequestKV, StepRows
+from hybridkv.engine.sched.request import Outcome, Request, SamplingParams
 from hybridkv.memory import LayoutError, OutOfMemory
 from tests.devices import device, no_host_sync, sampling_may_sync
 from tests.engine.harness import hf_model, hf_reference, live_counts, prompt
@@ -158,16 +159,16 @@ def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyP
     when its state slot fits, so every step the allocator refuses is a real retraction (the code that
     looked at free pages alone admitted requests whose slot could not be taken: 31 refusals, 3 retractions)."""
     refused = []
-    extend = RequestAllocator.extend
+    allocate = RequestKV.allocate
 
-    def counting(self: RequestAllocator, reqs: list[RequestMemory], counts: list[int]) -> None:
+    def counting(self: RequestKV, reqs: list[Request], spans: list[int], agree: Agreement = ALONE) -> StepRows:
         try:
-            extend(self, reqs, counts)
+            return allocate(self, reqs, spans, agree)
         except OutOfMemory:
             refused.append(len(reqs))
             raise
 
-    monkeypatch.setattr(RequestAllocator, "extend", counting)
+    monkeypatch.setattr(RequestKV, "allocate", counting)
     engine = Engine(
         hf_model("tiny-nemotron-h").config,
         hf_model("tiny-nemotron-h"),
@@ -185,29 +186,28 @@ def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyP
     assert live_counts(engine.mem) == empty
 
 
-def test_the_allocators_batched_calls_refuse_a_request_without_memory() -> None:
-    """``step_rows``, ``pages_needed``, ``extend`` and ``mark_computed`` take many requests in one call; one that
-    holds no memory (never admitted, or retracted) is refused by name, and nothing is allocated."""
+def test_the_kv_facades_batched_calls_refuse_a_request_without_memory() -> None:
+    """``pages_needed``, ``allocate``, ``computed`` and ``free(cache=True)`` take many requests in one call; one
+    that holds no memory (never admitted, or retracted) is refused by name, and nothing is allocated."""
     engine = Engine(hf_model("tiny-gemma3").config, hf_model("tiny-gemma3"), gpu_memory="4MiB", max_context=96)
-    alloc = engine.alloc
-    admitted, waiting = alloc.new(), alloc.new()
+    kv = engine.kv
     ids = prompt(5, 20)
-    alloc.admit(admitted, ids, len(ids), 64, 0, True)
+    admitted, waiting = Request(0, ids, SamplingParams()), Request(1, ids, SamplingParams())
+    kv.admit(admitted, Budget(64, alone=True))
     before = live_counts(engine.mem)
     for call in (
-        lambda: alloc.step_rows([admitted, waiting]),
-        lambda: alloc.pages_needed([admitted, waiting], [20, 20]),
-        lambda: alloc.extend([admitted, waiting], [20, 20]),
-        lambda: alloc.mark_computed([admitted, waiting]),
+        lambda: kv.pages_needed([admitted, waiting], [20, 20]),
+        lambda: kv.allocate([admitted, waiting], [20, 20]),
+        lambda: kv.computed([admitted, waiting]),
+        lambda: kv.free(admitted, waiting, cache=True),
     ):
         with pytest.raises(RuntimeError, match="holds no memory: admit it first"):
             call()
     assert live_counts(engine.mem) == before
-    assert alloc.pages_needed([admitted], [20]) == 2  # 20 tokens, 16 a page
-    alloc.extend([admitted], [20])
-    pages, slots, fresh = alloc.step_rows([admitted])
-    assert pages[0].size == 2 and slots is None and fresh is None
-    alloc.retract(admitted)
+    assert kv.pages_needed([admitted], [20]) == 2  # 20 tokens, 16 a page
+    rows = kv.allocate([admitted], [20])
+    assert rows.pages[0].size == 2 and rows.slots is None and rows.fresh is None
+    kv.free(admitted, cache=False)
     engine.mem.verify()
 
 

@@ -76,24 +76,26 @@ def test_window_pages_leave_the_window_pool_during_a_long_request() -> None:
     mem = runner.mem
     ids = prompt(7, 60)
     from hybridkv.engine.forward.batch import ForwardBatch
-    from hybridkv.engine.sched.allocator import Admission, RequestAllocator
+    from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+    from hybridkv.engine.sched.request import Request, SamplingParams
 
-    alloc = RequestAllocator(mem, prefix_cache=False)
-    req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), 7, 0, True) is Admission.ADMITTED
+    kv = RequestKV(mem, prefix_cache=False)
+    req = Request(0, list(ids), SamplingParams())
+    assert kv.admit(req, Budget(7, alone=True)) is Admission.ADMITTED
     for start in range(0, 60, 7):
         chunk = ids[start : start + 7]
-        prefix = req.length
-        alloc.extend([req], [req.length + len(chunk)])
-        runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs]))
-        alloc.mark_computed([req])
-    pages = req.token_locs[:: mem.page_size] // mem.page_size
+        prefix = req.computed
+        kv.allocate([req], [len(chunk)])
+        runner.forward(ForwardBatch.build([chunk], [prefix], [req.kv.token_locs()]))
+        kv.computed([req])
+        req.computed += len(chunk)
+    pages = req.kv.token_locs()[:: mem.page_size] // mem.page_size
     window_pool = mem.window_pools[0].pool_id
     resident = mem.resident(pages, window_pool)
     assert resident.sum() <= -(-8 // 4) + 1 and not resident[0]
     assert mem.resident(pages, FULL_POOL).all()
     mem.verify()
-    alloc.retract(req)
+    kv.free(req, cache=False)
     mem.verify()
 
 

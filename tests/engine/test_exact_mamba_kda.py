@@ -25,7 +25,8 @@ from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.random_models import SEED, TINY_CONFIGS, VOCAB
 from hybridkv.engine.registry import engine_spec, model_class
 from hybridkv.engine.runner import ShardRunner
-from hybridkv.engine.sched.allocator import Admission, RequestAllocator
+from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+from hybridkv.engine.sched.request import Request, SamplingParams
 from hybridkv.engine.weights import from_directory, from_hf_model, load_weights, read_safetensors
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, ShardSpec
@@ -209,18 +210,19 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: tuple[s
     model = _model(name, MODELS[name])
     runner = _runner(model, page_size=4)
     ids = prompt(3, 40)
-    alloc = RequestAllocator(runner.mem, prefix_cache=False)
-    req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), 7, 0, True) is Admission.ADMITTED
+    kv = RequestKV(runner.mem, prefix_cache=False)
+    req = Request(0, list(ids), SamplingParams())
+    assert kv.admit(req, Budget(7, alone=True)) is Admission.ADMITTED
     for start in range(0, len(ids), 7):
         chunk = ids[start : start + 7]
-        prefix = req.length
-        alloc.extend([req], [req.length + len(chunk)])
-        runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
-        alloc.mark_computed([req])
+        prefix = req.computed
+        kv.allocate([req], [len(chunk)])
+        runner.forward(ForwardBatch.build([chunk], [prefix], [req.kv.token_locs()], [req.kv.state_slot], [req.fresh]))
+        kv.computed([req])
+        req.computed += len(chunk)
     with torch.no_grad():
         cache = model(torch.tensor([ids]), use_cache=True).past_key_values
-    cell = runner.mem.page_cells([req.slot], RECURRENT_POOL)
+    cell = runner.mem.page_cells([req.kv.state_slot], RECURRENT_POOL)
     checked = 0
     for layer_id, hf_layer in enumerate(cache.layers):
         if not getattr(hf_layer, "is_conv_states_initialized", [False])[0]:
@@ -231,5 +233,5 @@ def test_state_slots_hold_the_states_transformers_keeps(name: str, conv: tuple[s
         torch.testing.assert_close(ours, hf_layer.recurrent_states[0][0], atol=1e-5, rtol=1e-4)
         checked += 1
     assert checked == sum(t == "linear_attention" for t in model.config.layer_types)
-    alloc.retract(req)
+    kv.free(req, cache=False)
     runner.mem.verify()

@@ -10,7 +10,8 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.random_models import tiny_names
 from hybridkv.engine.registry import engine_spec
-from hybridkv.engine.sched.allocator import Admission, RequestAllocator
+from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+from hybridkv.engine.sched.request import Request, SamplingParams
 from hybridkv.spec import MLA, RECURRENT_POOL, FullAttention, Linear, NoCache, SlidingWindow, from_hf_config
 from tests.engine.harness import hf_model, make_runner, prompt
 
@@ -50,17 +51,18 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
     """After a chunked prefill, the state pool holds HF's conv window (last K-1 inputs) and recurrent matrix."""
     runner = make_runner("tiny-qwen3-next", 4)
     ids = prompt(1, 20)
-    alloc = RequestAllocator(runner.mem, prefix_cache=False)
-    req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), 7, 0, True) is Admission.ADMITTED
+    kv = RequestKV(runner.mem, prefix_cache=False)
+    req = Request(0, list(ids), SamplingParams())
+    assert kv.admit(req, Budget(7, alone=True)) is Admission.ADMITTED
     for start in range(0, 20, 7):
         chunk = ids[start : start + 7]
-        prefix = req.length
-        alloc.extend([req], [req.length + len(chunk)])
-        runner.forward(ForwardBatch.build([chunk], [prefix], [req.token_locs], [req.slot], [req.fresh]))
-        alloc.mark_computed([req])
+        prefix = req.computed
+        kv.allocate([req], [len(chunk)])
+        runner.forward(ForwardBatch.build([chunk], [prefix], [req.kv.token_locs()], [req.kv.state_slot], [req.fresh]))
+        kv.computed([req])
+        req.computed += len(chunk)
     cache = _hf_cache("tiny-qwen3-next")
-    cell = runner.mem.page_cells([req.slot], RECURRENT_POOL)
+    cell = runner.mem.page_cells([req.kv.state_slot], RECURRENT_POOL)
     for layer_id, hf_layer in enumerate(cache.layers):
         if not hasattr(hf_layer, "conv_states"):
             continue
@@ -68,7 +70,7 @@ def test_gdn_state_slots_hold_the_states_transformers_keeps() -> None:
         state = runner.mem.view(layer_id, "recurrent_state")[cell][0]
         torch.testing.assert_close(conv, hf_layer.conv_states[0][0, :, 1:], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(state, hf_layer.recurrent_states[0][0], atol=1e-6, rtol=1e-4)
-    alloc.retract(req)
+    kv.free(req, cache=False)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])

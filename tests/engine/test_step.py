@@ -121,17 +121,18 @@ def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
     without them a group's keys end at its longest row's last page, and asking those keys for sinks is refused."""
     from hybridkv.engine.forward.batch import ForwardBatch
     from hybridkv.engine.forward.step import build_step
-    from hybridkv.engine.sched.allocator import Admission, RequestAllocator
+    from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+    from hybridkv.engine.sched.request import Request, SamplingParams
 
     assert make_runner("tiny-gpt-oss", 16).model.attention_sinks
     runner = make_runner("tiny-gemma3", 16)
     assert not runner.model.attention_sinks
-    alloc = RequestAllocator(runner.mem, prefix_cache=False)
-    req = alloc.new()
+    kv = RequestKV(runner.mem, prefix_cache=False)
     ids = prompt(3, 32)  # two whole pages: a spare column would need a third
-    assert alloc.admit(req, ids, len(ids), 64, 0, True) is Admission.ADMITTED
-    alloc.extend([req], [32])
-    batch = ForwardBatch.build([ids], [0], [req.token_locs])
+    req = Request(0, list(ids), SamplingParams())
+    assert kv.admit(req, Budget(64, alone=True)) is Admission.ADMITTED
+    kv.allocate([req], [32])
+    batch = ForwardBatch.build([ids], [0], [req.kv.token_locs()])
     full = runner.mem.pool_of_layer(5).pool_id  # Gemma 3's sixth layer attends to the whole context
     for sinks, width in ((False, 32), (True, 48)):
         keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].parts[0][0]
@@ -141,7 +142,7 @@ def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
         build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].parts[0][0].with_sinks(
             torch.zeros(4)
         )
-    alloc.retract(req)
+    kv.free(req, cache=False)
     runner.mem.verify()
 
 

@@ -27,7 +27,7 @@ be shared; CPU time counts every thread of the process), new tokens per wall and
 ``transformers`` every input position of every forward, padding included) and CPU µs per
 computed token, and ``exact``: requests whose tokens equal the oracle's. The engine also
 reports ``hybridkv_share``: CPU time inside hybridkv memory and cache calls (every method and
-property of every class of ``hybridkv.memory``, ``hybridkv.cache`` and the engine's allocator,
+property of every class of ``hybridkv.memory``, ``hybridkv.cache`` and the engine's KV façade,
 ``KVHandle`` included; outermost calls only) over the pass's CPU time. An untimed pass with
 every one of those wrapped finds the ones the engine enters hybridkv by; the timed passes wrap
 only those, so hybridkv's calls inside itself run at their own cost (``record_entry_points``;
@@ -81,7 +81,7 @@ GOAL_SHARE = 0.10
 MAX_BLOCKS = 64
 FIRST_TOKEN = 3  # ids below are special tokens (pad / bos / eos) in the tiny models
 HYBRIDKV_PACKAGES = ("hybridkv.memory", "hybridkv.cache")
-HYBRIDKV_MODULES = ("hybridkv.engine.sched.allocator",)  # the engine's bridge to the cache: its calls count too
+HYBRIDKV_MODULES = ("hybridkv.engine.sched.kv",)  # the engine's bridge to the cache: its calls count too
 
 
 def conversation_prompts(
@@ -188,7 +188,7 @@ class CallTimer:
 
 
 def hybridkv_classes() -> list[type]:
-    """Every class of the hybridkv memory and cache packages and of the engine's allocator (exceptions and enums
+    """Every class of the hybridkv memory and cache packages and of the engine's KV façade (exceptions and enums
     aside): what the bench's hybridkv share times."""
     names = list(HYBRIDKV_MODULES)
     for package in HYBRIDKV_PACKAGES:

@@ -45,16 +45,17 @@ from hybridkv.cache.placement import engine_default
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
 from hybridkv.engine.runner import ShardRunner
-from hybridkv.engine.sched.allocator import RequestAllocator
+from hybridkv.engine.sched.kv import RequestKV
 from hybridkv.engine.sched.request import (
     CheckedPrompt,
     FinishReason,
     Outcome,
+    Request,
     RequestError,
     SamplingParams,
     check_request,
 )
-from hybridkv.engine.sched.scheduler import Request, Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
+from hybridkv.engine.sched.scheduler import Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
 from hybridkv.engine.sched.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory, parse_bytes
@@ -148,7 +149,7 @@ class Engine:
         self.max_running = max_running
         self.max_step_tokens = step_budget(chunk_size, max_step_tokens)
         self.eos = eos_ids(self.config)
-        self.alloc = RequestAllocator(
+        self.kv = RequestKV(
             self.mem,
             prefix_cache=prefix_cache,
             cache_policy=cache_policy,
@@ -157,7 +158,7 @@ class Engine:
         if not prefix_cache and (host_memory is not None or store not in (None, "none")):
             raise ValueError("tiers below the device hold what the prefix cache evicts: they need prefix_cache=True")
         self.tiers = EngineTiers.build(
-            self.alloc.kvm,
+            self.kv.kvm,
             chunk_size,
             host_memory=host_memory,
             store=store,
@@ -165,8 +166,8 @@ class Engine:
             store_memory=store_memory,
             policy=tier_policy,
         )
-        self.alloc.tiers = self.tiers
-        self.sched = Scheduler(self.alloc, self.chunk_size, self.max_running, self.max_step_tokens)
+        self.kv.tiers = self.tiers
+        self.sched = Scheduler(self.kv, self.chunk_size, self.max_running, self.max_step_tokens)
         self.stats = dict.fromkeys(
             [
                 "steps",
@@ -191,7 +192,7 @@ class Engine:
 
     @property
     def cache(self) -> HybridRadixCache:
-        return self.alloc.cache
+        return self.kv.cache
 
     @property
     def vocab_size(self) -> int:
@@ -200,7 +201,7 @@ class Engine:
     def clear_cache(self, host: bool = False) -> None:
         """Evict everything the prefix cache holds (call it while no request runs): with tiers,
         written back below. ``host``: empty host memory too, into the store below it."""
-        self.alloc.clear_cache()
+        self.kv.clear_cache()
         if self.tiers is not None:
             if host:
                 self.tiers.clear_host()
@@ -301,10 +302,10 @@ class Engine:
             req.prompt_logprobs += logprobs[max(0, known - start) :]
 
     def _output(self, req: Request) -> Outcome:
-        hit = req.mem.hit
+        hit = req.hit
         cached = 0 if hit is None else hit.cached_tokens
         self.stats["cached_tokens"] += cached
-        self.stats["resumed_cached_tokens"] += req.mem.cached_tokens - cached
+        self.stats["resumed_cached_tokens"] += req.cached_tokens - cached
         if hit is not None:
             for where, n in hit.details.items():
                 self.stats[f"cached_tokens_{where}"] += n

@@ -12,7 +12,7 @@ Invariants:
   step; no physical id outlives the step (compaction may move cells between steps).
 - A request's state slot is read at its ``prefix_lens`` and holds the state after its last new token when
   the step returns (zeroed first when ``fresh_state``).
-- Every rank of a layout runs the same schedule with its own ``RequestAllocator`` over its own memory
+- Every rank of a layout runs the same schedule with its own ``RequestKV`` over its own memory
   (virtual ids differ per rank; token counts do not). ``forward`` returns the same logits on every rank
   (the last stage's TP rank 0 broadcasts them); ``run_stage`` returns this stage's own output without the
   broadcast (hidden states on earlier stages). Hidden states cross stages as ``(T, hidden)`` in the model

@@ -125,7 +125,7 @@ class EngineBackend:
             "max_prefill_tokens": engine.max_step_tokens,
             "max_running_requests": engine.max_running,
             "max_total_num_tokens": (engine.mem.pages.capacity - 1) * engine.mem.page_size,  # page 0: the sink
-            "disable_radix_cache": not engine.alloc.prefix_cache,
+            "disable_radix_cache": not engine.kv.prefix_cache,
             "tiers": engine.tiers is not None,
         }
 

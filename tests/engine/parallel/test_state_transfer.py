@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from hybridkv.engine.parallel import launch
-from hybridkv.engine.sched.allocator import RequestAllocator
+from hybridkv.engine.sched.kv import Budget, RequestKV
+from hybridkv.engine.sched.request import Request, SamplingParams
 from hybridkv.spec import Parallel, ShardSpec
 from hybridkv.transfer import buffer_set_from_memory, build_plan, make_transport, memory_cells, pair_entries
 from hybridkv.transfer.shared import shared_memory
@@ -52,12 +53,12 @@ def _transferred(name: str) -> tuple[dict[str, np.ndarray], list[dict[str, np.nd
     the TP 1 state tensors, and each decode rank's as they landed."""
     runner = make_runner(name, PAGE)
     spec, pre_mem = runner.mem.shard.model, runner.mem
-    alloc, req = worker.prefill(runner, IDS, CHUNK)
-    assert req.slot is not None
+    kv, req = worker.prefill(runner, IDS, CHUNK)
+    assert req.kv.state_slot is not None
     pre_bufs = buffer_set_from_memory(pre_mem)
     writer = make_transport("shm")
     writer.register(pre_mem.arena.buffer.data_ptr(), pre_mem.arena.nbytes)
-    src = memory_cells(pre_mem, req.token_locs[::PAGE] // PAGE, req.slot)
+    src = memory_cells(pre_mem, req.kv.token_locs()[::PAGE] // PAGE, req.kv.state_slot)
     out = []
     for tp_rank in range(2):
         dec_mem, shared = shared_memory(
@@ -65,24 +66,24 @@ def _transferred(name: str) -> tuple[dict[str, np.ndarray], list[dict[str, np.nd
         )
         receiver = make_transport("shm", shared)
         try:
-            dec_alloc = RequestAllocator(dec_mem, prefix_cache=False)
-            dreq = dec_alloc.new()
-            dec_alloc.admit(dreq, IDS, len(IDS), len(IDS), 0, True)
-            dec_alloc.extend([dreq], [dreq.length + len(IDS)])
-            assert dreq.slot is not None
+            dec_kv = RequestKV(dec_mem, prefix_cache=False)
+            dreq = Request(0, list(IDS), SamplingParams())
+            dec_kv.admit(dreq, Budget(len(IDS), alone=True))
+            dec_kv.allocate([dreq], [len(IDS)])
+            assert dreq.kv.state_slot is not None
             dec_bufs = buffer_set_from_memory(dec_mem)
-            dst = memory_cells(dec_mem, dreq.token_locs[::PAGE] // PAGE, dreq.slot)
+            dst = memory_cells(dec_mem, dreq.kv.token_locs()[::PAGE] // PAGE, dreq.kv.state_slot)
             plan = build_plan(pre_bufs, dec_bufs, pair_entries(pre_bufs, dec_bufs), len(IDS), src, dst)
             writer.write(receiver.session, *plan.ops(), plan.bounds)
-            out.append(worker.slot_states(dec_mem, dreq.slot))
-            dec_alloc.retract(dreq)
+            out.append(worker.slot_states(dec_mem, dreq.kv.state_slot))
+            dec_kv.free(dreq, cache=False)
             dec_mem.verify()
         finally:
             receiver.close()
             shared.close()
     writer.close()
-    whole = worker.slot_states(pre_mem, req.slot)
-    alloc.retract(req)
+    whole = worker.slot_states(pre_mem, req.kv.state_slot)
+    kv.free(req, cache=False)
     pre_mem.verify()
     return whole, out
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.parallel import StageGroups, launch
 from hybridkv.engine.runner import ShardRunner, build_runner
-from hybridkv.engine.sched.allocator import Admission, RequestAllocator, RequestMemory
+from hybridkv.engine.sched.kv import Admission, Budget, RequestKV
+from hybridkv.engine.sched.request import Request, SamplingParams
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import RECURRENT_POOL, IdSpace, KindTag, Parallel
 
@@ -92,18 +93,19 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
     return os.getpid(), out
 
 
-def prefill(runner: ShardRunner, ids: list[int], chunk: int) -> tuple[RequestAllocator, RequestMemory]:
+def prefill(runner: ShardRunner, ids: list[int], chunk: int) -> tuple[RequestKV, Request]:
     """Prefill ``ids`` as one request in chunks of ``chunk``; the request stays allocated."""
-    alloc = RequestAllocator(runner.mem, prefix_cache=False)
-    req = alloc.new()
-    assert alloc.admit(req, ids, len(ids), chunk, 0, True) is Admission.ADMITTED
+    kv = RequestKV(runner.mem, prefix_cache=False)
+    req = Request(0, list(ids), SamplingParams())
+    assert kv.admit(req, Budget(chunk, alone=True)) is Admission.ADMITTED
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
-        prefix = req.length
-        alloc.extend([req], [req.length + len(piece)])
-        runner.forward(ForwardBatch.build([piece], [prefix], [req.token_locs], [req.slot], [req.fresh]))
-        alloc.mark_computed([req])
-    return alloc, req
+        prefix = req.computed
+        kv.allocate([req], [len(piece)])
+        runner.forward(ForwardBatch.build([piece], [prefix], [req.kv.token_locs()], [req.kv.state_slot], [req.fresh]))
+        kv.computed([req])
+        req.computed += len(piece)
+    return kv, req
 
 
 def slot_states(mem: UnifiedMemory, slot: int) -> dict[str, np.ndarray]:
@@ -135,10 +137,10 @@ def tp2_prefill_states(rank: int, jobs: list[tuple[str, int, int, list[int]]]) -
             page_size=page_size,
             max_context=256,
         )
-        alloc, req = prefill(runner, ids, chunk)
-        assert req.slot is not None
-        out[directory] = slot_states(runner.mem, req.slot)
-        alloc.retract(req)
+        kv, req = prefill(runner, ids, chunk)
+        assert req.kv.state_slot is not None
+        out[directory] = slot_states(runner.mem, req.kv.state_slot)
+        kv.free(req, cache=False)
     return out
 
 

@@ -17,8 +17,11 @@ Invariants:
 - One owner, one free path: a reservation is released only through the scheduler (a failed
   transfer's pages once the receiver says no writer can touch them: ``take_releasable``).
 - Every memory-dependent decision (reservation, admission, growth) is agreed over the TP ranks.
-- ``holding`` changes only by agreed decisions (a transfer failed on one rank stays held there until
-  the ranks agree on it), so every rank takes part in the same agreements.
+- A request's state is its ``status``: queued for memory (``WAITING``, in ``unreserved``: arrival order), reserved
+  (``RECEIVING``; ``Request.first`` once its first token is known), running, or given up (``ABANDONED``: held
+  until the receiver says no writer can touch its memory, ``Request.writers_gone``, then dropped).
+- A held request's status changes only by agreed decisions or commands every rank sees (a transfer failed on one
+  rank stays held there until the ranks agree on it), so every rank takes part in the same agreements.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.registry import engine_spec, eos_ids, text_config
 from hybridkv.engine.runner import build_runner
-from hybridkv.engine.sched.allocator import RequestAllocator
-from hybridkv.engine.sched.request import FinishReason
-from hybridkv.engine.sched.scheduler import Request, Role, choose_step_tokens
+from hybridkv.engine.sched.kv import RequestKV
+from hybridkv.engine.sched.request import FinishReason, Request, RequestStatus
+from hybridkv.engine.sched.scheduler import Role, choose_step_tokens
 from hybridkv.engine.weights import read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
@@ -71,13 +74,11 @@ class DecodeRank(Worker):
         self.receiver = DecodeReceiver(
             self.mem, args.engine, args.bootstrap, self.link, key=key, timeout_s=c.transfer_timeout_s
         )
-        self.alloc = RequestAllocator(self.mem, prefix_cache=False)
+        self.kv = RequestKV(self.mem, prefix_cache=False)
         self.sched = self.scheduler()
-        self.unreserved: deque[tuple[Request, str]] = deque()  # (request, prefill engine), waiting for memory
-        self.first: dict[str, int] = {}
+        self.unreserved: deque[tuple[Request, str]] = deque()
+        """(request, prefill engine) waiting for memory, in arrival order: a queue, as ``Scheduler.waiting``."""
         self.received: dict[str, int] = {}  # tid -> bytes this rank received for it
-        self.transfer_failed: set[str] = set()  # dropped for a failed transfer: the failing rank said why
-        self.released: set[str] = set()  # failed here and out of quarantine, not yet agreed: still held
 
     def close(self) -> None:
         self.receiver.close()
@@ -89,28 +90,35 @@ class DecodeRank(Worker):
         return 0.002 if self.unreserved and not self.sched.has_work() else super().poll_s()
 
     def held_requests(self) -> int:
-        return len(self.sched.running) + len(self.sched.holding) + len(self.sched.waiting)
+        return len(self.sched.requests)
 
     # --- commands -------------------------------------------------------------------------
 
     def apply(self, command: Command) -> None:
         if isinstance(command, Reserve):
-            req = self.request(command.tid, command.ids, command.params)
-            self.unreserved.append((req, command.prefill_engine))
+            self.unreserved.append((self.request(command.tid, command.ids, command.params), command.prefill_engine))
         elif isinstance(command, Decode):
-            self.first[command.tid] = command.first
+            req = self.find(command.tid)
+            if req is not None:
+                req.first = command.first
         elif isinstance(command, Abort):
             self.abort(command.tid, command.reason)
 
+    def find(self, tid: str) -> Request | None:
+        """The open request ``tid``: queued for memory, or the scheduler's."""
+        for req, _ in self.unreserved:
+            if req.rid == tid:
+                return req
+        return self.sched.requests.get(tid)
+
     def abort(self, tid: str, reason: str) -> None:
-        self.first.pop(tid, None)
         for entry in self.unreserved:
             if entry[0].rid == tid:
                 self.unreserved.remove(entry)
                 return
-        if tid in self.sched.holding:
+        if self.sched.holds(tid):
             self.receiver.abort(tid, reason)  # released once no writer can touch its pages
-            self.transfer_failed.add(tid)
+            self.sched.abandon(tid)
         else:
             self.sched.abort(tid, reason)
 
@@ -147,13 +155,13 @@ class DecodeRank(Worker):
                     )
                 continue
             self.unreserved.popleft()
-            h = req.mem.handle
-            assert h is not None
+            h = req.kv
+            assert h is not None  # reserved
             self.receiver.request(str(req.rid), engine, len(req.prompt), reserved=Allocation(h.pages, h.state_slot))
 
     def admit(self) -> None:
         """Agree with the TP peers on which transfers ended, then run (all succeeded) or drop them."""
-        ready = [t for t in map(str, self.sched.holding) if t in self.first and t not in self.transfer_failed]
+        ready = [str(r.rid) for r in self.sched.held() if r.status is RequestStatus.RECEIVING and r.first is not None]
         reports = [self.receiver.status(tid) for tid in ready]
         self.collect()  # after reading: every status read has had its pages unpinned or quarantined
         if not ready:
@@ -165,12 +173,11 @@ class DecodeRank(Worker):
         for k, (tid, report) in enumerate(zip(ready, reports, strict=True)):
             ok, failed = agreed[2 * k], -agreed[2 * k + 1]
             if failed:
-                self.first.pop(tid)
-                self.transfer_failed.add(tid)
+                self.sched.abandon(tid)
                 if report is not None and report.phase is Phase.FAILED:
                     self.conn.send(Failed(tid, f"decode TP rank {self.rank}: {report.reason}", transfer=True))
                 elif report is not None and report.phase is Phase.SUCCESS:
-                    self.sched.drop(tid, "another decode TP rank's transfer failed")  # nothing writes here any more
+                    self.sched.drop(tid)  # another decode TP rank's transfer failed; nothing writes here any more
                 else:
                     self.receiver.abort(tid, "another decode TP rank's transfer failed")
             elif ok:
@@ -180,29 +187,32 @@ class DecodeRank(Worker):
                 self.requests += 1
                 if self.rank == 0:
                     self.conn.send(Admitted(tid, time.monotonic(), report.nbytes))
-                self.sched.received(tid, self.first.pop(tid))
+                first = self.sched.requests[tid].first
+                assert first is not None  # ready
+                self.sched.received(tid, first)
 
     def collect(self) -> None:
         """The receiver's finished requests: unpin the successful, drop the failed ones once no
         writer can touch their pages, and those given up whose KV landed anyway (an abort that came
         after the transfer succeeded frees nothing in the receiver)."""
-        given_up = [t for t in map(str, self.sched.holding) if t in self.transfer_failed]
+        given_up = [str(r.rid) for r in self.sched.held() if r.status is RequestStatus.ABANDONED]
         landed = [t for t in given_up if self._phase(t) is Phase.SUCCESS]  # read before poll: unpinned by it
         self.receiver.poll()
-        self.released.update(self.receiver.take_releasable())
-        for tid in [t for t in self.released if t in self.transfer_failed]:  # the others: not agreed yet
-            self.released.discard(tid)
-            self.sched.drop(tid, "its transfer failed")
+        for tid in self.receiver.take_releasable():
+            req = self.sched.requests.get(tid)
+            if req is not None:
+                req.writers_gone = True
+        for req in self.sched.held():  # the others: failed here, not agreed yet (still held)
+            if req.status is RequestStatus.ABANDONED and req.writers_gone:
+                self.sched.drop(req.rid)  # its transfer failed
         for tid in landed:
-            self.sched.drop(tid, "given up")
+            self.sched.drop(tid)  # given up
 
     def report_finished(self) -> None:
         for req in self.sched.take_finished():
             tid = str(req.rid)
             nbytes = self.received.pop(tid, 0)
-            if tid in self.transfer_failed:
-                self.transfer_failed.discard(tid)
-            elif req.finish_reason is FinishReason.ERROR:
+            if req.finish_reason is FinishReason.ERROR:
                 if self.rank == 0:
                     self.conn.send(Failed(tid, req.error or "failed"))
             elif req.finish_reason is not FinishReason.ABORT:
@@ -216,13 +226,13 @@ class DecodeRank(Worker):
 
     def drain(self) -> None:
         self.unreserved.clear()
-        for rid in list(self.sched.holding):
-            self.receiver.abort(str(rid), "the server is stopping")
-            self.transfer_failed.add(str(rid))
+        for req in self.sched.held():
+            self.receiver.abort(str(req.rid), "the server is stopping")
+            self.sched.abandon(req.rid)
         for req in [*self.sched.waiting, *self.sched.running]:
             self.sched.abort(req.rid, "the server is stopping")
         end = time.monotonic() + self.args.config.timeout_s
-        while self.sched.holding and time.monotonic() < end:
+        while self.sched.held() and time.monotonic() < end:
             self.collect()
             time.sleep(0.002)
         self.sched.take_finished()

@@ -55,10 +55,10 @@ from hybridkv.engine.disagg.worker import Worker
 from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.registry import eos_ids
 from hybridkv.engine.runner import build_runner
-from hybridkv.engine.sched.allocator import RequestAllocator
-from hybridkv.engine.sched.request import FinishReason
+from hybridkv.engine.sched.kv import RequestKV
+from hybridkv.engine.sched.request import FinishReason, Request
 from hybridkv.engine.sched.sampling import NON_FINITE
-from hybridkv.engine.sched.scheduler import Request, Role, Step, choose_step_tokens
+from hybridkv.engine.sched.scheduler import Role, Step, choose_step_tokens
 from hybridkv.engine.sched.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.spec import Parallel
 from hybridkv.transfer import Phase, PrefillSender, Transport
@@ -103,10 +103,10 @@ class PrefillRank(Worker):
         )
         self.eos = eos_ids(self.runner.model.config)
         self.mem = self.runner.mem
-        self.alloc = RequestAllocator(
+        self.kv = RequestKV(
             self.mem, prefix_cache=c.prefix_cache, checkpoints=c.checkpoints or engine_default(c.chunk, c.page_size)
         )
-        self.tiers = self.alloc.tiers = prefill_tiers(self.alloc, c)
+        self.tiers = self.kv.tiers = prefill_tiers(self.kv, c)
         self.sched = self.scheduler()
         kind = transport_class(c.transport)
         inner = kind.create(None, **kind.loopback_options)
@@ -134,11 +134,11 @@ class PrefillRank(Worker):
 
     def held_live(self) -> tuple[int, int]:
         pages, slots = super().held_live()
-        cache = self.alloc.cache
+        cache = self.kv.cache
         return pages - cache.cached_pages, slots - cache.num_checkpoints
 
     def held_requests(self) -> int:
-        return len(self.sched.running) + len(self.sched.holding)
+        return len(self.sched.requests) - len(self.sched.waiting)
 
     # --- commands -------------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ class PrefillRank(Worker):
         elif isinstance(command, Abort):
             self.abort(command)
         elif isinstance(command, ClearCache):
-            self.alloc.clear_cache()  # what requests hold stays; the rest is written back below
+            self.kv.clear_cache()  # what requests hold stays; the rest is written back below
             if self.tiers is not None:
                 if command.host:
                     self.tiers.clear_host()
@@ -170,7 +170,7 @@ class PrefillRank(Worker):
             now = time.monotonic()
             why = f"aborted before it was sent: {cmd.reason}"
             self.release(cmd.tid, Sent(cmd.tid, False, why, 0, 0, (stamps.started, stamps.computed), (now, now)))
-        elif cmd.tid in self.sched.holding:
+        elif self.sched.holds(cmd.tid):
             self.sender.abort(cmd.tid, cmd.reason)
 
     # --- one step -------------------------------------------------------------------------
@@ -193,13 +193,12 @@ class PrefillRank(Worker):
             stamps = self.stamps[str(req.rid)]
             if not stamps.started:  # first scheduled: the router reserves its decode memory now
                 stamps.started = now
-                hit = req.mem.hit
+                hit = req.hit
                 if self.rank == 0:
                     cached, details = (0, ZERO_DETAILS) if hit is None else (hit.cached_tokens, hit.details)
                     self.conn.send(Started(str(req.rid), now, cached, details))
         out = self.runner.run_stage(step.batch)
-        self.sched.computed(step)
-        handed = self.sched.take_handoffs()
+        handed = self.sched.computed(step)
         for req in handed:  # this stage's KV/state is complete: send it while the later stages still compute
             self.stamps[str(req.rid)].computed = time.monotonic()
             self.hand_off(req)
@@ -241,8 +240,9 @@ class PrefillRank(Worker):
     def send(self, req: Request) -> None:
         tid = str(req.rid)
         self.stamps[tid].handed = time.monotonic()
-        h = req.mem.live
-        gate = self.alloc.kvm.pin(h)
+        h = req.kv
+        assert h is not None  # handed off: it holds its KV until its sender is done
+        gate = self.kv.kvm.pin(h)
         self.sender.send(tid, h.pages, h.state_slot, h.seq_len, pinned=gate)
         self.conn.send(Sending(tid))
 
@@ -251,10 +251,10 @@ class PrefillRank(Worker):
         for tid, at in list(self.delayed.items()):
             if now >= at:
                 del self.delayed[tid]
-                self.send(self.sched.holding[tid])
+                self.send(self.sched.requests[tid])
         for report in self.sender.poll():
             tid = report.request_id
-            if tid not in self.sched.holding:
+            if not self.sched.holds(tid):
                 continue
             self.delayed.pop(tid, None)
             self.nbytes += report.nbytes
@@ -268,7 +268,9 @@ class PrefillRank(Worker):
 
     def release(self, tid: str, sent: Sent) -> None:
         """Its sender is done with it: unpin, cache the prompt, release the rest, report."""
-        self.alloc.kvm.unpin(self.sched.holding[tid].mem.live)
+        h = self.sched.requests[tid].kv
+        assert h is not None  # handed off: it holds its KV until now
+        self.kv.kvm.unpin(h)
         self.sched.release_sent(tid)
         self.stamps.pop(tid, None)
         self.report_tiers(now=True)  # before ``Sent``: the router sees the request's restore counted when it ends
@@ -287,22 +289,22 @@ class PrefillRank(Worker):
     def drain(self) -> None:
         for tid in list(self.delayed):
             del self.delayed[tid]
-            self.send(self.sched.holding[tid])  # its decode side has long given up: the sender fails it at once
-        for rid in self.sched.holding:
-            self.sender.abort(str(rid), "the server is stopping")
+            self.send(self.sched.requests[tid])  # its decode side has long given up: the sender fails it at once
+        for req in self.sched.held():
+            self.sender.abort(str(req.rid), "the server is stopping")
         for req in [*self.sched.waiting, *self.sched.running]:
             self.sched.abort(req.rid, "the server is stopping")
         end = time.monotonic() + self.args.config.timeout_s
-        while self.sched.holding and time.monotonic() < end:
+        while self.sched.held() and time.monotonic() < end:
             self.progress()
             time.sleep(0.002)
         if self.tiers is not None:  # closed first: the cache cleared below writes nothing back
             self.tiers.close()
             self.tiers = None
-        self.alloc.clear_cache()
+        self.kv.clear_cache()
 
 
-def prefill_tiers(alloc: RequestAllocator, c: PDConfig) -> EngineTiers | None:
+def prefill_tiers(kv: RequestKV, c: PDConfig) -> EngineTiers | None:
     """This rank's tiers below its device (None without): its own host memory and store client,
     keyed by its shard (``tiers.keys``: its layer range, PP stage and TP rank), on the master the
     router named."""
@@ -311,7 +313,7 @@ def prefill_tiers(alloc: RequestAllocator, c: PDConfig) -> EngineTiers | None:
     if c.store != "none" and c.store_master is None:
         raise ValueError("a prefill rank's store needs the master the router started or was given (store_master)")
     tiers = EngineTiers.build(
-        alloc.kvm,
+        kv.kvm,
         c.chunk,
         host_memory=c.host_memory,
         store=c.store,

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from hybridkv.engine.disagg.config import WorkerArgs
 from hybridkv.engine.disagg.protocol import Command, Live, Probe, Ready, Report, Stop
 from hybridkv.engine.sched.agreement import ALONE, Agreement, WorldAgreement
-from hybridkv.engine.sched.allocator import RequestAllocator
-from hybridkv.engine.sched.request import SamplingParams
-from hybridkv.engine.sched.scheduler import Request, Role, Scheduler
+from hybridkv.engine.sched.kv import RequestKV
+from hybridkv.engine.sched.request import Request, SamplingParams
+from hybridkv.engine.sched.scheduler import Role, Scheduler
 from hybridkv.memory import UnifiedMemory
 
 IDLE_S = 0.05
@@ -42,7 +42,7 @@ def live(mem: UnifiedMemory) -> tuple[int, int]:
 class Worker:
     role: Role
     mem: UnifiedMemory
-    alloc: RequestAllocator
+    kv: RequestKV
     sched: Scheduler
 
     def __init__(self, rank: int, conn: Connection, args: WorkerArgs, size: int) -> None:
@@ -54,7 +54,7 @@ class Worker:
 
     def scheduler(self) -> Scheduler:
         c = self.args.config
-        return Scheduler(self.alloc, c.chunk, c.max_running, c.step_tokens, self.role, self.agree)
+        return Scheduler(self.kv, c.chunk, c.max_running, c.step_tokens, self.role, self.agree)
 
     def request(self, tid: str, ids: tuple[int, ...], params: SamplingParams) -> Request:
         return Request(tid, list(ids), params, params.stops(self.eos))
@@ -98,7 +98,7 @@ class Worker:
         sched = self.sched
         if sched.has_work():
             return 0.0
-        return 0.002 if sched.holding else IDLE_S
+        return 0.002 if sched.held() else IDLE_S
 
     def apply(self, command: Command) -> None:
         raise NotImplementedError

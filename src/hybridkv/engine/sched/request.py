@@ -1,4 +1,5 @@
-"""What a client asks of the engine (token ids and ``SamplingParams``, validated at the edge) and how it ended.
+"""A request: what a client asks of the engine (token ids and ``SamplingParams``, validated at the edge), the
+engine's ``Request`` that carries it (its status and its KV) and how it ended.
 
 ``SamplingParams`` is the one description of how a request's tokens are chosen and when it
 ends, used alike by ``Engine``, ``generate``, ``serve-pd``, ``PDServer`` and the HTTP server:
@@ -8,14 +9,18 @@ new token's log-probability and the n most likely tokens', ``engine.logprobs``) 
 (the same for every prompt token after the first: the prompt is then computed whole, no cache hit).
 ``check_request`` is the
 one validation every entry point runs before a request is queued; its ``RequestError`` names
-the offending field, its ``CheckedPrompt`` is what the engines queue. ``Outcome`` is the one report of
-a request's end, from the engine through a server's backend to its HTTP answer.
+the offending field, its ``CheckedPrompt`` is what the engines queue. Inside an engine a ``Request`` carries its
+tokens, its ``RequestStatus`` and its KV (``Request.kv``, held through ``engine.sched.kv.RequestKV``: the
+scheduler changes memory through it alone). ``Outcome`` is the one report of a request's end, from the engine
+through a server's backend to its HTTP answer.
 
 Invariants:
 - A ``SamplingParams`` holds only values the engine can serve: ``check`` raises
   ``RequestError`` (field named) for anything else, at construction.
 - A prompt is checked once: a ``CheckedPrompt`` exists only as ``check_request``'s answer, and an
   engine given one checks only that it was checked for its own vocabulary and context.
+- A ``Request``'s state is its ``status``; it holds KV exactly while ``kv`` is set (``HELD`` statuses hold it
+  outside the running batch), and its cache namespace is its ``cache_salt`` alone.
 - A request ends for exactly one ``FinishReason``, reported once as its ``Outcome``: ``length``
   (max_new_tokens reached), ``eos`` (the model's end-of-sequence id, unless ``ignore_eos``), ``stop`` (one of
   ``stop_token_ids``; the stop token is part of the output, as EOS is), ``abort`` (a client
@@ -28,15 +33,16 @@ import dataclasses
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from hybridkv.cache import KVHandle, MatchResult
     from hybridkv.engine.disagg.path import PDPath
     from hybridkv.engine.logprobs import TokenLogprob
-    from hybridkv.engine.sched.allocator import CacheHit
+    from hybridkv.tiers import Fetched
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
@@ -52,6 +58,29 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class RequestStatus(Enum):
+    """Where a request is in its life: the one field that says it (the scheduler moves it, forward only, except
+    a retraction's RUNNING -> WAITING)."""
+
+    WAITING = "waiting"
+    """Queued; holds no KV (a planned restore's pins at most)."""
+    RUNNING = "running"
+    """In the batch: holds its KV and computes."""
+    HANDED_OFF = "handed_off"
+    """Prefill role: its prompt is computed; its KV stays held while its sender reads it."""
+    RECEIVING = "receiving"
+    """Decode role: its KV is reserved while it arrives by transfer."""
+    ABANDONED = "abandoned"
+    """Decode role: received or reserved, but it will not run (its transfer failed, or it was given up); its KV is
+    held until no writer can touch it."""
+    FINISHED = "finished"
+    """Ended (its ``finish_reason`` says why, or it was handed off and sent); holds no KV."""
+
+
+HELD = frozenset({RequestStatus.HANDED_OFF, RequestStatus.RECEIVING, RequestStatus.ABANDONED})
+"""Statuses of a request that holds KV outside the running batch."""
 
 
 class FinishReason(StrEnum):
@@ -222,3 +251,109 @@ def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int
             "tokens; shorten the prompt or lower max_new_tokens",
         )
     return CheckedPrompt(ids.tolist(), params, vocab_size, max_context)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """What a request's first admission found in the cache (tokens of the match per component)."""
+
+    cached_tokens: int
+    """Tokens valid for every component: prefill started there."""
+    full: int
+    """Page-aligned full-KV match."""
+    window: int
+    """Longest match valid for full KV and every window pool."""
+    checkpoint: int
+    """Deepest state checkpoint on the full-KV match (0 without recurrent layers)."""
+    host: int = 0
+    """Tokens of ``cached_tokens`` whose full KV came back from host memory (restored at admission)."""
+    storage: int = 0
+    """Tokens of ``cached_tokens`` whose full KV came back from the store (the Mooncake Store)."""
+
+    @classmethod
+    def of(cls, m: MatchResult, details: dict[str, int] | None = None) -> CacheHit:
+        """The device ``m``'s hit; with ``details`` (``EngineTiers.details``) a hit restored
+        beyond it from the tiers below."""
+        if details is None:
+            return cls(m.length, m.full_length, m.window_length, m.checkpoint_length)
+        total = sum(details.values())
+        return cls(total, m.full_length, m.window_length, m.checkpoint_length, details["host"], details["storage"])
+
+    @property
+    def details(self) -> dict[str, int]:
+        """``cached_tokens`` by where their full KV came from (the server's ``cached_tokens_details``)."""
+        return {"device": self.cached_tokens - self.host - self.storage, "host": self.host, "storage": self.storage}
+
+
+_NO_TOKENS = np.empty(0, dtype=np.int64)
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside an engine: its tokens, its ``status``, and its KV (``kv``, held through ``RequestKV``)."""
+
+    rid: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    stops: frozenset[int] = frozenset()
+    cache_salt: Hashable = None
+    """Its prefix-cache namespace."""
+    status: RequestStatus = RequestStatus.WAITING
+    kv: KVHandle | None = None
+    """Its pages, state slot and checkpoints (the one owner is ``KVManager``); None while it holds nothing."""
+    tokens: list[int] = field(default_factory=list)
+    computed: int = 0
+    """Tokens whose K/V and state are in memory (``kv.seq_len`` after each forward)."""
+    fresh: bool = True
+    """Its state slot holds nothing yet: the next forward zeroes it."""
+    wanted: tuple[int, ...] = ()
+    """Page-aligned positions where a prefill chunk must end: the placement wants a checkpoint there."""
+    hit: CacheHit | None = None
+    """The first admission's hit (kept across retractions)."""
+    cached_tokens: int = 0
+    """Tokens taken from the cache over every admission."""
+    fetched: Fetched | None = None
+    """With tiers: the cross-tier hit planned while it waits (store reads under way)."""
+    first: int | None = None
+    """Decode role: its first token, chosen by the prefill engine, known before its KV arrived."""
+    writers_gone: bool = False
+    """Decode role: the receiver says no transfer can write its reserved KV any more (it may be freed)."""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    retractions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
+    _ids: np.ndarray = field(default_factory=lambda: _NO_TOKENS, repr=False)
+    _known: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def reuse(self) -> bool:
+        """It may start from a prefix-cache hit (False: it computes its whole prompt, for the prompt's
+        log-probabilities; what it computes is still cached for others)."""
+        return self.params.prompt_logprobs is None
+
+    def ids(self, end: int) -> np.ndarray:
+        """``tokens[:end]`` as int64 ids: a view of a copy kept with the request, to which only
+        tokens not seen before are converted (a request's tokens only grow, by appending).
+        Never written below ``_known``: views handed out stay valid."""
+        known = self._known
+        if end > known:
+            if end > self._ids.size:
+                grown = np.empty(max(end, 2 * self._ids.size, 64), dtype=np.int64)
+                grown[:known] = self._ids[:known]
+                self._ids = grown
+            self._ids[known:end] = self.tokens[known:end]
+            self._known = end
+        return self._ids[:end]

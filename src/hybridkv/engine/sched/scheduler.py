@@ -3,23 +3,23 @@
 One scheduler serves every engine: ``Role.WHOLE`` (prefill and decode in one engine),
 ``Role.PREFILL`` (a disaggregated prefill engine: batches prompt chunks of several requests;
 when a request's prompt is computed its first token is chosen and the request is *handed
-off*: its memory stays held, ``holding``, until its sender finished, then ``release_sent``
+off* (``HANDED_OFF``): its memory stays held until its sender finished, then ``release_sent``
 caches the prompt and releases the rest) and ``Role.DECODE`` (a disaggregated decode engine:
-``reserve`` holds memory for a request's prompt while its KV arrives; ``received`` makes it a
-running request that decodes like any other).
+``reserve`` holds memory for a request's prompt while its KV arrives, ``RECEIVING``; ``received``
+makes it a running request that decodes like any other; ``abandon`` and ``drop`` give up one).
 
 Every step runs all running requests together: each feeds its next uncomputed tokens (up to
 ``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; a chunk that
 would pass a position where the checkpoint placement wants the state stored
-(``RequestMemory.wanted``) ends there instead. Waiting requests are admitted while their cache
-hit's state slot and the pages of their first chunk fit (``RequestAllocator.admit``: computation
+(``Request.wanted``) ends there instead. Waiting requests are admitted while their cache
+hit's state slot and the pages of their first chunk fit (``RequestKV.admit``: computation
 starts at the hit's end; the first request of an empty engine always starts). A waiting request
 that shares a prefix with a prompt still being prefilled waits (others behind it are admitted)
 until that prefix is computed and cached, so a step never computes the same tokens twice
 (``_waits_for_prefill``; at most ``WAITING_SCAN`` wait ahead of the one admitted). Memory for a
-step comes from one ``RequestAllocator.extend`` call to absolute lengths; when any rank is
+step comes from one ``RequestKV.allocate`` call to absolute lengths; when any rank is
 refused (the cache had nothing left to evict) the most recently admitted request is retracted
-on every rank: it releases its handle (what it inserted stays cached), returns to the front of
+on every rank: it frees its KV (what it inserted stays cached), returns to the front of
 the queue (counted as a retraction when it held memory) and, when admitted again, matches again
 and recomputes only what the cache does not hold (its output stays exact). On a decode engine a
 retracted request is prefilled again locally from its prompt and the tokens it already has. A
@@ -27,11 +27,14 @@ request that cannot fit even alone fails with an error naming the budget; one th
 for memory held outside the batch (being sent or received) waits.
 
 Invariants:
+- A request's ``status`` says where it is: ``WAITING`` in ``waiting``, ``RUNNING`` in ``running``,
+  ``HELD`` (handed off, receiving, abandoned) in neither; ``requests`` indexes all of them until they end.
 - A request's ``computed`` tokens are exactly the ones whose K/V and state are in memory after a
   step; logits are taken only when a step's span reaches the end of its known tokens.
 - A request ends exactly once (``finished`` collects it): ``length``, ``eos``, ``stop`` (its
-  ``SamplingParams``), ``abort``, or ``error`` (including non-finite logits). Ended, waiting and
-  retracted requests hold no handle; handed-off and receiving requests hold theirs in ``holding``.
+  ``SamplingParams``), ``abort``, or ``error`` (including non-finite logits); a handed-off request ends when
+  its sender is done (``release_sent``), a dropped one silently. Ended, waiting and retracted requests hold no
+  KV (``RequestKV.free`` once per admission); held ones hold theirs.
 - Every decision that depends on a rank's memory goes through ``agree`` (``engine.sched.agreement``),
   so every rank of a multi-process engine runs the same schedule.
 """
@@ -41,7 +44,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -49,8 +52,8 @@ import torch
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.logprobs import TokenLogprob, token_logprobs
 from hybridkv.engine.sched.agreement import ALONE, Agreement
-from hybridkv.engine.sched.allocator import Admission, RequestAllocator, RequestMemory
-from hybridkv.engine.sched.request import FinishReason, SamplingParams
+from hybridkv.engine.sched.kv import Admission, Budget, RequestKV, StepRows
+from hybridkv.engine.sched.request import HELD, FinishReason, Request, RequestStatus
 from hybridkv.engine.sched.sampling import NON_FINITE, choose_tokens
 from hybridkv.memory import OutOfMemory
 
@@ -59,35 +62,6 @@ class Role(Enum):
     WHOLE = "whole"
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-@dataclass(eq=False)
-class Request:
-    rid: Hashable
-    prompt: list[int]
-    params: SamplingParams
-    stops: frozenset[int] = frozenset()
-    cache_salt: Hashable = None  # its prefix-cache namespace
-    mem: RequestMemory = field(default_factory=RequestMemory)
-    tokens: list[int] = field(default_factory=list)
-    computed: int = 0
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    retractions: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
-
-    def __post_init__(self) -> None:
-        if not self.tokens:
-            self.tokens = list(self.prompt)
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[len(self.prompt) :]
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
 
 STEP_CHUNKS = 16
@@ -180,7 +154,7 @@ def _prefilling(req: Request, page: int) -> bool:
 class Scheduler:
     def __init__(
         self,
-        alloc: RequestAllocator,
+        kv: RequestKV,
         chunk_size: int,
         max_running: int,
         max_step_tokens: int,
@@ -189,20 +163,18 @@ class Scheduler:
     ):
         if chunk_size < 1 or max_running < 1 or max_step_tokens < 1:
             raise ValueError("chunk_size, max_running and max_step_tokens must be >= 1")
-        self.alloc = alloc
+        self.kv = kv
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
         self.role = role
         self.agree = agree
+        self.requests: dict[Hashable, Request] = {}
+        """Every request until it ends, by id: waiting, running or held (``HELD``: handed off or receiving)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.holding: dict[Hashable, Request] = {}
-        """Requests holding memory outside the batch: handed off (prefill) or receiving (decode)."""
         self.finished: list[Request] = []
         """Requests that ended since the caller last took them (``take_finished``)."""
-        self.handoffs: list[Request] = []
-        """Prefill role: requests whose prompt was computed since the caller last took them."""
         self.retractions = 0
         self.prefix_waits = 0
         """Times a waiting request let others pass to wait for a running prefill of its prefix (once per step)."""
@@ -210,38 +182,46 @@ class Scheduler:
     # --- requests in and out ----------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        reuse = req.params.prompt_logprobs is None  # a prompt's log-probabilities need every position computed
-        req.mem = self.alloc.new(req.cache_salt, req.tokens, reuse)  # with tiers: its restore is planned now
+        self.kv.plan(req)  # with tiers: its restore is planned now
+        self.requests[req.rid] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def held(self) -> list[Request]:
+        """Requests holding memory outside the batch (``HELD``: handed off, receiving, abandoned)."""
+        return [r for r in self.requests.values() if r.status in HELD]
+
+    def holds(self, rid: Hashable) -> bool:
+        """Request ``rid`` holds memory outside the batch."""
+        req = self.requests.get(rid)
+        return req is not None and req.status in HELD
+
     def take_finished(self) -> list[Request]:
         out, self.finished = self.finished, []
-        return out
-
-    def take_handoffs(self) -> list[Request]:
-        out, self.handoffs = self.handoffs, []
         return out
 
     def abort(self, rid: Hashable, reason: str = "aborted") -> Request | None:
         """End a waiting or running request now (its memory released; what it cached stays).
         None when no such request waits or runs (ended, unknown, or held outside the batch)."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self.alloc.retract(req.mem)  # a planned restore's pins
-                return self._end(req, FinishReason.ABORT, reason)
-        for req in self.running:
-            if req.rid == rid:
-                self.running.remove(req)
-                self.alloc.retract(req.mem)
-                return self._end(req, FinishReason.ABORT, reason)
-        return None
+        req = self.requests.get(rid)
+        if req is None or req.status not in (RequestStatus.WAITING, RequestStatus.RUNNING):
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self.kv.free(req, cache=False)  # a waiting request: a planned restore's pins
+        return self._end(req, FinishReason.ABORT, reason)
 
     def _end(self, req: Request, reason: FinishReason, error: str | None = None) -> Request:
         req.finish_reason, req.error = reason, error
+        return self._finished(req)
+
+    def _finished(self, req: Request) -> Request:
+        req.status = RequestStatus.FINISHED
+        del self.requests[req.rid]
         self.finished.append(req)
         return req
 
@@ -249,8 +229,10 @@ class Scheduler:
 
     def release_sent(self, rid: Hashable) -> Request:
         """Its sender finished (either way): cache the computed prompt and release the rest."""
-        req = self.holding.pop(rid)
-        self.alloc.finish(req.mem, req.tokens[: req.computed])
+        req = self.requests.pop(rid)
+        assert req.status is RequestStatus.HANDED_OFF
+        self.kv.free(req, cache=True)
+        req.status = RequestStatus.FINISHED
         return req
 
     # --- decode role: receiving requests -----------------------------------------------
@@ -258,49 +240,53 @@ class Scheduler:
     def reserve(self, req: Request) -> bool:
         """Hold memory for ``req``'s prompt while its KV arrives, on every rank or on none (False:
         nothing held; it fits only once other requests let go, or never: ``alone_in_memory``)."""
-        req.mem = self.alloc.new(req.cache_salt)
-        try:
-            self.alloc.reserve(req.mem, len(req.prompt))
-            ok = 1
-        except OutOfMemory:
-            ok = 0
-        if not self.agree.min([ok])[0]:
-            self.alloc.retract(req.mem)
+        req.status = RequestStatus.RECEIVING
+        if self.kv.admit(req, Budget(len(req.prompt)), self.agree) is not Admission.ADMITTED:
+            req.status = RequestStatus.WAITING
             return False
-        self.holding[req.rid] = req
+        self.requests[req.rid] = req
         return True
 
     @property
     def alone_in_memory(self) -> bool:
         """No request holds memory (a reservation refused now will never fit)."""
-        return not self.running and not self.holding
+        return not self.running and len(self.requests) == len(self.waiting)  # every other request is held
 
     def received(self, rid: Hashable, first: int) -> Request:
         """Its KV and state arrived and its first token is ``first``: it runs (or ends at once)."""
-        req = self.holding.pop(rid)
-        self.alloc.received(req.mem)
+        req = self.requests[rid]
+        assert req.status is RequestStatus.RECEIVING
+        self.kv.computed([req])
+        req.status = RequestStatus.RUNNING
         req.computed = len(req.prompt)
         req.tokens.append(first)
         if self._ended_by(req, first):
-            self.alloc.finish(req.mem, req.tokens[: req.computed])
-            self.finished.append(req)
+            self.kv.free(req, cache=True)
+            self._finished(req)
         else:
             self.running.append(req)
         return req
 
-    def drop(self, rid: Hashable, reason: str) -> Request:
-        """A held request that will not run (its transfer failed and its writers stopped, or it was
-        aborted while held): release its memory and end it as an error."""
-        req = self.holding.pop(rid)
-        self.alloc.retract(req.mem)
-        return self._end(req, FinishReason.ERROR, reason)
+    def abandon(self, rid: Hashable) -> None:
+        """A held request will not run (its transfer failed, or it was given up): it stays held (``ABANDONED``)
+        until ``drop`` once no writer can touch its memory."""
+        self.requests[rid].status = RequestStatus.ABANDONED
+
+    def drop(self, rid: Hashable) -> Request:
+        """A held request that will not run, whose writers stopped: release its memory. It ends silently (whoever
+        gave it up reported why)."""
+        req = self.requests.pop(rid)
+        assert req.status in HELD
+        self.kv.free(req, cache=False)
+        req.status = RequestStatus.FINISHED
+        return req
 
     # --- one step --------------------------------------------------------------------------
 
     def _span(self, req: Request, budget: int) -> int:
         start = req.computed
         span = min(self.chunk_size, len(req.tokens) - start, budget)
-        for p in req.mem.wanted:  # end the chunk where a checkpoint is wanted
+        for p in req.wanted:  # end the chunk where a checkpoint is wanted
             if start < p < start + span:
                 return p - start
         return span
@@ -316,13 +302,11 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[int]:
         """Admit waiting requests into ``budget`` tokens of the step; the spans of those admitted."""
-        running = self.running  # the running requests' step: their fresh pages
-        taken = self.alloc.pages_needed(
-            [r.mem for r in running], [r.computed + self._span(r, self.max_step_tokens) for r in running]
-        )
+        kv, running = self.kv, self.running  # the running requests' step: their fresh pages
+        taken = kv.pages_needed(running, [r.computed + self._span(r, self.max_step_tokens) for r in running])
         spans: list[int] = []
-        page = self.alloc.page_size
-        prefilling = [r for r in running if _prefilling(r, page)] if self.alloc.prefix_cache else []
+        page = kv.page_size
+        prefilling = [r for r in running if _prefilling(r, page)] if kv.prefix_cache else []
         at = 0  # the next waiting request to try; those before it wait for a running prefill
         while at < len(self.waiting) and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[at]
@@ -330,21 +314,23 @@ class Scheduler:
                 at += 1
                 self.prefix_waits += 1
                 continue
-            alone = self.alone_in_memory
-            got = self.alloc.admit(req.mem, req.tokens, len(req.prompt), budget, taken, alone, self.agree)
+            got = kv.admit(req, Budget(budget, taken, self.alone_in_memory), self.agree)
             if got is Admission.REFUSED:
                 break
             del self.waiting[at]
             if got is Admission.TOO_BIG:
+                kv.free(req, cache=False)  # a planned restore's pins
                 self._fail_alone(req, "its first chunk and state slot do not fit")
                 continue
-            req.computed = req.mem.length
+            assert req.kv is not None
+            req.computed = req.kv.seq_len
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             span = self._span(req, budget)
-            taken += self.alloc.pages_needed([req.mem], [req.computed + span])
+            taken += kv.pages_needed([req], [req.computed + span])
             budget -= span
             spans.append(span)
-            if self.alloc.prefix_cache and _prefilling(req, page):
+            if kv.prefix_cache and _prefilling(req, page):
                 prefilling.append(req)
         return spans
 
@@ -353,14 +339,14 @@ class Scheduler:
         prefix with ``req``, and ``req`` could start further than the cache lets it now once that prefix is
         computed (at a page boundary, or at a state checkpoint the running request stores when the model has
         recurrent layers: those are page-aligned too): admitted now, it would compute those tokens again."""
-        page, limit = self.alloc.page_size, len(req.tokens) - 1  # the last token is always computed
+        page, limit = self.kv.page_size, len(req.tokens) - 1  # the last token is always computed
         for other in prefilling:
             cached = _cached_end(other, page)
             if other.cache_salt != req.cache_salt or cached + page > limit:
                 continue
             shared = shared_prefix(req.tokens, other.prompt, limit)
-            if self.alloc.model_has_state:  # its checkpoints, sorted: the deepest within the shared prefix
-                wanted = other.mem.wanted
+            if self.kv.model_has_state:  # its checkpoints, sorted: the deepest within the shared prefix
+                wanted = other.wanted
                 at = bisect_right(wanted, shared)
                 reach = wanted[at - 1] if at else 0
             else:
@@ -378,66 +364,46 @@ class Scheduler:
         while self.running:
             reqs = [r for r, s in zip(self.running, spans, strict=True) if s > 0]
             spans = [s for s in spans if s > 0]
-            short = ""
             try:
-                self.alloc.extend([r.mem for r in reqs], [r.computed + s for r, s in zip(reqs, spans, strict=True)])
+                rows = self.kv.allocate(reqs, spans, self.agree)
             except OutOfMemory as exc:
-                short = str(exc)
-            if not self.agree.min([0 if short else 1])[0]:
-                self._retract_newest(short or "another rank of this engine is out of memory")
+                self._retract_newest(str(exc))
                 spans = self._spans(self.running)
                 continue
             ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
-            return Step(reqs, spans, self._batch(reqs, spans, self._checkpoints(reqs, spans)), ending)
+            return Step(reqs, spans, self._batch(reqs, spans, rows), ending)
         return None
 
-    def _checkpoints(self, reqs: list[Request], spans: list[int]) -> list[int] | None:
-        """Checkpoint slots the step's forward fills (prefill chunks ending where the placement wants one; -1
-        elsewhere), None when there are none."""
-        if not self.alloc.has_state:
-            return None
-        chunks = [i for i, r in enumerate(reqs) if r.computed < len(r.tokens) - 1 and r.mem.wanted]
-        if not chunks:
-            return None
-        ends = [reqs[i].computed + spans[i] for i in chunks]
-        slots = self.alloc.reserve_chunk_checkpoints([reqs[i].mem for i in chunks], ends)
-        if max(slots) < 0:
-            return None
-        out = [-1] * len(reqs)
-        for i, slot in zip(chunks, slots, strict=True):
-            out[i] = slot
-        return out
-
-    def _batch(self, reqs: list[Request], spans: list[int], checkpoints: list[int] | None) -> ForwardBatch:
+    def _batch(self, reqs: list[Request], spans: list[int], rows: StepRows) -> ForwardBatch:
         prefix = [r.computed for r in reqs]
-        pages, slots, fresh = self.alloc.step_rows([r.mem for r in reqs])
         return ForwardBatch.from_pages(
             [r.tokens[p : p + s] for r, p, s in zip(reqs, prefix, spans, strict=True)],
             prefix,
-            pages,
-            self.alloc.page_size,
-            slots,
-            fresh,
-            checkpoints,
+            rows.pages,
+            self.kv.page_size,
+            rows.slots,
+            rows.fresh,
+            rows.checkpoints,
             [i for i, r in enumerate(reqs) if r.params.prompt_logprobs is not None and r.computed < len(r.prompt) - 1],
         )
 
     def _retract_newest(self, short: str) -> None:
+        """Give the newest running request's memory back and queue it first again (nano-vllm's ``preempt``)."""
         req = self.running.pop()
-        h = req.mem.handle
-        held = h is not None and req.computed > h.match.length  # computed something since its admission
-        self.alloc.retract(req.mem)
-        req.computed = 0
+        held = req.kv is not None and req.computed > req.kv.match.length  # computed something since its admission
+        self.kv.free(req, cache=False)
+        req.status, req.computed = RequestStatus.WAITING, 0
+        self.waiting.appendleft(req)
         if self.alone_in_memory:
+            self.waiting.popleft()
             self._fail_alone(req, short)
             return
         if held:  # a request admitted this step and refused at once held nothing: not a retraction
             req.retractions += 1
             self.retractions += 1
-        self.waiting.appendleft(req)
 
     def _fail_alone(self, req: Request, why: str) -> None:
-        self.alloc.retract(req.mem)
+        """End ``req`` (which holds nothing) as too big for the memory even alone."""
         self._end(
             req,
             FinishReason.ERROR,
@@ -457,19 +423,19 @@ class Scheduler:
         self.computed(step)
         self.chosen(step, tokens)
 
-    def computed(self, step: Step) -> None:
+    def computed(self, step: Step) -> list[Request]:
         """Record that ``step``'s spans are in memory. A prefill engine hands off every request whose
-        prompt is now computed (``take_handoffs``): its KV/state can be sent before its token is known."""
+        prompt is now computed (returned, ``HANDED_OFF``): its KV/state can be sent before its token is known."""
         prefill = self.role is Role.PREFILL
-        ending = {id(step.reqs[i]) for i in step.ending} if prefill else set()
-        self.alloc.mark_computed([r.mem for r in step.reqs], release_windows=not prefill)
+        self.kv.computed(step.reqs, release_windows=not prefill)
         for req, span in zip(step.reqs, step.spans, strict=True):
-            if req.computed < len(req.tokens) - 1:  # a prefill chunk (not a decode)
-                self.alloc.chunk_done(req.mem, req.tokens)
             req.computed += span
-            if prefill and id(req) in ending:
-                self.holding[req.rid] = req  # its KV/state go to the sender; released by release_sent
-                self.handoffs.append(req)
+        if not prefill:
+            return []
+        handed = [step.reqs[i] for i in step.ending]
+        for req in handed:
+            req.status = RequestStatus.HANDED_OFF  # its KV/state go to the sender; released by release_sent
+        return handed
 
     def chosen(self, step: Step, tokens: list[int | None]) -> None:
         """Record the token chosen for each request of ``step`` (None: mid-prefill; ``NON_FINITE``:
@@ -480,19 +446,19 @@ class Scheduler:
             if token is None:
                 continue
             broken = token == NON_FINITE
-            if req.rid in self.holding:
+            if req.status is RequestStatus.HANDED_OFF:
                 if broken:
                     req.finish_reason, req.error = FinishReason.ERROR, _non_finite(req)
                 else:
                     req.tokens.append(token)
             elif broken:
-                self.alloc.retract(req.mem)
+                self.kv.free(req, cache=False)
                 self._end(req, FinishReason.ERROR, _non_finite(req))
             else:
                 req.tokens.append(token)
                 if self._ended_by(req, token):
                     ended.append(req)
-                    self.finished.append(req)
+                    self._finished(req)
         if ended:  # cached, then released at once
-            self.alloc.finish_all([r.mem for r in ended], [r.tokens for r in ended])
-        self.running = [r for r in self.running if not r.done and r.rid not in self.holding]
+            self.kv.free(*ended, cache=True)
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
