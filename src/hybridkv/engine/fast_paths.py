@@ -9,6 +9,8 @@ baseline in the same run (``hybridkv bench bf16``).
   step's cells gather into a reused buffer per state pool (``StateLayout.workspace``: no page faults each step).
 - ``rms_norms``: a bf16 / fp16 RMS norm on the CPU normalises its fp32 copy in place (``norms.rms_norm_rounded``)
   instead of through torch's composite, which makes a fresh fp32 tensor at each step.
+- ``native_kernels``: the C++ CPU kernels (``ops.native``; built once per machine, skipped where they cannot be),
+  e.g. the greedy choice over the logits in one read (``ops.greedy``).
 
 Each computes the same numbers as the path it replaces (bit-equal where measured); they change only the cost.
 """
@@ -26,6 +28,7 @@ class FastPaths:
     packed_linears: bool = True
     in_place_states: bool = True
     rms_norms: bool = True
+    native_kernels: bool = True
 
 
 FAST = FastPaths()
