@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = ("greedy.cpp",)
+SOURCES = ("module.cpp", "greedy.cpp", "paged_decode.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
 

@@ -73,7 +73,7 @@ torch::Tensor greedy(const torch::Tensor& logits) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind_greedy(pybind11::module& m) {
   m.def("greedy", &greedy, "first largest logit per row, -1 for a row with NaN or inf",
-        py::call_guard<py::gil_scoped_release>());
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
