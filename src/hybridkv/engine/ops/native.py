@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCES = ("module.cpp", "greedy.cpp", "paged_decode.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
 
 
 def _cpu_model() -> str:
