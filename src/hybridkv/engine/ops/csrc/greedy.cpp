@@ -6,7 +6,9 @@
 // finds the first entry equal to the maximum, a block of vector compares at a time (a row is 64 KB of bf16 at 32k
 // ids: still in cache). Equal values compare equal whatever their bits (-0 == +0), so the index is argmax's: the
 // first of the largest.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
@@ -71,13 +73,13 @@ int64_t row_f32(const float* row, int64_t n) {
   return -1;
 }
 
-torch::Tensor greedy(const torch::Tensor& logits) {
+at::Tensor greedy(const at::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
               "greedy: contiguous (rows, vocab) CPU logits");
   TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
               "greedy: bfloat16 or float32 logits");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  auto out = torch::empty({rows}, torch::kInt64);
+  auto out = at::empty({rows}, at::TensorOptions().dtype(at::kLong));
   int64_t* picked = out.data_ptr<int64_t>();
   const bool bf16 = logits.scalar_type() == at::kBFloat16;
   const void* data = logits.data_ptr();
@@ -91,7 +93,6 @@ torch::Tensor greedy(const torch::Tensor& logits) {
 
 }  // namespace
 
-void bind_greedy(pybind11::module& m) {
-  m.def("greedy", &greedy, "first largest logit per row, -1 for a row with NaN or inf",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
+  m.def("greedy(Tensor logits) -> Tensor", &greedy);
 }

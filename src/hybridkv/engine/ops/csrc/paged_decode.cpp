@@ -5,7 +5,9 @@
 // table[r, c / page] in the grid (cells, slots, page, kv_heads, D); query head h reads kv head h / (H / kv_heads).
 // Scores q . k (bf16 products summed in fp32), times scale, softmax in fp32, the weighted sum of values in fp32,
 // rounded to bf16 once at the end.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,8 +26,8 @@ inline float bf16_to_float(uint16_t bits) {
   return out;
 }
 
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& grid, int64_t k_slot, int64_t v_slot,
-                           const torch::Tensor& table, const torch::Tensor& start, const torch::Tensor& stop,
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot,
+                           const at::Tensor& table, const at::Tensor& start, const at::Tensor& stop,
                            double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
               "paged_decode: contiguous (rows, heads, D) bf16 queries");
@@ -53,7 +55,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& grid, in
     for (int64_t p = lo[r] / page; p <= (hi[r] - 1) / page; ++p)
       TORCH_CHECK(0 <= tab[r * width + p] && tab[r * width + p] < cells, "paged_decode: row ", r, " cell out of range");
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   auto* os = reinterpret_cast<at::BFloat16*>(out.data_ptr());
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
@@ -104,7 +106,6 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& grid, in
 
 }  // namespace
 
-void bind_paged_decode(pybind11::module& m) {
-  m.def("paged_decode", &paged_decode, "one-token attention over the pool's pages",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
+  m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &paged_decode);
 }
