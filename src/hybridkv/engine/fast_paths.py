@@ -9,8 +9,13 @@ baseline in the same run (``hybridkv bench bf16``).
   step's cells gather into a reused buffer per state pool (``StateLayout.workspace``: no page faults each step).
 - ``rms_norms``: a bf16 / fp16 RMS norm on the CPU normalises its fp32 copy in place (``norms.rms_norm_rounded``)
   instead of through torch's composite, which makes a fresh fp32 tensor at each step.
+- ``native_kernels``: the C++ CPU kernels (``ops.native``; built once per machine, skipped where they cannot be),
+  e.g. the greedy choice over the logits in one read (``ops.greedy``).
+- ``paged_decode``: bf16 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++ kernel)
+  instead of a gathered copy; equal within bf16 rounding, not bit-equal (the one switch here that changes numbers).
 
-Each computes the same numbers as the path it replaces (bit-equal where measured); they change only the cost.
+Each computes the same numbers as the path it replaces (bit-equal where measured; ``paged_decode`` within bf16
+rounding); they change only the cost.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class FastPaths:
     packed_linears: bool = True
     in_place_states: bool = True
     rms_norms: bool = True
+    native_kernels: bool = True
+    paged_decode: bool = True
 
 
 FAST = FastPaths()

@@ -20,6 +20,10 @@ layer's, so one layer's keys, padded, may exceed the bound): when a layer writes
 the loaded window, the window is gathered again from there, and each layer's new entries go to
 the pool at once (a later window reads them back).
 
+A bf16 CPU step whose pool keeps K/V reads its decode rows from the pool's pages instead
+(``ops.paged_decode``, ``TokenIO.paged``): they take no buffer columns, and each layer puts their new
+entries in the pool at once, before it attends.
+
 ``StateIO`` gathers every request's state cell once (zeros where a state starts fresh), lets the
 layers read and update typed views of it in place, and writes the cells back once at ``flush``.
 
@@ -42,6 +46,7 @@ import torch
 
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.cast import cast
+from hybridkv.engine.ops.paged_decode import PagedDecode
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
 from hybridkv.spec import IdSpace, PoolId
@@ -256,14 +261,17 @@ class TokenIO:
         cell: torch.Tensor,
         offset: torch.Tensor,
         source: tuple[torch.Tensor, torch.Tensor],
+        paged: PagedDecode | None = None,
     ):
         """``buffer``: ``gather`` of slots ``[0, window)``; ``parts[g]``: group ``g``'s rows in order (views of
         ``buffer``); ``new_cols`` ``(T,)``: the buffer column of each new token of the step (step order), ``cell`` /
         ``offset`` its pool cell and slot in the cell's page; ``source``: the pages' cells and zero columns
-        ``gather`` took (a windowed step gathers again from them)."""
+        ``gather`` took (a windowed step gathers again from them). ``paged``: the decode group read from the pages
+        (``ops.paged_decode``): its tokens, the step's first, have no buffer columns (``new_cols`` and ``parts[0]``
+        leave them out) and go to the pool as each layer writes them."""
         self.layout, self.buffer, self.parts = layout, buffer, parts
         self.new_cols, self.cell, self.offset = new_cols, cell, offset
-        self.source = source
+        self.source, self.paged = source, paged
         self.loaded = slice(0, buffer.shape[0])  # the slots the buffer holds
         self.windowed = buffer.shape[0] < layout.slots
         self.written: set[int] = set()
@@ -289,7 +297,13 @@ class TokenIO:
     def write(self, span: slice, new: torch.Tensor) -> slice:
         """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every part's keys; returns
         where they are in the parts (read them as ``part.entries[returned]``). The pool gets them at ``flush``, or
-        now when the step is windowed (the window is gathered first when ``span`` is outside it)."""
+        now when the step is windowed (the window is gathered first when ``span`` is outside it); the paged decode
+        rows' now, before the layer attends (``paged``)."""
+        if self.paged is not None:
+            rows = self.paged.rows
+            at = self.layout.grid[:, span].movedim(1, 2)  # (cells, page, len(span), *shape)
+            at.index_put_((self.paged.cell, self.paged.offset), cast(new[:rows], at.dtype))
+            new = new[rows:]
         if span.start < self.loaded.start or span.stop > self.loaded.stop:
             window = self.buffer.shape[0]
             start = min(span.start, self.layout.slots - window)

@@ -18,7 +18,8 @@ its own widest row (``KeyPart``): a 20-token context is not padded to a 270-toke
 part of every group is gathered at once per pool, for every layer of the pool (one buffer; a
 window of layers at a time beyond the workspace, ``pool_io``); the step's new entries are put
 in by each layer as it computes them (the pool gets them once, at the end of the step:
-``flush``, or per layer when windowed). Each part has one
+``flush``, or per layer when windowed). A bf16 CPU pool of K/V plans its decode group as page
+tables instead (``ops.paged_decode``: no gathered columns, no mask). Each part has one
 additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
 the pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (padding, slots after a
 row's last token). State pools: every row's state cell is gathered once (``StateIO``) and
@@ -42,11 +43,14 @@ import torch
 
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.forward.pool_io import KeyPart, StateIO, TokenIO, TokenLayout, pool_layouts
+from hybridkv.engine.ops.paged_decode import PagedDecode, pages_decodes
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
 
 PartAttention = Callable[[torch.Tensor, KeyPart], torch.Tensor]
 """One key part's attention: its rows' padded queries and the part -> their outputs (see ``StepContext.attend``)."""
+PagedAttention = Callable[[torch.Tensor, PagedDecode], torch.Tensor]
+"""The decode group's attention from the pool's pages: queries ``(R, heads, D)`` -> outputs (``ops.paged_decode``)."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,20 @@ class StepContext:
         """The I/O of the token pool holding ``layer_id``'s entries."""
         return self.tokens[self.pool_of[layer_id]]
 
-    def attend(self, io: TokenIO, q: torch.Tensor, part_attention: PartAttention) -> torch.Tensor:
+    def attend(
+        self, io: TokenIO, q: torch.Tensor, part_attention: PartAttention, paged: PagedAttention | None = None
+    ) -> torch.Tensor:
         """Queries ``(T, heads, D)`` of the step's tokens attended per group and key part (``part_attention(queries
-        (R_p, heads, Q', D), part) -> (R_p, heads, Q', D')``, queries padded per group) -> ``(T, heads, D')``."""
+        (R_p, heads, Q', D), part) -> (R_p, heads, Q', D')``, queries padded per group) -> ``(T, heads, D')``; the
+        decode group of a pool that reads it from its pages (``io.paged``) through ``paged(queries (R, heads, D),
+        io.paged) -> (R, heads, D')``."""
         outs = []
-        for group, parts in zip(self.groups, io.parts, strict=True):
+        for g, (group, parts) in enumerate(zip(self.groups, io.parts, strict=True)):
+            if g == 0 and io.paged is not None:
+                if paged is None:
+                    raise ValueError(f"pool {io.layout.pool_id} reads its decodes from its pages: give paged attention")
+                outs.append(paged(q[group.tokens], io.paged))
+                continue
             q_group = group.pad(q).transpose(1, 2)  # (R', heads, Q', D)
             done = [part_attention(q_group if len(parts) == 1 else q_group[p.rows], p) for p in parts]
             outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
@@ -200,13 +213,43 @@ class _PartPlan:
 
 
 @dataclass(frozen=True)
+class _PagedPlan:
+    """The decode group read from its pages (``PagedDecode``), on the host."""
+
+    virtual: np.ndarray  # (R * W,) each row's virtual page ids from its first visible page (0, the sink, after)
+    width: int  # W
+    start: np.ndarray
+    stop: np.ndarray
+    new_page: np.ndarray  # (R,) the new token's page, as a flat index into ``virtual``
+    offset: np.ndarray
+
+
+@dataclass
 class _PoolPlan:
     """The step's keys in one token pool, on the host."""
 
-    virtual: list[np.ndarray]  # per group: its rows' virtual page ids, flat (0, the sink, for padding pages)
-    parts: list[list[_PartPlan]]  # per group
-    new_cols: list[np.ndarray]  # per group: each new token's buffer column
+    virtual: list[np.ndarray]  # per gathered group: its rows' virtual page ids, flat (0, the sink, for padding pages)
+    parts: list[list[_PartPlan]]  # per group (none for a paged one)
+    new_cols: list[np.ndarray]  # per gathered group: each new token's buffer column
     zero_cols: list[np.ndarray]  # slots after each row's last token in its last page
+    paged: _PagedPlan | None = None  # the decode group, when read from its pages
+
+
+def _paged_plan(rows: _Rows, n: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _PagedPlan:
+    """The first ``n`` rows (one new token each) as page tables from each row's first visible page."""
+    pre = rows.pre[:n]
+    seq = pre + 1
+    first = pool_id.first_needed(seq) if pool_id.releases_history else np.zeros_like(seq)
+    first_page = first // ps
+    pages = -(-seq // ps) - first_page
+    width = int(pages.max())
+    col = np.arange(width)
+    real = col[None, :] < pages[:, None]
+    at_table = np.where(real, rows.page_base[:n, None] + first_page[:, None] + col[None, :], 0)
+    virtual = np.where(real, table[at_table], 0).reshape(-1)
+    base = first_page * ps
+    new_page = np.arange(n) * width + (pre - base) // ps
+    return _PagedPlan(virtual, width, first - base, seq - base, new_page, pre % ps)
 
 
 def _masks(
@@ -235,13 +278,18 @@ def _masks(
 
 
 def _plan_pool(
-    rows: _Rows, bounds: list[tuple[int, int]], pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool
+    rows: _Rows, bounds: list[tuple[int, int]], pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool, paged: bool
 ) -> _PoolPlan:
     """Every group's keys in one token pool: per row, columns from the page of the earliest position a new token
-    sees to its part's widest row's last token (``sinks``: to one spare column past it)."""
+    sees to its part's widest row's last token (``sinks``: to one spare column past it); ``paged``: the first group
+    (the decodes) as page tables instead (``_paged_plan``)."""
     plan = _PoolPlan([], [], [], [])
     at = 0  # buffer columns so far
-    for a, b in bounds:
+    for g, (a, b) in enumerate(bounds):
+        if g == 0 and paged:
+            plan.paged = _paged_plan(rows, b, pool_id, table, ps)
+            plan.parts.append([])
+            continue
         pre, ext = rows.pre[a:b], rows.ext[a:b]
         seq = pre + ext
         r, q = b - a, int(ext.max())
@@ -281,8 +329,12 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
     """The pool's I/O for the step: one ``page_cells`` and one gather for every group's pages (of the first window of
     slots, when they are windowed)."""
     ps = mem.page_size
-    cells = mem.page_cells(np.concatenate(plan.virtual), layout.pool_id)
-    zero_cols = dev(np.concatenate(plan.zero_cols))
+    empty = np.zeros(0, dtype=np.int64)
+    gathered = sum(v.size for v in plan.virtual)
+    pages = plan.virtual + ([plan.paged.virtual] if plan.paged is not None else [])
+    every = mem.page_cells(np.concatenate(pages), layout.pool_id)  # the gathered pages, then the paged group's
+    cells = every[:gathered]
+    zero_cols = dev(np.concatenate([empty, *plan.zero_cols]))
     buffer = TokenIO.gather(layout, cells, zero_cols, slice(0, layout.window(cells.numel())))
     shape = buffer.shape[2:]
     parts = [
@@ -297,9 +349,17 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
         ]
         for group in plan.parts
     ]
-    new_cols = np.concatenate(plan.new_cols)
+    new_cols = np.concatenate([empty, *plan.new_cols])
     new_pages = dev(new_cols // ps)
-    return TokenIO(layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols))
+    paged = None
+    if plan.paged is not None:
+        p = plan.paged
+        table = every[gathered:]
+        paged = PagedDecode(
+            p.start.size, table.view(-1, p.width), dev(p.start), dev(p.stop), table[dev(p.new_page)], dev(p.offset)
+        )
+    io = TokenIO(layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols), paged)
+    return io
 
 
 SPLIT_ROWS = 64
@@ -348,10 +408,10 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
     bounds = [(0, n_dec)] if n_dec else []
     bounds += [(n_dec + a, n_dec + b) for a, b in span_groups(ext[n_dec:].tolist())]
     groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
-    tokens = {
-        pool_id: _token_io(layout, _plan_pool(rows, bounds, pool_id, table, ps, sinks), mem, dev)
-        for pool_id, layout in layouts.tokens.items()
-    }
+    tokens = {}
+    for pool_id, layout in layouts.tokens.items():
+        paged = n_dec > 0 and pages_decodes(layout.grid, {name for _, name in layout.slot}, sinks)
+        tokens[pool_id] = _token_io(layout, _plan_pool(rows, bounds, pool_id, table, ps, sinks, paged), mem, dev)
     states = {}
     if batch.state_slots is not None and batch.fresh_state is not None:
         slots_o = batch.state_slots if order is None else batch.state_slots[order]

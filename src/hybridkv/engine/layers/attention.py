@@ -34,6 +34,7 @@ from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import RMSNorm, derived, rms_norm_rounded, rounds_norm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.ops.cast import cast, f32
+from hybridkv.engine.ops.paged_decode import paged_decode
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
 
@@ -97,7 +98,12 @@ class PagedAttention(nn.Module):
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
         at = io.write(span, torch.stack((k, v), dim=1))
-        out = ctx.attend(io, q, lambda queries, part: self._attend(queries, part, at)).reshape(t, self.heads * d)
+        out = ctx.attend(
+            io,
+            q,
+            lambda queries, part: self._attend(queries, part, at),
+            lambda queries, paged: paged_decode(queries, io.layout.grid, span, paged, self.scaling),
+        ).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -22,10 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridkv.engine.ops.greedy import NON_FINITE, greedy
 from hybridkv.engine.sched.request import SamplingParams
-
-NON_FINITE = -1
-"""The choice for a row whose logits hold NaN or inf."""
 
 SAMPLE_BLOCK = 2**18
 """Logits drawn at once (rows of the sampled ones): the rows' temporaries stay in cache. Tiny vocabularies draw every
@@ -67,9 +65,7 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positi
     """One token per row of ``logits`` ``(R, vocab)``; ``params[i].greedy`` (temperature 0, or below ``GREEDY_BELOW``)
     takes the argmax.
     ``positions[i]``: the position the token fills (its request's length so far)."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    picked = torch.where(finite, torch.argmax(logits, dim=-1), NON_FINITE)
-    chosen: list[int] = picked.tolist()  # the step's one read of the device
+    chosen: list[int] = greedy(logits).tolist()  # the step's one read of the device
     sampled = [i for i, p in enumerate(params) if not p.greedy and chosen[i] != NON_FINITE]
     if sampled:
         vocab = logits.shape[1]

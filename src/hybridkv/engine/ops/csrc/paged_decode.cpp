@@ -1,0 +1,111 @@
+// One-token (decode) attention read straight from the pool's pages: no gathered copy of the keys
+// (hybridkv.engine.ops.paged_decode, which says when the engine takes it).
+//
+// Row r's query heads (H, D) attend over its columns [start[r], stop[r]): column c is slot c % page of the cell
+// table[r, c / page] in the grid (cells, slots, page, kv_heads, D); query head h reads kv head h / (H / kv_heads).
+// Scores q . k (bf16 products summed in fp32), times scale, softmax in fp32, the weighted sum of values in fp32,
+// rounded to bf16 once at the end.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &widened, sizeof(out));
+  return out;
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot,
+                           const at::Tensor& table, const at::Tensor& start, const at::Tensor& stop,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
+              "paged_decode: contiguous (rows, heads, D) bf16 queries");
+  TORCH_CHECK(grid.dim() == 5 && grid.scalar_type() == at::kBFloat16 && grid.stride(4) == 1 &&
+                  grid.stride(3) == grid.size(4) && grid.stride(2) == grid.size(3) * grid.size(4),
+              "paged_decode: a bf16 grid (cells, slots, page, kv_heads, D), each page's entries contiguous");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
+                  start.scalar_type() == at::kLong && stop.scalar_type() == at::kLong && start.is_contiguous() &&
+                  stop.is_contiguous(),
+              "paged_decode: int64 table (rows, pages), start and stop (rows,)");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t page = grid.size(2), kv_heads = grid.size(3), cells = grid.size(0);
+  TORCH_CHECK(grid.size(4) == d && heads % kv_heads == 0 && table.size(0) == rows && start.size(0) == rows &&
+                  stop.size(0) == rows && 0 <= k_slot && k_slot < grid.size(1) && 0 <= v_slot && v_slot < grid.size(1),
+              "paged_decode: shapes disagree");
+  const int64_t group = heads / kv_heads, width = table.size(1);
+  const int64_t cell_stride = grid.stride(0), slot_stride = grid.stride(1);
+  const auto* base = reinterpret_cast<const uint16_t*>(grid.data_ptr());
+  const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t* lo = start.data_ptr<int64_t>();
+  const int64_t* hi = stop.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {  // bounds checked here, before any read
+    TORCH_CHECK(0 <= lo[r] && lo[r] < hi[r] && hi[r] <= width * page, "paged_decode: row ", r, " columns out of range");
+    for (int64_t p = lo[r] / page; p <= (hi[r] - 1) / page; ++p)
+      TORCH_CHECK(0 <= tab[r * width + p] && tab[r * width + p] < cells, "paged_decode: row ", r, " cell out of range");
+  }
+  auto out = at::empty_like(q);
+  auto* os = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads, n = hi[r] - lo[r];
+      for (int64_t j = 0; j < group * d; ++j) qf[j] = bf16_to_float(qs[(r * heads + h * group) * d + j]);
+      scores.assign(group * n, 0.0f);
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t col = lo[r] + c;
+        const uint16_t* key =
+            base + tab[r * width + col / page] * cell_stride + k_slot * slot_stride + ((col % page) * kv_heads + h) * d;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = qf.data() + j * d;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += qj[i] * bf16_to_float(key[i]);
+          scores[j * n + c] = dot * static_cast<float>(scale);
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<float> total(group, 0.0f);
+      for (int64_t j = 0; j < group; ++j) {
+        float* s = scores.data() + j * n;
+        float top = -INFINITY;
+        for (int64_t c = 0; c < n; ++c) top = s[c] > top ? s[c] : top;
+        for (int64_t c = 0; c < n; ++c) {
+          s[c] = std::exp(s[c] - top);
+          total[j] += s[c];
+        }
+      }
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t col = lo[r] + c;
+        const uint16_t* value =
+            base + tab[r * width + col / page] * cell_stride + v_slot * slot_stride + ((col % page) * kv_heads + h) * d;
+        for (int64_t j = 0; j < group; ++j) {
+          const float w = scores[j * n + c];
+          float* a = acc.data() + j * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += w * bf16_to_float(value[i]);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < d; ++i) os[(r * heads + h * group + j) * d + i] = at::BFloat16(acc[j * d + i] / total[j]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
+  m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &paged_decode);
+}

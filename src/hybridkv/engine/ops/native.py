@@ -1,0 +1,62 @@
+"""The engine's C++ CPU kernels (``csrc/*.cpp``), compiled once per machine with ``torch.utils.cpp_extension``.
+
+``native()`` is their operator namespace, ``torch.ops.hybridkv``, or None where they cannot be built (no C++
+compiler or ninja, a failed build: said once on stderr). Each file registers its kernels with
+``TORCH_LIBRARY_FRAGMENT`` and includes ATen's core headers only, so no Python binding is compiled
+(``torch/extension.h`` made the build 97 s of a busy machine, the core headers 8 s). Every kernel has a pure-torch
+path beside it, taken for None, for other devices and dtypes, and inside ``fast_paths(native_kernels=False)``: the
+kernels only change the cost (each one's module says how its result relates to the torch path's).
+
+Invariants:
+- One build per source version and CPU: torch caches it under its extensions directory (``TORCH_EXTENSIONS_DIR``,
+  else ``~/.cache/torch_extensions``) keyed by the sources' and flags' hash; the name carries the CPU model, since
+  the code is compiled for this CPU's instruction set (``-march=native``). ``make setup`` builds it
+  (``scripts/setup.sh``); otherwise the first call does (seconds), and the server's warm-up makes that call.
+- Concurrent first calls (several processes) build once: cpp_extension holds a lock file while building.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any
+
+SOURCES = ("greedy.cpp", "paged_decode.cpp")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def native() -> Any | None:
+    """``torch.ops.hybridkv`` once the kernels are loaded (built on first call, then from torch's cache), or None if
+    they cannot be built."""
+    import torch
+    from torch.utils import cpp_extension
+
+    here = Path(__file__).parent / "csrc"
+    cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
+    try:
+        cpp_extension.load(
+            name=f"hybridkv_cpu_kernels_{cpu}",
+            sources=[str(here / s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            is_python_module=False,  # loaded as a library: its TORCH_LIBRARY fragments register the operators
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler / ninja, or the build failed
+        print(f"hybridkv: C++ CPU kernels unavailable, using the torch paths ({exc})".splitlines()[0], file=sys.stderr)
+        return None
+    return torch.ops.hybridkv

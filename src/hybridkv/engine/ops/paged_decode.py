@@ -1,0 +1,58 @@
+"""One-token attention read straight from the pool's pages (``csrc/paged_decode.cpp``): a step's decode rows skip the
+key gather (``pool_io``) and the padded ``scaled_dot_product_attention`` over it.
+
+When (``pages_decodes``, per token pool and step): a CPU step whose pool keeps bf16 K/V (``PagedAttention`` layers,
+slots named ``k`` and ``v``), no attention sinks, the C++ kernels built, ``fast_paths(paged_decode=...)`` on. Then
+``step.build_step`` plans the decode group as a page table instead of gathered columns; each layer's ``TokenIO.write``
+puts the decode rows' new K/V in the pool at once, and the kernel reads each row's visible columns (the pool's
+history rule: ``first_needed(seq) <= position < seq``) from their pages.
+
+Numerics: scores, softmax and the weighted sum of values in fp32, rounded to bf16 once; torch's CPU flash kernel
+rounds the probabilities to bf16 before the values, so the outputs agree within bf16 rounding, not bit for bit.
+fp32 keeps the gathered path (the reference, token-exact against ``transformers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.ops.native import native
+
+
+@dataclass(frozen=True)
+class PagedDecode:
+    """The decode group of a step in one token pool: its rows are the step's first ``rows`` rows and tokens."""
+
+    rows: int
+    table: torch.Tensor  # (R, W) int64: each row's page cells from its first visible page (the sink cell after)
+    start: torch.Tensor  # (R,) int64: the row's first visible column (columns count from its first page's slot 0)
+    stop: torch.Tensor  # (R,) int64: one past its new token's column
+    cell: torch.Tensor  # (R,) int64: the new token's cell
+    offset: torch.Tensor  # (R,) int64: and its slot in that cell's page
+
+
+def pages_decodes(grid: torch.Tensor, names: set[str], sinks: bool) -> bool:
+    """Whether a step reads the decode rows of the token pool ``grid`` (its slots named ``names``) from its pages."""
+    return (
+        FAST.paged_decode
+        and FAST.native_kernels
+        and not sinks
+        and grid.device.type == "cpu"
+        and grid.dtype == torch.bfloat16
+        and names == {"k", "v"}
+        and native() is not None
+    )
+
+
+def paged_decode(q: torch.Tensor, grid: torch.Tensor, slots: slice, paged: PagedDecode, scale: float) -> torch.Tensor:
+    """Queries ``(R, heads, D)`` of the decode rows over the keys and values in ``grid``'s ``slots`` (K, then V) ->
+    ``(R, heads, D)``."""
+    kernels = native()
+    assert kernels is not None, "pages_decodes said the kernels are built"
+    out: torch.Tensor = kernels.paged_decode(
+        q.contiguous(), grid, slots.start, slots.start + 1, paged.table, paged.start, paged.stop, scale
+    )
+    return out
