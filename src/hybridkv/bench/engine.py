@@ -352,7 +352,7 @@ def bench_model(
         "hf_one_by_one": lambda p, n: one_by_one(oracle_model, p, n),
         "hf_padded_all": lambda p, n: padded(fast, p, n, len(p), pad),
         f"hf_padded_{padded_batch}": lambda p, n: padded(fast, p, n, padded_batch, pad),
-        "hf_continuous": lambda p, n: continuous(fast, p, n, pad, engine.max_step_tokens),
+        "hf_continuous": lambda p, n: continuous(fast, p, n, pad, engine.options.step_tokens),
     }
     compile_s = None
     if compile_blocks:

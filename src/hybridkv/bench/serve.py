@@ -510,7 +510,7 @@ def run(
         "rounds": rounds,
         "alone": len(streamed.overhead),
         "max_new_tokens": max_new_tokens,
-        "max_step_tokens": engine.max_step_tokens,
+        "max_step_tokens": engine.options.step_tokens,
         "dtype": dtype,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",

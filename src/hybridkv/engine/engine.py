@@ -118,9 +118,6 @@ class Engine:
             chunk_tokens=config.chunk_size,
         )
         self.runner = ShardRunner(build_model(self.config, tensors, config.dtype, config.device), self.mem)
-        self.chunk_size = config.chunk_size
-        self.max_running = config.max_running
-        self.max_step_tokens = config.step_tokens
         self.eos = eos_ids(self.config)
         self.kv = RequestKV(
             self.mem,
@@ -138,7 +135,7 @@ class Engine:
             policy=config.tier_policy,
         )
         self.kv.tiers = self.tiers
-        self.sched = Scheduler(self.kv, self.chunk_size, self.max_running, self.max_step_tokens)
+        self.sched = Scheduler(self.kv, config.chunk_size, config.max_running, config.step_tokens)
         self.stats = dict.fromkeys(
             [
                 "steps",
