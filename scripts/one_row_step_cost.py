@@ -16,6 +16,7 @@ import time
 import torch
 
 from hybridkv.bench.hf_baselines import fast_attention
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random, quiet_transformers
 
@@ -32,7 +33,11 @@ def main() -> None:
     with quiet_transformers():
         model, config = build_random(args.model, args.widen)
         fast, attention = fast_attention(args.model, args.widen)
-    engine = Engine(config, model, gpu_memory="256MiB", page_size=16, chunk_size=64, max_context=len(prompt) + args.new)
+    engine = Engine(
+        config,
+        model,
+        EngineConfig(gpu_memory="256MiB", page_size=16, chunk_size=64, max_context=len(prompt) + args.new),
+    )
     ids = torch.tensor([prompt])
 
     def engine_pass() -> list[int]:

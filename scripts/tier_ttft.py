@@ -20,6 +20,7 @@ import uuid
 
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
 
@@ -31,7 +32,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     hf, config = build_random(args.model)
-    engine = Engine(config, hf, gpu_memory="64MiB", page_size=16, chunk_size=64, host_memory="256MiB", store="mooncake")
+    engine = Engine(
+        config,
+        hf,
+        EngineConfig(gpu_memory="64MiB", page_size=16, chunk_size=64, host_memory="256MiB", store="mooncake"),
+    )
     ids = torch.randint(3, 256, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     times: dict[str, list[float]] = {"recompute": [], "host": [], "storage": [], "device": []}
     cached: dict[str, int] = {}

@@ -18,6 +18,7 @@ from hybridkv.bench.engine import (
     timed,
 )
 from hybridkv.cli import app
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
 
@@ -85,7 +86,7 @@ def test_call_timer_wraps_only_the_methods_named_and_refuses_unknown_ones() -> N
 
 def test_a_timed_engine_pass_wraps_the_recorded_entry_points_and_checks_their_calls() -> None:
     model, config = build_random("tiny-gemma3")
-    engine = Engine(config, model, page_size=4, chunk_size=8)
+    engine = Engine(config, model, EngineConfig(page_size=4, chunk_size=8))
     prompts, new = conversation_prompts(4, 4), 2
     entries = record_entry_points(engine, prompts, new)
     # the engine enters hybridkv through its KV façade; the façade's own calls into the cache are nested

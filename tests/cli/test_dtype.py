@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridkv.cli import main
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
 from tests.engine.harness import prompt
@@ -39,7 +40,7 @@ def test_generate_in_bf16_equals_the_engine_in_bf16(name: str, tmp_path: Path, c
     out, err = capsys.readouterr()
     served = [r["output_ids"] for r in json.loads(out)["requests"]]
     weights, config = build_random(name)
-    engine = Engine(config, weights, gpu_memory="16MiB", dtype=torch.bfloat16)
+    engine = Engine(config, weights, EngineConfig(gpu_memory="16MiB", dtype=torch.bfloat16))
     assert served == [o.output_ids for o in engine.generate(PROMPTS, NEW)]
     assert main([*args, "--dtype", "float32"]) == 0
     assert _needs(err) < _needs(capsys.readouterr().err)  # K/V (and conv windows) in half the bytes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.registry import engine_spec
 from hybridkv.memory import LayoutError
@@ -50,11 +51,9 @@ def test_a_request_that_fits_alone_never_fails_for_its_checkpoints(name: str, pl
     engine = Engine(
         hf.config,
         hf,
-        gpu_memory=floor_budget(name),
-        page_size=PAGE,
-        chunk_size=CHUNK,
-        max_context=CONTEXT,
-        checkpoints=placement,
+        EngineConfig(
+            gpu_memory=floor_budget(name), page_size=PAGE, chunk_size=CHUNK, max_context=CONTEXT, checkpoints=placement
+        ),
     )
     empty = live_counts(engine.mem)
     first = prompt(77, CONTEXT - NEW)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.forward import pool_io
 from hybridkv.engine.forward.pool_io import TokenIO, pool_layouts
@@ -32,7 +33,9 @@ PROMPTS = [prompt(200 + i, 3 + 4 * i) for i in range(18)]
 
 def _engine(name: str, budget: int, page_size: int, device: str = "cpu") -> Engine:
     hf = hf_model(name)
-    return Engine(hf.config, hf, gpu_memory=budget, page_size=page_size, chunk_size=7, max_context=96, device=device)
+    return Engine(
+        hf.config, hf, EngineConfig(gpu_memory=budget, page_size=page_size, chunk_size=7, max_context=96, device=device)
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -142,7 +145,7 @@ def test_the_only_host_read_is_the_sampled_tokens(name: str, monkeypatch: pytest
 
 def test_engine_from_a_save_pretrained_directory(tmp_path: Path) -> None:
     hf_model("tiny-gpt-oss").save_pretrained(tmp_path)
-    engine = Engine(tmp_path, gpu_memory=400_000, page_size=4, chunk_size=5, max_context=96)
+    engine = Engine(tmp_path, config=EngineConfig(gpu_memory=400_000, page_size=4, chunk_size=5, max_context=96))
     outs = engine.generate(PROMPTS[:4], 6)
     assert [o.output_ids for o in outs] == [hf_reference("tiny-gpt-oss", tuple(p), 6)[0] for p in PROMPTS[:4]]
 
@@ -172,10 +175,7 @@ def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyP
     engine = Engine(
         hf_model("tiny-nemotron-h").config,
         hf_model("tiny-nemotron-h"),
-        gpu_memory=250_000,
-        page_size=16,
-        chunk_size=7,
-        max_context=96,
+        EngineConfig(gpu_memory=250_000, page_size=16, chunk_size=7, max_context=96),
     )
     empty = live_counts(engine.mem)
     outs = engine.generate(PROMPTS, 8)
@@ -189,7 +189,9 @@ def test_admission_counts_state_slots_not_only_pages(monkeypatch: pytest.MonkeyP
 def test_the_kv_facades_batched_calls_refuse_a_request_without_memory() -> None:
     """``pages_needed``, ``allocate``, ``computed`` and ``free(cache=True)`` take many requests in one call; one
     that holds no memory (never admitted, or retracted) is refused by name, and nothing is allocated."""
-    engine = Engine(hf_model("tiny-gemma3").config, hf_model("tiny-gemma3"), gpu_memory="4MiB", max_context=96)
+    engine = Engine(
+        hf_model("tiny-gemma3").config, hf_model("tiny-gemma3"), EngineConfig(gpu_memory="4MiB", max_context=96)
+    )
     kv = engine.kv
     ids = prompt(5, 20)
     admitted, waiting = Request(0, ids, SamplingParams()), Request(1, ids, SamplingParams())

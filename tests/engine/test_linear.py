@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.layers import linear as packed
@@ -74,7 +75,7 @@ def test_a_call_recording_gradients_stays_plain() -> None:
 def test_bf16_engine_tokens_equal_with_and_without_packing(name: str) -> None:
     with quiet_transformers():
         model, config = build_random(name)
-    engine = Engine(config, model, gpu_memory="64MiB", dtype=torch.bfloat16, chunk_size=16)
+    engine = Engine(config, model, EngineConfig(gpu_memory="64MiB", dtype=torch.bfloat16, chunk_size=16))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 40)]
     with fast_paths(packed_linears=False):

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
 from hybridkv.engine.sched.request import RequestError, SamplingParams
@@ -23,7 +24,7 @@ NEW = 6
 
 def _engine(name: str) -> Engine:
     weights, config = build_random(name)
-    return Engine(config, weights, gpu_memory="16MiB", page_size=4, chunk_size=8)
+    return Engine(config, weights, EngineConfig(gpu_memory="16MiB", page_size=4, chunk_size=8))
 
 
 def _oracle(name: str, ids: list[int], output: list[int]) -> torch.Tensor:
@@ -119,7 +120,7 @@ def test_prompt_logprobs_equal_transformers_over_chunks_and_skip_the_cache(name:
 def test_prompt_logprobs_survive_retraction() -> None:
     weights, config = build_random("tiny-qwen3-next")
     long = [prompt(200 + i, 3 + 4 * i) for i in range(18)]
-    engine = Engine(config, weights, gpu_memory=150_000, page_size=4, chunk_size=7, max_context=96)
+    engine = Engine(config, weights, EngineConfig(gpu_memory=150_000, page_size=4, chunk_size=7, max_context=96))
     outs = engine.generate(long, [SamplingParams(8, prompt_logprobs=0) for _ in long])
     assert any(o.retractions for o in outs), "the budget was meant to force retractions"
     for ids, out in zip(long, outs, strict=True):

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hybridkv.engine.sched.scheduler as scheduler_module
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.sched.request import Outcome, SamplingParams
 from hybridkv.engine.sched.scheduler import shared_prefix
@@ -36,7 +37,9 @@ LATER = [SHARED + prompt(910 + i, 3 + 2 * i) for i in range(4)]
 
 def _engine(name: str, budget: int, page_size: int, **kw: Any) -> Engine:
     hf = hf_model(name)
-    return Engine(hf.config, hf, gpu_memory=budget, page_size=page_size, chunk_size=CHUNK, max_context=96, **kw)
+    return Engine(
+        hf.config, hf, EngineConfig(gpu_memory=budget, page_size=page_size, chunk_size=CHUNK, max_context=96, **kw)
+    )
 
 
 class Logits:

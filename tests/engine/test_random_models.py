@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from hybridkv.bench.hf_baselines import one_by_one
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import TINY_CONFIGS, WIDTHS, build_random, tiny_names, widened
 from tests.engine.harness import prompt
@@ -39,7 +40,7 @@ def test_a_widened_model_is_served_token_exact(name: str) -> None:
     model, config = build_random(name, 2)
     assert config.hidden_size == 2 * TINY_CONFIGS[name][1]["hidden_size"]
     prompts = [prompt(7, 5), prompt(8, 23), prompt(8, 23)[:17] + prompt(9, 6)]  # the third shares a prefix
-    engine = Engine(config, model, gpu_memory="64MiB", page_size=4, chunk_size=8, max_context=48)
+    engine = Engine(config, model, EngineConfig(gpu_memory="64MiB", page_size=4, chunk_size=8, max_context=48))
     got = [r.output_ids for r in engine.generate(prompts, 6, stop_at_eos=False)]
     want, _, _ = one_by_one(model, prompts, 6)
     assert got == want

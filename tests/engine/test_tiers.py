@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.sched.request import Outcome
 from hybridkv.host_sync import HostSyncCounter
@@ -34,7 +35,7 @@ def turn(seed: int, keep: int = 40, extra: int = 5) -> list[int]:
 
 def engine(name: str, **tiers: Any) -> Engine:
     hf = hf_model(name)
-    return Engine(hf.config, hf, gpu_memory=400_000, page_size=4, chunk_size=8, max_context=96, **tiers)
+    return Engine(hf.config, hf, EngineConfig(gpu_memory=400_000, page_size=4, chunk_size=8, max_context=96, **tiers))
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.tiers import MooncakeMaster
 from tests.engine.harness import hf_model, hf_reference
@@ -69,13 +70,15 @@ def test_another_page_size_never_reads_the_first_engines_bytes(peer, mooncake_ma
     e = Engine(
         hf.config,
         hf,
-        gpu_memory=400_000,
-        page_size=8,
-        chunk_size=8,
-        max_context=96,
-        store="mooncake",
-        store_master=mooncake_master.address,
-        store_memory="32MiB",
+        EngineConfig(
+            gpu_memory=400_000,
+            page_size=8,
+            chunk_size=8,
+            max_context=96,
+            store="mooncake",
+            store_master=mooncake_master.address,
+            store_memory="32MiB",
+        ),
     )
     try:
         out = run(e, NAME, turn(1), salt)
@@ -89,8 +92,10 @@ def test_another_dtype_never_reads_the_first_engines_bytes(peer, mooncake_master
     salt, _ = peer
     hf = hf_model(NAME)
     kw: dict[str, Any] = dict(gpu_memory=400_000, page_size=4, chunk_size=8, max_context=96, dtype=torch.bfloat16)
-    plain = Engine(hf.config, hf, **kw)
-    e = Engine(hf.config, hf, store="mooncake", store_master=mooncake_master.address, store_memory="32MiB", **kw)
+    plain = Engine(hf.config, hf, EngineConfig(**kw))
+    e = Engine(
+        hf.config, hf, EngineConfig(store="mooncake", store_master=mooncake_master.address, store_memory="32MiB", **kw)
+    )
     try:
         ids = turn(1)
         out = e.generate([ids], NEW, cache_salts=[salt])[0]

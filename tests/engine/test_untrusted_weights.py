@@ -108,11 +108,12 @@ def test_a_huge_config_next_to_a_tiny_checkpoint_is_refused_with_bounded_memory(
 
 
 def test_a_shard_runner_refuses_a_huge_config_with_bounded_memory(checkpoint: Path, tmp_path: Path) -> None:
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.runner import build_runner
 
     path = variant(checkpoint, tmp_path, hidden_size=150_000)
     with bounded_memory(), pytest.raises(WeightError, match=r"wrong shapes"):
-        build_runner(path, path, gpu_memory="4MiB", max_context=64)
+        build_runner(path, path, EngineConfig(gpu_memory="4MiB", max_context=64))
 
 
 def _write_safetensors(path: Path, header: dict[str, object], data_bytes: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
 
@@ -21,13 +22,15 @@ def main(argv: list[str]) -> int:
     engine = Engine(
         hf.config,
         hf,
-        gpu_memory=400_000,
-        page_size=page_size,
-        chunk_size=8,
-        max_context=96,
-        store="mooncake",
-        store_master=master,
-        store_memory="32MiB",
+        EngineConfig(
+            gpu_memory=400_000,
+            page_size=page_size,
+            chunk_size=8,
+            max_context=96,
+            store="mooncake",
+            store_master=master,
+            store_memory="32MiB",
+        ),
     )
     try:
         out = engine.generate([ids], 6, cache_salts=[salt])[0]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random
 from hybridkv.server import EngineBackend, HttpServer, ServerConfig, bind
@@ -35,7 +36,7 @@ def tiny() -> tuple[Any, Any]:
 def make_engine(tiny: tuple[Any, Any]) -> Callable[..., Engine]:
     def make(**opts: Any) -> Engine:
         weights, config = tiny
-        return Engine(config, weights, **{**SIZING, **opts})
+        return Engine(config, weights, EngineConfig(**{**SIZING, **opts}))
 
     return make
 

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from hybridkv.engine.disagg import PDConfig, PDServer, WorkerState
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.disagg import PD_ENGINE, PDConfig, PDServer, WorkerState
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.parallel.cpu_share import worker_threads
 from hybridkv.engine.random_models import save_random
@@ -39,7 +41,7 @@ MAX_NEW = 8
 PROMPTS = shared_prefix_prompts(32)  # 4 families: PROMPTS[0..3] are the first of each
 HEADS = 4
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SIZING: dict[str, Any] = dict(page_size=16, chunk=16, gpu_memory=32 << 20, max_context=256)
+SIZING: dict[str, Any] = dict(page_size=16, chunk_size=16, gpu_memory=32 << 20, max_context=256)
 TIERS: dict[str, Any] = dict(host_memory=16 << 20, tier_policy="through")
 
 
@@ -54,7 +56,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model_dir: Path) -> Iterator[HttpServer]:
     # restarts=0: a worker death loses its engine at once (the last test); none happens before it
     # host memory below each prefill rank, written through: /metrics carries the ranks' tier counters
-    pd = PDServer(PDConfig(str(model_dir), prefill_pp=2, decode_tp=2, transport="shm", restarts=0, **SIZING, **TIERS))
+    pd = PDServer(
+        PDConfig(
+            str(model_dir),
+            prefill_pp=2,
+            decode_tp=2,
+            transport="shm",
+            restarts=0,
+            engine=replace(PD_ENGINE, **SIZING, **TIERS),
+        )
+    )
     http = HttpServer(
         PDBackend(pd, MODEL, "32MiB", max_queued=64),
         ServerConfig(api_key=API_KEY, tokenizer=ByteTokenizer(256)),
@@ -69,7 +80,7 @@ def server(model_dir: Path) -> Iterator[HttpServer]:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> list[Outcome]:
-    engine = Engine(model_dir, gpu_memory="64MiB", page_size=16, chunk_size=16, max_context=256)
+    engine = Engine(model_dir, config=EngineConfig(gpu_memory="64MiB", page_size=16, chunk_size=16, max_context=256))
     return engine.generate(PROMPTS, MAX_NEW)
 
 
@@ -253,7 +264,7 @@ def test_a_full_backend_refuses_with_queue_full_and_aborting_everything_frees_bo
 ) -> None:
     pd = pd_of(server)
     backend = PDBackend(pd, MODEL, "32MiB", max_queued=0)  # a second front on the same PD server: 64 open at most
-    assert backend.capacity == pd.config.max_running == 64
+    assert backend.capacity == pd.config.engine.max_running == 64
     params = SamplingParams(150, ignore_eos=True)
     sinks = [Collect() for _ in range(backend.capacity)]
     tickets = [backend.submit(PROMPTS[i % len(PROMPTS)], params, sink) for i, sink in enumerate(sinks)]

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.fast_paths import FastPaths, fast_paths
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers
@@ -71,7 +72,9 @@ def run(models: list[str], widen: int = 8, rounds: int = 3, workloads: list[str]
             with quiet_transformers():
                 model, config = build_random(name, widen)
             engine = Engine(
-                config, model, gpu_memory="512MiB", dtype=torch.bfloat16, chunk_size=512, max_step_tokens=2048
+                config,
+                model,
+                EngineConfig(gpu_memory="512MiB", dtype=torch.bfloat16, chunk_size=512, max_step_tokens=2048),
             )
             try:
                 for workload in workloads or list(WORKLOADS):

@@ -68,6 +68,7 @@ import torch
 
 from hybridkv.bench.hf_baselines import Result, continuous, fast_attention, one_by_one, padded, same_mix_cpu_s
 from hybridkv.cache.placement import engine_default
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.models.compiled import compile_blocks as compiled_blocks
 from hybridkv.engine.random_models import CONTEXT, VOCAB, build_random, quiet_transformers, tiny_names
@@ -340,7 +341,7 @@ def bench_model(
     fast, attention = fast_attention(name, widen)
     fast.to(dtype)
     pad = int(getattr(config, "pad_token_id", None) or 0)
-    engine = Engine(config, oracle_model, **engine_args)
+    engine = Engine(config, oracle_model, EngineConfig(**engine_args))
     entries = record_entry_points(engine, prompts, new)
 
     def workload_entries(p: list[list[int]], n: int) -> EntryPoints | None:
@@ -351,11 +352,11 @@ def bench_model(
         "hf_one_by_one": lambda p, n: one_by_one(oracle_model, p, n),
         "hf_padded_all": lambda p, n: padded(fast, p, n, len(p), pad),
         f"hf_padded_{padded_batch}": lambda p, n: padded(fast, p, n, padded_batch, pad),
-        "hf_continuous": lambda p, n: continuous(fast, p, n, pad, engine.max_step_tokens),
+        "hf_continuous": lambda p, n: continuous(fast, p, n, pad, engine.options.step_tokens),
     }
     compile_s = None
     if compile_blocks:
-        compiled = Engine(config, oracle_model, **engine_args)
+        compiled = Engine(config, oracle_model, EngineConfig(**engine_args))
         compiled_blocks(compiled.runner.model)
         start = time.perf_counter()
         compiled.generate(prompts, new, stop_at_eos=False)  # every step shape of the workload compiles once

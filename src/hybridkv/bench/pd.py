@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from hybridkv.bench.engine import conversation_prompts
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.disagg import FINISHED, PDConfig, PDResult, PDServer, pd_path
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import CONTEXT, quiet_transformers, save_random, tiny_names
@@ -192,15 +193,7 @@ def pd_prompts(requests: int, block_tokens: int, max_new_tokens: int) -> list[li
 def _single_process(model_dir: str, prompts: list[list[int]], params: SamplingParams, config: PDConfig) -> _Side:
     """The single-process engine on the same requests, sized as each disaggregated process: a prefill-only burst
     (its throughput), then on a fresh cache a burst (all at once), then each again alone."""
-    engine = Engine(
-        model_dir,
-        gpu_memory=config.gpu_memory,
-        max_context=config.max_context,
-        page_size=config.page_size,
-        chunk_size=config.chunk,
-        prefix_cache=config.prefix_cache,
-        dtype=config.torch_dtype,
-    )
+    engine = Engine(model_dir, config=config.engine)
     engine.generate([list(p) for p in WARM_UP], 2)
     first: dict[int, float] = {}
 
@@ -301,17 +294,19 @@ def run(
             prefill_tp=prefill_tp,
             decode_tp=decode_tp,
             transport=transport,
-            page_size=page_size,
-            chunk=chunk_size,
-            max_context=max_context,
-            prefix_cache=prefix_cache,
-            gpu_memory=gpu_memory,
-            dtype=dtype,
+            engine=EngineConfig(
+                gpu_memory=gpu_memory,
+                page_size=page_size,
+                chunk_size=chunk_size,
+                max_context=max_context,
+                dtype=getattr(torch, dtype),
+                prefix_cache=prefix_cache,
+            ),
         )
         pd, result = _disaggregated(config, prompts, params)
         with quiet_transformers():
             single = _single_process(model_dir, prompts, params, config)
-        expected = [spec_bytes(model_dir, decode_tp, page_size, n, config.torch_dtype) for n in lengths]
+        expected = [spec_bytes(model_dir, decode_tp, page_size, n, config.engine.dtype) for n in lengths]
     computing = [(st.pp, st.compute) for req in result.requests for st in pd_path(req).stages]
     origin = min(c[0] for _, c in computing)
     rows = [

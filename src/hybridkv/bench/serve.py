@@ -89,6 +89,7 @@ from hybridkv.bench.engine import conversation_prompts
 from hybridkv.bench.server_cpu import NO_CPU, Cpu, ServerCpu, scrape_share, server_cpu, used_between
 from hybridkv.bench.socket_wake import send_wake_us
 from hybridkv.bench.sse_client import SseClient
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.random_models import build_random, quiet_transformers
 from hybridkv.engine.sched.request import SamplingParams
@@ -438,11 +439,17 @@ def run(
 ) -> dict[str, Any]:
     prompts = conversation_prompts(requests, block_tokens)
     offsets = arrivals(requests, request_rate, seed)
-    sizing = {"gpu_memory": gpu_memory, "page_size": page_size, "chunk_size": chunk_size, "max_context": max_context}
+    options = EngineConfig(
+        gpu_memory=gpu_memory,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        max_context=max_context,
+        max_step_tokens=max_step_tokens,
+        dtype=getattr(torch, dtype),
+    )
     with quiet_transformers():
         weights, config = build_random(model)
-    served_as = getattr(torch, dtype)
-    engine = Engine(config, weights, **sizing, max_step_tokens=max_step_tokens, dtype=served_as)  # type: ignore[arg-type]
+    engine = Engine(config, weights, options)
     engine.generate(prompts[:2], 2, stop_at_eos=False)  # warm-up: first-call allocations
     args = ["--random", model, "--gpu-memory", str(gpu_memory), "--page-size", str(page_size)]
     args += ["--chunk-size", str(chunk_size), "--max-queued", str(requests)]
@@ -503,7 +510,7 @@ def run(
         "rounds": rounds,
         "alone": len(streamed.overhead),
         "max_new_tokens": max_new_tokens,
-        "max_step_tokens": engine.max_step_tokens,
+        "max_step_tokens": engine.options.step_tokens,
         "dtype": dtype,
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "server": url or "hybridkv serve subprocess on 127.0.0.1",

@@ -363,6 +363,7 @@ def engine_section(console: Console, max_new_tokens: int = 8) -> dict[str, Any]:
     inside a chunk); each request's cached tokens and tokens side by side with a match verdict."""
     import torch
 
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.engine import Engine
     from hybridkv.engine.random_models import build_random, quiet_transformers
 
@@ -371,7 +372,7 @@ def engine_section(console: Console, max_new_tokens: int = 8) -> dict[str, Any]:
     prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 26)]
     with quiet_transformers():
         hf, config = build_random(ENGINE_MODEL)
-        engine = Engine(config, hf, gpu_memory="8MiB", page_size=16, chunk_size=12)
+        engine = Engine(config, hf, EngineConfig(gpu_memory="8MiB", page_size=16, chunk_size=12))
         outs = engine.generate(prompts[:1], max_new_tokens) + engine.generate(prompts[1:], max_new_tokens)
         with torch.no_grad():
             reference = [

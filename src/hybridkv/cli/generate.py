@@ -145,6 +145,7 @@ def generate(
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     import torch
 
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.engine import Engine
     from hybridkv.engine.registry import engine_spec
 
@@ -166,16 +167,18 @@ def generate(
     engine = Engine(
         source,
         weights,
-        gpu_memory=sizing.gpu_memory,
-        max_context=sizing.max_context,
-        page_size=page_size,
-        chunk_size=chunk_size,
-        max_running=max_running,
-        max_step_tokens=max_step_tokens,
-        prefix_cache=not no_prefix_cache,
-        checkpoints=checkpoints,
-        dtype=getattr(torch, dtype),
-        **tiers,
+        EngineConfig(
+            gpu_memory=sizing.gpu_memory,
+            max_context=sizing.max_context,
+            page_size=page_size,
+            chunk_size=chunk_size,
+            max_running=max_running,
+            max_step_tokens=max_step_tokens,
+            prefix_cache=not no_prefix_cache,
+            checkpoints=checkpoints,
+            dtype=getattr(torch, dtype),
+            **tiers,
+        ),
     )
     try:
         _serve_file(engine, sizing, prompts, lines, params, max_new_tokens, as_json)

@@ -203,7 +203,7 @@ STORE_MEMORY = typer.Option(
 def tier_options(
     host_memory: str | None, store: str, store_master: str | None, store_memory: str, prefix_cache: bool = True
 ) -> dict[str, Any]:
-    """The engine's tier keyword arguments (``Engine(host_memory=, store=, ...)``); ``typer.BadParameter``
+    """The engine's tier fields (``EngineConfig(host_memory=, store=, ...)``); ``typer.BadParameter``
     naming an option that is malformed or does not fit the others."""
     if not prefix_cache and (host_memory is not None or store != "none"):
         raise typer.BadParameter("--host-memory and --store hold what the prefix cache evicts: drop --no-prefix-cache")

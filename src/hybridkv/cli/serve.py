@@ -38,7 +38,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -65,6 +65,7 @@ from hybridkv.engine.random_models import MAX_WIDEN, tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.disagg import Fault
     from hybridkv.engine.engine import Engine
     from hybridkv.server import PDBackend
@@ -161,6 +162,9 @@ def serve(
     ),
 ) -> int:
     """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
+    import torch
+
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.server import Backend, EngineBackend, ServerConfig, bind
     from hybridkv.server import serve as run_server
 
@@ -179,8 +183,8 @@ def serve(
         raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
     layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
     faults = parse_faults(fault or [])
-    warmup = not no_warmup and not faults  # a fault names a request by its number: warm-up requests would shift it
     tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
+    warmup = not no_warmup and not faults  # a fault names a request by its number: warm-up requests would shift it
     key = api_key or os.environ.get(API_KEY_ENV) or None
     name = random if random is not None else Path(model).name
     processes = Layout(layout.prefill_pp, layout.prefill_tp, layout.decode_tp) if disaggregated else Layout()
@@ -195,7 +199,19 @@ def serve(
         layout=processes,
     )
     options = EngineOptions(
-        sized, page_size, chunk_size, max_running, max_step_tokens, not no_prefix_cache, checkpoints, dtype
+        sized,
+        EngineConfig(
+            gpu_memory=sized.gpu_memory,
+            page_size=page_size,
+            chunk_size=chunk_size,
+            max_running=max_running,
+            max_step_tokens=max_step_tokens,
+            max_context=sized.max_context,
+            dtype=getattr(torch, dtype),
+            prefix_cache=not no_prefix_cache,
+            checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),
+            **tiers,
+        ),
     )
     args = {
         "host": host,
@@ -207,7 +223,7 @@ def serve(
         "max_queued": max_queued,
         "max_context": sized.max_context,
         "prefix_cache": not no_prefix_cache,
-        "checkpoints": options.placement,
+        "checkpoints": options.engine.placement,
         "host_memory": host_memory,
         "store": store,
         "disaggregated": disaggregated,
@@ -229,9 +245,9 @@ def serve(
         sock = bind(host, port)  # before the model loads: a taken port fails at once
         stack.callback(sock.close)  # closed by the server once it serves; here on a failed start
         if disaggregated:
-            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, options, tiers)
+            backend: Backend = build_pd_backend(stack, model, random, name, layout, faults, max_queued, options)
         else:
-            engine = build_engine(model, random, options, tiers)
+            engine = build_engine(model, random, options)
             stack.callback(engine.close)  # its tiers: the store client, a master it started
             backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued)
         sized.announce()
@@ -281,21 +297,11 @@ def model_spec(model: Path | None, random: str | None, dtype: str = "float32") -
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How ``hybridkv serve`` builds its engine(s): the sizing outcome and the batching options."""
+    """How ``hybridkv serve`` builds its engine(s): the sizing outcome and the config every engine is built
+    from (the one process's, or every rank's of a disaggregated server), sized by it."""
 
     sized: Sizing
-    page_size: int
-    chunk_size: int
-    max_running: int
-    max_step_tokens: int | None  # None: the engine's default (4 x chunk_size)
-    prefix_cache: bool
-    checkpoints: str | None
-    dtype: str = "float32"  # one of ``params.DTYPES``
-
-    @property
-    def placement(self) -> str:
-        """The checkpoint placement every engine uses (``--checkpoints`` or the engine default)."""
-        return engine_checkpoints(self.checkpoints, self.chunk_size, self.page_size)
+    engine: EngineConfig
 
 
 @dataclass(frozen=True)
@@ -341,12 +347,10 @@ def build_pd_backend(
     faults: tuple[Fault, ...],
     max_queued: int,
     options: EngineOptions,
-    tiers: dict[str, Any] | None = None,
 ) -> PDBackend:
     """A started ``PDServer`` behind a ``PDBackend`` (which closes it); a ``--random`` model is saved to a
-    temporary directory ``stack`` removes once the server is done. ``tiers``: ``tier_options``' answer,
-    the tiers below every prefill rank (one Mooncake master for all, started by the router unless named)."""
-    from hybridkv.cli.serve_pd import pd_tiers
+    temporary directory ``stack`` removes once the server is done. The engine config's tiers go below every
+    prefill rank (one Mooncake master for all, started by the router unless named)."""
     from hybridkv.engine.disagg import PDConfig, PDServer
     from hybridkv.server import PDBackend
 
@@ -364,28 +368,15 @@ def build_pd_backend(
         prefill_tp=layout.prefill_tp,
         decode_tp=layout.decode_tp,
         transport=layout.transport,
-        page_size=options.page_size,
-        chunk=options.chunk_size,
-        gpu_memory=sized.gpu_memory,
-        max_context=sized.max_context,
-        prefix_cache=options.prefix_cache,
         transfer_timeout_s=layout.transfer_timeout_s,
-        max_running=options.max_running,
-        max_step_tokens=options.max_step_tokens,
-        checkpoints=options.placement,
-        dtype=options.dtype,
         faults=faults,
-        **pd_tiers(tiers or {}),
+        engine=options.engine,
     )
     server = PDServer(config)  # checks the layout first: nothing starts on a mismatch
     return PDBackend(server, name, f"{format_bytes(sized.gpu_memory)} per worker process", max_queued)
 
 
-def build_engine(
-    model: Path | None, random: str | None, options: EngineOptions, tiers: dict[str, Any] | None = None
-) -> Engine:
-    import torch
-
+def build_engine(model: Path | None, random: str | None, options: EngineOptions) -> Engine:
     from hybridkv.engine.engine import Engine  # lazily: the engine pulls in transformers
 
     if random is None:
@@ -394,20 +385,7 @@ def build_engine(
         from hybridkv.engine.random_models import build_random
 
         weights, source = build_random(random)
-    return Engine(
-        source,
-        weights,
-        gpu_memory=options.sized.gpu_memory,
-        page_size=options.page_size,
-        chunk_size=options.chunk_size,
-        max_running=options.max_running,
-        max_step_tokens=options.max_step_tokens,
-        max_context=options.sized.max_context,
-        prefix_cache=options.prefix_cache,
-        checkpoints=options.placement,
-        dtype=getattr(torch, options.dtype),
-        **(tiers or {}),
-    )
+    return Engine(source, weights, options.engine)
 
 
 def _rate(value: float) -> float:

@@ -22,7 +22,8 @@ layout that does not pair with the prefill one (``check_layout``: e.g. ``--decod
 than ``--page-size``), a checkpoint some rank cannot load (checked from the files' headers), and an
 unknown transport, and tier options that do not fit together (``tier_options``).
 
-``--host-memory`` / ``--store mooncake`` put tiers below every prefill rank (``pd_tiers``); the JSON
+``--host-memory`` / ``--store mooncake`` put tiers below every prefill rank (one master for all, started on
+127.0.0.1 by the router unless ``--store-master`` names one); the JSON
 says per request where its cached tokens came from (``cached_tokens_details``: device, host, storage).
 """
 
@@ -60,18 +61,6 @@ from hybridkv.cli.params import (
 )
 from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, size
 from hybridkv.engine.random_models import tiny_names
-
-
-def pd_tiers(tiers: dict[str, Any]) -> dict[str, Any]:
-    """``tier_options``' answer as ``PDConfig`` fields: the tiers below every prefill rank (``--host-memory``
-    and ``--store-memory`` per rank; with ``--store mooncake`` one master for all, started on 127.0.0.1 by
-    the router unless ``--store-master`` names one)."""
-    from hybridkv.memory import parse_bytes
-
-    if not tiers:
-        return {}
-    host = tiers["host_memory"]
-    return {**tiers, "host_memory": None if host is None else parse_bytes(host)}
 
 
 def _check_prompts(
@@ -131,6 +120,7 @@ def serve_pd(
     """Serve every prompt of a file through PP prefill processes and TP decode processes."""
     import torch
 
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, pd_path, run_pd
     from hybridkv.engine.registry import engine_spec, text_config
     from hybridkv.engine.sched.request import FinishReason
@@ -138,7 +128,7 @@ def serve_pd(
 
     if (model is None) == (random is None):
         raise typer.BadParameter("give exactly one of --model DIR and --random NAME", param_hint="--model/--random")
-    tiers = pd_tiers(tier_options(host_memory, store, store_master, store_memory))
+    tiers = tier_options(host_memory, store, store_master, store_memory)
     lines = read_prompts(prompts)
     params = request_params(len(lines), max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos)
     with tempfile.TemporaryDirectory(prefix="hybridkv-serve-pd-") as tmp:
@@ -171,15 +161,17 @@ def serve_pd(
             prefill_tp=prefill_tp,
             decode_tp=decode_tp,
             transport=transport,
-            page_size=page_size,
             decode_page_size=decode_page_size,
-            chunk=chunk_size,
-            gpu_memory=sizing.gpu_memory,
-            max_context=sizing.max_context,
-            max_running=max_running,
-            max_step_tokens=max_step_tokens,
-            dtype=dtype,
-            **tiers,
+            engine=EngineConfig(
+                gpu_memory=sizing.gpu_memory,
+                page_size=page_size,
+                chunk_size=chunk_size,
+                max_running=max_running,
+                max_step_tokens=max_step_tokens,
+                max_context=sizing.max_context,
+                dtype=getattr(torch, dtype),
+                **tiers,
+            ),
         )
         check_layout(config)
         sizing.announce()

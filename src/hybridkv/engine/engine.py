@@ -1,8 +1,8 @@
 """Engine: serve token prompts with a real model over UnifiedMemory (continuous batching, one process).
 
-``Engine(config, weights, gpu_memory=..., page_size=..., chunk_size=...)`` builds the spec from
-the config, sizes the memory, loads the weights and owns one ``Scheduler`` (``Role.WHOLE``). Two
-ways to drive it:
+``Engine(model, weights, EngineConfig(gpu_memory=..., page_size=..., chunk_size=...))`` builds the
+spec from the model's config, sizes the memory, loads the weights and owns one ``Scheduler``
+(``Role.WHOLE``); ``engine.options`` is the ``EngineConfig`` it was built from. Two ways to drive it:
 
 - incremental, for servers: ``rid = engine.submit(prompt, SamplingParams(...))`` (validated at
   once: ``RequestError`` names the field), then ``engine.step()`` until ``has_work()`` is False;
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from hybridkv.cache import HybridRadixCache
-from hybridkv.cache.placement import engine_default
+from hybridkv.engine.config import DEFAULT_CONFIG, EngineConfig
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
 from hybridkv.engine.runner import ShardRunner
@@ -55,12 +55,11 @@ from hybridkv.engine.sched.request import (
     SamplingParams,
     check_request,
 )
-from hybridkv.engine.sched.scheduler import Scheduler, Step, choose_step_tokens, step_budget, step_logprobs
+from hybridkv.engine.sched.scheduler import Scheduler, Step, choose_step_tokens, step_logprobs
 from hybridkv.engine.sched.tiered import ZERO_DETAILS, EngineTiers
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
-from hybridkv.memory import UnifiedMemory, parse_bytes
+from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ModelSpec, ShardSpec
-from hybridkv.tiers import StorageTier
 
 
 @dataclass(frozen=True)
@@ -77,49 +76,22 @@ class StepOutput:
 class Engine:
     def __init__(
         self,
-        spec_or_config: Any,
+        model: Any,
         weights: Mapping[str, torch.Tensor] | Any | str | Path | None = None,
-        *,
-        gpu_memory: int | str = "256MiB",
-        page_size: int = 16,
-        chunk_size: int = 64,
-        max_running: int = 64,
-        max_step_tokens: int | None = None,
-        max_context: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        spec: ModelSpec | None = None,
-        prefix_cache: bool = True,
-        cache_policy: str = "lru",
-        checkpoints: str | None = None,
-        host_memory: int | str | None = None,
-        store: str | StorageTier | None = None,
-        store_master: str | None = None,
-        store_memory: int | str = "256MiB",
-        tier_policy: str = "back",
+        config: EngineConfig = DEFAULT_CONFIG,
     ):
-        """``spec_or_config``: a ``transformers`` config, or a directory holding ``config.json``
-        (and, when ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a
-        ``transformers`` model, or a directory. ``spec`` overrides the spec derived from the config.
-        ``gpu_memory``: the K/V and state budget; a step's gathered keys take up to a quarter of it more
-        (``pool_io.WORKSPACE_SHARE``; a step whose keys need more gathers them a window of layers at a time).
-        ``checkpoints``: where requests store recurrent-state checkpoints for later hits, a
-        placement spec (``hybridkv.cache.placement``: none, interval:N, prompt-aligned[:K],
-        branch, end; default ``engine_default``: every page-aligned chunk end, the prompt end,
-        the branch point, the sequence end); prefill chunks end at the positions it asks for.
-        ``host_memory`` (bytes or e.g. "4GiB"), ``store`` (``none``, ``mooncake`` or a
-        ``StorageTier``), ``store_master`` (host:port; None starts one on loopback),
-        ``store_memory`` (the segment a Mooncake client mounts) and ``tier_policy`` (``back``:
-        written on eviction; ``through``: at once): the tiers below the device (``EngineTiers``)."""
-        config = spec_or_config
-        if isinstance(config, ModelSpec):
+        """``model``: a ``transformers`` config, or a directory holding ``config.json`` (and, when
+        ``weights`` is None, the ``*.safetensors``). ``weights``: HF-named tensors, a ``transformers``
+        model, or a directory. ``config``: the engine's sizes and options (``EngineConfig``, checked when
+        it was built); there is no keyword path: one set of fields, checked once, that mypy verifies."""
+        if isinstance(model, ModelSpec):
             raise TypeError(
                 "Engine needs the model's transformers config (its layers are built from it); "
-                "pass a ModelSpec as spec=... next to the config"
+                "pass a ModelSpec as spec=... of its EngineConfig, next to the model's config"
             )
-        if isinstance(config, str | Path):
-            weights = config if weights is None else weights
-            config = read_config(config)
+        if isinstance(model, str | Path):
+            weights = model if weights is None else weights
+            model = read_config(model)
         if weights is None:
             raise ValueError("give weights: a state_dict, a transformers model or a safetensors directory")
         tensors: Mapping[str, torch.Tensor]
@@ -129,45 +101,41 @@ class Engine:
             tensors = weights.state_dict()
         else:
             tensors = weights
-        self.config = text_config(config)
+        self.options = config
+        self.config = text_config(model)
         if self.config.model_type not in architectures():
             raise ValueError(
                 f"the engine has no model for model_type {self.config.model_type!r}; it serves {architectures()}"
             )
-        self.spec = spec or engine_spec(self.config, dtype)
-        self.max_context = max_context or self.spec.max_context
+        self.spec = config.spec or engine_spec(self.config, config.dtype)
+        self.max_context = config.max_context or self.spec.max_context
         self.mem = UnifiedMemory.create(
             ShardSpec.whole(self.spec),
-            parse_bytes(gpu_memory),
-            device,
-            page_size=page_size,
+            config.memory_bytes,
+            config.device,
+            page_size=config.page_size,
             max_context=self.max_context,
-            chunk_tokens=chunk_size,
+            chunk_tokens=config.chunk_size,
         )
-        self.runner = ShardRunner(build_model(self.config, tensors, dtype, device), self.mem)
-        self.chunk_size = chunk_size
-        self.max_running = max_running
-        self.max_step_tokens = step_budget(chunk_size, max_step_tokens)
+        self.runner = ShardRunner(build_model(self.config, tensors, config.dtype, config.device), self.mem)
         self.eos = eos_ids(self.config)
         self.kv = RequestKV(
             self.mem,
-            prefix_cache=prefix_cache,
-            cache_policy=cache_policy,
-            checkpoints=checkpoints or engine_default(chunk_size, page_size),
+            prefix_cache=config.prefix_cache,
+            cache_policy=config.cache_policy,
+            checkpoints=config.placement,
         )
-        if not prefix_cache and (host_memory is not None or store not in (None, "none")):
-            raise ValueError("tiers below the device hold what the prefix cache evicts: they need prefix_cache=True")
         self.tiers = EngineTiers.build(
             self.kv.kvm,
-            chunk_size,
-            host_memory=host_memory,
-            store=store,
-            store_master=store_master,
-            store_memory=store_memory,
-            policy=tier_policy,
+            config.chunk_size,
+            host_memory=config.host_memory,
+            store=config.store,
+            store_master=config.store_master,
+            store_memory=config.store_memory,
+            policy=config.tier_policy,
         )
         self.kv.tiers = self.tiers
-        self.sched = Scheduler(self.kv, self.chunk_size, self.max_running, self.max_step_tokens)
+        self.sched = Scheduler(self.kv, config.chunk_size, config.max_running, config.step_tokens)
         self.stats = dict.fromkeys(
             [
                 "steps",

@@ -3,7 +3,7 @@
 The one runner of every engine: a single-process ``Engine`` is a 1x1 layout (the whole model, no process
 groups); a PP stage or a TP rank of a parallel or disaggregated engine holds its shard and the layout's
 ``StageGroups``. ``ShardRunner(model, mem, groups)`` runs a model built for the memory; ``build_runner``
-reads a config and weights (only this shard's part) and builds both.
+reads a model's config, its weights (only this shard's part) and an ``EngineConfig`` and builds both.
 
 Invariants:
 - The memory's views have exactly the shapes the shard's layers read and write (``check_memory``, at
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.config import DEFAULT_CONFIG, EngineConfig
 from hybridkv.engine.forward.batch import BatchError, ForwardBatch
 from hybridkv.engine.forward.step import build_step
 from hybridkv.engine.models.base import CausalLM
@@ -37,9 +38,9 @@ from hybridkv.engine.parallel.groups import StageGroups
 from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
-from hybridkv.memory import UnifiedMemory, parse_bytes
+from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.host import check_fits
-from hybridkv.spec import IdSpace, KindTag, ModelSpec, Parallel, ShardSpec
+from hybridkv.spec import IdSpace, KindTag, Parallel, ShardSpec
 
 Weights = Mapping[str, torch.Tensor] | str | Path
 
@@ -136,39 +137,34 @@ class ShardRunner:
 
 
 def build_runner(
-    config: Any,
+    model: Any,
     weights: Weights,
+    config: EngineConfig = DEFAULT_CONFIG,
     parallel: Parallel | None = None,
     pp_rank: int = 0,
     tp_rank: int = 0,
     groups: StageGroups | None = None,
     *,
-    gpu_memory: int | str = "256MiB",
-    page_size: int = 16,
-    chunk_size: int = 64,
-    max_context: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    spec: ModelSpec | None = None,
     mem: UnifiedMemory | None = None,
 ) -> ShardRunner:
     """The runner of rank (``pp_rank``, ``tp_rank``) of ``parallel`` (default: one process): its ``ShardSpec``,
     its memory (only its stage's layers, its heads and state shards) and its model shard.
 
-    ``config``: a ``transformers`` config or a directory with ``config.json``; ``weights``: HF-named tensors or
-    a ``*.safetensors`` directory (read partially: only this shard's part). ``mem``: a memory built by the
-    caller for exactly this rank's shard (e.g. in shared memory a transfer writes into); by default one of
-    ``gpu_memory`` bytes is built here."""
+    ``model``: a ``transformers`` config or a directory with ``config.json``; ``weights``: HF-named tensors or
+    a ``*.safetensors`` directory (read partially: only this shard's part). ``config``: the engine's options;
+    the runner reads its memory's (``gpu_memory``, ``page_size``, ``chunk_size``, ``max_context``) and the
+    model's (``dtype``, ``device``, ``spec``). ``mem``: a memory built by the caller for exactly this rank's
+    shard (e.g. in shared memory a transfer writes into); by default one of ``gpu_memory`` bytes is built here."""
     parallel = parallel or Parallel()
-    if isinstance(config, str | Path):
-        config = read_config(config)
-    config = text_config(config)
+    if isinstance(model, str | Path):
+        model = read_config(model)
+    hf_config = text_config(model)
     if groups is not None and (groups.parallel, groups.pp_rank, groups.tp_rank) != (parallel, pp_rank, tp_rank):
         raise ValueError(
             f"groups are for {groups.parallel} pp {groups.pp_rank} tp {groups.tp_rank}, "
             f"the runner for {parallel} pp {pp_rank} tp {tp_rank}: build both from one layout"
         )
-    spec = spec or engine_spec(config, dtype)
+    spec = config.spec or engine_spec(hf_config, config.dtype)
     shard = ShardSpec(spec, parallel, pp_rank, tp_rank)
     if mem is not None and mem.shard != shard:
         raise ValueError(
@@ -176,15 +172,15 @@ def build_runner(
             "build the memory from the runner's ShardSpec"
         )
     if mem is None:  # a budget the host cannot hold: a user error, before allocating
-        check_fits(parse_bytes(gpu_memory), device, f"the memory of {shard.describe()}", "lower gpu_memory")
+        check_fits(config.memory_bytes, config.device, f"the memory of {shard.describe()}", "lower gpu_memory")
         mem = UnifiedMemory.create(
             shard,
-            parse_bytes(gpu_memory),
-            device,
-            page_size=page_size,
-            max_context=max_context or spec.max_context,
-            chunk_tokens=chunk_size,
+            config.memory_bytes,
+            config.device,
+            page_size=config.page_size,
+            max_context=config.max_context or spec.max_context,
+            chunk_tokens=config.chunk_size,
         )
     tp = TensorParallel(parallel.tp_size, tp_rank, groups.all_reduce) if parallel.tp_size > 1 and groups else SINGLE
     source = (lambda model: read_safetensors(weights, model)) if isinstance(weights, str | Path) else weights
-    return ShardRunner(build_model(config, source, dtype, mem.device, shard.bounds, tp), mem, groups)
+    return ShardRunner(build_model(hf_config, source, config.dtype, mem.device, shard.bounds, tp), mem, groups)

@@ -64,7 +64,7 @@ class EngineBackend:
     def __init__(self, engine: Engine, name: str, memory_budget: str, max_queued: int = 256):
         self.engine = engine
         self.info = ModelInfo(name, engine.vocab_size, engine.max_context, memory_budget, engine.eos)
-        self.capacity = engine.max_running + max_queued
+        self.capacity = engine.options.max_running + max_queued
         self.broken: str | None = None
         self._cond = threading.Condition()
         self._inbox: deque[_Submit | _Abort | _Call] = deque()
@@ -121,9 +121,9 @@ class EngineBackend:
         engine = self.engine
         return {
             "page_size": engine.mem.page_size,
-            "chunked_prefill_size": engine.chunk_size,
-            "max_prefill_tokens": engine.max_step_tokens,
-            "max_running_requests": engine.max_running,
+            "chunked_prefill_size": engine.options.chunk_size,
+            "max_prefill_tokens": engine.options.step_tokens,
+            "max_running_requests": engine.options.max_running,
             "max_total_num_tokens": (engine.mem.pages.capacity - 1) * engine.mem.page_size,  # page 0: the sink
             "disable_radix_cache": not engine.kv.prefix_cache,
             "tiers": engine.tiers is not None,

@@ -57,7 +57,7 @@ class PDBackend:
         config = server.config
         eos = eos_ids(text_config(read_config(config.model_dir)))
         self.info = ModelInfo(name, server.vocab_size, config.max_context, memory_budget, eos)
-        self.capacity = config.max_running + max_queued
+        self.capacity = config.engine.max_running + max_queued
         self.probe_timeout_s = probe_timeout_s
         self._cond = threading.Condition()
         self._open: dict[int, _Open] = {}  # ticket -> request, once submit returned (under _cond)
@@ -118,13 +118,14 @@ class PDBackend:
 
     def describe(self) -> dict[str, Any]:
         config = self.server.config
+        engine = config.engine
         return {
-            "page_size": config.page_size,
-            "chunked_prefill_size": config.chunk,
-            "max_prefill_tokens": config.step_tokens,
-            "max_running_requests": config.max_running,
-            "disable_radix_cache": not config.prefix_cache,
-            "tiers": config.tiered,
+            "page_size": engine.page_size,
+            "chunked_prefill_size": engine.chunk_size,
+            "max_prefill_tokens": engine.step_tokens,
+            "max_running_requests": engine.max_running,
+            "disable_radix_cache": not engine.prefix_cache,
+            "tiers": engine.tiered,
             "disaggregation_mode": "internal",
             "prefill_pp": config.prefill_pp,
             "prefill_tp": config.prefill_tp,

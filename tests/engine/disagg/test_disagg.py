@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer, WorkerState, run_pd
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.disagg import FINISHED, PD_ENGINE, PDConfig, PDServer, WorkerState, run_pd
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.sched.request import Outcome, SamplingParams
 from tests.engine.harness import hf_model, hf_reference, make_runner, prompt, serve
@@ -97,7 +99,7 @@ def save_with_reachable_eos(name: str, path: Path) -> int:
     """Save ``name`` with an ``eos_token_id`` its greedy outputs reach (so EOS ends some requests inside the
     engine on every layout); returns a second such token for the stop-id requests."""
     hf_model(name).save_pretrained(path)
-    engine = Engine(path, gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96)
+    engine = Engine(path, config=EngineConfig(gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96))
     greedy = SamplingParams(MAX_NEW + 2, ignore_eos=True)
     outs = engine.generate([list(MIXED[0]), list(MIXED[3])], [greedy, greedy])
     eos, stop = outs[0].output_ids[2], outs[1].output_ids[3]  # request 0 is greedy to EOS, 3 has stop ids
@@ -117,7 +119,9 @@ def mixed_model(tmp_path_factory):
         if name not in built:
             path = tmp_path_factory.mktemp(name)
             params = mixed_params(save_with_reachable_eos(name, path))
-            single = Engine(path, gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96)
+            single = Engine(
+                path, config=EngineConfig(gpu_memory=4_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=96)
+            )
             built[name] = (path, params, single.generate([list(p) for p in MIXED], params))
         return built[name]
 
@@ -137,10 +141,7 @@ def test_sixteen_concurrent_mixed_requests_equal_the_single_engine_on_every_layo
         prefill_tp=ptp,
         decode_tp=tp,
         transport=transport,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=3_000_000,
-        max_context=96,
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000, max_context=96),
     )
     streamed: dict[int, list[int]] = {i: [] for i in range(len(MIXED))}
     ended: list[Outcome] = []
@@ -183,10 +184,7 @@ def test_a_prefix_served_first_is_hit_and_its_whole_kv_still_moves(tmp_path: Pat
         prefill_tp=ptp,
         decode_tp=tp,
         transport=transport,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=3_000_000,
-        max_step_tokens=CHUNK + 3,  # the budget cuts chunks and decodes across steps: tokens are unchanged
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000, max_step_tokens=CHUNK + 3),
     )
     result = run_pd(config, SamplingParams(MAX_NEW, ignore_eos=True), alone_first=1)
     single = serve(make_runner(name, PAGE), [list(p) for p in PROMPTS], CHUNK, MAX_NEW)

@@ -37,12 +37,14 @@ import logging
 import os
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from hybridkv.engine.disagg import FAILED, FINISHED, Fault, PDConfig, PDServer, WorkerState
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.disagg import FAILED, FINISHED, PD_ENGINE, Fault, PDConfig, PDServer, WorkerState
 from hybridkv.engine.disagg.config import check_layout
 from hybridkv.engine.disagg.probes import ProbeCall, Probes
 from hybridkv.engine.disagg.protocol import Live
@@ -83,7 +85,9 @@ def children() -> set[int]:
 
 def test_a_layout_mismatch_is_refused_before_any_process_starts(qwen3_next: Path) -> None:
     before = children()
-    config = PDConfig(str(qwen3_next), page_size=PAGE, decode_page_size=8, gpu_memory=3_000_000)
+    config = PDConfig(
+        str(qwen3_next), decode_page_size=8, engine=replace(PD_ENGINE, page_size=PAGE, gpu_memory=3_000_000)
+    )
     with pytest.raises(LayoutMismatch) as err:
         PDServer(config)
     says = str(err.value)
@@ -112,18 +116,17 @@ def test_a_fault_on_a_rank_that_does_not_exist_is_refused_before_any_model_is_re
     [
         ({"max_step_tokens": 0}, "max_step_tokens >= 1, got chunk 64, max_running 64, max_step_tokens 0"),
         ({"max_running": 0}, "max_running 0"),
-        ({"chunk": 0}, "got chunk 0"),
+        ({"chunk_size": 0}, "got chunk 0"),
     ],
 )
 def test_a_batching_option_below_one_is_refused_before_any_model_is_read(fields: dict[str, int], says: str) -> None:
-    config = PDConfig("/nonexistent-model-dir", **fields)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=says):
-        check_layout(config)
+        check_layout(PDConfig("/nonexistent-model-dir", engine=replace(PD_ENGINE, **fields)))  # type: ignore[arg-type]
 
 
 def test_the_step_budget_defaults_to_the_engines() -> None:
-    assert PDConfig("/m", chunk=24).step_tokens == STEP_CHUNKS * 24  # Engine's default
-    assert PDConfig("/m", chunk=24, max_step_tokens=10).step_tokens == 10
+    assert PDConfig("/m", engine=replace(PD_ENGINE, chunk_size=24)).engine.step_tokens == STEP_CHUNKS * 24  # Engine's
+    assert PDConfig("/m", engine=replace(PD_ENGINE, chunk_size=24, max_step_tokens=10)).engine.step_tokens == 10
 
 
 @pytest.mark.parametrize(
@@ -171,11 +174,9 @@ def test_killed_prefill_killed_decode_and_a_timed_out_transfer_leave_the_other_r
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=3_000_000,
         transfer_timeout_s=2.0,
         faults=faults,
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000),
     )
     results, probes = [], []
     with PDServer(config) as server:
@@ -233,12 +234,9 @@ def test_a_prompt_that_does_not_fit_beside_the_requests_being_sent_waits_for_the
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=40_000,
-        max_context=64,
         transfer_timeout_s=2.0,
         faults=(Fault("stall-transfer", 0, delay_s=60.0),),
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=40_000, max_context=64),
     )
     with PDServer(config) as server:
         first, second = server.generate(prompts, GREEDY)
@@ -261,13 +259,10 @@ def test_a_full_decode_memory_retracts_and_every_output_stays_exact(qwen3_next: 
         str(qwen3_next),
         prefill_pp=2,
         decode_tp=2,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=40_000,
-        max_context=64,
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=40_000, max_context=64),
     )
     hf = hf_model("tiny-qwen3-next")
-    single = Engine(hf.config, hf, gpu_memory=2_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=64)
+    single = Engine(hf.config, hf, EngineConfig(gpu_memory=2_000_000, page_size=PAGE, chunk_size=CHUNK, max_context=64))
     with PDServer(config) as server:
         for temperature in (0.0, 1.0):
             params = [SamplingParams(40, temperature, seed=7 + i, ignore_eos=True) for i in range(3)]
@@ -293,10 +288,8 @@ def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank
         prefill_pp=2,
         decode_tp=2,
         transport="mooncake",
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=3_000_000,
         faults=faults,
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000),
     )
     with caplog.at_level(logging.WARNING, logger="hybridkv.transfer.mooncake"), PDServer(config) as server:
         assert forkserver_threads() == 1  # the workers' forkserver runs no thread: forking it is safe
@@ -346,11 +339,9 @@ def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_
         max_new=MAX_NEW,
         prefill_pp=2,
         decode_tp=2,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=3_000_000,
         restarts=0,
         faults=(Fault("kill-decode", 1, rank=1),),
+        engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000),
     )
     with PDServer(config) as server:
         first = server.result(server.submit(PROMPTS[0], GREEDY), timeout_s=120)

@@ -24,12 +24,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.engine.disagg import PDConfig, PDServer, PDStartError
+from hybridkv.engine.disagg import PD_ENGINE, PDConfig, PDServer, PDStartError
 from hybridkv.engine.disagg.engines import EngineState, await_ready
 from hybridkv.engine.disagg.procs import EngineProcs
 from hybridkv.engine.disagg.worker_log import WorkerLog
@@ -79,7 +80,9 @@ def test_a_checkpoint_that_cannot_load_is_refused_by_the_router_before_any_worke
         (missing, r"missing weights for .*layers\.3\.self_attn\.o_proj"),
     ]:
         with pytest.raises(WeightError, match=says) as err:  # the router's own check, not a worker's traceback
-            PDServer(PDConfig(str(model), page_size=PAGE, chunk=CHUNK, gpu_memory=3_000_000))
+            PDServer(
+                PDConfig(str(model), engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000))
+            )
         assert not isinstance(err.value, PDStartError) and "Traceback" not in str(err.value)
     assert children() <= before  # not even a forkserver started
 
@@ -138,7 +141,7 @@ def test_a_decode_worker_killed_while_starting_is_reported_by_its_signal_and_lea
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    config = PDConfig(str(saved), page_size=PAGE, chunk=CHUNK, gpu_memory=3_000_000)
+    config = PDConfig(str(saved), engine=replace(PD_ENGINE, page_size=PAGE, chunk_size=CHUNK, gpu_memory=3_000_000))
     try:
         with pytest.raises(PDStartError, match=r"decode TP rank \d died while starting \(killed by SIGKILL\)"):
             PDServer(config).close()  # close() only if it started anyway: then the raises fails the test

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -33,7 +34,8 @@ import numpy as np
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.engine.disagg import FINISHED, PDConfig, PDServer
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.disagg import FINISHED, PD_ENGINE, PDConfig, PDServer
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.registry import engine_spec, text_config
 from hybridkv.engine.sched.request import Outcome, SamplingParams
@@ -64,13 +66,16 @@ def config(path: Path, pp: int = 2, tp: int = 1, **tiers: object) -> PDConfig:
         prefill_pp=pp,
         prefill_tp=tp,
         decode_tp=1,
-        page_size=PAGE,
-        chunk=CHUNK,
-        gpu_memory=3_000_000,
-        max_context=96,
-        store="mooncake",
-        store_memory=32 << 20,
-        **tiers,  # type: ignore[arg-type]
+        engine=replace(
+            PD_ENGINE,
+            page_size=PAGE,
+            chunk_size=CHUNK,
+            gpu_memory=3_000_000,
+            max_context=96,
+            store="mooncake",
+            store_memory=32 << 20,
+            **tiers,
+        ),
     )
 
 
@@ -103,7 +108,7 @@ def first(model_dir: Path) -> Iterator[tuple[PDServer, str]]:
 
 def test_an_evicted_prefix_comes_back_from_host_memory_then_from_the_store(first):
     server, salt = first
-    assert server.master is not None and server.config.store_master == server.master.address
+    assert server.master is not None and server.config.engine.store_master == server.master.address
     assert served(server, tuple(A), salt).cached_tokens == 0
     server.clear_cache()  # every prefill rank: device -> host memory
     host = served(server, turn(1), salt)
@@ -157,13 +162,15 @@ def test_the_same_layout_shares_the_store_another_layout_reads_nothing(first, mo
     assert all(gone(pid) for pid in pids)
     other = Engine(
         model_dir,
-        gpu_memory=400_000,
-        page_size=PAGE,
-        chunk_size=CHUNK,
-        max_context=96,
-        store="mooncake",
-        store_master=master.address,
-        store_memory="32MiB",
+        config=EngineConfig(
+            gpu_memory=400_000,
+            page_size=PAGE,
+            chunk_size=CHUNK,
+            max_context=96,
+            store="mooncake",
+            store_master=master.address,
+            store_memory="32MiB",
+        ),
     )
     try:
         for ids in (turn(8), turn(8, base=B)):  # A's prefix of the PP 2 shards, B's of the TP 2 shards

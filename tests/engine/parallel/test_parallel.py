@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.parallel import LaunchError, LaunchTimeout, launch
 from hybridkv.engine.runner import MemoryLayoutError, ShardRunner, build_runner
 from hybridkv.engine.tensor_parallel import TensorParallel
@@ -186,7 +187,9 @@ def test_a_one_process_built_runner_is_the_runner_of_the_whole_model() -> None:
     as a runner over a model and a memory built apart (what ``Engine`` runs)."""
     name = "tiny-kimi-linear"
     hf = hf_model(name)
-    runner = build_runner(hf.config, hf.state_dict(), gpu_memory=4_000_000, page_size=PAGE, max_context=256)
+    runner = build_runner(
+        hf.config, hf.state_dict(), EngineConfig(gpu_memory=4_000_000, page_size=PAGE, max_context=256)
+    )
     prompts = [prompt(50 + n, n) for n in LENGTHS]
     got, single = serve(runner, prompts, CHUNK, MAX_NEW), _single(name)
     for a, b in zip(got, single, strict=True):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.parallel import StageGroups, launch
 from hybridkv.engine.runner import ShardRunner, build_runner
@@ -57,18 +58,11 @@ def serve_jobs(rank: int, jobs: list[Job]) -> tuple[int, list[RankResult]]:
         groups = StageGroups.create(job.parallel, job.ranks, timeout_s=60)
         if groups is None:
             continue
+        options = EngineConfig(
+            gpu_memory=3_000_000, page_size=job.page_size, chunk_size=64, max_context=256, device=job.device
+        )
         runner = build_runner(
-            job.directory,
-            job.directory,
-            job.parallel,
-            groups.pp_rank,
-            groups.tp_rank,
-            groups,
-            gpu_memory=3_000_000,
-            page_size=job.page_size,
-            chunk_size=64,
-            max_context=256,
-            device=job.device,
+            job.directory, job.directory, options, job.parallel, groups.pp_rank, groups.tp_rank, groups
         )
         mem = runner.mem
         shapes = {}
@@ -126,17 +120,8 @@ def tp2_prefill_states(rank: int, jobs: list[tuple[str, int, int, list[int]]]) -
     for directory, page_size, chunk, ids in jobs:
         groups = StageGroups.create(Parallel(tp_size=2), (0, 1), timeout_s=60)
         assert groups is not None
-        runner = build_runner(
-            directory,
-            directory,
-            groups.parallel,
-            0,
-            groups.tp_rank,
-            groups,
-            gpu_memory=3_000_000,
-            page_size=page_size,
-            max_context=256,
-        )
+        options = EngineConfig(gpu_memory=3_000_000, page_size=page_size, max_context=256)
+        runner = build_runner(directory, directory, options, groups.parallel, 0, groups.tp_rank, groups)
         kv, req = prefill(runner, ids, chunk)
         assert req.kv.state_slot is not None
         out[directory] = slot_states(runner.mem, req.kv.state_slot)

@@ -1,6 +1,6 @@
 """Disaggregated serving: a router, a prefill engine (PP x TP processes) and a decode engine (TP processes)."""
 
-from hybridkv.engine.disagg.config import PDConfig, check_layout
+from hybridkv.engine.disagg.config import PD_ENGINE, PDConfig, check_layout
 from hybridkv.engine.disagg.engines import PDStartError
 from hybridkv.engine.disagg.faults import Fault
 from hybridkv.engine.disagg.path import PDPath, RequestTiming, StageTiming
@@ -11,6 +11,7 @@ from hybridkv.engine.disagg.server import PDServer
 __all__ = [
     "FAILED",
     "FINISHED",
+    "PD_ENGINE",
     "Fault",
     "PDConfig",
     "PDPath",

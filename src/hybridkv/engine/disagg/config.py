@@ -27,20 +27,21 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.disagg.faults import Fault, Target
 from hybridkv.engine.registry import engine_spec, text_config
-from hybridkv.engine.sched.scheduler import step_budget
-from hybridkv.engine.sched.tiered import STORES
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel
 from hybridkv.engine.weights import check_safetensors, empty_model, read_config
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import Parallel, ShardSpec
-from hybridkv.tiers import MooncakeMaster, WritePolicy
+from hybridkv.tiers import MooncakeMaster, StorageTier
 from hybridkv.transfer import buffer_set_from_memory, pair_entries
 from hybridkv.transfer.pairing import check_coverage, check_prefill_group
 from hybridkv.transfer.transport import TRANSPORTS, transport_class
 
-POLICIES = tuple(p.value for p in WritePolicy)
+PD_ENGINE = EngineConfig(gpu_memory=8_000_000, max_context=256, store_memory=32 << 20)
+"""A disaggregated server's engine defaults: 8 MB per process, a 256-token context (every rank sizes its
+memory for it), a 32 MiB store segment per prefill rank; ``dataclasses.replace(PD_ENGINE, ...)`` changes some."""
 
 
 @dataclass(frozen=True)
@@ -52,44 +53,26 @@ class PDConfig:
     decode_tp: int = 2
     prefill_tp: int = 1
     transport: str = "shm"  # a name in transfer.transport.TRANSPORTS whose class is cross_process
-    page_size: int = 16
-    decode_page_size: int | None = None  # None: page_size (another value is a layout mismatch: a fault test)
-    chunk: int = 64
-    gpu_memory: int = 8_000_000  # bytes per process
-    max_context: int = 256
-    prefix_cache: bool = True  # on the prefill side
+    decode_page_size: int | None = None  # None: engine.page_size (another value is a layout mismatch: a fault test)
     timeout_s: float = 60.0  # per collective, per start-up, per prefill-side transfer
     transfer_timeout_s: float = 30.0  # decode side: reservation -> every stage's KV landed
     restarts: int = 1  # how often the router restarts a dead engine before reporting it lost
-    max_running: int = 64  # requests per engine step batch (prefill and decode)
-    max_step_tokens: int | None = None  # tokens one engine step computes, at most (None: 4 x chunk)
-    checkpoints: str | None = None  # the prefill engine's state checkpoint placement (None: the engine default)
     faults: tuple[Fault, ...] = ()
-    host_memory: int | None = None  # bytes of host memory below each prefill rank's device (None: no host tier)
-    store: str = "none"  # "none" or "mooncake": the Mooncake Store below the prefill ranks (one master for all)
-    store_master: str | None = None  # host:port of a mooncake_master (None with a store: the router starts one)
-    store_memory: int = 32 << 20  # the segment each prefill rank's store client mounts (Mooncake's floor: 16 MiB)
-    tier_policy: str = "back"  # "back" (written on eviction) or "through" (at once)
-    dtype: str = "float32"  # weights, activations and K/V of every rank ("float32", "bfloat16" or "float16")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype: torch.dtype = getattr(torch, self.dtype)
-        return dtype
-
-    @property
-    def tiered(self) -> bool:
-        """The prefill ranks keep tiers below the device."""
-        return self.host_memory is not None or self.store != "none"
+    engine: EngineConfig = PD_ENGINE
+    """Every rank's engine options: ``gpu_memory`` per process, ``max_context`` (required: every rank sizes its
+    memory for it), the batch and step sizes (prefill and decode alike), ``dtype``; the prefix cache,
+    ``checkpoints`` and the tiers (``host_memory`` and ``store_memory`` per rank; one ``store_master`` for
+    all, started by the router when the store is mooncake and none is named) are the prefill side's."""
 
     @property
     def decode_page(self) -> int:
-        return self.page_size if self.decode_page_size is None else self.decode_page_size
+        return self.engine.page_size if self.decode_page_size is None else self.decode_page_size
 
     @property
-    def step_tokens(self) -> int:
-        """Every engine's step budget (prefill and decode alike), as ``Engine`` takes it."""
-        return step_budget(self.chunk, self.max_step_tokens)
+    def max_context(self) -> int:
+        """Every rank's context (``check_layout`` refuses an engine config without one)."""
+        assert self.engine.max_context is not None
+        return self.engine.max_context
 
 
 @dataclass(frozen=True)
@@ -112,19 +95,17 @@ def check_layout(config: PDConfig) -> None:
             f"a disaggregated server needs prefill_pp, prefill_tp, decode_tp and max_new >= 1, got "
             f"PP {config.prefill_pp} x TP {config.prefill_tp} -> TP {config.decode_tp}, max_new {config.max_new}"
         )
-    if min(config.chunk, config.max_running, config.step_tokens) < 1:
-        raise ValueError(
-            f"a disaggregated server needs chunk, max_running and max_step_tokens >= 1, got chunk {config.chunk}, "
-            f"max_running {config.max_running}, max_step_tokens {config.step_tokens}"
-        )
+    if config.engine.max_context is None:
+        raise ValueError("a disaggregated server needs engine.max_context: every rank sizes its memory for it")
+    if isinstance(config.engine.store, StorageTier):
+        raise ValueError("a disaggregated server's store is a name (none or mooncake): each rank builds its own client")
     check_transport(config)
     check_faults(config)
-    check_tiers(config)
     hf_config = read_config(config.model_dir)
-    spec = engine_spec(text_config(hf_config), config.torch_dtype)
+    spec = engine_spec(text_config(hf_config), config.engine.dtype)
     prefill_layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
     prefills = [
-        buffer_set_from_memory(_memory(ShardSpec(spec, prefill_layout, stage, tp), config.page_size, config))
+        buffer_set_from_memory(_memory(ShardSpec(spec, prefill_layout, stage, tp), config.engine.page_size, config))
         for stage in range(config.prefill_pp)
         for tp in range(config.prefill_tp)
     ]
@@ -143,7 +124,7 @@ def check_checkpoint(config: PDConfig, hf_config: Any) -> None:
     every decode rank (TP rank) finds its part of the checkpoint, from the files' headers alone: the
     engine's model of each shard is built on the meta device and matched against what the files
     declare (``check_safetensors``); no tensor data is read, nothing the size of the model allocated."""
-    spec = engine_spec(text_config(hf_config), config.torch_dtype)
+    spec = engine_spec(text_config(hf_config), config.engine.dtype)
     layout = Parallel(pp_size=config.prefill_pp, tp_size=config.prefill_tp)
     shards: set[tuple[tuple[int, int] | None, int, int]] = {
         (ShardSpec(spec, layout, s, t).bounds, config.prefill_tp, t)
@@ -190,40 +171,26 @@ def check_faults(config: PDConfig) -> None:
         seen.add(f.request)
 
 
-def check_tiers(config: PDConfig) -> None:
-    """Raise ``ValueError`` naming the option unless the prefill tiers' options fit together."""
-    if config.store not in STORES:
-        raise ValueError(f"unknown store {config.store!r}; known: {', '.join(STORES)}")
-    if config.store_master is not None and config.store != "mooncake":
-        raise ValueError("store_master names a mooncake_master: it needs store='mooncake'")
-    if config.tiered and not config.prefix_cache:
-        raise ValueError("tiers below the device hold what the prefix cache evicts: they need prefix_cache=True")
-    if config.host_memory is not None and config.host_memory <= 0:
-        raise ValueError(f"host_memory must be > 0 bytes, got {config.host_memory}")
-    if config.store != "none" and config.store_memory < 16 << 20:
-        raise ValueError(f"store_memory must be at least 16 MiB (Mooncake's floor), got {config.store_memory} bytes")
-    if config.tier_policy not in POLICIES:
-        raise ValueError(f"unknown tier_policy {config.tier_policy!r}; known: {', '.join(POLICIES)}")
-
-
 def with_store_master(config: PDConfig) -> tuple[PDConfig, MooncakeMaster | None]:
     """``config`` with its store's master named: one started on 127.0.0.1 (the caller stops it)
     when the config asks for the Mooncake Store and names none. Every prefill rank of every epoch
     is a client of this one master."""
-    if config.store_master is not None:
-        host, _, port = config.store_master.rpartition(":")
+    engine = config.engine
+    if engine.store_master is not None:
+        host, _, port = engine.store_master.rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=5.0).close()
         except (OSError, ValueError) as exc:
-            why = f"no mooncake_master answers at {config.store_master} ({exc})"
+            why = f"no mooncake_master answers at {engine.store_master} ({exc})"
             raise ValueError(f"{why}: start one there, or drop store_master to have the router start one") from None
-    if config.store != "mooncake" or config.store_master is not None:
+    if engine.store != "mooncake" or engine.store_master is not None:
         return config, None
     master = MooncakeMaster().start()
-    return dataclasses.replace(config, store_master=master.address), master
+    return dataclasses.replace(config, engine=dataclasses.replace(engine, store_master=master.address)), master
 
 
 def _memory(shard: ShardSpec, page_size: int, config: PDConfig) -> UnifiedMemory:
+    e = config.engine
     return UnifiedMemory.create(
-        shard, config.gpu_memory, page_size=page_size, max_context=config.max_context, chunk_tokens=config.chunk
+        shard, e.memory_bytes, page_size=page_size, max_context=config.max_context, chunk_tokens=e.chunk_size
     )

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from multiprocessing.connection import Connection
@@ -56,20 +57,19 @@ class DecodeRank(Worker):
         groups = StageGroups.create(Parallel(tp_size=c.decode_tp), range(c.decode_tp), c.timeout_s)
         assert groups is not None  # every rank of this world is in the layout
         config = text_config(read_config(c.model_dir))
-        spec = engine_spec(config, c.torch_dtype)
+        spec = engine_spec(config, c.engine.dtype)
         self.eos = eos_ids(config)
         shard = ShardSpec(spec, groups.parallel, 0, rank)
-        hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.chunk}
+        hints = {"page_size": c.decode_page, "max_context": c.max_context, "chunk_tokens": c.engine.chunk_size}
         self.shared: SharedBuffer | None = None
         kind = transport_class(c.transport)
         if kind.shared_arena:
-            self.mem, self.shared = shared_memory(shard, c.gpu_memory, args.shm_tokens[rank], **hints)
+            self.mem, self.shared = shared_memory(shard, c.engine.memory_bytes, args.shm_tokens[rank], **hints)
         else:
-            self.mem = UnifiedMemory.create(shard, c.gpu_memory, **hints)  # type: ignore[arg-type]
+            self.mem = UnifiedMemory.create(shard, c.engine.memory_bytes, **hints)  # type: ignore[arg-type]
         self.link = kind.create(self.shared, **kind.loopback_options)
-        self.runner = build_runner(
-            c.model_dir, c.model_dir, groups.parallel, 0, rank, groups, dtype=c.torch_dtype, spec=spec, mem=self.mem
-        )
+        runs = dataclasses.replace(c.engine, spec=spec)  # the spec the memory was built from
+        self.runner = build_runner(c.model_dir, c.model_dir, runs, groups.parallel, 0, rank, groups, mem=self.mem)
         key = ClusterKey.from_hex(args.key_hex, "decode worker")
         self.receiver = DecodeReceiver(
             self.mem, args.engine, args.bootstrap, self.link, key=key, timeout_s=c.transfer_timeout_s

@@ -36,7 +36,6 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from hybridkv.cache.placement import engine_default
 from hybridkv.engine.disagg.config import PDConfig, WorkerArgs
 from hybridkv.engine.disagg.faults import on_compute, on_hand_off, slows_writes
 from hybridkv.engine.disagg.protocol import (
@@ -89,23 +88,12 @@ class PrefillRank(Worker):
         assert groups is not None  # every rank of this world is in the layout
         self.groups = groups
         self.runner = build_runner(
-            c.model_dir,
-            c.model_dir,
-            groups.parallel,
-            groups.pp_rank,
-            groups.tp_rank,
-            groups,
-            gpu_memory=c.gpu_memory,
-            page_size=c.page_size,
-            chunk_size=c.chunk,
-            max_context=c.max_context,
-            dtype=c.torch_dtype,
+            c.model_dir, c.model_dir, c.engine, groups.parallel, groups.pp_rank, groups.tp_rank, groups
         )
         self.eos = eos_ids(self.runner.model.config)
         self.mem = self.runner.mem
-        self.kv = RequestKV(
-            self.mem, prefix_cache=c.prefix_cache, checkpoints=c.checkpoints or engine_default(c.chunk, c.page_size)
-        )
+        e = c.engine
+        self.kv = RequestKV(self.mem, prefix_cache=e.prefix_cache, cache_policy=e.cache_policy, checkpoints=e.placement)
         self.tiers = self.kv.tiers = prefill_tiers(self.kv, c)
         self.sched = self.scheduler()
         kind = transport_class(c.transport)
@@ -308,18 +296,19 @@ def prefill_tiers(kv: RequestKV, c: PDConfig) -> EngineTiers | None:
     """This rank's tiers below its device (None without): its own host memory and store client,
     keyed by its shard (``tiers.keys``: its layer range, PP stage and TP rank), on the master the
     router named."""
-    if not c.tiered:
+    e = c.engine
+    if not e.tiered:
         return None
-    if c.store != "none" and c.store_master is None:
+    if e.store == "mooncake" and e.store_master is None:
         raise ValueError("a prefill rank's store needs the master the router started or was given (store_master)")
     tiers = EngineTiers.build(
         kv.kvm,
-        c.chunk,
-        host_memory=c.host_memory,
-        store=c.store,
-        store_master=c.store_master,
-        store_memory=c.store_memory,
-        policy=c.tier_policy,
+        e.chunk_size,
+        host_memory=e.host_memory,
+        store=e.store,
+        store_master=e.store_master,
+        store_memory=e.store_memory,
+        policy=e.tier_policy,
     )
     assert tiers is not None
     h = tiers.hierarchy

@@ -213,7 +213,7 @@ class PDServer:
         """Router-side figures (host only, no round trip): requests per phase, outcomes, bytes, deaths;
         with tiers, the prefill ranks' tier counters as they last sent them (``tier_metrics``)."""
         return {
-            **tier_metrics(self._engines(), self.config.tiered),
+            **tier_metrics(self._engines(), self.config.engine.tiered),
             **request_metrics(list(self._requests)),
             "deaths": len(self.deaths),
             "restarts": {role.value: n for role, n in self._restarts.items()},

@@ -53,8 +53,8 @@ class Worker:
         self.requests = 0
 
     def scheduler(self) -> Scheduler:
-        c = self.args.config
-        return Scheduler(self.kv, c.chunk, c.max_running, c.step_tokens, self.role, self.agree)
+        e = self.args.config.engine
+        return Scheduler(self.kv, e.chunk_size, e.max_running, e.step_tokens, self.role, self.agree)
 
     def request(self, tid: str, ids: tuple[int, ...], params: SamplingParams) -> Request:
         return Request(tid, list(ids), params, params.stops(self.eos))

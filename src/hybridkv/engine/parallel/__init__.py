@@ -8,8 +8,8 @@ In each process of a world (``launch(fn, world_size, args)`` calls ``fn(rank, *a
 joining it)::
 
     groups = StageGroups.create(Parallel(tp_size=2, pp_size=2), ranks=(0, 1, 2, 3))  # every process calls it
-    runner = build_runner(model_dir, model_dir, groups.parallel, groups.pp_rank, groups.tp_rank, groups,
-                         gpu_memory="1GiB", page_size=16)
+    options = EngineConfig(gpu_memory="1GiB", page_size=16)
+    runner = build_runner(model_dir, model_dir, options, groups.parallel, groups.pp_rank, groups.tp_rank, groups)
     kv = RequestKV(runner.mem)              # each rank: its own memory, the same schedule
     logits = runner.forward(batch)          # (R, vocab), identical on every rank
 """

@@ -55,13 +55,11 @@ from hybridkv.tiers import (
     MooncakeMaster,
     MooncakeStoreTier,
     StorageTier,
-    TierError,
     TierHierarchy,
     Where,
     WritePolicy,
 )
 
-STORES = ("none", "mooncake")
 ZERO_DETAILS = {"device": 0, "host": 0, "storage": 0}
 
 
@@ -83,21 +81,15 @@ class EngineTiers:
         chunk_tokens: int,
         *,
         host_memory: int | str | None = None,
-        store: str | StorageTier | None = None,
+        store: str | StorageTier = "none",
         store_master: str | None = None,
         store_memory: int | str = "256MiB",
         policy: str = WritePolicy.BACK.value,
     ) -> EngineTiers | None:
-        """The tiers the options ask for (None: the device only). ``store``: ``none``,
-        ``mooncake`` (a client of ``store_master``, or of a master started here on loopback)
-        or a ``StorageTier`` the caller built (it is closed with the engine)."""
-        if store is None or store == "none":
-            if store_master is not None:
-                raise TierError("store_master names a mooncake_master: it needs store='mooncake'")
-            store = None
-        elif isinstance(store, str) and store != "mooncake":
-            raise TierError(f"store must be one of {STORES} or a StorageTier, got {store!r}")
-        if host_memory is None and store is None:
+        """The tiers the options ask for (None: the device only), as an ``EngineConfig`` checked them.
+        ``store``: ``none``, ``mooncake`` (a client of ``store_master``, or of a master started here
+        on loopback) or a ``StorageTier`` the caller built (it is closed with the engine)."""
+        if host_memory is None and store == "none":
             return None
         master = None
         host = HostTier(host_memory) if host_memory is not None else None
@@ -111,8 +103,6 @@ class EngineTiers:
                 tier = MooncakeStoreTier(store_master, segment_bytes=segment)
             elif isinstance(store, StorageTier):
                 tier = store
-            elif store is not None:
-                raise TierError(f"store must be one of {STORES} or a StorageTier, got {type(store).__name__}")
             return cls(kvm, TierHierarchy(kvm.cache, host=host, store=tier, policy=policy), chunk_tokens, master)
         except BaseException:
             if tier is not None and tier is not store:
