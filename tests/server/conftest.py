@@ -44,9 +44,11 @@ def make_engine(tiny: tuple[Any, Any]) -> Callable[..., Engine]:
 @pytest.fixture(scope="module")
 def start_server(make_engine: Callable[..., Engine]) -> Iterator[Callable[..., HttpServer]]:
     started: list[HttpServer] = []
+    engines: list[Engine] = []
 
     def start(max_queued: int = 64, shutdown_timeout: float = 10.0, engine: Any = None, **config: Any) -> HttpServer:
-        backend = EngineBackend(make_engine(**(engine or {})), MODEL, SIZING["gpu_memory"], max_queued)
+        engines.append(make_engine(**(engine or {})))
+        backend = EngineBackend(engines[-1], MODEL, SIZING["gpu_memory"], max_queued)
         server = HttpServer(backend, ServerConfig(**config), bind("127.0.0.1", 0), shutdown_timeout)
         server.start()
         started.append(server)
@@ -55,6 +57,8 @@ def start_server(make_engine: Callable[..., Engine]) -> Iterator[Callable[..., H
     yield start
     for server in started:
         server.stop()
+    for made in engines:  # their store clients too: one left open logs reconnects into later tests' stderr
+        made.close()
 
 
 def shared_prefix_prompts(n: int, groups: int = 4, prefix: int = 48, seed: int = 7) -> list[list[int]]:
