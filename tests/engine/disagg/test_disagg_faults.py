@@ -319,11 +319,13 @@ def test_a_poison_request_fails_alone_and_mooncake_lines_of_a_killed_decode_rank
     assert all(r.live_after == r.live_before for r in server.ranks)
     assert all(gone(pid) for pid in server.pids())
 
-    assert metrics["mooncake_log_lines"] > 0  # the prefill ranks' writes to the killed decode rank
+    # Mooncake's lines about the killed decode rank come from prefill writes that reach it after the kill: on a
+    # loaded machine every write had landed before it in 1 of 3 runs (0 lines), so their count is not asserted
+    # here (test_disagg_startup proves WorkerLog counts glog lines); whatever came is logged, never printed raw
     err = capfd.readouterr().err
     assert not re.search(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", err, re.MULTILINE), err
     shown = [r.getMessage() for r in caplog.records if r.name == "hybridkv.transfer.mooncake"]
-    assert shown and all(": mooncake: " in line for line in shown), shown
+    assert bool(shown) == (metrics["mooncake_log_lines"] > 0) and all(": mooncake: " in line for line in shown), shown
 
 
 def test_an_engine_lost_after_its_restarts_fails_every_open_and_new_request_and_close_reaps_everything(
