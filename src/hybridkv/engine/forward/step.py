@@ -224,7 +224,7 @@ class _PagedPlan:
     offset: np.ndarray
 
 
-@dataclass
+@dataclass(frozen=True)
 class _PoolPlan:
     """The step's keys in one token pool, on the host."""
 
@@ -283,11 +283,10 @@ def _plan_pool(
     """Every group's keys in one token pool: per row, columns from the page of the earliest position a new token
     sees to its part's widest row's last token (``sinks``: to one spare column past it); ``paged``: the first group
     (the decodes) as page tables instead (``_paged_plan``)."""
-    plan = _PoolPlan([], [], [], [])
+    plan = _PoolPlan([], [], [], [], _paged_plan(rows, bounds[0][1], pool_id, table, ps) if paged else None)
     at = 0  # buffer columns so far
     for g, (a, b) in enumerate(bounds):
         if g == 0 and paged:
-            plan.paged = _paged_plan(rows, b, pool_id, table, ps)
             plan.parts.append([])
             continue
         pre, ext = rows.pre[a:b], rows.ext[a:b]
@@ -358,8 +357,9 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
         paged = PagedDecode(
             p.start.size, table.view(-1, p.width), dev(p.start), dev(p.stop), table[dev(p.new_page)], dev(p.offset)
         )
-    io = TokenIO(layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols), paged)
-    return io
+    return TokenIO(
+        layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols), paged
+    )
 
 
 SPLIT_ROWS = 64
