@@ -3,7 +3,7 @@
 Every engine of the product reads its options from one of these: ``Engine(model, weights, config)``,
 ``build_runner(..., config)`` for a rank of a parallel or disaggregated layout (it reads the memory's and
 the model's fields), ``PDConfig.engine`` for the ranks of a disaggregated server, and the CLI's
-``EngineOptions.engine_config()``. Nothing downstream checks these fields again.
+``EngineOptions.engine``. Nothing downstream checks these fields again.
 
 Fields (units, and what ``__post_init__`` checks):
 
@@ -40,9 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.cache import POLICIES
+from hybridkv.cache import POLICIES, KVManager
 from hybridkv.cache.placement import CheckpointPlacement, engine_default
 from hybridkv.engine.sched.scheduler import step_budget
+from hybridkv.engine.sched.tiered import EngineTiers
 from hybridkv.memory import parse_bytes
 from hybridkv.spec import ModelSpec
 from hybridkv.tiers import StorageTier, WritePolicy
@@ -120,6 +121,18 @@ class EngineConfig:
     def placement(self) -> str:
         """The checkpoint placement spec requests use (``checkpoints`` or the engine default)."""
         return self.checkpoints or engine_default(self.chunk_size, self.page_size)
+
+    def tiers(self, kvm: KVManager) -> EngineTiers | None:
+        """The tiers below ``kvm``'s device memory these options ask for (None: the device only)."""
+        return EngineTiers.build(
+            kvm,
+            self.chunk_size,
+            host_memory=self.host_memory,
+            store=self.store,
+            store_master=self.store_master,
+            store_memory=self.store_memory,
+            policy=self.tier_policy,
+        )
 
     @property
     def tiered(self) -> bool:

@@ -56,7 +56,7 @@ from hybridkv.engine.sched.request import (
     check_request,
 )
 from hybridkv.engine.sched.scheduler import Scheduler, Step, choose_step_tokens, step_logprobs
-from hybridkv.engine.sched.tiered import ZERO_DETAILS, EngineTiers
+from hybridkv.engine.sched.tiered import ZERO_DETAILS
 from hybridkv.engine.weights import build_model, read_config, read_safetensors
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import ModelSpec, ShardSpec
@@ -125,15 +125,7 @@ class Engine:
             cache_policy=config.cache_policy,
             checkpoints=config.placement,
         )
-        self.tiers = EngineTiers.build(
-            self.kv.kvm,
-            config.chunk_size,
-            host_memory=config.host_memory,
-            store=config.store,
-            store_master=config.store_master,
-            store_memory=config.store_memory,
-            policy=config.tier_policy,
-        )
+        self.tiers = config.tiers(self.kv.kvm)
         self.kv.tiers = self.tiers
         self.sched = Scheduler(self.kv, config.chunk_size, config.max_running, config.step_tokens)
         self.stats = dict.fromkeys(

@@ -301,15 +301,7 @@ def prefill_tiers(kv: RequestKV, c: PDConfig) -> EngineTiers | None:
         return None
     if e.store == "mooncake" and e.store_master is None:
         raise ValueError("a prefill rank's store needs the master the router started or was given (store_master)")
-    tiers = EngineTiers.build(
-        kv.kvm,
-        e.chunk_size,
-        host_memory=e.host_memory,
-        store=e.store,
-        store_master=e.store_master,
-        store_memory=e.store_memory,
-        policy=e.tier_policy,
-    )
+    tiers = e.tiers(kv.kvm)
     assert tiers is not None
     h = tiers.hierarchy
     bound = min(h.timeout_s, c.timeout_s / 4)  # a rank's wait on its store stays well inside its peers' collectives
