@@ -386,15 +386,17 @@ def run(
     page_size: int = 16,
     seed: int = 0,
     log: Any = None,
+    connector: bool = True,
 ) -> dict[str, Any]:
-    """The comparison (module docstring); ``python``: the peer venv's. ``log(line)``: progress, if given."""
+    """The comparison (module docstring); ``python``: the peer venv's. ``log(line)``: progress, if given.
+    ``connector=False``: without the "vLLM + HybridKVConnector" server (two servers a round, not three)."""
     context = int(random_config(model, widen).max_position_embeddings)
     if prompt_tokens + SUFFIX_TOKENS + max_new_tokens > context:
         raise ValueError(
             f"--prompt-tokens {prompt_tokens} + {SUFFIX_TOKENS} + --max-new-tokens {max_new_tokens} exceeds the "
             f"model's context of {context} tokens"
         )
-    servers = SERVERS
+    servers = SERVERS if connector else tuple(s for s in SERVERS if s != CONNECTOR)
     per_round: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hybridkv-vs-vllm-") as scratch:
         model_dir = os.path.join(scratch, MODEL_NAME)  # hybridkv serve names a model after its directory
@@ -408,13 +410,12 @@ def run(
                     log(f"round {r}: {server}")
                 with _server(server, python, model_dir, dtype, gpu_memory, page_size, context) as url:
                     row[server], tokens[server] = drive(url, server, prompts, max_new_tokens)
-            row["exact"], row["connector_exact"] = (
-                {
-                    w: sum(a == b for a, b in zip(tokens[s][w], tokens["vllm"][w], strict=True))
-                    for w in (*WORKLOADS, "alone")
-                }
-                for s in ("hybridkv", CONNECTOR)
-            )
+            for server, key in (("hybridkv", "exact"), (CONNECTOR, "connector_exact")):
+                if server in tokens:
+                    row[key] = {
+                        w: sum(a == b for a, b in zip(tokens[server][w], tokens["vllm"][w], strict=True))
+                        for w in (*WORKLOADS, "alone")
+                    }
             per_round.append(row)
     medians = {s: _medians([row[s] for row in per_round]) for s in servers}
     return {

@@ -444,6 +444,9 @@ def bench_serve(
     ),
     vocab: int = typer.Option(32000, "--vocab", min=256, max=1 << 20, help="--peer: the model's vocabulary."),
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="--peer: tokens per prompt (and prefix)."),
+    connector: bool = typer.Option(
+        True, "--connector/--no-connector", help='--peer: also the server "vLLM + HybridKVConnector".'
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Mooncake conversations at a request rate against hybridkv serve (streaming HTTP) and against the engine
@@ -467,7 +470,7 @@ def bench_serve(
     if peer is not None:
         _bench_peer(
             model, widen, vocab, dtype, requests, prompt_tokens, max_new_tokens, rounds, alone, gpu_memory,
-            page_size, seed, as_json,
+            page_size, seed, connector, as_json,
         )  # fmt: skip
         return
     if disaggregated:
@@ -598,6 +601,7 @@ def _bench_peer(
     gpu_memory: str | None,
     page_size: int,
     seed: int,
+    connector: bool,
     as_json: bool,
 ) -> None:
     """``bench serve --peer vllm``: skipped with one line (exit 0) when vLLM is not installed here."""
@@ -616,6 +620,7 @@ def _bench_peer(
         report = run_peer(
             python, model, widen, vocab, dtype, requests, prompt_tokens, max_new_tokens, rounds, alone,
             parse_bytes(gpu_memory or "1GiB"), page_size, seed, log=lambda line: console.print(f"[dim]{line}[/dim]"),
+            connector=connector,
         )  # fmt: skip
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--prompt-tokens") from None
