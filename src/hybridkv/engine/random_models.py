@@ -68,6 +68,27 @@ _TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    "tiny-gemma3-dense": (  # Gemma 3 with every layer full attention: the dense control (bench serve --peer)
+        "gemma3_text",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=["full_attention"] * 6,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
     "tiny-gpt-oss": (
         "gpt_oss",
         dict(
