@@ -100,6 +100,20 @@ def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
     assert sched["held_blocks"] == worker["tier"]["objects"]  # the index is exactly what the tier holds
 
 
+def test_a_save_batch_larger_than_the_host_tier_leaves_the_index_truthful(tmp_path: Path) -> None:
+    """A host tier of two objects, no store, steps that save three blocks: the blocks a batch stored and
+    evicted again are not counted held, so no load is planned on them (no load error)."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    r = run_driver(python, "llama", tmp_path / "batch.json", "--evict-check", "--host-bytes", str(2 * (16384 + 64)))
+    for got, ref in (("a1", "ref_a"), ("b1", "ref_b"), ("a2", "ref_a"), ("b2", "ref_b")):
+        assert r[got] == r[ref], got
+    worker, sched = r["report"]["worker"], r["report"]["scheduler"]
+    assert worker["stats"]["evicted"] > 0 and worker["load_errors"] == {}
+    assert sched["held_blocks"] == worker["tier"]["objects"] <= 2
+
+
 def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -> None:
     """Two objects of host memory over the Mooncake Store: after a reset the prefix comes from the store."""
     python, why = vllm_python()
@@ -123,6 +137,7 @@ def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -
     worker, sched = r["report"]["worker"], r["report"]["scheduler"]
     assert worker["tier"]["objects"] <= 2 and sched["held_blocks"] > worker["tier"]["objects"]  # the rest: below
     assert worker["stats"]["written_back"] > 0 and worker["stats"]["store_loaded_blocks"] > 0
+    assert worker["stats"]["promoted"] > 0  # blocks read from the store went back into the host tier
     assert worker["load_errors"] == {} and worker["store"]["puts"] > 0
 
 

@@ -2,11 +2,13 @@
 
 Where the store lives. vLLM V1 runs the scheduler-side connector and the worker-side connector as
 two objects, often in two processes (the engine core and its workers). The bytes live with the
-worker: each worker owns one ``tiers.HostTier`` (its own byte budget, LRU, CRC-32 framed objects).
-The scheduler owns a ``layout.BlockIndex`` of which ``(group, block name)`` objects the worker
-holds, and learns it only from the worker: each step's ``HybridKVWorkerMeta`` (returned by
-``build_connector_worker_meta``, delivered to ``update_connector_output``) lists what was stored
-and what left it (LRU evictions, refused puts, objects that failed a load). Nothing else crosses
+worker: each worker owns one ``tiers.HostTier`` (its own byte budget, LRU, CRC-32 framed objects),
+through ``worker_tiers.WorkerTiers``. The scheduler owns a ``layout.BlockIndex`` of which ``(group,
+block name)`` objects the worker holds, and learns it only from the worker: each step's
+``HybridKVWorkerMeta`` (returned by ``build_connector_worker_meta``, delivered to
+``update_connector_output``) lists what was stored and what left it (LRU evictions, refused puts,
+objects that failed a load), one verdict per block, the last thing that happened to it that step (a
+block stored and evicted again by the same save batch is dropped, not held). Nothing else crosses
 the process boundary: the scheduler sends, in ``HybridKVMetadata``, per request the ``(group, block
 id, block name)`` triples to load and to save. (With one worker vLLM runs both halves in its engine
 core process; they share nothing but this metadata, so the same holds with workers of their own.)
@@ -14,7 +16,9 @@ core process; they share nothing but this metadata, so the same holds with worke
 The Mooncake Store below (``store_master``). With one, the host tier's LRU evictions are written
 back to a ``tiers.MooncakeStoreTier`` (one client per worker, ``store_segment_bytes`` of its memory
 mounted into the store) instead of being dropped, and a load the host tier cannot answer (absent)
-is read from the store (not copied back up). The scheduler's index counts a block held while the
+is read from the store and promoted: copied back into the host tier as its most recently used
+object, within its budget (what that evicts goes down to the store like any eviction; the index
+does not change: the block was held and still is). The scheduler's index counts a block held while the
 host or the store holds it: only an eviction the store refused is reported as dropped. The store
 evicts on its own when full, unreported: such a block is a counted load miss, and
 vLLM recomputes it. A damaged object leaves both tiers.
@@ -76,7 +80,7 @@ Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, 
 store when absent; a store that cannot be set up fails the worker's start with both names) and
 ``store_segment_bytes`` (default ``"256MiB"``, at least 16 MiB). Reports: ``scheduler_report()``
 (queries, hits, hit tokens, held blocks, lookup seconds) and ``worker_report()`` (saved / loaded /
-evicted blocks, in all and per group ``g<i>``, blocks written back to the store and loaded from it,
+evicted blocks, in all and per group ``g<i>``, blocks written back to the store, loaded from it and promoted back,
 load errors by reason, save and load seconds, the host tier's usage, the store's counters).
 ``reset_prefix_cache(reset_connector=True)`` forgets the index (the worker's objects age out of its
 LRU; a save of the same block re-announces it).
@@ -125,7 +129,8 @@ from hybridkv.integrations.vllm.layout import (
     group_prefix,
     split_key,
 )
-from hybridkv.tiers import HostTier, MissReason, MooncakeStoreTier, PutStatus, TierError
+from hybridkv.integrations.vllm.worker_tiers import Pair, WorkerTiers
+from hybridkv.tiers import HostTier, MissReason, MooncakeStoreTier, StorageTier, TierError
 from hybridkv.tiers.framing import HEADER, frame
 from hybridkv.units import parse_bytes
 
@@ -284,15 +289,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Loads planned by update_state_after_alloc, sent with the next metadata."""
         self._null_block = 0
         # worker side
-        self.tier: HostTier | None = None
-        self.store: MooncakeStoreTier | None = None
-        """The Mooncake Store below the host tier (``store_master``): the host's LRU evictions go there."""
+        self.tiers: WorkerTiers | None = None
+        """The host tier over the Mooncake Store (``store_master``), and the report of what they hold."""
         self._layers: list[list[tuple[torch.Tensor, int]]] = []
         """Per group: (cache tensor, its block dimension) of each layer (each state of a recurrent
         layer), in the group's order."""
         self._payload_bytes: list[int] = []
-        self._stored: list[tuple[int, int]] = []
-        self._dropped: list[tuple[int, int]] = []
         self._failed_blocks: set[int] = set()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -302,16 +304,32 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Per live request, the keys it saved or loaded, head first: touched tail first after each
         save, so the LRU evicts a prefix from its tail (a head serves every longer prefix too)."""
         if role == KVConnectorRole.WORKER and not self.why_off:
+            store = None
             if extra.get("store_master"):
                 try:
                     segment = parse_bytes(extra.get("store_segment_bytes", "256MiB"))
-                    self.store = MooncakeStoreTier(str(extra["store_master"]), segment_bytes=segment)
+                    store = MooncakeStoreTier(str(extra["store_master"]), segment_bytes=segment)
                 except TierError as exc:
                     raise RuntimeError(
                         f"HybridKVConnector: kv_connector_extra_config store_master={extra['store_master']!r} names a "
                         f"Mooncake Store this vLLM worker cannot use: {exc}"
                     ) from None
-            self.tier = HostTier(extra.get("host_bytes", "1GiB"), on_evict=self._on_evict)
+            self.tiers = WorkerTiers(extra.get("host_bytes", "1GiB"), store, self._pair_of)
+
+    @property
+    def tier(self) -> HostTier | None:
+        """The worker's host tier (None on the scheduler side, or with offload off)."""
+        return None if self.tiers is None else self.tiers.host
+
+    @property
+    def store(self) -> StorageTier | None:
+        """The Mooncake Store below the host tier (``store_master``): the host's LRU evictions go there."""
+        return None if self.tiers is None else self.tiers.store
+
+    def _pair_of(self, key: str) -> Pair | None:
+        prefix, name = split_key(key)
+        group = self._group_of_prefix.get(prefix)
+        return None if group is None else (group, name)
 
     # ==============================================================================================
     # worker side
@@ -333,7 +351,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     else:
                         self.why_off = f"layer {name}: no block dimension of {num_blocks} in shape {tuple(t.shape)}"
                         logger.warning("HybridKVConnector: no offload (%s)", self.why_off)
-                        self.tier = None
+                        if self.tiers is not None and self.tiers.store is not None:
+                            self.tiers.store.close()
+                        self.tiers = None
                         return
                     entries.append((t, dim))
                     size += t.select(dim, 0).numel() * t.element_size()
@@ -341,20 +361,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sizes.append(size)
         self._layers, self._payload_bytes = layers, sizes
         logger.info("HybridKVConnector: %d groups, block payload bytes %s; %s", len(layers), sizes, self.tier.pin_note)
-
-    def _on_evict(self, keys: list[str], frames: list[torch.Tensor], labels: list[str]) -> None:
-        """The host's LRU evictions: written back to the store (still held: nothing to report), or
-        dropped (reported) without one or where it refuses them."""
-        self.stats["evicted"] += len(keys)
-        kept = [PutStatus.DOWN] * len(keys)
-        if self.store is not None:
-            kept = self.store.put(keys, frames, label="written back")
-            self.stats["written_back"] += sum(st in (PutStatus.STORED, PutStatus.KEPT) for st in kept)
-        for key, st in zip(keys, kept, strict=True):
-            prefix, name = split_key(key)
-            group = self._group_of_prefix.get(prefix)
-            if group is not None and st not in (PutStatus.STORED, PutStatus.KEPT):
-                self._dropped.append((group, name))
 
     def _gather(self, group: int, ids: torch.Tensor) -> torch.Tensor:
         """(n, payload bytes): the blocks ``ids`` of every layer of ``group``, one row each."""
@@ -374,28 +380,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             t.index_copy_(dim, ids, src.movedim(0, dim))
             off += nbytes
 
-    def _get(self, keys: list[str], payload_bytes: int) -> list[torch.Tensor | MissReason]:
-        """From the host tier, and what it does not hold from the store below (not copied up)."""
-        assert self.tier is not None
-        got = self.tier.get(keys, [payload_bytes] * len(keys))
-        below = [i for i, p in enumerate(got) if p is MissReason.ABSENT]
-        if self.store is not None and below:
-            for i, p in zip(below, self.store.get([keys[i] for i in below], [payload_bytes] * len(below)), strict=True):
-                got[i] = p
-                self.stats["store_loaded_blocks"] += not isinstance(p, MissReason)
-        return got
-
-    def _evict(self, keys: list[str]) -> int:
-        """``keys`` out of the host tier and the store: how many the host held."""
-        assert self.tier is not None
-        if self.store is not None:
-            self.store.evict(keys)
-        return self.tier.evict(keys)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
-        if self.tier is None or not meta.loads:
+        if self.tiers is None or not meta.loads:
             return
         started = time.perf_counter()
         self._failed_reqs = set()
@@ -405,13 +393,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 by_group.setdefault(b[0], []).append(b)
             for group, items in by_group.items():
                 keys = [block_key(self.prefixes[group], name) for _, _, name in items]
-                got = self._get(keys, self._payload_bytes[group])
+                got = self.tiers.get(keys, self._payload_bytes[group], f"g{group}")
                 good_ids, good_rows, bad = [], [], []
                 for key, (_, bid, name), payload in zip(keys, items, got, strict=True):
                     if isinstance(payload, MissReason):
                         self._failed_blocks.add(bid)
                         self._failed_reqs.add(req_id)
-                        self._dropped.append((group, name))
+                        self.tiers.drop([(group, name)])
                         self._failed.append((group, name))
                         bad.append(key)
                         self.load_errors[payload.value] += 1
@@ -420,13 +408,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                         good_ids.append(bid)
                         good_rows.append(payload)
                 if bad:  # a damaged object never answers again; the recompute saves it anew
-                    self._evict(bad)
+                    self.tiers.evict(bad)
                 self._req_keys.setdefault(req_id, []).extend(k for k in keys if k not in bad)
                 if good_ids:
                     ids = torch.tensor(good_ids, dtype=torch.long)
                     self._scatter(group, ids, torch.stack(good_rows))
                     self.stats["loaded_blocks"] += len(good_ids)
                     self.stats[f"loaded_blocks_g{group}"] += len(good_ids)
+            self.tiers.promote()  # the blocks read from the store, copied out above: back into the host tier
             if req_id in self._failed_reqs and len(self.groups) > 1:
                 # vLLM maps failed block ids back to requests only with one KV cache group (block ids
                 # are per group): with more, the request's load fails whole and vLLM recomputes it
@@ -434,7 +423,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed_blocks.difference_update(bid for _, bid, _ in blocks)
                 self._failed_recv.add(req_id)
             self._recved.add(req_id)
-            self.tier.touch(self._req_keys.get(req_id, [])[::-1])
+            self.tiers.touch(self._req_keys.get(req_id, [])[::-1])
         self.seconds["load"] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -446,7 +435,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saves run once per step, after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        if self.tier is None or not self.has_connector_metadata():
+        if self.tiers is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
@@ -458,7 +447,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, blocks in meta.saves.items():
             if req_id in failed:
                 # this step's forward read blocks whose load failed: what it computed is not saved
-                self._dropped.extend((g, name) for g, _, name in blocks)
+                self.tiers.drop([(g, name) for g, _, name in blocks])
                 self.stats["unsaved_after_load_error"] += len(blocks)
                 continue
             for b in blocks:
@@ -470,18 +459,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             keys = [block_key(self.prefixes[group], name) for _, _, name in items]
             frames = [frame(k, rows[i]) for i, k in enumerate(keys)]
             # tail first: within the batch the heads end most recently used
-            status = self.tier.put(keys[::-1], frames[::-1], label=f"g{group}")[::-1]
-            for (_, _, name), st in zip(items, status, strict=True):
-                if st in (PutStatus.STORED, PutStatus.KEPT):
-                    self._stored.append((group, name))
-                else:
-                    self._dropped.append((group, name))
-            stored = sum(s is PutStatus.STORED for s in status)
+            pairs = [(group, name) for _, _, name in items]
+            stored = self.tiers.put(pairs[::-1], keys[::-1], frames[::-1], label=f"g{group}")
             self.stats["saved_blocks"] += stored
             self.stats[f"saved_blocks_g{group}"] += stored
         for req_id in meta.saves:
             if req_id not in failed:
-                self.tier.touch(self._req_keys.get(req_id, [])[::-1])
+                self.tiers.touch(self._req_keys.get(req_id, [])[::-1])
         self.seconds["save"] += time.perf_counter() - started
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -500,10 +484,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._stored and not self._dropped and not self._failed:
+        stored, dropped = self.tiers.take_report() if self.tiers is not None else ([], [])
+        if not stored and not dropped and not self._failed:
             return None
-        out = HybridKVWorkerMeta(self._stored, self._dropped, self._failed)
-        self._stored, self._dropped, self._failed = [], [], []
+        out = HybridKVWorkerMeta(stored, dropped, self._failed)
+        self._failed = []
         return out
 
     def damage_stored(self, count: int | None = None) -> int:
@@ -522,10 +507,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def evict_blocks(self, pairs: list[tuple[int, int]]) -> int:
         """Worker side: remove the ``(group, block name)`` objects (an operator's purge, a test's
         proof that a window group needs only its window); reported to the scheduler as dropped."""
-        if self.tier is None:
+        if self.tiers is None:
             return 0
-        n = self._evict([block_key(self.prefixes[g], name) for g, name in pairs])
-        self._dropped.extend(pairs)
+        n = self.tiers.evict([block_key(self.prefixes[g], name) for g, name in pairs])
+        self.tiers.drop(pairs)
         return n
 
     def shutdown(self) -> None:
@@ -534,7 +519,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def worker_report(self) -> dict[str, Any]:
         return {
-            "stats": dict(self.stats),
+            "stats": {**self.stats, **(self.tiers.stats if self.tiers is not None else {})},
             "load_errors": dict(self.load_errors),
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
             "tier": self.tier.usage() if self.tier is not None else None,
