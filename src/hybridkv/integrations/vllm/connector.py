@@ -43,12 +43,31 @@ blocks), so it is never read by position. To restore a hit of ``E`` blocks vLLM 
 state block, at index ``E - 1``; the checkpoint after ``E`` blocks is loaded into it. Without
 "align" (prefix caching off) or with speculative state blocks the group is unsupported.
 
+States inside a block (tails). With ``prefix_match_unit`` (vLLM's hit unit ``u``,
+``KVCacheConfig.cache_hit_alignment_tokens``) finer than the block, vLLM makes hits at any multiple
+of ``u`` (only for models whose groups are full attention and "align" state: a sliding window turns
+sub-block hits off): it ends a prompt's prefill at its last ``u``-boundary ``T`` (``(prompt - 1) //
+u * u``) and, when ``T`` falls inside a block, copies the state there into a block of its own as the
+request goes on (copy-on-write) and hands that block over like any other, with ``T``. Such a hand-off
+is saved as the state after ``T``, and with it the full-attention block ``T`` ends in, whose first
+``T mod block`` tokens are the tail's (its later slots are the request's own: a load overwrites them
+before they are read), both under the tail's name (``layout``). A hit may then end at ``T``: every
+full group holds the blocks before it and the block it ends in, every state group the state after
+``T`` (``layout.BlockIndex.holds_tail``); vLLM allocates the state block at index ``ceil(T / block) -
+1``, the one it reads a hit's state from, and the full-attention block there: both are loaded. Not
+saved: a tail vLLM hands over only when the request finishes (``register_finished_partial_tail``:
+a request that ends after the chunk that stopped at ``T`` and before the rest of its prompt, i.e. one
+aborted mid-prefill). Its state is in the request's own running block, freed at finish; saving it
+would mean holding the request's blocks past its end and reporting them sent from the worker
+(``finished_sending``), which this offload connector does not do; the answer is False (vLLM frees
+the blocks), so such a tail is never a hit: the block-aligned one is.
+
 The hit rule (``get_num_new_matched_tokens``): hybridkv's cross-tier rule over the index: the
 longest block-aligned prefix, leaving at least one prompt token to compute, at which every full
 group holds every block, every sliding-window group holds the blocks of its window and every state
-group holds the checkpoint after exactly that prefix. A model with a group this connector cannot
-restore (state without "align" checkpoints, chunked-local, different block sizes) gets no hits
-and no saves: it is never answered a hit a group cannot restore.
+group holds the checkpoint after exactly that prefix; or, longer, a tail (above). A model with a
+group this connector cannot restore (state without "align" checkpoints, chunked-local, different
+block sizes) gets no hits and no saves: it is never answered a hit a group cannot restore.
 
 Loads are announced to vLLM as asynchronous (``get_num_new_matched_tokens`` answers ``True``): the
 request waits one step (``WAITING_FOR_REMOTE_KVS``) while the worker copies the objects into exactly
@@ -67,8 +86,9 @@ Invariants:
 - The scheduler's index is what the worker's tier holds, up to changes the worker has not
   reported yet (the current step; with async scheduling, one more); a load of a block that left
   meanwhile is a counted miss, recomputed, never stale bytes.
-- A block is saved only after the forward that computed it, and only if it is full; a state only
-  from vLLM's hand-off of the block holding it, at a block-aligned token count.
+- A block is saved only after the forward that computed it, and only if it is full (or as the block a
+  saved tail ends in); a state only from vLLM's hand-off of the block holding it, at a token count
+  that is a multiple of vLLM's hit unit.
 - A hit's state group loads exactly one object, the state after the hit: never a state of another
   length.
 - Keys of a different model, dtype, layout, block size, shard or group never match.
@@ -80,8 +100,8 @@ Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, 
 store when absent; a store that cannot be set up fails the worker's start with both names) and
 ``store_segment_bytes`` (default ``"256MiB"``, at least 16 MiB). Reports: ``scheduler_report()``
 (queries, hits, hit tokens, held blocks, lookup seconds) and ``worker_report()`` (saved / loaded /
-evicted blocks, in all and per group ``g<i>``, blocks written back to the store, loaded from it and promoted back,
-load errors by reason, save and load seconds, the host tier's usage, the store's counters).
+evicted blocks, in all and per group ``g<i>``, blocks written back to the store, loaded from it
+and promoted back, load errors by reason, save and load seconds, the host tier's usage, the store's counters).
 ``reset_prefix_cache(reset_connector=True)`` forgets the index (the worker's objects age out of its
 LRU; a save of the same block re-announces it).
 
@@ -264,6 +284,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.why_off:
             logger.warning("HybridKVConnector: no offload for this model (%s)", self.why_off)
         self.block_size = self.groups[0].block_size if self.groups else 0
+        unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or self.block_size
+        self.unit = unit if 0 < unit < self.block_size and self.block_size % unit == 0 else self.block_size
+        """vLLM's hit granularity (``prefix_match_unit`` where it enables sub-block hits): tails every
+        ``unit`` tokens inside a block; the block size when hits are block-aligned."""
         name, model_fp = model_identity(vllm_config)
         par = vllm_config.parallel_config
         tp = (par.rank % par.tensor_parallel_size if par.tensor_parallel_size else 0, par.tensor_parallel_size)
@@ -554,11 +578,34 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         limit = (request.num_tokens - 1) // bs  # one token is left to compute (its logits)
         names = self._names(st, limit)
         hit = self.index.hit_blocks(names) * bs
+        if self.unit < bs:
+            hit = self._tail_hit(st, names, hit, request.num_tokens - 1) or hit
         st.local = num_computed_tokens
         self.stats["queries"] += 1
         self.seconds["lookup"] += time.perf_counter() - started
         ext = max(0, hit - num_computed_tokens)
         return ext, ext > 0  # "asynchronous": vLLM takes load failures of hybrid models only so
+
+    def _tail_name(self, st: _Req, tokens: int) -> int:
+        """The name of the tail after ``tokens`` tokens (inside a block: ``layout``)."""
+        bs, k = self.block_size, tokens // self.block_size
+        parent = self._names(st, k)[-1] if k else None
+        ids = st.request.all_token_ids[k * bs : tokens]
+        return block_names(ids, self.unit, _namespace(st.request), parent)[-1]
+
+    def _tail_hit(self, st: _Req, names: list[int], aligned: int, limit: int) -> int:
+        """The longest hit ending inside a block after the block-aligned hit ``aligned`` (at most ``limit``
+        tokens), 0 if none: a tail held after blocks every full group holds (``BlockIndex.holds_tail``)."""
+        bs = self.block_size
+        tokens = st.request.all_token_ids
+        for k in range(min(self.index.full_blocks(names), limit // bs), aligned // bs - 1, -1):
+            parent = names[k - 1] if k else None
+            end = min((k + 1) * bs - self.unit, limit)  # a tail ends before the block does
+            tails = block_names(tokens[k * bs : end], self.unit, _namespace(st.request), parent)
+            for r in range(len(tails) - 1, -1, -1):
+                if self.index.holds_tail(tails[r]):
+                    return k * bs + (r + 1) * self.unit
+        return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.why_off or not _restorable(request):
@@ -571,23 +618,28 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             st.saved_blocks = 0  # build_connector_meta starts it at the step's computed tokens
             return
         start = st.local // bs
-        end = (st.local + num_external_tokens) // bs
-        names = self._names(st, end)
-        for i in range(start, end):  # position-major: the worker keeps heads longest
+        hit = st.local + num_external_tokens
+        end = hit // bs
+        names = list(self._names(st, end))
+        if hit % bs:  # a tail: the block it ends in holds it (full groups) and the state after it
+            names.append(self._tail_name(st, hit))
+        last = len(names) - 1
+        for i in range(start, len(names)):  # position-major: the worker keeps heads longest
             for g in self.groups:
                 ids = st.block_ids[g.index]
-                if g.kind is GroupKind.STATE and i != end - 1:
+                if g.kind is GroupKind.STATE and i != last:
                     continue  # a state group restores one checkpoint: the state after the hit
                 if i < len(ids) and ids[i] != self._null_block:
                     self._loads.setdefault(request.request_id, []).append((g.index, ids[i], names[i]))
                 elif g.kind is GroupKind.STATE:
                     raise RuntimeError(
-                        f"HybridKVConnector: vLLM allocated no block for group {g.index}'s state after {end * bs} "
+                        f"HybridKVConnector: vLLM allocated no block for group {g.index}'s state after {hit} "
                         f"tokens of request {request.request_id} (its block ids there: {ids[max(0, i - 1) : i + 1]}); "
-                        "the connector restores a Mamba 'align' state into block (hit tokens / block size - 1), "
+                        "the connector restores a Mamba 'align' state into block ceil(hit tokens / block size) - 1, "
                         "which this vLLM's MambaManager did not allocate"
                     )
         st.saved_blocks = end
+        self.stats["tail_hits"] += hit % bs > 0
         self.stats["hit_tokens"] += num_external_tokens
         self.stats["hits"] += 1
 
@@ -651,17 +703,30 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         block table is not positional (vLLM nulls and moves state blocks), so these exact hand-offs
         (``SchedulerOutput.kv_connector_block_state``) are the only states saved."""
         bs = self.block_size
+        saves = meta.saves.setdefault(st.request.request_id, [])
         for g, bid, tokens in offers:
-            if tokens <= 0 or tokens % bs or bid == self._null_block or self.groups[g].kind is not GroupKind.STATE:
-                continue  # a state inside a block (a partial-tail hand-off) has no block name
-            names = self._names(st, tokens // bs)
-            if len(names) < tokens // bs:
-                continue  # past the request's tokens: cannot be named
-            key = (g, names[-1])
-            if key in self.index.held or key in planned:
+            if bid == self._null_block or self.groups[g].kind is not GroupKind.STATE:
                 continue
-            planned.add(key)
-            meta.saves.setdefault(st.request.request_id, []).append((g, bid, names[-1]))
+            if tokens <= 0 or tokens % self.unit or tokens > len(st.request.all_token_ids):
+                continue  # finer than vLLM's hit unit (never asked for), or past the request's tokens (no name)
+            k = tokens // bs
+            if tokens % bs == 0:
+                blocks = [(g, bid, self._names(st, k)[-1])]
+            else:  # a tail: the state, and the block it ends in of every full group (its first tokens are the tail's)
+                name = self._tail_name(st, tokens)
+                blocks = [(g, bid, name)] + [
+                    (f.index, st.block_ids[f.index][k], name)
+                    for f in self.groups
+                    if f.kind is GroupKind.FULL
+                    and k < len(st.block_ids[f.index])
+                    and st.block_ids[f.index][k] != self._null_block
+                ]
+            for b in blocks:
+                if (b[0], b[2]) not in self.index.held and (b[0], b[2]) not in planned:
+                    planned.add((b[0], b[2]))
+                    saves.append(b)
+        if not saves:
+            del meta.saves[st.request.request_id]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
