@@ -189,7 +189,8 @@ class HybridKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class HybridKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: what the host tier stored, refused and evicted."""
+    """Worker -> scheduler, one step: what the host tier stored, refused and evicted; a block is in ``stored``
+    or in ``dropped``, never both (``WorkerTiers.take_report``: the last thing that happened to it)."""
 
     stored: list[tuple[int, int]] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
