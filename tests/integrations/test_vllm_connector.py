@@ -100,6 +100,20 @@ def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
     assert sched["held_blocks"] == worker["tier"]["objects"]  # the index is exactly what the tier holds
 
 
+def test_a_save_batch_larger_than_the_host_tier_leaves_the_index_truthful(tmp_path: Path) -> None:
+    """A host tier of two objects, no store, steps that save three blocks: the blocks a batch stored and
+    evicted again are not counted held, so no load is planned on them (no load error)."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    r = run_driver(python, "llama", tmp_path / "batch.json", "--evict-check", "--host-bytes", str(2 * (16384 + 64)))
+    for got, ref in (("a1", "ref_a"), ("b1", "ref_b"), ("a2", "ref_a"), ("b2", "ref_b")):
+        assert r[got] == r[ref], got
+    worker, sched = r["report"]["worker"], r["report"]["scheduler"]
+    assert worker["stats"]["evicted"] > 0 and worker["load_errors"] == {}
+    assert sched["held_blocks"] == worker["tier"]["objects"] <= 2
+
+
 def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -> None:
     """Two objects of host memory over the Mooncake Store: after a reset the prefix comes from the store."""
     python, why = vllm_python()
@@ -123,6 +137,7 @@ def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -
     worker, sched = r["report"]["worker"], r["report"]["scheduler"]
     assert worker["tier"]["objects"] <= 2 and sched["held_blocks"] > worker["tier"]["objects"]  # the rest: below
     assert worker["stats"]["written_back"] > 0 and worker["stats"]["store_loaded_blocks"] > 0
+    assert worker["stats"]["promoted"] > 0  # blocks read from the store went back into the host tier
     assert worker["load_errors"] == {} and worker["store"]["puts"] > 0
 
 
@@ -177,3 +192,27 @@ def test_connector_hits_after_reset_and_recovers_damage(model: str, tmp_path: Pa
         assert r["pass5"] != ref
     times = ("reference_cold_s", "pass1_s", "pass2_s", "pass3_s", "pass4_s")
     print(json.dumps({k: r[k] for k in times}), file=sys.stderr)
+
+
+def test_a_state_inside_a_block_is_restored(tmp_path: Path) -> None:
+    """Qwen3-Next (bf16, 64-token blocks) with vLLM's prefix_match_unit of 32: vLLM ends a prompt's prefill at
+    its last 32-token boundary, inside a block, and hands that state over; the connector saves it with the
+    full-attention block it ends in, and after a reset restores a hit ending there (tokens equal vLLM's
+    without the connector); damaged, it is recomputed; replaced by zeros, the tokens differ (the control)."""
+    python, why = vllm_python()
+    if python is None:
+        pytest.skip(why)
+    r = run_driver(python, "qwen3next", tmp_path / "tail.json", "--prefix-match-unit", "32", "--tail-tokens", "32")
+    ref, block = r["reference"], r["block"]
+    tail_hit = r["prefix_blocks"] * block + 32  # every prompt's last 32-token boundary: (len - 1) // 32 * 32
+    assert block == 64 and tail_hit % block == 32
+    assert r["pass1"] == ref and r["pass2"] == ref
+    assert r["pass2_cached"][0] == tail_hit  # after a reset only the connector hits: inside the block
+    sched2, worker2 = r["after_pass2"]["scheduler"]["stats"], r["after_pass2"]["worker"]
+    assert sched2.get("tail_hits", 0) > 0 and not worker2["load_errors"]
+    for g in range(len(r["groups"])):  # the state and the full-attention block the tail ends in
+        assert worker2["stats"].get(f"loaded_blocks_g{g}", 0) > 0, (g, r["groups"][g])
+    assert r["pass3"] == ref and r["after_pass3"]["worker"]["load_errors"].get("checksum", 0) > 0
+    assert r["pass4"] == ref and r["pass4_cached"][0] == tail_hit  # the recomputed tail was saved again
+    assert r["after_pass4"]["worker"]["load_errors"] == r["after_pass3"]["worker"]["load_errors"]
+    assert r["zeroed_states"] > 0 and r["pass5_cached"][0] == tail_hit and r["pass5"] != ref

@@ -75,3 +75,26 @@ def test_a_state_group_hits_only_where_its_checkpoint_is_held() -> None:
     assert two.hit_blocks(names) == 0  # every state group must hold the checkpoint
     two.add([(2, names[2])])
     assert two.hit_blocks(names) == 3
+
+
+def test_a_tail_hit_needs_the_full_blocks_before_it_its_block_and_every_state() -> None:
+    tokens = list(range(1, 4 * BS + 1))
+    ns = ("vllm", None, None)
+    names = block_names(tokens, BS, ns)
+    tails = block_names(tokens[2 * BS : 3 * BS], BS // 2, ns, parent=names[1])  # after 2.5 and 3 blocks
+    assert tails[0] not in names and tails[1] != names[2]  # a tail's name is never a block's
+    state = GroupLayout(1, GroupKind.STATE, BS, None, ("mamba",), "MambaSpec align")
+    idx = BlockIndex([full(0), state])
+    idx.add([(0, names[0]), (0, names[1]), (0, names[3])])
+    assert idx.full_blocks(names) == 2  # block 2 missing: the run stops there
+    assert not idx.holds_tail(tails[0])
+    idx.add([(0, tails[0])])
+    assert not idx.holds_tail(tails[0])  # the block it ends in, without the state after it
+    idx.add([(1, tails[0])])
+    assert idx.holds_tail(tails[0]) and not idx.holds_tail(tails[1])
+    two = BlockIndex([full(0), state, GroupLayout(2, GroupKind.STATE, BS, None, ("gdn",), "g")], set(idx.held))
+    assert not two.holds_tail(tails[0])  # every state group needs the state after it
+    with_window = BlockIndex([full(0), state, window(2, 2 * BS)], set(idx.held))
+    with_window.add([(2, tails[0])])
+    assert not with_window.holds_tail(tails[0])  # vLLM makes no sub-block hits with a sliding window
+    assert not BlockIndex([full(0)], {(0, tails[0])}).holds_tail(tails[0])  # no state: nothing to restore

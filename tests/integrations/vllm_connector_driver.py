@@ -110,11 +110,12 @@ def build_model(kind: str, directory: str, hidden: int = 64, layers: int = 2) ->
     model.save_pretrained(directory)
 
 
-def workload(prefix_blocks: int, seed: int = 7, block: int = BLOCK) -> list[list[int]]:
+def workload(prefix_blocks: int, seed: int = 7, block: int = BLOCK, tail: int = 0) -> list[list[int]]:
+    """Four prompts sharing ``prefix_blocks`` blocks and ``tail + 3`` tokens."""
     import random
 
     rng = random.Random(seed)
-    prefix = [rng.randrange(1, VOCAB) for _ in range(prefix_blocks * block + 3)]
+    prefix = [rng.randrange(1, VOCAB) for _ in range(prefix_blocks * block + tail + 3)]
     return [prefix + [rng.randrange(1, VOCAB) for _ in range(5 + 3 * i)] for i in range(4)]
 
 
@@ -126,6 +127,7 @@ def make_llm(
     block: int = BLOCK,
     dtype: str = "float32",
     extra: dict[str, Any] | None = None,
+    unit: int | None = None,
 ) -> Any:
     from vllm import LLM
 
@@ -141,6 +143,8 @@ def make_llm(
         "skip_tokenizer_init": True,
         "seed": 0,
     }
+    if unit is not None:  # vLLM's sub-block hits: a prefix-cache key every `unit` tokens
+        kwargs["prefix_match_unit"] = unit
     if connector:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "HybridKVConnector",
@@ -281,6 +285,8 @@ def main() -> None:
     ap.add_argument("--evict-check", action="store_true", help="a host tier too small for two prefixes")
     ap.add_argument("--host-bytes", default="256MiB", help="the host tier's budget (kv_connector_extra_config)")
     ap.add_argument("--store-master", help="--store-check: host:port of a running mooncake_master")
+    ap.add_argument("--prefix-match-unit", type=int, help="vLLM's prefix_match_unit (sub-block hits), both runs")
+    ap.add_argument("--tail-tokens", type=int, default=0, help="shared prefix tokens past its whole blocks (+3)")
     args = ap.parse_args()
     args.block, args.dtype = BLOCKS.get(args.model, BLOCK), DTYPES.get(args.model, "float32")
     args.chunk = args.chunk or 3 * args.block
@@ -290,7 +296,8 @@ def main() -> None:
         return
     result: dict[str, Any] = {"model": args.model, "prefix_blocks": args.prefix_blocks, "hidden": args.hidden}
     result["layers"], result["chunk"], result["block"] = args.layers, args.chunk, args.block
-    prompts = workload(args.prefix_blocks, block=args.block)
+    result["tail_tokens"] = args.tail_tokens
+    prompts = workload(args.prefix_blocks, block=args.block, tail=args.tail_tokens)
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(args.model, model_dir, args.hidden, args.layers)
         if args.evict_check or args.store_master:
@@ -298,14 +305,15 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({**result, **check(model_dir, args)}, f, indent=1)
             return
-        llm = make_llm(model_dir, False, args.chunk, block=args.block, dtype=args.dtype)
+        unit = args.prefix_match_unit
+        llm = make_llm(model_dir, False, args.chunk, block=args.block, dtype=args.dtype, unit=unit)
         result["reference"], _, result["reference_s"] = generate(llm, prompts)
         llm.reset_prefix_cache()
         _, _, result["reference_cold_s"] = generate(llm, prompts)  # the same work, warmed up
         del llm
         gc.collect()
 
-        llm = make_llm(model_dir, True, args.chunk, block=args.block, dtype=args.dtype)
+        llm = make_llm(model_dir, True, args.chunk, block=args.block, dtype=args.dtype, unit=unit)
         if args.mp:
             result["pass1"], result["pass1_cached"], result["pass1_s"] = generate(llm, prompts)
             llm.reset_prefix_cache()

@@ -2,11 +2,13 @@
 
 Where the store lives. vLLM V1 runs the scheduler-side connector and the worker-side connector as
 two objects, often in two processes (the engine core and its workers). The bytes live with the
-worker: each worker owns one ``tiers.HostTier`` (its own byte budget, LRU, CRC-32 framed objects).
-The scheduler owns a ``layout.BlockIndex`` of which ``(group, block name)`` objects the worker
-holds, and learns it only from the worker: each step's ``HybridKVWorkerMeta`` (returned by
-``build_connector_worker_meta``, delivered to ``update_connector_output``) lists what was stored
-and what left it (LRU evictions, refused puts, objects that failed a load). Nothing else crosses
+worker: each worker owns one ``tiers.HostTier`` (its own byte budget, LRU, CRC-32 framed objects),
+through ``worker_tiers.WorkerTiers``. The scheduler owns a ``layout.BlockIndex`` of which ``(group,
+block name)`` objects the worker holds, and learns it only from the worker: each step's
+``HybridKVWorkerMeta`` (returned by ``build_connector_worker_meta``, delivered to
+``update_connector_output``) lists what was stored and what left it (LRU evictions, refused puts,
+objects that failed a load), one verdict per block, the last thing that happened to it that step (a
+block stored and evicted again by the same save batch is dropped, not held). Nothing else crosses
 the process boundary: the scheduler sends, in ``HybridKVMetadata``, per request the ``(group, block
 id, block name)`` triples to load and to save. (With one worker vLLM runs both halves in its engine
 core process; they share nothing but this metadata, so the same holds with workers of their own.)
@@ -14,7 +16,9 @@ core process; they share nothing but this metadata, so the same holds with worke
 The Mooncake Store below (``store_master``). With one, the host tier's LRU evictions are written
 back to a ``tiers.MooncakeStoreTier`` (one client per worker, ``store_segment_bytes`` of its memory
 mounted into the store) instead of being dropped, and a load the host tier cannot answer (absent)
-is read from the store (not copied back up). The scheduler's index counts a block held while the
+is read from the store and promoted: copied back into the host tier as its most recently used
+object, within its budget (what that evicts goes down to the store like any eviction; the index
+does not change: the block was held and still is). The scheduler's index counts a block held while the
 host or the store holds it: only an eviction the store refused is reported as dropped. The store
 evicts on its own when full, unreported: such a block is a counted load miss, and
 vLLM recomputes it. A damaged object leaves both tiers.
@@ -39,12 +43,31 @@ blocks), so it is never read by position. To restore a hit of ``E`` blocks vLLM 
 state block, at index ``E - 1``; the checkpoint after ``E`` blocks is loaded into it. Without
 "align" (prefix caching off) or with speculative state blocks the group is unsupported.
 
+States inside a block (tails). With ``prefix_match_unit`` (vLLM's hit unit ``u``,
+``KVCacheConfig.cache_hit_alignment_tokens``) finer than the block, vLLM makes hits at any multiple
+of ``u`` (only for models whose groups are full attention and "align" state: a sliding window turns
+sub-block hits off): it ends a prompt's prefill at its last ``u``-boundary ``T`` (``(prompt - 1) //
+u * u``) and, when ``T`` falls inside a block, copies the state there into a block of its own as the
+request goes on (copy-on-write) and hands that block over like any other, with ``T``. Such a hand-off
+is saved as the state after ``T``, and with it the full-attention block ``T`` ends in, whose first
+``T mod block`` tokens are the tail's (its later slots are the request's own: a load overwrites them
+before they are read), both under the tail's name (``layout``). A hit may then end at ``T``: every
+full group holds the blocks before it and the block it ends in, every state group the state after
+``T`` (``layout.BlockIndex.holds_tail``); vLLM allocates the state block at index ``ceil(T / block) -
+1``, the one it reads a hit's state from, and the full-attention block there: both are loaded. Not
+saved: a tail vLLM hands over only when the request finishes (``register_finished_partial_tail``:
+a request that ends after the chunk that stopped at ``T`` and before the rest of its prompt, i.e. one
+aborted mid-prefill). Its state is in the request's own running block, freed at finish; saving it
+would mean holding the request's blocks past its end and reporting them sent from the worker
+(``finished_sending``), which this offload connector does not do; the answer is False (vLLM frees
+the blocks), so such a tail is never a hit: the block-aligned one is.
+
 The hit rule (``get_num_new_matched_tokens``): hybridkv's cross-tier rule over the index: the
 longest block-aligned prefix, leaving at least one prompt token to compute, at which every full
 group holds every block, every sliding-window group holds the blocks of its window and every state
-group holds the checkpoint after exactly that prefix. A model with a group this connector cannot
-restore (state without "align" checkpoints, chunked-local, different block sizes) gets no hits
-and no saves: it is never answered a hit a group cannot restore.
+group holds the checkpoint after exactly that prefix; or, longer, a tail (above). A model with a
+group this connector cannot restore (state without "align" checkpoints, chunked-local, different
+block sizes) gets no hits and no saves: it is never answered a hit a group cannot restore.
 
 Loads are announced to vLLM as asynchronous (``get_num_new_matched_tokens`` answers ``True``): the
 request waits one step (``WAITING_FOR_REMOTE_KVS``) while the worker copies the objects into exactly
@@ -59,12 +82,20 @@ and vLLM recomputes: with one group the failed block ids go to ``get_block_ids_w
 is recomputed from its local hit. The recomputed blocks are saved again. Run vLLM with
 ``kv_load_failure_policy="recompute"`` (its default, ``"fail"``, fails such requests instead).
 
+No per-layer transfers (``save_kv_layer`` and ``wait_for_layer_load`` do nothing). A loaded request
+sits out the step its load runs in (asynchronous, above), so no forward of it waits on a layer to
+overlap; and a save copies blocks out after the forward in one batch per group, which per-layer
+hooks could only hide behind the later layers' compute: measured on vLLM CPU (tiny Llama, 8 layers,
+40-block prefix, one run), the saves took 8 ms of a 574 ms pass (the same work without the connector:
+222 ms), under this box's run-to-run noise, so the batch stays.
+
 Invariants:
 - The scheduler's index is what the worker's tier holds, up to changes the worker has not
   reported yet (the current step; with async scheduling, one more); a load of a block that left
   meanwhile is a counted miss, recomputed, never stale bytes.
-- A block is saved only after the forward that computed it, and only if it is full; a state only
-  from vLLM's hand-off of the block holding it, at a block-aligned token count.
+- A block is saved only after the forward that computed it, and only if it is full (or as the block a
+  saved tail ends in); a state only from vLLM's hand-off of the block holding it, at a token count
+  that is a multiple of vLLM's hit unit.
 - A hit's state group loads exactly one object, the state after the hit: never a state of another
   length.
 - Keys of a different model, dtype, layout, block size, shard or group never match.
@@ -75,9 +106,10 @@ Config (``kv_connector_extra_config``): ``host_bytes`` (the host tier's budget, 
 ``"2GiB"``; default ``"1GiB"``); ``store_master`` (``host:port`` of a ``mooncake_master``; no
 store when absent; a store that cannot be set up fails the worker's start with both names) and
 ``store_segment_bytes`` (default ``"256MiB"``, at least 16 MiB). Reports: ``scheduler_report()``
-(queries, hits, hit tokens, held blocks, lookup seconds) and ``worker_report()`` (saved / loaded /
-evicted blocks, in all and per group ``g<i>``, blocks written back to the store and loaded from it,
-load errors by reason, save and load seconds, the host tier's usage, the store's counters).
+(queries, hits, hits ending at a tail, hit tokens, held blocks, lookup seconds) and
+``worker_report()`` (saved / loaded / evicted blocks, in all and per group ``g<i>``, blocks written
+back to the store, loaded from it and promoted back, load errors by reason, save and load seconds,
+the host tier's usage, the store's counters).
 ``reset_prefix_cache(reset_connector=True)`` forgets the index (the worker's objects age out of its
 LRU; a save of the same block re-announces it).
 
@@ -125,7 +157,8 @@ from hybridkv.integrations.vllm.layout import (
     group_prefix,
     split_key,
 )
-from hybridkv.tiers import HostTier, MissReason, MooncakeStoreTier, PutStatus, TierError
+from hybridkv.integrations.vllm.worker_tiers import Pair, WorkerTiers
+from hybridkv.tiers import HostTier, MissReason, MooncakeStoreTier, StorageTier, TierError
 from hybridkv.tiers.framing import HEADER, frame
 from hybridkv.units import parse_bytes
 
@@ -156,7 +189,8 @@ class HybridKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class HybridKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: what the host tier stored, refused and evicted."""
+    """Worker -> scheduler, one step: what the host tier stored, refused and evicted; a block is in ``stored``
+    or in ``dropped``, never both (``WorkerTiers.take_report``: the last thing that happened to it)."""
 
     stored: list[tuple[int, int]] = field(default_factory=list)
     dropped: list[tuple[int, int]] = field(default_factory=list)
@@ -259,6 +293,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.why_off:
             logger.warning("HybridKVConnector: no offload for this model (%s)", self.why_off)
         self.block_size = self.groups[0].block_size if self.groups else 0
+        unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or self.block_size
+        self.unit = unit if 0 < unit < self.block_size and self.block_size % unit == 0 else self.block_size
+        """vLLM's hit granularity (``prefix_match_unit`` where it enables sub-block hits): tails every
+        ``unit`` tokens inside a block; the block size when hits are block-aligned."""
         name, model_fp = model_identity(vllm_config)
         par = vllm_config.parallel_config
         tp = (par.rank % par.tensor_parallel_size if par.tensor_parallel_size else 0, par.tensor_parallel_size)
@@ -284,15 +322,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Loads planned by update_state_after_alloc, sent with the next metadata."""
         self._null_block = 0
         # worker side
-        self.tier: HostTier | None = None
-        self.store: MooncakeStoreTier | None = None
-        """The Mooncake Store below the host tier (``store_master``): the host's LRU evictions go there."""
+        self.tiers: WorkerTiers | None = None
+        """The host tier over the Mooncake Store (``store_master``), and the report of what they hold."""
         self._layers: list[list[tuple[torch.Tensor, int]]] = []
         """Per group: (cache tensor, its block dimension) of each layer (each state of a recurrent
         layer), in the group's order."""
         self._payload_bytes: list[int] = []
-        self._stored: list[tuple[int, int]] = []
-        self._dropped: list[tuple[int, int]] = []
         self._failed_blocks: set[int] = set()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -302,16 +337,32 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Per live request, the keys it saved or loaded, head first: touched tail first after each
         save, so the LRU evicts a prefix from its tail (a head serves every longer prefix too)."""
         if role == KVConnectorRole.WORKER and not self.why_off:
+            store = None
             if extra.get("store_master"):
                 try:
                     segment = parse_bytes(extra.get("store_segment_bytes", "256MiB"))
-                    self.store = MooncakeStoreTier(str(extra["store_master"]), segment_bytes=segment)
+                    store = MooncakeStoreTier(str(extra["store_master"]), segment_bytes=segment)
                 except TierError as exc:
                     raise RuntimeError(
                         f"HybridKVConnector: kv_connector_extra_config store_master={extra['store_master']!r} names a "
                         f"Mooncake Store this vLLM worker cannot use: {exc}"
                     ) from None
-            self.tier = HostTier(extra.get("host_bytes", "1GiB"), on_evict=self._on_evict)
+            self.tiers = WorkerTiers(extra.get("host_bytes", "1GiB"), store, self._pair_of)
+
+    @property
+    def tier(self) -> HostTier | None:
+        """The worker's host tier (None on the scheduler side, or with offload off)."""
+        return None if self.tiers is None else self.tiers.host
+
+    @property
+    def store(self) -> StorageTier | None:
+        """The Mooncake Store below the host tier (``store_master``): the host's LRU evictions go there."""
+        return None if self.tiers is None else self.tiers.store
+
+    def _pair_of(self, key: str) -> Pair | None:
+        prefix, name = split_key(key)
+        group = self._group_of_prefix.get(prefix)
+        return None if group is None else (group, name)
 
     # ==============================================================================================
     # worker side
@@ -333,7 +384,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     else:
                         self.why_off = f"layer {name}: no block dimension of {num_blocks} in shape {tuple(t.shape)}"
                         logger.warning("HybridKVConnector: no offload (%s)", self.why_off)
-                        self.tier = None
+                        if self.tiers is not None and self.tiers.store is not None:
+                            self.tiers.store.close()
+                        self.tiers = None
                         return
                     entries.append((t, dim))
                     size += t.select(dim, 0).numel() * t.element_size()
@@ -341,20 +394,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             sizes.append(size)
         self._layers, self._payload_bytes = layers, sizes
         logger.info("HybridKVConnector: %d groups, block payload bytes %s; %s", len(layers), sizes, self.tier.pin_note)
-
-    def _on_evict(self, keys: list[str], frames: list[torch.Tensor], labels: list[str]) -> None:
-        """The host's LRU evictions: written back to the store (still held: nothing to report), or
-        dropped (reported) without one or where it refuses them."""
-        self.stats["evicted"] += len(keys)
-        kept = [PutStatus.DOWN] * len(keys)
-        if self.store is not None:
-            kept = self.store.put(keys, frames, label="written back")
-            self.stats["written_back"] += sum(st in (PutStatus.STORED, PutStatus.KEPT) for st in kept)
-        for key, st in zip(keys, kept, strict=True):
-            prefix, name = split_key(key)
-            group = self._group_of_prefix.get(prefix)
-            if group is not None and st not in (PutStatus.STORED, PutStatus.KEPT):
-                self._dropped.append((group, name))
 
     def _gather(self, group: int, ids: torch.Tensor) -> torch.Tensor:
         """(n, payload bytes): the blocks ``ids`` of every layer of ``group``, one row each."""
@@ -374,28 +413,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             t.index_copy_(dim, ids, src.movedim(0, dim))
             off += nbytes
 
-    def _get(self, keys: list[str], payload_bytes: int) -> list[torch.Tensor | MissReason]:
-        """From the host tier, and what it does not hold from the store below (not copied up)."""
-        assert self.tier is not None
-        got = self.tier.get(keys, [payload_bytes] * len(keys))
-        below = [i for i, p in enumerate(got) if p is MissReason.ABSENT]
-        if self.store is not None and below:
-            for i, p in zip(below, self.store.get([keys[i] for i in below], [payload_bytes] * len(below)), strict=True):
-                got[i] = p
-                self.stats["store_loaded_blocks"] += not isinstance(p, MissReason)
-        return got
-
-    def _evict(self, keys: list[str]) -> int:
-        """``keys`` out of the host tier and the store: how many the host held."""
-        assert self.tier is not None
-        if self.store is not None:
-            self.store.evict(keys)
-        return self.tier.evict(keys)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
-        if self.tier is None or not meta.loads:
+        if self.tiers is None or not meta.loads:
             return
         started = time.perf_counter()
         self._failed_reqs = set()
@@ -405,13 +426,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 by_group.setdefault(b[0], []).append(b)
             for group, items in by_group.items():
                 keys = [block_key(self.prefixes[group], name) for _, _, name in items]
-                got = self._get(keys, self._payload_bytes[group])
+                got = self.tiers.get(keys, self._payload_bytes[group], f"g{group}")
                 good_ids, good_rows, bad = [], [], []
                 for key, (_, bid, name), payload in zip(keys, items, got, strict=True):
                     if isinstance(payload, MissReason):
                         self._failed_blocks.add(bid)
                         self._failed_reqs.add(req_id)
-                        self._dropped.append((group, name))
+                        self.tiers.drop([(group, name)])
                         self._failed.append((group, name))
                         bad.append(key)
                         self.load_errors[payload.value] += 1
@@ -420,13 +441,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                         good_ids.append(bid)
                         good_rows.append(payload)
                 if bad:  # a damaged object never answers again; the recompute saves it anew
-                    self._evict(bad)
+                    self.tiers.evict(bad)
                 self._req_keys.setdefault(req_id, []).extend(k for k in keys if k not in bad)
                 if good_ids:
                     ids = torch.tensor(good_ids, dtype=torch.long)
                     self._scatter(group, ids, torch.stack(good_rows))
                     self.stats["loaded_blocks"] += len(good_ids)
                     self.stats[f"loaded_blocks_g{group}"] += len(good_ids)
+            self.tiers.promote()  # the blocks read from the store, copied out above: back into the host tier
             if req_id in self._failed_reqs and len(self.groups) > 1:
                 # vLLM maps failed block ids back to requests only with one KV cache group (block ids
                 # are per group): with more, the request's load fails whole and vLLM recomputes it
@@ -434,7 +456,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed_blocks.difference_update(bid for _, bid, _ in blocks)
                 self._failed_recv.add(req_id)
             self._recved.add(req_id)
-            self.tier.touch(self._req_keys.get(req_id, [])[::-1])
+            self.tiers.touch(self._req_keys.get(req_id, [])[::-1])
         self.seconds["load"] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -446,7 +468,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saves run once per step, after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        if self.tier is None or not self.has_connector_metadata():
+        if self.tiers is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
@@ -458,7 +480,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, blocks in meta.saves.items():
             if req_id in failed:
                 # this step's forward read blocks whose load failed: what it computed is not saved
-                self._dropped.extend((g, name) for g, _, name in blocks)
+                self.tiers.drop([(g, name) for g, _, name in blocks])
                 self.stats["unsaved_after_load_error"] += len(blocks)
                 continue
             for b in blocks:
@@ -470,18 +492,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             keys = [block_key(self.prefixes[group], name) for _, _, name in items]
             frames = [frame(k, rows[i]) for i, k in enumerate(keys)]
             # tail first: within the batch the heads end most recently used
-            status = self.tier.put(keys[::-1], frames[::-1], label=f"g{group}")[::-1]
-            for (_, _, name), st in zip(items, status, strict=True):
-                if st in (PutStatus.STORED, PutStatus.KEPT):
-                    self._stored.append((group, name))
-                else:
-                    self._dropped.append((group, name))
-            stored = sum(s is PutStatus.STORED for s in status)
+            pairs = [(group, name) for _, _, name in items]
+            stored = self.tiers.put(pairs[::-1], keys[::-1], frames[::-1], label=f"g{group}")
             self.stats["saved_blocks"] += stored
             self.stats[f"saved_blocks_g{group}"] += stored
         for req_id in meta.saves:
             if req_id not in failed:
-                self.tier.touch(self._req_keys.get(req_id, [])[::-1])
+                self.tiers.touch(self._req_keys.get(req_id, [])[::-1])
         self.seconds["save"] += time.perf_counter() - started
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -500,10 +517,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._stored and not self._dropped and not self._failed:
+        stored, dropped = self.tiers.take_report() if self.tiers is not None else ([], [])
+        if not stored and not dropped and not self._failed:
             return None
-        out = HybridKVWorkerMeta(self._stored, self._dropped, self._failed)
-        self._stored, self._dropped, self._failed = [], [], []
+        out = HybridKVWorkerMeta(stored, dropped, self._failed)
+        self._failed = []
         return out
 
     def damage_stored(self, count: int | None = None) -> int:
@@ -522,10 +540,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def evict_blocks(self, pairs: list[tuple[int, int]]) -> int:
         """Worker side: remove the ``(group, block name)`` objects (an operator's purge, a test's
         proof that a window group needs only its window); reported to the scheduler as dropped."""
-        if self.tier is None:
+        if self.tiers is None:
             return 0
-        n = self._evict([block_key(self.prefixes[g], name) for g, name in pairs])
-        self._dropped.extend(pairs)
+        n = self.tiers.evict([block_key(self.prefixes[g], name) for g, name in pairs])
+        self.tiers.drop(pairs)
         return n
 
     def shutdown(self) -> None:
@@ -534,7 +552,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def worker_report(self) -> dict[str, Any]:
         return {
-            "stats": dict(self.stats),
+            "stats": {**self.stats, **(self.tiers.stats if self.tiers is not None else {})},
             "load_errors": dict(self.load_errors),
             "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
             "tier": self.tier.usage() if self.tier is not None else None,
@@ -569,11 +587,34 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         limit = (request.num_tokens - 1) // bs  # one token is left to compute (its logits)
         names = self._names(st, limit)
         hit = self.index.hit_blocks(names) * bs
+        if self.unit < bs:
+            hit = self._tail_hit(st, names, hit, request.num_tokens - 1) or hit
         st.local = num_computed_tokens
         self.stats["queries"] += 1
         self.seconds["lookup"] += time.perf_counter() - started
         ext = max(0, hit - num_computed_tokens)
         return ext, ext > 0  # "asynchronous": vLLM takes load failures of hybrid models only so
+
+    def _tail_name(self, st: _Req, tokens: int) -> int:
+        """The name of the tail after ``tokens`` tokens (inside a block: ``layout``)."""
+        bs, k = self.block_size, tokens // self.block_size
+        parent = self._names(st, k)[-1] if k else None
+        ids = st.request.all_token_ids[k * bs : tokens]
+        return block_names(ids, self.unit, _namespace(st.request), parent)[-1]
+
+    def _tail_hit(self, st: _Req, names: list[int], aligned: int, limit: int) -> int:
+        """The longest hit ending inside a block after the block-aligned hit ``aligned`` (at most ``limit``
+        tokens), 0 if none: a tail held after blocks every full group holds (``BlockIndex.holds_tail``)."""
+        bs = self.block_size
+        tokens = st.request.all_token_ids
+        for k in range(min(self.index.full_blocks(names), limit // bs), aligned // bs - 1, -1):
+            parent = names[k - 1] if k else None
+            end = min((k + 1) * bs - self.unit, limit)  # a tail ends before the block does
+            tails = block_names(tokens[k * bs : end], self.unit, _namespace(st.request), parent)
+            for r in range(len(tails) - 1, -1, -1):
+                if self.index.holds_tail(tails[r]):
+                    return k * bs + (r + 1) * self.unit
+        return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.why_off or not _restorable(request):
@@ -586,23 +627,28 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             st.saved_blocks = 0  # build_connector_meta starts it at the step's computed tokens
             return
         start = st.local // bs
-        end = (st.local + num_external_tokens) // bs
-        names = self._names(st, end)
-        for i in range(start, end):  # position-major: the worker keeps heads longest
+        hit = st.local + num_external_tokens
+        end = hit // bs
+        names = list(self._names(st, end))
+        if hit % bs:  # a tail: the block it ends in holds it (full groups) and the state after it
+            names.append(self._tail_name(st, hit))
+        last = len(names) - 1
+        for i in range(start, len(names)):  # position-major: the worker keeps heads longest
             for g in self.groups:
                 ids = st.block_ids[g.index]
-                if g.kind is GroupKind.STATE and i != end - 1:
+                if g.kind is GroupKind.STATE and i != last:
                     continue  # a state group restores one checkpoint: the state after the hit
                 if i < len(ids) and ids[i] != self._null_block:
                     self._loads.setdefault(request.request_id, []).append((g.index, ids[i], names[i]))
                 elif g.kind is GroupKind.STATE:
                     raise RuntimeError(
-                        f"HybridKVConnector: vLLM allocated no block for group {g.index}'s state after {end * bs} "
+                        f"HybridKVConnector: vLLM allocated no block for group {g.index}'s state after {hit} "
                         f"tokens of request {request.request_id} (its block ids there: {ids[max(0, i - 1) : i + 1]}); "
-                        "the connector restores a Mamba 'align' state into block (hit tokens / block size - 1), "
+                        "the connector restores a Mamba 'align' state into block ceil(hit tokens / block size) - 1, "
                         "which this vLLM's MambaManager did not allocate"
                     )
         st.saved_blocks = end
+        self.stats["tail_hits"] += hit % bs > 0
         self.stats["hit_tokens"] += num_external_tokens
         self.stats["hits"] += 1
 
@@ -666,17 +712,30 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         block table is not positional (vLLM nulls and moves state blocks), so these exact hand-offs
         (``SchedulerOutput.kv_connector_block_state``) are the only states saved."""
         bs = self.block_size
+        saves = meta.saves.setdefault(st.request.request_id, [])
         for g, bid, tokens in offers:
-            if tokens <= 0 or tokens % bs or bid == self._null_block or self.groups[g].kind is not GroupKind.STATE:
-                continue  # a state inside a block (a partial-tail hand-off) has no block name
-            names = self._names(st, tokens // bs)
-            if len(names) < tokens // bs:
-                continue  # past the request's tokens: cannot be named
-            key = (g, names[-1])
-            if key in self.index.held or key in planned:
+            if bid == self._null_block or self.groups[g].kind is not GroupKind.STATE:
                 continue
-            planned.add(key)
-            meta.saves.setdefault(st.request.request_id, []).append((g, bid, names[-1]))
+            if tokens <= 0 or tokens % self.unit or tokens > len(st.request.all_token_ids):
+                continue  # finer than vLLM's hit unit (never asked for), or past the request's tokens (no name)
+            k = tokens // bs
+            if tokens % bs == 0:
+                blocks = [(g, bid, self._names(st, k)[-1])]
+            else:  # a tail: the state, and the block it ends in of every full group (its first tokens are the tail's)
+                name = self._tail_name(st, tokens)
+                blocks = [(g, bid, name)] + [
+                    (f.index, st.block_ids[f.index][k], name)
+                    for f in self.groups
+                    if f.kind is GroupKind.FULL
+                    and k < len(st.block_ids[f.index])
+                    and st.block_ids[f.index][k] != self._null_block
+                ]
+            for b in blocks:
+                if (b[0], b[2]) not in self.index.held and (b[0], b[2]) not in planned:
+                    planned.add((b[0], b[2]))
+                    saves.append(b)
+        if not saves:
+            del meta.saves[st.request.request_id]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

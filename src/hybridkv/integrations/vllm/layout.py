@@ -19,13 +19,21 @@ asks ``BlockIndex`` for the hit.
   every state group the state checkpoint taken after exactly that prefix. A state group's object
   ``(g, name of block i)`` is the recurrent state after the tokens of blocks ``[0, i]`` (vLLM's
   "align" mode keeps a state only at chunk ends, so most blocks have none: the hit ends where one
-  was saved).
+  was saved). A hit may also end inside a block, at a *tail* (``full_blocks`` and ``holds_tail``):
+  vLLM's sub-block hits (``prefix_match_unit`` finer than the block, only with full and state groups),
+  where every full group holds the blocks before the tail's block and the tail's block itself (saved
+  under the tail's name, its first tokens being the tail's), and every state group the state after
+  exactly the tail. The names of the tails inside a block are ``block_names`` of the block's tokens
+  with ``unit`` tokens a link, chained from the name of the block before it (a block's own name hashes
+  ``block_size`` tokens a link: never the same).
 
 Invariants:
 - ``group_prefix`` is a pure function of its arguments (no ``hash()``, no addresses): the
   scheduler and every worker compute the same prefixes.
 - ``hit_blocks`` never answers a length a group cannot restore: an unsupported group answers 0, and
   with a state group the answer ends exactly where every state group holds a checkpoint.
+- ``holds_tail`` is False with a window group or an unsupported one (vLLM makes no sub-block hits
+  with a sliding window) and with no state group (a tail without a state to restore is no hit).
 """
 
 from __future__ import annotations
@@ -158,6 +166,23 @@ class BlockIndex:
                 after = np.concatenate([np.array([Where.NOWHERE], dtype=np.int8), where])
                 checkpoints = after if checkpoints is None else np.maximum(checkpoints, after)
         return Residency(full, tuple(windows), checkpoints)
+
+    def full_blocks(self, names: Sequence[int]) -> int:
+        """How many leading blocks of ``names`` every full group holds."""
+        full = [g.index for g in self.groups if g.kind is GroupKind.FULL]
+        held = self.held
+        for i, h in enumerate(names):
+            if any((g, h) not in held for g in full):
+                return i
+        return len(names)
+
+    def holds_tail(self, name: int) -> bool:
+        """Whether every full group holds the tail ``name``'s block and every state group the state after it
+        (the blocks before it are ``full_blocks``' business)."""
+        kinds = {g.kind for g in self.groups}
+        if self.supported or GroupKind.STATE not in kinds or kinds - {GroupKind.FULL, GroupKind.STATE}:
+            return False
+        return all((g.index, name) in self.held for g in self.groups)
 
     def hit_blocks(self, names: Sequence[int]) -> int:
         """The longest prefix of ``names`` (blocks) restorable for every group; 0 if a group cannot be."""
