@@ -396,21 +396,24 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("HybridKVConnector: %d groups, block payload bytes %s; %s", len(layers), sizes, self.tier.pin_note)
 
     def _gather(self, group: int, ids: torch.Tensor) -> torch.Tensor:
-        """(n, payload bytes): the blocks ``ids`` of every layer of ``group``, one row each."""
+        """(n, payload bytes) in host memory: the blocks ``ids`` (host ids) of every layer of ``group``, one row
+        each, copied from the caches' device (a no-op copy on the CPU)."""
         parts = []
         for t, dim in self._layers[group]:
-            rows = t.index_select(dim, ids).movedim(dim, 0).contiguous()
+            rows = t.index_select(dim, ids.to(t.device)).movedim(dim, 0).contiguous()
             parts.append(rows.reshape(len(ids), -1).view(torch.uint8))
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=1).cpu()
 
     def _scatter(self, group: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """The host ``rows`` (as ``_gather`` makes them) into the blocks ``ids`` of every layer of ``group``, on
+        the caches' device."""
         off = 0
         for t, dim in self._layers[group]:
             shape = list(t.shape)
             shape.pop(dim)
             nbytes = t.select(dim, 0).numel() * t.element_size()
             src = rows[:, off : off + nbytes].contiguous().view(t.dtype).reshape(len(ids), *shape)
-            t.index_copy_(dim, ids, src.movedim(0, dim))
+            t.index_copy_(dim, ids.to(t.device), src.movedim(0, dim).to(t.device))
             off += nbytes
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
