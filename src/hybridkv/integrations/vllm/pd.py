@@ -14,10 +14,14 @@ id, checks every pair (dtype, block size, window, shape) and writes the bytes ov
 Mooncake transfer engine transport (``pd_agent.PDSender``), then frees the blocks; blocks no
 decode asked for are freed after ``pd_hold_s``.
 
-What moves: full-attention and sliding-window groups (for a window group the blocks the decode
-side allocated, its window; a position the prefill side no longer holds fails the load).
-Recurrent-state (Mamba / GDN) groups are not supported yet: such a model runs PD mode off (the
-prefill answers no params, the decode side recomputes), logged once.
+What moves: full-attention and sliding-window groups by block position (for a window group the
+blocks the decode side allocated, its window; a position the prefill side no longer holds fails the
+load), and recurrent-state (``MambaSpec``: GDN, Mamba) groups: as vLLM's Mooncake connector, the
+prefill side computes all but the last prompt token (``on_new_request``), and its non-null state
+blocks pair in order with the decode side's last non-null ones (a state block table is not
+positional); the decode side computes the last token from that state. A group of another kind
+(chunked-local, speculative state blocks) turns PD mode off for the model (the prefill answers no
+params, the decode side computes every prompt), logged once.
 
 Invariants:
 - Fails closed: a load that was refused (layout mismatch, unknown or expired request, a
@@ -28,7 +32,10 @@ Invariants:
   ``do_remote_decode``; they are freed exactly once: after the decode side's request was served
   (sent or refused) or after ``pd_hold_s``.
 - A decode request tells the prefill side it is done with its blocks also when it loads nothing
-  (a full local hit) or was aborted before its blocks were allocated.
+  (a full local hit, params of another prompt) or was aborted before its blocks were allocated.
+- A decode request loads only blocks computed from its own prompt: the params carry the number and a
+  digest of the prompt tokens the prefill side computed, and a mismatch (a proxy pairing the wrong
+  params with a request) loads nothing: the prompt is computed on the decode side.
 
 Config (``kv_connector_extra_config``): ``pd_host`` (where the prefill worker listens and where
 Mooncake binds; default ``127.0.0.1``), ``pd_port`` (the prefill worker's control port; required
@@ -39,10 +46,13 @@ cluster key (``HYBRIDKV_CLUSTER_KEY`` or ``HYBRIDKV_CLUSTER_KEY_FILE``) and the
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -52,12 +62,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from hybridkv.integrations.vllm.connector import group_layouts
 from hybridkv.integrations.vllm.layout import GroupKind, fingerprint
 from hybridkv.integrations.vllm.pd_agent import NULL, CacheLayer, Load, PDReceiver, PDSender, build_layout
-from hybridkv.spec.pools import FullPool, WindowPool
+from hybridkv.spec.pools import RECURRENT_POOL, FullPool, WindowPool
 from hybridkv.transfer.auth import load_cluster_key
 from hybridkv.transfer.errors import TransferError
 from hybridkv.transfer.transport import make_transport
@@ -85,6 +96,21 @@ class PDMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
 
 
+def _is_state(spec: object) -> bool:
+    """A recurrent (Mamba / GDN) group PD mode moves: its running state blocks, in any cache mode, without
+    speculative blocks."""
+    return (
+        type(spec) is MambaSpec
+        and not getattr(spec, "num_speculative_blocks", 0)
+        and not getattr(spec, "num_prefill_checkpoint_blocks", 0)
+    )
+
+
+def digest(tokens: Sequence[int]) -> str:
+    """What the prefill side computed, as the decode side checks it: a digest of the prompt's token ids."""
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+
+
 def _valid(params: dict[str, Any]) -> bool:
     """The decode side's params name the prefill engine, its sender and its request."""
     return all(isinstance(params.get(k), str) and params[k] for k in PARAMS)
@@ -103,6 +129,12 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
                 f"HybridKVPDConnector: kv_role {cfg.kv_role!r}; PD mode is kv_producer (prefill) or "
                 "kv_consumer (decode); use kv_both for the offload connector"
             )
+        par = vllm_config.parallel_config
+        if par.world_size > 1:
+            raise ValueError(
+                f"HybridKVPDConnector: {par.world_size} workers (tensor parallel {par.tensor_parallel_size}, pipeline "
+                f"parallel {par.pipeline_parallel_size}); PD mode supports one worker per side yet: run tp=pp=1"
+            )
         self.engine_id = str(cfg.engine_id)
         self.host = str(extra.get("pd_host", "127.0.0.1"))
         port = extra.get("pd_port")
@@ -115,9 +147,12 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
         self.hold_s = float(extra.get("pd_hold_s", 120.0))
         self.wait_s = float(extra.get("pd_wait_s", 30.0))
         self.groups = group_layouts(kv_cache_config)
-        bad = [g for g in self.groups if g.kind not in (GroupKind.FULL, GroupKind.WINDOW)]
+        self.state = [_is_state(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+        """Per group: a recurrent state group (one running state, not positional)."""
+        self.has_state = any(self.state)
+        bad = [g for g in self.groups if g.kind not in (GroupKind.FULL, GroupKind.WINDOW) and not self.state[g.index]]
         sizes = {g.block_size for g in self.groups}
-        self.why_off = "; ".join(f"group {g.index} is {g.kind.value} ({g.why or 'recurrent state'})" for g in bad)
+        self.why_off = "; ".join(f"group {g.index} is {g.kind.value} ({g.why})" for g in bad)
         if len(sizes) > 1:
             self.why_off = self.why_off or f"groups with different block sizes {sorted(sizes)}"
         if not self.groups:
@@ -138,7 +173,7 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._local: dict[str, int] = {}
         self._holds: dict[str, list[list[int]]] = {}
         self._loads: list[Load] = []
-        self.stats: dict[str, int] = {"holds": 0, "loads": 0, "releases": 0, "load_tokens": 0}
+        self.stats: dict[str, int] = {"holds": 0, "loads": 0, "releases": 0, "load_tokens": 0, "refused_params": 0}
         # worker side
         self.sender: PDSender | None = None
         self.receiver: PDReceiver | None = None
@@ -155,15 +190,18 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
         for g in self.groups:
             pool = str(WindowPool(g.window)) if g.kind is GroupKind.WINDOW and g.window else str(FullPool())
             for name in g.layer_names:
-                t = kv_caches[name]
-                if not isinstance(t, torch.Tensor):
-                    raise TransferError(f"HybridKVPDConnector: layer {name} has {len(t)} cache tensors, expected one")
-                dim = 0 if t.shape[0] == num_blocks else 1
-                if t.dim() < 2 or t.shape[dim] != num_blocks:
-                    raise TransferError(
-                        f"HybridKVPDConnector: layer {name}: no block dimension of {num_blocks} in {tuple(t.shape)}"
-                    )
-                layers.append(CacheLayer(name, g.index, t, dim, pool, g.block_size))
+                value = kv_caches[name]
+                tensors = [value] if isinstance(value, torch.Tensor) else list(value)
+                for i, t in enumerate(tensors):
+                    dim = 0 if t.shape[0] == num_blocks else 1
+                    if t.dim() < 2 or t.shape[dim] != num_blocks:
+                        raise TransferError(
+                            f"HybridKVPDConnector: layer {name}: no block dimension of {num_blocks} in {tuple(t.shape)}"
+                        )
+                    if self.state[g.index]:  # a recurrent layer's states (conv, SSM ...), one page per block
+                        layers.append(CacheLayer(name, g.index, t, dim, str(RECURRENT_POOL), g.block_size, f"s{i}."))
+                    else:
+                        layers.append(CacheLayer(name, g.index, t, dim, pool, g.block_size))
         bufs, groups = build_layout(self.model, layers)
         try:
             key = load_cluster_key()
@@ -238,8 +276,22 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
         params = request.kv_transfer_params
         if self.producer or self.why_off or not params or not params.get("do_remote_prefill") or not _valid(params):
             return 0, False
+        # with a state group the prefill side computed all but the last prompt token (on_new_request): the
+        # state after them is what moves, and this side computes the last token from it
+        n = request.num_prompt_tokens - self.has_state
+        tokens = request.prompt_token_ids
+        if params.get("remote_num_tokens") != n or tokens is None or params.get("remote_prompt") != digest(tokens[:n]):
+            self.stats["refused_params"] += 1  # not this prompt's blocks: computed here (and released there)
+            logger.warning(
+                "HybridKVPDConnector: request %s: its kv_transfer_params describe another prompt (%s tokens, this "
+                "one %d); not loaded, computed here",
+                request.request_id,
+                params.get("remote_num_tokens"),
+                n,
+            )
+            return 0, False
         self._local[request.request_id] = num_computed_tokens
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = n - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -251,10 +303,17 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
             return
         local = self._local.pop(request.request_id, 0)
         wanted: dict[int, list[int]] = {}
+        error = ""
         if num_external_tokens > 0 and not self.why_off:
             bs = self.block_size
             start, end = local // bs, -(-(local + num_external_tokens) // bs)
+            remote = params.get("remote_block_ids")
             for g, ids in enumerate(blocks.get_block_ids()):
+                if self.state[g]:
+                    wanted[g], error = self._state_blocks(g, ids, remote)
+                    if error:
+                        break
+                    continue
                 wanted[g] = [
                     ids[i] if start <= i < len(ids) and ids[i] != self._null_block else NULL for i in range(end)
                 ]
@@ -262,21 +321,61 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
             self.stats["load_tokens"] += num_external_tokens
         else:
             self.stats["releases"] += 1
-        self._loads.append(self._load(request.request_id, params, wanted))
+        self._loads.append(self._load(request.request_id, params, {} if error else wanted, error))
 
-    def _load(self, request_id: str, params: dict[str, Any], wanted: dict[int, list[int]]) -> Load:
+    def _state_blocks(self, g: int, ids: list[int], remote: Any) -> tuple[list[int], str]:
+        """A state group's destinations per prefill position: the state blocks are not positional (vLLM
+        nulls and moves them), so the prefill's non-null blocks (its ``remote_block_ids``) pair in order
+        with this side's last non-null ones. ``(positions, why not)``."""
+        if not isinstance(remote, list) or len(remote) != len(self.groups) or not isinstance(remote[g], list):
+            return [], f"kv_transfer_params remote_block_ids name no block list for state group {g}"
+        held = [p for p, b in enumerate(remote[g]) if isinstance(b, int) and b != NULL]
+        mine = [b for b in ids if b != self._null_block]
+        if len(mine) < len(held) or not held:
+            return [], (
+                f"state group {g}: prefill holds {len(held)} state blocks, this decode side allocated {len(mine)}; "
+                "run both sides with the same prefix caching (mamba_cache_mode)"
+            )
+        out = [NULL] * len(remote[g])
+        for p, b in zip(held, mine[-len(held) :], strict=True):
+            out[p] = b
+        return out, ""
+
+    def _load(self, request_id: str, params: dict[str, Any], wanted: dict[int, list[int]], error: str = "") -> Load:
         return Load(
             request_id,
             str(params["remote_request_id"]),
             str(params["remote_engine_id"]),
             str(params["remote_endpoint"]),
             wanted,
+            error,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PDMetadata(holds=self._holds, loads=self._loads)
         self._holds, self._loads = {}, []
         return meta
+
+    def on_new_request(self, request: Request) -> None:
+        """Prefill side, a model with a state group: the last prompt token is left to the decode side, so
+        the state sent is the one after all the others (the decode side computes that token from it)."""
+        params = request.kv_transfer_params
+        if (
+            not self.producer
+            or not self.has_state
+            or self.why_off
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get("_hybridkv_truncated")
+            or request.num_prompt_tokens < 2
+            or request.prompt_token_ids is None
+        ):
+            return
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_hybridkv_truncated"] = True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -311,7 +410,8 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
             "remote_endpoint": self.endpoint,
             "remote_request_id": request.request_id,
             "remote_block_ids": held,
-            "remote_num_tokens": request.num_computed_tokens,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "remote_prompt": digest(request.prompt_token_ids or ()),
         }
 
     def scheduler_report(self) -> dict[str, Any]:

@@ -77,6 +77,8 @@ class CacheLayer:
     block_dim: int
     pool: str
     block_size: int
+    part: str = ""
+    """Which of the layer's cache tensors (a recurrent layer has several: ``s0``, ``s1`` ...)."""
 
 
 def layer_id(name: str) -> int:
@@ -107,7 +109,7 @@ def build_layout(model: str, layers: Sequence[CacheLayer]) -> tuple[BufferSet, l
         storage = t.untyped_storage()
         regions[storage.data_ptr()] = max(regions.get(storage.data_ptr(), 0), storage.nbytes())
         lead = list(t.shape[: layer.block_dim])
-        names = ["k", "v"] if lead == [2] else [f"t{i}" for i in range(max(1, _prod(lead)))]
+        names = [layer.part + n for n in (["k", "v"] if lead == [2] else [f"t{i}" for i in range(_prod(lead))])]
         flat = t.view(-1, *t.shape[layer.block_dim :]) if lead else t.unsqueeze(0)  # a view: never a copy
         for i, tensor_name in enumerate(names):
             part = flat[i]
@@ -439,6 +441,8 @@ class Load:
     blocks: dict[int, list[int]]
     """Per group, per block position, the destination block id (``NULL``: not sent). Empty: only
     tell the sender it may free the request's blocks."""
+    error: str = ""
+    """Why this load cannot be served (the receiver releases the sender's blocks and reports it failed)."""
 
 
 @dataclass
@@ -504,11 +508,13 @@ class PDReceiver:
             started = time.perf_counter()
             try:
                 status = self._load(job)
+                if job.error:  # the sender was only told to free the blocks
+                    status = Status(job.remote_request_id, 0, self.rank, LegStatus.FAILED, job.error)
                 ok = status.phase is LegStatus.SUCCESS
                 why = status.reason
             except Exception as exc:  # a load never ends done by mistake
                 ok, why, status = False, f"{type(exc).__name__}: {exc}", None
-            if not job.blocks:
+            if not job.blocks and not job.error:
                 continue  # a release: nothing was to land
             with self._lock:
                 (self._done if ok else self._failed).add(job.request_id)
