@@ -4,7 +4,8 @@ One shared fixture per model starts ``vllm serve`` processes from ``HYBRIDKV_VLL
 ``test_vllm_connector``): prefill (``kv_producer``) and decode (``kv_consumer``), plus ``vllm.LLM``
 without any connector for the reference tokens; for Gemma 3 (tiny, seeded, fp32: a sliding-window
 group and a full group) also a second decode whose block size differs (64); for Qwen3-Next (tiny, bf16:
-a GDN state group and a full group) only the pair. Skipped with one line without the vLLM python or
+a GDN state group and a full group) a second decode that zeroes the states it loaded (the control,
+``vllm_pd_zero_state``). Skipped with one line without the vLLM python or
 without the ``mooncake`` package (the transfer engine; vLLM's python imports this venv's).
 
 Proved: through the proxy the decode server's greedy tokens equal the reference and the prompts came
@@ -13,7 +14,7 @@ decode's own prefix cache misses; Qwen3-Next: all but the last token, whose stat
 mismatched decode every transfer is refused before a byte moves, with an error naming both sides, and
 vLLM recomputes (tokens still equal); a transfer that cannot be served (params already used: the
 prefill side freed those blocks) is reported failed and recomputed; params of another prompt load
-nothing.
+nothing; the same transfers with the loaded states zeroed change tokens (the equality rests on them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -56,6 +58,8 @@ class Cluster:
     decode: str
     odd_decode: str
     """Gemma 3 only: a decode server with another block size (64): its layout does not pair with the prefill's."""
+    zero_decode: str
+    """Qwen3-Next only: a decode server that zeroes the states it loaded (the control)."""
     logs: dict[str, Path]
     reference: dict[str, list[list[int]]]
     prompts: dict[str, list[list[int]]]
@@ -84,10 +88,13 @@ def healthy(url: str) -> bool:
         return False
 
 
-def serve(python: Path, model: Path, port: int, role: str, extra: dict[str, Any], dtype: str, block: int) -> list[str]:
+def serve(
+    python: Path, model: Path, port: int, role: str, extra: dict[str, Any], dtype: str, block: int, zero: bool = False
+) -> list[str]:
+    """``zero``: the decode side's test double that zeroes the states it loaded (``vllm_pd_zero_state``)."""
     config = {
-        "kv_connector": "HybridKVPDConnector",
-        "kv_connector_module_path": "hybridkv.integrations.vllm",
+        "kv_connector": "ZeroStatePDConnector" if zero else "HybridKVPDConnector",
+        "kv_connector_module_path": "vllm_pd_zero_state" if zero else "hybridkv.integrations.vllm",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
@@ -132,6 +139,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if kind == "gemma3":
         sets.update(odd=prompts(9, 2), stale=prompts(11, 1) + prompts(12, 1))
         servers.append("odd_decode")
+    else:
+        servers.append("zero_decode")
     (tmp / "prompts.json").write_text(json.dumps([p for v in sets.values() for p in v]))
     ports = {name: free_port() for name in servers}
     wait = {"pd_wait_s": 20}
@@ -143,6 +152,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     }  # fmt: skip
     if kind == "gemma3":
         cmds["odd_decode"] = serve(python, model, ports["odd_decode"], "kv_consumer", wait, dtype, 2 * block)
+    else:
+        cmds["zero_decode"] = serve(python, model, ports["zero_decode"], "kv_consumer", wait, dtype, block, zero=True)
     logs = {name: tmp / f"{name}.log" for name in cmds}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
@@ -162,7 +173,10 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         reference, i = {}, 0
         for name, ps in sets.items():
             reference[name], i = flat[i : i + len(ps)], i + len(ps)
-        yield Cluster(kind, block, urls["prefill"], urls["decode"], urls.get("odd_decode", ""), logs, reference, sets)
+        yield Cluster(
+            kind, block, urls["prefill"], urls["decode"], urls.get("odd_decode", ""), urls.get("zero_decode", ""),
+            logs, reference, sets,
+        )  # fmt: skip
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -253,3 +267,20 @@ def test_a_broken_transfer_is_recomputed(cluster: Cluster) -> None:
     assert "kv_transfer_params describe another prompt (168 tokens, this one 168)" in cluster.log("decode")
     assert tokens(complete(cluster.decode, first, kv_transfer_params=dict(kv))) == ref_first
     assert cluster.log("decode").count("is no longer held by prefill") == 2
+
+
+@pytest.mark.parametrize("cluster", ["qwen3next"], indirect=True)
+def test_the_equality_rests_on_the_moved_state(cluster: Cluster) -> None:
+    """The control: the same transfers into a decode server that zeroes each loaded state block before vLLM
+    reads it (a PD connector moving the KV but not the state) give other tokens."""
+    proxy = PDProxy(cluster.prefill, cluster.zero_decode).start()
+    before = external_hits(cluster.zero_decode)
+    try:
+        answers = [complete(proxy.address, p) for p in cluster.prompts["pd"]]
+    finally:
+        proxy.close()
+    assert external_hits(cluster.zero_decode) - before == sum(len(p) - 1 for p in cluster.prompts["pd"])
+    assert "not loaded" not in cluster.log("zero_decode")
+    differ = sum(tokens(a) != ref for a, ref in zip(answers, cluster.reference["pd"], strict=True))
+    assert differ > 0, "zeroed states gave the reference tokens: the state-group equality proves nothing"
+    print(json.dumps({"zeroed_state_prompts_differing": differ, "of": len(answers)}), file=sys.stderr)
