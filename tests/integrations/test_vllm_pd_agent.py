@@ -136,6 +136,13 @@ def test_a_foreign_key_moves_nothing(sender: tuple[PDSender, list[CacheLayer], C
         r.close()
 
 
+def test_a_taken_port_is_named(sender: tuple[PDSender, list[CacheLayer], ClusterKey]) -> None:
+    s, _, key = sender
+    bufs, groups = build_layout("m", caches())
+    with pytest.raises(TransferError, match=f"cannot listen on {s.endpoint} .*pick a free pd_port"):
+        PDSender("P2", bufs, groups, make_transport("mooncake", protocol="tcp"), s.endpoint, key)
+
+
 def test_layer_ids_come_from_layer_names() -> None:
     assert layer_id("model.layers.17.self_attn.attn") == 17
     assert layer_id("language_model.model.layers.3.mixer") == 3

@@ -260,9 +260,9 @@ class HybridKVPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def worker_report(self) -> dict[str, Any]:
         if self.sender is not None:
-            return {"sender": vars(self.sender.stats)}
+            return {"sender": {**vars(self.sender.stats), "errors": list(self.sender.stats.errors)}}
         if self.receiver is not None:
-            return {"receiver": vars(self.receiver.stats)}
+            return {"receiver": {**vars(self.receiver.stats), "errors": list(self.receiver.stats.errors)}}
         return {"why_off": self.why_off}
 
     # ==============================================================================================

@@ -42,7 +42,7 @@ import re
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,6 +65,8 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 NULL = -1
 """A block position not sent (decode side: a null block; prefill side: a block it no longer holds)."""
 POLL_MS = 20
+ERRORS_KEPT = 100
+"""The last errors a sender or receiver keeps for its report."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ class _Hold:
 @dataclass
 class _Peer:
     session: str
-    buffers: BufferSet | None
+    buffers: BufferSet
     pairs: tuple[EntryPair, ...] = ()
     refused: str = ""
 
@@ -228,7 +230,7 @@ class SenderStats:
     ops: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
+    errors: deque[str] = field(default_factory=lambda: deque(maxlen=ERRORS_KEPT))
 
 
 class PDSender:
@@ -263,7 +265,15 @@ class PDSender:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            self._ctx.term()
+            transport.close()
+            raise TransferError(
+                f"the prefill sender cannot listen on {endpoint} ({exc}); pick a free pd_port"
+            ) from None
         self.endpoint = endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hybridkv-pd-send-{engine}", daemon=True)
@@ -375,7 +385,7 @@ class PDSender:
         ops, nbytes = 0, 0
         try:
             peer = self._peers.get(sender)
-            if peer is None or peer.buffers is None:
+            if peer is None:
                 raise TransferError(f"decode {sender} sent no Hello (no layout to pair with)")
             if peer.refused:
                 raise TransferError(peer.refused)
@@ -452,7 +462,7 @@ class ReceiverStats:
     ops: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
+    errors: deque[str] = field(default_factory=lambda: deque(maxlen=ERRORS_KEPT))
 
 
 class PDReceiver:
@@ -481,7 +491,8 @@ class PDReceiver:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._ctx = zmq.Context()
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: dict[tuple[str, str], zmq.Socket] = {}
+        """Per (endpoint, engine id): a new prefill engine on the same endpoint gets a new socket and Hello."""
         self._thread = threading.Thread(target=self._run, name=f"hybridkv-pd-recv-{engine}", daemon=True)
         self._thread.start()
 
@@ -529,10 +540,10 @@ class PDReceiver:
                 log.warning("hybridkv PD: request %s not loaded (vLLM recomputes it): %s", job.request_id, why)
 
     def _sock(self, endpoint: str, engine: str) -> zmq.Socket:
-        sock = self._socks.get(endpoint)
+        sock = self._socks.get((endpoint, engine))
         if sock is None:
             check_endpoint(endpoint)
-            sock = self._socks[endpoint] = self._ctx.socket(zmq.DEALER)
+            sock = self._socks[(endpoint, engine)] = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.connect(endpoint)
             hello = Hello(self.rank, "", TransportName(self.transport.name), self.transport.session, self.bufs)
