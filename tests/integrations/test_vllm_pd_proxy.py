@@ -111,3 +111,5 @@ def test_refusals_and_health(servers: tuple[Upstream, Upstream]) -> None:
     finally:
         proxy.close()
     assert prefill.bodies == []  # nothing refused reached a server
+    with pytest.raises(ValueError, match="decode server's URL 'localhost:8200' is not http://"):
+        PDProxy(prefill.url, "localhost:8200")

@@ -50,6 +50,9 @@ class PDProxy:
     """The proxy server; ``serve_forever`` in a thread of its own with ``start``."""
 
     def __init__(self, prefill: str, decode: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0):
+        for side, url in (("prefill", prefill), ("decode", decode)):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"the {side} server's URL {url!r} is not http://host:port or https://host:port")
         self.prefill, self.decode, self.timeout_s = prefill.rstrip("/"), decode.rstrip("/"), timeout_s
         self.stats = {"requests": 0, "with_params": 0, "prefill_failed": 0}
         self._lock = threading.Lock()
