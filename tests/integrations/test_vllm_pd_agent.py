@@ -1,8 +1,8 @@
 """PD mode's byte half (``integrations/vllm/pd_agent.py``) without vLLM: a sender and receivers in this
 process over hybridkv's Mooncake transport (TCP), on caches shaped as vLLM's CPU caches
 ``(2, blocks, heads, block size, head size)``: blocks land where the receiver said, from the blocks
-the sender held; a mismatched layout, a position not held, a request sent twice and a foreign
-cluster key are refused and reported failed, with nothing written."""
+the sender held; a mismatched layout, a position not held, a request sent twice, one whose hold expired
+and a foreign cluster key are refused and reported failed, with nothing written; a taken port is named."""
 
 from __future__ import annotations
 
@@ -132,6 +132,26 @@ def test_a_foreign_key_moves_nothing(sender: tuple[PDSender, list[CacheLayer], C
         assert "no answer" in r.stats.errors[-1]
         assert s.stats.refused_frames >= 2 and s.stats.sent == 0  # its Hello and its request
         assert not dst[0].tensor.any() and s.finished() == set()  # still held for the real decode
+    finally:
+        r.close()
+
+
+def test_blocks_no_decode_asked_for_are_freed_after_their_hold(
+    sender: tuple[PDSender, list[CacheLayer], ClusterKey],
+) -> None:
+    s, _, key = sender
+    s.hold_s = 0.2
+    s.hold("p1", [[1], [2]])
+    assert s.finished() == set()
+    time.sleep(0.3)
+    assert s.finished() == {"p1"} and s.stats.expired == 1
+    dst = caches(fill=False)
+    r = receiver(dst, key)
+    try:  # a decode side asking later is refused, nothing written
+        r.submit(Load("d1", "p1", "P", s.endpoint, {0: [3], 1: [4]}))
+        assert not outcome(r, "d1")
+        assert "its hold of 0.2 s expired" in r.stats.errors[-1] and not dst[1].tensor.any()
+        assert s.finished() == set()  # freed once only
     finally:
         r.close()
 
