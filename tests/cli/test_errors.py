@@ -86,6 +86,13 @@ BAD_INPUTS += [
     (["demo", "--transport", "nixl"], "unknown transport 'nixl'"),
 ]
 
+# vllm-pd-proxy: URLs and the port checked before anything listens
+BAD_INPUTS += [
+    (["vllm-pd-proxy", "--prefill", "localhost:8100", "--decode", "http://h:1"], "prefill server's URL"),
+    (["vllm-pd-proxy", "--prefill", "http://h:1", "--decode", "ftp://h:2"], "decode server's URL"),
+    (["vllm-pd-proxy", "--prefill", "http://h:1", "--decode", "http://h:2", "--port", "70000"], "--port"),
+]
+
 GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
 BAD_TRACES = {
     "empty.jsonl": ("", "no requests"),

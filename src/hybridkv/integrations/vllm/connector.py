@@ -284,6 +284,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if self._kv_transfer_config.kv_role in ("kv_producer", "kv_consumer"):  # PD mode is its own connector
+            raise ValueError(
+                f"HybridKVConnector is the offload connector (kv_role kv_both); for PD mode (kv_role "
+                f"{self._kv_transfer_config.kv_role!r}) load kv_connector HybridKVPDConnector"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.groups = group_layouts(kv_cache_config)
         self.index = BlockIndex(self.groups)
