@@ -192,6 +192,19 @@ def complete(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
     return out
 
 
+def stream_text(url: str, prompt: list[int]) -> str:
+    """The text of a streamed completion, joined from its server-sent events."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
+    text = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: {"):
+                text.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+    return "".join(text)
+
+
 def tokens(answer: dict[str, Any]) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
 
@@ -211,9 +224,11 @@ def test_two_vllm_processes_give_the_tokens_of_one(cluster: Cluster) -> None:
         for p in cluster.prompts["pd"]:
             answers.append(complete(proxy.address, p))
             hits.append(external_hits(cluster.decode))
+        streamed = stream_text(proxy.address, cluster.prompts["pd"][0])  # after the counts: its hits are not counted
     finally:
         proxy.close()
     assert [tokens(a) for a in answers] == cluster.reference["pd"]
+    assert streamed == answers[0]["choices"][0]["text"]  # the decode server's events, relayed through the proxy
     assert proxy.stats == {"requests": 4, "with_params": 4, "prefill_failed": 0}
     # the decode server loaded the prompts from the prefill server: the first wholly, the later ones their
     # tails after the shared prefix the decode's own prefix cache holds; and no load failed. With a state

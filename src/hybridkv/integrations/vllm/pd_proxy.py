@@ -3,14 +3,18 @@
 For each ``POST /v1/completions`` or ``/v1/chat/completions``: the request goes to the prefill
 server with ``max_tokens=1``, ``stream=false`` and ``kv_transfer_params={"do_remote_decode":
 true}``; the ``kv_transfer_params`` of its answer go, with the original request, to the decode
-server, whose answer is the client's (status and body as the decode server gave them). ``GET
+server, whose answer is the client's (status and body as the decode server gave them; a ``stream``
+request's server-sent events are relayed as the decode server sends them, chunk by chunk). ``GET
 /health`` answers 200 when both servers do. Standard library only (no vLLM import).
 
 Invariants:
 - The decode server always gets the client's request unchanged except for ``kv_transfer_params``
   (the prefill server's, or none when it gave none or failed: then decode computes the prompt
   itself; a prefill failure never fails the request).
-- ``stream`` requests are refused with 400 (not supported yet), never half served.
+- The prefill server is never asked to stream; a streamed request's events come from the decode server
+  only, unchanged, and a client that goes away closes the decode stream (vLLM then aborts the request).
+- A body that is not one JSON object, has no or a bad ``Content-Length``, or is over ``MAX_BODY_BYTES``
+  is refused (400 / 411 / 413) before any server sees it.
 """
 
 from __future__ import annotations
@@ -25,14 +29,25 @@ from typing import Any
 
 log = logging.getLogger("hybridkv.vllm.pd")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY_BYTES = 32 << 20
+STREAM_CHUNK = 1 << 16
 
 
 def post(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, bytes]:
     """(HTTP status, body) of a JSON POST; a refused connection is (502, its reason)."""
+    answer = open_post(url, body, timeout_s)
+    if isinstance(answer, tuple):
+        return answer
+    with answer as resp:
+        return resp.status, resp.read()
+
+
+def open_post(url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    """The open response of a JSON POST answered 200 (the caller reads and closes it), else (status, body);
+    a refused connection is (502, its reason)."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
+        return urllib.request.urlopen(req, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
     except (urllib.error.URLError, OSError) as exc:
@@ -71,15 +86,33 @@ class PDProxy:
             def do_POST(self) -> None:
                 if self.path not in ROUTES:
                     return self._answer(404, json.dumps({"error": f"the proxy serves {list(ROUTES)}"}).encode())
+                length = self.headers.get("Content-Length")
+                if length is None or not length.isdigit():
+                    return self._answer(411, b'{"error": "a request needs its Content-Length"}')
+                if int(length) > MAX_BODY_BYTES:
+                    return self._answer(413, json.dumps({"error": f"body over {MAX_BODY_BYTES} bytes"}).encode())
                 try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    body = json.loads(self.rfile.read(int(length)))
                     if not isinstance(body, dict):
                         raise ValueError("not a JSON object")
                 except ValueError as exc:
                     return self._answer(400, json.dumps({"error": f"request body: {exc}"}).encode())
-                if body.get("stream"):
-                    return self._answer(400, b'{"error": "the hybridkv PD proxy does not stream yet"}')
-                self._answer(*proxy.forward(self.path, body))
+                if not body.get("stream"):
+                    return self._answer(*proxy.forward(self.path, body))
+                answer = open_post(proxy.decode + self.path, proxy.decode_body(self.path, body), proxy.timeout_s)
+                if isinstance(answer, tuple):
+                    return self._answer(*answer)
+                with answer as events:  # closed when the client goes: the decode server aborts the request
+                    self.send_response(200)
+                    self.send_header("Content-Type", events.headers.get("Content-Type", "text/event-stream"))
+                    self.send_header("Cache-Control", "no-cache")
+                    self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+                    try:
+                        while chunk := events.read1(STREAM_CHUNK):
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        log.info("hybridkv PD proxy: the client left a stream; closing the decode server's")
 
             def _answer(self, status: int, data: bytes) -> None:
                 self.send_response(status)
@@ -93,6 +126,11 @@ class PDProxy:
         self._thread: threading.Thread | None = None
 
     def forward(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """The decode server's answer to ``body`` with the prefill's params."""
+        return post(self.decode + path, self.decode_body(path, body), self.timeout_s)
+
+    def decode_body(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the ``kv_transfer_params`` the prefill server answered (None when it failed)."""
         status, data = post(self.prefill + path, prefill_body(body), self.timeout_s)
         params = None
         if status == 200:
@@ -106,7 +144,7 @@ class PDProxy:
             self.stats["prefill_failed"] += status != 200
         if status != 200:
             log.warning("hybridkv PD proxy: prefill answered %d (%s); decode computes the prompt", status, data[:300])
-        return post(self.decode + path, {**body, "kv_transfer_params": params}, self.timeout_s)
+        return {**body, "kv_transfer_params": params}
 
     def start(self) -> PDProxy:
         self._thread = threading.Thread(target=self.server.serve_forever, name="hybridkv-pd-proxy", daemon=True)
