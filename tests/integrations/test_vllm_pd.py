@@ -229,7 +229,7 @@ def test_two_vllm_processes_give_the_tokens_of_one(cluster: Cluster) -> None:
         proxy.close()
     assert [tokens(a) for a in answers] == cluster.reference["pd"]
     assert streamed == answers[0]["choices"][0]["text"]  # the decode server's events, relayed through the proxy
-    assert proxy.stats == {"requests": 4, "with_params": 4, "prefill_failed": 0}
+    assert proxy.stats == {"requests": 5, "with_params": 5, "prefill_failed": 0}  # 4 + the streamed one
     # the decode server loaded the prompts from the prefill server: the first wholly, the later ones their
     # tails after the shared prefix the decode's own prefix cache holds; and no load failed. With a state
     # group the prefill stops one token short (the state after it moves) and the decode computes that token;
