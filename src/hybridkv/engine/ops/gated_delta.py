@@ -11,16 +11,35 @@ Invariants:
 - ``lengths`` right-pads a batch of unequal chunks: padded positions get ``beta = 0`` and
   ``g = 0``, which leaves the state untouched, so each row's final state is its own;
 - chunks are counted from each call's first token, so splitting a sequence at any boundaries
-  and carrying the state equals one pass within fp32 rounding.
+  and carrying the state equals one pass within fp32 rounding;
+- with ``fast_paths(flush_decays=...)`` on, a decay factor ``exp(x)`` of the prefill with ``x < -FLUSH`` is exactly
+  zero, and so is a decayed key of the intra-chunk solve below ``e**(-2 * FLUSH)``: no denormal floats (ten times
+  slower to multiply on the CPU) come out of a steeply decaying head, and the terms dropped (below ``e**-FLUSH`` of a
+  state read or a key) are under fp32's rounding of each output.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.delta_step import delta_step
 from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
+
+FLUSH = 30.0
+"""Log decays below ``-FLUSH`` are flushed to a zero factor (``fast_paths(flush_decays=...)``): ``e**-30`` ~ 1e-13
+keeps the product of two factors (~1e-26) and of a factor and any value the ops meet well above fp32's smallest
+normal (~1.2e-38)."""
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """``exp(log_decay)``, the factors below ``e**-FLUSH`` exactly zero when ``flush_decays`` is on."""
+    if FAST.flush_decays:
+        log_decay = log_decay.masked_fill(log_decay < -FLUSH, float("-inf"))
+    return log_decay.exp()
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -83,20 +102,22 @@ def gated_delta_prefill(
 
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     cum = g.cumsum(dim=3)
-    pair_decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    pair_decay = _decay((cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")))
     ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
     intra = (q @ k.transpose(-1, -2)) * pair_decay
-    decay = cum.exp().unsqueeze(-1)
+    decay = _decay(cum).unsqueeze(-1)
     # one unit-triangular solve for both right-hand sides: the values and the decayed keys
     rhs = torch.cat((v_beta, k_beta * decay), dim=-1)
     solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+    if FAST.flush_decays:  # the solve multiplies factors along chains: its decayed keys can still come out denormal
+        k_cumdecay = k_cumdecay.masked_fill(k_cumdecay.abs() < math.exp(-2 * FLUSH), 0.0)
 
     s = state.to(new_values)
     out = torch.zeros_like(new_values)
     q = q * decay
-    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    k = k * _decay(cum[..., -1:] - cum).unsqueeze(-1)
+    chunk_decay = _decay(cum[..., -1])[..., None, None]
     for i in range(num_chunks):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
         out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
