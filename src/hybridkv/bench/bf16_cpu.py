@@ -3,10 +3,10 @@
 Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection,
 the logits and routed experts through oneDNN with the weights reordered once), recurrent states kept
 in place (GatedDeltaNet, KDA decodes; the step's state cells), bf16 RMS norms scaled in place, the C++
-kernels (the greedy choice), paged decode attention (``ops.paged_decode``) and flushed GatedDeltaNet decays
-(``ops.gated_delta``). The baseline is the same engine, the same weights and requests, with every one turned off
-(``fast_paths(False)``); ``bit-equal`` has every one on but paged decode attention and flushed decays, the two that
-round differently; ``fast`` has every one on.
+kernels (the greedy choice), paged decode attention (``ops.paged_decode``), flushed GatedDeltaNet decays
+(``ops.gated_delta``) and fp32 conv taps (``ops.conv``). The baseline is the same engine, the same weights and
+requests, with every one turned off (``fast_paths(False)``); ``bit-equal`` has every one on but paged decode attention,
+flushed decays and fp32 conv taps, the three that round differently; ``fast`` has every one on.
 Changes that are not switches (the rope's rotate-half as slices) are in all three.
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
@@ -47,7 +47,7 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
 FAST_PATHS = ", ".join(f.name.replace("_", " ") for f in dataclasses.fields(FastPaths))
 CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[FastPaths]]] = {
     "baseline": lambda: fast_paths(False),  # the engine without its CPU fast paths
-    "bit-equal": lambda: fast_paths(True, paged_decode=False, flush_decays=False),  # those that compute its bits
+    "bit-equal": lambda: fast_paths(True, paged_decode=False, flush_decays=False, fp32_conv=False),  # its bits
     "fast": lambda: fast_paths(True),
 }
 
