@@ -20,10 +20,13 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``fp32_conv``: the causal conv (``ops.conv``) of a bf16 / fp16 model on the CPU accumulates its taps in fp32 and
   rounds once (widened Qwen3-Next prefill chunk, 2 x 384 tokens x 1024 channels: 5.2 -> 2.8 ms); closer to fp32 than
   the per-tap bf16 rounding it replaces, so not bit-equal.
+- ``dense_experts``: Qwen3-Next's routed experts of a few tokens (a decode step) run densely, every expert on every
+  token in two packed matmuls that also sum the experts (``layers.dense_moe``), instead of two oneDNN calls per
+  chosen expert; within bf16 rounding (the sum rounded once), not bit-equal.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured; ``paged_decode`` within bf16
-rounding, ``flush_decays`` within fp32 rounding, ``fp32_conv`` rounding once where the other rounds per tap); they
-change only the cost.
+rounding, ``flush_decays`` within fp32 rounding, ``fp32_conv`` and ``dense_experts`` rounding once where the other
+rounds per term); they change only the cost.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class FastPaths:
     paged_decode: bool = True
     flush_decays: bool = True
     fp32_conv: bool = True
+    dense_experts: bool = True
 
 
 FAST = FastPaths()
