@@ -6,12 +6,14 @@ all experts' ``gate_up`` weights are one ``(E * 2I, H)`` matrix and all ``down``
 ``x`` times the first gives every expert's gate and up for every token; each token's inner activations are scaled
 by its routing weight (zero for the experts it did not choose) and the second matmul sums ``weight * down(inner)``
 over the experts inside its fp32 accumulation. Widened Qwen3-Next (8 experts, 512 -> 256), one thread, AMX-BF16:
-16 tokens 898 -> 503 µs a layer, 64 tokens 1003 -> 788 µs, 256 tokens 1597 -> 2317 µs (hence ``DENSE_PAIRS``).
+16 tokens 898 -> 503 µs a layer, 64 tokens 1003 -> 788 µs, 256 tokens 1597 -> 2317 µs (hence ``DENSE_PAIRS``); top-2,
+1 token 287 -> 543 µs and 2 tokens 472 -> 563 µs (the dense path reads every expert's weights: hence ``tokens * k >=
+experts``), 4 tokens 730 -> 558 µs.
 
-Invariants: taken only for packed bf16 CPU matmuls (``linear.packs``) with ``fast_paths(dense_experts=...)`` on and
-``tokens * experts <= DENSE_PAIRS``; each token's output is the sum over its chosen experts of
-``weight * expert(x)``, as the routed path's, within bf16 rounding (one rounding of the sum instead of one per
-term); the stacked weights are derived (made again after the experts' weights change).
+Invariants: taken only for packed bf16 CPU matmuls (``linear.packs``) with ``fast_paths(dense_experts=...)`` on,
+``experts <= tokens * k`` and ``tokens * experts <= DENSE_PAIRS``; each token's output is the sum over its chosen
+experts of ``weight * expert(x)``, as the routed path's, within bf16 rounding (one rounding of the sum instead of one
+per term); the stacked weights are derived (made again after the experts' weights change).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ DENSE_PAIRS = 512
 """``tokens * experts`` up to which the experts run densely (the widened Qwen3-Next's 8 experts: up to 64 tokens)."""
 
 
-def dense_takes(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether ``x (T, H)`` takes the dense path for the experts ``gate_up (E, 2I, H)``."""
-    return FAST.dense_experts and x.shape[0] * gate_up.shape[0] <= DENSE_PAIRS and packs(x, gate_up[0])
+def dense_takes(x: torch.Tensor, gate_up: torch.Tensor, top_k: int) -> bool:
+    """Whether ``x (T, H)``, each token routed to ``top_k`` of the experts ``gate_up (E, 2I, H)``, takes the dense
+    path: enough pairs (``T * top_k >= E``) that most experts would run anyway, few enough tokens (``DENSE_PAIRS``)."""
+    tokens, experts = x.shape[0], gate_up.shape[0]
+    return FAST.dense_experts and experts <= tokens * top_k and tokens * experts <= DENSE_PAIRS and packs(x, gate_up[0])
 
 
 def dense_experts(

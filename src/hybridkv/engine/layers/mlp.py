@@ -108,7 +108,7 @@ class SoftmaxTopKMoE(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        if dense_takes(x, self.gate_up_proj):  # a few tokens: every expert on every token, two matmuls
+        if dense_takes(x, self.gate_up_proj, self.top_k):  # a few tokens: every expert on every token, two matmuls
             routed = dense_experts(x, index, cast(top, x.dtype), self.gate_up_proj, self.down_proj, self.act, self)
             return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         route = Routing.of(index, cast(top, x.dtype), self.num_experts)
