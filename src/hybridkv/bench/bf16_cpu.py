@@ -3,9 +3,11 @@
 Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection,
 the logits and routed experts through oneDNN with the weights reordered once), recurrent states kept
 in place (GatedDeltaNet, KDA decodes; the step's state cells), bf16 RMS norms scaled in place, the C++
-kernels (the greedy choice) and paged decode attention (``ops.paged_decode``). The baseline is the same
-engine, the same weights and requests, with every one turned off (``fast_paths(False)``); ``bit-equal``
-has every one on but paged decode attention, the one that rounds differently; ``fast`` has every one on.
+kernels (the greedy choice), paged decode attention (``ops.paged_decode``), flushed GatedDeltaNet decays
+(``ops.gated_delta``), fp32 conv taps (``ops.conv``) and dense experts of few tokens (``layers.dense_moe``). The
+baseline is the same engine, the same weights and requests, with every one turned off (``fast_paths(False)``);
+``bit-equal`` has every one on but paged decode attention, flushed decays, fp32 conv taps and dense experts, the four
+that round differently; ``fast`` has every one on.
 Changes that are not switches (the rope's rotate-half as slices) are in all three.
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
@@ -46,7 +48,9 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
 FAST_PATHS = ", ".join(f.name.replace("_", " ") for f in dataclasses.fields(FastPaths))
 CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[FastPaths]]] = {
     "baseline": lambda: fast_paths(False),  # the engine without its CPU fast paths
-    "bit-equal": lambda: fast_paths(True, paged_decode=False),  # those that compute the baseline's bits
+    "bit-equal": lambda: fast_paths(  # those that compute the baseline's bits
+        True, paged_decode=False, flush_decays=False, fp32_conv=False, dense_experts=False
+    ),
     "fast": lambda: fast_paths(True),
 }
 

@@ -42,6 +42,7 @@ import torch
 
 from hybridkv.cache import HybridRadixCache
 from hybridkv.engine.config import DEFAULT_CONFIG, EngineConfig
+from hybridkv.engine.host_malloc import keep_freed_host_memory
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
 from hybridkv.engine.runner import ShardRunner
@@ -102,6 +103,8 @@ class Engine:
         else:
             tensors = weights
         self.options = config
+        if torch.device(config.device).type == "cpu":
+            keep_freed_host_memory()  # step-sized buffers reused, not page-faulted again each step
         self.config = text_config(model)
         if self.config.model_type not in architectures():
             raise ValueError(

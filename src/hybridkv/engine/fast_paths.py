@@ -13,9 +13,20 @@ baseline in the same run (``hybridkv bench bf16``).
   e.g. the greedy choice over the logits in one read (``ops.greedy``).
 - ``paged_decode``: bf16 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++ kernel)
   instead of a gathered copy; equal within bf16 rounding, not bit-equal (the one switch here that changes numbers).
+- ``flush_decays``: the chunked gated delta rule (``ops.gated_delta``) sets its decay factors below ``e**-30`` to
+  exactly zero instead of letting them (and their products) become denormal floats, which the CPU multiplies about
+  ten times slower (widened Qwen3-Next bf16 prefill: its fp32 chunk matmuls 371 -> 66 ms of a 1.5 s step); the
+  terms dropped are below fp32's rounding of every output, so not bit-equal but equal within fp32 rounding.
+- ``fp32_conv``: the causal conv (``ops.conv``) of a bf16 / fp16 model on the CPU accumulates its taps in fp32 and
+  rounds once (widened Qwen3-Next prefill chunk, 2 x 384 tokens x 1024 channels: 5.2 -> 2.8 ms); closer to fp32 than
+  the per-tap bf16 rounding it replaces, so not bit-equal.
+- ``dense_experts``: Qwen3-Next's routed experts of a few tokens (a decode step) run densely, every expert on every
+  token in two packed matmuls that also sum the experts (``layers.dense_moe``), instead of two oneDNN calls per
+  chosen expert; within bf16 rounding (the sum rounded once), not bit-equal.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured; ``paged_decode`` within bf16
-rounding); they change only the cost.
+rounding, ``flush_decays`` within fp32 rounding, ``fp32_conv`` and ``dense_experts`` rounding once where the other
+rounds per term); they change only the cost.
 """
 
 from __future__ import annotations
@@ -33,6 +44,9 @@ class FastPaths:
     rms_norms: bool = True
     native_kernels: bool = True
     paged_decode: bool = True
+    flush_decays: bool = True
+    fp32_conv: bool = True
+    dense_experts: bool = True
 
 
 FAST = FastPaths()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn, causal_conv1d_update
 
+from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.ops import causal_conv1d_decode, causal_conv1d_prefill
 
 from .chunking import assert_close, pad_ragged, spans, unpad_ragged
@@ -94,3 +95,26 @@ def test_window_of_wrong_shape_is_refused() -> None:
         causal_conv1d_prefill(torch.zeros(2, 5, CHANNELS), torch.zeros(2, CHANNELS, KERNEL), weight, b, None)
     with pytest.raises(ValueError, match="unsupported activation 'gelu'"):
         causal_conv1d_decode(torch.zeros(2, CHANNELS), torch.zeros(2, CHANNELS, KERNEL - 1), weight, b, "gelu")
+
+
+def test_bf16_taps_in_fp32_are_closer_to_fp32_and_keep_the_window_exact() -> None:
+    """``fp32_conv``: a bf16 conv accumulates in fp32 and rounds once, so it is nearer the fp32 conv than the per-tap
+    bf16 rounding (both compared with the fp32 result of the same bf16 inputs); the window is the inputs either way."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(256, KERNEL, generator=gen) * 0.5).bfloat16()
+    x = torch.randn(2, 64, 256, generator=gen).bfloat16()
+    window = torch.randn(2, 256, KERNEL - 1, generator=gen).bfloat16()
+    ref, _ = causal_conv1d_prefill(x.float(), window.float(), weight.float(), None, "silu")
+    errors, windows, decodes = {}, {}, {}
+    for on in (False, True):
+        with fast_paths(fp32_conv=on):
+            out, windows[on] = causal_conv1d_prefill(x, window, weight, None, "silu")
+            decodes[on], _ = causal_conv1d_decode(x[:, 0], window, weight, None, "silu")
+        assert out.dtype == torch.bfloat16
+        errors[on] = (out.float() - ref).abs().max().item()
+    assert errors[True] < errors[False]
+    assert errors[True] <= ref.abs().max().item() * 2**-8  # one bf16 rounding
+    assert torch.equal(windows[True], windows[False])
+    assert torch.equal(windows[True], x[:, -(KERNEL - 1) :].transpose(1, 2))
+    # decode is the one-token case of the same arithmetic (summed in another order: within one bf16 rounding)
+    assert_close(decodes[True].float(), out[:, 0].float(), ref.abs().max().item() * 2**-8, "decode vs prefill")

@@ -10,6 +10,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
+from hybridkv.engine.fast_paths import FAST, fast_paths
 from hybridkv.engine.ops import delta_step, gated_delta_decode, gated_delta_prefill
 
 from .chunking import assert_close, pad_ragged, spans, unpad_ragged
@@ -137,3 +138,43 @@ def test_decode_in_place_is_the_same_update_written_into_the_state(
     assert torch.equal(rows[0], state[0]) and torch.equal(rows[4], state[4])  # other rows untouched
     assert torch.equal(got_out, out[1:4])
     assert torch.equal(rows[1:4], new_state[1:4])
+
+
+def _subnormal(x: torch.Tensor) -> int:
+    return int(((x != 0) & (x.abs() < torch.finfo(x.dtype).tiny)).sum())
+
+
+def test_steep_decays_are_flushed_not_denormal_and_match_the_reference() -> None:
+    """Decays as steep as the widened random Qwen3-Next's (log decay down to ~-30 a token): without ``flush_decays``
+    the intra-chunk inverse, which chains them, holds denormal floats (the slow multiplies the switch removes); with it
+    the results hold none and are still the reference's within fp32 tolerance."""
+    inputs = _inputs(2, 96, seed=51)
+    inputs["g"] = inputs["g"] * 20.0
+    state = _state(2, seed=52)
+    seen: dict[bool, int] = {}
+    solve = torch.linalg.solve_triangular
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        solved = solve(*args, **kwargs)  # type: ignore[arg-type]
+        seen[FAST.flush_decays] = seen.get(FAST.flush_decays, 0) + _subnormal(solved)
+        return solved
+
+    ref_out, ref_final = torch_chunk_gated_delta_rule(
+        *_qkv(inputs),
+        g=inputs["g"],
+        beta=inputs["beta"],
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    results = {}
+    for flush in (False, True):
+        with fast_paths(flush_decays=flush), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.linalg, "solve_triangular", counting)
+            results[flush] = gated_delta_prefill(**inputs, state=state, chunk_size=32)
+    assert seen[False] > 0  # the unflushed solve makes denormal decayed keys on these inputs
+    out, final = results[True]
+    assert _subnormal(out) == 0 and _subnormal(final) == 0
+    assert_close(out, ref_out, ATOL, "flushed output")
+    assert_close(final, ref_final, ATOL, "flushed final state")
+    assert_close(out, results[False][0], ATOL, "flushed vs unflushed output")

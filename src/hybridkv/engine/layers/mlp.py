@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.layers.dense_moe import dense_experts, dense_takes
 from hybridkv.engine.layers.linear import Linear, expert_weights
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.ops.cast import cast
@@ -107,6 +108,9 @@ class SoftmaxTopKMoE(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
+        if dense_takes(x, self.gate_up_proj, self.top_k):  # a few tokens: every expert on every token, two matmuls
+            routed = dense_experts(x, index, cast(top, x.dtype), self.gate_up_proj, self.down_proj, self.act, self)
+            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         route = Routing.of(index, cast(top, x.dtype), self.num_experts)
         rows = route.gather(x)
         packed = expert_weights(rows, self.gate_up_proj, self, "_packed_gate_up")

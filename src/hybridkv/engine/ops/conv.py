@@ -9,13 +9,17 @@ Invariants:
   i.e. transformers' ``causal_conv1d_fn`` over the whole sequence restricted to the chunk;
 - the returned window holds the last ``kernel - 1`` inputs up to each request's length, so
   prefilling a sequence in chunks of any sizes gives the one-pass outputs and window;
-- decode is the one-token case (transformers' ``causal_conv1d_update``).
+- decode is the one-token case (transformers' ``causal_conv1d_update``);
+- with ``fast_paths(fp32_conv=...)`` on, a CPU conv of bf16 / fp16 weights accumulates its taps in fp32 and rounds
+  once at the end (bf16 elementwise ops on the CPU widen and round at every tap: about twice the time, four roundings).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hybridkv.engine.fast_paths import FAST
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -24,6 +28,13 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation in ("silu", "swish"):
         return F.silu(x)
     raise ValueError(f"causal conv1d: unsupported activation {activation!r}; the models here use 'silu' or None")
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the taps accumulate in: the weight's, or fp32 for a CPU half-precision weight (``fp32_conv``)."""
+    if FAST.fp32_conv and weight.device.type == "cpu":
+        return torch.promote_types(weight.dtype, torch.float32)
+    return weight.dtype
 
 
 def causal_conv1d_prefill(
@@ -56,10 +67,12 @@ def causal_conv1d_prefill(
             f"kernel {kernel}: expected {(batch, channels, kernel - 1)}"
         )
     # time-major, one fused multiply-add per tap: a depthwise conv this small costs more as a conv call
-    full = torch.cat([window.transpose(1, 2).to(weight.dtype), x.to(weight.dtype)], dim=1)  # [batch, k-1+seq, ch]
+    dtype = _compute_dtype(weight)
+    weight = weight.to(dtype)
+    full = torch.cat([window.transpose(1, 2).to(dtype), x.to(dtype)], dim=1)  # [batch, k-1+seq, ch]
     out = full[:, :seq] * weight[:, 0]
     for tap in range(1, kernel):
-        out = torch.addcmul(out, full[:, tap : tap + seq], weight[:, tap])
+        out.addcmul_(full[:, tap : tap + seq], weight[:, tap])
     if bias is not None:
         out = out + bias
     out = _activate(out, activation).to(x.dtype)
@@ -87,8 +100,9 @@ def causal_conv1d_decode(
             f"causal conv1d decode: window shape {tuple(window.shape)} does not match inputs {tuple(x.shape)} and "
             f"kernel {kernel}: expected {(batch, channels, kernel - 1)}"
         )
-    full = torch.cat([window.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)
-    out = (full * weight).sum(-1)
+    dtype = _compute_dtype(weight)
+    full = torch.cat([window.to(dtype), x.unsqueeze(-1).to(dtype)], dim=-1)
+    out = (full * weight.to(dtype)).sum(-1)
     if bias is not None:
         out = out + bias
     return _activate(out, activation).to(x.dtype), full[:, :, 1:].to(window.dtype)

@@ -5,22 +5,48 @@ The recurrent state of a request is ``S [heads_v, dk, dv]`` (fp32). Per token, w
 ``S = exp(g) * S;  S += k ⊗ beta * (v - kᵀS);  o = qᵀS``.
 Invariants:
 - the arithmetic mirrors transformers 5.23.0's ``torch_chunk_gated_delta_rule`` (prefill; its
-  row-by-row inversion of the intra-chunk system is one unit-triangular solve here, for both
-  right-hand sides at once) and ``torch_recurrent_gated_delta_rule`` (decode) operation for
+  row-by-row inversion of the intra-chunk system is one unit-triangular solve here; its loop
+  over chunks carries the state alone, every chunk's output then read from the state before it
+  in one batched product) and ``torch_recurrent_gated_delta_rule`` (decode) operation for
   operation, so one pass is equal to the reference up to summation order;
 - ``lengths`` right-pads a batch of unequal chunks: padded positions get ``beta = 0`` and
   ``g = 0``, which leaves the state untouched, so each row's final state is its own;
 - chunks are counted from each call's first token, so splitting a sequence at any boundaries
-  and carrying the state equals one pass within fp32 rounding.
+  and carrying the state equals one pass within fp32 rounding;
+- with ``fast_paths(flush_decays=...)`` on, a decay factor ``exp(x)`` of the prefill with ``x < -FLUSH`` is exactly
+  zero, and so is an entry of the intra-chunk inverse below ``e**-FLUSH``: no denormal floats (ten times
+  slower to multiply on the CPU) come out of a steeply decaying head, and the terms dropped (below ``e**-FLUSH`` of a
+  state read or a key) are under fp32's rounding of each output.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import math
 
+import torch
+
+from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.delta_step import delta_step
 from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
+
+FLUSH = 30.0
+"""Log decays below ``-FLUSH`` are flushed to a zero factor (``fast_paths(flush_decays=...)``): ``e**-30`` ~ 1e-13
+keeps the product of two factors (~1e-26) and of a factor and any value the ops meet well above fp32's smallest
+normal (~1.2e-38)."""
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """``exp(log_decay)``, the factors below ``e**-FLUSH`` exactly zero when ``flush_decays`` is on."""
+    if FAST.flush_decays:
+        log_decay = log_decay.masked_fill(log_decay < -FLUSH, float("-inf"))
+    return log_decay.exp()
+
+
+def _heads_first(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """``[batch, seq, heads, ...]`` -> ``[batch, heads, padded, ...]`` fp32, zeros past ``seq`` (one copy)."""
+    out = x.new_zeros((x.shape[0], x.shape[2], padded, *x.shape[3:]), dtype=torch.float32)
+    out[:, :, : x.shape[1]].copy_(x.transpose(1, 2))
+    return out
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -58,52 +84,51 @@ def gated_delta_prefill(
         valid = length_mask(lengths, seq)
         g = g * valid[..., None]
         beta = beta * valid[..., None]
-    if heads_k != heads_v:
-        q = q.repeat_interleave(heads_v // heads_k, dim=2)
-        k = k.repeat_interleave(heads_v // heads_k, dim=2)
-    q, k, v, beta, g = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)
-    )
+    chunk_size = chunk_width(seq, chunk_size)
+    padded = -(-seq // chunk_size) * chunk_size
+    q, k, v, beta, g = (_heads_first(x, padded) for x in (q, k, v, beta, g))
     q = _l2norm(q)
     k = _l2norm(k)
     q = q * q.shape[-1] ** -0.5
-
-    chunk_size = chunk_width(seq, chunk_size)
-    pad = (chunk_size - seq % chunk_size) % chunk_size
-    if pad:  # a call of whole chunks (most: chunk_width makes a short one its own chunk) is not copied
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    if heads_k != heads_v:  # normalised per key head, then each serves its value heads
+        q = q.repeat_interleave(heads_v // heads_k, dim=1)
+        k = k.repeat_interleave(heads_v // heads_k, dim=1)
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (
-        x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)
-    )
-    g = g.reshape(g.shape[0], g.shape[1], -1, chunk_size)
-    num_chunks = g.shape[2]
 
+    # every (row, head, chunk) one matrix of a batch: [rows * heads * chunks, chunk, dim]
+    rows, chunks = batch * heads_v, padded // chunk_size
+    q, k, k_beta, v_beta = (x.view(rows * chunks, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    cum = g.view(rows * chunks, chunk_size).cumsum(dim=-1)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    cum = g.cumsum(dim=3)
-    pair_decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
-    intra = (q @ k.transpose(-1, -2)) * pair_decay
-    decay = cum.exp().unsqueeze(-1)
-    # one unit-triangular solve for both right-hand sides: the values and the decayed keys
-    rhs = torch.cat((v_beta, k_beta * decay), dim=-1)
-    solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
-    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
+    pair_decay = _decay((cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(upper, float("-inf")))
+    ut = torch.bmm(k_beta, k.transpose(1, 2)).mul_(pair_decay)
+    intra = torch.bmm(q, k.transpose(1, 2)).mul_(pair_decay)
+    # the reference's inverse of the intra-chunk system (one unit-triangular solve), then both its products
+    eye = torch.eye(chunk_size, dtype=ut.dtype, device=ut.device).expand_as(ut)
+    inverse = torch.linalg.solve_triangular(ut, eye, upper=False, unitriangular=True)
+    if FAST.flush_decays:  # it multiplies decays along chains: its entries can still come out denormal
+        inverse = inverse.masked_fill(inverse.abs() < math.exp(-FLUSH), 0.0)
+    decay = _decay(cum).unsqueeze(-1)
+    new_values = torch.bmm(inverse, v_beta).view(rows, chunks, chunk_size, dv)
+    k_cumdecay = torch.bmm(inverse, k_beta.mul_(decay)).view(rows, chunks, chunk_size, dk)
+    q = q.mul_(decay)
+    k = k.mul_(_decay(cum[:, -1:] - cum).unsqueeze(-1)).view(rows, chunks, chunk_size, dk).transpose(-1, -2)
+    chunk_decay = _decay(cum[:, -1]).view(rows, chunks, 1, 1)
 
-    s = state.to(new_values)
-    out = torch.zeros_like(new_values)
-    q = q * decay
-    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    for i in range(num_chunks):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
-        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
-        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-
-    out = out.reshape(batch, heads_v, -1, dv)[:, :, :seq]
-    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), s
+    # the recurrence over chunks carries the state alone (each chunk's state before it kept); the outputs, which
+    # only read those states, are then one batched product for every chunk at once
+    states = torch.empty(rows, chunks, dk, dv, dtype=torch.float32, device=q.device)
+    states[:, 0] = state.reshape(rows, dk, dv)
+    final = torch.empty(rows, dk, dv, dtype=torch.float32, device=q.device)
+    v_new = torch.empty(rows, chunks, chunk_size, dv, dtype=torch.float32, device=q.device)
+    for i in range(chunks):
+        torch.baddbmm(new_values[:, i], k_cumdecay[:, i], states[:, i], alpha=-1, out=v_new[:, i])
+        after = states[:, i + 1] if i + 1 < chunks else final
+        torch.mul(states[:, i], chunk_decay[:, i], out=after).baddbmm_(k[:, i], v_new[:, i])
+    out = torch.bmm(q, states.view(rows * chunks, dk, dv)).baddbmm_(intra, v_new.view(rows * chunks, chunk_size, dv))
+    out = out.view(batch, heads_v, padded, dv)[:, :, :seq]
+    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), final.view(batch, heads_v, dk, dv)
 
 
 def gated_delta_decode(
