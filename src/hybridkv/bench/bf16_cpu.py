@@ -3,9 +3,11 @@
 Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection,
 the logits and routed experts through oneDNN with the weights reordered once), recurrent states kept
 in place (GatedDeltaNet, KDA decodes; the step's state cells), bf16 RMS norms scaled in place, the C++
-kernels (the greedy choice) and paged decode attention (``ops.paged_decode``). The baseline is the same
-engine, the same weights and requests, with every one turned off (``fast_paths(False)``); ``bit-equal``
-has every one on but paged decode attention, the one that rounds differently; ``fast`` has every one on.
+kernels (the greedy choice), paged decode attention (``ops.paged_decode``), the fused RMS norm (+ residual add)
+and the fused gated activation (``ops.rms_norm``, ``ops.gated_act``). The baseline is the same engine, the same
+weights and requests, with every one turned off (``fast_paths(False)``); ``bit-equal`` has every one on but those
+that round differently (``fast_paths.ROUNDING``); ``unfused`` every one on but the fused norm and activation (their
+gain: ``fused_gain``, ``unfused`` over ``fast``); ``fast`` has every one on.
 Changes that are not switches (the rope's rotate-half as slices) are in all three.
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
@@ -34,7 +36,7 @@ import torch
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.fast_paths import FastPaths, fast_paths
+from hybridkv.engine.fast_paths import ROUNDING, FastPaths, fast_paths
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers
 
 WORKLOADS: dict[str, tuple[int, int, int]] = {
@@ -46,7 +48,8 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
 FAST_PATHS = ", ".join(f.name.replace("_", " ") for f in dataclasses.fields(FastPaths))
 CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[FastPaths]]] = {
     "baseline": lambda: fast_paths(False),  # the engine without its CPU fast paths
-    "bit-equal": lambda: fast_paths(True, paged_decode=False),  # those that compute the baseline's bits
+    "bit-equal": lambda: fast_paths(True, **dict.fromkeys(ROUNDING, False)),  # those that compute the baseline's bits
+    "unfused": lambda: fast_paths(True, fused_norms=False, fused_activations=False),
     "fast": lambda: fast_paths(True),
 }
 
@@ -113,4 +116,5 @@ def _workload(engine: Engine, workload: str, rounds: int) -> dict[str, Any]:
             "same": sum(a == b for a, b in zip(tokens[label], tokens["baseline"], strict=True)),
         }
     out["speedup"] = min(cpu["baseline"]) / min(cpu["fast"])
+    out["fused_gain"] = min(cpu["unfused"]) / min(cpu["fast"])
     return out

@@ -12,10 +12,15 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``native_kernels``: the C++ CPU kernels (``ops.native``; built once per machine, skipped where they cannot be),
   e.g. the greedy choice over the logits in one read (``ops.greedy``).
 - ``paged_decode``: bf16 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++ kernel)
-  instead of a gathered copy; equal within bf16 rounding, not bit-equal (the one switch here that changes numbers).
+  instead of a gathered copy; equal within bf16 rounding, not bit-equal.
+- ``fused_norms``: (within ``rms_norms``) a bf16 RMS norm on the CPU in one pass per row (``ops.rms_norm``, a
+  C++ kernel), the residual add after it fused in (Gemma 3's sandwich norms); its mean of squares is summed in
+  fp64: a few outputs in a million one bf16 step from the torch path's, at least as close to fp32's.
+- ``fused_activations``: a gated MLP's ``act(gate) * up`` in one pass (``ops.gated_act``, a C++ kernel; tanh GELU
+  and SiLU, bf16 and fp32): rounded once in bf16 (the torch path rounds twice), within a few ulp in fp32.
 
-Each computes the same numbers as the path it replaces (bit-equal where measured; ``paged_decode`` within bf16
-rounding); they change only the cost.
+Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
+numbers within the dtype's rounding of them; they change only the cost.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ class FastPaths:
     rms_norms: bool = True
     native_kernels: bool = True
     paged_decode: bool = True
+    fused_norms: bool = True
+    fused_activations: bool = True
 
+
+ROUNDING = ("paged_decode", "fused_norms", "fused_activations")
+"""The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 
 FAST = FastPaths()
 

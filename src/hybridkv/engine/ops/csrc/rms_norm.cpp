@@ -1,0 +1,88 @@
+// bf16 RMS norm in one pass over each row, with the residual add after it fused in (hybridkv.engine.ops.rms_norm).
+//
+// Row r of x (rows, D) -> bf16(x_r * inv_r * scale_b), inv_r = 1 / sqrt(mean(x_r^2) + eps), the mean of squares
+// summed in fp64 (so inv_r is the correctly rounded fp32 value, at least as close to it as torch's fp32 sum),
+// products in fp32 in torch's order ((x * inv) * scale), rounded to bf16 once (round to nearest even). scale is fp32
+// (blocks, D); row r takes block r % blocks (per-head scales of q/k norms over (T, heads, D)). With a residual
+// (rows, D) bf16: bf16(residual + that bf16 norm), what torch's bf16 add of the two gives, bit for bit.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &widened, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+void norm_row(const uint16_t* x, const float* scale, const uint16_t* residual, uint16_t* out, int64_t d, float eps) {
+  double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < d; ++i) {
+    const double v = bf16_to_float(x[i]);
+    squares += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(d)) + eps);
+  if (residual == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[i] = float_to_bf16(bf16_to_float(x[i]) * inv * scale[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+      const float normed = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * inv * scale[i]));
+      out[i] = float_to_bf16(bf16_to_float(residual[i]) + normed);
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1,
+              "rms_norm: a contiguous bf16 CPU x (..., D)");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && d > 0 && scale.numel() % d == 0 &&
+                  scale.numel() > 0,
+              "rms_norm: a contiguous fp32 scale of whole rows of D = ", d, " (got ", scale.numel(), " entries)");
+  const int64_t rows = x.numel() / d, blocks = scale.numel() / d;
+  TORCH_CHECK(rows % blocks == 0, "rms_norm: ", rows, " rows are not a multiple of the scale's ", blocks, " rows");
+  const uint16_t* res = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kBFloat16 &&
+                    residual->is_contiguous(),
+                "rms_norm: the residual must be a contiguous bf16 tensor of x's shape ", x.sizes(), ", got ",
+                residual->sizes());
+    res = static_cast<const uint16_t*>(residual->data_ptr());
+  }
+  auto out = at::empty_like(x);
+  const auto* src = static_cast<const uint16_t*>(x.data_ptr());
+  const float* sc = scale.data_ptr<float>();
+  auto* dst = static_cast<uint16_t*>(out.data_ptr());
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(src + r * d, sc + (r % blocks) * d, res == nullptr ? nullptr : res + r * d, dst + r * d, d, e);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
+  m.def("rms_norm(Tensor x, Tensor scale, float eps, Tensor? residual) -> Tensor", &rms_norm);
+}
