@@ -18,6 +18,8 @@ baseline in the same run (``hybridkv bench bf16``).
   fp64: a few outputs in a million one bf16 step from the torch path's, at least as close to fp32's.
 - ``fused_activations``: a gated MLP's ``act(gate) * up`` in one pass (``ops.gated_act``, a C++ kernel; tanh GELU
   and SiLU, bf16 and fp32): rounded once in bf16 (the torch path rounds twice), within a few ulp in fp32.
+- ``fused_rope``: bf16 attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++
+  kernel; no concatenated copy, the rotation on the unrounded norm): within bf16 rounding, closer to fp32's.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's rounding of them; they change only the cost.
@@ -40,9 +42,10 @@ class FastPaths:
     paged_decode: bool = True
     fused_norms: bool = True
     fused_activations: bool = True
+    fused_rope: bool = True
 
 
-ROUNDING = ("paged_decode", "fused_norms", "fused_activations")
+ROUNDING = ("paged_decode", "fused_norms", "fused_activations", "fused_rope")
 """The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 
 FAST = FastPaths()

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SOURCES = ("greedy.cpp", "paged_decode.cpp", "rms_norm.cpp", "gated_act.cpp")
+SOURCES = ("greedy.cpp", "paged_decode.cpp", "rms_norm.cpp", "gated_act.cpp", "qk_rope.cpp")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
 
 
