@@ -3,12 +3,13 @@
 Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear``: every projection,
 the logits and routed experts through oneDNN with the weights reordered once), recurrent states kept
 in place (GatedDeltaNet, KDA decodes; the step's state cells), bf16 RMS norms scaled in place, the C++
-kernels (the greedy choice), paged decode attention (``ops.paged_decode``), the fused RMS norm (+ residual add)
-and the fused gated activation (``ops.rms_norm``, ``ops.gated_act``). The baseline is the same engine, the same
-weights and requests, with every one turned off (``fast_paths(False)``); ``bit-equal`` has every one on but those
-that round differently (``fast_paths.ROUNDING``); ``unfused`` every one on but the fused norm and activation (their
-gain: ``fused_gain``, ``unfused`` over ``fast``); ``fast`` has every one on.
-Changes that are not switches (the rope's rotate-half as slices) are in all three.
+kernels (the greedy choice), paged decode attention (``ops.paged_decode``), the fused RMS norm (+ residual
+add), the fused gated activation and the fused q/k norm and rotation (``ops.rms_norm``, ``ops.gated_act``,
+``ops.qk_rope``). The baseline is the same engine, the same weights and requests, with every one turned off
+(``fast_paths(False)``); ``bit-equal`` has every one on but those that round differently
+(``fast_paths.ROUNDING``); ``unfused`` every one on but the fused kernels (``FUSED``; their gain:
+``fused_gain``, ``unfused`` over ``fast``); ``fast`` has every one on. Changes that are not switches (the
+rope's rotate-half as slices) are in all four.
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
 (greedy, EOS does not stop): ``prefill-heavy`` 16 prompts of 200 tokens, 32 new each; ``decode-heavy``
@@ -45,11 +46,13 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
 }
 
 
+FUSED = ("fused_norms", "fused_activations", "fused_rope")
+"""The fused kernels (norm + residual add, gated activation, q/k norm + rotation): off in ``unfused``."""
 FAST_PATHS = ", ".join(f.name.replace("_", " ") for f in dataclasses.fields(FastPaths))
 CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[FastPaths]]] = {
     "baseline": lambda: fast_paths(False),  # the engine without its CPU fast paths
     "bit-equal": lambda: fast_paths(True, **dict.fromkeys(ROUNDING, False)),  # those that compute the baseline's bits
-    "unfused": lambda: fast_paths(True, fused_norms=False, fused_activations=False),
+    "unfused": lambda: fast_paths(True, **dict.fromkeys(FUSED, False)),
     "fast": lambda: fast_paths(True),
 }
 
