@@ -13,13 +13,14 @@ baseline in the same run (``hybridkv bench bf16``).
   e.g. the greedy choice over the logits in one read (``ops.greedy``).
 - ``paged_decode``: bf16 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++ kernel)
   instead of a gathered copy; equal within bf16 rounding, not bit-equal.
-- ``fused_norms``: (within ``rms_norms``) a bf16 RMS norm on the CPU in one pass per row (``ops.rms_norm``, a
-  C++ kernel), the residual add after it fused in (Gemma 3's sandwich norms); its mean of squares is summed in
-  fp64: a few outputs in a million one bf16 step from the torch path's, at least as close to fp32's.
+- ``fused_norms``: a bf16 or fp32 RMS norm on the CPU in one pass per row (``ops.rms_norm``, a C++ kernel), the
+  residual add after it fused in (Gemma 3's sandwich norms); its mean of squares is summed in fp64: a few bf16
+  outputs in a million one step from the torch path's, at least as close to fp32's; fp32 within an ulp or two.
 - ``fused_activations``: a gated MLP's ``act(gate) * up`` in one pass (``ops.gated_act``, a C++ kernel; tanh GELU
   and SiLU, bf16 and fp32): rounded once in bf16 (the torch path rounds twice), within a few ulp in fp32.
-- ``fused_rope``: bf16 attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++
-  kernel; no concatenated copy, the rotation on the unrounded norm): within bf16 rounding, closer to fp32's.
+- ``fused_rope``: attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++ kernel,
+  bf16 or fp32; no concatenated copy, the rotation on the unrounded norm): within the dtype's rounding, closer to
+  the exact values in bf16.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's rounding of them; they change only the cost.

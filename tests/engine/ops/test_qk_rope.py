@@ -60,9 +60,28 @@ def test_the_kernel_is_the_torch_path_within_bf16_and_closer_to_fp64(kind: str, 
         assert torch.equal(got[..., rope.rotary :], qk[..., rope.rotary :])
 
 
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_fp32_is_the_torch_path_within_a_few_ulp(kind: str) -> None:
+    if native() is None:
+        pytest.skip("no C++ compiler here: the torch path serves")
+    g = torch.Generator().manual_seed(7)
+    t, heads, kv, d = 21, 4, 2, 64
+    rope = Rope(ROPES[kind][0], d, 512)(torch.randint(0, 500, (t,), generator=g))
+    q, k = torch.randn(t, heads, d, generator=g) * 3, torch.randn(t, kv, d, generator=g) * 3
+    scale = 1.0 + torch.randn(heads + kv, d, generator=g) * 0.1
+    assert fuses_qk_rope(q, k) and rope.cos is not None and rope.sin is not None and rope.rotary is not None
+    got = qk_rope(q, k, scale, 1e-6, rope.cos, rope.sin, rope.rotary)
+    qk = torch.cat((q, k), dim=1)
+    torch_path = apply_rope(torch.nn.functional.rms_norm(qk, (d,), None, 1e-6) * scale, rope)
+    _, terms = _exact(qk, scale, rope)
+    assert got.dtype == torch.float32
+    assert bool(((got.double() - torch_path.double()).abs() <= 4 * torch.finfo(torch.float32).eps * terms).all())
+
+
 def test_the_torch_path_serves_where_the_kernel_does_not_apply() -> None:
     q, k = torch.randn(3, 4, 16, dtype=torch.bfloat16), torch.randn(3, 2, 16, dtype=torch.bfloat16)
-    assert not fuses_qk_rope(q.float(), k.float())  # fp32: the reference path, token-exact against transformers
+    assert not fuses_qk_rope(q.float(), k)  # one dtype for both
+    assert not fuses_qk_rope(q.half(), k.half())
     assert not fuses_qk_rope(q.transpose(1, 2), k)
     with fast_paths(fused_rope=False):
         assert not fuses_qk_rope(q, k)

@@ -19,6 +19,7 @@ def _kernels() -> None:
 
 
 def _fp32_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """The norm in fp64, rounded to fp32."""
     h = x.double()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * scale.double().view(-1, x.shape[-1])).float()
 
@@ -50,6 +51,19 @@ def test_the_kernel_is_the_torch_path_within_bf16_and_at_least_as_close_to_fp32(
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
+def test_fp32_is_torchs_norm_within_two_ulp() -> None:
+    _kernels()
+    g = torch.Generator().manual_seed(3)
+    x, scale = torch.randn(200, 512, generator=g) * 3, 1.0 + torch.randn(512, generator=g) * 0.1
+    assert fuses_norm(x, scale)
+    got = rms_norm_fused(x, scale, 1e-6)
+    want = torch.nn.functional.rms_norm(x, (512,), scale, 1e-6)
+    assert got.dtype == torch.float32
+    assert float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()) <= 2.5 * torch.finfo(torch.float32).eps
+    exact = _fp32_norm(x, scale, 1e-6).double()  # (in fp64 here)
+    assert float((got.double() - exact).abs().mean()) <= float((want.double() - exact).abs().mean()) * 1.05
+
+
 def test_the_residual_add_is_torchs_bf16_add_of_the_rounded_norm() -> None:
     _kernels()
     g = torch.Generator().manual_seed(1)
@@ -64,7 +78,7 @@ def test_the_residual_add_is_torchs_bf16_add_of_the_rounded_norm() -> None:
     assert torch.equal(norm(x, residual=residual), residual + norm(x))
     with fast_paths(fused_norms=False):  # the torch path: the same add, after its own norm
         assert torch.equal(norm(x, residual=residual), residual + norm(x))
-    x32, r32 = x.float(), residual.float()  # fp32 keeps torch's norm; the residual is added after it
+    x32, r32 = x.float(), residual.float()  # fp32: the same add after the kernel's fp32 norm
     assert torch.equal(norm(x32, residual=r32), r32 + norm(x32))
 
 
@@ -82,7 +96,6 @@ def test_per_head_scales_take_each_rows_block() -> None:  # q/k norms: (T, heads
 def test_the_torch_path_serves_where_the_kernel_does_not_apply() -> None:
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     scale = torch.ones(32)
-    assert not fuses_norm(x.float(), scale)  # fp32: torch's rms_norm
     assert not fuses_norm(x.half(), scale)
     assert not fuses_norm(x, None)
     assert not fuses_norm(x, scale.double())

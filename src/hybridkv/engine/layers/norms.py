@@ -12,6 +12,10 @@ one's page faults cost about what its arithmetic does; 2048 x 512: ~3.8 -> ~3.1 
 q/k norms: ~6.7 -> ~4.4 ms; 200 x 512: 78 -> 66 µs). A form with one reduction (``vector_norm``, about 4x
 cheaper at 2048 rows) did not go in: its mean square differs in the last fp32 bit, enough to move a few
 outputs in a million one bf16 step, and greedy tokens of the tiny random models then drift apart.
+
+Ahead of both, ``fast_paths.fused_norms`` (a bf16 or fp32 CPU input, the C++ kernels built): ``ops.rms_norm``'s one
+pass per row, the residual add after the norm (``RMSNorm(x, residual=...)``) fused in; its numbers and bounds are
+that module's.
 """
 
 from __future__ import annotations
@@ -82,8 +86,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of ``x``; with ``residual``, ``residual + norm(x)`` (the add in ``x``'s dtype: one fused pass
-        on the bf16 CPU path)."""
+        where ``ops.rms_norm.fuses_norm`` holds)."""
         scale = self.scale()
+        if fuses_norm(x, scale, residual):
+            return rms_norm_fused(x, scale, self.eps, residual)
         if rounds_norm(x):
             return rms_norm_rounded(x, scale, self.eps, residual)
         if x.dtype == torch.float32:  # the common case: no casts to dispatch

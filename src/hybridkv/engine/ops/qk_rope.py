@@ -1,13 +1,14 @@
-"""Queries' and keys' RMS norms and rotary embedding in one pass (``csrc/qk_rope.cpp``) for bf16 attention.
+"""Queries' and keys' RMS norms and rotary embedding in one pass (``csrc/qk_rope.cpp``) for attention, bf16 or fp32.
 
-When (``fuses_qk_rope``): bf16 CPU queries and keys, a rotation (not NoPE), the C++ kernels built,
-``fast_paths(fused_rope=...)`` on, not inside a graph being traced. It replaces the queries' and keys'
-concatenation, their norm (``norms.rms_norm_rounded`` over both) and ``rope.apply_rope``'s rotate-half copy, two
-products and casts: one read of q and k, one write of the rotated ``(T, H + KV, D)``.
+When (``fuses_qk_rope``): bf16 or fp32 CPU queries and keys (one dtype), a rotation (not NoPE), the C++ kernels
+built, ``fast_paths(fused_rope=...)`` on, not inside a graph being traced. It replaces the queries' and keys'
+concatenation, their norm (``norms.rms_norm_rounded`` or torch's ``rms_norm`` over both) and ``rope.apply_rope``'s
+rotate-half copy, two products and casts: one read of q and k, one write of the rotated ``(T, H + KV, D)``.
 
 Numerics: the norm as ``ops.rms_norm`` computes it (its mean of squares in fp64), then the rotation in fp32 on the
-unrounded norm, rounded to bf16 once, where the torch path rounds the norm, then ``x * cos``, then the sum: within
-bf16 rounding of it, and closer to the fp32 norm-and-rotation.
+unrounded norm. bf16: rounded once, where the torch path rounds the norm, ``cos``, ``sin``, ``x * cos``, then the
+sum: within a few bf16 steps of it (relative to the rotation's terms), and closer to the fp32 norm-and-rotation.
+fp32: within a few ulp of the terms (the engine's fp32 tests stay token-exact against ``transformers``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def fuses_qk_rope(q: torch.Tensor, k: torch.Tensor) -> bool:
     return (
         FAST.fused_rope
         and FAST.native_kernels
-        and q.dtype == torch.bfloat16
-        and k.dtype == torch.bfloat16
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and k.dtype == q.dtype
         and q.device.type == "cpu"
         and k.device.type == "cpu"
         and q.dim() == 3
@@ -46,9 +47,10 @@ def qk_rope(
     sin: torch.Tensor,
     rotary: int,
 ) -> torch.Tensor:
-    """``(T, H + KV, D)`` bf16: the queries ``q`` ``(T, H, D)`` then the keys ``k`` ``(T, KV, D)``, each head RMS-normed
-    with its row of ``scale`` ``(H + KV, D)`` fp32 (none: not normed), then rotated by a ``rope.RopeTables``'
-    ``cos``, ``sin`` (fp32 ``(T, 1, D)``) over its first ``rotary`` dims; ``fuses_qk_rope`` must hold."""
+    """``(T, H + KV, D)`` of ``q``'s dtype: the queries ``q`` ``(T, H, D)`` then the keys ``k`` ``(T, KV, D)``, each
+    head RMS-normed with its row of ``scale`` ``(H + KV, D)`` fp32 (none: not normed), then rotated by a
+    ``rope.RopeTables``' ``cos``, ``sin`` (fp32 ``(T, 1, D)``) over its first ``rotary`` dims; ``fuses_qk_rope``
+    must hold."""
     kernels = native()
     assert kernels is not None, "fuses_qk_rope said the kernels are built"
     out: torch.Tensor = kernels.qk_rope(q, k, scale, eps, cos.contiguous(), sin.contiguous(), rotary)

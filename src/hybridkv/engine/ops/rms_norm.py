@@ -1,13 +1,15 @@
-"""A bf16 RMS norm in one pass per row (``csrc/rms_norm.cpp``), the residual add after it fused in.
+"""An RMS norm (bf16 or fp32) in one pass per row (``csrc/rms_norm.cpp``), the residual add after it fused in.
 
-When (``fuses_norm``): a contiguous-able bf16 CPU input with an fp32 scale, the C++ kernels built,
+When (``fuses_norm``): a bf16 or fp32 CPU input with an fp32 scale, the C++ kernels built,
 ``fast_paths(fused_norms=...)`` on, not inside a graph being traced. It replaces ``norms.rms_norm_rounded``'s five
-ops and their fp32 temporaries (and, with a residual, the bf16 add after it: ``residual + norm(x)``).
+ops and their fp32 temporaries in bf16, torch's ``rms_norm`` composite in fp32 (and, with a residual, the add after
+it: ``residual + norm(x)``).
 
 Numerics: the same ops as torch's composite in its order, except the mean of squares, summed in fp64 (the
-correctly rounded fp32 mean, where torch's fp32 sum can be off in its last bit): outputs equal the torch path's
-but for a few in a million one bf16 step apart, each at least as close to the fp32 norm. The residual add is
-torch's bf16 add of the rounded norm, bit for bit.
+correctly rounded fp32 mean, where torch's fp32 sum can be off in its last bit): bf16 outputs equal the torch
+path's but for a few in a million one bf16 step apart, each at least as close to the fp32 norm; fp32 outputs within
+an ulp or two of it (the engine's fp32 tests stay token-exact against ``transformers``). The residual add is
+torch's add of the rounded norm, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def fuses_norm(x: torch.Tensor, scale: torch.Tensor | None, residual: torch.Tens
     return (
         FAST.fused_norms
         and FAST.native_kernels
-        and x.dtype == torch.bfloat16
+        and x.dtype in (torch.bfloat16, torch.float32)
         and x.device.type == "cpu"
         and scale is not None
         and scale.dtype == torch.float32
@@ -41,8 +43,8 @@ def fuses_norm(x: torch.Tensor, scale: torch.Tensor | None, residual: torch.Tens
 def rms_norm_fused(
     x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``bf16(x / rms(x) * scale)`` over ``x``'s last dim (``scale`` ``(blocks, D)``: row ``r`` takes block
-    ``r % blocks``), plus ``residual`` in bf16 when given; ``fuses_norm`` must hold."""
+    """``x / rms(x) * scale`` over ``x``'s last dim (``scale`` ``(blocks, D)``: row ``r`` takes block ``r %
+    blocks``) in ``x``'s dtype, plus ``residual`` when given; ``fuses_norm`` must hold."""
     kernels = native()
     assert kernels is not None, "fuses_norm said the kernels are built"
     out: torch.Tensor = kernels.rms_norm(
