@@ -1,4 +1,5 @@
-"""The engine's C++ CPU kernels (``csrc/*.cpp``), compiled once per machine with ``torch.utils.cpp_extension``.
+"""The engine's C++ CPU kernels (``csrc/*.cpp``, compiled as one unit: ``csrc/kernels.cpp`` includes them), built
+once per machine with ``torch.utils.cpp_extension``.
 
 ``native()`` is their operator namespace, ``torch.ops.hybridkv``, or None where they cannot be built (no C++
 compiler or ninja, a failed build: said once on stderr). Each file registers its kernels with
@@ -25,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SOURCES = ("greedy.cpp", "paged_decode.cpp", "rms_norm.cpp", "gated_act.cpp", "qk_rope.cpp")
+SOURCES = ("kernels.cpp",)
+"""What is compiled: one translation unit that includes every kernel's file (ATen's headers parsed once)."""
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
 
 
@@ -51,8 +53,8 @@ def native() -> Any | None:
     here = Path(__file__).parent / "csrc"
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
     version = hashlib.sha1(" ".join(FLAGS).encode())
-    for source in SOURCES:
-        version.update((here / source).read_bytes())
+    for source in sorted(here.iterdir()):  # every file the unit includes
+        version.update(source.name.encode() + source.read_bytes())
     try:
         cpp_extension.load(
             name=f"hybridkv_cpu_kernels_{cpu}_{version.hexdigest()[:8]}",

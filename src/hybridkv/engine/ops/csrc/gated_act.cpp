@@ -20,39 +20,11 @@
 #include <cstring>
 #include <string>
 
-namespace {
+#include "numerics.h"
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
+namespace hybridkv_gated_act {
 
-inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-}
-
-inline float exp_approx(float x) {  // Cephes expf: exp(x) = 2^n exp(r), |r| <= ln2 / 2; clamped to fp32's range
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = std::fma(n, -0.693359375f, x);
-  r = std::fma(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float y = std::fma(p, r * r, r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
+using namespace hybridkv_cpu;
 
 inline float gelu_tanh(float g) {
   const float z = 1.5957691216057308f * std::fma(0.044715f * g, g * g, g);  // 2 sqrt(2 / pi) (g + 0.044715 g^3)
@@ -108,8 +80,8 @@ at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, c10::string_v
   return out;
 }
 
-}  // namespace
+}  // namespace hybridkv_gated_act
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
-  m.def("gated_act(Tensor gate, Tensor up, str act) -> Tensor", &gated_act);
+  m.def("gated_act(Tensor gate, Tensor up, str act) -> Tensor", &hybridkv_gated_act::gated_act);
 }

@@ -26,32 +26,11 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+#include "numerics.h"
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
+namespace hybridkv_paged_decode {
 
-inline float exp_approx(float x) {  // Cephes expf: exp(x) = 2^n exp(r), |r| <= ln2 / 2; clamped to fp32's range
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = std::fma(n, -0.693359375f, x);
-  r = std::fma(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float y = std::fma(p, r * r, r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
+using namespace hybridkv_cpu;
 
 // q . k over d bf16 entries, in fp32
 inline float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t d) {
@@ -144,8 +123,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_s
   return out;
 }
 
-}  // namespace
+}  // namespace hybridkv_paged_decode
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
-  m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &paged_decode);
+  m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &hybridkv_paged_decode::paged_decode);
 }

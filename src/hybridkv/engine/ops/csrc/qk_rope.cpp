@@ -19,26 +19,12 @@
 #include <optional>
 #include <vector>
 
-namespace {
+#include "numerics.h"
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
+namespace hybridkv_qk_rope {
 
-inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-}
+using namespace hybridkv_cpu;
 
-inline float load(uint16_t v) { return bf16_to_float(v); }
-inline float load(float v) { return v; }
-inline void store(uint16_t* out, float v) { *out = float_to_bf16(v); }
-inline void store(float* out, float v) { *out = v; }
 
 template <typename T>
 void head(const T* x, const float* scale, float eps, const float* cos, const float* sin, int64_t d, int64_t rotary,
@@ -121,9 +107,9 @@ at::Tensor qk_rope(const at::Tensor& q, const at::Tensor& k, const std::optional
   return out;
 }
 
-}  // namespace
+}  // namespace hybridkv_qk_rope
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("qk_rope(Tensor q, Tensor k, Tensor? scale, float eps, Tensor cos, Tensor sin, int rotary) -> Tensor",
-        &qk_rope);
+        &hybridkv_qk_rope::qk_rope);
 }

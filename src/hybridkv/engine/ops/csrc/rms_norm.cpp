@@ -18,26 +18,12 @@
 #include <cstring>
 #include <optional>
 
-namespace {
+#include "numerics.h"
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
+namespace hybridkv_rms_norm {
 
-inline uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-}
+using namespace hybridkv_cpu;
 
-inline float load(uint16_t v) { return bf16_to_float(v); }
-inline float load(float v) { return v; }
-inline void store(uint16_t* out, float v) { *out = float_to_bf16(v); }
-inline void store(float* out, float v) { *out = v; }
 
 template <typename T>
 void norm_row(const T* x, const float* scale, const T* residual, T* out, int64_t d, float eps) {
@@ -98,8 +84,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps, co
   return out;
 }
 
-}  // namespace
+}  // namespace hybridkv_rms_norm
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
-  m.def("rms_norm(Tensor x, Tensor scale, float eps, Tensor? residual) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor scale, float eps, Tensor? residual) -> Tensor", &hybridkv_rms_norm::rms_norm);
 }
