@@ -28,7 +28,10 @@ from typing import Any
 
 SOURCES = ("kernels.cpp",)
 """What is compiled: one translation unit that includes every kernel's file (ATen's headers parsed once)."""
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-trapping-math"]
+"""``-fno-trapping-math``: the exp's rounding and float -> int conversion vectorise (no value changes: floating-point
+exceptions are only not assumed to trap). A flag, not a per-file ``#pragma GCC optimize``: GCC does not inline a
+function into one of other optimisation options, so the shared helpers would stay calls and their loops scalar."""
 
 
 def _cpu_model() -> str:

@@ -5,10 +5,6 @@
 // gate-up projection). In fp32: gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) (= 0.5 g (1 + tanh(.))),
 // silu(g) = g * sigmoid(g), sigmoid(v) = 1 / (1 + exp(-v)) with a vectorised exp (Cephes' polynomial, ~1 ulp);
 // times up in fp32, rounded to the output dtype once (bf16: round to nearest even).
-//
-// Built without trapping math (the pragma below) so the exp's rounding and float -> int conversion vectorise: no
-// value changes, only that floating-point exceptions are not assumed to trap.
-#pragma GCC optimize("no-trapping-math")
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -22,16 +18,17 @@
 
 #include "numerics.h"
 
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_gated_act {
 
 using namespace hybridkv_cpu;
 
-inline float gelu_tanh(float g) {
+HYBRIDKV_INLINE float gelu_tanh(float g) {
   const float z = 1.5957691216057308f * std::fma(0.044715f * g, g * g, g);  // 2 sqrt(2 / pi) (g + 0.044715 g^3)
   return g / (1.0f + exp_approx(-z));
 }
 
-inline float silu(float g) { return g / (1.0f + exp_approx(-g)); }
+HYBRIDKV_INLINE float silu(float g) { return g / (1.0f + exp_approx(-g)); }
 
 template <bool Gelu>
 void row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
@@ -81,6 +78,7 @@ at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, c10::string_v
 }
 
 }  // namespace hybridkv_gated_act
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("gated_act(Tensor gate, Tensor up, str act) -> Tensor", &hybridkv_gated_act::gated_act);

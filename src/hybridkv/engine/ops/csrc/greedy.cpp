@@ -19,6 +19,7 @@
 
 #include "numerics.h"
 
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_greedy {
 
 using namespace hybridkv_cpu;
@@ -89,6 +90,7 @@ at::Tensor greedy(const at::Tensor& logits) {
 }
 
 }  // namespace hybridkv_greedy
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("greedy(Tensor logits) -> Tensor", &hybridkv_greedy::greedy);

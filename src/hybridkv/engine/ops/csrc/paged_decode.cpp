@@ -6,10 +6,6 @@
 // Scores q . k (bf16 products summed in fp32: VDPBF16PS pairs where the CPU has AVX512-BF16), times scale, softmax
 // in fp32 (a vectorised exp, Cephes' polynomial, ~1 ulp), the weighted sum of values in fp32, rounded to bf16 once
 // at the end.
-//
-// Built without trapping math (the pragma below) so the exp's rounding and float -> int conversion vectorise: no
-// value changes, only that floating-point exceptions are not assumed to trap.
-#pragma GCC optimize("no-trapping-math")
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -28,6 +24,7 @@
 
 #include "numerics.h"
 
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_paged_decode {
 
 using namespace hybridkv_cpu;
@@ -124,6 +121,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_s
 }
 
 }  // namespace hybridkv_paged_decode
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &hybridkv_paged_decode::paged_decode);

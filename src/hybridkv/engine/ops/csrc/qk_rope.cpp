@@ -21,6 +21,7 @@
 
 #include "numerics.h"
 
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_qk_rope {
 
 using namespace hybridkv_cpu;
@@ -108,6 +109,7 @@ at::Tensor qk_rope(const at::Tensor& q, const at::Tensor& k, const std::optional
 }
 
 }  // namespace hybridkv_qk_rope
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("qk_rope(Tensor q, Tensor k, Tensor? scale, float eps, Tensor cos, Tensor sin, int rotary) -> Tensor",

@@ -20,6 +20,7 @@
 
 #include "numerics.h"
 
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_rms_norm {
 
 using namespace hybridkv_cpu;
@@ -85,6 +86,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps, co
 }
 
 }  // namespace hybridkv_rms_norm
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("rms_norm(Tensor x, Tensor scale, float eps, Tensor? residual) -> Tensor", &hybridkv_rms_norm::rms_norm);
