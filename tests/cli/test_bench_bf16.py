@@ -17,11 +17,12 @@ def test_bench_bf16_reports_both_contenders_token_for_token() -> None:
     report = json.loads(result.output)
     (row,) = report["rows"]
     assert (row["model"], row["workload"], row["requests"]) == ("tiny-gemma3", "decode-heavy", 32)
-    for contender in ("baseline", "bit-equal", "fast"):
-        c = row["contenders"][contender]
+    assert list(row["contenders"]) == ["baseline", "bit-equal", "unfused", "fast"]
+    for contender, c in row["contenders"].items():
         assert c["cpu_s"] > 0 and c["tokens_per_cpu_s"] > 0 and len(c["cpu_rounds"]) == 1
-        assert c["same"] == 32 or contender == "fast"  # paged decode attention rounds within bf16, not bit for bit
-    assert row["speedup"] > 0
+        # paged decode attention and the fused kernels round within bf16, not bit for bit
+        assert c["same"] == 32 or contender in ("unfused", "fast")
+    assert row["speedup"] > 0 and row["fused_gain"] > 0
 
 
 def test_bench_bf16_refuses_an_unknown_workload() -> None:

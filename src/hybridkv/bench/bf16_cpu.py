@@ -4,11 +4,13 @@ Fast paths (``engine.fast_paths``): packed bf16 linears (``engine.layers.linear`
 the logits and routed experts through oneDNN with the weights reordered once), recurrent states kept
 in place (GatedDeltaNet, KDA decodes; the step's state cells), bf16 RMS norms scaled in place, the C++
 kernels (the greedy choice), paged decode attention (``ops.paged_decode``), flushed GatedDeltaNet decays
-(``ops.gated_delta``), fp32 conv taps (``ops.conv``) and dense experts of few tokens (``layers.dense_moe``). The
-baseline is the same engine, the same weights and requests, with every one turned off (``fast_paths(False)``);
-``bit-equal`` has every one on but paged decode attention, flushed decays, fp32 conv taps and dense experts, the four
-that round differently; ``fast`` has every one on.
-Changes that are not switches (the rope's rotate-half as slices) are in all three.
+(``ops.gated_delta``), fp32 conv taps (``ops.conv``), dense experts of few tokens (``layers.dense_moe``), the
+fused RMS norm (+ residual add), the fused gated activation and the fused q/k norm and rotation
+(``ops.rms_norm``, ``ops.gated_act``, ``ops.qk_rope``). The baseline is the same engine, the same weights and
+requests, with every one turned off (``fast_paths(False)``); ``bit-equal`` has every one on but those that round
+differently (``fast_paths.ROUNDING``); ``unfused`` every one on but the fused kernels (``FUSED``; their gain:
+``fused_gain``, ``unfused`` over ``fast``); ``fast`` has every one on. Changes that are not switches (the
+rope's rotate-half as slices) are in all four.
 
 Workloads (``WORKLOADS``), random prompts (seeded), every request generating exactly its new tokens
 (greedy, EOS does not stop): ``prefill-heavy`` 16 prompts of 200 tokens, 32 new each; ``decode-heavy``
@@ -36,7 +38,7 @@ import torch
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
-from hybridkv.engine.fast_paths import FastPaths, fast_paths
+from hybridkv.engine.fast_paths import ROUNDING, FastPaths, fast_paths
 from hybridkv.engine.random_models import VOCAB, build_random, quiet_transformers
 
 WORKLOADS: dict[str, tuple[int, int, int]] = {
@@ -45,12 +47,13 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
 }
 
 
+FUSED = ("fused_norms", "fused_activations", "fused_rope")
+"""The fused kernels (norm + residual add, gated activation, q/k norm + rotation): off in ``unfused``."""
 FAST_PATHS = ", ".join(f.name.replace("_", " ") for f in dataclasses.fields(FastPaths))
 CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager[FastPaths]]] = {
     "baseline": lambda: fast_paths(False),  # the engine without its CPU fast paths
-    "bit-equal": lambda: fast_paths(  # those that compute the baseline's bits
-        True, paged_decode=False, flush_decays=False, fp32_conv=False, dense_experts=False
-    ),
+    "bit-equal": lambda: fast_paths(True, **dict.fromkeys(ROUNDING, False)),  # those that compute the baseline's bits
+    "unfused": lambda: fast_paths(True, **dict.fromkeys(FUSED, False)),
     "fast": lambda: fast_paths(True),
 }
 
@@ -117,4 +120,5 @@ def _workload(engine: Engine, workload: str, rounds: int) -> dict[str, Any]:
             "same": sum(a == b for a, b in zip(tokens[label], tokens["baseline"], strict=True)),
         }
     out["speedup"] = min(cpu["baseline"]) / min(cpu["fast"])
+    out["fused_gain"] = min(cpu["unfused"]) / min(cpu["fast"])
     return out

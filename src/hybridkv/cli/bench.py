@@ -429,7 +429,7 @@ def bench_bf16(
                 f"{c['cpu_s']:.3f}",
                 f"{c['tokens_per_cpu_s']:,.0f}",
                 f"{c['cpu_us_per_token']:,.0f}",
-                f"{row['speedup']:.2f}x" if label == "fast" else "",
+                f"{row['speedup']:.2f}x ({row['fused_gain']:.2f}x unfused)" if label == "fast" else "",
                 f"{c['same']}/{row['requests']}",
             )
     Console(width=max(Console().width, 140)).print(table)

@@ -12,7 +12,7 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``native_kernels``: the C++ CPU kernels (``ops.native``; built once per machine, skipped where they cannot be),
   e.g. the greedy choice over the logits in one read (``ops.greedy``).
 - ``paged_decode``: bf16 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++ kernel)
-  instead of a gathered copy; equal within bf16 rounding, not bit-equal (the one switch here that changes numbers).
+  instead of a gathered copy; equal within bf16 rounding, not bit-equal.
 - ``flush_decays``: the chunked gated delta rule (``ops.gated_delta``) sets its decay factors below ``e**-30`` to
   exactly zero instead of letting them (and their products) become denormal floats, which the CPU multiplies about
   ten times slower (widened Qwen3-Next bf16 prefill: its fp32 chunk matmuls 371 -> 66 ms of a 1.5 s step); the
@@ -23,10 +23,17 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``dense_experts``: Qwen3-Next's routed experts of a few tokens (a decode step) run densely, every expert on every
   token in two packed matmuls that also sum the experts (``layers.dense_moe``), instead of two oneDNN calls per
   chosen expert; within bf16 rounding (the sum rounded once), not bit-equal.
+- ``fused_norms``: a bf16 or fp32 RMS norm on the CPU in one pass per row (``ops.rms_norm``, a C++ kernel), the
+  residual add after it fused in (Gemma 3's sandwich norms); its mean of squares is summed in fp64: a few bf16
+  outputs in a million one step from the torch path's, at least as close to fp32's; fp32 within an ulp or two.
+- ``fused_activations``: a gated MLP's ``act(gate) * up`` in one pass (``ops.gated_act``, a C++ kernel; tanh GELU
+  and SiLU, bf16 and fp32): rounded once in bf16 (the torch path rounds twice), within a few ulp in fp32.
+- ``fused_rope``: attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++ kernel,
+  bf16 or fp32; no concatenated copy, the rotation on the unrounded norm): within the dtype's rounding, closer to
+  the exact values in bf16.
 
-Each computes the same numbers as the path it replaces (bit-equal where measured; ``paged_decode`` within bf16
-rounding, ``flush_decays`` within fp32 rounding, ``fp32_conv`` and ``dense_experts`` rounding once where the other
-rounds per term); they change only the cost.
+Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
+numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
 """
 
 from __future__ import annotations
@@ -47,7 +54,21 @@ class FastPaths:
     flush_decays: bool = True
     fp32_conv: bool = True
     dense_experts: bool = True
+    fused_norms: bool = True
+    fused_activations: bool = True
+    fused_rope: bool = True
 
+
+ROUNDING = (
+    "paged_decode",
+    "flush_decays",
+    "fp32_conv",
+    "dense_experts",
+    "fused_norms",
+    "fused_activations",
+    "fused_rope",
+)
+"""The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 
 FAST = FastPaths()
 

@@ -35,6 +35,7 @@ from hybridkv.engine.layers.norms import RMSNorm, derived, rms_norm_rounded, rou
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.ops.paged_decode import paged_decode
+from hybridkv.engine.ops.qk_rope import fuses_qk_rope, qk_rope
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
 
@@ -88,11 +89,9 @@ class PagedAttention(nn.Module):
         if self.output_gate:
             q, gate = q.view(t, self.heads, 2 * d).chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
-        qk = torch.cat((q.reshape(t, self.heads, d), self.k_proj(x).view(t, self.kv_heads, d)), dim=1)
+        q, k = q.view(t, self.heads, d), self.k_proj(x).view(t, self.kv_heads, d)
         v = self.v_proj(x).view(t, self.kv_heads, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = self._qk_norm(qk, self.q_norm, self.k_norm)
-        qk = apply_rope(qk, rope)  # queries and keys rotate alike: one rotation for both
+        qk = self._qk_rope(q, k, rope)
         q, k = qk[:, : self.heads], qk[:, self.heads :]
 
         io = ctx.token_io(self.layer_id)
@@ -108,18 +107,36 @@ class PagedAttention(nn.Module):
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def _qk_norm(self, qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
-        """Queries' and keys' RMS norms over ``(T, heads + kv_heads, D)`` in one normalisation, each head scaled by
-        its own norm's factor (what ``q_norm(q)`` and ``k_norm(k)`` compute, without the second norm's ops)."""
-        scale = derived(
+    def _qk_rope(self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        """Queries ``(T, heads, D)`` and keys ``(T, kv_heads, D)`` side by side, normed (q/k norms) and rotated: one
+        kernel where ``ops.qk_rope.fuses_qk_rope`` holds, else one concatenation, one norm and one rotation for
+        both."""
+        scale = (
+            self._head_scales(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        )
+        if rope.rotary is not None and rope.cos is not None and rope.sin is not None and fuses_qk_rope(q, k):
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            return qk_rope(q, k, scale, eps, rope.cos, rope.sin, rope.rotary)
+        qk = torch.cat((q, k), dim=1)
+        if self.q_norm is not None and scale is not None:
+            qk = self._qk_norm(qk, scale, self.q_norm.eps)
+        return apply_rope(qk, rope)  # queries and keys rotate alike: one rotation for both
+
+    def _head_scales(self, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
+        """Each head's norm factor ``(heads + kv_heads, D)``: the query norm's, then the key norm's."""
+        return derived(
             self,
             "_qk_scale",
             (q_norm.weight, k_norm.weight),
             lambda _q, _k: torch.cat((q_norm.scale().expand(self.heads, -1), k_norm.scale().expand(self.kv_heads, -1))),
         )
+
+    def _qk_norm(self, qk: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        """Queries' and keys' RMS norms over ``(T, heads + kv_heads, D)`` in one normalisation, each head scaled by
+        its own norm's factor (what ``q_norm(q)`` and ``k_norm(k)`` compute, without the second norm's ops)."""
         if rounds_norm(qk):
-            return rms_norm_rounded(qk, scale, q_norm.eps)
-        return cast(F.rms_norm(f32(qk), q_norm.shape, None, q_norm.eps) * scale, qk.dtype)
+            return rms_norm_rounded(qk, scale, eps)
+        return cast(F.rms_norm(f32(qk), (qk.shape[-1],), None, eps) * scale, qk.dtype)
 
     def _attend(self, q: torch.Tensor, part: KeyPart, span: slice) -> torch.Tensor:
         """Queries ``(R_p, heads, Q, D)`` over the part's keys and values (``span``: their slots in the part, as

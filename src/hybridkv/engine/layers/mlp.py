@@ -21,6 +21,7 @@ from hybridkv.engine.layers.dense_moe import dense_experts, dense_takes
 from hybridkv.engine.layers.linear import Linear, expert_weights
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.ops.cast import cast
+from hybridkv.engine.ops.gated_act import fuses_act, gated_act
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 GELU_TANH_SPLIT = 4096
@@ -55,7 +56,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``; ``act(gate) * up`` in one fused pass where ``ops.gated_act.fuses_act``
+    holds."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -64,13 +66,16 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, local, bias=bias)
         self.up_proj = Linear(hidden, local, bias=bias)
         self.down_proj = Linear(local, hidden, bias=bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
         tp.column(self.gate_proj, [mine], intermediate)
         tp.column(self.up_proj, [mine], intermediate)
         tp.row(self.down_proj, [mine], intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if fuses_act(gate, up, self.act_name):
+            return self.down_proj(gated_act(gate, up, self.act_name))
+        return self.down_proj(self.act(gate) * up)
 
 
 class SoftmaxTopKMoE(nn.Module):

@@ -12,6 +12,10 @@ one's page faults cost about what its arithmetic does; 2048 x 512: ~3.8 -> ~3.1 
 q/k norms: ~6.7 -> ~4.4 ms; 200 x 512: 78 -> 66 µs). A form with one reduction (``vector_norm``, about 4x
 cheaper at 2048 rows) did not go in: its mean square differs in the last fp32 bit, enough to move a few
 outputs in a million one bf16 step, and greedy tokens of the tiny random models then drift apart.
+
+Ahead of both, ``fast_paths.fused_norms`` (a bf16 or fp32 CPU input, the C++ kernels built): ``ops.rms_norm``'s one
+pass per row, the residual add after the norm (``RMSNorm(x, residual=...)``) fused in; its numbers and bounds are
+that module's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.cast import cast, f32
+from hybridkv.engine.ops.rms_norm import fuses_norm, rms_norm_fused
 
 T = TypeVar("T")
 
@@ -46,16 +51,23 @@ def rounds_norm(x: torch.Tensor) -> bool:
     return FAST.rms_norms and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
 
 
-def rms_norm_rounded(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_rounded(
+    x: torch.Tensor, scale: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(x / rms(x)) * scale`` over the last dim, in fp32, rounded once to ``x``'s dtype (``x`` reduced precision:
     its fp32 copy is the work buffer); ``scale`` fp32, broadcast over the trailing dims. torch's composite's ops in
-    its order (``rsqrt(mean(x^2) + eps)``, times ``x``, times the scale)."""
+    its order (``rsqrt(mean(x^2) + eps)``, times ``x``, times the scale). ``residual``: ``residual + that``, added in
+    ``x``'s dtype. A bf16 ``x`` takes the fused kernel where ``ops.rms_norm.fuses_norm`` holds."""
+    if fuses_norm(x, scale, residual):
+        assert scale is not None
+        return rms_norm_fused(x, scale, eps, residual)
     work = x.float()
     inv = work.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     work.mul_(inv)
     if scale is not None:
         work.mul_(scale)
-    return work.to(x.dtype)
+    out = work.to(x.dtype)
+    return out if residual is None else residual + out
 
 
 class RMSNorm(nn.Module):
@@ -72,13 +84,19 @@ class RMSNorm(nn.Module):
             return derived(self, "_scale", (self.weight,), lambda w: 1.0 + w.float())
         return f32(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of ``x``; with ``residual``, ``residual + norm(x)`` (the add in ``x``'s dtype: one fused pass
+        where ``ops.rms_norm.fuses_norm`` holds)."""
         scale = self.scale()
-        if x.dtype == torch.float32:  # the common case: no casts to dispatch
-            return F.rms_norm(x, self.shape, scale, self.eps)
+        if fuses_norm(x, scale, residual):
+            return rms_norm_fused(x, scale, self.eps, residual)
         if rounds_norm(x):
-            return rms_norm_rounded(x, scale, self.eps)
-        return F.rms_norm(x.float(), self.shape, scale, self.eps).to(x.dtype)
+            return rms_norm_rounded(x, scale, self.eps, residual)
+        if x.dtype == torch.float32:  # the common case: no casts to dispatch
+            out = F.rms_norm(x, self.shape, scale, self.eps)
+        else:
+            out = F.rms_norm(x.float(), self.shape, scale, self.eps).to(x.dtype)
+        return out if residual is None else residual + out
 
 
 class GatedRMSNorm(nn.Module):

@@ -48,8 +48,8 @@ class Gemma3Block(Block):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory, rope: RopeTables) -> torch.Tensor:
         attn = self.tp.reduce(self.self_attn(self.input_layernorm(x), ctx, mem, rope))
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.tp.reduce(self.mlp(self.pre_feedforward_layernorm(x))))
+        x = self.post_attention_layernorm(attn, residual=x)  # x + norm(attn)
+        return self.post_feedforward_layernorm(self.tp.reduce(self.mlp(self.pre_feedforward_layernorm(x))), residual=x)
 
 
 class Gemma3(CausalLM):

@@ -1,4 +1,5 @@
-"""The engine's C++ CPU kernels (``csrc/*.cpp``), compiled once per machine with ``torch.utils.cpp_extension``.
+"""The engine's C++ CPU kernels (``csrc/*.cpp``, compiled as one unit: ``csrc/kernels.cpp`` includes them), built
+once per machine with ``torch.utils.cpp_extension``.
 
 ``native()`` is their operator namespace, ``torch.ops.hybridkv``, or None where they cannot be built (no C++
 compiler or ninja, a failed build: said once on stderr). Each file registers its kernels with
@@ -9,9 +10,11 @@ kernels only change the cost (each one's module says how its result relates to t
 
 Invariants:
 - One build per source version and CPU: torch caches it under its extensions directory (``TORCH_EXTENSIONS_DIR``,
-  else ``~/.cache/torch_extensions``) keyed by the sources' and flags' hash; the name carries the CPU model, since
-  the code is compiled for this CPU's instruction set (``-march=native``). ``make setup`` builds it
-  (``scripts/setup.sh``); otherwise the first call does (seconds), and the server's warm-up makes that call.
+  else ``~/.cache/torch_extensions``); the name carries the CPU model, since the code is compiled for this CPU's
+  instruction set (``-march=native``), and a hash of the sources and flags, so checkouts of different versions on
+  one machine (worktrees) each keep their build instead of rebuilding over each other's under one name. ``make
+  setup`` builds it (``scripts/setup.sh``); otherwise the first call does (seconds), and the server's warm-up makes
+  that call.
 - Concurrent first calls (several processes) build once: cpp_extension holds a lock file while building.
 """
 
@@ -23,8 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SOURCES = ("greedy.cpp", "paged_decode.cpp")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"]
+SOURCES = ("kernels.cpp",)
+"""What is compiled: one translation unit that includes every kernel's file (ATen's headers parsed once)."""
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-trapping-math"]
+"""``-fno-trapping-math``: the exp's rounding and float -> int conversion vectorise (no value changes: floating-point
+exceptions are only not assumed to trap). A flag, not a per-file ``#pragma GCC optimize``: GCC does not inline a
+function into one of other optimisation options, so the shared helpers would stay calls and their loops scalar."""
 
 
 def _cpu_model() -> str:
@@ -48,9 +55,12 @@ def native() -> Any | None:
 
     here = Path(__file__).parent / "csrc"
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
+    version = hashlib.sha1(" ".join(FLAGS).encode())
+    for source in sorted(here.iterdir()):  # every file the unit includes
+        version.update(source.name.encode() + source.read_bytes())
     try:
         cpp_extension.load(
-            name=f"hybridkv_cpu_kernels_{cpu}",
+            name=f"hybridkv_cpu_kernels_{cpu}_{version.hexdigest()[:8]}",
             sources=[str(here / s) for s in SOURCES],
             extra_cflags=FLAGS,
             is_python_module=False,  # loaded as a library: its TORCH_LIBRARY fragments register the operators

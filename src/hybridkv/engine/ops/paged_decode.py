@@ -9,6 +9,10 @@ history rule: ``first_needed(seq) <= position < seq``) from their pages.
 
 Numerics: scores, softmax and the weighted sum of values in fp32, rounded to bf16 once; torch's CPU flash kernel
 rounds the probabilities to bf16 before the values, so the outputs agree within bf16 rounding, not bit for bit.
+The scores' dot products take AVX512-BF16's pair instruction (VDPBF16PS) where the CPU has it, the softmax a
+vectorised exp within ~1 fp32 ulp (64 rows x 144 columns, 4 heads over 2 KV heads of 128, one thread: ~1.4x
+faster than scalar ``std::exp`` and fp32 dot products, measured A/B in one process; outputs equal but for ~1 in
+10^4, one bf16 step apart).
 fp32 keeps the gathered path (the reference, token-exact against ``transformers``).
 """
 

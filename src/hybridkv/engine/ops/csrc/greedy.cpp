@@ -17,16 +17,14 @@
 #include <algorithm>
 #include <cstring>
 
-namespace {
+#include "numerics.h"
+
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
+namespace hybridkv_greedy {
+
+using namespace hybridkv_cpu;
 
 constexpr int64_t kBlock = 256;
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
 
 int64_t row_bf16(const uint16_t* row, int64_t n) {
   float top = -INFINITY;
@@ -91,8 +89,9 @@ at::Tensor greedy(const at::Tensor& logits) {
   return out;
 }
 
+}  // namespace hybridkv_greedy
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
-  m.def("greedy(Tensor logits) -> Tensor", &greedy);
+  m.def("greedy(Tensor logits) -> Tensor", &hybridkv_greedy::greedy);
 }

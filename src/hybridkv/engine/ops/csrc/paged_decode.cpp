@@ -3,8 +3,9 @@
 //
 // Row r's query heads (H, D) attend over its columns [start[r], stop[r]): column c is slot c % page of the cell
 // table[r, c / page] in the grid (cells, slots, page, kv_heads, D); query head h reads kv head h / (H / kv_heads).
-// Scores q . k (bf16 products summed in fp32), times scale, softmax in fp32, the weighted sum of values in fp32,
-// rounded to bf16 once at the end.
+// Scores q . k (bf16 products summed in fp32: VDPBF16PS pairs where the CPU has AVX512-BF16), times scale, softmax
+// in fp32 (a vectorised exp, Cephes' polynomial, ~1 ulp), the weighted sum of values in fp32, rounded to bf16 once
+// at the end.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -17,13 +18,31 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
+#include "numerics.h"
+
+namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
+namespace hybridkv_paged_decode {
+
+using namespace hybridkv_cpu;
+
+// q . k over d bf16 entries, in fp32
+inline float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t d) {
+  float dot = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 32 <= d; i += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+  dot = _mm512_reduce_add_ps(acc);
+#endif
+  float rest = 0.0f;
+#pragma omp simd reduction(+ : rest)
+  for (int64_t j = i; j < d; ++j) rest += bf16_to_float(q[j]) * bf16_to_float(k[j]);
+  return dot + rest;
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot,
@@ -58,33 +77,30 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_s
   auto out = at::empty_like(q);
   auto* os = reinterpret_cast<at::BFloat16*>(out.data_ptr());
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<float> acc(group * d), scores, total(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads, n = hi[r] - lo[r];
-      for (int64_t j = 0; j < group * d; ++j) qf[j] = bf16_to_float(qs[(r * heads + h * group) * d + j]);
-      scores.assign(group * n, 0.0f);
+      const uint16_t* qh = qs + (r * heads + h * group) * d;
+      scores.resize(group * n);
       for (int64_t c = 0; c < n; ++c) {
         const int64_t col = lo[r] + c;
         const uint16_t* key =
             base + tab[r * width + col / page] * cell_stride + k_slot * slot_stride + ((col % page) * kv_heads + h) * d;
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = qf.data() + j * d;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qj[i] * bf16_to_float(key[i]);
-          scores[j * n + c] = dot * static_cast<float>(scale);
-        }
+        for (int64_t j = 0; j < group; ++j) scores[j * n + c] = dot_bf16(qh + j * d, key, d) * static_cast<float>(scale);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> total(group, 0.0f);
       for (int64_t j = 0; j < group; ++j) {
         float* s = scores.data() + j * n;
         float top = -INFINITY;
+#pragma omp simd reduction(max : top)
         for (int64_t c = 0; c < n; ++c) top = s[c] > top ? s[c] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t c = 0; c < n; ++c) {
-          s[c] = std::exp(s[c] - top);
-          total[j] += s[c];
+          s[c] = exp_approx(s[c] - top);
+          sum += s[c];
         }
+        total[j] = sum;
       }
       for (int64_t c = 0; c < n; ++c) {
         const int64_t col = lo[r] + c;
@@ -104,8 +120,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_s
   return out;
 }
 
+}  // namespace hybridkv_paged_decode
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
-  m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &paged_decode);
+  m.def("paged_decode(Tensor q, Tensor grid, int k_slot, int v_slot, Tensor table, Tensor start, Tensor stop, float scale) -> Tensor", &hybridkv_paged_decode::paged_decode);
 }

@@ -1,0 +1,54 @@
+// Scalar helpers the kernels share (inline, written so that `#pragma omp simd` loops over them vectorise):
+// bf16 <-> fp32 (round to nearest even, NaN kept), load / store of bf16 or fp32 entries as fp32, and a vectorisable
+// exp (Cephes' expf polynomial: exp(x) = 2^n exp(r), |r| <= ln2 / 2, ~1 ulp; clamped to fp32's range; its loops
+// vectorise with -fno-trapping-math, one of ops.native's flags).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace hybridkv_cpu {
+
+// always inlined: a call left in a `#pragma omp simd` loop keeps it scalar (GCC declines to inline exp_approx once
+// several kernels call it)
+#define HYBRIDKV_INLINE inline __attribute__((always_inline))
+
+HYBRIDKV_INLINE float bf16_to_float(uint16_t bits) {
+  uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &widened, sizeof(out));
+  return out;
+}
+
+HYBRIDKV_INLINE uint16_t float_to_bf16(float value) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+HYBRIDKV_INLINE float load(uint16_t v) { return bf16_to_float(v); }
+HYBRIDKV_INLINE float load(float v) { return v; }
+HYBRIDKV_INLINE void store(uint16_t* out, float v) { *out = float_to_bf16(v); }
+HYBRIDKV_INLINE void store(float* out, float v) { *out = v; }
+
+HYBRIDKV_INLINE float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+}  // namespace hybridkv_cpu
