@@ -139,7 +139,7 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tmp_path: Path) -> None:
     assert procs == {}
     check_clean_exit(code, took, ends, stderr, SHUTDOWN_TIMEOUT + 15)
     # the one sizing story (cli/sizing.py): the work is unknown, so the default context (below the model's 8192)
-    assert "hybridkv serve: max context 4,096 tokens (the default, 4,096, page 16, chunk 64)" in stderr, stderr
+    assert "hybridkv serve: max context 4,096 tokens (the default, 4,096, page 16, chunk 2048)" in stderr, stderr
     assert "--gpu-memory 64.00 MiB (one 4,096-token request needs" in stderr, stderr
 
 

@@ -60,7 +60,18 @@ from hybridkv.cli.params import (
     tier_options,
     transport_option,
 )
-from hybridkv.cli.sizing import CHUNK_SIZE, GPU_MEMORY, MAX_CONTEXT, PAGE_SIZE, Layout, Sizing, size
+from hybridkv.cli.sizing import (
+    CHUNK,
+    CHUNK_SIZE,
+    GPU_MEMORY,
+    MAX_CONTEXT,
+    PAGE_SIZE,
+    SERVE_CHUNK_SIZE,
+    SERVE_STEP_TOKENS,
+    Layout,
+    Sizing,
+    size,
+)
 from hybridkv.engine.random_models import MAX_WIDEN, tiny_names
 from hybridkv.units import format_bytes, parse_bytes
 
@@ -114,9 +125,15 @@ def serve(
     gpu_memory: str | None = GPU_MEMORY,
     max_context: int | None = MAX_CONTEXT,
     page_size: int = PAGE_SIZE,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int | None = SERVE_CHUNK_SIZE,
     max_running: int = MAX_RUNNING,
-    max_step_tokens: int | None = MAX_STEP_TOKENS,
+    max_step_tokens: int | None = typer.Option(
+        None,
+        "--max-step-tokens",
+        min=1,
+        help=f"Tokens one engine step computes, at most (default: {SERVE_STEP_TOKENS} or --chunk-size if larger; "
+        "16 x --chunk-size with --disaggregated).",
+    ),
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
@@ -189,6 +206,10 @@ def serve(
     name = random if random is not None else Path(model).name
     processes = Layout(layout.prefill_pp, layout.prefill_tp, layout.decode_tp) if disaggregated else Layout()
     command = "serve --disaggregated" if disaggregated else "serve"
+    if chunk_size is None:
+        chunk_size = CHUNK if disaggregated else SERVE_STEP_TOKENS
+    if max_step_tokens is None and not disaggregated:
+        max_step_tokens = max(SERVE_STEP_TOKENS, chunk_size)
     sized = size(
         command,
         model_spec(model, random, dtype),

@@ -24,6 +24,25 @@ SEED = 1234
 VOCAB = 256
 CONTEXT = 512  # max_position_embeddings of every tiny model
 
+_GEMMA3: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=8,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+)
+"""The tiny Gemma 3 both Gemma entries share; each adds its layer pattern."""
+
 _TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-qwen3-next": (
         "qwen3_next",
@@ -47,48 +66,9 @@ _TINY_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         ),
     ),
-    "tiny-gemma3": (
-        "gemma3_text",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=8,
-            sliding_window_pattern=3,
-            pad_token_id=0,
-            bos_token_id=2,
-            eos_token_id=1,
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            },
-        ),
-    ),
-    "tiny-gemma3-dense": (  # Gemma 3 with every layer full attention: the dense control (bench serve --peer)
-        "gemma3_text",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=8,
-            layer_types=["full_attention"] * 6,
-            pad_token_id=0,
-            bos_token_id=2,
-            eos_token_id=1,
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            },
-        ),
-    ),
+    "tiny-gemma3": ("gemma3_text", {**_GEMMA3, "sliding_window_pattern": 3}),
+    # Gemma 3 with every layer full attention: the dense control (bench serve --peer)
+    "tiny-gemma3-dense": ("gemma3_text", {**_GEMMA3, "layer_types": ["full_attention"] * 6}),
     "tiny-gpt-oss": (
         "gpt_oss",
         dict(
