@@ -11,7 +11,7 @@ demo: setup
 	$(PY) -m hybridkv demo --out out/demo
 
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 lint: setup
 	$(PY) -m ruff check src tests
