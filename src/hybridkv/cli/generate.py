@@ -145,7 +145,6 @@ def generate(
     """Generate tokens for every prompt of a file (continuous batching, chunked prefill, greedy by default)."""
     import torch
 
-    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.engine import Engine
     from hybridkv.engine.registry import engine_spec
 
@@ -167,11 +166,7 @@ def generate(
     engine = Engine(
         source,
         weights,
-        EngineConfig(
-            gpu_memory=sizing.gpu_memory,
-            max_context=sizing.max_context,
-            page_size=page_size,
-            chunk_size=chunk_size,
+        sizing.engine(
             max_running=max_running,
             max_step_tokens=max_step_tokens,
             prefix_cache=not no_prefix_cache,

@@ -181,7 +181,6 @@ def serve(
     """Serve over HTTP: SGLang /generate, OpenAI /v1/completions, /metrics; SIGTERM shuts down gracefully."""
     import torch
 
-    from hybridkv.engine.config import EngineConfig
     from hybridkv.server import Backend, EngineBackend, ServerConfig, bind
     from hybridkv.server import serve as run_server
 
@@ -221,13 +220,9 @@ def serve(
     )
     options = EngineOptions(
         sized,
-        EngineConfig(
-            gpu_memory=sized.gpu_memory,
-            page_size=page_size,
-            chunk_size=chunk_size,
+        sized.engine(
             max_running=max_running,
             max_step_tokens=max_step_tokens,
-            max_context=sized.max_context,
             dtype=getattr(torch, dtype),
             prefix_cache=not no_prefix_cache,
             checkpoints=engine_checkpoints(checkpoints, chunk_size, page_size),

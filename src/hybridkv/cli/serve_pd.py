@@ -120,7 +120,6 @@ def serve_pd(
     """Serve every prompt of a file through PP prefill processes and TP decode processes."""
     import torch
 
-    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.disagg import FINISHED, PDConfig, check_layout, pd_path, run_pd
     from hybridkv.engine.registry import engine_spec, text_config
     from hybridkv.engine.sched.request import FinishReason
@@ -162,13 +161,9 @@ def serve_pd(
             decode_tp=decode_tp,
             transport=transport,
             decode_page_size=decode_page_size,
-            engine=EngineConfig(
-                gpu_memory=sizing.gpu_memory,
-                page_size=page_size,
-                chunk_size=chunk_size,
+            engine=sizing.engine(
                 max_running=max_running,
                 max_step_tokens=max_step_tokens,
-                max_context=sizing.max_context,
                 dtype=getattr(torch, dtype),
                 **tiers,
             ),

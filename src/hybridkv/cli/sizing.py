@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -41,6 +41,7 @@ from hybridkv.cli.params import MAX_DEVICE_BYTES, byte_size
 from hybridkv.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
+    from hybridkv.engine.config import EngineConfig
     from hybridkv.memory.sizing import MemoryPlan
     from hybridkv.spec import ModelSpec, ShardSpec
 
@@ -105,9 +106,24 @@ class Sizing:
     max_context: int
     gpu_memory: int  # bytes per process
     line: str  # what the command prints at start
+    page_size: int
+    chunk_size: int
 
     def announce(self) -> None:
         print(self.line, file=sys.stderr, flush=True)
+
+    def engine(self, **fields: Any) -> EngineConfig:
+        """The ``EngineConfig`` of this sizing (budget, context, page and chunk) with the command's other
+        ``fields`` (batching, dtype, cache, tiers)."""
+        from hybridkv.engine.config import EngineConfig
+
+        return EngineConfig(
+            gpu_memory=self.gpu_memory,
+            max_context=self.max_context,
+            page_size=self.page_size,
+            chunk_size=self.chunk_size,
+            **fields,
+        )
 
 
 def size(
@@ -171,7 +187,7 @@ def size(
         f"hybridkv {command}: max context {context:,} tokens ({why}, page {page_size}, chunk {chunk_size}); "
         f"{given} {format_bytes(budget)}{per} (one {context:,}-token request needs {format_bytes(need)})"
     )
-    return Sizing(context, budget, line)
+    return Sizing(context, budget, line, page_size, chunk_size)
 
 
 def _check_fits(budget: int, what: str, device: str) -> None:
