@@ -1,7 +1,7 @@
 """``HybridKVPDConnector``: vLLM PD mode: a prefill vLLM hands a request's KV blocks to a decode vLLM.
 
-Loaded as ``HybridKVConnector`` with ``kv_role`` ``kv_producer`` (prefill) or ``kv_consumer``
-(decode) (``connector.py`` dispatches on the role), or by this name. The protocol is vLLM's own
+Loaded by this name with ``kv_role`` ``kv_producer`` (prefill) or ``kv_consumer`` (decode);
+``HybridKVConnector`` (offload mode) refuses those roles and names this one. The protocol is vLLM's own
 (as its NIXL and Mooncake connectors): a proxy (``pd_proxy.py``) sends the prompt to the prefill
 server with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``; the prefill
 scheduler's ``request_finished`` keeps the request's blocks (delay-free) and answers

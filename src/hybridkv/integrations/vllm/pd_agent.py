@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import re
 import secrets
@@ -111,7 +112,7 @@ def build_layout(model: str, layers: Sequence[CacheLayer]) -> tuple[BufferSet, l
         storage = t.untyped_storage()
         regions[storage.data_ptr()] = max(regions.get(storage.data_ptr(), 0), storage.nbytes())
         lead = list(t.shape[: layer.block_dim])
-        names = [layer.part + n for n in (["k", "v"] if lead == [2] else [f"t{i}" for i in range(_prod(lead))])]
+        names = [layer.part + n for n in (["k", "v"] if lead == [2] else [f"t{i}" for i in range(math.prod(lead))])]
         flat = t.view(-1, *t.shape[layer.block_dim :]) if lead else t.unsqueeze(0)  # a view: never a copy
         for i, tensor_name in enumerate(names):
             part = flat[i]
@@ -150,13 +151,6 @@ def build_layout(model: str, layers: Sequence[CacheLayer]) -> tuple[BufferSet, l
         regions=tuple(regions.items()),
     )
     return bufs, groups
-
-
-def _prod(dims: Sequence[int]) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
 
 
 def build_ops(
