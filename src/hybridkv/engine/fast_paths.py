@@ -31,6 +31,8 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``fused_rope``: attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++ kernel,
   bf16 or fp32; no concatenated copy, the rotation on the unrounded norm): within the dtype's rounding, closer to
   the exact values in bf16.
+- ``put_entries``: a step's new K/V go into the pool's pages and the step's key buffer by a byte copy each
+  (``ops.put_entries``, a C++ kernel) instead of indexed stores into strided views; bit-equal.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
@@ -57,6 +59,7 @@ class FastPaths:
     fused_norms: bool = True
     fused_activations: bool = True
     fused_rope: bool = True
+    put_entries: bool = True
 
 
 ROUNDING = (

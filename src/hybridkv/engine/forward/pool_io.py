@@ -11,7 +11,9 @@ reads that layout once per memory and exposes each pool as one tensor over the w
 Per step, ``TokenIO`` gathers the context pages of every padded group of requests (cut into
 parts of similar widths) for every layer of the pool at once (``index_select`` into one
 buffer), puts each layer's new entries in with one indexed copy, and writes them all with
-one indexed store at ``flush``.
+one indexed store at ``flush``; on the CPU with the C++ kernels (``ops.put_entries``), each layer's ``write`` copies its
+new entries straight into the buffer's columns and the pool's pages instead (no stacked copy, no indexed stores into
+strided views; ``flush`` then has nothing left to store).
 
 The buffer is bounded: the token pools' buffers aim to take at most ``WORKSPACE_SHARE`` of the
 memory budget together (``TokenLayout.workspace_bytes`` each). A step whose keys exceed it
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +50,7 @@ import torch
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.cast import cast
 from hybridkv.engine.ops.paged_decode import PagedDecode
+from hybridkv.engine.ops.put_entries import put_columns, put_pages, puts_entries
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
 from hybridkv.spec import IdSpace, PoolId
@@ -275,6 +279,7 @@ class TokenIO:
         self.loaded = slice(0, buffer.shape[0])  # the slots the buffer holds
         self.windowed = buffer.shape[0] < layout.slots
         self.written: set[int] = set()
+        self.deferred = False  # some slots' new entries wait in the buffer for ``flush`` (not windowed, no kernel)
 
     @staticmethod
     def gather(
@@ -294,26 +299,39 @@ class TokenIO:
         out = out.view(count, n * grid.shape[2], *grid.shape[3:])
         return out.index_fill_(1, zero_cols, 0)
 
-    def write(self, span: slice, new: torch.Tensor) -> slice:
-        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)``, in every part's keys; returns
-        where they are in the parts (read them as ``part.entries[returned]``). The pool gets them at ``flush``, or
-        now when the step is windowed (the window is gathered first when ``span`` is outside it); the paged decode
-        rows' now, before the layer attends (``paged``)."""
+    def write(self, span: slice, new: torch.Tensor | Sequence[torch.Tensor]) -> slice:
+        """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)`` or one ``(T, *shape)`` per slot,
+        in every part's keys; returns where they are in the parts (read them as ``part.entries[returned]``). The pool
+        gets them at ``flush``, or now when the step is windowed (the window is gathered first when ``span`` is
+        outside it) or the kernel puts them (``ops.put_entries``); the paged decode rows' now, before the layer
+        attends (``paged``)."""
+        slots = tuple(new.unbind(1)) if isinstance(new, torch.Tensor) else tuple(new)
+        direct = puts_entries(self.layout.grid, slots)
+        rows = 0
         if self.paged is not None:
             rows = self.paged.rows
-            at = self.layout.grid[:, span].movedim(1, 2)  # (cells, page, len(span), *shape)
-            at.index_put_((self.paged.cell, self.paged.offset), cast(new[:rows], at.dtype))
-            new = new[rows:]
+            if direct:
+                put_pages(self.layout.grid, span, [x[:rows] for x in slots], self.paged.cell, self.paged.offset)
+            else:
+                at = self.layout.grid[:, span].movedim(1, 2)  # (cells, page, len(span), *shape)
+                at.index_put_((self.paged.cell, self.paged.offset), cast(torch.stack(slots, 1)[:rows], at.dtype))
+            slots = tuple(x[rows:] for x in slots)
         if span.start < self.loaded.start or span.stop > self.loaded.stop:
             window = self.buffer.shape[0]
             start = min(span.start, self.layout.slots - window)
             self.loaded = slice(start, start + window)
             self.gather(self.layout, *self.source, self.loaded, out=self.buffer)
         local = slice(span.start - self.loaded.start, span.stop - self.loaded.start)
-        buffer = self.buffer[local]
-        buffer.index_copy_(1, self.new_cols, cast(new.movedim(1, 0), buffer.dtype))
-        if self.windowed:
-            self._store(span, buffer)
+        if direct:
+            put_columns(self.buffer, local, slots, self.new_cols)
+            put_pages(self.layout.grid, span, slots, self.cell, self.offset)
+        else:
+            buffer = self.buffer[local]
+            buffer.index_copy_(1, self.new_cols, cast(torch.stack(slots), buffer.dtype))
+            if self.windowed:
+                self._store(span, buffer)
+            else:
+                self.deferred = True
         self.written.update(range(span.start, span.stop))
         return local
 
@@ -324,9 +342,10 @@ class TokenIO:
         if len(self.written) != layout.slots:
             missing = sorted(set(range(layout.slots)) - self.written)
             raise LayoutError(f"pool {layout.pool_id}: the step wrote no new entries in slots {missing}")
-        if not self.windowed:
+        if self.deferred:
             self._store(slice(0, layout.slots), self.buffer)
         self.written.clear()
+        self.deferred = False
 
     def _store(self, slots: slice, buffer: torch.Tensor) -> None:
         """The new entries of ``buffer`` (holding ``slots``) into the pool."""

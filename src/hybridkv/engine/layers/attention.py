@@ -96,7 +96,7 @@ class PagedAttention(nn.Module):
 
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
-        at = io.write(span, torch.stack((k, v), dim=1))
+        at = io.write(span, (k, v))
         out = ctx.attend(
             io,
             q,
