@@ -33,6 +33,8 @@ baseline in the same run (``hybridkv bench bf16``).
   the exact values in bf16.
 - ``put_entries``: a step's new K/V go into the pool's pages and the step's key buffer by a byte copy each
   (``ops.put_entries``, a C++ kernel) instead of indexed stores into strided views; bit-equal.
+- ``band_attention``: bf16 prefill rows of a sliding-window layer attend over only each query's window of the keys
+  (``ops.band_attention``, a C++ kernel) instead of SDPA over every column; within bf16 rounding.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
@@ -60,6 +62,7 @@ class FastPaths:
     fused_activations: bool = True
     fused_rope: bool = True
     put_entries: bool = True
+    band_attention: bool = True
 
 
 ROUNDING = (
@@ -70,6 +73,7 @@ ROUNDING = (
     "fused_norms",
     "fused_activations",
     "fused_rope",
+    "band_attention",
 )
 """The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 

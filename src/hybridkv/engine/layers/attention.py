@@ -33,6 +33,7 @@ from hybridkv.engine.forward.step import StepContext
 from hybridkv.engine.layers.linear import Linear
 from hybridkv.engine.layers.norms import RMSNorm, derived, rms_norm_rounded, rounds_norm
 from hybridkv.engine.layers.rope import RopeTables, apply_rope
+from hybridkv.engine.ops.band_attention import band_attention, bands
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.ops.paged_decode import paged_decode
 from hybridkv.engine.ops.qk_rope import fuses_qk_rope, qk_rope
@@ -97,10 +98,11 @@ class PagedAttention(nn.Module):
         io = ctx.token_io(self.layer_id)
         span = io.layout.span(self.layer_id, ("k", "v"))
         at = io.write(span, (k, v))
+        window = io.layout.pool_id.max_span
         out = ctx.attend(
             io,
             q,
-            lambda queries, part: self._attend(queries, part, at),
+            lambda queries, part: self._attend(queries, part, at, window),
             lambda queries, paged: paged_decode(queries, io.layout.grid, span, paged, self.scaling),
         ).reshape(t, self.heads * d)
         if gate is not None:
@@ -138,10 +140,13 @@ class PagedAttention(nn.Module):
             return rms_norm_rounded(qk, scale, eps)
         return cast(F.rms_norm(f32(qk), (qk.shape[-1],), None, eps) * scale, qk.dtype)
 
-    def _attend(self, q: torch.Tensor, part: KeyPart, span: slice) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, part: KeyPart, span: slice, window: int | None) -> torch.Tensor:
         """Queries ``(R_p, heads, Q, D)`` over the part's keys and values (``span``: their slots in the part, as
-        ``TokenIO.write`` returned them) -> ``(R_p, heads, Q, D)``."""
+        ``TokenIO.write`` returned them; ``window``: the pool's, None for the whole history) -> ``(R_p, heads, Q,
+        D)``."""
         kv = part.entries[span]  # (2, R_p, W, kv, D)
+        if bands(q, kv[0], window, self.sinks is not None):
+            return band_attention(q, kv[0], kv[1], part.mask, self.scaling)
         mask = part.mask if self.sinks is None else part.with_sinks(self.sinks)
         return F.scaled_dot_product_attention(
             q,

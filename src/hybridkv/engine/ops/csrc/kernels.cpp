@@ -8,3 +8,4 @@
 #include "gated_act.cpp"
 #include "qk_rope.cpp"
 #include "put_entries.cpp"
+#include "band_attention.cpp"
