@@ -13,6 +13,9 @@ The scores' dot products take AVX512-BF16's pair instruction (VDPBF16PS) where t
 vectorised exp within ~1 fp32 ulp (64 rows x 144 columns, 4 heads over 2 KV heads of 128, one thread: ~1.4x
 faster than scalar ``std::exp`` and fp32 dot products, measured A/B in one process; outputs equal but for ~1 in
 10^4, one bf16 step apart).
+The kernel prefetches a few columns ahead (the pages are scattered over the arena) and sums each 32 outputs' values in
+registers over the columns (64 rows x 150 columns from 800 random cells, one thread: ~0.85x the time of the loop
+over columns with the sums in memory; bit-equal: the same products summed in the same order).
 fp32 keeps the gathered path (the reference, token-exact against ``transformers``).
 """
 

@@ -18,7 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -28,6 +28,8 @@ namespace {  // internal linkage: inlined freely (a shared library's exported fu
 namespace hybridkv_paged_decode {
 
 using namespace hybridkv_cpu;
+
+constexpr int64_t kAhead = 8;  // columns a score looks ahead to prefetch
 
 // q . k over d bf16 entries, in fp32
 inline float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t d) {
@@ -84,17 +86,29 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_s
   auto* os = reinterpret_cast<at::BFloat16*>(out.data_ptr());
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores, total(group);
+    std::vector<const uint16_t*> keys, values;  // each column's key and value entries
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads, n = hi[r] - lo[r];
       const uint16_t* qh = qs + (r * heads + h * group) * d;
       scores.resize(group * n);
+      keys.resize(n);
+      values.resize(n);
       for (int64_t c = 0; c < n; ++c) {
         const int64_t col = lo[r] + c;
-        const uint16_t* key =
-            base + tab[r * width + col / page] * cell_stride + k_slot * slot_stride + ((col % page) * kv_heads + h) * d;
-        for (int64_t j = 0; j < group; ++j) scores[j * n + c] = dot_bf16(qh + j * d, key, d) * static_cast<float>(scale);
+        const uint16_t* entry = base + tab[r * width + col / page] * cell_stride + ((col % page) * kv_heads + h) * d;
+        keys[c] = entry + k_slot * slot_stride;
+        values[c] = entry + v_slot * slot_stride;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < n; ++c) {
+        if (c + kAhead < n) {  // the pages are scattered: fetch a later column's key and value while this one computes
+          for (int64_t b = 0; b < d * 2; b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(keys[c + kAhead]) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(values[c + kAhead]) + b);
+          }
+        }
+        for (int64_t j = 0; j < group; ++j)
+          scores[j * n + c] = dot_bf16(qh + j * d, keys[c], d) * static_cast<float>(scale);
+      }
       for (int64_t j = 0; j < group; ++j) {
         float* s = scores.data() + j * n;
         float top = -INFINITY;
@@ -108,19 +122,36 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_s
         }
         total[j] = sum;
       }
-      for (int64_t c = 0; c < n; ++c) {
-        const int64_t col = lo[r] + c;
-        const uint16_t* value =
-            base + tab[r * width + col / page] * cell_stride + v_slot * slot_stride + ((col % page) * kv_heads + h) * d;
-        for (int64_t j = 0; j < group; ++j) {
-          const float w = scores[j * n + c];
-          float* a = acc.data() + j * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += w * bf16_to_float(value[i]);
+      for (int64_t j = 0; j < group; ++j) {
+        const float* w = scores.data() + j * n;
+        float* a = acc.data() + j * d;
+        int64_t x0 = 0;
+#if defined(__AVX512F__)
+        for (; x0 + 32 <= d; x0 += 32) {  // 32 outputs summed in two registers over the columns, in column order
+          __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+          for (int64_t c = 0; c < n; ++c) {
+            const uint16_t* value = values[c] + x0;
+            const __m512 weight = _mm512_set1_ps(w[c]);
+            const __m512i first = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value)));
+            const __m512i second =
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + 16)));
+            a0 = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(_mm512_slli_epi32(first, 16)), a0);
+            a1 = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(_mm512_slli_epi32(second, 16)), a1);
+          }
+          _mm512_storeu_ps(a + x0, a0);
+          _mm512_storeu_ps(a + x0 + 16, a1);
         }
+#endif
+        for (; x0 < d; ++x0) {
+          float sum = 0.0f;
+          for (int64_t c = 0; c < n; ++c) sum += w[c] * bf16_to_float(values[c][x0]);
+          a[x0] = sum;
+        }
+        uint16_t* o = reinterpret_cast<uint16_t*>(os) + (r * heads + h * group + j) * d;
+        const float inv = total[j];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] = float_to_bf16(a[i] / inv);
       }
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < d; ++i) os[(r * heads + h * group + j) * d + i] = at::BFloat16(acc[j * d + i] / total[j]);
     }
   });
   return out;
