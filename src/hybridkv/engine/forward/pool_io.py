@@ -323,8 +323,9 @@ class TokenIO:
             self.gather(self.layout, *self.source, self.loaded, out=self.buffer)
         local = slice(span.start - self.loaded.start, span.stop - self.loaded.start)
         if direct:
-            put_columns(self.buffer, local, slots, self.new_cols)
-            put_pages(self.layout.grid, span, slots, self.cell, self.offset)
+            if self.new_cols.numel():  # a step of paged decodes only has no buffer columns to fill
+                put_columns(self.buffer, local, slots, self.new_cols)
+                put_pages(self.layout.grid, span, slots, self.cell, self.offset)
         else:
             buffer = self.buffer[local]
             buffer.index_copy_(1, self.new_cols, cast(torch.stack(slots), buffer.dtype))
