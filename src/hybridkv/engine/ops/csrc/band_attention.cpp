@@ -77,11 +77,16 @@ at::Tensor band_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr());
   const float* ms = mask.data_ptr<float>();
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // strides as locals: read once, and known not to change under the loops' stores (kept in registers)
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), q_s2 = q.stride(2);
+  const int64_t k_s0 = k.stride(0), k_s1 = k.stride(1), k_s2 = k.stride(2);
+  const int64_t v_s0 = v.stride(0), v_s1 = v.stride(1), v_s2 = v.stride(2);
+  const int64_t m_s0 = mask.stride(0), m_s2 = mask.stride(2);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(group * d), scores;
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t i = 0; i < queries; ++i) {
-        const float* m = ms + r * mask.stride(0) + i * mask.stride(2);
+        const float* m = ms + r * m_s0 + i * m_s2;
         int64_t lo = width, hi = 0;  // the first and one past the last visible column, in one vector pass
 #pragma omp simd reduction(min : lo) reduction(max : hi)
         for (int64_t c = 0; c < width; ++c) {
@@ -92,13 +97,13 @@ at::Tensor band_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         const int64_t n = hi > lo ? hi - lo : 0;
         scores.resize(group * n);
         for (int64_t h = 0; h < kv_heads; ++h) {
-          const uint16_t* kr = ks + r * k.stride(0) + h * k.stride(2);
-          const uint16_t* vr = vs + r * v.stride(0) + h * v.stride(2);
-          const uint16_t* qh = qs + r * q.stride(0) + h * group * q.stride(1) + i * q.stride(2);
+          const uint16_t* kr = ks + r * k_s0 + h * k_s2;
+          const uint16_t* vr = vs + r * v_s0 + h * v_s2;
+          const uint16_t* qh = qs + r * q_s0 + h * group * q_s1 + i * q_s2;
           for (int64_t c = 0; c < n; ++c) {
-            const uint16_t* key = kr + (lo + c) * k.stride(1);
+            const uint16_t* key = kr + (lo + c) * k_s1;
             for (int64_t j = 0; j < group; ++j)
-              scores[j * n + c] = dot_bf16(qh + j * q.stride(1), key, d) * static_cast<float>(scale) + m[lo + c];
+              scores[j * n + c] = dot_bf16(qh + j * q_s1, key, d) * static_cast<float>(scale) + m[lo + c];
           }
           for (int64_t j = 0; j < group; ++j) {
             float* s = scores.data() + j * n;
@@ -121,7 +126,7 @@ at::Tensor band_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
             for (; x0 + 32 <= d; x0 += 32) {  // 32 outputs summed in two registers over the band's columns
               __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
               for (int64_t c = 0; c < n; ++c) {
-                const uint16_t* value = vr + (lo + c) * v.stride(1) + x0;
+                const uint16_t* value = vr + (lo + c) * v_s1 + x0;
                 const __m512 weight = _mm512_set1_ps(w[c]);
                 const __m512i lo16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value)));
                 const __m512i hi16 =
@@ -135,7 +140,7 @@ at::Tensor band_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 #endif
             for (; x0 < d; ++x0) {
               float a = 0.0f;
-              for (int64_t c = 0; c < n; ++c) a += w[c] * bf16_to_float(vr[(lo + c) * v.stride(1) + x0]);
+              for (int64_t c = 0; c < n; ++c) a += w[c] * bf16_to_float(vr[(lo + c) * v_s1 + x0]);
               acc[j * d + x0] = a;
             }
           }
