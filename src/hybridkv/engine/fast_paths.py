@@ -31,6 +31,11 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``fused_rope``: attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++ kernel,
   bf16 or fp32; no concatenated copy, the rotation on the unrounded norm): within the dtype's rounding, closer to
   the exact values in bf16.
+- ``state_cells``: no whole state cell is gathered and written back each step (``forward.pool_io.StateIO``): a
+  GatedDeltaNet decode updates its fp32 state where it lies in the state pool, by cell, in two passes
+  (``ops.gdn_cells``, a C++ kernel; widened Qwen3-Next cells are half a megabyte), its prefill gathers and writes back
+  its group's recurrent state alone, every other state tensor is gathered alone on first use; within fp32 rounding
+  (the kernel's sums), not bit-equal.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
@@ -57,6 +62,7 @@ class FastPaths:
     fused_norms: bool = True
     fused_activations: bool = True
     fused_rope: bool = True
+    state_cells: bool = True
 
 
 ROUNDING = (
@@ -67,6 +73,7 @@ ROUNDING = (
     "fused_norms",
     "fused_activations",
     "fused_rope",
+    "state_cells",
 )
 """The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 

@@ -7,7 +7,9 @@ state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k``
 ``(channels, kernel - 1)`` per request (adjacent in the cell: read as one q|k|v window), and
 ``recurrent_state`` ``(v_heads, k_dim, v_dim)``; the layer reads and updates them in the
 step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
-starts fresh, written back once).
+starts fresh, written back once), or, with ``fast_paths(state_cells=...)``, the recurrent state where
+it lies in the pool by cell (a decode updates it there; a prefill group's states are gathered and
+written back alone).
 
 Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
 them): the projections are grouped per key head, so its rows are contiguous; its conv
@@ -39,6 +41,7 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.ops.cast import f32
+from hybridkv.engine.ops.gdn_cells import decodes_in_pool, gated_delta_decode_cells
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
@@ -105,19 +108,45 @@ class GatedDeltaNet(nn.Module):
         g = -f32(self.A_log).exp() * F.softplus(f32(a) + self.dt_bias)
         io = ctx.state_io(self.layer_id)
         windows = io.view(self.layer_id, tuple(self.conv_parts))
-        states = io.view(self.layer_id, ("recurrent_state",))
+        in_pool = FAST.state_cells  # the recurrent states read and updated where they lie in the pool, by cell
+        name = ("recurrent_state",)
+        states = io.pool_view(self.layer_id, name) if in_pool else io.view(self.layer_id, name)
         outs = []
         for group in ctx.groups:  # one-token decodes apart from longer spans
-            window, state = windows[group.rows], states[group.rows]
-            out, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
+            window = windows[group.rows]
+            cells = io.cells[group.rows] if in_pool else None
+            if cells is not None and group.decode_only and decodes_in_pool(states):
+                out, new_window = self._decode_in_pool(mixed, g, beta, window, states, cells, group)
+            else:
+                state = states[group.rows] if cells is None else states.index_select(0, cells)
+                mix = self._decode if group.decode_only else self._prefill
+                out, new_window, new_state = mix(mixed, g, beta, window, state, group)
+                if cells is not None:  # a gathered copy: back into the pool
+                    states.index_copy_(0, cells, new_state)
+                elif new_state is not state:  # a decode updates its state in place
+                    state.copy_(new_state)
             window.copy_(new_window)
-            if new_state is not state:  # a decode updates its state in place
-                state.copy_(new_state)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
-    def _mix(
+    def _decode_qkv(
+        self, mixed: torch.Tensor, window: torch.Tensor, group: Group
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode group's conv (the one-token op, as transformers uses for a one-token forward): ``(q, k, v, new
+        window)``."""
+        weight = self.conv1d.weight.squeeze(1)
+        conv, window = causal_conv1d_decode(mixed[group.tokens], window, weight, None, self.activation)
+        q, k, v = torch.split(conv, [self.key_size, self.key_size, self.value_size], dim=-1)
+        t = conv.shape[0]
+        return (
+            q.view(t, self.k_heads, self.k_dim),
+            k.view(t, self.k_heads, self.k_dim),
+            v.view(t, self.v_heads, self.v_dim),
+            window,
+        )
+
+    def _decode(
         self,
         mixed: torch.Tensor,
         g: torch.Tensor,
@@ -126,26 +155,41 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
         group: Group,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv + gated delta rule for one group: ``(out (T', v_heads, v_dim), new window, new state)``."""
+        """A decode group: ``(out (T', v_heads, v_dim), new window, new state)``."""
+        q, k, v, window = self._decode_qkv(mixed, window, group)
+        index = group.tokens
+        out, state = gated_delta_decode(q, k, v, g[index], beta[index], state, in_place=FAST.in_place_states)
+        return out, window, state
+
+    def _decode_in_pool(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        pool: torch.Tensor,
+        cells: torch.Tensor,
+        group: Group,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode group whose states ``pool[cells]`` are updated there: ``(out (T', v_heads, v_dim), new window)``."""
+        q, k, v, window = self._decode_qkv(mixed, window, group)
+        index = group.tokens
+        return gated_delta_decode_cells(q, k, v, g[index], beta[index], pool, cells), window
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        state: torch.Tensor,
+        group: Group,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A group of longer spans, the chunked ops on its padded batch: ``(out (T', v_heads, v_dim), new window, new
+        state)``."""
         weight = self.conv1d.weight.squeeze(1)
-        sizes = [self.key_size, self.key_size, self.value_size]
-        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
-            index = group.tokens
-            conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
-            q, k, v = torch.split(conv, sizes, dim=-1)
-            t = conv.shape[0]
-            out, state = gated_delta_decode(
-                q.view(t, self.k_heads, self.k_dim),
-                k.view(t, self.k_heads, self.k_dim),
-                v.view(t, self.v_heads, self.v_dim),
-                g[index],
-                beta[index],
-                state,
-                in_place=FAST.in_place_states,
-            )
-            return out, window, state
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
-        q, k, v = torch.split(conv, sizes, dim=-1)
+        q, k, v = torch.split(conv, [self.key_size, self.key_size, self.value_size], dim=-1)
         r, nq = conv.shape[:2]
         out, state = gated_delta_prefill(
             q.reshape(r, nq, self.k_heads, self.k_dim),

@@ -7,3 +7,4 @@
 #include "rms_norm.cpp"
 #include "gated_act.cpp"
 #include "qk_rope.cpp"
+#include "gdn_decode.cpp"
