@@ -32,10 +32,10 @@ baseline in the same run (``hybridkv bench bf16``).
   bf16 or fp32; no concatenated copy, the rotation on the unrounded norm): within the dtype's rounding, closer to
   the exact values in bf16.
 - ``state_cells``: no whole state cell is gathered and written back each step (``forward.pool_io.StateIO``): a
-  GatedDeltaNet decode updates its fp32 state where it lies in the state pool, by cell, in two passes
-  (``ops.gdn_cells``, a C++ kernel; widened Qwen3-Next cells are half a megabyte), its prefill gathers and writes back
-  its group's recurrent state alone, every other state tensor is gathered alone on first use; within fp32 rounding
-  (the kernel's sums), not bit-equal.
+  GatedDeltaNet decode updates its conv windows and fp32 state where they lie in the state pool, by cell
+  (``ops.conv_cells``, ``ops.gdn_cells``: C++ kernels, two passes over the state; widened Qwen3-Next cells are half a
+  megabyte), its prefill gathers and writes back its group's windows and states alone, every other state tensor is
+  gathered alone on first use; within fp32 rounding (the kernels' sums and SiLU), not bit-equal.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.

@@ -7,9 +7,9 @@ state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k``
 ``(channels, kernel - 1)`` per request (adjacent in the cell: read as one q|k|v window), and
 ``recurrent_state`` ``(v_heads, k_dim, v_dim)``; the layer reads and updates them in the
 step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
-starts fresh, written back once), or, with ``fast_paths(state_cells=...)``, the recurrent state where
-it lies in the pool by cell (a decode updates it there; a prefill group's states are gathered and
-written back alone).
+starts fresh, written back once), or, with ``fast_paths(state_cells=...)``, where they lie in the
+pool by cell (a decode updates both there, ``ops.conv_cells`` and ``ops.gdn_cells``; a prefill
+group's windows and states are gathered and written back alone).
 
 Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
 them): the projections are grouped per key head, so its rows are contiguous; its conv
@@ -41,6 +41,7 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.ops.cast import f32
+from hybridkv.engine.ops.conv_cells import causal_conv1d_decode_cells, conv_decodes_in_pool
 from hybridkv.engine.ops.gdn_cells import decodes_in_pool, gated_delta_decode_cells
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
@@ -107,43 +108,58 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -f32(self.A_log).exp() * F.softplus(f32(a) + self.dt_bias)
         io = ctx.state_io(self.layer_id)
-        windows = io.view(self.layer_id, tuple(self.conv_parts))
-        in_pool = FAST.state_cells  # the recurrent states read and updated where they lie in the pool, by cell
-        name = ("recurrent_state",)
-        states = io.pool_view(self.layer_id, name) if in_pool else io.view(self.layer_id, name)
+        conv, recurrent = tuple(self.conv_parts), ("recurrent_state",)
         outs = []
-        for group in ctx.groups:  # one-token decodes apart from longer spans
-            window = windows[group.rows]
-            cells = io.cells[group.rows] if in_pool else None
-            if cells is not None and group.decode_only and decodes_in_pool(states):
-                out, new_window = self._decode_in_pool(mixed, g, beta, window, states, cells, group)
-            else:
-                state = states[group.rows] if cells is None else states.index_select(0, cells)
+        if FAST.state_cells:  # the windows and states read and updated where they lie in the pool, by cell
+            windows, states = io.pool_view(self.layer_id, conv), io.pool_view(self.layer_id, recurrent)
+            for group in ctx.groups:
+                outs.append(self._in_pool(mixed, g, beta, windows, states, io.cells[group.rows], group))
+        else:  # in the step's gathered cells
+            windows, states = io.view(self.layer_id, conv), io.view(self.layer_id, recurrent)
+            for group in ctx.groups:  # one-token decodes apart from longer spans
+                window, state = windows[group.rows], states[group.rows]
                 mix = self._decode if group.decode_only else self._prefill
                 out, new_window, new_state = mix(mixed, g, beta, window, state, group)
-                if cells is not None:  # a gathered copy: back into the pool
-                    states.index_copy_(0, cells, new_state)
-                elif new_state is not state:  # a decode updates its state in place
+                window.copy_(new_window)
+                if new_state is not state:  # a decode updates its state in place
                     state.copy_(new_state)
-            window.copy_(new_window)
-            outs.append(out)
+                outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
-    def _decode_qkv(
-        self, mixed: torch.Tensor, window: torch.Tensor, group: Group
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode group's conv (the one-token op, as transformers uses for a one-token forward): ``(q, k, v, new
-        window)``."""
-        weight = self.conv1d.weight.squeeze(1)
-        conv, window = causal_conv1d_decode(mixed[group.tokens], window, weight, None, self.activation)
+    def _in_pool(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        windows: torch.Tensor,
+        states: torch.Tensor,
+        cells: torch.Tensor,
+        group: Group,
+    ) -> torch.Tensor:
+        """A group whose conv windows ``windows[cells]`` and states ``states[cells]`` (views of the pool) are read and
+        updated there: its out ``(T', v_heads, v_dim)``. Decodes run the in-pool kernels; other groups (or where the
+        kernels cannot run) gather their rows' windows and states and write them back."""
+        index = group.tokens
+        if group.decode_only and conv_decodes_in_pool(mixed, windows, self.activation) and decodes_in_pool(states):
+            weight = self.conv1d.weight.squeeze(1)
+            q, k, v = self._heads(causal_conv1d_decode_cells(mixed[index], weight, windows, cells, self.activation))
+            return gated_delta_decode_cells(q, k, v, g[index], beta[index], states, cells)
+        window, state = windows.index_select(0, cells), states.index_select(0, cells)
+        mix = self._decode if group.decode_only else self._prefill
+        out, new_window, new_state = mix(mixed, g, beta, window, state, group)
+        windows.index_copy_(0, cells, new_window)
+        states.index_copy_(0, cells, new_state)
+        return out
+
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One-token conv outputs ``(T', q|k|v)`` -> q, k ``(T', k_heads, k_dim)``, v ``(T', v_heads, v_dim)``."""
         q, k, v = torch.split(conv, [self.key_size, self.key_size, self.value_size], dim=-1)
         t = conv.shape[0]
         return (
             q.view(t, self.k_heads, self.k_dim),
             k.view(t, self.k_heads, self.k_dim),
             v.view(t, self.v_heads, self.v_dim),
-            window,
         )
 
     def _decode(
@@ -155,26 +171,14 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
         group: Group,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode group: ``(out (T', v_heads, v_dim), new window, new state)``."""
-        q, k, v, window = self._decode_qkv(mixed, window, group)
+        """A decode group, the one-token ops (as transformers uses for a one-token forward): ``(out (T', v_heads,
+        v_dim), new window, new state)``."""
         index = group.tokens
+        weight = self.conv1d.weight.squeeze(1)
+        conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
+        q, k, v = self._heads(conv)
         out, state = gated_delta_decode(q, k, v, g[index], beta[index], state, in_place=FAST.in_place_states)
         return out, window, state
-
-    def _decode_in_pool(
-        self,
-        mixed: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        window: torch.Tensor,
-        pool: torch.Tensor,
-        cells: torch.Tensor,
-        group: Group,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode group whose states ``pool[cells]`` are updated there: ``(out (T', v_heads, v_dim), new window)``."""
-        q, k, v, window = self._decode_qkv(mixed, window, group)
-        index = group.tokens
-        return gated_delta_decode_cells(q, k, v, g[index], beta[index], pool, cells), window
 
     def _prefill(
         self,

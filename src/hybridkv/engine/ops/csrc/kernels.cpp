@@ -8,3 +8,4 @@
 #include "gated_act.cpp"
 #include "qk_rope.cpp"
 #include "gdn_decode.cpp"
+#include "conv_decode.cpp"
