@@ -9,7 +9,8 @@ state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k``
 step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
 starts fresh, written back once), or, with ``fast_paths(state_cells=...)``, where they lie in the
 pool by cell (a decode updates both there, ``ops.conv_cells`` and ``ops.gdn_cells``; a prefill
-group's windows and states are gathered and written back alone).
+group's conv reads and moves its windows there, ``ops.conv_cells``, and its states are gathered and
+written back alone).
 
 Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
 them): the projections are grouped per key head, so its rows are contiguous; its conv
@@ -41,7 +42,11 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.ops.cast import f32
-from hybridkv.engine.ops.conv_cells import causal_conv1d_decode_cells, conv_decodes_in_pool
+from hybridkv.engine.ops.conv_cells import (
+    causal_conv1d_decode_cells,
+    causal_conv1d_prefill_cells,
+    convs_in_pool,
+)
 from hybridkv.engine.ops.gdn_cells import decodes_in_pool, gated_delta_decode_cells
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
@@ -138,17 +143,22 @@ class GatedDeltaNet(nn.Module):
         group: Group,
     ) -> torch.Tensor:
         """A group whose conv windows ``windows[cells]`` and states ``states[cells]`` (views of the pool) are read and
-        updated there: its out ``(T', v_heads, v_dim)``. Decodes run the in-pool kernels; other groups (or where the
-        kernels cannot run) gather their rows' windows and states and write them back."""
-        index = group.tokens
-        if group.decode_only and conv_decodes_in_pool(mixed, windows, self.activation) and decodes_in_pool(states):
-            weight = self.conv1d.weight.squeeze(1)
+        updated there: its out ``(T', v_heads, v_dim)``. Decodes run the in-pool kernels, a longer group's conv the
+        in-pool one (its states gathered and written back); where the kernels cannot run, the group's windows and
+        states are gathered and written back."""
+        index, weight = group.tokens, self.conv1d.weight.squeeze(1)
+        kernels = convs_in_pool(mixed, windows, self.activation)
+        if group.decode_only and kernels and decodes_in_pool(states):
             q, k, v = self._heads(causal_conv1d_decode_cells(mixed[index], weight, windows, cells, self.activation))
             return gated_delta_decode_cells(q, k, v, g[index], beta[index], states, cells)
-        window, state = windows.index_select(0, cells), states.index_select(0, cells)
-        mix = self._decode if group.decode_only else self._prefill
-        out, new_window, new_state = mix(mixed, g, beta, window, state, group)
-        windows.index_copy_(0, cells, new_window)
+        state = states.index_select(0, cells)
+        if not group.decode_only and kernels:
+            conv = causal_conv1d_prefill_cells(group.pad(mixed), weight, windows, cells, group.lengths, self.activation)
+            out, new_state = self._delta_prefill(conv, g, beta, state, group)
+        else:
+            mix = self._decode if group.decode_only else self._prefill
+            out, new_window, new_state = mix(mixed, g, beta, windows.index_select(0, cells), state, group)
+            windows.index_copy_(0, cells, new_window)
         states.index_copy_(0, cells, new_state)
         return out
 
@@ -193,6 +203,14 @@ class GatedDeltaNet(nn.Module):
         state)``."""
         weight = self.conv1d.weight.squeeze(1)
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
+        out, state = self._delta_prefill(conv, g, beta, state, group)
+        return out, window, state
+
+    def _delta_prefill(
+        self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, group: Group
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked gated delta rule over a group's padded conv outputs ``(R', Q', q|k|v)``: ``(out (T', v_heads,
+        v_dim), new state)``."""
         q, k, v = torch.split(conv, [self.key_size, self.key_size, self.value_size], dim=-1)
         r, nq = conv.shape[:2]
         out, state = gated_delta_prefill(
@@ -205,4 +223,4 @@ class GatedDeltaNet(nn.Module):
             group.lengths,
             chunk_size=GDN_CHUNK,
         )
-        return group.unpad(out), window, state
+        return group.unpad(out), state

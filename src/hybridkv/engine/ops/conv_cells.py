@@ -1,12 +1,14 @@
-"""A causal conv1d decode step on windows where they lie in the state pool, by cell (``csrc/conv_decode.cpp``).
+"""Causal conv1d steps on windows where they lie in the state pool, by cell: a decode (``csrc/conv_decode.cpp``) and a
+padded batch of chunks (``csrc/conv_prefill.cpp``).
 
-When (``conv_decodes_in_pool``): ``fast_paths(state_cells=...)`` and ``native_kernels`` on, the C++ kernels built, a
+When (``convs_in_pool``): ``fast_paths(state_cells=...)`` and ``native_kernels`` on, the C++ kernels built, a
 bf16 or fp32 CPU input, a pool view ``(cells, channels, kernel - 1)`` of its dtype whose windows are contiguous in
 each cell, activation SiLU or none, not inside a graph being traced.
 
-Invariants: row ``r``'s window is cell ``cells[r]`` of the pool, shifted there by the new input (nothing else of the
-pool touched); the output is ``ops.conv.causal_conv1d_decode``'s with its taps in fp32 (``fp32_conv``), within fp32
-rounding before the one rounding to the input's dtype (the taps' sum in order, another exp in the SiLU).
+Invariants: row ``r``'s window is cell ``cells[r]`` of the pool, moved there by its new inputs (nothing else of the
+pool touched); the output is ``ops.conv``'s ``causal_conv1d_decode`` / ``causal_conv1d_prefill``'s with their taps in
+fp32 (``fp32_conv``), within fp32 rounding before the one rounding to the input's dtype (the taps' sum in order,
+another exp in the SiLU); the new window is theirs exactly.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.native import native
 
 
-def conv_decodes_in_pool(x: torch.Tensor, pool: torch.Tensor, activation: str | None) -> bool:
-    """Whether ``causal_conv1d_decode_cells`` runs the kernel for ``x (R, C)`` and ``pool``."""
+def convs_in_pool(x: torch.Tensor, pool: torch.Tensor, activation: str | None) -> bool:
+    """Whether the kernels run for inputs ``x`` (``(R, C)`` or ``(R, Q, C)``) and ``pool``."""
     return (
         FAST.state_cells
         and FAST.native_kernels
@@ -39,10 +41,34 @@ def causal_conv1d_decode_cells(
     x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, cells: torch.Tensor, activation: str | None
 ) -> torch.Tensor:
     """One new token per request, ``x [R, C]``, the depthwise kernel ``weight [C, K]``, the windows ``pool[cells]``
-    (updated in the pool) -> out ``[R, C]`` in x's dtype; ``conv_decodes_in_pool`` must hold."""
+    (updated in the pool) -> out ``[R, C]`` in x's dtype; ``convs_in_pool`` must hold."""
     kernels = native()
-    assert kernels is not None, "conv_decodes_in_pool said the kernels are built"
+    assert kernels is not None, "convs_in_pool said the kernels are built"
     out: torch.Tensor = kernels.conv_decode_cells(
         x.contiguous(), weight.float().contiguous(), pool, cells.contiguous(), activation is not None
+    )
+    return out
+
+
+def causal_conv1d_prefill_cells(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pool: torch.Tensor,
+    cells: torch.Tensor,
+    lengths: torch.Tensor,
+    activation: str | None,
+) -> torch.Tensor:
+    """A padded batch of chunks ``x [R, Q, C]`` (``lengths [R]`` valid inputs per row) continuing the windows
+    ``pool[cells]`` (updated in the pool), the depthwise kernel ``weight [C, K]`` -> out ``[R, Q, C]`` in x's dtype
+    (unspecified past each row's length); ``convs_in_pool`` must hold."""
+    kernels = native()
+    assert kernels is not None, "convs_in_pool said the kernels are built"
+    out: torch.Tensor = kernels.conv_prefill_cells(
+        x.contiguous(),
+        weight.float().contiguous(),
+        pool,
+        cells.contiguous(),
+        lengths.to(torch.int64).contiguous(),
+        activation is not None,
     )
     return out

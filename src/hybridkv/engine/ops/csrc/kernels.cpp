@@ -9,3 +9,4 @@
 #include "qk_rope.cpp"
 #include "gdn_decode.cpp"
 #include "conv_decode.cpp"
+#include "conv_prefill.cpp"
