@@ -1,5 +1,5 @@
-"""Widened Qwen3-Next in bf16 with the GatedDeltaNet fast paths (``flush_decays``, ``fp32_conv``) is at least as close
-to the fp32 ``transformers`` model as without them, and within bf16 tolerance of it.
+"""Widened Qwen3-Next in bf16 with the GatedDeltaNet fast paths (``flush_decays`` and ``fp32_conv``; ``state_cells``) is
+at least as close to the fp32 ``transformers`` model as without them, and within bf16 tolerance of it.
 
 Oracle: the HF fp32 model's log-softmax after each prompt; the engine's are the top-20 log-probabilities of its first
 token (bf16 weights, chunked prefill over several GatedDeltaNet scan chunks, the random model's steep decays).
@@ -7,6 +7,7 @@ token (bf16 weights, chunked prefill over several GatedDeltaNet scan chunks, the
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridkv.engine.config import EngineConfig
@@ -20,14 +21,15 @@ PROMPTS = [prompt(70 + i, length) for i, length in enumerate((45, 100, 131))]
 TOP = 20
 
 
-def test_bf16_gdn_fast_paths_are_at_least_as_close_to_fp32() -> None:
+def _errors(switches: tuple[str, ...]) -> dict[bool, float]:
+    """Mean |log-prob - fp32 oracle's| over the top tokens, with ``switches`` off and on."""
     model, config = build_random("tiny-qwen3-next", 2)
     with torch.no_grad():
         oracle = [torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1) for ids in PROMPTS]
     engine = Engine(config, model, EngineConfig(gpu_memory="64MiB", dtype=torch.bfloat16, chunk_size=48))
     errors = {}
     for on in (False, True):
-        with fast_paths(flush_decays=on, fp32_conv=on):
+        with fast_paths(**dict.fromkeys(switches, on)):
             outs = engine.generate(PROMPTS, [SamplingParams(1, logprobs=TOP)] * len(PROMPTS))
         engine.clear_cache()
         diffs = [
@@ -37,5 +39,11 @@ def test_bf16_gdn_fast_paths_are_at_least_as_close_to_fp32() -> None:
         ]
         assert len(diffs) == TOP * len(PROMPTS)
         errors[on] = sum(diffs) / len(diffs)
+    return errors
+
+
+@pytest.mark.parametrize("switches", [("flush_decays", "fp32_conv"), ("state_cells",)])
+def test_bf16_gdn_fast_paths_are_at_least_as_close_to_fp32(switches: tuple[str, ...]) -> None:
+    errors = _errors(switches)
     assert errors[True] <= errors[False] * 1.02, errors  # no worse than the path without them
     assert errors[True] < 0.05, errors  # bf16 tolerance of fp32's log-probabilities

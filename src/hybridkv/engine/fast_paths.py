@@ -35,6 +35,11 @@ baseline in the same run (``hybridkv bench bf16``).
   (``ops.put_entries``, a C++ kernel) instead of indexed stores into strided views; bit-equal.
 - ``band_attention``: bf16 prefill rows of a sliding-window layer attend over only each query's window of the keys
   (``ops.band_attention``, a C++ kernel) instead of SDPA over every column; within bf16 rounding.
+- ``state_cells``: no whole state cell is gathered and written back each step (``forward.pool_io.StateIO``): a
+  GatedDeltaNet decode updates its conv windows and fp32 state where they lie in the state pool, by cell
+  (``ops.conv_cells``, ``ops.gdn_cells``: C++ kernels, two passes over the state; widened Qwen3-Next cells are half a
+  megabyte), its prefill gathers and writes back its group's windows and states alone, every other state tensor is
+  gathered alone on first use; within fp32 rounding (the kernels' sums and SiLU), not bit-equal.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
@@ -63,6 +68,7 @@ class FastPaths:
     fused_rope: bool = True
     put_entries: bool = True
     band_attention: bool = True
+    state_cells: bool = True
 
 
 ROUNDING = (
@@ -74,6 +80,7 @@ ROUNDING = (
     "fused_activations",
     "fused_rope",
     "band_attention",
+    "state_cells",
 )
 """The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 

@@ -27,7 +27,9 @@ A bf16 CPU step whose pool keeps K/V reads its decode rows from the pool's pages
 entries in the pool at once, before it attends.
 
 ``StateIO`` gathers every request's state cell once (zeros where a state starts fresh), lets the
-layers read and update typed views of it in place, and writes the cells back once at ``flush``.
+layers read and update typed views of it in place, and writes the cells back once at ``flush``; with
+``fast_paths(state_cells=...)`` it gathers no whole cell: a layer may update its state in the pool by cell, and each
+tensor read through a view is gathered alone and written back.
 
 Invariants:
 - A pool whose layers do not fit one uniform grid of slots, or whose named state tensors are
@@ -356,7 +358,12 @@ class TokenIO:
 
 class StateIO:
     """The state pool in one step: every request's cell gathered once, updated in place, written back once (and
-    into the reserved checkpoint cells of the requests that have one)."""
+    into the reserved checkpoint cells of the requests that have one).
+
+    With ``fast_paths(state_cells=...)`` on, no whole cell moves: the fresh rows' cells are zeroed in the pool, a
+    layer that updates its state where it lies (``pool_view`` and ``cells``) reads and writes the pool during the
+    step, each tensor read through ``view`` is gathered on first use (that tensor alone) and written back at
+    ``flush``, and the checkpoint cells get whole-cell copies of their rows' cells after that."""
 
     def __init__(
         self,
@@ -368,14 +375,49 @@ class StateIO:
         """``fresh``: the rows whose state starts from zeros (all bytes 0), None when none does. ``checkpoints``:
         ``(rows, cells)``, cells that get a copy of those rows' states at ``flush``."""
         self.layout, self.cells, self.checkpoints = layout, cells, checkpoints
-        if FAST.in_place_states:
-            self.rows = torch.index_select(layout.grid, 0, cells, out=layout.workspace(cells.numel()))
+        self.rows: torch.Tensor | None = None  # the gathered whole cells (``state_cells`` off)
+        self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool view, its rows) read through ``view``
+        self.spare: torch.Tensor | None = None  # ``state_cells``: the pool's reused buffer as bytes, ``used`` of them
+        self.used = 0
+        if FAST.state_cells:
+            if fresh is not None:
+                layout.grid.index_fill_(0, cells.index_select(0, fresh), 0)
         else:
-            self.rows = layout.grid.index_select(0, cells)
-        if fresh is not None:
-            self.rows.index_fill_(0, fresh, 0)
-        self.bytes = self.rows.view(torch.uint8)
+            if FAST.in_place_states:
+                self.rows = torch.index_select(layout.grid, 0, cells, out=layout.workspace(cells.numel()))
+            else:
+                self.rows = layout.grid.index_select(0, cells)
+            if fresh is not None:
+                self.rows.index_fill_(0, fresh, 0)
         self.views: dict[tuple[int, tuple[str, ...]], torch.Tensor] = {}
+
+    def pool_view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:
+        """``(pool cells, *shape)`` typed view of ``names`` in every cell of the pool (row ``r`` of the step is cell
+        ``cells[r]``); what a layer writes there is the pool's at once."""
+        e = self.layout.entry(layer_id, names)
+        raw = self.layout.grid.view(torch.uint8)[:, e.offset : e.offset + e.nbytes]
+        return raw.view(e.dtype).view(raw.shape[0], *e.shape)
+
+    def _room(self, words: torch.Tensor) -> torch.Tensor:
+        """Where the step's rows of ``words`` go: the next free bytes of the pool's reused buffer (fresh tensors of
+        megabytes each step would cost their page faults: widened Nemotron-H, 64 rows, its SSM states: ~1.3x the
+        whole-cell gather), or a new tensor where it is full or ``in_place_states`` is off."""
+        rows, need = self.cells.numel(), self.cells.numel() * words.shape[1] * words.element_size()
+        if FAST.in_place_states:
+            if self.spare is None:
+                self.spare = self.layout.workspace(rows + 1).view(-1).view(torch.uint8)
+            start = -(-self.used // 8) * 8
+            if start + need <= self.spare.numel():
+                self.used = start + need
+                return self.spare[start : start + need].view(words.dtype).view(rows, words.shape[1])
+        return words.new_empty(rows, words.shape[1])
+
+    def _words(self, e: StateEntry) -> torch.Tensor:
+        """``(pool cells, words)``: ``e``'s bytes in every cell as the widest integers that tile them."""
+        raw = self.layout.grid.view(torch.uint8)
+        word = next(w for w in (torch.int64, torch.int32, torch.int16) if (e.offset | e.nbytes) % w.itemsize == 0)
+        cells = raw[:, e.offset : e.offset + e.nbytes]
+        return cells.view(word) if raw.stride(0) % word.itemsize == 0 and raw.data_ptr() % word.itemsize == 0 else cells
 
     def view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:
         """``(R, *shape)`` typed view of ``names`` (joined along their first dim) for every request of the step."""
@@ -383,12 +425,27 @@ class StateIO:
         found = self.views.get(key)
         if found is None:
             e = self.layout.entry(layer_id, names)
-            raw = self.bytes[:, e.offset : e.offset + e.nbytes]
-            found = self.views[key] = raw.view(e.dtype).view(self.rows.shape[0], *e.shape)
+            if self.rows is None:  # ``state_cells``: this tensor's rows alone, written back at ``flush``
+                words = self._words(e)  # moved as the widest words that tile it (byte or bf16 copies: ~3x slower)
+                rows = torch.index_select(words, 0, self.cells, out=self._room(words))
+                self.gathered.append((words, rows))
+                found = rows.view(torch.uint8).view(e.dtype).view(rows.shape[0], *e.shape)
+            else:
+                raw = self.rows.view(torch.uint8)[:, e.offset : e.offset + e.nbytes]
+                found = raw.view(e.dtype).view(self.rows.shape[0], *e.shape)
+            self.views[key] = found
         return found
 
     def flush(self) -> None:
-        self.layout.grid.index_copy_(0, self.cells, self.rows)
+        grid = self.layout.grid
+        if self.rows is not None:
+            grid.index_copy_(0, self.cells, self.rows)
+        for pool, rows in self.gathered:
+            pool.index_copy_(0, self.cells, rows)
+        self.gathered.clear()
         if self.checkpoints is not None:
             rows, cells = self.checkpoints
-            self.layout.grid.index_copy_(0, cells, self.rows.index_select(0, rows))
+            if self.rows is not None:
+                grid.index_copy_(0, cells, self.rows.index_select(0, rows))
+            else:  # the rows' cells, complete in the pool now
+                grid.index_copy_(0, cells, grid.index_select(0, self.cells.index_select(0, rows)))

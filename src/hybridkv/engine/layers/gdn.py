@@ -7,7 +7,10 @@ state pool: the conv window as one tensor per component, ``conv_q`` / ``conv_k``
 ``(channels, kernel - 1)`` per request (adjacent in the cell: read as one q|k|v window), and
 ``recurrent_state`` ``(v_heads, k_dim, v_dim)``; the layer reads and updates them in the
 step's gathered state cells (``ctx.state_io``: gathered once per step, zero where a state
-starts fresh, written back once).
+starts fresh, written back once), or, with ``fast_paths(state_cells=...)``, where they lie in the
+pool by cell (a decode updates both there, ``ops.conv_cells`` and ``ops.gdn_cells``; a prefill
+group's conv reads and moves its windows there, ``ops.conv_cells``, and its states are gathered and
+written back alone).
 
 Tensor parallel (``tp``): the rank holds whole key heads (and the value heads that go with
 them): the projections are grouped per key head, so its rows are contiguous; its conv
@@ -39,6 +42,12 @@ from hybridkv.engine.ops import (
     gated_delta_prefill,
 )
 from hybridkv.engine.ops.cast import f32
+from hybridkv.engine.ops.conv_cells import (
+    causal_conv1d_decode_cells,
+    causal_conv1d_prefill_cells,
+    convs_in_pool,
+)
+from hybridkv.engine.ops.gdn_cells import decodes_in_pool, gated_delta_decode_cells
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled, shifted
 from hybridkv.memory import UnifiedMemory
 
@@ -104,20 +113,66 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -f32(self.A_log).exp() * F.softplus(f32(a) + self.dt_bias)
         io = ctx.state_io(self.layer_id)
-        windows = io.view(self.layer_id, tuple(self.conv_parts))
-        states = io.view(self.layer_id, ("recurrent_state",))
+        conv, recurrent = tuple(self.conv_parts), ("recurrent_state",)
         outs = []
-        for group in ctx.groups:  # one-token decodes apart from longer spans
-            window, state = windows[group.rows], states[group.rows]
-            out, new_window, new_state = self._mix(mixed, g, beta, window, state, group)
-            window.copy_(new_window)
-            if new_state is not state:  # a decode updates its state in place
-                state.copy_(new_state)
-            outs.append(out)
+        if FAST.state_cells:  # the windows and states read and updated where they lie in the pool, by cell
+            windows, states = io.pool_view(self.layer_id, conv), io.pool_view(self.layer_id, recurrent)
+            for group in ctx.groups:
+                outs.append(self._in_pool(mixed, g, beta, windows, states, io.cells[group.rows], group))
+        else:  # in the step's gathered cells
+            windows, states = io.view(self.layer_id, conv), io.view(self.layer_id, recurrent)
+            for group in ctx.groups:  # one-token decodes apart from longer spans
+                window, state = windows[group.rows], states[group.rows]
+                mix = self._decode if group.decode_only else self._prefill
+                out, new_window, new_state = mix(mixed, g, beta, window, state, group)
+                window.copy_(new_window)
+                if new_state is not state:  # a decode updates its state in place
+                    state.copy_(new_state)
+                outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
-    def _mix(
+    def _in_pool(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        windows: torch.Tensor,
+        states: torch.Tensor,
+        cells: torch.Tensor,
+        group: Group,
+    ) -> torch.Tensor:
+        """A group whose conv windows ``windows[cells]`` and states ``states[cells]`` (views of the pool) are read and
+        updated there: its out ``(T', v_heads, v_dim)``. Decodes run the in-pool kernels, a longer group's conv the
+        in-pool one (its states gathered and written back); where the kernels cannot run, the group's windows and
+        states are gathered and written back."""
+        index, weight = group.tokens, self.conv1d.weight.squeeze(1)
+        kernels = convs_in_pool(mixed, windows, self.activation)
+        if group.decode_only and kernels and decodes_in_pool(states):
+            q, k, v = self._heads(causal_conv1d_decode_cells(mixed[index], weight, windows, cells, self.activation))
+            return gated_delta_decode_cells(q, k, v, g[index], beta[index], states, cells)
+        state = states.index_select(0, cells)
+        if not group.decode_only and kernels:
+            conv = causal_conv1d_prefill_cells(group.pad(mixed), weight, windows, cells, group.lengths, self.activation)
+            out, new_state = self._delta_prefill(conv, g, beta, state, group)
+        else:
+            mix = self._decode if group.decode_only else self._prefill
+            out, new_window, new_state = mix(mixed, g, beta, windows.index_select(0, cells), state, group)
+            windows.index_copy_(0, cells, new_window)
+        states.index_copy_(0, cells, new_state)
+        return out
+
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One-token conv outputs ``(T', q|k|v)`` -> q, k ``(T', k_heads, k_dim)``, v ``(T', v_heads, v_dim)``."""
+        q, k, v = torch.split(conv, [self.key_size, self.key_size, self.value_size], dim=-1)
+        t = conv.shape[0]
+        return (
+            q.view(t, self.k_heads, self.k_dim),
+            k.view(t, self.k_heads, self.k_dim),
+            v.view(t, self.v_heads, self.v_dim),
+        )
+
+    def _decode(
         self,
         mixed: torch.Tensor,
         g: torch.Tensor,
@@ -126,26 +181,37 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
         group: Group,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv + gated delta rule for one group: ``(out (T', v_heads, v_dim), new window, new state)``."""
+        """A decode group, the one-token ops (as transformers uses for a one-token forward): ``(out (T', v_heads,
+        v_dim), new window, new state)``."""
+        index = group.tokens
         weight = self.conv1d.weight.squeeze(1)
-        sizes = [self.key_size, self.key_size, self.value_size]
-        if group.decode_only:  # the one-token ops, as transformers uses for a one-token forward
-            index = group.tokens
-            conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
-            q, k, v = torch.split(conv, sizes, dim=-1)
-            t = conv.shape[0]
-            out, state = gated_delta_decode(
-                q.view(t, self.k_heads, self.k_dim),
-                k.view(t, self.k_heads, self.k_dim),
-                v.view(t, self.v_heads, self.v_dim),
-                g[index],
-                beta[index],
-                state,
-                in_place=FAST.in_place_states,
-            )
-            return out, window, state
+        conv, window = causal_conv1d_decode(mixed[index], window, weight, None, self.activation)
+        q, k, v = self._heads(conv)
+        out, state = gated_delta_decode(q, k, v, g[index], beta[index], state, in_place=FAST.in_place_states)
+        return out, window, state
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        window: torch.Tensor,
+        state: torch.Tensor,
+        group: Group,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A group of longer spans, the chunked ops on its padded batch: ``(out (T', v_heads, v_dim), new window, new
+        state)``."""
+        weight = self.conv1d.weight.squeeze(1)
         conv, window = causal_conv1d_prefill(group.pad(mixed), window, weight, None, self.activation, group.lengths)
-        q, k, v = torch.split(conv, sizes, dim=-1)
+        out, state = self._delta_prefill(conv, g, beta, state, group)
+        return out, window, state
+
+    def _delta_prefill(
+        self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, group: Group
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked gated delta rule over a group's padded conv outputs ``(R', Q', q|k|v)``: ``(out (T', v_heads,
+        v_dim), new state)``."""
+        q, k, v = torch.split(conv, [self.key_size, self.key_size, self.value_size], dim=-1)
         r, nq = conv.shape[:2]
         out, state = gated_delta_prefill(
             q.reshape(r, nq, self.k_heads, self.k_dim),
@@ -157,4 +223,4 @@ class GatedDeltaNet(nn.Module):
             group.lengths,
             chunk_size=GDN_CHUNK,
         )
-        return group.unpad(out), window, state
+        return group.unpad(out), state

@@ -131,6 +131,21 @@ def gated_delta_prefill(
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), final.view(batch, heads_v, dk, dv)
 
 
+def decode_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode's inputs as its state update reads them: fp32, q and k per value head (``[batch, heads_v, dk]``),
+    L2-normalised, q scaled by ``dk ** -0.5``; ``(q, k, v, g, beta)``."""
+    heads_k, heads_v = k.shape[1], v.shape[1]
+    if heads_k != heads_v:
+        q = q.repeat_interleave(heads_v // heads_k, dim=1)
+        k = k.repeat_interleave(heads_v // heads_k, dim=1)
+    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+    q = _l2norm(q)
+    k = _l2norm(k)
+    return q / (q.shape[-1] ** 0.5), k, v, g, beta
+
+
 def gated_delta_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,17 +160,10 @@ def gated_delta_decode(
     ``in_place`` (an fp32 state): the new state is written into ``state`` and returned (the same arithmetic, no
     state-sized temporaries: on the widened Qwen3-Next decodes each would be megabytes a layer)."""
     out_dtype = q.dtype
-    batch, heads_k, dk = k.shape
+    batch, dk = k.shape[0], k.shape[-1]
     heads_v, dv = v.shape[-2:]
     check_state(state, (batch, heads_v, dk, dv), "(batch, heads_v, dk, dv)", "gated delta decode")
-    if heads_k != heads_v:
-        q = q.repeat_interleave(heads_v // heads_k, dim=1)
-        k = k.repeat_interleave(heads_v // heads_k, dim=1)
-    q, k, v, beta, g = (x.to(torch.float32) for x in (q, k, v, beta, g))
-    q = _l2norm(q)
-    k = _l2norm(k)
-    q = q / (q.shape[-1] ** 0.5)
-
+    q, k, v, g, beta = decode_inputs(q, k, v, g, beta)
     in_place = in_place and state.dtype == torch.float32
     decay = g.exp()[..., None, None]
     s = state.mul_(decay) if in_place else state.to(v) * decay

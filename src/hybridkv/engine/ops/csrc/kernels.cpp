@@ -9,3 +9,6 @@
 #include "qk_rope.cpp"
 #include "put_entries.cpp"
 #include "band_attention.cpp"
+#include "gdn_decode.cpp"
+#include "conv_decode.cpp"
+#include "conv_prefill.cpp"
