@@ -174,7 +174,7 @@ class ForwardBatch:
         if self.pages is not None:
             if self.page_size != page_size:
                 raise BatchError(f"page rows of {self.page_size} tokens a page for a memory of {page_size}")
-            return np.concatenate([p[:n] for p, n in zip(self.pages, counts, strict=True)]), base
+            return np.concatenate([p[:n] for p, n in zip(self.pages, counts.tolist(), strict=True)]), base  # int slices
         assert self.token_locs is not None
         locs = np.concatenate(self.token_locs)
         starts = np.cumsum(seq) - seq

@@ -334,7 +334,10 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
     every = mem.page_cells(np.concatenate(pages), layout.pool_id)  # the gathered pages, then the paged group's
     cells = every[:gathered]
     zero_cols = dev(np.concatenate([empty, *plan.zero_cols]))
-    buffer = TokenIO.gather(layout, cells, zero_cols, slice(0, layout.window(cells.numel())))
+    if gathered:
+        buffer = TokenIO.gather(layout, cells, zero_cols, slice(0, layout.window(cells.numel())))
+    else:  # only the paged decode group (a decode step): no keys to gather, no sink to zero (it reads only its pages)
+        buffer = layout.grid.new_empty((layout.slots, 0, *layout.grid.shape[3:]))
     shape = buffer.shape[2:]
     parts = [
         [

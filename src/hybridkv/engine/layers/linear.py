@@ -42,12 +42,12 @@ def _onednn_bf16() -> bool:
 
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` takes the packed path."""
-    return (
+    return (  # per projection and step: ``is_cpu`` (~60 ns), not ``device.type`` (~300 ns, a device object made)
         FAST.packed_linears
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        and x.is_cpu
+        and weight.is_cpu
         and weight.dim() == 2
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not torch.compiler.is_compiling()

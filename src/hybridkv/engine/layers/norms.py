@@ -37,7 +37,10 @@ T = TypeVar("T")
 def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[..., T]) -> T:
     """``make(*sources)``, kept on ``owner`` under ``name`` until a source changes (a load writes it in place:
     its version moves; a conversion replaces it: its storage moves)."""
-    key = tuple((s._version, s.data_ptr()) for s in sources)
+    if len(sources) == 1:  # the common case (a weight), without a generator: called per projection and norm, per step
+        key: tuple[int, ...] = (sources[0]._version, sources[0].data_ptr())
+    else:
+        key = tuple(v for s in sources for v in (s._version, s.data_ptr()))
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
         # kept past the step: a normal tensor, even when made inside the runner's inference mode
@@ -70,6 +73,10 @@ def rms_norm_rounded(
     return out if residual is None else residual + out
 
 
+def _one_plus(w: torch.Tensor) -> torch.Tensor:
+    return 1.0 + w.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
@@ -81,7 +88,7 @@ class RMSNorm(nn.Module):
     def scale(self) -> torch.Tensor:
         """The fp32 factor after normalising: ``w`` or ``1 + w``."""
         if self.offset:
-            return derived(self, "_scale", (self.weight,), lambda w: 1.0 + w.float())
+            return derived(self, "_scale", (self.weight,), _one_plus)
         return f32(self.weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

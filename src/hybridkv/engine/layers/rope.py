@@ -4,7 +4,8 @@ Invariants: the inverse frequencies and the cos/sin scaling equal ``transformers
 init functions for the supported types (computed on the CPU at construction, also when the model
 is built on the meta device: they are not weights); a partial rotary factor rotates only the first
 ``rotary_dim`` dims of each head (Qwen3-Next); cos/sin are computed in fp32 from positions, once per
-step and rope (``RopeTables``), and applied in three ops per tensor.
+step and rope (``RopeTables``; no scaling multiply where the scaling is 1, no padding where every dim rotates), and
+applied in three ops per tensor.
 """
 
 from __future__ import annotations
@@ -85,11 +86,15 @@ class Rope(nn.Module):
     def forward(self, positions: torch.Tensor) -> RopeTables:
         """The rotation of flat positions ``(T,)``."""
         freqs = positions[:, None].float() * self.inv_freq
-        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling  # (T, rotary_dim / 2)
+        cos, sin = freqs.cos(), freqs.sin()  # (T, rotary_dim / 2)
+        if self.scaling != 1.0:  # times 1.0 is the identity: two ops a rope and step saved where there is no scaling
+            cos, sin = cos * self.scaling, sin * self.scaling
         rest = self.head_dim - self.rotary_dim
-        ones, zeros = cos.new_ones(cos.shape[0], rest), cos.new_zeros(cos.shape[0], rest)
-        full_cos = torch.cat((cos, cos, ones), dim=-1)
-        full_sin = torch.cat((-sin, sin, zeros), dim=-1)
+        if rest:
+            ones, zeros = cos.new_ones(cos.shape[0], rest), cos.new_zeros(cos.shape[0], rest)
+            full_cos, full_sin = torch.cat((cos, cos, ones), dim=-1), torch.cat((-sin, sin, zeros), dim=-1)
+        else:  # every dim rotates: nothing to append
+            full_cos, full_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         return RopeTables(full_cos[:, None], full_sin[:, None], self.rotary_dim)
 
 

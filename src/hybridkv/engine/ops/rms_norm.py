@@ -26,10 +26,10 @@ def fuses_norm(x: torch.Tensor, scale: torch.Tensor | None, residual: torch.Tens
         FAST.fused_norms
         and FAST.native_kernels
         and x.dtype in (torch.bfloat16, torch.float32)
-        and x.device.type == "cpu"
+        and x.is_cpu  # per norm and step: ~60 ns, where ``device.type`` makes a device object (~300 ns)
         and scale is not None
         and scale.dtype == torch.float32
-        and scale.device.type == "cpu"
+        and scale.is_cpu
         and x.shape[-1] > 0
         and scale.numel() % x.shape[-1] == 0
         and (x.numel() // x.shape[-1]) % max(1, scale.numel() // x.shape[-1]) == 0
