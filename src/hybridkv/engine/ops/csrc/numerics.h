@@ -1,12 +1,17 @@
 // Scalar helpers the kernels share (inline, written so that `#pragma omp simd` loops over them vectorise):
-// bf16 <-> fp32 (round to nearest even, NaN kept), load / store of bf16 or fp32 entries as fp32, and a vectorisable
-// exp (Cephes' expf polynomial: exp(x) = 2^n exp(r), |r| <= ln2 / 2, ~1 ulp; clamped to fp32's range; its loops
-// vectorise with -fno-trapping-math, one of ops.native's flags).
+// bf16 <-> fp32 (round to nearest even, NaN kept), load / store of bf16 or fp32 entries as fp32, a bf16 dot product
+// in fp32 (VDPBF16PS where the CPU has it), and a vectorisable exp (Cephes' expf polynomial: exp(x) = 2^n exp(r),
+// |r| <= ln2 / 2, ~1 ulp; clamped to fp32's range; its loops vectorise with -fno-trapping-math, one of ops.native's
+// flags).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace hybridkv_cpu {
 
@@ -49,6 +54,28 @@ HYBRIDKV_INLINE float exp_approx(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return y * two_n;
+}
+
+// q . k over d bf16 entries (as uint16 bits), in fp32: VDPBF16PS over 32-entry blocks where the CPU has it
+HYBRIDKV_INLINE float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t d) {
+  float dot = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 32 <= d; i += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
+  dot = _mm512_reduce_add_ps(acc);
+#endif
+  float rest = 0.0f;
+#if defined(__AVX512BF16__)
+  // a plain loop: a `omp simd` reduction ends in a serial sum of its 16 lanes even when it runs no iteration (d a
+  // multiple of 32), ~64 cycles a dot
+  for (int64_t j = i; j < d; ++j) rest += bf16_to_float(q[j]) * bf16_to_float(k[j]);
+#else
+#pragma omp simd reduction(+ : rest)
+  for (int64_t j = i; j < d; ++j) rest += bf16_to_float(q[j]) * bf16_to_float(k[j]);
+#endif
+  return dot + rest;
 }
 
 }  // namespace hybridkv_cpu

@@ -31,28 +31,6 @@ using namespace hybridkv_cpu;
 
 constexpr int64_t kAhead = 8;  // columns a score looks ahead to prefetch
 
-// q . k over d bf16 entries, in fp32
-inline float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t d) {
-  float dot = 0.0f;
-  int64_t i = 0;
-#if defined(__AVX512BF16__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 32 <= d; i += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(k + i));
-  dot = _mm512_reduce_add_ps(acc);
-#endif
-  float rest = 0.0f;
-#if defined(__AVX512BF16__)
-  // a plain loop: a `omp simd` reduction ends in a serial sum of its 16 lanes even when it runs no iteration (d a
-  // multiple of 32), ~64 cycles a dot
-  for (int64_t j = i; j < d; ++j) rest += bf16_to_float(q[j]) * bf16_to_float(k[j]);
-#else
-#pragma omp simd reduction(+ : rest)
-  for (int64_t j = i; j < d; ++j) rest += bf16_to_float(q[j]) * bf16_to_float(k[j]);
-#endif
-  return dot + rest;
-}
-
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot,
                            const at::Tensor& table, const at::Tensor& start, const at::Tensor& stop,
                            double scale) {
