@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.forward import pool_io
 from hybridkv.engine.forward.pool_io import LayoutError, pool_layouts
 from hybridkv.engine.forward.step import StepContext
@@ -211,7 +212,8 @@ def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
 ) -> None:
     """With parts that cost nothing every change of key width cuts one: decodes of 9-130-token contexts (and the
     prefill groups) attend in several parts of their own widths (sliding windows, sinks, MLA latents alike), and
-    every request still gets transformers' tokens and logits."""
+    every request still gets transformers' tokens and logits. The decode rows take the gathered path here (paged
+    decodes take no key columns: ``ops.paged_decode``)."""
     import hybridkv.engine.forward.step as step_module
     import hybridkv.engine.runner as runner_module
 
@@ -227,7 +229,8 @@ def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
     monkeypatch.setattr(step_module, "PART_COST", 0)
     runner = make_runner(name, 4)
     prompts = [prompt(90 + n, n) for n in (127, 96, 40, 13, 6)]
-    served = serve(runner, prompts, 128, max_new=3)
+    with fast_paths(paged_decode=False):
+        served = serve(runner, prompts, 128, max_new=3)
     assert max(parts[1:]) >= 4  # the decode steps: widths of 33, 25, 11, 4 and 3 pages
     for ids, got in zip(prompts, served, strict=True):
         tokens, logits = hf_reference(name, tuple(ids), 3)

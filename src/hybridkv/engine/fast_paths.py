@@ -11,8 +11,8 @@ baseline in the same run (``hybridkv bench bf16``).
   instead of through torch's composite, which makes a fresh fp32 tensor at each step.
 - ``native_kernels``: the C++ CPU kernels (``ops.native``; built once per machine, skipped where they cannot be),
   e.g. the greedy choice over the logits in one read (``ops.greedy``).
-- ``paged_decode``: bf16 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++ kernel)
-  instead of a gathered copy; equal within bf16 rounding, not bit-equal.
+- ``paged_decode``: bf16 and fp32 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++
+  kernel) instead of a gathered copy; equal within the dtype's rounding, not bit-equal.
 - ``flush_decays``: the chunked gated delta rule (``ops.gated_delta``) sets its decay factors below ``e**-30`` to
   exactly zero instead of letting them (and their products) become denormal floats, which the CPU multiplies about
   ten times slower (widened Qwen3-Next bf16 prefill: its fp32 chunk matmuls 371 -> 66 ms of a 1.5 s step); the

@@ -22,7 +22,7 @@ layer's, so one layer's keys, padded, may exceed the bound): when a layer writes
 the loaded window, the window is gathered again from there, and each layer's new entries go to
 the pool at once (a later window reads them back).
 
-A bf16 CPU step whose pool keeps K/V reads its decode rows from the pool's pages instead
+A bf16 or fp32 CPU step whose pool keeps K/V reads its decode rows from the pool's pages instead
 (``ops.paged_decode``, ``TokenIO.paged``): they take no buffer columns, and each layer puts their new
 entries in the pool at once, before it attends.
 

@@ -18,7 +18,7 @@ its own widest row (``KeyPart``): a 20-token context is not padded to a 270-toke
 part of every group is gathered at once per pool, for every layer of the pool (one buffer; a
 window of layers at a time beyond the workspace, ``pool_io``); the step's new entries are put
 in by each layer as it computes them (the pool gets them once, at the end of the step:
-``flush``, or per layer when windowed). A bf16 CPU pool of K/V plans its decode group as page
+``flush``, or per layer when windowed). A bf16 or fp32 CPU pool of K/V plans its decode group as page
 tables instead (``ops.paged_decode``: no gathered columns, no mask). Each part has one
 additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
 the pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (padding, slots after a
