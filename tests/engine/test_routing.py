@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hybridkv.engine.layers.routing import Routing
+from hybridkv.engine.fast_paths import fast_paths
+from hybridkv.engine.layers.linear import packs
+from hybridkv.engine.layers.routing import ROW_BUCKET, Routing
 from hybridkv.host_sync import HostSyncCounter
 
 
@@ -38,3 +41,41 @@ def test_a_bias_is_added_per_expert() -> None:
     bias = torch.tensor([[1.0], [10.0]])
     route = Routing.of(torch.tensor([[1], [0], [1]]), torch.ones(3, 1), 2)
     assert route.combine(route.matmul(route.gather(x), w, bias), 3).flatten().tolist() == [10.0, 1.0, 10.0]
+
+
+@pytest.mark.skipif(
+    not packs(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)),
+    reason="oneDNN bf16 (the packed path) not on this CPU",
+)
+@pytest.mark.parametrize("tokens", [37, 64, 200])
+def test_packed_runs_widened_to_row_buckets_equal_the_exact_runs_within_bf16_rounding(
+    tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each expert's run computed on a multiple of ``ROW_BUCKET`` rows (the next runs' rows, or zeros after the last
+    one) gives its own rows' products: the rows read past a run are dropped, none leaks into another expert's."""
+    g = torch.Generator().manual_seed(tokens)
+    experts, hidden, out_dim, k = 5, 64, 48, 2
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w = torch.randn(experts, hidden, out_dim, generator=g).bfloat16()
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    route = Routing.of(index, torch.rand(tokens, k, generator=g).bfloat16(), experts)
+    rows = route.gather(x)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(e.t().contiguous()) for e in w]
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with fast_paths(row_buckets=False):
+        exact = route.matmul(rows, w, packed=packed)
+    exact_calls, calls[:] = list(calls), []
+    widened = route.matmul(rows, w, packed=packed)
+    assert all(n % ROW_BUCKET == 0 for n in calls) and len(calls) == len(exact_calls) == experts
+    assert widened.shape == exact.shape == (tokens * k, out_dim)
+    want = torch.bmm(rows.float().unsqueeze(1), w.float()[route.expert]).squeeze(1)
+    scale = want.abs().max()
+    assert (widened.float() - exact.float()).abs().max() <= scale * 2**-7
+    assert (widened.float() - want).abs().max() <= scale * 2**-7
