@@ -153,3 +153,23 @@ def test_packed_experts_match_grouped_mm(layout: str) -> None:
             assert expert_weights(rows, as_out_in, owner, "_packed") is None
     torch.testing.assert_close(got, want)
     assert expert_weights(rows.float(), as_out_in.float(), owner, "_packed32") is None
+
+
+@needs_onednn_fp32
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next"])
+def test_fp32_engine_through_packed_linears_matches_transformers(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # widened x8 (hidden 512, MLP 1024): 8 rows and up clear FP32_MACS, so prefills and 8-row decodes are packed
+    with quiet_transformers():
+        model, config = build_random(name, 8)
+    made: list[torch.Size] = []
+    pack = packed._pack
+    monkeypatch.setattr(packed, "_pack", lambda w: made.append(w.shape) or pack(w))
+    engine = Engine(config, model, EngineConfig(gpu_memory="256MiB", dtype=torch.float32, chunk_size=64))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 13, 17, 21, 25, 29, 33)]
+    got = [o.output_ids for o in engine.generate(prompts, 10, stop_at_eos=False)]
+    assert made, "no fp32 projection took the packed path"
+    with torch.no_grad():
+        for ids, tokens in zip(prompts, got, strict=True):
+            want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
+            assert tokens[: len(want)] == want  # generate stops at EOS; the engine decodes past it
