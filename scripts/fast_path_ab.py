@@ -10,7 +10,7 @@ torch thread, 16 new tokens each (greedy, EOS ignored; steps of 2048 tokens):
 
 Each run draws fresh prompts (no prefix-cache hits across runs). The switches named (comma-separated ``fast_paths``
 fields) are all off, then all on, swapping the order every round; the figure is the process CPU time of the runs (on
-a shared machine, descheduled time would swamp the difference), median of the rounds.
+a shared machine, descheduled time would swamp the difference), median of the rounds, then each round's on/off.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python scripts/fast_path_ab.py tiny-gemma3 put_entries,band_attention 8
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python scripts/fast_path_ab.py tiny-gemma3 packed_fp32 6 --dtype float32
@@ -91,9 +91,10 @@ def main(name: str, switches: list[str], rounds: int, dtype: torch.dtype) -> Non
     label = str(dtype).removeprefix("torch.")
     for w in WORKLOADS:
         off, on = statistics.median(times[(w, False)]), statistics.median(times[(w, True)])
+        rounds_ratio = " ".join(f"{b / a:.2f}" for a, b in zip(times[(w, False)], times[(w, True)], strict=True))
         print(
             f"{name} {label} {w}: {','.join(switches)} off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, "
-            f"on/off {on / off:.3f}"
+            f"on/off {on / off:.3f} (rounds: {rounds_ratio})"
         )
 
 
