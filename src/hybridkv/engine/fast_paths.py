@@ -5,7 +5,7 @@ baseline in the same run (``hybridkv bench bf16``).
   (``layers.linear``);
 - ``packed_fp32``: fp32 projections and logits of 4 to 256 rows and at least 2**22 multiply-adds through oneDNN with
   the weights packed once (``layers.linear``; ``F.linear``'s MKL sgemm elsewhere, where it is as fast or faster).
-  One thread, this machine, F.linear -> packed: 16 x 512 -> 2048 533 -> 400 µs, 64 x 2048 -> 512 1234 -> 1061 µs,
+  One thread, this machine, F.linear -> packed: 16 x 512 -> 2048 533 -> 410 µs, 64 x 2048 -> 512 1234 -> 1061 µs,
   64 x 512 -> 32000 (logits) 23.8 -> 19.8 ms; not bit-equal (another summation order), within fp32 rounding.
 - ``in_place_states``: recurrent states stay where they are: a recurrent layer's one-token decode (GatedDeltaNet,
   KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
