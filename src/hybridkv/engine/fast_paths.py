@@ -3,7 +3,7 @@ baseline in the same run (``hybridkv bench bf16``).
 
 - ``packed_linears``: bf16 projections, logits and routed experts through oneDNN with the weights packed once
   (``layers.linear``);
-- ``packed_fp32``: fp32 projections and logits of 4 to 256 rows and at least 2**22 multiply-adds through oneDNN with
+- ``packed_fp32``: fp32 projections and logits of 4 to 128 rows and at least 2**22 multiply-adds through oneDNN with
   the weights packed once (``layers.linear``; ``F.linear``'s MKL sgemm elsewhere, where it is as fast or faster).
   One thread, this machine, F.linear -> packed: 16 x 512 -> 2048 533 -> 410 µs, 64 x 2048 -> 512 1234 -> 1061 µs,
   64 x 512 -> 32000 (logits) 23.8 -> 19.8 ms; not bit-equal (another summation order), within fp32 rounding.

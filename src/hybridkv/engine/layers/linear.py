@@ -11,16 +11,16 @@ thread, this machine (AMX-BF16): 1 x 512 -> 1024 74 -> 31 µs, 16 x 512 -> 1024 
 bit-identical results (the same kernel family, the same fp32 accumulation).
 
 fp32 (``fast_paths(packed_fp32=...)``) takes the same packed path only where it measured faster than ``F.linear``
-(MKL's sgemm): ``FP32_ROWS`` rows (oneDNN's fixed cost per call, ~30 µs, loses at 1 or 2 rows; sgemm catches up
-from ~256 rows and wins from ~1024) and at least ``FP32_MACS`` multiply-adds (below, the call's cost dominates:
-8 x 512 -> 512 55 -> 83 µs). One thread, this machine, best of 5 alternating, F.linear -> packed: 4 x 512 -> 2048
-355 -> 255 µs, 16 x 2048 -> 512 597 -> 424 µs, 64 x 512 -> 2048 1165 -> 1050 µs, 64 x 512 -> 32000 (logits)
-23.8 -> 19.8 ms, 256 x 512 -> 32000 74 -> 62 ms; 1 x 512 -> 2048 202 -> 246 µs, 1024 x 2048 -> 512 14.8 ->
-15.3 ms (hence the bounds). Two threads (this shared 2-core machine: ~7 ms stalls swamp many cells), where
-measurable, the same picture: packed 0.5-0.9x from 16 rows to 256, 1.3-5x at 1 to 8 rows of the small shapes.
-The fp32 weight is packed for 64 rows (``_reorder_linear_weight``'s batch hint: any hint from 4 rows on measured
-alike, none 15% slower on the logits). Not bit-equal to ``F.linear`` (another summation
-order): within fp32 rounding.
+(MKL's sgemm): ``FP32_ROWS`` rows (oneDNN's fixed cost per call, ~30 µs, loses at 1 or 2 rows; sgemm catches up from
+~128 rows but on the logits, and wins from ~1024; in the engine, widened Gemma 3 dense's 144-token prefill step, one
+thread, median of 15 alternating: 78 -> 89 ms packed) and at least ``FP32_MACS`` multiply-adds (below, the call's cost
+dominates: 8 x 512 -> 512 55 -> 83 µs). One thread, this machine, best of 5 alternating, F.linear -> packed: 4 x 512
+-> 2048 355 -> 255 µs, 16 x 2048 -> 512 597 -> 424 µs, 64 x 512 -> 2048 1165 -> 1050 µs, 64 x 512 -> 32000 (logits)
+23.8 -> 19.8 ms, 256 x 512 -> 32000 74 -> 62 ms; 1 x 512 -> 2048 202 -> 246 µs, 1024 x 2048 -> 512 14.8 -> 15.3 ms
+(hence the bounds). Two threads (this shared 2-core machine: ~7 ms stalls swamp many cells), where measurable, the
+same picture: packed 0.5-0.9x from 16 rows to 256, 1.3-5x at 1 to 8 rows of the small shapes. The fp32 weight is
+packed for 64 rows (``_reorder_linear_weight``'s batch hint: any hint from 4 rows on measured alike, none 15% slower
+on the logits). Not bit-equal to ``F.linear`` (another summation order): within fp32 rounding.
 
 Every other device or dtype keeps ``F.linear``, as do a graph being traced (``torch.compile``) and a call that
 records gradients; routed experts pack bf16 only.
@@ -61,7 +61,7 @@ def _onednn() -> bool:
         return False
 
 
-FP32_ROWS = (4, 256)
+FP32_ROWS = (4, 128)
 """The rows (tokens) of an fp32 ``x`` that take the packed path: from the first to the second, both included."""
 FP32_MACS = 1 << 22
 """The least multiply-adds (rows x in x out) of an fp32 call on the packed path."""
