@@ -1,5 +1,6 @@
-"""Packed bf16 linears (``engine.layers.linear``): the same numbers as ``F.linear``, kept valid across weight loads,
-and off wherever they do not apply (fp32, a graph being traced, ``fast_paths(packed_linears=False)``)."""
+"""Packed linears (``engine.layers.linear``): bf16 the same numbers as ``F.linear``, kept valid across weight loads;
+fp32 only inside its row and size bounds, within fp32 rounding of ``F.linear``; off wherever they do not apply (a
+small fp32 call, a graph being traced, ``fast_paths(packed_linears=False)`` / ``fast_paths(packed_fp32=False)``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hybridkv.engine.random_models import build_random, quiet_transformers
 
 ONEDNN_BF16 = packed._onednn_bf16()
 needs_onednn = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU's oneDNN has no native bf16")
+needs_onednn_fp32 = pytest.mark.skipif(not packed._onednn(), reason="this torch has no oneDNN")
 
 
 @needs_onednn
@@ -58,6 +60,47 @@ def test_fp32_keeps_f_linear() -> None:
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert "_packed" not in layer.__dict__
+
+
+@needs_onednn_fp32
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_inside_its_bounds_only(bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = Linear(512, 2048, bias=bias)  # 4 rows: 2**22 multiply-adds, the least packed
+    low, high = packed.FP32_ROWS
+    assert low * 512 * 2048 >= packed.FP32_MACS > (low - 1) * 512 * 2048
+    with torch.inference_mode():
+        layer(torch.randn(high + 1, 512))
+        assert "_packed" not in layer.__dict__
+        for rows, takes in [(1, False), (low - 1, False), (low, True), (64, True), (high, True), (high + 1, False)]:
+            x = torch.randn(rows, 512)
+            assert packs(x, layer.weight) == takes, rows
+            got = layer(x)
+            want = F.linear(x, layer.weight, layer.bias)
+            if takes:
+                assert "_packed" in layer.__dict__
+                torch.testing.assert_close(got, want)  # fp32 rounding (another summation order: not bit-equal)
+            else:
+                assert torch.equal(got, want)
+        x = torch.randn(64, 512)
+        with fast_paths(packed_fp32=False):
+            assert not packs(x, layer.weight)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        with fast_paths(packed_linears=False):  # the bf16 switch leaves fp32 alone
+            assert packs(x, layer.weight)
+        assert not packs(torch.randn(64, 8), torch.randn(8, 8))  # too few multiply-adds
+
+
+@needs_onednn_fp32
+def test_packed_fp32_weight_follows_a_reload() -> None:
+    torch.manual_seed(0)
+    layer = Linear(512, 1024, bias=False)
+    x = torch.randn(16, 512)
+    with torch.inference_mode():
+        layer(x)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(1024, 512) / 512**0.5)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))  # fp32 rounding
 
 
 def test_a_call_recording_gradients_stays_plain() -> None:
@@ -110,3 +153,23 @@ def test_packed_experts_match_grouped_mm(layout: str) -> None:
             assert expert_weights(rows, as_out_in, owner, "_packed") is None
     torch.testing.assert_close(got, want)
     assert expert_weights(rows.float(), as_out_in.float(), owner, "_packed32") is None
+
+
+@needs_onednn_fp32
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next"])
+def test_fp32_engine_through_packed_linears_matches_transformers(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # widened x8 (hidden 512, MLP 1024): 8 rows and up clear FP32_MACS, so prefills and 8-row decodes are packed
+    with quiet_transformers():
+        model, config = build_random(name, 8)
+    made: list[torch.Size] = []
+    pack = packed._pack
+    monkeypatch.setattr(packed, "_pack", lambda w: made.append(w.shape) or pack(w))
+    engine = Engine(config, model, EngineConfig(gpu_memory="256MiB", dtype=torch.float32, chunk_size=64))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 13, 17, 21, 25, 29, 33)]
+    got = [o.output_ids for o in engine.generate(prompts, 10, stop_at_eos=False)]
+    assert made, "no fp32 projection took the packed path"
+    with torch.no_grad():
+        for ids, tokens in zip(prompts, got, strict=True):
+            want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
+            assert tokens[: len(want)] == want  # generate stops at EOS; the engine decodes past it

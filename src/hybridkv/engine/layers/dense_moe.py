@@ -35,7 +35,13 @@ def dense_takes(x: torch.Tensor, gate_up: torch.Tensor, top_k: int) -> bool:
     """Whether ``x (T, H)``, each token routed to ``top_k`` of the experts ``gate_up (E, 2I, H)``, takes the dense
     path: enough pairs (``T * top_k >= E``) that most experts would run anyway, few enough tokens (``DENSE_PAIRS``)."""
     tokens, experts = x.shape[0], gate_up.shape[0]
-    return FAST.dense_experts and experts <= tokens * top_k and tokens * experts <= DENSE_PAIRS and packs(x, gate_up[0])
+    return (
+        FAST.dense_experts
+        and experts <= tokens * top_k
+        and tokens * experts <= DENSE_PAIRS
+        and x.dtype == torch.bfloat16
+        and packs(x, gate_up[0])
+    )
 
 
 def dense_experts(
