@@ -47,12 +47,13 @@ def test_a_bias_is_added_per_expert() -> None:
     not packs(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)),
     reason="oneDNN bf16 (the packed path) not on this CPU",
 )
-@pytest.mark.parametrize("tokens", [37, 64, 200])
+@pytest.mark.parametrize("tokens", [37, 64, 200, 300])
 def test_packed_runs_widened_to_row_buckets_equal_the_exact_runs_within_bf16_rounding(
     tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each expert's run computed on a multiple of ``ROW_BUCKET`` rows (the next runs' rows, or zeros after the last
-    one) gives its own rows' products: the rows read past a run are dropped, none leaks into another expert's."""
+    """Each expert's run of more than ``ROW_BUCKET`` rows computed on a multiple of it (the next runs' rows, or zeros
+    after the last one) gives its own rows' products: the rows read past a run are dropped, none leaks into another
+    expert's; shorter runs keep their length."""
     g = torch.Generator().manual_seed(tokens)
     experts, hidden, out_dim, k = 5, 64, 48, 2
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
@@ -73,7 +74,8 @@ def test_packed_runs_widened_to_row_buckets_equal_the_exact_runs_within_bf16_rou
         exact = route.matmul(rows, w, packed=packed)
     exact_calls, calls[:] = list(calls), []
     widened = route.matmul(rows, w, packed=packed)
-    assert all(n % ROW_BUCKET == 0 for n in calls) and len(calls) == len(exact_calls) == experts
+    assert len(calls) == len(exact_calls) == experts
+    assert all(w % ROW_BUCKET == 0 if n > ROW_BUCKET else w == n for w, n in zip(calls, exact_calls, strict=True))
     assert widened.shape == exact.shape == (tokens * k, out_dim)
     want = torch.bmm(rows.float().unsqueeze(1), w.float()[route.expert]).squeeze(1)
     scale = want.abs().max()

@@ -47,9 +47,9 @@ baseline in the same run (``hybridkv bench bf16``).
   megabyte), its prefill gathers and writes back its group's windows and states alone, every other state tensor is
   gathered alone on first use; within fp32 rounding (the kernels' sums and SiLU), not bit-equal.
 
-- ``row_buckets``: a packed routed expert (``layers.routing``) runs on its rows widened to a multiple of 64, so that
-  oneDNN's kernels compiled for a row count are reused instead of compiled again for each step's run lengths (~4 ms
-  each); within bf16 rounding.
+- ``row_buckets``: a packed routed expert's run of more than 64 rows (``layers.routing``) is widened to a multiple of
+  64, so that oneDNN's kernels compiled for a row count are reused instead of compiled again for each step's run
+  lengths (~4 ms each); within bf16 rounding.
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.

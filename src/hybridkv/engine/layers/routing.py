@@ -7,12 +7,13 @@ routed outputs are weighted and summed back per token with one ``index_add_``.
 
 Packed CPU experts (``linear.expert_weights``) run one oneDNN call per expert on its run of rows. oneDNN compiles
 a kernel for each row count it meets (~4-5 ms for 500 x 512 -> 512 bf16 on this machine, against ~0.35 ms for the
-product once compiled), and the runs' lengths differ every step: so each run, short or long, is widened to a
-multiple of ``ROW_BUCKET`` rows (the rows after it, the next experts' or zeros past the end, computed and
-dropped) and the kernels of a few row counts are reused (``fast_paths(row_buckets=...)``; within bf16 rounding:
-oneDNN may pick another blocking for another row count). Projections (``linear.linear``) keep their exact row
-counts: a step's token count recurs, their compiles summed ~95 ms over a fresh widened Gemma 3 run, and widening
-them cost more than it saved (a 144-token prefill computed as 192 rows).
+product once compiled), and the runs' lengths differ every step: so a run of more than ``ROW_BUCKET`` rows is
+widened to a multiple of it (the rows after it, the next experts' or zeros past the end, computed and dropped) and
+the kernels of a few row counts are reused (``fast_paths(row_buckets=...)``; within bf16 rounding: oneDNN may pick
+another blocking for another row count). A shorter run keeps its length: a decode's runs of a row or two would cost
+several times more widened, and their few lengths are soon all compiled. Projections (``linear.linear``) keep their
+exact row counts: a step's token count recurs, their compiles summed ~95 ms over a fresh widened Gemma 3 run, and
+widening them cost more than it saved (a 144-token prefill computed as 192 rows).
 
 Invariants: no host read of a device tensor (the runs' ends come from ``searchsorted`` on the
 device, never from counting on the host; the packed path reads them, CPU tensors); experts no token chose cost
@@ -39,8 +40,11 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 def _run(x: torch.Tensor, start: int, end: int, packed: torch.Tensor) -> torch.Tensor:
-    """Rows ``x[start:end]`` times an expert's packed weight, computed on a multiple of ``ROW_BUCKET`` rows."""
-    rows = -(-(end - start) // ROW_BUCKET) * ROW_BUCKET if FAST.row_buckets else end - start
+    """Rows ``x[start:end]`` times an expert's packed weight; a run of more than ``ROW_BUCKET`` rows computed on a
+    multiple of it."""
+    rows = end - start
+    if FAST.row_buckets and rows > ROW_BUCKET:
+        rows = -(-rows // ROW_BUCKET) * ROW_BUCKET
     if start + rows <= x.shape[0]:
         widened = x[start : start + rows]
     else:  # the last runs: zeros after the rows
