@@ -75,7 +75,9 @@ def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
         if not (FAST.packed_linears and weight.dtype == torch.bfloat16 and _onednn_bf16()):
             return False
     elif x.dtype == torch.float32:
-        if not (FAST.packed_fp32 and weight.dtype == torch.float32 and weight.dim() == 2 and _onednn()):
+        if not (FAST.packed_fp32 and weight.dtype == torch.float32 and weight.dim() == 2):
+            return False
+        if torch.compiler.is_compiling() or not _onednn():  # not traced: dynamo warns of a cached function
             return False
         rows = x.numel() // max(1, x.shape[-1])
         if not (FP32_ROWS[0] <= rows <= FP32_ROWS[1] and rows * weight.shape[0] * weight.shape[1] >= FP32_MACS):
