@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "cells.h"
 #include "numerics.h"
 
 namespace {
@@ -64,13 +65,7 @@ at::Tensor conv_decode_cells(const at::Tensor& x, const at::Tensor& weight, at::
                   pool.stride(1) == kernel - 1,
               "conv_decode_cells: a pool of ", x.scalar_type(), " windows (cells, ", channels, ", ", kernel - 1,
               ") contiguous in each cell, got ", pool.scalar_type(), " ", pool.sizes(), " strides ", pool.strides());
-  TORCH_CHECK(cells.device().is_cpu() && cells.scalar_type() == at::kLong && cells.dim() == 1 &&
-                  cells.size(0) == rows && cells.is_contiguous(),
-              "conv_decode_cells: cells must be a contiguous int64 (R = ", rows, ",) tensor, got ", cells.sizes());
-  const int64_t* cell = cells.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(cell[r] >= 0 && cell[r] < pool.size(0), "conv_decode_cells: cell ", cell[r], " of row ", r,
-                " is outside the pool's ", pool.size(0), " cells");
+  const int64_t* cell = checked_cells(cells, rows, pool.size(0), "conv_decode_cells");
   auto out = at::empty_like(x);
   if (x.scalar_type() == at::kFloat)
     conv_rows<float>(x, weight, pool, cell, out, silu);

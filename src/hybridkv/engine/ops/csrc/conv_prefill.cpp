@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cells.h"
 #include "numerics.h"
 
 namespace {
@@ -107,18 +108,15 @@ at::Tensor conv_prefill_cells(const at::Tensor& x, const at::Tensor& weight, at:
                   pool.stride(1) == kernel - 1,
               "conv_prefill_cells: a pool of ", x.scalar_type(), " windows (cells, ", channels, ", ", kernel - 1,
               ") contiguous in each cell, got ", pool.scalar_type(), " ", pool.sizes(), " strides ", pool.strides());
-  for (const at::Tensor* t : {&cells, &lengths})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == rows &&
-                    t->is_contiguous(),
-                "conv_prefill_cells: cells and lengths must be contiguous int64 (R = ", rows, ",) tensors, got ",
-                t->scalar_type(), " ", t->sizes());
-  const int64_t *cell = cells.data_ptr<int64_t>(), *length = lengths.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(cell[r] >= 0 && cell[r] < pool.size(0), "conv_prefill_cells: cell ", cell[r], " of row ", r,
-                " is outside the pool's ", pool.size(0), " cells");
+  const int64_t* cell = checked_cells(cells, rows, pool.size(0), "conv_prefill_cells");
+  TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == at::kLong && lengths.dim() == 1 &&
+                  lengths.size(0) == rows && lengths.is_contiguous(),
+              "conv_prefill_cells: lengths must be a contiguous int64 (R = ", rows, ",) tensor, got ",
+              lengths.scalar_type(), " ", lengths.sizes());
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(length[r] >= 0 && length[r] <= width, "conv_prefill_cells: length ", length[r], " of row ", r,
                 " is outside the chunk's 0 .. ", width, " inputs");
-  }
   auto out = at::empty_like(x);
   if (x.scalar_type() == at::kFloat)
     conv_rows<float>(x, weight, pool, cell, length, out, silu);

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cells.h"
+
 namespace {
 namespace hybridkv_gdn_decode {
 
@@ -62,13 +64,7 @@ at::Tensor gdn_decode_cells(const at::Tensor& q, const at::Tensor& k, const at::
               "gdn_decode_cells: an fp32 pool (cells, ", heads, ", ", dk, ", ", dv,
               ") whose cells' states are contiguous, got ", pool.scalar_type(), " ", pool.sizes(), " strides ",
               pool.strides());
-  TORCH_CHECK(cells.device().is_cpu() && cells.scalar_type() == at::kLong && cells.dim() == 1 &&
-                  cells.size(0) == rows && cells.is_contiguous(),
-              "gdn_decode_cells: cells must be a contiguous int64 (R = ", rows, ",) tensor, got ", cells.sizes());
-  const int64_t* cell = cells.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(cell[r] >= 0 && cell[r] < pool.size(0), "gdn_decode_cells: cell ", cell[r], " of row ", r,
-                " is outside the pool's ", pool.size(0), " cells");
+  const int64_t* cell = hybridkv_cpu::checked_cells(cells, rows, pool.size(0), "gdn_decode_cells");
   auto out = at::empty({rows, heads, dv}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
