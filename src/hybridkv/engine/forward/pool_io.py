@@ -356,6 +356,16 @@ class TokenIO:
         self.layout.grid[:, slots].movedim(1, 2).index_put_((self.cell, self.offset), new.movedim(0, 1))
 
 
+def _entry_bytes(cells: torch.Tensor, e: StateEntry) -> torch.Tensor:
+    """``(cells, e.nbytes)`` uint8: entry ``e``'s bytes in each cell of ``cells`` (the pool's grid or rows of it)."""
+    return cells.view(torch.uint8)[:, e.offset : e.offset + e.nbytes]
+
+
+def _typed(entry_bytes: torch.Tensor, e: StateEntry) -> torch.Tensor:
+    """``(cells, *e.shape)`` of ``e.dtype``: an entry's bytes per cell as its typed tensor."""
+    return entry_bytes.view(e.dtype).view(entry_bytes.shape[0], *e.shape)
+
+
 class StateIO:
     """The state pool in one step: every request's cell gathered once, updated in place, written back once (and
     into the reserved checkpoint cells of the requests that have one).
@@ -395,8 +405,7 @@ class StateIO:
         """``(pool cells, *shape)`` typed view of ``names`` in every cell of the pool (row ``r`` of the step is cell
         ``cells[r]``); what a layer writes there is the pool's at once."""
         e = self.layout.entry(layer_id, names)
-        raw = self.layout.grid.view(torch.uint8)[:, e.offset : e.offset + e.nbytes]
-        return raw.view(e.dtype).view(raw.shape[0], *e.shape)
+        return _typed(_entry_bytes(self.layout.grid, e), e)
 
     def _room(self, words: torch.Tensor) -> torch.Tensor:
         """Where the step's rows of ``words`` go: the next free bytes of the pool's reused buffer (fresh tensors of
@@ -414,10 +423,10 @@ class StateIO:
 
     def _words(self, e: StateEntry) -> torch.Tensor:
         """``(pool cells, words)``: ``e``'s bytes in every cell as the widest integers that tile them."""
-        raw = self.layout.grid.view(torch.uint8)
+        cells = _entry_bytes(self.layout.grid, e)
         word = next(w for w in (torch.int64, torch.int32, torch.int16) if (e.offset | e.nbytes) % w.itemsize == 0)
-        cells = raw[:, e.offset : e.offset + e.nbytes]
-        return cells.view(word) if raw.stride(0) % word.itemsize == 0 and raw.data_ptr() % word.itemsize == 0 else cells
+        aligned = cells.stride(0) % word.itemsize == 0 and cells.data_ptr() % word.itemsize == 0
+        return cells.view(word) if aligned else cells
 
     def view(self, layer_id: int, names: tuple[str, ...]) -> torch.Tensor:
         """``(R, *shape)`` typed view of ``names`` (joined along their first dim) for every request of the step."""
@@ -429,10 +438,9 @@ class StateIO:
                 words = self._words(e)  # moved as the widest words that tile it (byte or bf16 copies: ~3x slower)
                 rows = torch.index_select(words, 0, self.cells, out=self._room(words))
                 self.gathered.append((words, rows))
-                found = rows.view(torch.uint8).view(e.dtype).view(rows.shape[0], *e.shape)
+                found = _typed(rows.view(torch.uint8), e)
             else:
-                raw = self.rows.view(torch.uint8)[:, e.offset : e.offset + e.nbytes]
-                found = raw.view(e.dtype).view(self.rows.shape[0], *e.shape)
+                found = _typed(_entry_bytes(self.rows, e), e)
             self.views[key] = found
         return found
 
