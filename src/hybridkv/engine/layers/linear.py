@@ -71,13 +71,13 @@ FP32_HINT = 64
 
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` is packed: bf16 always, fp32 where it pays (``FP32_ROWS``, ``FP32_MACS``)."""
+    if torch.compiler.is_compiling():  # first: a traced graph keeps F.linear, and dynamo warns of the cached probes
+        return False
     if x.dtype == torch.bfloat16:
         if not (FAST.packed_linears and weight.dtype == torch.bfloat16 and _onednn_bf16()):
             return False
     elif x.dtype == torch.float32:
-        if not (FAST.packed_fp32 and weight.dtype == torch.float32 and weight.dim() == 2):
-            return False
-        if torch.compiler.is_compiling() or not _onednn():  # not traced: dynamo warns of a cached function
+        if not (FAST.packed_fp32 and weight.dtype == torch.float32 and weight.dim() == 2 and _onednn()):
             return False
         rows = x.numel() // max(1, x.shape[-1])
         if not (FP32_ROWS[0] <= rows <= FP32_ROWS[1] and rows * weight.shape[0] * weight.shape[1] >= FP32_MACS):
@@ -89,7 +89,6 @@ def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_cpu
         and weight.dim() == 2
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not torch.compiler.is_compiling()
     )
 
 
