@@ -1,6 +1,7 @@
 """Packed linears (``engine.layers.linear``): bf16 the same numbers as ``F.linear``, kept valid across weight loads;
 fp32 only inside its row and size bounds, within fp32 rounding of ``F.linear``; off wherever they do not apply (a
-small fp32 call, a graph being traced, ``fast_paths(packed_linears=False)`` / ``fast_paths(packed_fp32=False)``)."""
+small fp32 call, a graph being traced, ``fast_paths(packed_linears=False)`` / ``fast_paths(packed_fp32=False)``).
+A decode's few rows take the skinny kernel first (``tests/engine/ops/test_skinny_linear.py``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_packed_bf16_matches_f_linear(rows: int, bias: bool) -> None:
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
-    with torch.inference_mode():
+    with torch.inference_mode(), fast_paths(skinny_linears=False):  # one row: else the skinny kernel's (its tests)
         assert packs(x, layer.weight)
         got = layer(x)
         assert "_packed" in layer.__dict__
@@ -69,7 +70,7 @@ def test_packed_fp32_inside_its_bounds_only(bias: bool) -> None:
     layer = Linear(512, 2048, bias=bias)  # 4 rows: 2**22 multiply-adds, the least packed
     low, high = packed.FP32_ROWS
     assert low * 512 * 2048 >= packed.FP32_MACS > (low - 1) * 512 * 2048
-    with torch.inference_mode():
+    with torch.inference_mode(), fast_paths(skinny_linears=False):  # a few rows: else the skinny kernel's
         layer(torch.randn(high + 1, 512))
         assert "_packed" not in layer.__dict__
         for rows, takes in [(1, False), (low - 1, False), (low, True), (64, True), (high, True), (high + 1, False)]:
@@ -146,7 +147,7 @@ def test_packed_experts_match_grouped_mm(layout: str) -> None:
     rows = route.gather(x)
     with torch.inference_mode():
         packed = expert_weights(rows, as_out_in, owner, "_packed")
-        assert packed is not None and len(packed) == experts
+        assert packed is not None and len(packed.packed) == experts and packed.plain is as_out_in
         got = route.matmul(rows, as_out_in.transpose(1, 2), packed=packed)
         want = route.matmul(rows, as_out_in.transpose(1, 2))
         with fast_paths(packed_linears=False):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridkv.engine.fast_paths import fast_paths
-from hybridkv.engine.layers.linear import packs
+from hybridkv.engine.layers.linear import PackedExperts, packs
 from hybridkv.engine.layers.routing import ROW_BUCKET, Routing
 from hybridkv.host_sync import HostSyncCounter
 
@@ -61,7 +61,7 @@ def test_packed_runs_widened_to_row_buckets_equal_the_exact_runs_within_bf16_rou
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     route = Routing.of(index, torch.rand(tokens, k, generator=g).bfloat16(), experts)
     rows = route.gather(x)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(e.t().contiguous()) for e in w]
+    packed = PackedExperts(w.transpose(1, 2), [torch.ops.mkldnn._reorder_linear_weight(e.t().contiguous()) for e in w])
     calls: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -81,3 +81,40 @@ def test_packed_runs_widened_to_row_buckets_equal_the_exact_runs_within_bf16_rou
     scale = want.abs().max()
     assert (widened.float() - exact.float()).abs().max() <= scale * 2**-7
     assert (widened.float() - want).abs().max() <= scale * 2**-7
+
+
+@pytest.mark.skipif(
+    not packs(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)),
+    reason="oneDNN bf16 (the packed path) not on this CPU",
+)
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_a_decodes_short_runs_take_the_skinny_kernel_where_expert_rows_are_contiguous(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of one or two rows goes through the skinny kernel when the plain weight's rows are contiguous (out, in)
+    and through oneDNN's packed weight otherwise (in, out stored: gpt-oss); both within bf16 rounding of the exact
+    products."""
+    from hybridkv.engine.ops.native import native
+
+    if native() is None:
+        pytest.skip("no C++ compiler here")
+    g = torch.Generator().manual_seed(5)
+    experts, hidden, out_dim = 4, 96, 40
+    stored = torch.randn(experts, out_dim, hidden, generator=g).bfloat16()
+    plain = stored if layout == "out_in" else stored.transpose(1, 2).contiguous().transpose(1, 2)
+    x = torch.randn(2, hidden, generator=g).bfloat16()
+    route = Routing.of(torch.tensor([[0, 3], [3, 1]]), torch.full((2, 2), 0.5).bfloat16(), experts)  # runs 1, 1, 2
+    rows = route.gather(x)
+    packed = PackedExperts(plain, [torch.ops.mkldnn._reorder_linear_weight(e.contiguous()) for e in plain])
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    got = route.matmul(rows, plain.transpose(1, 2), packed=packed)
+    assert calls == ([] if layout == "out_in" else [1, 1, 2])
+    want = torch.bmm(rows.float().unsqueeze(1), plain.float().transpose(1, 2)[route.expert]).squeeze(1)
+    assert (got.float() - want).abs().max() <= want.abs().max() * 2**-7

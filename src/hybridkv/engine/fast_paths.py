@@ -46,10 +46,15 @@ baseline in the same run (``hybridkv bench bf16``).
   (``ops.conv_cells``, ``ops.gdn_cells``: C++ kernels, two passes over the state; widened Qwen3-Next cells are half a
   megabyte), its prefill gathers and writes back its group's windows and states alone, every other state tensor is
   gathered alone on first use; within fp32 rounding (the kernels' sums and SiLU), not bit-equal.
-
 - ``row_buckets``: a packed routed expert's run of more than 64 rows (``layers.routing``) is widened to a multiple of
   64, so that oneDNN's kernels compiled for a row count are reused instead of compiled again for each step's run
   lengths (~4 ms each); within bf16 rounding.
+- ``skinny_linears``: a projection, routed expert or logits of one or two bf16 rows (fp32: up to four) streams its
+  weight through a C++ kernel (``ops.skinny_linear``) instead of oneDNN's or MKL's call, whose fixed cost dominates
+  a decode's small shapes; within the dtype's rounding (another summation order).
+- ``fused_experts``: Qwen3-Next's routed experts of up to four tokens (a decode step) run in one C++ call
+  (``ops.moe_decode``: each token's chosen experts' gated MLPs, weighted and summed) instead of the routed or dense
+  path's dozen torch calls; within the dtype's rounding (the activation and the sum rounded once).
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
@@ -81,6 +86,8 @@ class FastPaths:
     band_attention: bool = True
     state_cells: bool = True
     row_buckets: bool = True
+    skinny_linears: bool = True
+    fused_experts: bool = True
 
 
 ROUNDING = (
@@ -95,6 +102,8 @@ ROUNDING = (
     "band_attention",
     "state_cells",
     "row_buckets",
+    "skinny_linears",
+    "fused_experts",
 )
 """The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 

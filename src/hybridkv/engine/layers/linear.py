@@ -22,6 +22,9 @@ same picture: packed 0.5-0.9x from 16 rows to 256, 1.3-5x at 1 to 8 rows of the 
 packed for 64 rows (``_reorder_linear_weight``'s batch hint: any hint from 4 rows on measured alike, none 15% slower
 on the logits). Not bit-equal to ``F.linear`` (another summation order): within fp32 rounding.
 
+A decode's few rows (one or two bf16, up to four fp32) take neither: ``ops.skinny_linear`` streams the plain weight
+(``fast_paths(skinny_linears=...)``).
+
 Every other device or dtype keeps ``F.linear``, as do a graph being traced (``torch.compile``) and a call that
 records gradients; routed experts pack bf16 only.
 
@@ -36,6 +39,7 @@ the weight in memory (for fp32, as large as the model's weights).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,7 @@ from torch import nn
 
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.norms import derived
+from hybridkv.engine.ops.skinny_linear import skinny_linear, skinny_takes
 
 
 @functools.cache
@@ -101,8 +106,10 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: nn.Module, name: str = "_packed"
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; packed (see the module) when ``packs``, the packed weight kept on ``owner``
-    under ``name``."""
+    """``F.linear(x, weight, bias)``: the skinny kernel for a few rows (``ops.skinny_linear``), else packed (see the
+    module) when ``packs``, the packed weight kept on ``owner`` under ``name``."""
+    if skinny_takes(x, weight, bias):
+        return skinny_linear(x, weight, bias)
     if not packs(x, weight) or (bias is not None and bias.dtype != x.dtype):
         return F.linear(x, weight, bias)
     packed = derived(owner, name, (weight,), _pack)
@@ -116,13 +123,30 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self)
 
 
-def expert_weights(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module, name: str) -> list[torch.Tensor] | None:
+@dataclass(frozen=True)
+class PackedExperts:
+    """Routed experts' weights for ``x @ w.T``: ``plain`` ``(E, out, in)`` (a view of any layout) and ``packed``, each
+    expert's weight packed for oneDNN."""
+
+    plain: torch.Tensor
+    packed: list[torch.Tensor]
+
+    def times(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """``x @ plain[expert].T``: the skinny kernel for a few rows of a plain weight whose rows are contiguous,
+        else the packed weight."""
+        if skinny_takes(x, self.plain[expert]):
+            return skinny_linear(x, self.plain[expert])
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed[expert], None, "none", [], "")
+
+
+def expert_weights(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module, name: str) -> PackedExperts | None:
     """Routed experts' weights ``(E, out, in)`` (a view of any layout), each expert's packed for ``x`` (kept on
     ``owner`` under ``name``, made again after the weights changed), or None when ``x`` is not bf16 (fp32 experts:
     not measured) or does not take the packed path (``Routing.matmul`` then runs ``grouped_mm``, whose CPU form is one
     unpacked ``mm`` per expert: widened Qwen3-Next decodes, ~8 rows x 512 -> 512 each, ~110 µs a call)."""
     if weight.dim() != 3 or x.dtype != torch.bfloat16 or not packs(x, weight[0]):
         return None
-    return derived(
+    packed = derived(
         owner, name, (weight,), lambda w: [torch.ops.mkldnn._reorder_linear_weight(e.contiguous()) for e in w.unbind(0)]
     )
+    return PackedExperts(weight, packed)

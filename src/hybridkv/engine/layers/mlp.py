@@ -22,6 +22,7 @@ from hybridkv.engine.layers.linear import Linear, expert_weights
 from hybridkv.engine.layers.routing import Routing
 from hybridkv.engine.ops.cast import cast
 from hybridkv.engine.ops.gated_act import fuses_act, gated_act
+from hybridkv.engine.ops.moe_decode import moe_decode_takes, moe_experts
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, shifted
 
 GELU_TANH_SPLIT = 4096
@@ -106,13 +107,16 @@ class SoftmaxTopKMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden, shared, act, tp=tp)
         self.shared_expert_gate = Linear(hidden, 1, bias=False)
         self.top_k, self.norm_topk, self.num_experts = top_k, norm_topk, num_experts
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
+        if moe_decode_takes(x, self.gate_up_proj, self.down_proj, self.act_name):  # a decode: one call
+            routed = moe_experts(x, index, cast(top, x.dtype), self.gate_up_proj, self.down_proj, self.act_name)
+            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if dense_takes(x, self.gate_up_proj, self.top_k):  # a few tokens: every expert on every token, two matmuls
             routed = dense_experts(x, index, cast(top, x.dtype), self.gate_up_proj, self.down_proj, self.act, self)
             return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

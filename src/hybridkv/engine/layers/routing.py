@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.layers.linear import PackedExperts
 from hybridkv.engine.ops.cast import cast
 
 ROW_BUCKET = 64
@@ -39,9 +40,9 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all((stride * t.element_size()) % 16 == 0 for t in tensors for stride in t.stride() if stride != 1)
 
 
-def _run(x: torch.Tensor, start: int, end: int, packed: torch.Tensor) -> torch.Tensor:
-    """Rows ``x[start:end]`` times an expert's packed weight; a run of more than ``ROW_BUCKET`` rows computed on a
-    multiple of it."""
+def _run(x: torch.Tensor, start: int, end: int, experts: PackedExperts, expert: int) -> torch.Tensor:
+    """Rows ``x[start:end]`` times an expert's weight; a run of more than ``ROW_BUCKET`` rows computed on a multiple
+    of it."""
     rows = end - start
     if FAST.row_buckets and rows > ROW_BUCKET:
         rows = -(-rows // ROW_BUCKET) * ROW_BUCKET
@@ -50,7 +51,7 @@ def _run(x: torch.Tensor, start: int, end: int, packed: torch.Tensor) -> torch.T
     else:  # the last runs: zeros after the rows
         widened = x.new_zeros(rows, x.shape[1])
         widened[: end - start] = x[start:end]
-    return torch.ops.mkldnn._linear_pointwise(widened, packed, None, "none", [], "")[: end - start]
+    return experts.times(widened, expert)[: end - start]
 
 
 @dataclass(frozen=True)
@@ -80,17 +81,18 @@ class Routing:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: list[torch.Tensor] | None = None,
+        packed: PackedExperts | None = None,
     ) -> torch.Tensor:
         """Each pair's row ``(N, in)`` times its expert's ``weight[e]`` ``(in, out)`` (+ ``bias[e]``): ``(N, out)``.
-        ``packed``: each expert's weight packed for oneDNN (``linear.expert_weights``; CPU tensors only): one packed
-        linear per expert that has pairs, its run's rows (the expert runs' ends read on the host: a CPU tensor)."""
+        ``packed``: the experts' plain and packed weights (``linear.expert_weights``; CPU tensors only): one call per
+        expert that has pairs, on its run's rows (the skinny kernel for a row or two, else oneDNN; the expert runs'
+        ends read on the host: a CPU tensor)."""
         weight = cast(weight, x.dtype)
         if packed is not None:
             parts, start = [], 0
             for expert, end in enumerate(self.ends.tolist()):
                 if end > start:
-                    parts.append(_run(x, start, end, packed[expert]))
+                    parts.append(_run(x, start, end, packed, expert))
                 start = end
             out = torch.cat(parts) if len(parts) != 1 else parts[0]
         elif _aligned(x, weight):

@@ -29,9 +29,20 @@ from typing import Any
 SOURCES = ("kernels.cpp",)
 """What is compiled: one translation unit that includes every kernel's file (ATen's headers parsed once)."""
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-trapping-math"]
-"""``-fno-trapping-math``: the exp's rounding and float -> int conversion vectorise (no value changes: floating-point
+"""``-fopenmp`` joins them (``flags()``) where torch runs its threads on OpenMP (Linux builds): without it
+``at::parallel_for`` compiles to one serial call, and every kernel ran on one thread whatever
+``torch.set_num_threads`` said (the OpenMP runtime is torch's, already loaded: nothing more is linked).
+``-fno-trapping-math``: the exp's rounding and float -> int conversion vectorise (no value changes: floating-point
 exceptions are only not assumed to trap). A flag, not a per-file ``#pragma GCC optimize``: GCC does not inline a
 function into one of other optimisation options, so the shared helpers would stay calls and their loops scalar."""
+
+
+def flags() -> list[str]:
+    """The compiler's flags here: ``FLAGS``, and ``-fopenmp`` where torch's threads are OpenMP's on Linux."""
+    import torch
+
+    threads = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+    return [*FLAGS, *threads]
 
 
 def _cpu_model() -> str:
@@ -55,14 +66,14 @@ def native() -> Any | None:
 
     here = Path(__file__).parent / "csrc"
     cpu = hashlib.sha1(_cpu_model().encode()).hexdigest()[:8]
-    version = hashlib.sha1(" ".join(FLAGS).encode())
+    version = hashlib.sha1(" ".join(flags()).encode())
     for source in sorted(here.iterdir()):  # every file the unit includes
         version.update(source.name.encode() + source.read_bytes())
     try:
         cpp_extension.load(
             name=f"hybridkv_cpu_kernels_{cpu}_{version.hexdigest()[:8]}",
             sources=[str(here / s) for s in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=flags(),
             is_python_module=False,  # loaded as a library: its TORCH_LIBRARY fragments register the operators
             verbose=False,
         )

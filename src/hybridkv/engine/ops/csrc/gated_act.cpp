@@ -2,9 +2,7 @@
 // (hybridkv.engine.ops.gated_act).
 //
 // gate and up (rows, I), each row's entries contiguous (a row stride of their own: the halves of one joined
-// gate-up projection). In fp32: gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) (= 0.5 g (1 + tanh(.))),
-// silu(g) = g * sigmoid(g), sigmoid(v) = 1 / (1 + exp(-v)) with a vectorised exp (Cephes' polynomial, ~1 ulp);
-// times up in fp32, rounded to the output dtype once (bf16: round to nearest even).
+// gate-up projection); each row by gated.h's gated_row (in fp32, rounded to the output dtype once).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -16,34 +14,13 @@
 #include <cstring>
 #include <string>
 
+#include "gated.h"
 #include "numerics.h"
 
 namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_gated_act {
 
 using namespace hybridkv_cpu;
-
-HYBRIDKV_INLINE float gelu_tanh(float g) {
-  const float z = 1.5957691216057308f * std::fma(0.044715f * g, g * g, g);  // 2 sqrt(2 / pi) (g + 0.044715 g^3)
-  return g / (1.0f + exp_approx(-z));
-}
-
-HYBRIDKV_INLINE float silu(float g) { return g / (1.0f + exp_approx(-g)); }
-
-template <bool Gelu>
-void row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = bf16_to_float(gate[i]);
-    out[i] = float_to_bf16((Gelu ? gelu_tanh(g) : silu(g)) * bf16_to_float(up[i]));
-  }
-}
-
-template <bool Gelu>
-void row_f32(const float* gate, const float* up, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = (Gelu ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
-}
 
 at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, c10::string_view act) {
   const bool gelu = act == "gelu_tanh";
@@ -65,12 +42,12 @@ at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, c10::string_v
         const auto* g = static_cast<const uint16_t*>(gate.data_ptr()) + r * gs;
         const auto* u = static_cast<const uint16_t*>(up.data_ptr()) + r * us;
         auto* o = static_cast<uint16_t*>(out.data_ptr()) + r * n;
-        gelu ? row_bf16<true>(g, u, o, n) : row_bf16<false>(g, u, o, n);
+        gelu ? gated_row<true>(g, u, o, n) : gated_row<false>(g, u, o, n);
       } else {
         const float* g = gate.data_ptr<float>() + r * gs;
         const float* u = up.data_ptr<float>() + r * us;
         float* o = out.data_ptr<float>() + r * n;
-        gelu ? row_f32<true>(g, u, o, n) : row_f32<false>(g, u, o, n);
+        gelu ? gated_row<true>(g, u, o, n) : gated_row<false>(g, u, o, n);
       }
     }
   });
