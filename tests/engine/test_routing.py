@@ -118,3 +118,45 @@ def test_a_decodes_short_runs_take_the_skinny_kernel_where_expert_rows_are_conti
     assert calls == ([] if layout == "out_in" else [1, 1, 2])
     want = torch.bmm(rows.float().unsqueeze(1), plain.float().transpose(1, 2)[route.expert]).squeeze(1)
     assert (got.float() - want).abs().max() <= want.abs().max() * 2**-7
+
+
+@pytest.mark.skipif(
+    not packs(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)),
+    reason="oneDNN bf16 (the packed path) not on this CPU",
+)
+@pytest.mark.parametrize("tokens", [3, 100])
+def test_packed_mlp_expert_by_expert_equals_the_combined_path_within_bf16_rounding(tokens: int) -> None:
+    """``packed_mlp``: every expert's run through both projections and its weights, added into its tokens' rows,
+    equals ``combine(matmul(inner(matmul(...))))`` within bf16 rounding (the weights scale the inner activations);
+    an expert no token chose adds nothing."""
+    g = torch.Generator().manual_seed(tokens)
+    experts, hidden, inner_size, k = 5, 64, 40, 2
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    first = (torch.randn(experts, 2 * inner_size, hidden, generator=g) / 8).bfloat16()  # (E, out, in)
+    second = (torch.randn(experts, hidden, inner_size, generator=g) / 6).bfloat16()
+    index = torch.stack([torch.randperm(experts - 1, generator=g)[:k] for _ in range(tokens)])  # expert 4: none
+    weights = torch.rand(tokens, k, generator=g).bfloat16()
+    route = Routing.of(index, weights, experts)
+    rows = route.gather(x)
+    torch.testing.assert_close(rows, x[route.token], rtol=0, atol=0)
+
+    def inner(both: torch.Tensor) -> torch.Tensor:
+        gate, up = both.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def packed(w: torch.Tensor) -> PackedExperts:
+        return PackedExperts(w, [torch.ops.mkldnn._reorder_linear_weight(e.contiguous()) for e in w])
+
+    got = route.packed_mlp(rows, packed(first), packed(second), inner, tokens)
+    combined = route.combine(
+        route.matmul(inner(route.matmul(rows, first.transpose(1, 2))), second.transpose(1, 2)), tokens
+    )
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            e, w = int(index[t, j]), float(weights[t, j])
+            exact[t] += w * (second[e].double() @ inner(first[e].double() @ x[t].double()))
+    scale = float(exact.abs().max())
+    assert got.shape == combined.shape == (tokens, hidden)
+    assert float((got.double() - exact).abs().max()) <= scale * 2**-6
+    assert float((got.double() - combined.double()).abs().max()) <= scale * 2**-6

@@ -123,11 +123,18 @@ class SoftmaxTopKMoE(nn.Module):
         route = Routing.of(index, cast(top, x.dtype), self.num_experts)
         rows = route.gather(x)
         packed = expert_weights(rows, self.gate_up_proj, self, "_packed_gate_up")
-        gate, up = route.matmul(rows, self.gate_up_proj.transpose(1, 2), packed=packed).chunk(2, dim=-1)
-        inner = self.act(gate) * up
-        packed = expert_weights(inner, self.down_proj, self, "_packed_down")
-        routed = route.combine(route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed), x.shape[0])
+        packed_down = expert_weights(rows, self.down_proj, self, "_packed_down")
+        if packed is not None and packed_down is not None:  # expert by expert, no tensor of every pair's outputs
+            routed = route.packed_mlp(rows, packed, packed_down, self._gated, x.shape[0])
+            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        inner = self._gated(route.matmul(rows, self.gate_up_proj.transpose(1, 2), packed=packed))
+        routed = route.combine(route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed_down), x.shape[0])
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _gated(self, both: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the experts' joined gate-up outputs ``(N, 2I)`` (gate first), fused where it can."""
+        gate, up = both.chunk(2, dim=-1)
+        return gated_act(gate, up, self.act_name) if fuses_act(gate, up, self.act_name) else self.act(gate) * up
 
 
 class GptOssMoE(nn.Module):

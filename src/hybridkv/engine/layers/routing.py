@@ -22,6 +22,7 @@ nothing; each token's output is the sum over its chosen experts, in expert order
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,9 @@ class Routing:
         return cls(order // k, expert, weights.reshape(-1)[order], ends)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``(T, H)`` -> ``(N, H)``: each pair's token's row."""
-        return x[self.token]
+        """``(T, H)`` -> ``(N, H)``: each pair's token's row (``index_select``: on the CPU about twice as fast as
+        indexing with the tensor)."""
+        return x.index_select(0, self.token)
 
     def matmul(
         self,
@@ -100,6 +102,30 @@ class Routing:
         else:  # grouped_mm needs 16-byte aligned strides: odd sizes take each pair's expert weight instead
             out = torch.bmm(x.unsqueeze(1), weight[self.expert]).squeeze(1)
         return out if bias is None else out + cast(bias[self.expert], out.dtype)
+
+    def packed_mlp(
+        self,
+        rows: torch.Tensor,
+        first: PackedExperts,
+        second: PackedExperts,
+        inner: Callable[[torch.Tensor], torch.Tensor],
+        tokens: int,
+    ) -> torch.Tensor:
+        """``combine(matmul(inner(matmul(rows, first)), second), tokens)`` expert by expert, on packed CPU weights:
+        each expert's run through its first projection, ``inner``, its routing weights and its second projection,
+        added into its tokens' rows. No tensor of every pair's projections is made: the two concatenations and the
+        weighting of the whole ``(N, H)`` output were a third of widened Qwen3-Next's 2048-token MoE layer. The
+        weights scale the inner activations, before the second projection: within the dtype's rounding of
+        ``combine``'s weighted sum."""
+        out = rows.new_zeros(tokens, second.plain.shape[1])
+        start = 0
+        for expert, end in enumerate(self.ends.tolist()):
+            if end > start:
+                hidden = inner(_run(rows, start, end, first, expert))
+                hidden = hidden * cast(self.weight[start:end, None], hidden.dtype)
+                out.index_add_(0, self.token[start:end], _run(hidden, 0, end - start, second, expert))
+            start = end
+        return out
 
     def combine(self, y: torch.Tensor, tokens: int) -> torch.Tensor:
         """``(N, H)`` routed outputs -> ``(tokens, H)``: each token's weighted sum over its experts."""
