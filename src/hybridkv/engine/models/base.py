@@ -178,4 +178,4 @@ class CausalLM(nn.Module):
         ctx.flush()  # the step's new K/V and states, into their pools once
         if not self.last:
             return x
-        return self.logits(self.final_norm(x[ctx.logit_index]))
+        return self.logits(self.final_norm(x.index_select(0, ctx.logit_index)))
