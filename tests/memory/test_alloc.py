@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -164,3 +166,23 @@ def test_views_are_strided_views_of_the_arena_for_a_stage_not_starting_at_layer_
     seg = mem.layout(FULL_POOL).segment(7, "k")
     raw = mem.arena.buffer[cell * mem.pools[FULL_POOL].cell_bytes + seg.offset :][: seg.nbytes]
     assert torch.equal(raw.view(torch.float32), torch.full((seg.nbytes // 4,), 3.0))
+
+
+def _resident_bytes() -> int:
+    """This process's resident set (Linux ``/proc/self/statm``: its second field, in pages)."""
+    import os
+    from pathlib import Path
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_an_arenas_own_buffer_is_resident_and_zero_from_its_creation() -> None:
+    """Every page of the budget is touched when the arena makes its buffer: no step faults one in later."""
+    from hybridkv.memory.arena import Arena
+
+    before = _resident_bytes()
+    arena = Arena(64 << 20, 4096, 1 << 20, "cpu")
+    grown = _resident_bytes() - before
+    assert grown >= (60 << 20), grown  # an untouched torch.empty would leave it near zero
+    assert int(arena.buffer[:: 1 << 16].count_nonzero()) == 0

@@ -13,6 +13,12 @@ Layout of the buffer::
   only at zero, so releasing a slab never drops data.
 - The *tail* is what is left after the last whole slab; it is never used.
 
+An arena that makes its own buffer zeroes it at once, so every page of the budget is touched at creation and no step
+faults one in on first use (on the CPU a fresh page costs a kernel fault and zeroing inside whatever kernel writes
+it first: the prefix cache keeps taking fresh pages and state cells until the budget is full). Widened models, 64 x
+144-token prompts, one thread, 1 GiB: Qwen3-Next bf16 1.36 -> 1.22 s, Gemma 3 bf16 0.82 -> 0.78 s a round; 0.38 s
+a GiB at creation, and the process's resident memory is the whole budget from the start (as a GPU's would be).
+
 A caller may pass its own ``buffer`` (e.g. shared memory another process maps, or memory
 registered with a transfer engine). ``device="meta"`` gives an arena without data bytes:
 every table is real (on the CPU), every byte copy is skipped, so capacity planning can
@@ -51,8 +57,8 @@ class Arena:
         self.tail_bytes = nbytes - sink_bytes - self.num_slabs * slab_bytes
         self.owner = np.full(self.num_slabs, FREE_SLAB, dtype=np.int64)
         self.slab_live = np.zeros(self.num_slabs, dtype=np.int64)
-        if buffer is None:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if buffer is None:  # zeroed: every page of the budget touched once, now (the module docstring)
+            buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < nbytes:
             raise ValueError(
                 f"arena buffer must be a 1-D uint8 tensor of at least {nbytes} B, got "
