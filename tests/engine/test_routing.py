@@ -20,6 +20,24 @@ def _reference(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w: t
     return out
 
 
+def _packed(plain: torch.Tensor) -> PackedExperts:
+    """Experts ``(E, out, in)`` (any layout) with each one's weight packed for oneDNN."""
+    return PackedExperts(plain, [torch.ops.mkldnn._reorder_linear_weight(e.contiguous()) for e in plain])
+
+
+def _count_packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every packed oneDNN call from now on (a spy on ``_linear_pointwise``)."""
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    return calls
+
+
 def test_routed_matmul_equals_the_per_expert_loop() -> None:
     g = torch.Generator().manual_seed(0)
     tokens, hidden, out_dim, experts, k = 37, 16, 8, 6, 2
@@ -61,15 +79,8 @@ def test_packed_runs_widened_to_row_buckets_equal_the_exact_runs_within_bf16_rou
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     route = Routing.of(index, torch.rand(tokens, k, generator=g).bfloat16(), experts)
     rows = route.gather(x)
-    packed = PackedExperts(w.transpose(1, 2), [torch.ops.mkldnn._reorder_linear_weight(e.t().contiguous()) for e in w])
-    calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    packed = _packed(w.transpose(1, 2))
+    calls = _count_packed_calls(monkeypatch)
     with fast_paths(row_buckets=False):
         exact = route.matmul(rows, w, packed=packed)
     exact_calls, calls[:] = list(calls), []
@@ -105,15 +116,8 @@ def test_a_decodes_short_runs_take_the_skinny_kernel_where_expert_rows_are_conti
     x = torch.randn(2, hidden, generator=g).bfloat16()
     route = Routing.of(torch.tensor([[0, 3], [3, 1]]), torch.full((2, 2), 0.5).bfloat16(), experts)  # runs 1, 1, 2
     rows = route.gather(x)
-    packed = PackedExperts(plain, [torch.ops.mkldnn._reorder_linear_weight(e.contiguous()) for e in plain])
-    calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    packed = _packed(plain)
+    calls = _count_packed_calls(monkeypatch)
     got = route.matmul(rows, plain.transpose(1, 2), packed=packed)
     assert calls == ([] if layout == "out_in" else [1, 1, 2])
     want = torch.bmm(rows.float().unsqueeze(1), plain.float().transpose(1, 2)[route.expert]).squeeze(1)
@@ -144,10 +148,7 @@ def test_packed_mlp_expert_by_expert_equals_the_combined_path_within_bf16_roundi
         gate, up = both.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    def packed(w: torch.Tensor) -> PackedExperts:
-        return PackedExperts(w, [torch.ops.mkldnn._reorder_linear_weight(e.contiguous()) for e in w])
-
-    got = route.packed_mlp(rows, packed(first), packed(second), inner, tokens)
+    got = route.packed_mlp(rows, _packed(first), _packed(second), inner, tokens)
     combined = route.combine(
         route.matmul(inner(route.matmul(rows, first.transpose(1, 2))), second.transpose(1, 2)), tokens
     )
