@@ -3,8 +3,11 @@
 // exact in fp32, VDPBF16PS where the CPU has it), plus the bias in fp32, rounded once to the dtype. The weight is
 // streamed ROWS rows at a time (each x row against ROWS weight rows, ROWS x M accumulators in registers), the rows
 // AHEAD rows on prefetched: the hardware prefetcher alone leaves the stream ~25% short of oneDNN's on the 32k-row
-// logits. L is F32 or BF16 (the entry type and its lanes).
+// logits. L is F32 or BF16 (the entry type and its lanes). gemv_rows runs it on 1 to GEMV_MAX_X rows of x, the
+// weight's rows split among the threads.
 #pragma once
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -15,6 +18,8 @@ namespace hybridkv_cpu {
 
 constexpr int GEMV_ROWS = 4;   // weight rows per block
 constexpr int GEMV_AHEAD = 8;  // weight rows prefetched ahead of the block
+constexpr int GEMV_MAX_X = 4;  // rows of x a call takes, at most
+constexpr int64_t GEMV_GRAIN = 16;  // weight blocks per thread's share, at least
 
 #if defined(__AVX512F__)
 // One lane group of 16 fp32 products summed into acc: x and w at `k`, `valid` of the group's entries (16 for fp32,
@@ -110,5 +115,20 @@ void block_rows(const typename L::T* x, const typename L::T* w, int64_t ws, cons
     }
 }
 #endif
+
+// out (M, N) = x (M, K) times the N rows of w (row stride ws) (+ bias (N,) or nullptr), M in 1..GEMV_MAX_X
+template <class L>
+void gemv_rows(const typename L::T* x, int64_t M, const typename L::T* w, int64_t ws, const typename L::T* bias,
+               typename L::T* out, int64_t K, int64_t N) {
+  at::parallel_for(0, (N + GEMV_ROWS - 1) / GEMV_ROWS, GEMV_GRAIN, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * GEMV_ROWS, n1 = std::min(N, end * GEMV_ROWS);
+    switch (M) {
+      case 1: block_rows<L, 1>(x, w, ws, bias, out, K, N, n0, n1); break;
+      case 2: block_rows<L, 2>(x, w, ws, bias, out, K, N, n0, n1); break;
+      case 3: block_rows<L, 3>(x, w, ws, bias, out, K, N, n0, n1); break;
+      default: block_rows<L, 4>(x, w, ws, bias, out, K, N, n0, n1); break;
+    }
+  });
+}
 
 }  // namespace hybridkv_cpu

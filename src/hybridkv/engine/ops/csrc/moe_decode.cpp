@@ -5,13 +5,11 @@
 //
 // x (T, H) contiguous; index (T, k) int64, each entry one of the E experts (all checked before any is used); weights
 // (T, k) of x's dtype; gate_up (E, 2I, H) with the gate's I rows first, down (E, H, I), each row of both contiguous;
-// all bf16 or all fp32. Each product streams the chosen expert's weight once (gemv.h's block_rows), its output rows
+// all bf16 or all fp32. Each product streams the chosen expert's weight once (gemv.h's gemv_rows), its output rows
 // split among the threads.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -26,16 +24,6 @@ namespace {  // internal linkage: inlined freely (a shared library's exported fu
 namespace hybridkv_moe_decode {
 
 using namespace hybridkv_cpu;
-
-constexpr int64_t GRAIN = 16;  // weight blocks (GEMV_ROWS rows each) per thread's share, at least
-
-// out (N,) = x (K,) times the N rows of w (row stride ws)
-template <class L>
-void gemv(const typename L::T* x, const typename L::T* w, int64_t ws, typename L::T* out, int64_t K, int64_t N) {
-  at::parallel_for(0, (N + GEMV_ROWS - 1) / GEMV_ROWS, GRAIN, [&](int64_t begin, int64_t end) {
-    block_rows<L, 1>(x, w, ws, nullptr, out, K, N, begin * GEMV_ROWS, std::min(N, end * GEMV_ROWS));
-  });
-}
 
 template <class L>
 void run(const at::Tensor& x, const int64_t* index, const at::Tensor& weights, const at::Tensor& gate_up,
@@ -53,10 +41,11 @@ void run(const at::Tensor& x, const int64_t* index, const at::Tensor& weights, c
     std::fill(sum.begin(), sum.end(), 0.0f);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = index[t * k + j];
-      gemv<L>(xp + t * hidden, gu + e * gate_up.stride(0), gate_up.stride(1), both.data(), hidden, 2 * inner_size);
+      gemv_rows<L>(xp + t * hidden, 1, gu + e * gate_up.stride(0), gate_up.stride(1), nullptr, both.data(), hidden,
+                   2 * inner_size);
       gelu ? gated_row<true>(both.data(), both.data() + inner_size, inner.data(), inner_size)
            : gated_row<false>(both.data(), both.data() + inner_size, inner.data(), inner_size);
-      gemv<L>(inner.data(), dp + e * down.stride(0), down.stride(1), y.data(), inner_size, hidden);
+      gemv_rows<L>(inner.data(), 1, dp + e * down.stride(0), down.stride(1), nullptr, y.data(), inner_size, hidden);
       const float weight = load(wp[t * k + j]);
 #pragma omp simd
       for (int64_t h = 0; h < hidden; ++h) sum[h] += weight * load(y[h]);

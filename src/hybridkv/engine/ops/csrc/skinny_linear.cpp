@@ -2,16 +2,13 @@
 // logits, where the weight is read once from memory and the matmul library's fixed cost per call dominates small
 // shapes.
 //
-// x (M, K) contiguous, M in 1..MAX_ROWS; weight (N, K), each row contiguous (a row stride of its own: one expert of
+// x (M, K) contiguous, M in 1..GEMV_MAX_X; weight (N, K), each row contiguous (a row stride of its own: one expert of
 // a stacked tensor); bias (N,) or none; all bf16 or all fp32. The products and their rounding: gemv.h. Output rows
 // are split among the threads (at::parallel_for).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
 #include <cstdint>
 
 #include "gemv.h"
@@ -22,32 +19,18 @@ namespace hybridkv_skinny_linear {
 
 using namespace hybridkv_cpu;
 
-constexpr int MAX_ROWS = 4;
-constexpr int64_t GRAIN = 16;  // weight blocks (GEMV_ROWS rows each) per thread's share, at least
-
 template <class L>
 void run(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   using T = typename L::T;
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ws = weight.stride(0);
-  const T* xp = static_cast<const T*>(x.data_ptr());
-  const T* wp = static_cast<const T*>(weight.data_ptr());
-  const T* bp = bias ? static_cast<const T*>(bias->data_ptr()) : nullptr;
-  T* op = static_cast<T*>(out.data_ptr());
-  at::parallel_for(0, (N + GEMV_ROWS - 1) / GEMV_ROWS, GRAIN, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * GEMV_ROWS, n1 = std::min(N, end * GEMV_ROWS);
-    switch (M) {
-      case 1: block_rows<L, 1>(xp, wp, ws, bp, op, K, N, n0, n1); break;
-      case 2: block_rows<L, 2>(xp, wp, ws, bp, op, K, N, n0, n1); break;
-      case 3: block_rows<L, 3>(xp, wp, ws, bp, op, K, N, n0, n1); break;
-      default: block_rows<L, 4>(xp, wp, ws, bp, op, K, N, n0, n1); break;
-    }
-  });
+  gemv_rows<L>(static_cast<const T*>(x.data_ptr()), x.size(0), static_cast<const T*>(weight.data_ptr()),
+               weight.stride(0), bias ? static_cast<const T*>(bias->data_ptr()) : nullptr,
+               static_cast<T*>(out.data_ptr()), x.size(1), weight.size(0));
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.dim() == 2 && weight.dim() == 2,
               "skinny_linear: CPU x (M, K) and weight (N, K), got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "skinny_linear: x has 1 to ", MAX_ROWS, " rows, got ",
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= GEMV_MAX_X, "skinny_linear: x has 1 to ", GEMV_MAX_X, " rows, got ",
               x.size(0));
   TORCH_CHECK(x.size(1) == weight.size(1), "skinny_linear: x's ", x.size(1), " columns against the weight's ",
               weight.size(1), ": they must be equal");
