@@ -49,6 +49,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def gated(gate: torch.Tensor, up: torch.Tensor, name: str, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``act(gate) * up`` (``act`` the activation ``name``), in one fused pass where ``ops.gated_act.fuses_act``
+    holds."""
+    return gated_act(gate, up, name) if fuses_act(gate, up, name) else act(gate) * up
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
@@ -73,10 +79,7 @@ class GatedMLP(nn.Module):
         tp.row(self.down_proj, [mine], intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if fuses_act(gate, up, self.act_name):
-            return self.down_proj(gated_act(gate, up, self.act_name))
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), self.act_name, self.act))
 
 
 class SoftmaxTopKMoE(nn.Module):
@@ -114,27 +117,29 @@ class SoftmaxTopKMoE(nn.Module):
         top, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        if moe_decode_takes(x, self.gate_up_proj, self.down_proj, self.act_name):  # a decode: one call
-            routed = moe_experts(x, index, cast(top, x.dtype), self.gate_up_proj, self.down_proj, self.act_name)
-            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if dense_takes(x, self.gate_up_proj, self.top_k):  # a few tokens: every expert on every token, two matmuls
-            routed = dense_experts(x, index, cast(top, x.dtype), self.gate_up_proj, self.down_proj, self.act, self)
-            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        route = Routing.of(index, cast(top, x.dtype), self.num_experts)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self._routed(x, index, cast(top, x.dtype)) + shared
+
+    def _routed(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted sum over its experts ``index (T, k)``: one call for a decode, densely for a few
+        tokens, else routed (expert by expert on packed weights)."""
+        if moe_decode_takes(x, self.gate_up_proj, self.down_proj, self.act_name):
+            return moe_experts(x, index, weights, self.gate_up_proj, self.down_proj, self.act_name)
+        if dense_takes(x, self.gate_up_proj, self.top_k):  # every expert on every token, two matmuls
+            return dense_experts(x, index, weights, self.gate_up_proj, self.down_proj, self.act, self)
+        route = Routing.of(index, weights, self.num_experts)
         rows = route.gather(x)
         packed = expert_weights(rows, self.gate_up_proj, self, "_packed_gate_up")
         packed_down = expert_weights(rows, self.down_proj, self, "_packed_down")
-        if packed is not None and packed_down is not None:  # expert by expert, no tensor of every pair's outputs
-            routed = route.packed_mlp(rows, packed, packed_down, self._gated, x.shape[0])
-            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if packed is not None and packed_down is not None:  # no tensor of every pair's outputs
+            return route.packed_mlp(rows, packed, packed_down, self._gated, x.shape[0])
         inner = self._gated(route.matmul(rows, self.gate_up_proj.transpose(1, 2), packed=packed))
-        routed = route.combine(route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed_down), x.shape[0])
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return route.combine(route.matmul(inner, self.down_proj.transpose(1, 2), packed=packed_down), x.shape[0])
 
     def _gated(self, both: torch.Tensor) -> torch.Tensor:
-        """``act(gate) * up`` of the experts' joined gate-up outputs ``(N, 2I)`` (gate first), fused where it can."""
+        """``act(gate) * up`` of the experts' joined gate-up outputs ``(N, 2I)`` (gate first)."""
         gate, up = both.chunk(2, dim=-1)
-        return gated_act(gate, up, self.act_name) if fuses_act(gate, up, self.act_name) else self.act(gate) * up
+        return gated(gate, up, self.act_name, self.act)
 
 
 class GptOssMoE(nn.Module):

@@ -45,6 +45,7 @@ def moe_decode_takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         and down.stride(-1) == 1
         and x.is_cpu
         and gate_up.is_cpu
+        and down.is_cpu
         and not (torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad))
         and native() is not None
     )
@@ -53,12 +54,12 @@ def moe_decode_takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 def moe_experts(
     x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
 ) -> torch.Tensor:
-    """``x (T, H)``, each token's experts ``index (T, k)`` and routing ``weights (T, k)``, experts ``gate_up (E, 2I,
-    H)`` (gate rows first) and ``down (E, H, I)`` -> ``(T, H)``: each token's weighted sum of its experts' gated MLPs;
-    ``moe_decode_takes`` must hold."""
+    """``x (T, H)``, each token's experts ``index (T, k)`` and routing ``weights (T, k)`` (x's dtype), experts
+    ``gate_up (E, 2I, H)`` (gate rows first) and ``down (E, H, I)`` -> ``(T, H)``: each token's weighted sum of its
+    experts' gated MLPs; ``moe_decode_takes`` must hold."""
     kernels = native()
     assert kernels is not None, "moe_decode_takes said the kernels are built"
     out: torch.Tensor = kernels.moe_experts(
-        x.contiguous(), index.contiguous(), weights.to(x.dtype).contiguous(), gate_up, down, KERNEL_ACTS[act]
+        x.contiguous(), index.contiguous(), weights.contiguous(), gate_up, down, KERNEL_ACTS[act]
     )
     return out
