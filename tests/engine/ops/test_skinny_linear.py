@@ -22,16 +22,18 @@ def _kernels() -> None:
         pytest.skip("no C++ compiler here: the library's linear serves")
 
 
-def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """Within fp32's summation error of the fp64 result (K / 16 + 8 roundings of the absolute products' sum: 16
-    lanes, then their tree) plus, in bf16, one rounding of the result."""
+def _beyond_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:
+    """How far ``got`` lies outside fp32's summation error of the fp64 result (K / 16 + 8 roundings of the absolute
+    products' sum: 16 lanes, then their tree) plus, in bf16, one rounding of the result; inf for a wrong shape. At
+    most 0 when ``got`` is right."""
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if got.shape != exact.shape:
+        return float("inf")
     magnitude = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
     bound = (x.shape[-1] / 16 + 8) * torch.finfo(torch.float32).eps * magnitude
     if got.dtype == torch.bfloat16:
         bound = bound + exact.abs() * 2.0**-8  # half an ulp of bf16's 8-bit mantissa
-    assert got.shape == exact.shape
-    assert float((got.double() - exact).abs().sub(bound).max()) <= 0.0
+    return float((got.double() - exact).abs().sub(bound).max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -44,8 +46,8 @@ def test_every_row_count_and_tail_is_the_exact_dot_within_rounding(dtype: torch.
             x = torch.randn(rows, k, generator=g).to(dtype)
             w = torch.randn(n, k, generator=g).to(dtype)
             b = torch.randn(n, generator=g).to(dtype)
-            _close_to_exact(skinny_linear(x, w), x, w, None)
-            _close_to_exact(skinny_linear(x, w, b), x, w, b)
+            assert _beyond_rounding(skinny_linear(x, w), x, w, None) <= 0.0, (k, n)
+            assert _beyond_rounding(skinny_linear(x, w, b), x, w, b) <= 0.0, (k, n)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +58,7 @@ def test_a_weight_with_a_row_stride_of_its_own_and_a_batched_x(dtype: torch.dtyp
     x = torch.randn(2, 1, 96, generator=g).to(dtype)  # (..., K): leading dims kept
     got = skinny_linear(x, stacked[1, ::2])  # every other row: row stride 192
     assert got.shape == (2, 1, 20)
-    _close_to_exact(got.view(2, 20), x.view(2, 96), stacked[1, ::2], None)
+    assert _beyond_rounding(got.view(2, 20), x.view(2, 96), stacked[1, ::2], None) <= 0.0
 
 
 def test_large_logits_split_among_threads_equal_one_thread() -> None:
@@ -72,7 +74,7 @@ def test_large_logits_split_among_threads_equal_one_thread() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each output is one thread's dot product: the split changes no sum
-    _close_to_exact(one, x, w, None)
+    assert _beyond_rounding(one, x, w, None) <= 0.0
 
 
 def test_misuse_is_refused_naming_both_sides() -> None:
@@ -131,5 +133,5 @@ def test_linear_takes_it_for_a_decode_and_agrees_with_the_library(dtype: torch.d
     tolerance = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
     scale = float(library.float().abs().max())
     assert float((fast.float() - library.float()).abs().max()) <= tolerance * scale
-    _close_to_exact(fast.view(1, 1000), x.view(1, 512), layer.weight.detach(), layer.bias.detach())
-    _close_to_exact(logits.view(1, 1000), x.view(1, 512), layer.weight.detach(), None)
+    assert _beyond_rounding(fast.view(1, 1000), x.view(1, 512), layer.weight.detach(), layer.bias.detach()) <= 0.0
+    assert _beyond_rounding(logits.view(1, 1000), x.view(1, 512), layer.weight.detach(), None) <= 0.0
