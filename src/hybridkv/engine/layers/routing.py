@@ -3,9 +3,11 @@
 ``Routing.of(index, weights, num_experts)`` sorts the ``T * k`` (token, expert) pairs by expert
 (stable: a token's pairs keep their order), so every expert's tokens are one contiguous run
 and one ``grouped_mm`` per projection computes every expert's matmul on its own tokens; the
-routed outputs are weighted and summed back per token with one ``index_add_``.
+routed outputs are weighted and summed back per token with one ``index_add_`` (``packed_mlp``: one per expert, its
+whole MLP run at once).
 
-Packed CPU experts (``linear.expert_weights``) run one oneDNN call per expert on its run of rows. oneDNN compiles
+Packed CPU experts (``linear.expert_weights``) run one call per expert on its run of rows (the skinny kernel for a
+row or two, else oneDNN). oneDNN compiles
 a kernel for each row count it meets (~4-5 ms for 500 x 512 -> 512 bf16 on this machine, against ~0.35 ms for the
 product once compiled), and the runs' lengths differ every step: so a run of more than ``ROW_BUCKET`` rows is
 widened to a multiple of it (the rows after it, the next experts' or zeros past the end, computed and dropped) and
