@@ -55,6 +55,10 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``fused_experts``: Qwen3-Next's routed experts of up to four tokens (a decode step) run in one C++ call
   (``ops.moe_decode``: each token's chosen experts' gated MLPs, weighted and summed) instead of the routed or dense
   path's dozen torch calls; within the dtype's rounding (the activation and the sum rounded once).
+- ``delta_chunks``: the chunked gated delta rule of bf16 inputs (a GatedDeltaNet prefill) in one C++ call
+  (``ops.delta_chunks``), each chunk's products bf16 with fp32 sums on ATen's brgemm (AMX tiles where the CPU has
+  them), instead of the torch path's fp32 products; within bf16's rounding (the products' operands rounded to bf16,
+  as FLA's kernels round them).
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.
@@ -88,6 +92,7 @@ class FastPaths:
     row_buckets: bool = True
     skinny_linears: bool = True
     fused_experts: bool = True
+    delta_chunks: bool = True
 
 
 ROUNDING = (
@@ -104,6 +109,7 @@ ROUNDING = (
     "row_buckets",
     "skinny_linears",
     "fused_experts",
+    "delta_chunks",
 )
 """The switches whose paths round differently from the ones they replace (within the dtype's rounding)."""
 

@@ -26,6 +26,7 @@ import math
 import torch
 
 from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.ops.delta_chunks import delta_chunks, delta_chunks_take
 from hybridkv.engine.ops.delta_step import delta_step
 from hybridkv.engine.ops.varlen import check_state, chunk_width, length_mask
 
@@ -80,6 +81,8 @@ def gated_delta_prefill(
     batch, seq, heads_k, dk = k.shape
     heads_v, dv = v.shape[-2:]
     check_state(state, (batch, heads_v, dk, dv), "(batch, heads_v, dk, dv)", "gated delta prefill")
+    if delta_chunks_take(q, k, v):
+        return delta_chunks(q, k, v, g, beta, state, lengths, FLUSH if FAST.flush_decays else math.inf)
     if lengths is not None:
         valid = length_mask(lengths, seq)
         g = g * valid[..., None]

@@ -11,6 +11,7 @@
 #include "qk_rope.cpp"
 #include "put_entries.cpp"
 #include "band_attention.cpp"
+#include "delta_chunks.cpp"
 #include "gdn_decode.cpp"
 #include "conv_decode.cpp"
 #include "conv_prefill.cpp"

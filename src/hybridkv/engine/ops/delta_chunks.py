@@ -1,0 +1,85 @@
+"""The chunked gated delta rule of bf16 inputs in one C++ call (``csrc/delta_chunks.cpp``): each chunk's products as
+bf16 matrix products with fp32 sums (ATen's brgemm: AMX tiles where the CPU has them).
+
+``ops.gated_delta``'s torch path makes the same products in fp32 (transformers' ``torch_chunk_gated_delta_rule``
+operation for operation), a compute-bound third of a widened Qwen3-Next bf16 prefill step on this CPU; vLLM's and
+SGLang's CPU backends call a C++ kernel of the same kind. Per (row, value head), in chunks of ``KERNEL_CHUNK`` from the
+call's first token, the state carried in fp32.
+
+When (``delta_chunks_take``): bf16 q, k, v on the CPU with an even key dimension, the C++ kernels built and ATen's
+brgemm able to run bf16 here, ``fast_paths(delta_chunks=...)`` and ``native_kernels`` on, not inside a graph being
+traced, no gradient recorded.
+
+Numerics: every product's operands are rounded to bf16 (the normalised keys and queries, the intra-chunk inverse, the
+state), as FLA's GPU kernels round them; the sums, the state and the decays stay fp32: within bf16's rounding of the
+fp32 path, not equal to it. Decay factors below ``e**-flush`` are zero (``gated_delta.FLUSH`` with ``flush_decays``
+on, as the torch path flushes them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hybridkv.engine.fast_paths import FAST
+from hybridkv.engine.ops.native import native
+
+KERNEL_CHUNK = 64
+"""The kernel's chunk: with the products on AMX tiles each chunk's cost is mostly its fixed work, so the larger of
+FLA's chunks (the torch path's 32 is the fp32 products' best)."""
+
+
+@functools.cache
+def _brgemm_runs_bf16() -> bool:
+    kernels = native()
+    return kernels is not None and bool(kernels.delta_chunks_ready())
+
+
+def delta_chunks_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``delta_chunks(q, k, v, ...)`` runs the kernel for these inputs."""
+    if torch.compiler.is_compiling():  # first: a traced graph keeps the torch path
+        return False
+    return (
+        FAST.delta_chunks
+        and FAST.native_kernels
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.is_cpu
+        and k.is_cpu
+        and v.is_cpu
+        and k.shape[-1] % 2 == 0
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and _brgemm_runs_bf16()
+    )
+
+
+def delta_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lengths: torch.Tensor | None,
+    flush: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated_delta.gated_delta_prefill``'s arguments (q, k ``[batch, seq, heads_k, dk]``, v ``[batch, seq, heads_v,
+    dv]``, g, beta ``[batch, seq, heads_v]``, state ``[batch, heads_v, dk, dv]``, lengths ``[batch]`` or None) ->
+    ``(out [batch, seq, heads_v, dv] bf16, zero past each row's length; final state fp32)``; decays below
+    ``e**-flush`` are zero (``math.inf``: none); ``delta_chunks_take(q, k, v)`` must hold."""
+    kernels = native()
+    assert kernels is not None, "delta_chunks_take said the kernels are built"
+    batch, seq = q.shape[:2]
+    if lengths is None:
+        lengths = torch.full((batch,), seq, dtype=torch.int64)
+    rows = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    gates = (x.to(torch.float32).contiguous() for x in (g, beta))
+    out, final = kernels.delta_chunks(
+        *rows,
+        *gates,
+        state.to(torch.float32).contiguous(),
+        lengths.to(torch.int64).contiguous(),
+        KERNEL_CHUNK,
+        flush,
+    )
+    return out, final
