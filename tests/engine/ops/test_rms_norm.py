@@ -1,6 +1,7 @@
 """The fused bf16 RMS norm (``ops.rms_norm``): within bf16 rounding of the torch path, at least as close to the fp32
 norm, its residual add torch's bf16 add bit for bit, per-head scale blocks, and the torch path wherever it does not
-apply."""
+apply; the gated norm (GatedDeltaNet's output) within the dtype's rounding of ``GatedRMSNorm``'s torch path, its gate
+read through a projection's strides, every malformed argument refused."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 from hybridkv.engine.fast_paths import fast_paths
-from hybridkv.engine.layers.norms import RMSNorm, rms_norm_rounded
+from hybridkv.engine.layers.norms import GatedRMSNorm, RMSNorm, rms_norm_rounded
 from hybridkv.engine.ops.native import native
-from hybridkv.engine.ops.rms_norm import fuses_norm, rms_norm_fused
+from hybridkv.engine.ops.rms_norm import fuses_gated_norm, fuses_norm, gated_rms_norm_fused, rms_norm_fused
 
 
 def _kernels() -> None:
@@ -107,3 +108,58 @@ def test_the_torch_path_serves_where_the_kernel_does_not_apply() -> None:
         if native() is None:
             raise RuntimeError("scale")
         rms_norm_fused(x, torch.ones(31), 1e-6)
+
+
+def _gated_case(dtype: torch.dtype, width: int, seed: int) -> tuple[GatedRMSNorm, torch.Tensor, torch.Tensor]:
+    """A norm, x (T, 4, D) and its gate as GatedDeltaNet passes it: a (T, 2, 2, D) view of a wider projection."""
+    g = torch.Generator().manual_seed(seed)
+    norm = GatedRMSNorm(width, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + torch.randn(width, generator=g) * 0.3)
+    x = (torch.randn(70, 4, width, generator=g) * 3).to(dtype)
+    x[0, 0] = 0.0  # an all-zero row: eps alone
+    projection = (torch.randn(70, 2, 5 * width, generator=g) * 4).to(dtype)
+    return norm, x, projection[..., width : 3 * width].view(70, 2, 2, width)
+
+
+@pytest.mark.parametrize("width", [1, 17, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gated_kernel_is_the_torch_path_within_rounding(dtype: torch.dtype, width: int) -> None:
+    _kernels()
+    norm, x, gate = _gated_case(dtype, width, width)
+    assert not fuses_gated_norm(x, norm.weight, gate)  # a weight that records gradients keeps the torch path
+    with torch.no_grad():
+        assert not gate.is_contiguous() and fuses_gated_norm(x, norm.weight, gate)
+        got = norm(x, gate)
+        with fast_paths(fused_norms=False):
+            assert not fuses_gated_norm(x, norm.weight, gate)
+            torch_path = norm(x, gate)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.bfloat16:  # the same roundings in the same order; the mean of squares and exp within an ulp
+        assert float(_bf16_ulps(got, torch_path).max()) <= 1.0
+        assert float((got != torch_path).float().mean()) < 0.01
+    else:
+        assert torch.allclose(got, torch_path, rtol=1e-5, atol=1e-6), float((got - torch_path).abs().max())
+    contiguous = gated_rms_norm_fused(x, norm.weight.detach(), gate.reshape(x.shape).contiguous(), 1e-6)
+    assert torch.equal(got, contiguous)  # the strides change which entries are read, nothing else
+
+
+def test_a_wrong_gate_or_weight_is_refused_naming_it() -> None:
+    _kernels()
+    norm, x, gate = _gated_case(torch.bfloat16, 16, 3)
+    kernels = native()
+    assert kernels is not None
+    norm.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"a contiguous weight of x's BFloat16 and D = 16 entries, got Float"):
+        kernels.gated_rms_norm(x, norm.weight.float(), gate, 1e-6)
+    with pytest.raises(RuntimeError, match=r"gate \(T, A, B, 16\) of 280 rows.*\[69, 2, 2, 16\]"):
+        kernels.gated_rms_norm(x, norm.weight, gate[1:], 1e-6)
+    every_other = torch.zeros(70, 2, 2, 32, dtype=torch.bfloat16)[..., ::2]  # rows not contiguous
+    with pytest.raises(
+        RuntimeError, match=r"each contiguous, got BFloat16 \[70, 2, 2, 16\] strides \[128, 64, 32, 2\]"
+    ):
+        kernels.gated_rms_norm(x, norm.weight, every_other, 1e-6)
+    with torch.no_grad():  # the layer's torch path serves those instead
+        assert fuses_gated_norm(x, norm.weight, gate)
+        assert not fuses_gated_norm(x, norm.weight.float(), gate)
+        assert not fuses_gated_norm(x, norm.weight, gate[1:])

@@ -106,7 +106,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = torch.split(qkvz, [self.k_dim, self.k_dim, per * self.v_dim, per * self.v_dim], dim=-1)
         b, a = torch.split(self.in_proj_ba(x).view(t, self.k_heads, 2 * per), [per, per], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed, z.reshape(t, self.v_heads, self.v_dim), b.reshape(t, self.v_heads), a.reshape(t, self.v_heads)
+        # z stays a view (its norm reads it in place): (t, key heads, value heads per key head, v_dim)
+        return mixed, z.view(t, self.k_heads, per, self.v_dim), b.reshape(t, self.v_heads), a.reshape(t, self.v_heads)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, mem: UnifiedMemory) -> torch.Tensor:
         mixed, z, b, a = self._split(x)

@@ -29,7 +29,7 @@ from torch import nn
 
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.cast import cast, f32
-from hybridkv.engine.ops.rms_norm import fuses_norm, rms_norm_fused
+from hybridkv.engine.ops.rms_norm import fuses_gated_norm, fuses_norm, gated_rms_norm_fused, rms_norm_fused
 
 T = TypeVar("T")
 
@@ -116,5 +116,8 @@ class GatedRMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``gate``: ``x``'s entries in its order (any view whose rows are contiguous: a projection's slice)."""
+        if fuses_gated_norm(x, self.weight, gate):
+            return gated_rms_norm_fused(x, self.weight, gate, self.eps)
         h = self.weight * cast(F.rms_norm(f32(x), self.shape, None, self.eps), x.dtype)
-        return cast(h * F.silu(f32(gate)), x.dtype)
+        return cast(h * F.silu(f32(gate.reshape(x.shape))), x.dtype)

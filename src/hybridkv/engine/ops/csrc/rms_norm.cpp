@@ -1,4 +1,4 @@
-// RMS norm (bf16 or fp32) in one pass over each row, with the residual add after it fused in
+// RMS norm (bf16 or fp32) in one pass over each row, with the residual add after it fused in, or gated by a SiLU
 // (hybridkv.engine.ops.rms_norm).
 //
 // Row r of x (rows, D) -> x_r * inv_r * scale_b, inv_r = 1 / sqrt(mean(x_r^2) + eps), the mean of squares summed in
@@ -7,6 +7,11 @@
 // (blocks, D); row r takes block r % blocks (per-head scales of q/k norms over (T, heads, D)). With a residual
 // (rows, D) of x's dtype: residual + that rounded norm, in fp32 rounded to the dtype: what torch's add of the two
 // gives, bit for bit.
+//
+// Gated (GatedDeltaNet's output norm, transformers' Qwen3NextRMSNormGated): the same inv_r, then
+// round(round(w * round(x_r * inv_r)) * silu(z)), silu(z) = z / (1 + exp(-z)) in fp32 (exp_approx: ~1 ulp), w and z
+// of x's dtype; z read through its strides (T, A, B, D), row r of x its (r / AB, r / B % A, r % B): the layer's gate
+// is a view of its projection, which a reshape would copy.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -25,16 +30,20 @@ namespace hybridkv_rms_norm {
 
 using namespace hybridkv_cpu;
 
-
 template <typename T>
-void norm_row(const T* x, const float* scale, const T* residual, T* out, int64_t d, float eps) {
+float inverse_rms(const T* x, int64_t d, float eps) {
   double squares = 0.0;
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < d; ++i) {
     const double v = load(x[i]);
     squares += v * v;
   }
-  const float inv = 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(d)) + eps);
+  return 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(d)) + eps);
+}
+
+template <typename T>
+void norm_row(const T* x, const float* scale, const T* residual, T* out, int64_t d, float eps) {
+  const float inv = inverse_rms(x, d, eps);
   if (residual == nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) store(out + i, load(x[i]) * inv * scale[i]);
@@ -45,6 +54,19 @@ void norm_row(const T* x, const float* scale, const T* residual, T* out, int64_t
       store(&normed, load(x[i]) * inv * scale[i]);
       store(out + i, load(residual[i]) + load(normed));
     }
+  }
+}
+
+template <typename T>
+void gated_row(const T* x, const T* w, const T* z, T* out, int64_t d, float eps) {
+  const float inv = inverse_rms(x, d, eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    T normed, weighted;
+    store(&normed, load(x[i]) * inv);
+    store(&weighted, load(w[i]) * load(normed));
+    const float g = load(z[i]);
+    store(out + i, load(weighted) * (g / (1.0f + exp_approx(-g))));
   }
 }
 
@@ -85,9 +107,45 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps, co
   return out;
 }
 
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& gate, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.is_contiguous() && x.dim() >= 1,
+              "gated_rms_norm: a contiguous bf16 or fp32 CPU x (..., D), got ", x.scalar_type(), " ", x.sizes());
+  const int64_t d = x.size(-1), rows = d > 0 ? x.numel() / d : 0;
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == d,
+              "gated_rms_norm: a contiguous weight of x's ", x.scalar_type(), " and D = ", d, " entries, got ",
+              weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == x.scalar_type() && gate.dim() == 4 &&
+                  gate.size(3) == d && gate.stride(3) == 1 && gate.size(0) * gate.size(1) * gate.size(2) == rows,
+              "gated_rms_norm: a ", x.scalar_type(), " gate (T, A, B, ", d, ") of ", rows,
+              " rows, each contiguous, got ", gate.scalar_type(), " ", gate.sizes(), " strides ", gate.strides());
+  auto out = at::empty_like(x);
+  const int64_t a = gate.size(1), b = gate.size(2);
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const auto* src = static_cast<const T*>(x.data_ptr());
+    const auto* w = static_cast<const T*>(weight.data_ptr());
+    const auto* z = static_cast<const T*>(gate.data_ptr());
+    auto* dst = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* zr = z + (r / (a * b)) * gate.stride(0) + (r / b % a) * gate.stride(1) + (r % b) * gate.stride(2);
+        gated_row(src + r * d, w, zr, dst + r * d, d, static_cast<float>(eps));
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(uint16_t{});
+  return out;
+}
+
 }  // namespace hybridkv_rms_norm
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybridkv, m) {
   m.def("rms_norm(Tensor x, Tensor scale, float eps, Tensor? residual) -> Tensor", &hybridkv_rms_norm::rms_norm);
+  m.def("gated_rms_norm(Tensor x, Tensor weight, Tensor gate, float eps) -> Tensor",
+        &hybridkv_rms_norm::gated_rms_norm);
 }
