@@ -32,6 +32,8 @@ baseline in the same run (``hybridkv bench bf16``).
 - ``fused_norms``: a bf16 or fp32 RMS norm on the CPU in one pass per row (``ops.rms_norm``, a C++ kernel), the
   residual add after it fused in (Gemma 3's sandwich norms); its mean of squares is summed in fp64: a few bf16
   outputs in a million one step from the torch path's, at least as close to fp32's; fp32 within an ulp or two.
+  GatedDeltaNet's gated output norm likewise in one pass, its gate read in place from the projection (no reshape
+  copy); widened Qwen3-Next bf16, 2048 x 4 x 128: ~3.6 -> ~1.4 ms.
 - ``fused_activations``: a gated MLP's ``act(gate) * up`` in one pass (``ops.gated_act``, a C++ kernel; tanh GELU
   and SiLU, bf16 and fp32): rounded once in bf16 (the torch path rounds twice), within a few ulp in fp32.
 - ``fused_rope``: attention's query and key norms and rotary embedding in one pass (``ops.qk_rope``, a C++ kernel,
