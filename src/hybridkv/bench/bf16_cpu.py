@@ -5,8 +5,9 @@ the logits and routed experts through oneDNN with the weights reordered once), r
 in place (GatedDeltaNet, KDA decodes; the step's state cells), bf16 RMS norms scaled in place, the C++
 kernels (the greedy choice), paged decode attention (``ops.paged_decode``), flushed GatedDeltaNet decays
 (``ops.gated_delta``), fp32 conv taps (``ops.conv``), dense experts of few tokens (``layers.dense_moe``), the
-fused RMS norm (+ residual add), the fused gated activation and the fused q/k norm and rotation
-(``ops.rms_norm``, ``ops.gated_act``, ``ops.qk_rope``). The baseline is the same engine, the same weights and
+fused RMS norm (+ residual add, or GatedDeltaNet's SiLU gate), the fused gated activation and the fused q/k norm
+and rotation (``ops.rms_norm``, ``ops.gated_act``, ``ops.qk_rope``), the chunked gated delta rule's bf16 products
+(``ops.delta_chunks``) and the other ``fast_paths`` switches. The baseline is the same engine, the same weights and
 requests, with every one turned off (``fast_paths(False)``); ``bit-equal`` has every one on but those that round
 differently (``fast_paths.ROUNDING``); ``unfused`` every one on but the fused kernels (``FUSED``; their gain:
 ``fused_gain``, ``unfused`` over ``fast``); ``fast`` has every one on. Changes that are not switches (the
