@@ -114,18 +114,44 @@ def test_gated_delta_prefill_takes_the_kernel_for_bf16_inputs_only() -> None:
     _kernels()
     inputs = _inputs(2, 40, (2, 4), (16, 8), seed=5)
     lengths = torch.tensor([40, 17])
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    assert delta_chunks_take(q, k, v)
-    assert not delta_chunks_take(q.float(), k.float(), v.float())
-    assert not delta_chunks_take(q[..., :15], k[..., :15], v)  # an odd key dimension
+    q, k, v, g, beta, state = (inputs[n] for n in ("q", "k", "v", "g", "beta", "state"))
+    assert delta_chunks_take(q, k, v, g, beta, state)
+    assert not delta_chunks_take(q.float(), k.float(), v.float(), g, beta, state)
+    assert not delta_chunks_take(q[..., :15], k[..., :15], v, g, beta, state)  # an odd key dimension
+    assert not delta_chunks_take(q[..., :0], k[..., :0], v, g, beta, state)  # no key dimension: the torch path's
+    learned = g.clone().requires_grad_(True)  # a gradient through the decays: the kernel records none
+    assert not delta_chunks_take(q, k, v, learned, beta, state)
+    with torch.no_grad():
+        assert delta_chunks_take(q, k, v, learned, beta, state)
+    with pytest.MonkeyPatch.context() as patch:  # oneDNN off: ATen's brgemm refuses bf16, the torch path serves
+        patch.setattr(torch.backends.mkldnn, "enabled", False)
+        assert not delta_chunks_take(q, k, v, g, beta, state)
+    assert torch.backends.mkldnn.enabled
     with fast_paths(delta_chunks=False):
-        assert not delta_chunks_take(q, k, v)
+        assert not delta_chunks_take(q, k, v, g, beta, state)
         torch_out, _ = gated_delta_prefill(**inputs, lengths=lengths)
     out, final = gated_delta_prefill(**inputs, lengths=lengths)
     kernel_out, kernel_final = delta_chunks(**inputs, lengths=lengths, flush=FLUSH)
     assert torch.equal(out, kernel_out) and torch.equal(final, kernel_final)
     assert not torch.equal(out[0], torch_out[0])  # the torch path's fp32 products round otherwise
     _assert_within_bf16(out[0], torch_out[0].double(), "kernel vs torch path")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 63, 64, 100])
+@pytest.mark.parametrize("dims", [(18, 10), (24, 40)], ids=["dk18", "dk24"])
+def test_every_chunk_size_and_odd_widths_keep_the_exact_rule_within_bf16(chunk: int, dims: tuple[int, int]) -> None:
+    """Chunks of any size (odd ones pad the tokens' product dimension), key and value widths off the 16-lane vectors."""
+    _kernels()
+    inputs = _inputs(2, 131, (1, 3), dims, seed=chunk)
+    lengths = torch.tensor([131, 50])
+    kernels = native()
+    assert kernels is not None
+    args = (inputs[n] for n in ("q", "k", "v", "g", "beta", "state"))
+    out, final = kernels.delta_chunks(*args, lengths, chunk, FLUSH)
+    want_out, want_final = _exact(inputs, lengths)
+    _assert_within_bf16(out[0], want_out[0], "full row")
+    _assert_within_bf16(out[1, :50], want_out[1, :50], "short row")
+    _assert_within_bf16(final, want_final, "final state")
 
 
 def test_rows_read_through_strides_equal_contiguous_copies() -> None:

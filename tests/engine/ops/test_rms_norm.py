@@ -111,15 +111,16 @@ def test_the_torch_path_serves_where_the_kernel_does_not_apply() -> None:
 
 
 def _gated_case(dtype: torch.dtype, width: int, seed: int) -> tuple[GatedRMSNorm, torch.Tensor, torch.Tensor]:
-    """A norm, x (T, 4, D) and its gate as GatedDeltaNet passes it: a (T, 2, 2, D) view of a wider projection."""
+    """A norm, x (T, 6, D) and its gate as GatedDeltaNet passes it: a (T, 2, 3, D) view of a wider projection (two
+    key heads of three value heads each: the two middle dimensions differ, so swapping them would be caught)."""
     g = torch.Generator().manual_seed(seed)
     norm = GatedRMSNorm(width, 1e-6).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(1.0 + torch.randn(width, generator=g) * 0.3)
-    x = (torch.randn(70, 4, width, generator=g) * 3).to(dtype)
+    x = (torch.randn(70, 6, width, generator=g) * 3).to(dtype)
     x[0, 0] = 0.0  # an all-zero row: eps alone
-    projection = (torch.randn(70, 2, 5 * width, generator=g) * 4).to(dtype)
-    return norm, x, projection[..., width : 3 * width].view(70, 2, 2, width)
+    projection = (torch.randn(70, 2, 7 * width, generator=g) * 4).to(dtype)
+    return norm, x, projection[..., width : 4 * width].view(70, 2, 3, width)
 
 
 @pytest.mark.parametrize("width", [1, 17, 128])
@@ -140,8 +141,8 @@ def test_the_gated_kernel_is_the_torch_path_within_rounding(dtype: torch.dtype, 
         assert float((got != torch_path).float().mean()) < 0.01
     else:
         assert torch.allclose(got, torch_path, rtol=1e-5, atol=1e-6), float((got - torch_path).abs().max())
-    contiguous = gated_rms_norm_fused(x, norm.weight.detach(), gate.reshape(x.shape).contiguous(), 1e-6)
-    assert torch.equal(got, contiguous)  # the strides change which entries are read, nothing else
+    for same in (gate.reshape(x.shape).contiguous(), gate.reshape(-1, width)):  # 3-D and 2-D gates of x's rows
+        assert torch.equal(got, gated_rms_norm_fused(x, norm.weight.detach(), same, 1e-6))
 
 
 def test_a_wrong_gate_or_weight_is_refused_naming_it() -> None:
@@ -150,16 +151,18 @@ def test_a_wrong_gate_or_weight_is_refused_naming_it() -> None:
     kernels = native()
     assert kernels is not None
     norm.weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"a contiguous weight of x's BFloat16 and D = 16 entries, got Float"):
+    with pytest.raises(RuntimeError, match=r"a contiguous CPU weight of x's BFloat16 and D = 16 entries, got Float"):
         kernels.gated_rms_norm(x, norm.weight.float(), gate, 1e-6)
-    with pytest.raises(RuntimeError, match=r"gate \(T, A, B, 16\) of 280 rows.*\[69, 2, 2, 16\]"):
+    with pytest.raises(RuntimeError, match=r"gate \(T, A, B, 16\) of 420 rows.*\[69, 2, 3, 16\]"):
         kernels.gated_rms_norm(x, norm.weight, gate[1:], 1e-6)
-    every_other = torch.zeros(70, 2, 2, 32, dtype=torch.bfloat16)[..., ::2]  # rows not contiguous
+    every_other = torch.zeros(70, 2, 3, 32, dtype=torch.bfloat16)[..., ::2]  # rows not contiguous
     with pytest.raises(
-        RuntimeError, match=r"each contiguous, got BFloat16 \[70, 2, 2, 16\] strides \[128, 64, 32, 2\]"
+        RuntimeError, match=r"each contiguous, got BFloat16 \[70, 2, 3, 16\] strides \[192, 96, 32, 2\]"
     ):
         kernels.gated_rms_norm(x, norm.weight, every_other, 1e-6)
     with torch.no_grad():  # the layer's torch path serves those instead
         assert fuses_gated_norm(x, norm.weight, gate)
         assert not fuses_gated_norm(x, norm.weight.float(), gate)
         assert not fuses_gated_norm(x, norm.weight, gate[1:])
+        assert not fuses_gated_norm(x[..., :0], norm.weight[:0], gate[..., :0])  # no width: nothing to normalise
+        assert not fuses_gated_norm(x, norm.weight, torch.tensor(1.0, dtype=torch.bfloat16))  # a 0-d gate

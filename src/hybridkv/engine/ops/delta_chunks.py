@@ -7,8 +7,8 @@ SGLang's CPU backends call a C++ kernel of the same kind. Per (row, value head),
 call's first token, the state carried in fp32.
 
 When (``delta_chunks_take``): bf16 q, k, v on the CPU with an even key dimension, the C++ kernels built and ATen's
-brgemm able to run bf16 here, ``fast_paths(delta_chunks=...)`` and ``native_kernels`` on, not inside a graph being
-traced, no gradient recorded.
+brgemm able to run bf16 here (oneDNN on: ``torch.backends.mkldnn``), ``fast_paths(delta_chunks=...)`` and
+``native_kernels`` on, not inside a graph being traced, no gradient recorded for any input.
 
 Numerics: every product's operands are rounded to bf16 (the normalised keys and queries, the intra-chunk inverse, the
 state), as FLA's GPU kernels round them; the sums, the state and the decays stay fp32: within bf16's rounding of the
@@ -32,12 +32,16 @@ FLA's chunks (the torch path's 32 is the fp32 products' best)."""
 
 @functools.cache
 def _brgemm_runs_bf16() -> bool:
+    """Whether this CPU's ATen brgemm computes bf16; asked only while oneDNN is on (``delta_chunks_take`` checks that
+    first, on every call: ATen's brgemm refuses while a user turned it off)."""
     kernels = native()
     return kernels is not None and bool(kernels.delta_chunks_ready())
 
 
-def delta_chunks_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``delta_chunks(q, k, v, ...)`` runs the kernel for these inputs."""
+def delta_chunks_take(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> bool:
+    """Whether ``delta_chunks(q, k, v, g, beta, state, ...)`` runs the kernel for these inputs."""
     if torch.compiler.is_compiling():  # first: a traced graph keeps the torch path
         return False
     return (
@@ -48,7 +52,10 @@ def delta_chunks_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
         and k.is_cpu
         and v.is_cpu
         and k.shape[-1] % 2 == 0
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and k.shape[-1] > 0
+        and v.shape[-1] > 0
+        and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state)))
+        and bool(torch.backends.mkldnn.enabled)
         and _brgemm_runs_bf16()
     )
 
@@ -66,7 +73,7 @@ def delta_chunks(
     """``gated_delta.gated_delta_prefill``'s arguments (q, k ``[batch, seq, heads_k, dk]``, v ``[batch, seq, heads_v,
     dv]``, g, beta ``[batch, seq, heads_v]``, state ``[batch, heads_v, dk, dv]``, lengths ``[batch]`` or None) ->
     ``(out [batch, seq, heads_v, dv] bf16, zero past each row's length; final state fp32)``; decays below
-    ``e**-flush`` are zero (``math.inf``: none); ``delta_chunks_take(q, k, v)`` must hold."""
+    ``e**-flush`` are zero (``math.inf``: none); ``delta_chunks_take(q, k, v, g, beta, state)`` must hold."""
     kernels = native()
     assert kernels is not None, "delta_chunks_take said the kernels are built"
     batch, seq = q.shape[:2]

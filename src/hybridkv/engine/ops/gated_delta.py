@@ -83,7 +83,7 @@ def gated_delta_prefill(
     batch, seq, heads_k, dk = k.shape
     heads_v, dv = v.shape[-2:]
     check_state(state, (batch, heads_v, dk, dv), "(batch, heads_v, dk, dv)", "gated delta prefill")
-    if delta_chunks_take(q, k, v):
+    if delta_chunks_take(q, k, v, g, beta, state):
         return delta_chunks(q, k, v, g, beta, state, lengths, FLUSH if FAST.flush_decays else math.inf)
     if lengths is not None:
         valid = length_mask(lengths, seq)

@@ -72,11 +72,12 @@ def fuses_gated_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor) 
         and weight.is_cpu
         and gate.is_cpu
         and x.dim() >= 1
+        and 1 <= gate.dim() <= 4
+        and x.shape[-1] > 0
         and weight.shape == x.shape[-1:]
         and gate.shape[-1] == x.shape[-1]
         and gate.numel() == x.numel()
         and gate.stride(-1) == 1
-        and 1 <= gate.dim() <= 4
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or gate.requires_grad))
         and not torch.compiler.is_compiling()
         and native() is not None

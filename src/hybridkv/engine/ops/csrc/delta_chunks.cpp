@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -68,13 +69,13 @@ void vnni_rows(const float* src, int64_t ld, int64_t rows, int64_t n, uint16_t* 
 }
 
 // B = src^T in the same layout: src (n rows of k entries, k even), B (k x n); entry (r, j) = src[j][r], so the pair
-// (2p, 2p + 1) of column j is row j's entries 2p, 2p + 1: each row rounded once, its words scattered
+// (2p, 2p + 1) of column j is row j's entries 2p, 2p + 1: each row rounded at once into row_b (k entries), its words
+// copied out (memcpy: row_b is read as words without aliasing it)
 void vnni_transposed(const float* src, int64_t n, int64_t k, uint16_t* row_b, uint16_t* out) {
-  auto* words = reinterpret_cast<uint32_t*>(out);
-  const auto* row_words = reinterpret_cast<const uint32_t*>(row_b);
+  auto* words = reinterpret_cast<uint32_t*>(out);  // only brgemm reads them back
   for (int64_t j = 0; j < n; ++j) {
     to_bf16(src + j * k, k, row_b);
-    for (int64_t p = 0; p < k / 2; ++p) words[p * n + j] = row_words[p];
+    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(words + p * n + j, row_b + 2 * p, sizeof(uint32_t));
   }
 }
 
@@ -83,6 +84,14 @@ void product(int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t*
   at::native::cpublas::brgemm(m, n, k, k, n, ldc, add, reinterpret_cast<const at::BFloat16*>(a),
                               reinterpret_cast<const at::BFloat16*>(b), c, true);
 }
+
+// The thread's brgemm hardware context (AMX tile configuration) released when its tasks end, thrown out of or not.
+struct TilesReleased {
+  TilesReleased() = default;
+  TilesReleased(const TilesReleased&) = delete;
+  TilesReleased& operator=(const TilesReleased&) = delete;
+  ~TilesReleased() { at::native::cpublas::brgemm_release(true); }
+};
 
 struct Shape {
   int64_t seq, heads_k, heads_v, dk, dv, chunk;
@@ -273,6 +282,7 @@ std::tuple<at::Tensor, at::Tensor> delta_chunks(const at::Tensor& q, const at::T
   float* sp = final_state.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
   at::parallel_for(0, batch * heads_v, 1, [&](int64_t begin, int64_t end) {
+    const TilesReleased released;
     Scratch w(shape);
     std::vector<uint16_t*> out_rows(chunk_size);
     for (int64_t task = begin; task < end; ++task) {
@@ -297,7 +307,6 @@ std::tuple<at::Tensor, at::Tensor> delta_chunks(const at::Tensor& q, const at::T
       }
       for (int64_t t = len[b]; t < seq; ++t) std::fill_n(op + ((b * seq + t) * heads_v + h) * dv, dv, uint16_t{0});
     }
-    at::native::cpublas::brgemm_release(true);
   });
   return {out, final_state};
 }

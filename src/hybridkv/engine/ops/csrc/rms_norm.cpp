@@ -89,9 +89,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps, co
                   x.is_contiguous() && x.dim() >= 1,
               "rms_norm: a contiguous bf16 or fp32 CPU x (..., D), got ", x.scalar_type(), " ", x.sizes());
   const int64_t d = x.size(-1);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && d > 0 && scale.numel() % d == 0 &&
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() && d > 0 &&
+                  scale.numel() % d == 0 &&
                   scale.numel() > 0,
-              "rms_norm: a contiguous fp32 scale of whole rows of D = ", d, " (got ", scale.numel(), " entries)");
+              "rms_norm: a contiguous fp32 CPU scale of whole rows of D = ", d, " (got ", scale.numel(), " entries)");
   const int64_t rows = x.numel() / d, blocks = scale.numel() / d;
   TORCH_CHECK(rows % blocks == 0, "rms_norm: ", rows, " rows are not a multiple of the scale's ", blocks, " rows");
   if (residual.has_value())
@@ -112,8 +113,9 @@ at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& weight, const a
                   x.is_contiguous() && x.dim() >= 1,
               "gated_rms_norm: a contiguous bf16 or fp32 CPU x (..., D), got ", x.scalar_type(), " ", x.sizes());
   const int64_t d = x.size(-1), rows = d > 0 ? x.numel() / d : 0;
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == d,
-              "gated_rms_norm: a contiguous weight of x's ", x.scalar_type(), " and D = ", d, " entries, got ",
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == d,
+              "gated_rms_norm: a contiguous CPU weight of x's ", x.scalar_type(), " and D = ", d, " entries, got ",
               weight.scalar_type(), " ", weight.sizes());
   TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == x.scalar_type() && gate.dim() == 4 &&
                   gate.size(3) == d && gate.stride(3) == 1 && gate.size(0) * gate.size(1) * gate.size(2) == rows,
