@@ -89,8 +89,6 @@ def gated_rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tens
     each contiguous (e.g. a ``(T, A, B, D)`` view for ``x`` ``(T, A * B, D)``); ``fuses_gated_norm`` must hold."""
     kernels = native()
     assert kernels is not None, "fuses_gated_norm said the kernels are built"
-    gate4 = gate.reshape(1, 1, 1, gate.shape[-1]) if gate.dim() == 1 else gate
-    while gate4.dim() < 4:
-        gate4 = gate4.unsqueeze(1)
+    gate4 = gate[(None,) * (4 - gate.dim())]  # leading ones: the row order is unchanged
     out: torch.Tensor = kernels.gated_rms_norm(x.contiguous(), weight.contiguous(), gate4, eps)
     return out

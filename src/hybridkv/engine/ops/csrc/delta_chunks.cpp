@@ -47,13 +47,11 @@ void to_bf16(const float* src, int64_t n, uint16_t* out) {
 // Two rows as brgemm's bf16 pairs: word j = bf16(a[j]) | bf16(b[j]) << 16 (b null: a zero row)
 void pair_rows(const float* a, const float* b, int64_t n, uint32_t* out) {
   int64_t j = 0;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   for (; j + 16 <= n; j += 16) {
-    const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(a + j))));
+    const __m512i lo = _mm512_cvtepu16_epi32(bf16x16(_mm512_loadu_ps(a + j)));
     const __m512i hi = b == nullptr ? _mm512_setzero_si512()
-                                    : _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(
-                                                            _mm512_cvtneps_pbh(_mm512_loadu_ps(b + j)))),
-                                                        16);
+                                    : _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(_mm512_loadu_ps(b + j))), 16);
     _mm512_storeu_si512(out + j, _mm512_or_si512(lo, hi));
   }
 #endif
@@ -124,13 +122,13 @@ void l2norm(const uint16_t* x, int64_t d, float scale, float* out) {
   for (int64_t i = 0; i < d; ++i) out[i] = bf16_to_float(x[i]) * factor * scale;
 }
 
-// out[j] = e(to - from[j]) for j < n: exp, or 0 below -flush
+// e(x): exp(x), or 0 below -flush
+HYBRIDKV_INLINE float decay(float x, float flush) { return x < -flush ? 0.0f : exp_approx(x); }
+
+// out[j] = e(to - from[j]) for j < n
 void decays(float to, const float* from, int64_t n, float flush, float* out) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = to - from[j];
-    out[j] = x < -flush ? 0.0f : exp_approx(x);
-  }
+  for (int64_t j = 0; j < n; ++j) out[j] = decay(to - from[j], flush);
 }
 
 // One chunk of n tokens, S (dk x dv) carried in place; out_rows[i] is token i's output row (dv bf16).
@@ -185,18 +183,18 @@ void chunk(const Shape& s, Scratch& w, int64_t n, float* state, uint16_t* const*
   }
   float* rows = w.rows.data();
   for (int64_t i = 0; i < n; ++i) {
-    const float b = w.beta[i], kd = b * (-cum[i] > s.flush ? 0.0f : exp_approx(cum[i]));
+    const float b = w.beta[i], key_factor = b * decay(cum[i], s.flush);
 #pragma omp simd
     for (int64_t d = 0; d < dv; ++d) rows[i * wide + d] = w.v[i * dv + d] * b;
 #pragma omp simd
-    for (int64_t d = 0; d < dk; ++d) rows[i * wide + dv + d] = w.k[i * dk + d] * kd;
+    for (int64_t d = 0; d < dk; ++d) rows[i * wide + dv + d] = w.k[i * dk + d] * key_factor;
   }
   vnni_rows(rows, wide, n, wide, w.values_keys.data());
   float* uw = w.uw.data();
   product(n, wide, np, t_b, w.values_keys.data(), uw, wide, false);
   // [W S; (q e(c)) S]: the stacked (2n x dk) times S (dk x dv)
   for (int64_t i = 0; i < n; ++i) {
-    const float qd = -cum[i] > s.flush ? 0.0f : exp_approx(cum[i]);
+    const float qd = decay(cum[i], s.flush);
     to_bf16(uw + i * wide + dv, dk, stacked + i * dk);
     float* q_row = w.rows.data();
 #pragma omp simd
@@ -230,7 +228,7 @@ void chunk(const Shape& s, Scratch& w, int64_t n, float* state, uint16_t* const*
     for (int64_t i = 0; i < n; ++i) kt[d * np + i] = kd[i * dk + d];
     if (n % 2) kt[d * np + n] = 0;
   }
-  const float chunk_decay = -last > s.flush ? 0.0f : exp_approx(last);
+  const float chunk_decay = decay(last, s.flush);
 #pragma omp simd
   for (int64_t e = 0; e < dk * dv; ++e) state[e] *= chunk_decay;
   product(dk, dv, np, kt, w.v_new_b.data(), state, dv, true);

@@ -1,7 +1,7 @@
 // A gated MLP's activation of one row, act(gate) * up, for GeGLU (tanh GELU) and SwiGLU (SiLU) (gated_act.cpp,
-// moe_decode.cpp). In fp32: gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) (= 0.5 g (1 + tanh(.))),
-// silu(g) = g * sigmoid(g), sigmoid(v) = 1 / (1 + exp(-v)) with numerics.h's vectorised exp (~1 ulp); times up in
-// fp32, rounded to the output dtype once (bf16: round to nearest even).
+// moe_decode.cpp; silu alone: rms_norm.cpp's gated norm). In fp32: gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g +
+// 0.044715 g^3)) (= 0.5 g (1 + tanh(.))), silu(g) = g * sigmoid(g), sigmoid(v) = 1 / (1 + exp(-v)) with numerics.h's
+// vectorised exp (~1 ulp); times up in fp32, rounded to the output dtype once (bf16: round to nearest even).
 #pragma once
 
 #include <cmath>

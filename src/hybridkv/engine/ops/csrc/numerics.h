@@ -84,9 +84,10 @@ HYBRIDKV_INLINE __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 HYBRIDKV_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-HYBRIDKV_INLINE void store16(uint16_t* p, __m512 v) {
+// 16 fp32 lanes rounded to bf16 (the 16-bit halves of a __m256i)
+HYBRIDKV_INLINE __m256i bf16x16(__m512 v) {
 #if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
 #else
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -94,9 +95,10 @@ HYBRIDKV_INLINE void store16(uint16_t* p, __m512 v) {
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
                                                 _mm512_set1_epi32(0x7F800000));
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  return _mm512_cvtepi32_epi16(rounded);
 #endif
 }
+HYBRIDKV_INLINE void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
 #endif
 
 // q . k over d bf16 entries (as uint16 bits), in fp32: VDPBF16PS over 32-entry blocks where the CPU has it

@@ -9,7 +9,7 @@
 // gives, bit for bit.
 //
 // Gated (GatedDeltaNet's output norm, transformers' Qwen3NextRMSNormGated): the same inv_r, then
-// round(round(w * round(x_r * inv_r)) * silu(z)), silu(z) = z / (1 + exp(-z)) in fp32 (exp_approx: ~1 ulp), w and z
+// round(round(w * round(x_r * inv_r)) * silu(z)), gated.h's silu in fp32 (z / (1 + exp(-z)), ~1 ulp), w and z
 // of x's dtype; z read through its strides (T, A, B, D), row r of x its (r / AB, r / B % A, r % B): the layer's gate
 // is a view of its projection, which a reshape would copy.
 #include <ATen/core/Tensor.h>
@@ -23,6 +23,7 @@
 #include <cstring>
 #include <optional>
 
+#include "gated.h"
 #include "numerics.h"
 
 namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
@@ -65,8 +66,7 @@ void gated_row(const T* x, const T* w, const T* z, T* out, int64_t d, float eps)
     T normed, weighted;
     store(&normed, load(x[i]) * inv);
     store(&weighted, load(w[i]) * load(normed));
-    const float g = load(z[i]);
-    store(out + i, load(weighted) * (g / (1.0f + exp_approx(-g))));
+    store(out + i, load(weighted) * silu(load(z[i])));
   }
 }
 
