@@ -139,6 +139,23 @@ def test_cached_tokens_in_usage_meta_info_and_sglext_then_flush_empties_the_cach
     assert err["param"] == "host"
 
 
+def test_a_streamed_chats_last_choice_chunk_carries_sglext_without_a_usage_chunk(server: Any) -> None:
+    """SGLang's benchmark client asks for ``return_cached_tokens_details`` and no usage chunk: it reads the cached
+    tokens off the chunk that ends a choice."""
+    words = " ".join(f"w{i}" for i in range(40))  # one message no other test sends: its head is cached here only
+    body = {"messages": [{"role": "user", "content": words}], "max_tokens": 2, "stream": True}
+    body |= {"return_cached_tokens_details": True}
+    seen = []
+    for _ in range(2):
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert all("usage" not in c or c["usage"] is None for c in chunks)  # none asked for
+        (last,) = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+        assert all("sglext" not in c for c in chunks if c is not last)
+        seen.append(last["sglext"]["cached_tokens_details"])
+    assert seen[0]["device"] == 0 and seen[1]["device"] > 0 and seen[1]["host"] == 0
+
+
 def test_flush_cache_is_refused_while_a_request_runs(server: Any) -> None:
     body = {"input_ids": FAMILY[0], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}, "stream": True}
     answer: list[httpx.Response] = []

@@ -9,8 +9,8 @@ SGLang's ``return_cached_tokens_details`` (``sglext``), ``rid`` and ``extra_key`
 ``/v1/completions`` serves them (``include_stop_str_in_output`` too), and ``n`` choices (``server.choices``;
 the prompt counted once in ``usage``). The answer is a ``chat.completion`` whose choice ``j``'s ``message`` is
 the assistant's text; streamed, ``chat.completion.chunk`` lines: per choice, the first ``delta`` carries the
-role, the next ones the text as it comes, the last the ``finish_reason`` (with ``stream_options.include_usage``
-a last chunk with no choices carries the usage), then ``data: [DONE]``.
+role, the next ones the text as it comes, the last the ``finish_reason`` (and ``sglext`` where it was asked for;
+with ``stream_options.include_usage`` a last chunk with no choices carries the usage), then ``data: [DONE]``.
 
 Refusals (400 naming the field): a server without a tokenizer, a tokenizer without a chat template, a message
 with an unknown role or a non-text part, and every known field asking for what is not served (tools, penalties,
@@ -125,8 +125,7 @@ async def chat_completions(state: ServerState, raw: bytes, receive: Receive) -> 
     body: ChatBody = parse(ChatBody, raw)
     state.ignore("/v1/chat/completions", ignored_fields(body))
     info, tokenizer = state.info, state.config.tokenizer
-    if body.model is not None and body.model != info.name:
-        raise ApiError(404, f"model: {body.model!r} is not served here; this server serves {info.name!r}", "model")
+    state.check_model(body.model)
     prompt = _prompt(body, tokenizer)
     assert tokenizer is not None
     params = _params(body, prompt, info.max_context)
@@ -172,9 +171,9 @@ def _encoder(
     started = [False] * n
     sent = [0] * n  # tokens of each choice whose log-probabilities went out
 
-    def choice(j: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> bytes:
+    def choice(j: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None, ext: Any = None) -> bytes:
         body_ = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return sse({**chunk_head, "choices": [body_], **extra})
+        return sse({**chunk_head, "choices": [body_], **extra, **(ext or {})})
 
     def encode(updates: list[Update]) -> list[bytes]:
         events = []
@@ -193,8 +192,10 @@ def _encoder(
                 first, sent[j] = sent[j], sent[j] + len(up.new_tokens)
                 logprobs = _content_logprobs(tokenizer, gen.logprobs[j][first : sent[j]])
             reason = None if ended is None else finish_reason(ended)
+            # SGLang's clients read the cached tokens off a choice's last chunk (they ask for no usage chunk)
+            ext = {"sglext": sglext([ended])} if body.return_cached_tokens_details and ended is not None else None
             if delta or reason is not None or logprobs is not None:
-                events.append(choice(j, {"content": delta} if delta or logprobs else {}, reason, logprobs))
+                events.append(choice(j, {"content": delta} if delta or logprobs else {}, reason, logprobs, ext))
         if gen.done and usage:
             ext = {"sglext": sglext([p.finished for p in gen.progress])} if body.return_cached_tokens_details else {}
             events.append(sse({**chunk_head, "choices": [], "usage": openai_usage(gen, n), **ext}))
