@@ -47,9 +47,7 @@ def _model_path(state: ServerState) -> str:
 
 async def model_card(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    wanted = request.path_params["model_id"]
-    if wanted != state.info.name:
-        raise ApiError(404, f"model: {wanted!r} is not served here; this server serves {state.info.name!r}", "model")
+    state.check_model(request.path_params["model_id"])
     return JSONResponse(card(request))
 
 

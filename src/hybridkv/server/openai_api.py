@@ -105,8 +105,7 @@ async def completions(state: ServerState, raw: bytes, receive: Receive) -> Answe
     body: CompletionBody = parse(CompletionBody, raw)
     state.ignore("/v1/completions", ignored_fields(body))
     info = state.info
-    if body.model is not None and body.model != info.name:
-        raise ApiError(404, f"model: {body.model!r} is not served here; this server serves {info.name!r}", "model")
+    state.check_model(body.model)
     tokenizer = state.config.tokenizer
     prompts, batch = token_prompts(body.prompt, "prompt", tokenizer)
     params = _params(body, prompts, info.max_context)

@@ -51,6 +51,9 @@ class ServerConfig:
     direct_writes: bool = True  # the backend's thread writes a stream's chunks (``SocketWriter``), not the loop
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # header size, time; connections
     model_path: str | None = None  # what the model was loaded from (``/get_model_info``; None: the served name)
+    model_aliases: frozenset[str] = frozenset()
+    """Other names a request's ``model`` may give the served model: the ``--model`` directory as given and as an
+    absolute path, what SGLang's and vLLM's clients send when they were started with ``--model PATH``."""
     server_args: Mapping[str, Any] = field(default_factory=dict)  # the options it was started with (``/server_info``)
 
     def __post_init__(self) -> None:
@@ -86,6 +89,11 @@ class ServerState:
             figures["stream_write_cpu_s"] = self._write_cpu_s
         figures["connections_refused"] = self.connections.snapshot()
         return figures
+
+    def check_model(self, wanted: str | None) -> None:
+        """A request's ``model`` (None: not given) names the served model by its name or an alias, else 404."""
+        if wanted is not None and wanted != self.info.name and wanted not in self.config.model_aliases:
+            raise ApiError(404, f"model: {wanted!r} is not served here; this server serves {self.info.name!r}", "model")
 
     def ignore(self, endpoint: str, names: list[str]) -> None:
         """In the loop: the request to ``endpoint`` carried the fields ``names`` that no model knows: each name is
