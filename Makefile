@@ -11,9 +11,12 @@ demo: setup
 	$(PY) -m hybridkv demo --out out/demo
 
 # lm-eval's own venv (tests/server/test_lmeval.py; about a minute on a fresh machine) installs while lint runs;
-# the test runs the same idempotent script again and skips, naming why, if it failed
+# the test runs the same idempotent script again and skips, naming why, if it failed. SGLang's venv
+# (tests/server/test_sglang_client.py; about two minutes) starts installing then too, and its test waits for it
+# (the script holds a lock) rather than make
 test: setup
 	@scripts/setup_lmeval.sh >/dev/null 2>&1 & lmeval=$$!; \
+	scripts/setup_sglang.sh >/dev/null 2>&1 & \
 	$(MAKE) --no-print-directory lint; lint=$$?; wait $$lmeval; \
 	[ $$lint -eq 0 ] && $(PY) -m pytest -n 2 --dist loadfile
 
@@ -26,4 +29,4 @@ bench: setup
 	bench/run_all.sh
 
 clean:
-	rm -rf .venv .venv-lmeval out .pytest_cache .hypothesis
+	rm -rf .venv .venv-lmeval .venv-sglang .venv-sglang.lock out .pytest_cache .hypothesis
