@@ -247,6 +247,35 @@ def test_a_prompt_sharing_a_running_prefill_waits_for_it_and_others_pass(
         engine.cache.check()
 
 
+@pytest.mark.parametrize("name", sorted(HAS_STATE))
+def test_a_prompt_branching_off_a_running_prefill_gets_its_branch_checkpoint_and_hits_it(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No interval checkpoints: the first request (51 tokens) would store its state only at its prompt's end.
+    The second shares 45 tokens with it and arrives in the same step: the first is given a checkpoint where the
+    second branches off (44, pages of 4), so the second waits, then hits exactly there, and both end exact.
+    A placement without ``branch`` stores nothing there: the second is admitted at once and computes it all."""
+    for placement, hit in (("prompt-aligned,branch,end", 44), ("prompt-aligned,end", 0)):
+        engine = _engine(name, 2_000_000, 4, max_step_tokens=200, checkpoints=placement)
+        logits = Logits(monkeypatch)
+        rids = [engine.submit(p, SamplingParams(max_new_tokens=4)) for p in (FIRST, LATER[0])]
+        engine.step()
+        assert [r.rid for r in engine.sched.waiting] == ([rids[1]] if hit else [])
+        first = engine.sched.requests[rids[0]]
+        assert first.wanted[:1] == ((44,) if hit else (48,))  # the branch point, then the prompt's end
+        outs: dict[int, Outcome] = {}
+        while engine.has_work():
+            for out in engine.step().finished:
+                outs[out.rid] = out
+        second = outs[rids[1]]
+        assert second.cached_tokens == hit and (second.hit is not None and second.hit.checkpoint == hit)
+        assert engine.stats["forward_tokens"] == len(FIRST) + len(LATER[0]) - hit + 2 * 3
+        for ids, rid in zip((FIRST, LATER[0]), rids, strict=True):
+            logits.check(name, rid, ids, outs[rid], 4)
+        engine.mem.verify()
+        engine.cache.check()
+
+
 @given(
     st.lists(st.integers(0, 3), max_size=300),
     st.lists(st.integers(0, 3), max_size=300),

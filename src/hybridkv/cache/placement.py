@@ -14,7 +14,8 @@ A placement is parsed from a spec string: ``none``, or a comma list of parts
 - ``prompt-aligned[:K]``: the prompt's end rounded down to ``K`` tokens (default: the page);
 - ``branch``: where the request's tokens leave the cached full KV (``MatchResult.checkpoint_at``:
   the tree branches, or its cached path ends, at ``p`` with no usable checkpoint there), so
-  the next request sharing that prefix hits there (Marconi, MLSys 2025);
+  the next request sharing that prefix hits there (Marconi, MLSys 2025); and where a waiting
+  prompt leaves one still in prefill (``branch_off``: the scheduler adds it to that one's positions);
 - ``end``: the finished sequence's end rounded down to the page (a later turn that
   continues the conversation hits there).
 
@@ -154,6 +155,14 @@ class CheckpointPlacement:
     @property
     def at_end(self) -> bool:
         return any(isinstance(p, End) for p in self.parts)
+
+    def branch_off(self, shared: int) -> int | None:
+        """Where a prompt sharing its first ``shared`` tokens with another one still in prefill branches off it,
+        rounded down to the page, when this placement stores branch points (``branch``): the one in prefill
+        stores its state there, so the other hits there instead of computing the prefix again. None without
+        ``branch`` or under a page."""
+        at = shared - shared % self.page_size
+        return at if at and any(isinstance(p, Branch) for p in self.parts) else None
 
     def prefill(self, branch_at: int | None, prompt_len: int, computed: int) -> tuple[int, ...]:
         """Positions in ``(computed, prompt_len]`` where prefill must end a chunk and store the

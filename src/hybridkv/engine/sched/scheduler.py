@@ -16,7 +16,9 @@ hit's state slot and the pages of their first chunk fit (``RequestKV.admit``: co
 starts at the hit's end; the first request of an empty engine always starts). A waiting request
 that shares a prefix with a prompt still being prefilled waits (others behind it are admitted)
 until that prefix is computed and cached, so a step never computes the same tokens twice
-(``_waits_for_prefill``; at most ``WAITING_SCAN`` wait ahead of the one admitted). Memory for a
+(``_waits_for_prefill``; at most ``WAITING_SCAN`` wait ahead of the one admitted); on a model with
+recurrent layers the one in prefill stores its state where the waiting one branches off (when the
+placement stores branch points), so the waiting one hits the whole shared prefix. Memory for a
 step comes from one ``RequestKV.allocate`` call to absolute lengths; when any rank is
 refused (the cache had nothing left to evict) the most recently admitted request is retracted
 on every rank: it frees its KV (what it inserted stays cached), returns to the front of
@@ -306,7 +308,9 @@ class Scheduler:
         taken = kv.pages_needed(running, [r.computed + self._span(r, self.max_step_tokens) for r in running])
         spans: list[int] = []
         page = kv.page_size
-        prefilling = [r for r in running if _prefilling(r, page)] if kv.prefix_cache else []
+        # each prefilling request with where this step's chunk may end it at most
+        prefilling = [(r, r.computed + self._span(r, self.max_step_tokens)) for r in running if _prefilling(r, page)]
+        prefilling = prefilling if kv.prefix_cache else []
         at = 0  # the next waiting request to try; those before it wait for a running prefill
         while at < len(self.waiting) and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[at]
@@ -331,16 +335,19 @@ class Scheduler:
             budget -= span
             spans.append(span)
             if kv.prefix_cache and _prefilling(req, page):
-                prefilling.append(req)
+                prefilling.append((req, req.computed + span))
         return spans
 
-    def _waits_for_prefill(self, req: Request, prefilling: list[Request]) -> bool:
-        """One of ``prefilling`` (running requests with a page or more of their prompt not cached yet) shares a
-        prefix with ``req``, and ``req`` could start further than the cache lets it now once that prefix is
-        computed (at a page boundary, or at a state checkpoint the running request stores when the model has
-        recurrent layers: those are page-aligned too): admitted now, it would compute those tokens again."""
+    def _waits_for_prefill(self, req: Request, prefilling: list[tuple[Request, int]]) -> bool:
+        """One of ``prefilling`` (running requests with a page or more of their prompt not cached yet, each with
+        where this step may end it) shares a prefix with ``req``, and ``req`` could start further than the cache
+        lets it now once that prefix is computed (at a page boundary, or at a state checkpoint the running request
+        stores when the model has recurrent layers: those are page-aligned too): admitted now, it would compute
+        those tokens again. When the model has recurrent layers, the running request is given a checkpoint where
+        ``req`` branches off when it stores none that deep (if the placement stores branch points and this step
+        does not pass that position), and ``req`` waits for it."""
         page, limit = self.kv.page_size, len(req.tokens) - 1  # the last token is always computed
-        for other in prefilling:
+        for other, step_end in prefilling:
             cached = _cached_end(other, page)
             if other.cache_salt != req.cache_salt or cached + page > limit:
                 continue
@@ -349,6 +356,10 @@ class Scheduler:
                 wanted = other.wanted
                 at = bisect_right(wanted, shared)
                 reach = wanted[at - 1] if at else 0
+                branch = self.kv.kvm.placement.branch_off(shared)
+                if branch is not None and branch > max(reach, step_end):
+                    other.wanted = tuple(sorted({*wanted, branch}))
+                    reach = branch
             else:
                 reach = shared - shared % page
             if reach > cached:
