@@ -111,6 +111,17 @@ def test_each_placement_asks_for_its_positions(spec: str, prefill: tuple[int, ..
     assert _wanted(spec) == (prefill, finish, 0)
 
 
+@pytest.mark.parametrize(
+    ("spec", "shared", "at"),
+    [("branch", 23, 20), ("branch", 20, 20), ("branch", 3, None), ("interval:8,branch", 9, 8), (DEFAULT, 31, 28)]
+    + [("interval:8", 23, None), ("prompt-aligned,end", 23, None), ("none", 23, None)],
+)
+def test_a_prompt_branches_off_another_in_prefill_at_a_page_only_under_branch(
+    spec: str, shared: int, at: int | None
+) -> None:
+    assert CheckpointPlacement.parse(spec, PS).branch_off(shared) == at
+
+
 def test_positions_start_past_the_hit() -> None:
     """A request whose hit ends at 20 (the checkpoint its predecessor stored at the branch)
     is asked only for positions past 20; the branch is no longer one (its match is whole)."""
