@@ -113,8 +113,10 @@ def test_each_placement_asks_for_its_positions(spec: str, prefill: tuple[int, ..
 
 @pytest.mark.parametrize(
     ("spec", "shared", "at"),
-    [("branch", 23, 20), ("branch", 20, 20), ("branch", 3, None), ("interval:8,branch", 9, 8), (DEFAULT, 31, 28)]
-    + [("interval:8", 23, None), ("prompt-aligned,end", 23, None), ("none", 23, None)],
+    [
+        *[("branch", 23, 20), ("branch", 20, 20), ("branch", 3, None), ("interval:8,branch", 9, 8)],
+        *[(DEFAULT, 31, 28), ("interval:8", 23, None), ("prompt-aligned,end", 23, None), ("none", 23, None)],
+    ],
 )
 def test_a_prompt_branches_off_another_in_prefill_at_a_page_only_under_branch(
     spec: str, shared: int, at: int | None
