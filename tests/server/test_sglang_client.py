@@ -11,8 +11,9 @@ the cache first (``--flush-cache``) and read the cached tokens from the server's
 (``--max-concurrency 1``), so what hits does not hang on arrival order.
 
 SGLang lives in ``.venv-sglang`` (``scripts/setup_sglang.sh``: torch 2.14.1 as SGLang pins it, apart from the
-project's venv); ``make test`` installs it while lint runs, and the fixture runs the same script again (it waits
-for that install and is a no-op once done); where it cannot install, the SGLang tests skip naming why. The client
+project's venv); ``make test`` installs it while lint runs, and the fixture runs the same script again (a no-op
+once done; run alone, it installs, or waits for an install under way); where it cannot install, the SGLang tests
+skip naming why. The client
 runs in one child process (``sglang_client_driver.py``) for all runs, so SGLang's import is paid once.
 """
 
