@@ -13,9 +13,10 @@ Contract kept (``base_prefix_cache.py`` of 0.5.23):
   the node ending there; ``path_device_indices(node)`` gives its token locations. It never
   allocates or frees.
 - ``insert`` takes the key and its locations (and ``mamba_value``, the state after the whole
-  key); it returns ``prefix_len``, the tokens cached already: like SGLang's trees, the caller
-  frees its own locations of ``[cache_protected_len, prefix_len)``; ``mamba_exist`` says the
-  caller's state slot was not kept (the caller frees it).
+  key); it returns ``prefix_len``, the tokens cached already, and frees the caller's own locations of
+  ``[prev_prefix_len, prefix_len)`` itself, as 0.5.23's default tree (``UnifiedRadixCache``) does
+  (the legacy ``RadixCache`` leaves that to its caller); ``mamba_exist`` says the caller's state
+  slot was not kept (the caller frees it).
 - ``evict`` frees at least what it is asked for when enough is unlocked, and reports what it
   freed per component; ``inc_lock_ref`` / ``dec_lock_ref`` count per node: an unlock with no
   lock open on that node is an error, never a silent no-op.
@@ -282,9 +283,30 @@ class HybridKVRadixCache(BasePrefixCache):
             mamba_exist = True
         if result.adopted_pages and self.has_swa:
             self._adopt_swa(result, sg_pages)
+        self._free_duplicates(params.value, int(params.prev_prefix_len), result.prefix_len)
         return InsertResult(
             prefix_len=result.prefix_len, total_len=n, last_device_node=result.node, mamba_exist=mamba_exist
         )
+
+    def _free_duplicates(self, value: torch.Tensor, start: int, end: int) -> None:
+        """Free the caller's locations of ``[start, end)``: tokens the tree held already (0.5.23's
+        ``UnifiedRadixCache`` contract: its insert frees them, ``prev_prefix_len`` marking where the
+        caller's own locations begin). With SWA, a location whose window part is gone (the request's
+        window slid past it, or the tree adopted it) frees its full part only (one host read of the
+        full->SWA mapping)."""
+        if end <= start:
+            return
+        dup = value[start:end].to(torch.int64)
+        if not self.has_swa:
+            self.allocator.free(dup)
+            return
+        mapped = self.allocator.full_to_swa_index_mapping[dup] > 0
+        if bool(mapped.all()):
+            self.allocator.free(dup)
+            return
+        self.allocator.free_full(dup[~mapped])
+        if bool(mapped.any()):
+            self.allocator.free(dup[mapped])
 
     def _adopt_swa(self, result: Any, caller_pages: np.ndarray) -> None:
         """hybridkv rebound window cells of the caller's duplicate pages onto cached pages whose
@@ -435,8 +457,9 @@ class HybridKVRadixCache(BasePrefixCache):
         n = len(token_ids) // self.page_size * self.page_size
         key = RadixKey(token_ids[:n], req.extra_key, cache_salt=req.cache_salt)
         values = row[:n].to(torch.int64)
-        result = self.insert(InsertParams(key=key, value=values, priority=req.priority or 0))
-        self.allocator.free_segment(row[kv.cache_protected_len : result.prefix_len], start_pos=kv.cache_protected_len)
+        result = self.insert(
+            InsertParams(key=key, value=values, prev_prefix_len=kv.cache_protected_len, priority=req.priority or 0)
+        )
         node = result.last_device_node
         new = self.path_device_indices(node)
         self.req_to_token_pool.write((kv.req_pool_idx, slice(kv.cache_protected_len, n)), new[kv.cache_protected_len :])
