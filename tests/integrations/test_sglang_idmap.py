@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 import hybridkv
-from hybridkv.cache import HybridRadixCache
-from hybridkv.integrations.sglang.idmap import IdMap, SGLangIdError, shadow_memory
 
 ROOT = Path(hybridkv.__file__).parent
+CHECKOUT = Path(__file__).resolve().parents[2] / "src" / "hybridkv"
+if ROOT.resolve() != CHECKOUT:  # a venv whose editable install points at another checkout
+    pytest.fail(f"hybridkv is imported from {ROOT}, not from {CHECKOUT}: run with PYTHONPATH=src", pytrace=False)
+
+from hybridkv.cache import HybridRadixCache  # noqa: E402
+from hybridkv.integrations.sglang.idmap import IdMap, SGLangIdError, shadow_memory  # noqa: E402
 
 
 def test_pages_bind_once_and_come_back_unbound() -> None:
