@@ -350,6 +350,42 @@ def plugin_section(tmp: Path) -> dict[str, Any]:
     }
 
 
+def swa_recover_section() -> dict[str, Any]:
+    """A locked 24-token prefix whose windows behind its last window expired; its first 12 tokens inserted
+    again with fresh locations. hybridkv takes the new window pages onto the cached full KV (window
+    adoption) and frees only the new full part, so the 12-token hit comes back; SGLang never lost it (its
+    lock kept the whole node's window). Afterwards both hold the same and no location leaks."""
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side("swa", plugin, 1, 128, 64, 8, 0)
+        toks = list(range(100, 124))
+        side.cache.insert(side.S["InsertParams"](key=side.key(toks), value=side.alloc.alloc(24)))
+        lock = side.cache.lock(side.match(toks).last_device_node)
+        expired = side.evict(swa=10**6)
+        hit1 = side.match([*toks[:12], 1]).device_prefix_len
+        m = side.match(toks[:12])
+        head = side.cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
+        value = torch.cat([head, side.alloc.alloc(12 - m.device_prefix_len)])
+        params = side.S["InsertParams"](key=side.key(toks[:12]), value=value, prev_prefix_len=m.device_prefix_len)
+        res = side.cache.insert(params)
+        hit2 = side.match([*toks[:12], 1]).device_prefix_len
+        held = side.free_sizes()
+        side.cache.unlock(lock)
+        drained = side.drain()
+        side.check()
+        out[name] = {
+            "hit_after_expiry": hit1,
+            "hit_after_insert": hit2,
+            "expired": expired,
+            "prefix_len": res.prefix_len,
+            "free_while_locked": held,
+            "drained": drained,
+            "free": side.free_sizes(),
+            "adopted": int(side.cache.tree.counters.adopted_pages) if plugin else None,
+        }
+    return out
+
+
 def bad_input_section() -> dict[str, str]:
     """Each wrong call and the error it gives (class: message)."""
     side = Side("full", True, 1, 64, 0, 0, 0)
@@ -407,6 +443,7 @@ def main() -> int:
     report["full_ps4"] = replay("full", 4, seed=2, steps=args.steps, size=160)
     report["swa"] = replay("swa", 1, seed=3, steps=args.steps, size=200, swa_size=96, window=8)
     report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)
+    report["swa_recover"] = swa_recover_section()
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
         report["plugin"] = plugin_section(Path(tmp))

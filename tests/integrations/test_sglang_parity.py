@@ -180,3 +180,14 @@ def test_bad_input_is_refused_with_what_to_change(report: dict[str, Any]) -> Non
     for name, text in expect.items():
         assert b[name].startswith("HybridKVSGLangError: ") and text in b[name], (name, b[name])
     assert b["tree_still_valid"] == "yes"
+
+
+def test_expired_windows_come_back_when_the_prefix_is_inserted_again(report: dict[str, Any]) -> None:
+    """SWA recovery (SGLang) and window adoption (hybridkv): equal hits, equal pools, nothing leaked."""
+    sg, hk = report["swa_recover"]["sglang"], report["swa_recover"]["plugin"]
+    assert sg["hit_after_expiry"] == hk["hit_after_expiry"] == 0  # the windows before the locked end expired
+    assert sg["hit_after_insert"] == hk["hit_after_insert"] == 12
+    assert hk["adopted"] == 12  # the plugin took this path: the new window pages went onto cached full KV
+    for field in ("expired", "prefix_len", "free_while_locked", "drained", "free"):
+        assert sg[field] == hk[field], field
+    assert hk["free"] == [128, 64]
