@@ -386,6 +386,51 @@ def swa_recover_section() -> dict[str, Any]:
     return out
 
 
+def checkpoint_section() -> dict[str, Any]:
+    """The scheduler's write-back, ``checkpoint(req, up_to)``, with real ``Req`` objects and a real
+    ``ReqToTokenPool`` row: two requests sharing 12 tokens (page size 4), on ``RadixCache`` and the plugin.
+    Per request: the prefix it matched, ``cache_protected_len`` after, free tokens, evictable and protected
+    sizes, and whether its row now reads the tree's locations for the cached part."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side("full", plugin, 4, 128, 0, 0, 0)
+        c = side.cache
+        rows = []
+        for rid, ids in (("a", list(range(50, 70))), ("b", [*range(50, 62), 7, 7, 7, 7, 7, 7, 7, 7, 7])):
+            req = Req(rid, "", array("q", ids), SamplingParams())
+            (req.kv.req_pool_idx,) = side.r2t.alloc([req])
+            m = side.match(ids)
+            pre = m.device_prefix_len
+            req.last_node = m.last_device_node
+            req.lock = c.lock(m.last_device_node)
+            req.kv.cache_protected_len = pre
+            head = c.path_device_indices(m.last_device_node)[:pre]
+            new = side.alloc.alloc(-(-(len(ids) - pre) // 4) * 4)[: len(ids) - pre]
+            side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
+            req.full_untruncated_fill_ids = array("q", ids)
+            c.checkpoint(req, up_to=len(ids))
+            cached = req.kv.cache_protected_len
+            row = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
+            rows.append(
+                {
+                    "matched": pre,
+                    "protected_len": cached,
+                    "free": side.free_sizes(),
+                    "evictable": int(c.evictable_size()),
+                    "protected": int(c.protected_size()),
+                    "row_reads_tree": bool(torch.equal(row, c.path_device_indices(req.last_node))),
+                }
+            )
+            c.unlock(req.lock)
+        if plugin:
+            c.check()
+        out[name] = rows
+    return out
+
+
 def bad_input_section() -> dict[str, str]:
     """Each wrong call and the error it gives (class: message)."""
     side = Side("full", True, 1, 64, 0, 0, 0)
@@ -444,6 +489,7 @@ def main() -> int:
     report["swa"] = replay("swa", 1, seed=3, steps=args.steps, size=200, swa_size=96, window=8)
     report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)
     report["swa_recover"] = swa_recover_section()
+    report["checkpoint"] = checkpoint_section()
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
         report["plugin"] = plugin_section(Path(tmp))

@@ -191,3 +191,13 @@ def test_expired_windows_come_back_when_the_prefix_is_inserted_again(report: dic
     for field in ("expired", "prefix_len", "free_while_locked", "drained", "free"):
         assert sg[field] == hk[field], field
     assert hk["free"] == [128, 64]
+
+
+def test_checkpoint_writes_back_as_radix_cache_does(report: dict[str, Any]) -> None:
+    """``checkpoint(req, up_to)`` with real ``Req`` objects: the same prefix, protected length, pools and
+    sizes as ``RadixCache``, and the request's row repointed at the tree's locations."""
+    sg, hk = report["checkpoint"]["sglang"], report["checkpoint"]["plugin"]
+    assert sg == hk
+    assert [r["matched"] for r in hk] == [0, 12] and [r["protected_len"] for r in hk] == [20, 20]
+    assert all(r["row_reads_tree"] for r in hk)
+    assert hk[1]["free"] == [128 - 20 - 12]  # b's 12 shared tokens were not allocated twice; its tail page is its own
