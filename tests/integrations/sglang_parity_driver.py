@@ -399,6 +399,10 @@ def checkpoint_section() -> dict[str, Any]:
         side = Side("full", plugin, 4, 128, 0, 0, 0)
         c = side.cache
         rows = []
+        reqs = []
+        # both requests match and compute before either writes back (they run in one batch): b's first 12
+        # tokens are its own copies, which a's write-back makes duplicates; b's checkpoint must free them
+        # and repoint its row at the tree's
         for rid, ids in (("a", list(range(50, 70))), ("b", [*range(50, 62), 7, 7, 7, 7, 7, 7, 7, 7, 7])):
             req = Req(rid, "", array("q", ids), SamplingParams())
             (req.kv.req_pool_idx,) = side.r2t.alloc([req])
@@ -411,6 +415,8 @@ def checkpoint_section() -> dict[str, Any]:
             new = side.alloc.alloc(-(-(len(ids) - pre) // 4) * 4)[: len(ids) - pre]
             side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
             req.full_untruncated_fill_ids = array("q", ids)
+            reqs.append((req, ids, pre))
+        for req, ids, pre in reqs:
             c.checkpoint(req, up_to=len(ids))
             cached = req.kv.cache_protected_len
             row = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
@@ -424,6 +430,7 @@ def checkpoint_section() -> dict[str, Any]:
                     "row_reads_tree": bool(torch.equal(row, c.path_device_indices(req.last_node))),
                 }
             )
+        for req, _, _ in reqs:
             c.unlock(req.lock)
         if plugin:
             c.check()
