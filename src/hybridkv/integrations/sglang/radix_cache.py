@@ -429,7 +429,9 @@ class HybridKVRadixCache(BasePrefixCache):
 
     @property
     def root_node(self) -> Node:
-        return self.tree.match_prefix(np.empty(0, dtype=np.int64), None).node
+        """The root of the default namespace (a detached empty root while it holds nothing)."""
+        root = self.tree.tree.roots.get(None)
+        return root if root is not None else self.tree.tree.empty_root(None)
 
     def pretty_print(self) -> None:
         print(self.tree.stats())
