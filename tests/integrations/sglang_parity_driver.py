@@ -1,0 +1,513 @@
+"""Runs under SGLang 0.5.23's python (``.venv-sglang``) with ``src`` on ``PYTHONPATH``; writes one JSON report.
+
+``test_sglang_parity.py`` starts it once and asserts on the report. Every section builds real SGLang
+pools on the CPU (``ReqToTokenPool`` / ``HybridReqToTokenPool`` with a ``MambaPool``, ``MHATokenToKVPool``,
+``SWAKVPool``, ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` / ``SWATokenToKVPoolAllocator``)
+twice, one set for SGLang's own tree and one for the plugin, and replays the same seeded call sequence
+(match, lock, allocate with eviction, insert, free duplicates, keep some locks open across later
+evictions, explicit window and state evictions) against both:
+
+- ``full``: ``RadixCache`` vs ``HybridKVRadixCache``, page sizes 1 and 4;
+- ``swa``: ``UnifiedRadixCache(FULL, SWA)`` vs ``HybridKVRadixCache(swa=True)``;
+- ``mamba``: ``UnifiedRadixCache(FULL, MAMBA)`` vs ``HybridKVRadixCache(mamba=True)``;
+- ``plugin``: the entry point found by SGLang's ``load_plugins`` (a dist-info holding the entry point
+  ``pyproject.toml`` declares), ``create_tree_cache`` with ``--radix-cache-backend hybridkv`` for a
+  hybrid-SSM context;
+- ``bad_input``: the errors the plugin gives for wrong calls.
+
+Per step the report records both sides' match length, evicted counts per component and allocator
+free sizes; the plugin's ``check()`` (tree invariants, id-map bijection) runs after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import tomllib
+import traceback
+from array import array
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sglang() -> dict[str, Any]:
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    return {
+        "PagedTokenToKVPoolAllocator": PagedTokenToKVPoolAllocator,
+        "TokenToKVPoolAllocator": TokenToKVPoolAllocator,
+        "SWATokenToKVPoolAllocator": SWATokenToKVPoolAllocator,
+        "EvictParams": EvictParams,
+        "InsertParams": InsertParams,
+        "MatchPrefixParams": MatchPrefixParams,
+        "CacheInitParams": CacheInitParams,
+        "HybridReqToTokenPool": HybridReqToTokenPool,
+        "MHATokenToKVPool": MHATokenToKVPool,
+        "ReqToTokenPool": ReqToTokenPool,
+        "RadixCache": RadixCache,
+        "RadixKey": RadixKey,
+        "SWAKVPool": SWAKVPool,
+        "ComponentType": ComponentType,
+        "UnifiedRadixCache": UnifiedRadixCache,
+    }
+
+
+def _server_args(**kw: Any) -> None:
+    """SGLang's caches read process-wide server args (the Mamba component its checkpoint grid)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="hybridkv-parity-dummy", device="cpu", **kw)
+    args._mamba_cache_chunk_size = 1  # what SGLang's own fixtures pre-seed: no model config is loaded
+    runtime_context._CONTEXT.set_server_args(args)
+
+
+class Side:
+    """One tree over its own real SGLang pools."""
+
+    def __init__(self, kind: str, plugin: bool, ps: int, size: int, swa_size: int, window: int, slots: int):
+        S = _sglang()
+        self.S = S
+        self.kind = kind
+        self.ps = ps
+        self.r2t: Any
+        if kind == "mamba":
+            from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+
+            shape = Mamba2StateShape.create(
+                tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4, state_size=4, conv_kernel=2
+            )
+            self.r2t = S["HybridReqToTokenPool"](
+                size=8,
+                mamba_size=slots,
+                mamba_spec_state_size=0,
+                max_context_len=128,
+                device="cpu",
+                enable_memory_saver=False,
+                cache_params=Mamba2CacheParams(shape=shape, layers=[1]),
+                mamba_layer_ids=[1],
+                enable_mamba_extra_buffer=False,
+            )
+        else:
+            self.r2t = S["ReqToTokenPool"](8, 128, "cpu", False)
+        if kind == "swa":
+            kv = S["SWAKVPool"](size, swa_size, ps, torch.float16, 1, 8, [1], [0], "cpu")
+            self.alloc = S["SWATokenToKVPoolAllocator"](size, swa_size, ps, torch.float16, "cpu", kv, False)
+        else:
+            kv = S["MHATokenToKVPool"](size, ps, torch.float16, 1, 8, 1, "cpu", False)
+            if ps == 1:
+                self.alloc = S["TokenToKVPoolAllocator"](size, torch.float16, "cpu", kv, False)
+            else:
+                self.alloc = S["PagedTokenToKVPoolAllocator"](size, ps, torch.float16, "cpu", kv, False)
+        CT = S["ComponentType"]
+        comps = {"full": (CT.FULL,), "swa": (CT.FULL, CT.SWA), "mamba": (CT.FULL, CT.MAMBA)}[kind]
+        params = S["CacheInitParams"](
+            disable=False,
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool_allocator=self.alloc,
+            page_size=ps,
+            sliding_window_size=window if kind == "swa" else None,
+            tree_components=comps,
+        )
+        if plugin:
+            from hybridkv.integrations.sglang.radix_cache import HybridKVRadixCache
+
+            self.cache: Any = HybridKVRadixCache(params, swa=kind == "swa", mamba=kind == "mamba")
+        elif kind == "full":
+            self.cache = S["RadixCache"](params)
+        else:
+            self.cache = S["UnifiedRadixCache"](params)
+        self.plugin = plugin
+        self.legacy = type(self.cache).__name__ == "RadixCache"
+
+    def key(self, toks: list[int]) -> Any:
+        return self.S["RadixKey"](array("q", toks))
+
+    def match(self, toks: list[int]) -> Any:
+        return self.cache.match_prefix(self.S["MatchPrefixParams"](key=self.key(toks)))
+
+    def evict(self, tokens: int = 0, swa: int = 0, mamba: int = 0) -> tuple[int, int, int]:
+        r = self.cache.evict(self.S["EvictParams"](num_tokens=tokens, swa_num_tokens=swa, mamba_num=mamba))
+        return r.num_tokens_evicted, r.swa_num_tokens_evicted, r.mamba_num_evicted
+
+    def free_sizes(self) -> list[int]:
+        a = self.alloc
+        out = [int(a.full_available_size() if self.kind == "swa" else a.available_size())]
+        if self.kind == "swa":
+            out.append(int(a.swa_available_size()))
+        if self.kind == "mamba":
+            out.append(int(self.r2t.mamba_allocator.available_size()))
+        return out
+
+    def drain(self) -> tuple[int, int, int]:
+        """Evict everything unlocked, every component: the one eviction whose victims do not depend on
+        the policy's order, so both trees stay equal and every later step compares exactly."""
+        big = 10**6
+        return self.evict(tokens=big, swa=big if self.kind == "swa" else 0, mamba=big if self.kind == "mamba" else 0)
+
+    def alloc_tokens(self, n: int, log: list) -> torch.Tensor | None:
+        """``n`` locations (whole pages); short, the tree is drained (memory pressure) and it is tried again."""
+        need = -(-n // self.ps) * self.ps
+        for _ in range(2):
+            got = self.alloc.alloc(need) if need else torch.empty(0, dtype=torch.int64)
+            if got is not None:
+                return got
+            log.append(self.drain())
+        return None
+
+    def alloc_slot(self, log: list) -> torch.Tensor | None:
+        for _ in range(2):
+            got = self.r2t.mamba_allocator.alloc(1)
+            if got is not None:
+                return got
+            log.append(self.drain())
+        return None
+
+    def check(self) -> None:
+        if self.plugin:
+            self.cache.check()
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Shared heads, branches off them, some exact repeats."""
+    heads = [[rng.randrange(1000) for _ in range(rng.randrange(8, 40))] for _ in range(4)]
+    out: list[list[int]] = []
+    for _ in range(n):
+        r = rng.random()
+        if out and r < 0.2:
+            out.append(list(rng.choice(out)))
+            continue
+        head = rng.choice(heads)
+        cut = rng.randrange(0, len(head) + 1)
+        out.append(head[:cut] + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))])
+    return out
+
+
+def replay(kind: str, ps: int, seed: int, steps: int, *, size: int, swa_size: int = 0, window: int = 0, slots: int = 0):
+    """The same call sequence on SGLang's tree and the plugin; one row per step."""
+    rng = random.Random(seed)
+    sides = [Side(kind, p, ps, size, swa_size, window, slots) for p in (False, True)]
+    prompts = _prompts(rng, steps)
+    held: list[list[tuple[Any, Any]]] = []  # per open request: (side's node) for each side
+    rows = []
+    for step, toks in enumerate(prompts):
+        row: dict[str, Any] = {"step": step, "len": len(toks)}
+        action = rng.random()
+        if kind in ("swa", "mamba") and action < 0.15 and step >= 4:
+            # every unlocked window (SWA expiry) or state: what each tree keeps of full KV differs (the
+            # report names it), so probe hits right after, then drain both to compare exactly again
+            row["op"] = "evict_all_windows" if kind == "swa" else "evict_all_states"
+            ask = {"swa": 10**6} if kind == "swa" else {"mamba": 10**6}
+            row["evicted"] = [s.evict(**ask) for s in sides]
+            row["probes"] = [[s.match(p).device_prefix_len for s in sides] for p in rng.sample(prompts[:step], 4)]
+            row["resync"] = [s.drain() for s in sides]
+        elif action < 0.2:
+            row["op"] = "drain"
+            row["evicted"] = [s.drain() for s in sides]
+        if held and rng.random() < 0.35:
+            for side, lock in zip(sides, held.pop(rng.randrange(len(held))), strict=True):
+                side.cache.unlock(lock)
+        matches = [s.match(toks) for s in sides]
+        row["match"] = [m.device_prefix_len for m in matches]
+        row["full_match"] = [getattr(m, "full_kv_hit_length", 0) for m in matches]
+        row["branch"] = [m.mamba_branching_seqlen if kind == "mamba" else None for m in matches]
+        logs: list[list] = [[], []]
+        new_nodes = []
+        ok = True
+        for i, (side, m) in enumerate(zip(sides, matches, strict=True)):
+            node = m.last_device_node
+            match_lock = side.cache.lock(node)
+            row.setdefault("protected_at_alloc", []).append(int(side.cache.protected_size()))
+            pre = m.device_prefix_len
+            prefix = side.cache.path_device_indices(node)[:pre]
+            new = side.alloc_tokens(len(toks) - pre, logs[i])
+            slot = side.alloc_slot(logs[i]) if kind == "mamba" else None
+            if new is None or (kind == "mamba" and slot is None):
+                ok = False
+                if new is not None and new.numel():
+                    side.alloc.free(new)
+                if slot is not None:
+                    side.r2t.mamba_allocator.free(slot)
+                side.cache.unlock(match_lock)
+                new_nodes.append(None)
+                continue
+            value = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+            n = len(toks) // ps * ps
+            params = side.S["InsertParams"](
+                key=side.key(toks[:n]), value=value[:n], mamba_value=slot, prev_prefix_len=pre
+            )
+            res = side.cache.insert(params)
+            if res.prefix_len > pre and side.legacy:  # RadixCache leaves the caller's duplicates to it
+                side.alloc.free(value[pre : res.prefix_len])
+            if value.numel() > n:
+                side.alloc.free(value[n:])
+            if slot is not None and res.mamba_exist:
+                side.r2t.mamba_allocator.free(slot)
+            if rng.random() < 0.3 and res.last_device_node is not None:
+                new_nodes.append(side.cache.lock(res.last_device_node))
+            else:
+                new_nodes.append(None)
+            side.cache.unlock(match_lock)
+            row.setdefault("prefix_len", []).append(res.prefix_len)
+            row.setdefault("mamba_exist", []).append(bool(res.mamba_exist))
+        # the same random draws on both sides: a lock kept on one is kept on the other
+        if all(n is not None for n in new_nodes):
+            held.append(new_nodes)
+        else:
+            for side, lock in zip(sides, new_nodes, strict=True):
+                if lock is not None:
+                    side.cache.unlock(lock)
+        row["ok"] = ok
+        row["evict_for_alloc"] = logs
+        row["free"] = [s.free_sizes() for s in sides]
+        row["evictable"] = [int(s.cache.evictable_size()) for s in sides]
+        row["protected"] = [int(s.cache.protected_size()) for s in sides]
+        if kind == "swa":
+            row["swa_evictable"] = [int(s.cache.swa_evictable_size()) for s in sides]
+        sides[1].check()
+        rows.append(row)
+    for locks in held:
+        for side, lock in zip(sides, locks, strict=True):
+            side.cache.unlock(lock)
+    drained = [s.evict(tokens=10**6) for s in sides]
+    sides[1].check()
+    return {"rows": rows, "drained": drained, "final_free": [s.free_sizes() for s in sides], "size": size}
+
+
+def plugin_section(tmp: Path) -> dict[str, Any]:
+    """SGLang's plugin loader finds the declared entry point; create_tree_cache builds the plugin."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
+    dist = tmp / "hybridkv-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hybridkv\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items())
+    )
+    sys.path.insert(0, str(tmp))
+    import importlib.metadata
+
+    importlib.metadata.distributions.cache_clear() if hasattr(importlib.metadata.distributions, "cache_clear") else None
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
+    before = registered_radix_cache_backends()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    after = registered_radix_cache_backends()
+
+    _server_args(radix_cache_backend="hybridkv")
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+
+    side = Side("mamba", False, 1, 64, 0, 0, 4)  # pools only; the cache comes from create_tree_cache
+    S = side.S
+    params = S["CacheInitParams"](
+        disable=False, req_to_token_pool=side.r2t, token_to_kv_pool_allocator=side.alloc, page_size=1
+    )
+    ctx = TreeCacheBuildContext(
+        server_args=None,
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=True,
+        enable_hierarchical_cache=False,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    cache = create_tree_cache(ctx)
+    # the cache it built serves one request: insert with a state, then a hit at the state
+    slot = side.r2t.mamba_allocator.alloc(1)
+    locs = side.alloc.alloc(6)
+    cache.insert(S["InsertParams"](key=side.key([5, 6, 7, 8, 9, 10]), value=locs, mamba_value=slot))
+    hit = cache.match_prefix(S["MatchPrefixParams"](key=side.key([5, 6, 7, 8, 9, 10, 11]))).device_prefix_len
+    miss = cache.match_prefix(S["MatchPrefixParams"](key=side.key([5, 6, 7, 8, 11]))).device_prefix_len
+    return {
+        "declared": declared,
+        "before": before,
+        "after": after,
+        "type": type(cache).__module__ + "." + type(cache).__qualname__,
+        "supports_mamba": cache.supports_mamba(),
+        "hit_at_state": hit,
+        "hit_without_state": miss,
+    }
+
+
+def swa_recover_section() -> dict[str, Any]:
+    """A locked 24-token prefix whose windows behind its last window expired; its first 12 tokens inserted
+    again with fresh locations. hybridkv takes the new window pages onto the cached full KV (window
+    adoption) and frees only the new full part, so the 12-token hit comes back; SGLang never lost it (its
+    lock kept the whole node's window). Afterwards both hold the same and no location leaks."""
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side("swa", plugin, 1, 128, 64, 8, 0)
+        toks = list(range(100, 124))
+        side.cache.insert(side.S["InsertParams"](key=side.key(toks), value=side.alloc.alloc(24)))
+        lock = side.cache.lock(side.match(toks).last_device_node)
+        expired = side.evict(swa=10**6)
+        hit1 = side.match([*toks[:12], 1]).device_prefix_len
+        m = side.match(toks[:12])
+        head = side.cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
+        value = torch.cat([head, side.alloc.alloc(12 - m.device_prefix_len)])
+        params = side.S["InsertParams"](key=side.key(toks[:12]), value=value, prev_prefix_len=m.device_prefix_len)
+        res = side.cache.insert(params)
+        hit2 = side.match([*toks[:12], 1]).device_prefix_len
+        held = side.free_sizes()
+        side.cache.unlock(lock)
+        drained = side.drain()
+        side.check()
+        out[name] = {
+            "hit_after_expiry": hit1,
+            "hit_after_insert": hit2,
+            "expired": expired,
+            "prefix_len": res.prefix_len,
+            "free_while_locked": held,
+            "drained": drained,
+            "free": side.free_sizes(),
+            "adopted": int(side.cache.tree.counters.adopted_pages) if plugin else None,
+        }
+    return out
+
+
+def checkpoint_section() -> dict[str, Any]:
+    """The scheduler's write-back, ``checkpoint(req, up_to)``, with real ``Req`` objects and a real
+    ``ReqToTokenPool`` row: two requests sharing 12 tokens (page size 4), on ``RadixCache`` and the plugin.
+    Per request: the prefix it matched, ``cache_protected_len`` after, free tokens, evictable and protected
+    sizes, and whether its row now reads the tree's locations for the cached part."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side("full", plugin, 4, 128, 0, 0, 0)
+        c = side.cache
+        rows = []
+        reqs = []
+        # both requests match and compute before either writes back (they run in one batch): b's first 12
+        # tokens are its own copies, which a's write-back makes duplicates; b's checkpoint must free them
+        # and repoint its row at the tree's
+        for rid, ids in (("a", list(range(50, 70))), ("b", [*range(50, 62), 7, 7, 7, 7, 7, 7, 7, 7, 7])):
+            req = Req(rid, "", array("q", ids), SamplingParams())
+            (req.kv.req_pool_idx,) = side.r2t.alloc([req])
+            m = side.match(ids)
+            pre = m.device_prefix_len
+            req.last_node = m.last_device_node
+            req.lock = c.lock(m.last_device_node)
+            req.kv.cache_protected_len = pre
+            head = c.path_device_indices(m.last_device_node)[:pre]
+            new = side.alloc.alloc(-(-(len(ids) - pre) // 4) * 4)[: len(ids) - pre]
+            side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
+            req.full_untruncated_fill_ids = array("q", ids)
+            reqs.append((req, ids, pre))
+        for req, ids, pre in reqs:
+            c.checkpoint(req, up_to=len(ids))
+            cached = req.kv.cache_protected_len
+            row = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
+            rows.append(
+                {
+                    "matched": pre,
+                    "protected_len": cached,
+                    "free": side.free_sizes(),
+                    "evictable": int(c.evictable_size()),
+                    "protected": int(c.protected_size()),
+                    "row_reads_tree": bool(torch.equal(row, c.path_device_indices(req.last_node))),
+                }
+            )
+        for req, _, _ in reqs:
+            c.unlock(req.lock)
+        if plugin:
+            c.check()
+        out[name] = rows
+    return out
+
+
+def bad_input_section() -> dict[str, str]:
+    """Each wrong call and the error it gives (class: message)."""
+    side = Side("full", True, 1, 64, 0, 0, 0)
+    other = Side("full", True, 1, 64, 0, 0, 0)
+    S, c = side.S, side.cache
+    locs = side.alloc.alloc(4)
+    node = c.insert(S["InsertParams"](key=side.key([1, 2, 3, 4]), value=locs)).last_device_node
+    other_node = other.cache.insert(
+        S["InsertParams"](key=other.key([1, 2, 3, 4]), value=other.alloc.alloc(4))
+    ).last_device_node
+    out: dict[str, str] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    attempt("key_not_radixkey", lambda: c.match_prefix(S["MatchPrefixParams"](key=[1, 2, 3])))
+    attempt("token_ids_of_strings", lambda: c.match_prefix(S["MatchPrefixParams"](key=S["RadixKey"](["a", "b"]))))
+    attempt(
+        "float_value",
+        lambda: c.insert(S["InsertParams"](key=side.key([9, 9]), value=torch.tensor([1.0, 2.0]))),
+    )
+    attempt(
+        "value_too_short",
+        lambda: c.insert(S["InsertParams"](key=side.key([9, 9, 9]), value=torch.tensor([5]))),
+    )
+    attempt(
+        "location_out_of_range",
+        lambda: c.insert(S["InsertParams"](key=side.key([7, 7]), value=torch.tensor([10**6, 10**6 + 1]))),
+    )
+    attempt("lock_other_cache_node", lambda: c.inc_lock_ref(other_node))
+    attempt("lock_not_a_node", lambda: c.inc_lock_ref("node-7"))
+    c.inc_lock_ref(node)
+    c.dec_lock_ref(node)
+    attempt("double_unlock", lambda: c.dec_lock_ref(node))
+    c.evict(S["EvictParams"](num_tokens=100))
+    attempt("lock_evicted_node", lambda: c.inc_lock_ref(node))
+    out["tree_still_valid"] = "yes"
+    c.check()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=120)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {}
+    _server_args()
+    report["full_ps1"] = replay("full", 1, seed=1, steps=args.steps, size=160)
+    report["full_ps4"] = replay("full", 4, seed=2, steps=args.steps, size=160)
+    report["swa"] = replay("swa", 1, seed=3, steps=args.steps, size=200, swa_size=96, window=8)
+    report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)
+    report["swa_recover"] = swa_recover_section()
+    report["checkpoint"] = checkpoint_section()
+    report["bad_input"] = bad_input_section()
+    with tempfile.TemporaryDirectory() as tmp:
+        report["plugin"] = plugin_section(Path(tmp))
+    report["seconds"] = time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
