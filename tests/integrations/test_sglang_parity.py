@@ -2,8 +2,9 @@
 
 The SGLang part runs ``tests/integrations/sglang_parity_driver.py`` once (a module fixture) under
 ``HYBRIDKV_SGLANG_PYTHON`` (default: ``.venv-sglang/bin/python`` in the repository root, made by
-``scripts/setup_sglang.sh``) with ``src`` on its ``PYTHONPATH``, under a timeout (its process group is
-killed on failure). Without such a python every test is skipped with one line saying so.
+``scripts/setup_sglang.sh``, which the fixture runs first: ``tests/sglang_venv.py``) with ``src`` on its
+``PYTHONPATH``, under a timeout (its process group is killed on failure). Without such a python every test is
+skipped with one line saying so.
 
 What is proved (each test names its part):
 - full attention: ``RadixCache`` and the plugin, replaying one seeded call sequence (shared prefixes,
@@ -28,23 +29,16 @@ from typing import Any
 
 import pytest
 
+from tests.sglang_venv import sglang_python
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("sglang_parity_driver.py")
 TIMEOUT_S = float(os.environ.get("HYBRIDKV_SGLANG_TIMEOUT_S", "300"))
 
 
-def sglang_python() -> tuple[Path | None, str]:
-    python = Path(os.environ.get("HYBRIDKV_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
-    if not python.is_file():
-        return None, f"no SGLang python at {python} (scripts/setup_sglang.sh, or set HYBRIDKV_SGLANG_PYTHON)"
-    return python, ""
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    python, why = sglang_python()
-    if python is None:
-        pytest.skip(why)
+    python = sglang_python()
     out = tmp_path_factory.mktemp("sglang") / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     log = out.with_suffix(".log")

@@ -11,10 +11,9 @@ the cache first (``--flush-cache``) and read the cached tokens from the server's
 (``--max-concurrency 1``), so what hits does not hang on arrival order.
 
 SGLang lives in ``.venv-sglang`` (``scripts/setup_sglang.sh``: torch 2.14.1 as SGLang pins it, apart from the
-project's venv); ``make test`` installs it while lint runs, and the fixture runs the same script again (a no-op
-once done; run alone, it installs, or waits for an install under way); where it cannot install, the SGLang tests
-skip naming why. The client
-runs in one child process (``sglang_client_driver.py``) for all runs, so SGLang's import is paid once.
+project's venv); ``make test`` installs it while lint runs, and the fixture runs the same script again
+(``tests/sglang_venv.py``: a no-op once done); where it cannot install, the SGLang tests skip naming why. The
+client runs in one child process (``sglang_client_driver.py``) for all runs, so SGLang's import is paid once.
 """
 
 from __future__ import annotations
@@ -31,13 +30,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import sglang_venv
 from tests.server.conftest import listening_url
 
-ROOT = Path(__file__).resolve().parents[2]
-SETUP = ROOT / "scripts" / "setup_sglang.sh"
-PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 DRIVER = Path(__file__).with_name("sglang_client_driver.py")
-SETUP_TIMEOUT_S = 900  # a fresh install takes about two minutes; the background one of `make test` may hold the lock
 CLIENT_TIMEOUT_S = 300
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
@@ -99,15 +95,7 @@ def urls(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="module")
 def sglang_python() -> Path:
-    """``.venv-sglang/bin/python``, installed first where it is not (the script is a no-op once it has been)."""
-    try:
-        done = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"SGLang not installed: {SETUP.name} ran past {SETUP_TIMEOUT_S} s")
-    if done.returncode != 0:
-        why = ((done.stdout + done.stderr).strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        pytest.skip(f"SGLang not installed: {why}")
-    return PYTHON
+    return sglang_venv.sglang_python()
 
 
 @pytest.fixture(scope="module")
