@@ -155,7 +155,7 @@ def test_a_request_may_name_the_model_by_the_directory_it_was_served_from(
     urls: dict[str, str], model_dir: Path
 ) -> None:
     url = urls["single"]
-    for name in (model_dir.name, str(model_dir)):
+    for name in (model_dir.name, str(model_dir), f"{model_dir}/", f"{model_dir.parent}/./{model_dir.name}"):
         body = {"model": name, "prompt": [5, 6, 7], "max_tokens": 1}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200, name
     wrong = httpx.post(f"{url}/v1/completions", json={"model": "/elsewhere/tiny", "prompt": [5], "max_tokens": 1})

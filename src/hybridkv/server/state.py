@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -91,8 +92,11 @@ class ServerState:
         return figures
 
     def check_model(self, wanted: str | None) -> None:
-        """A request's ``model`` (None: not given) names the served model by its name or an alias, else 404."""
-        if wanted is not None and wanted != self.info.name and wanted not in self.config.model_aliases:
+        """A request's ``model`` (None: not given) names the served model by its name or an alias (a path compared
+        as text once normalised, ``./tiny/`` as ``tiny``: nothing is looked up on disk), else 404."""
+        if wanted is None or wanted == self.info.name:
+            return
+        if wanted not in self.config.model_aliases and os.path.normpath(wanted) not in self.config.model_aliases:
             raise ApiError(404, f"model: {wanted!r} is not served here; this server serves {self.info.name!r}", "model")
 
     def ignore(self, endpoint: str, names: list[str]) -> None:
