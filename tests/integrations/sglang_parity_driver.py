@@ -13,7 +13,11 @@ evictions, explicit window and state evictions) against both:
 - ``plugin``: the entry point found by SGLang's ``load_plugins`` (a dist-info holding the entry point
   ``pyproject.toml`` declares), ``create_tree_cache`` with ``--radix-cache-backend hybridkv`` for a
   hybrid-SSM context;
-- ``bad_input``: the errors the plugin gives for wrong calls.
+- ``bad_input``: the errors the plugin gives for wrong calls;
+- ``checkpoint`` (full attention, vs ``RadixCache``), ``checkpoint_swa`` / ``checkpoint_mamba`` (vs
+  ``UnifiedRadixCache``): the scheduler's write-back with real ``Req`` objects and SGLang's own
+  ``release_kv_cache``: chunked prefill, finish, SWA branch recovery, Mamba copy-on-write (with and
+  without a free slot); per step hits, protected length, the request's row, pools and sizes.
 
 Per step the report records both sides' match length, evicted counts per component and allocator
 free sizes; the plugin's ``check()`` (tree invariants, id-map bijection) runs after every step.
@@ -438,6 +442,191 @@ def checkpoint_section() -> dict[str, Any]:
     return out
 
 
+def _hybrid_req(side: Side, rid: str, ids: list[int]) -> Any:
+    """A real ``Req`` as the scheduler holds it before its first forward."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", ids), SamplingParams())
+    req.full_untruncated_fill_ids = array("q", ids)
+    return req
+
+
+def _admit(side: Side, req: Any, ids: list[int], *, cow: bool) -> dict[str, Any]:
+    """What the scheduler does on admission: match (with copy-on-write of a cached Mamba state into the
+    request's own slot), take a row (``HybridReqToTokenPool.alloc`` keeps the slot the match gave),
+    lock the hit, allocate the rest and write the row; then the forward's copy-on-write itself
+    (``ScheduleBatch`` copies ``mamba_cow_src_index`` into the request's slot)."""
+    S, c = side.S, side.cache
+    m = c.match_prefix(S["MatchPrefixParams"](key=side.key(ids), cow_mamba=cow, req=req))
+    out: dict[str, Any] = {"match": m.device_prefix_len, "full_match": m.full_kv_hit_length}
+    (req.kv.req_pool_idx,) = side.r2t.alloc([req])
+    pre = m.device_prefix_len
+    req.last_node = m.last_device_node
+    req.lock = c.lock(m.last_device_node)
+    req.kv.cache_protected_len = pre
+    req.swa_branching_seqlen = m.swa_branching_seqlen  # as the scheduler's match helper copies it
+    out["swa_branching"] = m.swa_branching_seqlen
+    head = c.path_device_indices(m.last_device_node)[:pre]
+    new = side.alloc.alloc(len(ids) - pre)
+    side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = len(ids)
+    if side.kind == "mamba":
+        temporal = side.r2t.mamba_pool.mamba_cache.temporal
+        src = req.kv.mamba_cow_src_index
+        out["cow_state"] = None if src is None else float(temporal[0, int(src[0])].flatten()[0])
+        if src is not None:
+            side.r2t.mamba_pool.copy_from(src, req.kv.mamba_pool_idx.reshape(1))
+            req.kv.mamba_cow_src_index = None
+        out["req_state"] = float(temporal[0, int(req.kv.mamba_pool_idx)].flatten()[0])
+    return out
+
+
+def _forward(side: Side, req: Any, upto: int) -> None:
+    """The request computed its first ``upto`` tokens: its Mamba slot holds the state after them
+    (a value naming the length, so a copy of it is recognisable)."""
+    req.extend_end = upto
+    if side.kind == "mamba":
+        side.r2t.mamba_pool.mamba_cache.temporal[:, int(req.kv.mamba_pool_idx)] = float(upto)
+
+
+def _observe(side: Side, req: Any, what: str) -> dict[str, Any]:
+    c = side.cache
+    cached = int(req.kv.cache_protected_len)
+    row = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64) if req.kv.holds_kv else None
+    out: dict[str, Any] = {
+        "what": what,
+        "protected_len": cached,
+        "free": side.free_sizes(),
+        "evictable": int(c.evictable_size()),
+        "protected": int(c.protected_size()),
+        "row_reads_tree": None if row is None else bool(torch.equal(row, c.path_device_indices(req.last_node))),
+        "row": side.r2t.req_to_token[req.kv.req_pool_idx, : len(req.full_untruncated_fill_ids)].tolist(),
+    }
+    if side.kind == "swa":
+        out["swa_evictable"] = int(c.swa_evictable_size())
+        out["swa_protected"] = int(c.swa_protected_size())
+        out["swa_evicted_seqlen"] = int(req.kv.component_evicted_seqlens.get(side.S["ComponentType"].SWA, 0))
+        out["branching_after"] = req.swa_branching_seqlen
+    if side.kind == "mamba":
+        out["holds_mamba"] = req.kv.holds_mamba
+        out["mamba_evictable"] = int(c.mamba_evictable_size())
+    side.check()
+    return out
+
+
+def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
+    """The scheduler's write-back on a hybrid model, with real ``Req`` objects, SGLang's own
+    ``release_kv_cache`` and pools, against ``UnifiedRadixCache(FULL, SWA / MAMBA)``:
+
+    - ``a``: a 24-token prompt in two chunks: ``checkpoint(up_to=12)`` unfinished (SWA: frees its own
+      window slots behind its window first; Mamba: the tree gets a copy of the state), then finished and
+      released through ``release_kv_cache`` (Mamba: the slot itself goes to the tree);
+    - ``b``: a's first 6 tokens (SWA: their windows were freed, so the hit is 0 and the match names a
+      branch at 6: the first checkpoint inserts only up to there and restores that hit) plus 10 new;
+      Mamba: a's first 12 + 8 new, a hit at a's state at 12, copied into b's slot (copy-on-write);
+    - ``c``: a's whole 24 + 4: a hit on a's donated state (Mamba), checkpointed unfinished at 28, then
+      finished at the same length (the tree holds a state there: the request's slot is freed);
+    - probes of the hits after, then every lock dropped and the tree drained.
+    """
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    rng = random.Random(7)
+    a_ids = [rng.randrange(1000) for _ in range(24)]
+    b_ids = [*a_ids[:12], *(rng.randrange(1000) for _ in range(8))]
+    if kind == "swa":
+        b_ids = [*a_ids[:6], *(rng.randrange(1000) for _ in range(10))]
+    c_ids = [*a_ids, *(rng.randrange(1000) for _ in range(4))]
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side(kind, plugin, 1, 128, 64, 4, 6)
+        steps: list[dict[str, Any]] = []
+        cow = kind == "mamba"
+
+        def finish(req: Any, side: Side = side, steps: list = steps) -> None:
+            req.finished_reason = FINISH_LENGTH(0)
+            release_kv_cache(req, side.cache, checkpoint=True)
+            steps.append(
+                {
+                    "what": f"{req.rid} released",
+                    "free": side.free_sizes(),
+                    "holds_mamba": req.kv.holds_mamba,
+                    "evictable": int(side.cache.evictable_size()),
+                }
+            )
+            side.check()
+
+        a = _hybrid_req(side, "a", a_ids)
+        steps.append({"what": "a admitted", **_admit(side, a, a_ids, cow=cow)})
+        _forward(side, a, 12)
+        side.cache.checkpoint(a, up_to=12)
+        steps.append(_observe(side, a, "a checkpoint 12"))
+        _forward(side, a, 24)
+        finish(a)
+
+        b = _hybrid_req(side, "b", b_ids)
+        steps.append({"what": "b admitted", **_admit(side, b, b_ids, cow=cow)})
+        _forward(side, b, len(b_ids))
+        side.cache.checkpoint(b, up_to=len(b_ids))
+        steps.append(_observe(side, b, "b checkpoint all (unfinished)"))
+        if kind == "swa":  # the branch was inserted first: the rest goes in with the next checkpoint
+            side.cache.checkpoint(b, up_to=len(b_ids))
+            steps.append(_observe(side, b, "b checkpoint all again"))
+        finish(b)
+
+        c = _hybrid_req(side, "c", c_ids)
+        steps.append({"what": "c admitted", **_admit(side, c, c_ids, cow=cow)})
+        _forward(side, c, len(c_ids))
+        side.cache.checkpoint(c, up_to=len(c_ids))
+        steps.append(_observe(side, c, "c checkpoint all (unfinished)"))
+        finish(c)
+
+        probes = {
+            "a": side.match(a_ids).device_prefix_len,
+            "a12": side.match(a_ids[:12]).device_prefix_len,
+            "b": side.match(b_ids).device_prefix_len,
+            "c": side.match(c_ids).device_prefix_len,
+        }
+        if kind == "mamba":
+            # copy-on-write with no free slot: the match evicts one cached state for the request's slot,
+            # never the one it is about to copy (locked meanwhile)
+            taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
+            d = _hybrid_req(side, "d", c_ids)
+            steps.append({"what": "d admitted, no slot free", **_admit(side, d, c_ids, cow=True)})
+            steps[-1]["probes"] = [side.match(p).device_prefix_len for p in (a_ids[:12], b_ids, a_ids, c_ids)]
+            _forward(side, d, len(c_ids))
+            finish(d)
+            side.r2t.mamba_allocator.free(taken)
+            errors = _hybrid_errors(side, a_ids, "cow_without_req")  # a hit with a state: there is one to copy
+        drained = side.drain()
+        side.check()
+        out[name] = {"steps": steps, "probes": probes, "drained": drained, "free": side.free_sizes()}
+        if kind == "mamba":  # last: SGLang's own tree leaks a Mamba slot on this one
+            out[name]["errors"] = {**errors, **_hybrid_errors(side, a_ids, "checkpoint_released_req")}
+    return out
+
+
+def _hybrid_errors(side: Side, ids: list[int], which: str) -> dict[str, str]:
+    """A wrong write-back / copy-on-write call and the error each side gives."""
+    out: dict[str, str] = {}
+    S = side.S
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    if which == "cow_without_req":
+        attempt(which, lambda: side.cache.match_prefix(S["MatchPrefixParams"](key=side.key(ids), cow_mamba=True)))
+    else:
+        released = _hybrid_req(side, "released", ids)
+        attempt(which, lambda: side.cache.checkpoint(released, up_to=4))
+    return out
+
+
 def bad_input_section() -> dict[str, str]:
     """Each wrong call and the error it gives (class: message)."""
     side = Side("full", True, 1, 64, 0, 0, 0)
@@ -497,6 +686,8 @@ def main() -> int:
     report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)
     report["swa_recover"] = swa_recover_section()
     report["checkpoint"] = checkpoint_section()
+    report["checkpoint_swa"] = hybrid_checkpoint_section("swa")
+    report["checkpoint_mamba"] = hybrid_checkpoint_section("mamba")
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
         report["plugin"] = plugin_section(Path(tmp))

@@ -15,7 +15,10 @@ What is proved (each test names its part):
 - the entry point declared in ``pyproject.toml`` is found by SGLang's ``load_plugins`` and registers
   ``hybridkv``; ``create_tree_cache`` with ``--radix-cache-backend hybridkv`` builds the plugin for a
   hybrid-SSM model, which serves a hit only at a cached state;
-- bad input gives errors that name the problem.
+- bad input gives errors that name the problem;
+- the scheduler's write-back ``checkpoint(req, up_to)`` and ``match_prefix(cow_mamba=True)`` with real
+  ``Req`` objects and ``release_kv_cache``: as ``RadixCache`` (full attention) and as
+  ``UnifiedRadixCache`` (FULL + SWA, FULL + MAMBA), each difference named and asserted.
 """
 
 from __future__ import annotations
@@ -196,3 +199,98 @@ def test_checkpoint_writes_back_as_radix_cache_does(report: dict[str, Any]) -> N
     assert all(r["row_reads_tree"] for r in hk)
     # a: 20 tokens; b: 21 tokens on 6 pages, of which its first 12 (a's too) were freed at its write-back
     assert hk[0]["free"] == [128 - 20 - 24] and hk[1]["free"] == [128 - 20 - 24 + 12]
+
+
+def _pairs(section: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    sg, hk = section["sglang"]["steps"], section["plugin"]["steps"]
+    assert [s["what"] for s in sg] == [h["what"] for h in hk]
+    return list(zip(sg, hk, strict=True))
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> set[str]:
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_mamba_checkpoint_and_copy_on_write_match_unified_radix_cache(report: dict[str, Any]) -> None:
+    """``checkpoint`` (chunked prefill: the tree gets a copy of the state; finished: the request's slot
+    itself, or it is freed where a state is cached already) and ``match_prefix(cow_mamba=True)`` (the
+    request's own slot, the cached state named as its copy source), with real ``Req`` objects and
+    ``release_kv_cache``, against ``UnifiedRadixCache(FULL, MAMBA)``: every step equal (hits, protected
+    length, rows, full and Mamba free counts, which state was copied) but one named difference."""
+    r = report["checkpoint_mamba"]
+    steps = {s["what"]: (s, h) for s, h in _pairs(r)}
+    for what, (sg, hk) in steps.items():
+        if what == "d admitted, no slot free":
+            # DIFFERENCE (named, eviction order): with no slot free the match evicts one unlocked state;
+            # which one is each tree's policy (SGLang: a's at 24, hybridkv: b's at 20). Both evict exactly
+            # one, both keep the state the request copies (locked meanwhile), the pools agree
+            assert _diff(sg, hk) == {"probes"}
+            assert sg["probes"][3] == hk["probes"][3] == 28
+            lost = [sum(p < f for p, f in zip(side["probes"], (12, 20, 24, 28), strict=True)) for side in (sg, hk)]
+            assert lost == [1, 1]
+            continue
+        assert sg == hk, (what, _diff(sg, hk))
+    hk = {what: h for what, (_, h) in steps.items()}
+    # a: 24 tokens, its slot and the copy the chunk's checkpoint made: 2 of 6 slots
+    assert hk["a checkpoint 12"]["protected_len"] == 12 and hk["a checkpoint 12"]["free"] == [104, 4]
+    assert hk["a checkpoint 12"]["row_reads_tree"] and hk["a checkpoint 12"]["holds_mamba"]
+    assert hk["a released"]["holds_mamba"] and hk["a released"]["free"] == [104, 4]  # its slot went to the tree
+    # b: a hit at a's chunk state, copied into b's own slot (the copy's value names the length 12)
+    assert hk["b admitted"]["match"] == 12 and hk["b admitted"]["cow_state"] == hk["b admitted"]["req_state"] == 12.0
+    assert hk["b checkpoint all (unfinished)"]["protected_len"] == 20
+    # finished at 20, where its unfinished checkpoint cached a copy already: the tree keeps that one and
+    # the request's own slot is freed
+    assert not hk["b released"]["holds_mamba"] and hk["b released"]["free"] == [96, 3]
+    # c: a hit on the state a handed over when it finished
+    assert hk["c admitted"]["match"] == 24 and hk["c admitted"]["cow_state"] == 24.0
+    assert hk["d admitted, no slot free"]["match"] == 28 and hk["d admitted, no slot free"]["cow_state"] == 28.0
+    sg_end, hk_end = r["sglang"], r["plugin"]
+    assert sg_end["probes"] == hk_end["probes"] == {"a": 24, "a12": 12, "b": 20, "c": 28}
+    assert sg_end["drained"] == hk_end["drained"] and hk_end["free"] == sg_end["free"] == [128, 6]
+    errors = hk_end["errors"]
+    assert errors["cow_without_req"].startswith("HybridKVSGLangError: ") and "req is None" in errors["cow_without_req"]
+    assert "holds no req_to_token row" in errors["checkpoint_released_req"]
+    # stricter than SGLang's tree, which asserts without a message / fails on a None slot (and leaks one)
+    assert sg_end["errors"]["cow_without_req"].startswith("AssertionError")
+    assert sg_end["errors"]["checkpoint_released_req"].startswith("AttributeError")
+
+
+def test_swa_checkpoint_matches_unified_radix_cache_and_names_each_difference(report: dict[str, Any]) -> None:
+    """``checkpoint`` on FULL + SWA with real ``Req`` objects and ``release_kv_cache``: the request's own
+    window slots behind its window are freed first (its pages enter the tree tombstoned), a match whose
+    windows are gone names a branch and the first write-back stops there (restoring that hit); against
+    ``UnifiedRadixCache(FULL, SWA)`` hits, protected lengths and both pools agree at every step."""
+    r = report["checkpoint_swa"]
+    pairs = _pairs(r)
+    for sg, hk in pairs:
+        assert sg.get("free") == hk.get("free"), sg["what"]
+        differ = _diff(sg, hk)
+        if "row" in differ:
+            # DIFFERENCE (named, recovery): b's first 6 tokens had lost their windows (a freed them behind
+            # its window). SGLang's recovery puts b's own locations (full + window) into the tree for
+            # positions 1..5; hybridkv keeps the tree's full locations (a's) and moves b's window cells onto
+            # them (window adoption), freeing b's full part. Both rows read their own tree; pools equal
+            bad = [i for i, (x, y) in enumerate(zip(sg["row"], hk["row"], strict=True)) if x != y]
+            assert bad == [1, 2, 3, 4, 5], (sg["what"], bad)
+            assert sg["row_reads_tree"] and hk["row_reads_tree"]
+        if {"swa_evictable", "swa_protected"} & differ:
+            # DIFFERENCE (named, lock scope): b's lock on the node ending at 6 protects the 4-token window
+            # before it in hybridkv, the whole node's resident window (5 tokens) in SGLang
+            assert sg["what"] == "b checkpoint all (unfinished)"
+            assert (sg["swa_protected"], hk["swa_protected"]) == (5, 4)
+            assert sg["swa_evictable"] + sg["swa_protected"] == hk["swa_evictable"] + hk["swa_protected"]
+        assert differ <= {"row", "swa_evictable", "swa_protected"}, (sg["what"], differ)
+    hk = {h["what"]: h for _, h in pairs}
+    a12 = hk["a checkpoint 12"]
+    # window 4: the chunk's write-back freed a's own window slots [0, 7) first, then inserted 12 tokens
+    assert a12["swa_evicted_seqlen"] == 7 and a12["free"] == [104, 64 - 24 + 7] and a12["row_reads_tree"]
+    b = hk["b admitted"]
+    assert (b["match"], b["full_match"], b["swa_branching"]) == (0, 6, 6)
+    first = hk["b checkpoint all (unfinished)"]
+    assert first["protected_len"] == 6 and first["branching_after"] is None  # inserted to the branch only
+    assert hk["b checkpoint all again"]["protected_len"] == 16
+    assert hk["c admitted"]["match"] == 24
+    assert hk["c checkpoint all (unfinished)"]["protected_len"] == 28
+    sg_end, hk_end = r["sglang"], r["plugin"]
+    assert sg_end["probes"] == hk_end["probes"] == {"a": 24, "a12": 12, "b": 16, "c": 28}
+    assert sg_end["drained"] == hk_end["drained"] and sg_end["free"] == hk_end["free"] == [128, 64]
