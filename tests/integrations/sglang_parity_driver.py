@@ -602,8 +602,37 @@ def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
         drained = side.drain()
         side.check()
         out[name] = {"steps": steps, "probes": probes, "drained": drained, "free": side.free_sizes()}
-        if kind == "mamba":  # last: SGLang's own tree leaks a Mamba slot on this one
-            out[name]["errors"] = {**errors, **_hybrid_errors(side, a_ids, "checkpoint_released_req")}
+        if kind == "mamba":  # last: SGLang's own tree leaks a lock, then a Mamba slot, on these
+            out[name]["errors"] = {
+                **errors,
+                **_cow_without_slot(side, rng),
+                **_hybrid_errors(side, a_ids, "checkpoint_released_req"),
+            }
+    return out
+
+
+def _cow_without_slot(side: Side, rng: random.Random) -> dict[str, Any]:
+    """Copy-on-write with no slot free and the matched state the only one cached: the match must not
+    evict the state it is about to copy (both refuse); the state is still there after."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    ids = [rng.randrange(1000) for _ in range(8)]
+    first = _hybrid_req(side, "e1", ids)
+    _admit(side, first, ids, cow=True)
+    _forward(side, first, len(ids))
+    first.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(first, side.cache, checkpoint=True)
+    taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
+    second = _hybrid_req(side, "e2", [*ids, 1, 2])
+    out: dict[str, Any] = {}
+    try:
+        side.cache.match_prefix(side.S["MatchPrefixParams"](key=side.key([*ids, 1, 2]), cow_mamba=True, req=second))
+        out["cow_no_slot"] = "no error"
+    except Exception as exc:
+        out["cow_no_slot"] = f"{type(exc).__name__}: {exc}"
+    out["cow_no_slot_state_kept"] = side.match(ids).device_prefix_len == len(ids)
+    side.r2t.mamba_allocator.free(taken)
     return out
 
 

@@ -250,6 +250,13 @@ def test_mamba_checkpoint_and_copy_on_write_match_unified_radix_cache(report: di
     errors = hk_end["errors"]
     assert errors["cow_without_req"].startswith("HybridKVSGLangError: ") and "req is None" in errors["cow_without_req"]
     assert "holds no req_to_token row" in errors["checkpoint_released_req"]
+    # no slot free and the matched state the only one cached: both refuse rather than evict the state
+    # they are about to copy, and it is still cached after
+    assert (
+        errors["cow_no_slot"].startswith("HybridKVSGLangError: ") and "no Mamba slot is free" in errors["cow_no_slot"]
+    )
+    assert sg_end["errors"]["cow_no_slot"] == "AssertionError: Can not alloc mamba cache"
+    assert errors["cow_no_slot_state_kept"] is True and sg_end["errors"]["cow_no_slot_state_kept"] is True
     # stricter than SGLang's tree, which asserts without a message / fails on a None slot (and leaks one)
     assert sg_end["errors"]["cow_without_req"].startswith("AssertionError")
     assert sg_end["errors"]["checkpoint_released_req"].startswith("AttributeError")
