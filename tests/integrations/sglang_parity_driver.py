@@ -517,7 +517,8 @@ def _observe(side: Side, req: Any, what: str) -> dict[str, Any]:
 
 def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
     """The scheduler's write-back on a hybrid model, with real ``Req`` objects, SGLang's own
-    ``release_kv_cache`` and pools, against ``UnifiedRadixCache(FULL, SWA / MAMBA)``:
+    ``checkpoint_kv_cache`` (a running request's chunk, ``up_to = extend_end``) and ``release_kv_cache``
+    (finish) and pools, against ``UnifiedRadixCache(FULL, SWA / MAMBA)``:
 
     - ``a``: a 24-token prompt in two chunks: ``checkpoint(up_to=12)`` unfinished (SWA: frees its own
       window slots behind its window first; Mamba: the tree gets a copy of the state), then finished and
@@ -530,7 +531,7 @@ def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
     - probes of the hits after, then every lock dropped and the tree drained.
     """
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-    from sglang.srt.mem_cache.common import release_kv_cache
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 
     rng = random.Random(7)
     a_ids = [rng.randrange(1000) for _ in range(24)]
@@ -560,7 +561,7 @@ def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
         a = _hybrid_req(side, "a", a_ids)
         steps.append({"what": "a admitted", **_admit(side, a, a_ids, cow=cow)})
         _forward(side, a, 12)
-        side.cache.checkpoint(a, up_to=12)
+        checkpoint_kv_cache(a, side.cache)
         steps.append(_observe(side, a, "a checkpoint 12"))
         _forward(side, a, 24)
         finish(a)
@@ -568,17 +569,17 @@ def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
         b = _hybrid_req(side, "b", b_ids)
         steps.append({"what": "b admitted", **_admit(side, b, b_ids, cow=cow)})
         _forward(side, b, len(b_ids))
-        side.cache.checkpoint(b, up_to=len(b_ids))
+        checkpoint_kv_cache(b, side.cache)
         steps.append(_observe(side, b, "b checkpoint all (unfinished)"))
         if kind == "swa":  # the branch was inserted first: the rest goes in with the next checkpoint
-            side.cache.checkpoint(b, up_to=len(b_ids))
+            checkpoint_kv_cache(b, side.cache)
             steps.append(_observe(side, b, "b checkpoint all again"))
         finish(b)
 
         c = _hybrid_req(side, "c", c_ids)
         steps.append({"what": "c admitted", **_admit(side, c, c_ids, cow=cow)})
         _forward(side, c, len(c_ids))
-        side.cache.checkpoint(c, up_to=len(c_ids))
+        checkpoint_kv_cache(c, side.cache)
         steps.append(_observe(side, c, "c checkpoint all (unfinished)"))
         finish(c)
 
