@@ -468,7 +468,12 @@ def _admit(side: Side, req: Any, ids: list[int], *, cow: bool) -> dict[str, Any]
     req.swa_branching_seqlen = m.swa_branching_seqlen  # as the scheduler's match helper copies it
     out["swa_branching"] = m.swa_branching_seqlen
     head = c.path_device_indices(m.last_device_node)[:pre]
-    new = side.alloc.alloc(len(ids) - pre)
+    if side.ps == 1:
+        new = side.alloc.alloc(len(ids) - pre)
+    else:  # SGLang's paged SWA allocator hands out pages only through alloc_extend
+        last = head[-1:].to(torch.int64) if pre else torch.tensor([-1], dtype=torch.int64)
+        lens = (torch.tensor([pre], dtype=torch.int64), torch.tensor([len(ids)], dtype=torch.int64))
+        new = side.alloc.alloc_extend(lens[0], lens[0], lens[1], lens[1], last, len(ids) - pre)
     side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
     req.kv.kv_allocated_len = req.kv.kv_committed_len = len(ids)
     if side.kind == "mamba":
@@ -515,7 +520,8 @@ def _observe(side: Side, req: Any, what: str) -> dict[str, Any]:
     return out
 
 
-def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
+def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[str, Any]:
+    # ps: page size (SWA only: SGLang's Mamba component needs 1); window: SWA window in tokens
     """The scheduler's write-back on a hybrid model, with real ``Req`` objects, SGLang's own
     ``checkpoint_kv_cache`` (a running request's chunk, ``up_to = extend_end``) and ``release_kv_cache``
     (finish) and pools, against ``UnifiedRadixCache(FULL, SWA / MAMBA)``:
@@ -541,7 +547,7 @@ def hybrid_checkpoint_section(kind: str) -> dict[str, Any]:
     c_ids = [*a_ids, *(rng.randrange(1000) for _ in range(4))]
     out: dict[str, Any] = {}
     for name, plugin in (("sglang", False), ("plugin", True)):
-        side = Side(kind, plugin, 1, 128, 64, 4, 6)
+        side = Side(kind, plugin, ps, 128, 64, window, 6)
         steps: list[dict[str, Any]] = []
         cow = kind == "mamba"
 
@@ -717,6 +723,7 @@ def main() -> int:
     report["swa_recover"] = swa_recover_section()
     report["checkpoint"] = checkpoint_section()
     report["checkpoint_swa"] = hybrid_checkpoint_section("swa")
+    report["checkpoint_swa_ps4"] = hybrid_checkpoint_section("swa", ps=4)
     report["checkpoint_mamba"] = hybrid_checkpoint_section("mamba")
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
