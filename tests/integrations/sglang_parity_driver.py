@@ -17,7 +17,9 @@ evictions, explicit window and state evictions) against both:
 - ``checkpoint`` (full attention, vs ``RadixCache``), ``checkpoint_swa`` / ``checkpoint_mamba`` (vs
   ``UnifiedRadixCache``): the scheduler's write-back with real ``Req`` objects and SGLang's own
   ``release_kv_cache``: chunked prefill, finish, SWA branch recovery, Mamba copy-on-write (with and
-  without a free slot); per step hits, protected length, the request's row, pools and sizes.
+  without a free slot); per step hits, protected length, the request's row, pools and sizes;
+- ``sched_*``: seeded requests through the scheduler's calls (admit with copy-on-write, chunked
+  ``checkpoint_kv_cache``, ``release_kv_cache``) on FULL + MAMBA and FULL + SWA (page sizes 1 and 4).
 
 Per step the report records both sides' match length, evicted counts per component and allocator
 free sizes; the plugin's ``check()`` (tree invariants, id-map bijection) runs after every step.
@@ -483,7 +485,8 @@ def _admit(side: Side, req: Any, ids: list[int], *, cow: bool) -> dict[str, Any]
         if src is not None:
             side.r2t.mamba_pool.copy_from(src, req.kv.mamba_pool_idx.reshape(1))
             req.kv.mamba_cow_src_index = None
-        out["req_state"] = float(temporal[0, int(req.kv.mamba_pool_idx)].flatten()[0])
+        # the request's slot after the copy (without one it holds stale state the forward clears)
+        out["req_state"] = None if src is None else float(temporal[0, int(req.kv.mamba_pool_idx)].flatten()[0])
     return out
 
 
@@ -618,6 +621,57 @@ def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[s
     return out
 
 
+def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str, Any]:
+    """Seeded requests through the scheduler's calls, one after another (shared heads, branches, repeats):
+    admit (match with copy-on-write, row, lock, allocate; drained first when the pools are short, with no
+    request running, so both trees drain exactly), one or two running-request write-backs
+    (``checkpoint_kv_cache`` at random chunk ends), finish (``release_kv_cache``). Per request and side:
+    hit, full hit, branch, copied state, protected length after each write-back, whether the row reads
+    the tree, pools, evictable size after release."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    rng = random.Random(seed)
+    prompts = _prompts(rng, steps)
+    chunks = []
+    for toks in prompts:  # the same chunk ends on both sides: drawn before either runs
+        cuts = sorted(rng.sample(range(1, len(toks)), min(len(toks) - 1, rng.randrange(0, 3))))
+        chunks.append(cuts)
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side(kind, plugin, ps, 160, 96, 8, 16)
+        rows = []
+        for i, (toks, cuts) in enumerate(zip(prompts, chunks, strict=True)):
+            row: dict[str, Any] = {"step": i, "len": len(toks)}
+            need = -(-len(toks) // ps) * ps + ps
+            short = side.free_sizes()[0] < need or (kind == "swa" and side.free_sizes()[1] < need)
+            # Mamba: the request's slot and one copy per running write-back, so no write-back evicts a
+            # state (SGLang would drop the leaf's full KV with it: the difference the insert replay names)
+            if short or (kind == "mamba" and side.free_sizes()[1] < 2 + len(cuts)):
+                row["drained"] = side.drain()
+            req = _hybrid_req(side, f"r{i}", toks)
+            row.update(_admit(side, req, toks, cow=kind == "mamba"))
+            row["protected"] = []
+            row["reads_tree"] = []
+            for cut in [c for c in cuts if c > row["match"]]:
+                _forward(side, req, cut)
+                checkpoint_kv_cache(req, side.cache)
+                row["protected"].append(int(req.kv.cache_protected_len))
+                cached = int(req.kv.cache_protected_len)
+                got = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
+                row["reads_tree"].append(bool(torch.equal(got, side.cache.path_device_indices(req.last_node))))
+            _forward(side, req, len(toks))
+            req.finished_reason = FINISH_LENGTH(0)
+            release_kv_cache(req, side.cache, checkpoint=True)
+            row["free"] = side.free_sizes()
+            row["evictable"] = int(side.cache.evictable_size())
+            side.check()
+            rows.append(row)
+        out[name] = {"rows": rows, "drained": side.drain(), "free": side.free_sizes()}
+        side.check()
+    return out
+
+
 def _cow_without_slot(side: Side, rng: random.Random) -> dict[str, Any]:
     """Copy-on-write with no slot free and the matched state the only one cached: the match must not
     evict the state it is about to copy (both refuse); the state is still there after."""
@@ -724,6 +778,14 @@ def main() -> int:
     report["checkpoint"] = checkpoint_section()
     report["checkpoint_swa"] = hybrid_checkpoint_section("swa")
     report["checkpoint_swa_ps4"] = hybrid_checkpoint_section("swa", ps=4)
+    for name, kind, seed, ps in (
+        ("sched_mamba", "mamba", 11, 1),
+        ("sched_swa", "swa", 13, 1),
+        ("sched_swa_ps4", "swa", 14, 4),
+    ):
+        t = time.perf_counter()
+        report[name] = scheduler_replay(kind, seed=seed, steps=100, ps=ps)
+        report[name]["seconds"] = time.perf_counter() - t
     report["checkpoint_mamba"] = hybrid_checkpoint_section("mamba")
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
