@@ -622,52 +622,71 @@ def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[s
 
 
 def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str, Any]:
-    """Seeded requests through the scheduler's calls, one after another (shared heads, branches, repeats):
-    admit (match with copy-on-write, row, lock, allocate; drained first when the pools are short, with no
-    request running, so both trees drain exactly), one or two running-request write-backs
-    (``checkpoint_kv_cache`` at random chunk ends), finish (``release_kv_cache``). Per request and side:
-    hit, full hit, branch, copied state, protected length after each write-back, whether the row reads
-    the tree, pools, evictable size after release."""
+    """Seeded requests through the scheduler's calls (shared heads, branches, repeats), one at a time or two
+    running together: admit (match with copy-on-write, row, lock, allocate; drained first when the pools
+    are short, with no request running, so both trees drain exactly), running-request write-backs
+    (``checkpoint_kv_cache`` at random chunk ends; two requests' interleaved, so one writes back a prefix
+    the other computed too and must free its own copies), finish (``release_kv_cache``). Per request and
+    side: hit, full hit, branch, copied state, protected length after each write-back, whether the row
+    reads the tree, pools and evictable size after its release."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
     from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 
     rng = random.Random(seed)
     prompts = _prompts(rng, steps)
-    chunks = []
-    for toks in prompts:  # the same chunk ends on both sides: drawn before either runs
-        cuts = sorted(rng.sample(range(1, len(toks)), min(len(toks) - 1, rng.randrange(0, 3))))
-        chunks.append(cuts)
+    # the plan, drawn before either side runs: groups of one or two requests, each with its chunk ends,
+    # and the order of the group's write-backs and finishes (each request's own in order)
+    plan: list[tuple[list[int], list[tuple[int, int | None]]]] = []
+    cuts = [sorted(rng.sample(range(1, len(t)), min(len(t) - 1, rng.randrange(0, 3)))) for t in prompts]
+    i = 0
+    while i < len(prompts):
+        members = [i] if i + 1 == len(prompts) or rng.random() < 0.5 else [i, i + 1]
+        queues = [[(m, c) for c in cuts[m]] + [(m, None)] for m in members]
+        order: list[tuple[int, int | None]] = []
+        while any(queues):
+            q = rng.choice([q for q in queues if q])
+            order.append(q.pop(0))
+        plan.append((members, order))
+        i += len(members)
     out: dict[str, Any] = {}
     for name, plugin in (("sglang", False), ("plugin", True)):
         side = Side(kind, plugin, ps, 160, 96, 8, 16)
-        rows = []
-        for i, (toks, cuts) in enumerate(zip(prompts, chunks, strict=True)):
-            row: dict[str, Any] = {"step": i, "len": len(toks)}
-            need = -(-len(toks) // ps) * ps + ps
-            short = side.free_sizes()[0] < need or (kind == "swa" and side.free_sizes()[1] < need)
-            # Mamba: the request's slot and one copy per running write-back, so no write-back evicts a
+        rows: dict[int, dict[str, Any]] = {}
+        for members, order in plan:
+            need = sum(-(-len(prompts[m]) // ps) * ps + ps for m in members)
+            free = side.free_sizes()
+            short = free[0] < need or (kind == "swa" and free[1] < need)
+            # Mamba: each request's slot and one copy per running write-back, so no write-back evicts a
             # state (SGLang would drop the leaf's full KV with it: the difference the insert replay names)
-            if short or (kind == "mamba" and side.free_sizes()[1] < 2 + len(cuts)):
-                row["drained"] = side.drain()
-            req = _hybrid_req(side, f"r{i}", toks)
-            row.update(_admit(side, req, toks, cow=kind == "mamba"))
-            row["protected"] = []
-            row["reads_tree"] = []
-            for cut in [c for c in cuts if c > row["match"]]:
-                _forward(side, req, cut)
-                checkpoint_kv_cache(req, side.cache)
-                row["protected"].append(int(req.kv.cache_protected_len))
-                cached = int(req.kv.cache_protected_len)
-                got = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
-                row["reads_tree"].append(bool(torch.equal(got, side.cache.path_device_indices(req.last_node))))
-            _forward(side, req, len(toks))
-            req.finished_reason = FINISH_LENGTH(0)
-            release_kv_cache(req, side.cache, checkpoint=True)
-            row["free"] = side.free_sizes()
-            row["evictable"] = int(side.cache.evictable_size())
-            side.check()
-            rows.append(row)
-        out[name] = {"rows": rows, "drained": side.drain(), "free": side.free_sizes()}
+            if short or (kind == "mamba" and free[1] < sum(2 + len(cuts[m]) for m in members)):
+                rows[members[0]] = {"drained": side.drain()}
+            reqs = {}
+            for m in members:
+                req = reqs[m] = _hybrid_req(side, f"r{m}", prompts[m])
+                row = rows.setdefault(m, {})
+                row.update({"step": m, "len": len(prompts[m]), "group": len(members)})
+                row.update(_admit(side, req, prompts[m], cow=kind == "mamba"))
+                row["protected"] = []
+                row["reads_tree"] = []
+            for m, cut in order:
+                req, row = reqs[m], rows[m]
+                if cut is None:
+                    _forward(side, req, len(prompts[m]))
+                    req.finished_reason = FINISH_LENGTH(0)
+                    release_kv_cache(req, side.cache, checkpoint=True)
+                    row["free"] = side.free_sizes()
+                    row["evictable"] = int(side.cache.evictable_size())
+                elif cut > row["match"]:
+                    _forward(side, req, cut)
+                    checkpoint_kv_cache(req, side.cache)
+                    cached = int(req.kv.cache_protected_len)
+                    row["protected"].append(cached)
+                    got = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
+                    row["reads_tree"].append(bool(torch.equal(got, side.cache.path_device_indices(req.last_node))))
+                side.check()
+        out[name] = {"rows": [rows[m] for m in range(len(prompts))], "drained": side.drain(), "free": side.free_sizes()}
+        if plugin:  # the caller's copies of tokens the tree held already (freed by checkpoint's insert)
+            out[name]["duplicate_pages"] = int(side.cache.tree.counters.duplicate_pages)
         side.check()
     return out
 

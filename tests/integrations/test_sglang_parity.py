@@ -320,8 +320,9 @@ def test_swa_checkpoint_matches_unified_radix_cache_and_names_each_difference(re
 
 @pytest.mark.parametrize("run", ["sched_mamba", "sched_swa", "sched_swa_ps4"])
 def test_requests_through_the_scheduler_calls_match_unified_radix_cache(report: dict[str, Any], run: str) -> None:
-    """100 seeded requests (shared heads, branches, repeats) each admitted with copy-on-write, written back
-    at random chunk ends (``checkpoint_kv_cache``) and finished (``release_kv_cache``), drained when short:
+    """100 seeded requests (shared heads, branches, repeats), one at a time or two running together, each
+    admitted with copy-on-write, written back at random chunk ends (``checkpoint_kv_cache``, two requests'
+    interleaved) and finished (``release_kv_cache``), drained when short with nothing running:
     every request's hit, full hit, branch, copied state, protected lengths, pools and evictable size equal
     ``UnifiedRadixCache``'s, and every write-back leaves the row reading the tree."""
     r = report[run]
@@ -330,8 +331,10 @@ def test_requests_through_the_scheduler_calls_match_unified_radix_cache(report: 
     ps = 4 if run.endswith("ps4") else 1
     assert all(all(row["reads_tree"]) for row in hk)
     assert all(p % ps == 0 and p >= row["match"] for row in hk for p in row["protected"])
-    assert sum(row["match"] > 0 for row in hk) >= 10 and sum(0 < row["match"] < row["len"] for row in hk) >= 5
+    assert sum(row["match"] > 0 for row in hk) >= 8 and sum(0 < row["match"] < row["len"] for row in hk) >= 5
     assert sum("drained" in row for row in hk) >= 5 and sum(len(row["protected"]) for row in hk) >= 50
+    # two requests ran together: one wrote back tokens the other had computed too, whose copies went
+    assert sum(row["group"] == 2 for row in hk) >= 40 and r["plugin"]["duplicate_pages"] > 0
     if run == "sched_mamba":
         cows = [row for row in hk if row["cow_state"] is not None]
         assert len(cows) >= 10
@@ -339,6 +342,6 @@ def test_requests_through_the_scheduler_calls_match_unified_radix_cache(report: 
         assert all(row["cow_state"] == row["req_state"] == float(row["match"]) for row in cows)
         assert all(row["match"] == 0 or row["cow_state"] is not None for row in hk)
     else:
-        assert sum(row["swa_branching"] is not None for row in hk) >= 3
+        assert sum(row["swa_branching"] is not None for row in hk) >= 2
     assert r["sglang"]["drained"] == r["plugin"]["drained"]
     assert r["sglang"]["free"] == r["plugin"]["free"] == ([160, 16] if run == "sched_mamba" else [160, 96])
