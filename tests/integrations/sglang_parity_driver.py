@@ -9,7 +9,8 @@ evictions, explicit window and state evictions) against both:
 
 - ``full``: ``RadixCache`` vs ``HybridKVRadixCache``, page sizes 1 and 4;
 - ``swa``: ``UnifiedRadixCache(FULL, SWA)`` vs ``HybridKVRadixCache(swa=True)``;
-- ``mamba``: ``UnifiedRadixCache(FULL, MAMBA)`` vs ``HybridKVRadixCache(mamba=True)``;
+- ``mamba``: ``UnifiedRadixCache(FULL, MAMBA)`` vs ``HybridKVRadixCache(mamba=True)``
+  (``swa_mamba``: both, ``UnifiedRadixCache(FULL, SWA, MAMBA)``, in the scheduler replay only);
 - ``plugin``: the entry point found by SGLang's ``load_plugins`` (a dist-info holding the entry point
   ``pyproject.toml`` declares), ``create_tree_cache`` with ``--radix-cache-backend hybridkv`` for a
   hybrid-SSM context;
@@ -19,7 +20,8 @@ evictions, explicit window and state evictions) against both:
   ``release_kv_cache``: chunked prefill, finish, SWA branch recovery, Mamba copy-on-write (with and
   without a free slot); per step hits, protected length, the request's row, pools and sizes;
 - ``sched_*``: seeded requests through the scheduler's calls (admit with copy-on-write, chunked
-  ``checkpoint_kv_cache``, ``release_kv_cache``) on FULL + MAMBA and FULL + SWA (page sizes 1 and 4).
+  ``checkpoint_kv_cache``, ``release_kv_cache``) on FULL + MAMBA, FULL + SWA (page sizes 1 and 4) and
+  FULL + SWA + MAMBA.
 
 Per step the report records both sides' match length, evicted counts per component and allocator
 free sizes; the plugin's ``check()`` (tree invariants, id-map bijection) runs after every step.
@@ -91,9 +93,11 @@ class Side:
         S = _sglang()
         self.S = S
         self.kind = kind
+        self.swa = kind in ("swa", "swa_mamba")
+        self.mamba = kind in ("mamba", "swa_mamba")
         self.ps = ps
         self.r2t: Any
-        if kind == "mamba":
+        if self.mamba:
             from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
             shape = Mamba2StateShape.create(
@@ -112,7 +116,7 @@ class Side:
             )
         else:
             self.r2t = S["ReqToTokenPool"](8, 128, "cpu", False)
-        if kind == "swa":
+        if self.swa:
             kv = S["SWAKVPool"](size, swa_size, ps, torch.float16, 1, 8, [1], [0], "cpu")
             self.alloc = S["SWATokenToKVPoolAllocator"](size, swa_size, ps, torch.float16, "cpu", kv, False)
         else:
@@ -122,19 +126,24 @@ class Side:
             else:
                 self.alloc = S["PagedTokenToKVPoolAllocator"](size, ps, torch.float16, "cpu", kv, False)
         CT = S["ComponentType"]
-        comps = {"full": (CT.FULL,), "swa": (CT.FULL, CT.SWA), "mamba": (CT.FULL, CT.MAMBA)}[kind]
+        comps = {
+            "full": (CT.FULL,),
+            "swa": (CT.FULL, CT.SWA),
+            "mamba": (CT.FULL, CT.MAMBA),
+            "swa_mamba": (CT.FULL, CT.SWA, CT.MAMBA),
+        }[kind]
         params = S["CacheInitParams"](
             disable=False,
             req_to_token_pool=self.r2t,
             token_to_kv_pool_allocator=self.alloc,
             page_size=ps,
-            sliding_window_size=window if kind == "swa" else None,
+            sliding_window_size=window if self.swa else None,
             tree_components=comps,
         )
         if plugin:
             from hybridkv.integrations.sglang.radix_cache import HybridKVRadixCache
 
-            self.cache: Any = HybridKVRadixCache(params, swa=kind == "swa", mamba=kind == "mamba")
+            self.cache: Any = HybridKVRadixCache(params, swa=self.swa, mamba=self.mamba)
         elif kind == "full":
             self.cache = S["RadixCache"](params)
         else:
@@ -154,10 +163,10 @@ class Side:
 
     def free_sizes(self) -> list[int]:
         a = self.alloc
-        out = [int(a.full_available_size() if self.kind == "swa" else a.available_size())]
-        if self.kind == "swa":
+        out = [int(a.full_available_size() if self.swa else a.available_size())]
+        if self.swa:
             out.append(int(a.swa_available_size()))
-        if self.kind == "mamba":
+        if self.mamba:
             out.append(int(self.r2t.mamba_allocator.available_size()))
         return out
 
@@ -165,7 +174,7 @@ class Side:
         """Evict everything unlocked, every component: the one eviction whose victims do not depend on
         the policy's order, so both trees stay equal and every later step compares exactly."""
         big = 10**6
-        return self.evict(tokens=big, swa=big if self.kind == "swa" else 0, mamba=big if self.kind == "mamba" else 0)
+        return self.evict(tokens=big, swa=big if self.swa else 0, mamba=big if self.mamba else 0)
 
     def alloc_tokens(self, n: int, log: list) -> torch.Tensor | None:
         """``n`` locations (whole pages); short, the tree is drained (memory pressure) and it is tried again."""
@@ -478,7 +487,7 @@ def _admit(side: Side, req: Any, ids: list[int], *, cow: bool) -> dict[str, Any]
         new = side.alloc.alloc_extend(lens[0], lens[0], lens[1], lens[1], last, len(ids) - pre)
     side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
     req.kv.kv_allocated_len = req.kv.kv_committed_len = len(ids)
-    if side.kind == "mamba":
+    if side.mamba:
         temporal = side.r2t.mamba_pool.mamba_cache.temporal
         src = req.kv.mamba_cow_src_index
         out["cow_state"] = None if src is None else float(temporal[0, int(src[0])].flatten()[0])
@@ -494,7 +503,7 @@ def _forward(side: Side, req: Any, upto: int) -> None:
     """The request computed its first ``upto`` tokens: its Mamba slot holds the state after them
     (a value naming the length, so a copy of it is recognisable)."""
     req.extend_end = upto
-    if side.kind == "mamba":
+    if side.mamba:
         side.r2t.mamba_pool.mamba_cache.temporal[:, int(req.kv.mamba_pool_idx)] = float(upto)
 
 
@@ -511,12 +520,12 @@ def _observe(side: Side, req: Any, what: str) -> dict[str, Any]:
         "row_reads_tree": None if row is None else bool(torch.equal(row, c.path_device_indices(req.last_node))),
         "row": side.r2t.req_to_token[req.kv.req_pool_idx, : len(req.full_untruncated_fill_ids)].tolist(),
     }
-    if side.kind == "swa":
+    if side.swa:
         out["swa_evictable"] = int(c.swa_evictable_size())
         out["swa_protected"] = int(c.swa_protected_size())
         out["swa_evicted_seqlen"] = int(req.kv.component_evicted_seqlens.get(side.S["ComponentType"].SWA, 0))
         out["branching_after"] = req.swa_branching_seqlen
-    if side.kind == "mamba":
+    if side.mamba:
         out["holds_mamba"] = req.kv.holds_mamba
         out["mamba_evictable"] = int(c.mamba_evictable_size())
     side.check()
@@ -640,7 +649,9 @@ def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str,
     cuts = [sorted(rng.sample(range(1, len(t)), min(len(t) - 1, rng.randrange(0, 3)))) for t in prompts]
     i = 0
     while i < len(prompts):
-        members = [i] if i + 1 == len(prompts) or rng.random() < 0.5 else [i, i + 1]
+        pair = i + 1 < len(prompts) and rng.random() >= 0.5
+        fits = pair and len(prompts[i]) + len(prompts[i + 1]) + 8 <= 96  # both in the smallest pool (SWA)
+        members = [i, i + 1] if fits else [i]
         queues = [[(m, c) for c in cuts[m]] + [(m, None)] for m in members]
         order: list[tuple[int, int | None]] = []
         while any(queues):
@@ -655,17 +666,17 @@ def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str,
         for members, order in plan:
             need = sum(-(-len(prompts[m]) // ps) * ps + ps for m in members)
             free = side.free_sizes()
-            short = free[0] < need or (kind == "swa" and free[1] < need)
+            short = free[0] < need or (side.swa and free[1] < need)
             # Mamba: each request's slot and one copy per running write-back, so no write-back evicts a
             # state (SGLang would drop the leaf's full KV with it: the difference the insert replay names)
-            if short or (kind == "mamba" and free[1] < sum(2 + len(cuts[m]) for m in members)):
+            if short or (side.mamba and free[-1] < sum(2 + len(cuts[m]) for m in members)):
                 rows[members[0]] = {"drained": side.drain()}
             reqs = {}
             for m in members:
                 req = reqs[m] = _hybrid_req(side, f"r{m}", prompts[m])
                 row = rows.setdefault(m, {})
                 row.update({"step": m, "len": len(prompts[m]), "group": len(members)})
-                row.update(_admit(side, req, prompts[m], cow=kind == "mamba"))
+                row.update(_admit(side, req, prompts[m], cow=side.mamba))
                 row["protected"] = []
                 row["reads_tree"] = []
             for m, cut in order:
@@ -801,6 +812,7 @@ def main() -> int:
         ("sched_mamba", "mamba", 11, 1),
         ("sched_swa", "swa", 13, 1),
         ("sched_swa_ps4", "swa", 14, 4),
+        ("sched_swa_mamba", "swa_mamba", 16, 1),
     ):
         t = time.perf_counter()
         report[name] = scheduler_replay(kind, seed=seed, steps=100, ps=ps)
