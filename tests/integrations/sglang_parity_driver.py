@@ -621,6 +621,8 @@ def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[s
         drained = side.drain()
         side.check()
         out[name] = {"steps": steps, "probes": probes, "drained": drained, "free": side.free_sizes()}
+        if kind == "mamba":
+            out[name]["checkpoint_evicts"] = _checkpoint_evicts_state(side, rng)
         if kind == "mamba":  # last: SGLang's own tree leaks a lock, then a Mamba slot, on these
             out[name]["errors"] = {
                 **errors,
@@ -699,6 +701,43 @@ def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str,
         if plugin:  # the caller's copies of tokens the tree held already (freed by checkpoint's insert)
             out[name]["duplicate_pages"] = int(side.cache.tree.counters.duplicate_pages)
         side.check()
+    return out
+
+
+def _checkpoint_evicts_state(side: Side, rng: random.Random) -> dict[str, Any]:
+    """A running request's write-back with no Mamba slot free for the state's copy: one cached state (the
+    only one, unlocked: both trees must pick it) is evicted for it."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    old = [rng.randrange(1000) for _ in range(8)]
+    first = _hybrid_req(side, "f1", old)
+    _admit(side, first, old, cow=True)
+    _forward(side, first, len(old))
+    first.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(first, side.cache, checkpoint=True)
+    ids = [rng.randrange(1000) for _ in range(10)]
+    run = _hybrid_req(side, "f2", ids)
+    _admit(side, run, ids, cow=True)
+    taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
+    before = side.free_sizes()
+    _forward(side, run, 5)
+    checkpoint_kv_cache(run, side.cache)
+    out: dict[str, Any] = {
+        "before": before,
+        "after": side.free_sizes(),
+        "protected_len": int(run.kv.cache_protected_len),
+        "hit_old": side.match(old).device_prefix_len,
+        "full_old": side.match(old).full_kv_hit_length,
+        "hit_new": side.match(ids[:5]).device_prefix_len,
+    }
+    side.r2t.mamba_allocator.free(taken)
+    _forward(side, run, len(ids))
+    run.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(run, side.cache, checkpoint=True)
+    out["drained"] = side.drain()
+    out["free"] = side.free_sizes()
+    side.check()
     return out
 
 

@@ -247,6 +247,16 @@ def test_mamba_checkpoint_and_copy_on_write_match_unified_radix_cache(report: di
     sg_end, hk_end = r["sglang"], r["plugin"]
     assert sg_end["probes"] == hk_end["probes"] == {"a": 24, "a12": 12, "b": 20, "c": 28}
     assert sg_end["drained"] == hk_end["drained"] and hk_end["free"] == sg_end["free"] == [128, 6]
+    # a running request's write-back with no slot free for the copy: the one cached state is evicted for it
+    sg_ev, hk_ev = sg_end["checkpoint_evicts"], hk_end["checkpoint_evicts"]
+    assert sg_ev["before"] == hk_ev["before"] and sg_ev["before"][1] == 0
+    assert sg_ev["protected_len"] == hk_ev["protected_len"] == 5 and sg_ev["hit_new"] == hk_ev["hit_new"] == 5
+    assert sg_ev["hit_old"] == hk_ev["hit_old"] == 0  # the state went on both sides
+    # DIFFERENCE (named, state eviction, as in the insert replay): SGLang frees the leaf's 8 full tokens
+    # with its state, hybridkv keeps them (a prefix still); the drain after frees the same total
+    assert (sg_ev["full_old"], hk_ev["full_old"]) == (0, 8)
+    assert sg_ev["after"][0] - hk_ev["after"][0] == 8 and sg_ev["after"][1] == hk_ev["after"][1]
+    assert sg_ev["drained"][0] + 8 == hk_ev["drained"][0] and sg_ev["free"] == hk_ev["free"] == [128, 6]
     errors = hk_end["errors"]
     assert errors["cow_without_req"].startswith("HybridKVSGLangError: ") and "req is None" in errors["cow_without_req"]
     assert "holds no req_to_token row" in errors["checkpoint_released_req"]
