@@ -628,6 +628,7 @@ def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[s
                 **errors,
                 **_cow_without_slot(side, rng),
                 **_hybrid_errors(side, a_ids, "checkpoint_released_req"),
+                **_checkpoint_short(side, rng),
             }
     return out
 
@@ -738,6 +739,38 @@ def _checkpoint_evicts_state(side: Side, rng: random.Random) -> dict[str, Any]:
     out["drained"] = side.drain()
     out["free"] = side.free_sizes()
     side.check()
+    return out
+
+
+def _checkpoint_short(side: Side, rng: random.Random) -> dict[str, Any]:
+    """A write-back shorter than what the request matched (``up_to < cache_protected_len``): refused before
+    the tree changes, the state copy made for it given back; then the request finishes normally."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    ids = [rng.randrange(1000) for _ in range(12)]
+    first = _hybrid_req(side, "g1", ids)
+    _admit(side, first, ids, cow=True)
+    _forward(side, first, len(ids))
+    first.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(first, side.cache, checkpoint=True)
+    req = _hybrid_req(side, "g2", [*ids, 5, 6])
+    hit = _admit(side, req, [*ids, 5, 6], cow=True)["match"]
+    before = side.free_sizes()
+    out: dict[str, Any] = {"short_hit": hit}
+    try:
+        side.cache.checkpoint(req, up_to=4)
+        out["checkpoint_short"] = "no error"
+    except Exception as exc:
+        out["checkpoint_short"] = f"{type(exc).__name__}: {exc}"
+    out["short_free_kept"] = side.free_sizes() == before
+    if side.plugin:  # SGLang's tree asserted after its insert: only the plugin's side is finished cleanly
+        _forward(side, req, len(ids) + 2)
+        req.finished_reason = FINISH_LENGTH(0)
+        release_kv_cache(req, side.cache, checkpoint=True)
+        side.drain()
+        side.check()
+        out["short_free_after"] = side.free_sizes()
     return out
 
 

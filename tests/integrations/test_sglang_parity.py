@@ -267,6 +267,14 @@ def test_mamba_checkpoint_and_copy_on_write_match_unified_radix_cache(report: di
     )
     assert sg_end["errors"]["cow_no_slot"] == "AssertionError: Can not alloc mamba cache"
     assert errors["cow_no_slot_state_kept"] is True and sg_end["errors"]["cow_no_slot_state_kept"] is True
+    # a write-back shorter than the request's hit: hybridkv refuses before the tree changes and gives the
+    # state copy back (pools as before, the request then finishes and drains clean); SGLang asserts after
+    # its insert, with the copy slot gone
+    assert errors["short_hit"] == sg_end["errors"]["short_hit"] == 12
+    assert "12 tokens protected by the tree but writes back only 4" in errors["checkpoint_short"]
+    assert errors["short_free_kept"] is True and errors["short_free_after"] == [128, 6]
+    assert sg_end["errors"]["checkpoint_short"].startswith("AssertionError")
+    assert sg_end["errors"]["short_free_kept"] is False
     # stricter than SGLang's tree, which asserts without a message / fails on a None slot (and leaks one)
     assert sg_end["errors"]["cow_without_req"].startswith("AssertionError")
     assert sg_end["errors"]["checkpoint_released_req"].startswith("AttributeError")

@@ -600,24 +600,35 @@ class HybridKVRadixCache(BasePrefixCache):
         if n <= 0:
             self._release_state(req, finished, mamba_value, inserted=False)
             return
+        if protected > n:  # refused before the tree changes (SGLang's own tree asserts here)
+            if mamba_value is not None and not finished:
+                self.req_to_token_pool.mamba_allocator.free(mamba_value)
+            raise HybridKVSGLangError(
+                f"checkpoint: request {req.rid} has {protected} tokens protected by the tree but writes back "
+                f"only {n} (up_to={up_to}); write back at least what it matched (up_to >= cache_protected_len)"
+            )
         key = RadixKey(token_ids[:n], req.extra_key, cache_salt=req.cache_salt)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        result = self.insert(
-            InsertParams(
-                key=key,
-                value=row[:n].to(torch.int64),
-                mamba_value=mamba_value,
-                prev_prefix_len=protected,
-                priority=req.priority or 0,
+        try:
+            result = self.insert(
+                InsertParams(
+                    key=key,
+                    value=row[:n].to(torch.int64),
+                    mamba_value=mamba_value,
+                    prev_prefix_len=protected,
+                    priority=req.priority or 0,
+                )
             )
-        )
+        except Exception:
+            if mamba_value is not None and not finished:  # the copy made for this write-back
+                self.req_to_token_pool.mamba_allocator.free(mamba_value)
+            raise
         kv.cache_inserted_len = max(int(kv.cache_inserted_len), n)
         node = result.last_device_node
         new = self.path_device_indices(node)
-        if new.numel() != n or protected > n:
+        if new.numel() != n:
             raise HybridKVSGLangError(
-                f"checkpoint: the insert ended on a node of {new.numel()} tokens for a key of {n} with "
-                f"{protected} protected (plugin bug)"
+                f"checkpoint: the insert ended on a node of {new.numel()} tokens for a key of {n} (plugin bug)"
             )
         self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, n)), new[protected:])
         self.unlock(req.lock)
