@@ -475,6 +475,8 @@ def _admit(side: Side, req: Any, ids: list[int], *, cow: bool) -> dict[str, Any]
     pre = m.device_prefix_len
     req.last_node = m.last_device_node
     req.lock = c.lock(m.last_device_node)
+    if side.mamba:  # the states locks hold, this request's hit's included
+        out["mamba_protected"] = int(c.mamba_protected_size())
     req.kv.cache_protected_len = pre
     req.swa_branching_seqlen = m.swa_branching_seqlen  # as the scheduler's match helper copies it
     out["swa_branching"] = m.swa_branching_seqlen
@@ -698,11 +700,37 @@ def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str,
                     got = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
                     row["reads_tree"].append(bool(torch.equal(got, side.cache.path_device_indices(req.last_node))))
                 side.check()
+            rows[members[-1]]["idle"] = _idle_census(side)
         out[name] = {"rows": [rows[m] for m in range(len(prompts))], "drained": side.drain(), "free": side.free_sizes()}
         if plugin:  # the caller's copies of tokens the tree held already (freed by checkpoint's insert)
             out[name]["duplicate_pages"] = int(side.cache.tree.counters.duplicate_pages)
         side.check()
     return out
+
+
+def _idle_census(side: Side) -> dict[str, Any]:
+    """What SGLang's scheduler checks when idle (``InvariantChecker._check_all_pools``): per pool
+    free + evictable + protected == capacity, with the tree's own size calls; and its leak census
+    (``all_values_flatten`` / ``all_mamba_values_flatten`` and the free lists cover every id once)."""
+    c, a = side.cache, side.alloc
+    out: dict[str, Any] = {}
+    if side.swa:
+        out["full"] = [int(a.full_available_size()), c.full_evictable_size(), c.full_protected_size(), a.size_full]
+        out["swa"] = [int(a.swa_available_size()), c.swa_evictable_size(), c.swa_protected_size(), a.size_swa]
+    else:
+        out["full"] = [int(a.available_size()), c.full_evictable_size(), c.full_protected_size(), a.size]
+    if side.mamba:
+        m = side.r2t.mamba_allocator
+        out["mamba"] = [int(m.available_size()), c.mamba_evictable_size(), c.mamba_protected_size(), m.size]
+        cached = sorted(c.all_mamba_values_flatten().tolist())
+        free = sorted(m.free_slots.tolist())
+        out["mamba_census"] = len(cached) + len(free) == m.size and set(cached) | set(free) == set(range(1, m.size + 1))
+    if not side.swa:
+        cached_locs = c.all_values_flatten().tolist()
+        free_locs = a.get_all_free_pages().tolist() if side.ps == 1 else []
+        if side.ps == 1:
+            out["full_census"] = sorted(cached_locs + free_locs) == list(range(1, a.size + 1))
+    return {k: [int(x) for x in v] if isinstance(v, list) else v for k, v in out.items()}
 
 
 def _checkpoint_evicts_state(side: Side, rng: random.Random) -> dict[str, Any]:

@@ -371,5 +371,18 @@ def test_requests_through_the_scheduler_calls_match_unified_radix_cache(report: 
     assert all(row["cow_state"] == row["req_state"] == float(row["match"]) for row in cows)
     if want["cows"]:
         assert all(row["match"] == 0 or row["cow_state"] is not None for row in hk)
+    # SGLang's idle check (free + evictable + protected == capacity per pool, and its leak census over
+    # all_values_flatten / all_mamba_values_flatten) holds after every group (the rows carry it)
+    idle = [row["idle"] for row in hk if "idle" in row]
+    assert len(idle) >= 50
+    for census in idle:
+        for pool, value in census.items():
+            if isinstance(value, list):
+                assert value[0] + value[1] + value[2] == value[3], (pool, value)
+            else:
+                assert value is True, pool
+    assert all("mamba_census" in c for c in idle) == ("mamba" in run)
+    if "mamba" in run:  # a hit's state is locked while its request runs (with a second one running too)
+        assert {row["mamba_protected"] for row in hk} >= {0, 1}
     assert r["sglang"]["drained"] == r["plugin"]["drained"]
     assert r["sglang"]["free"] == r["plugin"]["free"] == want["free"]

@@ -449,6 +449,31 @@ class HybridKVRadixCache(BasePrefixCache):
     def mamba_evictable_size(self) -> int:
         return sum(1 for n in self.tree.residency.checkpoint_nodes if n.checkpoint_lock == 0)
 
+    def mamba_protected_size(self) -> int:
+        """Cached states a lock holds (SGLang's idle pool check: free + evictable + protected == pool)."""
+        return sum(1 for n in self.tree.residency.checkpoint_nodes if n.checkpoint_lock > 0)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every SGLang token location the tree holds (SGLang's leak report; a host table walk)."""
+        bound = self.ids.sg_of_page[self.ids.sg_of_page >= 0]
+        return self.locations(np.sort(bound))
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        """Every SGLang Mamba slot the tree holds (SGLang's leak report)."""
+        slots = np.sort(self.ids.sg_of_slot[self.ids.sg_of_slot >= 0])
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.mamba_device)
+
+    def release_swa_prefix_lock(self, req: Any) -> None:
+        """SGLang calls this once a decoding request is past its retain window, to let its prefix's
+        window be evicted early. hybridkv's lock holds only the window before the locked node's end
+        (at most one window of tokens per request), so the lock is kept until ``unlock``: stricter,
+        never a window freed under a request that may still read it."""
+        return None
+
+    def sanity_check(self) -> None:
+        """SGLang's optional tree check (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``): hybridkv's own."""
+        self.check()
+
     def total_size(self) -> int:
         return self.tree.cached_tokens
 
