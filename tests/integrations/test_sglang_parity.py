@@ -17,8 +17,12 @@ What is proved (each test names its part):
   hybrid-SSM model, which serves a hit only at a cached state;
 - bad input gives errors that name the problem;
 - the scheduler's write-back ``checkpoint(req, up_to)`` and ``match_prefix(cow_mamba=True)`` with real
-  ``Req`` objects and ``release_kv_cache``: as ``RadixCache`` (full attention) and as
-  ``UnifiedRadixCache`` (FULL + SWA, FULL + MAMBA), each difference named and asserted.
+  ``Req`` objects, ``checkpoint_kv_cache`` and ``release_kv_cache``: as ``RadixCache`` (full attention) and
+  as ``UnifiedRadixCache`` (FULL + SWA at page sizes 1 and 4, FULL + MAMBA), each difference named and
+  asserted, and where hybridkv is stricter (errors SGLang's tree gives as bare assertions or leaks);
+- 100 seeded requests each through the scheduler's calls (two running together half the time) on
+  FULL + MAMBA, FULL + SWA (page sizes 1 and 4) and FULL + SWA + MAMBA: equal per request, and SGLang's
+  idle pool identity and leak census hold after every group.
 """
 
 from __future__ import annotations
