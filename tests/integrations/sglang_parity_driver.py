@@ -9,11 +9,19 @@ evictions, explicit window and state evictions) against both:
 
 - ``full``: ``RadixCache`` vs ``HybridKVRadixCache``, page sizes 1 and 4;
 - ``swa``: ``UnifiedRadixCache(FULL, SWA)`` vs ``HybridKVRadixCache(swa=True)``;
-- ``mamba``: ``UnifiedRadixCache(FULL, MAMBA)`` vs ``HybridKVRadixCache(mamba=True)``;
+- ``mamba``: ``UnifiedRadixCache(FULL, MAMBA)`` vs ``HybridKVRadixCache(mamba=True)``
+  (``swa_mamba``: both, ``UnifiedRadixCache(FULL, SWA, MAMBA)``, in the scheduler replay only);
 - ``plugin``: the entry point found by SGLang's ``load_plugins`` (a dist-info holding the entry point
   ``pyproject.toml`` declares), ``create_tree_cache`` with ``--radix-cache-backend hybridkv`` for a
   hybrid-SSM context;
-- ``bad_input``: the errors the plugin gives for wrong calls.
+- ``bad_input``: the errors the plugin gives for wrong calls;
+- ``checkpoint`` (full attention, vs ``RadixCache``), ``checkpoint_swa`` / ``checkpoint_mamba`` (vs
+  ``UnifiedRadixCache``): the scheduler's write-back with real ``Req`` objects and SGLang's own
+  ``release_kv_cache``: chunked prefill, finish, SWA branch recovery, Mamba copy-on-write (with and
+  without a free slot); per step hits, protected length, the request's row, pools and sizes;
+- ``sched_*``: seeded requests through the scheduler's calls (admit with copy-on-write, chunked
+  ``checkpoint_kv_cache``, ``release_kv_cache``) on FULL + MAMBA, FULL + SWA (page sizes 1 and 4) and
+  FULL + SWA + MAMBA.
 
 Per step the report records both sides' match length, evicted counts per component and allocator
 free sizes; the plugin's ``check()`` (tree invariants, id-map bijection) runs after every step.
@@ -85,9 +93,11 @@ class Side:
         S = _sglang()
         self.S = S
         self.kind = kind
+        self.swa = kind in ("swa", "swa_mamba")
+        self.mamba = kind in ("mamba", "swa_mamba")
         self.ps = ps
         self.r2t: Any
-        if kind == "mamba":
+        if self.mamba:
             from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
             shape = Mamba2StateShape.create(
@@ -106,7 +116,7 @@ class Side:
             )
         else:
             self.r2t = S["ReqToTokenPool"](8, 128, "cpu", False)
-        if kind == "swa":
+        if self.swa:
             kv = S["SWAKVPool"](size, swa_size, ps, torch.float16, 1, 8, [1], [0], "cpu")
             self.alloc = S["SWATokenToKVPoolAllocator"](size, swa_size, ps, torch.float16, "cpu", kv, False)
         else:
@@ -116,19 +126,24 @@ class Side:
             else:
                 self.alloc = S["PagedTokenToKVPoolAllocator"](size, ps, torch.float16, "cpu", kv, False)
         CT = S["ComponentType"]
-        comps = {"full": (CT.FULL,), "swa": (CT.FULL, CT.SWA), "mamba": (CT.FULL, CT.MAMBA)}[kind]
+        comps = {
+            "full": (CT.FULL,),
+            "swa": (CT.FULL, CT.SWA),
+            "mamba": (CT.FULL, CT.MAMBA),
+            "swa_mamba": (CT.FULL, CT.SWA, CT.MAMBA),
+        }[kind]
         params = S["CacheInitParams"](
             disable=False,
             req_to_token_pool=self.r2t,
             token_to_kv_pool_allocator=self.alloc,
             page_size=ps,
-            sliding_window_size=window if kind == "swa" else None,
+            sliding_window_size=window if self.swa else None,
             tree_components=comps,
         )
         if plugin:
             from hybridkv.integrations.sglang.radix_cache import HybridKVRadixCache
 
-            self.cache: Any = HybridKVRadixCache(params, swa=kind == "swa", mamba=kind == "mamba")
+            self.cache: Any = HybridKVRadixCache(params, swa=self.swa, mamba=self.mamba)
         elif kind == "full":
             self.cache = S["RadixCache"](params)
         else:
@@ -148,10 +163,10 @@ class Side:
 
     def free_sizes(self) -> list[int]:
         a = self.alloc
-        out = [int(a.full_available_size() if self.kind == "swa" else a.available_size())]
-        if self.kind == "swa":
+        out = [int(a.full_available_size() if self.swa else a.available_size())]
+        if self.swa:
             out.append(int(a.swa_available_size()))
-        if self.kind == "mamba":
+        if self.mamba:
             out.append(int(self.r2t.mamba_allocator.available_size()))
         return out
 
@@ -159,7 +174,7 @@ class Side:
         """Evict everything unlocked, every component: the one eviction whose victims do not depend on
         the policy's order, so both trees stay equal and every later step compares exactly."""
         big = 10**6
-        return self.evict(tokens=big, swa=big if self.kind == "swa" else 0, mamba=big if self.kind == "mamba" else 0)
+        return self.evict(tokens=big, swa=big if self.swa else 0, mamba=big if self.mamba else 0)
 
     def alloc_tokens(self, n: int, log: list) -> torch.Tensor | None:
         """``n`` locations (whole pages); short, the tree is drained (memory pressure) and it is tried again."""
@@ -438,6 +453,400 @@ def checkpoint_section() -> dict[str, Any]:
     return out
 
 
+def _hybrid_req(side: Side, rid: str, ids: list[int]) -> Any:
+    """A real ``Req`` as the scheduler holds it before its first forward."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", ids), SamplingParams())
+    req.full_untruncated_fill_ids = array("q", ids)
+    return req
+
+
+def _admit(side: Side, req: Any, ids: list[int], *, cow: bool) -> dict[str, Any]:
+    """What the scheduler does on admission: match (with copy-on-write of a cached Mamba state into the
+    request's own slot), take a row (``HybridReqToTokenPool.alloc`` keeps the slot the match gave),
+    lock the hit, allocate the rest and write the row; then the forward's copy-on-write itself
+    (``ScheduleBatch`` copies ``mamba_cow_src_index`` into the request's slot)."""
+    S, c = side.S, side.cache
+    m = c.match_prefix(S["MatchPrefixParams"](key=side.key(ids), cow_mamba=cow, req=req))
+    out: dict[str, Any] = {"match": m.device_prefix_len, "full_match": m.full_kv_hit_length}
+    (req.kv.req_pool_idx,) = side.r2t.alloc([req])
+    pre = m.device_prefix_len
+    req.last_node = m.last_device_node
+    req.lock = c.lock(m.last_device_node)
+    if side.mamba:  # the states locks hold, this request's hit's included
+        out["mamba_protected"] = int(c.mamba_protected_size())
+    req.kv.cache_protected_len = pre
+    req.swa_branching_seqlen = m.swa_branching_seqlen  # as the scheduler's match helper copies it
+    out["swa_branching"] = m.swa_branching_seqlen
+    head = c.path_device_indices(m.last_device_node)[:pre]
+    if side.ps == 1:
+        new = side.alloc.alloc(len(ids) - pre)
+    else:  # SGLang's paged SWA allocator hands out pages only through alloc_extend
+        last = head[-1:].to(torch.int64) if pre else torch.tensor([-1], dtype=torch.int64)
+        lens = (torch.tensor([pre], dtype=torch.int64), torch.tensor([len(ids)], dtype=torch.int64))
+        new = side.alloc.alloc_extend(lens[0], lens[0], lens[1], lens[1], last, len(ids) - pre)
+    side.r2t.write((req.kv.req_pool_idx, slice(0, len(ids))), torch.cat([head, new]).to(torch.int32))
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = len(ids)
+    if side.mamba:
+        temporal = side.r2t.mamba_pool.mamba_cache.temporal
+        src = req.kv.mamba_cow_src_index
+        out["cow_state"] = None if src is None else float(temporal[0, int(src[0])].flatten()[0])
+        if src is not None:
+            side.r2t.mamba_pool.copy_from(src, req.kv.mamba_pool_idx.reshape(1))
+            req.kv.mamba_cow_src_index = None
+        # the request's slot after the copy (without one it holds stale state the forward clears)
+        out["req_state"] = None if src is None else float(temporal[0, int(req.kv.mamba_pool_idx)].flatten()[0])
+    return out
+
+
+def _forward(side: Side, req: Any, upto: int) -> None:
+    """The request computed its first ``upto`` tokens: its Mamba slot holds the state after them
+    (a value naming the length, so a copy of it is recognisable)."""
+    req.extend_end = upto
+    if side.mamba:
+        side.r2t.mamba_pool.mamba_cache.temporal[:, int(req.kv.mamba_pool_idx)] = float(upto)
+
+
+def _observe(side: Side, req: Any, what: str) -> dict[str, Any]:
+    c = side.cache
+    cached = int(req.kv.cache_protected_len)
+    row = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64) if req.kv.holds_kv else None
+    out: dict[str, Any] = {
+        "what": what,
+        "protected_len": cached,
+        "free": side.free_sizes(),
+        "evictable": int(c.evictable_size()),
+        "protected": int(c.protected_size()),
+        "row_reads_tree": None if row is None else bool(torch.equal(row, c.path_device_indices(req.last_node))),
+        "row": side.r2t.req_to_token[req.kv.req_pool_idx, : len(req.full_untruncated_fill_ids)].tolist(),
+    }
+    if side.swa:
+        out["swa_evictable"] = int(c.swa_evictable_size())
+        out["swa_protected"] = int(c.swa_protected_size())
+        out["swa_evicted_seqlen"] = int(req.kv.component_evicted_seqlens.get(side.S["ComponentType"].SWA, 0))
+        out["branching_after"] = req.swa_branching_seqlen
+    if side.mamba:
+        out["holds_mamba"] = req.kv.holds_mamba
+        out["mamba_evictable"] = int(c.mamba_evictable_size())
+    side.check()
+    return out
+
+
+def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[str, Any]:
+    # ps: page size (SWA only: SGLang's Mamba component needs 1); window: SWA window in tokens
+    """The scheduler's write-back on a hybrid model, with real ``Req`` objects, SGLang's own
+    ``checkpoint_kv_cache`` (a running request's chunk, ``up_to = extend_end``) and ``release_kv_cache``
+    (finish) and pools, against ``UnifiedRadixCache(FULL, SWA / MAMBA)``:
+
+    - ``a``: a 24-token prompt in two chunks: ``checkpoint(up_to=12)`` unfinished (SWA: frees its own
+      window slots behind its window first; Mamba: the tree gets a copy of the state), then finished and
+      released through ``release_kv_cache`` (Mamba: the slot itself goes to the tree);
+    - ``b``: a's first 6 tokens (SWA: their windows were freed, so the hit is 0 and the match names a
+      branch at 6: the first checkpoint inserts only up to there and restores that hit) plus 10 new;
+      Mamba: a's first 12 + 8 new, a hit at a's state at 12, copied into b's slot (copy-on-write);
+    - ``c``: a's whole 24 + 4: a hit on a's donated state (Mamba), checkpointed unfinished at 28, then
+      finished at the same length (the tree holds a state there: the request's slot is freed);
+    - probes of the hits after, then every lock dropped and the tree drained.
+    """
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    rng = random.Random(7)
+    a_ids = [rng.randrange(1000) for _ in range(24)]
+    b_ids = [*a_ids[:12], *(rng.randrange(1000) for _ in range(8))]
+    if kind == "swa":
+        b_ids = [*a_ids[:6], *(rng.randrange(1000) for _ in range(10))]
+    c_ids = [*a_ids, *(rng.randrange(1000) for _ in range(4))]
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side(kind, plugin, ps, 128, 64, window, 6)
+        steps: list[dict[str, Any]] = []
+        cow = kind == "mamba"
+
+        def finish(req: Any, side: Side = side, steps: list = steps) -> None:
+            req.finished_reason = FINISH_LENGTH(0)
+            release_kv_cache(req, side.cache, checkpoint=True)
+            steps.append(
+                {
+                    "what": f"{req.rid} released",
+                    "free": side.free_sizes(),
+                    "holds_mamba": req.kv.holds_mamba,
+                    "evictable": int(side.cache.evictable_size()),
+                }
+            )
+            side.check()
+
+        a = _hybrid_req(side, "a", a_ids)
+        steps.append({"what": "a admitted", **_admit(side, a, a_ids, cow=cow)})
+        _forward(side, a, 12)
+        checkpoint_kv_cache(a, side.cache)
+        steps.append(_observe(side, a, "a checkpoint 12"))
+        _forward(side, a, 24)
+        finish(a)
+
+        b = _hybrid_req(side, "b", b_ids)
+        steps.append({"what": "b admitted", **_admit(side, b, b_ids, cow=cow)})
+        _forward(side, b, len(b_ids))
+        checkpoint_kv_cache(b, side.cache)
+        steps.append(_observe(side, b, "b checkpoint all (unfinished)"))
+        if kind == "swa":  # the branch was inserted first: the rest goes in with the next checkpoint
+            checkpoint_kv_cache(b, side.cache)
+            steps.append(_observe(side, b, "b checkpoint all again"))
+        finish(b)
+
+        c = _hybrid_req(side, "c", c_ids)
+        steps.append({"what": "c admitted", **_admit(side, c, c_ids, cow=cow)})
+        _forward(side, c, len(c_ids))
+        checkpoint_kv_cache(c, side.cache)
+        steps.append(_observe(side, c, "c checkpoint all (unfinished)"))
+        finish(c)
+
+        probes = {
+            "a": side.match(a_ids).device_prefix_len,
+            "a12": side.match(a_ids[:12]).device_prefix_len,
+            "b": side.match(b_ids).device_prefix_len,
+            "c": side.match(c_ids).device_prefix_len,
+        }
+        if kind == "mamba":
+            # copy-on-write with no free slot: the match evicts one cached state for the request's slot,
+            # never the one it is about to copy (locked meanwhile)
+            taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
+            d = _hybrid_req(side, "d", c_ids)
+            steps.append({"what": "d admitted, no slot free", **_admit(side, d, c_ids, cow=True)})
+            steps[-1]["probes"] = [side.match(p).device_prefix_len for p in (a_ids[:12], b_ids, a_ids, c_ids)]
+            _forward(side, d, len(c_ids))
+            finish(d)
+            side.r2t.mamba_allocator.free(taken)
+            errors = _hybrid_errors(side, a_ids, "cow_without_req")  # a hit with a state: there is one to copy
+        drained = side.drain()
+        side.check()
+        out[name] = {"steps": steps, "probes": probes, "drained": drained, "free": side.free_sizes()}
+        if kind == "mamba":
+            out[name]["checkpoint_evicts"] = _checkpoint_evicts_state(side, rng)
+        if kind == "mamba":  # last: SGLang's own tree leaks a lock, then a Mamba slot, on these
+            out[name]["errors"] = {
+                **errors,
+                **_cow_without_slot(side, rng),
+                **_hybrid_errors(side, a_ids, "checkpoint_released_req"),
+                **_checkpoint_short(side, rng),
+            }
+    return out
+
+
+def scheduler_replay(kind: str, seed: int, steps: int, ps: int = 1) -> dict[str, Any]:
+    """Seeded requests through the scheduler's calls (shared heads, branches, repeats), one at a time or two
+    running together: admit (match with copy-on-write, row, lock, allocate; drained first when the pools
+    are short, with no request running, so both trees drain exactly), running-request write-backs
+    (``checkpoint_kv_cache`` at random chunk ends; two requests' interleaved, so one writes back a prefix
+    the other computed too and must free its own copies), finish (``release_kv_cache``). Per request and
+    side: hit, full hit, branch, copied state, protected length after each write-back, whether the row
+    reads the tree, pools and evictable size after its release."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    rng = random.Random(seed)
+    prompts = _prompts(rng, steps)
+    # the plan, drawn before either side runs: groups of one or two requests, each with its chunk ends,
+    # and the order of the group's write-backs and finishes (each request's own in order)
+    plan: list[tuple[list[int], list[tuple[int, int | None]]]] = []
+    cuts = [sorted(rng.sample(range(1, len(t)), min(len(t) - 1, rng.randrange(0, 3)))) for t in prompts]
+    i = 0
+    while i < len(prompts):
+        pair = i + 1 < len(prompts) and rng.random() >= 0.5
+        fits = pair and len(prompts[i]) + len(prompts[i + 1]) + 8 <= 96  # both in the smallest pool (SWA)
+        members = [i, i + 1] if fits else [i]
+        queues = [[(m, c) for c in cuts[m]] + [(m, None)] for m in members]
+        order: list[tuple[int, int | None]] = []
+        while any(queues):
+            q = rng.choice([q for q in queues if q])
+            order.append(q.pop(0))
+        plan.append((members, order))
+        i += len(members)
+    out: dict[str, Any] = {}
+    for name, plugin in (("sglang", False), ("plugin", True)):
+        side = Side(kind, plugin, ps, 160, 96, 8, 16)
+        rows: dict[int, dict[str, Any]] = {}
+        for members, order in plan:
+            need = sum(-(-len(prompts[m]) // ps) * ps + ps for m in members)
+            free = side.free_sizes()
+            short = free[0] < need or (side.swa and free[1] < need)
+            # Mamba: each request's slot and one copy per running write-back, so no write-back evicts a
+            # state (SGLang would drop the leaf's full KV with it: the difference the insert replay names)
+            if short or (side.mamba and free[-1] < sum(2 + len(cuts[m]) for m in members)):
+                rows[members[0]] = {"drained": side.drain()}
+            reqs = {}
+            for m in members:
+                req = reqs[m] = _hybrid_req(side, f"r{m}", prompts[m])
+                row = rows.setdefault(m, {})
+                row.update({"step": m, "len": len(prompts[m]), "group": len(members)})
+                row.update(_admit(side, req, prompts[m], cow=side.mamba))
+                row["protected"] = []
+                row["reads_tree"] = []
+            for m, cut in order:
+                req, row = reqs[m], rows[m]
+                if cut is None:
+                    _forward(side, req, len(prompts[m]))
+                    req.finished_reason = FINISH_LENGTH(0)
+                    release_kv_cache(req, side.cache, checkpoint=True)
+                    row["free"] = side.free_sizes()
+                    row["evictable"] = int(side.cache.evictable_size())
+                elif cut > row["match"]:
+                    _forward(side, req, cut)
+                    checkpoint_kv_cache(req, side.cache)
+                    cached = int(req.kv.cache_protected_len)
+                    row["protected"].append(cached)
+                    got = side.r2t.req_to_token[req.kv.req_pool_idx, :cached].to(torch.int64)
+                    row["reads_tree"].append(bool(torch.equal(got, side.cache.path_device_indices(req.last_node))))
+                side.check()
+            rows[members[-1]]["idle"] = _idle_census(side)
+        out[name] = {"rows": [rows[m] for m in range(len(prompts))], "drained": side.drain(), "free": side.free_sizes()}
+        if plugin:  # the caller's copies of tokens the tree held already (freed by checkpoint's insert)
+            out[name]["duplicate_pages"] = int(side.cache.tree.counters.duplicate_pages)
+        side.check()
+    return out
+
+
+def _idle_census(side: Side) -> dict[str, Any]:
+    """What SGLang's scheduler checks when idle (``InvariantChecker._check_all_pools``): per pool
+    free + evictable + protected == capacity, with the tree's own size calls; and its leak census
+    (``all_values_flatten`` / ``all_mamba_values_flatten`` and the free lists cover every id once)."""
+    c, a = side.cache, side.alloc
+    out: dict[str, Any] = {}
+    if side.swa:
+        out["full"] = [int(a.full_available_size()), c.full_evictable_size(), c.full_protected_size(), a.size_full]
+        out["swa"] = [int(a.swa_available_size()), c.swa_evictable_size(), c.swa_protected_size(), a.size_swa]
+    else:
+        out["full"] = [int(a.available_size()), c.full_evictable_size(), c.full_protected_size(), a.size]
+    if side.mamba:
+        m = side.r2t.mamba_allocator
+        out["mamba"] = [int(m.available_size()), c.mamba_evictable_size(), c.mamba_protected_size(), m.size]
+        cached = sorted(c.all_mamba_values_flatten().tolist())
+        free = sorted(m.free_slots.tolist())
+        out["mamba_census"] = len(cached) + len(free) == m.size and set(cached) | set(free) == set(range(1, m.size + 1))
+    if not side.swa:
+        cached_locs = c.all_values_flatten().tolist()
+        free_locs = a.get_all_free_pages().tolist() if side.ps == 1 else []
+        if side.ps == 1:
+            out["full_census"] = sorted(cached_locs + free_locs) == list(range(1, a.size + 1))
+    return {k: [int(x) for x in v] if isinstance(v, list) else v for k, v in out.items()}
+
+
+def _checkpoint_evicts_state(side: Side, rng: random.Random) -> dict[str, Any]:
+    """A running request's write-back with no Mamba slot free for the state's copy: one cached state (the
+    only one, unlocked: both trees must pick it) is evicted for it."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    old = [rng.randrange(1000) for _ in range(8)]
+    first = _hybrid_req(side, "f1", old)
+    _admit(side, first, old, cow=True)
+    _forward(side, first, len(old))
+    first.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(first, side.cache, checkpoint=True)
+    ids = [rng.randrange(1000) for _ in range(10)]
+    run = _hybrid_req(side, "f2", ids)
+    _admit(side, run, ids, cow=True)
+    taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
+    before = side.free_sizes()
+    _forward(side, run, 5)
+    checkpoint_kv_cache(run, side.cache)
+    out: dict[str, Any] = {
+        "before": before,
+        "after": side.free_sizes(),
+        "protected_len": int(run.kv.cache_protected_len),
+        "hit_old": side.match(old).device_prefix_len,
+        "full_old": side.match(old).full_kv_hit_length,
+        "hit_new": side.match(ids[:5]).device_prefix_len,
+    }
+    side.r2t.mamba_allocator.free(taken)
+    _forward(side, run, len(ids))
+    run.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(run, side.cache, checkpoint=True)
+    out["drained"] = side.drain()
+    out["free"] = side.free_sizes()
+    side.check()
+    return out
+
+
+def _checkpoint_short(side: Side, rng: random.Random) -> dict[str, Any]:
+    """A write-back shorter than what the request matched (``up_to < cache_protected_len``): refused before
+    the tree changes, the state copy made for it given back; then the request finishes normally."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    ids = [rng.randrange(1000) for _ in range(12)]
+    first = _hybrid_req(side, "g1", ids)
+    _admit(side, first, ids, cow=True)
+    _forward(side, first, len(ids))
+    first.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(first, side.cache, checkpoint=True)
+    req = _hybrid_req(side, "g2", [*ids, 5, 6])
+    hit = _admit(side, req, [*ids, 5, 6], cow=True)["match"]
+    before = side.free_sizes()
+    out: dict[str, Any] = {"short_hit": hit}
+    try:
+        side.cache.checkpoint(req, up_to=4)
+        out["checkpoint_short"] = "no error"
+    except Exception as exc:
+        out["checkpoint_short"] = f"{type(exc).__name__}: {exc}"
+    out["short_free_kept"] = side.free_sizes() == before
+    if side.plugin:  # SGLang's tree asserted after its insert: only the plugin's side is finished cleanly
+        _forward(side, req, len(ids) + 2)
+        req.finished_reason = FINISH_LENGTH(0)
+        release_kv_cache(req, side.cache, checkpoint=True)
+        side.drain()
+        side.check()
+        out["short_free_after"] = side.free_sizes()
+    return out
+
+
+def _cow_without_slot(side: Side, rng: random.Random) -> dict[str, Any]:
+    """Copy-on-write with no slot free and the matched state the only one cached: the match must not
+    evict the state it is about to copy (both refuse); the state is still there after."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    ids = [rng.randrange(1000) for _ in range(8)]
+    first = _hybrid_req(side, "e1", ids)
+    _admit(side, first, ids, cow=True)
+    _forward(side, first, len(ids))
+    first.finished_reason = FINISH_LENGTH(0)
+    release_kv_cache(first, side.cache, checkpoint=True)
+    taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
+    second = _hybrid_req(side, "e2", [*ids, 1, 2])
+    out: dict[str, Any] = {}
+    try:
+        side.cache.match_prefix(side.S["MatchPrefixParams"](key=side.key([*ids, 1, 2]), cow_mamba=True, req=second))
+        out["cow_no_slot"] = "no error"
+    except Exception as exc:
+        out["cow_no_slot"] = f"{type(exc).__name__}: {exc}"
+    out["cow_no_slot_state_kept"] = side.match(ids).device_prefix_len == len(ids)
+    side.r2t.mamba_allocator.free(taken)
+    return out
+
+
+def _hybrid_errors(side: Side, ids: list[int], which: str) -> dict[str, str]:
+    """A wrong write-back / copy-on-write call and the error each side gives."""
+    out: dict[str, str] = {}
+    S = side.S
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    if which == "cow_without_req":
+        attempt(which, lambda: side.cache.match_prefix(S["MatchPrefixParams"](key=side.key(ids), cow_mamba=True)))
+    else:
+        released = _hybrid_req(side, "released", ids)
+        attempt(which, lambda: side.cache.checkpoint(released, up_to=4))
+    return out
+
+
 def bad_input_section() -> dict[str, str]:
     """Each wrong call and the error it gives (class: message)."""
     side = Side("full", True, 1, 64, 0, 0, 0)
@@ -497,6 +906,18 @@ def main() -> int:
     report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)
     report["swa_recover"] = swa_recover_section()
     report["checkpoint"] = checkpoint_section()
+    report["checkpoint_swa"] = hybrid_checkpoint_section("swa")
+    report["checkpoint_swa_ps4"] = hybrid_checkpoint_section("swa", ps=4)
+    for name, kind, seed, ps in (
+        ("sched_mamba", "mamba", 11, 1),
+        ("sched_swa", "swa", 13, 1),
+        ("sched_swa_ps4", "swa", 14, 4),
+        ("sched_swa_mamba", "swa_mamba", 16, 1),
+    ):
+        t = time.perf_counter()
+        report[name] = scheduler_replay(kind, seed=seed, steps=100, ps=ps)
+        report[name]["seconds"] = time.perf_counter() - t
+    report["checkpoint_mamba"] = hybrid_checkpoint_section("mamba")
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
         report["plugin"] = plugin_section(Path(tmp))

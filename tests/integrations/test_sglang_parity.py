@@ -15,7 +15,14 @@ What is proved (each test names its part):
 - the entry point declared in ``pyproject.toml`` is found by SGLang's ``load_plugins`` and registers
   ``hybridkv``; ``create_tree_cache`` with ``--radix-cache-backend hybridkv`` builds the plugin for a
   hybrid-SSM model, which serves a hit only at a cached state;
-- bad input gives errors that name the problem.
+- bad input gives errors that name the problem;
+- the scheduler's write-back ``checkpoint(req, up_to)`` and ``match_prefix(cow_mamba=True)`` with real
+  ``Req`` objects, ``checkpoint_kv_cache`` and ``release_kv_cache``: as ``RadixCache`` (full attention) and
+  as ``UnifiedRadixCache`` (FULL + SWA at page sizes 1 and 4, FULL + MAMBA), each difference named and
+  asserted, and where hybridkv is stricter (errors SGLang's tree gives as bare assertions or leaks);
+- 100 seeded requests each through the scheduler's calls (two running together half the time) on
+  FULL + MAMBA, FULL + SWA (page sizes 1 and 4) and FULL + SWA + MAMBA: equal per request, and SGLang's
+  idle pool identity and leak census hold after every group.
 """
 
 from __future__ import annotations
@@ -196,3 +203,190 @@ def test_checkpoint_writes_back_as_radix_cache_does(report: dict[str, Any]) -> N
     assert all(r["row_reads_tree"] for r in hk)
     # a: 20 tokens; b: 21 tokens on 6 pages, of which its first 12 (a's too) were freed at its write-back
     assert hk[0]["free"] == [128 - 20 - 24] and hk[1]["free"] == [128 - 20 - 24 + 12]
+
+
+def _pairs(section: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    sg, hk = section["sglang"]["steps"], section["plugin"]["steps"]
+    assert [s["what"] for s in sg] == [h["what"] for h in hk]
+    return list(zip(sg, hk, strict=True))
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> set[str]:
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_mamba_checkpoint_and_copy_on_write_match_unified_radix_cache(report: dict[str, Any]) -> None:
+    """``checkpoint`` (chunked prefill: the tree gets a copy of the state; finished: the request's slot
+    itself, or it is freed where a state is cached already) and ``match_prefix(cow_mamba=True)`` (the
+    request's own slot, the cached state named as its copy source), with real ``Req`` objects and
+    ``release_kv_cache``, against ``UnifiedRadixCache(FULL, MAMBA)``: every step equal (hits, protected
+    length, rows, full and Mamba free counts, which state was copied) but one named difference."""
+    r = report["checkpoint_mamba"]
+    steps = {s["what"]: (s, h) for s, h in _pairs(r)}
+    for what, (sg, hk) in steps.items():
+        if what == "d admitted, no slot free":
+            # DIFFERENCE (named, eviction order): with no slot free the match evicts one unlocked state;
+            # which one is each tree's policy (SGLang: a's at 24, hybridkv: b's at 20). Both evict exactly
+            # one, both keep the state the request copies (locked meanwhile), the pools agree
+            assert _diff(sg, hk) == {"probes"}
+            assert sg["probes"][3] == hk["probes"][3] == 28
+            lost = [sum(p < f for p, f in zip(side["probes"], (12, 20, 24, 28), strict=True)) for side in (sg, hk)]
+            assert lost == [1, 1]
+            continue
+        assert sg == hk, (what, _diff(sg, hk))
+    hk = {what: h for what, (_, h) in steps.items()}
+    # a: 24 tokens, its slot and the copy the chunk's checkpoint made: 2 of 6 slots
+    assert hk["a checkpoint 12"]["protected_len"] == 12 and hk["a checkpoint 12"]["free"] == [104, 4]
+    assert hk["a checkpoint 12"]["row_reads_tree"] and hk["a checkpoint 12"]["holds_mamba"]
+    assert hk["a released"]["holds_mamba"] and hk["a released"]["free"] == [104, 4]  # its slot went to the tree
+    # b: a hit at a's chunk state, copied into b's own slot (the copy's value names the length 12)
+    assert hk["b admitted"]["match"] == 12 and hk["b admitted"]["cow_state"] == hk["b admitted"]["req_state"] == 12.0
+    assert hk["b checkpoint all (unfinished)"]["protected_len"] == 20
+    # finished at 20, where its unfinished checkpoint cached a copy already: the tree keeps that one and
+    # the request's own slot is freed
+    assert not hk["b released"]["holds_mamba"] and hk["b released"]["free"] == [96, 3]
+    # c: a hit on the state a handed over when it finished
+    assert hk["c admitted"]["match"] == 24 and hk["c admitted"]["cow_state"] == 24.0
+    assert hk["d admitted, no slot free"]["match"] == 28 and hk["d admitted, no slot free"]["cow_state"] == 28.0
+    sg_end, hk_end = r["sglang"], r["plugin"]
+    assert sg_end["probes"] == hk_end["probes"] == {"a": 24, "a12": 12, "b": 20, "c": 28}
+    assert sg_end["drained"] == hk_end["drained"] and hk_end["free"] == sg_end["free"] == [128, 6]
+    # a running request's write-back with no slot free for the copy: the one cached state is evicted for it
+    sg_ev, hk_ev = sg_end["checkpoint_evicts"], hk_end["checkpoint_evicts"]
+    assert sg_ev["before"] == hk_ev["before"] and sg_ev["before"][1] == 0
+    assert sg_ev["protected_len"] == hk_ev["protected_len"] == 5 and sg_ev["hit_new"] == hk_ev["hit_new"] == 5
+    assert sg_ev["hit_old"] == hk_ev["hit_old"] == 0  # the state went on both sides
+    # DIFFERENCE (named, state eviction, as in the insert replay): SGLang frees the leaf's 8 full tokens
+    # with its state, hybridkv keeps them (a prefix still); the drain after frees the same total
+    assert (sg_ev["full_old"], hk_ev["full_old"]) == (0, 8)
+    assert sg_ev["after"][0] - hk_ev["after"][0] == 8 and sg_ev["after"][1] == hk_ev["after"][1]
+    assert sg_ev["drained"][0] + 8 == hk_ev["drained"][0] and sg_ev["free"] == hk_ev["free"] == [128, 6]
+    errors = hk_end["errors"]
+    assert errors["cow_without_req"].startswith("HybridKVSGLangError: ") and "req is None" in errors["cow_without_req"]
+    assert "holds no req_to_token row" in errors["checkpoint_released_req"]
+    # no slot free and the matched state the only one cached: both refuse rather than evict the state
+    # they are about to copy, and it is still cached after
+    assert (
+        errors["cow_no_slot"].startswith("HybridKVSGLangError: ") and "no Mamba slot is free" in errors["cow_no_slot"]
+    )
+    assert sg_end["errors"]["cow_no_slot"] == "AssertionError: Can not alloc mamba cache"
+    assert errors["cow_no_slot_state_kept"] is True and sg_end["errors"]["cow_no_slot_state_kept"] is True
+    # a write-back shorter than the request's hit: hybridkv refuses before the tree changes and gives the
+    # state copy back (pools as before, the request then finishes and drains clean); SGLang asserts after
+    # its insert, with the copy slot gone
+    assert errors["short_hit"] == sg_end["errors"]["short_hit"] == 12
+    assert "12 tokens protected by the tree but writes back only 4" in errors["checkpoint_short"]
+    assert errors["short_free_kept"] is True and errors["short_free_after"] == [128, 6]
+    assert sg_end["errors"]["checkpoint_short"].startswith("AssertionError")
+    assert sg_end["errors"]["short_free_kept"] is False
+    # stricter than SGLang's tree, which asserts without a message / fails on a None slot (and leaks one)
+    assert sg_end["errors"]["cow_without_req"].startswith("AssertionError")
+    assert sg_end["errors"]["checkpoint_released_req"].startswith("AttributeError")
+
+
+# per SWA write-back run: page size, the span whose windows a's chunk freed and b recomputed (the rows
+# differ there), the first chunk's SWA cursor and pools, b's hit / full hit / branch, the lock-scope step
+SWA_RUNS = {
+    "checkpoint_swa": {"span": [1, 2, 3, 4, 5], "cursor": 7, "a12_free": [104, 47], "b": (0, 6, 6), "scope": (5, 4)},
+    "checkpoint_swa_ps4": {"span": [0, 1, 2, 3], "cursor": 4, "a12_free": [104, 44], "b": (0, 4, 4), "scope": None},
+}
+
+
+@pytest.mark.parametrize("run", list(SWA_RUNS))
+def test_swa_checkpoint_matches_unified_radix_cache_and_names_each_difference(report: dict[str, Any], run: str) -> None:
+    """``checkpoint`` on FULL + SWA (page sizes 1 and 4, window 4) with real ``Req`` objects,
+    ``checkpoint_kv_cache`` and ``release_kv_cache``: the request's own window slots behind its window are
+    freed first (its pages enter the tree tombstoned), a match whose windows are gone names a branch and the
+    first write-back stops there (restoring that hit); against ``UnifiedRadixCache(FULL, SWA)`` hits,
+    protected lengths and both pools agree at every step."""
+    r, want = report[run], SWA_RUNS[run]
+    pairs = _pairs(r)
+    hk = {h["what"]: h for _, h in pairs}
+    for sg, h in pairs:
+        assert sg.get("free") == h.get("free"), sg["what"]
+        differ = _diff(sg, h)
+        if "row" in differ:
+            # DIFFERENCE (named, recovery): b's first tokens had lost their windows (a freed them behind its
+            # window). SGLang's recovery puts b's own locations (full + window) into the tree for that span;
+            # hybridkv keeps the tree's full locations (a's) and moves b's window cells onto them (window
+            # adoption), freeing b's full part. Both rows read their own tree, pools are equal; a later
+            # request's fresh tail may get other locations (the two allocators' free lists differ since)
+            bad = [i for i, (x, y) in enumerate(zip(sg["row"], h["row"], strict=True)) if x != y]
+            span = want["span"]
+            assert bad[: len(span)] == span, (sg["what"], bad)
+            fresh_from = hk[sg["what"].split()[0] + " admitted"]["match"] if sg["what"].startswith("c") else 10**6
+            assert all(i >= max(fresh_from, span[-1] + 1) for i in bad[len(span) :]), (sg["what"], bad)
+            assert sg["row_reads_tree"] and h["row_reads_tree"]
+        if {"swa_evictable", "swa_protected"} & differ:
+            # DIFFERENCE (named, lock scope): the lock moved onto b's branch node protects the window before
+            # its end in hybridkv, the node's whole resident window in SGLang
+            assert want["scope"] is not None and sg["what"] == "b checkpoint all (unfinished)"
+            assert (sg["swa_protected"], h["swa_protected"]) == want["scope"]
+            assert sg["swa_evictable"] + sg["swa_protected"] == h["swa_evictable"] + h["swa_protected"]
+        assert differ <= {"row", "swa_evictable", "swa_protected"}, (sg["what"], differ)
+    assert any("row" in _diff(sg, h) for sg, h in pairs)  # the recovery path ran
+    a12 = hk["a checkpoint 12"]
+    # window 4: the chunk's write-back freed a's own window slots behind its window first, then inserted
+    assert a12["swa_evicted_seqlen"] == want["cursor"] and a12["free"] == want["a12_free"] and a12["row_reads_tree"]
+    b = hk["b admitted"]
+    assert (b["match"], b["full_match"], b["swa_branching"]) == want["b"]
+    first = hk["b checkpoint all (unfinished)"]
+    assert first["protected_len"] == want["b"][2] and first["branching_after"] is None  # to the branch only
+    assert hk["b checkpoint all again"]["protected_len"] == 16
+    assert hk["c admitted"]["match"] == 24
+    assert hk["c checkpoint all (unfinished)"]["protected_len"] == 28
+    sg_end, hk_end = r["sglang"], r["plugin"]
+    assert sg_end["probes"] == hk_end["probes"] == {"a": 24, "a12": 12, "b": 16, "c": 28}
+    assert sg_end["drained"] == hk_end["drained"] and sg_end["free"] == hk_end["free"] == [128, 64]
+
+
+# per scheduler replay: at least this many hits, hits shorter than the prompt, SWA branches, copies-on-write
+SCHED_RUNS = {
+    "sched_mamba": {"hits": 8, "partial": 5, "branches": 0, "cows": 8, "free": [160, 16]},
+    "sched_swa": {"hits": 8, "partial": 5, "branches": 2, "cows": 0, "free": [160, 96]},
+    "sched_swa_ps4": {"hits": 8, "partial": 5, "branches": 2, "cows": 0, "free": [160, 96]},
+    "sched_swa_mamba": {"hits": 5, "partial": 3, "branches": 5, "cows": 5, "free": [160, 96, 16]},
+}
+
+
+@pytest.mark.parametrize("run", list(SCHED_RUNS))
+def test_requests_through_the_scheduler_calls_match_unified_radix_cache(report: dict[str, Any], run: str) -> None:
+    """100 seeded requests (shared heads, branches, repeats), one at a time or two running together, each
+    admitted with copy-on-write, written back at random chunk ends (``checkpoint_kv_cache``, two requests'
+    interleaved) and finished (``release_kv_cache``), drained when short with nothing running: every
+    request's hit, full hit, branch, copied state, protected lengths, pools and evictable size equal
+    ``UnifiedRadixCache``'s (FULL + MAMBA, FULL + SWA at page sizes 1 and 4, FULL + SWA + MAMBA), and every
+    write-back leaves the row reading the tree."""
+    r, want = report[run], SCHED_RUNS[run]
+    sg, hk = r["sglang"]["rows"], r["plugin"]["rows"]
+    assert [row for row in sg if row != hk[row["step"]]] == []
+    ps = 4 if run.endswith("ps4") else 1
+    assert all(all(row["reads_tree"]) for row in hk)
+    assert all(p % ps == 0 and p >= row["match"] for row in hk for p in row["protected"])
+    assert sum(row["match"] > 0 for row in hk) >= want["hits"]
+    assert sum(0 < row["match"] < row["len"] for row in hk) >= want["partial"]
+    assert sum("drained" in row for row in hk) >= 5 and sum(len(row["protected"]) for row in hk) >= 50
+    # two requests ran together: one wrote back tokens the other had computed too, whose copies went
+    assert sum(row["group"] == 2 for row in hk) >= 40 and r["plugin"]["duplicate_pages"] > 0
+    assert sum(row["swa_branching"] is not None for row in hk) >= want["branches"]
+    cows = [row for row in hk if row.get("cow_state") is not None]
+    assert len(cows) >= want["cows"]
+    # the state copied into the request's slot is the one stored after exactly the hit's tokens
+    assert all(row["cow_state"] == row["req_state"] == float(row["match"]) for row in cows)
+    if want["cows"]:
+        assert all(row["match"] == 0 or row["cow_state"] is not None for row in hk)
+    # SGLang's idle check (free + evictable + protected == capacity per pool, and its leak census over
+    # all_values_flatten / all_mamba_values_flatten) holds after every group (the rows carry it)
+    idle = [row["idle"] for row in hk if "idle" in row]
+    assert len(idle) >= 50
+    for census in idle:
+        for pool, value in census.items():
+            if isinstance(value, list):
+                assert value[0] + value[1] + value[2] == value[3], (pool, value)
+            else:
+                assert value is True, pool
+    assert all("mamba_census" in c for c in idle) == ("mamba" in run)
+    if "mamba" in run:  # a hit's state is locked while its request runs (with a second one running too)
+        assert {row["mamba_protected"] for row in hk} >= {0, 1}
+    assert r["sglang"]["drained"] == r["plugin"]["drained"]
+    assert r["sglang"]["free"] == r["plugin"]["free"] == want["free"]

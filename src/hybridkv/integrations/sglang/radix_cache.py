@@ -20,13 +20,30 @@ Contract kept (``base_prefix_cache.py`` of 0.5.23):
 - ``evict`` frees at least what it is asked for when enough is unlocked, and reports what it
   freed per component; ``inc_lock_ref`` / ``dec_lock_ref`` count per node: an unlock with no
   lock open on that node is an error, never a silent no-op.
+- ``checkpoint(req, up_to)`` (the scheduler's write-back, chunked prefill and finish) follows
+  ``UnifiedRadixCache.checkpoint_into_tree`` per component: it frees nothing of the request's
+  row (``release_kv_cache`` does) but the duplicates ``insert`` frees, and, with SWA, the
+  request's own window slots behind its window (SGLang's ``free_swa_out_of_window_slots``: the
+  cursor lives on the request); it rewrites the row's ``[cache_protected_len, n)`` to the
+  tree's locations, moves ``req.lock`` onto the node ending at ``n`` and advances
+  ``cache_protected_len`` / ``cache_inserted_len``. Mamba (no extra buffer): an unfinished
+  request keeps its slot and the tree gets a copy (a fresh slot, freed if the tree had a state
+  there); a finished one hands its slot over, or frees it (``free_mamba_cache``) when the tree
+  had one. SWA: a pending ``swa_branching_seqlen`` stops the insert at the branch first.
+- ``match_prefix(cow_mamba=True)`` on a hit with a state gives the request a slot of its own
+  (evicting one unlocked state if none is free, the matched one locked meanwhile) and names the
+  cached slot as ``req.kv.mamba_cow_src_index``; the tree's slot is never handed out.
 - Argument errors (a key that is not a ``RadixKey``, locations that are not an integer tensor,
   a node of another cache) raise ``HybridKVSGLangError`` with what to change; nothing changed.
 
 Host reads: the tree runs on host ids, so ``insert`` copies the value tensor to the host once
 (one device->host read per insert on a GPU; SGLang's own ``RadixCache`` keys are host-side
-too). ``match_prefix``, ``evict`` and the locks read nothing from the device;
-``path_device_indices`` writes one host->device copy.
+too; with SWA the full->SWA mapping of the same locations rides in that one copy, so that pages
+whose window the request freed enter the tree tombstoned). A ``mamba_value`` slot is read as
+one host int. ``match_prefix`` (copy-on-write included: the slot table is on the host),
+``evict`` and the locks read nothing from the device; ``path_device_indices`` writes one
+host->device copy. ``checkpoint`` adds no read of its own (the Mamba state copy runs on the
+device; the duplicate frees of an SWA insert read their mapping, as before).
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -48,6 +66,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from hybridkv.cache import PAGE_NEED, CacheLock, ComponentKind, HybridRadixCache, Node
@@ -186,8 +205,10 @@ class HybridKVRadixCache(BasePrefixCache):
         locs = (sg_pages[:, None] * ps + np.arange(ps)).reshape(-1) if ps > 1 else sg_pages
         return torch.from_numpy(np.ascontiguousarray(locs, dtype=np.int64)).to(self.device)
 
-    def _pages_of_value(self, value: object, n: int, what: str) -> np.ndarray:
-        """The SGLang pages of the first ``n`` locations of ``value`` (whole pages, in order)."""
+    def _pages_of_value(self, value: object, n: int, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The SGLang pages of the first ``n`` locations of ``value`` (whole pages, in order) and,
+        with SWA, per page whether its window part is gone (SGLang's full->SWA mapping reads 0 at
+        its first location: the request freed it behind its window), read in the same host copy."""
         if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
             raise HybridKVSGLangError(
                 f"{what}: value must be an integer tensor of token locations (the request's row of "
@@ -198,15 +219,25 @@ class HybridKVRadixCache(BasePrefixCache):
                 f"{what}: value has shape {tuple(value.shape)} but the key has {n} page-aligned tokens; "
                 "pass one location per key token"
             )
-        locs = value[:n].to("cpu", torch.int64).numpy()  # the one host read of an insert
         ps = self.page_size
+        dev = value[:n].to(torch.int64)
+        no_window: np.ndarray | None = None
+        if self.has_swa:
+            mapping = self.allocator.full_to_swa_index_mapping
+            # clamped for the gather only: an out-of-range location is refused on the host (bind_pages)
+            peer = mapping[dev.clamp(0, mapping.numel() - 1)].to(torch.int64)
+            both = torch.stack((dev, peer)).to("cpu")
+            locs = both[0].numpy()  # the one host read of an insert (with the mapping beside it)
+            no_window = both[1].numpy()[::ps] == 0
+        else:
+            locs = dev.to("cpu").numpy()  # the one host read of an insert
         pages = locs[::ps] // ps
         if ps > 1 and n and np.count_nonzero(locs != (np.repeat(pages, ps) * ps + np.tile(np.arange(ps), n // ps))):
             raise HybridKVSGLangError(
                 f"{what}: locations are not whole pages of {ps} (token k of a page at offset k of one page); "
                 "SGLang's paged allocators hand them out that way: pass the row as allocated"
             )
-        return pages
+        return pages, no_window
 
     # --- match ------------------------------------------------------------------------------
 
@@ -214,10 +245,7 @@ class HybridKVRadixCache(BasePrefixCache):
         toks, ns = self._key(getattr(params, "key", params), "match_prefix")
         res = self.tree.match_prefix(toks, ns)
         if params.cow_mamba and res.checkpoint is not None:
-            raise HybridKVSGLangError(
-                "match_prefix(cow_mamba=True): copying a cached Mamba state into the request's slot is not "
-                "implemented by the hybridkv backend yet; the scheduler path that asks for it is unsupported"
-            )
+            self._cow_mamba(params, res.node, res.checkpoint)
         return MatchResult(
             device_prefix_len=res.length,
             last_device_node=res.node,
@@ -242,7 +270,7 @@ class HybridKVRadixCache(BasePrefixCache):
         n = toks.size // ps * ps
         if params.value is None:
             raise HybridKVSGLangError("insert: InsertParams.value is None; pass the locations of the key's tokens")
-        sg_pages = self._pages_of_value(params.value, n, "insert")
+        sg_pages, no_window = self._pages_of_value(params.value, n, "insert")
         mamba = params.mamba_value
         if mamba is not None and not self.has_mamba:
             raise HybridKVSGLangError("insert: mamba_value given to a cache built without a Mamba component")
@@ -257,6 +285,13 @@ class HybridKVRadixCache(BasePrefixCache):
             hk_pages, fresh = self.ids.bind_pages(sg_pages)
         except SGLangIdError as exc:
             raise HybridKVSGLangError(str(exc)) from exc
+        if no_window is not None and self._window_pool is not None:
+            # the caller's own pages whose SWA part it freed already (its window slid past them,
+            # SGLang's free_swa_out_of_window_slots): their shadow pages enter the tree tombstoned,
+            # so no eviction frees a window cell SGLang gave back
+            gone = fresh & no_window
+            if gone.any():
+                self.ids.mem.windows.free(hk_pages[gone], self._window_pool)
         checkpoints = None
         slot_fresh = False
         hk_slot = -1
@@ -414,6 +449,31 @@ class HybridKVRadixCache(BasePrefixCache):
     def mamba_evictable_size(self) -> int:
         return sum(1 for n in self.tree.residency.checkpoint_nodes if n.checkpoint_lock == 0)
 
+    def mamba_protected_size(self) -> int:
+        """Cached states a lock holds (SGLang's idle pool check: free + evictable + protected == pool)."""
+        return sum(1 for n in self.tree.residency.checkpoint_nodes if n.checkpoint_lock > 0)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every SGLang token location the tree holds (SGLang's leak report; a host table walk)."""
+        bound = self.ids.sg_of_page[self.ids.sg_of_page >= 0]
+        return self.locations(np.sort(bound))
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        """Every SGLang Mamba slot the tree holds (SGLang's leak report)."""
+        slots = np.sort(self.ids.sg_of_slot[self.ids.sg_of_slot >= 0])
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.mamba_device)
+
+    def release_swa_prefix_lock(self, req: Any) -> None:
+        """SGLang calls this once a decoding request is past its retain window, to let its prefix's
+        window be evicted early. hybridkv's lock holds only the window before the locked node's end
+        (at most one window of tokens per request), so the lock is kept until ``unlock``: stricter,
+        never a window freed under a request that may still read it."""
+        return None
+
+    def sanity_check(self) -> None:
+        """SGLang's optional tree check (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``): hybridkv's own."""
+        self.check()
+
     def total_size(self) -> int:
         return self.tree.cached_tokens
 
@@ -443,29 +503,196 @@ class HybridKVRadixCache(BasePrefixCache):
         if not np.array_equal(np.sort(bound), np.sort(self.tree.residency.owned.nonzero()[0])):
             raise HybridKVSGLangError("id map: bound shadow pages differ from the pages the tree holds")
 
+    # --- Mamba copy-on-write -----------------------------------------------------------------
+
+    def _mamba_extra_buffer(self) -> bool:
+        pool = self.req_to_token_pool
+        return bool(getattr(pool, "enable_mamba_extra_buffer", False)) or (
+            getattr(pool, "mamba_ckpt_pool", None) is not None
+        )
+
+    def _refuse_mamba_variants(self, what: str) -> None:
+        if self._mamba_extra_buffer():
+            raise HybridKVSGLangError(
+                f"{what}: SGLang's Mamba extra buffer (ping-pong track slots, --mamba-scheduler-strategy "
+                "extra_buffer) and int8 checkpoint pools are not served by the hybridkv backend; run "
+                "without them (the no-buffer strategy) or without --radix-cache-backend hybridkv"
+            )
+
+    def _alloc_mamba_slot(self, what: str, keep: Node | None = None) -> torch.Tensor:
+        """One slot of SGLang's mamba allocator, evicting one cached state when none is free
+        (``keep``, locked meanwhile, is the node whose state the caller is about to read)."""
+        alloc = self.req_to_token_pool.mamba_allocator
+        slot = alloc.alloc(1)
+        if slot is None:
+            lock = self.tree.lock(keep) if keep is not None and not keep.is_root else None
+            try:
+                self.evict(EvictParams(num_tokens=0, mamba_num=1))
+            finally:
+                if lock is not None:
+                    self.tree.unlock(lock)
+            slot = alloc.alloc(1)
+        if slot is None:
+            raise HybridKVSGLangError(
+                f"{what}: no Mamba slot is free and every cached state is locked; raise "
+                "--max-mamba-cache-size or run fewer requests at once"
+            )
+        return slot
+
+    def _cow_mamba(self, params: MatchPrefixParams, node: Node, checkpoint: int) -> None:
+        """``match_prefix(cow_mamba=True)`` on a hit with a state: give the request a slot of its
+        own (unless it holds one) and name the cached state as its copy-on-write source; the
+        scheduler copies it on its forward stream (0.5.23: ``mamba_cow_src_index``). The tree's
+        slot is never handed out: the copy leaves it cached."""
+        self._refuse_mamba_variants("match_prefix(cow_mamba=True)")
+        req = params.req
+        if req is None:
+            raise HybridKVSGLangError(
+                "match_prefix(cow_mamba=True): MatchPrefixParams.req is None; pass the request whose slot "
+                "receives the copy"
+            )
+        sg_slot = int(self.ids.sg_of_slot[checkpoint])  # a host table: no device read
+        if sg_slot < 0:
+            raise HybridKVSGLangError(f"match_prefix: cached state {checkpoint} is bound to no SGLang slot (bug)")
+        if not req.kv.holds_mamba:
+            req.kv.mamba_pool_idx = self._alloc_mamba_slot("match_prefix(cow_mamba=True)", keep=node)[0]
+        req.kv.mamba_cow_src_index = torch.tensor([sg_slot], dtype=torch.int64, device=self.mamba_device)
+        req.kv.mamba_needs_clear = False
+
+    def swa_retain_floor(self, req: Any) -> int | None:
+        """With SWA and Mamba together, keep the window behind the request's last tracked state
+        (a hit lands on a state); SWA alone: nothing deeper than the tail."""
+        if not (self.has_swa and self.has_mamba) or self._window is None:
+            return None
+        seen = req.kv.mamba_last_track_seqlen
+        return None if seen is None else int(seen) - self._window
+
     # --- the scheduler's write-back ---------------------------------------------------------
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        """Insert the request's KV up to ``up_to``, repoint its row at the tree's copy, move its
-        lock to the new node and advance ``cache_protected_len`` (full-attention trees only)."""
-        if self.has_swa or self.has_mamba:
+        """0.5.23's ``checkpoint``: insert the request's first ``up_to`` tokens, repoint its row
+        at the tree's copy, move its lock to the node the insert ended on, advance
+        ``cache_protected_len`` / ``cache_inserted_len``. Per component, as ``UnifiedRadixCache``:
+
+        - SWA: a match that reported ``swa_branching_seqlen`` (full KV cached past the hit, its
+          window gone) inserts only up to there first (the window the request recomputed
+          restores that hit) and clears it; an unfinished request first frees its own window
+          slots behind its window (SGLang's ``free_swa_out_of_window_slots``): those pages enter
+          the tree tombstoned.
+        - Mamba (no extra buffer, page size 1): an unfinished request keeps its slot and the tree
+          gets a fresh slot holding a copy of its state (freed again if a state was cached
+          there already); a finished one hands its own slot to the tree, or frees it
+          (``free_mamba_cache``) when the tree had one there.
+
+        Nothing else is freed: ``release_kv_cache`` frees ``[cache_protected_len, up_to)``."""
+        if kwargs:
             raise HybridKVSGLangError(
-                "checkpoint: the scheduler write-back of SWA windows and Mamba states is not implemented by "
-                "the hybridkv backend yet (the cache API is: match/insert/evict/lock); full attention only"
+                f"checkpoint: arguments {sorted(kwargs)} are for SGLang's streaming sessions, which the "
+                "hybridkv backend does not serve; run without sessions"
             )
-        token_ids = req.full_untruncated_fill_ids[:up_to]
         kv = req.kv
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        n = len(token_ids) // self.page_size * self.page_size
+        if kv.req_pool_idx is None:
+            raise HybridKVSGLangError(f"checkpoint: request {req.rid} holds no req_to_token row (released already)")
+        finished = bool(req.finished())
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        protected = int(kv.cache_protected_len)
+        cache_len = len(token_ids)
+        branch = None
+        mamba_value: torch.Tensor | None = None
+        if self.has_mamba:
+            self._refuse_mamba_variants("checkpoint")
+            if kv.mamba_pool_idx is None:
+                raise HybridKVSGLangError(
+                    f"checkpoint: request {req.rid} holds no Mamba slot (req.kv.mamba_pool_idx is None) in a "
+                    "Mamba cache; allocate its row with HybridReqToTokenPool.alloc"
+                )
+            if finished:
+                mamba_value = kv.mamba_pool_idx.reshape(1).clone()  # donated: the tree keeps it or it is freed
+            else:
+                mamba_value = self._alloc_mamba_slot("checkpoint")
+                pool = self.req_to_token_pool
+                translate = getattr(pool, "translate_mamba_indices", lambda x: x)
+                pool.mamba_pool.copy_from(translate(kv.mamba_pool_idx.reshape(1)), translate(mamba_value))
+        elif self.has_swa:
+            b = req.swa_branching_seqlen
+            if b is not None and protected < b <= cache_len:
+                branch = int(b)
+                cache_len = branch
+        if self.has_swa and not finished and _free_out_of_window():
+            self._free_out_of_window(req, cache_len - 1)
+        ps = self.page_size
+        n = cache_len // ps * ps
+        if n <= 0:
+            self._release_state(req, finished, mamba_value, inserted=False)
+            return
+        if protected > n:  # refused before the tree changes (SGLang's own tree asserts here)
+            if mamba_value is not None and not finished:
+                self.req_to_token_pool.mamba_allocator.free(mamba_value)
+            raise HybridKVSGLangError(
+                f"checkpoint: request {req.rid} has {protected} tokens protected by the tree but writes back "
+                f"only {n} (up_to={up_to}); write back at least what it matched (up_to >= cache_protected_len)"
+            )
         key = RadixKey(token_ids[:n], req.extra_key, cache_salt=req.cache_salt)
-        values = row[:n].to(torch.int64)
-        result = self.insert(
-            InsertParams(key=key, value=values, prev_prefix_len=kv.cache_protected_len, priority=req.priority or 0)
-        )
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        try:
+            result = self.insert(
+                InsertParams(
+                    key=key,
+                    value=row[:n].to(torch.int64),
+                    mamba_value=mamba_value,
+                    prev_prefix_len=protected,
+                    priority=req.priority or 0,
+                )
+            )
+        except Exception:
+            if mamba_value is not None and not finished:  # the copy made for this write-back
+                self.req_to_token_pool.mamba_allocator.free(mamba_value)
+            raise
+        kv.cache_inserted_len = max(int(kv.cache_inserted_len), n)
         node = result.last_device_node
         new = self.path_device_indices(node)
-        self.req_to_token_pool.write((kv.req_pool_idx, slice(kv.cache_protected_len, n)), new[kv.cache_protected_len :])
-        kv.cache_protected_len = n
+        if new.numel() != n:
+            raise HybridKVSGLangError(
+                f"checkpoint: the insert ended on a node of {new.numel()} tokens for a key of {n} (plugin bug)"
+            )
+        self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, n)), new[protected:])
         self.unlock(req.lock)
         req.lock = self.lock(node)
+        kv.cache_protected_len = n
         req.last_node = node
+        self._release_state(req, finished, mamba_value, inserted=not result.mamba_exist)
+        if branch is not None and n >= branch:
+            req.swa_branching_seqlen = None
+            if not finished and _free_out_of_window():
+                self._free_out_of_window(req, len(req.get_fill_ids()) - 1)
+
+    def _free_out_of_window(self, req: Any, pre_len: int) -> None:
+        """SGLang's own request-side SWA release (its cursor lives on the request)."""
+        assert self._window is not None
+        free_swa_out_of_window_slots(
+            req,
+            pre_len,
+            sliding_window_size=self._window,
+            page_size=self.page_size,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            retain_floor=self.swa_retain_floor(req),
+        )
+
+    def _release_state(self, req: Any, finished: bool, value: torch.Tensor | None, *, inserted: bool) -> None:
+        """After a Mamba write-back: a finished request whose slot the tree did not keep frees it;
+        an unfinished one frees the copy the tree did not keep and forgets its tracked lengths."""
+        if not self.has_mamba or value is None:
+            return
+        if finished:
+            if not inserted:
+                self.req_to_token_pool.free_mamba_cache(req)
+            return
+        if not inserted:
+            self.req_to_token_pool.mamba_allocator.free(value)
+        req.kv.mamba_last_track_seqlen = None
+        req.kv.mamba_prev_track_seqlen = None
+
+
+def _free_out_of_window() -> bool:
+    return bool(envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get())
