@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sglang_allocator_replay import allocator_bad_input, allocator_replay, hook_section
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +90,17 @@ def _server_args(**kw: Any) -> None:
 class Side:
     """One tree over its own real SGLang pools."""
 
-    def __init__(self, kind: str, plugin: bool, ps: int, size: int, swa_size: int, window: int, slots: int):
+    def __init__(
+        self,
+        kind: str,
+        plugin: bool,
+        ps: int,
+        size: int,
+        swa_size: int,
+        window: int,
+        slots: int,
+        hk_alloc: bool = False,
+    ):
         S = _sglang()
         self.S = S
         self.kind = kind
@@ -121,7 +132,11 @@ class Side:
             self.alloc = S["SWATokenToKVPoolAllocator"](size, swa_size, ps, torch.float16, "cpu", kv, False)
         else:
             kv = S["MHATokenToKVPool"](size, ps, torch.float16, 1, 8, 1, "cpu", False)
-            if ps == 1:
+            if hk_alloc:  # hybridkv's token-to-KV allocator in place of SGLang's
+                from hybridkv.integrations.sglang.allocator import HybridKVTokenToKVPoolAllocator
+
+                self.alloc = HybridKVTokenToKVPoolAllocator(size, ps, torch.float16, "cpu", kv, False)
+            elif ps == 1:
                 self.alloc = S["TokenToKVPoolAllocator"](size, torch.float16, "cpu", kv, False)
             else:
                 self.alloc = S["PagedTokenToKVPoolAllocator"](size, ps, torch.float16, "cpu", kv, False)
@@ -214,10 +229,22 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     return out
 
 
-def replay(kind: str, ps: int, seed: int, steps: int, *, size: int, swa_size: int = 0, window: int = 0, slots: int = 0):
-    """The same call sequence on SGLang's tree and the plugin; one row per step."""
+def replay(
+    kind: str,
+    ps: int,
+    seed: int,
+    steps: int,
+    *,
+    size: int,
+    swa_size: int = 0,
+    window: int = 0,
+    slots: int = 0,
+    hk_alloc: bool = False,
+):
+    """The same call sequence on SGLang's tree and the plugin; one row per step. ``hk_alloc``: the plugin
+    over hybridkv's token-to-KV allocator (its memory verified after every step)."""
     rng = random.Random(seed)
-    sides = [Side(kind, p, ps, size, swa_size, window, slots) for p in (False, True)]
+    sides = [Side(kind, p, ps, size, swa_size, window, slots, hk_alloc=p and hk_alloc) for p in (False, True)]
     prompts = _prompts(rng, steps)
     held: list[list[tuple[Any, Any]]] = []  # per open request: (side's node) for each side
     rows = []
@@ -296,6 +323,8 @@ def replay(kind: str, ps: int, seed: int, steps: int, *, size: int, swa_size: in
         if kind == "swa":
             row["swa_evictable"] = [int(s.cache.swa_evictable_size()) for s in sides]
         sides[1].check()
+        if hk_alloc:
+            sides[1].alloc.mem.verify()
         rows.append(row)
     for locks in held:
         for side, lock in zip(sides, locks, strict=True):
@@ -902,6 +931,12 @@ def main() -> int:
     _server_args()
     report["full_ps1"] = replay("full", 1, seed=1, steps=args.steps, size=160)
     report["full_ps4"] = replay("full", 4, seed=2, steps=args.steps, size=160)
+    report["full_ps4_hkalloc"] = replay("full", 4, seed=2, steps=args.steps, size=160, hk_alloc=True)
+    t = time.perf_counter()
+    report["alloc_ps1"] = allocator_replay(1, seed=21, steps=200, size=96)
+    report["alloc_ps4"] = allocator_replay(4, seed=22, steps=200, size=160)
+    report["alloc_bad_input"] = allocator_bad_input()
+    report["alloc_seconds"] = time.perf_counter() - t
     report["swa"] = replay("swa", 1, seed=3, steps=args.steps, size=200, swa_size=96, window=8)
     report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)
     report["swa_recover"] = swa_recover_section()
@@ -921,6 +956,7 @@ def main() -> int:
     report["bad_input"] = bad_input_section()
     with tempfile.TemporaryDirectory() as tmp:
         report["plugin"] = plugin_section(Path(tmp))
+    report["alloc_hook"] = hook_section()
     report["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(report))
     return 0

@@ -390,3 +390,68 @@ def test_requests_through_the_scheduler_calls_match_unified_radix_cache(report: 
         assert {row["mamba_protected"] for row in hk} >= {0, 1}
     assert r["sglang"]["drained"] == r["plugin"]["drained"]
     assert r["sglang"]["free"] == r["plugin"]["free"] == want["free"]
+
+
+@pytest.mark.parametrize("run", ["alloc_ps1", "alloc_ps4"])
+def test_token_allocator_over_unified_memory_matches_sglangs_call_for_call(report: dict[str, Any], run: str) -> None:
+    """hybridkv's token-to-KV allocator vs SGLang's own of the same size: every call succeeds or is refused
+    on both, ``available_size`` equal after every step, both sides' locations valid (page-aligned rows,
+    no page in two rows, inside the pool), hybridkv's live pages exactly the rows' pages, ``mem.verify()``
+    clean after every step, and at the end every location free and handed out again."""
+    r = report[run]
+    assert r["problems"] == []
+    assert [(row["step"], row["ok"]) for row in r["rows"] if row["ok"][0] != row["ok"][1]] == []
+    assert [(row["step"], row["available"]) for row in r["rows"] if row["available"][0] != row["available"][1]] == []
+    c = r["counts"]
+    # the replay did what it claims: refusals under pressure, every kind of free, groups
+    assert c.get("extend_refused", 0) >= 3 and c.get("decode", 0) >= 10 and c.get("group", 0) >= 5
+    assert min(c.get("free", 0), c.get("segments", 0), c.get("pages", 0)) >= 5
+    size = 96 if run == "alloc_ps1" else 160
+    assert r["final_available"] == [size, size] and r["reuse_all"] == [True, True]
+
+
+def test_radix_cache_over_the_token_allocator_equals_it_over_sglangs(report: dict[str, Any]) -> None:
+    """``HybridKVRadixCache`` over hybridkv's allocator replays ``full_ps4`` exactly as over SGLang's
+    (and so as ``RadixCache``): the same hits, inserts, evictions, free sizes per step."""
+    a, b = report["full_ps4"], report["full_ps4_hkalloc"]
+    _exercised(b)
+    assert _differing(b["rows"], EXACT) == []
+    assert [{k: v for k, v in row.items()} for row in a["rows"]] == b["rows"]
+    assert b["drained"] == a["drained"] and b["final_free"] == [[160], [160]]
+
+
+def test_token_allocator_bad_input_names_both_sides(report: dict[str, Any]) -> None:
+    b = report["alloc_bad_input"]
+    expect = {
+        "size_below_page": "pass sizes.max_total_num_tokens",
+        "dtype_not_dtype": "must be a torch.dtype",
+        "kv_pool_page_size": "does not hold this allocator's locations",
+        "kv_pool_dtype": "dtype torch.bfloat16",
+        "unaligned_alloc": "PagedTokenToKVPoolAllocator would silently hand out 4 locations",
+        "extend_count_mismatch": "extend_num_tokens 7 but the lengths add up to 5",
+        "extend_float_lens": "must be a 1-D int64/int32 tensor",
+        "extend_last_loc_other_device": "last_loc is on meta, the allocator on cpu",
+        "free_float": "int64/int32 tensor",
+        "free_other_device": "ids on meta, the allocator on cpu",
+        "segment_unaligned_start": "not page-aligned",
+        "nested_group": "a free group is open",
+    }
+    for name, text in expect.items():
+        assert b[name].startswith("HybridKVAllocatorError: ") and text in b[name], (name, b[name])
+    assert b["sglang_unaligned_alloc_len"] == "4"  # what SGLang does with the same call
+    assert b["alloc_extend_page_size_1"].startswith("NotImplementedError")
+    assert b["sglang_alloc_extend_page_size_1"].startswith("NotImplementedError")
+    for ps, sg in (("ps1", "TokenToKVPoolAllocator"), ("ps4", "PagedTokenToKVPoolAllocator")):
+        for name in (f"double_free_{ps}", f"double_free_in_group_{ps}"):
+            assert "nothing freed" in b[name] and f"SGLang's {sg} does not check" in b[name], b[name]
+        assert b[f"unchanged_{ps}"] == "True"
+
+
+def test_token_allocator_hook_is_opt_in_and_keeps_what_it_does_not_serve(report: dict[str, Any]) -> None:
+    h = report["alloc_hook"]
+    assert h["off_hooks"] == 0
+    assert "HYBRIDKV_SGLANG_ALLOCATOR='yes'" in h["bad_value"]
+    assert h["on_hooks"] == [["around", "build_allocator_around"]]  # registered once, register() twice
+    assert {"sizes", "token_to_kv_pool", "req_to_token_pool", "token_to_kv_pool_allocator"} <= set(h["builder_params"])
+    assert h["plain"] == ["HybridKVTokenToKVPoolAllocator", 64, 4, "torch.float16", 64]
+    assert h["draft"] == "PagedTokenToKVPoolAllocator" and h["swa"] == "SWATokenToKVPoolAllocator"

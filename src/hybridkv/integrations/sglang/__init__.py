@@ -5,10 +5,12 @@
 - ``radix_cache.py``: ``HybridKVRadixCache``, SGLang's ``BasePrefixCache`` contract answered by
   hybridkv's ``HybridRadixCache`` (full attention, sliding window, Mamba state), SGLang's
   allocators keeping the bytes.
+- ``allocator.py``: ``HybridKVTokenToKVPoolAllocator``, SGLang's full-attention token-to-KV allocator
+  over a ``UnifiedMemory``'s pages, and its opt-in hook (``HYBRIDKV_SGLANG_ALLOCATOR=1``).
 - ``idmap.py``: SGLang's token locations and Mamba slots paired with the shadow ids the tree
   holds (no SGLang import).
 
-Only ``radix_cache.py`` and ``plugin.py`` import SGLang, on first use; nothing in hybridkv imports
+Only ``radix_cache.py``, ``allocator.py`` and ``plugin.py`` import SGLang, on first use; nothing in hybridkv imports
 this package. See ``docs/sglang.md``.
 """
 

@@ -4,7 +4,9 @@ SGLang 0.5.23 loads general plugins from the entry-point group ``sglang.srt.plug
 (``sglang.srt.plugins.load_plugins``, called early in every process) and runs each one's
 function once; ``register`` is that function (``pyproject.toml`` declares it). It registers
 ``build_tree_cache`` with ``register_radix_cache_backend("hybridkv", ...)``, so that
-``--radix-cache-backend hybridkv`` makes ``create_tree_cache`` call it.
+``--radix-cache-backend hybridkv`` makes ``create_tree_cache`` call it. With
+``HYBRIDKV_SGLANG_ALLOCATOR=1`` it also registers the token-to-KV allocator hook (``allocator.py``:
+full attention, hybridkv's ``UnifiedMemory`` as the free list); off by default.
 
 Invariants: registering twice in one process is a no-op (SGLang's registry refuses a second
 registration of a name; ``load_plugins`` is idempotent but a test may call ``register`` too);
@@ -38,8 +40,15 @@ def build_tree_cache(ctx: Any) -> Any:
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: register the ``hybridkv`` radix-cache backend."""
+    """The ``sglang.srt.plugins`` entry point: register the ``hybridkv`` radix-cache backend, and the
+    token-to-KV allocator hook when ``HYBRIDKV_SGLANG_ALLOCATOR=1``."""
+    import os
+
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
     if BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND, build_tree_cache)
+    if os.environ.get("HYBRIDKV_SGLANG_ALLOCATOR", "").strip() not in ("", "0"):
+        from hybridkv.integrations.sglang.allocator import register_allocator_hook
+
+        register_allocator_hook()
