@@ -157,6 +157,9 @@ def allocator_replay(ps: int, seed: int, steps: int, size: int) -> dict[str, Any
         except AssertionError as exc:
             problems.append(f"step {step}: mem.verify: {exc}")
         out_rows.append(row)
+        if row["ok"][0] != row["ok"][1]:  # the two sides' requests differ from here on: stop, named
+            problems.append(f"step {step}: {op} succeeded on one side only (sglang, hybridkv): {row['ok']}")
+            return {"rows": out_rows, "problems": problems, "final_available": [], "reuse_all": [], "counts": counts}
     # everything back: every freed location reusable, on both sides
     for rid in sorted(rows[0]):
         finish(rid, "free")

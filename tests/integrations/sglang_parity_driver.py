@@ -21,7 +21,10 @@ evictions, explicit window and state evictions) against both:
   without a free slot); per step hits, protected length, the request's row, pools and sizes;
 - ``sched_*``: seeded requests through the scheduler's calls (admit with copy-on-write, chunked
   ``checkpoint_kv_cache``, ``release_kv_cache``) on FULL + MAMBA, FULL + SWA (page sizes 1 and 4) and
-  FULL + SWA + MAMBA.
+  FULL + SWA + MAMBA;
+- ``alloc_ps1`` / ``alloc_ps4`` / ``alloc_bad_input`` / ``alloc_hook`` (``sglang_allocator_replay.py``):
+  hybridkv's token-to-KV allocator against SGLang's own, and ``full_ps4_hkalloc``: the ``full_ps4`` cache
+  replay with the plugin over hybridkv's allocator.
 
 Per step the report records both sides' match length, evicted counts per component and allocator
 free sizes; the plugin's ``check()`` (tree invariants, id-map bijection) runs after every step.

@@ -22,7 +22,10 @@ What is proved (each test names its part):
   asserted, and where hybridkv is stricter (errors SGLang's tree gives as bare assertions or leaks);
 - 100 seeded requests each through the scheduler's calls (two running together half the time) on
   FULL + MAMBA, FULL + SWA (page sizes 1 and 4) and FULL + SWA + MAMBA: equal per request, and SGLang's
-  idle pool identity and leak census hold after every group.
+  idle pool identity and leak census hold after every group;
+- the token-to-KV allocator over ``UnifiedMemory`` (``allocator.py``) against SGLang's own allocators of the
+  same size, call for call (page sizes 1 and 4), with ``mem.verify()`` after every step; the plugin's
+  cache over it equal to over SGLang's; its bad input; its opt-in hook.
 """
 
 from __future__ import annotations
