@@ -281,3 +281,32 @@ def hook_section() -> dict[str, Any]:
         if saved is not None:
             os.environ[A.ENV] = saved
     return out
+
+
+def allocator_no_device_read() -> dict[str, Any]:
+    """Allocation never reads device data: an allocator on the ``meta`` device (tensors without data,
+    whose every host read raises) serves ``alloc`` / ``alloc_extend`` (with a partial-page continuation)
+    / ``alloc_decode`` from host lengths; a free there is the one documented read, and raises."""
+    from hybridkv.integrations.sglang.allocator import HybridKVTokenToKVPoolAllocator
+
+    out: dict[str, Any] = {}
+    hk = HybridKVTokenToKVPoolAllocator(64, 4, torch.float16, "meta", None)
+    got = hk.alloc(8)
+    out["alloc"] = [str(got.device), list(got.shape), hk.available_size()]
+    pre, seq = torch.tensor([6, 0]), torch.tensor([11, 3])
+    meta = {
+        "prefix_lens": pre.to("meta"),
+        "seq_lens": seq.to("meta"),
+        "last_loc": torch.empty(2, dtype=torch.int64, device="meta"),
+    }
+    got = hk.alloc_extend(meta["prefix_lens"], pre, meta["seq_lens"], seq, meta["last_loc"], 8)
+    out["alloc_extend"] = [str(got.device), list(got.shape), hk.available_size()]
+    seq = torch.tensor([12, 5])
+    got = hk.alloc_decode(seq.to("meta"), seq, meta["last_loc"])
+    out["alloc_decode"] = [str(got.device), list(got.shape), hk.available_size()]
+    try:
+        hk.free(torch.empty(4, dtype=torch.int64, device="meta"))
+        out["free"] = "no error"
+    except Exception as exc:
+        out["free"] = type(exc).__name__
+    return out

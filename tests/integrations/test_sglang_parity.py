@@ -458,3 +458,13 @@ def test_token_allocator_hook_is_opt_in_and_keeps_what_it_does_not_serve(report:
     assert {"sizes", "token_to_kv_pool", "req_to_token_pool", "token_to_kv_pool_allocator"} <= set(h["builder_params"])
     assert h["plain"] == ["HybridKVTokenToKVPoolAllocator", 64, 4, "torch.float16", 64]
     assert h["draft"] == "PagedTokenToKVPoolAllocator" and h["swa"] == "SWATokenToKVPoolAllocator"
+
+
+def test_token_allocator_reads_no_device_data_to_allocate(report: dict[str, Any]) -> None:
+    """On the ``meta`` device (no data: every host read raises) allocation works from the host lengths
+    alone, continuation included; a free is the one documented read."""
+    r = report["alloc_no_device_read"]
+    assert r["alloc"] == ["meta", [8], 56]
+    assert r["alloc_extend"] == ["meta", [8], 48]  # 6 -> 11 continues a page and takes one; 0 -> 3 takes one
+    assert r["alloc_decode"] == ["meta", [2], 44]  # position 11 continues its page, position 4 starts one
+    assert r["free"] == "NotImplementedError"
