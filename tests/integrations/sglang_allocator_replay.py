@@ -310,3 +310,35 @@ def allocator_no_device_read() -> dict[str, Any]:
     except Exception as exc:
         out["free"] = type(exc).__name__
     return out
+
+
+def allocator_sizes() -> dict[str, Any]:
+    """Pools whose slab rounding leaves surplus page ids (kept at construction, never handed out), and
+    ``clear`` / ``resize``: the allocatable pages are exactly SGLang's ``size // page_size``, ids 1..pages."""
+    from types import SimpleNamespace
+
+    from hybridkv.integrations.sglang.allocator import HybridKVTokenToKVPoolAllocator
+
+    out: dict[str, Any] = {}
+    for size, ps in ((1000, 1), (2062, 4), (20816, 16)):
+        hk = HybridKVTokenToKVPoolAllocator(size, ps, torch.float16, "cpu", None)
+        pages = size // ps
+        surplus = hk.mem.pages.capacity - 1 - pages
+        free_ids = hk.get_all_free_pages().tolist()
+        got = hk.alloc(pages * ps)
+        full = got is not None and sorted(got.tolist()) == list(range(ps, (pages + 1) * ps))
+        more = hk.alloc(ps)
+        hk.mem.verify()
+        hk.clear()
+        after_clear = hk.available_size()
+        hk.resize(SimpleNamespace(max_total_num_tokens=size // 2))
+        hk.mem.verify()
+        out[f"{size}/{ps}"] = {
+            "surplus": surplus,
+            "free_ids_exact": free_ids == list(range(1, pages + 1)),
+            "whole_pool": full,
+            "one_more": more is not None,
+            "after_clear": after_clear,
+            "after_resize": [hk.available_size(), hk.size, hk.num_pages],
+        }
+    return out

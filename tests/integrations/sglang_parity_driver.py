@@ -45,7 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang_allocator_replay import allocator_bad_input, allocator_no_device_read, allocator_replay, hook_section
+from sglang_allocator_replay import (
+    allocator_bad_input,
+    allocator_no_device_read,
+    allocator_replay,
+    allocator_sizes,
+    hook_section,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -940,6 +946,7 @@ def main() -> int:
     report["alloc_ps4"] = allocator_replay(4, seed=22, steps=200, size=160)
     report["alloc_bad_input"] = allocator_bad_input()
     report["alloc_no_device_read"] = allocator_no_device_read()
+    report["alloc_sizes"] = allocator_sizes()
     report["alloc_seconds"] = time.perf_counter() - t
     report["swa"] = replay("swa", 1, seed=3, steps=args.steps, size=200, swa_size=96, window=8)
     report["mamba"] = replay("mamba", 1, seed=4, steps=args.steps, size=200, slots=6)

@@ -468,3 +468,16 @@ def test_token_allocator_reads_no_device_data_to_allocate(report: dict[str, Any]
     assert r["alloc_extend"] == ["meta", [8], 48]  # 6 -> 11 continues a page and takes one; 0 -> 3 takes one
     assert r["alloc_decode"] == ["meta", [2], 44]  # position 11 continues its page, position 4 starts one
     assert r["free"] == "NotImplementedError"
+
+
+def test_token_allocator_pools_hold_exactly_sglangs_pages(report: dict[str, Any]) -> None:
+    """Sizes whose slab rounding leaves surplus page ids: still exactly ``size // page_size`` pages, ids
+    1..pages (SGLang's, inside its KV buffers), the whole pool handed out once and not one page more;
+    ``clear`` frees everything; ``resize`` gives a pool of the new size."""
+    r = report["alloc_sizes"]
+    for key, size, ps in (("1000/1", 1000, 1), ("2062/4", 2062, 4), ("20816/16", 20816, 16)):
+        s = r[key]
+        assert s["free_ids_exact"] and s["whole_pool"] and not s["one_more"], (key, s)
+        assert s["after_clear"] == size // ps * ps
+        assert s["after_resize"] == [size // 2 // ps * ps, size // 2, size // 2 // ps]
+    assert all(r[k]["surplus"] > 0 for k in r)  # the rounding case is the one exercised
