@@ -39,10 +39,12 @@ def test_the_shadow_memory_never_runs_out_first() -> None:
     """Every SGLang page and slot at once fits the shadow memory (with a window pool and a state pool)."""
     mem = shadow_memory(1, 4096, window=16, slots=64)
     ids = IdMap(mem, 4096, 64)
-    ids.bind_pages(np.arange(1, 4097))
-    for s in range(65):
-        ids.bind_slot(s)
-    HybridRadixCache(mem)  # and a cache can be built over it
+    hk, fresh = ids.bind_pages(np.arange(1, 4097))
+    assert fresh.all() and np.unique(hk).size == 4096 and mem.pages.live[hk].all()
+    assert ids.sg_pages_of(hk).tolist() == list(range(1, 4097))
+    slots = [ids.bind_slot(s) for s in range(65)]
+    assert all(new for _, new in slots) and len({hk for hk, _ in slots}) == 65
+    assert HybridRadixCache(mem).cached_tokens == 0  # and a cache can be built over it
 
 
 def test_ids_outside_the_pool_are_refused_with_the_range() -> None:
