@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,53 +175,55 @@ def allocator_replay(ps: int, seed: int, steps: int, size: int) -> dict[str, Any
 rng_cut = [0]  # the cut of a "segments" finish, drawn once and used on both sides
 
 
+def attempt(out: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    """What calling ``fn`` raised, as ``out[name]`` ("Class: message"), or "no error"."""
+    try:
+        fn()
+        out[name] = "no error"
+    except Exception as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+
+
 def allocator_bad_input() -> dict[str, str]:
     """Each wrong call and the error each side gives (class: message); double frees leave state unchanged."""
     from hybridkv.integrations.sglang.allocator import HybridKVTokenToKVPoolAllocator
 
     out: dict[str, str] = {}
 
-    def attempt(name: str, fn: Any) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-
     sg1, hk1 = _pools(32, 1)
     sg4, hk4 = _pools(32, 4)
     kv4 = hk4.get_kvcache()
-    attempt("size_below_page", lambda: HybridKVTokenToKVPoolAllocator(2, 4, torch.float16, "cpu", None))
-    attempt("dtype_not_dtype", lambda: HybridKVTokenToKVPoolAllocator(32, 4, "fp16", "cpu", None))  # type: ignore[arg-type]
-    attempt("kv_pool_page_size", lambda: HybridKVTokenToKVPoolAllocator(32, 2, torch.float16, "cpu", kv4))
-    attempt("kv_pool_dtype", lambda: HybridKVTokenToKVPoolAllocator(32, 4, torch.bfloat16, "cpu", kv4))
-    attempt("unaligned_alloc", lambda: hk4.alloc(6))
+    attempt(out, "size_below_page", lambda: HybridKVTokenToKVPoolAllocator(2, 4, torch.float16, "cpu", None))
+    attempt(out, "dtype_not_dtype", lambda: HybridKVTokenToKVPoolAllocator(32, 4, "fp16", "cpu", None))  # type: ignore[arg-type]
+    attempt(out, "kv_pool_page_size", lambda: HybridKVTokenToKVPoolAllocator(32, 2, torch.float16, "cpu", kv4))
+    attempt(out, "kv_pool_dtype", lambda: HybridKVTokenToKVPoolAllocator(32, 4, torch.bfloat16, "cpu", kv4))
+    attempt(out, "unaligned_alloc", lambda: hk4.alloc(6))
     out["sglang_unaligned_alloc_len"] = str(len(sg4.alloc(6)))
-    attempt("alloc_extend_page_size_1", lambda: hk1.alloc_extend(*[torch.tensor([0])] * 5, 1))
-    attempt("sglang_alloc_extend_page_size_1", lambda: sg1.alloc_extend(*[torch.tensor([0])] * 5, 1))
+    attempt(out, "alloc_extend_page_size_1", lambda: hk1.alloc_extend(*[torch.tensor([0])] * 5, 1))
+    attempt(out, "sglang_alloc_extend_page_size_1", lambda: sg1.alloc_extend(*[torch.tensor([0])] * 5, 1))
     z, s = torch.tensor([0]), torch.tensor([5])
-    attempt("extend_count_mismatch", lambda: hk4.alloc_extend(z, z, s, s, torch.tensor([-1]), 7))
-    attempt("extend_float_lens", lambda: hk4.alloc_extend(z, z, s.float(), s.float(), torch.tensor([-1]), 5))
+    attempt(out, "extend_count_mismatch", lambda: hk4.alloc_extend(z, z, s, s, torch.tensor([-1]), 7))
+    attempt(out, "extend_float_lens", lambda: hk4.alloc_extend(z, z, s.float(), s.float(), torch.tensor([-1]), 5))
     meta = torch.tensor([-1], device="meta")
-    attempt("extend_last_loc_other_device", lambda: hk4.alloc_extend(z, z, s, s, meta, 5))
-    attempt("free_float", lambda: hk4.free(torch.tensor([4.0])))
-    attempt("free_other_device", lambda: hk4.free(torch.tensor([4], device="meta")))
-    attempt("segment_unaligned_start", lambda: hk4.free_segment(torch.tensor([5, 6]), start_pos=1))
+    attempt(out, "extend_last_loc_other_device", lambda: hk4.alloc_extend(z, z, s, s, meta, 5))
+    attempt(out, "free_float", lambda: hk4.free(torch.tensor([4.0])))
+    attempt(out, "free_other_device", lambda: hk4.free(torch.tensor([4], device="meta")))
+    attempt(out, "segment_unaligned_start", lambda: hk4.free_segment(torch.tensor([5, 6]), start_pos=1))
     for name, hk in (("ps1", hk1), ("ps4", hk4)):
         locs = hk.alloc(hk.page_size * 2)
         hk.free(locs)
         before = hk.available_size()
-        attempt(f"double_free_{name}", lambda hk=hk, locs=locs: hk.free(locs))
+        attempt(out, f"double_free_{name}", lambda hk=hk, locs=locs: hk.free(locs))
         fresh = hk.alloc(hk.page_size)
         hk.free_group_begin()
         hk.free(fresh)
         hk.free_segment(fresh, start_pos=0)
-        attempt(f"double_free_in_group_{name}", hk.free_group_end)
+        attempt(out, f"double_free_in_group_{name}", hk.free_group_end)
         hk.mem.verify()
         out[f"unchanged_{name}"] = str(hk.available_size() == before - hk.page_size and hk.free_group is None)
         hk.free(fresh)
     hk4.free_group_begin()
-    attempt("nested_group", hk4.free_group_begin)
+    attempt(out, "nested_group", hk4.free_group_begin)
     hk4.free_group_end()
     return out
 

@@ -50,6 +50,7 @@ from sglang_allocator_replay import (
     allocator_no_device_read,
     allocator_replay,
     allocator_sizes,
+    attempt,
     hook_section,
 )
 
@@ -824,11 +825,7 @@ def _checkpoint_short(side: Side, rng: random.Random) -> dict[str, Any]:
     hit = _admit(side, req, [*ids, 5, 6], cow=True)["match"]
     before = side.free_sizes()
     out: dict[str, Any] = {"short_hit": hit}
-    try:
-        side.cache.checkpoint(req, up_to=4)
-        out["checkpoint_short"] = "no error"
-    except Exception as exc:
-        out["checkpoint_short"] = f"{type(exc).__name__}: {exc}"
+    attempt(out, "checkpoint_short", lambda: side.cache.checkpoint(req, up_to=4))
     out["short_free_kept"] = side.free_sizes() == before
     if side.plugin:  # SGLang's tree asserted after its insert: only the plugin's side is finished cleanly
         _forward(side, req, len(ids) + 2)
@@ -855,11 +852,8 @@ def _cow_without_slot(side: Side, rng: random.Random) -> dict[str, Any]:
     taken = side.r2t.mamba_allocator.alloc(side.r2t.mamba_allocator.available_size())
     second = _hybrid_req(side, "e2", [*ids, 1, 2])
     out: dict[str, Any] = {}
-    try:
-        side.cache.match_prefix(side.S["MatchPrefixParams"](key=side.key([*ids, 1, 2]), cow_mamba=True, req=second))
-        out["cow_no_slot"] = "no error"
-    except Exception as exc:
-        out["cow_no_slot"] = f"{type(exc).__name__}: {exc}"
+    params = side.S["MatchPrefixParams"](key=side.key([*ids, 1, 2]), cow_mamba=True, req=second)
+    attempt(out, "cow_no_slot", lambda: side.cache.match_prefix(params))
     out["cow_no_slot_state_kept"] = side.match(ids).device_prefix_len == len(ids)
     side.r2t.mamba_allocator.free(taken)
     return out
@@ -870,18 +864,11 @@ def _hybrid_errors(side: Side, ids: list[int], which: str) -> dict[str, str]:
     out: dict[str, str] = {}
     S = side.S
 
-    def attempt(name: str, fn: Any) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-
     if which == "cow_without_req":
-        attempt(which, lambda: side.cache.match_prefix(S["MatchPrefixParams"](key=side.key(ids), cow_mamba=True)))
+        attempt(out, which, lambda: side.cache.match_prefix(S["MatchPrefixParams"](key=side.key(ids), cow_mamba=True)))
     else:
         released = _hybrid_req(side, "released", ids)
-        attempt(which, lambda: side.cache.checkpoint(released, up_to=4))
+        attempt(out, which, lambda: side.cache.checkpoint(released, up_to=4))
     return out
 
 
@@ -897,34 +884,30 @@ def bad_input_section() -> dict[str, str]:
     ).last_device_node
     out: dict[str, str] = {}
 
-    def attempt(name: str, fn: Any) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-
-    attempt("key_not_radixkey", lambda: c.match_prefix(S["MatchPrefixParams"](key=[1, 2, 3])))
-    attempt("token_ids_of_strings", lambda: c.match_prefix(S["MatchPrefixParams"](key=S["RadixKey"](["a", "b"]))))
+    attempt(out, "key_not_radixkey", lambda: c.match_prefix(S["MatchPrefixParams"](key=[1, 2, 3])))
+    attempt(out, "token_ids_of_strings", lambda: c.match_prefix(S["MatchPrefixParams"](key=S["RadixKey"](["a", "b"]))))
     attempt(
+        out,
         "float_value",
         lambda: c.insert(S["InsertParams"](key=side.key([9, 9]), value=torch.tensor([1.0, 2.0]))),
     )
     attempt(
+        out,
         "value_too_short",
         lambda: c.insert(S["InsertParams"](key=side.key([9, 9, 9]), value=torch.tensor([5]))),
     )
     attempt(
+        out,
         "location_out_of_range",
         lambda: c.insert(S["InsertParams"](key=side.key([7, 7]), value=torch.tensor([10**6, 10**6 + 1]))),
     )
-    attempt("lock_other_cache_node", lambda: c.inc_lock_ref(other_node))
-    attempt("lock_not_a_node", lambda: c.inc_lock_ref("node-7"))
+    attempt(out, "lock_other_cache_node", lambda: c.inc_lock_ref(other_node))
+    attempt(out, "lock_not_a_node", lambda: c.inc_lock_ref("node-7"))
     c.inc_lock_ref(node)
     c.dec_lock_ref(node)
-    attempt("double_unlock", lambda: c.dec_lock_ref(node))
+    attempt(out, "double_unlock", lambda: c.dec_lock_ref(node))
     c.evict(S["EvictParams"](num_tokens=100))
-    attempt("lock_evicted_node", lambda: c.inc_lock_ref(node))
+    attempt(out, "lock_evicted_node", lambda: c.inc_lock_ref(node))
     out["tree_still_valid"] = "yes"
     c.check()
     return out
