@@ -255,7 +255,7 @@ def serve(
         direct_writes=not loop_writes,
         tokenizer=text_tokenizer(tokenizer, model, random),
         model_path=str(model) if model is not None else f"random:{random}",
-        model_aliases=frozenset() if model is None else frozenset({str(model), str(model.resolve())}),
+        model_aliases=frozenset() if model is None else frozenset({os.path.normpath(model), str(model.resolve())}),
         server_args=args,
     )
     with contextlib.ExitStack() as stack:

@@ -53,8 +53,9 @@ class ServerConfig:
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # header size, time; connections
     model_path: str | None = None  # what the model was loaded from (``/get_model_info``; None: the served name)
     model_aliases: frozenset[str] = frozenset()
-    """Other names a request's ``model`` may give the served model: the ``--model`` directory as given and as an
-    absolute path, what SGLang's and vLLM's clients send when they were started with ``--model PATH``."""
+    """Other names a request's ``model`` may give the served model, normalised (``os.path.normpath``): the
+    ``--model`` directory as given and as an absolute path, what SGLang's and vLLM's clients send when they were
+    started with ``--model PATH``."""
     server_args: Mapping[str, Any] = field(default_factory=dict)  # the options it was started with (``/server_info``)
 
     def __post_init__(self) -> None:
@@ -94,9 +95,8 @@ class ServerState:
     def check_model(self, wanted: str | None) -> None:
         """A request's ``model`` (None: not given) names the served model by its name or an alias (a path compared
         as text once normalised, ``./tiny/`` as ``tiny``: nothing is looked up on disk), else 404."""
-        if wanted is None or wanted == self.info.name:
-            return
-        if wanted not in self.config.model_aliases and os.path.normpath(wanted) not in self.config.model_aliases:
+        aliases = self.config.model_aliases
+        if wanted is not None and wanted != self.info.name and os.path.normpath(wanted) not in aliases:
             raise ApiError(404, f"model: {wanted!r} is not served here; this server serves {self.info.name!r}", "model")
 
     def ignore(self, endpoint: str, names: list[str]) -> None:

@@ -304,12 +304,12 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[int]:
         """Admit waiting requests into ``budget`` tokens of the step; the spans of those admitted."""
-        kv, running = self.kv, self.running  # the running requests' step: their fresh pages
-        taken = kv.pages_needed(running, [r.computed + self._span(r, self.max_step_tokens) for r in running])
+        kv, running = self.kv, self.running
+        ends = [r.computed + self._span(r, self.max_step_tokens) for r in running]  # where this step may end each
+        taken = kv.pages_needed(running, ends)  # the running requests' step: their fresh pages
         spans: list[int] = []
         page = kv.page_size
-        # each prefilling request with where this step's chunk may end it at most
-        prefilling = [(r, r.computed + self._span(r, self.max_step_tokens)) for r in running if _prefilling(r, page)]
+        prefilling = [(r, end) for r, end in zip(running, ends, strict=True) if _prefilling(r, page)]
         prefilling = prefilling if kv.prefix_cache else []
         at = 0  # the next waiting request to try; those before it wait for a running prefill
         while at < len(self.waiting) and len(self.running) < self.max_running and budget > 0:
