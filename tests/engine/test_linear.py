@@ -64,17 +64,26 @@ def test_fp32_keeps_f_linear() -> None:
 
 
 @needs_onednn_fp32
+@pytest.mark.parametrize("rule", [packed.MKL_FULL_WIDTH, packed.MKL_NARROW], ids=["full-width", "narrow"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_fp32_inside_its_bounds_only(bias: bool) -> None:
+def test_packed_fp32_inside_its_bounds_only(
+    rule: packed.Fp32Packing, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed, "fp32_packing", lambda: rule)
     torch.manual_seed(0)
-    layer = Linear(512, 2048, bias=bias)  # 4 rows: 2**22 multiply-adds, the least packed
-    low, high = packed.FP32_ROWS
-    assert low * 512 * 2048 >= packed.FP32_MACS > (low - 1) * 512 * 2048
+    width = 512
+    # the fewest columns a call of the rule's fewest rows needs to be packed, and a layer of them
+    out = -(-rule.least_macs // (rule.least_rows * width))
+    layer = Linear(width, out, bias=bias)
+    low, high = rule.least_rows, rule.most_rows
     with torch.inference_mode(), fast_paths(skinny_linears=False):  # a few rows: else the skinny kernel's
-        layer(torch.randn(high + 1, 512))
-        assert "_packed" not in layer.__dict__
-        for rows, takes in [(1, False), (low - 1, False), (low, True), (64, True), (high, True), (high + 1, False)]:
-            x = torch.randn(rows, 512)
+        cases = [(low - 1, False), (low, True), (64, True), (300, high is None)]
+        if high is not None:
+            cases += [(high, True), (high + 1, False)]
+        for rows, takes in cases:
+            if rows < 1:
+                continue
+            x = torch.randn(rows, width)
             assert packs(x, layer.weight) == takes, rows
             got = layer(x)
             want = F.linear(x, layer.weight, layer.bias)
@@ -83,13 +92,29 @@ def test_packed_fp32_inside_its_bounds_only(bias: bool) -> None:
                 torch.testing.assert_close(got, want)  # fp32 rounding (another summation order: not bit-equal)
             else:
                 assert torch.equal(got, want)
-        x = torch.randn(64, 512)
+        narrower = Linear(width - 8, out, bias=bias)  # fewer multiply-adds than the least, at the fewest rows
+        assert not packs(torch.randn(low, width - 8), narrower.weight)
+        x = torch.randn(64, width)
         with fast_paths(packed_fp32=False):
             assert not packs(x, layer.weight)
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         with fast_paths(packed_linears=False):  # the bf16 switch leaves fp32 alone
             assert packs(x, layer.weight)
         assert not packs(torch.randn(64, 8), torch.randn(8, 8))  # too few multiply-adds
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "vendor", "rule"),
+    [
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: avx512f\n", "GenuineIntel", packed.MKL_FULL_WIDTH),
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n", "AuthenticAMD", packed.MKL_NARROW),
+        ("processor\t: 0\nCPU implementer\t: 0x41\n", None, packed.MKL_FULL_WIDTH),  # aarch64 names no vendor_id
+        ("", None, packed.MKL_FULL_WIDTH),
+    ],
+)
+def test_the_fp32_rule_follows_the_cpu_vendor(cpuinfo: str, vendor: str | None, rule: packed.Fp32Packing) -> None:
+    assert packed.cpu_vendor(cpuinfo) == vendor
+    assert packed.packing_for(vendor) == rule
 
 
 @needs_onednn_fp32

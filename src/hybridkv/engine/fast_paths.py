@@ -3,12 +3,14 @@ baseline in the same run (``hybridkv bench bf16``).
 
 - ``packed_linears``: bf16 projections, logits and routed experts through oneDNN with the weights packed once
   (``layers.linear``);
-- ``packed_fp32``: fp32 projections and logits of 4 to 128 rows and at least 2**22 multiply-adds through oneDNN with
-  the weights packed once (``layers.linear``; ``F.linear``'s MKL sgemm elsewhere, where it is as fast or faster).
-  One thread, this machine, F.linear -> packed: 16 x 512 -> 2048 533 -> 410 µs, 64 x 2048 -> 512 1234 -> 1061 µs,
-  64 x 512 -> 32000 (logits) 23.8 -> 19.8 ms; not bit-equal (another summation order), within fp32 rounding.
-  Engine, widened tiny-gemma3 / -dense fp32 (``scripts/fast_path_ab.py ... --dtype float32``, 6 rounds), on/off:
-  random 0.979 / 0.966, shared 0.917 / 0.987, alone 1.020 / 1.071 (alone takes no packed call: the noise floor).
+- ``packed_fp32``: fp32 projections and logits through oneDNN with the weights packed once, where that pays on this
+  CPU (``layers.linear.fp32_packing``; ``F.linear``'s MKL sgemm elsewhere): on an Intel CPU 4 to 128 rows and at least
+  2**22 multiply-adds, on another x86 CPU (MKL's AVX2 code there) every call from 2**20. Not bit-equal (another
+  summation order), within fp32 rounding. Engine, widened tiny-gemma3 / -dense fp32 (``scripts/fast_path_ab.py ...
+  --dtype float32``, 6 rounds), on/off, an AMX Xeon: random 0.979 / 0.966, shared 0.917 / 0.987, alone 1.020 / 1.071
+  (alone takes no packed call: the noise floor). Widened tiny-gemma3-dense fp32, an AMD EPYC (Zen 5), the Intel rule
+  -> this CPU's, in-process, 64 prompts of 128 tokens + 16 new at once: 1860 -> 1126 ms (first step 581 -> 289 ms);
+  64 of a cached 128-token prefix + 16: 663 -> 520 ms.
 - ``in_place_states``: recurrent states stay where they are: a recurrent layer's one-token decode (GatedDeltaNet,
   KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
   back; its row-times-state matmuls read the state inside its cell (one ``bmm`` per head, no folding copy); the

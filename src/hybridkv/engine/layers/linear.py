@@ -10,17 +10,24 @@ thread, this machine (AMX-BF16): 1 x 512 -> 1024 74 -> 31 µs, 16 x 512 -> 1024 
 32 x 2048 -> 512 179 -> 104 µs, 200 x 512 -> 1024 291 -> 217 µs, 512 x 512 -> 2048 1020 -> 979 µs;
 bit-identical results (the same kernel family, the same fp32 accumulation).
 
-fp32 (``fast_paths(packed_fp32=...)``) takes the same packed path only where it measured faster than ``F.linear``
-(MKL's sgemm): ``FP32_ROWS`` rows (oneDNN's fixed cost per call, ~30 µs, loses at 1 or 2 rows; sgemm catches up from
-~128 rows but on the logits, and wins from ~1024; in the engine, widened Gemma 3 dense's 144-token prefill step, one
-thread, median of 15 alternating: 78 -> 89 ms packed) and at least ``FP32_MACS`` multiply-adds (below, the call's cost
-dominates: 8 x 512 -> 512 55 -> 83 µs). One thread, this machine, best of 5 alternating, F.linear -> packed: 4 x 512
--> 2048 355 -> 255 µs, 16 x 2048 -> 512 597 -> 424 µs, 64 x 512 -> 2048 1165 -> 1050 µs, 64 x 512 -> 32000 (logits)
-23.8 -> 19.8 ms, 256 x 512 -> 32000 74 -> 62 ms; 1 x 512 -> 2048 202 -> 246 µs, 1024 x 2048 -> 512 14.8 -> 15.3 ms
-(hence the bounds). Two threads (this shared 2-core machine: ~7 ms stalls swamp many cells), where measurable, the
-same picture: packed 0.5-0.9x from 16 rows to 256, 1.3-5x at 1 to 8 rows of the small shapes. The fp32 weight is
-packed for 64 rows (``_reorder_linear_weight``'s batch hint: any hint from 4 rows on measured alike, none 15% slower
-on the logits). Not bit-equal to ``F.linear`` (another summation order): within fp32 rounding.
+fp32 (``fast_paths(packed_fp32=...)``) takes the same packed path only where it measured faster than ``F.linear``,
+whose fp32 GEMM is MKL's sgemm; where that is depends on the CPU (``fp32_packing``: one rule per kind, picked once by
+the CPU's vendor):
+- **Intel** (``MKL_FULL_WIDTH``): MKL runs its widest kernels, so packing pays only in a middle band: 4 to 128 rows
+  and at least 2**22 multiply-adds (oneDNN's fixed cost per call, ~30 µs, loses at 1 or 2 rows and on small calls:
+  8 x 512 -> 512 55 -> 83 µs; sgemm catches up from ~128 rows but on the logits, and wins from ~1024; widened Gemma 3
+  dense's 144-token prefill step, one thread, median of 15 alternating: 78 -> 89 ms packed). One thread, an AMX
+  Xeon, best of 5 alternating, F.linear -> packed: 4 x 512 -> 2048 355 -> 255 µs, 16 x 2048 -> 512 597 -> 424 µs,
+  64 x 512 -> 2048 1165 -> 1050 µs, 64 x 512 -> 32000 (logits) 23.8 -> 19.8 ms, 256 x 512 -> 32000 74 -> 62 ms;
+  1 x 512 -> 2048 202 -> 246 µs, 1024 x 2048 -> 512 14.8 -> 15.3 ms (hence the bounds).
+- **any other x86 CPU** (``MKL_NARROW``): MKL dispatches its AVX2 code there, at half the rate oneDNN reaches with
+  AVX-512, so packing pays at every row count from 2**20 multiply-adds. One thread, an AMD EPYC (Zen 5), best of 5
+  alternating, weights cycled out of cache, F.linear -> packed: 1024 x 512 -> 2048 18.2 -> 7.9 ms (120 -> 272
+  GFLOP/s), 256 x 512 -> 32000 78 -> 32 ms, 64 x 512 -> 32000 21.8 -> 8.7 ms, 16 x 512 -> 512 89 -> 44 µs,
+  5 x 512 -> 256 25 -> 16 µs, 64 x 128 -> 256 38 -> 25 µs, 128 x 64 -> 128 20 -> 17 µs; below 2**20: 64 x 64 -> 128
+  11 -> 12 µs, 16 x 64 -> 128 4 -> 11 µs.
+The fp32 weight is packed for 64 rows (``_reorder_linear_weight``'s batch hint: any hint from 4 rows on measured alike,
+none 15% slower on the logits). Not bit-equal to ``F.linear`` (another summation order): within fp32 rounding.
 
 A decode's few rows (one or two bf16, up to four fp32) take neither: ``ops.skinny_linear`` streams the plain weight
 (``fast_paths(skinny_linears=...)``).
@@ -66,16 +73,58 @@ def _onednn() -> bool:
         return False
 
 
-FP32_ROWS = (4, 128)
-"""The rows (tokens) of an fp32 ``x`` that take the packed path: from the first to the second, both included."""
-FP32_MACS = 1 << 22
-"""The least multiply-adds (rows x in x out) of an fp32 call on the packed path."""
+@dataclass(frozen=True)
+class Fp32Packing:
+    """Where an fp32 call takes the packed path: ``x`` of ``least_rows`` to ``most_rows`` rows (both included; None: no
+    bound) and at least ``least_macs`` multiply-adds (rows x in x out)."""
+
+    least_rows: int
+    most_rows: int | None
+    least_macs: int
+
+    def takes(self, rows: int, macs: int) -> bool:
+        within = self.most_rows is None or rows <= self.most_rows
+        return self.least_rows <= rows and within and macs >= self.least_macs
+
+
+MKL_FULL_WIDTH = Fp32Packing(least_rows=4, most_rows=128, least_macs=1 << 22)
+"""An Intel CPU, where MKL's sgemm runs its widest kernels (the module's measurements)."""
+MKL_NARROW = Fp32Packing(least_rows=1, most_rows=None, least_macs=1 << 20)
+"""Any other x86 CPU, where MKL's sgemm runs its AVX2 code (the module's measurements)."""
+
+
+def cpu_vendor(cpuinfo: str) -> str | None:
+    """The ``vendor_id`` of Linux's ``/proc/cpuinfo`` text (``GenuineIntel``, ``AuthenticAMD``), None if it names
+    none."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "vendor_id":
+            return value.strip()
+    return None
+
+
+def packing_for(vendor: str | None) -> Fp32Packing:
+    """The fp32 rule for a CPU of ``vendor`` (``cpu_vendor``): Intel's where the vendor is Intel or unknown (the
+    narrower band: packing where it loses costs more than missing it where it wins), else the narrow sgemm's."""
+    return MKL_FULL_WIDTH if vendor in (None, "GenuineIntel") else MKL_NARROW
+
+
+@functools.cache
+def fp32_packing() -> Fp32Packing:
+    """This machine's fp32 rule (``packing_for`` its vendor; read once)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return packing_for(cpu_vendor(f.read()))
+    except OSError:
+        return packing_for(None)
+
+
 FP32_HINT = 64
 """The rows the fp32 weights are packed for (oneDNN picks the blocked layout by them; any other count still runs)."""
 
 
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` is packed: bf16 always, fp32 where it pays (``FP32_ROWS``, ``FP32_MACS``)."""
+    """Whether ``x @ weight.T`` is packed: bf16 always, fp32 where it pays (``fp32_packing``)."""
     if torch.compiler.is_compiling():  # first: a traced graph keeps F.linear, and dynamo warns of the cached probes
         return False
     if x.dtype == torch.bfloat16:
@@ -85,7 +134,7 @@ def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
         if not (FAST.packed_fp32 and weight.dtype == torch.float32 and weight.dim() == 2 and _onednn()):
             return False
         rows = x.numel() // max(1, x.shape[-1])
-        if not (FP32_ROWS[0] <= rows <= FP32_ROWS[1] and rows * weight.shape[0] * weight.shape[1] >= FP32_MACS):
+        if not fp32_packing().takes(rows, rows * weight.shape[0] * weight.shape[1]):
             return False
     else:
         return False
