@@ -9,8 +9,9 @@ baseline in the same run (``hybridkv bench bf16``).
   summation order), within fp32 rounding. Engine, widened tiny-gemma3 / -dense fp32 (``scripts/fast_path_ab.py ...
   --dtype float32``, 6 rounds), on/off, an AMX Xeon: random 0.979 / 0.966, shared 0.917 / 0.987, alone 1.020 / 1.071
   (alone takes no packed call: the noise floor). Widened tiny-gemma3-dense fp32, an AMD EPYC (Zen 5), the Intel rule
-  -> this CPU's, in-process, 64 prompts of 128 tokens + 16 new at once: 1860 -> 1126 ms (first step 581 -> 289 ms);
-  64 of a cached 128-token prefix + 16: 663 -> 520 ms.
+  -> this CPU's, in-process, median of 3 alternating, 64 prompts of 128 tokens + 16 new at once: 2788 -> 1567 ms (a
+  2048-token prefill step 588 -> 284 ms); 64 of a cached 128-token prefix + 16: 681 -> 523 ms; one alone: 112 ->
+  109 ms (its decode rows take the skinny kernel either way).
 - ``in_place_states``: recurrent states stay where they are: a recurrent layer's one-token decode (GatedDeltaNet,
   KDA) updates its fp32 state in the step's state rows instead of making new state-sized tensors and copying them
   back; its row-times-state matmuls read the state inside its cell (one ``bmm`` per head, no folding copy); the

@@ -42,7 +42,7 @@ def test_every_row_count_and_tail_is_the_exact_dot_within_rounding(dtype: torch.
     _kernels()
     g = torch.Generator().manual_seed(rows)
     for k in (1, 15, 16, 17, 31, 32, 33, 100, 512):  # the vector tails: fp32 steps 16, bf16 32
-        for n in (1, 3, 4, 5, 9, 67):  # the 4-row blocks' tails
+        for n in (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 67):  # the blocks' tails: 4 weight rows, one x row's 8 or 16
             x = torch.randn(rows, k, generator=g).to(dtype)
             w = torch.randn(n, k, generator=g).to(dtype)
             b = torch.randn(n, generator=g).to(dtype)
@@ -61,10 +61,11 @@ def test_a_weight_with_a_row_stride_of_its_own_and_a_batched_x(dtype: torch.dtyp
     assert _beyond_rounding(got.view(2, 20), x.view(2, 96), stacked[1, ::2], None) <= 0.0
 
 
-def test_large_logits_split_among_threads_equal_one_thread() -> None:
+@pytest.mark.parametrize(("rows", "dtype"), [(2, torch.bfloat16), (1, torch.bfloat16), (1, torch.float32)])
+def test_large_logits_split_among_threads_equal_one_thread(rows: int, dtype: torch.dtype) -> None:
     _kernels()
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(2, 512, generator=g).bfloat16(), torch.randn(5000, 512, generator=g).bfloat16()
+    x, w = torch.randn(rows, 512, generator=g).to(dtype), torch.randn(5003, 512, generator=g).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
