@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.cpuinfo import field
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.layers import linear as packed
@@ -113,7 +114,7 @@ def test_packed_fp32_inside_its_bounds_only(
     ],
 )
 def test_the_fp32_rule_follows_the_cpu_vendor(cpuinfo: str, vendor: str | None, rule: packed.Fp32Packing) -> None:
-    assert packed.cpu_vendor(cpuinfo) == vendor
+    assert field(cpuinfo, "vendor_id") == vendor
     assert packed.packing_for(vendor) == rule
 
 

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine.cpuinfo import cpu_field
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.layers.norms import derived
 from hybridkv.engine.ops.skinny_linear import skinny_linear, skinny_takes
@@ -93,30 +94,17 @@ MKL_NARROW = Fp32Packing(least_rows=1, most_rows=None, least_macs=1 << 20)
 """Any other x86 CPU, where MKL's sgemm runs its AVX2 code (the module's measurements)."""
 
 
-def cpu_vendor(cpuinfo: str) -> str | None:
-    """The ``vendor_id`` of Linux's ``/proc/cpuinfo`` text (``GenuineIntel``, ``AuthenticAMD``), None if it names
-    none."""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "vendor_id":
-            return value.strip()
-    return None
-
-
 def packing_for(vendor: str | None) -> Fp32Packing:
-    """The fp32 rule for a CPU of ``vendor`` (``cpu_vendor``): Intel's where the vendor is Intel or unknown (the
-    narrower band: packing where it loses costs more than missing it where it wins), else the narrow sgemm's."""
+    """The fp32 rule for a CPU of ``vendor`` (``/proc/cpuinfo``'s ``vendor_id``): Intel's where the vendor is Intel or
+    unknown (the narrower band: packing where it loses costs more than missing it where it wins), else the narrow
+    sgemm's."""
     return MKL_FULL_WIDTH if vendor in (None, "GenuineIntel") else MKL_NARROW
 
 
 @functools.cache
 def fp32_packing() -> Fp32Packing:
-    """This machine's fp32 rule (``packing_for`` its vendor; read once)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return packing_for(cpu_vendor(f.read()))
-    except OSError:
-        return packing_for(None)
+    """This machine's fp32 rule (``packing_for`` its vendor)."""
+    return packing_for(cpu_field("vendor_id"))
 
 
 FP32_HINT = 64

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybridkv.engine.cpuinfo import cpu_field
+
 SOURCES = ("kernels.cpp",)
 """What is compiled: one translation unit that includes every kernel's file (ATen's headers parsed once)."""
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-fno-trapping-math"]
@@ -46,15 +48,9 @@ def flags() -> list[str]:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or platform.machine()
+    return cpu_field("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache
