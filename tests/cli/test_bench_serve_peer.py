@@ -26,6 +26,7 @@ from hybridkv.bench.vs_peer import (
     metric_sum,
     reset_prefix_cache,
     save_shared_model,
+    start_failure,
 )
 from hybridkv.cli import main
 
@@ -134,3 +135,28 @@ def test_reset_prefix_cache_retries_a_refusal_and_names_the_dev_mode_when_the_en
         assert _ResetAnswers.answers == []
     with _answering((404, b"")) as url, pytest.raises(RuntimeError, match=r"answered 404.*VLLM_SERVER_DEV_MODE=1"):
         reset_prefix_cache(url)
+
+
+VLLM_REFUSED_THE_PAGE_SIZE = """\
+(APIServer pid=2812) WARNING 12-06 12:56:43 [system_utils.py:255] Found ulimit of 20000 and failed to automatically \
+increase with error current limit exceeds maximum limit.
+(Worker pid=2832) ERROR 12-06 12:57:14 [multiproc_executor.py:1063] WorkerProc hit an exception.
+(Worker pid=2832) ERROR 12-06 12:57:14 [multiproc_executor.py:1063] Traceback (most recent call last):
+(Worker pid=2832) ERROR 12-06 12:57:14 [multiproc_executor.py:1063]   File "vllm/v1/worker/utils.py", line 554, in \
+select_common_block_size
+(Worker pid=2832) ERROR 12-06 12:57:14 [multiproc_executor.py:1063]     raise ValueError(
+(Worker pid=2832) ERROR 12-06 12:57:14 [multiproc_executor.py:1063] ValueError: No common block size for 16 \
+(CPU_ATTN: [MultipleOf(32)]).
+(EngineCore pid=2823) ERROR 12-06 12:57:15 [core.py:1100] EngineCore failed to start.
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+"""
+
+
+def test_a_failed_start_names_vllms_root_cause_and_the_option_to_change() -> None:
+    why = start_failure(VLLM_REFUSED_THE_PAGE_SIZE, 16)
+    assert why.startswith("ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).")
+    assert "--page-size 16" in why
+    assert start_failure("RuntimeError: Engine core initialization failed.\n", 16) == (
+        "RuntimeError: Engine core initialization failed."
+    )
+    assert start_failure("no traceback here\nonly its last words", 16) == "no traceback here\nonly its last words"

@@ -170,7 +170,8 @@ def vllm_served(
             while True:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.seek(0)
-                    why = log.read().strip()[-1500:] or f"not healthy within {START_TIMEOUT_S} s"
+                    text = log.read()
+                    why = start_failure(text, page_size) or f"not healthy within {START_TIMEOUT_S} s"
                     raise RuntimeError(f"vLLM did not start (exit {proc.poll()}): {why}")
                 try:
                     if _get(url + "/health", 2.0)[0] == 200:
@@ -186,6 +187,24 @@ def vllm_served(
                 raise RuntimeError(f"vLLM failed a request ({exc}); its log: {' | '.join(causes)}") from None
         finally:
             _stop(proc)
+
+
+ROOT_CAUSE = re.compile(r"\b(\w+(?:Error|Exception): .+)$")
+"""An exception line of a traceback in vLLM's log (after its ``(Worker pid=N) ERROR date [file:line]`` prefix)."""
+
+
+def start_failure(log: str, page_size: int) -> str:
+    """Why vLLM did not start, from its log: the first exception a traceback names (its root cause: every process
+    that failed after it repeats it below) and, where vLLM's attention refused ``--page-size``, what to pass instead;
+    else the log's last lines."""
+    for line in log.splitlines():
+        found = ROOT_CAUSE.search(line)
+        if found is not None:
+            cause = found.group(1).strip()
+            if "block size" in cause:
+                cause += f" (--page-size {page_size}: give one that vLLM's attention backend takes, named there)"
+            return cause
+    return log.strip()[-1500:]
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
