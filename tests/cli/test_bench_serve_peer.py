@@ -160,3 +160,24 @@ def test_a_failed_start_names_vllms_root_cause_and_the_option_to_change() -> Non
         "RuntimeError: Engine core initialization failed."
     )
     assert start_failure("no traceback here\nonly its last words", 16) == "no traceback here\nonly its last words"
+
+
+@pytest.mark.parametrize(("args", "page_size"), [([], 32), (["--page-size", "64"], 64)])
+def test_the_peer_bench_pages_by_32_unless_told(args, page_size, tmp_path, monkeypatch, capsys):
+    """vLLM's CPU attention refuses 16-token blocks on a CPU without AMX: --peer defaults to 32, which all take."""
+    import inspect
+
+    import hybridkv.bench.vs_peer as vs_peer
+
+    given = {}
+    signature = inspect.signature(vs_peer.run)
+
+    def fake_run(*positional, **named):
+        given["page_size"] = signature.bind(*positional, **named).arguments["page_size"]
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(vs_peer, "peer_python", lambda root: (tmp_path / "python", ""))
+    monkeypatch.setattr(vs_peer, "run", fake_run)
+    assert main(["bench", "serve", "--peer", "vllm", "--rounds", "1", *args]) == 2
+    assert given == {"page_size": page_size}
+    assert "stop here" in capsys.readouterr().err

@@ -23,6 +23,12 @@ from hybridkv.cli import main
         (["--random", "tiny-qwen3-next", "--max-header", "lots"], "--max-header"),
         (["--random", "tiny-qwen3-next", "--header-timeout", "0"], "--header-timeout"),
         (["--random", "tiny-qwen3-next", "--max-connections", "0"], "--max-connections"),
+        (["--random", "tiny-qwen3-next", "--gather-ms", "-1"], "--gather-ms"),
+        (["--random", "tiny-qwen3-next", "--gather-ms", "51"], "--gather-ms"),
+        (
+            ["--random", "tiny-qwen3-next", "--disaggregated", "--gather-ms", "2"],
+            "the PD server's router takes requests as they come: drop it",
+        ),
         (
             ["--random", "tiny-qwen3-next", "--decode-tp", "2"],
             "--decode-tp configures the PD server: add --disaggregated",

@@ -18,11 +18,22 @@ def test_the_schedule_fits_one_request_and_covers_one_and_two_chunks() -> None:
     assert prompt_lengths(16, 40) == sorted({n for n in (*SCHEDULE, 16, 17, 33) if n + NEW_TOKENS <= 40})
 
 
+def test_the_schedule_fills_a_whole_step_with_prompts_of_the_longest_length() -> None:
+    schedule = prompt_lengths(64, 512)
+    assert prompt_lengths(64, 512, sum(schedule)) == schedule  # the schedule already fills it: nothing added
+    lengths = prompt_lengths(64, 512, 2048)
+    room = 512 - NEW_TOKENS
+    assert lengths[: len(schedule)] == schedule
+    added = lengths[len(schedule) :]
+    assert added == [room] * len(added) and len(added) >= 1
+    assert sum(lengths) >= 2048 > sum(lengths) - room  # the step budget reached, by no more prompts than it takes
+
+
 def test_warm_up_ends_every_request_and_gives_its_memory_back_to_the_cache(make_engine: Callable[..., Engine]) -> None:
     backend = EngineBackend(make_engine(), MODEL, SIZING["gpu_memory"])
     try:
         report = warm_up(backend, seed=3)
-        lengths = prompt_lengths(SIZING["chunk_size"], backend.info.max_context)
+        lengths = prompt_lengths(SIZING["chunk_size"], backend.info.max_context, backend.engine.options.step_tokens)
         assert (report.requests, report.prompt_tokens, report.timed_out) == (len(lengths), sum(lengths), False)
         m = backend.metrics()
         assert m["requests"] == len(lengths) and m["prompt_tokens"] == sum(lengths)

@@ -65,6 +65,7 @@ from hybridkv.cli.sizing import (
     CHUNK_SIZE,
     GPU_MEMORY,
     MAX_CONTEXT,
+    PAGE,
     PAGE_SIZE,
     SERVE_CHUNK_SIZE,
     SERVE_STEP_TOKENS,
@@ -86,6 +87,12 @@ if TYPE_CHECKING:
 
 API_KEY_ENV = "HYBRIDKV_API_KEY"
 PEERS = ("vllm",)  # servers ``bench serve --peer`` runs against (``hybridkv.bench.vs_peer``)
+PEER_PAGE_SIZE = 32
+"""``bench serve --peer``'s page size: vLLM's CPU attention takes multiples of 32 on a CPU without AMX (16 only with
+it), so 32 starts on both."""
+BENCH_PAGE_SIZE = typer.Option(
+    None, "--page-size", min=1, help=f"Tokens per KV page (default: {PAGE}; {PEER_PAGE_SIZE} with --peer)."
+)
 
 
 def _transport(value: str | None) -> str | None:
@@ -135,6 +142,14 @@ def serve(
         "16 x --chunk-size with --disaggregated).",
     ),
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),
+    gather_ms: float = typer.Option(
+        None,
+        "--gather-ms",
+        min=0.0,
+        max=50.0,
+        help="An idle engine waits this long for each next request of a burst before its first step, 50 ms in all "
+        "at most (default 0: it steps at once; for clients that send batches at once; one process only).",
+    ),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Compute every prompt in full."),
     checkpoints: str | None = typer.Option(None, "--checkpoints", help=CHECKPOINTS_HELP),
     host_memory: str | None = HOST_MEMORY,
@@ -197,6 +212,10 @@ def serve(
     stray = [name for name, value in pd_given.items() if value is not None]
     if stray and not disaggregated:
         raise typer.BadParameter(f"{stray[0]} configures the PD server: add --disaggregated", param_hint=stray[0])
+    if disaggregated and gather_ms is not None:
+        raise typer.BadParameter(
+            "the PD server's router takes requests as they come: drop it", param_hint="--gather-ms"
+        )
     layout = PDLayout(prefill_pp or 2, prefill_tp or 1, decode_tp or 2, transport or "shm", transfer_timeout or 30.0)
     faults = parse_faults(fault or [])
     tiers = tier_options(host_memory, store, store_master, store_memory, not no_prefix_cache)
@@ -266,7 +285,8 @@ def serve(
         else:
             engine = build_engine(model, random, options)
             stack.callback(engine.close)  # its tiers: the store client, a master it started
-            backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued)
+            gather = {} if gather_ms is None else {"gather_gap_s": gather_ms / 1e3}
+            backend = EngineBackend(engine, name, format_bytes(sized.gpu_memory), max_queued, **gather)
         sized.announce()
         code = run_server(backend, config, sock, shutdown_timeout, warmup=warmup)
     return code
@@ -428,7 +448,7 @@ def bench_serve(
     block_tokens: int = typer.Option(4, "--block-tokens", min=1, help="Tokens per 512-token trace block."),
     gpu_memory: str | None = GPU_MEMORY,
     max_context: int | None = MAX_CONTEXT,
-    page_size: int = PAGE_SIZE,
+    page_size: int | None = BENCH_PAGE_SIZE,
     chunk_size: int = CHUNK_SIZE,
     max_step_tokens: int | None = MAX_STEP_TOKENS,
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arrival times."),
@@ -487,9 +507,10 @@ def bench_serve(
     if peer is not None:
         _bench_peer(
             model, widen, vocab, dtype, requests, prompt_tokens, max_new_tokens, rounds, alone, gpu_memory,
-            page_size, seed, connector, as_json,
+            page_size or PEER_PAGE_SIZE, seed, connector, as_json,
         )  # fmt: skip
         return
+    page_size = page_size or PAGE
     if disaggregated:
         pd_args = ["--disaggregated", "--prefill-pp", str(prefill_pp), "--prefill-tp", str(prefill_tp)]
         pd_args += ["--decode-tp", str(decode_tp), "--transport", transport]

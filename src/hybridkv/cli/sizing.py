@@ -62,7 +62,8 @@ MAX_CONTEXT = typer.Option(
     help=f"Prompt + new tokens, at most (default: the longest prompt + --max-new-tokens when known, else "
     f"{DEFAULT_CONTEXT}; never above the model's maximum).",
 )
-PAGE_SIZE = typer.Option(16, "--page-size", min=1, help="Tokens per KV page.")
+PAGE = 16
+PAGE_SIZE = typer.Option(PAGE, "--page-size", min=1, help="Tokens per KV page.")
 CHUNK = 64
 CHUNK_SIZE = typer.Option(CHUNK, "--chunk-size", min=1, help="Prefill chunk, in tokens.")
 SERVE_STEP_TOKENS = 2048
