@@ -61,9 +61,9 @@ baseline in the same run (``hybridkv bench bf16``).
   (``ops.moe_decode``: each token's chosen experts' gated MLPs, weighted and summed) instead of the routed or dense
   path's dozen torch calls; within the dtype's rounding (the activation and the sum rounded once).
 - ``delta_chunks``: the chunked gated delta rule of bf16 inputs (a GatedDeltaNet prefill) in one C++ call
-  (``ops.delta_chunks``), each chunk's products bf16 with fp32 sums on ATen's brgemm (AMX tiles where the CPU has
-  them), instead of the torch path's fp32 products; within bf16's rounding (the products' operands rounded to bf16,
-  as FLA's kernels round them).
+  (``ops.delta_chunks``), each chunk's products bf16 with fp32 sums on ATen's brgemm (AMX tiles where the CPU has them)
+  or AVX-512 BF16, instead of the torch path's fp32 products; within bf16's rounding (the products' operands rounded to
+  bf16, as FLA's kernels round them).
 
 Each computes the same numbers as the path it replaces (bit-equal where measured) or, where listed in ``ROUNDING``,
 numbers within the dtype's (``flush_decays``: fp32's) rounding of them; they change only the cost.

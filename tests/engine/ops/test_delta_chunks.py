@@ -20,7 +20,7 @@ from .chunking import spans
 def _kernels() -> None:
     kernels = native()
     if kernels is None or not kernels.delta_chunks_ready():
-        pytest.skip("no C++ compiler or no bf16 brgemm here: the torch path serves")
+        pytest.skip("no C++ compiler, or neither bf16 brgemm nor AVX-512 BF16 here: the torch path serves")
 
 
 def _inputs(

@@ -13,8 +13,9 @@ Invariants:
   ``g = 0``, which leaves the state untouched, so each row's final state is its own;
 - chunks are counted from each call's first token, so splitting a sequence at any boundaries
   and carrying the state equals one pass within fp32 rounding;
-- bf16 inputs on a CPU whose ATen brgemm runs bf16 take ``ops.delta_chunks`` (``fast_paths(delta_chunks=...)``):
-  the same rule in one C++ call, its products' operands rounded to bf16 (within bf16's rounding of this path);
+- bf16 inputs on a CPU that multiplies bf16 (AMX or AVX-512 BF16) take ``ops.delta_chunks``
+  (``fast_paths(delta_chunks=...)``): the same rule in one C++ call, its products' operands rounded to bf16 (within
+  bf16's rounding of this path);
 - with ``fast_paths(flush_decays=...)`` on, a decay factor ``exp(x)`` of the prefill with ``x < -FLUSH`` is exactly
   zero, and so is an entry of the intra-chunk inverse below ``e**-FLUSH``: no denormal floats (ten times
   slower to multiply on the CPU) come out of a steeply decaying head, and the terms dropped (below ``e**-FLUSH`` of a

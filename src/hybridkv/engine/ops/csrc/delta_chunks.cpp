@@ -1,5 +1,7 @@
 // The chunked gated delta rule (GatedDeltaNet prefill) of bf16 inputs, each chunk's products as bf16 matrix products
-// with fp32 sums through ATen's brgemm (AMX tiles where the CPU has them) (hybridkv.engine.ops.delta_chunks).
+// with fp32 sums through ATen's brgemm (AMX tiles where the CPU has them), or, where ATen's brgemm cannot run bf16
+// (a CPU without AMX), through dpbf16_product: AVX-512 BF16's VDPBF16PS on the same operands
+// (hybridkv.engine.ops.delta_chunks).
 //
 // Row b, value head h (key head h / (HV / HK)), its first lengths[b] positions, in chunks of C from the call's first
 // token; the state S (dk, dv) fp32 carried from state[b, h]. Per chunk of n tokens, with k, q L2-normalised in fp32
@@ -77,8 +79,71 @@ void vnni_transposed(const float* src, int64_t n, int64_t k, uint16_t* row_b, ui
   }
 }
 
+// Whether ATen's brgemm computes bf16 here (oneDNN's ukernels: AMX)
+bool brgemm_bf16() {
+  static const bool ready = at::native::cpublas::could_pack(at::kBFloat16);
+  return ready;
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool DPBF16 = true;
+constexpr int64_t DP_ROWS = 4;    // rows of A a block takes
+constexpr int64_t DP_BLOCKS = 4;  // accumulators of 16 columns of C per row of A
+
+// C[i0:i0 + R, j0:j0 + 16 * blocks] of dpbf16_product: R x blocks accumulators; per pair of A's entries, each row's
+// pair broadcast once and each 16-lane word of B's pair row loaded once
+template <int64_t R>
+HYBRIDKV_INLINE void dp_block(int64_t n, int64_t k, const uint16_t* a, const int32_t* pairs_b, float* c, int64_t ldc,
+                              bool add, int64_t i0, int64_t j0, int64_t blocks, const __mmask16* mask) {
+  __m512 acc[R][DP_BLOCKS];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t w = 0; w < blocks; ++w)
+      acc[r][w] = add ? _mm512_maskz_loadu_ps(mask[w], c + (i0 + r) * ldc + j0 + 16 * w) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh a_pair[R];
+    for (int64_t r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + (i0 + r) * k + 2 * p, sizeof(pair));
+      a_pair[r] = (__m512bh)_mm512_set1_epi32(pair);
+    }
+    const int32_t* b_row = pairs_b + p * n + j0;
+    for (int64_t w = 0; w < blocks; ++w) {
+      const __m512bh b_pair = (__m512bh)_mm512_maskz_loadu_epi32(mask[w], b_row + 16 * w);
+      for (int64_t r = 0; r < R; ++r) acc[r][w] = _mm512_dpbf16_ps(acc[r][w], a_pair[r], b_pair);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t w = 0; w < blocks; ++w) _mm512_mask_storeu_ps(c + (i0 + r) * ldc + j0 + 16 * w, mask[w], acc[r][w]);
+}
+
+// product's arithmetic without brgemm: blocks of DP_ROWS rows of A by 64 columns of C, one VDPBF16PS per pair of A's
+// entries (the pair broadcast, against the pair row of B, which the VNNI layout stores as 16-lane words): products
+// exact in fp32, fp32 sums (another order than brgemm's: within fp32 rounding of it). k even.
+void dpbf16_product(int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* c, int64_t ldc,
+                    bool add) {
+  const auto* pairs_b = reinterpret_cast<const int32_t*>(b);  // [k / 2][n] words (only read back as words)
+  for (int64_t j0 = 0; j0 < n; j0 += 16 * DP_BLOCKS) {
+    __mmask16 mask[DP_BLOCKS];
+    const int64_t blocks = std::min<int64_t>(DP_BLOCKS, (n - j0 + 15) / 16);
+    for (int64_t w = 0; w < blocks; ++w) {
+      const int64_t left = n - j0 - 16 * w;
+      mask[w] = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    }
+    int64_t i0 = 0;
+    for (; i0 + DP_ROWS <= m; i0 += DP_ROWS) dp_block<DP_ROWS>(n, k, a, pairs_b, c, ldc, add, i0, j0, blocks, mask);
+    for (; i0 < m; ++i0) dp_block<1>(n, k, a, pairs_b, c, ldc, add, i0, j0, blocks, mask);
+  }
+}
+#else
+constexpr bool DPBF16 = false;
+void dpbf16_product(int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, float*, int64_t, bool) {
+  TORCH_CHECK(false, "delta_chunks: this build has neither bf16 brgemm nor AVX-512 BF16 (delta_chunks_ready)");
+}
+#endif
+
 // C (m x n, ldc) = A (m x k bf16, row-major) B (k x n bf16, VNNI), or C += when add
 void product(int64_t m, int64_t n, int64_t k, const uint16_t* a, const uint16_t* b, float* c, int64_t ldc, bool add) {
+  if (!brgemm_bf16()) return dpbf16_product(m, n, k, a, b, c, ldc, add);
   at::native::cpublas::brgemm(m, n, k, k, n, ldc, add, reinterpret_cast<const at::BFloat16*>(a),
                               reinterpret_cast<const at::BFloat16*>(b), c, true);
 }
@@ -88,7 +153,9 @@ struct TilesReleased {
   TilesReleased() = default;
   TilesReleased(const TilesReleased&) = delete;
   TilesReleased& operator=(const TilesReleased&) = delete;
-  ~TilesReleased() { at::native::cpublas::brgemm_release(true); }
+  ~TilesReleased() {
+    if (brgemm_bf16()) at::native::cpublas::brgemm_release(true);
+  }
 };
 
 struct Shape {
@@ -309,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> delta_chunks(const at::Tensor& q, const at::T
   return {out, final_state};
 }
 
-bool delta_chunks_ready() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool delta_chunks_ready() { return brgemm_bf16() || DPBF16; }
 
 }  // namespace hybridkv_delta_chunks
 }  // namespace
