@@ -176,7 +176,7 @@ class EngineBackend:
                     idle = not engine.has_work()
                     while not self._inbox and not engine.has_work() and not self._closing:
                         self._cond.wait()
-                    if idle and self._inbox and self.gather_gap_s > 0:
+                    if idle and self.gather_gap_s > 0 and any(isinstance(i, _Submit) for i in self._inbox):
                         self._gather()
                     items = list(self._inbox)
                     self._inbox.clear()
@@ -214,7 +214,7 @@ class EngineBackend:
                     item.future.set_exception(BackendClosed(self.broken or "the engine thread has stopped"))
 
     def _gather(self) -> None:
-        """Under the lock, the engine idle and the inbox just filled: wait while submissions keep arriving, each
+        """Under the lock, the engine idle and a submission just in: wait while submissions keep arriving, each
         within ``gather_gap_s`` of the last, for ``gather_max_s`` at most (the module)."""
         deadline = time.monotonic() + self.gather_max_s
         seen = len(self._inbox)
