@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.forward.pool_io import pool_layouts
 from hybridkv.engine.sched.request import SamplingParams
 from hybridkv.server import EngineBackend
 from hybridkv.server.warmup import NEW_TOKENS, SCHEDULE, Ended, prompt_lengths, warm_up
@@ -35,6 +36,14 @@ def test_warm_up_ends_every_request_and_gives_its_memory_back_to_the_cache(make_
         report = warm_up(backend, seed=3)
         lengths = prompt_lengths(SIZING["chunk_size"], backend.info.max_context, backend.engine.options.step_tokens)
         assert (report.requests, report.prompt_tokens, report.timed_out) == (len(lengths), sum(lengths), False)
+        # the step buffers grown to their bound and kept: what the budget gives them, to the element
+        layouts = pool_layouts(backend.engine.mem).tokens.values()
+        bounds = [
+            layout.workspace_bytes // layout.grid.element_size() * layout.grid.element_size() for layout in layouts
+        ]
+        assert report.reserved_bytes == sum(bounds) > 0
+        buffers = [layout._workspace[0] for layout in layouts]
+        assert [b.numel() * b.element_size() for b in buffers] == bounds
         m = backend.metrics()
         assert m["requests"] == len(lengths) and m["prompt_tokens"] == sum(lengths)
         assert (m["running"], m["waiting"], m["held_pages"], m["held_slots"]) == (0, 0, 0, 0)
@@ -58,7 +67,7 @@ def test_a_stop_during_the_warm_up_aborts_the_rest_and_releases_everything(
     backend = EngineBackend(make_engine(max_running=1), MODEL, SIZING["gpu_memory"])  # one at a time: most wait
     try:
         report = warm_up(backend, stop=lambda: True)
-        assert report.timed_out
+        assert report.timed_out and report.reserved_bytes == 0  # a stopped warm-up reserves nothing
         m = backend.metrics()
         assert m["aborted"] >= 1  # at least the first still-open request was aborted, not waited for
         assert (m["running"], m["waiting"], m["held_pages"], m["held_slots"]) == (0, 0, 0, 0)

@@ -42,6 +42,7 @@ import torch
 
 from hybridkv.cache import HybridRadixCache
 from hybridkv.engine.config import DEFAULT_CONFIG, EngineConfig
+from hybridkv.engine.forward.pool_io import pool_layouts
 from hybridkv.engine.host_malloc import keep_freed_host_memory
 from hybridkv.engine.logprobs import TokenLogprob, prompt_logprobs
 from hybridkv.engine.registry import architectures, engine_spec, eos_ids, text_config
@@ -169,6 +170,11 @@ class Engine:
             if host:
                 self.tiers.clear_host()
             self.tiers.hierarchy.reap(wait=True)
+
+    def reserve_step_buffers(self) -> int:
+        """Grow every token pool's step buffer to the size the budget gives it (``forward.pool_io.WORKSPACE_SHARE``)
+        and fault its pages in, so no step pays for growing it (a server's warm-up does, once); the bytes."""
+        return sum(layout.reserve() for layout in pool_layouts(self.mem).tokens.values())
 
     def close(self) -> None:
         """Stop the tiers below the device (their store client, a master started here); idempotent."""

@@ -90,6 +90,11 @@ class Backend(Protocol):
         then on), else why it was refused (requests are open)."""
         ...
 
+    def reserve(self) -> int:
+        """Allocate what the engine's steps would grow into under load (its step buffers, at their budgeted size) and
+        fault it in now: the warm-up's last act. The bytes; 0 where the engines live in other processes."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """How the backend is sized and laid out, in SGLang's ``/get_server_info`` names where one exists
         (``page_size``, ``max_running_requests``, ``chunked_prefill_size``, ...)."""

@@ -146,6 +146,9 @@ class EngineBackend:
     def flush_cache(self, host: bool) -> str | None:
         return self.call(lambda engine: self._flush(engine, host))
 
+    def reserve(self) -> int:
+        return int(self.call(lambda engine: engine.reserve_step_buffers()))
+
     def describe(self) -> dict[str, Any]:
         engine = self.engine
         return {

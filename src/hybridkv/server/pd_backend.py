@@ -116,6 +116,9 @@ class PDBackend:
             self.server.clear_cache(host)
         return None
 
+    def reserve(self) -> int:
+        return 0  # the engines are the worker processes': each grows its step buffers as its steps need
+
     def describe(self) -> dict[str, Any]:
         config = self.server.config
         engine = config.engine

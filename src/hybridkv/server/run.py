@@ -29,6 +29,7 @@ from hybridkv.server.backend import Backend
 from hybridkv.server.connections import guarded_protocol
 from hybridkv.server.state import ServerConfig, ServerState
 from hybridkv.server.warmup import WarmupFailed, warm_up
+from hybridkv.units import format_bytes
 
 BACKSTOP_S = 5  # uvicorn cancels what is still running this long after the requests were aborted
 SWITCH_INTERVAL_S = 0.0005
@@ -151,6 +152,7 @@ def serve(
             backend.close(shutdown_timeout)
             return 1
         warmed = f"; warmed up with {report.requests} requests in {report.seconds:.2f} s"
+        warmed += f", {format_bytes(report.reserved_bytes)} of step buffers reserved" if report.reserved_bytes else ""
         warmed += " (ended early)" if report.timed_out else ""
     print(f"hybridkv serve: listening on {server.url} (model {backend.info.name}{warmed})", flush=True)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the whole process is this server

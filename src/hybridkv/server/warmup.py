@@ -9,7 +9,9 @@ up to two chunks) and decode steps of many batch sizes run; and enough prompts o
 may have that the first step is a full one (the step budget's tokens: the engine's largest activations, which a
 burst of clients makes at once, allocated and faulted in here). Measured (widened tiny-gemma3-dense fp32, 2-core
 Zen 5): without the full step, the first burst after start of 64 requests on a cached prefix took one 1024-token
-step of 262 ms where later bursts took 182 ms.
+step of 262 ms where later bursts took 182 ms. Last, ``Backend.reserve`` grows the engine's step buffers to their
+budgeted size and faults them in: a burst's gathered keys (64 rows x a 144-token context) outgrew what the full step
+had made, and the first such step took 217 ms where later ones took 178 (179 with the buffers reserved).
 
 Invariants:
 - Warm-up requests use a cache salt of their own (random per process): no client request can
@@ -53,6 +55,7 @@ class WarmupReport:
     prompt_tokens: int
     seconds: float
     timed_out: bool  # the warm-up ended early (its timeout, or a shutdown signal): the rest was aborted
+    reserved_bytes: int  # the step buffers ``Backend.reserve`` allocated and faulted in (0 when it ended early)
 
 
 class Ended:
@@ -114,4 +117,5 @@ def warm_up(
         result = sink.result
         if result is not None and result.finish_reason == FinishReason.ERROR:
             raise WarmupFailed(f"a warm-up request failed: {result.error}")
-    return WarmupReport(len(lengths), sum(lengths), time.perf_counter() - start, timed_out)
+    reserved = 0 if timed_out or stop() else backend.reserve()
+    return WarmupReport(len(lengths), sum(lengths), time.perf_counter() - start, timed_out, reserved)

@@ -97,6 +97,13 @@ class TokenLayout:
                 self._workspace[:] = [self.grid.new_empty(max(numel, min(numel + numel // 4, room)))]
         return self._workspace[0][:numel]
 
+    def reserve(self) -> int:
+        """The workspace grown to its bound (``workspace_bytes``) at once and its pages faulted in (written), so no
+        step pays for growing it; its bytes."""
+        buffer = self.workspace(max(1, self.workspace_bytes // self.grid.element_size()))
+        buffer.zero_()
+        return buffer.numel() * buffer.element_size()
+
     def span(self, layer_id: int, names: tuple[str, ...]) -> slice:
         """The slots of ``layer_id``'s ``names`` (adjacent, in that order)."""
         key = (layer_id, names)
