@@ -6,7 +6,7 @@ On a CPU whose oneDNN computes bf16 natively (AMX-BF16 /
 AVX512-BF16: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``), a bf16 input times a bf16 weight
 runs through ``torch.ops.mkldnn._linear_pointwise`` with the weight reordered once into oneDNN's
 blocked layout (``_reorder_linear_weight``): ``F.linear`` re-packs the weight on every call. One
-thread, this machine (AMX-BF16): 1 x 512 -> 1024 74 -> 31 µs, 16 x 512 -> 1024 86 -> 42 µs,
+thread, an AMX Xeon (AMX-BF16): 1 x 512 -> 1024 74 -> 31 µs, 16 x 512 -> 1024 86 -> 42 µs,
 32 x 2048 -> 512 179 -> 104 µs, 200 x 512 -> 1024 291 -> 217 µs, 512 x 512 -> 2048 1020 -> 979 µs;
 bit-identical results (the same kernel family, the same fp32 accumulation).
 

@@ -4,7 +4,7 @@ routed experts and logits.
 At a few rows a projection reads its weight once and does almost no arithmetic: the cost is the weight's stream from
 memory plus the matmul library's fixed cost per call, which dominates small shapes (oneDNN's packed bf16 call ~17 µs
 for an 8 x 512 router, MKL's fp32 sgemv alike). The kernel streams the weight rows with a prefetch ahead and keeps
-each x row's dot products in registers. One thread, this machine (AMX-BF16), weights cycled through 40 copies (out
+each x row's dot products in registers. One thread, an AMX Xeon (AMX-BF16), weights cycled through 40 copies (out
 of cache, as in a step), oneDNN packed -> kernel, one row: bf16 512 -> 512 41 -> 22 µs, 512 -> 8 17 -> 1.8 µs,
 512 -> 1536 102 -> 69 µs, 512 -> 32000 (logits) 1.98 -> 1.57 ms; fp32 (MKL) 512 -> 2048 189 -> 157 µs, 512 -> 32000
 4.2 -> 3.3 ms. From about four bf16 rows oneDNN's blocked kernels catch up on the larger shapes (hence
