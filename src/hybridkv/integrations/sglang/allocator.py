@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -309,6 +310,14 @@ class HybridKVTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             "free each location once"
         )
 
+    def _release(self, what: str, ids: torch.Tensor, release: Callable[[np.ndarray], object]) -> None:
+        """``release`` the ids (read to the host once) now; a refusal raised as ``_refused``: nothing freed."""
+        host = self._host(ids, what)
+        try:
+            release(host)
+        except MemoryPoolError as err:
+            raise self._refused(what, err) from None
+
     def _sglang_name(self) -> str:
         return "TokenToKVPoolAllocator" if self.page_size == 1 else "PagedTokenToKVPoolAllocator"
 
@@ -319,11 +328,7 @@ class HybridKVTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        host = self._host(free_index, "free")
-        try:
-            self.tokens.free(host)
-        except MemoryPoolError as err:
-            raise self._refused("free", err) from None
+        self._release("free", free_index, self.tokens.free)
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """Free ``row[start_pos : start_pos + n]`` of one request (``start_pos`` page-aligned)."""
@@ -337,11 +342,7 @@ class HybridKVTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if self.free_group is not None:
             self._group_segments.append((self._copy_for_free_group(free_index), start_pos))
             return
-        host = self._host(free_index, "free_segment")
-        try:
-            self.tokens.free_segment(host, start_pos)
-        except MemoryPoolError as err:
-            raise self._refused("free_segment", err) from None
+        self._release("free_segment", free_index, lambda host: self.tokens.free_segment(host, start_pos))
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
         """Free exactly these pages (no page twice)."""
@@ -350,11 +351,7 @@ class HybridKVTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if self.free_group is not None:
             self._group_pages.append(self._copy_for_free_group(page_ids))
             return
-        host = self._host(page_ids, "free_page_ids")
-        try:
-            self.mem.free_pages(host)
-        except MemoryPoolError as err:
-            raise self._refused("free_page_ids", err) from None
+        self._release("free_page_ids", page_ids, self.mem.free_pages)
 
     def free_group_begin(self) -> None:
         if self.free_group is not None:
