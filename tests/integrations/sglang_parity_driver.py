@@ -617,30 +617,29 @@ def hybrid_checkpoint_section(kind: str, ps: int = 1, window: int = 4) -> dict[s
             )
             side.check()
 
-        a = _hybrid_req(side, "a", a_ids)
-        steps.append({"what": "a admitted", **_admit(side, a, a_ids, cow=cow)})
-        _forward(side, a, 12)
-        checkpoint_kv_cache(a, side.cache)
-        steps.append(_observe(side, a, "a checkpoint 12"))
+        def checkpointed(
+            rid: str, ids: list[int], upto: int, label: str, side: Side = side, steps: list = steps, cow: bool = cow
+        ) -> Any:
+            """Request ``rid`` admitted, computed to ``upto`` and checkpointed there (step ``rid checkpoint
+            label``)."""
+            req = _hybrid_req(side, rid, ids)
+            steps.append({"what": f"{rid} admitted", **_admit(side, req, ids, cow=cow)})
+            _forward(side, req, upto)
+            checkpoint_kv_cache(req, side.cache)
+            steps.append(_observe(side, req, f"{rid} checkpoint {label}"))
+            return req
+
+        a = checkpointed("a", a_ids, 12, "12")
         _forward(side, a, 24)
         finish(a)
 
-        b = _hybrid_req(side, "b", b_ids)
-        steps.append({"what": "b admitted", **_admit(side, b, b_ids, cow=cow)})
-        _forward(side, b, len(b_ids))
-        checkpoint_kv_cache(b, side.cache)
-        steps.append(_observe(side, b, "b checkpoint all (unfinished)"))
+        b = checkpointed("b", b_ids, len(b_ids), "all (unfinished)")
         if kind == "swa":  # the branch was inserted first: the rest goes in with the next checkpoint
             checkpoint_kv_cache(b, side.cache)
             steps.append(_observe(side, b, "b checkpoint all again"))
         finish(b)
 
-        c = _hybrid_req(side, "c", c_ids)
-        steps.append({"what": "c admitted", **_admit(side, c, c_ids, cow=cow)})
-        _forward(side, c, len(c_ids))
-        checkpoint_kv_cache(c, side.cache)
-        steps.append(_observe(side, c, "c checkpoint all (unfinished)"))
-        finish(c)
+        finish(checkpointed("c", c_ids, len(c_ids), "all (unfinished)"))
 
         probes = {
             "a": side.match(a_ids).device_prefix_len,

@@ -30,15 +30,13 @@ What is proved (each test names its part):
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.child_driver import run_driver
 from tests.sglang_venv import sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,27 +49,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     python = sglang_python()
     out = tmp_path_factory.mktemp("sglang") / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [str(python), str(DRIVER), "--out", str(out)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if rc != 0:
-        pytest.fail(f"SGLang driver {'timed out' if rc is None else f'exited {rc}'}:\n{log.read_text()[-3000:]}")
-    return json.loads(out.read_text())
+    return run_driver([str(python), str(DRIVER), "--out", str(out)], out, env, TIMEOUT_S, "SGLang driver")
 
 
 EXACT = ("match", "prefix_len", "free", "evictable", "protected", "protected_at_alloc", "evict_for_alloc", "evicted")

@@ -22,13 +22,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.child_driver import run_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_connector_driver.py")
@@ -45,24 +46,11 @@ def vllm_python() -> tuple[Path | None, str]:
     return python, ""
 
 
-def run_driver(python: Path, model: str, out: Path, *extra: str, path: tuple[Path, ...] = ()) -> dict[str, Any]:
+def in_vllm(python: Path, model: str, out: Path, *extra: str, path: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The driver's report on ``model`` (``extra``: its flags; ``path``: more of ``PYTHONPATH`` after this tree)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT / "src", *path))}
     cmd = [str(python), str(DRIVER), "--model", model, "--out", str(out), *extra]
-    log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if rc != 0:
-        tail = log.read_text()[-3000:]
-        pytest.fail(f"vLLM driver ({model}) {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
-    return json.loads(out.read_text())
+    return run_driver(cmd, out, env, TIMEOUT_S, f"vLLM driver ({model})")
 
 
 def test_a_recurrent_group_hits_only_at_its_checkpoints(tmp_path: Path) -> None:
@@ -71,7 +59,7 @@ def test_a_recurrent_group_hits_only_at_its_checkpoints(tmp_path: Path) -> None:
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
-    r = run_driver(python, "llama", tmp_path / "spec.json", "--spec-check")
+    r = in_vllm(python, "llama", tmp_path / "spec.json", "--spec-check")
     none, align = r["none"], r["align"]
     assert none["kinds"] == ["full", "window", "unsupported"]
     assert "MambaSpec" in none["why"] and "'none'" in none["why"]
@@ -87,7 +75,7 @@ def test_evictions_reach_the_scheduler(tmp_path: Path) -> None:
     if python is None:
         pytest.skip(why)
     # llama: one object is 2 layers x 32 tokens x 64 floats = 16 KiB + a 64-byte header; six fit
-    r = run_driver(python, "llama", tmp_path / "evict.json", "--evict-check", "--host-bytes", str(6 * (16384 + 64)))
+    r = in_vllm(python, "llama", tmp_path / "evict.json", "--evict-check", "--host-bytes", str(6 * (16384 + 64)))
     for got, ref in (("a1", "ref_a"), ("b1", "ref_b"), ("a2", "ref_a"), ("b2", "ref_b")):
         assert r[got] == r[ref], got
     prefix = r["prefix_blocks"] * 32
@@ -106,7 +94,7 @@ def test_a_save_batch_larger_than_the_host_tier_leaves_the_index_truthful(tmp_pa
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
-    r = run_driver(python, "llama", tmp_path / "batch.json", "--evict-check", "--host-bytes", str(2 * (16384 + 64)))
+    r = in_vllm(python, "llama", tmp_path / "batch.json", "--evict-check", "--host-bytes", str(2 * (16384 + 64)))
     for got, ref in (("a1", "ref_a"), ("b1", "ref_b"), ("a2", "ref_a"), ("b2", "ref_b")):
         assert r[got] == r[ref], got
     worker, sched = r["report"]["worker"], r["report"]["scheduler"]
@@ -128,7 +116,7 @@ def test_a_host_tier_too_small_is_backed_by_the_mooncake_store(tmp_path: Path) -
     from hybridkv.tiers import MooncakeMaster
 
     with MooncakeMaster() as master:
-        r = run_driver(
+        r = in_vllm(
             python, "llama", tmp_path / "store.json", "--store-master", master.address,
             "--host-bytes", str(2 * (16384 + 64)), path=(link,),
         )  # fmt: skip
@@ -146,7 +134,7 @@ def test_connector_in_vllms_own_engine_process(tmp_path: Path) -> None:
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
-    r = run_driver(python, "gemma3", tmp_path / "mp.json", "--mp")
+    r = in_vllm(python, "gemma3", tmp_path / "mp.json", "--mp")
     assert r["pass1"] == r["reference"] and r["pass2"] == r["reference"]
     assert r["pass2_cached"][0] == r["prefix_blocks"] * 32  # after the reset: the connector's hit
 
@@ -156,7 +144,7 @@ def test_connector_hits_after_reset_and_recovers_damage(model: str, tmp_path: Pa
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
-    r = run_driver(python, model, tmp_path / f"{model}.json")
+    r = in_vllm(python, model, tmp_path / f"{model}.json")
     expected_groups = {"llama": ["full"], "gemma3": ["window", "full"], "qwen3next": ["state", "full"]}[model]
     assert sorted(r["groups"]) == sorted(expected_groups)
     ref = r["reference"]
@@ -202,7 +190,7 @@ def test_a_state_inside_a_block_is_restored(tmp_path: Path) -> None:
     python, why = vllm_python()
     if python is None:
         pytest.skip(why)
-    r = run_driver(python, "qwen3next", tmp_path / "tail.json", "--prefix-match-unit", "32", "--tail-tokens", "32")
+    r = in_vllm(python, "qwen3next", tmp_path / "tail.json", "--prefix-match-unit", "32", "--tail-tokens", "32")
     ref, block = r["reference"], r["block"]
     tail_hit = r["prefix_blocks"] * block + 32  # every prompt's last 32-token boundary: (len - 1) // 32 * 32
     assert block == 64 and tail_hit % block == 32
