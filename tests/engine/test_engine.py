@@ -15,9 +15,11 @@ import torch
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.engine import Engine
+from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.forward import pool_io
 from hybridkv.engine.forward.pool_io import TokenIO, pool_layouts
 from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.ops.native import native
 from hybridkv.engine.ops.ssd import _tril_masks
 from hybridkv.engine.sched.agreement import ALONE, Agreement
 from hybridkv.engine.sched.kv import Budget, RequestKV, StepRows
@@ -244,6 +246,31 @@ def test_steps_run_in_inference_mode_and_what_outlives_a_step_is_a_normal_tensor
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next"])
+def test_prompts_read_their_keys_from_the_pages(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 prompts chunked over several steps (a chunk on the keys of earlier ones) and decodes read every key from
+    the pool's pages (``ops.paged_spans``, ``ops.paged_decode``): nothing is gathered, and the tokens are
+    ``transformers``' (the gathered path's check: the windowed-gather test above)."""
+    if native() is None:
+        pytest.skip("no C++ compiler here: prompts take the gathered path")
+    engine = _engine(name, 400_000, 4)
+    gathered: list[int] = []
+    gather = TokenIO.gather
+
+    def spy(layout: Any, cells: torch.Tensor, zero_cols: torch.Tensor, slots: slice, out: Any = None) -> torch.Tensor:
+        gathered.append(cells.numel())
+        return gather(layout, cells, zero_cols, slots, out)
+
+    monkeypatch.setattr(TokenIO, "gather", staticmethod(spy))
+    outs = engine.generate(PROMPTS[:6], 5)
+    assert [o.output_ids for o in outs] == [hf_reference(name, tuple(p), 5)[0] for p in PROMPTS[:6]]
+    assert not gathered
+    with fast_paths(paged_spans=False):  # the switch works: the prompts' keys are gathered again
+        engine.generate(PROMPTS[6:8], 2)
+    assert gathered
+    engine.mem.verify()
+
+
 @pytest.mark.parametrize("name", [*MODELS, "tiny-kimi-linear"])  # tiny Nemotron-H has one attention layer
 def test_keys_beyond_the_workspace_are_gathered_a_window_of_layers_at_a_time(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -258,7 +285,8 @@ def test_keys_beyond_the_workspace_are_gathered_a_window_of_layers_at_a_time(
         return gather(layout, cells, zero_cols, slots, out)
 
     monkeypatch.setattr(TokenIO, "gather", staticmethod(spy))
-    outs = engine.generate(PROMPTS[:4], 5)
+    with fast_paths(paged_spans=False):  # the prompts' keys gathered (read from the pages, nothing is)
+        outs = engine.generate(PROMPTS[:4], 5)
     assert [o.output_ids for o in outs] == [hf_reference(name, tuple(p), 5)[0] for p in PROMPTS[:4]]
     layer_slots = 1 if name == "tiny-kimi-linear" else 2  # an MLA latent, or K and V
     assert windows and all(count == layer_slots for count, _ in windows)

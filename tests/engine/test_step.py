@@ -135,14 +135,15 @@ def test_keys_have_a_spare_column_only_for_attention_sinks() -> None:
     kv.allocate([req], [32])
     batch = ForwardBatch.build([ids], [0], [req.kv.token_locs()])
     full = runner.mem.pool_of_layer(5).pool_id  # Gemma 3's sixth layer attends to the whole context
-    for sinks, width in ((False, 32), (True, 48)):
-        keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].parts[0][0]
-        assert keys.entries.shape[2] == width and keys.mask.shape[-1] == width
-        assert (keys.spare is not None) == sinks
-    with pytest.raises(ValueError, match="spare key column"):
-        build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].parts[0][0].with_sinks(
-            torch.zeros(4)
-        )
+    with fast_paths(paged_spans=False):  # the gathered keys (read from the pages, nothing is)
+        for sinks, width in ((False, 32), (True, 48)):
+            keys = build_step(batch, runner.mem, torch.device("cpu"), sinks).tokens[full].parts[0][0]
+            assert keys.entries.shape[2] == width and keys.mask.shape[-1] == width
+            assert (keys.spare is not None) == sinks
+        with pytest.raises(ValueError, match="spare key column"):
+            build_step(batch, runner.mem, torch.device("cpu"), sinks=False).tokens[full].parts[0][0].with_sinks(
+                torch.zeros(4)
+            )
     kv.free(req, cache=False)
     runner.mem.verify()
 
@@ -229,7 +230,7 @@ def test_rows_of_unequal_contexts_attend_in_key_parts_and_stay_exact(
     monkeypatch.setattr(step_module, "PART_COST", 0)
     runner = make_runner(name, 4)
     prompts = [prompt(90 + n, n) for n in (127, 96, 40, 13, 6)]
-    with fast_paths(paged_decode=False):
+    with fast_paths(paged_decode=False, paged_spans=False):
         served = serve(runner, prompts, 128, max_new=3)
     assert max(parts[1:]) >= 4  # the decode steps: widths of 33, 25, 11, 4 and 3 pages
     for ids, got in zip(prompts, served, strict=True):

@@ -22,6 +22,9 @@ baseline in the same run (``hybridkv bench bf16``).
   e.g. the greedy choice over the logits in one read (``ops.greedy``).
 - ``paged_decode``: bf16 and fp32 decode rows attend straight from the pool's pages (``ops.paged_decode``, a C++
   kernel) instead of a gathered copy; equal within the dtype's rounding, not bit-equal.
+- ``paged_spans``: likewise the rows of more than one new token (``ops.paged_spans``): a prefill chunk or a prompt's
+  tail on a cached prefix reads its keys from the pages, with no gathered copy, padding or mask; the pool gathers
+  nothing; within the dtype's rounding.
 - ``flush_decays``: the chunked gated delta rule (``ops.gated_delta``) sets its decay factors below ``e**-30`` to
   exactly zero instead of letting them (and their products) become denormal floats, which the CPU multiplies about
   ten times slower (widened Qwen3-Next bf16 prefill: its fp32 chunk matmuls 371 -> 66 ms of a 1.5 s step); the
@@ -85,6 +88,7 @@ class FastPaths:
     rms_norms: bool = True
     native_kernels: bool = True
     paged_decode: bool = True
+    paged_spans: bool = True
     flush_decays: bool = True
     fp32_conv: bool = True
     dense_experts: bool = True
@@ -103,6 +107,7 @@ class FastPaths:
 ROUNDING = (
     "packed_fp32",
     "paged_decode",
+    "paged_spans",
     "flush_decays",
     "fp32_conv",
     "dense_experts",

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.ops.native import native
-from hybridkv.engine.ops.paged_decode import PagedDecode, paged_decode
+from hybridkv.engine.ops.paged_decode import PagedRows, paged_decode
 
 PAGE, KV, HEADS, D = 4, 2, 4, 16
 
 
-def _case(seed: int, dtype: torch.dtype = torch.bfloat16, d: int = D) -> tuple[torch.Tensor, torch.Tensor, PagedDecode]:
+def _case(seed: int, dtype: torch.dtype = torch.bfloat16, d: int = D) -> tuple[torch.Tensor, torch.Tensor, PagedRows]:
     g = torch.Generator().manual_seed(seed)
     cells, slots, rows, width = 40, 6, 5, 7
     # a strided grid: every cell holds more than this pool's slots (as an arena's cells do)
@@ -25,10 +25,10 @@ def _case(seed: int, dtype: torch.dtype = torch.bfloat16, d: int = D) -> tuple[t
     stop = torch.randint(1, width * PAGE + 1, (rows,), generator=g)
     start = (stop - torch.randint(1, 12, (rows,), generator=g)).clamp(min=0)  # a window, or the whole history
     start[0] = 0
-    return q, grid, PagedDecode(rows, table, start, stop, table[:, 0], torch.zeros(rows, dtype=torch.long))
+    return q, grid, PagedRows(rows, table, start, stop, table[:, 0], torch.zeros(rows, dtype=torch.long))
 
 
-def _reference(q: torch.Tensor, grid: torch.Tensor, slots: slice, p: PagedDecode, dtype: torch.dtype) -> torch.Tensor:
+def _reference(q: torch.Tensor, grid: torch.Tensor, slots: slice, p: PagedRows, dtype: torch.dtype) -> torch.Tensor:
     """SDPA over each row's gathered columns, in ``dtype``."""
     outs = []
     for r in range(q.shape[0]):
@@ -77,6 +77,6 @@ def test_paged_decode_refuses_columns_outside_the_table() -> None:
     if native() is None:
         pytest.skip("no C++ compiler here")
     q, grid, paged = _case(0)
-    bad = PagedDecode(paged.rows, paged.table, paged.start, paged.stop + 100, paged.cell, paged.offset)
+    bad = PagedRows(paged.rows, paged.table, paged.start, paged.stop + 100, paged.cell, paged.offset)
     with pytest.raises(RuntimeError, match="out of range"):
         paged_decode(q, grid, slice(0, 2), bad, 0.3)

@@ -23,8 +23,8 @@ the loaded window, the window is gathered again from there, and each layer's new
 the pool at once (a later window reads them back).
 
 A bf16 or fp32 CPU step whose pool keeps K/V reads its decode rows from the pool's pages instead
-(``ops.paged_decode``, ``TokenIO.paged``): they take no buffer columns, and each layer puts their new
-entries in the pool at once, before it attends.
+(``ops.paged_decode``, ``TokenIO.paged``), and the rows after them too (``ops.paged_spans``, ``TokenIO.spans``): they
+take no buffer columns, and each layer puts their new entries in the pool at once, before it attends.
 
 ``StateIO`` gathers every request's state cell once (zeros where a state starts fresh), lets the
 layers read and update typed views of it in place, and writes the cells back once at ``flush``; with
@@ -51,7 +51,7 @@ import torch
 
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.cast import cast
-from hybridkv.engine.ops.paged_decode import PagedDecode
+from hybridkv.engine.ops.paged_decode import PagedRows
 from hybridkv.engine.ops.put_entries import put_columns, put_pages, puts_entries
 from hybridkv.memory import UnifiedMemory
 from hybridkv.memory.pool import SubPool
@@ -274,17 +274,19 @@ class TokenIO:
         cell: torch.Tensor,
         offset: torch.Tensor,
         source: tuple[torch.Tensor, torch.Tensor],
-        paged: PagedDecode | None = None,
+        paged: PagedRows | None = None,
+        spans: PagedRows | None = None,
     ):
         """``buffer``: ``gather`` of slots ``[0, window)``; ``parts[g]``: group ``g``'s rows in order (views of
         ``buffer``); ``new_cols`` ``(T,)``: the buffer column of each new token of the step (step order), ``cell`` /
         ``offset`` its pool cell and slot in the cell's page; ``source``: the pages' cells and zero columns
         ``gather`` took (a windowed step gathers again from them). ``paged``: the decode group read from the pages
         (``ops.paged_decode``): its tokens, the step's first, have no buffer columns (``new_cols`` and ``parts[0]``
-        leave them out) and go to the pool as each layer writes them."""
+        leave them out) and go to the pool as each layer writes them. ``spans``: likewise every row after it
+        (``ops.paged_spans``): then nothing is gathered."""
         self.layout, self.buffer, self.parts = layout, buffer, parts
         self.new_cols, self.cell, self.offset = new_cols, cell, offset
-        self.source, self.paged = source, paged
+        self.source, self.paged, self.spans = source, paged, spans
         self.loaded = slice(0, buffer.shape[0])  # the slots the buffer holds
         self.windowed = buffer.shape[0] < layout.slots
         self.written: set[int] = set()
@@ -312,19 +314,20 @@ class TokenIO:
         """Put the step's new entries of ``span``'s slots, ``(T, len(span), *shape)`` or one ``(T, *shape)`` per slot,
         in every part's keys; returns where they are in the parts (read them as ``part.entries[returned]``). The pool
         gets them at ``flush``, or now when the step is windowed (the window is gathered first when ``span`` is
-        outside it) or the kernel puts them (``ops.put_entries``); the paged decode rows' now, before the layer
-        attends (``paged``)."""
+        outside it) or the kernel puts them (``ops.put_entries``); those of the rows read from their pages
+        (``paged``, ``spans``) now, before the layer attends."""
         slots = tuple(new.unbind(1)) if isinstance(new, torch.Tensor) else tuple(new)
         direct = puts_entries(self.layout.grid, slots)
-        rows = 0
-        if self.paged is not None:
-            rows = self.paged.rows
+        for on_pages in (self.paged, self.spans):  # the rows read from their pages: their tokens lead the step's
+            if on_pages is None:
+                continue
+            count = on_pages.cell.numel()
             if direct:
-                put_pages(self.layout.grid, span, [x[:rows] for x in slots], self.paged.cell, self.paged.offset)
+                put_pages(self.layout.grid, span, [x[:count] for x in slots], on_pages.cell, on_pages.offset)
             else:
                 at = self.layout.grid[:, span].movedim(1, 2)  # (cells, page, len(span), *shape)
-                at.index_put_((self.paged.cell, self.paged.offset), cast(torch.stack(slots, 1)[:rows], at.dtype))
-            slots = tuple(x[rows:] for x in slots)
+                at.index_put_((on_pages.cell, on_pages.offset), cast(torch.stack(slots, 1)[:count], at.dtype))
+            slots = tuple(x[count:] for x in slots)
         if span.start < self.loaded.start or span.stop > self.loaded.stop:
             window = self.buffer.shape[0]
             start = min(span.start, self.layout.slots - window)

@@ -19,8 +19,9 @@ part of every group is gathered at once per pool, for every layer of the pool (o
 window of layers at a time beyond the workspace, ``pool_io``); the step's new entries are put
 in by each layer as it computes them (the pool gets them once, at the end of the step:
 ``flush``, or per layer when windowed). A bf16 or fp32 CPU pool of K/V plans its decode group as page
-tables instead (``ops.paged_decode``: no gathered columns, no mask). Each part has one
-additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
+tables instead (``ops.paged_decode``: no gathered columns, no mask), and every row after it as one more
+(``ops.paged_spans``: ``PagedRows`` with each row's query offsets, whatever the groups): such a pool gathers
+nothing. Each part has one additive mask ``(R_p, 1, Q', W)``, built here: 0 where query ``q`` sees column ``c`` (causal,
 the pool's history rule, e.g. a sliding window), ``-inf`` elsewhere (padding, slots after a
 row's last token). State pools: every row's state cell is gathered once (``StateIO``) and
 written back once (and copied into its reserved checkpoint cell, if the batch gives one).
@@ -43,14 +44,16 @@ import torch
 
 from hybridkv.engine.forward.batch import ForwardBatch
 from hybridkv.engine.forward.pool_io import KeyPart, StateIO, TokenIO, TokenLayout, pool_layouts
-from hybridkv.engine.ops.paged_decode import PagedDecode, pages_decodes
+from hybridkv.engine.ops.paged_decode import PagedRows, pages_decodes
+from hybridkv.engine.ops.paged_spans import pages_spans
 from hybridkv.memory import UnifiedMemory
 from hybridkv.spec import PoolId
 
 PartAttention = Callable[[torch.Tensor, KeyPart], torch.Tensor]
 """One key part's attention: its rows' padded queries and the part -> their outputs (see ``StepContext.attend``)."""
-PagedAttention = Callable[[torch.Tensor, PagedDecode], torch.Tensor]
-"""The decode group's attention from the pool's pages: queries ``(R, heads, D)`` -> outputs (``ops.paged_decode``)."""
+PagedAttention = Callable[[torch.Tensor, PagedRows], torch.Tensor]
+"""Attention of some rows from the pool's pages: their queries ``(T, heads, D)`` -> outputs (``ops.paged_decode`` for
+the decode group, ``ops.paged_spans`` for the rows after it)."""
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,18 @@ class StepContext:
         return self.tokens[self.pool_of[layer_id]]
 
     def attend(
-        self, io: TokenIO, q: torch.Tensor, part_attention: PartAttention, paged: PagedAttention | None = None
+        self,
+        io: TokenIO,
+        q: torch.Tensor,
+        part_attention: PartAttention,
+        paged: PagedAttention | None = None,
+        spans: PagedAttention | None = None,
     ) -> torch.Tensor:
         """Queries ``(T, heads, D)`` of the step's tokens attended per group and key part (``part_attention(queries
         (R_p, heads, Q', D), part) -> (R_p, heads, Q', D')``, queries padded per group) -> ``(T, heads, D')``; the
         decode group of a pool that reads it from its pages (``io.paged``) through ``paged(queries (R, heads, D),
-        io.paged) -> (R, heads, D')``."""
+        io.paged) -> (R, heads, D')``, and the rows after it, when the pool reads them from its pages too
+        (``io.spans``), through ``spans(their queries (T', heads, D), io.spans)``."""
         outs = []
         for g, (group, parts) in enumerate(zip(self.groups, io.parts, strict=True)):
             if g == 0 and io.paged is not None:
@@ -110,6 +119,11 @@ class StepContext:
                     raise ValueError(f"pool {io.layout.pool_id} reads its decodes from its pages: give paged attention")
                 outs.append(paged(q[group.tokens], io.paged))
                 continue
+            if io.spans is not None:  # every row from here on, in one call
+                if spans is None:
+                    raise ValueError(f"pool {io.layout.pool_id} reads its spans from its pages: give span attention")
+                outs.append(spans(q[group.tokens.start :], io.spans))
+                break
             q_group = group.pad(q).transpose(1, 2)  # (R', heads, Q', D)
             done = [part_attention(q_group if len(parts) == 1 else q_group[p.rows], p) for p in parts]
             outs.append(group.unpad((done[0] if len(done) == 1 else torch.cat(done)).transpose(1, 2)))
@@ -215,14 +229,15 @@ class _PartPlan:
 
 @dataclass(frozen=True)
 class _PagedPlan:
-    """The decode group read from its pages (``PagedDecode``), on the host."""
+    """Rows read from their pages (``PagedRows``), on the host."""
 
     virtual: np.ndarray  # (R * W,) each row's virtual page ids from its first visible page (0, the sink, after)
     width: int  # W
     start: np.ndarray
     stop: np.ndarray
-    new_page: np.ndarray  # (R,) the new token's page, as a flat index into ``virtual``
-    offset: np.ndarray
+    new_page: np.ndarray  # (T,) each new token's page, as a flat index into ``virtual``
+    offset: np.ndarray  # (T,) and its slot in that page
+    q_begin: np.ndarray  # (R + 1,) each row's first new token, counted from the rows' first
 
 
 @dataclass(frozen=True)
@@ -234,23 +249,27 @@ class _PoolPlan:
     new_cols: list[np.ndarray]  # per gathered group: each new token's buffer column
     zero_cols: list[np.ndarray]  # slots after each row's last token in its last page
     paged: _PagedPlan | None = None  # the decode group, when read from its pages
+    spans: _PagedPlan | None = None  # every row after it, when read from their pages
 
 
-def _paged_plan(rows: _Rows, n: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _PagedPlan:
-    """The first ``n`` rows (one new token each) as page tables from each row's first visible page."""
-    pre = rows.pre[:n]
-    seq = pre + 1
-    first = pool_id.first_needed(seq) if pool_id.releases_history else np.zeros_like(seq)
+def _paged_plan(rows: _Rows, a: int, b: int, pool_id: PoolId, table: np.ndarray, ps: int) -> _PagedPlan:
+    """The rows ``[a, b)`` as page tables from each row's first visible page (that of its first new token)."""
+    pre, ext = rows.pre[a:b], rows.ext[a:b]
+    seq = pre + ext
+    first = pool_id.first_needed(pre + 1) if pool_id.releases_history else np.zeros_like(seq)
     first_page = first // ps
     pages = -(-seq // ps) - first_page
     width = int(pages.max())
     col = np.arange(width)
     real = col[None, :] < pages[:, None]
-    at_table = np.where(real, rows.page_base[:n, None] + first_page[:, None] + col[None, :], 0)
+    at_table = np.where(real, rows.page_base[a:b, None] + first_page[:, None] + col[None, :], 0)
     virtual = np.where(real, table[at_table], 0).reshape(-1)
     base = first_page * ps
-    new_page = np.arange(n) * width + (pre - base) // ps
-    return _PagedPlan(virtual, width, first - base, seq - base, new_page, pre % ps)
+    new_pos = _arange_runs(pre, ext)
+    row = np.repeat(np.arange(b - a), ext)
+    new_page = row * width + (new_pos - base[row]) // ps
+    q_begin = np.concatenate(([0], np.cumsum(ext)))
+    return _PagedPlan(virtual, width, first - base, seq - base, new_page, new_pos % ps, q_begin)
 
 
 def _masks(
@@ -279,12 +298,30 @@ def _masks(
 
 
 def _plan_pool(
-    rows: _Rows, bounds: list[tuple[int, int]], pool_id: PoolId, table: np.ndarray, ps: int, sinks: bool, paged: bool
+    rows: _Rows,
+    bounds: list[tuple[int, int]],
+    pool_id: PoolId,
+    table: np.ndarray,
+    ps: int,
+    sinks: bool,
+    paged: bool,
+    spans: bool,
 ) -> _PoolPlan:
     """Every group's keys in one token pool: per row, columns from the page of the earliest position a new token
     sees to its part's widest row's last token (``sinks``: to one spare column past it); ``paged``: the first group
-    (the decodes) as page tables instead (``_paged_plan``)."""
-    plan = _PoolPlan([], [], [], [], _paged_plan(rows, bounds[0][1], pool_id, table, ps) if paged else None)
+    (the decodes) as page tables instead, ``spans``: every group after it as one (``_paged_plan``)."""
+    n_dec = bounds[0][1] if paged else 0
+    plan = _PoolPlan(
+        [],
+        [],
+        [],
+        [],
+        _paged_plan(rows, 0, n_dec, pool_id, table, ps) if paged else None,
+        _paged_plan(rows, bounds[int(paged)][0], bounds[-1][1], pool_id, table, ps) if spans else None,
+    )
+    if spans:
+        plan.parts.extend([] for _ in bounds)
+        return plan
     at = 0  # buffer columns so far
     for g, (a, b) in enumerate(bounds):
         if g == 0 and paged:
@@ -331,13 +368,13 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
     ps = mem.page_size
     empty = np.zeros(0, dtype=np.int64)
     gathered = sum(v.size for v in plan.virtual)
-    pages = plan.virtual + ([plan.paged.virtual] if plan.paged is not None else [])
-    every = mem.page_cells(np.concatenate(pages), layout.pool_id)  # the gathered pages, then the paged group's
+    read = [p for p in (plan.paged, plan.spans) if p is not None]  # the rows read from their pages
+    every = mem.page_cells(np.concatenate(plan.virtual + [p.virtual for p in read]), layout.pool_id)
     cells = every[:gathered]
     zero_cols = dev(np.concatenate([empty, *plan.zero_cols]))
     if gathered:
         buffer = TokenIO.gather(layout, cells, zero_cols, slice(0, layout.window(cells.numel())))
-    else:  # only the paged decode group (a decode step): no keys to gather, no sink to zero (it reads only its pages)
+    else:  # every row read from its pages: no keys to gather, no sink to zero (they read only their pages)
         buffer = layout.grid.new_empty((layout.slots, 0, *layout.grid.shape[3:]))
     shape = buffer.shape[2:]
     parts = [
@@ -354,15 +391,27 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
     ]
     new_cols = np.concatenate([empty, *plan.new_cols])
     new_pages = dev(new_cols // ps)
-    paged = None
-    if plan.paged is not None:
-        p = plan.paged
-        table = every[gathered:]
-        paged = PagedDecode(
-            p.start.size, table.view(-1, p.width), dev(p.start), dev(p.stop), table[dev(p.new_page)], dev(p.offset)
+    on_pages: list[PagedRows | None] = []
+    at = gathered
+    for p in (plan.paged, plan.spans):
+        if p is None:
+            on_pages.append(None)
+            continue
+        table = every[at : at + p.virtual.size]
+        at += p.virtual.size
+        on_pages.append(
+            PagedRows(
+                p.start.size,
+                table.view(-1, p.width),
+                dev(p.start),
+                dev(p.stop),
+                table[dev(p.new_page)],
+                dev(p.offset),
+                dev(p.q_begin) if p is plan.spans else None,
+            )
         )
     return TokenIO(
-        layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols), paged
+        layout, buffer, parts, dev(new_cols), cells[new_pages], dev(new_cols % ps), (cells, zero_cols), *on_pages
     )
 
 
@@ -414,8 +463,11 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
     groups = tuple(_group(rows, a, b, dev) for a, b in bounds)
     tokens = {}
     for pool_id, layout in layouts.tokens.items():
-        paged = n_dec > 0 and pages_decodes(layout.grid, {name for _, name in layout.slot}, sinks)
-        tokens[pool_id] = _token_io(layout, _plan_pool(rows, bounds, pool_id, table, ps, sinks, paged), mem, dev)
+        names = {name for _, name in layout.slot}
+        paged = n_dec > 0 and pages_decodes(layout.grid, names, sinks)
+        spans = len(bounds) > int(n_dec > 0) and pages_spans(layout.grid, names, sinks, pool_id.max_span)
+        plan = _plan_pool(rows, bounds, pool_id, table, ps, sinks, paged, spans)
+        tokens[pool_id] = _token_io(layout, plan, mem, dev)
     states = {}
     if batch.state_slots is not None and batch.fresh_state is not None:
         slots_o = batch.state_slots if order is None else batch.state_slots[order]

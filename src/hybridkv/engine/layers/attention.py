@@ -6,7 +6,8 @@ the pool gets the new K/V once, at the end of the step), and attend through
 ``scaled_dot_product_attention``: queries ``(R, heads, Q, D)`` against keys ``(R, kv_heads,
 W, D)`` with the step's additive mask (causal, the pool's window, padding; built once per
 step); one-token decodes and longer spans attend as padded groups (``ctx.groups``), each cut
-into parts of similar key widths (``KeyPart``).
+into parts of similar key widths (``KeyPart``). On the CPU in bf16 or fp32 they read the pool's pages instead
+(``ops.paged_decode`` for the decodes, ``ops.paged_spans`` for the longer spans: no gathered copy, no mask).
 
 Variants: attention sinks (gpt-oss: one learned logit per head joins the softmax and is
 dropped: a spare zero key of each row whose mask entry is the sink), output gate (Qwen3-Next:
@@ -36,6 +37,7 @@ from hybridkv.engine.layers.rope import RopeTables, apply_rope
 from hybridkv.engine.ops.band_attention import band_attention, bands
 from hybridkv.engine.ops.cast import cast, f32
 from hybridkv.engine.ops.paged_decode import paged_decode
+from hybridkv.engine.ops.paged_spans import paged_spans
 from hybridkv.engine.ops.qk_rope import fuses_qk_rope, qk_rope
 from hybridkv.engine.tensor_parallel import SINGLE, TensorParallel, scaled
 from hybridkv.memory import UnifiedMemory
@@ -104,6 +106,7 @@ class PagedAttention(nn.Module):
             q,
             lambda queries, part: self._attend(queries, part, at, window),
             lambda queries, paged: paged_decode(queries, io.layout.grid, span, paged, self.scaling),
+            lambda queries, rows: paged_spans(queries, io.layout.grid, span, rows, window, self.scaling),
         ).reshape(t, self.heads * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)

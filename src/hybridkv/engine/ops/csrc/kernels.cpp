@@ -4,6 +4,7 @@
 // (TORCH_LIBRARY_FRAGMENT); the headers (numerics.h, gemv.h, gated.h, cells.h) hold what they share.
 #include "greedy.cpp"
 #include "paged_decode.cpp"
+#include "paged_spans.cpp"
 #include "rms_norm.cpp"
 #include "skinny_linear.cpp"
 #include "gated_act.cpp"
