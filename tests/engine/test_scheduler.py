@@ -152,6 +152,29 @@ def test_a_whole_engine_admits_before_it_allocates_and_frees_each_request_once_c
     assert sched.take_finished() == reqs and not sched.requests and kv.used == 0
 
 
+def test_decodes_ride_on_top_of_the_step_budget() -> None:
+    """The step budget bounds the prompt tokens: with two requests decoding, a step still takes a whole budget of
+    prompt chunks (18 tokens, not 16)."""
+    kv = StubKV(capacity=64)
+    sched = Scheduler(kv, chunk_size=4, max_running=8, max_step_tokens=16)  # type: ignore[arg-type]
+    decoding = [_req(0, prompt_len=4, new=5), _req(1, prompt_len=4, new=5)]
+    for req in decoding:
+        sched.add(req)
+    step = sched.next_step()
+    assert step is not None and step.spans == [4, 4]
+    sched.complete(step, [7, 7])
+    for rid in range(2, 6):
+        sched.add(_req(rid, prompt_len=8))
+    step = sched.next_step()
+    assert step is not None and step.spans == [1, 1, 4, 4, 4, 4]  # the decodes, then 16 prompt tokens
+    sched.complete(step, [7, 7, None, None, None, None])
+    sched.add(_req(6, prompt_len=13))
+    step = sched.next_step()  # each prompt's second chunk takes the budget: the new prompt waits
+    assert step is not None and step.spans == [1, 1, 4, 4, 4, 4] and sched.waiting[0].rid == 6
+    _run(sched, kv)
+    assert kv.used == 0
+
+
 def test_memory_pressure_retracts_the_newest_frees_it_and_queues_it_first() -> None:
     kv = StubKV(capacity=5)  # two prompts of 2 pages each fit; their decodes do not both grow
     sched = Scheduler(kv, chunk_size=8, max_running=4, max_step_tokens=32)  # type: ignore[arg-type]

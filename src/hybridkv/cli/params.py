@@ -144,7 +144,10 @@ def sampling_value(field: str) -> Callable[[Any], Any]:
 
 MAX_RUNNING = typer.Option(64, "--max-running", min=1, help="Requests in one engine step, at most.")
 MAX_STEP_TOKENS = typer.Option(
-    None, "--max-step-tokens", min=1, help="Tokens one engine step computes, at most (default: 16 x --chunk-size)."
+    None,
+    "--max-step-tokens",
+    min=1,
+    help="Prompt tokens one engine step computes, at most; its decodes ride on top (default: 16 x --chunk-size).",
 )
 TEMPERATURE = typer.Option(
     0.0, "--temperature", callback=sampling_value("temperature"), help="0 (or below 1e-5) is greedy."

@@ -138,7 +138,8 @@ def serve(
         None,
         "--max-step-tokens",
         min=1,
-        help=f"Tokens one engine step computes, at most (default: {SERVE_STEP_TOKENS} or --chunk-size if larger; "
+        help=f"Prompt tokens one engine step computes, at most, its decodes on top (default: {SERVE_STEP_TOKENS} or "
+        "--chunk-size if larger; "
         "16 x --chunk-size with --disaggregated).",
     ),
     max_queued: int = typer.Option(256, "--max-queued", min=0, help="Requests waiting beyond --max-running; 503."),

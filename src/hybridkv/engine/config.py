@@ -12,7 +12,8 @@ Fields (units, and what ``__post_init__`` checks):
 - ``page_size``: tokens per KV page. >= 1.
 - ``chunk_size``: tokens of one prefill chunk (a request computes at most this many per step). >= 1.
 - ``max_running``: requests in one step's batch, at most. >= 1.
-- ``max_step_tokens``: tokens one step computes, at most; None: ``STEP_CHUNKS`` chunks (``step_tokens``). >= 1.
+- ``max_step_tokens``: prompt tokens one step computes, at most (its decodes, one token each, ride on top); None:
+  ``STEP_CHUNKS`` chunks (``step_tokens``). >= 1.
 - ``max_context``: tokens of one request (prompt and output); None: the model's own. >= 1.
 - ``dtype``: the weights', activations' and K/V's torch dtype. ``device``: where they live (``"cpu"``, ``"cuda"``).
 - ``spec``: a ``ModelSpec`` that overrides the one derived from the model's config (tests, odd layouts).

@@ -9,7 +9,9 @@ caches the prompt and releases the rest) and ``Role.DECODE`` (a disaggregated de
 makes it a running request that decodes like any other; ``abandon`` and ``drop`` give up one).
 
 Every step runs all running requests together: each feeds its next uncomputed tokens (up to
-``chunk_size`` while prefilling, one while decoding) within ``max_step_tokens``; a chunk that
+``chunk_size`` while prefilling, one while decoding); the prefilling ones within ``max_step_tokens``, the decoding
+ones (one token left to compute) on top of it, so decodes never shrink a step's prompt work (SGLang's
+``max_prefill_tokens``: a burst of prompts reaches its first tokens a step sooner); a chunk that
 would pass a position where the checkpoint placement wants the state stored
 (``Request.wanted``) ends there instead. Waiting requests are admitted while their cache
 hit's state slot and the pages of their first chunk fit (``RequestKV.admit``: computation
@@ -293,14 +295,18 @@ class Scheduler:
                 return p - start
         return span
 
-    def _spans(self, reqs: list[Request]) -> list[int]:
-        """Each request's span this step, in order, within ``max_step_tokens``."""
+    def _spans(self, reqs: list[Request]) -> tuple[list[int], int]:
+        """Each request's span this step, in order, and what they leave of ``max_step_tokens``: a request with one
+        token left to compute (a decode) takes it on top of the budget, the others within it."""
         spans, left = [], self.max_step_tokens
         for req in reqs:
+            if len(req.tokens) - req.computed == 1:
+                spans.append(1)
+                continue
             span = self._span(req, left)
             spans.append(span)
             left -= span
-        return spans
+        return spans, left
 
     def _admit(self, budget: int) -> list[int]:
         """Admit waiting requests into ``budget`` tokens of the step; the spans of those admitted."""
@@ -368,8 +374,7 @@ class Scheduler:
 
     def next_step(self) -> Step | None:
         """Pick this step's requests and spans and allocate their memory (retracting when short)."""
-        spans = self._spans(self.running)
-        budget = self.max_step_tokens - sum(spans)  # what the running requests leave of this step
+        spans, budget = self._spans(self.running)  # and what the running requests leave of this step
         if self.waiting and len(self.running) < self.max_running and budget > 0:
             spans += self._admit(budget)
         while self.running:
@@ -379,7 +384,7 @@ class Scheduler:
                 rows = self.kv.allocate(reqs, spans, self.agree)
             except OutOfMemory as exc:
                 self._retract_newest(str(exc))
-                spans = self._spans(self.running)
+                spans, _ = self._spans(self.running)
                 continue
             ending = [i for i, (r, n) in enumerate(zip(reqs, spans, strict=True)) if r.computed + n == len(r.tokens)]
             return Step(reqs, spans, self._batch(reqs, spans, rows), ending)
