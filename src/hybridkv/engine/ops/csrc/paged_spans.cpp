@@ -224,10 +224,12 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
         s.top[t] = -INFINITY;
         s.sum[t] = 0.0f;
       }
-      for (int64_t x = 0; x < d; ++x) {  // transposed a row of D at a time: each store run contiguous
-        float* to = s.qt.data() + x * kQueries;
-        for (int64_t t = 0; t < m; ++t) to[t] = load(from[t][x]) * fscale;
-        for (int64_t t = m; t < lanes; ++t) to[t] = 0.0f;
+      for (int64_t x0 = 0; x0 < d; x0 += 16) {  // transposed 16 entries of D at a time: 16 rows of qt in cache
+        const int64_t x1 = std::min(d, x0 + 16);
+        for (int64_t t = 0; t < lanes; ++t) {
+          float* to = s.qt.data() + t;
+          for (int64_t x = x0; x < x1; ++x) to[x * kQueries] = t < m ? load(from[t][x]) * fscale : 0.0f;
+        }
       }
       std::fill(s.acc.begin(), s.acc.begin() + m * d, 0.0f);
       const int64_t c_end = col0 + i1;  // one past the last query's column
