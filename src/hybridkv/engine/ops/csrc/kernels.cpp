@@ -1,7 +1,7 @@
 // The engine's C++ CPU kernels as one translation unit: hybridkv.engine.ops.native builds this file only, so ATen's
 // headers are parsed once (five files, each its own build: 3-7x the time of two on a busy 2-core machine). Each
 // kernel stays in its own file, in a namespace of its own, and registers its operators there
-// (TORCH_LIBRARY_FRAGMENT); the headers (numerics.h, gemv.h, gated.h, cells.h) hold what they share.
+// (TORCH_LIBRARY_FRAGMENT); the headers (numerics.h, gemv.h, gated.h, cells.h, paged.h) hold what they share.
 #include "greedy.cpp"
 #include "paged_decode.cpp"
 #include "paged_spans.cpp"

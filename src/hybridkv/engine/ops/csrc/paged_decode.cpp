@@ -23,6 +23,7 @@
 #endif
 
 #include "numerics.h"
+#include "paged.h"
 
 namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_paged_decode {
@@ -58,14 +59,11 @@ HYBRIDKV_INLINE float dot(const float* q, const float* k, int64_t d) {
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot, const at::Tensor& table,
             const at::Tensor& start, const at::Tensor& stop, double scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t page = grid.size(2), kv_heads = grid.size(3);
-  const int64_t group = heads / kv_heads, width = table.size(1);
-  const int64_t cell_stride = grid.stride(0), slot_stride = grid.stride(1);
-  const auto* base = reinterpret_cast<const T*>(grid.data_ptr());
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = grid.size(3);
+  const int64_t group = heads / kv_heads;
+  const PagedEntries<T> entries(grid, table, k_slot, v_slot);
   const auto* qs = reinterpret_cast<const T*>(q.data_ptr());
   auto* os = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t* tab = table.data_ptr<int64_t>();
   const int64_t* lo = start.data_ptr<int64_t>();
   const int64_t* hi = stop.data_ptr<int64_t>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -78,10 +76,8 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
       keys.resize(n);
       values.resize(n);
       for (int64_t c = 0; c < n; ++c) {
-        const int64_t col = lo[r] + c;
-        const T* entry = base + tab[r * width + col / page] * cell_stride + ((col % page) * kv_heads + h) * d;
-        keys[c] = entry + k_slot * slot_stride;
-        values[c] = entry + v_slot * slot_stride;
+        keys[c] = entries.key(r, lo[r] + c, h);
+        values[c] = entries.value(r, lo[r] + c, h);
       }
       for (int64_t c = 0; c < n; ++c) {
         if (c + kAhead < n) {  // the pages are scattered: fetch a later column's key and value while this one computes
@@ -137,32 +133,15 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot,
                         const at::Tensor& table, const at::Tensor& start, const at::Tensor& stop, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
-              "paged_decode: bf16 or fp32 queries, got ", q.scalar_type());
-  TORCH_CHECK(grid.scalar_type() == q.scalar_type(), "paged_decode: queries of ", q.scalar_type(), " over a grid of ",
-              grid.scalar_type(), "; cast the queries to the pool's dtype");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode: contiguous (rows, heads, D) queries");
-  TORCH_CHECK(grid.dim() == 5 && grid.stride(4) == 1 && grid.stride(3) == grid.size(4) &&
-                  grid.stride(2) == grid.size(3) * grid.size(4),
-              "paged_decode: a grid (cells, slots, page, kv_heads, D), each page's entries contiguous");
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
-                  start.scalar_type() == at::kLong && stop.scalar_type() == at::kLong && start.is_contiguous() &&
-                  stop.is_contiguous(),
-              "paged_decode: int64 table (rows, pages), start and stop (rows,)");
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t page = grid.size(2), kv_heads = grid.size(3), cells = grid.size(0);
-  TORCH_CHECK(grid.size(4) == d && heads % kv_heads == 0 && table.size(0) == rows && start.size(0) == rows &&
-                  stop.size(0) == rows && 0 <= k_slot && k_slot < grid.size(1) && 0 <= v_slot && v_slot < grid.size(1),
-              "paged_decode: shapes disagree");
-  const int64_t width = table.size(1);
-  const int64_t* tab = table.data_ptr<int64_t>();
+  check_paged("paged_decode", q, grid, k_slot, v_slot, table, start, stop);
+  TORCH_CHECK(table.size(0) == q.size(0), "paged_decode: a plan of ", table.size(0), " rows for ", q.size(0),
+              " queries");
+  const int64_t rows = q.size(0), width = table.size(1), page = grid.size(2);
   const int64_t* lo = start.data_ptr<int64_t>();
   const int64_t* hi = stop.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {  // bounds checked here, before any read
+  for (int64_t r = 0; r < rows; ++r)  // bounds checked here, before any read
     TORCH_CHECK(0 <= lo[r] && lo[r] < hi[r] && hi[r] <= width * page, "paged_decode: row ", r, " columns out of range");
-    for (int64_t p = lo[r] / page; p <= (hi[r] - 1) / page; ++p)
-      TORCH_CHECK(0 <= tab[r * width + p] && tab[r * width + p] < cells, "paged_decode: row ", r, " cell out of range");
-  }
+  check_cells("paged_decode", grid, table, start, stop);
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat)
     attend<float>(q, grid, k_slot, v_slot, table, start, stop, scale, out);

@@ -30,6 +30,7 @@
 #endif
 
 #include "numerics.h"
+#include "paged.h"
 
 namespace {  // internal linkage: inlined freely (a shared library's exported functions are not)
 namespace hybridkv_paged_spans {
@@ -187,15 +188,12 @@ template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot, const at::Tensor& table,
             const at::Tensor& start, const at::Tensor& stop, const at::Tensor& q_begin, int64_t window, double scale,
             at::Tensor& out) {
-  const int64_t rows = start.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t page = grid.size(2), kv_heads = grid.size(3);
-  const int64_t group = heads / kv_heads, width = table.size(1);
-  const int64_t cell_stride = grid.stride(0), slot_stride = grid.stride(1);
+  const int64_t rows = start.size(0), heads = q.size(1), d = q.size(2), kv_heads = grid.size(3);
+  const int64_t group = heads / kv_heads;
   const int64_t positions = std::max<int64_t>(1, kQueries / group);  // query positions a task
-  const auto* base = reinterpret_cast<const T*>(grid.data_ptr());
+  const PagedEntries<T> entries(grid, table, k_slot, v_slot);
   const auto* qs = reinterpret_cast<const T*>(q.data_ptr());
   auto* os = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t* tab = table.data_ptr<int64_t>();
   const int64_t* lo = start.data_ptr<int64_t>();
   const int64_t* hi = stop.data_ptr<int64_t>();
   const int64_t* begin_of = q_begin.data_ptr<int64_t>();
@@ -240,16 +238,14 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
             keys[c] = values[c] = s.zeros.data();
             continue;
           }
-          const int64_t col = c0 + c;
-          const T* entry = base + tab[r * width + col / page] * cell_stride + ((col % page) * kv_heads + h) * d;
           if constexpr (std::is_same_v<T, float>) {
-            keys[c] = entry + k_slot * slot_stride;
-            values[c] = entry + v_slot * slot_stride;
+            keys[c] = entries.key(r, c0 + c, h);
+            values[c] = entries.value(r, c0 + c, h);
           } else {
             float* key = s.keys.data() + c * d;
             float* value = s.values.data() + c * d;
-            const T* k = entry + k_slot * slot_stride;
-            const T* v = entry + v_slot * slot_stride;
+            const T* k = entries.key(r, c0 + c, h);
+            const T* v = entries.value(r, c0 + c, h);
 #pragma omp simd
             for (int64_t x = 0; x < d; ++x) {
               key[x] = load(k[x]);
@@ -292,27 +288,11 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
 at::Tensor paged_spans(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t v_slot,
                        const at::Tensor& table, const at::Tensor& start, const at::Tensor& stop,
                        const at::Tensor& q_begin, int64_t window, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
-              "paged_spans: bf16 or fp32 queries, got ", q.scalar_type());
-  TORCH_CHECK(grid.scalar_type() == q.scalar_type(), "paged_spans: queries of ", q.scalar_type(), " over a grid of ",
-              grid.scalar_type(), "; cast the queries to the pool's dtype");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_spans: contiguous (tokens, heads, D) queries");
-  TORCH_CHECK(grid.dim() == 5 && grid.stride(4) == 1 && grid.stride(3) == grid.size(4) &&
-                  grid.stride(2) == grid.size(3) * grid.size(4),
-              "paged_spans: a grid (cells, slots, page, kv_heads, D), each page's entries contiguous");
-  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous() &&
-                  start.scalar_type() == at::kLong && stop.scalar_type() == at::kLong &&
-                  q_begin.scalar_type() == at::kLong && start.is_contiguous() && stop.is_contiguous() &&
-                  q_begin.is_contiguous(),
-              "paged_spans: int64 table (rows, pages), start and stop (rows,), q_begin (rows + 1,)");
-  const int64_t rows = start.size(0), tokens = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t page = grid.size(2), kv_heads = grid.size(3), cells = grid.size(0);
-  TORCH_CHECK(grid.size(4) == d && heads % kv_heads == 0 && table.size(0) == rows && stop.size(0) == rows &&
-                  q_begin.size(0) == rows + 1 && 0 <= k_slot && k_slot < grid.size(1) && 0 <= v_slot &&
-                  v_slot < grid.size(1) && window >= 0,
-              "paged_spans: shapes disagree");
-  const int64_t width = table.size(1);
-  const int64_t* tab = table.data_ptr<int64_t>();
+  check_paged("paged_spans", q, grid, k_slot, v_slot, table, start, stop);
+  TORCH_CHECK(q_begin.scalar_type() == at::kLong && q_begin.is_contiguous() && q_begin.dim() == 1 &&
+                  q_begin.size(0) == start.size(0) + 1 && window >= 0,
+              "paged_spans: int64 q_begin (rows + 1,) and a window >= 0");
+  const int64_t rows = start.size(0), tokens = q.size(0), width = table.size(1), page = grid.size(2);
   const int64_t* lo = start.data_ptr<int64_t>();
   const int64_t* hi = stop.data_ptr<int64_t>();
   const int64_t* first = q_begin.data_ptr<int64_t>();
@@ -322,9 +302,8 @@ at::Tensor paged_spans(const at::Tensor& q, const at::Tensor& grid, int64_t k_sl
     const int64_t n = first[r + 1] - first[r];
     TORCH_CHECK(n >= 1 && 0 <= lo[r] && lo[r] <= hi[r] - n && hi[r] <= width * page, "paged_spans: row ", r, "'s ",
                 n, " queries over columns [", lo[r], ", ", hi[r], ") out of range");
-    for (int64_t p = lo[r] / page; p <= (hi[r] - 1) / page; ++p)
-      TORCH_CHECK(0 <= tab[r * width + p] && tab[r * width + p] < cells, "paged_spans: row ", r, " cell out of range");
   }
+  check_cells("paged_spans", grid, table, start, stop);
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat)
     attend<float>(q, grid, k_slot, v_slot, table, start, stop, q_begin, window, scale, out);
