@@ -4,13 +4,18 @@ bf16 as close to the fp32 one as torch's bf16 attention is; bad plans are refuse
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.ops.native import native
 from hybridkv.engine.ops.paged_decode import PagedRows
-from hybridkv.engine.ops.paged_spans import paged_spans
+from hybridkv.engine.ops.paged_spans import paged_spans, pages_spans
+from hybridkv.spec import FULL_POOL, IdSpace, PoolId, Positions, WindowPool
 
 PAGE, KV = 4, 2
 
@@ -63,6 +68,8 @@ CASES = [  # (lengths, heads, d, window): tails on a prefix, chunks longer than 
     ([70, 9], 8, 80, None),  # 4 query heads a kv head; 80: the 64-output sums and a scalar tail
     ([40, 5, 33], 2, 48, 8),
     ([130, 2], 4, 128, 50),
+    ([5, 3], 260, 16, None),  # 130 query heads a kv head: more than a task takes, cut over two tasks
+    ([9], 300, 16, 4),
 ]
 
 
@@ -118,3 +125,35 @@ def test_bad_plans_are_refused_naming_the_row() -> None:
     late[1] = rows.stop[1] - 1  # its first query's column is before its first visible one
     _refused(q, grid, PagedRows(**{**fields, "start": late}, q_begin=rows.q_begin), "row 1's 3 queries")
     _refused(q.bfloat16(), grid, PagedRows(**fields, q_begin=rows.q_begin), "cast the queries to the pool's dtype")
+
+
+@dataclass(frozen=True)
+class _ChunkRule(PoolId):
+    """A history rule the kernel does not know (Llama 4's chunked attention): ``[(L - 1) // chunk * chunk, L)``."""
+
+    chunk: int
+    family: ClassVar[str] = "test-spans-chunk"  # a test's family: never a product one
+    id_space: ClassVar[IdSpace] = IdSpace.PAGE
+    rank: ClassVar[int] = 2
+
+    def first_needed(self, seq_len: Positions) -> Positions:
+        return (seq_len - 1) * (seq_len > 0) // self.chunk * self.chunk
+
+    @property
+    def max_span(self) -> int | None:
+        return self.chunk
+
+
+def test_only_the_rules_the_kernel_knows_read_spans_from_the_pages() -> None:
+    """The whole history and a window (``WindowPool``) do; a pool of another history rule keeps its gathered rows
+    (its masks follow ``first_needed``), and so does a bf16 window pool while the band kernel is on."""
+    grid = torch.zeros(3, 2, PAGE, KV, 16)
+    names = {"k", "v"}
+    assert pages_spans(grid, names, False, FULL_POOL) and pages_spans(grid, names, False, WindowPool(8))
+    assert not pages_spans(grid, names, False, _ChunkRule(8))
+    assert not pages_spans(grid, names, True, FULL_POOL)  # attention sinks
+    assert not pages_spans(grid.bfloat16(), names, False, WindowPool(8))
+    with fast_paths(band_attention=False):
+        assert pages_spans(grid.bfloat16(), names, False, WindowPool(8))
+    with fast_paths(paged_spans=False):
+        assert not pages_spans(grid, names, False, FULL_POOL)

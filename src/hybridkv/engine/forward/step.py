@@ -465,7 +465,7 @@ def build_step(batch: ForwardBatch, mem: UnifiedMemory, device: torch.device, si
     for pool_id, layout in layouts.tokens.items():
         names = {name for _, name in layout.slot}
         paged = n_dec > 0 and pages_decodes(layout.grid, names, sinks)
-        spans = len(bounds) > int(n_dec > 0) and pages_spans(layout.grid, names, sinks, pool_id.max_span)
+        spans = len(bounds) > int(n_dec > 0) and pages_spans(layout.grid, names, sinks, pool_id)
         plan = _plan_pool(rows, bounds, pool_id, table, ps, sinks, paged, spans)
         tokens[pool_id] = _token_io(layout, plan, mem, dev)
     states = {}

@@ -27,14 +27,18 @@ import torch
 from hybridkv.engine.fast_paths import FAST
 from hybridkv.engine.ops.native import native
 from hybridkv.engine.ops.paged_decode import PagedRows, pages_decodes
+from hybridkv.spec import PoolId, WindowPool
 
 
-def pages_spans(grid: torch.Tensor, names: set[str], sinks: bool, window: int | None) -> bool:
-    """Whether a step reads the multi-token rows of the token pool ``grid`` (its slots named ``names``, keeping
-    ``window`` positions: None for the whole history) from its pages. A bf16 window pool keeps its gathered rows
-    while ``ops.band_attention`` is on: that kernel reads only each query's window, where this one walks blocks of
-    32 columns."""
-    banded = window is not None and grid.dtype == torch.bfloat16 and FAST.band_attention
+def pages_spans(grid: torch.Tensor, names: set[str], sinks: bool, pool_id: PoolId) -> bool:
+    """Whether a step reads the multi-token rows of the token pool ``grid`` (its slots named ``names``, its history
+    rule ``pool_id``'s) from its pages. The kernel knows two rules: the whole history, and a window (``WindowPool``:
+    each query sees its last ``max_span`` positions); a pool of any other rule keeps its gathered rows (their masks
+    follow ``first_needed`` itself). So does a bf16 window pool while ``ops.band_attention`` is on: that kernel reads
+    only each query's window, where this one walks blocks of 32 columns."""
+    if pool_id.releases_history and not isinstance(pool_id, WindowPool):
+        return False
+    banded = pool_id.releases_history and grid.dtype == torch.bfloat16 and FAST.band_attention
     return FAST.paged_spans and not banded and pages_decodes(grid, names, sinks)
 
 

@@ -8,7 +8,7 @@
 // page, kv_heads, D); query head h reads kv head h / (H / kv_heads). Entries bf16 or fp32 (q and grid alike).
 //
 // A task is one row, one kv head and up to kQueries of its query vectors (positions times the kv head's query heads,
-// position-major), transposed once (D x queries, fp32, scaled). It walks its visible columns in blocks of kBlock
+// position-major; a kv head of more than kQueries query heads has them cut over several tasks), transposed once (D x queries, fp32, scaled). It walks its visible columns in blocks of kBlock
 // (bf16 keys and values widened to fp32 per block; fp32 ones read where they lie): the block's scores as columns x
 // queries (each key entry broadcast over 32 queries' lanes: no transposed keys), then the online softmax across the
 // queries' lanes (running max and sum, vectorised exp; each query's visible columns as a lane mask) and the weighted
@@ -190,7 +190,9 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
             at::Tensor& out) {
   const int64_t rows = start.size(0), heads = q.size(1), d = q.size(2), kv_heads = grid.size(3);
   const int64_t group = heads / kv_heads;
-  const int64_t positions = std::max<int64_t>(1, kQueries / group);  // query positions a task
+  const int64_t sub = std::min(group, kQueries);           // a kv head's query heads a task takes, at most
+  const int64_t head_parts = (group + sub - 1) / sub;      // tasks a kv head's heads are cut into (1 unless > kQueries)
+  const int64_t positions = std::max<int64_t>(1, kQueries / sub);  // query positions a task
   const PagedEntries<T> entries(grid, table, k_slot, v_slot);
   const auto* qs = reinterpret_cast<const T*>(q.data_ptr());
   auto* os = reinterpret_cast<T*>(out.data_ptr());
@@ -205,18 +207,20 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
     }
   const int64_t chunks = static_cast<int64_t>(task_row.size());
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, chunks * kv_heads * head_parts, 1, [&](int64_t begin, int64_t end) {
     Scratch s(d);
     const float* keys[kBlock];
     const float* values[kBlock];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task / kv_heads, h = task % kv_heads, r = task_row[chunk];
+      const int64_t chunk = task / (kv_heads * head_parts), h = task / head_parts % kv_heads, r = task_row[chunk];
+      const int64_t h0 = h * group + task % head_parts * sub;  // the task's first query head
+      const int64_t hs = std::min(sub, (h + 1) * group - h0);  // and how many it takes
       const int64_t n = begin_of[r + 1] - begin_of[r], i0 = task_first[chunk], i1 = std::min(n, i0 + positions);
-      const int64_t m = (i1 - i0) * group, lanes = (m + 31) / 32 * 32, col0 = hi[r] - n;
-      const T* from[kQueries];  // query vector t: position i0 + t / group, head h * group + t % group
+      const int64_t m = (i1 - i0) * hs, lanes = (m + 31) / 32 * 32, col0 = hi[r] - n;
+      const T* from[kQueries];  // query vector t: position i0 + t / hs, head h0 + t % hs
       for (int64_t t = 0; t < lanes; ++t) {
-        const int64_t i = i0 + t / group;
-        from[t] = t < m ? qs + ((begin_of[r] + i) * heads + h * group + t % group) * d : nullptr;
+        const int64_t i = i0 + t / hs;
+        from[t] = t < m ? qs + ((begin_of[r] + i) * heads + h0 + t % hs) * d : nullptr;
         s.first[t] = static_cast<int32_t>(t >= m ? 1 : window > 0 ? std::max(lo[r], col0 + i + 1 - window) : lo[r]);
         s.last[t] = static_cast<int32_t>(t >= m ? 0 : col0 + i);  // a padding lane sees nothing
         s.top[t] = -INFINITY;
@@ -277,7 +281,7 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
       for (int64_t t = 0; t < m; ++t) {
         const float* a = s.acc.data() + t * d;
         const float total = s.sum[t];
-        T* o = os + ((begin_of[r] + i0 + t / group) * heads + h * group + t % group) * d;
+        T* o = os + ((begin_of[r] + i0 + t / hs) * heads + h0 + t % hs) * d;
 #pragma omp simd
         for (int64_t x = 0; x < d; ++x) store(o + x, a[x] / total);
       }
