@@ -4,9 +4,6 @@ bf16 as close to the fp32 one as torch's bf16 attention is; bad plans are refuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +12,8 @@ from hybridkv.engine.fast_paths import fast_paths
 from hybridkv.engine.ops.native import native
 from hybridkv.engine.ops.paged_decode import PagedRows
 from hybridkv.engine.ops.paged_spans import paged_spans, pages_spans
-from hybridkv.spec import FULL_POOL, IdSpace, PoolId, Positions, WindowPool
+from hybridkv.spec import FULL_POOL, WindowPool
+from tests.spec.test_new_kind import ChunkPool
 
 PAGE, KV = 4, 2
 
@@ -127,30 +125,14 @@ def test_bad_plans_are_refused_naming_the_row() -> None:
     _refused(q.bfloat16(), grid, PagedRows(**fields, q_begin=rows.q_begin), "cast the queries to the pool's dtype")
 
 
-@dataclass(frozen=True)
-class _ChunkRule(PoolId):
-    """A history rule the kernel does not know (Llama 4's chunked attention): ``[(L - 1) // chunk * chunk, L)``."""
-
-    chunk: int
-    family: ClassVar[str] = "test-spans-chunk"  # a test's family: never a product one
-    id_space: ClassVar[IdSpace] = IdSpace.PAGE
-    rank: ClassVar[int] = 2
-
-    def first_needed(self, seq_len: Positions) -> Positions:
-        return (seq_len - 1) * (seq_len > 0) // self.chunk * self.chunk
-
-    @property
-    def max_span(self) -> int | None:
-        return self.chunk
-
-
 def test_only_the_rules_the_kernel_knows_read_spans_from_the_pages() -> None:
-    """The whole history and a window (``WindowPool``) do; a pool of another history rule keeps its gathered rows
-    (its masks follow ``first_needed``), and so does a bf16 window pool while the band kernel is on."""
+    """The whole history and a window (``WindowPool``) do; a pool of another history rule (the spec tests' chunked
+    one, Llama 4's) keeps its gathered rows (its masks follow ``first_needed``), and so does a bf16 window pool while
+    the band kernel is on."""
     grid = torch.zeros(3, 2, PAGE, KV, 16)
     names = {"k", "v"}
     assert pages_spans(grid, names, False, FULL_POOL) and pages_spans(grid, names, False, WindowPool(8))
-    assert not pages_spans(grid, names, False, _ChunkRule(8))
+    assert not pages_spans(grid, names, False, ChunkPool(8))
     assert not pages_spans(grid, names, True, FULL_POOL)  # attention sinks
     assert not pages_spans(grid.bfloat16(), names, False, WindowPool(8))
     with fast_paths(band_attention=False):
