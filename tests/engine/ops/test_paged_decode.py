@@ -25,7 +25,8 @@ def _case(seed: int, dtype: torch.dtype = torch.bfloat16, d: int = D) -> tuple[t
     stop = torch.randint(1, width * PAGE + 1, (rows,), generator=g)
     start = (stop - torch.randint(1, 12, (rows,), generator=g)).clamp(min=0)  # a window, or the whole history
     start[0] = 0
-    return q, grid, PagedRows(rows, table, start, stop, table[:, 0], torch.zeros(rows, dtype=torch.long))
+    zeros, q_begin = torch.zeros(rows, dtype=torch.long), torch.arange(rows + 1)
+    return q, grid, PagedRows(table, start, stop, table[:, 0], zeros, q_begin)
 
 
 def _reference(q: torch.Tensor, grid: torch.Tensor, slots: slice, p: PagedRows, dtype: torch.dtype) -> torch.Tensor:
@@ -77,6 +78,6 @@ def test_paged_decode_refuses_columns_outside_the_table() -> None:
     if native() is None:
         pytest.skip("no C++ compiler here")
     q, grid, paged = _case(0)
-    bad = PagedRows(paged.rows, paged.table, paged.start, paged.stop + 100, paged.cell, paged.offset)
+    bad = PagedRows(paged.table, paged.start, paged.stop + 100, paged.cell, paged.offset, paged.q_begin)
     with pytest.raises(RuntimeError, match="out of range"):
         paged_decode(q, grid, slice(0, 2), bad, 0.3)

@@ -4,6 +4,8 @@ bf16 as close to the fp32 one as torch's bf16 attention is; bad plans are refuse
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,16 +39,15 @@ def _case(
     base = first // PAGE * PAGE  # columns count from the first visible page (as the step plans them)
     q = torch.randn(int(ext.sum()), heads, d, generator=g).to(dtype)
     q_begin = torch.cat((torch.zeros(1, dtype=torch.long), ext.cumsum(0)))
-    return q, grid, PagedRows(rows, table, first - base, seq - base, table[:, 0], table[:, 0], q_begin)
+    return q, grid, PagedRows(table, first - base, seq - base, table[:, 0], table[:, 0], q_begin)
 
 
 def _reference(
     q: torch.Tensor, grid: torch.Tensor, p: PagedRows, window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """Each query alone: SDPA over its visible columns gathered, in ``dtype``."""
-    assert p.q_begin is not None
     out = torch.empty(q.shape, dtype=dtype)
-    for r in range(p.rows):
+    for r in range(p.start.numel()):
         a, b = int(p.q_begin[r]), int(p.q_begin[r + 1])
         stop = int(p.stop[r])
         for i in range(b - a):
@@ -111,18 +112,15 @@ def _refused(q: torch.Tensor, grid: torch.Tensor, rows: PagedRows, match: str) -
 
 def test_bad_plans_are_refused_naming_the_row() -> None:
     q, grid, rows = _case(5, torch.float32, 32, 4, [6, 3], None)
-    fields = {"rows": rows.rows, "table": rows.table, "start": rows.start, "stop": rows.stop, "cell": rows.cell}
-    fields["offset"] = rows.offset
-    assert rows.q_begin is not None
-    _refused(q, grid, PagedRows(**{**fields, "stop": rows.stop + 10_000}, q_begin=rows.q_begin), "row 0")
+    _refused(q, grid, replace(rows, stop=rows.stop + 10_000), "row 0")
     far = rows.table.clone()
     far[1] = grid.shape[0] + 3
-    _refused(q, grid, PagedRows(**{**fields, "table": far}, q_begin=rows.q_begin), "row 1 cell out of range")
-    _refused(q, grid, PagedRows(**fields, q_begin=rows.q_begin + 1), "q_begin must run from 0")
+    _refused(q, grid, replace(rows, table=far), "row 1 cell out of range")
+    _refused(q, grid, replace(rows, q_begin=rows.q_begin + 1), "q_begin must run from 0")
     late = rows.start.clone()
     late[1] = rows.stop[1] - 1  # its first query's column is before its first visible one
-    _refused(q, grid, PagedRows(**{**fields, "start": late}, q_begin=rows.q_begin), "row 1's 3 queries")
-    _refused(q.bfloat16(), grid, PagedRows(**fields, q_begin=rows.q_begin), "cast the queries to the pool's dtype")
+    _refused(q, grid, replace(rows, start=late), "row 1's 3 queries")
+    _refused(q.bfloat16(), grid, rows, "cast the queries to the pool's dtype")
 
 
 def test_only_the_rules_the_kernel_knows_read_spans_from_the_pages() -> None:

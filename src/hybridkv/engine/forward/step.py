@@ -401,13 +401,12 @@ def _token_io(layout: TokenLayout, plan: _PoolPlan, mem: UnifiedMemory, dev: Dev
         at += p.virtual.size
         on_pages.append(
             PagedRows(
-                p.start.size,
                 table.view(-1, p.width),
                 dev(p.start),
                 dev(p.stop),
                 table[dev(p.new_page)],
                 dev(p.offset),
-                dev(p.q_begin) if p is plan.spans else None,
+                dev(p.q_begin),
             )
         )
     return TokenIO(

@@ -34,16 +34,15 @@ from hybridkv.engine.ops.native import native
 
 @dataclass(frozen=True)
 class PagedRows:
-    """Some rows of a step in one token pool read from its pages: the decode group (the step's first ``rows`` rows
-    and tokens, one each) or the rows after it (``ops.paged_spans``: their tokens row after row)."""
+    """Some rows of a step in one token pool read from its pages: the decode group (the step's first rows and tokens,
+    one each) or the rows after it (``ops.paged_spans``); their tokens row after row."""
 
-    rows: int
     table: torch.Tensor  # (R, W) int64: each row's page cells from its first visible page (the sink cell after)
     start: torch.Tensor  # (R,) int64: the row's first visible column (columns count from its first page's slot 0)
     stop: torch.Tensor  # (R,) int64: one past its last new token's column
     cell: torch.Tensor  # (T,) int64: each new token's cell
     offset: torch.Tensor  # (T,) int64: and its slot in that cell's page
-    q_begin: torch.Tensor | None = None  # (R + 1,) int64: row r's tokens are [q_begin[r], q_begin[r + 1]) (spans)
+    q_begin: torch.Tensor  # (R + 1,) int64: row r's tokens are [q_begin[r], q_begin[r + 1])
 
 
 def pages_decodes(grid: torch.Tensor, names: set[str], sinks: bool) -> bool:

@@ -49,8 +49,6 @@ def paged_spans(
     (K, then V); ``window``: the pool's (``PoolId.max_span``), None for the whole history -> ``(T, heads, D)``."""
     kernels = native()
     assert kernels is not None, "pages_spans said the kernels are built"
-    if rows.q_begin is None:
-        raise ValueError("paged_spans: the rows need their query offsets (q_begin)")
     out: torch.Tensor = kernels.paged_spans(
         q.contiguous(),
         grid,
