@@ -13,9 +13,11 @@ engine the thread waits while more keep arriving, each within ``gather_gap_s`` o
 Measured (``hybridkv serve``, widened tiny-gemma3-dense fp32, one thread, 2-core Zen 5, the ``bench serve --peer``
 workloads, 6 bursts each, off -> 2 ms): 64 requests on a cached 128-token prefix + 16 of their own: the first step
 took 1 to 64 of them and TTFT p50 ranged 117-270 ms; gathered, all 64 and 180-188 ms, 111 -> 114 requests/s;
-64 fresh 128-token prompts: 38.8 -> 40.0 requests/s but TTFT p50 818 -> 880 ms (a full first step leaves the 32nd
-prompt to the third step, the decodes' tokens taking part of the second's budget); one request alone 103 -> 106 ms.
-A trade, not a gain: off unless asked for (``hybridkv serve --gather-ms``), for clients that send batches at once.
+64 fresh 128-token prompts: 38.8 -> 40.0 requests/s but TTFT p50 818 -> 880 ms; one request alone 103 -> 106 ms.
+Again once decodes rode on top of the step budget (``bench serve --peer vllm``, widened Gemma 3 fp32, 3 rounds):
+random TTFT p50 steady at 708-712 ms gathered, 568-716 ms not (the 32nd and 33rd first tokens of a full first step
+straddle the second step's end every time). A trade, not a gain: off unless asked for (``hybridkv serve
+--gather-ms``), for clients that send batches at once.
 
 Invariants:
 - Open requests (submitted, not yet ended) never exceed ``max_running + max_queued``: one more is

@@ -199,7 +199,7 @@ void attend(const at::Tensor& q, const at::Tensor& grid, int64_t k_slot, int64_t
   const int64_t* lo = start.data_ptr<int64_t>();
   const int64_t* hi = stop.data_ptr<int64_t>();
   const int64_t* begin_of = q_begin.data_ptr<int64_t>();
-  std::vector<int64_t> task_row, task_first;  // tasks: (row, first query position), times the kv heads
+  std::vector<int64_t> task_row, task_first;  // tasks: (row, first query position), times kv heads and head parts
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < begin_of[r + 1] - begin_of[r]; i += positions) {
       task_row.push_back(r);
